@@ -1,0 +1,44 @@
+"""autosplit: automatic graph partitioning of PyTorch training across devices.
+
+Usage::
+
+    import autosplit
+    split = autosplit.autosplit(model, ["cpu"] * 4, example_inputs=(x,))
+    print(split.plan)
+
+Set ``AUTOSPLIT_DEBUG=1`` to log every pass with its time.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from autosplit.devices import PRESETS, DeviceSpec, resolve_devices
+from autosplit.errors import (
+    AutosplitError,
+    CaptureError,
+    CodegenError,
+    CostModelError,
+    DeviceError,
+    InfeasiblePlanError,
+    PlanMismatchError,
+    PlanValidationError,
+    SolverError,
+)
+from autosplit.pipeline import autosplit, plan
+from autosplit.plan import Plan
+from autosplit.runtime import SplitModule
+
+__all__ = [
+    "autosplit", "plan", "Plan", "SplitModule", "DeviceSpec", "PRESETS", "resolve_devices",
+    "AutosplitError", "CaptureError", "CodegenError", "CostModelError", "DeviceError",
+    "InfeasiblePlanError", "PlanMismatchError", "PlanValidationError", "SolverError",
+]
+
+logging.getLogger(__name__).addHandler(logging.NullHandler())
+if os.environ.get("AUTOSPLIT_DEBUG"):
+    _handler = logging.StreamHandler()
+    _handler.setFormatter(logging.Formatter("[autosplit] %(name)s: %(message)s"))
+    logging.getLogger(__name__).addHandler(_handler)
+    logging.getLogger(__name__).setLevel(logging.DEBUG)

@@ -1,0 +1,149 @@
+"""Devices: what autosplit plans for.
+
+A device is either a real ``torch.device`` (``"cpu"``, ``"cuda:1"``) or a :class:`DeviceSpec`
+describing hardware you may not have (``"A100-80GB"``). Both resolve to a ``DeviceSpec``;
+the spec carries the numbers the cost model needs, and ``torch_device`` says where the
+generated stage runs (``None`` for plan-only hardware).
+
+Usage::
+
+    specs = resolve_devices(["cpu"] * 4, memory={"cpu": "2GiB"})
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Union
+
+import torch
+
+from autosplit.errors import DeviceError
+from autosplit.units import GiB, format_bytes, parse_bytes
+
+__all__ = ["DeviceSpec", "PRESETS", "resolve_devices", "parse_bytes", "format_bytes"]
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    """The hardware figures of one device, as the analytic cost model uses them."""
+
+    name: str
+    """Human name, e.g. ``"A100-80GB"`` or ``"cpu"``."""
+    memory: int
+    """Memory available for training state and activations, in bytes."""
+    peak_flops: float
+    """Peak dense FP32 throughput, FLOP/s."""
+    memory_bandwidth: float
+    """Device memory bandwidth, bytes/s."""
+    link_bandwidth: float
+    """Bandwidth of this device's link to its peers, bytes/s (one direction)."""
+    link_latency: float = 10e-6
+    """Latency of one transfer over the link, seconds."""
+    peak_flops_half: float | None = None
+    """Peak FP16/BF16 throughput (tensor cores), FLOP/s; ``None`` means same as FP32."""
+    efficiency: float = 0.6
+    """Fraction of peak that real kernels reach; calibrated from profiles later (issue 4)."""
+    launch_overhead: float = 5e-6
+    """Fixed cost of launching one operator, seconds."""
+    torch_device: str | None = None
+    """Where generated code runs (``"cuda:0"``); ``None`` for hardware planned but not present."""
+
+    def with_memory(self, memory: int) -> DeviceSpec:
+        return dataclasses.replace(self, memory=int(memory))
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping) -> DeviceSpec:
+        return cls(**data)
+
+
+# Public spec-sheet figures (dense, no sparsity). Link bandwidth is one direction of the
+# device's NVLink aggregate; the CPU entry stands for one socket of a commodity server.
+PRESETS: dict[str, DeviceSpec] = {
+    "V100-16GB": DeviceSpec(
+        "V100-16GB", 16 * GiB, 15.7e12, 900e9, 150e9, 5e-6, peak_flops_half=125e12
+    ),
+    "A100-80GB": DeviceSpec(
+        "A100-80GB", 80 * GiB, 19.5e12, 2039e9, 300e9, 5e-6, peak_flops_half=312e12
+    ),
+    "H100-80GB": DeviceSpec(
+        "H100-80GB", 80 * GiB, 67e12, 3350e9, 450e9, 5e-6, peak_flops_half=989e12
+    ),
+    "cpu": DeviceSpec(
+        "cpu", 16 * GiB, 100e9, 20e9, 10e9, 10e-6, efficiency=0.5, launch_overhead=5e-6
+    ),
+}
+
+DeviceLike = Union[str, torch.device, DeviceSpec]
+
+
+def _cuda_spec(dev: torch.device) -> DeviceSpec:
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    index = dev.index or 0
+    if index >= count:
+        raise DeviceError(
+            f"device {dev} is not available here (torch.cuda.device_count() = {count}); "
+            "to plan for hardware you do not have, pass a preset such as 'A100-80GB' "
+            f"(presets: {', '.join(PRESETS)}) or a DeviceSpec to autosplit.plan"
+        )
+    props = torch.cuda.get_device_properties(index)
+    base = next((p for key, p in PRESETS.items() if key.split("-")[0] in props.name), None)
+    if base is None:  # an unknown GPU: take A100 figures, the memory from the driver
+        base = PRESETS["A100-80GB"]
+    return dataclasses.replace(base, name=props.name, memory=int(props.total_memory), torch_device=str(dev))
+
+
+def _resolve_one(entry: DeviceLike) -> DeviceSpec:
+    if isinstance(entry, DeviceSpec):
+        return entry
+    if isinstance(entry, str):
+        preset = next((p for key, p in PRESETS.items() if key.lower() == entry.lower()), None)
+        if preset is not None and preset.name != "cpu":
+            return preset
+        try:
+            entry = torch.device(entry)
+        except (RuntimeError, ValueError) as e:
+            raise DeviceError(
+                f"unknown device {entry!r}: not a torch device string and not a preset "
+                f"({', '.join(PRESETS)}); pass a DeviceSpec to describe other hardware"
+            ) from e
+    if isinstance(entry, torch.device):
+        if entry.type == "cpu":
+            return dataclasses.replace(PRESETS["cpu"], torch_device="cpu")
+        if entry.type == "cuda":
+            return _cuda_spec(entry)
+        raise DeviceError(f"device type {entry.type!r} is not supported yet; use cpu, cuda or a DeviceSpec")
+    raise DeviceError(f"cannot use {entry!r} (type {type(entry).__name__}) as a device")
+
+
+def resolve_devices(
+    devices: Sequence[DeviceLike],
+    memory: Mapping[int | str, int | str] | None = None,
+) -> tuple[DeviceSpec, ...]:
+    """Turn user device entries into specs, applying per-device memory caps.
+
+    Repeated entries (``["cpu"] * 4``) are distinct logical devices. ``memory`` keys are a
+    device index, or a device string / spec name that applies to every matching entry.
+    """
+    if isinstance(devices, (str, torch.device, DeviceSpec)):
+        devices = [devices]
+    if not devices:
+        raise DeviceError("no devices given; pass a list such as ['cpu'] * 2 or ['A100-80GB'] * 8")
+    specs = [_resolve_one(d) for d in devices]
+    for key, cap in (memory or {}).items():
+        if isinstance(key, int):
+            if not 0 <= key < len(specs):
+                raise DeviceError(f"memory cap for device index {key}, but only {len(specs)} devices given")
+            hits = [key]
+        else:
+            key_str = str(key)
+            hits = [i for i, s in enumerate(specs) if key_str in (s.torch_device, s.name)]
+            if not hits:
+                names = sorted({s.torch_device or s.name for s in specs})
+                raise DeviceError(f"memory cap for {key_str!r} matches no device; devices are {names}")
+        for i in hits:
+            specs[i] = specs[i].with_memory(parse_bytes(cap))
+    return tuple(specs)

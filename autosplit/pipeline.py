@@ -1,0 +1,226 @@
+"""The compiler, top to bottom: capture → annotate → estimate → build → solve → validate → codegen.
+
+Usage::
+
+    plan = autosplit.plan(model, ["A100-80GB"] * 8, example_inputs=(x,))      # plan only
+    split = autosplit.autosplit(model, ["cpu"] * 4, example_inputs=(x,))      # plan + build
+    split = autosplit.autosplit(model, ["cpu"] * 4, example_inputs=(x,), plan="plan.json")
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from autosplit.devices import DeviceLike, DeviceSpec, resolve_devices
+from autosplit.errors import DeviceError
+from autosplit.passes.annotate import annotate
+from autosplit.passes.capture import Captured, capture, fingerprint, flat_inputs
+from autosplit.passes.codegen import generate
+from autosplit.passes.costs import estimate
+from autosplit.plan import Plan, SolverInfo, StageReport
+from autosplit.runtime import SplitModule
+from autosplit.solver import Problem, build_problem, evaluate, solve, validate
+from autosplit.solver.problem import KIB, NS, SCHEDULES
+
+__all__ = ["plan", "autosplit"]
+
+log = logging.getLogger(__name__)
+
+
+@contextlib.contextmanager
+def _timed(name: str, timings: dict[str, float]):
+    start = time.perf_counter()
+    yield
+    timings[name] = time.perf_counter() - start
+    log.info("pass %-9s %8.3fs", name, timings[name])
+
+
+@dataclass(frozen=True)
+class _Compiled:
+    captured: Captured
+    plan: Plan
+
+
+def _versions() -> dict[str, str]:
+    out = {"torch": torch.__version__}
+    for pkg in ("autosplit", "ortools"):
+        with contextlib.suppress(metadata.PackageNotFoundError):
+            out[pkg] = metadata.version(pkg)
+    return out
+
+
+def _stage_reports(problem: Problem, table, stage_of: Sequence[int]) -> tuple[StageReport, ...]:
+    ev = evaluate(problem, stage_of)
+    reports = []
+    for s, device in enumerate(table.devices):
+        members = [n for n, st in enumerate(stage_of) if st == s]
+        modules = list(dict.fromkeys(table.module_paths[n].split(".")[0] for n in members))
+        reports.append(
+            StageReport(
+                device=device.torch_device or device.name,
+                nodes=len(members),
+                params=sum(table.param_counts[n] for n in members),
+                modules=tuple(modules),
+                compute=ev.compute[s] / NS,
+                transfer=ev.transfer[s] / NS,
+                time=ev.time[s] / NS,
+                memory_state=ev.state_mem[s] * KIB,
+                memory_activations=ev.act_mem[s] * KIB,
+                memory_received=ev.recv_mem[s] * KIB,
+                capacity=device.memory,
+            )
+        )
+    return tuple(reports)
+
+
+def _compile(
+    model: torch.nn.Module,
+    devices: Sequence[DeviceLike],
+    *,
+    example_inputs: tuple,
+    example_kwargs: Mapping[str, Any] | None,
+    memory: Mapping[int | str, int | str] | None,
+    micro_batches: int | None,
+    schedule: str,
+    optimizer: str,
+    time_limit: float,
+    seed: int,
+    capture_method: str,
+    given: Plan | None,
+) -> _Compiled:
+    if not isinstance(example_inputs, tuple):
+        example_inputs = (example_inputs,)
+    if given is not None:  # a saved plan fixes the devices and the schedule it was made for
+        devices, micro_batches, schedule = devices or given.devices, given.micro_batches, given.schedule
+    if schedule not in SCHEDULES:
+        raise DeviceError(f"unknown schedule {schedule!r}; choose one of {SCHEDULES}")
+    specs: tuple[DeviceSpec, ...] = resolve_devices(devices, memory)
+    # GPipe (Huang et al. 2019, §2.2): with M ≥ 4·S micro-batches the pipeline bubble is negligible.
+    M = 1 if schedule == "sequential" else (micro_batches or 4 * len(specs))
+    timings: dict[str, float] = {}
+
+    with _timed("capture", timings):
+        captured = capture(model, example_inputs, dict(example_kwargs or {}), method=capture_method)
+        graph_id = fingerprint(captured.gm)
+    if given is not None:
+        given.check_fingerprint(graph_id, {n.name for n in captured.gm.graph.nodes if n.op not in ("placeholder", "output")})
+    with _timed("annotate", timings):
+        annotate(captured, flat_inputs(captured, model, example_inputs, example_kwargs))
+    with _timed("estimate", timings):
+        table = estimate(captured.gm, specs, optimizer=optimizer)
+    with _timed("build", timings):
+        problem = build_problem(table, micro_batches=M, schedule=schedule)
+    if given is not None:
+        with _timed("validate", timings):
+            validate(problem, tuple(given.assignment[name] for name in problem.nodes))
+        return _Compiled(captured, given)
+    with _timed("solve", timings):
+        solution = solve(problem, time_limit=time_limit, seed=seed)
+    with _timed("validate", timings):
+        validate(problem, solution.stage_of)
+
+    plan = Plan(
+        assignment=dict(zip(problem.nodes, solution.stage_of)),
+        devices=specs,
+        stages=_stage_reports(problem, table, solution.stage_of),
+        step_time=solution.objective / M / NS,
+        micro_batches=M,
+        schedule=schedule,
+        solver=SolverInfo(
+            name=solution.solver,
+            status=solution.status,
+            objective=solution.objective / M / NS,
+            bound=solution.bound / M / NS,
+            gap=solution.gap,
+            wall_time=solution.wall_time,
+            time_limit=time_limit,
+            seed=seed,
+        ),
+        fingerprint=graph_id,
+        capture=captured.method,
+        versions=_versions(),
+        timings=timings,
+    )
+    return _Compiled(captured, plan)
+
+
+def plan(
+    model: torch.nn.Module,
+    devices: Sequence[DeviceLike],
+    *,
+    example_inputs: tuple,
+    example_kwargs: Mapping[str, Any] | None = None,
+    memory: Mapping[int | str, int | str] | None = None,
+    micro_batches: int | None = None,
+    schedule: str = "gpipe",
+    optimizer: str = "adam",
+    time_limit: float = 10.0,
+    seed: int = 0,
+    capture: str = "auto",
+) -> Plan:
+    """Plan ``model`` onto ``devices`` without building modules (devices may be hardware you lack).
+
+    ``devices``: torch device strings (``["cpu"] * 4``: four logical devices), presets
+    (``"A100-80GB"``) or :class:`DeviceSpec`. ``memory`` caps devices by index or name
+    (``{"cuda:0": "20GiB"}``). ``micro_batches`` defaults to 4 × devices (GPipe);
+    ``schedule`` is ``"gpipe"``, ``"1f1b"`` or ``"sequential"``; ``optimizer`` sets the
+    optimizer state counted per parameter (``"adam"``, ``"sgd"``, ...).
+    """
+    return _compile(
+        model, devices, example_inputs=example_inputs, example_kwargs=example_kwargs, memory=memory,
+        micro_batches=micro_batches, schedule=schedule, optimizer=optimizer, time_limit=time_limit,
+        seed=seed, capture_method=capture, given=None,
+    ).plan
+
+
+def autosplit(
+    model: torch.nn.Module,
+    devices: Sequence[DeviceLike] | None,
+    *,
+    example_inputs: tuple,
+    example_kwargs: Mapping[str, Any] | None = None,
+    plan: Plan | str | Path | None = None,
+    memory: Mapping[int | str, int | str] | None = None,
+    micro_batches: int | None = None,
+    schedule: str = "gpipe",
+    optimizer: str = "adam",
+    time_limit: float = 10.0,
+    seed: int = 0,
+    capture: str = "auto",
+) -> SplitModule:
+    """Partition ``model`` over ``devices`` and return a module that trains exactly like it.
+
+    The returned :class:`SplitModule` shares ``model``'s parameters (moved to their
+    devices in place) and carries the plan as ``.plan``. Pass ``plan`` (a :class:`Plan`
+    or a JSON path) to rebuild a saved split without solving; ``devices=None`` then
+    takes the plan's devices. Other options: see :func:`plan`.
+    """
+    given = Plan.load(plan) if isinstance(plan, (str, Path)) else plan
+    if devices is None and given is None:
+        raise DeviceError("devices=None needs a plan to take the devices from; pass devices such as ['cpu'] * 2")
+    compiled = _compile(
+        model, devices, example_inputs=example_inputs, example_kwargs=example_kwargs, memory=memory,
+        micro_batches=micro_batches, schedule=schedule, optimizer=optimizer, time_limit=time_limit,
+        seed=seed, capture_method=capture, given=given,
+    )
+    targets = [d.torch_device for d in compiled.plan.devices]
+    if None in targets:
+        absent = [d.name for d in compiled.plan.devices if d.torch_device is None]
+        raise DeviceError(
+            f"cannot build modules for {absent}: presets describe hardware to plan for, not a device to run on. "
+            "Use autosplit.plan(...) for planning only, or pass torch devices such as 'cuda:0' or 'cpu'."
+        )
+    timings = dict(compiled.plan.timings)
+    with _timed("codegen", timings):
+        program = generate(compiled.captured, compiled.plan.assignment, targets)
+    return SplitModule(model, program, dataclasses.replace(compiled.plan, timings=timings))

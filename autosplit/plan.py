@@ -1,0 +1,189 @@
+"""The plan: which device runs each node, what that is predicted to cost, and how it was found.
+
+Plans are small versioned JSON (never pickle): schema version, library versions, graph
+fingerprint, devices, assignment, per-stage predictions and solver provenance. A manual
+split is a plan too, so comparing the two is comparing two files.
+
+Usage::
+
+    print(plan)                  # the partition report
+    plan.save("plan.json")
+    plan = Plan.load("plan.json")
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from autosplit.devices import DeviceSpec
+from autosplit.errors import PlanMismatchError
+from autosplit.units import format_bytes
+
+__all__ = ["Plan", "StageReport", "SolverInfo", "SCHEMA_VERSION"]
+
+SCHEMA_VERSION = 1
+
+
+@dataclass(frozen=True)
+class StageReport:
+    """Predicted figures of one stage (seconds, bytes)."""
+
+    device: str
+    nodes: int
+    params: int
+    modules: tuple[str, ...]
+    """Top-level modules the stage holds parts of, in order."""
+    compute: float
+    """Forward + backward seconds for the whole batch."""
+    transfer: float
+    """Seconds spent at the stage's boundaries (activations forward, gradients back)."""
+    time: float
+    memory_state: int
+    """Parameters + gradients + optimizer state + buffers."""
+    memory_activations: int
+    memory_received: int
+    capacity: int
+
+    @property
+    def memory(self) -> int:
+        return self.memory_state + self.memory_activations + self.memory_received
+
+
+@dataclass(frozen=True)
+class SolverInfo:
+    name: str
+    status: str
+    objective: float
+    """Predicted step time of the plan, seconds."""
+    bound: float
+    """Proven lower bound on the step time of any plan, seconds."""
+    gap: float
+    wall_time: float
+    time_limit: float
+    seed: int
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A placement of every graph node on a device, with its predicted costs."""
+
+    assignment: Mapping[str, int]
+    """Graph node name → device index."""
+    devices: tuple[DeviceSpec, ...]
+    stages: tuple[StageReport, ...]
+    step_time: float
+    """Predicted seconds per training step (all micro-batches, forward and backward)."""
+    micro_batches: int
+    schedule: str
+    solver: SolverInfo
+    fingerprint: str
+    capture: str
+    versions: Mapping[str, str] = field(default_factory=dict)
+    timings: Mapping[str, float] = field(default_factory=dict)
+    """Seconds each pass took while planning."""
+    schema_version: int = SCHEMA_VERSION
+
+    @property
+    def bottleneck(self) -> int:
+        return max(range(len(self.stages)), key=lambda s: self.stages[s].time)
+
+    def check_fingerprint(self, fingerprint: str, nodes: set[str]) -> None:
+        """Raise :class:`PlanMismatchError` unless the plan was made for this graph."""
+        if fingerprint == self.fingerprint:
+            return
+        planned = set(self.assignment)
+        extra, gone = sorted(nodes - planned), sorted(planned - nodes)
+        detail = (
+            f"{len(extra)} nodes not in the plan (first: {extra[:3]}), {len(gone)} planned nodes absent (first: {gone[:3]})"
+            if extra or gone
+            else "the same node names, but different ops, edges or parameter shapes"
+        )
+        raise PlanMismatchError(
+            f"this plan was made for graph {self.fingerprint}, but the model captures as graph {fingerprint}: {detail}. "
+            "Likely cause: the plan belongs to another model or another version of it. "
+            "Try: re-plan with autosplit.plan(model, devices, ...), or load the plan made for this model."
+        )
+
+    # -- files ----------------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        data = dataclasses.asdict(self)
+        data["assignment"] = dict(self.assignment)
+        return data
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=1, sort_keys=False))
+
+    @classmethod
+    def from_dict(cls, data: Mapping) -> Plan:
+        version = data.get("schema_version")
+        if version != SCHEMA_VERSION:
+            raise PlanMismatchError(
+                f"plan schema version {version} is not supported (this autosplit reads {SCHEMA_VERSION}); re-plan the model"
+            )
+        fields = dict(data)
+        fields["devices"] = tuple(DeviceSpec.from_dict(d) for d in data["devices"])
+        fields["stages"] = tuple(StageReport(**{**s, "modules": tuple(s["modules"])}) for s in data["stages"])
+        fields["solver"] = SolverInfo(**data["solver"])
+        fields["assignment"] = {str(k): int(v) for k, v in data["assignment"].items()}
+        return cls(**fields)
+
+    @classmethod
+    def load(cls, path: str | Path) -> Plan:
+        try:
+            data = json.loads(Path(path).read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise PlanMismatchError(f"cannot read plan file {path}: {e}") from e
+        return cls.from_dict(data)
+
+    # -- report ---------------------------------------------------------------------------
+    def report(self, width: int = 120) -> str:
+        """The partition report as text: one row per device, then the solver's provenance."""
+        from rich.console import Console
+        from rich.table import Table
+
+        table = Table(title=f"autosplit plan: {len(self.assignment)} nodes on {len(self.devices)} devices")
+        for col, justify in [
+            ("stage", "right"), ("device", "left"), ("modules", "left"), ("nodes", "right"), ("params", "right"),
+            ("memory / cap", "right"), ("compute", "right"), ("transfers", "right"), ("stage time", "right"), ("", "left"),
+        ]:
+            table.add_column(col, justify=justify, overflow="fold")
+        for s, st in enumerate(self.stages):
+            table.add_row(
+                str(s), st.device, _span(st.modules), str(st.nodes), f"{st.params:,}",
+                f"{format_bytes(st.memory)} / {format_bytes(st.capacity)}",
+                _ms(st.compute), _ms(st.transfer), _ms(st.time), "◀ bottleneck" if s == self.bottleneck else "",
+            )
+        sv = self.solver
+        console = Console(file=io.StringIO(), width=width, force_terminal=False, color_system=None)
+        console.print(table)
+        console.print(
+            f"predicted step time {_ms(self.step_time)} ({self.schedule}, {self.micro_batches} micro-batches); "
+            f"solver {sv.name}: {sv.status}, objective {_ms(sv.objective)}, bound {_ms(sv.bound)}, "
+            f"gap {sv.gap:.2%}, {sv.wall_time:.2f}s (limit {sv.time_limit:g}s, seed {sv.seed}); "
+            f"captured by {self.capture}, graph {self.fingerprint}"
+        )
+        for s, st in enumerate(self.stages):
+            if st.memory_state + st.memory_activations + st.memory_received:
+                console.print(
+                    f"  stage {s} memory: state {format_bytes(st.memory_state)} (params + grads + optimizer + buffers), "
+                    f"activations {format_bytes(st.memory_activations)}, received {format_bytes(st.memory_received)}"
+                )
+        return console.file.getvalue().rstrip()
+
+    def __str__(self) -> str:
+        return self.report()
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.3f} ms"
+
+
+def _span(modules: tuple[str, ...]) -> str:
+    if len(modules) <= 3:
+        return ", ".join(m or "(root)" for m in modules)
+    return f"{modules[0] or '(root)'} … {modules[-1]} ({len(modules)})"

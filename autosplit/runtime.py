@@ -1,0 +1,67 @@
+"""The split module: behaves like the original model, runs its stages on their devices.
+
+:class:`SplitModule` registers the *original* module tree (same children, same
+``Parameter`` objects, moved to their devices), so ``state_dict()``,
+``named_parameters()`` and ``load_state_dict()`` use the model's own names and
+checkpoints load into either. The generated stage modules share those objects but are
+kept out of the module tree, so nothing is listed twice. ``DistributedDataParallel``
+(``device_ids=None``) can replicate it for hybrid data + model parallelism.
+
+Usage::
+
+    split = autosplit.autosplit(model, ["cpu"] * 4, example_inputs=(x,))
+    loss_fn(split(x), y).backward()
+    print(split.code)            # the generated Python of every stage
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from autosplit.passes.codegen import Program
+from autosplit.plan import Plan
+
+__all__ = ["SplitModule"]
+
+
+class SplitModule(torch.nn.Module):
+    """A model partitioned over devices by a :class:`Plan`."""
+
+    def __init__(self, model: torch.nn.Module, program: Program, plan: Plan):
+        super().__init__()
+        for name, child in model.named_children():
+            self.add_module(name, child)
+        for name, p in model.named_parameters(recurse=False):
+            self.register_parameter(name, p)
+        for name, b in model.named_buffers(recurse=False):
+            self.register_buffer(name, b, persistent=name not in model._non_persistent_buffers_set)
+        # Plain attributes, not submodules: the stages reuse the tree registered above.
+        object.__setattr__(self, "_program", program)
+        object.__setattr__(self, "plan", plan)
+        self.training = model.training
+
+    @property
+    def stages(self) -> tuple[fx.GraphModule, ...]:
+        """The generated module of each stage, in execution order."""
+        return self._program.stages
+
+    @property
+    def devices(self) -> tuple[str, ...]:
+        return self._program.devices
+
+    @property
+    def code(self) -> str:
+        """Readable Python of the program and of every stage."""
+        parts = [f"# program: runs the stages in order\n{self._program.program.code.strip()}"]
+        for s, (stage, device) in enumerate(zip(self.stages, self.devices)):
+            parts.append(f"# stage {s} on {device}\n{stage.code.strip()}")
+        return "\n\n".join(parts)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self._program.program(*args, **kwargs)
+
+    def extra_repr(self) -> str:
+        return f"stages={len(self.stages)}, devices={list(self.devices)}"

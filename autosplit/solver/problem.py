@@ -1,0 +1,177 @@
+"""The solver's input: a plain-data :class:`Problem` (no torch, no fx), and its evaluator.
+
+Units, fixed here and nowhere else: time in integer **nanoseconds**, memory in integer
+**KiB** (rounded up, so a plan that fits in KiB fits in bytes).
+
+The pipeline cost model (DESIGN §4.3). Stage ``s`` runs on device ``s``. With ``M``
+micro-batches, each stage spends ``t_s / M`` per micro-batch, where ``t_s`` is the
+stage's forward + backward compute for the whole batch plus the transfers at its two
+boundaries (each boundary is charged to the sender and the receiver: both are busy). A
+tensor crossing several boundaries is relayed stage to stage, as pipeline runtimes do.
+The step takes
+
+    step = (Σ_s t_s + (M − 1) · max_s t_s) / M
+
+and :attr:`Problem` objectives are the numerator, an integer. Memory of stage ``s``:
+model state + saved activations × in-flight(s) / M + tensors received × in-flight(s) / M,
+with in-flight micro-batches from the schedule (DESIGN §4.2).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+__all__ = ["Problem", "Evaluation", "SCHEDULES", "in_flight", "evaluate", "build_problem"]
+
+NS = 1e9  # time unit: nanoseconds per second
+KIB = 1024  # memory unit: bytes per KiB
+
+SCHEDULES = ("sequential", "gpipe", "1f1b")
+
+
+def in_flight(schedule: str, stage: int, stages: int, micro_batches: int) -> int:
+    """Micro-batches whose activations stage ``stage`` holds at its peak (GPipe: all; 1F1B: S − s)."""
+    if schedule == "sequential":
+        return 1
+    if schedule == "gpipe":
+        return micro_batches
+    if schedule == "1f1b":
+        return min(micro_batches, stages - stage)
+    raise ValueError(f"unknown schedule {schedule!r}; choose one of {SCHEDULES}")
+
+
+@dataclass(frozen=True)
+class Problem:
+    """Assign ``nodes`` (topologically ordered) to ``len(devices)`` ordered stages."""
+
+    nodes: tuple[str, ...]
+    labels: tuple[str, ...]
+    """Module path of each node, for messages."""
+    devices: tuple[str, ...]
+    """Device label of each stage, for messages."""
+    compute: tuple[tuple[int, ...], ...]
+    """[node][stage] forward + backward ns for the whole batch on that stage's device."""
+    edges: tuple[tuple[int, int], ...]
+    """Data edges u → v: v needs u's output; stage(u) ≤ stage(v)."""
+    order_edges: tuple[tuple[int, int], ...]
+    """Precedence without data: stage(u) ≤ stage(v), nothing transferred."""
+    transfer: tuple[tuple[int, ...], ...]
+    """[node][k − 1] ns to move the node's output over boundary k (stage k−1 → k) and its gradient back."""
+    boundary_latency: tuple[int, ...]
+    """[k − 1] fixed ns of boundary k (latency, both directions)."""
+    state_mem: tuple[int, ...]
+    """[node] KiB of parameters, gradients, optimizer state and buffers."""
+    act_mem: tuple[tuple[int, ...], ...]
+    """[node][stage] KiB of saved activations held at the stage's peak."""
+    recv_mem: tuple[tuple[int, ...], ...]
+    """[node][stage] KiB held when the node's output is received by the stage."""
+    capacity: tuple[int, ...]
+    """[stage] KiB available."""
+    colocate: tuple[tuple[int, ...], ...]
+    micro_batches: int = 1
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.devices)
+
+    def consumers(self) -> list[list[int]]:
+        out: list[list[int]] = [[] for _ in self.nodes]
+        for u, v in self.edges:
+            out[u].append(v)
+        return out
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    """Predicted per-stage figures of one assignment (problem units: ns, KiB)."""
+
+    compute: tuple[int, ...]
+    transfer: tuple[int, ...]
+    time: tuple[int, ...]
+    state_mem: tuple[int, ...]
+    act_mem: tuple[int, ...]
+    recv_mem: tuple[int, ...]
+    objective: int
+
+    @property
+    def memory(self) -> tuple[int, ...]:
+        return tuple(a + b + c for a, b, c in zip(self.state_mem, self.act_mem, self.recv_mem))
+
+    @property
+    def bottleneck(self) -> int:
+        return max(range(len(self.time)), key=lambda s: self.time[s])
+
+
+def crossings(problem: Problem, stage_of: Sequence[int]) -> list[list[int]]:
+    """For each boundary k (index k − 1): nodes whose output crosses it (relayed stage to stage)."""
+    out: list[list[int]] = [[] for _ in range(problem.num_stages - 1)]
+    for u, consumers in enumerate(problem.consumers()):
+        last = max((stage_of[v] for v in consumers), default=stage_of[u])
+        for k in range(stage_of[u] + 1, last + 1):
+            out[k - 1].append(u)
+    return out
+
+
+def evaluate(problem: Problem, stage_of: Sequence[int]) -> Evaluation:
+    """Stage times, memory and objective of ``stage_of`` (node index → stage), by the model above."""
+    S = problem.num_stages
+    compute, state, act, recv = [0] * S, [0] * S, [0] * S, [0] * S
+    for n, s in enumerate(stage_of):
+        compute[s] += problem.compute[n][s]
+        state[s] += problem.state_mem[n]
+        act[s] += problem.act_mem[n][s]
+    boundary = [0] * (S - 1)
+    for k, nodes in enumerate(crossings(problem, stage_of), start=1):
+        boundary[k - 1] = problem.boundary_latency[k - 1] + sum(problem.transfer[u][k - 1] for u in nodes)
+        recv[k] += sum(problem.recv_mem[u][k] for u in nodes)
+    transfer = [(boundary[s - 1] if s > 0 else 0) + (boundary[s] if s < S - 1 else 0) for s in range(S)]
+    time = [c + t for c, t in zip(compute, transfer)]
+    objective = sum(time) + (problem.micro_batches - 1) * max(time)
+    return Evaluation(tuple(compute), tuple(transfer), tuple(time), tuple(state), tuple(act), tuple(recv), objective)
+
+
+def build_problem(
+    table,
+    *,
+    micro_batches: int = 1,
+    schedule: str = "gpipe",
+) -> Problem:
+    """Scale a cost table (``passes.costs.CostTable``) into integer units and apply the schedule's memory model."""
+    devices = table.devices
+    S = len(devices)
+    M = micro_batches
+    inflight = [in_flight(schedule, s, S, M) for s in range(S)]
+
+    def kib(nbytes: float) -> int:
+        return math.ceil(nbytes / KIB)
+
+    compute = tuple(
+        tuple(round((f + b) * NS) for f, b in zip(fwd, bwd)) for fwd, bwd in zip(table.fwd_time, table.bwd_time)
+    )
+    # Boundary k joins stages k−1 and k; a link runs at its slower end (DESIGN §4.1).
+    pairs = [(devices[k - 1], devices[k]) for k in range(1, S)]
+    latency = tuple(round(2 * max(a.link_latency, b.link_latency) * NS) for a, b in pairs)
+    transfer = tuple(
+        tuple(round(2 * nbytes / min(a.link_bandwidth, b.link_bandwidth) * NS) for a, b in pairs)
+        for nbytes in table.output_bytes
+    )
+    # The largest single output is a transient every device must leave room for.
+    reserve = max(table.output_bytes, default=0) / M
+    return Problem(
+        nodes=table.nodes,
+        labels=table.module_paths,
+        devices=tuple(d.torch_device or d.name for d in devices),
+        compute=compute,
+        edges=table.edges,
+        order_edges=table.order_edges,
+        transfer=transfer,
+        boundary_latency=latency,
+        state_mem=tuple(kib(b) for b in table.state_bytes),
+        act_mem=tuple(tuple(kib(b * inflight[s] / M) for s in range(S)) for b in table.saved_bytes),
+        recv_mem=tuple(tuple(kib(b * inflight[s] / M) for s in range(S)) for b in table.output_bytes),
+        capacity=tuple(max(0, (d.memory - math.ceil(reserve)) // KIB) for d in devices),
+        colocate=table.colocate,
+        micro_batches=M,
+    )

@@ -1,0 +1,59 @@
+"""Check a plan against the correctness rules (DESIGN §4.5) without any solver.
+
+Runs after every solve and on every loaded plan: a plan that breaks a rule never reaches
+codegen, whoever produced it (CP-SAT, the fallback split, a user's manual split, a file).
+
+Usage::
+
+    validate(problem, stage_of)   # raises PlanValidationError listing every broken rule
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from autosplit.errors import PlanValidationError
+from autosplit.solver.problem import KIB, Problem, evaluate
+from autosplit.units import format_bytes
+
+__all__ = ["violations", "validate"]
+
+
+def violations(problem: Problem, stage_of: Sequence[int]) -> list[str]:
+    """Every rule ``stage_of`` (node index → stage) breaks, as sentences; empty when valid."""
+    N, S = len(problem.nodes), problem.num_stages
+    if len(stage_of) != N:
+        return [f"plan places {len(stage_of)} nodes but the graph has {N}: every node must be placed exactly once"]
+    out = [
+        f"node '{problem.nodes[n]}' is on stage {s}, outside 0..{S - 1}"
+        for n, s in enumerate(stage_of)
+        if not (isinstance(s, int) and 0 <= s < S)
+    ]
+    if out:
+        return out
+    for u, v in (*problem.edges, *problem.order_edges):
+        if stage_of[u] > stage_of[v]:
+            out.append(
+                f"edge {problem.nodes[u]} → {problem.nodes[v]} runs backwards (stage {stage_of[u]} → {stage_of[v]}): "
+                "the stage graph must be acyclic"
+            )
+    for group in problem.colocate:
+        stages = {stage_of[n] for n in group}
+        if len(stages) > 1:
+            names = ", ".join(problem.nodes[n] for n in group[:4])
+            out.append(f"nodes sharing parameters or written in place ({names}, ...) sit on stages {sorted(stages)}")
+    if N >= S:
+        empty = sorted(set(range(S)) - set(stage_of))
+        if empty:
+            out.append(f"stages {empty} are empty")
+    ev = evaluate(problem, stage_of)
+    for s, (mem, cap) in enumerate(zip(ev.memory, problem.capacity)):
+        if mem > cap:
+            out.append(f"stage {s} on {problem.devices[s]} needs {format_bytes(mem * KIB)}, over its cap {format_bytes(cap * KIB)}")
+    return out
+
+
+def validate(problem: Problem, stage_of: Sequence[int]) -> None:
+    found = violations(problem, stage_of)
+    if found:
+        raise PlanValidationError("the plan breaks {} rule(s):\n  - {}".format(len(found), "\n  - ".join(found)))

@@ -1,0 +1,1 @@
+"""Graph passes over torch.fx, installed as ``autosplit.passes`` (DESIGN §3)."""

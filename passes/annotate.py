@@ -1,0 +1,202 @@
+"""Annotate: shapes, bytes, FLOPs, parameters and saved activations of every node.
+
+Runs the graph on fake tensors (``FakeTensorMode``: shapes and dtypes, no storage, no real
+compute), so annotating a model costs milliseconds per node whatever its size. For each
+compute node it replays the op on fresh inputs that require grad, under
+
+- ``torch.utils.flop_counter.FlopCounterMode`` for forward and backward FLOPs, and
+- ``torch.autograd.graph.saved_tensors_hooks`` for the bytes autograd keeps for backward
+  (parameters and views of them excluded: they are counted once, as model state).
+
+Results land in ``node.meta["autosplit"]`` as a :class:`NodeInfo`.
+
+Usage::
+
+    annotate(captured, flat_inputs(captured, model, args, kwargs))
+    info = node.meta["autosplit"]
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils import _pytree as pytree
+from torch.utils.flop_counter import FlopCounterMode
+
+from autosplit.errors import CostModelError
+from autosplit.passes.capture import Captured
+
+__all__ = ["NodeInfo", "annotate", "node_info"]
+
+log = logging.getLogger(__name__)
+
+_HALF = (torch.float16, torch.bfloat16)
+
+
+@dataclass(frozen=True)
+class NodeInfo:
+    """What one node computes and keeps, for one example batch."""
+
+    module_path: str
+    output_shapes: tuple[tuple[int, ...], ...]
+    output_bytes: int
+    """Bytes of every tensor the node outputs (what a transfer moves forward)."""
+    input_bytes: int
+    fwd_flops: int
+    bwd_flops: int
+    saved_bytes: int
+    """Activation bytes autograd keeps from forward until backward (parameters excluded)."""
+    params: tuple[str, ...]
+    """Qualified names of the parameters this node owns (first use only; each counted once)."""
+    param_bytes: int
+    param_count: int
+    buffer_bytes: int
+    half: bool
+    """Computes in fp16/bf16 (tensor-core peak applies)."""
+
+
+def node_info(node: fx.Node) -> NodeInfo:
+    try:
+        return node.meta["autosplit"]
+    except KeyError:
+        raise CostModelError(f"node {node.format_node()} has no annotation; run passes.annotate first") from None
+
+
+def _tensor_bytes(value: Any) -> int:
+    return sum(t.numel() * t.element_size() for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor))
+
+
+def _shapes(value: Any) -> tuple[tuple[int, ...], ...]:
+    return tuple(tuple(int(s) for s in t.shape) for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor))
+
+
+class _Annotator(fx.Interpreter):
+    def __init__(self, captured: Captured):
+        super().__init__(captured.gm, garbage_collect_values=True)
+        self.paths = captured.module_paths
+        self.fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+        self._fakes: dict[int, torch.Tensor] = {}  # id(real tensor) → its fake, so identity survives
+        self._state_fakes: set[int] = set()  # ids of fakes standing for parameters
+        self._seen_state: set[int] = set()  # real params/buffers already owned by some node
+
+    def fake(self, t: torch.Tensor) -> torch.Tensor:
+        if id(t) not in self._fakes:
+            f = self.fake_mode.from_tensor(t)
+            if isinstance(t, torch.nn.Parameter):
+                f.requires_grad_(t.requires_grad)
+                self._state_fakes.add(id(f))
+            self._fakes[id(t)] = f
+        return self._fakes[id(t)]
+
+    # -- state ----------------------------------------------------------------------------
+    def _own(self, named: list[tuple[str, torch.Tensor]]) -> tuple[tuple[str, ...], int, int, int]:
+        names, pbytes, pcount, bbytes = [], 0, 0, 0
+        for name, t in named:
+            if id(t) in self._seen_state:
+                continue
+            self._seen_state.add(id(t))
+            size = t.numel() * t.element_size()
+            if isinstance(t, torch.nn.Parameter):
+                names.append(name)
+                pbytes += size
+                pcount += t.numel()
+            else:
+                bbytes += size
+        return tuple(names), pbytes, pcount, bbytes
+
+    def fetch_attr(self, target: str):
+        value = super().fetch_attr(target)
+        return self.fake(value) if isinstance(value, torch.Tensor) else value
+
+    def call_module(self, target, args, kwargs):
+        mod = self.module.get_submodule(target)
+        state = {k: self.fake(v) for k, v in [*mod.named_parameters(), *mod.named_buffers()]}
+        return torch.func.functional_call(mod, state, tuple(args), dict(kwargs))
+
+    # -- per node -------------------------------------------------------------------------
+    def run_node(self, n: fx.Node) -> Any:
+        with self.fake_mode:
+            args, kwargs = self.fetch_args_kwargs_from_env(n)
+            try:
+                if n.op.startswith("call"):
+                    out, fwd, bwd, saved = self._measure(n, args, kwargs)
+                else:
+                    out, fwd, bwd, saved = getattr(self, n.op)(n.target, args, kwargs), 0, 0, 0
+            except Exception as e:
+                raise CostModelError(
+                    f"could not run node {n.format_node()} (module '{self.paths.get(n.name, '')}') "
+                    f"on fake tensors: {type(e).__name__}: {e}. Likely an op without a fake-tensor "
+                    "kernel; try capturing with method='export' or mark the module a leaf."
+                ) from e
+        if n.op == "call_module":
+            mod = self.module.get_submodule(str(n.target))
+            prefix = f"{n.target}."
+            owned = [(prefix + k, v) for k, v in [*mod.named_parameters(), *mod.named_buffers()]]
+        elif n.op == "get_attr":
+            real = fx.Interpreter.fetch_attr(self, str(n.target))
+            owned = [(str(n.target), real)] if isinstance(real, torch.Tensor) else []
+        else:
+            owned = []
+        params, pbytes, pcount, bbytes = self._own(owned)
+        tensors = [t for t in pytree.tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor)]
+        n.meta["autosplit"] = NodeInfo(
+            module_path=self.paths.get(n.name, ""),
+            output_shapes=_shapes(out),
+            output_bytes=_tensor_bytes(out),
+            input_bytes=_tensor_bytes((args, kwargs)),
+            fwd_flops=fwd,
+            bwd_flops=bwd,
+            saved_bytes=saved,
+            params=params,
+            param_bytes=pbytes,
+            param_count=pcount,
+            buffer_bytes=bbytes,
+            half=any(t.dtype in _HALF for t in tensors),
+        )
+        return out
+
+    def _measure(self, n: fx.Node, args: tuple, kwargs: dict) -> tuple[Any, int, int, int]:
+        """Run ``n`` on fresh grad-requiring inputs: (output, fwd FLOPs, bwd FLOPs, saved bytes)."""
+
+        def fresh(x):
+            # Non-parameter float inputs become non-leaf tensors that require grad, so
+            # in-place ops stay legal and backward reaches them.
+            if isinstance(x, torch.Tensor) and x.is_floating_point() and id(x) not in self._state_fakes:
+                return x.detach().requires_grad_(True).clone()
+            return x
+
+        args, kwargs = pytree.tree_map(fresh, (args, kwargs))
+        saved: dict[int, int] = {}
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            base = t._base if t._base is not None else t
+            if id(base) not in self._state_fakes:
+                saved[id(t)] = t.numel() * t.element_size()
+            return t
+
+        with FlopCounterMode(display=False) as fwd_counter, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = getattr(self, n.op)(n.target, args, kwargs)
+        outs = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
+        grad_inputs = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if n.op == "call_module":
+            grad_inputs += [self.fake(p) for p in self.module.get_submodule(str(n.target)).parameters() if p.requires_grad]
+        bwd = 0
+        if outs and grad_inputs:
+            with FlopCounterMode(display=False) as bwd_counter:
+                torch.autograd.grad(outs, grad_inputs, [torch.ones_like(o) for o in outs], allow_unused=True)
+            bwd = bwd_counter.get_total_flops()
+        detached = pytree.tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, out)
+        return detached, fwd_counter.get_total_flops(), bwd, sum(saved.values())
+
+
+def annotate(captured: Captured, inputs: list[Any]) -> fx.GraphModule:
+    """Write a :class:`NodeInfo` into ``node.meta["autosplit"]`` of every node; returns the graph module."""
+    annotator = _Annotator(captured)
+    fake_inputs = [annotator.fake(x) if isinstance(x, torch.Tensor) else x for x in inputs]
+    annotator.run(*fake_inputs)
+    return captured.gm

@@ -1,0 +1,202 @@
+"""Capture: ``nn.Module`` → ``torch.fx.GraphModule``, every node labelled with its module path.
+
+Symbolic tracing comes first: it keeps the user's Python-level ops and module calls, and
+is cheap. Models it cannot follow (data-dependent control flow, most ``transformers``
+models) fall back to ``torch.export`` in non-strict mode, whose graph holds ATen ops.
+
+Tied parameters (one ``Parameter`` owned by two modules, e.g. GPT's input embedding and
+output projection) must be visible as *one* graph node, or codegen would place two
+copies of it. Modules that own a tied parameter are therefore traced through instead of
+kept as leaves, which turns the parameter into a single ``get_attr`` node.
+
+Usage::
+
+    captured = capture(model, (x,), {"attention_mask": mask})
+    captured.gm.graph.print_tabular()
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import logging
+import operator
+from collections import defaultdict
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch.fx.graph import _PyTreeCodeGen
+from torch.utils import _pytree as pytree
+
+from autosplit.errors import CaptureError
+
+__all__ = ["Captured", "capture", "flat_inputs", "fingerprint", "mutated_input"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Captured:
+    """A captured model: its graph, how it was captured, and each node's module path."""
+
+    gm: fx.GraphModule
+    method: str
+    """``"symbolic_trace"`` or ``"export"``."""
+    module_paths: Mapping[str, str]
+    """Node name → qualified name of the innermost module the node came from (``""`` = root)."""
+
+
+def _tied_owners(model: torch.nn.Module) -> set[str]:
+    """Qualified names of modules that own a parameter also owned by another module."""
+    owners: dict[int, set[str]] = defaultdict(set)
+    for mod_name, mod in model.named_modules(remove_duplicate=False):
+        for p in mod.parameters(recurse=False):
+            owners[id(p)].add(mod_name)
+    return {name for names in owners.values() if len(names) > 1 for name in names}
+
+
+class _Tracer(fx.Tracer):
+    """Default leaves (``torch.nn`` modules), except modules that own tied parameters."""
+
+    def __init__(self, trace_through: set[str]):
+        super().__init__()
+        self.trace_through = trace_through
+
+    def is_leaf_module(self, m: torch.nn.Module, qualname: str) -> bool:
+        if qualname in self.trace_through:
+            return False
+        return super().is_leaf_module(m, qualname)
+
+
+def _module_path(node: fx.Node) -> str:
+    if node.op == "call_module":
+        return str(node.target)
+    if node.op == "get_attr":
+        return str(node.target).rpartition(".")[0]
+    stack = node.meta.get("nn_module_stack")
+    if stack:
+        path = list(stack.values())[-1][0]
+        # torch.export writes e.g. "L['self'].layers.0" in some versions; keep the dotted tail.
+        return path.split("L['self'].")[-1] if "L['self']" in path else path
+    return ""
+
+
+def _symbolic_trace(model: torch.nn.Module) -> fx.GraphModule:
+    tracer = _Tracer(_tied_owners(model))
+    graph = tracer.trace(model)
+    name = model.__class__.__name__
+    return fx.GraphModule(tracer.root, graph, name)
+
+
+def _export(model: torch.nn.Module, args: tuple, kwargs: dict) -> fx.GraphModule:
+    ep = torch.export.export(model, args, kwargs, strict=False)
+    return ep.module()
+
+
+def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, *, method: str = "auto") -> Captured:
+    """Capture ``model`` as an fx graph. ``method``: ``"auto"``, ``"symbolic_trace"`` or ``"export"``."""
+    kwargs = dict(kwargs or {})
+    if method not in ("auto", "symbolic_trace", "export"):
+        raise CaptureError(f"unknown capture method {method!r}; use 'auto', 'symbolic_trace' or 'export'")
+    errors: list[str] = []
+    gm = None
+    used = method
+    if method in ("auto", "symbolic_trace"):
+        try:
+            gm = _symbolic_trace(model)
+            used = "symbolic_trace"
+        except Exception as e:  # fx raises many types (TraceError, TypeError, ...)
+            errors.append(f"symbolic_trace: {type(e).__name__}: {e}")
+            log.info("symbolic tracing failed (%s); falling back to torch.export", e)
+    if gm is None and method in ("auto", "export"):
+        try:
+            gm = _export(model, tuple(args), kwargs)
+            used = "export"
+        except Exception as e:
+            errors.append(f"torch.export: {type(e).__name__}: {e}")
+    if gm is None:
+        details = "\n  ".join(line.splitlines()[0][:400] for line in errors)
+        raise CaptureError(
+            f"could not capture {type(model).__name__}:\n  {details}\n"
+            "likely cause: Python control flow that depends on tensor values, or an op "
+            "neither tracer supports. Try: move data-dependent branches into a leaf module "
+            "(autosplit keeps standard torch.nn modules as leaves), replace `if tensor:` by "
+            "torch.where / torch.cond, or pass method='export' with static example inputs."
+        ) from None
+    paths = {n.name: _module_path(n) for n in gm.graph.nodes}
+    log.debug("captured %s with %s: %d nodes", type(model).__name__, used, len(gm.graph.nodes))
+    return Captured(gm=gm, method=used, module_paths=paths)
+
+
+def flat_inputs(captured: Captured, model: torch.nn.Module, args: tuple, kwargs: dict | None) -> list[Any]:
+    """The values of the graph's placeholders, in order, for a call ``model(*args, **kwargs)``."""
+    kwargs = dict(kwargs or {})
+    if isinstance(captured.gm.graph._codegen, _PyTreeCodeGen):
+        return list(pytree.tree_leaves((tuple(args), kwargs)))
+    bound = inspect.signature(model.forward).bind(*args, **kwargs)
+    bound.apply_defaults()
+    values = []
+    for node in captured.gm.graph.find_nodes(op="placeholder"):
+        name = str(node.target).lstrip("*")
+        if name not in bound.arguments:
+            raise CaptureError(f"placeholder {node.format_node()} has no matching forward argument")
+        values.append(bound.arguments[name])
+    return values
+
+
+_INPLACE_OPERATORS = {
+    operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv,
+    operator.imod, operator.ipow, operator.iand, operator.ior, operator.ixor,
+    operator.ilshift, operator.irshift, operator.imatmul, operator.setitem,
+}
+
+
+def mutated_input(node: fx.Node, gm: fx.GraphModule) -> fx.Node | None:
+    """The input node that ``node`` writes in place, if any (``x.add_(y)``, ``x += y``, ``ReLU(inplace=True)``)."""
+    target = node.target
+    first = node.args[0] if node.args and isinstance(node.args[0], fx.Node) else None
+    if first is None:
+        return None
+    if node.op == "call_method" and str(target).endswith("_") and not str(target).startswith("__"):
+        return first
+    if node.op == "call_module":
+        return first if getattr(gm.get_submodule(str(target)), "inplace", False) else None
+    if node.op != "call_function":
+        return None
+    if target in _INPLACE_OPERATORS:
+        return first
+    schema = getattr(target, "_schema", None)
+    if schema is not None:
+        for i, arg in enumerate(schema.arguments):
+            if arg.alias_info is not None and arg.alias_info.is_write and i < len(node.args):
+                return node.args[i] if isinstance(node.args[i], fx.Node) else None
+        return None
+    if getattr(target, "__name__", "").endswith("_") and not getattr(target, "__name__", "").startswith("_"):
+        return first
+    if node.kwargs.get("inplace") is True:  # F.relu(x, inplace=True)
+        return first
+    return None
+
+
+def _target_name(target: Any) -> str:
+    if isinstance(target, str):
+        return target
+    module = getattr(target, "__module__", None) or ""
+    return f"{module}.{getattr(target, '__qualname__', getattr(target, '__name__', repr(target)))}"
+
+
+def fingerprint(gm: fx.GraphModule) -> str:
+    """Hash of the graph's structure (ops, targets, edges) and its parameter shapes.
+
+    Input shapes are left out on purpose: a plan stays valid for another batch size.
+    """
+    h = hashlib.sha256()
+    for n in gm.graph.nodes:
+        inputs = ",".join(a.name for a in n.all_input_nodes)
+        h.update(f"{n.op}|{n.name}|{_target_name(n.target)}|{inputs}\n".encode())
+    for name, p in gm.named_parameters():
+        h.update(f"{name}:{tuple(p.shape)}:{p.dtype}\n".encode())
+    return h.hexdigest()[:16]

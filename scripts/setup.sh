@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# Create .venv with everything autosplit needs. Safe to re-run.
+# torch is pinned here (and only here) so pip takes the CPU build present on the machine
+# instead of resolving `torch>=2.4` to the newest CUDA build.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+.venv/bin/python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
+.venv/bin/python -c "import torch" 2>/dev/null || .venv/bin/python -m pip install -q "torch==2.13.0"
+.venv/bin/python -m pip install -q -e ".[test]"
