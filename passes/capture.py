@@ -64,6 +64,9 @@ class _Tracer(fx.Tracer):
     def __init__(self, trace_through: set[str]):
         super().__init__()
         self.trace_through = trace_through
+        # Buffers read in forward (masks, running stats) become get_attr nodes, so slicing
+        # them by traced sizes works and codegen places them like parameters.
+        self.proxy_buffer_attributes = True
 
     def is_leaf_module(self, m: torch.nn.Module, qualname: str) -> bool:
         if qualname in self.trace_through:
@@ -84,9 +87,18 @@ def _module_path(node: fx.Node) -> str:
     return ""
 
 
-def _symbolic_trace(model: torch.nn.Module) -> fx.GraphModule:
+def _symbolic_trace(model: torch.nn.Module, args: tuple, kwargs: dict) -> fx.GraphModule:
+    # Optional arguments the example call leaves out (``attention_mask=None``) are traced
+    # as their defaults, so ``if mask is not None`` takes the branch the call takes.
+    sig = inspect.signature(model.forward)
+    given = sig.bind_partial(*args, **kwargs).arguments
+    concrete = {
+        name: p.default
+        for name, p in sig.parameters.items()
+        if name not in given and p.default is not inspect.Parameter.empty
+    }
     tracer = _Tracer(_tied_owners(model))
-    graph = tracer.trace(model)
+    graph = tracer.trace(model, concrete_args=concrete or None)
     name = model.__class__.__name__
     return fx.GraphModule(tracer.root, graph, name)
 
@@ -106,7 +118,7 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, *, 
     used = method
     if method in ("auto", "symbolic_trace"):
         try:
-            gm = _symbolic_trace(model)
+            gm = _symbolic_trace(model, tuple(args), kwargs)
             used = "symbolic_trace"
         except Exception as e:  # fx raises many types (TraceError, TypeError, ...)
             errors.append(f"symbolic_trace: {type(e).__name__}: {e}")
@@ -136,14 +148,17 @@ def flat_inputs(captured: Captured, model: torch.nn.Module, args: tuple, kwargs:
     kwargs = dict(kwargs or {})
     if isinstance(captured.gm.graph._codegen, _PyTreeCodeGen):
         return list(pytree.tree_leaves((tuple(args), kwargs)))
+    # Symbolic tracing makes one placeholder per forward parameter, in signature order
+    # (concrete_args may rename them, so match by position, not by name).
     bound = inspect.signature(model.forward).bind(*args, **kwargs)
     bound.apply_defaults()
-    values = []
-    for node in captured.gm.graph.find_nodes(op="placeholder"):
-        name = str(node.target).lstrip("*")
-        if name not in bound.arguments:
-            raise CaptureError(f"placeholder {node.format_node()} has no matching forward argument")
-        values.append(bound.arguments[name])
+    values = list(bound.arguments.values())
+    placeholders = list(captured.gm.graph.find_nodes(op="placeholder"))
+    if len(values) != len(placeholders):
+        raise CaptureError(
+            f"{type(model).__name__}.forward takes {len(values)} arguments but the graph has "
+            f"{len(placeholders)} placeholders; *args/**kwargs signatures need method='export'"
+        )
     return values
 
 

@@ -1,0 +1,75 @@
+"""Built-in models: the GPT-style transformer the demo plans (no download, any size).
+
+Usage::
+
+    model = GPT(vocab=512, d_model=128, n_layers=4)
+    logits = model(tokens, attention_mask=mask)
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+__all__ = ["GPT", "GPTBlock"]
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, d_model: int, n_heads: int, max_len: int):
+        super().__init__()
+        self.n_heads = n_heads
+        self.qkv = nn.Linear(d_model, 3 * d_model)
+        self.proj = nn.Linear(d_model, d_model)
+        self.register_buffer("causal", torch.tril(torch.ones(max_len, max_len, dtype=torch.bool)), persistent=False)
+
+    def forward(self, x: torch.Tensor, key_mask: torch.Tensor | None = None) -> torch.Tensor:
+        B, T, C = x.size(0), x.size(1), x.size(2)
+        q, k, v = self.qkv(x).split(C, dim=2)
+        q, k, v = (t.view(B, T, self.n_heads, C // self.n_heads).transpose(1, 2) for t in (q, k, v))
+        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(C // self.n_heads))
+        mask = self.causal[:T, :T]
+        if key_mask is not None:
+            mask = mask & key_mask[:, None, None, :].bool()
+        att = att.masked_fill(~mask, -1e9).softmax(dim=-1)
+        y = (att @ v).transpose(1, 2).reshape(B, T, C)
+        return self.proj(y)
+
+
+class GPTBlock(nn.Module):
+    def __init__(self, d_model: int, n_heads: int, max_len: int):
+        super().__init__()
+        self.ln1 = nn.LayerNorm(d_model)
+        self.attn = CausalSelfAttention(d_model, n_heads, max_len)
+        self.ln2 = nn.LayerNorm(d_model)
+        self.fc = nn.Linear(d_model, 4 * d_model)
+        self.out = nn.Linear(4 * d_model, d_model)
+
+    def forward(self, x: torch.Tensor, key_mask: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x), key_mask)
+        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+
+
+class GPT(nn.Module):
+    """GPT-2-style decoder with tied input/output embeddings and an optional attention mask.
+
+    Size knobs: ``vocab``, ``d_model``, ``n_layers``, ``n_heads``, ``max_len``.
+    """
+
+    def __init__(self, vocab: int = 512, d_model: int = 64, n_layers: int = 4, n_heads: int = 4, max_len: int = 64):
+        super().__init__()
+        self.wte = nn.Embedding(vocab, d_model)
+        self.wpe = nn.Embedding(max_len, d_model)
+        self.blocks = nn.ModuleList(GPTBlock(d_model, n_heads, max_len) for _ in range(n_layers))
+        self.ln_f = nn.LayerNorm(d_model)
+        self.head = nn.Linear(d_model, vocab, bias=False)
+        self.head.weight = self.wte.weight  # tied, as in GPT-2
+
+    def forward(self, idx: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        pos = torch.arange(idx.size(1), device=idx.device)
+        x = self.wte(idx) + self.wpe(pos)
+        for block in self.blocks:
+            x = block(x, attention_mask)
+        return self.head(self.ln_f(x))

@@ -1,0 +1,296 @@
+"""Benchmark workloads: small but faithful versions of the seed papers' models (DESIGN §6).
+
+No downloads, no torchvision. Every model has size knobs, so tests use tiny instances
+and benchmarks real ones. ``make(name, size)`` builds a model with example inputs.
+
+- Inception-V3 (Szegedy et al. 2016): stem, InceptionA×3, B, C×4, D, E×2, parallel towers.
+- GNMT (Wu et al. 2016): 8 + 8 LSTM layers, bottom encoder layer bidirectional, residual
+  connections from the third layer up, attention from the first decoder layer fed to all.
+- BigLSTM (Jozefowicz et al. 2016): large embedding, 2 LSTM layers with projection, softmax.
+- GPT-style transformer with tied embeddings (``autosplit.examples.GPT``), a ResNet, an MLP.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from autosplit.examples import GPT
+
+__all__ = ["InceptionV3", "GNMT", "BigLSTM", "GPT", "ResNet", "MLP", "make", "WORKLOADS"]
+
+
+# -- Inception-V3 -------------------------------------------------------------------------
+class ConvBN(nn.Module):
+    def __init__(self, cin: int, cout: int, kernel, stride=1, padding=0):
+        super().__init__()
+        self.conv = nn.Conv2d(cin, cout, kernel, stride=stride, padding=padding, bias=False)
+        self.bn = nn.BatchNorm2d(cout, eps=0.001)
+
+    def forward(self, x):
+        return F.relu(self.bn(self.conv(x)))
+
+
+def _c(ch: int, w: float) -> int:
+    return max(4, int(ch * w))
+
+
+class InceptionA(nn.Module):
+    def __init__(self, cin: int, pool: int, w: float):
+        super().__init__()
+        self.b1 = ConvBN(cin, _c(64, w), 1)
+        self.b5 = nn.Sequential(ConvBN(cin, _c(48, w), 1), ConvBN(_c(48, w), _c(64, w), 5, padding=2))
+        self.b3 = nn.Sequential(
+            ConvBN(cin, _c(64, w), 1), ConvBN(_c(64, w), _c(96, w), 3, padding=1), ConvBN(_c(96, w), _c(96, w), 3, padding=1)
+        )
+        self.bp = ConvBN(cin, _c(pool, w), 1)
+        self.out = _c(64, w) * 2 + _c(96, w) + _c(pool, w)
+
+    def forward(self, x):
+        pooled = self.bp(F.avg_pool2d(x, 3, stride=1, padding=1))
+        return torch.cat([self.b1(x), self.b5(x), self.b3(x), pooled], 1)
+
+
+class InceptionB(nn.Module):
+    def __init__(self, cin: int, w: float):
+        super().__init__()
+        self.b3 = ConvBN(cin, _c(384, w), 3, stride=2)
+        self.bd = nn.Sequential(
+            ConvBN(cin, _c(64, w), 1), ConvBN(_c(64, w), _c(96, w), 3, padding=1), ConvBN(_c(96, w), _c(96, w), 3, stride=2)
+        )
+        self.out = _c(384, w) + _c(96, w) + cin
+
+    def forward(self, x):
+        return torch.cat([self.b3(x), self.bd(x), F.max_pool2d(x, 3, stride=2)], 1)
+
+
+class InceptionC(nn.Module):
+    def __init__(self, cin: int, c7: int, w: float):
+        super().__init__()
+        c7, o = _c(c7, w), _c(192, w)
+        self.b1 = ConvBN(cin, o, 1)
+        self.b7 = nn.Sequential(ConvBN(cin, c7, 1), ConvBN(c7, c7, (1, 7), padding=(0, 3)), ConvBN(c7, o, (7, 1), padding=(3, 0)))
+        self.bd = nn.Sequential(
+            ConvBN(cin, c7, 1), ConvBN(c7, c7, (7, 1), padding=(3, 0)), ConvBN(c7, c7, (1, 7), padding=(0, 3)),
+            ConvBN(c7, c7, (7, 1), padding=(3, 0)), ConvBN(c7, o, (1, 7), padding=(0, 3)),
+        )
+        self.bp = ConvBN(cin, o, 1)
+        self.out = 4 * o
+
+    def forward(self, x):
+        pooled = self.bp(F.avg_pool2d(x, 3, stride=1, padding=1))
+        return torch.cat([self.b1(x), self.b7(x), self.bd(x), pooled], 1)
+
+
+class InceptionD(nn.Module):
+    def __init__(self, cin: int, w: float):
+        super().__init__()
+        self.b3 = nn.Sequential(ConvBN(cin, _c(192, w), 1), ConvBN(_c(192, w), _c(320, w), 3, stride=2))
+        self.b7 = nn.Sequential(
+            ConvBN(cin, _c(192, w), 1), ConvBN(_c(192, w), _c(192, w), (1, 7), padding=(0, 3)),
+            ConvBN(_c(192, w), _c(192, w), (7, 1), padding=(3, 0)), ConvBN(_c(192, w), _c(192, w), 3, stride=2),
+        )
+        self.out = _c(320, w) + _c(192, w) + cin
+
+    def forward(self, x):
+        return torch.cat([self.b3(x), self.b7(x), F.max_pool2d(x, 3, stride=2)], 1)
+
+
+class InceptionE(nn.Module):
+    def __init__(self, cin: int, w: float):
+        super().__init__()
+        c3, c4 = _c(384, w), _c(448, w)
+        self.b1 = ConvBN(cin, _c(320, w), 1)
+        self.b3 = ConvBN(cin, c3, 1)
+        self.b3a, self.b3b = ConvBN(c3, c3, (1, 3), padding=(0, 1)), ConvBN(c3, c3, (3, 1), padding=(1, 0))
+        self.bd = nn.Sequential(ConvBN(cin, c4, 1), ConvBN(c4, c3, 3, padding=1))
+        self.bda, self.bdb = ConvBN(c3, c3, (1, 3), padding=(0, 1)), ConvBN(c3, c3, (3, 1), padding=(1, 0))
+        self.bp = ConvBN(cin, _c(192, w), 1)
+        self.out = _c(320, w) + 4 * c3 + _c(192, w)
+
+    def forward(self, x):
+        a = self.b3(x)
+        d = self.bd(x)
+        pooled = self.bp(F.avg_pool2d(x, 3, stride=1, padding=1))
+        return torch.cat([self.b1(x), self.b3a(a), self.b3b(a), self.bda(d), self.bdb(d), pooled], 1)
+
+
+class InceptionV3(nn.Module):
+    """Inception-V3 with a channel-width multiplier ``width`` (1.0 = the paper's widths)."""
+
+    def __init__(self, num_classes: int = 1000, width: float = 1.0):
+        super().__init__()
+        w = width
+        self.stem = nn.Sequential(
+            ConvBN(3, _c(32, w), 3, stride=2), ConvBN(_c(32, w), _c(32, w), 3), ConvBN(_c(32, w), _c(64, w), 3, padding=1),
+            nn.MaxPool2d(3, stride=2), ConvBN(_c(64, w), _c(80, w), 1), ConvBN(_c(80, w), _c(192, w), 3),
+            nn.MaxPool2d(3, stride=2),
+        )
+        blocks: list[nn.Module] = []
+        cin = _c(192, w)
+        for pool in (32, 64, 64):
+            blocks.append(InceptionA(cin, pool, w))
+            cin = blocks[-1].out
+        blocks.append(InceptionB(cin, w))
+        cin = blocks[-1].out
+        for c7 in (128, 160, 160, 192):
+            blocks.append(InceptionC(cin, c7, w))
+            cin = blocks[-1].out
+        blocks.append(InceptionD(cin, w))
+        cin = blocks[-1].out
+        for _ in range(2):
+            blocks.append(InceptionE(cin, w))
+            cin = blocks[-1].out
+        self.blocks = nn.Sequential(*blocks)
+        self.fc = nn.Linear(cin, num_classes)
+
+    def forward(self, x):
+        x = self.blocks(self.stem(x))
+        return self.fc(torch.flatten(F.adaptive_avg_pool2d(x, 1), 1))
+
+
+# -- GNMT ---------------------------------------------------------------------------------
+class Attention(nn.Module):
+    """Normalized Bahdanau attention (GNMT §3)."""
+
+    def __init__(self, hidden: int):
+        super().__init__()
+        self.query = nn.Linear(hidden, hidden, bias=False)
+        self.key = nn.Linear(hidden, hidden, bias=False)
+        self.v = nn.Linear(hidden, 1, bias=False)
+
+    def forward(self, q, keys):
+        scores = self.v(torch.tanh(self.query(q).unsqueeze(2) + self.key(keys).unsqueeze(1))).squeeze(-1)
+        return torch.bmm(scores.softmax(-1), keys)
+
+
+class GNMT(nn.Module):
+    """GNMT: ``layers`` encoder + ``layers`` decoder LSTM layers, attention, residuals from layer 3."""
+
+    def __init__(self, vocab: int = 32000, hidden: int = 1024, layers: int = 8):
+        super().__init__()
+        self.src_emb = nn.Embedding(vocab, hidden)
+        self.tgt_emb = nn.Embedding(vocab, hidden)
+        self.enc0 = nn.LSTM(hidden, hidden // 2, batch_first=True, bidirectional=True)
+        self.enc = nn.ModuleList(nn.LSTM(hidden, hidden, batch_first=True) for _ in range(layers - 1))
+        self.dec0 = nn.LSTM(hidden, hidden, batch_first=True)
+        self.attn = Attention(hidden)
+        self.dec = nn.ModuleList(nn.LSTM(2 * hidden, hidden, batch_first=True) for _ in range(layers - 1))
+        self.out = nn.Linear(hidden, vocab)
+
+    def forward(self, src, tgt):
+        x, _ = self.enc0(self.src_emb(src))
+        for i, lstm in enumerate(self.enc):
+            y, _ = lstm(x)
+            x = x + y if i >= 1 else y  # residuals start at the third encoder layer
+        y, _ = self.dec0(self.tgt_emb(tgt))
+        context = self.attn(y, x)
+        for i, lstm in enumerate(self.dec):
+            z, _ = lstm(torch.cat([y, context], -1))
+            y = y + z if i >= 1 else z
+        return self.out(y)
+
+
+# -- BigLSTM ------------------------------------------------------------------------------
+class BigLSTM(nn.Module):
+    """BigLSTM (2048-512 in the paper): embedding, 2 projected LSTM layers, full softmax layer."""
+
+    def __init__(self, vocab: int = 793471, embed: int = 512, hidden: int = 8192, proj: int = 1024):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, embed)
+        self.lstm1 = nn.LSTM(embed, hidden, proj_size=proj, batch_first=True)
+        self.lstm2 = nn.LSTM(proj, hidden, proj_size=proj, batch_first=True)
+        self.softmax = nn.Linear(proj, vocab)
+
+    def forward(self, tokens):
+        x, _ = self.lstm1(self.emb(tokens))
+        x, _ = self.lstm2(x)
+        return self.softmax(x)
+
+
+# -- ResNet, MLP --------------------------------------------------------------------------
+class BasicBlock(nn.Module):
+    def __init__(self, cin: int, cout: int, stride: int):
+        super().__init__()
+        self.c1, self.b1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False), nn.BatchNorm2d(cout)
+        self.c2, self.b2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False), nn.BatchNorm2d(cout)
+        self.skip = (
+            nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+            if stride != 1 or cin != cout
+            else nn.Identity()
+        )
+
+    def forward(self, x):
+        y = F.relu(self.b1(self.c1(x)))
+        return F.relu(self.b2(self.c2(y)) + self.skip(x))
+
+
+class ResNet(nn.Module):
+    """ResNet with basic blocks; ``blocks=(2, 2, 2, 2)`` is ResNet-18."""
+
+    def __init__(self, blocks=(2, 2, 2, 2), width: int = 64, num_classes: int = 1000):
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, width, 7, 2, 3, bias=False), nn.BatchNorm2d(width), nn.ReLU(), nn.MaxPool2d(3, 2, 1))
+        layers, cin = [], width
+        for i, n in enumerate(blocks):
+            cout = width * 2**i
+            for j in range(n):
+                layers.append(BasicBlock(cin, cout, 2 if j == 0 and i > 0 else 1))
+                cin = cout
+        self.layers = nn.Sequential(*layers)
+        self.fc = nn.Linear(cin, num_classes)
+
+    def forward(self, x):
+        return self.fc(torch.flatten(F.adaptive_avg_pool2d(self.layers(self.stem(x)), 1), 1))
+
+
+class MLP(nn.Module):
+    def __init__(self, dims=(256, 512, 512, 512, 10)):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in zip(dims, dims[1:]))
+
+    def forward(self, x):
+        for layer in self.layers[:-1]:
+            x = F.relu(layer(x))
+        return self.layers[-1](x)
+
+
+# -- registry -----------------------------------------------------------------------------
+def _tokens(vocab: int, batch: int, seq: int) -> torch.Tensor:
+    return torch.randint(0, vocab, (batch, seq))
+
+
+WORKLOADS: dict[str, dict[str, Callable[[], tuple[nn.Module, tuple]]]] = {
+    "inception_v3": {
+        "tiny": lambda: (InceptionV3(num_classes=10, width=0.125), (torch.randn(2, 3, 75, 75),)),
+        "real": lambda: (InceptionV3(), (torch.randn(32, 3, 299, 299),)),
+    },
+    "gnmt": {
+        "tiny": lambda: (GNMT(vocab=64, hidden=16, layers=4), (_tokens(64, 2, 6), _tokens(64, 2, 5))),
+        "real": lambda: (GNMT(), (_tokens(32000, 64, 50), _tokens(32000, 64, 50))),
+    },
+    "biglstm": {
+        "tiny": lambda: (BigLSTM(vocab=128, embed=16, hidden=32, proj=16), (_tokens(128, 2, 6),)),
+        "real": lambda: (BigLSTM(), (_tokens(793471, 32, 20),)),
+    },
+    "gpt": {
+        "tiny": lambda: (GPT(vocab=128, d_model=32, n_layers=2, n_heads=4, max_len=16), (_tokens(128, 2, 16),)),
+        "real": lambda: (GPT(vocab=50257, d_model=768, n_layers=24, n_heads=12, max_len=1024), (_tokens(50257, 8, 1024),)),
+    },
+    "resnet": {
+        "tiny": lambda: (ResNet(blocks=(1, 1, 1, 1), width=8, num_classes=10), (torch.randn(2, 3, 32, 32),)),
+        "real": lambda: (ResNet(), (torch.randn(64, 3, 224, 224),)),
+    },
+    "mlp": {
+        "tiny": lambda: (MLP((16, 32, 32, 32, 4)), (torch.randn(4, 16),)),
+        "real": lambda: (MLP((1024, 4096, 4096, 4096, 4096, 1000)), (torch.randn(256, 1024),)),
+    },
+}
+
+
+def make(name: str, size: str = "tiny") -> tuple[nn.Module, tuple]:
+    """A benchmark model and its example inputs: ``make("gnmt", "tiny")``."""
+    return WORKLOADS[name][size]()
