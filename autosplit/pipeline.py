@@ -64,7 +64,9 @@ def _stage_reports(problem: Problem, table, stage_of: Sequence[int]) -> tuple[St
     reports = []
     for s, device in enumerate(table.devices):
         members = [n for n, st in enumerate(stage_of) if st == s]
-        modules = list(dict.fromkeys(table.module_paths[n].split(".")[0] for n in members))
+        # Name a stage by the modules whose parameters it holds (the FQN lists of manual splits).
+        owners = [n for n in members if table.param_counts[n]] or members
+        modules = list(dict.fromkeys(".".join(table.module_paths[n].split(".")[:2]) or "(root)" for n in owners))
         reports.append(
             StageReport(
                 device=device.torch_device or device.name,

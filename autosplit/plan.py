@@ -37,7 +37,7 @@ class StageReport:
     nodes: int
     params: int
     modules: tuple[str, ...]
-    """Top-level modules the stage holds parts of, in order."""
+    """Modules (two levels deep, e.g. ``blocks.3``) whose parameters the stage holds, in order."""
     compute: float
     """Forward + backward seconds for the whole batch."""
     transfer: float
@@ -141,7 +141,7 @@ class Plan:
         return cls.from_dict(data)
 
     # -- report ---------------------------------------------------------------------------
-    def report(self, width: int = 120) -> str:
+    def report(self, width: int = 140) -> str:
         """The partition report as text: one row per device, then the solver's provenance."""
         from rich.console import Console
         from rich.table import Table
@@ -151,7 +151,7 @@ class Plan:
             ("stage", "right"), ("device", "left"), ("modules", "left"), ("nodes", "right"), ("params", "right"),
             ("memory / cap", "right"), ("compute", "right"), ("transfers", "right"), ("stage time", "right"), ("", "left"),
         ]:
-            table.add_column(col, justify=justify, overflow="fold")
+            table.add_column(col, justify=justify, no_wrap=col != "modules")
         for s, st in enumerate(self.stages):
             table.add_row(
                 str(s), st.device, _span(st.modules), str(st.nodes), f"{st.params:,}",
@@ -185,5 +185,5 @@ def _ms(seconds: float) -> str:
 
 def _span(modules: tuple[str, ...]) -> str:
     if len(modules) <= 3:
-        return ", ".join(m or "(root)" for m in modules)
-    return f"{modules[0] or '(root)'} … {modules[-1]} ({len(modules)})"
+        return ", ".join(modules)
+    return f"{modules[0]} … {modules[-1]} ({len(modules)})"

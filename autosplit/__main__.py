@@ -1,0 +1,5 @@
+import sys
+
+from autosplit.cli import main
+
+sys.exit(main())

@@ -1,0 +1,178 @@
+"""The solver on plain Problems with known optima; validation without a solver (issue #2, item 5)."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from autosplit.errors import InfeasiblePlanError, PlanValidationError
+from autosplit.solver import Problem, evaluate, solve, validate, violations
+
+
+def make_problem(
+    compute, edges, *, stages, transfer=None, state=None, act=None, recv=None, capacity=None,
+    colocate=(), order_edges=(), micro_batches=1, latency=0,
+) -> Problem:
+    N, S = len(compute), stages
+    per_stage = lambda v: tuple(tuple(x) if isinstance(x, (list, tuple)) else (x,) * S for x in v)  # noqa: E731
+    return Problem(
+        nodes=tuple(f"n{i}" for i in range(N)),
+        labels=tuple(f"mod{i}" for i in range(N)),
+        devices=tuple(f"dev{s}" for s in range(S)),
+        compute=per_stage(compute),
+        edges=tuple(edges),
+        order_edges=tuple(order_edges),
+        transfer=tuple((t,) * (S - 1) for t in (transfer or [0] * N)),
+        boundary_latency=(latency,) * (S - 1),
+        state_mem=tuple(state or [0] * N),
+        act_mem=per_stage(act or [0] * N),
+        recv_mem=per_stage(recv or [0] * N),
+        capacity=tuple(capacity or [10**9] * S),
+        colocate=tuple(colocate),
+        micro_batches=micro_batches,
+    )
+
+
+def brute_force(problem: Problem) -> int | None:
+    """The best objective over every assignment that validates (None: infeasible)."""
+    best = None
+    for stage_of in itertools.product(range(problem.num_stages), repeat=len(problem.nodes)):
+        if not violations(problem, stage_of):
+            obj = evaluate(problem, stage_of).objective
+            best = obj if best is None else min(best, obj)
+    return best
+
+
+def chain(n: int) -> list[tuple[int, int]]:
+    return [(i, i + 1) for i in range(n - 1)]
+
+
+def test_planted_chain_split_is_found_and_proven():
+    # 3 stages of exactly 10: [4, 6] [5, 5] [7, 3]; any other contiguous split has a stage > 10.
+    problem = make_problem([4, 6, 5, 5, 7, 3], chain(6), stages=3, micro_batches=8)
+    sol = solve(problem, time_limit=5)
+    assert sol.stage_of == (0, 0, 1, 1, 2, 2)
+    assert sol.status == "OPTIMAL" and sol.objective == sol.bound == 30 + 7 * 10
+    validate(problem, sol.stage_of)
+
+
+def test_transfers_move_the_cut_to_the_small_tensor():
+    # Equal compute; cutting after node 1 sends 100, after node 2 sends 1 (both balanced enough).
+    problem = make_problem([5, 5, 5, 5], chain(4), stages=2, transfer=[100, 100, 1, 100], micro_batches=1)
+    sol = solve(problem, time_limit=5)
+    assert sol.stage_of == (0, 0, 0, 1)
+    assert sol.objective == brute_force(problem)
+
+
+def test_memory_cap_pushes_nodes_off_a_device():
+    # Balanced would be 2 + 2, but device 0 holds only one node's state.
+    problem = make_problem([1, 1, 1, 1], chain(4), stages=2, state=[10] * 4, capacity=[15, 100], micro_batches=4)
+    sol = solve(problem, time_limit=5)
+    assert sol.stage_of == (0, 1, 1, 1)
+    assert evaluate(problem, sol.stage_of).memory == (10, 30)
+
+
+def test_faster_device_takes_more_work():
+    # Device 1 runs every node twice as fast: the best split gives it 4 of 6 nodes.
+    compute = [(4, 2)] * 6
+    problem = make_problem(compute, chain(6), stages=2, micro_batches=16)
+    sol = solve(problem, time_limit=5)
+    assert sol.stage_of.count(1) == 4
+    assert sol.objective == brute_force(problem)
+
+
+def test_colocated_nodes_share_a_stage():
+    # Nodes 0 and 3 share a parameter (tied weights): they must sit together.
+    problem = make_problem([1, 5, 5, 1, 5], chain(5), stages=2, colocate=[(0, 3)], micro_batches=4)
+    sol = solve(problem, time_limit=5)
+    assert sol.stage_of[0] == sol.stage_of[3] == 0
+    assert sol.objective == brute_force(problem)
+
+
+@st.composite
+def random_problems(draw):
+    n = draw(st.integers(3, 7))
+    S = draw(st.integers(2, 3))
+    edges = {(i, i + 1) for i in range(n - 1) if draw(st.booleans())}
+    edges |= {(u, v) for u in range(n) for v in range(u + 2, n) if draw(st.integers(0, 4)) == 0}
+    costs = st.integers(0, 20)
+    compute = [[draw(costs) for _ in range(S)] for _ in range(n)]
+    return make_problem(
+        compute, sorted(edges), stages=S,
+        transfer=[draw(st.integers(0, 6)) for _ in range(n)],
+        state=[draw(st.integers(0, 5)) for _ in range(n)],
+        act=[draw(st.integers(0, 3)) for _ in range(n)],
+        recv=[draw(st.integers(0, 3)) for _ in range(n)],
+        capacity=[draw(st.integers(4, 25)) for _ in range(S)],
+        micro_batches=draw(st.integers(1, 6)),
+        latency=draw(st.integers(0, 3)),
+    )
+
+
+@settings(max_examples=40, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(random_problems())
+def test_solver_matches_brute_force_on_random_dags(problem):
+    best = brute_force(problem)
+    if best is None:
+        with pytest.raises(InfeasiblePlanError):
+            solve(problem, time_limit=5)
+        return
+    sol = solve(problem, time_limit=5)
+    assert not violations(problem, sol.stage_of)
+    assert sol.status == "OPTIMAL"
+    assert sol.objective == best
+    assert sol.bound <= best
+
+
+def test_infeasible_memory_names_device_cap_and_least_need():
+    problem = make_problem([1, 1, 1, 1], chain(4), stages=2, state=[1000] * 4, capacity=[1500, 1500])
+    with pytest.raises(InfeasiblePlanError) as err:
+        solve(problem, time_limit=5)
+    message = str(err.value)
+    assert "dev0" in message or "dev1" in message
+    assert "1.46 MiB" in message  # the cap, 1500 KiB
+    assert "1.95 MiB" in message  # least any plan needs on its fullest device: 2 × 1000 KiB
+    assert "Try:" in message
+
+
+def test_a_node_larger_than_every_device_is_named():
+    problem = make_problem([1, 1, 1], chain(3), stages=2, state=[10, 500, 10], capacity=[100, 100])
+    with pytest.raises(InfeasiblePlanError, match="node 'n1' \\(module 'mod1'\\) alone needs"):
+        solve(problem, time_limit=5)
+
+
+def test_more_devices_than_nodes_is_a_clear_error():
+    with pytest.raises(InfeasiblePlanError, match="3 devices but only 2 graph nodes"):
+        solve(make_problem([1, 1], chain(2), stages=3))
+
+
+def test_same_problem_same_plan():
+    problem = make_problem([3, 1, 4, 1, 5, 9, 2, 6], chain(8), stages=3, micro_batches=4)
+    assert solve(problem, seed=7).stage_of == solve(problem, seed=7).stage_of
+
+
+@pytest.mark.parametrize(
+    "stage_of, rule",
+    [
+        ((0, 1, 0, 1), "runs backwards"),
+        ((0, 0, 0), "places 3 nodes"),
+        ((0, 0, 0, 0), "stages [1] are empty"),
+        ((0, 0, 1, 5), "outside 0..1"),
+        ((1, 1, 1, 1), "stages [0] are empty"),
+    ],
+)
+def test_validate_rejects_broken_plans(stage_of, rule):
+    problem = make_problem([1, 1, 1, 1], chain(4), stages=2)
+    with pytest.raises(PlanValidationError, match=rule.replace("[", "\\[").replace("]", "\\]")):
+        validate(problem, stage_of)
+
+
+def test_validate_checks_memory_and_colocation_without_a_solver():
+    problem = make_problem([1, 1, 1, 1], chain(4), stages=2, state=[10, 10, 10, 10], capacity=[15, 100], colocate=[(1, 2)])
+    found = violations(problem, (0, 0, 1, 1))
+    assert any("over its cap" in v for v in found)
+    assert any("sit on stages [0, 1]" in v for v in found)
+    assert violations(problem, (0, 1, 1, 1)) == []
