@@ -79,6 +79,7 @@ def _stage_reports(problem: Problem, table, stage_of: Sequence[int]) -> tuple[St
                 memory_state=ev.state_mem[s] * KIB,
                 memory_activations=ev.act_mem[s] * KIB,
                 memory_received=ev.recv_mem[s] * KIB,
+                memory_transient=ev.transient_mem * KIB,
                 capacity=device.memory,
             )
         )

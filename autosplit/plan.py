@@ -47,11 +47,13 @@ class StageReport:
     """Parameters + gradients + optimizer state + buffers."""
     memory_activations: int
     memory_received: int
+    memory_transient: int
+    """Room kept for the largest tensor one op produces."""
     capacity: int
 
     @property
     def memory(self) -> int:
-        return self.memory_state + self.memory_activations + self.memory_received
+        return self.memory_state + self.memory_activations + self.memory_received + self.memory_transient
 
 
 @dataclass(frozen=True)
@@ -168,11 +170,11 @@ class Plan:
             f"captured by {self.capture}, graph {self.fingerprint}"
         )
         for s, st in enumerate(self.stages):
-            if st.memory_state + st.memory_activations + st.memory_received:
-                console.print(
-                    f"  stage {s} memory: state {format_bytes(st.memory_state)} (params + grads + optimizer + buffers), "
-                    f"activations {format_bytes(st.memory_activations)}, received {format_bytes(st.memory_received)}"
-                )
+            console.print(
+                f"  stage {s} memory: state {format_bytes(st.memory_state)} (params + grads + optimizer + buffers), "
+                f"activations {format_bytes(st.memory_activations)}, received {format_bytes(st.memory_received)}, "
+                f"transient {format_bytes(st.memory_transient)}"
+            )
         return console.file.getvalue().rstrip()
 
     def __str__(self) -> str:

@@ -18,7 +18,7 @@ method named in brackets):
     y[u, k]   ≥ b[v, k] − b[u, k]   ∀ u → v               crossings          [_crossings]
     t_s = Σ_n c[n,s]·in(n,s) + X_s + X_{s+1},  X_k = L_k + Σ_u x[u,k]·y[u,k]
     T ≥ t_s,  T ≥ ⌈Σ_n min_s c[n,s] / S⌉,  T ≥ max_n min_s c[n,s]          [_time]
-    Σ_n (m[n] + a[n,s])·in(n,s) + Σ_u r[u,s]·y[u,s] ≤ cap_s  ⇐ assume_s     [_memory]
+    Σ_n (m[n] + a[n,s])·in(n,s) + Σ_u r[u,s]·y[u,s] + R ≤ cap_s  ⇐ assume_s  [add_caps]
 
 Objective: minimise ``Σ_s t_s + (M − 1)·T`` (the step-time numerator of
 :mod:`autosplit.solver.problem`). The ordered-stage encoding turns precedence into
@@ -159,7 +159,7 @@ class _Model:
 
     def memory(self, s: int):
         p = self.p
-        mem = sum((p.state_mem[n] + p.act_mem[n][s]) * self.inside(n, s) for n in range(len(p.nodes)))
+        mem = p.transient_mem + sum((p.state_mem[n] + p.act_mem[n][s]) * self.inside(n, s) for n in range(len(p.nodes)))
         if s > 0:
             mem += sum(p.recv_mem[u][s] * y for (u, k), y in self.y.items() if k == s)
         return mem
@@ -199,7 +199,8 @@ def _solver(time_limit: float, seed: int, workers: int | None) -> cp_model.CpSol
 def _explain_memory(problem: Problem, core: list[int], time_limit: float, seed: int) -> str:
     """The least peak memory any plan reaches on its fullest device (caps ignored)."""
     model = _Model(problem)
-    peak = model.m.NewIntVar(0, sum(problem.state_mem) + sum(map(max, problem.act_mem)) + sum(map(max, problem.recv_mem)), "peak")
+    most = problem.transient_mem + sum(problem.state_mem) + sum(map(max, problem.act_mem)) + sum(map(max, problem.recv_mem))
+    peak = model.m.NewIntVar(0, most, "peak")
     for s in range(problem.num_stages):
         model.m.Add(peak >= model.memory(s))
     model.m.Minimize(peak)
@@ -236,7 +237,7 @@ def _precheck(problem: Problem) -> None:
         )
     largest = max(problem.capacity)
     for group in (*problem.colocate, *([n] for n in range(N))):
-        need = sum(problem.state_mem[n] + min(problem.act_mem[n]) for n in group)
+        need = problem.transient_mem + sum(problem.state_mem[n] + min(problem.act_mem[n]) for n in group)
         if need > largest:
             n = group[0]
             raise InfeasiblePlanError(

@@ -13,8 +13,9 @@ The step takes
     step = (Σ_s t_s + (M − 1) · max_s t_s) / M
 
 and :attr:`Problem` objectives are the numerator, an integer. Memory of stage ``s``:
-model state + saved activations × in-flight(s) / M + tensors received × in-flight(s) / M,
-with in-flight micro-batches from the schedule (DESIGN §4.2).
+model state + saved activations × in-flight(s) / M + tensors received × in-flight(s) / M
++ a transient reserve (the largest single output of one micro-batch, alive while the op
+that makes it runs), with in-flight micro-batches from the schedule (DESIGN §4.2).
 """
 
 from __future__ import annotations
@@ -71,6 +72,8 @@ class Problem:
     """[stage] KiB available."""
     colocate: tuple[tuple[int, ...], ...]
     micro_batches: int = 1
+    transient_mem: int = 0
+    """KiB every stage keeps free for the largest tensor one op produces."""
 
     @property
     def num_stages(self) -> int:
@@ -93,11 +96,12 @@ class Evaluation:
     state_mem: tuple[int, ...]
     act_mem: tuple[int, ...]
     recv_mem: tuple[int, ...]
+    transient_mem: int
     objective: int
 
     @property
     def memory(self) -> tuple[int, ...]:
-        return tuple(a + b + c for a, b, c in zip(self.state_mem, self.act_mem, self.recv_mem))
+        return tuple(a + b + c + self.transient_mem for a, b, c in zip(self.state_mem, self.act_mem, self.recv_mem))
 
     @property
     def bottleneck(self) -> int:
@@ -129,7 +133,9 @@ def evaluate(problem: Problem, stage_of: Sequence[int]) -> Evaluation:
     transfer = [(boundary[s - 1] if s > 0 else 0) + (boundary[s] if s < S - 1 else 0) for s in range(S)]
     time = [c + t for c, t in zip(compute, transfer)]
     objective = sum(time) + (problem.micro_batches - 1) * max(time)
-    return Evaluation(tuple(compute), tuple(transfer), tuple(time), tuple(state), tuple(act), tuple(recv), objective)
+    return Evaluation(
+        tuple(compute), tuple(transfer), tuple(time), tuple(state), tuple(act), tuple(recv), problem.transient_mem, objective
+    )
 
 
 def build_problem(
@@ -157,8 +163,6 @@ def build_problem(
         tuple(round(2 * nbytes / min(a.link_bandwidth, b.link_bandwidth) * NS) for a, b in pairs)
         for nbytes in table.output_bytes
     )
-    # The largest single output is a transient every device must leave room for.
-    reserve = max(table.output_bytes, default=0) / M
     return Problem(
         nodes=table.nodes,
         labels=table.module_paths,
@@ -171,7 +175,8 @@ def build_problem(
         state_mem=tuple(kib(b) for b in table.state_bytes),
         act_mem=tuple(tuple(kib(b * inflight[s] / M) for s in range(S)) for b in table.saved_bytes),
         recv_mem=tuple(tuple(kib(b * inflight[s] / M) for s in range(S)) for b in table.output_bytes),
-        capacity=tuple(max(0, (d.memory - math.ceil(reserve)) // KIB) for d in devices),
+        capacity=tuple(d.memory // KIB for d in devices),
         colocate=table.colocate,
         micro_batches=M,
+        transient_mem=kib(max(table.output_bytes, default=0) / M),
     )

@@ -1,0 +1,104 @@
+"""Reports and plan files: versioned JSON, rebuild without solving, mismatch errors (issue #2, item 9)."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+
+import autosplit
+from autosplit.examples import GPT
+from benchmarks.models import MLP
+
+
+def _gpt():
+    return GPT(vocab=30, d_model=16, n_layers=3, n_heads=2, max_len=8), (torch.randint(0, 30, (2, 8)),)
+
+
+def test_report_shows_every_device_and_the_solver(tmp_path):
+    model, inputs = _gpt()
+    plan = autosplit.plan(model, ["cpu"] * 3, example_inputs=inputs, memory={"cpu": "64MiB"}, time_limit=2)
+    text = str(plan)
+    for s in range(3):
+        assert f"│     {s} │ cpu" in text
+    for word in ("nodes", "params", "memory / cap", "64.00 MiB", "compute", "transfers", "bottleneck", "gap", "bound"):
+        assert word in text
+    assert plan.solver.status in ("OPTIMAL", "FEASIBLE")
+    assert plan.solver.bound <= plan.solver.objective
+    assert sum(s.nodes for s in plan.stages) == len(plan.assignment)
+    assert sum(s.params for s in plan.stages) == sum(p.numel() for p in model.parameters())
+
+
+def test_plan_round_trips_through_json(tmp_path):
+    model, inputs = _gpt()
+    plan = autosplit.plan(model, ["cpu", "A100-80GB"], example_inputs=inputs, time_limit=2)
+    path = tmp_path / "plan.json"
+    plan.save(path)
+    data = json.loads(path.read_text())
+    assert data["schema_version"] == 1 and data["fingerprint"] == plan.fingerprint
+    assert {"torch", "ortools"} <= set(data["versions"])
+    loaded = autosplit.Plan.load(path)
+    assert loaded == plan
+
+
+def test_saved_plan_rebuilds_the_same_split_without_solving(tmp_path, monkeypatch):
+    model, inputs = _gpt()
+    reference = copy.deepcopy(model)
+    first = autosplit.autosplit(copy.deepcopy(model), ["cpu"] * 3, example_inputs=inputs, time_limit=2)
+    first.plan.save(tmp_path / "plan.json")
+
+    def no_solving(*args, **kwargs):
+        raise AssertionError("a loaded plan must not be solved again")
+
+    monkeypatch.setattr(autosplit.pipeline, "solve", no_solving)
+    again = autosplit.autosplit(model, None, example_inputs=inputs, plan=str(tmp_path / "plan.json"))
+    assert again.plan.assignment == first.plan.assignment
+    assert [s.code for s in again.stages] == [s.code for s in first.stages]
+    torch.testing.assert_close(again(*inputs), reference(*inputs))
+
+
+def test_plan_for_another_model_is_rejected(tmp_path):
+    model, inputs = _gpt()
+    autosplit.plan(model, ["cpu"] * 2, example_inputs=inputs, time_limit=2).save(tmp_path / "gpt.json")
+    other = MLP((8, 16, 4))
+    with pytest.raises(autosplit.PlanMismatchError, match="not in the plan"):
+        autosplit.autosplit(other, None, example_inputs=(torch.randn(2, 8),), plan=tmp_path / "gpt.json")
+
+
+def test_plan_for_another_size_of_the_same_model_is_rejected(tmp_path):
+    model, inputs = _gpt()
+    autosplit.plan(model, ["cpu"] * 2, example_inputs=inputs, time_limit=2).save(tmp_path / "gpt.json")
+    wider = GPT(vocab=30, d_model=32, n_layers=3, n_heads=2, max_len=8)
+    with pytest.raises(autosplit.PlanMismatchError, match="different ops, edges or parameter shapes"):
+        autosplit.autosplit(wider, None, example_inputs=inputs, plan=tmp_path / "gpt.json")
+
+
+def test_unknown_schema_version_is_rejected(tmp_path):
+    model, inputs = _gpt()
+    plan = autosplit.plan(model, ["cpu"] * 2, example_inputs=inputs, time_limit=2)
+    data = plan.to_dict() | {"schema_version": 99}
+    (tmp_path / "p.json").write_text(json.dumps(data))
+    with pytest.raises(autosplit.PlanMismatchError, match="schema version 99"):
+        autosplit.Plan.load(tmp_path / "p.json")
+
+
+def test_plan_for_absent_hardware_and_memory_infeasibility():
+    model, inputs = _gpt()
+    plan = autosplit.plan(model, ["H100-80GB"] * 2, example_inputs=inputs, time_limit=2)
+    assert [d.name for d in plan.devices] == ["H100-80GB"] * 2
+    with pytest.raises(autosplit.DeviceError, match="presets describe hardware to plan for"):
+        autosplit.autosplit(model, ["H100-80GB"] * 2, example_inputs=inputs)
+    with pytest.raises(autosplit.InfeasiblePlanError, match="least memory any plan needs") as err:
+        autosplit.plan(model, ["cpu"] * 2, example_inputs=inputs, memory={"cpu": "40KiB"}, time_limit=2)
+    assert "cap 40.00 KiB" in str(err.value)
+
+
+def test_generated_source_is_readable():
+    model, inputs = _gpt()
+    split = autosplit.autosplit(model, ["cpu"] * 2, example_inputs=inputs, time_limit=2)
+    code = split.code
+    assert "# stage 0 on cpu" in code and "# stage 1 on cpu" in code
+    assert "self.stage0(" in code and "self.stage1(" in code
+    assert "def forward(self, idx" in code
