@@ -28,10 +28,10 @@ Usage::
 from __future__ import annotations
 
 import operator
-from collections import defaultdict
 from dataclasses import dataclass
 
 import torch.fx as fx
+from networkx.utils import UnionFind
 
 from autosplit.devices import DeviceSpec
 from autosplit.errors import CostModelError
@@ -94,26 +94,6 @@ def _times(node: fx.Node, info: NodeInfo, spec: DeviceSpec) -> tuple[float, floa
     return fwd, bwd
 
 
-class _UnionFind:
-    def __init__(self, n: int):
-        self.parent = list(range(n))
-
-    def find(self, i: int) -> int:
-        while self.parent[i] != i:
-            self.parent[i] = self.parent[self.parent[i]]
-            i = self.parent[i]
-        return i
-
-    def union(self, a: int, b: int) -> None:
-        self.parent[self.find(a)] = self.find(b)
-
-    def groups(self) -> tuple[tuple[int, ...], ...]:
-        out: dict[int, list[int]] = defaultdict(list)
-        for i in range(len(self.parent)):
-            out[self.find(i)].append(i)
-        return tuple(tuple(g) for g in out.values() if len(g) > 1)
-
-
 def estimate(gm: fx.GraphModule, devices: tuple[DeviceSpec, ...], *, optimizer: str = "adam") -> CostTable:
     """Build the :class:`CostTable` of an annotated graph for ``devices``."""
     if optimizer not in OPTIMIZER_STATE_BYTES:
@@ -125,7 +105,7 @@ def estimate(gm: fx.GraphModule, devices: tuple[DeviceSpec, ...], *, optimizer: 
 
     edges = sorted({(index[u], index[v]) for v in nodes for u in v.all_input_nodes if u in index})
 
-    colocate = _UnionFind(len(nodes))
+    colocate = UnionFind(range(len(nodes)))
     order_edges: set[tuple[int, int]] = set()
     first_call: dict[str, int] = {}
     for i, n in enumerate(nodes):
@@ -160,6 +140,6 @@ def estimate(gm: fx.GraphModule, devices: tuple[DeviceSpec, ...], *, optimizer: 
         output_bytes=tuple(info.output_bytes for info in infos),
         edges=tuple(edges),
         order_edges=tuple(sorted(order_edges - set(edges))),
-        colocate=colocate.groups(),
+        colocate=tuple(sorted(tuple(sorted(g)) for g in colocate.to_sets() if len(g) > 1)),
         param_counts=tuple(info.param_count for info in infos),
     )

@@ -57,7 +57,7 @@ class MultiHead(nn.Module):
     def forward(self, x, scale: float = 1.0):
         h = self.act(self.inp(x))
         h = self.shared(h)
-        h += 1.0
+        h.add_(1.0)  # a real in-place write (fx traces `h += 1` as an out-of-place add)
         g = self.shared(torch.tanh(h)) * scale
         return {"logits": self.cls(g), "aux": (self.reg(h), g.sum(-1))}
 
@@ -133,3 +133,24 @@ def test_tied_embedding_is_one_parameter_on_one_device():
     stage0 = split.stages[0]
     (tied,) = [n for n in stage0.graph.find_nodes(op="get_attr") if operator.attrgetter(n.target)(stage0) is split.wte.weight]
     assert tied.name in {n.name for n in split.stages[-1].graph.find_nodes(op="placeholder")}
+
+
+def test_module_called_twice_and_in_place_writes_stay_with_their_tensor():
+    model, inputs, kwargs = ZOO["dict_tuple_output"]()
+    split = assert_trains_like(model, ["cpu"] * 4, inputs, kwargs, steps=1)
+    a = split.plan.assignment
+    assert a["shared"] == a["shared_1"], "both calls of the shared module use its one set of parameters"
+    assert a["add_"] == a["shared"], "h.add_(1) writes h where h lives"
+    assert a["act"] == a["inp"], "ReLU(inplace=True) writes its input where it lives"
+    from autosplit.devices import resolve_devices
+    from autosplit.passes.annotate import annotate
+    from autosplit.passes.capture import capture, flat_inputs
+    from autosplit.passes.costs import estimate
+
+    model, inputs, kwargs = ZOO["dict_tuple_output"]()
+    captured = capture(model, inputs, kwargs)
+    annotate(captured, flat_inputs(captured, model, inputs, kwargs))
+    table = estimate(captured.gm, resolve_devices(["cpu"] * 2))
+    groups = [{table.nodes[i] for i in g} for g in table.colocate]
+    assert {"shared", "shared_1", "add_"} <= next(g for g in groups if "shared" in g)
+    assert {"inp", "act"} in groups
