@@ -148,6 +148,8 @@ def _compile(
             wall_time=solution.wall_time,
             time_limit=time_limit,
             seed=seed,
+            baseline=None if solution.baseline is None else solution.baseline / M / NS,
+            units=solution.units,
         ),
         fingerprint=graph_id,
         capture=captured.method,

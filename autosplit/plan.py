@@ -68,6 +68,10 @@ class SolverInfo:
     wall_time: float
     time_limit: float
     seed: int
+    baseline: float | None = None
+    """Predicted step time of the dynamic program's plan (contiguous split of one order), seconds."""
+    units: int = 0
+    """Units the solver placed: graph nodes, or blocks after coarsening."""
 
 
 @dataclass(frozen=True)
@@ -167,6 +171,7 @@ class Plan:
             f"predicted step time {_ms(self.step_time)} ({self.schedule}, {self.micro_batches} micro-batches); "
             f"solver {sv.name}: {sv.status}, objective {_ms(sv.objective)}, bound {_ms(sv.bound)}, "
             f"gap {sv.gap:.2%}, {sv.wall_time:.2f}s (limit {sv.time_limit:g}s, seed {sv.seed}); "
+            f"{sv.units} units; dynamic program {_ms(sv.baseline) if sv.baseline is not None else 'found no split'}; "
             f"captured by {self.capture}, graph {self.fingerprint}"
         )
         for s, st in enumerate(self.stages):

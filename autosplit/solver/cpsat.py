@@ -25,12 +25,12 @@ Objective: minimise ``Σ_s t_s + (M − 1)·T`` (the step-time numerator of
 implications that CP-SAT propagates well and whose LP relaxation is tight, unlike a
 one-hot ``x[n, d]`` model that stalls at several hundred nodes. Every memory cap is
 guarded by an assumption literal, so an infeasible problem comes back with the devices
-whose caps conflict. A contiguous split of the topological order that balances compute
-is passed as a hint, and returned if the time limit ends before CP-SAT finds a plan.
+whose caps conflict. :mod:`autosplit.solver.solve` passes the dynamic program's plan as a
+hint and keeps it if the time limit ends first.
 
 Usage::
 
-    solution = solve(problem, time_limit=10, seed=0)
+    status, stage_of, bound, core = cpsat(problem, hint, time_limit=10, seed=0, workers=None)
 """
 
 from __future__ import annotations
@@ -38,49 +38,17 @@ from __future__ import annotations
 import logging
 import math
 import os
-import time
-from dataclasses import dataclass
+from collections.abc import Sequence
 
 from ortools.sat.python import cp_model
 
-from autosplit.errors import InfeasiblePlanError, SolverError
+from autosplit.errors import InfeasiblePlanError
+from autosplit.solver.problem import KIB, Problem
 from autosplit.units import format_bytes
-from autosplit.solver.problem import KIB, Problem, evaluate
-from autosplit.solver.validate import violations
 
-__all__ = ["Solution", "solve", "balanced_split"]
+__all__ = ["cpsat", "explain_memory", "precheck"]
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Solution:
-    stage_of: tuple[int, ...]
-    status: str
-    """``OPTIMAL``, ``FEASIBLE`` (time limit, proven gap) or ``HINT`` (fallback to the hint)."""
-    objective: int
-    bound: int
-    wall_time: float
-    solver: str = "cp-sat"
-
-    @property
-    def gap(self) -> float:
-        return 0.0 if self.objective <= 0 else max(0.0, (self.objective - self.bound) / self.objective)
-
-
-def balanced_split(problem: Problem) -> tuple[int, ...]:
-    """Contiguous split of the topological order into S non-empty runs of about equal compute."""
-    N, S = len(problem.nodes), problem.num_stages
-    cost = [max(1, row[0]) for row in problem.compute]
-    total = sum(cost)
-    stage_of, s, acc = [], 0, 0
-    for n in range(N):
-        # Move on when this stage has its share, but leave one node for each later stage.
-        if s < S - 1 and (acc >= total * (s + 1) / S or N - n <= S - 1 - s) and any(x == s for x in stage_of):
-            s += 1
-        stage_of.append(s)
-        acc += cost[n]
-    return tuple(stage_of)
 
 
 class _Model:
@@ -189,14 +157,18 @@ class _Model:
 
 
 def _solver(time_limit: float, seed: int, workers: int | None) -> cp_model.CpSolver:
+    """A seeded solver whose answer does not depend on timing: workers run interleaved and the
+    limit is CP-SAT's deterministic time (about seconds); the wall-clock limit is only a guard."""
     solver = cp_model.CpSolver()
-    solver.parameters.max_time_in_seconds = float(time_limit)
     solver.parameters.random_seed = int(seed)
-    solver.parameters.num_workers = workers or min(8, max(1, os.cpu_count() or 1))
+    solver.parameters.num_workers = workers or min(8, max(2, os.cpu_count() or 1))
+    solver.parameters.interleave_search = True
+    solver.parameters.max_deterministic_time = float(time_limit)
+    solver.parameters.max_time_in_seconds = 4 * float(time_limit)
     return solver
 
 
-def _explain_memory(problem: Problem, core: list[int], time_limit: float, seed: int) -> str:
+def explain_memory(problem: Problem, core: list[int], time_limit: float, seed: int) -> str:
     """The least peak memory any plan reaches on its fullest device (caps ignored)."""
     model = _Model(problem)
     most = problem.transient_mem + sum(problem.state_mem) + sum(map(max, problem.act_mem)) + sum(map(max, problem.recv_mem))
@@ -222,7 +194,7 @@ def _kib(kib: int) -> str:
     return format_bytes(kib * KIB)
 
 
-def _precheck(problem: Problem) -> None:
+def precheck(problem: Problem) -> None:
     N, S = len(problem.nodes), problem.num_stages
     if S > N:
         raise InfeasiblePlanError(
@@ -248,44 +220,24 @@ def _precheck(problem: Problem) -> None:
             )
 
 
-def solve(problem: Problem, *, time_limit: float = 10.0, seed: int = 0, workers: int | None = None) -> Solution:
-    """Best assignment of ``problem`` found within ``time_limit`` seconds, with its bound."""
-    start = time.perf_counter()
-    _precheck(problem)
-    hint = balanced_split(problem)
-    if problem.num_stages == 1:
-        ev = evaluate(problem, hint)
-        if ev.memory[0] > problem.capacity[0]:
-            raise InfeasiblePlanError(_explain_memory(problem, [0], time_limit, seed))
-        return Solution(hint, "OPTIMAL", ev.objective, ev.objective, time.perf_counter() - start)
-
+def cpsat(
+    problem: Problem, hint: Sequence[int] | None, *, time_limit: float, seed: int, workers: int | None
+) -> tuple[str, tuple[int, ...] | None, float, list[int]]:
+    """Run the model: (status name, assignment or None, best bound, devices in the infeasibility core)."""
     model = _Model(problem)
     lits = model.add_caps()
-    model.hint(hint)
+    if hint is not None:
+        model.hint(tuple(hint))
     model.m.Minimize(model.objective)
     solver = _solver(time_limit, seed, workers)
     status = solver.Solve(model.m)
-    wall = time.perf_counter() - start
-    log.info(
-        "cp-sat: %s in %.2fs, %d nodes x %d stages, objective %s bound %s",
-        solver.StatusName(status), wall, len(problem.nodes), problem.num_stages,
-        solver.ObjectiveValue() if status in (cp_model.OPTIMAL, cp_model.FEASIBLE) else "-", solver.BestObjectiveBound(),
-    )
+    name = solver.StatusName(status)
+    log.info("cp-sat: %s in %.2fs, %d nodes x %d stages, bound %s", name, solver.WallTime(),
+             len(problem.nodes), problem.num_stages, solver.BestObjectiveBound())
     if status in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-        stage_of = model.stage_of(solver)
-        objective = evaluate(problem, stage_of).objective
-        bound = min(objective, math.ceil(solver.BestObjectiveBound()))
-        return Solution(stage_of, solver.StatusName(status), objective, bound, wall)
+        return name, model.stage_of(solver), solver.BestObjectiveBound(), []
+    core: list[int] = []
     if status == cp_model.INFEASIBLE:
         index = {lit.Index(): s for s, lit in enumerate(lits)}
         core = sorted(index[i] for i in solver.SufficientAssumptionsForInfeasibility() if i in index)
-        raise InfeasiblePlanError(_explain_memory(problem, core, time_limit, seed))
-    if not violations(problem, hint):
-        log.warning("cp-sat found no plan in %.1fs; falling back to the balanced split", time_limit)
-        objective = evaluate(problem, hint).objective
-        return Solution(hint, "HINT", objective, min(objective, math.ceil(solver.BestObjectiveBound())), wall)
-    raise SolverError(
-        f"CP-SAT found no plan for {len(problem.nodes)} nodes on {problem.num_stages} devices within "
-        f"{time_limit:.1f}s (status {solver.StatusName(status)}), and the balanced split breaks a constraint. "
-        "Try: a longer time_limit, or looser memory caps."
-    )
+    return name, None, solver.BestObjectiveBound(), core

@@ -1,0 +1,192 @@
+r"""Exact dynamic program over split points of a topological order (DESIGN §4.4).
+
+Stages are contiguous runs of one topological order, stage ``s`` on device ``s``; cuts
+may fall only at ``allowed`` positions (block boundaries after coarsening, or every
+position). With prefix sums, stage ``s`` over positions ``(a, b]`` costs
+
+    t_s(a, b) = C_s[b] − C_s[a] + X_s[a] + X_{s+1}[b]
+
+where ``C_s`` is compute on device ``s`` and ``X_k[p]`` the transfer time at boundary
+``k`` when it sits at position ``p`` (the tensors produced at or before ``p`` and read
+after it, relayed stage to stage, plus latency). Memory is checked per segment the same
+way. Two passes, each O(S · K²) over K allowed cuts, vectorised with numpy:
+
+1. *bottleneck*: ``f_s[b] = min_a max(f_{s−1}[a], t_s(a, b))`` gives T*, the least
+   possible slowest stage (the classic linear-partition recurrence).
+2. *sum under a cap*: ``g_s[b] = min_a g_{s−1}[a] + t_s(a, b)`` over segments with
+   ``t_s ≤ T`` gives the least Σ t_s given bottleneck ≤ T.
+
+The pipeline objective ``Σ t_s + (M − 1)·max t_s`` is minimised by scanning T over the
+segment costs in ``[T*, T* + (g(T*) − g(∞)) / (M − 1)]``: a larger bottleneck cannot pay
+for itself. The scan is exact; it stops at ``max_candidates`` values, evenly spread (then the
+result is the best of those, still a valid plan) so the DP's time stays bounded.
+
+Usage::
+
+    order = topological_order(problem)
+    stage_of = split_dp(problem, order)          # None when no contiguous split fits memory
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from autosplit.solver.problem import Problem
+
+__all__ = ["topological_order", "split_dp", "forbidden_cuts"]
+
+_INF = np.inf
+
+
+def topological_order(problem: Problem) -> list[int]:
+    """The nodes' order with every input-free node moved to just before its first reader.
+
+    Captured graphs list parameters (``torch.export`` hoists every ``get_attr``) and
+    input-only computations (mask preprocessing) at the top; left there they would pin
+    the first stage and break module runs apart.
+    """
+    preds: list[list[int]] = [[] for _ in problem.nodes]
+    for u, v in (*problem.edges, *problem.order_edges):
+        preds[v].append(u)
+    deferred = {n for n in range(len(problem.nodes)) if not preds[n]}
+    emitted: set[int] = set()
+    order: list[int] = []
+
+    def emit(n: int) -> None:
+        for u in preds[n]:
+            if u not in emitted:
+                emit(u)
+        emitted.add(n)
+        order.append(n)
+
+    for n in range(len(problem.nodes)):
+        if n not in deferred and n not in emitted:
+            emit(n)
+    for n in sorted(deferred - emitted):  # sources nothing reads
+        emit(n)
+    return order
+
+
+def forbidden_cuts(problem: Problem, order: Sequence[int]) -> np.ndarray:
+    """Cut positions that would separate colocated nodes (boolean mask over 0..N)."""
+    pos = np.empty(len(order), dtype=np.int64)
+    pos[np.asarray(order)] = np.arange(len(order))
+    diff = np.zeros(len(order) + 2, dtype=np.int64)
+    for group in problem.colocate:
+        p = pos[list(group)]
+        diff[p.min() + 1] += 1
+        diff[p.max() + 1] -= 1
+    return np.cumsum(diff)[: len(order) + 1] > 0
+
+
+def _prefix(problem: Problem, order: Sequence[int]):
+    """Prefix sums along ``order``: compute[s], state, act[s], and boundary arrays per boundary k."""
+    o = np.asarray(order)
+    N, S = len(order), problem.num_stages
+    compute = np.asarray(problem.compute, dtype=np.float64)[o]  # (N, S)
+    act = np.asarray(problem.act_mem, dtype=np.float64)[o]
+    state = np.asarray(problem.state_mem, dtype=np.float64)[o]
+    zero = np.zeros((1, S))
+    C = np.vstack([zero, np.cumsum(compute, axis=0)])  # (N+1, S)
+    A = np.vstack([zero, np.cumsum(act, axis=0)])
+    Mst = np.concatenate([[0.0], np.cumsum(state)])
+    # Tensor u crosses every cut position in [pos(u) + 1, last reader position].
+    pos = np.empty(N, dtype=np.int64)
+    pos[o] = np.arange(N)
+    last = pos.copy()
+    for u, v in problem.edges:
+        last[u] = max(last[u], pos[v])
+    transfer = np.asarray(problem.transfer, dtype=np.float64).reshape(N, max(S - 1, 0))
+    recv = np.asarray(problem.recv_mem, dtype=np.float64)
+    X = np.zeros((N + 2, max(S - 1, 0)))
+    R = np.zeros((N + 2, S))
+    crossing = last > pos
+    starts, stops = pos[crossing] + 1, last[crossing] + 1
+    np.add.at(X, starts, transfer[crossing])
+    np.add.at(X, stops, -transfer[crossing])
+    np.add.at(R, starts, recv[crossing])
+    np.add.at(R, stops, -recv[crossing])
+    X = np.cumsum(X, axis=0)[: N + 1] + np.asarray(problem.boundary_latency, dtype=np.float64)
+    R = np.cumsum(R, axis=0)[: N + 1]
+    return C, A, Mst, X, R
+
+
+def split_dp(
+    problem: Problem,
+    order: Sequence[int],
+    allowed: Sequence[int] | None = None,
+    *,
+    max_candidates: int = 8,
+) -> tuple[int, ...] | None:
+    """Best contiguous split of ``order`` into S non-empty stages (node index → stage), or None."""
+    N, S, Mb = len(order), problem.num_stages, problem.micro_batches
+    if S > N:
+        return None
+    bad = forbidden_cuts(problem, order)
+    cuts = np.arange(N + 1) if allowed is None else np.unique(np.concatenate([[0, N], np.asarray(allowed, dtype=np.int64)]))
+    cuts = cuts[~bad[cuts]]
+    C, A, Mst, X, R = _prefix(problem, order)
+    a_idx, b_idx = cuts[:, None], cuts[None, :]
+    forward = a_idx < b_idx  # (K, K): segment (a, b] is non-empty
+
+    def seg(s: int) -> np.ndarray:
+        """(K, K) time of stage s over (a, b]; +inf where empty or over the memory cap."""
+        t = C[b_idx, s] - C[a_idx, s]
+        mem = Mst[b_idx] - Mst[a_idx] + A[b_idx, s] - A[a_idx, s] + problem.transient_mem
+        if s > 0:
+            t = t + X[a_idx, s - 1]
+            mem = mem + R[a_idx, s]
+        if s < S - 1:
+            t = t + X[b_idx, s]
+        return np.where(forward & (mem <= problem.capacity[s]), t, _INF)
+
+    def run(combine, cap: float, collect: tuple[float, float] | None = None):
+        """DP over stages: (value at the end, back-pointers, segment costs seen within ``collect``)."""
+        K = len(cuts)
+        val = np.full(K, _INF)
+        val[0] = 0.0
+        back, seen = [], []
+        for s in range(S):
+            t = seg(s)
+            if collect is not None:
+                seen.append(t[(t >= collect[0]) & (t <= collect[1])])
+            if cap < _INF:
+                t[t > cap] = _INF
+            cand = combine(val[:, None], t)  # (K, K): via a, ending at b
+            arg = np.argmin(cand, axis=0)
+            val = cand[arg, np.arange(K)]
+            back.append(arg)
+        return val[-1], back, seen
+
+    def walk(back) -> tuple[int, ...]:
+        stage_of = [0] * N
+        b = len(cuts) - 1
+        for s in range(S - 1, -1, -1):
+            a = back[s][b]
+            for p in range(cuts[a], cuts[b]):
+                stage_of[order[p]] = s
+            b = a
+        return tuple(stage_of)
+
+    t_star, _, _ = run(np.maximum, _INF)
+    if not np.isfinite(t_star):
+        return None
+    free_sum, free_back, _ = run(np.add, _INF)
+    if Mb == 1:  # no pipelining: only the sum counts
+        return walk(free_back)
+    base_sum, base_back, _ = run(np.add, t_star)
+    limit = t_star + (base_sum - free_sum) / (Mb - 1)
+    best_obj, best_back = base_sum + (Mb - 1) * t_star, base_back
+    if limit > t_star:
+        _, _, seen = run(np.add, t_star, collect=(t_star, limit))
+        candidates = np.unique(np.concatenate(seen))
+        candidates = candidates[candidates > t_star]
+        if len(candidates) > max_candidates:
+            candidates = candidates[np.linspace(0, len(candidates) - 1, max_candidates).round().astype(int)]
+        for T in candidates:
+            total, back, _ = run(np.add, T)
+            if np.isfinite(total) and total + (Mb - 1) * T < best_obj:
+                best_obj, best_back = total + (Mb - 1) * T, back
+    return walk(best_back)

@@ -1,0 +1,138 @@
+"""The planning strategy: exact DP, coarsening when the graph is large, CP-SAT, a proven bound.
+
+1. Order the nodes topologically (:func:`~autosplit.solver.dp.topological_order`).
+2. *Dynamic program* over split points of that order — every position for graphs up to
+   ``dp_node_limit`` nodes; otherwise the block boundaries of :func:`coarsen`, then again
+   over every position near the chosen cuts (*refinement*). It is exact over the cuts it
+   may use, runs in seconds, and is the baseline the report shows.
+3. *CP-SAT* (:mod:`~autosplit.solver.cpsat`) on the nodes, or on the blocks when the node
+   model would be too large, with the DP's plan as a hint. CP-SAT may leave the DP's
+   order (parallel branches can move across stages), so it can only improve on it; the
+   better plan, judged by :func:`evaluate` on the nodes, is returned.
+4. The bound: CP-SAT's proven bound when it ran on the nodes, else the analytic bound
+   ``Σ_n min_s c[n,s] + 2·Σ latency + (M − 1)·max(⌈that / S⌉, max_n min_s c[n,s])``.
+
+Deterministic: the same problem, seed and limits give the same plan (CP-SAT runs its
+workers interleaved under a deterministic time limit), so every rank of a distributed
+job can plan on its own and agree.
+
+Usage::
+
+    solution = solve(problem, time_limit=10, seed=0)
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass
+
+from autosplit.errors import InfeasiblePlanError, SolverError
+from autosplit.passes.coarsen import Coarsening, coarse_problem, coarsen
+from autosplit.solver.cpsat import cpsat, explain_memory, precheck
+from autosplit.solver.dp import split_dp, topological_order
+from autosplit.solver.problem import Problem, evaluate
+from autosplit.solver.validate import violations
+
+__all__ = ["Solution", "solve", "lower_bound"]
+
+log = logging.getLogger(__name__)
+
+DP_NODE_LIMIT = 1200
+"""Up to this many nodes the DP may cut anywhere; above, only at block boundaries (then refined)."""
+CPSAT_VAR_LIMIT = 12_000
+"""Largest CP-SAT model, in stage booleans (units × (S − 1)), worth building in Python."""
+BLOCKS_PER_STAGE = 16
+"""Coarsening target: a block costs at most 1/16 of an ideal stage, so cutting only at block
+boundaries costs at most that much balance before refinement."""
+
+
+@dataclass(frozen=True)
+class Solution:
+    stage_of: tuple[int, ...]
+    status: str
+    """``OPTIMAL`` (the objective meets the proven bound) or ``FEASIBLE`` (within :attr:`gap` of it)."""
+    objective: int
+    bound: int
+    wall_time: float
+    solver: str = "cp-sat"
+    """Which method produced the plan: ``"cp-sat"`` or ``"dp"``."""
+    baseline: int | None = None
+    """Objective of the dynamic program's plan (None when it found none)."""
+    units: int = 0
+    """How many units the solver placed: nodes, or blocks after coarsening."""
+
+    @property
+    def gap(self) -> float:
+        return 0.0 if self.objective <= 0 else max(0.0, (self.objective - self.bound) / self.objective)
+
+
+def lower_bound(problem: Problem) -> int:
+    """A bound no plan beats: every node at its fastest, perfectly balanced, latency paid."""
+    S = problem.num_stages
+    fastest = [min(row) for row in problem.compute]
+    total = sum(fastest) + 2 * sum(problem.boundary_latency)
+    return total + (problem.micro_batches - 1) * max(math.ceil(total / S), max(fastest, default=0))
+
+
+def _refine(problem: Problem, c: Coarsening, block_plan: tuple[int, ...]) -> tuple[int, ...] | None:
+    """Re-run the DP allowing every position inside the blocks next to each chosen cut."""
+    pos = {n: p for p, n in enumerate(c.order)}
+    chosen = sorted({pos[n] for n in range(len(block_plan))
+                     if pos[n] > 0 and block_plan[n] != block_plan[c.order[pos[n] - 1]]})
+    allowed: set[int] = set()
+    for cut in chosen:
+        j = c.bounds.index(cut)
+        allowed.update(range(c.bounds[max(0, j - 1)], c.bounds[min(len(c.bounds) - 1, j + 1)] + 1))
+    return split_dp(problem, c.order, sorted(allowed))
+
+
+def solve(problem: Problem, *, time_limit: float = 10.0, seed: int = 0, workers: int | None = None) -> Solution:
+    """Best assignment found within ``time_limit`` seconds, with its proven bound."""
+    start = time.perf_counter()
+    precheck(problem)
+    N, S = len(problem.nodes), problem.num_stages
+    order = topological_order(problem)
+
+    coarse: Coarsening | None = None
+    if N <= DP_NODE_LIMIT:
+        dp = split_dp(problem, order)
+    else:
+        ideal = sum(sum(row) / S for row in problem.compute) / S
+        coarse = coarsen(problem, order, max_cost=ideal / BLOCKS_PER_STAGE)
+        block_dp = split_dp(problem, order, coarse.bounds)
+        refined = _refine(problem, coarse, block_dp) if block_dp else None
+        dp = min((p for p in (block_dp, refined) if p), key=lambda p: evaluate(problem, p).objective, default=None)
+        log.info("coarsened %d nodes into %d blocks (%d repeated groups, largest %d)", N, coarse.num_blocks,
+                 len(coarse.repeated), len(coarse.repeated[0]) if coarse.repeated else 0)
+    candidates = {"dp": dp} if dp else {}
+    baseline = evaluate(problem, dp).objective if dp else None
+
+    target = problem if coarse is None else coarse_problem(problem, coarse)
+    units = len(target.nodes)
+    bound = lower_bound(problem)
+    remaining = time_limit - (time.perf_counter() - start)
+    if units * (S - 1) <= CPSAT_VAR_LIMIT and remaining > 0 and S > 1:
+        hint = dp if coarse is None else (block_dp and tuple(block_dp[coarse.members(b)[0]] for b in range(units)))
+        name, found, cp_bound, core = cpsat(target, hint, time_limit=remaining, seed=seed, workers=workers)
+        if found is not None:
+            candidates["cp-sat"] = found if coarse is None else coarse.to_nodes(found)
+        if coarse is None:  # a bound on the nodes themselves: valid for every plan
+            if name == "INFEASIBLE":
+                raise InfeasiblePlanError(explain_memory(problem, core, time_limit, seed))
+            bound = max(bound, math.ceil(cp_bound))
+    valid = {k: v for k, v in candidates.items() if not violations(problem, v)}
+    if not valid:
+        if N * (S - 1) <= CPSAT_VAR_LIMIT:
+            raise InfeasiblePlanError(explain_memory(problem, [], time_limit, seed))
+        raise SolverError(
+            f"no plan found for {N} nodes on {S} devices within {time_limit:.1f}s: the dynamic program found no "
+            "contiguous split that fits memory and CP-SAT found none either. Try: a longer time_limit, looser "
+            "memory caps, or more devices."
+        )
+    method, stage_of = min(valid.items(), key=lambda kv: (evaluate(problem, kv[1]).objective, kv[0] != "dp"))
+    objective = evaluate(problem, stage_of).objective
+    bound = min(bound, objective)
+    status = "OPTIMAL" if bound == objective else "FEASIBLE"
+    return Solution(stage_of, status, objective, bound, time.perf_counter() - start, method, baseline, units)

@@ -1,0 +1,161 @@
+"""Coarsen: group nodes into blocks so the solver plans hundreds of units, not tens of thousands.
+
+Blocks are runs of one topological order (so every block is convex: contracting it
+cannot create a cycle), cut along the module hierarchy:
+
+1. *module hierarchy*: start from the top-level modules; a run whose cost exceeds
+   ``max_cost`` is split into its sub-modules' runs, recursively, down to single nodes;
+2. *chain contraction*: neighbouring runs are merged back while the merged block stays
+   within ``max_cost`` (a chain of small ops becomes one block);
+3. *repeated layers*: blocks with identical cost signatures (a transformer's layers) are
+   reported as one repeated group, as RaNNC and AutoParallel's region clustering do.
+
+Costs come from the plain :class:`~autosplit.solver.problem.Problem`, whose labels are the
+module paths fx recorded, so this works on graphs from symbolic tracing and from
+``torch.export`` alike, and needs no torch.
+
+Usage::
+
+    c = coarsen(problem, topological_order(problem), max_cost=total / (16 * S))
+    coarse = coarse_problem(problem, c)         # solve this, then c.to_nodes(coarse_stage_of)
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from autosplit.solver.dp import forbidden_cuts
+from autosplit.solver.problem import Problem
+
+__all__ = ["Coarsening", "coarsen", "coarse_problem"]
+
+
+@dataclass(frozen=True)
+class Coarsening:
+    """Blocks as runs of ``order``: block ``i`` holds ``order[bounds[i]:bounds[i + 1]]``."""
+
+    order: tuple[int, ...]
+    bounds: tuple[int, ...]
+    labels: tuple[str, ...]
+    repeated: tuple[tuple[int, ...], ...]
+    """Groups of block indices with identical costs (repeated layers), largest first."""
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.bounds) - 1
+
+    def members(self, block: int) -> tuple[int, ...]:
+        return self.order[self.bounds[block] : self.bounds[block + 1]]
+
+    def to_nodes(self, block_stage: Sequence[int]) -> tuple[int, ...]:
+        """Map a block-level assignment back to every node."""
+        stage_of = [0] * len(self.order)
+        for b, s in enumerate(block_stage):
+            for n in self.members(b):
+                stage_of[n] = s
+        return tuple(stage_of)
+
+
+def _prefix(label: str, depth: int) -> str:
+    return ".".join(label.split(".")[:depth]) if label else ""
+
+
+def coarsen(problem: Problem, order: Sequence[int], *, max_cost: float) -> Coarsening:
+    """Blocks of at most ``max_cost`` compute (unless one node alone is larger)."""
+    cost = [sum(row) / len(row) for row in problem.compute]
+    labels = [problem.labels[n] for n in order]
+    prefix_cost = [0.0]
+    for n in order:
+        prefix_cost.append(prefix_cost[-1] + cost[n])
+
+    def span_cost(lo: int, hi: int) -> float:
+        return prefix_cost[hi] - prefix_cost[lo]
+
+    def runs(lo: int, hi: int, depth: int) -> list[tuple[int, int]]:
+        out, start = [], lo
+        for p in range(lo + 1, hi + 1):
+            if p == hi or _prefix(labels[p], depth) != _prefix(labels[start], depth):
+                out.append((start, p))
+                start = p
+        return out
+
+    max_depth = max((label.count(".") + 1 for label in labels if label), default=1)
+
+    def split(lo: int, hi: int, depth: int) -> list[tuple[int, int]]:
+        if span_cost(lo, hi) <= max_cost or hi - lo == 1:
+            return [(lo, hi)]
+        if depth > max_depth:  # inside one leaf module: single nodes
+            return [(p, p + 1) for p in range(lo, hi)]
+        return [piece for a, b in runs(lo, hi, depth) for piece in split(a, b, depth + 1)]
+
+    pieces = split(0, len(order), 1)
+    merged: list[tuple[int, int]] = []
+    for lo, hi in pieces:  # chain contraction along the order
+        if merged and span_cost(merged[-1][0], hi) <= max_cost:
+            merged[-1] = (merged[-1][0], hi)
+        else:
+            merged.append((lo, hi))
+    forbidden = forbidden_cuts(problem, order)  # colocated nodes never straddle a block
+    cut_at = [0, *(hi for _, hi in merged if not forbidden[hi])]
+    merged = list(zip(cut_at, cut_at[1:]))
+    bounds = tuple(cut_at)
+    block_labels = tuple(_common_label(labels[lo:hi]) for lo, hi in merged)
+
+    signature: dict[tuple, list[int]] = defaultdict(list)
+    for b, (lo, hi) in enumerate(merged):
+        nodes = order[lo:hi]
+        signature[tuple((problem.compute[n], problem.state_mem[n], problem.act_mem[n]) for n in nodes)].append(b)
+    repeated = tuple(sorted((tuple(g) for g in signature.values() if len(g) > 1), key=len, reverse=True))
+    return Coarsening(tuple(order), bounds, block_labels, repeated)
+
+
+def _common_label(labels: Sequence[str]) -> str:
+    parts = [label.split(".") for label in labels if label]
+    if not parts:
+        return ""
+    common = []
+    for atoms in zip(*parts):
+        if len(set(atoms)) > 1:
+            break
+        common.append(atoms[0])
+    return ".".join(common) or f"{labels[0]} … {labels[-1]}"
+
+
+def coarse_problem(problem: Problem, c: Coarsening) -> Problem:
+    """The problem over blocks: costs summed, edges and transfers between blocks."""
+    block_of = [0] * len(problem.nodes)
+    for b in range(c.num_blocks):
+        for n in c.members(b):
+            block_of[n] = b
+    B, S = c.num_blocks, problem.num_stages
+
+    def total(rows: Sequence[Sequence[int]], members: Sequence[int], width: int) -> tuple[int, ...]:
+        return tuple(sum(rows[n][k] for n in members) for k in range(width))
+
+    sends: list[set[int]] = [set() for _ in range(B)]  # members whose output leaves the block
+    edges: set[tuple[int, int]] = set()
+    for u, v in problem.edges:
+        if block_of[u] != block_of[v]:
+            edges.add((block_of[u], block_of[v]))
+            sends[block_of[u]].add(u)
+    order_edges = {(block_of[u], block_of[v]) for u, v in problem.order_edges if block_of[u] != block_of[v]} - edges
+    blocks = [c.members(b) for b in range(B)]
+    return Problem(
+        nodes=tuple(f"block{b}" for b in range(B)),
+        labels=c.labels,
+        devices=problem.devices,
+        compute=tuple(total(problem.compute, m, S) for m in blocks),
+        edges=tuple(sorted(edges)),
+        order_edges=tuple(sorted(order_edges)),
+        transfer=tuple(total(problem.transfer, sorted(sends[b]), S - 1) for b in range(B)),
+        boundary_latency=problem.boundary_latency,
+        state_mem=tuple(sum(problem.state_mem[n] for n in m) for m in blocks),
+        act_mem=tuple(total(problem.act_mem, m, S) for m in blocks),
+        recv_mem=tuple(total(problem.recv_mem, sorted(sends[b]), S) for b in range(B)),
+        capacity=problem.capacity,
+        colocate=(),  # coarsen() never lets a colocated group straddle two blocks
+        micro_batches=problem.micro_batches,
+        transient_mem=problem.transient_mem,
+    )
