@@ -19,6 +19,7 @@ from autosplit.errors import (
     AutosplitError,
     CaptureError,
     CodegenError,
+    ConstraintError,
     CostModelError,
     DeviceError,
     InfeasiblePlanError,
@@ -32,7 +33,7 @@ from autosplit.runtime import SplitModule
 
 __all__ = [
     "autosplit", "plan", "Plan", "SplitModule", "DeviceSpec", "PRESETS", "resolve_devices",
-    "AutosplitError", "CaptureError", "CodegenError", "CostModelError", "DeviceError",
+    "AutosplitError", "CaptureError", "CodegenError", "ConstraintError", "CostModelError", "DeviceError",
     "InfeasiblePlanError", "PlanMismatchError", "PlanValidationError", "SolverError",
 ]
 

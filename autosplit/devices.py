@@ -48,6 +48,21 @@ class DeviceSpec:
     """Fixed cost of launching one operator, seconds."""
     torch_device: str | None = None
     """Where generated code runs (``"cuda:0"``); ``None`` for hardware planned but not present."""
+    island: str | None = None
+    """Devices with the same island (e.g. one NVLink domain, ``"node0"``) talk over ``link_*``;
+    devices on different islands over ``network_*``."""
+    network_bandwidth: float = 25e9
+    """Bandwidth between islands, bytes/s (25e9 = one 200 Gb/s InfiniBand port)."""
+    network_latency: float = 5e-6
+
+    def link_to(self, other: DeviceSpec) -> tuple[float, float]:
+        """(bandwidth bytes/s, latency s) from this device to ``other``: the slower end decides."""
+        if self.island == other.island:
+            return min(self.link_bandwidth, other.link_bandwidth), max(self.link_latency, other.link_latency)
+        return min(self.network_bandwidth, other.network_bandwidth), max(self.network_latency, other.network_latency)
+
+    def on_island(self, island: str) -> DeviceSpec:
+        return dataclasses.replace(self, island=island)
 
     def with_memory(self, memory: int) -> DeviceSpec:
         return dataclasses.replace(self, memory=int(memory))

@@ -15,6 +15,7 @@ __all__ = [
     "PlanValidationError",
     "PlanMismatchError",
     "CodegenError",
+    "ConstraintError",
 ]
 
 
@@ -52,3 +53,7 @@ class PlanMismatchError(AutosplitError):
 
 class CodegenError(AutosplitError):
     """A stage module could not be generated from a plan."""
+
+
+class ConstraintError(AutosplitError, ValueError):
+    """A user constraint names a module or device the model or device list does not have."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import difflib
 import logging
 import time
 from collections.abc import Mapping, Sequence
@@ -22,7 +23,7 @@ from typing import Any
 import torch
 
 from autosplit.devices import DeviceLike, DeviceSpec, resolve_devices
-from autosplit.errors import DeviceError
+from autosplit.errors import ConstraintError, DeviceError
 from autosplit.passes.annotate import annotate
 from autosplit.passes.capture import Captured, capture, fingerprint, flat_inputs
 from autosplit.passes.codegen import generate
@@ -30,7 +31,8 @@ from autosplit.passes.costs import estimate
 from autosplit.plan import Plan, SolverInfo, StageReport
 from autosplit.runtime import SplitModule
 from autosplit.solver import Problem, build_problem, evaluate, solve, validate
-from autosplit.solver.problem import KIB, NS, SCHEDULES
+from autosplit.solver.order import choose_order
+from autosplit.solver.problem import KIB, NS, SCHEDULES, UserConstraint
 
 __all__ = ["plan", "autosplit"]
 
@@ -59,10 +61,10 @@ def _versions() -> dict[str, str]:
     return out
 
 
-def _stage_reports(problem: Problem, table, stage_of: Sequence[int]) -> tuple[StageReport, ...]:
+def _stage_reports(problem: Problem, table, stage_of: Sequence[int], order: Sequence[int]) -> tuple[StageReport, ...]:
     ev = evaluate(problem, stage_of)
     reports = []
-    for s, device in enumerate(table.devices):
+    for s, device in enumerate(table.devices[d] for d in order):
         members = [n for n, st in enumerate(stage_of) if st == s]
         # Name a stage by the modules whose parameters it holds (the FQN lists of manual splits).
         owners = [n for n in members if table.param_counts[n]] or members
@@ -86,6 +88,54 @@ def _stage_reports(problem: Problem, table, stage_of: Sequence[int]) -> tuple[St
     return tuple(reports)
 
 
+def _device_index(ref: int | str, specs: Sequence[DeviceSpec]) -> int:
+    if isinstance(ref, int) and 0 <= ref < len(specs):
+        return ref
+    hits = [i for i, s in enumerate(specs) if str(ref) in (s.torch_device, s.name)]
+    if len(hits) != 1:
+        raise ConstraintError(
+            f"constraint names device {ref!r}, which matches {len(hits)} of the {len(specs)} devices "
+            f"({[s.torch_device or s.name for s in specs]}); name it by its index 0..{len(specs) - 1}"
+        )
+    return hits[0]
+
+
+def _module_nodes(module: str, table) -> tuple[int, ...]:
+    nodes = tuple(i for i, p in enumerate(table.module_paths) if p == module or p.startswith(module + "."))
+    if not nodes:
+        known = sorted({p for p in table.module_paths if p})
+        close = difflib.get_close_matches(module, known, n=3)
+        raise ConstraintError(
+            f"constraint names module {module!r}, but no graph node comes from it"
+            + (f"; did you mean {close}?" if close else f"; modules look like {known[:5]}")
+        )
+    return nodes
+
+
+def _user_constraints(
+    table,
+    pin: Mapping[str, int | str] | None,
+    avoid: Mapping[str, int | str | Sequence[int | str]] | None,
+    together: Sequence[Sequence[str]] | None,
+) -> list[UserConstraint]:
+    """Module/device constraints as (node, device) rules; build_problem maps devices to stages."""
+    specs, out = table.devices, []
+    for module, ref in (pin or {}).items():
+        d = _device_index(ref, specs)
+        nodes = _module_nodes(module, table)
+        forbid = tuple((n, other) for n in nodes for other in range(len(specs)) if other != d)
+        out.append(UserConstraint(f"pin '{module}' to device {d} ({specs[d].torch_device or specs[d].name})", forbid))
+    for module, refs in (avoid or {}).items():
+        refs = [refs] if isinstance(refs, (int, str)) else list(refs)
+        ds = sorted({_device_index(r, specs) for r in refs})
+        nodes = _module_nodes(module, table)
+        out.append(UserConstraint(f"keep '{module}' off devices {ds}", tuple((n, d) for n in nodes for d in ds)))
+    for modules in together or ():
+        nodes = tuple(sorted({n for m in modules for n in _module_nodes(m, table)}))
+        out.append(UserConstraint(f"keep {list(modules)} together", (), nodes))
+    return out
+
+
 def _compile(
     model: torch.nn.Module,
     devices: Sequence[DeviceLike],
@@ -100,6 +150,9 @@ def _compile(
     seed: int,
     capture_method: str,
     given: Plan | None,
+    pin: Mapping[str, int | str] | None = None,
+    avoid: Mapping[str, Any] | None = None,
+    together: Sequence[Sequence[str]] | None = None,
 ) -> _Compiled:
     if not isinstance(example_inputs, tuple):
         example_inputs = (example_inputs,)
@@ -121,11 +174,16 @@ def _compile(
         annotate(captured, flat_inputs(captured, model, example_inputs, example_kwargs))
     with _timed("estimate", timings):
         table = estimate(captured.gm, specs, optimizer=optimizer)
+    rules = _user_constraints(table, pin, avoid, together)
+    with _timed("order", timings):
+        order = given.stage_devices if given is not None else choose_order(
+            table, micro_batches=M, schedule=schedule, constraints=rules, budget=time_limit / 4
+        )
     with _timed("build", timings):
-        problem = build_problem(table, micro_batches=M, schedule=schedule)
+        problem = build_problem(table, micro_batches=M, schedule=schedule, order=order, constraints=rules)
     if given is not None:
         with _timed("validate", timings):
-            validate(problem, tuple(given.assignment[name] for name in problem.nodes))
+            validate(problem, tuple(given.stage_of[name] for name in problem.nodes))
         return _Compiled(captured, given)
     with _timed("solve", timings):
         solution = solve(problem, time_limit=time_limit, seed=seed)
@@ -133,9 +191,10 @@ def _compile(
         validate(problem, solution.stage_of)
 
     plan = Plan(
-        assignment=dict(zip(problem.nodes, solution.stage_of)),
+        assignment={name: order[s] for name, s in zip(problem.nodes, solution.stage_of)},
         devices=specs,
-        stages=_stage_reports(problem, table, solution.stage_of),
+        stage_devices=tuple(order),
+        stages=_stage_reports(problem, table, solution.stage_of, order),
         step_time=solution.objective / M / NS,
         micro_batches=M,
         schedule=schedule,
@@ -172,6 +231,9 @@ def plan(
     time_limit: float = 10.0,
     seed: int = 0,
     capture: str = "auto",
+    pin: Mapping[str, int | str] | None = None,
+    avoid: Mapping[str, int | str | Sequence[int | str]] | None = None,
+    together: Sequence[Sequence[str]] | None = None,
 ) -> Plan:
     """Plan ``model`` onto ``devices`` without building modules (devices may be hardware you lack).
 
@@ -180,11 +242,16 @@ def plan(
     (``{"cuda:0": "20GiB"}``). ``micro_batches`` defaults to 4 × devices (GPipe);
     ``schedule`` is ``"gpipe"``, ``"1f1b"`` or ``"sequential"``; ``optimizer`` sets the
     optimizer state counted per parameter (``"adam"``, ``"sgd"``, ...).
+
+    Constraints, by module qualified name and device index or name: ``pin={"blocks.0": 0}``,
+    ``avoid={"head": ["cuda:0"]}``, ``together=[("wte", "head")]``. A set that cannot hold
+    is explained in those terms (:class:`InfeasiblePlanError`). When devices differ (speed,
+    memory, islands), which device takes which stage is part of the decision.
     """
     return _compile(
         model, devices, example_inputs=example_inputs, example_kwargs=example_kwargs, memory=memory,
         micro_batches=micro_batches, schedule=schedule, optimizer=optimizer, time_limit=time_limit,
-        seed=seed, capture_method=capture, given=None,
+        seed=seed, capture_method=capture, given=None, pin=pin, avoid=avoid, together=together,
     ).plan
 
 
@@ -202,6 +269,9 @@ def autosplit(
     time_limit: float = 10.0,
     seed: int = 0,
     capture: str = "auto",
+    pin: Mapping[str, int | str] | None = None,
+    avoid: Mapping[str, int | str | Sequence[int | str]] | None = None,
+    together: Sequence[Sequence[str]] | None = None,
 ) -> SplitModule:
     """Partition ``model`` over ``devices`` and return a module that trains exactly like it.
 
@@ -216,9 +286,10 @@ def autosplit(
     compiled = _compile(
         model, devices, example_inputs=example_inputs, example_kwargs=example_kwargs, memory=memory,
         micro_batches=micro_batches, schedule=schedule, optimizer=optimizer, time_limit=time_limit,
-        seed=seed, capture_method=capture, given=given,
+        seed=seed, capture_method=capture, given=given, pin=pin, avoid=avoid, together=together,
     )
-    targets = [d.torch_device for d in compiled.plan.devices]
+    plan = compiled.plan
+    targets = [plan.devices[d].torch_device for d in plan.stage_devices]
     if None in targets:
         absent = [d.name for d in compiled.plan.devices if d.torch_device is None]
         raise DeviceError(
@@ -227,5 +298,5 @@ def autosplit(
         )
     timings = dict(compiled.plan.timings)
     with _timed("codegen", timings):
-        program = generate(compiled.captured, compiled.plan.assignment, targets)
+        program = generate(compiled.captured, plan.stage_of, targets)
     return SplitModule(model, program, dataclasses.replace(compiled.plan, timings=timings))

@@ -79,8 +79,10 @@ class Plan:
     """A placement of every graph node on a device, with its predicted costs."""
 
     assignment: Mapping[str, int]
-    """Graph node name → device index."""
+    """Graph node name → device index (into :attr:`devices`)."""
     devices: tuple[DeviceSpec, ...]
+    stage_devices: tuple[int, ...]
+    """Device index of each pipeline stage, in execution order (stage 0 takes the inputs)."""
     stages: tuple[StageReport, ...]
     step_time: float
     """Predicted seconds per training step (all micro-batches, forward and backward)."""
@@ -93,6 +95,12 @@ class Plan:
     timings: Mapping[str, float] = field(default_factory=dict)
     """Seconds each pass took while planning."""
     schema_version: int = SCHEMA_VERSION
+
+    @property
+    def stage_of(self) -> dict[str, int]:
+        """Graph node name → pipeline stage."""
+        stage = {d: s for s, d in enumerate(self.stage_devices)}
+        return {name: stage[d] for name, d in self.assignment.items()}
 
     @property
     def bottleneck(self) -> int:
@@ -136,6 +144,7 @@ class Plan:
         fields["stages"] = tuple(StageReport(**{**s, "modules": tuple(s["modules"])}) for s in data["stages"])
         fields["solver"] = SolverInfo(**data["solver"])
         fields["assignment"] = {str(k): int(v) for k, v in data["assignment"].items()}
+        fields["stage_devices"] = tuple(data["stage_devices"])
         return cls(**fields)
 
     @classmethod
@@ -160,7 +169,7 @@ class Plan:
             table.add_column(col, justify=justify, no_wrap=col != "modules")
         for s, st in enumerate(self.stages):
             table.add_row(
-                str(s), st.device, _span(st.modules), str(st.nodes), f"{st.params:,}",
+                str(s), f"{self.stage_devices[s]}: {st.device}", _span(st.modules), str(st.nodes), f"{st.params:,}",
                 f"{format_bytes(st.memory)} / {format_bytes(st.capacity)}",
                 _ms(st.compute), _ms(st.transfer), _ms(st.time), "◀ bottleneck" if s == self.bottleneck else "",
             )

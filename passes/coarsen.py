@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from autosplit.solver.dp import forbidden_cuts
-from autosplit.solver.problem import Problem
+from autosplit.solver.problem import Problem, UserConstraint
 
 __all__ = ["Coarsening", "coarsen", "coarse_problem"]
 
@@ -97,7 +97,7 @@ def coarsen(problem: Problem, order: Sequence[int], *, max_cost: float) -> Coars
             merged[-1] = (merged[-1][0], hi)
         else:
             merged.append((lo, hi))
-    forbidden = forbidden_cuts(problem, order)  # colocated nodes never straddle a block
+    forbidden = forbidden_cuts(problem, order)  # colocated (or kept-together) nodes never straddle a block
     cut_at = [0, *(hi for _, hi in merged if not forbidden[hi])]
     merged = list(zip(cut_at, cut_at[1:]))
     bounds = tuple(cut_at)
@@ -158,4 +158,12 @@ def coarse_problem(problem: Problem, c: Coarsening) -> Problem:
         colocate=(),  # coarsen() never lets a colocated group straddle two blocks
         micro_batches=problem.micro_batches,
         transient_mem=problem.transient_mem,
+        constraints=tuple(
+            UserConstraint(
+                c.text,
+                tuple(sorted({(block_of[n], s) for n, s in c.forbid})),
+                tuple(sorted({block_of[n] for n in c.together})),
+            )
+            for c in problem.constraints
+        ),
     )

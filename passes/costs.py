@@ -82,7 +82,8 @@ def roofline(flops: float, nbytes: float, spec: DeviceSpec, *, half: bool = Fals
 
 def link_time(nbytes: float, a: DeviceSpec, b: DeviceSpec) -> float:
     """Seconds to move ``nbytes`` from ``a`` to ``b``: latency + bytes / bandwidth (slower end)."""
-    return max(a.link_latency, b.link_latency) + nbytes / min(a.link_bandwidth, b.link_bandwidth)
+    bandwidth, latency = a.link_to(b)
+    return latency + nbytes / bandwidth
 
 
 def _times(node: fx.Node, info: NodeInfo, spec: DeviceSpec) -> tuple[float, float]:

@@ -22,7 +22,7 @@ def test_report_shows_every_device_and_the_solver(tmp_path):
     plan = autosplit.plan(model, ["cpu"] * 3, example_inputs=inputs, memory={"cpu": "64MiB"}, time_limit=2)
     text = str(plan)
     for s in range(3):
-        assert f"│     {s} │ cpu" in text
+        assert f"│     {s} │ {s}: cpu" in text
     for word in ("nodes", "params", "memory / cap", "64.00 MiB", "compute", "transfers", "bottleneck", "gap", "bound"):
         assert word in text
     assert plan.solver.status in ("OPTIMAL", "FEASIBLE")

@@ -18,7 +18,8 @@ method named in brackets):
     y[u, k]   ≥ b[v, k] − b[u, k]   ∀ u → v               crossings          [_crossings]
     t_s = Σ_n c[n,s]·in(n,s) + X_s + X_{s+1},  X_k = L_k + Σ_u x[u,k]·y[u,k]
     T ≥ t_s,  T ≥ ⌈Σ_n min_s c[n,s] / S⌉,  T ≥ max_n min_s c[n,s]          [_time]
-    Σ_n (m[n] + a[n,s])·in(n,s) + Σ_u r[u,s]·y[u,s] + R ≤ cap_s  ⇐ assume_s  [add_caps]
+    Σ_n (m[n] + a[n,s])·in(n,s) + Σ_u r[u,s]·y[u,s] + R ≤ cap_s  ⇐ assume_s  [add_assumptions]
+    in(n, s) = 0 (keep off / pin),  b[a, k] = b[c, k] (together)    ⇐ assume_c  [add_assumptions]
 
 Objective: minimise ``Σ_s t_s + (M − 1)·T`` (the step-time numerator of
 :mod:`autosplit.solver.problem`). The ordered-stage encoding turns precedence into
@@ -46,7 +47,7 @@ from autosplit.errors import InfeasiblePlanError
 from autosplit.solver.problem import KIB, Problem
 from autosplit.units import format_bytes
 
-__all__ = ["cpsat", "explain_memory", "precheck"]
+__all__ = ["cpsat", "explain_infeasible", "explain_memory", "precheck"]
 
 log = logging.getLogger(__name__)
 
@@ -132,14 +133,23 @@ class _Model:
             mem += sum(p.recv_mem[u][s] * y for (u, k), y in self.y.items() if k == s)
         return mem
 
-    def add_caps(self) -> list:
-        lits = []
+    def add_assumptions(self) -> list[tuple[cp_model.IntVar, int | str]]:
+        """Memory caps and user constraints, each behind a literal: (literal, stage index or constraint text)."""
+        guarded: list[tuple[cp_model.IntVar, int | str]] = []
         for s in range(self.p.num_stages):
             lit = self.m.NewBoolVar(f"cap_{s}")
             self.m.Add(self.memory(s) <= self.p.capacity[s]).OnlyEnforceIf(lit)
-            lits.append(lit)
-        self.m.AddAssumptions(lits)
-        return lits
+            guarded.append((lit, s))
+        for i, c in enumerate(self.p.constraints):
+            lit = self.m.NewBoolVar(f"user_{i}")
+            for n, s in c.forbid:
+                self.m.Add(self.inside(n, s) == 0).OnlyEnforceIf(lit)
+            for a, b in zip(c.together, c.together[1:]):
+                for k in range(1, self.p.num_stages):
+                    self.m.Add(self.b[a][k] == self.b[b][k]).OnlyEnforceIf(lit)
+            guarded.append((lit, c.text))
+        self.m.AddAssumptions([lit for lit, _ in guarded])
+        return guarded
 
     def hint(self, stage_of: tuple[int, ...]) -> None:
         seen = set()
@@ -157,15 +167,32 @@ class _Model:
 
 
 def _solver(time_limit: float, seed: int, workers: int | None) -> cp_model.CpSolver:
-    """A seeded solver whose answer does not depend on timing: workers run interleaved and the
-    limit is CP-SAT's deterministic time (about seconds); the wall-clock limit is only a guard."""
+    """A seeded solver whose answer does not depend on timing: workers run interleaved and stop
+    at a deterministic-time limit (half the wall-clock one, which on this kind of machine ends
+    first), or once the plan is proven within 0.1% of optimal (the report shows the gap).
+    The wall-clock limit is the hard stop users asked for."""
     solver = cp_model.CpSolver()
     solver.parameters.random_seed = int(seed)
     solver.parameters.num_workers = workers or min(8, max(2, os.cpu_count() or 1))
     solver.parameters.interleave_search = True
-    solver.parameters.max_deterministic_time = float(time_limit)
-    solver.parameters.max_time_in_seconds = 4 * float(time_limit)
+    solver.parameters.max_deterministic_time = float(time_limit) / 2
+    solver.parameters.max_time_in_seconds = float(time_limit)
+    solver.parameters.relative_gap_limit = 1e-3
     return solver
+
+
+def explain_infeasible(problem: Problem, core: Sequence[int | str], time_limit: float, seed: int) -> str:
+    """Why no plan exists, in the user's terms: the conflicting constraints, and for memory the
+    least peak any plan reaches on its fullest device (caps ignored)."""
+    rules = [c for c in core if isinstance(c, str)]
+    caps = [c for c in core if isinstance(c, int)]
+    if rules and not caps:
+        return (
+            "these constraints cannot all hold: " + "; ".join(rules) + ". "
+            "Try: drop or relax one of them (each is needed for the conflict)."
+        )
+    text = explain_memory(problem, caps, time_limit, seed)
+    return text + (f" The conflict also involves: {'; '.join(rules)}." if rules else "")
 
 
 def explain_memory(problem: Problem, core: list[int], time_limit: float, seed: int) -> str:
@@ -222,10 +249,13 @@ def precheck(problem: Problem) -> None:
 
 def cpsat(
     problem: Problem, hint: Sequence[int] | None, *, time_limit: float, seed: int, workers: int | None
-) -> tuple[str, tuple[int, ...] | None, float, list[int]]:
-    """Run the model: (status name, assignment or None, best bound, devices in the infeasibility core)."""
+) -> tuple[str, tuple[int, ...] | None, float, list[int | str]]:
+    """Run the model: (status, assignment or None, best bound, the infeasibility core).
+
+    The core lists what conflicts: stage indices for memory caps, texts for user constraints.
+    """
     model = _Model(problem)
-    lits = model.add_caps()
+    guarded = model.add_assumptions()
     if hint is not None:
         model.hint(tuple(hint))
     model.m.Minimize(model.objective)
@@ -236,8 +266,8 @@ def cpsat(
              len(problem.nodes), problem.num_stages, solver.BestObjectiveBound())
     if status in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return name, model.stage_of(solver), solver.BestObjectiveBound(), []
-    core: list[int] = []
+    core: list[int | str] = []
     if status == cp_model.INFEASIBLE:
-        index = {lit.Index(): s for s, lit in enumerate(lits)}
-        core = sorted(index[i] for i in solver.SufficientAssumptionsForInfeasibility() if i in index)
+        index = {lit.Index(): what for lit, what in guarded}
+        core = [index[i] for i in solver.SufficientAssumptionsForInfeasibility() if i in index]
     return name, None, solver.BestObjectiveBound(), core

@@ -74,7 +74,8 @@ def forbidden_cuts(problem: Problem, order: Sequence[int]) -> np.ndarray:
     pos = np.empty(len(order), dtype=np.int64)
     pos[np.asarray(order)] = np.arange(len(order))
     diff = np.zeros(len(order) + 2, dtype=np.int64)
-    for group in problem.colocate:
+    groups = [*problem.colocate, *(c.together for c in problem.constraints if len(c.together) > 1)]
+    for group in groups:
         p = pos[list(group)]
         diff[p.min() + 1] += 1
         diff[p.max() + 1] -= 1
@@ -110,7 +111,12 @@ def _prefix(problem: Problem, order: Sequence[int]):
     np.add.at(R, stops, -recv[crossing])
     X = np.cumsum(X, axis=0)[: N + 1] + np.asarray(problem.boundary_latency, dtype=np.float64)
     R = np.cumsum(R, axis=0)[: N + 1]
-    return C, A, Mst, X, R
+    # F[p, s]: how many of the first p nodes may not sit on stage s (user constraints).
+    F = np.zeros((N + 1, S))
+    for c in problem.constraints:
+        for n, st in c.forbid:
+            F[pos[n] + 1, st] += 1
+    return C, A, Mst, X, R, np.cumsum(F, axis=0)
 
 
 def split_dp(
@@ -127,7 +133,7 @@ def split_dp(
     bad = forbidden_cuts(problem, order)
     cuts = np.arange(N + 1) if allowed is None else np.unique(np.concatenate([[0, N], np.asarray(allowed, dtype=np.int64)]))
     cuts = cuts[~bad[cuts]]
-    C, A, Mst, X, R = _prefix(problem, order)
+    C, A, Mst, X, R, F = _prefix(problem, order)
     a_idx, b_idx = cuts[:, None], cuts[None, :]
     forward = a_idx < b_idx  # (K, K): segment (a, b] is non-empty
 
@@ -140,7 +146,8 @@ def split_dp(
             mem = mem + R[a_idx, s]
         if s < S - 1:
             t = t + X[b_idx, s]
-        return np.where(forward & (mem <= problem.capacity[s]), t, _INF)
+        allowed_here = (F[b_idx, s] - F[a_idx, s]) == 0
+        return np.where(forward & (mem <= problem.capacity[s]) & allowed_here, t, _INF)
 
     def run(combine, cap: float, collect: tuple[float, float] | None = None):
         """DP over stages: (value at the end, back-pointers, segment costs seen within ``collect``)."""

@@ -24,7 +24,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["Problem", "Evaluation", "SCHEDULES", "in_flight", "evaluate", "build_problem"]
+__all__ = ["Problem", "Evaluation", "UserConstraint", "SCHEDULES", "in_flight", "evaluate", "build_problem"]
 
 NS = 1e9  # time unit: nanoseconds per second
 KIB = 1024  # memory unit: bytes per KiB
@@ -41,6 +41,18 @@ def in_flight(schedule: str, stage: int, stages: int, micro_batches: int) -> int
     if schedule == "1f1b":
         return min(micro_batches, stages - stage)
     raise ValueError(f"unknown schedule {schedule!r}; choose one of {SCHEDULES}")
+
+
+@dataclass(frozen=True)
+class UserConstraint:
+    """One constraint the user asked for, in stage terms, with the words to explain it."""
+
+    text: str
+    """How the user said it, e.g. ``pin 'blocks.0' to device 2 (cuda:2)``."""
+    forbid: tuple[tuple[int, int], ...] = ()
+    """(node, stage) pairs the plan may not use."""
+    together: tuple[int, ...] = ()
+    """Nodes that must share one stage."""
 
 
 @dataclass(frozen=True)
@@ -74,6 +86,7 @@ class Problem:
     micro_batches: int = 1
     transient_mem: int = 0
     """KiB every stage keeps free for the largest tensor one op produces."""
+    constraints: tuple[UserConstraint, ...] = ()
 
     @property
     def num_stages(self) -> int:
@@ -143,9 +156,17 @@ def build_problem(
     *,
     micro_batches: int = 1,
     schedule: str = "gpipe",
+    order: Sequence[int] | None = None,
+    constraints: Sequence[UserConstraint] = (),
 ) -> Problem:
-    """Scale a cost table (``passes.costs.CostTable``) into integer units and apply the schedule's memory model."""
-    devices = table.devices
+    """Scale a cost table (``passes.costs.CostTable``) into integer units for one device order.
+
+    Stage ``s`` runs on device ``order[s]`` (identity by default). ``constraints`` name
+    *devices* in their ``forbid`` pairs; they are turned into stages here.
+    """
+    order = tuple(range(len(table.devices))) if order is None else tuple(order)
+    devices = [table.devices[d] for d in order]
+    stage_of_device = {d: s for s, d in enumerate(order)}
     S = len(devices)
     M = micro_batches
     inflight = [in_flight(schedule, s, S, M) for s in range(S)]
@@ -154,15 +175,12 @@ def build_problem(
         return math.ceil(nbytes / KIB)
 
     compute = tuple(
-        tuple(round((f + b) * NS) for f, b in zip(fwd, bwd)) for fwd, bwd in zip(table.fwd_time, table.bwd_time)
+        tuple(round((fwd[d] + bwd[d]) * NS) for d in order) for fwd, bwd in zip(table.fwd_time, table.bwd_time)
     )
-    # Boundary k joins stages k−1 and k; a link runs at its slower end (DESIGN §4.1).
-    pairs = [(devices[k - 1], devices[k]) for k in range(1, S)]
-    latency = tuple(round(2 * max(a.link_latency, b.link_latency) * NS) for a, b in pairs)
-    transfer = tuple(
-        tuple(round(2 * nbytes / min(a.link_bandwidth, b.link_bandwidth) * NS) for a, b in pairs)
-        for nbytes in table.output_bytes
-    )
+    # Boundary k joins stages k−1 and k; activations go forward, gradients come back.
+    links = [devices[k - 1].link_to(devices[k]) for k in range(1, S)]
+    latency = tuple(round(2 * lat * NS) for _, lat in links)
+    transfer = tuple(tuple(round(2 * nbytes / bw * NS) for bw, _ in links) for nbytes in table.output_bytes)
     return Problem(
         nodes=table.nodes,
         labels=table.module_paths,
@@ -179,4 +197,7 @@ def build_problem(
         colocate=table.colocate,
         micro_batches=M,
         transient_mem=kib(max(table.output_bytes, default=0) / M),
+        constraints=tuple(
+            UserConstraint(c.text, tuple((n, stage_of_device[d]) for n, d in c.forbid), c.together) for c in constraints
+        ),
     )

@@ -1,9 +1,9 @@
 """The planning strategy: exact DP, coarsening when the graph is large, CP-SAT, a proven bound.
 
 1. Order the nodes topologically (:func:`~autosplit.solver.dp.topological_order`).
-2. *Dynamic program* over split points of that order — every position for graphs up to
-   ``dp_node_limit`` nodes; otherwise the block boundaries of :func:`coarsen`, then again
-   over every position near the chosen cuts (*refinement*). It is exact over the cuts it
+2. *Dynamic program* over split points of that order — every position for small graphs
+   (``DP_WORK_LIMIT``); otherwise the block boundaries of :func:`coarsen`, then, round by
+   round, every position near the chosen cuts (*refinement*). It is exact over the cuts it
    may use, runs in seconds, and is the baseline the report shows.
 3. *CP-SAT* (:mod:`~autosplit.solver.cpsat`) on the nodes, or on the blocks when the node
    model would be too large, with the DP's plan as a hint. CP-SAT may leave the DP's
@@ -26,11 +26,12 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from autosplit.errors import InfeasiblePlanError, SolverError
 from autosplit.passes.coarsen import Coarsening, coarse_problem, coarsen
-from autosplit.solver.cpsat import cpsat, explain_memory, precheck
+from autosplit.solver.cpsat import cpsat, explain_infeasible, explain_memory, precheck
 from autosplit.solver.dp import split_dp, topological_order
 from autosplit.solver.problem import Problem, evaluate
 from autosplit.solver.validate import violations
@@ -39,8 +40,9 @@ __all__ = ["Solution", "solve", "lower_bound"]
 
 log = logging.getLogger(__name__)
 
-DP_NODE_LIMIT = 1200
-"""Up to this many nodes the DP may cut anywhere; above, only at block boundaries (then refined)."""
+DP_WORK_LIMIT = 2 * 10**7
+"""Largest N² · S for which the DP may cut anywhere (one pass of its recurrence is O(S · N²));
+above it the DP cuts at block boundaries, then refines around the chosen cuts."""
 CPSAT_VAR_LIMIT = 12_000
 """Largest CP-SAT model, in stage booleans (units × (S − 1)), worth building in Python."""
 BLOCKS_PER_STAGE = 16
@@ -76,16 +78,42 @@ def lower_bound(problem: Problem) -> int:
     return total + (problem.micro_batches - 1) * max(math.ceil(total / S), max(fastest, default=0))
 
 
-def _refine(problem: Problem, c: Coarsening, block_plan: tuple[int, ...]) -> tuple[int, ...] | None:
-    """Re-run the DP allowing every position inside the blocks next to each chosen cut."""
-    pos = {n: p for p, n in enumerate(c.order)}
-    chosen = sorted({pos[n] for n in range(len(block_plan))
-                     if pos[n] > 0 and block_plan[n] != block_plan[c.order[pos[n] - 1]]})
-    allowed: set[int] = set()
-    for cut in chosen:
-        j = c.bounds.index(cut)
-        allowed.update(range(c.bounds[max(0, j - 1)], c.bounds[min(len(c.bounds) - 1, j + 1)] + 1))
-    return split_dp(problem, c.order, sorted(allowed))
+def _cuts(order: Sequence[int], stage_of: Sequence[int]) -> list[int]:
+    return [p for p in range(1, len(order)) if stage_of[order[p]] != stage_of[order[p - 1]]]
+
+
+def _refine(problem: Problem, c: Coarsening, plan: tuple[int, ...], max_rounds: int = 8) -> tuple[int, ...]:
+    """Move each cut to its best position within a window of nodes around it, until nothing improves.
+
+    The window spans two average blocks either side, so the DP stays small (S windows,
+    not all N positions) while a cut can travel any distance over several rounds.
+    """
+    N = len(c.order)
+    width = 2 * max(1, N // c.num_blocks)
+    best, best_obj = plan, evaluate(problem, plan).objective
+    for _ in range(max_rounds):
+        allowed = sorted({q for p in _cuts(c.order, best) for q in range(max(0, p - width), min(N, p + width) + 1)})
+        found = split_dp(problem, c.order, allowed)
+        if found is None or evaluate(problem, found).objective >= best_obj:
+            break
+        best, best_obj = found, evaluate(problem, found).objective
+    return best
+
+
+def dp_plan(
+    problem: Problem, order: Sequence[int], *, refine: bool = True
+) -> tuple[tuple[int, ...] | None, Coarsening | None, tuple[int, ...] | None]:
+    """The dynamic program's plan: (plan, coarsening used or None, plan before refinement)."""
+    N, S = len(problem.nodes), problem.num_stages
+    if N * N * S <= DP_WORK_LIMIT:
+        return split_dp(problem, order), None, None
+    ideal = sum(sum(row) / S for row in problem.compute) / S
+    coarse = coarsen(problem, order, max_cost=ideal / BLOCKS_PER_STAGE)
+    log.info("coarsened %d nodes into %d blocks (%d repeated groups, largest %d)", N, coarse.num_blocks,
+             len(coarse.repeated), len(coarse.repeated[0]) if coarse.repeated else 0)
+    block_dp = split_dp(problem, order, coarse.bounds)
+    plan = _refine(problem, coarse, block_dp) if block_dp and refine else block_dp
+    return plan, coarse, block_dp
 
 
 def solve(problem: Problem, *, time_limit: float = 10.0, seed: int = 0, workers: int | None = None) -> Solution:
@@ -95,17 +123,7 @@ def solve(problem: Problem, *, time_limit: float = 10.0, seed: int = 0, workers:
     N, S = len(problem.nodes), problem.num_stages
     order = topological_order(problem)
 
-    coarse: Coarsening | None = None
-    if N <= DP_NODE_LIMIT:
-        dp = split_dp(problem, order)
-    else:
-        ideal = sum(sum(row) / S for row in problem.compute) / S
-        coarse = coarsen(problem, order, max_cost=ideal / BLOCKS_PER_STAGE)
-        block_dp = split_dp(problem, order, coarse.bounds)
-        refined = _refine(problem, coarse, block_dp) if block_dp else None
-        dp = min((p for p in (block_dp, refined) if p), key=lambda p: evaluate(problem, p).objective, default=None)
-        log.info("coarsened %d nodes into %d blocks (%d repeated groups, largest %d)", N, coarse.num_blocks,
-                 len(coarse.repeated), len(coarse.repeated[0]) if coarse.repeated else 0)
+    dp, coarse, block_dp = dp_plan(problem, order)
     candidates = {"dp": dp} if dp else {}
     baseline = evaluate(problem, dp).objective if dp else None
 
@@ -113,6 +131,8 @@ def solve(problem: Problem, *, time_limit: float = 10.0, seed: int = 0, workers:
     units = len(target.nodes)
     bound = lower_bound(problem)
     remaining = time_limit - (time.perf_counter() - start)
+    if coarse is not None:  # blocks cannot express the refined cuts: CP-SAT gets a share of the time
+        remaining = min(remaining, time_limit / 4)
     if units * (S - 1) <= CPSAT_VAR_LIMIT and remaining > 0 and S > 1:
         hint = dp if coarse is None else (block_dp and tuple(block_dp[coarse.members(b)[0]] for b in range(units)))
         name, found, cp_bound, core = cpsat(target, hint, time_limit=remaining, seed=seed, workers=workers)
@@ -120,7 +140,7 @@ def solve(problem: Problem, *, time_limit: float = 10.0, seed: int = 0, workers:
             candidates["cp-sat"] = found if coarse is None else coarse.to_nodes(found)
         if coarse is None:  # a bound on the nodes themselves: valid for every plan
             if name == "INFEASIBLE":
-                raise InfeasiblePlanError(explain_memory(problem, core, time_limit, seed))
+                raise InfeasiblePlanError(explain_infeasible(problem, core, time_limit, seed))
             bound = max(bound, math.ceil(cp_bound))
     valid = {k: v for k, v in candidates.items() if not violations(problem, v)}
     if not valid:

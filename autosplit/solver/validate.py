@@ -42,6 +42,10 @@ def violations(problem: Problem, stage_of: Sequence[int]) -> list[str]:
         if len(stages) > 1:
             names = ", ".join(problem.nodes[n] for n in group[:4])
             out.append(f"nodes sharing parameters or written in place ({names}, ...) sit on stages {sorted(stages)}")
+    for c in problem.constraints:
+        broken = [problem.nodes[n] for n, s in c.forbid if stage_of[n] == s]
+        if broken or len({stage_of[n] for n in c.together}) > 1:
+            out.append(f"breaks the constraint: {c.text}" + (f" (node {broken[0]})" if broken else ""))
     if N >= S:
         empty = sorted(set(range(S)) - set(stage_of))
         if empty:

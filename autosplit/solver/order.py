@@ -1,0 +1,88 @@
+"""Which device takes which stage, when devices differ (speed, memory, or links).
+
+With identical devices every order is the same. Otherwise the order is a decision: a
+fast device should take the heavy stage, a stage boundary should not sit on the slow link
+between two NVLink islands. The space is S! orders, so this is a local search, scored by
+the dynamic program (exact over split points for each order):
+
+1. candidates: the given order; devices grouped by island; sorted by speed either way;
+2. from the best, swap two devices of different kinds while a swap lowers the DP's
+   predicted step time and the time budget lasts (first improvement, fixed scan order,
+   so the result is deterministic).
+
+Usage::
+
+    order = choose_order(table, micro_batches=16, schedule="gpipe")
+    problem = build_problem(table, micro_batches=16, order=order)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import time
+from collections.abc import Sequence
+
+from autosplit.solver.dp import topological_order
+from autosplit.solver.problem import UserConstraint, build_problem, evaluate
+from autosplit.solver.solve import dp_plan
+
+__all__ = ["choose_order"]
+
+log = logging.getLogger(__name__)
+
+
+def _kind(spec) -> object:
+    return dataclasses.replace(spec, torch_device=None)
+
+
+def choose_order(
+    table,
+    *,
+    micro_batches: int,
+    schedule: str,
+    constraints: Sequence[UserConstraint] = (),
+    budget: float = 5.0,
+) -> tuple[int, ...]:
+    """A device order for the pipeline's stages (stage s on device ``order[s]``)."""
+    specs = table.devices
+    S = len(specs)
+    identity = tuple(range(S))
+    kinds = [_kind(s) for s in specs]
+    if all(k == kinds[0] for k in kinds):
+        return identity
+    start = time.perf_counter()
+    topo = None
+
+    def score(order: tuple[int, ...]) -> float:
+        nonlocal topo
+        problem = build_problem(table, micro_batches=micro_batches, schedule=schedule, order=order, constraints=constraints)
+        topo = topo or topological_order(problem)
+        plan, _, _ = dp_plan(problem, topo, refine=False)
+        return math.inf if plan is None else evaluate(problem, plan).objective
+
+    islands = list(dict.fromkeys(s.island for s in specs))
+    candidates = [
+        identity,
+        tuple(d for isl in islands for d in identity if specs[d].island == isl),
+        tuple(sorted(identity, key=lambda d: specs[d].peak_flops)),
+        tuple(sorted(identity, key=lambda d: -specs[d].peak_flops)),
+    ]
+    scored = {c: score(c) for c in dict.fromkeys(candidates)}
+    best = min(scored, key=lambda c: (scored[c], candidates.index(c)))
+    best_score = scored[best]
+    improved = True
+    while improved and time.perf_counter() - start < budget:
+        improved = False
+        for i in range(S):
+            for j in range(i + 1, S):
+                if kinds[best[i]] == kinds[best[j]] or time.perf_counter() - start >= budget:
+                    continue
+                swapped = list(best)
+                swapped[i], swapped[j] = swapped[j], swapped[i]
+                value = score(tuple(swapped))
+                if value < best_score:
+                    best, best_score, improved = tuple(swapped), value, True
+    log.info("device order %s (predicted %s) in %.2fs", best, best_score, time.perf_counter() - start)
+    return best

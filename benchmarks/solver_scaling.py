@@ -1,0 +1,130 @@
+"""Planning time and quality as graphs and device counts grow (issue #3).
+
+GPT-style models (d_model 768, vocab 50257, seq 1024, batch 8) with more and more layers,
+built on the meta device (planning reads shapes only), planned onto 4…64 A100-80GB presets. For each pair it prints the time of each pass and,
+side by side under the same cost model, the predicted step time of:
+
+- ``autosplit``: the full strategy (DP + coarsening + refinement + CP-SAT), with its bound and gap;
+- ``dp``: the dynamic program alone (the strategy's baseline);
+- ``cpsat-node``: CP-SAT on the nodes without coarsening, no hint, under ``--node-limit``
+  seconds (skipped when the model would exceed ``--node-vars`` stage booleans);
+- ``uniform``: layers split evenly by count, the embeddings with the first and the head with the last.
+
+Writes ``benchmarks/results/solver_scaling.json``.
+
+Usage::
+
+    python benchmarks/solver_scaling.py                                  # 12…256 layers × 4…64 devices
+    python benchmarks/solver_scaling.py --layers 12 96 --devices 8 64    # a subset
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from autosplit.devices import resolve_devices  # noqa: E402
+from autosplit.examples import GPT  # noqa: E402
+from autosplit.passes.annotate import annotate  # noqa: E402
+from autosplit.passes.capture import capture, flat_inputs  # noqa: E402
+from autosplit.passes.costs import estimate  # noqa: E402
+from autosplit.solver import build_problem, evaluate, solve, violations  # noqa: E402
+from autosplit.solver.cpsat import cpsat  # noqa: E402
+from autosplit.solver.dp import split_dp, topological_order  # noqa: E402
+from benchmarks.plan_time import machine  # noqa: E402
+
+
+def uniform_by_layers(problem, layers: int) -> tuple[int, ...]:
+    """The split people write by hand: layer i on stage i·S // L, embeddings first, head last."""
+    S = problem.num_stages
+    stage_of = []
+    for label in problem.labels:
+        parts = label.split(".")
+        if parts[0] == "blocks" and len(parts) > 1:
+            stage_of.append(int(parts[1]) * S // layers)
+        elif parts[0] in ("ln_f", "head"):
+            stage_of.append(S - 1)
+        else:
+            stage_of.append(0)
+    return tuple(stage_of)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, nargs="+", default=[12, 24, 48, 96, 256])
+    parser.add_argument("--devices", type=int, nargs="+", default=[4, 8, 16, 32, 64])
+    parser.add_argument("--time-limit", type=float, default=10.0, help="autosplit's solver limit, seconds")
+    parser.add_argument("--node-limit", type=float, default=10.0, help="node-level CP-SAT limit, seconds")
+    parser.add_argument("--node-vars", type=int, default=40_000, help="largest node-level CP-SAT model run")
+    parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "solver_scaling.json"))
+    args = parser.parse_args(argv)
+
+    rows = []
+    header = (f"{'layers':>6} {'nodes':>6} {'S':>3} {'annotate':>8} {'solve':>7} {'total':>7} {'status':>8} "
+              f"{'gap':>6} {'autosplit':>10} {'dp':>10} {'cpsat-node':>10} {'uniform':>10}")
+    print("predicted step time in ms (A100-80GB presets, GPipe, M = 4·S); times in seconds")
+    print(header)
+    for layers in args.layers:
+        torch.manual_seed(0)
+        with torch.device("meta"):  # planning needs shapes, not values: no memory for 256 layers' weights
+            model = GPT(vocab=50257, d_model=768, n_layers=layers, n_heads=12, max_len=1024)
+            tokens = torch.randint(0, 50257, (8, 1024))
+        t0 = time.perf_counter()
+        captured = capture(model, (tokens,))
+        t_capture = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        annotate(captured, flat_inputs(captured, model, (tokens,), {}))
+        t_annotate = time.perf_counter() - t0
+        for S in args.devices:
+            t0 = time.perf_counter()
+            table = estimate(captured.gm, resolve_devices(["A100-80GB"] * S))
+            problem = build_problem(table, micro_batches=4 * S, schedule="gpipe")
+            t_build = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            sol = solve(problem, time_limit=args.time_limit, seed=0)
+            t_solve = time.perf_counter() - t0
+            M, ms = problem.micro_batches, lambda obj: obj / problem.micro_batches / 1e6  # noqa: E731
+
+            node_obj, node_status = None, "skipped: model too large"
+            if len(problem.nodes) * (S - 1) <= args.node_vars:
+                name, found, _, _ = cpsat(problem, None, time_limit=args.node_limit, seed=0, workers=None)
+                node_status = name
+                if found is not None and not violations(problem, found):
+                    node_obj = evaluate(problem, found).objective
+            uniform = uniform_by_layers(problem, layers)
+            uni_obj = evaluate(problem, uniform).objective if not violations(problem, uniform) else None
+            total = t_capture + t_annotate + t_build + t_solve
+            row = {
+                "layers": layers, "nodes": len(problem.nodes), "devices": S, "micro_batches": M,
+                "seconds": {"capture": t_capture, "annotate": t_annotate, "estimate+build": t_build, "solve": t_solve,
+                            "total": total},
+                "status": sol.status, "gap": sol.gap, "method": sol.solver, "units": sol.units,
+                "step_ms": {"autosplit": ms(sol.objective), "bound": ms(sol.bound),
+                            "dp": None if sol.baseline is None else ms(sol.baseline),
+                            "cpsat_node": None if node_obj is None else ms(node_obj), "uniform": None if uni_obj is None else ms(uni_obj)},
+                "cpsat_node_status": node_status,
+                "never_worse_than_dp_and_uniform": all(sol.objective <= x for x in (sol.baseline, uni_obj) if x is not None),
+            }
+            rows.append(row)
+            fmt = lambda v: "-" if v is None else f"{v:10.2f}"  # noqa: E731
+            print(f"{layers:>6} {row['nodes']:>6} {S:>3} {t_annotate:8.2f} {t_solve:7.2f} {total:7.2f} {sol.status:>8} "
+                  f"{sol.gap:6.2%} {fmt(row['step_ms']['autosplit'])} {fmt(row['step_ms']['dp'])} "
+                  f"{fmt(row['step_ms']['cpsat_node'])} {fmt(row['step_ms']['uniform'])}", flush=True)
+        del captured, model
+
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"benchmark": "solver_scaling", "args": vars(args), "machine": machine(), "rows": rows}, indent=1))
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
