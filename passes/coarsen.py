@@ -7,8 +7,9 @@ cannot create a cycle), cut along the module hierarchy:
    ``max_cost`` is split into its sub-modules' runs, recursively, down to single nodes;
 2. *chain contraction*: neighbouring runs are merged back while the merged block stays
    within ``max_cost`` (a chain of small ops becomes one block);
-3. *repeated layers*: blocks with identical cost signatures (a transformer's layers) are
-   reported as one repeated group, as RaNNC and AutoParallel's region clustering do.
+3. *repeated layers*: sibling modules whose nodes have identical costs and structure (a
+   transformer's layers) are found as one repeated group, as RaNNC and AutoParallel's
+   region clustering do; the report and the logs name them.
 
 Costs come from the plain :class:`~autosplit.solver.problem.Problem`, whose labels are the
 module paths fx recorded, so this works on graphs from symbolic tracing and from
@@ -29,7 +30,7 @@ from dataclasses import dataclass
 from autosplit.solver.dp import forbidden_cuts
 from autosplit.solver.problem import Problem, UserConstraint
 
-__all__ = ["Coarsening", "coarsen", "coarse_problem"]
+__all__ = ["Coarsening", "coarsen", "coarse_problem", "repeated_layers"]
 
 
 @dataclass(frozen=True)
@@ -39,8 +40,8 @@ class Coarsening:
     order: tuple[int, ...]
     bounds: tuple[int, ...]
     labels: tuple[str, ...]
-    repeated: tuple[tuple[int, ...], ...]
-    """Groups of block indices with identical costs (repeated layers), largest first."""
+    repeated: tuple[tuple[str, ...], ...]
+    """Groups of sibling modules with identical costs and structure (repeated layers), largest first."""
 
     @property
     def num_blocks(self) -> int:
@@ -103,12 +104,32 @@ def coarsen(problem: Problem, order: Sequence[int], *, max_cost: float) -> Coars
     bounds = tuple(cut_at)
     block_labels = tuple(_common_label(labels[lo:hi]) for lo, hi in merged)
 
-    signature: dict[tuple, list[int]] = defaultdict(list)
-    for b, (lo, hi) in enumerate(merged):
-        nodes = order[lo:hi]
-        signature[tuple((problem.compute[n], problem.state_mem[n], problem.act_mem[n]) for n in nodes)].append(b)
-    repeated = tuple(sorted((tuple(g) for g in signature.values() if len(g) > 1), key=len, reverse=True))
+    repeated = repeated_layers(problem, order)
     return Coarsening(tuple(order), bounds, block_labels, repeated)
+
+
+def repeated_layers(problem: Problem, order: Sequence[int]) -> tuple[tuple[str, ...], ...]:
+    """Groups of sibling modules (same parent) whose nodes match one for one: same relative
+    module path, same compute, memory and output size. Shallowest level that has any."""
+    max_depth = max((problem.labels[n].count(".") + 1 for n in order if problem.labels[n]), default=0)
+    for depth in range(1, max_depth + 1):
+        members: dict[str, list[int]] = defaultdict(list)
+        for n in order:
+            label = problem.labels[n]
+            if label.count(".") + 1 >= depth:
+                members[_prefix(label, depth)].append(n)
+        groups: dict[tuple, list[str]] = defaultdict(list)
+        for module, nodes in members.items():
+            parent = _prefix(module, depth - 1)
+            shape = tuple(
+                (problem.labels[n][len(module):], problem.compute[n], problem.state_mem[n], problem.transfer[n])
+                for n in nodes
+            )
+            groups[(parent, shape)].append(module)
+        found = sorted((tuple(g) for g in groups.values() if len(g) > 1), key=len, reverse=True)
+        if found:
+            return tuple(found)
+    return ()
 
 
 def _common_label(labels: Sequence[str]) -> str:

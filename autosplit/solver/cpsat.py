@@ -26,7 +26,7 @@ Objective: minimise ``Σ_s t_s + (M − 1)·T`` (the step-time numerator of
 implications that CP-SAT propagates well and whose LP relaxation is tight, unlike a
 one-hot ``x[n, d]`` model that stalls at several hundred nodes. Every memory cap is
 guarded by an assumption literal, so an infeasible problem comes back with the devices
-whose caps conflict. :mod:`autosplit.solver.solve` passes the dynamic program's plan as a
+whose caps conflict. :mod:`autosplit.solver.strategy` passes the dynamic program's plan as a
 hint and keeps it if the time limit ends first.
 
 Usage::

@@ -2,7 +2,8 @@
 
 With identical devices every order is the same. Otherwise the order is a decision: a
 fast device should take the heavy stage, a stage boundary should not sit on the slow link
-between two NVLink islands. The space is S! orders, so this is a local search, scored by
+between two NVLink islands, a module pinned to device 3 that runs before one pinned to
+device 1 needs device 3 earlier in the pipeline. The space is S! orders, so this is a local search, scored by
 the dynamic program (exact over split points for each order):
 
 1. candidates: the given order; devices grouped by island; sorted by speed either way;
@@ -26,15 +27,20 @@ from collections.abc import Sequence
 
 from autosplit.solver.dp import topological_order
 from autosplit.solver.problem import UserConstraint, build_problem, evaluate
-from autosplit.solver.solve import dp_plan
+from autosplit.solver.strategy import dp_plan
 
 __all__ = ["choose_order"]
 
 log = logging.getLogger(__name__)
 
 
-def _kind(spec) -> object:
-    return dataclasses.replace(spec, torch_device=None)
+def _kinds(specs, constraints: Sequence[UserConstraint]) -> list[object]:
+    """Devices are interchangeable when their specs match and every constraint treats them alike."""
+    named = [{d for _, d in c.forbid} for c in constraints]
+    return [
+        (dataclasses.replace(spec, torch_device=None), tuple(d in devices for devices in named))
+        for d, spec in enumerate(specs)
+    ]
 
 
 def choose_order(
@@ -49,7 +55,7 @@ def choose_order(
     specs = table.devices
     S = len(specs)
     identity = tuple(range(S))
-    kinds = [_kind(s) for s in specs]
+    kinds = _kinds(specs, constraints)
     if all(k == kinds[0] for k in kinds):
         return identity
     start = time.perf_counter()

@@ -1,0 +1,193 @@
+"""Planning large graphs: the exact DP, coarsening, refinement, device order, constraints (issue #3)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn as nn
+from hypothesis import HealthCheck, given, settings
+
+import autosplit
+from autosplit.devices import PRESETS, resolve_devices
+from autosplit.examples import GPT
+from autosplit.passes.annotate import annotate
+from autosplit.passes.capture import capture, flat_inputs
+from autosplit.passes.coarsen import coarse_problem, coarsen
+from autosplit.passes.costs import estimate
+from autosplit.solver import build_problem, evaluate, in_flight, solve, split_dp, topological_order, violations
+from autosplit.solver import strategy as solve_module
+from test_solver import brute_force, chain, make_problem, random_problems
+
+
+def _gpt_problem(layers: int = 6, devices: int = 4, method: str = "auto", **kw):
+    model = GPT(vocab=64, d_model=32, n_layers=layers, n_heads=2, max_len=16)
+    x = torch.randint(0, 64, (2, 16))
+    captured = capture(model, (x,), method=method)
+    annotate(captured, flat_inputs(captured, model, (x,), {}))
+    table = estimate(captured.gm, resolve_devices(["A100-80GB"] * devices))
+    return build_problem(table, micro_batches=4 * devices, **kw), captured
+
+
+def test_dp_is_exact_over_contiguous_splits():
+    # On a chain every valid plan is contiguous, so the DP must equal brute force.
+    problem = make_problem([[3, 5], [1, 2], [4, 4], [1, 9], [5, 1], [9, 2], [2, 6]], chain(7), stages=2,
+                           transfer=[1, 4, 2, 8, 1, 3, 0], state=[2, 1, 3, 1, 2, 2, 1], capacity=[8, 9], micro_batches=3)
+    plan = split_dp(problem, topological_order(problem))
+    assert evaluate(problem, plan).objective == brute_force(problem)
+
+
+@settings(max_examples=30, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(random_problems())
+def test_plans_validate_and_never_lose_to_the_dp(problem):
+    dp = split_dp(problem, topological_order(problem))
+    try:
+        sol = solve(problem, time_limit=5)
+    except autosplit.InfeasiblePlanError:
+        assert dp is None
+        return
+    assert not violations(problem, sol.stage_of)
+    if dp is not None:
+        assert sol.objective <= evaluate(problem, dp).objective == sol.baseline
+
+
+def test_coarsening_follows_modules_and_maps_back_to_every_node():
+    problem, _ = _gpt_problem(layers=6)
+    order = topological_order(problem)
+    total = sum(sum(row) / 4 for row in problem.compute)
+    c = coarsen(problem, order, max_cost=total / 4 / 8)
+    assert c.bounds[0] == 0 and c.bounds[-1] == len(problem.nodes)
+    assert sorted(n for b in range(c.num_blocks) for n in c.members(b)) == list(range(len(problem.nodes)))
+    assert any(label.startswith("blocks.3") for label in c.labels)
+    # The six transformer layers are identical: found as one repeated group.
+    assert c.repeated[0] == tuple(f"blocks.{i}" for i in range(6))
+    coarse = coarse_problem(problem, c)
+    block_plan = split_dp(coarse, topological_order(coarse))
+    node_plan = c.to_nodes(block_plan)
+    assert not violations(problem, node_plan)
+    assert evaluate(problem, node_plan).objective >= evaluate(problem, split_dp(problem, order)).objective
+
+
+def test_coarsening_works_on_export_graphs():
+    problem, captured = _gpt_problem(layers=4, method="export")
+    assert captured.method == "export"
+    order = topological_order(problem)
+    c = coarsen(problem, order, max_cost=sum(sum(r) for r in problem.compute) / 4 / 4 / 8)
+    assert 4 < c.num_blocks < len(problem.nodes)
+    # export hoists every parameter to the top; the order puts each next to its first reader
+    first_block_labels = {problem.labels[n].split(".")[0] for n in c.members(0)}
+    assert "blocks" not in first_block_labels
+
+
+def test_coarse_strategy_matches_node_level_plan_on_a_transformer(monkeypatch):
+    problem, _ = _gpt_problem(layers=8, devices=4)
+    exact = solve(problem, time_limit=5)
+    monkeypatch.setattr(solve_module, "DP_WORK_LIMIT", 0)  # force coarsening + refinement
+    coarse = solve(problem, time_limit=5)
+    assert coarse.units < len(problem.nodes)
+    assert not violations(problem, coarse.stage_of)
+    assert coarse.objective <= exact.objective * 1.005
+    assert coarse.bound <= exact.objective
+
+
+def test_one_f_one_b_holds_fewer_micro_batches_than_gpipe():
+    assert [in_flight("1f1b", s, 4, 8) for s in range(4)] == [4, 3, 2, 1]
+    assert [in_flight("gpipe", s, 4, 8) for s in range(4)] == [8] * 4
+    model = GPT(vocab=64, d_model=32, n_layers=4, n_heads=2, max_len=16)
+    x = torch.randint(0, 64, (4, 16))
+    gpipe = autosplit.plan(model, ["cpu"] * 4, example_inputs=(x,), schedule="gpipe", micro_batches=8, time_limit=2)
+    ofob = autosplit.plan(model, ["cpu"] * 4, example_inputs=(x,), schedule="1f1b", micro_batches=8, time_limit=2)
+    assert sum(s.memory_activations for s in ofob.stages) < sum(s.memory_activations for s in gpipe.stages)
+
+
+def _tower_model():
+    return nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 32), nn.Linear(32, 4096))
+
+
+def test_a_faster_device_takes_the_heavy_stage():
+    slow = dataclasses.replace(PRESETS["V100-16GB"], name="slow")
+    fast = dataclasses.replace(PRESETS["H100-80GB"], name="fast")
+    x = torch.randn(4096, 32)
+    plan = autosplit.plan(_tower_model(), [fast, slow], example_inputs=(x,), time_limit=2)
+    # The last Linear dominates: the fast device (index 0) must run the last stage.
+    assert plan.stage_devices == (1, 0)
+    assert plan.assignment["_5"] == 0  # fx names child "5" of a Sequential "_5"
+
+
+def test_stages_do_not_hop_between_islands_more_than_needed():
+    a100 = PRESETS["A100-80GB"]
+    devices = [a100.on_island("a"), a100.on_island("b"), a100.on_island("a"), a100.on_island("b")]
+    model = GPT(vocab=64, d_model=32, n_layers=8, n_heads=2, max_len=16)
+    plan = autosplit.plan(model, devices, example_inputs=(torch.randint(0, 64, (8, 16)),), time_limit=2)
+    islands = [devices[d].island for d in plan.stage_devices]
+    hops = sum(a != b for a, b in zip(islands, islands[1:]))
+    assert hops == 1, f"stage islands {islands}: one crossing of the slow network is enough"
+
+
+def _gpt_small():
+    return GPT(vocab=64, d_model=32, n_layers=4, n_heads=2, max_len=16), (torch.randint(0, 64, (2, 16)),)
+
+
+def test_pin_avoid_and_together_are_honoured():
+    model, inputs = _gpt_small()
+    plan = autosplit.plan(
+        model, ["cpu"] * 3, example_inputs=inputs, time_limit=2,
+        pin={"blocks.3": 1}, avoid={"blocks.0": [0]}, together=[("blocks.1", "blocks.2")],
+    )
+    by_module = {}
+    for name, device in plan.assignment.items():
+        by_module.setdefault(name, device)
+    captured = capture(model, inputs)
+    paths = captured.module_paths
+    devices_of = lambda prefix: {plan.assignment[n] for n, p in paths.items() if n in plan.assignment and (p == prefix or p.startswith(prefix + "."))}  # noqa: E731
+    assert devices_of("blocks.3") == {1}
+    assert 0 not in devices_of("blocks.0")
+    assert len(devices_of("blocks.1") | devices_of("blocks.2")) == 1
+
+
+def test_pins_choose_the_device_order():
+    model, inputs = _gpt_small()
+    plan = autosplit.plan(model, ["cpu"] * 2, example_inputs=inputs, time_limit=2, pin={"blocks.0": 1, "blocks.3": 0})
+    assert plan.stage_devices == (1, 0), "blocks.0 runs first, so its device takes stage 0"
+
+
+def test_conflicting_constraints_are_named():
+    model, inputs = _gpt_small()
+    with pytest.raises(autosplit.InfeasiblePlanError) as err:
+        autosplit.plan(model, ["cpu"] * 2, example_inputs=inputs, time_limit=2,
+                       pin={"blocks.0": 0, "blocks.3": 1}, together=[("blocks.0", "blocks.3")])
+    message = str(err.value)
+    assert "keep ['blocks.0', 'blocks.3'] together" in message
+    assert "pin 'blocks.0' to device 0" in message or "pin 'blocks.3' to device 1" in message
+
+
+def test_conflicting_pin_and_avoid_are_named_together():
+    model, inputs = _gpt_small()
+    with pytest.raises(autosplit.InfeasiblePlanError) as err:
+        autosplit.plan(model, ["cpu"] * 2, example_inputs=inputs, time_limit=2,
+                       pin={"blocks.1": 0}, avoid={"blocks.1": 0})
+    message = str(err.value)
+    assert "pin 'blocks.1' to device 0" in message and "keep 'blocks.1' off devices [0]" in message
+
+
+def test_unknown_module_in_a_constraint_suggests_names():
+    model, inputs = _gpt_small()
+    with pytest.raises(autosplit.ConstraintError, match="did you mean"):
+        autosplit.plan(model, ["cpu"] * 2, example_inputs=inputs, pin={"block.1": 0})
+    with pytest.raises(autosplit.ConstraintError, match="matches 2 of the 2 devices"):
+        autosplit.plan(model, ["cpu"] * 2, example_inputs=inputs, pin={"blocks.1": "cpu"})
+
+
+def test_planning_is_deterministic_on_the_coarse_path(monkeypatch):
+    problem, _ = _gpt_problem(layers=6, devices=4)
+    monkeypatch.setattr(solve_module, "DP_WORK_LIMIT", 0)
+    assert solve(problem, time_limit=3, seed=3).stage_of == solve(problem, time_limit=3, seed=3).stage_of
+
+
+def test_pinned_split_still_trains_like_the_original():
+    from conftest import assert_trains_like
+
+    model, inputs = _gpt_small()
+    split = assert_trains_like(model, ["cpu"] * 3, inputs, steps=1, pin={"blocks.0": 1})
+    assert split.plan.assignment["blocks_0_attn_qkv"] == 1
