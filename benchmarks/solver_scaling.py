@@ -14,7 +14,7 @@ Writes ``benchmarks/results/solver_scaling.json``.
 
 Usage::
 
-    python benchmarks/solver_scaling.py                                  # 12…256 layers × 4…64 devices
+    python benchmarks/solver_scaling.py                                  # 12…260 layers × 4…64 devices
     python benchmarks/solver_scaling.py --layers 12 96 --devices 8 64    # a subset
 """
 
@@ -58,7 +58,7 @@ def uniform_by_layers(problem, layers: int) -> tuple[int, ...]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--layers", type=int, nargs="+", default=[12, 24, 48, 96, 256])
+    parser.add_argument("--layers", type=int, nargs="+", default=[12, 24, 48, 96, 260])
     parser.add_argument("--devices", type=int, nargs="+", default=[4, 8, 16, 32, 64])
     parser.add_argument("--time-limit", type=float, default=10.0, help="autosplit's solver limit, seconds")
     parser.add_argument("--node-limit", type=float, default=10.0, help="node-level CP-SAT limit, seconds")

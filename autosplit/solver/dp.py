@@ -33,11 +33,13 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from autosplit.solver.problem import Problem
+from autosplit.solver.problem import Problem, evaluate
+from autosplit.solver.validate import violations
 
 __all__ = ["topological_order", "split_dp", "forbidden_cuts"]
 
 _INF = np.inf
+_EXACT_FREE_SUM = 5 * 10**7  # K² · S up to which the unconstrained least sum is computed exactly
 
 
 def topological_order(problem: Problem) -> list[int]:
@@ -119,6 +121,24 @@ def _prefix(problem: Problem, order: Sequence[int]):
     return C, A, Mst, X, R, np.cumsum(F, axis=0)
 
 
+def _upper_bound(problem: Problem, order: Sequence[int], cuts: np.ndarray, C: np.ndarray) -> float:
+    """The slowest stage of a valid equal-compute split at allowed cuts (inf if it is not valid):
+    no optimal plan has a stage whose compute alone exceeds it."""
+    S, N = problem.num_stages, len(order)
+    marks = np.searchsorted(C[cuts, 0], C[-1, 0] * np.arange(1, S) / S)
+    picked = np.unique(np.clip(marks, 1, len(cuts) - 2))
+    if len(picked) != S - 1:
+        return _INF
+    stage_of = [0] * N
+    bounds = [0, *cuts[picked].tolist(), N]
+    for st in range(S):
+        for p in range(bounds[st], bounds[st + 1]):
+            stage_of[order[p]] = st
+    if violations(problem, stage_of):
+        return _INF
+    return float(max(evaluate(problem, stage_of).time))
+
+
 def split_dp(
     problem: Problem,
     order: Sequence[int],
@@ -134,37 +154,46 @@ def split_dp(
     cuts = np.arange(N + 1) if allowed is None else np.unique(np.concatenate([[0, N], np.asarray(allowed, dtype=np.int64)]))
     cuts = cuts[~bad[cuts]]
     C, A, Mst, X, R, F = _prefix(problem, order)
-    a_idx, b_idx = cuts[:, None], cuts[None, :]
-    forward = a_idx < b_idx  # (K, K): segment (a, b] is non-empty
+    K = len(cuts)
+    ends = np.arange(K)
+    upper = _upper_bound(problem, order, cuts, C)
 
-    def seg(s: int) -> np.ndarray:
-        """(K, K) time of stage s over (a, b]; +inf where empty or over the memory cap."""
-        t = C[b_idx, s] - C[a_idx, s]
-        mem = Mst[b_idx] - Mst[a_idx] + A[b_idx, s] - A[a_idx, s] + problem.transient_mem
+    def band(s: int, cap: float) -> tuple[np.ndarray, np.ndarray]:
+        """Stage s ending at each cut b: candidate starts a (K, W) and their times (+inf if invalid).
+
+        A stage's compute alone must stay within ``cap``, so only the W cuts before b that
+        satisfy it are candidates: a band about K/S wide instead of all K.
+        """
+        Cs = C[cuts, s]
+        lo = np.searchsorted(Cs, Cs - cap, side="left")
+        width = max(1, int((ends - lo).max()))
+        starts = ends[:, None] - np.arange(1, width + 1)[None, :]
+        valid = (starts >= lo[:, None]) & (starts >= 0)
+        starts = np.clip(starts, 0, K - 1)
+        a, b = cuts[starts], cuts[:, None]
+        t = C[b, s] - C[a, s]
+        mem = Mst[b] - Mst[a] + A[b, s] - A[a, s] + problem.transient_mem
         if s > 0:
-            t = t + X[a_idx, s - 1]
-            mem = mem + R[a_idx, s]
+            t = t + X[a, s - 1]
+            mem = mem + R[a, s]
         if s < S - 1:
-            t = t + X[b_idx, s]
-        allowed_here = (F[b_idx, s] - F[a_idx, s]) == 0
-        return np.where(forward & (mem <= problem.capacity[s]) & allowed_here, t, _INF)
+            t = t + X[b, s]
+        ok = valid & (mem <= problem.capacity[s]) & ((F[b, s] - F[a, s]) == 0) & (t <= cap)
+        return starts, np.where(ok, t, _INF)
 
     def run(combine, cap: float, collect: tuple[float, float] | None = None):
         """DP over stages: (value at the end, back-pointers, segment costs seen within ``collect``)."""
-        K = len(cuts)
         val = np.full(K, _INF)
         val[0] = 0.0
         back, seen = [], []
         for s in range(S):
-            t = seg(s)
+            starts, t = band(s, cap)
             if collect is not None:
                 seen.append(t[(t >= collect[0]) & (t <= collect[1])])
-            if cap < _INF:
-                t[t > cap] = _INF
-            cand = combine(val[:, None], t)  # (K, K): via a, ending at b
-            arg = np.argmin(cand, axis=0)
-            val = cand[arg, np.arange(K)]
-            back.append(arg)
+            cand = combine(val[starts], t)  # (K, W): end b, via start starts[b, j]
+            arg = np.argmin(cand, axis=1)
+            val = cand[ends, arg]
+            back.append(starts[ends, arg])
         return val[-1], back, seen
 
     def walk(back) -> tuple[int, ...]:
@@ -177,17 +206,24 @@ def split_dp(
             b = a
         return tuple(stage_of)
 
-    t_star, _, _ = run(np.maximum, _INF)
+    if Mb == 1:  # no pipelining: only the sum counts
+        free_sum, free_back, _ = run(np.add, _INF)
+        return walk(free_back) if np.isfinite(free_sum) else None
+    # A valid equal-compute split bounds the slowest stage of the bottleneck optimum.
+    t_star, _, _ = run(np.maximum, upper)
+    if not np.isfinite(t_star):
+        t_star, _, _ = run(np.maximum, _INF)
     if not np.isfinite(t_star):
         return None
-    free_sum, free_back, _ = run(np.add, _INF)
-    if Mb == 1:  # no pipelining: only the sum counts
-        return walk(free_back)
+    if K * K * S <= _EXACT_FREE_SUM:
+        free_sum, _, _ = run(np.add, _INF)
+    else:  # a lower bound on the least sum (transfers and latency left out) only widens the scan below
+        free_sum = float(sum(min(row) for row in problem.compute) + 2 * sum(problem.boundary_latency))
     base_sum, base_back, _ = run(np.add, t_star)
     limit = t_star + (base_sum - free_sum) / (Mb - 1)
     best_obj, best_back = base_sum + (Mb - 1) * t_star, base_back
     if limit > t_star:
-        _, _, seen = run(np.add, t_star, collect=(t_star, limit))
+        _, _, seen = run(np.add, limit, collect=(t_star, limit))
         candidates = np.unique(np.concatenate(seen))
         candidates = candidates[candidates > t_star]
         if len(candidates) > max_candidates:

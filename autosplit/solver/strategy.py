@@ -40,13 +40,13 @@ __all__ = ["Solution", "solve", "lower_bound"]
 
 log = logging.getLogger(__name__)
 
-DP_WORK_LIMIT = 2 * 10**7
-"""Largest N² · S for which the DP may cut anywhere (one pass of its recurrence is O(S · N²));
+DP_WORK_LIMIT = 4 * 10**6
+"""Largest N² for which the DP may cut anywhere (one banded pass costs about N², whatever S);
 above it the DP cuts at block boundaries, then refines around the chosen cuts."""
 CPSAT_VAR_LIMIT = 12_000
 """Largest CP-SAT model, in stage booleans (units × (S − 1)), worth building in Python."""
-BLOCKS_PER_STAGE = 16
-"""Coarsening target: a block costs at most 1/16 of an ideal stage, so cutting only at block
+BLOCKS_PER_STAGE = 64
+"""Coarsening target: a block costs at most 1/64 of an ideal stage, so cutting only at block
 boundaries costs at most that much balance before refinement."""
 
 
@@ -105,7 +105,7 @@ def dp_plan(
 ) -> tuple[tuple[int, ...] | None, Coarsening | None, tuple[int, ...] | None]:
     """The dynamic program's plan: (plan, coarsening used or None, plan before refinement)."""
     N, S = len(problem.nodes), problem.num_stages
-    if N * N * S <= DP_WORK_LIMIT:
+    if N * N <= DP_WORK_LIMIT:
         return split_dp(problem, order), None, None
     ideal = sum(sum(row) / S for row in problem.compute) / S
     coarse = coarsen(problem, order, max_cost=ideal / BLOCKS_PER_STAGE)
