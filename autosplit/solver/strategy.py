@@ -94,9 +94,10 @@ def _refine(problem: Problem, c: Coarsening, plan: tuple[int, ...], max_rounds: 
     for _ in range(max_rounds):
         allowed = sorted({q for p in _cuts(c.order, best) for q in range(max(0, p - width), min(N, p + width) + 1)})
         found = split_dp(problem, c.order, allowed)
-        if found is None or evaluate(problem, found).objective >= best_obj:
+        found_obj = evaluate(problem, found).objective if found is not None else best_obj
+        if found_obj >= best_obj:
             break
-        best, best_obj = found, evaluate(problem, found).objective
+        best, best_obj = found, found_obj
     return best
 
 
@@ -148,8 +149,8 @@ def solve(problem: Problem, *, time_limit: float = 10.0, seed: int = 0, workers:
             raise InfeasiblePlanError(explain_memory(problem, [], time_limit, seed))
         raise SolverError(
             f"no plan found for {N} nodes on {S} devices within {time_limit:.1f}s: the dynamic program found no "
-            "contiguous split that fits memory and CP-SAT found none either. Try: a longer time_limit, looser "
-            "memory caps, or more devices."
+            "contiguous split that fits memory and the constraints, and CP-SAT found none either. Try: a longer "
+            "time_limit, looser memory caps or constraints, or more devices."
         )
     method, stage_of = min(valid.items(), key=lambda kv: (evaluate(problem, kv[1]).objective, kv[0] != "dp"))
     objective = evaluate(problem, stage_of).objective
