@@ -31,6 +31,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from autosplit.devices import resolve_devices  # noqa: E402
+from autosplit.errors import AutosplitError  # noqa: E402
 from autosplit.examples import GPT  # noqa: E402
 from autosplit.passes.annotate import annotate  # noqa: E402
 from autosplit.passes.capture import capture, flat_inputs  # noqa: E402
@@ -88,7 +89,12 @@ def main(argv: list[str] | None = None) -> int:
             problem = build_problem(table, micro_batches=4 * S, schedule="gpipe")
             t_build = time.perf_counter() - t0
             t0 = time.perf_counter()
-            sol = solve(problem, time_limit=args.time_limit, seed=0)
+            try:
+                sol = solve(problem, time_limit=args.time_limit, seed=0)
+            except AutosplitError as e:  # e.g. the model does not fit on so few devices
+                rows.append({"layers": layers, "nodes": len(problem.nodes), "devices": S, "error": f"{type(e).__name__}: {e}"})
+                print(f"{layers:>6} {len(problem.nodes):>6} {S:>3} {t_annotate:8.2f}  {type(e).__name__}: {str(e)[:90]}")
+                continue
             t_solve = time.perf_counter() - t0
             M, ms = problem.micro_batches, lambda obj: obj / problem.micro_batches / 1e6  # noqa: E731
 

@@ -8,7 +8,9 @@ compute node it replays the op on fresh inputs that require grad, under
 - ``torch.autograd.graph.saved_tensors_hooks`` for the bytes autograd keeps for backward
   (parameters and views of them excluded: they are counted once, as model state).
 
-Results land in ``node.meta["autosplit"]`` as a :class:`NodeInfo`.
+Results land in ``node.meta["autosplit"]`` as a :class:`NodeInfo`. Replays are memoised by
+the node's signature (op, module config, input shapes, dtypes and grad flags), so the layers
+of a deep model are measured once and the rest run forward only.
 
 Usage::
 
@@ -83,6 +85,7 @@ class _Annotator(fx.Interpreter):
         self._fakes: dict[int, torch.Tensor] = {}  # id(real tensor) → its fake, so identity survives
         self._state_fakes: set[int] = set()  # ids of fakes standing for parameters
         self._seen_state: set[int] = set()  # real params/buffers already owned by some node
+        self._measured: dict[tuple, tuple[int, int, int]] = {}  # signature → (fwd, bwd, saved)
 
     def fake(self, t: torch.Tensor) -> torch.Tensor:
         if id(t) not in self._fakes:
@@ -123,8 +126,14 @@ class _Annotator(fx.Interpreter):
         with self.fake_mode:
             args, kwargs = self.fetch_args_kwargs_from_env(n)
             try:
-                if n.op.startswith("call"):
+                key = self._signature(n, args, kwargs) if n.op.startswith("call") else None
+                if key is not None and key in self._measured:
+                    out = getattr(self, n.op)(n.target, args, kwargs)
+                    fwd, bwd, saved = self._measured[key]
+                elif n.op.startswith("call"):
                     out, fwd, bwd, saved = self._measure(n, args, kwargs)
+                    if key is not None:
+                        self._measured[key] = (fwd, bwd, saved)
                 else:
                     out, fwd, bwd, saved = getattr(self, n.op)(n.target, args, kwargs), 0, 0, 0
             except Exception as e:
@@ -159,6 +168,29 @@ class _Annotator(fx.Interpreter):
             half=any(t.dtype in _HALF for t in tensors),
         )
         return out
+
+    def _signature(self, n: fx.Node, args: tuple, kwargs: dict) -> tuple | None:
+        """What determines a node's FLOPs and saved bytes; None when it cannot be told safely."""
+
+        def describe(x):
+            if isinstance(x, torch.Tensor):
+                return ("T", tuple(x.shape), x.dtype, x.requires_grad, id(x) in self._state_fakes)
+            if x is None or isinstance(x, (bool, int, float, str, torch.dtype, torch.device, slice)):
+                return repr(x)
+            raise TypeError  # an unusual value: measure this node on its own
+
+        try:
+            inputs = tuple(describe(x) for x in pytree.tree_leaves((args, kwargs)))
+            structure = str(pytree.tree_structure((args, kwargs)))
+        except TypeError:
+            return None
+        if n.op == "call_module":
+            mod = self.module.get_submodule(str(n.target))
+            state = tuple((k, tuple(v.shape), v.dtype, v.requires_grad) for k, v in [*mod.named_parameters(), *mod.named_buffers()])
+            what = (type(mod), repr(mod), mod.training, state)
+        else:
+            what = n.target if isinstance(n.target, str) else (getattr(n.target, "__module__", ""), getattr(n.target, "__qualname__", repr(n.target)))
+        return (n.op, what, structure, inputs)
 
     def _measure(self, n: fx.Node, args: tuple, kwargs: dict) -> tuple[Any, int, int, int]:
         """Run ``n`` on fresh grad-requiring inputs: (output, fwd FLOPs, bwd FLOPs, saved bytes)."""

@@ -84,3 +84,18 @@ def test_annotations_count_flops_params_and_saved_activations():
     assert first.param_count == 8 * 16 + 16 and first.param_bytes == 4 * first.param_count
     assert first.output_shapes == ((5, 16),) and first.output_bytes == 5 * 16 * 4
     assert first.saved_bytes == 5 * 8 * 4  # the input; the weight is a parameter, not an activation
+
+
+def test_memoised_annotations_equal_measuring_every_node(monkeypatch):
+    from autosplit.passes import annotate as annotate_module
+
+    model = GPT(vocab=30, d_model=16, n_layers=3, n_heads=2, max_len=8)
+    x = torch.randint(0, 30, (2, 8))
+    memoised = capture(model, (x,))
+    annotate(memoised, flat_inputs(memoised, model, (x,), {}))
+    monkeypatch.setattr(annotate_module._Annotator, "_signature", lambda self, n, a, k: None)
+    fresh = capture(model, (x,))
+    annotate(fresh, flat_inputs(fresh, model, (x,), {}))
+    pairs = list(zip(memoised.gm.graph.nodes, fresh.gm.graph.nodes))
+    assert all(a.meta.get("autosplit") == b.meta.get("autosplit") for a, b in pairs)
+    assert sum(node_info(a).fwd_flops for a, _ in pairs if "autosplit" in a.meta) > 0

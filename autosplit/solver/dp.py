@@ -125,10 +125,14 @@ def _upper_bound(problem: Problem, order: Sequence[int], cuts: np.ndarray, C: np
     """The slowest stage of a valid equal-compute split at allowed cuts (inf if it is not valid):
     no optimal plan has a stage whose compute alone exceeds it."""
     S, N = problem.num_stages, len(order)
-    marks = np.searchsorted(C[cuts, 0], C[-1, 0] * np.arange(1, S) / S)
-    picked = np.unique(np.clip(marks, 1, len(cuts) - 2))
-    if len(picked) != S - 1:
+    K = len(cuts)
+    if K - 1 < S:
         return _INF
+    marks = np.searchsorted(C[cuts, 0], C[-1, 0] * np.arange(1, S) / S)
+    picked = np.clip(marks, 1, K - 2)
+    for i in range(S - 1):  # a node heavier than a stage pulls marks together: keep stages non-empty
+        lowest = picked[i - 1] + 1 if i else 1
+        picked[i] = min(max(picked[i], lowest), K - S + i)
     stage_of = [0] * N
     bounds = [0, *cuts[picked].tolist(), N]
     for st in range(S):

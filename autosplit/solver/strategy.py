@@ -33,10 +33,11 @@ from autosplit.errors import InfeasiblePlanError, SolverError
 from autosplit.passes.coarsen import Coarsening, coarse_problem, coarsen
 from autosplit.solver.cpsat import cpsat, explain_infeasible, explain_memory, precheck
 from autosplit.solver.dp import split_dp, topological_order
-from autosplit.solver.problem import Problem, evaluate
+from autosplit.solver.problem import KIB, Problem, evaluate
+from autosplit.units import format_bytes
 from autosplit.solver.validate import violations
 
-__all__ = ["Solution", "solve", "lower_bound"]
+__all__ = ["Solution", "solve", "lower_bound", "memory_floor"]
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +77,15 @@ def lower_bound(problem: Problem) -> int:
     fastest = [min(row) for row in problem.compute]
     total = sum(fastest) + 2 * sum(problem.boundary_latency)
     return total + (problem.micro_batches - 1) * max(math.ceil(total / S), max(fastest, default=0))
+
+
+def memory_floor(problem: Problem) -> int:
+    """KiB that any plan puts on its fullest device, at least: perfect spreading of state and
+    activations, and no less than the largest unit that cannot be split (colocated nodes)."""
+    S = problem.num_stages
+    need = [problem.state_mem[n] + min(problem.act_mem[n]) for n in range(len(problem.nodes))]
+    units = [sum(need[n] for n in g) for g in problem.colocate] + need
+    return problem.transient_mem + max(math.ceil(sum(need) / S), max(units, default=0))
 
 
 def _cuts(order: Sequence[int], stage_of: Sequence[int]) -> list[int]:
@@ -147,6 +157,14 @@ def solve(problem: Problem, *, time_limit: float = 10.0, seed: int = 0, workers:
     if not valid:
         if N * (S - 1) <= CPSAT_VAR_LIMIT:
             raise InfeasiblePlanError(explain_memory(problem, [], time_limit, seed))
+        floor = memory_floor(problem)
+        if floor > max(problem.capacity):
+            raise InfeasiblePlanError(
+                f"no plan fits: any plan needs at least {format_bytes(floor * KIB)} on its fullest device "
+                f"(model state and activations spread perfectly over {S} devices), but the largest cap is "
+                f"{format_bytes(max(problem.capacity) * KIB)}. Try: more devices, schedule='1f1b' with more "
+                "micro-batches, a smaller batch, or optimizer='sgd'."
+            )
         raise SolverError(
             f"no plan found for {N} nodes on {S} devices within {time_limit:.1f}s: the dynamic program found no "
             "contiguous split that fits memory and the constraints, and CP-SAT found none either. Try: a longer "
