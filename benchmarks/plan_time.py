@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seq", type=int, default=1024)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--devices", type=int, nargs="+", default=[4, 8])
-    parser.add_argument("--time-limit", type=float, default=30.0)
+    parser.add_argument("--time-limit", type=float, default=10.0, help="solver limit (the library default)")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "plan_time.json"))
     args = parser.parse_args(argv)
 
