@@ -56,4 +56,4 @@ class CodegenError(AutosplitError):
 
 
 class ConstraintError(AutosplitError, ValueError):
-    """A user constraint names a module or device the model or device list does not have."""
+    """A planning option or constraint is invalid: an unknown schedule, module or device."""

@@ -1,4 +1,4 @@
-"""The compiler, top to bottom: capture → annotate → estimate → build → solve → validate → codegen.
+"""The compiler, top to bottom: capture → annotate → estimate → order → build → solve → validate → codegen.
 
 Usage::
 
@@ -159,7 +159,7 @@ def _compile(
     if given is not None:  # a saved plan fixes the devices and the schedule it was made for
         devices, micro_batches, schedule = devices or given.devices, given.micro_batches, given.schedule
     if schedule not in SCHEDULES:
-        raise DeviceError(f"unknown schedule {schedule!r}; choose one of {SCHEDULES}")
+        raise ConstraintError(f"unknown schedule {schedule!r}; choose one of {SCHEDULES}")
     specs: tuple[DeviceSpec, ...] = resolve_devices(devices, memory)
     # GPipe (Huang et al. 2019, §2.2): with M ≥ 4·S micro-batches the pipeline bubble is negligible.
     M = 1 if schedule == "sequential" else (micro_batches or 4 * len(specs))
@@ -177,7 +177,7 @@ def _compile(
     rules = _user_constraints(table, pin, avoid, together)
     with _timed("order", timings):
         order = given.stage_devices if given is not None else choose_order(
-            table, micro_batches=M, schedule=schedule, constraints=rules, budget=time_limit / 4
+            table, micro_batches=M, schedule=schedule, constraints=rules
         )
     with _timed("build", timings):
         problem = build_problem(table, micro_batches=M, schedule=schedule, order=order, constraints=rules)

@@ -8,8 +8,8 @@ the dynamic program (exact over split points for each order):
 
 1. candidates: the given order; devices grouped by island; sorted by speed either way;
 2. from the best, swap two devices of different kinds while a swap lowers the DP's
-   predicted step time and the time budget lasts (first improvement, fixed scan order,
-   so the result is deterministic).
+   predicted step time, up to a fixed number of evaluations (first improvement, fixed
+   scan order, so the result is deterministic).
 
 Usage::
 
@@ -49,9 +49,13 @@ def choose_order(
     micro_batches: int,
     schedule: str,
     constraints: Sequence[UserConstraint] = (),
-    budget: float = 5.0,
+    max_evaluations: int = 64,
 ) -> tuple[int, ...]:
-    """A device order for the pipeline's stages (stage s on device ``order[s]``)."""
+    """A device order for the pipeline's stages (stage s on device ``order[s]``).
+
+    The search is bounded by a count of DP evaluations, not by time, so every rank of a
+    distributed job reaches the same order.
+    """
     specs = table.devices
     S = len(specs)
     identity = tuple(range(S))
@@ -60,9 +64,11 @@ def choose_order(
         return identity
     start = time.perf_counter()
     topo = None
+    evaluations = 0
 
     def score(order: tuple[int, ...]) -> float:
-        nonlocal topo
+        nonlocal topo, evaluations
+        evaluations += 1
         problem = build_problem(table, micro_batches=micro_batches, schedule=schedule, order=order, constraints=constraints)
         topo = topo or topological_order(problem)
         plan, _, _ = dp_plan(problem, topo, refine=False)
@@ -79,11 +85,11 @@ def choose_order(
     best = min(scored, key=lambda c: (scored[c], candidates.index(c)))
     best_score = scored[best]
     improved = True
-    while improved and time.perf_counter() - start < budget:
+    while improved and evaluations < max_evaluations:
         improved = False
         for i in range(S):
             for j in range(i + 1, S):
-                if kinds[best[i]] == kinds[best[j]] or time.perf_counter() - start >= budget:
+                if kinds[best[i]] == kinds[best[j]] or evaluations >= max_evaluations:
                     continue
                 swapped = list(best)
                 swapped[i], swapped[j] = swapped[j], swapped[i]
