@@ -176,3 +176,33 @@ def test_validate_checks_memory_and_colocation_without_a_solver():
     assert any("over its cap" in v for v in found)
     assert any("sit on stages [0, 1]" in v for v in found)
     assert violations(problem, (0, 1, 1, 1)) == []
+
+
+@settings(max_examples=60, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(random_problems())
+def test_lower_bounds_never_exceed_the_optimum(problem):
+    from autosplit.solver.bounds import chain_bound, lower_bound
+
+    best = brute_force(problem)
+    if best is None:
+        return
+    assert lower_bound(problem) <= best
+    slowest = min(
+        max(evaluate(problem, so).time)
+        for so in itertools.product(range(problem.num_stages), repeat=len(problem.nodes))
+        if not violations(problem, so)
+    )
+    assert chain_bound(problem) <= slowest
+
+
+def test_chain_bound_sees_expensive_cuts_that_balance_ignores():
+    from autosplit.solver.bounds import chain_bound
+
+    # Two stages, four equal nodes; only the middle link is cheap to cut.
+    problem = make_problem([10, 10, 10, 10], chain(4), stages=2, transfer=[50, 0, 50, 0])
+    assert chain_bound(problem) == 20  # cut at the cheap link: 20 + 0
+    # Every inner cut moves 50: the bound allows one stage to take the whole chain (40),
+    # still far above ⌈total / S⌉ = 20; the real best split pays 30 + 50.
+    costly = make_problem([10, 10, 10, 10], chain(4), stages=2, transfer=[50, 50, 50, 0])
+    assert chain_bound(costly) == 40
+    assert max(evaluate(costly, solve(costly, time_limit=5).stage_of).time) == 80

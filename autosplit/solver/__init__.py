@@ -2,7 +2,8 @@
 
 from autosplit.solver.dp import split_dp, topological_order
 from autosplit.solver.problem import Evaluation, Problem, build_problem, evaluate, in_flight
-from autosplit.solver.strategy import Solution, lower_bound, solve
+from autosplit.solver.bounds import lower_bound
+from autosplit.solver.strategy import Solution, solve
 from autosplit.solver.validate import validate, violations
 
 __all__ = [

@@ -9,8 +9,8 @@
    model would be too large, with the DP's plan as a hint. CP-SAT may leave the DP's
    order (parallel branches can move across stages), so it can only improve on it; the
    better plan, judged by :func:`evaluate` on the nodes, is returned.
-4. The bound: CP-SAT's proven bound when it ran on the nodes, else the analytic bound
-   ``Σ_n min_s c[n,s] + 2·Σ latency + (M − 1)·max(⌈that / S⌉, max_n min_s c[n,s])``.
+4. The bound: the best of CP-SAT's proven bound (when it ran on the nodes) and the
+   analytic and chain bounds of :mod:`~autosplit.solver.bounds`.
 
 Deterministic: the same problem, seed and limits give the same plan (CP-SAT runs its
 workers interleaved under a deterministic time limit), so every rank of a distributed
@@ -31,13 +31,14 @@ from dataclasses import dataclass
 
 from autosplit.errors import InfeasiblePlanError, SolverError
 from autosplit.passes.coarsen import Coarsening, coarse_problem, coarsen
+from autosplit.solver.bounds import lower_bound
 from autosplit.solver.cpsat import cpsat, explain_infeasible, explain_memory, precheck
 from autosplit.solver.dp import split_dp, topological_order
 from autosplit.solver.problem import KIB, Problem, evaluate
 from autosplit.units import format_bytes
 from autosplit.solver.validate import violations
 
-__all__ = ["Solution", "solve", "lower_bound", "memory_floor"]
+__all__ = ["Solution", "solve", "memory_floor"]
 
 log = logging.getLogger(__name__)
 
@@ -69,14 +70,6 @@ class Solution:
     @property
     def gap(self) -> float:
         return 0.0 if self.objective <= 0 else max(0.0, (self.objective - self.bound) / self.objective)
-
-
-def lower_bound(problem: Problem) -> int:
-    """A bound no plan beats: every node at its fastest, perfectly balanced, latency paid."""
-    S = problem.num_stages
-    fastest = [min(row) for row in problem.compute]
-    total = sum(fastest) + 2 * sum(problem.boundary_latency)
-    return total + (problem.micro_batches - 1) * max(math.ceil(total / S), max(fastest, default=0))
 
 
 def memory_floor(problem: Problem) -> int:
@@ -140,7 +133,7 @@ def solve(problem: Problem, *, time_limit: float = 10.0, seed: int = 0, workers:
 
     target = problem if coarse is None else coarse_problem(problem, coarse)
     units = len(target.nodes)
-    bound = lower_bound(problem)
+    bound = lower_bound(problem, upper=max(evaluate(problem, dp).time) if dp else math.inf)
     remaining = time_limit - (time.perf_counter() - start)
     if coarse is not None:  # blocks cannot express the refined cuts: CP-SAT gets a share of the time
         remaining = min(remaining, time_limit / 4)
