@@ -205,7 +205,9 @@ def explain_memory(problem: Problem, core: list[int], time_limit: float, seed: i
     for s in range(problem.num_stages):
         model.m.Add(peak >= model.memory(s))
     model.m.Minimize(peak)
-    solver = _solver(time_limit, seed, None)
+    # No hint exists for this model, and interleaved search rarely finds a first solution
+    # without one; an explanation need not be reproducible, so search in parallel.
+    solver = _solver(time_limit, seed, None, deterministic=False)
     status = solver.Solve(model.m)
     caps = ", ".join(f"stage {s} on {problem.devices[s]} (cap {_kib(problem.capacity[s])})" for s in core)
     least = _kib(solver.Value(peak)) if status in (cp_model.OPTIMAL, cp_model.FEASIBLE) else "unknown"
