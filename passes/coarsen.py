@@ -8,8 +8,8 @@ cannot create a cycle), cut along the module hierarchy:
 2. *chain contraction*: neighbouring runs are merged back while the merged block stays
    within ``max_cost`` (a chain of small ops becomes one block);
 3. *repeated layers*: sibling modules whose nodes have identical costs and structure (a
-   transformer's layers) are found as one repeated group, as RaNNC and AutoParallel's
-   region clustering do; the report and the logs name them.
+   transformer's layers) are found as one repeated group (:func:`repeated_layers`), as
+   RaNNC and AutoParallel's region clustering do; the planner's log names them.
 
 Costs come from the plain :class:`~autosplit.solver.problem.Problem`, whose labels are the
 module paths fx recorded, so this works on graphs from symbolic tracing and from
@@ -40,8 +40,6 @@ class Coarsening:
     order: tuple[int, ...]
     bounds: tuple[int, ...]
     labels: tuple[str, ...]
-    repeated: tuple[tuple[str, ...], ...]
-    """Groups of sibling modules with identical costs and structure (repeated layers), largest first."""
 
     @property
     def num_blocks(self) -> int:
@@ -103,9 +101,7 @@ def coarsen(problem: Problem, order: Sequence[int], *, max_cost: float) -> Coars
     merged = list(zip(cut_at, cut_at[1:]))
     bounds = tuple(cut_at)
     block_labels = tuple(_common_label(labels[lo:hi]) for lo, hi in merged)
-
-    repeated = repeated_layers(problem, order)
-    return Coarsening(tuple(order), bounds, block_labels, repeated)
+    return Coarsening(tuple(order), bounds, block_labels)
 
 
 def repeated_layers(problem: Problem, order: Sequence[int]) -> tuple[tuple[str, ...], ...]:

@@ -14,7 +14,7 @@ from autosplit.devices import PRESETS, resolve_devices
 from autosplit.examples import GPT
 from autosplit.passes.annotate import annotate
 from autosplit.passes.capture import capture, flat_inputs
-from autosplit.passes.coarsen import coarse_problem, coarsen
+from autosplit.passes.coarsen import coarse_problem, coarsen, repeated_layers
 from autosplit.passes.costs import estimate
 from autosplit.solver import build_problem, evaluate, in_flight, solve, split_dp, topological_order, violations
 from autosplit.solver import strategy as solve_module
@@ -61,7 +61,7 @@ def test_coarsening_follows_modules_and_maps_back_to_every_node():
     assert sorted(n for b in range(c.num_blocks) for n in c.members(b)) == list(range(len(problem.nodes)))
     assert any(label.startswith("blocks.3") for label in c.labels)
     # The six transformer layers are identical: found as one repeated group.
-    assert c.repeated[0] == tuple(f"blocks.{i}" for i in range(6))
+    assert repeated_layers(problem, order)[0] == tuple(f"blocks.{i}" for i in range(6))
     coarse = coarse_problem(problem, c)
     block_plan = split_dp(coarse, topological_order(coarse))
     node_plan = c.to_nodes(block_plan)

@@ -206,3 +206,12 @@ def test_chain_bound_sees_expensive_cuts_that_balance_ignores():
     costly = make_problem([10, 10, 10, 10], chain(4), stages=2, transfer=[50, 50, 50, 0])
     assert chain_bound(costly) == 40
     assert max(evaluate(costly, solve(costly, time_limit=5).stage_of).time) == 80
+
+
+def test_large_infeasible_problem_reports_the_memory_floor(monkeypatch):
+    from autosplit.solver import strategy
+
+    monkeypatch.setattr(strategy, "CPSAT_VAR_LIMIT", 0)  # take the path of graphs too large for CP-SAT
+    problem = make_problem([1] * 6, chain(6), stages=2, state=[100] * 6, capacity=[250, 250])
+    with pytest.raises(InfeasiblePlanError, match="any plan needs at least 300.00 KiB on its fullest device"):
+        solve(problem, time_limit=2)

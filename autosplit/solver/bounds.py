@@ -33,7 +33,7 @@ import numpy as np
 
 from autosplit.solver.problem import Problem
 
-__all__ = ["lower_bound", "chain_bound"]
+__all__ = ["lower_bound", "chain_bound", "memory_units", "memory_floor"]
 
 
 def heaviest_chain(problem: Problem) -> list[int]:
@@ -94,3 +94,19 @@ def lower_bound(problem: Problem, upper: float = math.inf) -> int:
     total = sum(fastest) + 2 * sum(problem.boundary_latency)
     slowest = max(math.ceil(total / S), max(fastest, default=0), math.floor(chain_bound(problem, upper)))
     return total + (problem.micro_batches - 1) * slowest
+
+
+def memory_units(problem: Problem) -> list[tuple[tuple[int, ...], int]]:
+    """Each unit that cannot be split (a colocated group, or a lone node) with the KiB it needs
+    on any device: its state, its least activations, and the transient reserve."""
+    need = [problem.state_mem[n] + min(problem.act_mem[n]) for n in range(len(problem.nodes))]
+    groups = [*problem.colocate, *((n,) for n in range(len(problem.nodes)))]
+    return [(tuple(g), problem.transient_mem + sum(need[n] for n in g)) for g in groups]
+
+
+def memory_floor(problem: Problem) -> int:
+    """KiB that any plan puts on its fullest device, at least: perfect spreading of state and
+    activations, and no less than the largest unit that cannot be split."""
+    total = sum(problem.state_mem[n] + min(problem.act_mem[n]) for n in range(len(problem.nodes)))
+    largest_unit = max(need for _, need in memory_units(problem))
+    return max(problem.transient_mem + math.ceil(total / problem.num_stages), largest_unit)

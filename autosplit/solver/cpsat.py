@@ -44,6 +44,7 @@ from collections.abc import Sequence
 from ortools.sat.python import cp_model
 
 from autosplit.errors import InfeasiblePlanError
+from autosplit.solver.bounds import memory_units
 from autosplit.solver.problem import KIB, Problem
 from autosplit.units import format_bytes
 
@@ -239,8 +240,7 @@ def precheck(problem: Problem) -> None:
             f"Try: use at most {units} devices."
         )
     largest = max(problem.capacity)
-    for group in (*problem.colocate, *([n] for n in range(N))):
-        need = problem.transient_mem + sum(problem.state_mem[n] + min(problem.act_mem[n]) for n in group)
+    for group, need in memory_units(problem):
         if need > largest:
             n = group[0]
             raise InfeasiblePlanError(

@@ -9,7 +9,9 @@ position). With prefix sums, stage ``s`` over positions ``(a, b]`` costs
 where ``C_s`` is compute on device ``s`` and ``X_k[p]`` the transfer time at boundary
 ``k`` when it sits at position ``p`` (the tensors produced at or before ``p`` and read
 after it, relayed stage to stage, plus latency). Memory is checked per segment the same
-way. Two passes, each O(S · K²) over K allowed cuts, vectorised with numpy:
+way. Two passes over K allowed cuts, vectorised with numpy; each stage looks back only
+over the band of cuts whose compute fits under the pass's cap (an equal-compute split's
+slowest stage bounds the bottleneck pass), so a pass costs about K², whatever S:
 
 1. *bottleneck*: ``f_s[b] = min_a max(f_{s−1}[a], t_s(a, b))`` gives T*, the least
    possible slowest stage (the classic linear-partition recurrence).
@@ -160,7 +162,6 @@ def split_dp(
     C, A, Mst, X, R, F = _prefix(problem, order)
     K = len(cuts)
     ends = np.arange(K)
-    upper = _upper_bound(problem, order, cuts, C)
 
     def band(s: int, cap: float) -> tuple[np.ndarray, np.ndarray]:
         """Stage s ending at each cut b: candidate starts a (K, W) and their times (+inf if invalid).
@@ -214,14 +215,14 @@ def split_dp(
         free_sum, free_back, _ = run(np.add, _INF)
         return walk(free_back) if np.isfinite(free_sum) else None
     # A valid equal-compute split bounds the slowest stage of the bottleneck optimum.
-    t_star, _, _ = run(np.maximum, upper)
+    t_star, _, _ = run(np.maximum, _upper_bound(problem, order, cuts, C))
     if not np.isfinite(t_star):
         t_star, _, _ = run(np.maximum, _INF)
     if not np.isfinite(t_star):
         return None
     if K * K * S <= _EXACT_FREE_SUM:
         free_sum, _, _ = run(np.add, _INF)
-    else:  # a lower bound on the least sum (transfers and latency left out) only widens the scan below
+    else:  # a lower bound on the least sum (transfers left out) only widens the scan below
         free_sum = float(sum(min(row) for row in problem.compute) + 2 * sum(problem.boundary_latency))
     base_sum, base_back, _ = run(np.add, t_star)
     limit = t_star + (base_sum - free_sum) / (Mb - 1)

@@ -30,15 +30,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from autosplit.errors import InfeasiblePlanError, SolverError
-from autosplit.passes.coarsen import Coarsening, coarse_problem, coarsen
-from autosplit.solver.bounds import lower_bound
+from autosplit.passes.coarsen import Coarsening, coarse_problem, coarsen, repeated_layers
+from autosplit.solver.bounds import lower_bound, memory_floor
 from autosplit.solver.cpsat import cpsat, explain_infeasible, explain_memory, precheck
 from autosplit.solver.dp import split_dp, topological_order
 from autosplit.solver.problem import KIB, Problem, evaluate
 from autosplit.units import format_bytes
 from autosplit.solver.validate import violations
 
-__all__ = ["Solution", "solve", "memory_floor"]
+__all__ = ["Solution", "solve"]
 
 log = logging.getLogger(__name__)
 
@@ -70,15 +70,6 @@ class Solution:
     @property
     def gap(self) -> float:
         return 0.0 if self.objective <= 0 else max(0.0, (self.objective - self.bound) / self.objective)
-
-
-def memory_floor(problem: Problem) -> int:
-    """KiB that any plan puts on its fullest device, at least: perfect spreading of state and
-    activations, and no less than the largest unit that cannot be split (colocated nodes)."""
-    S = problem.num_stages
-    need = [problem.state_mem[n] + min(problem.act_mem[n]) for n in range(len(problem.nodes))]
-    units = [sum(need[n] for n in g) for g in problem.colocate] + need
-    return problem.transient_mem + max(math.ceil(sum(need) / S), max(units, default=0))
 
 
 def _cuts(order: Sequence[int], stage_of: Sequence[int]) -> list[int]:
@@ -113,8 +104,10 @@ def dp_plan(
         return split_dp(problem, order), None, None
     ideal = sum(sum(row) / S for row in problem.compute) / S
     coarse = coarsen(problem, order, max_cost=ideal / BLOCKS_PER_STAGE)
-    log.info("coarsened %d nodes into %d blocks (%d repeated groups, largest %d)", N, coarse.num_blocks,
-             len(coarse.repeated), len(coarse.repeated[0]) if coarse.repeated else 0)
+    if log.isEnabledFor(logging.INFO):  # the repeated-layer scan only feeds this line
+        repeated = repeated_layers(problem, order)
+        log.info("coarsened %d nodes into %d blocks; repeated layers: %s", N, coarse.num_blocks,
+                 ", ".join(f"{g[0]} … {g[-1]} ({len(g)})" for g in repeated[:3]) or "none")
     block_dp = split_dp(problem, order, coarse.bounds)
     plan = _refine(problem, coarse, block_dp) if block_dp and refine else block_dp
     return plan, coarse, block_dp
@@ -129,15 +122,16 @@ def solve(problem: Problem, *, time_limit: float = 10.0, seed: int = 0, workers:
 
     dp, coarse, block_dp = dp_plan(problem, order)
     candidates = {"dp": dp} if dp else {}
-    baseline = evaluate(problem, dp).objective if dp else None
+    dp_eval = evaluate(problem, dp) if dp else None
+    baseline = dp_eval.objective if dp_eval else None
 
-    target = problem if coarse is None else coarse_problem(problem, coarse)
-    units = len(target.nodes)
-    bound = lower_bound(problem, upper=max(evaluate(problem, dp).time) if dp else math.inf)
+    units = N if coarse is None else coarse.num_blocks
+    bound = lower_bound(problem, upper=max(dp_eval.time) if dp_eval else math.inf)
     remaining = time_limit - (time.perf_counter() - start)
     if coarse is not None:  # blocks cannot express the refined cuts: CP-SAT gets a share of the time
         remaining = min(remaining, time_limit / 4)
     if units * (S - 1) <= CPSAT_VAR_LIMIT and remaining > 0 and S > 1:
+        target = problem if coarse is None else coarse_problem(problem, coarse)
         hint = dp if coarse is None else (block_dp and tuple(block_dp[coarse.members(b)[0]] for b in range(units)))
         name, found, cp_bound, core = cpsat(target, hint, time_limit=remaining, seed=seed, workers=workers)
         if found is not None:
