@@ -27,12 +27,15 @@ from autosplit.errors import (
     PlanValidationError,
     SolverError,
 )
+from autosplit.passes.costs import CostTable
+from autosplit.passes.profile import ProfileOptions
 from autosplit.pipeline import autosplit, plan
 from autosplit.plan import Plan
 from autosplit.runtime import SplitModule
 
 __all__ = [
     "autosplit", "plan", "Plan", "SplitModule", "DeviceSpec", "PRESETS", "resolve_devices",
+    "CostTable", "ProfileOptions",
     "AutosplitError", "CaptureError", "CodegenError", "ConstraintError", "CostModelError", "DeviceError",
     "InfeasiblePlanError", "PlanMismatchError", "PlanValidationError", "SolverError",
 ]

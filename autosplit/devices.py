@@ -43,7 +43,9 @@ class DeviceSpec:
     peak_flops_half: float | None = None
     """Peak FP16/BF16 throughput (tensor cores), FLOP/s; ``None`` means same as FP32."""
     efficiency: float = 0.6
-    """Fraction of peak that real kernels reach; calibrated from profiles later (issue 4)."""
+    """Fraction of peak FLOP/s that real kernels reach (``calibrate`` fits it from a profile)."""
+    memory_efficiency: float | None = None
+    """Fraction of peak memory bandwidth reached by memory-bound ops; ``None``: ``efficiency``."""
     launch_overhead: float = 5e-6
     """Fixed cost of launching one operator, seconds."""
     torch_device: str | None = None

@@ -18,16 +18,17 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import Any, Union
 
 import torch
 
 from autosplit.devices import DeviceLike, DeviceSpec, resolve_devices
-from autosplit.errors import ConstraintError, DeviceError
+from autosplit.errors import ConstraintError, CostModelError, DeviceError
 from autosplit.passes.annotate import annotate
 from autosplit.passes.capture import Captured, capture, fingerprint, flat_inputs
 from autosplit.passes.codegen import generate
-from autosplit.passes.costs import estimate
+from autosplit.passes.costs import CostTable, estimate, with_overrides
+from autosplit.passes.profile import ProfileOptions, micro_batch, profile
 from autosplit.plan import Plan, SolverInfo, StageReport
 from autosplit.runtime import SplitModule
 from autosplit.solver import Problem, build_problem, evaluate, solve, validate
@@ -86,6 +87,62 @@ def _stage_reports(problem: Problem, table, stage_of: Sequence[int], order: Sequ
             )
         )
     return tuple(reports)
+
+
+CostsLike = Union[str, ProfileOptions, CostTable, Path]
+
+
+def _costs(
+    captured: Captured, inputs: list[Any], specs: tuple[DeviceSpec, ...], costs: CostsLike, *,
+    optimizer: str, micro_batches: int, fingerprint: str,
+) -> tuple[CostTable, str]:
+    """The cost table ``costs`` asks for, and a line saying where it came from."""
+    if isinstance(costs, (CostTable, Path)) or (isinstance(costs, str) and costs not in ("analytic", "measured")):
+        return _given_table(captured, specs, costs), f"given table ({costs if isinstance(costs, (str, Path)) else 'object'})"
+    if costs == "analytic":
+        return estimate(captured.gm, specs, optimizer=optimizer), "analytic"
+    options = ProfileOptions() if costs == "measured" else costs
+    if not isinstance(options, ProfileOptions):
+        raise CostModelError(
+            f"costs={costs!r} is not understood; pass 'analytic', 'measured', autosplit.ProfileOptions(...), "
+            "a CostTable or the path of a saved one"
+        )
+    present = sorted({s.torch_device for s in specs if s.torch_device is not None})
+    if not present:
+        raise CostModelError(
+            f"costs='measured' needs a device to measure on, but {[s.name for s in specs]} are all plan-only "
+            "presets; pass torch devices (e.g. 'cpu', 'cuda:0'), or costs='analytic' with calibrated specs "
+            "(autosplit.calibrate)"
+        )
+    micro = micro_batch(inputs, micro_batches)
+    profiles = {dev: profile(captured, micro, dev, fingerprint=fingerprint, options=options) for dev in present}
+    table = estimate(
+        captured.gm, specs, optimizer=optimizer, micro_batches=micro_batches,
+        profiles=[profiles.get(s.torch_device) for s in specs],
+    )
+    hits = sum(p.cached for p in profiles.values())
+    analytic = [s.name for s in specs if s.torch_device is None]
+    return table, (
+        f"measured on {', '.join(present)}" + (f" (cache: {hits} of {len(profiles)})" if hits else "")
+        + (f"; analytic for {', '.join(dict.fromkeys(analytic))}" if analytic else "")
+    )
+
+
+def _given_table(captured: Captured, specs: tuple[DeviceSpec, ...], costs: CostTable | str | Path) -> CostTable:
+    table = costs if isinstance(costs, CostTable) else CostTable.load(costs)
+    nodes = tuple(n.name for n in captured.gm.graph.nodes if n.op not in ("placeholder", "output"))
+    if table.nodes != nodes:
+        missing = sorted(set(nodes) - set(table.nodes))
+        raise CostModelError(
+            f"the given cost table has {len(table.nodes)} nodes, the captured graph {len(nodes)} "
+            f"(first missing: {missing[:3]}); the table belongs to another model or input shape. "
+            "Save a table from this model (CostTable.save) and edit it, or use cost_overrides="
+        )
+    if len(table.devices) != len(specs):
+        raise CostModelError(
+            f"the given cost table has times for {len(table.devices)} devices, but {len(specs)} devices were given"
+        )
+    return dataclasses.replace(table, devices=specs, sources=("given",) * len(specs))
 
 
 def _device_index(ref: int | str, specs: Sequence[DeviceSpec]) -> int:
@@ -150,14 +207,17 @@ def _compile(
     seed: int,
     capture_method: str,
     given: Plan | None,
+    costs: CostsLike = "analytic",
+    cost_overrides: Mapping[str, Mapping[str, float]] | None = None,
     pin: Mapping[str, int | str] | None = None,
     avoid: Mapping[str, Any] | None = None,
     together: Sequence[Sequence[str]] | None = None,
 ) -> _Compiled:
     if not isinstance(example_inputs, tuple):
         example_inputs = (example_inputs,)
-    if given is not None:  # a saved plan fixes the devices and the schedule it was made for
+    if given is not None:  # a saved plan fixes the devices and the schedule it was made for; no profiling
         devices, micro_batches, schedule = devices or given.devices, given.micro_batches, given.schedule
+        costs, cost_overrides = "analytic", None
     if schedule not in SCHEDULES:
         raise ConstraintError(f"unknown schedule {schedule!r}; choose one of {SCHEDULES}")
     specs: tuple[DeviceSpec, ...] = resolve_devices(devices, memory)
@@ -170,10 +230,14 @@ def _compile(
         graph_id = fingerprint(captured.gm)
     if given is not None:
         given.check_fingerprint(graph_id, {n.name for n in captured.gm.graph.nodes if n.op not in ("placeholder", "output")})
+    inputs = flat_inputs(captured, model, example_inputs, example_kwargs)
     with _timed("annotate", timings):
-        annotate(captured, flat_inputs(captured, model, example_inputs, example_kwargs))
+        annotate(captured, inputs)
     with _timed("estimate", timings):
-        table = estimate(captured.gm, specs, optimizer=optimizer)
+        table, source = _costs(captured, inputs, specs, costs, optimizer=optimizer, micro_batches=M, fingerprint=graph_id)
+        if cost_overrides:
+            table = with_overrides(table, cost_overrides)
+            source += f" + {len(cost_overrides)} override{'s' * (len(cost_overrides) > 1)}"
     rules = _user_constraints(table, pin, avoid, together)
     with _timed("order", timings):
         order = given.stage_devices if given is not None else choose_order(
@@ -212,6 +276,7 @@ def _compile(
         ),
         fingerprint=graph_id,
         capture=captured.method,
+        costs=source,
         versions=_versions(),
         timings=timings,
     )
@@ -231,6 +296,8 @@ def plan(
     time_limit: float = 10.0,
     seed: int = 0,
     capture: str = "auto",
+    costs: CostsLike = "analytic",
+    cost_overrides: Mapping[str, Mapping[str, float]] | None = None,
     pin: Mapping[str, int | str] | None = None,
     avoid: Mapping[str, int | str | Sequence[int | str]] | None = None,
     together: Sequence[Sequence[str]] | None = None,
@@ -247,11 +314,18 @@ def plan(
     ``avoid={"head": ["cuda:0"]}``, ``together=[("wte", "head")]``. A set that cannot hold
     is explained in those terms (:class:`InfeasiblePlanError`). When devices differ (speed,
     memory, islands), which device takes which stage is part of the decision.
+
+    ``costs``: ``"analytic"`` (roofline from FLOPs and bytes), ``"measured"`` (profile every
+    node on the devices present, cached on disk; :class:`ProfileOptions` to set repeats,
+    threads, cache), a :class:`CostTable` or the path of a saved one. ``cost_overrides``
+    sets a node's or a module's cost: ``{"blocks.3": {"fwd": 2e-3, "bwd": 4e-3}}`` (seconds
+    for the whole batch; ``saved_bytes`` too).
     """
     return _compile(
         model, devices, example_inputs=example_inputs, example_kwargs=example_kwargs, memory=memory,
         micro_batches=micro_batches, schedule=schedule, optimizer=optimizer, time_limit=time_limit,
         seed=seed, capture_method=capture, given=None, pin=pin, avoid=avoid, together=together,
+        costs=costs, cost_overrides=cost_overrides,
     ).plan
 
 
@@ -269,6 +343,8 @@ def autosplit(
     time_limit: float = 10.0,
     seed: int = 0,
     capture: str = "auto",
+    costs: CostsLike = "analytic",
+    cost_overrides: Mapping[str, Mapping[str, float]] | None = None,
     pin: Mapping[str, int | str] | None = None,
     avoid: Mapping[str, int | str | Sequence[int | str]] | None = None,
     together: Sequence[Sequence[str]] | None = None,
@@ -287,6 +363,7 @@ def autosplit(
         model, devices, example_inputs=example_inputs, example_kwargs=example_kwargs, memory=memory,
         micro_batches=micro_batches, schedule=schedule, optimizer=optimizer, time_limit=time_limit,
         seed=seed, capture_method=capture, given=given, pin=pin, avoid=avoid, together=together,
+        costs=costs, cost_overrides=cost_overrides,
     )
     plan = compiled.plan
     targets = [plan.devices[d].torch_device for d in plan.stage_devices]

@@ -91,6 +91,8 @@ class Plan:
     solver: SolverInfo
     fingerprint: str
     capture: str
+    costs: str = "analytic"
+    """Where the costs came from: ``analytic``, ``measured``, a given table, and overrides."""
     versions: Mapping[str, str] = field(default_factory=dict)
     timings: Mapping[str, float] = field(default_factory=dict)
     """Seconds each pass took while planning."""
@@ -181,7 +183,7 @@ class Plan:
             f"solver {sv.name}: {sv.status}, objective {_ms(sv.objective)}, bound {_ms(sv.bound)}, "
             f"gap {sv.gap:.2%}, {sv.wall_time:.2f}s (limit {sv.time_limit:g}s, seed {sv.seed}); "
             f"{sv.units} units; dynamic program {_ms(sv.baseline) if sv.baseline is not None else 'found no split'}; "
-            f"captured by {self.capture}, graph {self.fingerprint}"
+            f"costs {self.costs}; captured by {self.capture}, graph {self.fingerprint}"
         )
         for s, st in enumerate(self.stages):
             console.print(

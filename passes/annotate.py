@@ -52,7 +52,13 @@ class NodeInfo:
     fwd_flops: int
     bwd_flops: int
     saved_bytes: int
-    """Activation bytes autograd keeps from forward until backward (parameters excluded)."""
+    """Bytes of tensors the node makes that autograd keeps until backward (its output when
+    saved, internal buffers); parameters and the node's inputs are not counted here."""
+    saved_inputs: tuple[str, ...]
+    """Nodes whose output this node saves for backward (each storage is counted once, at
+    its producer, by the cost table)."""
+    saves_output: bool
+    """The node's own output is among what it saves (already in ``saved_bytes``)."""
     params: tuple[str, ...]
     """Qualified names of the parameters this node owns (first use only; each counted once)."""
     param_bytes: int
@@ -85,7 +91,8 @@ class _Annotator(fx.Interpreter):
         self._fakes: dict[int, torch.Tensor] = {}  # id(real tensor) → its fake, so identity survives
         self._state_fakes: set[int] = set()  # ids of fakes standing for parameters
         self._seen_state: set[int] = set()  # real params/buffers already owned by some node
-        self._measured: dict[tuple, tuple[int, int, int]] = {}  # signature → (fwd, bwd, saved)
+        # signature → (fwd FLOPs, bwd FLOPs, own saved bytes, saved input positions, saves output)
+        self._measured: dict[tuple, tuple[int, int, int, frozenset[int], bool]] = {}
 
     def fake(self, t: torch.Tensor) -> torch.Tensor:
         if id(t) not in self._fakes:
@@ -129,13 +136,14 @@ class _Annotator(fx.Interpreter):
                 key = self._signature(n, args, kwargs) if n.op.startswith("call") else None
                 if key is not None and key in self._measured:
                     out = getattr(self, n.op)(n.target, args, kwargs)
-                    fwd, bwd, saved = self._measured[key]
+                    fwd, bwd, saved, saved_at, saves_out = self._measured[key]
                 elif n.op.startswith("call"):
-                    out, fwd, bwd, saved = self._measure(n, args, kwargs)
+                    out, *measured = self._measure(n, args, kwargs)
+                    fwd, bwd, saved, saved_at, saves_out = measured
                     if key is not None:
-                        self._measured[key] = (fwd, bwd, saved)
+                        self._measured[key] = tuple(measured)
                 else:
-                    out, fwd, bwd, saved = getattr(self, n.op)(n.target, args, kwargs), 0, 0, 0
+                    out, fwd, bwd, saved, saved_at, saves_out = getattr(self, n.op)(n.target, args, kwargs), 0, 0, 0, frozenset(), False
             except Exception as e:
                 raise CostModelError(
                     f"could not run node {n.format_node()} (module '{self.paths.get(n.name, '')}') "
@@ -161,6 +169,8 @@ class _Annotator(fx.Interpreter):
             fwd_flops=fwd,
             bwd_flops=bwd,
             saved_bytes=saved,
+            saved_inputs=self._producers(n, args, kwargs, saved_at),
+            saves_output=saves_out,
             params=params,
             param_bytes=pbytes,
             param_count=pcount,
@@ -169,12 +179,20 @@ class _Annotator(fx.Interpreter):
         )
         return out
 
+    def _producers(self, n: fx.Node, args: tuple, kwargs: dict, positions: frozenset[int]) -> tuple[str, ...]:
+        """Names of the input nodes whose values sit at ``positions`` of the flat (args, kwargs)."""
+        if not positions:
+            return ()
+        owner = {id(t): u.name for u in n.all_input_nodes for t in pytree.tree_leaves(self.env.get(u))}
+        leaves = pytree.tree_leaves((args, kwargs))
+        return tuple(dict.fromkeys(owner[id(leaves[i])] for i in sorted(positions) if id(leaves[i]) in owner))
+
     def _signature(self, n: fx.Node, args: tuple, kwargs: dict) -> tuple | None:
-        """What determines a node's FLOPs and saved bytes; None when it cannot be told safely."""
+        """What determines a node's FLOPs and saved bytes (strides too: a copy may be saved); None when it cannot be told safely."""
 
         def describe(x):
             if isinstance(x, torch.Tensor):
-                return ("T", tuple(x.shape), x.dtype, x.requires_grad, id(x) in self._state_fakes)
+                return ("T", tuple(x.shape), x.stride(), x.dtype, x.requires_grad, id(x) in self._state_fakes)
             if x is None or isinstance(x, (bool, int, float, str, torch.dtype, torch.device, slice)):
                 return repr(x)
             raise TypeError  # an unusual value: measure this node on its own
@@ -192,8 +210,12 @@ class _Annotator(fx.Interpreter):
             what = n.target if isinstance(n.target, str) else (getattr(n.target, "__module__", ""), getattr(n.target, "__qualname__", repr(n.target)))
         return (n.op, what, structure, inputs)
 
-    def _measure(self, n: fx.Node, args: tuple, kwargs: dict) -> tuple[Any, int, int, int]:
-        """Run ``n`` on fresh grad-requiring inputs: (output, fwd FLOPs, bwd FLOPs, saved bytes)."""
+    def _measure(self, n: fx.Node, args: tuple, kwargs: dict) -> tuple[Any, int, int, int, frozenset[int], bool]:
+        """Run ``n`` on fresh grad-requiring inputs.
+
+        Returns (output, fwd FLOPs, bwd FLOPs, own saved bytes, positions of the saved
+        inputs among the flat (args, kwargs), whether the output itself is saved).
+        """
 
         def fresh(x):
             # Non-parameter float inputs become non-leaf tensors that require grad, so
@@ -203,17 +225,25 @@ class _Annotator(fx.Interpreter):
             return x
 
         args, kwargs = pytree.tree_map(fresh, (args, kwargs))
-        saved: dict[int, int] = {}
+        position = {id(t): i for i, t in enumerate(pytree.tree_leaves((args, kwargs))) if isinstance(t, torch.Tensor)}
+        own: dict[int, int] = {}
+        saved_at: set[int] = set()
 
         def pack(t: torch.Tensor) -> torch.Tensor:
             base = t._base if t._base is not None else t
-            if id(base) not in self._state_fakes:
-                saved[id(t)] = t.numel() * t.element_size()
+            if id(base) in self._state_fakes:
+                pass
+            elif id(base) in position or id(t) in position:
+                saved_at.add(position.get(id(t), position.get(id(base))))
+            else:
+                own[id(base)] = base.numel() * base.element_size()
             return t
 
         with FlopCounterMode(display=False) as fwd_counter, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             out = getattr(self, n.op)(n.target, args, kwargs)
-        outs = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
+        leaves = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+        saves_output = any(id(t) in own or (t._base is not None and id(t._base) in own) for t in leaves)
+        outs = [t for t in leaves if t.requires_grad]
         grad_inputs = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.requires_grad]
         if n.op == "call_module":
             grad_inputs += [self.fake(p) for p in self.module.get_submodule(str(n.target)).parameters() if p.requires_grad]
@@ -223,7 +253,7 @@ class _Annotator(fx.Interpreter):
                 torch.autograd.grad(outs, grad_inputs, [torch.ones_like(o) for o in outs], allow_unused=True)
             bwd = bwd_counter.get_total_flops()
         detached = pytree.tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, out)
-        return detached, fwd_counter.get_total_flops(), bwd, sum(saved.values())
+        return detached, fwd_counter.get_total_flops(), bwd, sum(own.values()), frozenset(saved_at), saves_output
 
 
 def annotate(captured: Captured, inputs: list[Any]) -> fx.GraphModule:

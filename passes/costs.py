@@ -20,15 +20,28 @@ The table also carries the placement rules codegen relies on (DESIGN §4.5):
 - *order edges*: readers of a tensor that an in-place op writes keep their order around
   the write, though fx records no data edge between them.
 
+Measured costs (DESIGN §4.1): for a device with a :class:`~autosplit.passes.profile.Profile`,
+the node's measured forward/backward seconds replace the roofline, and its measured saved
+bytes and transient peak replace the annotated ones. Profiles hold one micro-batch; the
+table holds the whole batch (× micro-batches), like the analytic costs.
+
+Overrides (:func:`with_overrides`): ``{"blocks.3": {"fwd": 2e-3, "bwd": 4e-3}, "linear_1": {"saved_bytes": 0}}``
+sets a node's cost, or a module's total, on every device, whatever the table's source.
+
 Usage::
 
     table = estimate(gm, devices, optimizer="adam")
+    table = estimate(gm, devices, profiles=[prof, None], micro_batches=4)
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import operator
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch.fx as fx
 from networkx.utils import UnionFind
@@ -37,11 +50,14 @@ from autosplit.devices import DeviceSpec
 from autosplit.errors import CostModelError
 from autosplit.passes.annotate import NodeInfo, node_info
 from autosplit.passes.capture import mutated_input
+from autosplit.passes.profile import Profile
 
-__all__ = ["CostTable", "estimate", "roofline", "link_time", "OPTIMIZER_STATE_BYTES"]
+__all__ = ["CostTable", "estimate", "roofline", "link_time", "OPTIMIZER_STATE_BYTES", "OVERRIDE_KEYS", "with_overrides"]
 
 # Optimizer state bytes per parameter (fp32 moments, whatever the parameter dtype).
 OPTIMIZER_STATE_BYTES = {"adam": 8, "adamw": 8, "sgd_momentum": 4, "sgd": 0, "none": 0}
+
+OVERRIDE_KEYS = ("fwd", "bwd", "saved_bytes")
 
 # Nodes that move no data and launch nothing: they only name a value.
 _FREE_TARGETS = {operator.getitem}
@@ -69,7 +85,29 @@ class CostTable:
     colocate: tuple[tuple[int, ...], ...]
     """Groups of node indices that must share a device."""
     param_counts: tuple[int, ...]
-    source: str = "analytic"
+    transient_bytes: tuple[int, ...] = ()
+    """[node] peak bytes the node needs above what is live while it runs (whole batch);
+    empty means its output bytes."""
+    sources: tuple[str, ...] = ()
+    """[device] where its times come from: ``"analytic"``, ``"measured"`` or ``"given"``."""
+
+    def save(self, path: str | Path) -> None:
+        """Write the table as JSON, to edit or to plan with again (``costs=path``)."""
+        data = dataclasses.asdict(self)
+        Path(path).write_text(json.dumps(data))
+
+    @classmethod
+    def load(cls, path: str | Path) -> CostTable:
+        try:
+            data = json.loads(Path(path).read_text())
+            data["devices"] = tuple(DeviceSpec.from_dict(d) for d in data["devices"])
+            return cls(**{k: _frozen(v) if k != "devices" else v for k, v in data.items()})
+        except (OSError, ValueError, TypeError, KeyError) as e:
+            raise CostModelError(f"cannot read a cost table from {path}: {type(e).__name__}: {e}") from e
+
+
+def _frozen(value):
+    return tuple(_frozen(v) for v in value) if isinstance(value, list) else value
 
 
 def roofline(flops: float, nbytes: float, spec: DeviceSpec, *, half: bool = False) -> float:
@@ -77,7 +115,8 @@ def roofline(flops: float, nbytes: float, spec: DeviceSpec, *, half: bool = Fals
     if flops == 0 and nbytes == 0:
         return 0.0
     peak = (spec.peak_flops_half or spec.peak_flops) if half else spec.peak_flops
-    return max(flops / (peak * spec.efficiency), nbytes / (spec.memory_bandwidth * spec.efficiency)) + spec.launch_overhead
+    memory_efficiency = spec.memory_efficiency or spec.efficiency
+    return max(flops / (peak * spec.efficiency), nbytes / (spec.memory_bandwidth * memory_efficiency)) + spec.launch_overhead
 
 
 def link_time(nbytes: float, a: DeviceSpec, b: DeviceSpec) -> float:
@@ -91,18 +130,110 @@ def _times(node: fx.Node, info: NodeInfo, spec: DeviceSpec) -> tuple[float, floa
         return 0.0, 0.0
     nbytes = info.input_bytes + info.output_bytes
     fwd = roofline(info.fwd_flops, nbytes, spec, half=info.half)
-    bwd = roofline(info.bwd_flops, 2 * nbytes, spec, half=info.half) if (info.bwd_flops or info.saved_bytes) else 0.0
+    has_backward = info.bwd_flops or info.saved_bytes or info.saved_inputs
+    bwd = roofline(info.bwd_flops, 2 * nbytes, spec, half=info.half) if has_backward else 0.0
     return fwd, bwd
 
 
-def estimate(gm: fx.GraphModule, devices: tuple[DeviceSpec, ...], *, optimizer: str = "adam") -> CostTable:
-    """Build the :class:`CostTable` of an annotated graph for ``devices``."""
+def _saved_bytes(gm: fx.GraphModule, nodes: list[fx.Node], infos: list[NodeInfo], own: list[int]) -> list[int]:
+    """Activation bytes per node, each saved storage counted once.
+
+    A tensor that several consumers save for backward (the input of q, k and v
+    projections) is alive once: it is charged to its producer, on top of what the
+    producer itself saves. A saved graph input is charged to its first saver.
+    """
+    index = {n.name: i for i, n in enumerate(nodes)}
+    placeholders = {n.name: n for n in gm.graph.find_nodes(op="placeholder")}
+    saved = list(own)
+    charged: set[str] = set()
+    for i, info in enumerate(infos):
+        for name in info.saved_inputs:
+            if name in charged:
+                continue
+            charged.add(name)
+            if name in index:
+                p = index[name]
+                if not infos[p].saves_output and nodes[p].op != "get_attr":  # parameters are model state
+                    saved[p] += infos[p].output_bytes
+            elif name in placeholders:
+                saved[i] += node_info(placeholders[name]).output_bytes
+    return saved
+
+
+def with_overrides(table: CostTable, overrides: Mapping[str, Mapping[str, float]]) -> CostTable:
+    """``table`` with user costs: a node's own, or a module's total spread over its nodes.
+
+    Times are seconds for the whole batch and apply on every device; a module's total is
+    shared in proportion to its nodes' current costs (equally when those are all zero).
+    """
+    by_name = {name: i for i, name in enumerate(table.nodes)}
+    fwd, bwd = [list(row) for row in table.fwd_time], [list(row) for row in table.bwd_time]
+    saved = list(table.saved_bytes)
+    for key, cost in overrides.items():
+        unknown = set(cost) - set(OVERRIDE_KEYS)
+        if unknown:
+            raise CostModelError(f"cost override for {key!r} has unknown fields {sorted(unknown)}; use {OVERRIDE_KEYS}")
+        members = [by_name[key]] if key in by_name else [
+            i for i, path in enumerate(table.module_paths) if path == key or path.startswith(key + ".")
+        ]
+        if not members:
+            raise CostModelError(
+                f"cost override names {key!r}, which is neither a node nor a module of the graph; "
+                f"nodes look like {list(table.nodes[:4])}, modules like {sorted({p for p in table.module_paths if p})[:4]}"
+            )
+
+        def spread(total: float, current: list[float]) -> list[float]:
+            whole = sum(current)
+            return [total * (c / whole if whole > 0 else 1 / len(current)) for c in current]
+
+        for field, rows in (("fwd", fwd), ("bwd", bwd)):
+            if field in cost:
+                for d in range(len(table.devices)):
+                    for i, t in zip(members, spread(cost[field], [rows[i][d] for i in members])):
+                        rows[i][d] = t
+        if "saved_bytes" in cost:
+            for i, b in zip(members, spread(cost["saved_bytes"], [saved[i] for i in members])):
+                saved[i] = round(b)
+    return dataclasses.replace(
+        table, fwd_time=tuple(map(tuple, fwd)), bwd_time=tuple(map(tuple, bwd)), saved_bytes=tuple(saved)
+    )
+
+
+def estimate(
+    gm: fx.GraphModule,
+    devices: tuple[DeviceSpec, ...],
+    *,
+    optimizer: str = "adam",
+    profiles: Sequence[Profile | None] | None = None,
+    micro_batches: int = 1,
+) -> CostTable:
+    """Build the :class:`CostTable` of an annotated graph for ``devices``.
+
+    ``profiles[d]`` (one micro-batch of ``micro_batches``) gives device ``d`` measured
+    costs; ``None`` or a missing profile keeps the analytic ones.
+    """
     if optimizer not in OPTIMIZER_STATE_BYTES:
         raise CostModelError(f"unknown optimizer {optimizer!r}; choose one of {sorted(OPTIMIZER_STATE_BYTES)}")
+    profiles = list(profiles or [None] * len(devices))
     nodes = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
     index = {n: i for i, n in enumerate(nodes)}
     infos = [node_info(n) for n in nodes]
     times = [[_times(n, info, d) for d in devices] for n, info in zip(nodes, infos)]
+    transient = [info.output_bytes for info in infos]
+    own_saved = [info.saved_bytes for info in infos]
+    measured = next((p for p in profiles if p is not None), None)
+    for d, prof in enumerate(profiles):
+        if prof is None:
+            continue
+        for i, n in enumerate(nodes):
+            if n.name in prof.nodes:
+                got = prof.nodes[n.name]
+                times[i][d] = (got.fwd * micro_batches, got.bwd * micro_batches)
+    if measured is not None:  # memory does not depend on which device of a kind measured it
+        for i, n in enumerate(nodes):
+            if n.name in measured.nodes:
+                own_saved[i] = measured.nodes[n.name].saved_bytes * micro_batches
+                transient[i] = measured.nodes[n.name].peak_bytes * micro_batches
 
     edges = sorted({(index[u], index[v]) for v in nodes for u in v.all_input_nodes if u in index})
 
@@ -126,6 +257,9 @@ def estimate(gm: fx.GraphModule, devices: tuple[DeviceSpec, ...], *, optimizer: 
             if reader is not n and reader in index:
                 order_edges.add((index[reader], i) if index[reader] < i else (i, index[reader]))
 
+    saved = _saved_bytes(gm, nodes, infos, own_saved)
+    fwd = [[t[0] for t in row] for row in times]
+    bwd = [[t[1] for t in row] for row in times]
     state = [
         2 * info.param_bytes + OPTIMIZER_STATE_BYTES[optimizer] * info.param_count + info.buffer_bytes
         for info in infos
@@ -134,13 +268,15 @@ def estimate(gm: fx.GraphModule, devices: tuple[DeviceSpec, ...], *, optimizer: 
         devices=tuple(devices),
         nodes=tuple(n.name for n in nodes),
         module_paths=tuple(info.module_path for info in infos),
-        fwd_time=tuple(tuple(t[0] for t in row) for row in times),
-        bwd_time=tuple(tuple(t[1] for t in row) for row in times),
+        fwd_time=tuple(map(tuple, fwd)),
+        bwd_time=tuple(map(tuple, bwd)),
         state_bytes=tuple(state),
-        saved_bytes=tuple(info.saved_bytes for info in infos),
+        saved_bytes=tuple(saved),
         output_bytes=tuple(info.output_bytes for info in infos),
         edges=tuple(edges),
         order_edges=tuple(sorted(order_edges - set(edges))),
         colocate=tuple(sorted(tuple(sorted(g)) for g in colocate.to_sets() if len(g) > 1)),
         param_counts=tuple(info.param_count for info in infos),
+        transient_bytes=tuple(transient),
+        sources=tuple("analytic" if p is None else "measured" for p in profiles),
     )

@@ -12,6 +12,8 @@ import autosplit
 from autosplit.examples import GPT
 from autosplit.passes.annotate import annotate, node_info
 from autosplit.passes.capture import capture, flat_inputs
+from autosplit.passes.costs import estimate
+from autosplit.devices import resolve_devices
 from conftest import assert_trains_like
 
 
@@ -83,7 +85,32 @@ def test_annotations_count_flops_params_and_saved_activations():
     assert first.bwd_flops == 2 * first.fwd_flops  # grad of input and grad of weight
     assert first.param_count == 8 * 16 + 16 and first.param_bytes == 4 * first.param_count
     assert first.output_shapes == ((5, 16),) and first.output_bytes == 5 * 16 * 4
-    assert first.saved_bytes == 5 * 8 * 4  # the input; the weight is a parameter, not an activation
+    # It saves its input (the weight is a parameter, not an activation) and makes nothing it keeps.
+    assert first.saved_bytes == 0 and first.saved_inputs == ("input_1",) and not first.saves_output
+    relu = node_info(next(n for n in captured.gm.graph.nodes if n.target == "1"))
+    assert relu.saves_output and relu.saved_bytes == 5 * 16 * 4
+    table = estimate(captured.gm, resolve_devices(["cpu"]))
+    assert table.saved_bytes == (5 * 8 * 4, 5 * 16 * 4, 0)  # the graph input is charged to its first saver
+
+
+def test_a_tensor_saved_by_several_consumers_counts_once():
+    class QKV(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q, self.k, self.v = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
+
+        def forward(self, x):
+            h = x * 2  # saves nothing: the factor is a constant
+            return (self.q(h) * self.k(h)).tanh() + self.v(h)
+
+    model, x = QKV(), torch.randn(5, 8)
+    captured = capture(model, (x,))
+    annotate(captured, flat_inputs(captured, model, (x,), {}))
+    table = estimate(captured.gm, resolve_devices(["cpu"]))
+    saved = dict(zip(table.nodes, table.saved_bytes))
+    size = 5 * 8 * 4
+    # h once (read by q, k, v), q and k (read by the product), tanh's output: 4 tensors.
+    assert saved == {"mul": size, "q": size, "k": size, "mul_1": 0, "tanh": size, "v": 0, "add": 0}
 
 
 def test_memoised_annotations_equal_measuring_every_node(monkeypatch):

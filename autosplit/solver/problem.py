@@ -196,7 +196,7 @@ def build_problem(
         capacity=tuple(d.memory // KIB for d in devices),
         colocate=table.colocate,
         micro_batches=M,
-        transient_mem=kib(max(table.output_bytes, default=0) / M),
+        transient_mem=kib(max(table.transient_bytes or table.output_bytes, default=0) / M),
         constraints=tuple(
             UserConstraint(c.text, tuple((n, stage_of_device[d]) for n, d in c.forbid), c.together) for c in constraints
         ),

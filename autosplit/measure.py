@@ -1,0 +1,202 @@
+"""Measurements: what running the code actually costs (DESIGN §2: a *measurement*, not a cost).
+
+- :func:`timed` — seconds of a call, warm-up then repeats, the median: CUDA events on a GPU,
+  the monotonic ``perf_counter_ns`` clock on the CPU.
+- :class:`MemoryTracker` — live and peak bytes of tensor storages on the CPU (a dispatch
+  mode; GPUs use the caching allocator's statistics instead). Written here because
+  ``torch.distributed._tools.MemTracker`` is private, refuses a module called twice (every
+  pipeline does that, once per micro-batch) and rounds sizes to the CUDA allocator's blocks.
+- :func:`pinned` — run with the threads (and CPU cores) a stage will have, so that a
+  profile is taken under the conditions of the run.
+- :func:`measure_link` — point-to-point latency and bandwidth between two processes over
+  ``torch.distributed`` (gloo here, NCCL between GPUs), fitted as ``latency + bytes / bandwidth``.
+
+Usage::
+
+    fwd = timed(lambda: layer(x), device="cpu", warmup=2, repeats=5)
+    with MemoryTracker() as mem:
+        loss(model(x)).backward()
+    link = measure_link()          # LinkMeasurement(bandwidth=..., latency=...)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import statistics
+import tempfile
+import time
+import weakref
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
+
+__all__ = ["timed", "MemoryTracker", "pinned", "LinkMeasurement", "measure_link"]
+
+
+def timed(
+    fn: Callable[[], Any], *, device: str = "cpu", warmup: int = 2, repeats: int = 5,
+    setup: Callable[[], Any] | None = None,
+) -> float:
+    """Median seconds of ``fn()`` over ``repeats`` runs after ``warmup`` runs.
+
+    ``setup`` runs untimed before every call and its result is passed to ``fn``.
+    """
+    cuda = torch.device(device).type == "cuda"
+    samples = []
+    for i in range(warmup + repeats):
+        arg = setup() if setup is not None else None
+        call = (lambda: fn(arg)) if setup is not None else fn
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda.synchronize(device)
+            start.record()
+            call()
+            end.record()
+            torch.cuda.synchronize(device)
+            elapsed = start.elapsed_time(end) / 1e3
+        else:
+            t0 = time.perf_counter_ns()
+            call()
+            elapsed = (time.perf_counter_ns() - t0) / 1e9
+        if i >= warmup:
+            samples.append(elapsed)
+    return statistics.median(samples)
+
+
+class MemoryTracker(TorchDispatchMode):
+    """Live and peak bytes of the tensor storages created inside it (plus those given to :meth:`track`).
+
+    Every op's outputs are seen through ``__torch_dispatch__``; a storage counts once
+    (views share it) and stops counting when it is freed (a weak reference to it dies).
+    Backward on the CPU runs on the calling thread, so gradients are seen too.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._live: dict[int, int] = {}
+        self.current = 0
+        self.peak = 0
+
+    def track(self, *values: Any) -> None:
+        """Count tensors that already exist (parameters, inputs) as live."""
+        for t in pytree.tree_leaves(values):
+            if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                self._add(t.untyped_storage())
+
+    def reset_peak(self) -> None:
+        self.peak = self.current
+
+    def _add(self, storage: torch.UntypedStorage) -> None:
+        key = storage.data_ptr()
+        if key == 0 or key in self._live:
+            return
+        self._live[key] = storage.nbytes()
+        self.current += self._live[key]
+        self.peak = max(self.peak, self.current)
+        weakref.finalize(storage, self._free, key)
+
+    def _free(self, key: int) -> None:
+        self.current -= self._live.pop(key, 0)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                self._add(t.untyped_storage())
+        return out
+
+
+@contextlib.contextmanager
+def pinned(threads: int | None, cores: Sequence[int] | None = None) -> Iterator[None]:
+    """Run the block with ``threads`` intra-op threads on ``cores`` (Linux), restoring both after."""
+    old_threads = torch.get_num_threads()
+    old_cores = os.sched_getaffinity(0) if cores is not None and hasattr(os, "sched_getaffinity") else None
+    try:
+        if threads is not None:
+            torch.set_num_threads(threads)
+        if old_cores is not None:
+            os.sched_setaffinity(0, set(cores))
+        yield
+    finally:
+        torch.set_num_threads(old_threads)
+        if old_cores is not None:
+            os.sched_setaffinity(0, old_cores)
+
+
+@dataclass(frozen=True)
+class LinkMeasurement:
+    """One link, fitted as ``latency + bytes / bandwidth`` from ping-pong round trips."""
+
+    bandwidth: float
+    """Bytes/s, one direction."""
+    latency: float
+    """Seconds per message."""
+    backend: str
+    samples: tuple[tuple[int, float], ...]
+    """(bytes, median one-way seconds) per message size."""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _ping_pong(rank: int, port: int, backend: str, sizes: Sequence[int], repeats: int, out: str) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        device = f"cuda:{rank}" if backend == "nccl" else "cpu"
+        rows = []
+        for nbytes in sizes:
+            buf = torch.empty(max(nbytes // 4, 1), dtype=torch.float32, device=device)
+            trips = []
+            for i in range(repeats + 2):
+                dist.barrier()
+                t0 = time.perf_counter_ns()
+                if rank == 0:
+                    dist.send(buf, 1)
+                    dist.recv(buf, 1)
+                else:
+                    dist.recv(buf, 0)
+                    dist.send(buf, 0)
+                if backend == "nccl":
+                    torch.cuda.synchronize(device)
+                if i >= 2:  # the first trips set up the connection
+                    trips.append((time.perf_counter_ns() - t0) / 1e9)
+            rows.append((buf.numel() * 4, statistics.median(trips) / 2))
+        if rank == 0:
+            torch.save(rows, out)
+    finally:
+        dist.destroy_process_group()
+
+
+def measure_link(
+    *, backend: str = "gloo", sizes: Sequence[int] = (4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20),
+    repeats: int = 10,
+) -> LinkMeasurement:
+    """Measure point-to-point transfers between two local processes and fit the link model.
+
+    Two processes (spawned, one thread each) bounce a message of every size ``repeats``
+    times; the one-way time is half the median round trip. A least-squares line through
+    (bytes, seconds) gives ``latency`` (its intercept, at least 0) and ``bandwidth`` (1 /
+    its slope). ``backend="nccl"`` measures between ``cuda:0`` and ``cuda:1``.
+    """
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "link.pt")
+        mp.spawn(_ping_pong, args=(_free_port(), backend, tuple(sizes), repeats, out), nprocs=2, join=True)
+        rows = torch.load(out)
+    slope, intercept = statistics.linear_regression([float(b) for b, _ in rows], [t for _, t in rows])
+    return LinkMeasurement(
+        bandwidth=1.0 / max(slope, 1e-15), latency=max(intercept, 0.0), backend=backend, samples=tuple(rows)
+    )

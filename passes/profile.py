@@ -1,0 +1,293 @@
+"""Profile: measured forward/backward time and memory of every node on a real device.
+
+The analytic roofline (``passes/costs.py``) is what we plan with for hardware we do not
+have; for a device we do have, we run the graph on it (DESIGN §4.1). An ``fx.Interpreter``
+runs the captured graph on real tensors of one micro-batch. At each compute node it
+replays the node on fresh inputs that require grad, like the annotate pass, and records
+
+- forward and backward seconds: warm-up runs, then the median of the repeats
+  (:func:`autosplit.measure.timed`: CUDA events on a GPU, a monotonic clock on the CPU),
+  with the intra-op threads the run will use;
+- saved bytes (what autograd keeps for backward, parameters excluded, each storage once)
+  and the transient peak of forward and backward above what was live before, from the
+  allocator's statistics on a GPU and :class:`autosplit.measure.MemoryTracker` on the CPU.
+
+Costs in a :class:`Profile` are per micro-batch; the cost table scales them to the batch.
+Profiling leaves the model as it was: buffers (BatchNorm statistics) and the RNG state are
+restored afterwards.
+
+Profiles are cached on disk as JSON under ``cache_dir`` (default ``$AUTOSPLIT_CACHE`` or
+``~/.cache/autosplit``), keyed by graph fingerprint, device name, dtypes, input shapes,
+threads and torch version, so a restart does not profile again.
+
+Usage::
+
+    prof = profile(captured, micro_inputs, "cpu", options=ProfileOptions(threads=1))
+    prof.nodes["linear_1"].fwd
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import hashlib
+import json
+import logging
+import operator
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch.utils import _pytree as pytree
+
+from autosplit.errors import CostModelError
+from autosplit.measure import MemoryTracker, pinned, timed
+from autosplit.passes.capture import Captured
+
+__all__ = ["ProfileOptions", "NodeProfile", "Profile", "profile", "micro_batch"]
+
+log = logging.getLogger(__name__)
+
+_FREE_TARGETS = {operator.getitem}
+_SCHEMA = 1
+
+
+@dataclass(frozen=True)
+class ProfileOptions:
+    """How to measure. ``costs="measured"`` means ``ProfileOptions()``."""
+
+    warmup: int = 2
+    """Untimed runs per node first (caches, lazy initialisation, allocator warm-up)."""
+    repeats: int = 5
+    """Timed runs per node; the median is kept."""
+    threads: int | None = None
+    """Intra-op threads while profiling; ``None`` keeps ``torch.get_num_threads()``. Set it
+    to what each stage will run with (one process per CPU core: 1)."""
+    cores: tuple[int, ...] | None = None
+    """CPU cores to pin the profiling thread(s) to (Linux); ``None`` leaves affinity alone."""
+    cache_dir: str | None = None
+    """Where profiles are kept; ``None``: ``$AUTOSPLIT_CACHE`` or ``~/.cache/autosplit``."""
+    use_cache: bool = True
+
+
+@dataclass(frozen=True)
+class NodeProfile:
+    """Measurements of one node on one device for one micro-batch."""
+
+    fwd: float
+    """Forward seconds (median)."""
+    bwd: float
+    """Backward seconds (median); 0 when nothing needs a gradient."""
+    saved_bytes: int
+    """Bytes autograd keeps from forward to backward (parameters excluded)."""
+    peak_bytes: int
+    """Transient peak above what was live before the node ran, forward or backward."""
+
+
+@dataclass(frozen=True)
+class Profile:
+    """Per-node measurements of a graph on one device, and what they were measured under."""
+
+    device: str
+    key: dict[str, Any]
+    """What the measurements depend on (fingerprint, device, dtypes, shapes, threads, ...)."""
+    nodes: dict[str, NodeProfile]
+    wall_time: float
+    """Seconds the profiling took (0 for a profile read from the cache)."""
+    cached: bool = False
+
+    def to_json(self) -> dict:
+        return {
+            "schema": _SCHEMA, "device": self.device, "key": self.key, "wall_time": self.wall_time,
+            "nodes": {name: dataclasses.astuple(p) for name, p in self.nodes.items()},
+        }
+
+    @classmethod
+    def from_json(cls, data: dict) -> Profile:
+        nodes = {name: NodeProfile(*row) for name, row in data["nodes"].items()}
+        return cls(data["device"], data["key"], nodes, data["wall_time"], cached=True)
+
+
+def micro_batch(inputs: Sequence[Any], micro_batches: int) -> list[Any]:
+    """The first of ``micro_batches`` slices of ``inputs`` along dimension 0 (the batch).
+
+    Tensors whose first dimension is the batch size (that of the first tensor input) are
+    sliced; others (weights passed as inputs, scalars) are kept whole.
+    """
+    tensors = [x for x in inputs if isinstance(x, torch.Tensor) and x.dim() > 0]
+    if micro_batches <= 1 or not tensors:
+        return list(inputs)
+    batch = tensors[0].shape[0]
+    if batch % micro_batches:
+        raise CostModelError(
+            f"batch of {batch} (dimension 0 of the first input) does not divide into {micro_batches} "
+            "micro-batches; pass micro_batches= that divides it, or an example batch that it divides"
+        )
+    size = batch // micro_batches
+    return [x[:size] if isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[0] == batch else x for x in inputs]
+
+
+def _cache_dir(options: ProfileOptions) -> Path:
+    root = options.cache_dir or os.environ.get("AUTOSPLIT_CACHE") or Path.home() / ".cache" / "autosplit"
+    return Path(root) / "profiles"
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    if device.type == "cpu":
+        import platform
+
+        return f"cpu:{platform.processor() or platform.machine()}"
+    return str(device)
+
+
+class _Profiler(fx.Interpreter):
+    def __init__(self, gm: fx.GraphModule, device: torch.device, options: ProfileOptions):
+        super().__init__(gm, garbage_collect_values=True)
+        self.device = device
+        self.options = options
+        self.params = {id(p) for p in gm.parameters()}
+        self.results: dict[str, NodeProfile] = {}
+
+    def run_node(self, n: fx.Node) -> Any:
+        out = super().run_node(n)
+        if n.op in ("call_function", "call_method", "call_module") and n.target not in _FREE_TARGETS:
+            args, kwargs = self.fetch_args_kwargs_from_env(n)
+            try:
+                self.results[n.name] = self._measure(n, args, kwargs)
+            except Exception as e:
+                raise CostModelError(
+                    f"could not profile node {n.format_node()} on {self.device}: {type(e).__name__}: {e}; "
+                    "plan with costs='analytic', or override this node's cost (cost_overrides=)"
+                ) from e
+        return out
+
+    def _fresh(self, args: tuple, kwargs: dict) -> tuple[tuple, dict, list[torch.Tensor]]:
+        """Inputs cut from the graph: float tensors become non-leaf tensors that require grad."""
+
+        def fresh(x):
+            if isinstance(x, torch.Tensor) and x.is_floating_point() and id(x) not in self.params:
+                return x.detach().requires_grad_(True).clone()
+            return x
+
+        args, kwargs = pytree.tree_map(fresh, (args, kwargs))
+        grads = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.requires_grad]
+        return args, kwargs, grads
+
+    def _call(self, n: fx.Node, args: tuple, kwargs: dict) -> Any:
+        return getattr(self, n.op)(n.target, args, kwargs)
+
+    def _measure(self, n: fx.Node, args: tuple, kwargs: dict) -> NodeProfile:
+        params = [p for p in self.module.get_submodule(str(n.target)).parameters() if p.requires_grad] if n.op == "call_module" else []
+        opts = self.options
+
+        def forward(_=None):
+            a, k, grads = self._fresh(args, kwargs)
+            out = self._call(n, a, k)
+            outs = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
+            return outs, grads + params
+
+        fwd = timed(lambda inputs: self._call(n, *inputs[:2]), device=str(self.device), warmup=opts.warmup,
+                    repeats=opts.repeats, setup=lambda: self._fresh(args, kwargs))
+        outs, targets = forward()
+        bwd = 0.0
+        if outs and targets:
+            def setup():
+                outs, targets = forward()
+                return outs, targets, [torch.ones_like(o) for o in outs]
+
+            bwd = timed(lambda x: torch.autograd.grad(x[0], x[1], x[2], allow_unused=True), device=str(self.device),
+                        warmup=opts.warmup, repeats=opts.repeats, setup=setup)
+        saved, peak = self._memory(n, args, kwargs, params)
+        return NodeProfile(fwd, bwd, saved, peak)
+
+    def _memory(self, n: fx.Node, args: tuple, kwargs: dict, params: list[torch.Tensor]) -> tuple[int, int]:
+        """(saved bytes, transient peak bytes) of one forward + backward."""
+        a, k, grads = self._fresh(args, kwargs)
+        inputs = {t.untyped_storage().data_ptr() for t in pytree.tree_leaves((a, k)) if isinstance(t, torch.Tensor)}
+        saved: dict[int, int] = {}
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            storage = t.untyped_storage()
+            if id(t) not in self.params and storage.data_ptr() not in inputs:
+                saved[storage.data_ptr()] = storage.nbytes()
+            return t
+
+        cuda = self.device.type == "cuda"
+        with MemoryTracker() as tracker:
+            if cuda:
+                torch.cuda.reset_peak_memory_stats(self.device)
+                before = torch.cuda.memory_allocated(self.device)
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                out = self._call(n, a, k)
+            outs = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
+            if outs and grads + params:
+                torch.autograd.grad(outs, grads + params, [torch.ones_like(o) for o in outs], allow_unused=True)
+            peak = torch.cuda.max_memory_allocated(self.device) - before if cuda else tracker.peak
+        return sum(saved.values()), int(peak)
+
+
+def _key(captured: Captured, inputs: Sequence[Any], device: torch.device, fingerprint: str, options: ProfileOptions) -> dict:
+    tensors = [t for t in pytree.tree_leaves(list(inputs)) if isinstance(t, torch.Tensor)]
+    dtypes = sorted({str(p.dtype) for p in captured.gm.parameters()} | {str(t.dtype) for t in tensors})
+    return {
+        "fingerprint": fingerprint,
+        "device": _device_name(device),
+        "dtypes": dtypes,
+        "input_shapes": [list(t.shape) for t in tensors],
+        "threads": options.threads or torch.get_num_threads(),
+        "warmup": options.warmup,
+        "repeats": options.repeats,
+        "torch": torch.__version__,
+    }
+
+
+def profile(
+    captured: Captured, inputs: Sequence[Any], device: str, *, fingerprint: str,
+    options: ProfileOptions = ProfileOptions(),
+) -> Profile:
+    """Measure every compute node of ``captured`` on ``device`` for the given (micro-batch) inputs.
+
+    ``inputs`` are the flat graph inputs (``capture.flat_inputs``). The model's state is
+    copied to ``device`` when it lives elsewhere; it is never moved.
+    """
+    dev = torch.device(device)
+    key = _key(captured, inputs, dev, fingerprint, options)
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
+    path = _cache_dir(options) / f"{digest}.json"
+    if options.use_cache and path.exists():
+        try:
+            cached = Profile.from_json(json.loads(path.read_text()))
+            if cached.key == key:
+                log.info("profile of %s on %s: cache hit %s", fingerprint[:12], device, path)
+                return cached
+        except (ValueError, KeyError, TypeError) as e:  # a damaged file is measured again
+            log.warning("ignoring unreadable profile cache %s: %s", path, e)
+
+    gm = captured.gm
+    on_device = all(t.device == dev for t in [*gm.parameters(), *gm.buffers()])
+    if not on_device:
+        gm = copy.deepcopy(gm).to(dev)
+    buffers = {name: b.detach().clone() for name, b in gm.named_buffers()}
+    inputs = [x.to(dev) if isinstance(x, torch.Tensor) else x for x in inputs]
+    start = time.perf_counter()
+    with pinned(options.threads, options.cores), torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
+        profiler = _Profiler(gm, dev, options)
+        profiler.run(*inputs)
+    with torch.no_grad():  # profiling ran BatchNorm & co. many times: put their statistics back
+        for name, b in gm.named_buffers():
+            b.copy_(buffers[name])
+    result = Profile(device, key, profiler.results, time.perf_counter() - start)
+    log.info("profiled %d nodes on %s in %.2fs", len(result.nodes), device, result.wall_time)
+    if options.use_cache:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(result.to_json()))
+        tmp.replace(path)
+    return result
