@@ -36,7 +36,7 @@ import torch
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["timed", "MemoryTracker", "pinned", "LinkMeasurement", "measure_link"]
+__all__ = ["timed", "MemoryTracker", "pinned", "LinkMeasurement", "measure_link", "StageMeasurement", "measure_stages"]
 
 
 def timed(
@@ -200,3 +200,106 @@ def measure_link(
     return LinkMeasurement(
         bandwidth=1.0 / max(slope, 1e-15), latency=max(intercept, 0.0), backend=backend, samples=tuple(rows)
     )
+
+
+@dataclass(frozen=True)
+class StageMeasurement:
+    """What one stage of a split module took in a training step, run on its own."""
+
+    forward: float
+    """Seconds of forward for the whole batch (sum over micro-batches, median over steps)."""
+    backward: float
+    peak_bytes: int
+    """Peak bytes live during a step: state, optimizer state, received inputs, activations."""
+
+    @property
+    def time(self) -> float:
+        return self.forward + self.backward
+
+
+def _stage_inputs(split, micro: Sequence[tuple[tuple, dict]]) -> list[list[tuple]]:
+    """[stage][micro-batch] the arguments each stage receives (and whether each needs a gradient)."""
+    records: list[list[tuple]] = [[] for _ in split.stages]
+
+    def keep(t: Any) -> Any:
+        return t.detach().clone().requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor) else t
+
+    hooks = [
+        stage.register_forward_pre_hook(lambda mod, args, s=s: records[s].append(pytree.tree_map(keep, args)))
+        for s, stage in enumerate(split.stages)
+    ]
+    try:
+        for args, kwargs in micro:
+            split(*args, **kwargs)
+    finally:
+        for h in hooks:
+            h.remove()
+    return records
+
+
+def measure_stages(
+    split, micro_batches: Sequence[tuple[tuple, dict]], *, steps: int = 3, warmup: int = 1,
+    threads: int | None = 1, cores: Sequence[int] | None = None, optimizer: str = "adam",
+) -> list[StageMeasurement]:
+    """Run every stage of ``split`` alone through GPipe training steps and measure it.
+
+    ``micro_batches`` holds the (args, kwargs) of each micro-batch of one step. Each stage
+    gets the inputs it receives in the real run (recorded first), runs the forward of
+    every micro-batch, then every backward (with output gradients of ones), then an
+    optimizer step: the GPipe schedule of one stage, with no waiting for its neighbours.
+    Time is the median over ``steps`` after ``warmup`` steps, under ``threads`` pinned to
+    ``cores`` as a stage process would run; peak memory is from :class:`MemoryTracker` over
+    one step taken after the optimizer state exists.
+    """
+    records = _stage_inputs(split, micro_batches)
+    results = []
+    for stage, inputs in zip(split.stages, records):
+        params = [p for p in stage.parameters() if p.requires_grad]
+        opt = _optimizer(optimizer, params)
+        fwd_s, bwd_s = [], []
+        with pinned(threads, cores):
+            for step in range(warmup + steps + 1):
+                tracker = MemoryTracker() if step == warmup + steps else None
+                with tracker or contextlib.nullcontext():
+                    if tracker is not None:
+                        tracker.track(params, [p.grad for p in params], opt.state_dict()["state"], inputs)
+                    fwd, bwd = _gpipe_step(stage, inputs, opt)
+                if tracker is not None:
+                    peak = tracker.peak
+                elif step >= warmup:
+                    fwd_s.append(fwd)
+                    bwd_s.append(bwd)
+        results.append(StageMeasurement(statistics.median(fwd_s), statistics.median(bwd_s), peak))
+    return results
+
+
+def _optimizer(name: str, params: list[torch.Tensor]) -> torch.optim.Optimizer:
+    if not params:
+        return torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.0)
+    if name in ("adam", "adamw"):
+        return (torch.optim.Adam if name == "adam" else torch.optim.AdamW)(params, lr=1e-4)
+    return torch.optim.SGD(params, lr=1e-4, momentum=0.9 if name == "sgd_momentum" else 0.0)
+
+
+def _gpipe_step(stage: torch.nn.Module, inputs: list[tuple], opt: torch.optim.Optimizer) -> tuple[float, float]:
+    """All forwards, all backwards, one optimizer step; returns (forward s, backward s)."""
+
+    def fresh(t):  # a new leaf per step, as a received tensor is
+        return t.detach().requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor) else t
+
+    outs, fwd, bwd = [], 0.0, 0.0
+    for args in inputs:
+        args = pytree.tree_map(fresh, args)
+        t0 = time.perf_counter_ns()
+        out = stage(*args)
+        fwd += (time.perf_counter_ns() - t0) / 1e9
+        outs.append([t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad])
+    for tensors in outs:
+        t0 = time.perf_counter_ns()
+        if tensors:
+            torch.autograd.backward(tensors, [torch.ones_like(t) for t in tensors])
+        bwd += (time.perf_counter_ns() - t0) / 1e9
+    del outs
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return fwd, bwd

@@ -82,6 +82,7 @@ def _stage_reports(problem: Problem, table, stage_of: Sequence[int], order: Sequ
                 memory_state=ev.state_mem[s] * KIB,
                 memory_activations=ev.act_mem[s] * KIB,
                 memory_received=ev.recv_mem[s] * KIB,
+                memory_sent=ev.send_mem[s] * KIB,
                 memory_transient=ev.transient_mem * KIB,
                 capacity=device.memory,
             )

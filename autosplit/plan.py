@@ -50,10 +50,14 @@ class StageReport:
     memory_transient: int
     """Room kept for the largest tensor one op produces."""
     capacity: int
+    memory_sent: int = 0
+    """Outputs sent to later stages, held until their gradients return."""
 
     @property
     def memory(self) -> int:
-        return self.memory_state + self.memory_activations + self.memory_received + self.memory_transient
+        return (
+            self.memory_state + self.memory_activations + self.memory_received + self.memory_sent + self.memory_transient
+        )
 
 
 @dataclass(frozen=True)
@@ -189,6 +193,7 @@ class Plan:
             console.print(
                 f"  stage {s} memory: state {format_bytes(st.memory_state)} (params + grads + optimizer + buffers), "
                 f"activations {format_bytes(st.memory_activations)}, received {format_bytes(st.memory_received)}, "
+                f"sent {format_bytes(st.memory_sent)}, "
                 f"transient {format_bytes(st.memory_transient)}"
             )
         return console.file.getvalue().rstrip()

@@ -33,7 +33,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from autosplit.errors import CostModelError
 from autosplit.passes.capture import Captured
 
-__all__ = ["NodeInfo", "annotate", "node_info"]
+__all__ = ["NodeInfo", "annotate", "node_info", "fresh"]
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +81,25 @@ def _tensor_bytes(value: Any) -> int:
 
 def _shapes(value: Any) -> tuple[tuple[int, ...], ...]:
     return tuple(tuple(int(s) for s in t.shape) for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor))
+
+
+def fresh(x: Any, state: set[int]) -> Any:
+    """An input cut from the graph for replaying one node (``state``: ids of parameters, kept).
+
+    A float tensor that needs a gradient becomes a non-leaf tensor that requires grad, so
+    in-place ops stay legal and backward reaches it; one that does not (input data, masks)
+    is copied, so a replay never writes the real value.
+    """
+    if not isinstance(x, torch.Tensor) or id(x) in state:
+        return x
+    if x.requires_grad:
+        return x.detach().requires_grad_(True).clone()
+    return x.detach().clone()
+
+
+def _cut(value: Any) -> Any:
+    """``value`` detached from its autograd graph, keeping whether each tensor needs a gradient."""
+    return pytree.tree_map(lambda t: t.detach().requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor) else t, value)
 
 
 class _Annotator(fx.Interpreter):
@@ -135,7 +154,7 @@ class _Annotator(fx.Interpreter):
             try:
                 key = self._signature(n, args, kwargs) if n.op.startswith("call") else None
                 if key is not None and key in self._measured:
-                    out = getattr(self, n.op)(n.target, args, kwargs)
+                    out = _cut(getattr(self, n.op)(n.target, args, kwargs))
                     fwd, bwd, saved, saved_at, saves_out = self._measured[key]
                 elif n.op.startswith("call"):
                     out, *measured = self._measure(n, args, kwargs)
@@ -217,14 +236,7 @@ class _Annotator(fx.Interpreter):
         inputs among the flat (args, kwargs), whether the output itself is saved).
         """
 
-        def fresh(x):
-            # Non-parameter float inputs become non-leaf tensors that require grad, so
-            # in-place ops stay legal and backward reaches them.
-            if isinstance(x, torch.Tensor) and x.is_floating_point() and id(x) not in self._state_fakes:
-                return x.detach().requires_grad_(True).clone()
-            return x
-
-        args, kwargs = pytree.tree_map(fresh, (args, kwargs))
+        args, kwargs = pytree.tree_map(lambda x: fresh(x, self._state_fakes), (args, kwargs))
         position = {id(t): i for i, t in enumerate(pytree.tree_leaves((args, kwargs))) if isinstance(t, torch.Tensor)}
         own: dict[int, int] = {}
         saved_at: set[int] = set()
@@ -252,8 +264,7 @@ class _Annotator(fx.Interpreter):
             with FlopCounterMode(display=False) as bwd_counter:
                 torch.autograd.grad(outs, grad_inputs, [torch.ones_like(o) for o in outs], allow_unused=True)
             bwd = bwd_counter.get_total_flops()
-        detached = pytree.tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, out)
-        return detached, fwd_counter.get_total_flops(), bwd, sum(own.values()), frozenset(saved_at), saves_output
+        return _cut(out), fwd_counter.get_total_flops(), bwd, sum(own.values()), frozenset(saved_at), saves_output
 
 
 def annotate(captured: Captured, inputs: list[Any]) -> fx.GraphModule:

@@ -85,6 +85,9 @@ class CostTable:
     colocate: tuple[tuple[int, ...], ...]
     """Groups of node indices that must share a device."""
     param_counts: tuple[int, ...]
+    sent_bytes: tuple[int, ...] = ()
+    """[node] bytes its stage holds when the output goes to another stage (0 when the
+    output is already counted as saved)."""
     transient_bytes: tuple[int, ...] = ()
     """[node] peak bytes the node needs above what is live while it runs (whole batch);
     empty means its output bytes."""
@@ -135,12 +138,15 @@ def _times(node: fx.Node, info: NodeInfo, spec: DeviceSpec) -> tuple[float, floa
     return fwd, bwd
 
 
-def _saved_bytes(gm: fx.GraphModule, nodes: list[fx.Node], infos: list[NodeInfo], own: list[int]) -> list[int]:
-    """Activation bytes per node, each saved storage counted once.
+def _saved_bytes(
+    gm: fx.GraphModule, nodes: list[fx.Node], infos: list[NodeInfo], own: list[int]
+) -> tuple[list[int], list[int]]:
+    """(activation bytes, bytes held when sent to another stage) per node; each storage once.
 
     A tensor that several consumers save for backward (the input of q, k and v
     projections) is alive once: it is charged to its producer, on top of what the
-    producer itself saves. A saved graph input is charged to its first saver.
+    producer itself saves. A saved graph input is charged to its first saver. The
+    model's outputs stay alive until the loss has used them: they count as saved.
     """
     index = {n.name: i for i, n in enumerate(nodes)}
     placeholders = {n.name: n for n in gm.graph.find_nodes(op="placeholder")}
@@ -157,7 +163,14 @@ def _saved_bytes(gm: fx.GraphModule, nodes: list[fx.Node], infos: list[NodeInfo]
                     saved[p] += infos[p].output_bytes
             elif name in placeholders:
                 saved[i] += node_info(placeholders[name]).output_bytes
-    return saved
+    held = {nodes[i].name for i, info in enumerate(infos) if info.saves_output} | charged
+    output = next(iter(gm.graph.find_nodes(op="output")))
+    for u in output.all_input_nodes:
+        if u.name in index and u.name not in held:
+            saved[index[u.name]] += infos[index[u.name]].output_bytes
+            held.add(u.name)
+    sent = [0 if n.name in held or n.op == "get_attr" else info.output_bytes for n, info in zip(nodes, infos)]
+    return saved, sent
 
 
 def with_overrides(table: CostTable, overrides: Mapping[str, Mapping[str, float]]) -> CostTable:
@@ -257,7 +270,7 @@ def estimate(
             if reader is not n and reader in index:
                 order_edges.add((index[reader], i) if index[reader] < i else (i, index[reader]))
 
-    saved = _saved_bytes(gm, nodes, infos, own_saved)
+    saved, sent = _saved_bytes(gm, nodes, infos, own_saved)
     fwd = [[t[0] for t in row] for row in times]
     bwd = [[t[1] for t in row] for row in times]
     state = [
@@ -277,6 +290,7 @@ def estimate(
         order_edges=tuple(sorted(order_edges - set(edges))),
         colocate=tuple(sorted(tuple(sorted(g)) for g in colocate.to_sets() if len(g) > 1)),
         param_counts=tuple(info.param_count for info in infos),
+        sent_bytes=tuple(sent),
         transient_bytes=tuple(transient),
         sources=tuple("analytic" if p is None else "measured" for p in profiles),
     )

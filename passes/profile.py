@@ -47,6 +47,7 @@ from torch.utils import _pytree as pytree
 
 from autosplit.errors import CostModelError
 from autosplit.measure import MemoryTracker, pinned, timed
+from autosplit.passes.annotate import fresh
 from autosplit.passes.capture import Captured
 
 __all__ = ["ProfileOptions", "NodeProfile", "Profile", "profile", "micro_batch"]
@@ -54,7 +55,7 @@ __all__ = ["ProfileOptions", "NodeProfile", "Profile", "profile", "micro_batch"]
 log = logging.getLogger(__name__)
 
 _FREE_TARGETS = {operator.getitem}
-_SCHEMA = 1
+_SCHEMA = 2  # bump when what a profile measures changes: older cache files are then ignored
 
 
 @dataclass(frozen=True)
@@ -86,7 +87,8 @@ class NodeProfile:
     saved_bytes: int
     """Bytes autograd keeps from forward to backward (parameters excluded)."""
     peak_bytes: int
-    """Transient peak above what was live before the node ran, forward or backward."""
+    """Transient peak of forward + backward above what was live before, beyond the node's
+    output and its parameters' gradients (counted as activations and model state)."""
 
 
 @dataclass(frozen=True)
@@ -153,6 +155,7 @@ class _Profiler(fx.Interpreter):
         self.device = device
         self.options = options
         self.params = {id(p) for p in gm.parameters()}
+        self.param_storage = {p.untyped_storage().data_ptr() for p in gm.parameters()}
         self.results: dict[str, NodeProfile] = {}
 
     def run_node(self, n: fx.Node) -> Any:
@@ -169,14 +172,8 @@ class _Profiler(fx.Interpreter):
         return out
 
     def _fresh(self, args: tuple, kwargs: dict) -> tuple[tuple, dict, list[torch.Tensor]]:
-        """Inputs cut from the graph: float tensors become non-leaf tensors that require grad."""
-
-        def fresh(x):
-            if isinstance(x, torch.Tensor) and x.is_floating_point() and id(x) not in self.params:
-                return x.detach().requires_grad_(True).clone()
-            return x
-
-        args, kwargs = pytree.tree_map(fresh, (args, kwargs))
+        """Inputs cut from the graph (see ``annotate.fresh``) and those that get a gradient."""
+        args, kwargs = pytree.tree_map(lambda x: fresh(x, self.params), (args, kwargs))
         grads = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.requires_grad]
         return args, kwargs, grads
 
@@ -215,7 +212,7 @@ class _Profiler(fx.Interpreter):
 
         def pack(t: torch.Tensor) -> torch.Tensor:
             storage = t.untyped_storage()
-            if id(t) not in self.params and storage.data_ptr() not in inputs:
+            if storage.data_ptr() not in inputs and storage.data_ptr() not in self.param_storage:
                 saved[storage.data_ptr()] = storage.nbytes()
             return t
 
@@ -230,13 +227,15 @@ class _Profiler(fx.Interpreter):
             if outs and grads + params:
                 torch.autograd.grad(outs, grads + params, [torch.ones_like(o) for o in outs], allow_unused=True)
             peak = torch.cuda.max_memory_allocated(self.device) - before if cuda else tracker.peak
-        return sum(saved.values()), int(peak)
+        counted = sum(t.numel() * t.element_size() for t in [*outs, *params, *(g for g in grads if id(g) in self.params)])
+        return sum(saved.values()), max(int(peak) - counted, 0)
 
 
 def _key(captured: Captured, inputs: Sequence[Any], device: torch.device, fingerprint: str, options: ProfileOptions) -> dict:
     tensors = [t for t in pytree.tree_leaves(list(inputs)) if isinstance(t, torch.Tensor)]
     dtypes = sorted({str(p.dtype) for p in captured.gm.parameters()} | {str(t.dtype) for t in tensors})
     return {
+        "schema": _SCHEMA,
         "fingerprint": fingerprint,
         "device": _device_name(device),
         "dtypes": dtypes,

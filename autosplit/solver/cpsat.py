@@ -132,6 +132,8 @@ class _Model:
         mem = p.transient_mem + sum((p.state_mem[n] + p.act_mem[n][s]) * self.inside(n, s) for n in range(len(p.nodes)))
         if s > 0:
             mem += sum(p.recv_mem[u][s] * y for (u, k), y in self.y.items() if k == s)
+        if s < p.num_stages - 1 and p.send_mem:
+            mem += sum(p.send_mem[u][s] * y for (u, k), y in self.y.items() if k == s + 1)
         return mem
 
     def add_assumptions(self) -> list[tuple[cp_model.IntVar, int | str]]:
@@ -202,6 +204,7 @@ def explain_memory(problem: Problem, core: list[int], time_limit: float, seed: i
     """The least peak memory any plan reaches on its fullest device (caps ignored)."""
     model = _Model(problem)
     most = problem.transient_mem + sum(problem.state_mem) + sum(map(max, problem.act_mem)) + sum(map(max, problem.recv_mem))
+    most += sum(map(max, problem.send_mem))
     peak = model.m.NewIntVar(0, most, "peak")
     for s in range(problem.num_stages):
         model.m.Add(peak >= model.memory(s))

@@ -105,22 +105,27 @@ def _prefix(problem: Problem, order: Sequence[int]):
         last[u] = max(last[u], pos[v])
     transfer = np.asarray(problem.transfer, dtype=np.float64).reshape(N, max(S - 1, 0))
     recv = np.asarray(problem.recv_mem, dtype=np.float64)
+    send = np.asarray(problem.send_mem or np.zeros((N, S)), dtype=np.float64)
     X = np.zeros((N + 2, max(S - 1, 0)))
     R = np.zeros((N + 2, S))
+    H = np.zeros((N + 2, S))  # held by the sender
     crossing = last > pos
     starts, stops = pos[crossing] + 1, last[crossing] + 1
     np.add.at(X, starts, transfer[crossing])
     np.add.at(X, stops, -transfer[crossing])
     np.add.at(R, starts, recv[crossing])
     np.add.at(R, stops, -recv[crossing])
+    np.add.at(H, starts, send[crossing])
+    np.add.at(H, stops, -send[crossing])
     X = np.cumsum(X, axis=0)[: N + 1] + np.asarray(problem.boundary_latency, dtype=np.float64)
     R = np.cumsum(R, axis=0)[: N + 1]
+    H = np.cumsum(H, axis=0)[: N + 1]
     # F[p, s]: how many of the first p nodes may not sit on stage s (user constraints).
     F = np.zeros((N + 1, S))
     for c in problem.constraints:
         for n, st in c.forbid:
             F[pos[n] + 1, st] += 1
-    return C, A, Mst, X, R, np.cumsum(F, axis=0)
+    return C, A, Mst, X, R, H, np.cumsum(F, axis=0)
 
 
 def _upper_bound(problem: Problem, order: Sequence[int], cuts: np.ndarray, C: np.ndarray) -> float:
@@ -159,7 +164,7 @@ def split_dp(
     bad = forbidden_cuts(problem, order)
     cuts = np.arange(N + 1) if allowed is None else np.unique(np.concatenate([[0, N], np.asarray(allowed, dtype=np.int64)]))
     cuts = cuts[~bad[cuts]]
-    C, A, Mst, X, R, F = _prefix(problem, order)
+    C, A, Mst, X, R, H, F = _prefix(problem, order)
     K = len(cuts)
     ends = np.arange(K)
 
@@ -183,6 +188,7 @@ def split_dp(
             mem = mem + R[a, s]
         if s < S - 1:
             t = t + X[b, s]
+            mem = mem + H[b, s]
         ok = valid & (mem <= problem.capacity[s]) & ((F[b, s] - F[a, s]) == 0) & (t <= cap)
         return starts, np.where(ok, t, _INF)
 

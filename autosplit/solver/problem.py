@@ -14,6 +14,7 @@ The step takes
 
 and :attr:`Problem` objectives are the numerator, an integer. Memory of stage ``s``:
 model state + saved activations × in-flight(s) / M + tensors received × in-flight(s) / M
++ outputs it sends × in-flight(s) / M (a sender keeps them until their gradient returns)
 + a transient reserve (the largest single output of one micro-batch, alive while the op
 that makes it runs), with in-flight micro-batches from the schedule (DESIGN §4.2).
 """
@@ -87,6 +88,9 @@ class Problem:
     transient_mem: int = 0
     """KiB every stage keeps free for the largest tensor one op produces."""
     constraints: tuple[UserConstraint, ...] = ()
+    send_mem: tuple[tuple[int, ...], ...] = ()
+    """[node][stage] KiB the stage holds of a node output it sends on (the root of the
+    backward that the returning gradient runs); empty: nothing is held."""
 
     @property
     def num_stages(self) -> int:
@@ -111,10 +115,14 @@ class Evaluation:
     recv_mem: tuple[int, ...]
     transient_mem: int
     objective: int
+    send_mem: tuple[int, ...] = ()
 
     @property
     def memory(self) -> tuple[int, ...]:
-        return tuple(a + b + c + self.transient_mem for a, b, c in zip(self.state_mem, self.act_mem, self.recv_mem))
+        send = self.send_mem or (0,) * len(self.state_mem)
+        return tuple(
+            a + b + c + d + self.transient_mem for a, b, c, d in zip(self.state_mem, self.act_mem, self.recv_mem, send)
+        )
 
     @property
     def bottleneck(self) -> int:
@@ -134,7 +142,7 @@ def crossings(problem: Problem, stage_of: Sequence[int]) -> list[list[int]]:
 def evaluate(problem: Problem, stage_of: Sequence[int]) -> Evaluation:
     """Stage times, memory and objective of ``stage_of`` (node index → stage), by the model above."""
     S = problem.num_stages
-    compute, state, act, recv = [0] * S, [0] * S, [0] * S, [0] * S
+    compute, state, act, recv, send = [0] * S, [0] * S, [0] * S, [0] * S, [0] * S
     for n, s in enumerate(stage_of):
         compute[s] += problem.compute[n][s]
         state[s] += problem.state_mem[n]
@@ -143,11 +151,14 @@ def evaluate(problem: Problem, stage_of: Sequence[int]) -> Evaluation:
     for k, nodes in enumerate(crossings(problem, stage_of), start=1):
         boundary[k - 1] = problem.boundary_latency[k - 1] + sum(problem.transfer[u][k - 1] for u in nodes)
         recv[k] += sum(problem.recv_mem[u][k] for u in nodes)
+        if problem.send_mem:
+            send[k - 1] += sum(problem.send_mem[u][k - 1] for u in nodes)
     transfer = [(boundary[s - 1] if s > 0 else 0) + (boundary[s] if s < S - 1 else 0) for s in range(S)]
     time = [c + t for c, t in zip(compute, transfer)]
     objective = sum(time) + (problem.micro_batches - 1) * max(time)
     return Evaluation(
-        tuple(compute), tuple(transfer), tuple(time), tuple(state), tuple(act), tuple(recv), problem.transient_mem, objective
+        tuple(compute), tuple(transfer), tuple(time), tuple(state), tuple(act), tuple(recv), problem.transient_mem,
+        objective, tuple(send),
     )
 
 
@@ -193,6 +204,7 @@ def build_problem(
         state_mem=tuple(kib(b) for b in table.state_bytes),
         act_mem=tuple(tuple(kib(b * inflight[s] / M) for s in range(S)) for b in table.saved_bytes),
         recv_mem=tuple(tuple(kib(b * inflight[s] / M) for s in range(S)) for b in table.output_bytes),
+        send_mem=tuple(tuple(kib(b * inflight[s] / M) for s in range(S)) for b in table.sent_bytes) if table.sent_bytes else (),
         capacity=tuple(d.memory // KIB for d in devices),
         colocate=table.colocate,
         micro_batches=M,
