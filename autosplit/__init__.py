@@ -27,6 +27,8 @@ from autosplit.errors import (
     PlanValidationError,
     SolverError,
 )
+from autosplit.calibrate import Calibration, calibrate
+from autosplit.measure import measure_link, measure_stages
 from autosplit.passes.costs import CostTable
 from autosplit.passes.profile import ProfileOptions
 from autosplit.pipeline import autosplit, plan
@@ -35,7 +37,7 @@ from autosplit.runtime import SplitModule
 
 __all__ = [
     "autosplit", "plan", "Plan", "SplitModule", "DeviceSpec", "PRESETS", "resolve_devices",
-    "CostTable", "ProfileOptions",
+    "CostTable", "ProfileOptions", "calibrate", "Calibration", "measure_link", "measure_stages",
     "AutosplitError", "CaptureError", "CodegenError", "ConstraintError", "CostModelError", "DeviceError",
     "InfeasiblePlanError", "PlanMismatchError", "PlanValidationError", "SolverError",
 ]

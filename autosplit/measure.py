@@ -22,6 +22,7 @@ Usage::
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import socket
 import statistics
@@ -140,6 +141,10 @@ class LinkMeasurement:
     backend: str
     samples: tuple[tuple[int, float], ...]
     """(bytes, median one-way seconds) per message size."""
+
+    def apply(self, spec):
+        """``spec`` (a :class:`~autosplit.devices.DeviceSpec`) with this link's bandwidth and latency."""
+        return dataclasses.replace(spec, link_bandwidth=self.bandwidth, link_latency=self.latency)
 
 
 def _free_port() -> int:

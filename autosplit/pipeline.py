@@ -101,7 +101,7 @@ def _costs(
     if isinstance(costs, (CostTable, Path)) or (isinstance(costs, str) and costs not in ("analytic", "measured")):
         return _given_table(captured, specs, costs), f"given table ({costs if isinstance(costs, (str, Path)) else 'object'})"
     if costs == "analytic":
-        return estimate(captured.gm, specs, optimizer=optimizer), "analytic"
+        return estimate(captured.gm, specs, optimizer=optimizer, micro_batches=micro_batches), "analytic"
     options = ProfileOptions() if costs == "measured" else costs
     if not isinstance(options, ProfileOptions):
         raise CostModelError(
@@ -216,9 +216,8 @@ def _compile(
 ) -> _Compiled:
     if not isinstance(example_inputs, tuple):
         example_inputs = (example_inputs,)
-    if given is not None:  # a saved plan fixes the devices and the schedule it was made for; no profiling
+    if given is not None:  # a saved plan fixes the devices and the schedule it was made for
         devices, micro_batches, schedule = devices or given.devices, given.micro_batches, given.schedule
-        costs, cost_overrides = "analytic", None
     if schedule not in SCHEDULES:
         raise ConstraintError(f"unknown schedule {schedule!r}; choose one of {SCHEDULES}")
     specs: tuple[DeviceSpec, ...] = resolve_devices(devices, memory)
@@ -246,10 +245,15 @@ def _compile(
         )
     with _timed("build", timings):
         problem = build_problem(table, micro_batches=M, schedule=schedule, order=order, constraints=rules)
-    if given is not None:
+    if given is not None:  # no solving; its predictions are refreshed under the costs asked for
+        stage_of = tuple(given.stage_of[name] for name in problem.nodes)
         with _timed("validate", timings):
-            validate(problem, tuple(given.stage_of[name] for name in problem.nodes))
-        return _Compiled(captured, given)
+            validate(problem, stage_of)
+        refreshed = dataclasses.replace(
+            given, stages=_stage_reports(problem, table, stage_of, order), costs=source,
+            step_time=evaluate(problem, stage_of).objective / M / NS,
+        )
+        return _Compiled(captured, refreshed)
     with _timed("solve", timings):
         solution = solve(problem, time_limit=time_limit, seed=seed)
     with _timed("validate", timings):

@@ -1,7 +1,8 @@
 """Benchmark workloads: small but faithful versions of the seed papers' models (DESIGN §6).
 
 No downloads, no torchvision. Every model has size knobs, so tests use tiny instances
-and benchmarks real ones. ``make(name, size)`` builds a model with example inputs.
+and benchmarks real ones (``bench``: a training step in about a second on one CPU core,
+for benchmarks that run the model). ``make(name, size)`` builds a model with example inputs.
 
 - Inception-V3 (Szegedy et al. 2016): stem, InceptionA×3, B, C×4, D, E×2, parallel towers.
 - GNMT (Wu et al. 2016): 8 + 8 LSTM layers, bottom encoder layer bidirectional, residual
@@ -267,26 +268,32 @@ WORKLOADS: dict[str, dict[str, Callable[[], tuple[nn.Module, tuple]]]] = {
     "inception_v3": {
         "tiny": lambda: (InceptionV3(num_classes=10, width=0.125), (torch.randn(2, 3, 75, 75),)),
         "real": lambda: (InceptionV3(), (torch.randn(32, 3, 299, 299),)),
+        "bench": lambda: (InceptionV3(num_classes=100, width=0.25), (torch.randn(16, 3, 107, 107),)),
     },
     "gnmt": {
         "tiny": lambda: (GNMT(vocab=64, hidden=16, layers=4), (_tokens(64, 2, 6), _tokens(64, 2, 5))),
         "real": lambda: (GNMT(), (_tokens(32000, 64, 50), _tokens(32000, 64, 50))),
+        "bench": lambda: (GNMT(vocab=4000, hidden=128, layers=4), (_tokens(4000, 16, 16), _tokens(4000, 16, 16))),
     },
     "biglstm": {
         "tiny": lambda: (BigLSTM(vocab=128, embed=16, hidden=32, proj=16), (_tokens(128, 2, 6),)),
         "real": lambda: (BigLSTM(), (_tokens(793471, 32, 20),)),
+        "bench": lambda: (BigLSTM(vocab=20000, embed=128, hidden=512, proj=128), (_tokens(20000, 16, 16),)),
     },
     "gpt": {
         "tiny": lambda: (GPT(vocab=128, d_model=32, n_layers=2, n_heads=4, max_len=16), (_tokens(128, 2, 16),)),
         "real": lambda: (GPT(vocab=50257, d_model=768, n_layers=24, n_heads=12, max_len=1024), (_tokens(50257, 8, 1024),)),
+        "bench": lambda: (GPT(vocab=4096, d_model=256, n_layers=4, n_heads=8, max_len=128), (_tokens(4096, 16, 128),)),
     },
     "resnet": {
         "tiny": lambda: (ResNet(blocks=(1, 1, 1, 1), width=8, num_classes=10), (torch.randn(2, 3, 32, 32),)),
         "real": lambda: (ResNet(), (torch.randn(64, 3, 224, 224),)),
+        "bench": lambda: (ResNet(width=16, num_classes=100), (torch.randn(32, 3, 64, 64),)),
     },
     "mlp": {
         "tiny": lambda: (MLP((16, 32, 32, 32, 4)), (torch.randn(4, 16),)),
         "real": lambda: (MLP((1024, 4096, 4096, 4096, 4096, 1000)), (torch.randn(256, 1024),)),
+        "bench": lambda: (MLP((512, 2048, 2048, 2048, 2048, 100)), (torch.randn(128, 512),)),
     },
 }
 

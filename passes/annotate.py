@@ -63,6 +63,8 @@ class NodeInfo:
     """Qualified names of the parameters this node owns (first use only; each counted once)."""
     param_bytes: int
     param_count: int
+    largest_param_bytes: int
+    """Bytes of the largest parameter tensor it owns (the optimizer's temporaries scale with it)."""
     buffer_bytes: int
     half: bool
     """Computes in fp16/bf16 (tensor-core peak applies)."""
@@ -123,8 +125,8 @@ class _Annotator(fx.Interpreter):
         return self._fakes[id(t)]
 
     # -- state ----------------------------------------------------------------------------
-    def _own(self, named: list[tuple[str, torch.Tensor]]) -> tuple[tuple[str, ...], int, int, int]:
-        names, pbytes, pcount, bbytes = [], 0, 0, 0
+    def _own(self, named: list[tuple[str, torch.Tensor]]) -> tuple[tuple[str, ...], int, int, int, int]:
+        names, pbytes, pcount, bbytes, largest = [], 0, 0, 0, 0
         for name, t in named:
             if id(t) in self._seen_state:
                 continue
@@ -134,9 +136,10 @@ class _Annotator(fx.Interpreter):
                 names.append(name)
                 pbytes += size
                 pcount += t.numel()
+                largest = max(largest, size)
             else:
                 bbytes += size
-        return tuple(names), pbytes, pcount, bbytes
+        return tuple(names), pbytes, pcount, bbytes, largest
 
     def fetch_attr(self, target: str):
         value = super().fetch_attr(target)
@@ -178,7 +181,7 @@ class _Annotator(fx.Interpreter):
             owned = [(str(n.target), real)] if isinstance(real, torch.Tensor) else []
         else:
             owned = []
-        params, pbytes, pcount, bbytes = self._own(owned)
+        params, pbytes, pcount, bbytes, largest = self._own(owned)
         tensors = [t for t in pytree.tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor)]
         n.meta["autosplit"] = NodeInfo(
             module_path=self.paths.get(n.name, ""),
@@ -193,6 +196,7 @@ class _Annotator(fx.Interpreter):
             params=params,
             param_bytes=pbytes,
             param_count=pcount,
+            largest_param_bytes=largest,
             buffer_bytes=bbytes,
             half=any(t.dtype in _HALF for t in tensors),
         )

@@ -57,6 +57,10 @@ __all__ = ["CostTable", "estimate", "roofline", "link_time", "OPTIMIZER_STATE_BY
 # Optimizer state bytes per parameter (fp32 moments, whatever the parameter dtype).
 OPTIMIZER_STATE_BYTES = {"adam": 8, "adamw": 8, "sgd_momentum": 4, "sgd": 0, "none": 0}
 
+# Temporaries of one optimizer step, in units of the parameter tensor being updated:
+# torch's single-tensor Adam computes (exp_avg_sq.sqrt() / c).add_(eps), two new tensors.
+OPTIMIZER_TEMP_FACTOR = {"adam": 2, "adamw": 2, "sgd_momentum": 0, "sgd": 0, "none": 0}
+
 OVERRIDE_KEYS = ("fwd", "bwd", "saved_bytes")
 
 # Nodes that move no data and launch nothing: they only name a value.
@@ -89,8 +93,8 @@ class CostTable:
     """[node] bytes its stage holds when the output goes to another stage (0 when the
     output is already counted as saved)."""
     transient_bytes: tuple[int, ...] = ()
-    """[node] peak bytes the node needs above what is live while it runs (whole batch);
-    empty means its output bytes."""
+    """[node] peak bytes above what is live while the node runs on one micro-batch, or while
+    the optimizer updates its parameters; empty: output bytes / micro-batches."""
     sources: tuple[str, ...] = ()
     """[device] where its times come from: ``"analytic"``, ``"measured"`` or ``"given"``."""
 
@@ -232,7 +236,7 @@ def estimate(
     index = {n: i for i, n in enumerate(nodes)}
     infos = [node_info(n) for n in nodes]
     times = [[_times(n, info, d) for d in devices] for n, info in zip(nodes, infos)]
-    transient = [info.output_bytes for info in infos]
+    transient = [info.output_bytes / micro_batches for info in infos]
     own_saved = [info.saved_bytes for info in infos]
     measured = next((p for p in profiles if p is not None), None)
     for d, prof in enumerate(profiles):
@@ -246,7 +250,8 @@ def estimate(
         for i, n in enumerate(nodes):
             if n.name in measured.nodes:
                 own_saved[i] = measured.nodes[n.name].saved_bytes * micro_batches
-                transient[i] = measured.nodes[n.name].peak_bytes * micro_batches
+                transient[i] = measured.nodes[n.name].peak_bytes
+    transient = [max(round(t), OPTIMIZER_TEMP_FACTOR[optimizer] * info.largest_param_bytes) for t, info in zip(transient, infos)]
 
     edges = sorted({(index[u], index[v]) for v in nodes for u in v.all_input_nodes if u in index})
 

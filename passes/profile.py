@@ -55,7 +55,7 @@ __all__ = ["ProfileOptions", "NodeProfile", "Profile", "profile", "micro_batch"]
 log = logging.getLogger(__name__)
 
 _FREE_TARGETS = {operator.getitem}
-_SCHEMA = 2  # bump when what a profile measures changes: older cache files are then ignored
+_SCHEMA = 3  # bump when what a profile measures changes: older cache files are then ignored
 
 
 @dataclass(frozen=True)
@@ -195,12 +195,20 @@ class _Profiler(fx.Interpreter):
         outs, targets = forward()
         bwd = 0.0
         if outs and targets:
+            # Parameter gradients accumulate over micro-batches: time the add into .grad too.
+            accumulators = {i: torch.zeros_like(t) for i, t in enumerate(targets) if id(t) in self.params}
+
             def setup():
                 outs, targets = forward()
                 return outs, targets, [torch.ones_like(o) for o in outs]
 
-            bwd = timed(lambda x: torch.autograd.grad(x[0], x[1], x[2], allow_unused=True), device=str(self.device),
-                        warmup=opts.warmup, repeats=opts.repeats, setup=setup)
+            def backward(x):
+                grads = torch.autograd.grad(x[0], x[1], x[2], allow_unused=True)
+                for i, acc in accumulators.items():
+                    if grads[i] is not None:
+                        acc.add_(grads[i])
+
+            bwd = timed(backward, device=str(self.device), warmup=opts.warmup, repeats=opts.repeats, setup=setup)
         saved, peak = self._memory(n, args, kwargs, params)
         return NodeProfile(fwd, bwd, saved, peak)
 

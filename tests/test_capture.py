@@ -90,7 +90,8 @@ def test_annotations_count_flops_params_and_saved_activations():
     relu = node_info(next(n for n in captured.gm.graph.nodes if n.target == "1"))
     assert relu.saves_output and relu.saved_bytes == 5 * 16 * 4
     table = estimate(captured.gm, resolve_devices(["cpu"]))
-    assert table.saved_bytes == (5 * 8 * 4, 5 * 16 * 4, 0)  # the graph input is charged to its first saver
+    # The graph input is charged to its first saver; the model output lives until the loss uses it.
+    assert table.saved_bytes == (5 * 8 * 4, 5 * 16 * 4, 5 * 4 * 4)
 
 
 def test_a_tensor_saved_by_several_consumers_counts_once():
@@ -109,8 +110,10 @@ def test_a_tensor_saved_by_several_consumers_counts_once():
     table = estimate(captured.gm, resolve_devices(["cpu"]))
     saved = dict(zip(table.nodes, table.saved_bytes))
     size = 5 * 8 * 4
-    # h once (read by q, k, v), q and k (read by the product), tanh's output: 4 tensors.
-    assert saved == {"mul": size, "q": size, "k": size, "mul_1": 0, "tanh": size, "v": 0, "add": 0}
+    # h once (read by q, k, v), q and k (read by the product), tanh's output, the model output.
+    assert saved == {"mul": size, "q": size, "k": size, "mul_1": 0, "tanh": size, "v": 0, "add": size}
+    # Sent to another stage, a tensor nobody saves is held by its sender until its gradient returns.
+    assert dict(zip(table.nodes, table.sent_bytes)) == {"mul": 0, "q": 0, "k": 0, "mul_1": size, "tanh": 0, "v": size, "add": 0}
 
 
 def test_memoised_annotations_equal_measuring_every_node(monkeypatch):

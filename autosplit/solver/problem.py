@@ -15,8 +15,9 @@ The step takes
 and :attr:`Problem` objectives are the numerator, an integer. Memory of stage ``s``:
 model state + saved activations × in-flight(s) / M + tensors received × in-flight(s) / M
 + outputs it sends × in-flight(s) / M (a sender keeps them until their gradient returns)
-+ a transient reserve (the largest single output of one micro-batch, alive while the op
-that makes it runs), with in-flight micro-batches from the schedule (DESIGN §4.2).
++ a transient reserve (the most any one op needs above what is live on one micro-batch —
+its output, analytically — or an optimizer step's temporaries), with in-flight
+micro-batches from the schedule (DESIGN §4.2).
 """
 
 from __future__ import annotations
@@ -208,7 +209,7 @@ def build_problem(
         capacity=tuple(d.memory // KIB for d in devices),
         colocate=table.colocate,
         micro_batches=M,
-        transient_mem=kib(max(table.transient_bytes or table.output_bytes, default=0) / M),
+        transient_mem=kib(max(table.transient_bytes, default=0)) if table.transient_bytes else kib(max(table.output_bytes, default=0) / M),
         constraints=tuple(
             UserConstraint(c.text, tuple((n, stage_of_device[d]) for n, d in c.forbid), c.together) for c in constraints
         ),
