@@ -191,9 +191,11 @@ def measure_link(
     """Measure point-to-point transfers between two local processes and fit the link model.
 
     Two processes (spawned, one thread each) bounce a message of every size ``repeats``
-    times; the one-way time is half the median round trip. A least-squares line through
-    (bytes, seconds) gives ``latency`` (its intercept, at least 0) and ``bandwidth`` (1 /
-    its slope). ``backend="nccl"`` measures between ``cuda:0`` and ``cuda:1``.
+    times; the one-way time is half the median round trip. The line through the smallest
+    and the largest message gives ``bandwidth`` (its inverse slope) and ``latency`` (the
+    smallest message's time less its bytes): a least-squares fit would let one noisy
+    middle size tilt the slope, even below zero, on a busy machine. ``backend="nccl"``
+    measures between ``cuda:0`` and ``cuda:1``.
     """
     import torch.multiprocessing as mp
 
@@ -201,9 +203,10 @@ def measure_link(
         out = os.path.join(tmp, "link.pt")
         mp.spawn(_ping_pong, args=(_free_port(), backend, tuple(sizes), repeats, out), nprocs=2, join=True)
         rows = torch.load(out)
-    slope, intercept = statistics.linear_regression([float(b) for b, _ in rows], [t for _, t in rows])
+    (small, t_small), (large, t_large) = min(rows), max(rows)
+    bandwidth = (large - small) / max(t_large - t_small, 1e-12)
     return LinkMeasurement(
-        bandwidth=1.0 / max(slope, 1e-15), latency=max(intercept, 0.0), backend=backend, samples=tuple(rows)
+        bandwidth=bandwidth, latency=max(t_small - small / bandwidth, 0.0), backend=backend, samples=tuple(rows)
     )
 
 

@@ -86,15 +86,31 @@ def measure_step(split: torch.nn.Module, micro: list[tuple[tuple, dict]], steps:
 
 
 def balanced_plan(plan: autosplit.Plan, param_counts: dict[str, int]) -> autosplit.Plan:
-    """The same nodes cut into contiguous stages of (graph-order) equal parameter counts."""
+    """Contiguous, non-empty stages of the graph order with the largest stage's parameter count
+    as small as possible: DeepSpeed's ``partition_method="parameters"`` (``partition_balanced``)."""
     names = list(plan.assignment)  # graph order
-    S = len(plan.stage_devices)
-    total = sum(param_counts.values())
-    assignment, seen = {}, 0
+    S, N = len(plan.stage_devices), len(names)
+    prefix = [0]
     for name in names:
-        stage = min(S - 1, int(seen * S / max(total, 1)))
-        assignment[name] = plan.stage_devices[stage]
-        seen += param_counts.get(name, 0)
+        prefix.append(prefix[-1] + param_counts.get(name, 0))
+    inf = float("inf")
+    best = [[inf] * (N + 1) for _ in range(S + 1)]  # best[s][b]: s stages over the first b nodes
+    cut = [[0] * (N + 1) for _ in range(S + 1)]
+    best[0][0] = 0
+    for s in range(1, S + 1):
+        for b in range(s, N - (S - s) + 1):
+            for a in range(s - 1, b):
+                worst = max(best[s - 1][a], prefix[b] - prefix[a])
+                if worst < best[s][b]:
+                    best[s][b], cut[s][b] = worst, a
+    bounds, b = [], N
+    for s in range(S, 0, -1):
+        bounds.append((cut[s][b], b))
+        b = cut[s][b]
+    assignment = {}
+    for stage, (a, b) in enumerate(reversed(bounds)):
+        for name in names[a:b]:
+            assignment[name] = plan.stage_devices[stage]
     return dataclasses.replace(plan, assignment=assignment)
 
 

@@ -13,7 +13,7 @@ from autosplit.solver import Problem, evaluate, solve, validate, violations
 
 
 def make_problem(
-    compute, edges, *, stages, transfer=None, state=None, act=None, recv=None, capacity=None,
+    compute, edges, *, stages, transfer=None, state=None, act=None, recv=None, send=None, capacity=None,
     colocate=(), order_edges=(), micro_batches=1, latency=0,
 ) -> Problem:
     N, S = len(compute), stages
@@ -30,6 +30,7 @@ def make_problem(
         state_mem=tuple(state or [0] * N),
         act_mem=per_stage(act or [0] * N),
         recv_mem=per_stage(recv or [0] * N),
+        send_mem=per_stage(send) if send else (),
         capacity=tuple(capacity or [10**9] * S),
         colocate=tuple(colocate),
         micro_batches=micro_batches,
@@ -106,6 +107,7 @@ def random_problems(draw):
         state=[draw(st.integers(0, 5)) for _ in range(n)],
         act=[draw(st.integers(0, 3)) for _ in range(n)],
         recv=[draw(st.integers(0, 3)) for _ in range(n)],
+        send=[draw(st.integers(0, 3)) for _ in range(n)],
         capacity=[draw(st.integers(4, 25)) for _ in range(S)],
         micro_batches=draw(st.integers(1, 6)),
         latency=draw(st.integers(0, 3)),
