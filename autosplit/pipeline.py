@@ -143,7 +143,7 @@ def _given_table(captured: Captured, specs: tuple[DeviceSpec, ...], costs: CostT
         raise CostModelError(
             f"the given cost table has times for {len(table.devices)} devices, but {len(specs)} devices were given"
         )
-    return dataclasses.replace(table, devices=specs, sources=("given",) * len(specs))
+    return dataclasses.replace(table, devices=specs)
 
 
 def _device_index(ref: int | str, specs: Sequence[DeviceSpec]) -> int:

@@ -95,8 +95,6 @@ class CostTable:
     transient_bytes: tuple[int, ...] = ()
     """[node] peak bytes above what is live while the node runs on one micro-batch, or while
     the optimizer updates its parameters; empty: output bytes / micro-batches."""
-    sources: tuple[str, ...] = ()
-    """[device] where its times come from: ``"analytic"``, ``"measured"`` or ``"given"``."""
 
     def save(self, path: str | Path) -> None:
         """Write the table as JSON, to edit or to plan with again (``costs=path``)."""
@@ -297,5 +295,4 @@ def estimate(
         param_counts=tuple(info.param_count for info in infos),
         sent_bytes=tuple(sent),
         transient_bytes=tuple(transient),
-        sources=tuple("analytic" if p is None else "measured" for p in profiles),
     )
