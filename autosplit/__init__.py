@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import os
 
+from autosplit.calibrate import Calibration, calibrate
 from autosplit.devices import PRESETS, DeviceSpec, resolve_devices
 from autosplit.errors import (
     AutosplitError,
@@ -22,24 +23,27 @@ from autosplit.errors import (
     ConstraintError,
     CostModelError,
     DeviceError,
+    DistributedError,
     InfeasiblePlanError,
+    PlanFileError,
     PlanMismatchError,
     PlanValidationError,
     SolverError,
 )
-from autosplit.calibrate import Calibration, calibrate
 from autosplit.measure import measure_link, measure_stages
+from autosplit.options import PlanOptions
 from autosplit.passes.costs import CostTable
 from autosplit.passes.profile import ProfileOptions
-from autosplit.pipeline import autosplit, plan
 from autosplit.plan import Plan
+from autosplit.planner import Planner, autosplit, plan
 from autosplit.runtime import SplitModule
 
 __all__ = [
-    "autosplit", "plan", "Plan", "SplitModule", "DeviceSpec", "PRESETS", "resolve_devices",
+    "autosplit", "plan", "Planner", "PlanOptions", "Plan", "SplitModule", "DeviceSpec", "PRESETS", "resolve_devices",
     "CostTable", "ProfileOptions", "calibrate", "Calibration", "measure_link", "measure_stages",
     "AutosplitError", "CaptureError", "CodegenError", "ConstraintError", "CostModelError", "DeviceError",
-    "InfeasiblePlanError", "PlanMismatchError", "PlanValidationError", "SolverError",
+    "DistributedError", "InfeasiblePlanError", "PlanFileError", "PlanMismatchError", "PlanValidationError",
+    "SolverError",
 ]
 
 logging.getLogger(__name__).addHandler(logging.NullHandler())

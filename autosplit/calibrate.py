@@ -104,7 +104,7 @@ def calibrate(
     *,
     example_inputs: tuple,
     example_kwargs: Mapping[str, Any] | None = None,
-    options: ProfileOptions = ProfileOptions(),
+    options: ProfileOptions | None = None,
 ) -> DeviceSpec:
     """Profile ``model`` once on ``device`` and return its spec with fitted factors.
 
@@ -119,5 +119,5 @@ def calibrate(
     captured = capture(model, example_inputs, dict(example_kwargs or {}))
     inputs = flat_inputs(captured, model, example_inputs, example_kwargs)
     annotate(captured, inputs)
-    prof = profile(captured, inputs, spec.torch_device, fingerprint=fingerprint(captured.gm), options=options)
+    prof = profile(captured, inputs, spec.torch_device, fingerprint=fingerprint(captured.gm), options=options or ProfileOptions())
     return fit(samples_of(captured.gm, prof), spec).apply(spec)

@@ -15,7 +15,6 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Union
 
 import torch
 
@@ -94,7 +93,7 @@ PRESETS: dict[str, DeviceSpec] = {
     ),
 }
 
-DeviceLike = Union[str, torch.device, DeviceSpec]
+DeviceLike = str | torch.device | DeviceSpec
 
 
 def _cuda_spec(dev: torch.device) -> DeviceSpec:

@@ -1,22 +1,40 @@
 """Typed errors. Every error autosplit raises derives from :class:`AutosplitError`.
 
-Messages follow one shape: what failed (with the numbers) → the likely cause → what to try.
+One class per kind of failure; messages follow one shape, built by :func:`advice`:
+what failed (with the numbers) → the likely cause → what to try.
+
+Usage::
+
+    raise DeviceError(advice(f"device {dev} is not available (found {n})", "...", "pass a preset such as 'A100-80GB'"))
 """
 
 from __future__ import annotations
 
 __all__ = [
     "AutosplitError",
-    "DeviceError",
     "CaptureError",
-    "CostModelError",
-    "InfeasiblePlanError",
-    "SolverError",
-    "PlanValidationError",
-    "PlanMismatchError",
     "CodegenError",
     "ConstraintError",
+    "CostModelError",
+    "DeviceError",
+    "DistributedError",
+    "InfeasiblePlanError",
+    "PlanFileError",
+    "PlanMismatchError",
+    "PlanValidationError",
+    "SolverError",
+    "advice",
 ]
+
+
+def advice(what: str, why: str | None = None, fix: str | None = None) -> str:
+    """One error message: ``what`` failed → ``why`` (the likely cause) → ``fix`` (what to try)."""
+    parts = [what.rstrip(". ")]
+    if why:
+        parts.append(f"Likely cause: {why.rstrip('. ')}")
+    if fix:
+        parts.append(f"Try: {fix.rstrip('. ')}")
+    return ". ".join(parts) + "."
 
 
 class AutosplitError(Exception):
@@ -27,12 +45,16 @@ class DeviceError(AutosplitError, ValueError):
     """A device entry, preset name or memory cap could not be understood."""
 
 
+class ConstraintError(AutosplitError, ValueError):
+    """A planning option or constraint is invalid: an unknown schedule, module, device or value out of range."""
+
+
 class CaptureError(AutosplitError):
     """Neither torch.fx symbolic tracing nor torch.export could capture the model."""
 
 
 class CostModelError(AutosplitError):
-    """A node's shapes, FLOPs or memory could not be estimated."""
+    """A node's shapes, FLOPs, memory or measured cost could not be obtained."""
 
 
 class InfeasiblePlanError(AutosplitError):
@@ -47,13 +69,17 @@ class PlanValidationError(AutosplitError):
     """A plan breaks a correctness rule (DESIGN §4.5); raised by ``validate``."""
 
 
+class PlanFileError(AutosplitError):
+    """A plan file cannot be read: missing, not JSON, another schema version, or a malformed field."""
+
+
 class PlanMismatchError(AutosplitError):
-    """A saved plan was applied to a model whose graph differs from the planned one."""
+    """A plan was applied to a model whose graph differs from the planned one."""
 
 
 class CodegenError(AutosplitError):
     """A stage module could not be generated from a plan."""
 
 
-class ConstraintError(AutosplitError, ValueError):
-    """A planning option or constraint is invalid: an unknown schedule, module or device."""
+class DistributedError(AutosplitError):
+    """The distributed runtime cannot run: the process group does not match the plan, or a rank failed."""

@@ -18,6 +18,7 @@ __all__ = ["GPT", "GPTBlock"]
 
 
 class CausalSelfAttention(nn.Module):
+    causal: torch.Tensor
     def __init__(self, d_model: int, n_heads: int, max_len: int):
         super().__init__()
         self.n_heads = n_heads

@@ -41,7 +41,7 @@ __all__ = ["timed", "MemoryTracker", "pinned", "LinkMeasurement", "measure_link"
 
 
 def timed(
-    fn: Callable[[], Any], *, device: str = "cpu", warmup: int = 2, repeats: int = 5,
+    fn: Callable[..., Any], *, device: str = "cpu", warmup: int = 2, repeats: int = 5,
     setup: Callable[[], Any] | None = None,
 ) -> float:
     """Median seconds of ``fn()`` over ``repeats`` runs after ``warmup`` runs.
@@ -51,19 +51,18 @@ def timed(
     cuda = torch.device(device).type == "cuda"
     samples = []
     for i in range(warmup + repeats):
-        arg = setup() if setup is not None else None
-        call = (lambda: fn(arg)) if setup is not None else fn
+        args = (setup(),) if setup is not None else ()
         if cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             torch.cuda.synchronize(device)
             start.record()
-            call()
+            fn(*args)
             end.record()
             torch.cuda.synchronize(device)
             elapsed = start.elapsed_time(end) / 1e3
         else:
             t0 = time.perf_counter_ns()
-            call()
+            fn(*args)
             elapsed = (time.perf_counter_ns() - t0) / 1e9
         if i >= warmup:
             samples.append(elapsed)
@@ -121,7 +120,7 @@ def pinned(threads: int | None, cores: Sequence[int] | None = None) -> Iterator[
     try:
         if threads is not None:
             torch.set_num_threads(threads)
-        if old_cores is not None:
+        if old_cores is not None and cores is not None:
             os.sched_setaffinity(0, set(cores))
         yield
     finally:

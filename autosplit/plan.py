@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from autosplit.devices import DeviceSpec
-from autosplit.errors import PlanMismatchError
+from autosplit.errors import PlanFileError, PlanMismatchError, advice
 from autosplit.units import format_bytes
 
 __all__ = ["Plan", "StageReport", "SolverInfo", "SCHEMA_VERSION"]
@@ -139,27 +139,37 @@ class Plan:
         Path(path).write_text(json.dumps(self.to_dict(), indent=1, sort_keys=False))
 
     @classmethod
-    def from_dict(cls, data: Mapping) -> Plan:
+    def from_dict(cls, data: Mapping, *, source: str = "plan data") -> Plan:
         version = data.get("schema_version")
         if version != SCHEMA_VERSION:
-            raise PlanMismatchError(
-                f"plan schema version {version} is not supported (this autosplit reads {SCHEMA_VERSION}); re-plan the model"
+            raise PlanFileError(
+                advice(
+                    f"{source}: plan schema version {version} is not supported (this autosplit reads {SCHEMA_VERSION})",
+                    "the plan was written by another version of autosplit",
+                    "re-plan the model with this version",
+                )
             )
-        fields = dict(data)
-        fields["devices"] = tuple(DeviceSpec.from_dict(d) for d in data["devices"])
-        fields["stages"] = tuple(StageReport(**{**s, "modules": tuple(s["modules"])}) for s in data["stages"])
-        fields["solver"] = SolverInfo(**data["solver"])
-        fields["assignment"] = {str(k): int(v) for k, v in data["assignment"].items()}
-        fields["stage_devices"] = tuple(data["stage_devices"])
-        return cls(**fields)
+        try:
+            fields = dict(data)
+            fields["devices"] = tuple(DeviceSpec.from_dict(d) for d in data["devices"])
+            fields["stages"] = tuple(StageReport(**{**s, "modules": tuple(s["modules"])}) for s in data["stages"])
+            fields["solver"] = SolverInfo(**data["solver"])
+            fields["assignment"] = {str(k): int(v) for k, v in data["assignment"].items()}
+            fields["stage_devices"] = tuple(int(d) for d in data["stage_devices"])
+            return cls(**fields)
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise PlanFileError(
+                advice(f"{source}: a field is missing or malformed ({type(e).__name__}: {e})", None,
+                       "re-plan the model, or restore the file from where it was saved")
+            ) from e
 
     @classmethod
     def load(cls, path: str | Path) -> Plan:
         try:
             data = json.loads(Path(path).read_text())
         except (OSError, json.JSONDecodeError) as e:
-            raise PlanMismatchError(f"cannot read plan file {path}: {e}") from e
-        return cls.from_dict(data)
+            raise PlanFileError(advice(f"cannot read plan file {path}: {e}", None, "check the path, or re-plan")) from e
+        return cls.from_dict(data, source=str(path))
 
     # -- report ---------------------------------------------------------------------------
     def report(self, width: int = 140) -> str:
@@ -168,11 +178,8 @@ class Plan:
         from rich.table import Table
 
         table = Table(title=f"autosplit plan: {len(self.assignment)} nodes on {len(self.devices)} devices")
-        for col, justify in [
-            ("stage", "right"), ("device", "left"), ("modules", "left"), ("nodes", "right"), ("params", "right"),
-            ("memory / cap", "right"), ("compute", "right"), ("transfers", "right"), ("stage time", "right"), ("", "left"),
-        ]:
-            table.add_column(col, justify=justify, no_wrap=col != "modules")
+        for col in ("stage", "device", "modules", "nodes", "params", "memory / cap", "compute", "transfers", "stage time", ""):
+            table.add_column(col, justify="left" if col in ("device", "modules", "") else "right", no_wrap=col != "modules")
         for s, st in enumerate(self.stages):
             table.add_row(
                 str(s), f"{self.stage_devices[s]}: {st.device}", _span(st.modules), str(st.nodes), f"{st.params:,}",
@@ -180,7 +187,8 @@ class Plan:
                 _ms(st.compute), _ms(st.transfer), _ms(st.time), "◀ bottleneck" if s == self.bottleneck else "",
             )
         sv = self.solver
-        console = Console(file=io.StringIO(), width=width, force_terminal=False, color_system=None)
+        out = io.StringIO()
+        console = Console(file=out, width=width, force_terminal=False, color_system=None)
         console.print(table)
         console.print(
             f"predicted step time {_ms(self.step_time)} ({self.schedule}, {self.micro_batches} micro-batches); "
@@ -196,7 +204,7 @@ class Plan:
                 f"sent {format_bytes(st.memory_sent)}, "
                 f"transient {format_bytes(st.memory_transient)}"
             )
-        return console.file.getvalue().rstrip()
+        return out.getvalue().rstrip()
 
     def __str__(self) -> str:
         return self.report()

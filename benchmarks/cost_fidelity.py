@@ -55,15 +55,12 @@ from autosplit.measure import pinned  # noqa: E402
 from autosplit.passes.annotate import annotate, node_info  # noqa: E402
 from autosplit.passes.capture import capture, flat_inputs  # noqa: E402
 from autosplit.passes.profile import ProfileOptions  # noqa: E402
+from autosplit.runtime.microbatch import split_batch  # noqa: E402
 from benchmarks.models import GPT, WORKLOADS, make  # noqa: E402
 from benchmarks.plan_time import machine  # noqa: E402
 
 CORE = (0,)
 MICRO_BATCHES = 4
-
-
-def micro_batches(inputs: tuple, m: int) -> list[tuple[tuple, dict]]:
-    return [(tuple(x.chunk(m)[i] for x in inputs), {}) for i in range(m)]
 
 
 def measure_step(split: torch.nn.Module, micro: list[tuple[tuple, dict]], steps: int = 3) -> float:
@@ -125,7 +122,7 @@ def run_plan(model, inputs, devices, *, costs, label, given=None) -> tuple[autos
     torch.manual_seed(0)
     kwargs = dict(example_inputs=inputs, micro_batches=MICRO_BATCHES)
     split = autosplit.autosplit(model, devices if given is None else None, plan=given, costs=costs, **kwargs)
-    micro = micro_batches(inputs, MICRO_BATCHES)
+    micro = split_batch(inputs, {}, MICRO_BATCHES)
     stages = autosplit.measure_stages(split, micro, threads=1, cores=CORE)
     step = measure_step(split, micro)
     plan = split.plan

@@ -38,7 +38,7 @@ from autosplit.passes.annotate import annotate  # noqa: E402
 from autosplit.passes.capture import capture, flat_inputs  # noqa: E402
 from autosplit.passes.costs import estimate  # noqa: E402
 from autosplit.solver import build_problem, evaluate, solve, violations  # noqa: E402
-from autosplit.solver.cpsat import cpsat  # noqa: E402
+from autosplit.solver.pipeline.cpsat import cpsat  # noqa: E402
 from benchmarks.plan_time import machine  # noqa: E402
 
 

@@ -160,10 +160,9 @@ class _Annotator(fx.Interpreter):
                     out = _cut(getattr(self, n.op)(n.target, args, kwargs))
                     fwd, bwd, saved, saved_at, saves_out = self._measured[key]
                 elif n.op.startswith("call"):
-                    out, *measured = self._measure(n, args, kwargs)
-                    fwd, bwd, saved, saved_at, saves_out = measured
+                    out, fwd, bwd, saved, saved_at, saves_out = self._measure(n, args, kwargs)
                     if key is not None:
-                        self._measured[key] = tuple(measured)
+                        self._measured[key] = (fwd, bwd, saved, saved_at, saves_out)
                 else:
                     out, fwd, bwd, saved, saved_at, saves_out = getattr(self, n.op)(n.target, args, kwargs), 0, 0, 0, frozenset(), False
             except Exception as e:
@@ -228,9 +227,12 @@ class _Annotator(fx.Interpreter):
         if n.op == "call_module":
             mod = self.module.get_submodule(str(n.target))
             state = tuple((k, tuple(v.shape), v.dtype, v.requires_grad) for k, v in [*mod.named_parameters(), *mod.named_buffers()])
-            what = (type(mod), repr(mod), mod.training, state)
+            what: Any = (type(mod), repr(mod), mod.training, state)
         else:
-            what = n.target if isinstance(n.target, str) else (getattr(n.target, "__module__", ""), getattr(n.target, "__qualname__", repr(n.target)))
+            target = n.target
+            what = target if isinstance(target, str) else (
+                getattr(target, "__module__", ""), getattr(target, "__qualname__", repr(target))
+            )
         return (n.op, what, structure, inputs)
 
     def _measure(self, n: fx.Node, args: tuple, kwargs: dict) -> tuple[Any, int, int, int, frozenset[int], bool]:
@@ -249,8 +251,10 @@ class _Annotator(fx.Interpreter):
             base = t._base if t._base is not None else t
             if id(base) in self._state_fakes:
                 pass
-            elif id(base) in position or id(t) in position:
-                saved_at.add(position.get(id(t), position.get(id(base))))
+            elif id(t) in position:
+                saved_at.add(position[id(t)])
+            elif id(base) in position:
+                saved_at.add(position[id(base)])
             else:
                 own[id(base)] = base.numel() * base.element_size()
             return t

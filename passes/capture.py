@@ -120,14 +120,14 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, *, 
         try:
             gm = _symbolic_trace(model, tuple(args), kwargs)
             used = "symbolic_trace"
-        except Exception as e:  # fx raises many types (TraceError, TypeError, ...)
+        except Exception as e:  # noqa: BLE001 -- fx raises many types (TraceError, TypeError, ...); export is tried next
             errors.append(f"symbolic_trace: {type(e).__name__}: {e}")
             log.info("symbolic tracing failed (%s); falling back to torch.export", e)
     if gm is None and method in ("auto", "export"):
         try:
             gm = _export(model, tuple(args), kwargs)
             used = "export"
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 -- reported below with the tracer's error, in a CaptureError
             errors.append(f"torch.export: {type(e).__name__}: {e}")
     if gm is None:
         details = "\n  ".join(line.splitlines()[0][:400] for line in errors)
@@ -187,7 +187,8 @@ def mutated_input(node: fx.Node, gm: fx.GraphModule) -> fx.Node | None:
     if schema is not None:
         for i, arg in enumerate(schema.arguments):
             if arg.alias_info is not None and arg.alias_info.is_write and i < len(node.args):
-                return node.args[i] if isinstance(node.args[i], fx.Node) else None
+                written = node.args[i]
+                return written if isinstance(written, fx.Node) else None
         return None
     if getattr(target, "__name__", "").endswith("_") and not getattr(target, "__name__", "").startswith("_"):
         return first

@@ -50,7 +50,7 @@ from autosplit.measure import MemoryTracker, pinned, timed
 from autosplit.passes.annotate import fresh
 from autosplit.passes.capture import Captured
 
-__all__ = ["ProfileOptions", "NodeProfile", "Profile", "profile", "micro_batch"]
+__all__ = ["ProfileOptions", "NodeProfile", "Profile", "profile"]
 
 log = logging.getLogger(__name__)
 
@@ -113,25 +113,6 @@ class Profile:
     def from_json(cls, data: dict) -> Profile:
         nodes = {name: NodeProfile(*row) for name, row in data["nodes"].items()}
         return cls(data["device"], data["key"], nodes, data["wall_time"], cached=True)
-
-
-def micro_batch(inputs: Sequence[Any], micro_batches: int) -> list[Any]:
-    """The first of ``micro_batches`` slices of ``inputs`` along dimension 0 (the batch).
-
-    Tensors whose first dimension is the batch size (that of the first tensor input) are
-    sliced; others (weights passed as inputs, scalars) are kept whole.
-    """
-    tensors = [x for x in inputs if isinstance(x, torch.Tensor) and x.dim() > 0]
-    if micro_batches <= 1 or not tensors:
-        return list(inputs)
-    batch = tensors[0].shape[0]
-    if batch % micro_batches:
-        raise CostModelError(
-            f"batch of {batch} (dimension 0 of the first input) does not divide into {micro_batches} "
-            "micro-batches; pass micro_batches= that divides it, or an example batch that it divides"
-        )
-    size = batch // micro_batches
-    return [x[:size] if isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[0] == batch else x for x in inputs]
 
 
 def _cache_dir(options: ProfileOptions) -> Path:
@@ -212,7 +193,7 @@ class _Profiler(fx.Interpreter):
         saved, peak = self._memory(n, args, kwargs, params)
         return NodeProfile(fwd, bwd, saved, peak)
 
-    def _memory(self, n: fx.Node, args: tuple, kwargs: dict, params: list[torch.Tensor]) -> tuple[int, int]:
+    def _memory(self, n: fx.Node, args: tuple, kwargs: dict, params: Sequence[torch.Tensor]) -> tuple[int, int]:
         """(saved bytes, transient peak bytes) of one forward + backward."""
         a, k, grads = self._fresh(args, kwargs)
         inputs = {t.untyped_storage().data_ptr() for t in pytree.tree_leaves((a, k)) if isinstance(t, torch.Tensor)}
@@ -232,8 +213,9 @@ class _Profiler(fx.Interpreter):
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 out = self._call(n, a, k)
             outs = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
-            if outs and grads + params:
-                torch.autograd.grad(outs, grads + params, [torch.ones_like(o) for o in outs], allow_unused=True)
+            wrt = [*grads, *params]
+            if outs and wrt:
+                torch.autograd.grad(outs, wrt, [torch.ones_like(o) for o in outs], allow_unused=True)
             peak = torch.cuda.max_memory_allocated(self.device) - before if cuda else tracker.peak
         counted = sum(t.numel() * t.element_size() for t in [*outs, *params, *(g for g in grads if id(g) in self.params)])
         return sum(saved.values()), max(int(peak) - counted, 0)

@@ -21,4 +21,4 @@ def test_demo_plans_trains_and_writes_a_plan(tmp_path, capsys):
 
 def test_cli_reports_autosplit_errors_without_a_traceback(tmp_path, capsys):
     assert main(["report", str(tmp_path / "missing.json")]) == 2
-    assert "PlanMismatchError: cannot read plan file" in capsys.readouterr().err
+    assert "PlanFileError: cannot read plan file" in capsys.readouterr().err

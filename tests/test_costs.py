@@ -86,7 +86,7 @@ def test_measured_costs_need_a_device_present():
 
 
 def test_micro_batches_must_divide_the_profiled_batch(tmp_path):
-    with pytest.raises(CostModelError, match="does not divide into 4 micro-batches"):
+    with pytest.raises(autosplit.ConstraintError, match="does not divide into 4 micro-batches"):
         autosplit.plan(Net(), ["cpu"] * 2, example_inputs=(torch.randn(6, 256),), micro_batches=4,
                        costs=autosplit.ProfileOptions(cache_dir=str(tmp_path), **FAST))
 

@@ -52,7 +52,7 @@ def test_saved_plan_rebuilds_the_same_split_without_solving(tmp_path, monkeypatc
     def no_solving(*args, **kwargs):
         raise AssertionError("a loaded plan must not be solved again")
 
-    monkeypatch.setattr(autosplit.pipeline, "solve", no_solving)
+    monkeypatch.setattr(autosplit.compiler, "solve", no_solving)
     again = autosplit.autosplit(model, None, example_inputs=inputs, plan=str(tmp_path / "plan.json"))
     assert again.plan.assignment == first.plan.assignment
     assert [s.code for s in again.stages] == [s.code for s in first.stages]
@@ -80,7 +80,7 @@ def test_unknown_schema_version_is_rejected(tmp_path):
     plan = autosplit.plan(model, ["cpu"] * 2, example_inputs=inputs, time_limit=2)
     data = plan.to_dict() | {"schema_version": 99}
     (tmp_path / "p.json").write_text(json.dumps(data))
-    with pytest.raises(autosplit.PlanMismatchError, match="schema version 99"):
+    with pytest.raises(autosplit.PlanFileError, match="schema version 99"):
         autosplit.Plan.load(tmp_path / "p.json")
 
 

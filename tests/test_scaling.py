@@ -14,10 +14,10 @@ from autosplit.devices import PRESETS, resolve_devices
 from autosplit.examples import GPT
 from autosplit.passes.annotate import annotate
 from autosplit.passes.capture import capture, flat_inputs
-from autosplit.passes.coarsen import coarse_problem, coarsen, repeated_layers
+from autosplit.solver.coarsen import coarse_problem, coarsen, repeated_layers
 from autosplit.passes.costs import estimate
 from autosplit.solver import build_problem, evaluate, in_flight, solve, split_dp, topological_order, violations
-from autosplit.solver import strategy as solve_module
+from autosplit.solver.pipeline import strategy as solve_module
 from test_solver import brute_force, chain, make_problem, random_problems
 
 

@@ -183,7 +183,7 @@ def test_validate_checks_memory_and_colocation_without_a_solver():
 @settings(max_examples=60, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(random_problems())
 def test_lower_bounds_never_exceed_the_optimum(problem):
-    from autosplit.solver.bounds import chain_bound, lower_bound
+    from autosplit.solver.pipeline.bounds import chain_bound, lower_bound
 
     best = brute_force(problem)
     if best is None:
@@ -198,7 +198,7 @@ def test_lower_bounds_never_exceed_the_optimum(problem):
 
 
 def test_chain_bound_sees_expensive_cuts_that_balance_ignores():
-    from autosplit.solver.bounds import chain_bound
+    from autosplit.solver.pipeline.bounds import chain_bound
 
     # Two stages, four equal nodes; only the middle link is cheap to cut.
     problem = make_problem([10, 10, 10, 10], chain(4), stages=2, transfer=[50, 0, 50, 0])
@@ -211,7 +211,7 @@ def test_chain_bound_sees_expensive_cuts_that_balance_ignores():
 
 
 def test_large_infeasible_problem_reports_the_memory_floor(monkeypatch):
-    from autosplit.solver import strategy
+    from autosplit.solver.pipeline import strategy
 
     monkeypatch.setattr(strategy, "CPSAT_VAR_LIMIT", 0)  # take the path of graphs too large for CP-SAT
     problem = make_problem([1] * 6, chain(6), stages=2, state=[100] * 6, capacity=[250, 250])

@@ -1,13 +1,18 @@
-"""The placement solver: a plain :class:`Problem` in, an assignment out. No torch, no fx."""
+"""The placement solver: a plain :class:`Problem` in, an assignment out. No torch, no fx,
+nothing from ``autosplit.passes``.
 
-from autosplit.solver.dp import split_dp, topological_order
+Objectives are an axis: :mod:`autosplit.solver.pipeline` (contiguous stages, GPipe/1F1B
+step time) is the one implemented; a second objective (DLPlacer's makespan) gets a sibling
+package over the same :class:`Problem`, :mod:`~autosplit.solver.coarsen` and
+:mod:`~autosplit.solver.validate`.
+"""
+
+from autosplit.solver.pipeline import Solution, choose_order, lower_bound, solve, split_dp, topological_order
 from autosplit.solver.problem import Evaluation, Problem, build_problem, evaluate, in_flight
-from autosplit.solver.bounds import lower_bound
-from autosplit.solver.strategy import Solution, solve
 from autosplit.solver.validate import validate, violations
 
 __all__ = [
-    "Problem", "Evaluation", "Solution",
-    "build_problem", "evaluate", "in_flight", "lower_bound", "solve", "split_dp", "topological_order",
-    "validate", "violations",
+    "Evaluation", "Problem", "Solution",
+    "build_problem", "choose_order", "evaluate", "in_flight", "lower_bound", "solve", "split_dp",
+    "topological_order", "validate", "violations",
 ]

@@ -1,4 +1,4 @@
-"""The split module: behaves like the original model, runs its stages on their devices.
+"""The local runtime: a module that behaves like the original model and runs its stages on their devices, in one process.
 
 :class:`SplitModule` registers the *original* module tree (same children, same
 ``Parameter`` objects, moved to their devices), so ``state_dict()``,
@@ -29,6 +29,9 @@ __all__ = ["SplitModule"]
 
 class SplitModule(torch.nn.Module):
     """A model partitioned over devices by a :class:`Plan`."""
+
+    _program: Program
+    plan: Plan
 
     def __init__(self, model: torch.nn.Module, program: Program, plan: Plan):
         super().__init__()

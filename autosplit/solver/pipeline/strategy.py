@@ -1,16 +1,16 @@
 """The planning strategy: exact DP, coarsening when the graph is large, CP-SAT, a proven bound.
 
-1. Order the nodes topologically (:func:`~autosplit.solver.dp.topological_order`).
+1. Order the nodes topologically (:func:`~autosplit.solver.pipeline.dp.topological_order`).
 2. *Dynamic program* over split points of that order — every position for small graphs
    (``DP_WORK_LIMIT``); otherwise the block boundaries of :func:`coarsen`, then, round by
    round, every position near the chosen cuts (*refinement*). It is exact over the cuts it
    may use, runs in seconds, and is the baseline the report shows.
-3. *CP-SAT* (:mod:`~autosplit.solver.cpsat`) on the nodes, or on the blocks when the node
+3. *CP-SAT* (:mod:`~autosplit.solver.pipeline.cpsat`) on the nodes, or on the blocks when the node
    model would be too large, with the DP's plan as a hint. CP-SAT may leave the DP's
    order (parallel branches can move across stages), so it can only improve on it; the
    better plan, judged by :func:`evaluate` on the nodes, is returned.
 4. The bound: the best of CP-SAT's proven bound (when it ran on the nodes) and the
-   analytic and chain bounds of :mod:`~autosplit.solver.bounds`.
+   analytic and chain bounds of :mod:`~autosplit.solver.pipeline.bounds`.
 
 Deterministic: the same problem, seed and limits give the same plan (CP-SAT runs its
 workers interleaved under a deterministic time limit), so every rank of a distributed
@@ -30,13 +30,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from autosplit.errors import InfeasiblePlanError, SolverError
-from autosplit.passes.coarsen import Coarsening, coarse_problem, coarsen, repeated_layers
-from autosplit.solver.bounds import lower_bound, memory_floor
-from autosplit.solver.cpsat import cpsat, explain_infeasible, explain_memory, precheck
-from autosplit.solver.dp import split_dp, topological_order
+from autosplit.solver.coarsen import Coarsening, coarse_problem, coarsen, repeated_layers
+from autosplit.solver.pipeline.bounds import lower_bound, memory_floor
+from autosplit.solver.pipeline.cpsat import cpsat, explain_infeasible, explain_memory, precheck
+from autosplit.solver.pipeline.dp import split_dp, topological_order
 from autosplit.solver.problem import KIB, Problem, evaluate
-from autosplit.units import format_bytes
 from autosplit.solver.validate import violations
+from autosplit.units import format_bytes
 
 __all__ = ["Solution", "solve"]
 
@@ -88,9 +88,9 @@ def _refine(problem: Problem, c: Coarsening, plan: tuple[int, ...], max_rounds: 
     for _ in range(max_rounds):
         allowed = sorted({q for p in _cuts(c.order, best) for q in range(max(0, p - width), min(N, p + width) + 1)})
         found = split_dp(problem, c.order, allowed)
-        found_obj = evaluate(problem, found).objective if found is not None else best_obj
-        if found_obj >= best_obj:
+        if found is None or evaluate(problem, found).objective >= best_obj:
             break
+        found_obj = evaluate(problem, found).objective
         best, best_obj = found, found_obj
     return best
 

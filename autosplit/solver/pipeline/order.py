@@ -25,9 +25,9 @@ import math
 import time
 from collections.abc import Sequence
 
-from autosplit.solver.dp import topological_order
+from autosplit.solver.pipeline.dp import topological_order
+from autosplit.solver.pipeline.strategy import dp_plan
 from autosplit.solver.problem import UserConstraint, build_problem, evaluate
-from autosplit.solver.strategy import dp_plan
 
 __all__ = ["choose_order"]
 

@@ -23,11 +23,12 @@ Usage::
 
 from __future__ import annotations
 
+import itertools
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from autosplit.solver.dp import forbidden_cuts
+from autosplit.solver.pipeline.dp import forbidden_cuts
 from autosplit.solver.problem import Problem, UserConstraint
 
 __all__ = ["Coarsening", "coarsen", "coarse_problem", "repeated_layers"]
@@ -98,7 +99,7 @@ def coarsen(problem: Problem, order: Sequence[int], *, max_cost: float) -> Coars
             merged.append((lo, hi))
     forbidden = forbidden_cuts(problem, order)  # colocated (or kept-together) nodes never straddle a block
     cut_at = [0, *(hi for _, hi in merged if not forbidden[hi])]
-    merged = list(zip(cut_at, cut_at[1:]))
+    merged = list(itertools.pairwise(cut_at))
     bounds = tuple(cut_at)
     block_labels = tuple(_common_label(labels[lo:hi]) for lo, hi in merged)
     return Coarsening(tuple(order), bounds, block_labels)

@@ -26,7 +26,7 @@ Objective: minimise ``Σ_s t_s + (M − 1)·T`` (the step-time numerator of
 implications that CP-SAT propagates well and whose LP relaxation is tight, unlike a
 one-hot ``x[n, d]`` model that stalls at several hundred nodes. Every memory cap is
 guarded by an assumption literal, so an infeasible problem comes back with the devices
-whose caps conflict. :mod:`autosplit.solver.strategy` passes the dynamic program's plan as a
+whose caps conflict. :mod:`autosplit.solver.pipeline.strategy` passes the dynamic program's plan as a
 hint and keeps it if the time limit ends first.
 
 Usage::
@@ -40,11 +40,12 @@ import logging
 import math
 import os
 from collections.abc import Sequence
+from typing import Any
 
 from ortools.sat.python import cp_model
 
 from autosplit.errors import InfeasiblePlanError
-from autosplit.solver.bounds import memory_units
+from autosplit.solver.pipeline.bounds import memory_units
 from autosplit.solver.problem import KIB, Problem
 from autosplit.units import format_bytes
 
@@ -64,10 +65,10 @@ class _Model:
         for group in problem.colocate:
             for n in group:
                 rep[n] = group[0]
-        self.b = {}
+        self.b: dict[int, list[Any]] = {}  # [n][k]: 1 at k = 0, 0 at k = S, a boolean between
         for n in range(len(problem.nodes)):
             if rep[n] == n:
-                self.b[n] = [1] + [self.m.NewBoolVar(f"b_{n}_{k}") for k in range(1, S)] + [0]
+                self.b[n] = [1] + [self.m.new_bool_var(f"b_{n}_{k}") for k in range(1, S)] + [0]
         for n in range(len(problem.nodes)):
             self.b[n] = self.b[rep[n]]
         self._order()
@@ -86,16 +87,16 @@ class _Model:
         for n, row in self.b.items():
             if n == 0 or row is not self.b[n - 1]:
                 for k in range(1, S - 1):
-                    self.m.AddImplication(row[k + 1], row[k])
+                    self.m.add_implication(row[k + 1], row[k])
         for u, v in (*self.p.edges, *self.p.order_edges):
             if self.b[u] is not self.b[v]:
                 for k in range(1, S):
-                    self.m.AddImplication(self.b[u][k], self.b[v][k])
+                    self.m.add_implication(self.b[u][k], self.b[v][k])
 
     def _nonempty(self) -> None:
         N = len(self.p.nodes)
         for s in range(self.p.num_stages):
-            self.m.Add(sum(self.inside(n, s) for n in range(N)) >= 1)
+            self.m.add(sum(self.inside(n, s) for n in range(N)) >= 1)
 
     def _crossings(self) -> None:
         self.y: dict[tuple[int, int], cp_model.IntVar] = {}
@@ -104,10 +105,10 @@ class _Model:
             if not outside:
                 continue
             for k in range(1, self.p.num_stages):
-                y = self.y[u, k] = self.m.NewBoolVar(f"y_{u}_{k}")
-                self.m.AddImplication(y, self.b[u][k].Not())
+                y = self.y[u, k] = self.m.new_bool_var(f"y_{u}_{k}")
+                self.m.add_implication(y, self.b[u][k].negated())
                 for v in outside:  # b[v, k] ∧ ¬b[u, k] → y[u, k]
-                    self.m.AddBoolOr([self.b[v][k].Not(), self.b[u][k], y])
+                    self.m.add_bool_or([self.b[v][k].negated(), self.b[u][k], y])
 
     def _time(self) -> None:
         p, S, N = self.p, self.p.num_stages, len(self.p.nodes)
@@ -122,9 +123,9 @@ class _Model:
         fastest = [min(row) for row in p.compute]
         upper = sum(max(row) for row in p.compute) + sum(sum(row) for row in p.transfer) + sum(p.boundary_latency)
         lower = max(math.ceil(sum(fastest) / S), max(fastest, default=0))
-        self.T = self.m.NewIntVar(lower, max(lower, upper), "T")
+        self.T = self.m.new_int_var(lower, max(lower, upper), "T")
         for t in self.stage_time:
-            self.m.Add(self.T >= t)
+            self.m.add(self.T >= t)
         self.objective = sum(self.stage_time) + (p.micro_batches - 1) * self.T
 
     def memory(self, s: int):
@@ -140,18 +141,18 @@ class _Model:
         """Memory caps and user constraints, each behind a literal: (literal, stage index or constraint text)."""
         guarded: list[tuple[cp_model.IntVar, int | str]] = []
         for s in range(self.p.num_stages):
-            lit = self.m.NewBoolVar(f"cap_{s}")
-            self.m.Add(self.memory(s) <= self.p.capacity[s]).OnlyEnforceIf(lit)
+            lit = self.m.new_bool_var(f"cap_{s}")
+            self.m.add(self.memory(s) <= self.p.capacity[s]).only_enforce_if(lit)
             guarded.append((lit, s))
         for i, c in enumerate(self.p.constraints):
-            lit = self.m.NewBoolVar(f"user_{i}")
+            lit = self.m.new_bool_var(f"user_{i}")
             for n, s in c.forbid:
-                self.m.Add(self.inside(n, s) == 0).OnlyEnforceIf(lit)
+                self.m.add(self.inside(n, s) == 0).only_enforce_if(lit)
             for a, b in zip(c.together, c.together[1:]):
                 for k in range(1, self.p.num_stages):
-                    self.m.Add(self.b[a][k] == self.b[b][k]).OnlyEnforceIf(lit)
+                    self.m.add(self.b[a][k] == self.b[b][k]).only_enforce_if(lit)
             guarded.append((lit, c.text))
-        self.m.AddAssumptions([lit for lit, _ in guarded])
+        self.m.add_assumptions([lit for lit, _ in guarded])
         return guarded
 
     def hint(self, stage_of: tuple[int, ...]) -> None:
@@ -162,11 +163,11 @@ class _Model:
                 continue
             seen.add(id(row))
             for k in range(1, self.p.num_stages):
-                self.m.AddHint(row[k], int(s >= k))
+                self.m.add_hint(row[k], int(s >= k))
 
     def stage_of(self, solver: cp_model.CpSolver) -> tuple[int, ...]:
         S = self.p.num_stages
-        return tuple(sum(solver.Value(self.b[n][k]) for k in range(1, S)) for n in range(len(self.p.nodes)))
+        return tuple(sum(solver.value(self.b[n][k]) for k in range(1, S)) for n in range(len(self.p.nodes)))
 
 
 def _solver(time_limit: float, seed: int, workers: int | None, deterministic: bool = True) -> cp_model.CpSolver:
@@ -205,17 +206,17 @@ def explain_memory(problem: Problem, core: list[int], time_limit: float, seed: i
     model = _Model(problem)
     most = problem.transient_mem + sum(problem.state_mem) + sum(map(max, problem.act_mem)) + sum(map(max, problem.recv_mem))
     most += sum(map(max, problem.send_mem))
-    peak = model.m.NewIntVar(0, most, "peak")
+    peak = model.m.new_int_var(0, most, "peak")
     for s in range(problem.num_stages):
-        model.m.Add(peak >= model.memory(s))
-    model.m.Minimize(peak)
+        model.m.add(peak >= model.memory(s))
+    model.m.minimize(peak)
     # No hint exists for this model, and interleaved search rarely finds a first solution
     # without one; an explanation need not be reproducible, so search in parallel.
     solver = _solver(time_limit, seed, None, deterministic=False)
-    status = solver.Solve(model.m)
+    status = solver.solve(model.m)
     caps = ", ".join(f"stage {s} on {problem.devices[s]} (cap {_kib(problem.capacity[s])})" for s in core)
-    least = _kib(solver.Value(peak)) if status in (cp_model.OPTIMAL, cp_model.FEASIBLE) else "unknown"
-    bound = _kib(int(solver.BestObjectiveBound())) if status == cp_model.FEASIBLE else least
+    least = _kib(solver.value(peak)) if status in (cp_model.OPTIMAL, cp_model.FEASIBLE) else "unknown"
+    bound = _kib(int(solver.best_objective_bound)) if status == cp_model.FEASIBLE else least
     return (
         f"no plan fits the memory caps of {caps or 'the devices'}. The least memory any plan needs on its "
         f"fullest device is {least} (proven lower bound {bound}), against the largest cap {_kib(max(problem.capacity))}. "
@@ -271,16 +272,16 @@ def cpsat(
     guarded = model.add_assumptions()
     if hint is not None:
         model.hint(tuple(hint))
-    model.m.Minimize(model.objective)
+    model.m.minimize(model.objective)
     solver = _solver(time_limit, seed, workers, deterministic)
-    status = solver.Solve(model.m)
-    name = solver.StatusName(status)
-    log.info("cp-sat: %s in %.2fs, %d nodes x %d stages, bound %s", name, solver.WallTime(),
-             len(problem.nodes), problem.num_stages, solver.BestObjectiveBound())
+    status = solver.solve(model.m)
+    name = solver.status_name(status)
+    log.info("cp-sat: %s in %.2fs, %d nodes x %d stages, bound %s", name, solver.wall_time,
+             len(problem.nodes), problem.num_stages, solver.best_objective_bound)
     if status in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-        return name, model.stage_of(solver), solver.BestObjectiveBound(), []
+        return name, model.stage_of(solver), solver.best_objective_bound, []
     core: list[int | str] = []
     if status == cp_model.INFEASIBLE:
         index = {lit.Index(): what for lit, what in guarded}
-        core = [index[i] for i in solver.SufficientAssumptionsForInfeasibility() if i in index]
-    return name, None, solver.BestObjectiveBound(), core
+        core = [index[i] for i in solver.sufficient_assumptions_for_infeasibility() if i in index]
+    return name, None, solver.best_objective_bound, core

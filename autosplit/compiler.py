@@ -1,0 +1,314 @@
+"""The compiler, top to bottom: capture → annotate → estimate → order → build → solve → validate → codegen.
+
+Three functions, each a sequence of named, timed steps (``AUTOSPLIT_DEBUG=1`` logs them):
+
+- :func:`trace` — capture the model as an fx graph and annotate every node (done once per
+  model and input shape; :class:`~autosplit.planner.Planner` keeps the result);
+- :func:`compile_plan` — estimate costs, choose the device order, build the solver's
+  :class:`~autosplit.solver.Problem`, solve it and validate the assignment; or, given a
+  saved plan, validate it and refresh its predictions;
+- :func:`codegen` — one ``GraphModule`` per stage for a plan.
+
+Usage::
+
+    traced = trace(model, (x,), {}, method="auto")
+    plan = compile_plan(traced, resolve_devices(["cpu"] * 4), PlanOptions())
+    program = codegen(traced, plan)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import difflib
+import logging
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from autosplit.devices import DeviceSpec
+from autosplit.errors import ConstraintError, CostModelError, DeviceError, advice
+from autosplit.options import PlanOptions
+from autosplit.passes.annotate import annotate
+from autosplit.passes.capture import Captured, capture, fingerprint, flat_inputs
+from autosplit.passes.codegen import Program, generate
+from autosplit.passes.costs import CostTable, estimate, with_overrides
+from autosplit.passes.profile import ProfileOptions, profile
+from autosplit.plan import Plan, SolverInfo, StageReport
+from autosplit.runtime.microbatch import split_batch
+from autosplit.solver import Problem, build_problem, choose_order, evaluate, solve, validate
+from autosplit.solver.problem import KIB, NS, UserConstraint
+
+__all__ = ["Traced", "trace", "compile_plan", "codegen"]
+
+log = logging.getLogger(__name__)
+
+
+@contextlib.contextmanager
+def _timed(name: str, timings: dict[str, float]) -> Iterator[None]:
+    start = time.perf_counter()
+    yield
+    timings[name] = time.perf_counter() - start
+    log.info("pass %-9s %8.3fs", name, timings[name])
+
+
+@dataclass(frozen=True)
+class Traced:
+    """A captured, annotated model: what every plan of it starts from."""
+
+    captured: Captured
+    inputs: tuple[Any, ...]
+    """The example values of the graph's placeholders, in order."""
+    fingerprint: str
+    timings: Mapping[str, float] = field(default_factory=dict)
+
+    @property
+    def node_names(self) -> set[str]:
+        return {n.name for n in self.captured.gm.graph.nodes if n.op not in ("placeholder", "output")}
+
+
+def trace(model: torch.nn.Module, example_inputs: tuple, example_kwargs: Mapping[str, Any] | None, *, method: str) -> Traced:
+    """Steps *capture* and *annotate*."""
+    timings: dict[str, float] = {}
+    with _timed("capture", timings):
+        captured = capture(model, example_inputs, dict(example_kwargs or {}), method=method)
+        graph_id = fingerprint(captured.gm)
+    inputs = flat_inputs(captured, model, example_inputs, dict(example_kwargs or {}))
+    with _timed("annotate", timings):
+        annotate(captured, inputs)
+    return Traced(captured, tuple(inputs), graph_id, timings)
+
+
+def compile_plan(traced: Traced, specs: tuple[DeviceSpec, ...], options: PlanOptions, *, given: Plan | None = None) -> Plan:
+    """Steps *estimate* → *order* → *build* → *solve* → *validate*; with ``given``, no solving:
+    the saved plan is validated and its predictions refreshed under ``options.costs``."""
+    timings = dict(traced.timings)
+    if given is not None:
+        given.check_fingerprint(traced.fingerprint, traced.node_names)
+    M = options.micro_batches_for(len(specs))
+    with _timed("estimate", timings):
+        table, source = _costs(traced, specs, options, micro_batches=M)
+    rules = _user_constraints(table, options)
+    with _timed("order", timings):
+        order = given.stage_devices if given is not None else choose_order(
+            table, micro_batches=M, schedule=options.schedule, constraints=rules
+        )
+    with _timed("build", timings):
+        problem = build_problem(table, micro_batches=M, schedule=options.schedule, order=order, constraints=rules)
+    if given is not None:
+        stage_of = tuple(given.stage_of[name] for name in problem.nodes)
+        with _timed("validate", timings):
+            validate(problem, stage_of)
+        return dataclasses.replace(
+            given, stages=_stage_reports(problem, table, stage_of, order), costs=source,
+            step_time=evaluate(problem, stage_of).objective / M / NS, timings=timings,
+        )
+    with _timed("solve", timings):
+        solution = solve(problem, time_limit=options.time_limit, seed=options.seed)
+    with _timed("validate", timings):
+        validate(problem, solution.stage_of)
+    return Plan(
+        assignment={name: order[s] for name, s in zip(problem.nodes, solution.stage_of)},
+        devices=specs,
+        stage_devices=tuple(order),
+        stages=_stage_reports(problem, table, solution.stage_of, order),
+        step_time=solution.objective / M / NS,
+        micro_batches=M,
+        schedule=options.schedule,
+        solver=SolverInfo(
+            name=solution.solver,
+            status=solution.status,
+            objective=solution.objective / M / NS,
+            bound=solution.bound / M / NS,
+            gap=solution.gap,
+            wall_time=solution.wall_time,
+            time_limit=options.time_limit,
+            seed=options.seed,
+            baseline=None if solution.baseline is None else solution.baseline / M / NS,
+            units=solution.units,
+        ),
+        fingerprint=traced.fingerprint,
+        capture=traced.captured.method,
+        costs=source,
+        versions=_versions(),
+        timings=timings,
+    )
+
+
+def codegen(traced: Traced, plan: Plan) -> tuple[Program, dict[str, float]]:
+    """Step *codegen*: the stage modules of ``plan`` on its devices, and the step's time."""
+    targets = [plan.devices[d].torch_device for d in plan.stage_devices]
+    if None in targets:
+        absent = sorted({d.name for d in plan.devices if d.torch_device is None})
+        raise DeviceError(
+            advice(
+                f"cannot build modules for {absent}: presets describe hardware to plan for, not a device to run on",
+                None,
+                "autosplit.plan(...) for planning only, or pass torch devices such as 'cuda:0' or 'cpu'",
+            )
+        )
+    timings: dict[str, float] = {}
+    with _timed("codegen", timings):
+        program = generate(traced.captured, plan.stage_of, [str(t) for t in targets])
+    return program, timings
+
+
+def _versions() -> dict[str, str]:
+    out = {"torch": str(torch.__version__)}
+    for pkg in ("autosplit", "ortools"):
+        with contextlib.suppress(metadata.PackageNotFoundError):
+            out[pkg] = metadata.version(pkg)
+    return out
+
+
+def _stage_reports(problem: Problem, table: CostTable, stage_of: Sequence[int], order: Sequence[int]) -> tuple[StageReport, ...]:
+    ev = evaluate(problem, stage_of)
+    reports = []
+    for s, device in enumerate(table.devices[d] for d in order):
+        members = [n for n, st in enumerate(stage_of) if st == s]
+        # Name a stage by the modules whose parameters it holds (the FQN lists of manual splits).
+        owners = [n for n in members if table.param_counts[n]] or members
+        modules = list(dict.fromkeys(".".join(table.module_paths[n].split(".")[:2]) or "(root)" for n in owners))
+        reports.append(
+            StageReport(
+                device=device.torch_device or device.name,
+                nodes=len(members),
+                params=sum(table.param_counts[n] for n in members),
+                modules=tuple(modules),
+                compute=ev.compute[s] / NS,
+                transfer=ev.transfer[s] / NS,
+                time=ev.time[s] / NS,
+                memory_state=ev.state_mem[s] * KIB,
+                memory_activations=ev.act_mem[s] * KIB,
+                memory_received=ev.recv_mem[s] * KIB,
+                memory_sent=ev.send_mem[s] * KIB,
+                memory_transient=ev.transient_mem * KIB,
+                capacity=device.memory,
+            )
+        )
+    return tuple(reports)
+
+
+def _costs(traced: Traced, specs: tuple[DeviceSpec, ...], options: PlanOptions, *, micro_batches: int) -> tuple[CostTable, str]:
+    """The cost table ``options.costs`` asks for (with overrides), and a line saying where it came from."""
+    costs, gm = options.costs, traced.captured.gm
+    if isinstance(costs, (CostTable, Path)) or (isinstance(costs, str) and costs not in ("analytic", "measured")):
+        table = _given_table(traced, specs, costs)
+        source = f"given table ({costs if isinstance(costs, (str, Path)) else 'object'})"
+    elif costs == "analytic":
+        table = estimate(gm, specs, optimizer=options.optimizer, micro_batches=micro_batches)
+        source = "analytic"
+    else:
+        table, source = _measured(traced, specs, ProfileOptions() if costs == "measured" else costs, options, micro_batches)
+    if options.cost_overrides:
+        n = len(options.cost_overrides)
+        table = with_overrides(table, options.cost_overrides)
+        source += f" + {n} override{'s' * (n > 1)}"
+    return table, source
+
+
+def _measured(
+    traced: Traced, specs: tuple[DeviceSpec, ...], profiling: Any, options: PlanOptions, micro_batches: int
+) -> tuple[CostTable, str]:
+    present = sorted({s.torch_device for s in specs if s.torch_device is not None})
+    if not present:
+        raise CostModelError(
+            advice(
+                f"costs='measured' needs a device to measure on, but {[s.name for s in specs]} are all plan-only presets",
+                None,
+                "pass torch devices (e.g. 'cpu', 'cuda:0'), or costs='analytic' with calibrated specs (autosplit.calibrate)",
+            )
+        )
+    micro = list(split_batch(traced.inputs, None, micro_batches)[0][0])
+    profiles = {
+        dev: profile(traced.captured, micro, dev, fingerprint=traced.fingerprint, options=profiling) for dev in present
+    }
+    table = estimate(
+        traced.captured.gm, specs, optimizer=options.optimizer, micro_batches=micro_batches,
+        profiles=[profiles.get(s.torch_device) if s.torch_device else None for s in specs],
+    )
+    hits = sum(p.cached for p in profiles.values())
+    analytic = [s.name for s in specs if s.torch_device is None]
+    return table, (
+        f"measured on {', '.join(present)}" + (f" (cache: {hits} of {len(profiles)})" if hits else "")
+        + (f"; analytic for {', '.join(dict.fromkeys(analytic))}" if analytic else "")
+    )
+
+
+def _given_table(traced: Traced, specs: tuple[DeviceSpec, ...], costs: CostTable | str | Path) -> CostTable:
+    table = costs if isinstance(costs, CostTable) else CostTable.load(costs)
+    nodes = tuple(n.name for n in traced.captured.gm.graph.nodes if n.op not in ("placeholder", "output"))
+    if table.nodes != nodes:
+        missing = sorted(set(nodes) - set(table.nodes))
+        raise CostModelError(
+            advice(
+                f"the given cost table has {len(table.nodes)} nodes, the captured graph {len(nodes)} "
+                f"(first missing: {missing[:3]})",
+                "the table belongs to another model or input shape",
+                "save a table from this model (CostTable.save) and edit it, or use cost_overrides=",
+            )
+        )
+    if len(table.devices) != len(specs):
+        raise CostModelError(
+            advice(
+                f"the given cost table has times for {len(table.devices)} devices, but {len(specs)} devices were given",
+                None,
+                "plan with the devices the table was made for, or save a table for these devices",
+            )
+        )
+    return dataclasses.replace(table, devices=specs)
+
+
+def _device_index(ref: int | str, specs: Sequence[DeviceSpec]) -> int:
+    if isinstance(ref, int) and 0 <= ref < len(specs):
+        return ref
+    hits = [i for i, s in enumerate(specs) if str(ref) in (s.torch_device, s.name)]
+    if len(hits) != 1:
+        raise ConstraintError(
+            advice(
+                f"constraint names device {ref!r}, which matches {len(hits)} of the {len(specs)} devices "
+                f"({[s.torch_device or s.name for s in specs]})",
+                None,
+                f"name it by its index 0..{len(specs) - 1}",
+            )
+        )
+    return hits[0]
+
+
+def _module_nodes(module: str, table: CostTable) -> tuple[int, ...]:
+    nodes = tuple(i for i, p in enumerate(table.module_paths) if p == module or p.startswith(module + "."))
+    if not nodes:
+        known = sorted({p for p in table.module_paths if p})
+        close = difflib.get_close_matches(module, known, n=3)
+        raise ConstraintError(
+            advice(
+                f"constraint names module {module!r}, but no graph node comes from it",
+                None,
+                f"did you mean {close}?" if close else f"a module of the model; they look like {known[:5]}",
+            )
+        )
+    return nodes
+
+
+def _user_constraints(table: CostTable, options: PlanOptions) -> list[UserConstraint]:
+    """Module/device constraints as (node, device) rules; build_problem maps devices to stages."""
+    specs, out = table.devices, []
+    for module, ref in (options.pin or {}).items():
+        d = _device_index(ref, specs)
+        nodes = _module_nodes(module, table)
+        forbid = tuple((n, other) for n in nodes for other in range(len(specs)) if other != d)
+        out.append(UserConstraint(f"pin '{module}' to device {d} ({specs[d].torch_device or specs[d].name})", forbid))
+    for module, refs in (options.avoid or {}).items():
+        listed = [refs] if isinstance(refs, (int, str)) else list(refs)
+        ds = sorted({_device_index(r, specs) for r in listed})
+        nodes = _module_nodes(module, table)
+        out.append(UserConstraint(f"keep '{module}' off devices {ds}", tuple((n, d) for n in nodes for d in ds)))
+    for modules in options.together or ():
+        nodes = tuple(sorted({n for m in modules for n in _module_nodes(m, table)}))
+        out.append(UserConstraint(f"keep {list(modules)} together", (), nodes))
+    return out

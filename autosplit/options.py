@@ -1,0 +1,109 @@
+"""Planning options, written once (torchtitan's config style: a frozen dataclass, a docstring per field).
+
+Every entry point (:class:`~autosplit.planner.Planner`, :func:`autosplit.plan`,
+:func:`autosplit.autosplit`, :func:`autosplit.distribute`, the CLI) takes these fields as
+keyword arguments and builds one :class:`PlanOptions`; adding an option is one edit here.
+Values are checked when the options are made, so a bad one fails before any work.
+
+Usage::
+
+    options = PlanOptions(schedule="1f1b", micro_batches=8, memory={"cuda:0": "20GiB"})
+    faster = options.replace(time_limit=2.0)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeAlias
+
+from autosplit.errors import ConstraintError, advice
+from autosplit.passes.costs import OPTIMIZER_STATE_BYTES, CostTable
+from autosplit.passes.profile import ProfileOptions
+from autosplit.solver.problem import SCHEDULES
+
+__all__ = ["PlanOptions", "SCHEDULES", "OPTIMIZERS", "CAPTURE_METHODS", "CostsLike"]
+
+OPTIMIZERS = tuple(OPTIMIZER_STATE_BYTES)
+"""Optimizers whose state and step temporaries the memory model counts."""
+CAPTURE_METHODS = ("auto", "symbolic_trace", "export")
+
+CostsLike: TypeAlias = str | ProfileOptions | CostTable | Path
+
+
+@dataclass(frozen=True)
+class PlanOptions:
+    """How to plan: the schedule the plan is optimised for, costs, limits and user constraints."""
+
+    micro_batches: int | None = None
+    """Micro-batches per step. ``None``: 4 × the number of devices (GPipe, Huang et al. 2019
+    §2.2: with M ≥ 4·S the bubble is small); always 1 for ``schedule="sequential"``."""
+    schedule: str = "gpipe"
+    """``"gpipe"`` (all forwards, then all backwards), ``"1f1b"`` (PipeDream-Flush: each stage
+    holds at most S − s micro-batches) or ``"sequential"`` (one batch, stages in turn)."""
+    optimizer: str = "adam"
+    """The optimizer whose state (Adam: two fp32 moments) and step temporaries memory counts."""
+    memory: Mapping[int | str, int | str] | None = None
+    """Memory caps by device index or name, e.g. ``{"cuda:0": "20GiB", 3: 8 * 2**30}``."""
+    time_limit: float = 10.0
+    """Seconds the solver may search (the exact DP always finishes; CP-SAT stops here)."""
+    seed: int = 0
+    """Solver seed: the same model, devices, options and seed give the same plan on every rank."""
+    capture: str = "auto"
+    """``"auto"`` (fx symbolic trace, torch.export when that fails), ``"symbolic_trace"`` or ``"export"``."""
+    costs: CostsLike = "analytic"
+    """``"analytic"`` (roofline), ``"measured"`` (profile every node, cached on disk), a
+    :class:`~autosplit.passes.profile.ProfileOptions`, a :class:`~autosplit.passes.costs.CostTable`
+    or the path of a saved one."""
+    cost_overrides: Mapping[str, Mapping[str, float]] | None = None
+    """A node's or module's cost in seconds for the whole batch: ``{"blocks.3": {"fwd": 2e-3, "bwd": 4e-3}}``."""
+    pin: Mapping[str, int | str] | None = None
+    """Module → device it must run on: ``{"blocks.0": 0}``."""
+    avoid: Mapping[str, int | str | Sequence[int | str]] | None = None
+    """Module → devices it must not run on: ``{"head": ["cuda:0"]}``."""
+    together: Sequence[Sequence[str]] | None = None
+    """Groups of modules that must share a device: ``[("wte", "head")]``."""
+
+    def __post_init__(self) -> None:
+        def bad(name: str, value: Any, legal: str) -> ConstraintError:
+            return ConstraintError(advice(f"option {name}={value!r} is out of range", None, f"pass {name} = {legal}"))
+
+        if self.micro_batches is not None and (
+            not isinstance(self.micro_batches, int) or isinstance(self.micro_batches, bool) or self.micro_batches < 1
+        ):
+            raise bad("micro_batches", self.micro_batches, "an integer ≥ 1, or None for 4 × devices")
+        if self.schedule not in SCHEDULES:
+            raise bad("schedule", self.schedule, f"one of {SCHEDULES}")
+        if self.optimizer not in OPTIMIZERS:
+            raise bad("optimizer", self.optimizer, f"one of {OPTIMIZERS}")
+        if not isinstance(self.time_limit, (int, float)) or not self.time_limit > 0:
+            raise bad("time_limit", self.time_limit, "a number of seconds > 0")
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool):
+            raise bad("seed", self.seed, "an integer")
+        if self.capture not in CAPTURE_METHODS:
+            raise bad("capture", self.capture, f"one of {CAPTURE_METHODS}")
+        named = isinstance(self.costs, str) and self.costs in ("analytic", "measured")
+        given = isinstance(self.costs, (ProfileOptions, CostTable)) or (
+            isinstance(self.costs, (str, Path)) and Path(self.costs).is_file()
+        )
+        if not (named or given):
+            raise bad("costs", self.costs, "'analytic', 'measured', ProfileOptions(...), a CostTable or a saved table's path")
+
+    def replace(self, **changes: Any) -> PlanOptions:
+        """These options with ``changes`` (checked like new ones)."""
+        unknown = sorted(set(changes) - {f.name for f in dataclasses.fields(self)})
+        if unknown:
+            raise ConstraintError(advice(f"unknown option(s) {unknown}", None, f"use one of {self.names()}"))
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in dataclasses.fields(cls))
+
+    def micro_batches_for(self, stages: int) -> int:
+        """The number of micro-batches for ``stages`` devices (1 when sequential)."""
+        if self.schedule == "sequential":
+            return 1
+        return self.micro_batches or 4 * stages

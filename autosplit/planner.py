@@ -1,0 +1,145 @@
+"""The two API tiers (DESIGN §3): a :class:`Planner` object, and the one-liners on top of it.
+
+A :class:`Planner` captures and annotates the model once, then plans, builds and answers
+"what if" questions (other devices, schedule, memory caps, costs) without capturing again.
+:func:`plan` and :func:`autosplit` are thin wrappers; every option is a
+:class:`~autosplit.options.PlanOptions` field, passed by keyword.
+
+Usage::
+
+    planner = autosplit.Planner(model, ["cpu"] * 4, example_inputs=(x,), schedule="1f1b")
+    plan = planner.plan()
+    split = planner.build(plan)
+    wider = planner.what_if(devices=["cpu"] * 8, micro_batches=32)
+
+    plan = autosplit.plan(model, ["A100-80GB"] * 8, example_inputs=(x,))      # plan only
+    split = autosplit.autosplit(model, ["cpu"] * 4, example_inputs=(x,))      # plan + build
+    split = autosplit.autosplit(model, None, example_inputs=(x,), plan="plan.json")
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from autosplit.compiler import Traced, codegen, compile_plan, trace
+from autosplit.devices import DeviceLike, DeviceSpec, resolve_devices
+from autosplit.errors import ConstraintError, DeviceError, advice
+from autosplit.options import PlanOptions
+from autosplit.plan import Plan
+from autosplit.runtime.local import SplitModule
+
+__all__ = ["Planner", "plan", "autosplit", "load_plan", "make_options"]
+
+
+def make_options(options: PlanOptions | None = None, **fields: Any) -> PlanOptions:
+    """``options`` (default :class:`PlanOptions`) with ``fields`` set; unknown names are a :class:`ConstraintError`."""
+    return (options or PlanOptions()).replace(**fields) if fields else (options or PlanOptions())
+
+
+def load_plan(plan: Plan | str | Path | None) -> Plan | None:
+    return Plan.load(plan) if isinstance(plan, (str, Path)) else plan
+
+
+class Planner:
+    """Plans one model (at one example input shape) onto devices, again and again.
+
+    ``devices``: torch device strings or objects (``["cpu"] * 4`` are four logical
+    devices), presets (``"A100-80GB"``) or :class:`DeviceSpec`; ``None`` only with a saved
+    plan, whose devices are then used. ``options`` and keyword fields: see
+    :class:`PlanOptions`.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        devices: Sequence[DeviceLike] | None,
+        *,
+        example_inputs: Any,
+        example_kwargs: Mapping[str, Any] | None = None,
+        options: PlanOptions | None = None,
+        **fields: Any,
+    ) -> None:
+        self.model = model
+        self.example_inputs = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
+        self.example_kwargs = dict(example_kwargs or {})
+        self.options = make_options(options, **fields)
+        self.devices = None if devices is None else tuple(devices)
+        self._traced: Traced | None = None
+
+    @property
+    def traced(self) -> Traced:
+        """The captured, annotated graph (made on first use, then kept)."""
+        if self._traced is None:
+            self._traced = trace(self.model, self.example_inputs, self.example_kwargs, method=self.options.capture)
+        return self._traced
+
+    def specs(self, devices: Sequence[DeviceLike] | None = None, options: PlanOptions | None = None) -> tuple[DeviceSpec, ...]:
+        devices = self.devices if devices is None else devices
+        if devices is None:
+            raise DeviceError(advice("devices=None needs a plan to take the devices from", None, "pass devices such as ['cpu'] * 2"))
+        return resolve_devices(devices, (options or self.options).memory)
+
+    def plan(self, given: Plan | str | Path | None = None) -> Plan:
+        """Solve for the best plan; or, with ``given`` (a :class:`Plan` or a JSON path), check it
+        against this model and refresh its predictions without solving."""
+        saved = load_plan(given)
+        if saved is None:
+            return compile_plan(self.traced, self.specs(), self.options)
+        # A saved plan fixes the schedule it was made for, and (unless devices are given) the devices.
+        options = self.options.replace(schedule=saved.schedule, micro_batches=saved.micro_batches)
+        specs = saved.devices if self.devices is None else self.specs(options=options)
+        if len(specs) != len(saved.devices):
+            raise ConstraintError(
+                advice(
+                    f"the plan places stages on {len(saved.devices)} devices, but {len(specs)} devices were given",
+                    None,
+                    "pass devices=None to use the plan's devices, or as many devices as the plan has",
+                )
+            )
+        return compile_plan(self.traced, specs, options, given=saved)
+
+    def build(self, plan: Plan | str | Path | None = None) -> SplitModule:
+        """The :class:`SplitModule` of ``plan`` (default: :meth:`plan`), in this process."""
+        made = self.plan() if plan is None else self.plan(plan)
+        program, timings = codegen(self.traced, made)
+        return SplitModule(self.model, program, dataclasses.replace(made, timings={**made.timings, **timings}))
+
+    def what_if(self, *, devices: Sequence[DeviceLike] | None = None, **changes: Any) -> Plan:
+        """The plan under other devices or options, reusing the captured graph:
+        ``planner.what_if(devices=["cpu"] * 8, schedule="1f1b")``."""
+        options = self.options.replace(**changes)
+        return compile_plan(self.traced, self.specs(devices, options), options)
+
+
+def plan(
+    model: torch.nn.Module, devices: Sequence[DeviceLike], *, example_inputs: Any,
+    example_kwargs: Mapping[str, Any] | None = None, **options: Any,
+) -> Plan:
+    """Plan ``model`` onto ``devices`` without building modules (devices may be hardware you lack).
+
+    ``options``: any :class:`PlanOptions` field — ``micro_batches``, ``schedule``, ``optimizer``,
+    ``memory``, ``time_limit``, ``seed``, ``capture``, ``costs``, ``cost_overrides``, ``pin``,
+    ``avoid``, ``together``. A set of constraints that cannot hold is explained in the
+    user's terms (:class:`~autosplit.errors.InfeasiblePlanError`).
+    """
+    return Planner(model, devices, example_inputs=example_inputs, example_kwargs=example_kwargs, **options).plan()
+
+
+def autosplit(
+    model: torch.nn.Module, devices: Sequence[DeviceLike] | None, *, example_inputs: Any,
+    example_kwargs: Mapping[str, Any] | None = None, plan: Plan | str | Path | None = None, **options: Any,
+) -> SplitModule:
+    """Partition ``model`` over ``devices`` and return a module that trains exactly like it.
+
+    The returned :class:`SplitModule` shares ``model``'s parameters (moved to their
+    devices in place) and carries the plan as ``.plan``. Pass ``plan`` (a :class:`Plan`
+    or a JSON path) to rebuild a saved split without solving; ``devices=None`` then
+    takes the plan's devices. ``options``: see :func:`plan`.
+    """
+    planner = Planner(model, devices, example_inputs=example_inputs, example_kwargs=example_kwargs, **options)
+    return planner.build(plan)
