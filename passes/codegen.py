@@ -31,12 +31,13 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils import _pytree as pytree
 
 from autosplit.errors import CodegenError
 from autosplit.passes.capture import Captured
 
-__all__ = ["Program", "generate", "move"]
+__all__ = ["Chain", "Program", "generate", "generate_chain", "move"]
 
 
 @torch.fx.wrap
@@ -127,3 +128,204 @@ def generate(captured: Captured, assignment: Mapping[str, int], devices: Sequenc
     for s, stage in enumerate(stages):
         root.add_module(f"stage{s}", stage)
     return Program(fx.GraphModule(root, program, class_name="SplitProgram"), tuple(stages), tuple(devices))
+
+
+# -- the distributed form: a linear chain of stages ---------------------------------------------
+
+
+@dataclass(frozen=True)
+class Chain:
+    """Stages that talk only to their neighbours, by position, in tensors (DESIGN §4.6).
+
+    Stage ``s`` is called as ``stages[s](*received, **inputs)``: ``received`` are the tensors
+    stage ``s − 1`` returned, in the order :attr:`crossings` ``[s − 1]`` names; ``inputs``
+    are the model's graph inputs by placeholder name (every stage gets them all and reads
+    what it uses, so no input is relayed). The last stage returns the tensor leaves of the
+    model's output; :meth:`output` rebuilds its structure.
+    """
+
+    stages: tuple[fx.GraphModule, ...]
+    crossings: tuple[tuple[str, ...], ...]
+    """[boundary k − 1] names of the tensors crossing from stage k − 1 to stage k, in order
+    (``node`` or ``node.i`` for the i-th tensor leaf of a tuple-valued node)."""
+    inputs_meta: tuple[tuple[torch.Tensor, ...], ...]
+    """[stage] meta tensors (shape, dtype, grad flag) of what the stage receives, per micro-batch."""
+    outputs_meta: tuple[tuple[torch.Tensor, ...], ...]
+    """[stage] meta tensors of what the stage returns, per micro-batch."""
+    input_names: tuple[str, ...]
+    """Placeholder names of the captured graph, in order."""
+    _output: Any = None
+    """(output node arguments, leaf slots, codegen) to rebuild the model's output."""
+
+    def output(self, leaves: Sequence[torch.Tensor]) -> Any:
+        """The model's output (its nested structure) from the last stage's tensors."""
+        args, slots, graph_codegen = self._output
+        it = iter(leaves)
+        values = {slot: next(it) for slot in slots}
+        out = fx.node.map_aggregate(args, lambda a: values[a] if isinstance(a, fx.Node) else a)
+        return graph_codegen.process_outputs(out)
+
+    def __call__(self, *flat_inputs: Any) -> Any:
+        """Run the stages in turn in this process (for checking the chain against the model)."""
+        inputs = dict(zip(self.input_names, flat_inputs))
+        received: tuple = ()
+        for stage in self.stages:
+            received = stage(*received, **inputs)
+        return self.output(received)
+
+
+class _MicroValues(fx.Interpreter):
+    """The value of every node for one micro-batch, on fake tensors: shapes, dtypes, grad flags
+    and the Python values (shape ints) that crossings need; real state is never touched."""
+
+    def __init__(self, gm: fx.GraphModule):
+        super().__init__(gm, garbage_collect_values=False)
+        self.mode = FakeTensorMode(allow_non_fake_inputs=True)
+        self._fakes: dict[int, torch.Tensor] = {}
+
+    def fake(self, t: torch.Tensor) -> torch.Tensor:
+        if id(t) not in self._fakes:
+            self._fakes[id(t)] = self.mode.from_tensor(t)
+            if t.requires_grad:
+                self._fakes[id(t)].requires_grad_(True)
+        return self._fakes[id(t)]
+
+    def fetch_attr(self, target: str) -> Any:
+        value = super().fetch_attr(target)
+        return self.fake(value) if isinstance(value, torch.Tensor) else value
+
+    def call_module(self, target: Any, args: Any, kwargs: Any) -> Any:
+        mod = self.module.get_submodule(str(target))
+        state = {k: self.fake(v) for k, v in [*mod.named_parameters(), *mod.named_buffers()]}
+        return torch.func.functional_call(mod, state, tuple(args), dict(kwargs))
+
+    def run_node(self, n: fx.Node) -> Any:
+        with self.mode:
+            return super().run_node(n)
+
+    def values(self, inputs: Sequence[Any]) -> dict[fx.Node, Any]:
+        self.run(*[self.fake(x) if isinstance(x, torch.Tensor) else x for x in inputs])
+        return dict(self.env)
+
+
+def _meta(t: torch.Tensor) -> torch.Tensor:
+    m = torch.empty(t.shape, dtype=t.dtype, device="meta")
+    return m.requires_grad_(True) if t.requires_grad and t.is_floating_point() else m
+
+
+def _constant(value: Any) -> Any:
+    """A Python value as a graph constant (``torch.Size`` as the tuple it is)."""
+    return pytree.tree_map(lambda x: tuple(x) if isinstance(x, torch.Size) else x, value)
+
+
+def _slot_names(node: fx.Node, value: Any) -> list[tuple[str, int]]:
+    """(name, leaf index) of each tensor leaf of ``value``: ``node`` alone, or ``node.i``."""
+    leaves = pytree.tree_leaves(value)
+    if isinstance(value, torch.Tensor):
+        return [(node.name, 0)]
+    return [(f"{node.name}.{i}", i) for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+
+
+def generate_chain(
+    captured: Captured, assignment: Mapping[str, int], num_stages: int, micro_inputs: Sequence[Any]
+) -> Chain:
+    """The chain form of ``assignment`` (node name → stage) for micro-batches like ``micro_inputs``
+    (the graph's placeholder values for one micro-batch).
+
+    - a value needed ``j`` stages on is received and returned unchanged by the stages between
+      (relayed), as the cost model charges it;
+    - only tensors cross: a Python value (a shape int, a tuple's non-tensor leaves) is fixed
+      per micro-batch, so the receiving stage holds it as a constant; a tuple-valued node
+      crosses as its tensor leaves and is rebuilt;
+    - every crossing is made contiguous (gloo sends contiguous memory only);
+    - the positional order of crossings is the graph's order, recorded in :attr:`Chain.crossings`.
+    """
+    gm = captured.gm
+    S = num_stages
+    nodes = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
+    missing = [n.name for n in nodes if n.name not in assignment]
+    if missing:
+        raise CodegenError(f"assignment leaves {len(missing)} nodes unplaced (first: {missing[:3]}); validate the plan first")
+    stage_of = {n: assignment[n.name] for n in nodes}
+    placeholders = list(gm.graph.find_nodes(op="placeholder"))
+    output = next(iter(gm.graph.find_nodes(op="output")))
+    values = _MicroValues(gm).values(micro_inputs)
+
+    last_use = {n: max((stage_of.get(u, S - 1) for u in n.users), default=stage_of[n]) for n in nodes}
+    for n in output.all_input_nodes:
+        if n in stage_of:
+            last_use[n] = S - 1
+
+    def crossing(k: int) -> list[fx.Node]:  # values crossing boundary k (stage k − 1 → k), in graph order
+        return [n for n in nodes if stage_of[n] < k <= last_use[n]]
+
+    stages, crossings, inputs_meta, outputs_meta = [], [], [], []
+    out_slots: list[Any] = []
+    for s in range(S):
+        graph = fx.Graph()
+        env: dict[fx.Node, Any] = {}
+        root: dict[str, Any] = {}  # what the stage's graph reads by name: modules, parameters, buffers, tree specs
+        received = crossing(s) if s > 0 else []
+        metas = []
+        for n in received:
+            slots = _slot_names(n, values[n])
+            leaves = pytree.tree_leaves(values[n])
+            phs = {i: graph.placeholder(name.replace(".", "_")) for name, i in slots}
+            metas += [_meta(leaves[i]) for _, i in slots]
+            if isinstance(values[n], torch.Tensor):
+                env[n] = phs[0]
+            elif not phs:  # no tensor inside (a shape int, a tuple of them): a constant here
+                env[n] = _constant(values[n])
+            else:  # rebuild the value: tensor leaves received, the rest fixed per micro-batch
+                spec_name = f"_spec_{n.name}"
+                rebuilt = [phs[i] if i in phs else leaf for i, leaf in enumerate(leaves)]
+                root[spec_name] = pytree.tree_structure(values[n])
+                env[n] = graph.call_function(pytree.tree_unflatten, (rebuilt, graph.get_attr(spec_name)), name=n.name)
+        inputs = graph.placeholder("**inputs")
+        for ph in placeholders:
+            if any(stage_of.get(u) == s or (s == S - 1 and u is output) for u in ph.users):
+                env[ph] = graph.create_node("call_function", operator.getitem, (inputs, ph.name), name=ph.name)
+        members = [n for n in nodes if stage_of[n] == s]
+        for n in members:
+            env[n] = graph.node_copy(n, lambda x: env[x])
+        if s < S - 1:
+            sent, meta_out = [], []
+            for n in crossing(s + 1):
+                leaves = pytree.tree_leaves(values[n])
+                for name, i in _slot_names(n, values[n]):
+                    if isinstance(values[n], torch.Tensor):
+                        leaf = env[n]
+                    else:
+                        leaf = graph.call_function(operator.getitem, (graph.call_function(pytree.tree_leaves, (env[n],)), i))
+                    sent.append(graph.call_method("contiguous", (leaf,)))
+                    meta_out.append(_meta(leaves[i]))
+            graph.output(tuple(sent))
+            crossings.append(tuple(name for n in crossing(s + 1) for name, _ in _slot_names(n, values[n])))
+        else:
+            sent, meta_out = [], []
+            for a in pytree.tree_leaves(output.args[0]) if not isinstance(output.args[0], fx.Node) else [output.args[0]]:
+                if isinstance(a, fx.Node) and isinstance(values.get(a), torch.Tensor):
+                    sent.append(env[a])
+                    meta_out.append(_meta(values[a]))
+                    out_slots.append(a)
+                elif isinstance(a, fx.Node):
+                    raise CodegenError(
+                        f"model output {a.name} is a {type(values.get(a)).__name__}, not a tensor; the pipelined "
+                        "runtime returns tensors only. Return tensors from forward (or a dict/tuple of them)"
+                    )
+            graph.output(tuple(sent))
+        for node in graph.nodes:
+            if node.op in ("call_module", "get_attr") and node.target not in root:
+                root[str(node.target)] = operator.attrgetter(str(node.target))(gm)
+        graph.lint()
+        stages.append(fx.GraphModule(root, graph, class_name=f"Stage{s}"))
+        inputs_meta.append(tuple(metas))
+        outputs_meta.append(tuple(meta_out))
+    return Chain(
+        stages=tuple(stages),
+        crossings=tuple(crossings),
+        inputs_meta=tuple(inputs_meta),
+        outputs_meta=tuple(outputs_meta),
+        input_names=tuple(ph.name for ph in placeholders),
+        _output=(output.args[0], tuple(out_slots), gm.graph._codegen),
+    )
