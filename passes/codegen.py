@@ -287,12 +287,12 @@ def generate_chain(
                 env[ph] = graph.create_node("call_function", operator.getitem, (inputs, ph.name), name=ph.name)
         members = [n for n in nodes if stage_of[n] == s]
         for n in members:
-            env[n] = graph.node_copy(n, lambda x: env[x])
+            env[n] = graph.node_copy(n, env.__getitem__)
         if s < S - 1:
             sent, meta_out = [], []
             for n in crossing(s + 1):
                 leaves = pytree.tree_leaves(values[n])
-                for name, i in _slot_names(n, values[n]):
+                for _, i in _slot_names(n, values[n]):
                     if isinstance(values[n], torch.Tensor):
                         leaf = env[n]
                     else:
