@@ -1,0 +1,362 @@
+"""The distributed runtime: a plan's stages as ``torch.distributed.pipelining`` stages, one per
+process, replicated data-parallel over a ``("pp", "dp")`` device mesh (Pal et al.'s hybrid:
+each data-parallel worker is a group of devices across which the model is split).
+
+Every rank of an initialised process group calls :func:`distribute` with the same model,
+example batch and options. World size = ``data_parallel × stages``; on the mesh, ``pp`` is the
+outer dimension (as in torchtitan), so rank ``r`` runs stage ``r // data_parallel`` of replica
+``r % data_parallel``.
+
+1. Every rank captures and annotates the model; rank 0 solves (or every rank loads the plan
+   file) and the plan is broadcast; every rank checks the graph fingerprint against its own
+   capture, so all ranks run the same split of the same model.
+2. Codegen's chain form (:func:`~autosplit.passes.codegen.generate_chain`) gives each stage
+   a module that receives only from its predecessor and sends only to its successor, tensors
+   only, contiguous, with static per-micro-batch metadata — so ``PipelineStage`` needs no
+   shape-inference round trip.
+3. With ``data_parallel > 1`` each stage's module is wrapped in DDP (or FSDP2's
+   ``fully_shard``) over the mesh's ``dp`` group; the pipelining schedule synchronises
+   gradients once per step, on the last micro-batch's backward.
+4. A tied parameter read by several stages (GPT's embedding and head) is either sent with the
+   activations every micro-batch, or replicated on each stage that reads it with its
+   gradient summed across them once per step (DeepSpeed's TiedLayerSpec) — whichever the
+   cost model finds cheaper; the plan records which.
+
+Usage (``torchrun --nproc-per-node 2 train.py``)::
+
+    dist.init_process_group("gloo")
+    pipe = autosplit.distribute(model, ["cpu"] * 2, example_inputs=(tokens,), loss_fn=loss_fn)
+    opt = torch.optim.Adam(pipe.parameters())
+    for tokens, targets in data:
+        loss = pipe.step(tokens, target=targets)     # the loss on the last stage, None elsewhere
+        opt.step(); opt.zero_grad()
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from autosplit.devices import DeviceLike
+from autosplit.errors import AutosplitError, DistributedError, advice
+from autosplit.passes.capture import flat_inputs
+from autosplit.passes.codegen import Chain, generate_chain
+from autosplit.plan import Plan
+from autosplit.planner import Planner, load_plan
+from autosplit.runtime.microbatch import batch_size, is_batched, split_batch
+
+__all__ = ["DistributedModel", "distribute", "SCHEDULE_CLASSES"]
+
+log = logging.getLogger(__name__)
+
+SCHEDULE_CLASSES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B"}
+"""Plan schedule → ``torch.distributed.pipelining`` schedule class."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where this rank sits on the ``("pp", "dp")`` mesh."""
+
+    stages: int
+    replicas: int
+    stage: int
+    replica: int
+
+    @classmethod
+    def of(cls, rank: int, stages: int, replicas: int) -> Layout:
+        return cls(stages, replicas, rank // replicas, rank % replicas)
+
+    def rank(self, stage: int, replica: int | None = None) -> int:
+        return stage * self.replicas + (self.replica if replica is None else replica)
+
+
+def _broadcast_plan(planner: Planner, given: Plan | None, rank: int) -> Plan:
+    """Rank 0 plans (or loads) and sends the plan; a failure there is raised on every rank."""
+    box: list[Any] = [None]
+    if rank == 0:
+        try:
+            box[0] = ("plan", (given if given is not None else planner.plan()).to_dict())
+        except AutosplitError as e:
+            box[0] = ("error", (type(e).__name__, str(e)))
+            dist.broadcast_object_list(box, src=0)
+            raise
+    dist.broadcast_object_list(box, src=0)
+    kind, payload = box[0]
+    if kind == "error":
+        import autosplit.errors as errors
+
+        cls = getattr(errors, payload[0], AutosplitError)
+        raise cls(f"(raised on rank 0) {payload[1]}")
+    return Plan.from_dict(payload, source="the plan broadcast by rank 0")
+
+
+def _agree(value: Any, what: str, group: Any = None) -> None:
+    """Raise :class:`DistributedError` on every rank unless every rank holds the same ``value``."""
+    seen: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(seen, value, group=group)
+    differ = [r for r, v in enumerate(seen) if v != seen[0]]
+    if differ:
+        raise DistributedError(
+            advice(
+                f"ranks disagree on {what}: rank 0 has {seen[0]!r}, ranks {differ} have {[seen[r] for r in differ][:3]!r}",
+                "the ranks were given different models, inputs, options or plan files",
+                "build the model with the same seed (or load the same checkpoint) and pass the same arguments on every rank",
+            )
+        )
+
+
+class DistributedModel:
+    """This rank's stage of a pipelined, data-parallel model. Made by :func:`distribute`."""
+
+    def __init__(
+        self, *, plan: Plan, chain: Chain, layout: Layout, device: torch.device, loss_fn: Callable[[Any, Any], torch.Tensor],
+        pp_group: Any, dp_mesh: Any, data_parallel: str, input_names: Sequence[str], to_flat: Callable[..., list[Any]],
+        micro_batches: int,
+    ) -> None:
+        from torch.distributed import pipelining
+
+        self.plan = plan
+        self.chain = chain
+        self.layout = layout
+        self.device = device
+        self.micro_batches = micro_batches
+        self._to_flat = to_flat
+        self._input_names = tuple(input_names)
+        self.module: torch.nn.Module = chain.stages[layout.stage]
+        _place(self.module, device)
+        if layout.replicas > 1:
+            # FSDP2's composable APIs, which the pipelining stage drives itself: gradient sync is
+            # switched off for all but the last micro-batch's backward. (Classic DDP cannot be
+            # used here: its reducer is prepared by every forward, but pipelining only wraps the
+            # backwards in no_sync, and DDP's bucket rebuild then sees each parameter M times.)
+            if data_parallel == "fsdp":
+                from torch.distributed.fsdp import fully_shard
+
+                fully_shard(self.module, mesh=dp_mesh)
+            else:
+                from torch.distributed._composable.replicate_with_fsdp import replicate
+
+                replicate(self.module, mesh=dp_mesh)
+        self._stage = pipelining.PipelineStage(
+            self.module, layout.stage, layout.stages, device,
+            input_args=tuple(t for t in chain.inputs_meta[layout.stage]) or None,
+            output_args=tuple(t for t in chain.outputs_meta[layout.stage]),
+            group=pp_group,
+        )
+
+        def loss(out: Any, target: Any) -> torch.Tensor:
+            return loss_fn(chain.output(out if isinstance(out, (tuple, list)) else (out,)), target)
+
+        self._loss = loss
+        self._schedule_cls = getattr(pipelining, SCHEDULE_CLASSES[plan.schedule])
+        self._schedule: Any = None
+
+    # -- training ------------------------------------------------------------------------------
+    @property
+    def stage_index(self) -> int:
+        return self.layout.stage
+
+    @property
+    def is_last(self) -> bool:
+        return self.layout.stage == self.layout.stages - 1
+
+    def _make_schedule(self, inputs: Mapping[str, Any]) -> Any:
+        from torch.distributed.pipelining.microbatch import TensorChunkSpec, _Replicate
+
+        batch = batch_size((), inputs)
+        specs = {k: TensorChunkSpec(0) if is_batched(v, batch) else _Replicate() for k, v in inputs.items()}
+        return self._schedule_cls(
+            self._stage, n_microbatches=self.micro_batches, loss_fn=self._loss, kwargs_chunk_spec=specs, scale_grads=True
+        )
+
+    def step(self, *inputs: Any, target: Any = None, **kwargs: Any) -> torch.Tensor | None:
+        """One training step (forward and backward of every micro-batch) on this replica's batch.
+
+        Call it on every rank with the same batch arguments as the model's ``forward`` takes
+        (each stage reads the inputs it uses; ``target`` is read by the last stage). Gradients
+        accumulate into :meth:`parameters`, averaged over micro-batches as the full batch's
+        mean loss would give; then step your optimizer. Returns the batch's loss (the mean of
+        the micro-batch losses) on the last stage's ranks, ``None`` elsewhere.
+        """
+        flat = self._to_flat(inputs, kwargs)
+        named = dict(zip(self._input_names, flat))
+        if self._schedule is None:
+            self._schedule = self._make_schedule(named)
+        losses: list[torch.Tensor] = []
+        try:
+            self._schedule.step(target=target if self.is_last else None, losses=losses if self.is_last else None, **named)
+        except Exception as e:
+            raise DistributedError(
+                advice(
+                    f"rank {dist.get_rank()} (stage {self.layout.stage} of {self.layout.stages}, replica {self.layout.replica}) "
+                    f"failed during a pipelined step: {_causes(e)}",
+                    "an error in this stage's forward/backward, or a peer rank that failed or exited",
+                    "look for the first rank that failed (its error names the node); run the model unsplit on one batch to reproduce",
+                )
+            ) from e
+        if not self.is_last:
+            return None
+        return torch.stack([loss.detach() for loss in losses]).mean()
+
+    # -- parameters and state, under the original names ----------------------------------------------
+    def named_parameters(self) -> Iterator[tuple[str, torch.nn.Parameter]]:
+        """This rank's parameters under the model's own qualified names."""
+        return self.module.named_parameters()
+
+    def parameters(self) -> Iterator[torch.nn.Parameter]:
+        return (p for _, p in self.named_parameters())
+
+    def state_dict(self) -> dict[str, Any]:
+        """This stage's parameters and persistent buffers under the model's names (a subset of
+        the unsplit model's ``state_dict``; with DCP, the stages' dicts together are the whole)."""
+        return {k: v for k, v in self.module.state_dict().items() if not k.startswith("_spec_")}
+
+    def load_state_dict(self, state: Mapping[str, Any], *, strict: bool = True) -> None:
+        """Load this stage's entries from a whole model's ``state_dict`` (or a stage's)."""
+        own = self.state_dict()
+        missing = sorted(set(own) - set(state))
+        if strict and missing:
+            raise DistributedError(
+                advice(
+                    f"state dict lacks {len(missing)} entries of stage {self.layout.stage} (first: {missing[:3]})",
+                    "it was saved from another model or another version of it",
+                    "save it from this model (its state_dict() or full_state_dict()), or pass strict=False",
+                )
+            )
+        with torch.no_grad():
+            for name, value in own.items():
+                if name in state:
+                    value.copy_(state[name])
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The whole model's state (every stage of replica 0) on every rank, in CPU memory, under
+        the model's names: ``unsplit.load_state_dict(pipe.full_state_dict())`` works."""
+        mine = {k: v.detach().cpu() for k, v in self.state_dict().items()}
+        gathered: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, mine if self.layout.replica == 0 else None)
+        merged: dict[str, torch.Tensor] = {}
+        for part in gathered:
+            merged.update(part or {})
+        return merged
+
+    def __repr__(self) -> str:
+        return (
+            f"DistributedModel(stage {self.layout.stage} of {self.layout.stages}, replica {self.layout.replica} of "
+            f"{self.layout.replicas}, {self.plan.schedule} × {self.micro_batches} micro-batches, device {self.device})"
+        )
+
+
+def _causes(e: BaseException | None) -> str:
+    """The first line of each exception in the chain: ``RuntimeError: … ← ValueError: …``."""
+    lines = []
+    while e is not None and len(lines) < 4:
+        text = next((line.strip() for line in str(e).splitlines() if line.strip()), "")
+        lines.append(f"{type(e).__name__}: {text[:300]}")
+        e = e.__cause__ or e.__context__
+    return " ← ".join(lines)
+
+
+def _place(module: torch.nn.Module, device: torch.device) -> None:
+    with torch.no_grad():
+        for t in [*module.parameters(), *module.buffers()]:
+            if t.device != device:
+                t.data = t.data.to(device)
+
+
+def _rank_device(devices: Sequence[Any], plan: Plan, stage: int) -> torch.device:
+    spec = plan.devices[plan.stage_devices[stage]]
+    kind = torch.device(spec.torch_device or "cpu").type
+    if kind == "cuda":
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", torch.cuda.current_device())))
+    return torch.device(kind)
+
+
+def distribute(
+    model: torch.nn.Module,
+    devices: Sequence[DeviceLike] | None,
+    *,
+    example_inputs: Any,
+    loss_fn: Callable[[Any, Any], torch.Tensor],
+    example_kwargs: Mapping[str, Any] | None = None,
+    data_parallel: int = 1,
+    replicate: str = "ddp",
+    plan: Plan | str | Path | None = None,
+    **options: Any,
+) -> DistributedModel:
+    """Run ``model`` as pipeline stages across the ranks of the initialised process group.
+
+    ``devices`` are one replica's stage devices (``["cpu"] * 2``; ``None`` with a ``plan``);
+    world size must be ``data_parallel × len(devices)``. ``example_inputs`` /
+    ``example_kwargs`` are one replica's batch, the shape every :meth:`~DistributedModel.step`
+    takes. ``loss_fn(output, target)`` is called on each micro-batch's output (the model's
+    own output structure) and should average over its rows (e.g. ``CrossEntropyLoss()``).
+    ``replicate``: how each stage's data-parallel replicas keep in step — ``"ddp"`` (whole
+    parameters on every replica, gradients all-reduced: FSDP2's ``replicate``) or ``"fsdp"``
+    (parameters and optimizer state sharded: ``fully_shard``). ``options``: any :class:`~autosplit.options.PlanOptions` field
+    (``micro_batches``, ``schedule`` — ``"gpipe"`` or ``"1f1b"`` — ``time_limit``, ...).
+    """
+    if not dist.is_available() or not dist.is_initialized():
+        raise DistributedError(
+            advice("autosplit.distribute needs an initialised process group", None,
+                   "call torch.distributed.init_process_group('gloo' or 'nccl') first, e.g. under torchrun")
+        )
+    if replicate not in ("ddp", "fsdp"):
+        raise DistributedError(advice(f"replicate={replicate!r} is not supported", None, "pass 'ddp' or 'fsdp'"))
+    if not isinstance(data_parallel, int) or data_parallel < 1:
+        raise DistributedError(advice(f"data_parallel={data_parallel!r} is out of range", None, "pass an integer ≥ 1"))
+    given = load_plan(plan)
+    stages = len(given.devices) if devices is None and given is not None else len(devices or ())
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if world != stages * data_parallel:
+        raise DistributedError(
+            advice(
+                f"the process group has {world} ranks, but the plan needs data_parallel × stages = "
+                f"{data_parallel} × {stages} = {stages * data_parallel}",
+                None,
+                f"launch {stages * data_parallel} processes (torchrun --nproc-per-node {stages * data_parallel}), "
+                f"or pass data_parallel={world // stages if stages and world % stages == 0 else '…'} / other devices",
+            )
+        )
+    options.setdefault("schedule", "gpipe")
+    if options["schedule"] not in SCHEDULE_CLASSES and given is None:
+        raise DistributedError(
+            advice(f"schedule={options['schedule']!r} cannot run pipelined", None, f"pass one of {sorted(SCHEDULE_CLASSES)}")
+        )
+    planner = Planner(model, devices, example_inputs=example_inputs, example_kwargs=example_kwargs, **options)
+    traced = planner.traced
+    made = _broadcast_plan(planner, given, rank)
+    made.check_fingerprint(traced.fingerprint, traced.node_names)
+    _agree(traced.fingerprint, "the captured graph's fingerprint")
+    if made.schedule not in SCHEDULE_CLASSES:
+        raise DistributedError(
+            advice(f"the plan's schedule {made.schedule!r} cannot run pipelined", None, f"re-plan with one of {sorted(SCHEDULE_CLASSES)}")
+        )
+
+    layout = Layout.of(rank, stages, data_parallel)
+    device = _rank_device(devices or [], made, layout.stage)
+    mesh = _mesh(device, stages, data_parallel)
+    M = made.micro_batches
+    micro = split_batch(traced.inputs, None, M)[0][0]
+    chain = generate_chain(traced.captured, made.stage_of, stages, micro)
+
+    def to_flat(args: tuple, kwargs: dict) -> list[Any]:
+        return flat_inputs(traced.captured, model, tuple(args), kwargs)
+
+    return DistributedModel(
+        plan=made, chain=chain, layout=layout, device=device, loss_fn=loss_fn,
+        pp_group=mesh["pp"].get_group(), dp_mesh=mesh["dp"],
+        data_parallel=replicate, input_names=chain.input_names, to_flat=to_flat, micro_batches=M,
+    )
+
+
+def _mesh(device: torch.device, stages: int, replicas: int) -> Any:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(device.type, (stages, replicas), mesh_dim_names=("pp", "dp"))
