@@ -255,7 +255,7 @@ class DistributedModel:
 
 def _causes(e: BaseException | None) -> str:
     """The first line of each exception in the chain: ``RuntimeError: … ← ValueError: …``."""
-    lines = []
+    lines: list[str] = []
     while e is not None and len(lines) < 4:
         text = next((line.strip() for line in str(e).splitlines() if line.strip()), "")
         lines.append(f"{type(e).__name__}: {text[:300]}")
