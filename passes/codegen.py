@@ -285,7 +285,9 @@ def generate_chain(
         for ph in placeholders:
             if any(stage_of.get(u) == s or (s == S - 1 and u is output) for u in ph.users):
                 env[ph] = graph.create_node("call_function", operator.getitem, (inputs, ph.name), name=ph.name)
-        members = [n for n in nodes if stage_of[n] == s]
+        # An attribute read nothing uses (torch.export keeps one per alias of a tied weight)
+        # is left out, so a stage holds only the parameters it computes with.
+        members = [n for n in nodes if stage_of[n] == s and (n.users or n.op != "get_attr")]
         for n in members:
             env[n] = graph.node_copy(n, env.__getitem__)
         if s < S - 1:

@@ -46,7 +46,7 @@ import torch.distributed as dist
 
 from autosplit.devices import DeviceLike
 from autosplit.errors import AutosplitError, DistributedError, advice
-from autosplit.passes.capture import flat_inputs
+from autosplit.passes.capture import Captured, capture, fingerprint, flat_inputs
 from autosplit.passes.codegen import Chain, generate_chain
 from autosplit.plan import Plan
 from autosplit.planner import Planner, load_plan
@@ -116,7 +116,7 @@ class DistributedModel:
     """This rank's stage of a pipelined, data-parallel model. Made by :func:`distribute`."""
 
     def __init__(
-        self, *, plan: Plan, chain: Chain, layout: Layout, device: torch.device, loss_fn: Callable[[Any, Any], torch.Tensor],
+        self, *, model: torch.nn.Module, plan: Plan, chain: Chain, layout: Layout, device: torch.device, loss_fn: Callable[[Any, Any], torch.Tensor],
         pp_group: Any, dp_mesh: Any, data_parallel: str, input_names: Sequence[str], to_flat: Callable[..., list[Any]],
         micro_batches: int,
     ) -> None:
@@ -131,6 +131,12 @@ class DistributedModel:
         self._input_names = tuple(input_names)
         self.module: torch.nn.Module = chain.stages[layout.stage]
         _place(self.module, device)
+        # The model's own names for this stage's tensors (a tied weight under each of its names;
+        # non-persistent buffers left out, as the model's state_dict does), fixed before
+        # replication swaps the tensors for DTensors.
+        local = {id(t): name for name, t in self.module.state_dict(keep_vars=True).items()}
+        self._state_names = {k: local[id(t)] for k, t in model.state_dict(keep_vars=True).items() if id(t) in local}
+        self._param_names = {k: local[id(p)] for k, p in model.named_parameters() if id(p) in local}
         if layout.replicas > 1:
             # FSDP2's composable APIs, which the pipelining stage drives itself: gradient sync is
             # switched off for all but the last micro-batch's backward. (Classic DDP cannot be
@@ -146,8 +152,8 @@ class DistributedModel:
                 replicate(self.module, mesh=dp_mesh)
         self._stage = pipelining.PipelineStage(
             self.module, layout.stage, layout.stages, device,
-            input_args=tuple(t for t in chain.inputs_meta[layout.stage]) or None,
-            output_args=tuple(t for t in chain.outputs_meta[layout.stage]),
+            input_args=chain.inputs_meta[layout.stage],  # static metadata: no dry-run forward (it would touch BatchNorm statistics)
+            output_args=chain.outputs_meta[layout.stage],
             group=pp_group,
         )
 
@@ -207,16 +213,19 @@ class DistributedModel:
 
     # -- parameters and state, under the original names ----------------------------------------------
     def named_parameters(self) -> Iterator[tuple[str, torch.nn.Parameter]]:
-        """This rank's parameters under the model's own qualified names."""
-        return self.module.named_parameters()
+        """This rank's parameters under the model's own qualified names, in the model's order."""
+        own = dict(self.module.named_parameters())
+        return ((name, own[local]) for name, local in self._param_names.items())
 
     def parameters(self) -> Iterator[torch.nn.Parameter]:
         return (p for _, p in self.named_parameters())
 
     def state_dict(self) -> dict[str, Any]:
-        """This stage's parameters and persistent buffers under the model's names (a subset of
-        the unsplit model's ``state_dict``; with DCP, the stages' dicts together are the whole)."""
-        return {k: v for k, v in self.module.state_dict().items() if not k.startswith("_spec_")}
+        """This stage's entries of the model's ``state_dict``, under the model's names (a tied
+        weight under each of its names, as the model lists it). DTensors when replicated with
+        FSDP2; :meth:`full_state_dict` gathers plain tensors."""
+        own = self.module.state_dict()
+        return {name: own[local] for name, local in self._state_names.items()}
 
     def load_state_dict(self, state: Mapping[str, Any], *, strict: bool = True) -> None:
         """Load this stage's entries from a whole model's ``state_dict`` (or a stage's)."""
@@ -233,12 +242,12 @@ class DistributedModel:
         with torch.no_grad():
             for name, value in own.items():
                 if name in state:
-                    value.copy_(state[name])
+                    _copy_into(value, state[name])
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The whole model's state (every stage of replica 0) on every rank, in CPU memory, under
         the model's names: ``unsplit.load_state_dict(pipe.full_state_dict())`` works."""
-        mine = {k: v.detach().cpu() for k, v in self.state_dict().items()}
+        mine = {k: _full(v).detach().cpu() for k, v in self.state_dict().items()}
         gathered: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, mine if self.layout.replica == 0 else None)
         merged: dict[str, torch.Tensor] = {}
@@ -251,6 +260,23 @@ class DistributedModel:
             f"DistributedModel(stage {self.layout.stage} of {self.layout.stages}, replica {self.layout.replica} of "
             f"{self.layout.replicas}, {self.plan.schedule} × {self.micro_batches} micro-batches, device {self.device})"
         )
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's whole value (collective: every rank of its mesh must call it); a tensor as is."""
+    full = getattr(t, "full_tensor", None)
+    return full() if full is not None else t
+
+
+def _copy_into(target: torch.Tensor, value: torch.Tensor) -> None:
+    """Copy a whole value into a tensor or into this rank's part of a DTensor."""
+    if hasattr(target, "device_mesh"):
+        from torch.distributed.tensor import distribute_tensor
+
+        value = distribute_tensor(value.to(target.device, target.dtype), target.device_mesh, target.placements)
+        target.to_local().copy_(value.to_local())
+    else:
+        target.copy_(value)
 
 
 def _causes(e: BaseException | None) -> str:
@@ -342,18 +368,37 @@ def distribute(
     layout = Layout.of(rank, stages, data_parallel)
     device = _rank_device(devices or [], made, layout.stage)
     mesh = _mesh(device, stages, data_parallel)
-    M = made.micro_batches
-    micro = split_batch(traced.inputs, None, M)[0][0]
-    chain = generate_chain(traced.captured, made.stage_of, stages, micro)
+    chain, captured = _chain(model, planner, made, stages)
 
     def to_flat(args: tuple, kwargs: dict) -> list[Any]:
-        return flat_inputs(traced.captured, model, tuple(args), kwargs)
+        return flat_inputs(captured, model, tuple(args), kwargs)
 
     return DistributedModel(
-        plan=made, chain=chain, layout=layout, device=device, loss_fn=loss_fn,
+        model=model, plan=made, chain=chain, layout=layout, device=device, loss_fn=loss_fn,
         pp_group=mesh["pp"].get_group(), dp_mesh=mesh["dp"],
-        data_parallel=replicate, input_names=chain.input_names, to_flat=to_flat, micro_batches=M,
+        data_parallel=replicate, input_names=chain.input_names, to_flat=to_flat, micro_batches=made.micro_batches,
     )
+
+
+def _chain(model: torch.nn.Module, planner: Planner, plan: Plan, stages: int) -> tuple[Chain, Captured]:
+    """The plan's chain, generated from a capture at the micro-batch's shape: torch.export
+    specialises a graph to its example shapes (guards, view sizes), and the stages run micro-batches."""
+    args, kwargs = split_batch(planner.example_inputs, planner.example_kwargs, plan.micro_batches)[0]
+    if plan.micro_batches == 1:
+        captured = planner.traced.captured
+    else:
+        captured = capture(model, args, kwargs, method=planner.traced.captured.method)
+        if fingerprint(captured.gm) != plan.fingerprint:
+            raise DistributedError(
+                advice(
+                    f"the model captures as another graph at the micro-batch's shape ({batch_size(args, kwargs)} rows) "
+                    f"than at the batch's ({batch_size(planner.example_inputs, planner.example_kwargs)} rows)",
+                    "Python control flow or torch.export specialisation that depends on the batch size",
+                    "make forward independent of the batch size, or plan with micro_batches=1",
+                )
+            )
+    flat = flat_inputs(captured, model, args, kwargs)
+    return generate_chain(captured, plan.stage_of, stages, flat), captured
 
 
 def _mesh(device: torch.device, stages: int, replicas: int) -> Any:
