@@ -40,7 +40,8 @@ from autosplit.runtime import SplitModule
 from autosplit.runtime.distributed import DistributedModel, distribute
 
 __all__ = [
-    "autosplit", "plan", "distribute", "DistributedModel", "Planner", "PlanOptions", "Plan", "SplitModule", "DeviceSpec", "PRESETS", "resolve_devices",
+    "autosplit", "plan", "distribute", "DistributedModel", "Planner", "PlanOptions", "Plan", "SplitModule",
+    "DeviceSpec", "PRESETS", "resolve_devices",
     "CostTable", "ProfileOptions", "calibrate", "Calibration", "measure_link", "measure_stages",
     "AutosplitError", "CaptureError", "CodegenError", "ConstraintError", "CostModelError", "DeviceError",
     "DistributedError", "InfeasiblePlanError", "PlanFileError", "PlanMismatchError", "PlanValidationError",

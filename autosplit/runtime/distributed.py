@@ -116,7 +116,8 @@ class DistributedModel:
     """This rank's stage of a pipelined, data-parallel model. Made by :func:`distribute`."""
 
     def __init__(
-        self, *, model: torch.nn.Module, plan: Plan, chain: Chain, layout: Layout, device: torch.device, loss_fn: Callable[[Any, Any], torch.Tensor],
+        self, *, model: torch.nn.Module, plan: Plan, chain: Chain, layout: Layout, device: torch.device,
+        loss_fn: Callable[[Any, Any], torch.Tensor],
         pp_group: Any, dp_mesh: Any, data_parallel: str, input_names: Sequence[str], to_flat: Callable[..., list[Any]],
         micro_batches: int,
     ) -> None:
