@@ -271,11 +271,11 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 
 def _copy_into(target: torch.Tensor, value: torch.Tensor) -> None:
     """Copy a whole value into a tensor or into this rank's part of a DTensor."""
-    if hasattr(target, "device_mesh"):
-        from torch.distributed.tensor import distribute_tensor
+    from torch.distributed.tensor import DTensor, distribute_tensor
 
-        value = distribute_tensor(value.to(target.device, target.dtype), target.device_mesh, target.placements)
-        target.to_local().copy_(value.to_local())
+    if isinstance(target, DTensor):
+        part = distribute_tensor(value.to(target.device, target.dtype), target.device_mesh, target.placements)
+        target.to_local().copy_(part.to_local())
     else:
         target.copy_(value)
 
