@@ -164,6 +164,8 @@ class DistributedModel:
         self._loss = loss
         self._schedule_cls = getattr(pipelining, SCHEDULE_CLASSES[plan.schedule])
         self._schedule: Any = None
+        self._rank = dist.get_rank()
+        self._failed: str | None = None
 
     # -- training ------------------------------------------------------------------------------
     @property
@@ -196,13 +198,21 @@ class DistributedModel:
         named = dict(zip(self._input_names, flat))
         if self._schedule is None:
             self._schedule = self._make_schedule(named)
+        if self._failed is not None:
+            raise DistributedError(
+                advice(f"this pipeline failed in an earlier step ({self._failed})", None,
+                       "re-create it with autosplit.distribute after fixing the cause (and a new process group if it was torn down)")
+            )
         losses: list[torch.Tensor] = []
         try:
             self._schedule.step(target=target if self.is_last else None, losses=losses if self.is_last else None, **named)
         except Exception as e:
+            # A peer blocked on this rank fails when this process exits (gloo: "connection closed
+            # by peer", at once) or at the process group's timeout, whichever comes first.
+            self._failed = _causes(e)
             raise DistributedError(
                 advice(
-                    f"rank {dist.get_rank()} (stage {self.layout.stage} of {self.layout.stages}, replica {self.layout.replica}) "
+                    f"rank {self._rank} (stage {self.layout.stage} of {self.layout.stages}, replica {self.layout.replica}) "
                     f"failed during a pipelined step: {_causes(e)}",
                     "an error in this stage's forward/backward, or a peer rank that failed or exited",
                     "look for the first rank that failed (its error names the node); run the model unsplit on one batch to reproduce",
