@@ -37,12 +37,12 @@ from autosplit.options import PlanOptions
 from autosplit.passes.annotate import annotate
 from autosplit.passes.capture import Captured, capture, fingerprint, flat_inputs
 from autosplit.passes.codegen import Program, generate
-from autosplit.passes.costs import CostTable, estimate, with_overrides
+from autosplit.passes.costs import CostTable, estimate, optimizer_step_time, with_overrides
 from autosplit.passes.profile import ProfileOptions, profile
-from autosplit.plan import Plan, SolverInfo, StageReport
+from autosplit.plan import Plan, SharedParam, SolverInfo, StageReport, StepTerms
 from autosplit.runtime.microbatch import split_batch
 from autosplit.solver import Problem, build_problem, choose_order, evaluate, solve, validate
-from autosplit.solver.problem import KIB, NS, UserConstraint
+from autosplit.solver.problem import KIB, NS, UserConstraint, tied_costs
 
 __all__ = ["Traced", "trace", "compile_plan", "codegen"]
 
@@ -104,20 +104,26 @@ def compile_plan(traced: Traced, specs: tuple[DeviceSpec, ...], options: PlanOpt
         stage_of = tuple(given.stage_of[name] for name in problem.nodes)
         with _timed("validate", timings):
             validate(problem, stage_of)
+        terms, shared = predict_step(problem, table, stage_of, order, options)
         return dataclasses.replace(
-            given, stages=_stage_reports(problem, table, stage_of, order), costs=source,
-            step_time=evaluate(problem, stage_of).objective / M / NS, timings=timings,
+            given, stages=_stage_reports(problem, table, stage_of, order), costs=source, step_time=terms.total,
+            terms=terms, shared_params=shared, data_parallel=options.data_parallel, timings=timings,
+            made_with=given.made_with or (given.costs, given.step_time),
         )
     with _timed("solve", timings):
         solution = solve(problem, time_limit=options.time_limit, seed=options.seed)
     with _timed("validate", timings):
         validate(problem, solution.stage_of)
+    terms, shared = predict_step(problem, table, solution.stage_of, order, options)
     return Plan(
         assignment={name: order[s] for name, s in zip(problem.nodes, solution.stage_of)},
         devices=specs,
         stage_devices=tuple(order),
         stages=_stage_reports(problem, table, solution.stage_of, order),
-        step_time=solution.objective / M / NS,
+        step_time=terms.total,
+        terms=terms,
+        shared_params=shared,
+        data_parallel=options.data_parallel,
         micro_batches=M,
         schedule=options.schedule,
         solver=SolverInfo(
@@ -156,6 +162,62 @@ def codegen(traced: Traced, plan: Plan) -> tuple[Program, dict[str, float]]:
     with _timed("codegen", timings):
         program = generate(traced.captured, plan.stage_of, [str(t) for t in targets])
     return program, timings
+
+
+def predict_step(
+    problem: Problem, table: CostTable, stage_of: Sequence[int], order: Sequence[int], options: PlanOptions
+) -> tuple[StepTerms, tuple[SharedParam, ...]]:
+    """The step the runtime will take (DESIGN §4.1): the schedule over stage times, plus what runs
+    around it — the runtime's per-micro-batch overhead, the optimizer step, tied-parameter
+    gradient sync and the exposed data-parallel all-reduce — and how each tied parameter is shared.
+    """
+    S, M = problem.num_stages, problem.micro_batches
+    devices = [table.devices[d] for d in order]
+    links = [devices[k - 1].link_to(devices[k]) for k in range(1, S)]
+    reads = table.param_reads or ("",) * len(table.nodes)
+    consumers = problem.consumers()
+    transfer = [list(row) for row in problem.transfer]
+    param_bytes = [0.0] * S
+    tensors = [0] * S
+    for n, s in enumerate(stage_of):
+        param_bytes[s] += table.param_bytes[n] if table.param_bytes else 0
+        tensors[s] += table.param_tensors[n] if table.param_tensors else 0
+    shared, tied_sync = [], 0.0
+    for u, read in enumerate(reads):
+        holders = sorted({stage_of[u], *(stage_of[v] for v in consumers[u])})
+        if not read or len(holders) < 2:
+            continue
+        nbytes = table.output_bytes[u]
+        hops = links[holders[0] : holders[-1]]
+        send = sum(tied_costs(nbytes, bw, lat, M)[0] for bw, lat in hops)
+        bw, lat = min(bw for bw, _ in hops), max(lat for _, lat in hops)
+        R = len(holders)
+        replicate = 2 * (R - 1) / R * nbytes / bw + 2 * (R - 1) * lat  # ring all-reduce (Patarasuk & Yuan 2009)
+        policy = "replicate" if replicate < send else "send"
+        for k in range(1, S):  # what this parameter adds to the stages it crosses
+            transfer[u][k - 1] = 0 if policy == "replicate" else round(tied_costs(nbytes, links[k - 1][0], links[k - 1][1], M)[0] * NS)
+        if policy == "replicate":
+            tied_sync += replicate
+            for s in holders[1:]:  # every holder keeps and steps its own copy
+                param_bytes[s] += nbytes
+                tensors[s] += 1
+        shared.append(SharedParam(read, tuple(holders), policy, send, replicate))
+    pipeline = evaluate(dataclasses.replace(problem, transfer=tuple(map(tuple, transfer))), stage_of).objective / M / NS
+    overheads = [d.microbatch_overhead for d in devices]
+    overhead = sum(overheads) + (M - 1) * max(overheads)
+    optimizer = max(optimizer_step_time(b, t, options.optimizer, d) for b, t, d in zip(param_bytes, tensors, devices))
+    data_parallel = 0.0
+    R = options.data_parallel
+    if R > 1:
+        bwd = [0.0] * S
+        for n, s in enumerate(stage_of):
+            bwd[s] += table.bwd_time[n][order[s]]
+        for s, d in enumerate(devices):
+            bw, lat = d.link_to(d)
+            allreduce = 2 * (R - 1) / R * param_bytes[s] / bw + 2 * (R - 1) * lat
+            data_parallel = max(data_parallel, allreduce - bwd[s] / M)  # overlaps the last micro-batch's backward
+    terms = StepTerms(pipeline, overhead, optimizer, tied_sync, max(0.0, data_parallel))
+    return terms, tuple(shared)
 
 
 def _versions() -> dict[str, str]:

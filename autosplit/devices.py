@@ -55,6 +55,9 @@ class DeviceSpec:
     network_bandwidth: float = 25e9
     """Bandwidth between islands, bytes/s (25e9 = one 200 Gb/s InfiniBand port)."""
     network_latency: float = 5e-6
+    microbatch_overhead: float = 0.0
+    """The pipeline runtime's fixed seconds per micro-batch on a stage, forward and backward
+    (scheduling, send/recv set-up); 0 until measured (``autosplit.measure_runtime``)."""
 
     def link_to(self, other: DeviceSpec) -> tuple[float, float]:
         """(bandwidth bytes/s, latency s) from this device to ``other``: the slower end decides."""

@@ -65,6 +65,9 @@ class PlanOptions:
     """Module → devices it must not run on: ``{"head": ["cuda:0"]}``."""
     together: Sequence[Sequence[str]] | None = None
     """Groups of modules that must share a device: ``[("wte", "head")]``."""
+    data_parallel: int = 1
+    """Replicas of the split model (hybrid data × pipeline parallelism): the predicted step adds
+    the part of each stage's gradient all-reduce over them that backward does not hide."""
 
     def __post_init__(self) -> None:
         def bad(name: str, value: Any, legal: str) -> ConstraintError:
@@ -82,6 +85,8 @@ class PlanOptions:
             raise bad("time_limit", self.time_limit, "a number of seconds > 0")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             raise bad("seed", self.seed, "an integer")
+        if not isinstance(self.data_parallel, int) or isinstance(self.data_parallel, bool) or self.data_parallel < 1:
+            raise bad("data_parallel", self.data_parallel, "an integer ≥ 1")
         if self.capture not in CAPTURE_METHODS:
             raise bad("capture", self.capture, f"one of {CAPTURE_METHODS}")
         named = isinstance(self.costs, str) and self.costs in ("analytic", "measured")

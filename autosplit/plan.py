@@ -24,9 +24,9 @@ from autosplit.devices import DeviceSpec
 from autosplit.errors import PlanFileError, PlanMismatchError, advice
 from autosplit.units import format_bytes
 
-__all__ = ["Plan", "StageReport", "SolverInfo", "SCHEMA_VERSION"]
+__all__ = ["Plan", "StageReport", "SolverInfo", "SharedParam", "StepTerms", "SCHEMA_VERSION"]
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -79,6 +79,42 @@ class SolverInfo:
 
 
 @dataclass(frozen=True)
+class SharedParam:
+    """A parameter read on several stages (a tied weight) and how the runtime shares it."""
+
+    name: str
+    """Its qualified name, e.g. ``wte.weight``."""
+    stages: tuple[int, ...]
+    """The stages that read it (the first one owns it in the cost table)."""
+    policy: str
+    """``"replicate"`` (a copy per stage, gradients summed once per step) or ``"send"`` (with every micro-batch)."""
+    send: float
+    """Seconds per step it would cost sent with every micro-batch (and its gradient back)."""
+    replicate: float
+    """Seconds per step it would cost replicated (one all-reduce of its gradient)."""
+
+
+@dataclass(frozen=True)
+class StepTerms:
+    """What the predicted step is made of (seconds); :attr:`Plan.step_time` is their sum."""
+
+    pipeline: float
+    """The schedule over stage times, compute and transfers: ``Σ_s τ_s + (M − 1)·max_s τ_s`` (GPipe)."""
+    overhead: float = 0.0
+    """The runtime's fixed cost per micro-batch and stage, over the ``S + M − 1`` slots of the schedule."""
+    optimizer: float = 0.0
+    """The slowest stage's optimizer step (stages step in parallel after the last backward)."""
+    tied_sync: float = 0.0
+    """All-reduce of replicated tied parameters' gradients."""
+    data_parallel: float = 0.0
+    """The part of each stage's gradient all-reduce over the replicas not hidden behind the last backward."""
+
+    @property
+    def total(self) -> float:
+        return self.pipeline + self.overhead + self.optimizer + self.tied_sync + self.data_parallel
+
+
+@dataclass(frozen=True)
 class Plan:
     """A placement of every graph node on a device, with its predicted costs."""
 
@@ -100,6 +136,17 @@ class Plan:
     versions: Mapping[str, str] = field(default_factory=dict)
     timings: Mapping[str, float] = field(default_factory=dict)
     """Seconds each pass took while planning."""
+    terms: StepTerms | None = None
+    """What :attr:`step_time` is made of."""
+    shared_params: tuple[SharedParam, ...] = ()
+    """Parameters read on several stages and how each is shared (chosen by cost)."""
+    data_parallel: int = 1
+    """Replicas of the split model the prediction counts (hybrid data × pipeline parallelism)."""
+    crossings: tuple[tuple[str, ...], ...] = ()
+    """[boundary k − 1] the tensors stage k − 1 sends stage k, in order (the distributed runtime's
+    positional interface; recorded when the plan is run distributed)."""
+    made_with: tuple[str, float] | None = None
+    """For a saved plan re-costed on load: (the costs it was made with, the step it predicted then)."""
     schema_version: int = SCHEMA_VERSION
 
     @property
@@ -154,6 +201,12 @@ class Plan:
             fields["devices"] = tuple(DeviceSpec.from_dict(d) for d in data["devices"])
             fields["stages"] = tuple(StageReport(**{**s, "modules": tuple(s["modules"])}) for s in data["stages"])
             fields["solver"] = SolverInfo(**data["solver"])
+            fields["terms"] = StepTerms(**data["terms"]) if data.get("terms") else None
+            fields["shared_params"] = tuple(
+                SharedParam(**{**p, "stages": tuple(p["stages"])}) for p in data.get("shared_params", ())
+            )
+            fields["crossings"] = tuple(tuple(c) for c in data.get("crossings", ()))
+            fields["made_with"] = tuple(data["made_with"]) if data.get("made_with") else None
             fields["assignment"] = {str(k): int(v) for k, v in data["assignment"].items()}
             fields["stage_devices"] = tuple(int(d) for d in data["stage_devices"])
             return cls(**fields)
@@ -197,6 +250,21 @@ class Plan:
             f"{sv.units} units; dynamic program {_ms(sv.baseline) if sv.baseline is not None else 'found no split'}; "
             f"costs {self.costs}; captured by {self.capture}, graph {self.fingerprint}"
         )
+        if self.terms is not None:
+            t = self.terms
+            console.print(
+                f"step = pipeline {_ms(t.pipeline)} + runtime overhead {_ms(t.overhead)} + optimizer {_ms(t.optimizer)} "
+                f"+ tied-weight sync {_ms(t.tied_sync)} + data-parallel all-reduce {_ms(t.data_parallel)} "
+                f"(exposed, {self.data_parallel} replica{'s' * (self.data_parallel > 1)})"
+            )
+        for p in self.shared_params:
+            console.print(
+                f"shared parameter {p.name} on stages {list(p.stages)}: {p.policy} "
+                f"(send per micro-batch {_ms(p.send)}, replicate + all-reduce {_ms(p.replicate)} per step)"
+            )
+        if self.made_with is not None:
+            made_costs, made_step = self.made_with
+            console.print(f"as saved: step {_ms(made_step)} with costs {made_costs}; now {_ms(self.step_time)} with costs {self.costs}")
         for s, st in enumerate(self.stages):
             console.print(
                 f"  stage {s} memory: state {format_bytes(st.memory_state)} (params + grads + optimizer + buffers), "

@@ -43,6 +43,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
 import torch.fx as fx
 from networkx.utils import UnionFind
 
@@ -52,7 +53,10 @@ from autosplit.passes.annotate import NodeInfo, node_info
 from autosplit.passes.capture import mutated_input
 from autosplit.passes.profile import Profile
 
-__all__ = ["CostTable", "estimate", "roofline", "link_time", "OPTIMIZER_STATE_BYTES", "OVERRIDE_KEYS", "with_overrides"]
+__all__ = [
+    "CostTable", "estimate", "roofline", "link_time", "optimizer_step_time", "OPTIMIZER_STATE_BYTES", "OVERRIDE_KEYS",
+    "with_overrides",
+]
 
 # Optimizer state bytes per parameter (fp32 moments, whatever the parameter dtype).
 OPTIMIZER_STATE_BYTES = {"adam": 8, "adamw": 8, "sgd_momentum": 4, "sgd": 0, "none": 0}
@@ -60,6 +64,13 @@ OPTIMIZER_STATE_BYTES = {"adam": 8, "adamw": 8, "sgd_momentum": 4, "sgd": 0, "no
 # Temporaries of one optimizer step, in units of the parameter tensor being updated:
 # torch's single-tensor Adam computes (exp_avg_sq.sqrt() / c).add_(eps), two new tensors.
 OPTIMIZER_TEMP_FACTOR = {"adam": 2, "adamw": 2, "sgd_momentum": 0, "sgd": 0, "none": 0}
+
+# Bytes one optimizer step reads and writes per byte of parameter, and the ops it launches per
+# parameter tensor, counted from torch's single-tensor implementations (the CPU default):
+# Adam: exp_avg.lerp_(g) 3, exp_avg_sq.mul_().addcmul_() 2 + 4, denom = (sqrt / c).add_(eps)
+# 2 + 2 + 2, param.addcdiv_(exp_avg, denom) 4 → 19 tensor passes; AdamW adds param.mul_() 2.
+# SGD: param.add_(g) 3; with momentum buf.mul_().add_(g) 2 + 3 first.
+OPTIMIZER_STEP_TRAFFIC = {"adam": (19, 7), "adamw": (21, 8), "sgd_momentum": (8, 3), "sgd": (3, 1), "none": (0, 0)}
 
 OVERRIDE_KEYS = ("fwd", "bwd", "saved_bytes")
 
@@ -95,6 +106,15 @@ class CostTable:
     transient_bytes: tuple[int, ...] = ()
     """[node] peak bytes above what is live while the node runs on one micro-batch, or while
     the optimizer updates its parameters; empty: output bytes / micro-batches."""
+    param_bytes: tuple[int, ...] = ()
+    """[node] bytes of the parameters it owns (what its gradient all-reduce and optimizer step touch)."""
+    param_tensors: tuple[int, ...] = ()
+    """[node] number of parameter tensors it owns."""
+    param_reads: tuple[str, ...] = ()
+    """[node] the qualified name of the parameter the node reads by name (``get_attr``), else ``""``:
+    such an output is the same for every
+    micro-batch, so a later stage that reads it gets it once per micro-batch or keeps a replica
+    whose gradient is summed once per step (a tied weight)."""
 
     def save(self, path: str | Path) -> None:
         """Write the table as JSON, to edit or to plan with again (``costs=path``)."""
@@ -122,6 +142,14 @@ def roofline(flops: float, nbytes: float, spec: DeviceSpec, *, half: bool = Fals
     peak = (spec.peak_flops_half or spec.peak_flops) if half else spec.peak_flops
     memory_efficiency = spec.memory_efficiency or spec.efficiency
     return max(flops / (peak * spec.efficiency), nbytes / (spec.memory_bandwidth * memory_efficiency)) + spec.launch_overhead
+
+
+def optimizer_step_time(param_bytes: float, param_tensors: int, optimizer: str, spec: DeviceSpec) -> float:
+    """Seconds of one optimizer step over parameters of ``param_bytes`` in ``param_tensors`` tensors:
+    memory-bound passes over them (:data:`OPTIMIZER_STEP_TRAFFIC`) plus a launch per op."""
+    passes, ops = OPTIMIZER_STEP_TRAFFIC[optimizer]
+    bandwidth = spec.memory_bandwidth * (spec.memory_efficiency or spec.efficiency)
+    return passes * param_bytes / bandwidth + ops * param_tensors * spec.launch_overhead
 
 
 def link_time(nbytes: float, a: DeviceSpec, b: DeviceSpec) -> float:
@@ -295,4 +323,11 @@ def estimate(
         param_counts=tuple(info.param_count for info in infos),
         sent_bytes=tuple(sent),
         transient_bytes=tuple(transient),
+        param_bytes=tuple(info.param_bytes for info in infos),
+        param_tensors=tuple(len(info.params) for info in infos),
+        param_reads=tuple(
+            str(n.target) if n.op == "get_attr" and isinstance(operator.attrgetter(str(n.target))(gm), torch.nn.Parameter)
+            else ""
+            for n in nodes
+        ),
     )

@@ -26,7 +26,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["Problem", "Evaluation", "UserConstraint", "SCHEDULES", "in_flight", "evaluate", "build_problem"]
+__all__ = ["Problem", "Evaluation", "UserConstraint", "SCHEDULES", "in_flight", "evaluate", "build_problem", "tied_costs"]
 
 NS = 1e9  # time unit: nanoseconds per second
 KIB = 1024  # memory unit: bytes per KiB
@@ -163,6 +163,14 @@ def evaluate(problem: Problem, stage_of: Sequence[int]) -> Evaluation:
     )
 
 
+def tied_costs(nbytes: float, bandwidth: float, latency: float, micro_batches: int) -> tuple[float, float]:
+    """Seconds per step to share a parameter of ``nbytes`` between two stages across one link:
+    (send it with every micro-batch and its gradient back, replicate it and all-reduce its gradient once)."""
+    send = 2 * micro_batches * (latency + nbytes / bandwidth)
+    replicate = nbytes / bandwidth + 2 * latency
+    return send, replicate
+
+
 def build_problem(
     table,
     *,
@@ -189,10 +197,22 @@ def build_problem(
     compute = tuple(
         tuple(round((fwd[d] + bwd[d]) * NS) for d in order) for fwd, bwd in zip(table.fwd_time, table.bwd_time)
     )
-    # Boundary k joins stages k−1 and k; activations go forward, gradients come back.
+    # Boundary k joins stages k−1 and k. Each micro-batch sends every crossing tensor forward and
+    # its gradient back: 2·(M·latency + bytes/bandwidth) for a value of the whole batch's bytes.
+    # A parameter read on a later stage (a tied weight) has the same bytes in every micro-batch:
+    # sent, it costs 2·M·(latency + bytes/bandwidth); replicated, one all-reduce of its gradient
+    # per step (two holders, ring: bytes/bandwidth + 2·latency) — the cheaper is charged, and the
+    # runtime makes the same choice (tied_policy).
     links = [devices[k - 1].link_to(devices[k]) for k in range(1, S)]
-    latency = tuple(round(2 * lat * NS) for _, lat in links)
-    transfer = tuple(tuple(round(2 * nbytes / bw * NS) for bw, _ in links) for nbytes in table.output_bytes)
+    latency = tuple(0 for _ in links)
+    reads = table.param_reads or ("",) * len(table.nodes)
+    transfer = tuple(
+        tuple(
+            round(min(tied_costs(nbytes, bw, lat, M)) * NS) if read else round(2 * (M * lat + nbytes / bw) * NS)
+            for bw, lat in links
+        )
+        for nbytes, read in zip(table.output_bytes, reads)
+    )
     return Problem(
         nodes=table.nodes,
         labels=table.module_paths,
