@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import copy
 import operator
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -227,7 +227,8 @@ def _slot_names(node: fx.Node, value: Any) -> list[tuple[str, int]]:
 
 
 def generate_chain(
-    captured: Captured, assignment: Mapping[str, int], num_stages: int, micro_inputs: Sequence[Any]
+    captured: Captured, assignment: Mapping[str, int], num_stages: int, micro_inputs: Sequence[Any],
+    *, replicate: Collection[str] = (),
 ) -> Chain:
     """The chain form of ``assignment`` (node name → stage) for micro-batches like ``micro_inputs``
     (the graph's placeholder values for one micro-batch).
@@ -238,7 +239,9 @@ def generate_chain(
       per micro-batch, so the receiving stage holds it as a constant; a tuple-valued node
       crosses as its tensor leaves and is rebuilt;
     - every crossing is made contiguous (gloo sends contiguous memory only);
-    - the positional order of crossings is the graph's order, recorded in :attr:`Chain.crossings`.
+    - the positional order of crossings is the graph's order, recorded in :attr:`Chain.crossings`;
+    - a parameter named in ``replicate`` (a tied weight) never crosses: every stage that reads it
+      reads it itself, and the runtime sums its gradient over those stages once per step.
     """
     gm = captured.gm
     S = num_stages
@@ -251,7 +254,9 @@ def generate_chain(
     output = next(iter(gm.graph.find_nodes(op="output")))
     values = _MicroValues(gm).values(micro_inputs)
 
+    replicated = {n for n in nodes if n.op == "get_attr" and str(n.target) in set(replicate)}
     last_use = {n: max((stage_of.get(u, S - 1) for u in n.users), default=stage_of[n]) for n in nodes}
+    last_use.update({n: stage_of[n] for n in replicated})
     for n in output.all_input_nodes:
         if n in stage_of:
             last_use[n] = S - 1
@@ -287,6 +292,9 @@ def generate_chain(
                 env[ph] = graph.create_node("call_function", operator.getitem, (inputs, ph.name), name=ph.name)
         # An attribute read nothing uses (torch.export keeps one per alias of a tied weight)
         # is left out, so a stage holds only the parameters it computes with.
+        for u in replicated:  # this stage's own read of a replicated parameter
+            if stage_of[u] != s and any(stage_of.get(v) == s for v in u.users):
+                env[u] = graph.get_attr(str(u.target))
         members = [n for n in nodes if stage_of[n] == s and (n.users or n.op != "get_attr")]
         for n in members:
             env[n] = graph.node_copy(n, env.__getitem__)

@@ -34,6 +34,7 @@ Usage (``torchrun --nproc-per-node 2 train.py``)::
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -45,7 +46,7 @@ import torch
 import torch.distributed as dist
 
 from autosplit.devices import DeviceLike
-from autosplit.errors import AutosplitError, DistributedError, advice
+from autosplit.errors import AutosplitError, DistributedError, PlanMismatchError, advice
 from autosplit.passes.capture import Captured, capture, fingerprint, flat_inputs
 from autosplit.passes.codegen import Chain, generate_chain
 from autosplit.plan import Plan
@@ -119,7 +120,7 @@ class DistributedModel:
         self, *, model: torch.nn.Module, plan: Plan, chain: Chain, layout: Layout, device: torch.device,
         loss_fn: Callable[[Any, Any], torch.Tensor],
         pp_group: Any, dp_mesh: Any, data_parallel: str, input_names: Sequence[str], to_flat: Callable[..., list[Any]],
-        micro_batches: int,
+        micro_batches: int, tied_groups: Sequence[tuple[str, Any]] = (),
     ) -> None:
         from torch.distributed import pipelining
 
@@ -165,6 +166,7 @@ class DistributedModel:
         self._schedule_cls = getattr(pipelining, SCHEDULE_CLASSES[plan.schedule])
         self._schedule: Any = None
         self._rank = dist.get_rank()
+        self._tied = [(self._state_names[name], group) for name, group in tied_groups]
         self._failed: str | None = None
 
     # -- training ------------------------------------------------------------------------------
@@ -218,6 +220,11 @@ class DistributedModel:
                     "look for the first rank that failed (its error names the node); run the model unsplit on one batch to reproduce",
                 )
             ) from e
+        own = dict(self.module.named_parameters(remove_duplicate=False))
+        for local, group in self._tied:  # a replicated tied weight: sum its stages' gradients, once per step
+            grad = own[local].grad
+            if grad is not None:
+                dist.all_reduce(grad.to_local() if hasattr(grad, "to_local") else grad, group=group)
         if not self.is_last:
             return None
         return torch.stack([loss.detach() for loss in losses]).mean()
@@ -225,7 +232,7 @@ class DistributedModel:
     # -- parameters and state, under the original names ----------------------------------------------
     def named_parameters(self) -> Iterator[tuple[str, torch.nn.Parameter]]:
         """This rank's parameters under the model's own qualified names, in the model's order."""
-        own = dict(self.module.named_parameters())
+        own = dict(self.module.named_parameters(remove_duplicate=False))
         return ((name, own[local]) for name, local in self._param_names.items())
 
     def parameters(self) -> Iterator[torch.nn.Parameter]:
@@ -362,6 +369,7 @@ def distribute(
             )
         )
     options.setdefault("schedule", "gpipe")
+    options["data_parallel"] = data_parallel
     if options["schedule"] not in SCHEDULE_CLASSES and given is None:
         raise DistributedError(
             advice(f"schedule={options['schedule']!r} cannot run pipelined", None, f"pass one of {sorted(SCHEDULE_CLASSES)}")
@@ -379,7 +387,24 @@ def distribute(
     layout = Layout.of(rank, stages, data_parallel)
     device = _rank_device(devices or [], made, layout.stage)
     mesh = _mesh(device, stages, data_parallel)
-    chain, captured = _chain(model, planner, made, stages)
+    _agree(_checksums(model), "the model's initial weights (a checksum per parameter)")
+    tied = [p for p in made.shared_params if p.policy == "replicate"]
+    chain, captured = _chain(model, planner, made, stages, replicate={p.name for p in tied})
+    if given is not None and given.crossings and given.crossings != chain.crossings:
+        raise PlanMismatchError(
+            advice(
+                f"the plan records crossings {given.crossings}, but this model's stages exchange {chain.crossings}",
+                "the plan was made for another version of the model or of autosplit",
+                "re-plan the model",
+            )
+        )
+    made = dataclasses.replace(made, crossings=chain.crossings)
+    tied_groups = []
+    for p in tied:  # new_group is collective: every rank creates every group, in one order
+        for replica in range(data_parallel):
+            group = dist.new_group([stage * data_parallel + replica for stage in p.stages])
+            if layout.stage in p.stages and replica == layout.replica:
+                tied_groups.append((p.name, group))
 
     def to_flat(args: tuple, kwargs: dict) -> list[Any]:
         return flat_inputs(captured, model, tuple(args), kwargs)
@@ -388,10 +413,19 @@ def distribute(
         model=model, plan=made, chain=chain, layout=layout, device=device, loss_fn=loss_fn,
         pp_group=mesh["pp"].get_group(), dp_mesh=mesh["dp"],
         data_parallel=replicate, input_names=chain.input_names, to_flat=to_flat, micro_batches=made.micro_batches,
+        tied_groups=tied_groups,
     )
 
 
-def _chain(model: torch.nn.Module, planner: Planner, plan: Plan, stages: int) -> tuple[Chain, Captured]:
+def _checksums(model: torch.nn.Module) -> list[str]:
+    """One number per parameter and buffer (6 significant digits), equal on ranks holding the same weights."""
+    with torch.no_grad():
+        return [f"{float(t.double().sum()):.6g}" for t in [*model.parameters(), *model.buffers()] if t.device.type != "meta"]
+
+
+def _chain(
+    model: torch.nn.Module, planner: Planner, plan: Plan, stages: int, *, replicate: set[str]
+) -> tuple[Chain, Captured]:
     """The plan's chain, generated from a capture at the micro-batch's shape: torch.export
     specialises a graph to its example shapes (guards, view sizes), and the stages run micro-batches."""
     args, kwargs = split_batch(planner.example_inputs, planner.example_kwargs, plan.micro_batches)[0]
@@ -409,7 +443,7 @@ def _chain(model: torch.nn.Module, planner: Planner, plan: Plan, stages: int) ->
                 )
             )
     flat = flat_inputs(captured, model, args, kwargs)
-    return generate_chain(captured, plan.stage_of, stages, flat), captured
+    return generate_chain(captured, plan.stage_of, stages, flat, replicate=replicate), captured
 
 
 def _mesh(device: torch.device, stages: int, replicas: int) -> Any:
