@@ -30,7 +30,7 @@ from autosplit.errors import (
     PlanValidationError,
     SolverError,
 )
-from autosplit.measure import measure_link, measure_stages
+from autosplit.measure import measure_link, measure_runtime, measure_stages
 from autosplit.options import PlanOptions
 from autosplit.passes.costs import CostTable
 from autosplit.passes.profile import ProfileOptions
@@ -42,7 +42,7 @@ from autosplit.runtime.distributed import DistributedModel, distribute
 __all__ = [
     "autosplit", "plan", "distribute", "DistributedModel", "Planner", "PlanOptions", "Plan", "SplitModule",
     "DeviceSpec", "PRESETS", "resolve_devices",
-    "CostTable", "ProfileOptions", "calibrate", "Calibration", "measure_link", "measure_stages",
+    "CostTable", "ProfileOptions", "calibrate", "Calibration", "measure_link", "measure_runtime", "measure_stages",
     "AutosplitError", "CaptureError", "CodegenError", "ConstraintError", "CostModelError", "DeviceError",
     "DistributedError", "InfeasiblePlanError", "PlanFileError", "PlanMismatchError", "PlanValidationError",
     "SolverError",

@@ -37,7 +37,7 @@ from autosplit.options import PlanOptions
 from autosplit.passes.annotate import annotate
 from autosplit.passes.capture import Captured, capture, fingerprint, flat_inputs
 from autosplit.passes.codegen import Program, generate
-from autosplit.passes.costs import CostTable, estimate, optimizer_step_time, with_overrides
+from autosplit.passes.costs import CostTable, estimate, with_overrides
 from autosplit.passes.profile import ProfileOptions, profile
 from autosplit.plan import Plan, SharedParam, SolverInfo, StageReport, StepTerms
 from autosplit.runtime.microbatch import split_batch
@@ -178,10 +178,8 @@ def predict_step(
     consumers = problem.consumers()
     transfer = [list(row) for row in problem.transfer]
     param_bytes = [0.0] * S
-    tensors = [0] * S
     for n, s in enumerate(stage_of):
         param_bytes[s] += table.param_bytes[n] if table.param_bytes else 0
-        tensors[s] += table.param_tensors[n] if table.param_tensors else 0
     shared, tied_sync = [], 0.0
     for u, read in enumerate(reads):
         holders = sorted({stage_of[u], *(stage_of[v] for v in consumers[u])})
@@ -198,14 +196,18 @@ def predict_step(
             transfer[u][k - 1] = 0 if policy == "replicate" else round(tied_costs(nbytes, links[k - 1][0], links[k - 1][1], M)[0] * NS)
         if policy == "replicate":
             tied_sync += replicate
-            for s in holders[1:]:  # every holder keeps and steps its own copy
+            for s in holders[1:]:  # every holder keeps its own copy, and all-reduces its gradient over replicas
                 param_bytes[s] += nbytes
-                tensors[s] += 1
         shared.append(SharedParam(read, tuple(holders), policy, send, replicate))
-    pipeline = evaluate(dataclasses.replace(problem, transfer=tuple(map(tuple, transfer))), stage_of).objective / M / NS
+    # The solver's stage times include each stage's optimizer step (build_problem); report it apart.
+    opt = table.optimizer_time or tuple((0.0,) * len(table.devices) for _ in table.nodes)
+    without = tuple(tuple(c - round(o[order[s]] * NS) for s, c in enumerate(row)) for row, o in zip(problem.compute, opt))
+    sharing = dataclasses.replace(problem, transfer=tuple(map(tuple, transfer)))
+    total = evaluate(sharing, stage_of).objective / M / NS
+    pipeline = evaluate(dataclasses.replace(sharing, compute=without), stage_of).objective / M / NS
+    optimizer = total - pipeline
     overheads = [d.microbatch_overhead for d in devices]
     overhead = sum(overheads) + (M - 1) * max(overheads)
-    optimizer = max(optimizer_step_time(b, t, options.optimizer, d) for b, t, d in zip(param_bytes, tensors, devices))
     data_parallel = 0.0
     R = options.data_parallel
     if R > 1:

@@ -10,6 +10,8 @@
   profile is taken under the conditions of the run.
 - :func:`measure_link` — point-to-point latency and bandwidth between two processes over
   ``torch.distributed`` (gloo here, NCCL between GPUs), fitted as ``latency + bytes / bandwidth``.
+- :func:`measure_runtime` — the link, and the pipeline runtime's fixed cost per micro-batch,
+  fitted from a tiny two-stage ``torch.distributed.pipelining`` run (cached on disk).
 
 Usage::
 
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import os
 import socket
 import statistics
@@ -31,13 +34,17 @@ import time
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["timed", "MemoryTracker", "pinned", "LinkMeasurement", "measure_link", "StageMeasurement", "measure_stages"]
+__all__ = [
+    "timed", "MemoryTracker", "pinned", "LinkMeasurement", "measure_link", "RuntimeMeasurement", "measure_runtime",
+    "StageMeasurement", "measure_stages",
+]
 
 
 def timed(
@@ -310,3 +317,100 @@ def _gpipe_step(stage: torch.nn.Module, inputs: list[tuple], opt: torch.optim.Op
     opt.step()
     opt.zero_grad(set_to_none=True)
     return fwd, bwd
+
+
+@dataclass(frozen=True)
+class RuntimeMeasurement:
+    """What the pipeline runtime adds around compute, measured on two processes: the link, and a
+    fixed cost per micro-batch and stage (schedule bookkeeping, send/recv set-up, autograd entry)."""
+
+    link: LinkMeasurement
+    microbatch_overhead: float
+    """Seconds per micro-batch and stage (forward + backward) beyond compute and link time."""
+    samples: tuple[tuple[int, float], ...]
+    """(micro-batches, median step seconds) of the tiny two-stage pipeline it was fitted from."""
+
+    def apply(self, spec):
+        """``spec`` with this link and this per-micro-batch overhead."""
+        return dataclasses.replace(self.link.apply(spec), microbatch_overhead=self.microbatch_overhead)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> RuntimeMeasurement:
+        link = data["link"]
+        return cls(
+            LinkMeasurement(link["bandwidth"], link["latency"], link["backend"], tuple(map(tuple, link["samples"]))),
+            data["microbatch_overhead"], tuple(map(tuple, data["samples"])),
+        )
+
+
+def _tiny_pipeline(rank: int, port: int, backend: str, counts: Sequence[int], steps: int, cores: bool, out: str) -> None:
+    import torch.distributed as dist
+    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+
+    torch.set_num_threads(1)
+    if cores and hasattr(os, "sched_setaffinity") and len(os.sched_getaffinity(0)) > rank:
+        os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[rank]})
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        width = 8
+        module = torch.nn.Linear(width, width)
+        meta = (torch.empty(1, width, device="meta").requires_grad_(True),)
+        rows = []
+        for m in counts:
+            stage = PipelineStage(module, rank, 2, torch.device("cpu"), input_args=() if rank == 0 else meta, output_args=meta)
+            schedule = ScheduleGPipe(stage, n_microbatches=m, loss_fn=lambda out, t: out.sum())
+            x, times = torch.randn(m, width), []
+            for i in range(steps + 3):
+                dist.barrier()
+                t0 = time.perf_counter_ns()
+                schedule.step(x) if rank == 0 else schedule.step(target=x)
+                if i >= 3:
+                    times.append((time.perf_counter_ns() - t0) / 1e9)
+            rows.append((m, statistics.median(times)))
+        # The compute inside: one micro-batch's forward + backward of the stage module.
+        x = torch.randn(1, width, requires_grad=True)
+        compute = timed(lambda: module(x).sum().backward(), warmup=5, repeats=50)
+        if rank == 0:
+            torch.save({"rows": rows, "compute": compute}, out)
+    finally:
+        dist.destroy_process_group()
+
+
+def measure_runtime(
+    *, backend: str = "gloo", cache: bool = True, cache_dir: str | None = None, pin_cores: bool = True
+) -> RuntimeMeasurement:
+    """Measure the link (:func:`measure_link`) and the pipeline runtime's fixed cost per micro-batch.
+
+    Two processes (one thread each, pinned to their own cores) run a two-stage GPipe pipeline of a
+    tiny linear layer with 2 and 16 micro-batches: its step is ``(S + M − 1) · τ`` with
+    ``τ = compute + 2·latency + overhead`` per micro-batch, so the slope over ``M`` gives ``τ`` and
+    the overhead is what remains of it. The result is cached on disk (``$AUTOSPLIT_CACHE`` or
+    ``~/.cache/autosplit``, keyed by backend, host, torch version); ``cache=False`` measures again.
+    Apply it to a device with ``measurement.apply(spec)``.
+    """
+    import platform
+
+    import torch.multiprocessing as mp
+
+    root = Path(cache_dir or os.environ.get("AUTOSPLIT_CACHE") or Path.home() / ".cache" / "autosplit")
+    path = root / "runtime" / f"{backend}-{platform.node()}-{torch.__version__}.json"
+    if cache and path.exists():
+        with contextlib.suppress(ValueError, KeyError, TypeError):
+            return RuntimeMeasurement.from_dict(json.loads(path.read_text()))
+    link = measure_link(backend=backend)
+    counts = (2, 16)
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "runtime.pt")
+        mp.spawn(_tiny_pipeline, args=(_free_port(), backend, counts, 20, pin_cores, out), nprocs=2, join=True)
+        got = torch.load(out)
+    (m0, t0), (m1, t1) = got["rows"]
+    per_micro = (t1 - t0) / (m1 - m0)
+    overhead = max(per_micro - got["compute"] - 2 * link.latency, 0.0)
+    result = RuntimeMeasurement(link, overhead, tuple(got["rows"]))
+    if cache:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(result.to_dict()))
+    return result

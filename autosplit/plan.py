@@ -39,7 +39,7 @@ class StageReport:
     modules: tuple[str, ...]
     """Modules (two levels deep, e.g. ``blocks.3``) whose parameters the stage holds, in order."""
     compute: float
-    """Forward + backward seconds for the whole batch."""
+    """Forward + backward seconds for the whole batch, and the optimizer step of the stage's parameters."""
     transfer: float
     """Seconds spent at the stage's boundaries (activations forward, gradients back)."""
     time: float

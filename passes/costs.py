@@ -106,10 +106,10 @@ class CostTable:
     transient_bytes: tuple[int, ...] = ()
     """[node] peak bytes above what is live while the node runs on one micro-batch, or while
     the optimizer updates its parameters; empty: output bytes / micro-batches."""
+    optimizer_time: tuple[tuple[float, ...], ...] = ()
+    """[node][device] seconds of the optimizer step over the parameters the node owns (once per step)."""
     param_bytes: tuple[int, ...] = ()
     """[node] bytes of the parameters it owns (what its gradient all-reduce and optimizer step touch)."""
-    param_tensors: tuple[int, ...] = ()
-    """[node] number of parameter tensors it owns."""
     param_reads: tuple[str, ...] = ()
     """[node] the qualified name of the parameter the node reads by name (``get_attr``), else ``""``:
     such an output is the same for every
@@ -323,8 +323,10 @@ def estimate(
         param_counts=tuple(info.param_count for info in infos),
         sent_bytes=tuple(sent),
         transient_bytes=tuple(transient),
+        optimizer_time=tuple(
+            tuple(optimizer_step_time(info.param_bytes, len(info.params), optimizer, d) for d in devices) for info in infos
+        ),
         param_bytes=tuple(info.param_bytes for info in infos),
-        param_tensors=tuple(len(info.params) for info in infos),
         param_reads=tuple(
             str(n.target) if n.op == "get_attr" and isinstance(operator.attrgetter(str(n.target))(gm), torch.nn.Parameter)
             else ""

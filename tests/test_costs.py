@@ -98,7 +98,7 @@ def test_overrides_set_a_node_and_spread_a_module_total():
     assert heavy.costs == "analytic + 1 override"
     # 10 s of work in the last layer: it gets a stage of its own, and the prediction says so.
     assert heavy.stage_of["small"] == 1 and all(s == 0 for n, s in heavy.stage_of.items() if n != "small")
-    assert heavy.stages[1].compute == pytest.approx(10.0)
+    assert heavy.stages[1].compute == pytest.approx(10.0, abs=1e-3)  # + the optimizer step of its parameters
     assert base.stages[1].compute < 1.0
 
 

@@ -194,8 +194,12 @@ def build_problem(
     def kib(nbytes: float) -> int:
         return math.ceil(nbytes / KIB)
 
+    # The optimizer steps each stage's parameters once per step, after its last backward; charged
+    # with the stage's compute, the schedule formula counts it about once (for S ≪ M), and the
+    # solver balances it with the rest.
+    opt = table.optimizer_time or tuple((0.0,) * len(table.devices) for _ in table.nodes)
     compute = tuple(
-        tuple(round((fwd[d] + bwd[d]) * NS) for d in order) for fwd, bwd in zip(table.fwd_time, table.bwd_time)
+        tuple(round((fwd[d] + bwd[d] + o[d]) * NS) for d in order) for fwd, bwd, o in zip(table.fwd_time, table.bwd_time, opt)
     )
     # Boundary k joins stages k−1 and k. Each micro-batch sends every crossing tensor forward and
     # its gradient back: 2·(M·latency + bytes/bandwidth) for a value of the whole batch's bytes.
