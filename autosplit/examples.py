@@ -67,6 +67,14 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(d_model)
         self.head = nn.Linear(d_model, vocab, bias=False)
         self.head.weight = self.wte.weight  # tied, as in GPT-2
+        # GPT-2's initialisation (Radford et al. 2019): N(0, 0.02) weights, zero biases. With
+        # torch's N(0, 1) embedding the tied head's logits are so large that the softmax
+        # gradients underflow to denormal floats, which CPUs compute several times slower.
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, std=0.02)
+            if isinstance(module, nn.Linear) and module.bias is not None:
+                nn.init.zeros_(module.bias)
 
     def forward(self, idx: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         pos = torch.arange(idx.size(1), device=idx.device)

@@ -102,3 +102,30 @@ def test_generated_source_is_readable():
     assert "# stage 0 on cpu" in code and "# stage 1 on cpu" in code
     assert "self.stage0(" in code and "self.stage1(" in code
     assert "def forward(self, idx" in code
+
+
+def test_step_prediction_is_broken_into_terms_and_a_recosted_plan_shows_both(tmp_path):
+    model, inputs = _gpt()
+    plan = autosplit.plan(model, ["cpu"] * 2, example_inputs=inputs, time_limit=2, data_parallel=2)
+    t = plan.terms
+    assert t is not None and t.total == pytest.approx(plan.step_time)
+    assert t.pipeline > 0 and t.optimizer > 0 and t.data_parallel >= 0
+    assert plan.shared_params and plan.shared_params[0].name == "wte.weight"
+    assert plan.shared_params[0].policy in ("replicate", "send")
+    assert "shared parameter wte.weight" in str(plan) and "optimizer" in str(plan)
+    plan.save(tmp_path / "plan.json")
+    slower = autosplit.Planner(model, None, example_inputs=inputs, cost_overrides={"blocks.0": {"fwd": 1.0}}).plan(
+        tmp_path / "plan.json"
+    )
+    assert slower.made_with == ("analytic", pytest.approx(plan.step_time))
+    assert slower.step_time > plan.step_time + 0.5
+    assert "as saved: step" in str(slower)
+
+
+def test_measured_runtime_overhead_is_cached(tmp_path, monkeypatch):
+    first = autosplit.measure_runtime(cache_dir=str(tmp_path))
+    assert first.link.bandwidth > 0 and first.microbatch_overhead >= 0 and len(first.samples) == 2
+    monkeypatch.setattr(autosplit.measure, "measure_link", lambda **_: (_ for _ in ()).throw(AssertionError("cached")))
+    assert autosplit.measure_runtime(cache_dir=str(tmp_path)) == first
+    spec = first.apply(autosplit.resolve_devices(["cpu"])[0])
+    assert spec.microbatch_overhead == first.microbatch_overhead and spec.link_latency == first.link.latency
