@@ -179,6 +179,8 @@ class DistributedModel:
         return self.layout.stage == self.layout.stages - 1
 
     def _make_schedule(self, inputs: Mapping[str, Any]) -> Any:
+        # Inputs are cut by autosplit's one micro-batching rule (runtime/microbatch.py); the rest
+        # are given whole to every micro-batch. pipelining names that spec only privately (_Replicate).
         from torch.distributed.pipelining.microbatch import TensorChunkSpec, _Replicate
 
         batch = batch_size((), inputs)
@@ -314,7 +316,7 @@ def _place(module: torch.nn.Module, device: torch.device) -> None:
                 t.data = t.data.to(device)
 
 
-def _rank_device(devices: Sequence[Any], plan: Plan, stage: int) -> torch.device:
+def _rank_device(plan: Plan, stage: int) -> torch.device:
     spec = plan.devices[plan.stage_devices[stage]]
     kind = torch.device(spec.torch_device or "cpu").type
     if kind == "cuda":
@@ -385,7 +387,7 @@ def distribute(
         )
 
     layout = Layout.of(rank, stages, data_parallel)
-    device = _rank_device(devices or [], made, layout.stage)
+    device = _rank_device(made, layout.stage)
     mesh = _mesh(device, stages, data_parallel)
     _agree(_checksums(model), "the model's initial weights (a checksum per parameter)")
     tied = [p for p in made.shared_params if p.policy == "replicate"]
@@ -402,7 +404,7 @@ def distribute(
     tied_groups = []
     for p in tied:  # new_group is collective: every rank creates every group, in one order
         for replica in range(data_parallel):
-            group = dist.new_group([stage * data_parallel + replica for stage in p.stages])
+            group = dist.new_group([layout.rank(stage, replica) for stage in p.stages])
             if layout.stage in p.stages and replica == layout.replica:
                 tied_groups.append((p.name, group))
 
