@@ -51,6 +51,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import autosplit  # noqa: E402
+from autosplit.manual import partition  # noqa: E402
 from autosplit.measure import pinned  # noqa: E402
 from autosplit.passes.annotate import annotate, node_info  # noqa: E402
 from autosplit.passes.capture import capture, flat_inputs  # noqa: E402
@@ -86,28 +87,8 @@ def balanced_plan(plan: autosplit.Plan, param_counts: dict[str, int]) -> autospl
     """Contiguous, non-empty stages of the graph order with the largest stage's parameter count
     as small as possible: DeepSpeed's ``partition_method="parameters"`` (``partition_balanced``)."""
     names = list(plan.assignment)  # graph order
-    S, N = len(plan.stage_devices), len(names)
-    prefix = [0]
-    for name in names:
-        prefix.append(prefix[-1] + param_counts.get(name, 0))
-    inf = float("inf")
-    best = [[inf] * (N + 1) for _ in range(S + 1)]  # best[s][b]: s stages over the first b nodes
-    cut = [[0] * (N + 1) for _ in range(S + 1)]
-    best[0][0] = 0
-    for s in range(1, S + 1):
-        for b in range(s, N - (S - s) + 1):
-            for a in range(s - 1, b):
-                worst = max(best[s - 1][a], prefix[b] - prefix[a])
-                if worst < best[s][b]:
-                    best[s][b], cut[s][b] = worst, a
-    bounds, b = [], N
-    for s in range(S, 0, -1):
-        bounds.append((cut[s][b], b))
-        b = cut[s][b]
-    assignment = {}
-    for stage, (a, b) in enumerate(reversed(bounds)):
-        for name in names[a:b]:
-            assignment[name] = plan.stage_devices[stage]
+    ranges = partition([param_counts.get(name, 0) for name in names], len(plan.stage_devices))
+    assignment = {name: plan.stage_devices[stage] for stage, (a, b) in enumerate(ranges) for name in names[a:b]}
     return dataclasses.replace(plan, assignment=assignment)
 
 
