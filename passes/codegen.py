@@ -34,7 +34,7 @@ import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils import _pytree as pytree
 
-from autosplit.errors import CodegenError
+from autosplit.errors import CodegenError, advice
 from autosplit.passes.capture import Captured
 
 __all__ = ["Chain", "Program", "generate", "generate_chain", "move"]
@@ -254,7 +254,8 @@ def generate_chain(
     output = next(iter(gm.graph.find_nodes(op="output")))
     values = _MicroValues(gm).values(micro_inputs)
 
-    replicated = {n for n in nodes if n.op == "get_attr" and str(n.target) in set(replicate)}
+    replicate = set(replicate)
+    replicated = {n for n in nodes if n.op == "get_attr" and str(n.target) in replicate}
     last_use = {n: max((stage_of.get(u, S - 1) for u in n.users), default=stage_of[n]) for n in nodes}
     last_use.update({n: stage_of[n] for n in replicated})
     for n in output.all_input_nodes:
@@ -290,11 +291,11 @@ def generate_chain(
         for ph in placeholders:
             if any(stage_of.get(u) == s or (s == S - 1 and u is output) for u in ph.users):
                 env[ph] = graph.create_node("call_function", operator.getitem, (inputs, ph.name), name=ph.name)
-        # An attribute read nothing uses (torch.export keeps one per alias of a tied weight)
-        # is left out, so a stage holds only the parameters it computes with.
         for u in replicated:  # this stage's own read of a replicated parameter
             if stage_of[u] != s and any(stage_of.get(v) == s for v in u.users):
                 env[u] = graph.get_attr(str(u.target))
+        # An attribute read nothing uses (torch.export keeps one per alias of a tied weight)
+        # is left out, so a stage holds only the parameters it computes with.
         members = [n for n in nodes if stage_of[n] == s and (n.users or n.op != "get_attr")]
         for n in members:
             env[n] = graph.node_copy(n, env.__getitem__)
@@ -320,8 +321,11 @@ def generate_chain(
                     out_slots.append(a)
                 elif isinstance(a, fx.Node):
                     raise CodegenError(
-                        f"model output {a.name} is a {type(values.get(a)).__name__}, not a tensor; the pipelined "
-                        "runtime returns tensors only. Return tensors from forward (or a dict/tuple of them)"
+                        advice(
+                            f"model output {a.name} is a {type(values.get(a)).__name__}, not a tensor",
+                            "the pipelined runtime sends and returns tensors only",
+                            "return tensors from forward (or a dict/tuple of them)",
+                        )
                     )
             graph.output(tuple(sent))
         for node in graph.nodes:
