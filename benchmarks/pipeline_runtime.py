@@ -13,6 +13,8 @@ the GPipe and 1F1B schedules, measured in one run:
 
 A step is forward + backward of every micro-batch and an Adam step; the figure is the median of
 ``--steps`` steps after ``--warmup`` (min and max beside it), the slower rank's time per step.
+The plans of a model are timed round-robin (step i of every plan, then step i + 1), so they are
+compared side by side on this noisy machine.
 Each plan's predicted step (measured per-node costs profiled on one pinned core, the link and the
 runtime's per-micro-batch overhead measured first by ``autosplit.measure_runtime``) stands beside
 its measured one. Pipeline efficiency is the schedule's ideal step from the stages' measured
@@ -110,15 +112,17 @@ def _worker(rank: int, init: str, name: str, plans: list[tuple[str, str]], steps
     torch.set_num_threads(1)
     os.sched_setaffinity(0, {rank})
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=2, timeout=timedelta(minutes=5))
-    rows = []
     try:
         model, inputs, target, loss_fn = workload(name)
+        runs = []
         for label, path in plans:
             pipe = autosplit.distribute(copy.deepcopy(model), None, example_inputs=inputs, loss_fn=loss_fn, plan=path)
             opt = torch.optim.Adam(pipe.parameters(), lr=1e-4)
-            totals = _timed_stage(pipe)
-            times, computes = [], []
-            for i in range(warmup + steps):
+            runs.append((pipe, opt, _timed_stage(pipe), {"label": label, "times": [], "compute": []}))
+        # Round-robin: step i of every plan, then step i + 1, so the plans are compared side by
+        # side and a slow minute of this machine falls on all of them alike.
+        for i in range(warmup + steps):
+            for pipe, opt, totals, row in runs:
                 dist.barrier()
                 totals["compute"] = 0.0
                 t0 = time.perf_counter()
@@ -128,9 +132,9 @@ def _worker(rank: int, init: str, name: str, plans: list[tuple[str, str]], steps
                 opt.zero_grad()
                 t2 = time.perf_counter()
                 if i >= warmup:
-                    times.append(t2 - t0)
-                    computes.append((totals["compute"], t2 - t1))
-            rows.append({"label": label, "times": times, "compute": computes})
+                    row["times"].append(t2 - t0)
+                    row["compute"].append((totals["compute"], t2 - t1))
+        rows = [row for *_, row in runs]
         gathered = [None, None]
         dist.all_gather_object(gathered, rows)
         if rank == 0:
@@ -161,7 +165,7 @@ def run_model(name: str, args, spec) -> dict:
             for schedule in args.schedules:
                 planner = autosplit.Planner(
                     model, [spec] * 2, example_inputs=inputs, micro_batches=M, schedule=schedule, time_limit=10,
-                    costs=ProfileOptions(threads=1, cores=(0,)),
+                    costs=ProfileOptions(threads=1, cores=(0,), use_cache=False),  # profiled in this run, as timed
                 )
                 order = list(planner.traced.captured.module_paths.values())
                 candidates = {"autosplit": planner.plan()}
