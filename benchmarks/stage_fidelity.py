@@ -18,8 +18,6 @@ import json
 import sys
 from pathlib import Path
 
-import torch
-
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
@@ -54,7 +52,6 @@ def main(argv: list[str] | None = None) -> int:
             rows.append({"model": name, "stage": s, "predicted": stage.compute, "measured": got.time, "error": error,
                          "modules": list(stage.modules)})
             print(f"{name:13s} {s:>5d} {stage.compute * 1e3:13.1f} {got.time * 1e3:18.1f} {error:+7.1%}")
-        torch.manual_seed(0)
     Path(args.out).write_text(json.dumps({"machine": machine(), "micro_batches": args.micro, "rows": rows}, indent=1))
     print(f"wrote {args.out}")
     return 0

@@ -34,6 +34,16 @@ def _loss(out) -> torch.Tensor:
     return sum(t.float().pow(2).mean() for t in _leaves(out) if t.is_floating_point())
 
 
+def assert_same_step(out, expected, named_params, ref_params) -> None:
+    """Outputs equal; after backward of the same loss on each, every gradient equal."""
+    for a, b in zip(_leaves(out), _leaves(expected), strict=True):
+        torch.testing.assert_close(a, b)
+    _loss(out).backward()
+    _loss(expected).backward()
+    for (name, p), q in zip(named_params, ref_params):
+        torch.testing.assert_close(p.grad, q.grad, msg=lambda m: f"gradient of {name}: {m}")
+
+
 def assert_trains_like(model, devices, inputs, kwargs=None, *, steps: int = 3, **options):
     """Split ``model`` and check outputs, gradients, parameters and buffers after ``steps`` Adam steps.
 
@@ -56,13 +66,7 @@ def assert_trains_like(model, devices, inputs, kwargs=None, *, steps: int = 3, *
     opt_split = torch.optim.Adam(split.parameters(), lr=1e-2)
     opt_ref = torch.optim.Adam(reference.parameters(), lr=1e-2)
     for _ in range(steps):
-        out, expected = split(*inputs, **kwargs), reference(*inputs, **kwargs)
-        for a, b in zip(_leaves(out), _leaves(expected), strict=True):
-            torch.testing.assert_close(a, b)
-        _loss(out).backward()
-        _loss(expected).backward()
-        for (name, p), q in zip(split.named_parameters(), reference.parameters()):
-            torch.testing.assert_close(p.grad, q.grad, msg=lambda m: f"gradient of {name}: {m}")
+        assert_same_step(split(*inputs, **kwargs), reference(*inputs, **kwargs), split.named_parameters(), reference.parameters())
         opt_split.step(), opt_ref.step()
         opt_split.zero_grad(), opt_ref.zero_grad()
     for (name, a), b in zip(split.state_dict().items(), reference.state_dict().values()):

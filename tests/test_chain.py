@@ -10,13 +10,13 @@ import copy
 
 import pytest
 import torch
+from conftest import assert_same_step
+from test_equivalence import ZOO, _mask
 
 import autosplit
 from autosplit.examples import GPT
 from autosplit.passes.codegen import generate_chain
 from autosplit.runtime.microbatch import split_batch
-from conftest import _leaves, _loss
-from test_equivalence import ZOO, _mask
 
 
 def _chain(model, devices, inputs, kwargs, micro_batches=1):
@@ -35,13 +35,7 @@ def test_chain_computes_what_the_model_computes(name, devices):
     inputs = tuple(t.double() if t.is_floating_point() else t for t in inputs)
     reference = copy.deepcopy(model)
     chain, traced, _ = _chain(model, devices, inputs, kwargs)
-    out, expected = chain(*traced.inputs), reference(*inputs, **kwargs)
-    for a, b in zip(_leaves(out), _leaves(expected), strict=True):
-        torch.testing.assert_close(a, b)
-    _loss(out).backward()
-    _loss(expected).backward()
-    for (param, p), q in zip(model.named_parameters(), reference.parameters()):
-        torch.testing.assert_close(p.grad, q.grad, msg=lambda m: f"gradient of {param}: {m}")
+    assert_same_step(chain(*traced.inputs), reference(*inputs, **kwargs), model.named_parameters(), reference.parameters())
 
 
 def test_crossings_are_neighbour_only_contiguous_tensors_in_a_recorded_order():
