@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from autosplit.devices import DeviceLike, DeviceSpec, resolve_devices
-from autosplit.errors import CostModelError
+from autosplit.errors import CostModelError, advice
 from autosplit.passes.annotate import annotate, node_info
 from autosplit.passes.capture import capture, fingerprint, flat_inputs
 from autosplit.passes.profile import Profile, ProfileOptions, profile
@@ -65,7 +65,10 @@ class Calibration:
 def fit(samples: Sequence[tuple[float, float, float]], spec: DeviceSpec) -> Calibration:
     """Fit ``spec``'s factors to ``(flops, bytes, seconds)`` samples (see the module docstring)."""
     if len(samples) < 3:
-        raise CostModelError(f"calibration needs at least 3 timed ops, got {len(samples)}; profile a larger model")
+        raise CostModelError(advice(
+            f"calibration needs at least 3 timed ops, got {len(samples)}", "the profiled model has too few compute nodes",
+            "calibrate on a larger model",
+        ))
     flops, nbytes, seconds = (np.asarray(col, dtype=np.float64) for col in zip(*samples))
     grid = np.logspace(-3, 1, 81)  # above 1: the spec sheet undersells this machine
     compute = flops[None, :] / (spec.peak_flops * grid[:, None])  # (E, N)
@@ -113,7 +116,10 @@ def calibrate(
     """
     (spec,) = resolve_devices([device])
     if spec.torch_device is None:
-        raise CostModelError(f"cannot calibrate {spec.name}: it is a preset, not a device present here")
+        raise CostModelError(advice(
+            f"cannot calibrate {spec.name}", "it is a preset, not a device present on this machine",
+            "calibrate a device you have ('cpu', 'cuda:0')",
+        ))
     if not isinstance(example_inputs, tuple):
         example_inputs = (example_inputs,)
     captured = capture(model, example_inputs, dict(example_kwargs or {}))

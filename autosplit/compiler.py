@@ -153,8 +153,8 @@ def codegen(traced: Traced, plan: Plan) -> tuple[Program, dict[str, float]]:
         absent = sorted({d.name for d in plan.devices if d.torch_device is None})
         raise DeviceError(
             advice(
-                f"cannot build modules for {absent}: presets describe hardware to plan for, not a device to run on",
-                None,
+                f"cannot build modules for {absent}",
+                "presets describe hardware to plan for, not a device to run on",
                 "autosplit.plan(...) for planning only, or pass torch devices such as 'cuda:0' or 'cpu'",
             )
         )
@@ -284,7 +284,7 @@ def _measured(
         raise CostModelError(
             advice(
                 f"costs='measured' needs a device to measure on, but {[s.name for s in specs]} are all plan-only presets",
-                None,
+                "presets have no hardware here to profile on",
                 "pass torch devices (e.g. 'cpu', 'cuda:0'), or costs='analytic' with calibrated specs (autosplit.calibrate)",
             )
         )
@@ -321,7 +321,7 @@ def _given_table(traced: Traced, specs: tuple[DeviceSpec, ...], costs: CostTable
         raise CostModelError(
             advice(
                 f"the given cost table has times for {len(table.devices)} devices, but {len(specs)} devices were given",
-                None,
+                "the table was made for other devices",
                 "plan with the devices the table was made for, or save a table for these devices",
             )
         )
@@ -337,7 +337,7 @@ def _device_index(ref: int | str, specs: Sequence[DeviceSpec]) -> int:
             advice(
                 f"constraint names device {ref!r}, which matches {len(hits)} of the {len(specs)} devices "
                 f"({[s.torch_device or s.name for s in specs]})",
-                None,
+                "a constraint must name exactly one device" + (" and several share that name" if hits else ""),
                 f"name it by its index 0..{len(specs) - 1}",
             )
         )
@@ -352,7 +352,7 @@ def _module_nodes(module: str, table: CostTable) -> tuple[int, ...]:
         raise ConstraintError(
             advice(
                 f"constraint names module {module!r}, but no graph node comes from it",
-                None,
+                "a misspelt name, or a module the forward never calls",
                 f"did you mean {close}?" if close else f"a module of the model; they look like {known[:5]}",
             )
         )

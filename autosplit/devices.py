@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from autosplit.errors import DeviceError
+from autosplit.errors import DeviceError, advice
 from autosplit.units import GiB, format_bytes, parse_bytes
 
 __all__ = ["DeviceSpec", "PRESETS", "resolve_devices", "parse_bytes", "format_bytes"]
@@ -103,11 +103,12 @@ def _cuda_spec(dev: torch.device) -> DeviceSpec:
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     index = dev.index or 0
     if index >= count:
-        raise DeviceError(
-            f"device {dev} is not available here (torch.cuda.device_count() = {count}); "
-            "to plan for hardware you do not have, pass a preset such as 'A100-80GB' "
-            f"(presets: {', '.join(PRESETS)}) or a DeviceSpec to autosplit.plan"
-        )
+        raise DeviceError(advice(
+            f"device {dev} is not available here (torch.cuda.device_count() = {count})",
+            "the plan names a GPU this machine does not have",
+            f"to plan for hardware you do not have, pass a preset such as 'A100-80GB' (presets: {', '.join(PRESETS)}) "
+            "or a DeviceSpec",
+        ))
     props = torch.cuda.get_device_properties(index)
     base = next((p for key, p in PRESETS.items() if key.split("-")[0] in props.name), None)
     if base is None:  # an unknown GPU: take A100 figures, the memory from the driver
@@ -125,17 +126,23 @@ def _resolve_one(entry: DeviceLike) -> DeviceSpec:
         try:
             entry = torch.device(entry)
         except (RuntimeError, ValueError) as e:
-            raise DeviceError(
-                f"unknown device {entry!r}: not a torch device string and not a preset "
-                f"({', '.join(PRESETS)}); pass a DeviceSpec to describe other hardware"
-            ) from e
+            raise DeviceError(advice(
+                f"unknown device {entry!r}", f"it is neither a torch device string nor a preset ({', '.join(PRESETS)})",
+                "pass 'cpu', 'cuda:N', a preset name, or a DeviceSpec to describe other hardware",
+            )) from e
     if isinstance(entry, torch.device):
         if entry.type == "cpu":
             return dataclasses.replace(PRESETS["cpu"], torch_device="cpu")
         if entry.type == "cuda":
             return _cuda_spec(entry)
-        raise DeviceError(f"device type {entry.type!r} is not supported yet; use cpu, cuda or a DeviceSpec")
-    raise DeviceError(f"cannot use {entry!r} (type {type(entry).__name__}) as a device")
+        raise DeviceError(advice(
+            f"device type {entry.type!r} is not supported", "autosplit plans for CPU and CUDA devices",
+            "use cpu, cuda or a DeviceSpec that describes the hardware",
+        ))
+    raise DeviceError(advice(
+        f"cannot use {entry!r} (type {type(entry).__name__}) as a device",
+        "a device is a string, a torch.device or a DeviceSpec", "pass e.g. 'cpu', 'cuda:0' or 'A100-80GB'",
+    ))
 
 
 def resolve_devices(
@@ -150,19 +157,27 @@ def resolve_devices(
     if isinstance(devices, (str, torch.device, DeviceSpec)):
         devices = [devices]
     if not devices:
-        raise DeviceError("no devices given; pass a list such as ['cpu'] * 2 or ['A100-80GB'] * 8")
+        raise DeviceError(advice(
+            "no devices given", "the device list is empty", "pass a list such as ['cpu'] * 2 or ['A100-80GB'] * 8"
+        ))
     specs = [_resolve_one(d) for d in devices]
     for key, cap in (memory or {}).items():
         if isinstance(key, int):
             if not 0 <= key < len(specs):
-                raise DeviceError(f"memory cap for device index {key}, but only {len(specs)} devices given")
+                raise DeviceError(advice(
+                    f"option memory names device index {key}, but only {len(specs)} devices are given",
+                    "memory keys are indices into the device list", f"use an index in 0..{len(specs) - 1} or a device name",
+                ))
             hits = [key]
         else:
             key_str = str(key)
             hits = [i for i, s in enumerate(specs) if key_str in (s.torch_device, s.name)]
             if not hits:
                 names = sorted({s.torch_device or s.name for s in specs})
-                raise DeviceError(f"memory cap for {key_str!r} matches no device; devices are {names}")
+                raise DeviceError(advice(
+                    f"option memory names {key_str!r}, which matches no device",
+                    f"the devices are {names}", "key the cap by one of those names or by a device index",
+                ))
         for i in hits:
             specs[i] = specs[i].with_memory(parse_bytes(cap))
     return tuple(specs)

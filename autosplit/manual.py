@@ -38,7 +38,11 @@ def partition(weights: Sequence[float], stages: int) -> list[tuple[int, int]]:
     (DeepSpeed's ``partition_balanced``; uniform weights give ``partition_uniform``'s counts)."""
     n = len(weights)
     if not 1 <= stages <= n:
-        raise ConstraintError(advice(f"cannot cut {n} layers into {stages} non-empty stages", None, "use fewer stages"))
+        raise ConstraintError(advice(
+            f"cannot cut {n} layers into {stages} non-empty stages",
+            "every stage needs at least one layer",
+            f"use 1..{n} stages",
+        ))
     prefix = [0.0]
     for w in weights:
         prefix.append(prefix[-1] + w)
@@ -89,7 +93,11 @@ def deepspeed_fqns(model: torch.nn.Module, stages: int, method: str = "parameter
     elif method == "uniform":
         weights = [1.0] * len(layers)
     else:
-        raise ConstraintError(advice(f"partition_method={method!r} is not supported", None, "use 'parameters' or 'uniform'"))
+        raise ConstraintError(advice(
+            f"partition_method={method!r} is not supported",
+            "only DeepSpeed's two weightless methods are modelled",
+            "use 'parameters' or 'uniform'",
+        ))
     return [layers[a:b] for a, b in partition(weights, stages)]
 
 
@@ -102,7 +110,11 @@ def torchtitan_fqns(
     layers = layer_list(model, order)
     blocks = [layer for layer in layers if layer.startswith(repeated + ".")]
     if not blocks:
-        raise ConstraintError(advice(f"no repeated blocks under {repeated!r}", None, f"name the ModuleList, one of {layers[:6]}"))
+        raise ConstraintError(advice(
+            f"no repeated blocks under {repeated!r}",
+            "no layer of the model is named under it",
+            f"name the ModuleList, one of {layers[:6]}",
+        ))
     first, last = layers.index(blocks[0]), layers.index(blocks[-1])
     units = [layers[:first], *([b] for b in blocks), layers[last + 1 :]]
     weights = [input_weight, *[1.0] * len(blocks), output_weight]
@@ -123,7 +135,11 @@ def plan_from_fqns(planner: Any, fqns_per_stage: Sequence[Sequence[str]], *, nam
     specs = planner.specs()
     if len(fqns_per_stage) != len(specs):
         raise ConstraintError(
-            advice(f"the split has {len(fqns_per_stage)} stages for {len(specs)} devices", None, "give one module list per device")
+            advice(
+                f"the split has {len(fqns_per_stage)} stages for {len(specs)} devices",
+                "a manual split puts stage s on device s",
+                "give one module list per device",
+            )
         )
     owner = {fqn: s for s, fqns in enumerate(fqns_per_stage) for fqn in fqns}
     gm = traced.captured.gm

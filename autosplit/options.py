@@ -14,6 +14,7 @@ Usage::
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +24,7 @@ from autosplit.errors import ConstraintError, advice
 from autosplit.passes.costs import OPTIMIZER_STATE_BYTES, CostTable
 from autosplit.passes.profile import ProfileOptions
 from autosplit.solver.problem import SCHEDULES
+from autosplit.units import parse_bytes
 
 __all__ = ["PlanOptions", "SCHEDULES", "OPTIMIZERS", "CAPTURE_METHODS", "CostsLike"]
 
@@ -71,21 +73,24 @@ class PlanOptions:
 
     def __post_init__(self) -> None:
         def bad(name: str, value: Any, legal: str) -> ConstraintError:
-            return ConstraintError(advice(f"option {name}={value!r} is out of range", None, f"pass {name} = {legal}"))
+            return ConstraintError(advice(
+                f"option {name}={value!r} is out of range", f"{name} must be {legal}", f"pass {name} = {legal}"
+            ))
 
-        if self.micro_batches is not None and (
-            not isinstance(self.micro_batches, int) or isinstance(self.micro_batches, bool) or self.micro_batches < 1
-        ):
+        def is_int(x: Any) -> bool:
+            return isinstance(x, int) and not isinstance(x, bool)
+
+        if self.micro_batches is not None and (not is_int(self.micro_batches) or self.micro_batches < 1):
             raise bad("micro_batches", self.micro_batches, "an integer ≥ 1, or None for 4 × devices")
         if self.schedule not in SCHEDULES:
             raise bad("schedule", self.schedule, f"one of {SCHEDULES}")
         if self.optimizer not in OPTIMIZERS:
             raise bad("optimizer", self.optimizer, f"one of {OPTIMIZERS}")
-        if not isinstance(self.time_limit, (int, float)) or not self.time_limit > 0:
-            raise bad("time_limit", self.time_limit, "a number of seconds > 0")
-        if not isinstance(self.seed, int) or isinstance(self.seed, bool):
+        if not isinstance(self.time_limit, (int, float)) or isinstance(self.time_limit, bool) or not 0 < self.time_limit < math.inf:
+            raise bad("time_limit", self.time_limit, "a finite number of seconds > 0")
+        if not is_int(self.seed):
             raise bad("seed", self.seed, "an integer")
-        if not isinstance(self.data_parallel, int) or isinstance(self.data_parallel, bool) or self.data_parallel < 1:
+        if not is_int(self.data_parallel) or self.data_parallel < 1:
             raise bad("data_parallel", self.data_parallel, "an integer ≥ 1")
         if self.capture not in CAPTURE_METHODS:
             raise bad("capture", self.capture, f"one of {CAPTURE_METHODS}")
@@ -95,12 +100,36 @@ class PlanOptions:
         )
         if not (named or given):
             raise bad("costs", self.costs, "'analytic', 'measured', ProfileOptions(...), a CostTable or a saved table's path")
+        if self.memory is not None:
+            if not isinstance(self.memory, Mapping):
+                raise bad("memory", self.memory, "a mapping of device index or name to a size, e.g. {0: '8GiB'}")
+            for key, cap in self.memory.items():
+                if not isinstance(key, str) and not (is_int(key) and int(key) >= 0):
+                    raise bad("memory", self.memory, "keyed by device index (an integer ≥ 0) or device name")
+                parse_bytes(cap)  # raises a DeviceError naming the size it cannot read
+        for name in ("pin", "avoid", "cost_overrides"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, Mapping) and all(isinstance(k, str) for k in value)):
+                raise bad(name, value, "a mapping keyed by module or node name")
+        for name, value in (("pin", self.pin), ("avoid", self.avoid)):
+            for module, where in (value or {}).items():
+                targets = [where] if name == "pin" or isinstance(where, (int, str)) else where
+                if not isinstance(targets, Sequence) or not all(is_int(t) or isinstance(t, str) for t in targets):
+                    raise bad(name, {module: where}, "device indices or names per module")
+        if self.together is not None and (
+            isinstance(self.together, str)
+            or not all(not isinstance(g, str) and isinstance(g, Sequence) and all(isinstance(m, str) for m in g)
+                       for g in self.together)
+        ):
+            raise bad("together", self.together, "a list of groups of module names, e.g. [('wte', 'head')]")
 
     def replace(self, **changes: Any) -> PlanOptions:
         """These options with ``changes`` (checked like new ones)."""
         unknown = sorted(set(changes) - {f.name for f in dataclasses.fields(self)})
         if unknown:
-            raise ConstraintError(advice(f"unknown option(s) {unknown}", None, f"use one of {self.names()}"))
+            raise ConstraintError(advice(
+                f"unknown option(s) {unknown}", "a misspelt or removed option name", f"use one of {self.names()}"
+            ))
         return dataclasses.replace(self, **changes)
 
     @classmethod

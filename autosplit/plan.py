@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import json
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -160,21 +161,29 @@ class Plan:
         return max(range(len(self.stages)), key=lambda s: self.stages[s].time)
 
     def check_fingerprint(self, fingerprint: str, nodes: set[str]) -> None:
-        """Raise :class:`PlanMismatchError` unless the plan was made for this graph."""
-        if fingerprint == self.fingerprint:
-            return
+        """Raise :class:`PlanMismatchError` unless the plan was made for this graph (and
+        :class:`PlanFileError` when it claims to be but names other nodes: an edited file)."""
         planned = set(self.assignment)
         extra, gone = sorted(nodes - planned), sorted(planned - nodes)
+        if fingerprint == self.fingerprint:
+            if extra or gone:
+                raise PlanFileError(advice(
+                    f"the plan's field assignment does not name this graph's nodes: {len(extra)} missing "
+                    f"(first: {extra[:3]}), {len(gone)} unknown (first: {gone[:3]})",
+                    "the file was edited after planning (its fingerprint matches the model)",
+                    "re-plan the model, or restore the file from where it was saved",
+                ))
+            return
         detail = (
             f"{len(extra)} nodes not in the plan (first: {extra[:3]}), {len(gone)} planned nodes absent (first: {gone[:3]})"
             if extra or gone
             else "the same node names, but different ops, edges or parameter shapes"
         )
-        raise PlanMismatchError(
-            f"this plan was made for graph {self.fingerprint}, but the model captures as graph {fingerprint}: {detail}. "
-            "Likely cause: the plan belongs to another model or another version of it. "
-            "Try: re-plan with autosplit.plan(model, devices, ...), or load the plan made for this model."
-        )
+        raise PlanMismatchError(advice(
+            f"this plan was made for graph {self.fingerprint}, but the model captures as graph {fingerprint}: {detail}",
+            "the plan belongs to another model or another version of it",
+            "re-plan with autosplit.plan(model, devices, ...), or load the plan made for this model",
+        ))
 
     # -- files ----------------------------------------------------------------------------
     def to_dict(self) -> dict:
@@ -209,19 +218,80 @@ class Plan:
             fields["made_with"] = tuple(data["made_with"]) if data.get("made_with") else None
             fields["assignment"] = {str(k): int(v) for k, v in data["assignment"].items()}
             fields["stage_devices"] = tuple(int(d) for d in data["stage_devices"])
-            return cls(**fields)
+            plan = cls(**fields)
         except (KeyError, TypeError, ValueError, AttributeError) as e:
-            raise PlanFileError(
-                advice(f"{source}: a field is missing or malformed ({type(e).__name__}: {e})", None,
-                       "re-plan the model, or restore the file from where it was saved")
-            ) from e
+            raise PlanFileError(advice(
+                f"{source}: a field is missing or malformed ({type(e).__name__}: {e})",
+                "the file was edited, truncated or written by hand",
+                "re-plan the model, or restore the file from where it was saved",
+            )) from e
+        plan._check_fields(source)
+        return plan
+
+    def _check_fields(self, source: str) -> None:
+        """Each field of a loaded plan within its range; a :class:`PlanFileError` naming the first that is not."""
+        from autosplit.solver.problem import SCHEDULES
+
+        def bad(name: str, value: object, rule: str) -> PlanFileError:
+            return PlanFileError(advice(
+                f"{source}: field {name} = {value!r} {rule}", "the file was edited, or written by hand",
+                "re-plan the model, or restore the file from where it was saved",
+            ))
+
+        D = len(self.devices)
+        if D == 0:
+            raise bad("devices", [], "is empty: a plan places nodes on at least one device")
+        for i, spec in enumerate(self.devices):
+            if not spec.memory > 0:
+                raise bad(f"devices[{i}].memory", spec.memory, "is not a positive number of bytes")
+        seen: set[int] = set()
+        for s, index in enumerate(self.stage_devices):
+            if not 0 <= index < D or index in seen:
+                raise bad(f"stage_devices[{s}]", index, f"is not a distinct device index in 0..{D - 1}")
+            seen.add(index)
+        if not self.stage_devices:
+            raise bad("stage_devices", [], "is empty: a plan has at least one stage")
+        if len(self.stages) != len(self.stage_devices):
+            raise bad("stages", f"{len(self.stages)} rows", f"does not match the {len(self.stage_devices)} stage devices")
+        if not self.assignment:
+            raise bad("assignment", {}, "is empty: a plan places every graph node")
+        for node, index in self.assignment.items():
+            if not node:
+                raise bad("assignment", node, "has an empty node name")
+            if index not in seen:
+                rule = f"is not one of the plan's {D} devices" if not 0 <= index < D else "is a device no stage runs on"
+                raise bad(f"assignment[{node!r}]", index, f"{rule} (stage devices: {list(self.stage_devices)})")
+        if not 0 <= self.step_time < math.inf:
+            raise bad("step_time", self.step_time, "is not a finite number of seconds ≥ 0")
+        if self.micro_batches < 1:
+            raise bad("micro_batches", self.micro_batches, "is not an integer ≥ 1")
+        if self.schedule not in SCHEDULES:
+            raise bad("schedule", self.schedule, f"is not one of {SCHEDULES}")
+        if self.data_parallel < 1:
+            raise bad("data_parallel", self.data_parallel, "is not an integer ≥ 1")
+        if not self.fingerprint:
+            raise bad("fingerprint", self.fingerprint, "is empty")
+        if self.crossings and len(self.crossings) != len(self.stage_devices) - 1:
+            raise bad("crossings", f"{len(self.crossings)} boundaries", f"does not match {len(self.stage_devices)} stages")
+        for k, names in enumerate(self.crossings):
+            for name in names:
+                if name not in self.assignment and name.rsplit(".", 1)[0] not in self.assignment:
+                    raise bad(f"crossings[{k}]", name, "names no node of the plan")
+        for p in self.shared_params:
+            if any(not 0 <= s < len(self.stage_devices) for s in p.stages):
+                raise bad(f"shared_params[{p.name!r}].stages", list(p.stages), "names a stage the plan does not have")
+            if p.policy not in ("replicate", "send"):
+                raise bad(f"shared_params[{p.name!r}].policy", p.policy, "is not 'replicate' or 'send'")
 
     @classmethod
     def load(cls, path: str | Path) -> Plan:
         try:
             data = json.loads(Path(path).read_text())
         except (OSError, json.JSONDecodeError) as e:
-            raise PlanFileError(advice(f"cannot read plan file {path}: {e}", None, "check the path, or re-plan")) from e
+            raise PlanFileError(advice(
+                f"cannot read plan file {path}: {e}", "the path is wrong, or the file is not JSON",
+                "check the path, or re-plan and save the plan again",
+            )) from e
         return cls.from_dict(data, source=str(path))
 
     # -- report ---------------------------------------------------------------------------

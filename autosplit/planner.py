@@ -81,7 +81,11 @@ class Planner:
     def specs(self, devices: Sequence[DeviceLike] | None = None, options: PlanOptions | None = None) -> tuple[DeviceSpec, ...]:
         devices = self.devices if devices is None else devices
         if devices is None:
-            raise DeviceError(advice("devices=None needs a plan to take the devices from", None, "pass devices such as ['cpu'] * 2"))
+            raise DeviceError(advice(
+                "devices=None needs a plan to take the devices from",
+                "no plan was given",
+                "pass devices such as ['cpu'] * 2, or plan=...",
+            ))
         return resolve_devices(devices, (options or self.options).memory)
 
     def plan(self, given: Plan | str | Path | None = None) -> Plan:
@@ -97,7 +101,7 @@ class Planner:
             raise ConstraintError(
                 advice(
                     f"the plan places stages on {len(saved.devices)} devices, but {len(specs)} devices were given",
-                    None,
+                    "a saved plan fixes the number of devices",
                     "pass devices=None to use the plan's devices, or as many devices as the plan has",
                 )
             )

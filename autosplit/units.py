@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from autosplit.errors import DeviceError
+from autosplit.errors import DeviceError, advice
 
 __all__ = ["GiB", "parse_bytes", "format_bytes"]
 
@@ -21,11 +21,16 @@ def parse_bytes(value: int | float | str) -> int:
     """``"20GiB"`` → 21474836480; numbers pass through. Decimal (GB) and binary (GiB) units."""
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         if value <= 0:
-            raise DeviceError(f"memory size must be positive, got {value}")
+            raise DeviceError(advice(
+                f"memory size {value} is not positive", "a cap is a number of bytes > 0", "write it like '20GiB' or 8 * 2**30"
+            ))
         return int(value)
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(value))
     if not m or m.group(2).lower() not in _UNITS:
-        raise DeviceError(f"cannot read memory size {value!r}; write it like '20GiB', '512MiB', '16GB' or an int of bytes")
+        raise DeviceError(advice(
+            f"cannot read memory size {value!r}", "a size is a number with an optional unit (kB, MB, GB, KiB, MiB, GiB, TiB)",
+            "write it like '20GiB', '512MiB', '16GB' or an int of bytes",
+        ))
     return parse_bytes(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 

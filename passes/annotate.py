@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.fx as fx
@@ -30,7 +30,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils import _pytree as pytree
 from torch.utils.flop_counter import FlopCounterMode
 
-from autosplit.errors import CostModelError
+from autosplit.errors import CostModelError, advice
 from autosplit.passes.capture import Captured
 
 __all__ = ["NodeInfo", "annotate", "node_info", "fresh"]
@@ -68,13 +68,33 @@ class NodeInfo:
     buffer_bytes: int
     half: bool
     """Computes in fp16/bf16 (tensor-core peak applies)."""
+    mutates: tuple[str, ...] = ()
+    """Input nodes whose value this node writes in place (``relu_``, ``x += y``, a leaf module
+    writing its argument), seen from the tensors' version counters when it ran."""
+
+
+class _Measured(NamedTuple):
+    """What replaying one node showed; nodes with the same signature share it."""
+
+    fwd: int
+    bwd: int
+    saved: int
+    """Bytes of what the node itself makes and autograd keeps."""
+    saved_at: frozenset[int]
+    """Positions, among the flat (args, kwargs), of the inputs autograd keeps."""
+    saves_output: bool
+    written_at: frozenset[int]
+    """Positions of the inputs the node wrote in place (their version counter moved)."""
 
 
 def node_info(node: fx.Node) -> NodeInfo:
     try:
         return node.meta["autosplit"]
     except KeyError:
-        raise CostModelError(f"node {node.format_node()} has no annotation; run passes.annotate first") from None
+        raise CostModelError(advice(
+            f"node {node.format_node()} has no annotation", "the cost model ran before the annotate pass",
+            "run passes.annotate on the captured graph first",
+        )) from None
 
 
 def _tensor_bytes(value: Any) -> int:
@@ -112,8 +132,9 @@ class _Annotator(fx.Interpreter):
         self._fakes: dict[int, torch.Tensor] = {}  # id(real tensor) → its fake, so identity survives
         self._state_fakes: set[int] = set()  # ids of fakes standing for parameters
         self._seen_state: set[int] = set()  # real params/buffers already owned by some node
-        # signature → (fwd FLOPs, bwd FLOPs, own saved bytes, saved input positions, saves output)
-        self._measured: dict[tuple, tuple[int, int, int, frozenset[int], bool]] = {}
+        # signature → (fwd FLOPs, bwd FLOPs, own saved bytes, saved input positions, saves output,
+        # positions written in place)
+        self._measured: dict[tuple, _Measured] = {}
 
     def fake(self, t: torch.Tensor) -> torch.Tensor:
         if id(t) not in self._fakes:
@@ -157,20 +178,23 @@ class _Annotator(fx.Interpreter):
             try:
                 key = self._signature(n, args, kwargs) if n.op.startswith("call") else None
                 if key is not None and key in self._measured:
-                    out = _cut(getattr(self, n.op)(n.target, args, kwargs))
-                    fwd, bwd, saved, saved_at, saves_out = self._measured[key]
+                    # Fresh inputs here too: an in-place op on a cut (leaf) tensor would be illegal.
+                    fresh_args, fresh_kwargs = pytree.tree_map(lambda x: fresh(x, self._state_fakes), (args, kwargs))
+                    out = _cut(getattr(self, n.op)(n.target, fresh_args, fresh_kwargs))
+                    measured = self._measured[key]
                 elif n.op.startswith("call"):
-                    out, fwd, bwd, saved, saved_at, saves_out = self._measure(n, args, kwargs)
+                    out, measured = self._measure(n, args, kwargs)
                     if key is not None:
-                        self._measured[key] = (fwd, bwd, saved, saved_at, saves_out)
+                        self._measured[key] = measured
                 else:
-                    out, fwd, bwd, saved, saved_at, saves_out = getattr(self, n.op)(n.target, args, kwargs), 0, 0, 0, frozenset(), False
+                    out, measured = getattr(self, n.op)(n.target, args, kwargs), _Measured(0, 0, 0, frozenset(), False, frozenset())
             except Exception as e:
-                raise CostModelError(
+                raise CostModelError(advice(
                     f"could not run node {n.format_node()} (module '{self.paths.get(n.name, '')}') "
-                    f"on fake tensors: {type(e).__name__}: {e}. Likely an op without a fake-tensor "
-                    "kernel; try capturing with method='export' or mark the module a leaf."
-                ) from e
+                    f"on fake tensors: {type(e).__name__}: {e}",
+                    "an op without a fake-tensor kernel, or one that reads tensor values",
+                    "capture with method='export', or make the module a leaf",
+                )) from e
         if n.op == "call_module":
             mod = self.module.get_submodule(str(n.target))
             prefix = f"{n.target}."
@@ -187,17 +211,18 @@ class _Annotator(fx.Interpreter):
             output_shapes=_shapes(out),
             output_bytes=_tensor_bytes(out),
             input_bytes=_tensor_bytes((args, kwargs)),
-            fwd_flops=fwd,
-            bwd_flops=bwd,
-            saved_bytes=saved,
-            saved_inputs=self._producers(n, args, kwargs, saved_at),
-            saves_output=saves_out,
+            fwd_flops=measured.fwd,
+            bwd_flops=measured.bwd,
+            saved_bytes=measured.saved,
+            saved_inputs=self._producers(n, args, kwargs, measured.saved_at),
+            saves_output=measured.saves_output,
             params=params,
             param_bytes=pbytes,
             param_count=pcount,
             largest_param_bytes=largest,
             buffer_bytes=bbytes,
             half=any(t.dtype in _HALF for t in tensors),
+            mutates=self._producers(n, args, kwargs, measured.written_at),
         )
         return out
 
@@ -217,13 +242,12 @@ class _Annotator(fx.Interpreter):
                 return ("T", tuple(x.shape), x.stride(), x.dtype, x.requires_grad, id(x) in self._state_fakes)
             if x is None or isinstance(x, (bool, int, float, str, torch.dtype, torch.device, slice)):
                 return repr(x)
-            raise TypeError  # an unusual value: measure this node on its own
+            return None  # an unusual value: measure this node on its own
 
-        try:
-            inputs = tuple(describe(x) for x in pytree.tree_leaves((args, kwargs)))
-            structure = str(pytree.tree_structure((args, kwargs)))
-        except TypeError:
+        inputs = tuple(describe(x) for x in pytree.tree_leaves((args, kwargs)))
+        if None in inputs:
             return None
+        structure = str(pytree.tree_structure((args, kwargs)))
         if n.op == "call_module":
             mod = self.module.get_submodule(str(n.target))
             state = tuple((k, tuple(v.shape), v.dtype, v.requires_grad) for k, v in [*mod.named_parameters(), *mod.named_buffers()])
@@ -235,15 +259,13 @@ class _Annotator(fx.Interpreter):
             )
         return (n.op, what, structure, inputs)
 
-    def _measure(self, n: fx.Node, args: tuple, kwargs: dict) -> tuple[Any, int, int, int, frozenset[int], bool]:
-        """Run ``n`` on fresh grad-requiring inputs.
-
-        Returns (output, fwd FLOPs, bwd FLOPs, own saved bytes, positions of the saved
-        inputs among the flat (args, kwargs), whether the output itself is saved).
-        """
+    def _measure(self, n: fx.Node, args: tuple, kwargs: dict) -> tuple[Any, _Measured]:
+        """Run ``n`` on fresh grad-requiring inputs; its output (cut from the graph) and what it costs."""
 
         args, kwargs = pytree.tree_map(lambda x: fresh(x, self._state_fakes), (args, kwargs))
-        position = {id(t): i for i, t in enumerate(pytree.tree_leaves((args, kwargs))) if isinstance(t, torch.Tensor)}
+        flat = pytree.tree_leaves((args, kwargs))
+        position = {id(t): i for i, t in enumerate(flat) if isinstance(t, torch.Tensor)}
+        versions = {i: t._version for i, t in enumerate(flat) if isinstance(t, torch.Tensor)}
         own: dict[int, int] = {}
         saved_at: set[int] = set()
 
@@ -261,6 +283,7 @@ class _Annotator(fx.Interpreter):
 
         with FlopCounterMode(display=False) as fwd_counter, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             out = getattr(self, n.op)(n.target, args, kwargs)
+        written_at = frozenset(i for i, v in versions.items() if flat[i]._version != v)
         leaves = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
         saves_output = any(id(t) in own or (t._base is not None and id(t._base) in own) for t in leaves)
         outs = [t for t in leaves if t.requires_grad]
@@ -272,7 +295,8 @@ class _Annotator(fx.Interpreter):
             with FlopCounterMode(display=False) as bwd_counter:
                 torch.autograd.grad(outs, grad_inputs, [torch.ones_like(o) for o in outs], allow_unused=True)
             bwd = bwd_counter.get_total_flops()
-        return _cut(out), fwd_counter.get_total_flops(), bwd, sum(own.values()), frozenset(saved_at), saves_output
+        measured = _Measured(fwd_counter.get_total_flops(), bwd, sum(own.values()), frozenset(saved_at), saves_output, written_at)
+        return _cut(out), measured
 
 
 def annotate(captured: Captured, inputs: list[Any]) -> fx.GraphModule:

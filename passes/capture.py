@@ -20,7 +20,6 @@ from __future__ import annotations
 import hashlib
 import inspect
 import logging
-import operator
 from collections import defaultdict
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -31,9 +30,9 @@ import torch.fx as fx
 from torch.fx.graph import _PyTreeCodeGen
 from torch.utils import _pytree as pytree
 
-from autosplit.errors import CaptureError
+from autosplit.errors import CaptureError, advice
 
-__all__ = ["Captured", "capture", "flat_inputs", "fingerprint", "mutated_input"]
+__all__ = ["Captured", "capture", "flat_inputs", "fingerprint"]
 
 log = logging.getLogger(__name__)
 
@@ -112,7 +111,10 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, *, 
     """Capture ``model`` as an fx graph. ``method``: ``"auto"``, ``"symbolic_trace"`` or ``"export"``."""
     kwargs = dict(kwargs or {})
     if method not in ("auto", "symbolic_trace", "export"):
-        raise CaptureError(f"unknown capture method {method!r}; use 'auto', 'symbolic_trace' or 'export'")
+        raise CaptureError(advice(
+            f"unknown capture method {method!r}", "autosplit captures with torch.fx or torch.export",
+            "use 'auto', 'symbolic_trace' or 'export'",
+        ))
     errors: list[str] = []
     gm = None
     used = method
@@ -131,13 +133,13 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, *, 
             errors.append(f"torch.export: {type(e).__name__}: {e}")
     if gm is None:
         details = "\n  ".join(line.splitlines()[0][:400] for line in errors)
-        raise CaptureError(
-            f"could not capture {type(model).__name__}:\n  {details}\n"
-            "likely cause: Python control flow that depends on tensor values, or an op "
-            "neither tracer supports. Try: move data-dependent branches into a leaf module "
-            "(autosplit keeps standard torch.nn modules as leaves), replace `if tensor:` by "
-            "torch.where / torch.cond, or pass method='export' with static example inputs."
-        ) from None
+        raise CaptureError(advice(
+            f"could not capture {type(model).__name__}:\n  {details}\n",
+            "Python control flow that depends on tensor values, or an op neither tracer supports",
+            "move data-dependent branches into a leaf module (autosplit keeps standard torch.nn modules as "
+            "leaves), replace `if tensor:` by torch.where / torch.cond, or pass method='export' with static "
+            "example inputs",
+        )) from None
     paths = {n.name: _module_path(n) for n in gm.graph.nodes}
     log.debug("captured %s with %s: %d nodes", type(model).__name__, used, len(gm.graph.nodes))
     return Captured(gm=gm, method=used, module_paths=paths)
@@ -155,46 +157,12 @@ def flat_inputs(captured: Captured, model: torch.nn.Module, args: tuple, kwargs:
     values = list(bound.arguments.values())
     placeholders = list(captured.gm.graph.find_nodes(op="placeholder"))
     if len(values) != len(placeholders):
-        raise CaptureError(
+        raise CaptureError(advice(
             f"{type(model).__name__}.forward takes {len(values)} arguments but the graph has "
-            f"{len(placeholders)} placeholders; *args/**kwargs signatures need method='export'"
-        )
+            f"{len(placeholders)} placeholders", "symbolic tracing cannot follow *args/**kwargs signatures",
+            "capture with method='export'",
+        ))
     return values
-
-
-_INPLACE_OPERATORS = {
-    operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv,
-    operator.imod, operator.ipow, operator.iand, operator.ior, operator.ixor,
-    operator.ilshift, operator.irshift, operator.imatmul, operator.setitem,
-}
-
-
-def mutated_input(node: fx.Node, gm: fx.GraphModule) -> fx.Node | None:
-    """The input node that ``node`` writes in place, if any (``x.add_(y)``, ``x += y``, ``ReLU(inplace=True)``)."""
-    target = node.target
-    first = node.args[0] if node.args and isinstance(node.args[0], fx.Node) else None
-    if first is None:
-        return None
-    if node.op == "call_method" and str(target).endswith("_") and not str(target).startswith("__"):
-        return first
-    if node.op == "call_module":
-        return first if getattr(gm.get_submodule(str(target)), "inplace", False) else None
-    if node.op != "call_function":
-        return None
-    if target in _INPLACE_OPERATORS:
-        return first
-    schema = getattr(target, "_schema", None)
-    if schema is not None:
-        for i, arg in enumerate(schema.arguments):
-            if arg.alias_info is not None and arg.alias_info.is_write and i < len(node.args):
-                written = node.args[i]
-                return written if isinstance(written, fx.Node) else None
-        return None
-    if getattr(target, "__name__", "").endswith("_") and not getattr(target, "__name__", "").startswith("_"):
-        return first
-    if node.kwargs.get("inplace") is True:  # F.relu(x, inplace=True)
-        return first
-    return None
 
 
 def _target_name(target: Any) -> str:

@@ -99,7 +99,10 @@ def generate(captured: Captured, assignment: Mapping[str, int], devices: Sequenc
     nodes = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
     missing = [n.name for n in nodes if n.name not in assignment]
     if missing:
-        raise CodegenError(f"assignment leaves {len(missing)} nodes unplaced (first: {missing[:3]}); validate the plan first")
+        raise CodegenError(advice(
+            f"assignment leaves {len(missing)} nodes unplaced (first: {missing[:3]})",
+            "the plan was made for another graph, or edited", "validate the plan against this model, or re-plan",
+        ))
     stage_of = {n: assignment[n.name] for n in nodes}
     output = next(iter(gm.graph.find_nodes(op="output")))
     exported = set(output.all_input_nodes)
@@ -248,7 +251,10 @@ def generate_chain(
     nodes = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
     missing = [n.name for n in nodes if n.name not in assignment]
     if missing:
-        raise CodegenError(f"assignment leaves {len(missing)} nodes unplaced (first: {missing[:3]}); validate the plan first")
+        raise CodegenError(advice(
+            f"assignment leaves {len(missing)} nodes unplaced (first: {missing[:3]})",
+            "the plan was made for another graph, or edited", "validate the plan against this model, or re-plan",
+        ))
     stage_of = {n: assignment[n.name] for n in nodes}
     placeholders = list(gm.graph.find_nodes(op="placeholder"))
     output = next(iter(gm.graph.find_nodes(op="output")))

@@ -48,9 +48,8 @@ import torch.fx as fx
 from networkx.utils import UnionFind
 
 from autosplit.devices import DeviceSpec
-from autosplit.errors import CostModelError
+from autosplit.errors import CostModelError, advice
 from autosplit.passes.annotate import NodeInfo, node_info
-from autosplit.passes.capture import mutated_input
 from autosplit.passes.profile import Profile
 
 __all__ = [
@@ -128,7 +127,10 @@ class CostTable:
             data["devices"] = tuple(DeviceSpec.from_dict(d) for d in data["devices"])
             return cls(**{k: _frozen(v) if k != "devices" else v for k, v in data.items()})
         except (OSError, ValueError, TypeError, KeyError) as e:
-            raise CostModelError(f"cannot read a cost table from {path}: {type(e).__name__}: {e}") from e
+            raise CostModelError(advice(
+                f"cannot read a cost table from {path}: {type(e).__name__}: {e}",
+                "the file is missing, damaged, or was written by another version", "save the table again (CostTable.save)",
+            )) from e
 
 
 def _frozen(value):
@@ -215,15 +217,20 @@ def with_overrides(table: CostTable, overrides: Mapping[str, Mapping[str, float]
     for key, cost in overrides.items():
         unknown = set(cost) - set(OVERRIDE_KEYS)
         if unknown:
-            raise CostModelError(f"cost override for {key!r} has unknown fields {sorted(unknown)}; use {OVERRIDE_KEYS}")
+            raise CostModelError(advice(
+                f"option cost_overrides[{key!r}] has unknown fields {sorted(unknown)}",
+                "an override sets only forward/backward seconds and saved bytes", f"use the fields {OVERRIDE_KEYS}",
+            ))
         members = [by_name[key]] if key in by_name else [
             i for i, path in enumerate(table.module_paths) if path == key or path.startswith(key + ".")
         ]
         if not members:
-            raise CostModelError(
-                f"cost override names {key!r}, which is neither a node nor a module of the graph; "
-                f"nodes look like {list(table.nodes[:4])}, modules like {sorted({p for p in table.module_paths if p})[:4]}"
-            )
+            raise CostModelError(advice(
+                f"option cost_overrides names {key!r}, which is neither a node nor a module of the graph",
+                "a misspelt name, or a module the capture traced through",
+                f"use a node name (like {list(table.nodes[:4])}) or a module path "
+                f"(like {sorted({p for p in table.module_paths if p})[:4]})",
+            ))
 
         def spread(total: float, current: list[float]) -> list[float]:
             whole = sum(current)
@@ -256,7 +263,10 @@ def estimate(
     costs; ``None`` or a missing profile keeps the analytic ones.
     """
     if optimizer not in OPTIMIZER_STATE_BYTES:
-        raise CostModelError(f"unknown optimizer {optimizer!r}; choose one of {sorted(OPTIMIZER_STATE_BYTES)}")
+        raise CostModelError(advice(
+            f"unknown optimizer {optimizer!r}", "the memory model knows the state of these optimizers only",
+            f"choose one of {sorted(OPTIMIZER_STATE_BYTES)}",
+        ))
     profiles = list(profiles or [None] * len(devices))
     nodes = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
     index = {n: i for i, n in enumerate(nodes)}
@@ -282,6 +292,7 @@ def estimate(
     edges = sorted({(index[u], index[v]) for v in nodes for u in v.all_input_nodes if u in index})
 
     colocate = UnionFind(range(len(nodes)))
+    by_name = {n.name: n for n in gm.graph.nodes}
     order_edges: set[tuple[int, int]] = set()
     first_call: dict[str, int] = {}
     for i, n in enumerate(nodes):
@@ -292,14 +303,12 @@ def estimate(
             readers = [index[u] for u in n.users if u in index]
             if readers:
                 colocate.union(i, min(readers))
-        written = mutated_input(n, gm)
-        if written is None:
-            continue
-        if written in index:
-            colocate.union(i, index[written])
-        for reader in written.users:
-            if reader is not n and reader in index:
-                order_edges.add((index[reader], i) if index[reader] < i else (i, index[reader]))
+        for written in (by_name[name] for name in infos[i].mutates):
+            if written in index:
+                colocate.union(i, index[written])
+            for reader in written.users:
+                if reader is not n and reader in index:
+                    order_edges.add((index[reader], i) if index[reader] < i else (i, index[reader]))
 
     saved, sent = _saved_bytes(gm, nodes, infos, own_saved)
     fwd = [[t[0] for t in row] for row in times]

@@ -45,7 +45,7 @@ import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
-from autosplit.errors import CostModelError
+from autosplit.errors import CostModelError, advice
 from autosplit.measure import MemoryTracker, pinned, timed
 from autosplit.passes.annotate import fresh
 from autosplit.passes.capture import Captured
@@ -146,10 +146,11 @@ class _Profiler(fx.Interpreter):
             try:
                 self.results[n.name] = self._measure(n, args, kwargs)
             except Exception as e:
-                raise CostModelError(
-                    f"could not profile node {n.format_node()} on {self.device}: {type(e).__name__}: {e}; "
-                    "plan with costs='analytic', or override this node's cost (cost_overrides=)"
-                ) from e
+                raise CostModelError(advice(
+                    f"could not profile node {n.format_node()} on {self.device}: {type(e).__name__}: {e}",
+                    "the op cannot be replayed alone on fresh inputs",
+                    "plan with costs='analytic', or override this node's cost (cost_overrides=)",
+                )) from e
         return out
 
     def _fresh(self, args: tuple, kwargs: dict) -> tuple[tuple, dict, list[torch.Tensor]]:

@@ -85,16 +85,14 @@ def _broadcast_plan(planner: Planner, given: Plan | None, rank: int) -> Plan:
         try:
             box[0] = ("plan", (given if given is not None else planner.plan()).to_dict())
         except AutosplitError as e:
-            box[0] = ("error", (type(e).__name__, str(e)))
+            box[0] = ("error", e)
             dist.broadcast_object_list(box, src=0)
             raise
     dist.broadcast_object_list(box, src=0)
     kind, payload = box[0]
     if kind == "error":
-        import autosplit.errors as errors
-
-        cls = getattr(errors, payload[0], AutosplitError)
-        raise cls(f"(raised on rank 0) {payload[1]}")
+        payload.add_note("(raised on rank 0 while planning, and sent to every rank)")
+        raise payload
     return Plan.from_dict(payload, source="the plan broadcast by rank 0")
 
 
@@ -204,8 +202,11 @@ class DistributedModel:
             self._schedule = self._make_schedule(named)
         if self._failed is not None:
             raise DistributedError(
-                advice(f"this pipeline failed in an earlier step ({self._failed})", None,
-                       "re-create it with autosplit.distribute after fixing the cause (and a new process group if it was torn down)")
+                advice(
+                    f"this pipeline failed in an earlier step ({self._failed})",
+                    "a failed step leaves the stages and the process group in an unknown state",
+                    "re-create it with autosplit.distribute after fixing the cause (and a new process group if it was torn down)",
+                )
             )
         losses: list[torch.Tensor] = []
         try:
@@ -350,13 +351,21 @@ def distribute(
     """
     if not dist.is_available() or not dist.is_initialized():
         raise DistributedError(
-            advice("autosplit.distribute needs an initialised process group", None,
+            advice("autosplit.distribute needs an initialised process group", "torch.distributed is not initialised in this process",
                    "call torch.distributed.init_process_group('gloo' or 'nccl') first, e.g. under torchrun")
         )
     if replicate not in ("ddp", "fsdp"):
-        raise DistributedError(advice(f"replicate={replicate!r} is not supported", None, "pass 'ddp' or 'fsdp'"))
+        raise DistributedError(advice(
+            f"replicate={replicate!r} is not supported",
+            "replicas are kept in step by FSDP2's replicate or fully_shard",
+            "pass 'ddp' or 'fsdp'",
+        ))
     if not isinstance(data_parallel, int) or data_parallel < 1:
-        raise DistributedError(advice(f"data_parallel={data_parallel!r} is out of range", None, "pass an integer ≥ 1"))
+        raise DistributedError(advice(
+            f"data_parallel={data_parallel!r} is out of range",
+            "it counts replicas of the pipeline",
+            "pass an integer ≥ 1",
+        ))
     given = load_plan(plan)
     stages = len(given.devices) if devices is None and given is not None else len(devices or ())
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -365,7 +374,7 @@ def distribute(
             advice(
                 f"the process group has {world} ranks, but the plan needs data_parallel × stages = "
                 f"{data_parallel} × {stages} = {stages * data_parallel}",
-                None,
+                "each rank runs one stage of one replica",
                 f"launch {stages * data_parallel} processes (torchrun --nproc-per-node {stages * data_parallel}), "
                 f"or pass data_parallel={world // stages if stages and world % stages == 0 else '…'} / other devices",
             )
@@ -374,7 +383,11 @@ def distribute(
     options["data_parallel"] = data_parallel
     if options["schedule"] not in SCHEDULE_CLASSES and given is None:
         raise DistributedError(
-            advice(f"schedule={options['schedule']!r} cannot run pipelined", None, f"pass one of {sorted(SCHEDULE_CLASSES)}")
+            advice(
+                f"schedule={options['schedule']!r} cannot run pipelined",
+                "torch.distributed.pipelining runs these schedules only",
+                f"pass one of {sorted(SCHEDULE_CLASSES)}",
+            )
         )
     planner = Planner(model, devices, example_inputs=example_inputs, example_kwargs=example_kwargs, **options)
     traced = planner.traced
@@ -383,7 +396,11 @@ def distribute(
     _agree(traced.fingerprint, "the captured graph's fingerprint")
     if made.schedule not in SCHEDULE_CLASSES:
         raise DistributedError(
-            advice(f"the plan's schedule {made.schedule!r} cannot run pipelined", None, f"re-plan with one of {sorted(SCHEDULE_CLASSES)}")
+            advice(
+                f"the plan's schedule {made.schedule!r} cannot run pipelined",
+                "torch.distributed.pipelining runs these schedules only",
+                f"re-plan with one of {sorted(SCHEDULE_CLASSES)}",
+            )
         )
 
     layout = Layout.of(rank, stages, data_parallel)

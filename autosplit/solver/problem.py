@@ -26,6 +26,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from autosplit.errors import ConstraintError, advice
+
 __all__ = ["Problem", "Evaluation", "UserConstraint", "SCHEDULES", "in_flight", "evaluate", "build_problem", "tied_costs"]
 
 NS = 1e9  # time unit: nanoseconds per second
@@ -42,7 +44,9 @@ def in_flight(schedule: str, stage: int, stages: int, micro_batches: int) -> int
         return micro_batches
     if schedule == "1f1b":
         return min(micro_batches, stages - stage)
-    raise ValueError(f"unknown schedule {schedule!r}; choose one of {SCHEDULES}")
+    raise ConstraintError(advice(
+        f"unknown schedule {schedule!r}", "the pipeline model knows only these schedules", f"choose one of {SCHEDULES}"
+    ))
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from autosplit.errors import PlanValidationError
+from autosplit.errors import PlanValidationError, advice
 from autosplit.solver.problem import KIB, Problem, evaluate
 from autosplit.units import format_bytes
 
@@ -60,4 +60,8 @@ def violations(problem: Problem, stage_of: Sequence[int]) -> list[str]:
 def validate(problem: Problem, stage_of: Sequence[int]) -> None:
     found = violations(problem, stage_of)
     if found:
-        raise PlanValidationError("the plan breaks {} rule(s):\n  - {}".format(len(found), "\n  - ".join(found)))
+        raise PlanValidationError(advice(
+            "the plan breaks {} rule(s):\n  - {}".format(len(found), "\n  - ".join(found)),
+            "the assignment was edited, or made for other caps or constraints",
+            "re-plan, or fix the nodes named above",
+        ))

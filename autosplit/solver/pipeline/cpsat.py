@@ -44,7 +44,7 @@ from typing import Any
 
 from ortools.sat.python import cp_model
 
-from autosplit.errors import InfeasiblePlanError
+from autosplit.errors import InfeasiblePlanError, advice
 from autosplit.solver.pipeline.bounds import memory_units
 from autosplit.solver.problem import KIB, Problem
 from autosplit.units import format_bytes
@@ -137,10 +137,11 @@ class _Model:
             mem += sum(p.send_mem[u][s] * y for (u, k), y in self.y.items() if k == s + 1)
         return mem
 
-    def add_assumptions(self) -> list[tuple[cp_model.IntVar, int | str]]:
-        """Memory caps and user constraints, each behind a literal: (literal, stage index or constraint text)."""
+    def add_assumptions(self, caps: bool = True) -> list[tuple[cp_model.IntVar, int | str]]:
+        """Memory caps (unless ``caps=False``) and user constraints, each behind a literal:
+        (literal, stage index or constraint text)."""
         guarded: list[tuple[cp_model.IntVar, int | str]] = []
-        for s in range(self.p.num_stages):
+        for s in range(self.p.num_stages if caps else 0):
             lit = self.m.new_bool_var(f"cap_{s}")
             self.m.add(self.memory(s) <= self.p.capacity[s]).only_enforce_if(lit)
             guarded.append((lit, s))
@@ -188,21 +189,45 @@ def _solver(time_limit: float, seed: int, workers: int | None, deterministic: bo
 
 
 def explain_infeasible(problem: Problem, core: Sequence[int | str], time_limit: float, seed: int) -> str:
-    """Why no plan exists, in the user's terms: the conflicting constraints, and for memory the
-    least peak any plan reaches on its fullest device (caps ignored)."""
+    """Why no plan exists, in the user's terms, leading with the real cause.
+
+    A core is sufficient, not minimal: it may name memory caps and constraints together.
+    So the constraints are first tried alone (caps dropped): if they conflict, they are the
+    cause whatever the memory; otherwise memory is, and the message gives the fullest
+    device's cap and the least any plan needs there.
+    """
     rules = [c for c in core if isinstance(c, str)]
+    if rules:
+        conflict = _conflicting_rules(problem, time_limit, seed)
+        if conflict:
+            return advice(
+                "these placement constraints cannot all hold: " + "; ".join(conflict),
+                "each of them is needed for the conflict, given that every device runs one non-empty stage and "
+                "stages follow the graph's order (memory is not the cause: without the caps they still conflict)",
+                "drop or relax one of them",
+            )
     caps = [c for c in core if isinstance(c, int)]
-    if rules and not caps:
-        return (
-            "these constraints cannot all hold: " + "; ".join(rules) + ". "
-            "Try: drop or relax one of them (each is needed for the conflict)."
-        )
-    text = explain_memory(problem, caps, time_limit, seed)
-    return text + (f" The conflict also involves: {'; '.join(rules)}." if rules else "")
+    return explain_memory(problem, caps, time_limit, seed, constraints=rules)
 
 
-def explain_memory(problem: Problem, core: list[int], time_limit: float, seed: int) -> str:
-    """The least peak memory any plan reaches on its fullest device (caps ignored)."""
+def _conflicting_rules(problem: Problem, time_limit: float, seed: int) -> list[str]:
+    """The user constraints that conflict with memory caps dropped (empty when they can all hold)."""
+    model = _Model(problem)
+    guarded = model.add_assumptions(caps=False)
+    solver = _solver(time_limit, seed, None)
+    if solver.solve(model.m) != cp_model.INFEASIBLE:
+        return []
+    index = {lit.Index(): what for lit, what in guarded}
+    return [str(index[i]) for i in solver.sufficient_assumptions_for_infeasibility() if i in index]
+
+
+def explain_memory(
+    problem: Problem, core: list[int], time_limit: float, seed: int, constraints: Sequence[str] = ()
+) -> str:
+    """No plan fits the caps of the ``core`` stages (all when empty): the least peak memory any
+    plan reaches on its fullest device (caps ignored), against those caps; ``constraints``: the
+    user constraints that take part in the conflict."""
+    core = core or list(range(problem.num_stages))
     model = _Model(problem)
     most = problem.transient_mem + sum(problem.state_mem) + sum(map(max, problem.act_mem)) + sum(map(max, problem.recv_mem))
     most += sum(map(max, problem.send_mem))
@@ -217,12 +242,13 @@ def explain_memory(problem: Problem, core: list[int], time_limit: float, seed: i
     caps = ", ".join(f"stage {s} on {problem.devices[s]} (cap {_kib(problem.capacity[s])})" for s in core)
     least = _kib(solver.value(peak)) if status in (cp_model.OPTIMAL, cp_model.FEASIBLE) else "unknown"
     bound = _kib(int(solver.best_objective_bound)) if status == cp_model.FEASIBLE else least
-    return (
-        f"no plan fits the memory caps of {caps or 'the devices'}. The least memory any plan needs on its "
-        f"fullest device is {least} (proven lower bound {bound}), against the largest cap {_kib(max(problem.capacity))}. "
-        "Likely cause: parameters + gradients + optimizer state + saved activations exceed what the devices hold. "
-        "Try: raise the caps (memory={...}), add devices, use schedule='1f1b' with more micro-batches, "
-        "a smaller batch, or optimizer='sgd'."
+    return advice(
+        f"no plan fits the memory caps of {caps}: the least memory any plan needs on its fullest device is "
+        f"{least} (proven lower bound {bound}), against the largest cap {_kib(max(problem.capacity))}",
+        "parameters + gradients + optimizer state + saved activations exceed what the devices hold"
+        + (f", with the constraints {'; '.join(constraints)}" if constraints else ""),
+        "raise the caps (memory={...}), add devices, use schedule='1f1b' with more micro-batches, "
+        "a smaller batch, or optimizer='sgd'",
     )
 
 
@@ -233,26 +259,28 @@ def _kib(kib: int) -> str:
 def precheck(problem: Problem) -> None:
     N, S = len(problem.nodes), problem.num_stages
     if S > N:
-        raise InfeasiblePlanError(
-            f"{S} devices but only {N} graph nodes to place: every stage needs at least one node. "
-            f"Try: use at most {N} devices."
-        )
+        raise InfeasiblePlanError(advice(
+            f"{S} devices but only {N} graph nodes to place", "every stage needs at least one node",
+            f"use at most {N} devices",
+        ))
     units = N - sum(len(g) - 1 for g in problem.colocate)
     if S > units:
-        raise InfeasiblePlanError(
-            f"{S} devices but only {units} independent units after colocating shared parameters and in-place ops. "
-            f"Try: use at most {units} devices."
-        )
+        raise InfeasiblePlanError(advice(
+            f"{S} devices but only {units} independent units to place",
+            "nodes sharing parameters or writing each other's tensors in place stay together",
+            f"use at most {units} devices",
+        ))
     largest = max(problem.capacity)
     for group, need in memory_units(problem):
         if need > largest:
             n = group[0]
-            raise InfeasiblePlanError(
-                f"node '{problem.nodes[n]}' (module '{problem.labels[n]}'"
-                + (f", colocated with {len(group) - 1} more nodes" if len(group) > 1 else "")
-                + f") alone needs {_kib(need)} but the largest device cap is {_kib(largest)}. "
-                "Try: raise the cap, use optimizer='sgd', or split that module's parameters."
-            )
+            together = f", colocated with {len(group) - 1} more nodes" if len(group) > 1 else ""
+            raise InfeasiblePlanError(advice(
+                f"node '{problem.nodes[n]}' (module '{problem.labels[n]}'{together}) alone needs {_kib(need)} "
+                f"but the largest device cap is {_kib(largest)}",
+                "its parameters, gradients, optimizer state and activations cannot be split across devices",
+                "raise the cap, use optimizer='sgd', or split that module's parameters",
+            ))
 
 
 def cpsat(

@@ -29,10 +29,10 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from autosplit.errors import InfeasiblePlanError, SolverError
+from autosplit.errors import InfeasiblePlanError, SolverError, advice
 from autosplit.solver.coarsen import Coarsening, coarse_problem, coarsen, repeated_layers
 from autosplit.solver.pipeline.bounds import lower_bound, memory_floor
-from autosplit.solver.pipeline.cpsat import cpsat, explain_infeasible, explain_memory, precheck
+from autosplit.solver.pipeline.cpsat import cpsat, explain_infeasible, precheck
 from autosplit.solver.pipeline.dp import split_dp, topological_order
 from autosplit.solver.problem import KIB, Problem, evaluate
 from autosplit.solver.validate import violations
@@ -143,20 +143,22 @@ def solve(problem: Problem, *, time_limit: float = 10.0, seed: int = 0, workers:
     valid = {k: v for k, v in candidates.items() if not violations(problem, v)}
     if not valid:
         if N * (S - 1) <= CPSAT_VAR_LIMIT:
-            raise InfeasiblePlanError(explain_memory(problem, [], time_limit, seed))
+            everything = [*range(S), *(c.text for c in problem.constraints)]
+            raise InfeasiblePlanError(explain_infeasible(problem, everything, time_limit, seed))
         floor = memory_floor(problem)
         if floor > max(problem.capacity):
-            raise InfeasiblePlanError(
-                f"no plan fits: any plan needs at least {format_bytes(floor * KIB)} on its fullest device "
-                f"(model state and activations spread perfectly over {S} devices), but the largest cap is "
-                f"{format_bytes(max(problem.capacity) * KIB)}. Try: more devices, schedule='1f1b' with more "
-                "micro-batches, a smaller batch, or optimizer='sgd'."
-            )
-        raise SolverError(
-            f"no plan found for {N} nodes on {S} devices within {time_limit:.1f}s: the dynamic program found no "
-            "contiguous split that fits memory and the constraints, and CP-SAT found none either. Try: a longer "
-            "time_limit, looser memory caps or constraints, or more devices."
-        )
+            raise InfeasiblePlanError(advice(
+                f"no plan fits the memory caps: any plan needs at least {format_bytes(floor * KIB)} on its fullest "
+                f"device, but the largest cap is {format_bytes(max(problem.capacity) * KIB)}",
+                f"model state and activations exceed the caps even spread perfectly over {S} devices",
+                "more devices, schedule='1f1b' with more micro-batches, a smaller batch, or optimizer='sgd'",
+            ))
+        raise SolverError(advice(
+            f"no plan found for {N} nodes on {S} devices within {time_limit:.1f}s",
+            "the dynamic program found no contiguous split that fits memory and the constraints, and CP-SAT "
+            "found none in time",
+            "a longer time_limit, looser memory caps or constraints, or more devices",
+        ))
     method, stage_of = min(valid.items(), key=lambda kv: (evaluate(problem, kv[1]).objective, kv[0] != "dp"))
     objective = evaluate(problem, stage_of).objective
     bound = min(bound, objective)
