@@ -114,6 +114,9 @@ class CostTable:
     such an output is the same for every
     micro-batch, so a later stage that reads it gets it once per micro-batch or keeps a replica
     whose gradient is summed once per step (a tied weight)."""
+    output_tensors: tuple[int, ...] = ()
+    """[node] tensors in its output: each crossing pays the link latency once per micro-batch; a
+    Python value (a shape int) crosses as a constant and pays nothing. Empty: one each."""
 
     def save(self, path: str | Path) -> None:
         """Write the table as JSON, to edit or to plan with again (``costs=path``)."""
@@ -341,4 +344,5 @@ def estimate(
             else ""
             for n in nodes
         ),
+        output_tensors=tuple(len(info.output_shapes) for info in infos),
     )

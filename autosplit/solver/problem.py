@@ -206,7 +206,8 @@ def build_problem(
         tuple(round((fwd[d] + bwd[d] + o[d]) * NS) for d in order) for fwd, bwd, o in zip(table.fwd_time, table.bwd_time, opt)
     )
     # Boundary k joins stages k−1 and k. Each micro-batch sends every crossing tensor forward and
-    # its gradient back: 2·(M·latency + bytes/bandwidth) for a value of the whole batch's bytes.
+    # its gradient back: 2·(M·latency + bytes/bandwidth) for a tensor of the whole batch's bytes,
+    # the latency once per tensor of the value (none for a Python value: it crosses as a constant).
     # A parameter read on a later stage (a tied weight) has the same bytes in every micro-batch:
     # sent, it costs 2·M·(latency + bytes/bandwidth); replicated, one all-reduce of its gradient
     # per step (two holders, ring: bytes/bandwidth + 2·latency) — the cheaper is charged, and the
@@ -214,12 +215,13 @@ def build_problem(
     links = [devices[k - 1].link_to(devices[k]) for k in range(1, S)]
     latency = tuple(0 for _ in links)
     reads = table.param_reads or ("",) * len(table.nodes)
+    tensors = table.output_tensors or (1,) * len(table.nodes)
     transfer = tuple(
         tuple(
-            round(min(tied_costs(nbytes, bw, lat, M)) * NS) if read else round(2 * (M * lat + nbytes / bw) * NS)
+            round(min(tied_costs(nbytes, bw, lat, M)) * NS) if read else round(2 * (M * lat * count + nbytes / bw) * NS)
             for bw, lat in links
         )
-        for nbytes, read in zip(table.output_bytes, reads)
+        for nbytes, read, count in zip(table.output_bytes, reads, tensors)
     )
     return Problem(
         nodes=table.nodes,

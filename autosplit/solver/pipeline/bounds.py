@@ -7,18 +7,26 @@ the bound; report the gap against it").
 
 *Chain* (tighter on deep models). Take the heaviest dependency chain h_1 → … → h_L of the
 graph (in a transformer, the residual backbone with every matmul on it). In any plan the
-chain's nodes fall into S consecutive, possibly empty, segments in stage order, and when a
-stage boundary falls between h_p and h_{p+1}, h_p's output crosses it. So every stage costs
-at least its chain segment's compute, plus the latency and the crossing chain link at each
-of its boundaries, and
+chain's nodes fall into S consecutive, possibly empty, segments in stage order. When a
+stage boundary falls between h_p and h_{p+1}, every tensor whose producer must come no
+later than h_p and one of whose consumers no earlier than h_{p+1} crosses it: the chain
+link, the residual stream beside it, a tied weight read at both ends. x(p) sums their
+cheapest transfers. So every stage costs at least its chain segment's compute (with the
+off-chain nodes that must lie inside it), plus the latency and x at each of its boundaries:
 
     T ≥ B* = min over 0 = p_0 ≤ … ≤ p_S = L of max_s [ c_H(p_s, p_{s+1}) + [s > 0](L + x(p_s))
                                                          + [s < S−1](L + x(p_{s+1})) ]
 
 with x(0) = x(L) = 0 (a boundary outside the chain crosses no chain link) and L, x at their
 cheapest over boundaries. B* is a bottleneck dynamic program over chain positions; unlike
-⌈total / S⌉ it knows that cutting inside a layer moves a large tensor and that nodes do
+⌈total / S⌉ it knows that cutting inside a layer moves large tensors and that nodes do
 not split.
+
+*Crossings* (the Σ_s t_s term). The S − 1 boundaries sit at chain positions, and each pays
+x(p) to both its stages. Stages are never empty, so a second boundary at the same position
+needs a stage of off-chain units that may lie there: a position holds at most 1 + (such
+units) boundaries (only the units at p = 0 and p = L). The cheapest S − 1 slots bound the
+sum. With many stages (M = 4S micro-batches, 64 devices) this term is most of the gap.
 
 Usage::
 
@@ -28,12 +36,13 @@ Usage::
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import numpy as np
 
 from autosplit.solver.problem import Problem
 
-__all__ = ["lower_bound", "chain_bound", "memory_units", "memory_floor"]
+__all__ = ["lower_bound", "chain_bound", "crossing_floor", "memory_units", "memory_floor"]
 
 
 def heaviest_chain(problem: Problem) -> list[int]:
@@ -58,42 +67,123 @@ def heaviest_chain(problem: Problem) -> list[int]:
     return chain[::-1]
 
 
-def chain_bound(problem: Problem, upper: float = math.inf) -> float:
-    """B* above: no plan's slowest stage is faster. ``upper`` (any plan's slowest stage) narrows the DP."""
-    S = problem.num_stages
+@dataclass(frozen=True)
+class _Chain:
+    """The heaviest chain and what any plan must pay along it (arrays over positions 0..L)."""
+
+    nodes: list[int]
+    prefix: np.ndarray
+    """Compute of h_1..h_p at their fastest."""
+    x: np.ndarray
+    """Transfers a boundary between h_p and h_{p+1} must carry (0 at p = 0 and p = L)."""
+    forced_end: np.ndarray
+    """F(b): compute of off-chain nodes that must come no later than h_b (and after some chain node)."""
+    forced_start: np.ndarray
+    """G(a): compute of off-chain nodes that may come as early as h_a (and before some chain node)."""
+    room: np.ndarray
+    """How many boundaries may sit at each position: one between two chain nodes, plus one per
+    off-chain unit (colocated group or lone node) that may lie there and fill a stage of its own
+    (stages are never empty); at p = 0 and p = L only such units count."""
+
+
+def _chain_reach(problem: Problem, chain: list[int]) -> tuple[list[int], list[int]]:
+    """For every node u: (the first chain position it precedes, the last chain position that
+    precedes it), positions 1..L; L + 1 and 0 when there is none.
+
+    In any plan the chain's nodes are in non-decreasing stages, and u sits no later than
+    ``h[before[u]]`` and no earlier than ``h[after[u]]`` (precedence is transitive).
+    """
+    N, L = len(problem.nodes), len(chain)
+    position = {h: i + 1 for i, h in enumerate(chain)}
+    succs: list[list[int]] = [[] for _ in range(N)]
+    preds: list[list[int]] = [[] for _ in range(N)]
+    for u, v in (*problem.edges, *problem.order_edges):
+        succs[u].append(v)
+        preds[v].append(u)
+    before, after = [L + 1] * N, [0] * N
+    for u in reversed(range(N)):  # node indices are a topological order
+        before[u] = min([position.get(u, L + 1), *(before[v] for v in succs[u])])
+    for v in range(N):
+        after[v] = max([position.get(v, 0), *(after[u] for u in preds[v])])
+    return before, after
+
+
+def _chain(problem: Problem) -> _Chain:
     chain = heaviest_chain(problem)
     L = len(chain)
-    if S == 1 or L == 0:
-        return float(sum(min(problem.compute[n]) for n in chain))
-    lat = float(min(problem.boundary_latency))
+    before, after = _chain_reach(problem, chain)
+    on_chain = set(chain)
+    crossing = np.zeros(L + 2)  # a difference array over cut positions p = 0..L
+    forced_end, forced_start = np.zeros(L + 2), np.zeros(L + 2)
+    for u, consumers in enumerate(problem.consumers()):
+        last = max((after[v] for v in consumers), default=0)
+        if before[u] < last:  # u's output crosses every cut p with before[u] ≤ p < last
+            crossing[before[u]] += min(problem.transfer[u], default=0)
+            crossing[last] -= min(problem.transfer[u], default=0)
+        if u not in on_chain and after[u] >= 1 and before[u] <= L:  # pinned between h_after and h_before
+            forced_end[before[u]] += min(problem.compute[u])
+            forced_start[after[u]] += min(problem.compute[u])
+    x = np.cumsum(crossing)[: L + 1]
+    x[0] = x[-1] = 0.0
+    members = {n for g in problem.colocate for n in g}
+    units = [*problem.colocate, *((n,) for n in range(len(problem.nodes)) if n not in members)]
+    free = np.zeros(L + 2)  # a difference array: off-chain units that may sit at p, after ≤ p < before
+    for g in units:
+        if not on_chain.intersection(g):
+            free[max(after[n] for n in g)] += 1
+            free[min(before[n] for n in g)] -= 1
+    room = np.cumsum(free)[: L + 1]
+    room[1:L] += 1
     prefix = np.concatenate([[0.0], np.cumsum([min(problem.compute[n]) for n in chain])])
-    x = np.zeros(L + 1)
-    x[1:L] = [min(problem.transfer[n]) for n in chain[:-1]]  # cut after chain[p-1]: its output crosses
+    return _Chain(chain, prefix, x, np.cumsum(forced_end)[: L + 1], np.cumsum(forced_start)[: L + 1], room)
+
+
+def chain_bound(problem: Problem, upper: float = math.inf, chain: _Chain | None = None) -> float:
+    """B* above: no plan's slowest stage is faster. ``upper`` (any plan's slowest stage) narrows the DP.
+
+    Off-chain nodes forced into a segment (a, b] count as F(b) − G(a): the nodes forced
+    inside, less those spanning past both ends, so never more than the true sum.
+    """
+    S = problem.num_stages
+    c = chain or _chain(problem)
+    L = len(c.nodes)
+    if S == 1 or L == 0:
+        return float(c.prefix[-1])
+    lat = float(min(problem.boundary_latency))
     ends = np.arange(L + 1)
-    lo = np.searchsorted(prefix, prefix - upper, side="left") if math.isfinite(upper) else np.zeros(L + 1, dtype=int)
+    lo = np.searchsorted(c.prefix, c.prefix - upper, side="left") if math.isfinite(upper) else np.zeros(L + 1, dtype=int)
     width = int((ends - lo).max()) + 1
     starts = ends[:, None] - np.arange(width)[None, :]  # segment (a, b], a ≤ b: empty segments allowed
     valid = (starts >= lo[:, None]) & (starts >= 0)
     starts = np.clip(starts, 0, L)
+    segment = c.prefix[ends][:, None] - c.prefix[starts] + np.maximum(0.0, c.forced_end[ends][:, None] - c.forced_start[starts])
+    left, right = lat + c.x[starts], lat + c.x[ends][:, None]
     val = np.where(ends == 0, 0.0, np.inf)
     for s in range(S):
-        t = prefix[ends][:, None] - prefix[starts]
-        if s > 0:
-            t = t + lat + x[starts]
-        if s < S - 1:
-            t = t + lat + x[ends][:, None]
-        cand = np.where(valid, np.maximum(val[starts], t), np.inf)
-        val = cand.min(axis=1)
+        t = segment + (left if s > 0 else 0.0) + (right if s < S - 1 else 0.0)
+        val = np.where(valid, np.maximum(val[starts], t), np.inf).min(axis=1)
     return float(val[L])
+
+
+def crossing_floor(problem: Problem, chain: _Chain | None = None) -> float:
+    """The least any plan's S − 1 boundaries carry, summed (each is charged to both its stages):
+    the cheapest positions, each used at most as often as it has room."""
+    c = chain or _chain(problem)
+    cheapest = np.argsort(c.x, kind="stable")
+    room = c.room[cheapest]
+    before = np.cumsum(room) - room
+    taken = np.clip(problem.num_stages - 1 - before, 0, room)
+    return 2.0 * float((taken * c.x[cheapest]).sum())
 
 
 def lower_bound(problem: Problem, upper: float = math.inf) -> int:
     """The best of the bounds above, on the objective ``Σ t_s + (M − 1)·max t_s``."""
     S = problem.num_stages
+    c = _chain(problem)
     fastest = [min(row) for row in problem.compute]
     total = sum(fastest) + 2 * sum(problem.boundary_latency)
-    slowest = max(math.ceil(total / S), max(fastest, default=0), math.floor(chain_bound(problem, upper)))
-    return total + (problem.micro_batches - 1) * slowest
+    slowest = max(math.ceil(total / S), max(fastest, default=0), math.floor(chain_bound(problem, upper, c)))
+    return total + math.floor(crossing_floor(problem, c)) + (problem.micro_batches - 1) * slowest
 
 
 def memory_units(problem: Problem) -> list[tuple[tuple[int, ...], int]]:
