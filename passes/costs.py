@@ -274,7 +274,11 @@ def estimate(
     nodes = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
     index = {n: i for i, n in enumerate(nodes)}
     infos = [node_info(n) for n in nodes]
-    times = [[_times(n, info, d) for d in devices] for n, info in zip(nodes, infos)]
+    # Identical devices (the common case: 64 of one kind) are costed once.
+    kinds = list(dict.fromkeys(devices))
+    kind_of = [kinds.index(d) for d in devices]
+    by_kind = [[_times(n, info, d) for n, info in zip(nodes, infos)] for d in kinds]
+    times = [[by_kind[k][i] for k in kind_of] for i in range(len(nodes))]
     transient = [info.output_bytes / micro_batches for info in infos]
     own_saved = [info.saved_bytes for info in infos]
     measured = next((p for p in profiles if p is not None), None)
@@ -336,7 +340,8 @@ def estimate(
         sent_bytes=tuple(sent),
         transient_bytes=tuple(transient),
         optimizer_time=tuple(
-            tuple(optimizer_step_time(info.param_bytes, len(info.params), optimizer, d) for d in devices) for info in infos
+            tuple(steps[k] for k in kind_of)
+            for steps in ([optimizer_step_time(info.param_bytes, len(info.params), optimizer, d) for d in kinds] for info in infos)
         ),
         param_bytes=tuple(info.param_bytes for info in infos),
         param_reads=tuple(

@@ -25,6 +25,9 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
+
+import numpy as np
 
 from autosplit.errors import ConstraintError, advice
 
@@ -107,6 +110,36 @@ class Problem:
             out[u].append(v)
         return out
 
+    @cached_property
+    def arrays(self) -> Arrays:
+        """The tables as int64 arrays, made once (the DP and :func:`evaluate` read them many times)."""
+        N, S = len(self.nodes), self.num_stages
+
+        def table(rows: Sequence[Sequence[int]], width: int) -> np.ndarray:
+            return np.asarray(rows, dtype=np.int64).reshape(N, width) if rows else np.zeros((N, width), dtype=np.int64)
+
+        edges = np.asarray(self.edges, dtype=np.int64).reshape(-1, 2)
+        return Arrays(
+            compute=table(self.compute, S), transfer=table(self.transfer, S - 1), state=np.asarray(self.state_mem, dtype=np.int64),
+            act=table(self.act_mem, S), recv=table(self.recv_mem, S), send=table(self.send_mem, S),
+            producer=edges[:, 0], consumer=edges[:, 1],
+        )
+
+
+@dataclass(frozen=True)
+class Arrays:
+    """:class:`Problem`'s tables as arrays ([node] or [node, stage]; transfer: [node, boundary])."""
+
+    compute: np.ndarray
+    transfer: np.ndarray
+    state: np.ndarray
+    act: np.ndarray
+    recv: np.ndarray
+    send: np.ndarray
+    producer: np.ndarray
+    """Data edges, as two aligned arrays."""
+    consumer: np.ndarray
+
 
 @dataclass(frozen=True)
 class Evaluation:
@@ -145,25 +178,35 @@ def crossings(problem: Problem, stage_of: Sequence[int]) -> list[list[int]]:
 
 
 def evaluate(problem: Problem, stage_of: Sequence[int]) -> Evaluation:
-    """Stage times, memory and objective of ``stage_of`` (node index → stage), by the model above."""
-    S = problem.num_stages
-    compute, state, act, recv, send = [0] * S, [0] * S, [0] * S, [0] * S, [0] * S
-    for n, s in enumerate(stage_of):
-        compute[s] += problem.compute[n][s]
-        state[s] += problem.state_mem[n]
-        act[s] += problem.act_mem[n][s]
-    boundary = [0] * (S - 1)
-    for k, nodes in enumerate(crossings(problem, stage_of), start=1):
-        boundary[k - 1] = problem.boundary_latency[k - 1] + sum(problem.transfer[u][k - 1] for u in nodes)
-        recv[k] += sum(problem.recv_mem[u][k] for u in nodes)
-        if problem.send_mem:
-            send[k - 1] += sum(problem.send_mem[u][k - 1] for u in nodes)
-    transfer = [(boundary[s - 1] if s > 0 else 0) + (boundary[s] if s < S - 1 else 0) for s in range(S)]
-    time = [c + t for c, t in zip(compute, transfer)]
-    objective = sum(time) + (problem.micro_batches - 1) * max(time)
+    """Stage times, memory and objective of ``stage_of`` (node index → stage), by the model above.
+
+    Vectorised over nodes (integer arrays, so exact): a node's output crosses boundary k when
+    its stage < k ≤ its last consumer's stage (:func:`crossings`).
+    """
+    S, a = problem.num_stages, problem.arrays
+    st = np.asarray(stage_of, dtype=np.int64)
+    rows = np.arange(len(st))
+    compute, state, act = np.zeros(S, dtype=np.int64), np.zeros(S, dtype=np.int64), np.zeros(S, dtype=np.int64)
+    np.add.at(compute, st, a.compute[rows, st])
+    np.add.at(state, st, a.state)
+    np.add.at(act, st, a.act[rows, st])
+    last = st.copy()
+    np.maximum.at(last, a.producer, st[a.consumer])
+    k = np.arange(1, S)
+    crosses = (st[:, None] < k) & (k <= last[:, None])  # [node, boundary k − 1]
+    boundary = np.asarray(problem.boundary_latency, dtype=np.int64) + (a.transfer * crosses).sum(axis=0)
+    recv, send = np.zeros(S, dtype=np.int64), np.zeros(S, dtype=np.int64)
+    recv[1:] = (a.recv[:, 1:] * crosses).sum(axis=0)
+    send[:-1] = (a.send[:, :-1] * crosses).sum(axis=0)
+    transfer = np.zeros(S, dtype=np.int64)
+    transfer[1:] += boundary
+    transfer[:-1] += boundary
+    time = compute + transfer
+    ints = lambda x: tuple(int(v) for v in x)  # noqa: E731
+    objective = int(time.sum()) + (problem.micro_batches - 1) * int(time.max())
     return Evaluation(
-        tuple(compute), tuple(transfer), tuple(time), tuple(state), tuple(act), tuple(recv), problem.transient_mem,
-        objective, tuple(send),
+        ints(compute), ints(transfer), ints(time), ints(state), ints(act), ints(recv), problem.transient_mem,
+        objective, ints(send),
     )
 
 
@@ -173,6 +216,14 @@ def tied_costs(nbytes: float, bandwidth: float, latency: float, micro_batches: i
     send = 2 * micro_batches * (latency + nbytes / bandwidth)
     replicate = nbytes / bandwidth + 2 * latency
     return send, replicate
+
+
+def _array(rows: Sequence[Sequence[float]], n: int) -> np.ndarray:
+    return np.asarray(rows, dtype=np.float64).reshape(n, -1)
+
+
+def _rows(values: np.ndarray) -> tuple[tuple[int, ...], ...]:
+    return tuple(map(tuple, values.astype(np.int64).tolist()))
 
 
 def build_problem(
@@ -201,10 +252,12 @@ def build_problem(
     # The optimizer steps each stage's parameters once per step, after its last backward; charged
     # with the stage's compute, the schedule formula counts it about once (for S ≪ M), and the
     # solver balances it with the rest.
-    opt = table.optimizer_time or tuple((0.0,) * len(table.devices) for _ in table.nodes)
-    compute = tuple(
-        tuple(round((fwd[d] + bwd[d] + o[d]) * NS) for d in order) for fwd, bwd, o in zip(table.fwd_time, table.bwd_time, opt)
-    )
+    # Vectorised (numpy), with the scalar formulas' order of operations, so values match them exactly.
+    N = len(table.nodes)
+    opt = table.optimizer_time or ((0.0,) * len(table.devices),) * N
+    columns = list(order)
+    seconds = np.add(np.add(_array(table.fwd_time, N)[:, columns], _array(table.bwd_time, N)[:, columns]), _array(opt, N)[:, columns])
+    compute = _rows(np.rint(seconds * NS))
     # Boundary k joins stages k−1 and k. Each micro-batch sends every crossing tensor forward and
     # its gradient back: 2·(M·latency + bytes/bandwidth) for a tensor of the whole batch's bytes,
     # the latency once per tensor of the value (none for a Python value: it crosses as a constant).
@@ -216,13 +269,17 @@ def build_problem(
     latency = tuple(0 for _ in links)
     reads = table.param_reads or ("",) * len(table.nodes)
     tensors = table.output_tensors or (1,) * len(table.nodes)
-    transfer = tuple(
-        tuple(
-            round(min(tied_costs(nbytes, bw, lat, M)) * NS) if read else round(2 * (M * lat * count + nbytes / bw) * NS)
-            for bw, lat in links
-        )
-        for nbytes, read, count in zip(table.output_bytes, reads, tensors)
-    )
+    nbytes, counts = np.asarray(table.output_bytes, dtype=np.float64), np.asarray(tensors, dtype=np.float64)
+    sent = np.empty((N, len(links)))
+    for k, (bw, lat) in enumerate(links):
+        sent[:, k] = np.rint(2 * (M * lat * counts + nbytes / bw) * NS)
+    for n in (n for n, read in enumerate(reads) if read):
+        sent[n] = [round(min(tied_costs(table.output_bytes[n], bw, lat, M)) * NS) for bw, lat in links]
+    transfer = _rows(sent)
+    in_flight_share = np.asarray(inflight, dtype=np.float64)
+
+    def per_stage(values: Sequence[int]) -> tuple[tuple[int, ...], ...]:  # kib(b · inflight[s] / M)
+        return _rows(np.ceil(np.asarray(values, dtype=np.float64)[:, None] * in_flight_share[None, :] / M / KIB))
     return Problem(
         nodes=table.nodes,
         labels=table.module_paths,
@@ -233,9 +290,9 @@ def build_problem(
         transfer=transfer,
         boundary_latency=latency,
         state_mem=tuple(kib(b) for b in table.state_bytes),
-        act_mem=tuple(tuple(kib(b * inflight[s] / M) for s in range(S)) for b in table.saved_bytes),
-        recv_mem=tuple(tuple(kib(b * inflight[s] / M) for s in range(S)) for b in table.output_bytes),
-        send_mem=tuple(tuple(kib(b * inflight[s] / M) for s in range(S)) for b in table.sent_bytes) if table.sent_bytes else (),
+        act_mem=per_stage(table.saved_bytes),
+        recv_mem=per_stage(table.output_bytes),
+        send_mem=per_stage(table.sent_bytes) if table.sent_bytes else (),
         capacity=tuple(d.memory // KIB for d in devices),
         colocate=table.colocate,
         micro_batches=M,

@@ -32,13 +32,14 @@ Usage::
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
 from autosplit.solver.problem import Problem, evaluate
 from autosplit.solver.validate import violations
 
-__all__ = ["topological_order", "split_dp", "forbidden_cuts"]
+__all__ = ["topological_order", "split_dp", "forbidden_cuts", "prefix_sums", "Prefix"]
 
 _INF = np.inf
 _EXACT_FREE_SUM = 5 * 10**7  # K² · S up to which the unconstrained least sum is computed exactly
@@ -86,13 +87,31 @@ def forbidden_cuts(problem: Problem, order: Sequence[int]) -> np.ndarray:
     return np.cumsum(diff)[: len(order) + 1] > 0
 
 
-def _prefix(problem: Problem, order: Sequence[int]):
+@dataclass(frozen=True)
+class Prefix:
+    """Prefix sums along one order, and which stages cost alike; reused by every DP over that order."""
+
+    C: np.ndarray
+    """[p, s] compute of the first p nodes on stage s."""
+    A: np.ndarray
+    Mst: np.ndarray
+    X: np.ndarray
+    """[p, k − 1] transfer at boundary k when it sits at position p."""
+    R: np.ndarray
+    H: np.ndarray
+    F: np.ndarray
+    kind: tuple[int, ...]
+    """[s] stages whose costs, limits and constraints match (identical devices on identical
+    links) share a kind, and so their DP bands."""
+
+
+def prefix_sums(problem: Problem, order: Sequence[int]) -> Prefix:
     """Prefix sums along ``order``: compute[s], state, act[s], and boundary arrays per boundary k."""
     o = np.asarray(order)
-    N, S = len(order), problem.num_stages
-    compute = np.asarray(problem.compute, dtype=np.float64)[o]  # (N, S)
-    act = np.asarray(problem.act_mem, dtype=np.float64)[o]
-    state = np.asarray(problem.state_mem, dtype=np.float64)[o]
+    N, S, arrays = len(order), problem.num_stages, problem.arrays
+    compute = arrays.compute[o].astype(np.float64)  # (N, S)
+    act = arrays.act[o].astype(np.float64)
+    state = arrays.state[o].astype(np.float64)
     zero = np.zeros((1, S))
     C = np.vstack([zero, np.cumsum(compute, axis=0)])  # (N+1, S)
     A = np.vstack([zero, np.cumsum(act, axis=0)])
@@ -101,11 +120,10 @@ def _prefix(problem: Problem, order: Sequence[int]):
     pos = np.empty(N, dtype=np.int64)
     pos[o] = np.arange(N)
     last = pos.copy()
-    for u, v in problem.edges:
-        last[u] = max(last[u], pos[v])
-    transfer = np.asarray(problem.transfer, dtype=np.float64).reshape(N, max(S - 1, 0))
-    recv = np.asarray(problem.recv_mem, dtype=np.float64)
-    send = np.asarray(problem.send_mem or np.zeros((N, S)), dtype=np.float64)
+    np.maximum.at(last, arrays.producer, pos[arrays.consumer])
+    transfer = arrays.transfer.astype(np.float64)
+    recv = arrays.recv.astype(np.float64)
+    send = arrays.send.astype(np.float64)
     X = np.zeros((N + 2, max(S - 1, 0)))
     R = np.zeros((N + 2, S))
     H = np.zeros((N + 2, S))  # held by the sender
@@ -125,7 +143,16 @@ def _prefix(problem: Problem, order: Sequence[int]):
     for c in problem.constraints:
         for n, st in c.forbid:
             F[pos[n] + 1, st] += 1
-    return C, A, Mst, X, R, H, np.cumsum(F, axis=0)
+    F = np.cumsum(F, axis=0)
+
+    def columns(s: int) -> bytes:
+        parts = [C[:, s], A[:, s], R[:, s], H[:, s], F[:, s], np.array([problem.capacity[s], s == 0, s == S - 1])]
+        parts += [X[:, s - 1]] if s > 0 else []
+        parts += [X[:, s]] if s < S - 1 else []
+        return b"".join(np.ascontiguousarray(x, dtype=np.float64).tobytes() for x in parts)
+
+    kinds: dict[bytes, int] = {}
+    return Prefix(C, A, Mst, X, R, H, F, tuple(kinds.setdefault(columns(s), len(kinds)) for s in range(S)))
 
 
 def _upper_bound(problem: Problem, order: Sequence[int], cuts: np.ndarray, C: np.ndarray) -> float:
@@ -156,19 +183,33 @@ def split_dp(
     allowed: Sequence[int] | None = None,
     *,
     max_candidates: int = 8,
+    prefix: Prefix | None = None,
 ) -> tuple[int, ...] | None:
-    """Best contiguous split of ``order`` into S non-empty stages (node index → stage), or None."""
+    """Best contiguous split of ``order`` into S non-empty stages (node index → stage), or None.
+
+    ``prefix``: :func:`prefix_sums` of ``order``, when the caller runs several DPs over it."""
     N, S, Mb = len(order), problem.num_stages, problem.micro_batches
     if S > N:
         return None
     bad = forbidden_cuts(problem, order)
     cuts = np.arange(N + 1) if allowed is None else np.unique(np.concatenate([[0, N], np.asarray(allowed, dtype=np.int64)]))
     cuts = cuts[~bad[cuts]]
-    C, A, Mst, X, R, H, F = _prefix(problem, order)
+    pre = prefix or prefix_sums(problem, order)
+    C, A, Mst, X, R, H, F = pre.C, pre.A, pre.Mst, pre.X, pre.R, pre.H, pre.F
     K = len(cuts)
     ends = np.arange(K)
+    bands: dict[tuple[int, float], tuple[np.ndarray, np.ndarray]] = {}
 
     def band(s: int, cap: float) -> tuple[np.ndarray, np.ndarray]:
+        """Stages of one kind have the same band: it is computed once per kind and cap."""
+        key = (pre.kind[s], cap)
+        if key not in bands:
+            if bands and next(iter(bands))[1] != cap:  # one cap per pass: keep only its bands
+                bands.clear()
+            bands[key] = _band(s, cap)
+        return bands[key]
+
+    def _band(s: int, cap: float) -> tuple[np.ndarray, np.ndarray]:
         """Stage s ending at each cut b: candidate starts a (K, W) and their times (+inf if invalid).
 
         A stage's compute alone must stay within ``cap``, so only the W cuts before b that

@@ -33,7 +33,7 @@ from autosplit.errors import InfeasiblePlanError, SolverError, advice
 from autosplit.solver.coarsen import Coarsening, coarse_problem, coarsen, repeated_layers
 from autosplit.solver.pipeline.bounds import lower_bound, memory_floor
 from autosplit.solver.pipeline.cpsat import cpsat, explain_infeasible, precheck
-from autosplit.solver.pipeline.dp import split_dp, topological_order
+from autosplit.solver.pipeline.dp import Prefix, prefix_sums, split_dp, topological_order
 from autosplit.solver.problem import KIB, Problem, evaluate
 from autosplit.solver.validate import violations
 from autosplit.units import format_bytes
@@ -76,7 +76,7 @@ def _cuts(order: Sequence[int], stage_of: Sequence[int]) -> list[int]:
     return [p for p in range(1, len(order)) if stage_of[order[p]] != stage_of[order[p - 1]]]
 
 
-def _refine(problem: Problem, c: Coarsening, plan: tuple[int, ...], max_rounds: int = 8) -> tuple[int, ...]:
+def _refine(problem: Problem, c: Coarsening, plan: tuple[int, ...], prefix: Prefix, max_rounds: int = 8) -> tuple[int, ...]:
     """Move each cut to its best position within a window of nodes around it, until nothing improves.
 
     The window spans two average blocks either side, so the DP stays small (S windows,
@@ -87,7 +87,7 @@ def _refine(problem: Problem, c: Coarsening, plan: tuple[int, ...], max_rounds: 
     best, best_obj = plan, evaluate(problem, plan).objective
     for _ in range(max_rounds):
         allowed = sorted({q for p in _cuts(c.order, best) for q in range(max(0, p - width), min(N, p + width) + 1)})
-        found = split_dp(problem, c.order, allowed)
+        found = split_dp(problem, c.order, allowed, prefix=prefix)
         if found is None or evaluate(problem, found).objective >= best_obj:
             break
         found_obj = evaluate(problem, found).objective
@@ -108,8 +108,9 @@ def dp_plan(
         repeated = repeated_layers(problem, order)
         log.info("coarsened %d nodes into %d blocks; repeated layers: %s", N, coarse.num_blocks,
                  ", ".join(f"{g[0]} … {g[-1]} ({len(g)})" for g in repeated[:3]) or "none")
-    block_dp = split_dp(problem, order, coarse.bounds)
-    plan = _refine(problem, coarse, block_dp) if block_dp and refine else block_dp
+    prefix = prefix_sums(problem, order)
+    block_dp = split_dp(problem, order, coarse.bounds, prefix=prefix)
+    plan = _refine(problem, coarse, block_dp, prefix) if block_dp and refine else block_dp
     return plan, coarse, block_dp
 
 
