@@ -56,17 +56,21 @@ class GPTBlock(nn.Module):
 class GPT(nn.Module):
     """GPT-2-style decoder with tied input/output embeddings and an optional attention mask.
 
-    Size knobs: ``vocab``, ``d_model``, ``n_layers``, ``n_heads``, ``max_len``.
+    Size knobs: ``vocab``, ``d_model``, ``n_layers``, ``n_heads``, ``max_len``; ``tied=False``
+    gives the head its own weight.
     """
 
-    def __init__(self, vocab: int = 512, d_model: int = 64, n_layers: int = 4, n_heads: int = 4, max_len: int = 64):
+    def __init__(
+        self, vocab: int = 512, d_model: int = 64, n_layers: int = 4, n_heads: int = 4, max_len: int = 64, tied: bool = True,
+    ):
         super().__init__()
         self.wte = nn.Embedding(vocab, d_model)
         self.wpe = nn.Embedding(max_len, d_model)
         self.blocks = nn.ModuleList(GPTBlock(d_model, n_heads, max_len) for _ in range(n_layers))
         self.ln_f = nn.LayerNorm(d_model)
         self.head = nn.Linear(d_model, vocab, bias=False)
-        self.head.weight = self.wte.weight  # tied, as in GPT-2
+        if tied:
+            self.head.weight = self.wte.weight  # as in GPT-2
         # GPT-2's initialisation (Radford et al. 2019): N(0, 0.02) weights, zero biases. With
         # torch's N(0, 1) embedding the tied head's logits are so large that the softmax
         # gradients underflow to denormal floats, which CPUs compute several times slower.

@@ -49,7 +49,11 @@ from autosplit.solver.pipeline.bounds import memory_units
 from autosplit.solver.problem import KIB, Problem
 from autosplit.units import format_bytes
 
-__all__ = ["cpsat", "explain_infeasible", "explain_memory", "precheck"]
+__all__ = ["cpsat", "explain_infeasible", "explain_memory", "precheck", "PROVEN_GAP"]
+
+PROVEN_GAP = 1e-3
+"""Search stops once a plan is proven within this fraction of optimal (CP-SAT's relative gap;
+the strategy skips CP-SAT when the DP's plan is already there)."""
 
 log = logging.getLogger(__name__)
 
@@ -184,7 +188,7 @@ def _solver(time_limit: float, seed: int, workers: int | None, deterministic: bo
         solver.parameters.interleave_search = True
         solver.parameters.max_deterministic_time = float(time_limit) / 2
     solver.parameters.max_time_in_seconds = float(time_limit)
-    solver.parameters.relative_gap_limit = 1e-3
+    solver.parameters.relative_gap_limit = PROVEN_GAP
     return solver
 
 

@@ -23,6 +23,7 @@ Usage::
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import time
@@ -32,7 +33,7 @@ from dataclasses import dataclass
 from autosplit.errors import InfeasiblePlanError, SolverError, advice
 from autosplit.solver.coarsen import Coarsening, coarse_problem, coarsen, repeated_layers
 from autosplit.solver.pipeline.bounds import lower_bound, memory_floor
-from autosplit.solver.pipeline.cpsat import cpsat, explain_infeasible, precheck
+from autosplit.solver.pipeline.cpsat import PROVEN_GAP, cpsat, explain_infeasible, precheck
 from autosplit.solver.pipeline.dp import Prefix, prefix_sums, split_dp, topological_order
 from autosplit.solver.problem import KIB, Problem, evaluate
 from autosplit.solver.validate import violations
@@ -49,7 +50,10 @@ CPSAT_VAR_LIMIT = 12_000
 """Largest CP-SAT model, in stage booleans (units × (S − 1)), worth building in Python."""
 BLOCKS_PER_STAGE = 64
 """Coarsening target: a block costs at most 1/64 of an ideal stage, so cutting only at block
-boundaries costs at most that much balance before refinement."""
+boundaries costs at most that much balance before refinement..."""
+MAX_BLOCKS = 1536
+"""... and at most this many blocks (24 per stage on 64 devices): past that, the block DP's
+passes cost more than the refinement that follows needs (measured in solver_scaling)."""
 
 
 @dataclass(frozen=True)
@@ -72,6 +76,21 @@ class Solution:
         return 0.0 if self.objective <= 0 else max(0.0, (self.objective - self.bound) / self.objective)
 
 
+def _one_order(problem: Problem) -> bool:
+    """Whether the units' index order is their only topological order (each depends on the one
+    before): then every plan is a contiguous split of it, which the DP searches exactly. Units
+    with no edges that cost nothing (``_assert_is_none``) may sit anywhere at no cost: skipped."""
+    links = (*problem.edges, *problem.order_edges)
+    touched = {n for edge in links for n in edge}
+    free = {
+        n for n in range(len(problem.nodes))
+        if n not in touched and not any(problem.compute[n]) and not problem.state_mem[n] and not any(problem.act_mem[n])
+    }
+    chain = [n for n in range(len(problem.nodes)) if n not in free]
+    linked = set(links)
+    return all((u, v) in linked for u, v in itertools.pairwise(chain))
+
+
 def _cuts(order: Sequence[int], stage_of: Sequence[int]) -> list[int]:
     return [p for p in range(1, len(order)) if stage_of[order[p]] != stage_of[order[p - 1]]]
 
@@ -80,18 +99,23 @@ def _refine(problem: Problem, c: Coarsening, plan: tuple[int, ...], prefix: Pref
     """Move each cut to its best position within a window of nodes around it, until nothing improves.
 
     The window spans two average blocks either side, so the DP stays small (S windows,
-    not all N positions) while a cut can travel any distance over several rounds.
+    not all N positions) while a cut can travel any distance over several rounds; when a
+    round finds nothing better, the window doubles once before giving up.
     """
     N = len(c.order)
     width = 2 * max(1, N // c.num_blocks)
+    widest = 2 * width
     best, best_obj = plan, evaluate(problem, plan).objective
     for _ in range(max_rounds):
         allowed = sorted({q for p in _cuts(c.order, best) for q in range(max(0, p - width), min(N, p + width) + 1)})
         found = split_dp(problem, c.order, allowed, prefix=prefix)
-        if found is None or evaluate(problem, found).objective >= best_obj:
+        found_obj = evaluate(problem, found).objective if found is not None else math.inf
+        if found is not None and found_obj < best_obj:
+            best, best_obj = found, found_obj
+        elif width < widest:  # stuck: the cuts may need to travel together further than the window
+            width *= 2
+        else:
             break
-        found_obj = evaluate(problem, found).objective
-        best, best_obj = found, found_obj
     return best
 
 
@@ -102,8 +126,8 @@ def dp_plan(
     N, S = len(problem.nodes), problem.num_stages
     if N * N <= DP_WORK_LIMIT:
         return split_dp(problem, order), None, None
-    ideal = sum(sum(row) / S for row in problem.compute) / S
-    coarse = coarsen(problem, order, max_cost=ideal / BLOCKS_PER_STAGE)
+    total = sum(sum(row) / S for row in problem.compute)
+    coarse = coarsen(problem, order, max_cost=total / min(BLOCKS_PER_STAGE * S, MAX_BLOCKS))
     if log.isEnabledFor(logging.INFO):  # the repeated-layer scan only feeds this line
         repeated = repeated_layers(problem, order)
         log.info("coarsened %d nodes into %d blocks; repeated layers: %s", N, coarse.num_blocks,
@@ -129,10 +153,18 @@ def solve(problem: Problem, *, time_limit: float = 10.0, seed: int = 0, workers:
     units = N if coarse is None else coarse.num_blocks
     bound = lower_bound(problem, upper=max(dp_eval.time) if dp_eval else math.inf)
     remaining = time_limit - (time.perf_counter() - start)
+    target: Problem | None = None
     if coarse is not None:  # blocks cannot express the refined cuts: CP-SAT gets a share of the time
         remaining = min(remaining, time_limit / 4)
-    if units * (S - 1) <= CPSAT_VAR_LIMIT and remaining > 0 and S > 1:
+    proven = dp_eval is not None and dp_eval.objective - bound <= PROVEN_GAP * dp_eval.objective
+    if proven and dp is not None and not violations(problem, dp):
+        log.info("the DP's plan is within %.1f%% of the bound: no CP-SAT search", 100 * PROVEN_GAP)
+    elif units * (S - 1) <= CPSAT_VAR_LIMIT and remaining > 0 and S > 1:
         target = problem if coarse is None else coarse_problem(problem, coarse)
+        if coarse is not None and _one_order(target):
+            log.info("the %d blocks admit one order only: the block DP is exact over them, no CP-SAT search", units)
+            target = None
+    if target is not None:
         hint = dp if coarse is None else (block_dp and tuple(block_dp[coarse.members(b)[0]] for b in range(units)))
         name, found, cp_bound, core = cpsat(target, hint, time_limit=remaining, seed=seed, workers=workers)
         if found is not None:
