@@ -125,14 +125,6 @@ def node_info(node: fx.Node) -> NodeInfo:
         )) from None
 
 
-def _tensor_bytes(value: Any) -> int:
-    return sum(t.numel() * t.element_size() for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor))
-
-
-def _shapes(value: Any) -> tuple[tuple[int, ...], ...]:
-    return tuple(tuple(int(s) for s in t.shape) for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor))
-
-
 def fresh(x: Any, state: set[int]) -> Any:
     """An input cut from the graph for replaying one node (``state``: ids of parameters, kept).
 
@@ -203,8 +195,9 @@ class _Annotator(fx.Interpreter):
     def run_node(self, n: fx.Node) -> Any:
         with self.fake_mode:
             args, kwargs = self.fetch_args_kwargs_from_env(n)
+            flat, structure = pytree.tree_flatten((args, kwargs))  # once: deep models have many nodes
             try:
-                key = self._signature(n, args, kwargs) if n.op.startswith("call") else None
+                key = self._signature(n, flat, structure) if n.op.startswith("call") else None
                 if key is not None and key in self._measured:
                     # The same op on inputs of the same shapes: its output has the same metadata,
                     # so it is made, not run (a deep model repeats most of its nodes).
@@ -234,36 +227,36 @@ class _Annotator(fx.Interpreter):
         else:
             owned = []
         params, pbytes, pcount, bbytes, largest = self._own(owned)
-        tensors = [t for t in pytree.tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor)]
+        inputs = [t for t in flat if isinstance(t, torch.Tensor)]
+        outputs = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
         n.meta["autosplit"] = NodeInfo(
             module_path=self.paths.get(n.name, ""),
-            output_shapes=_shapes(out),
-            output_bytes=_tensor_bytes(out),
-            input_bytes=_tensor_bytes((args, kwargs)),
+            output_shapes=tuple(tuple(int(d) for d in t.shape) for t in outputs),
+            output_bytes=sum(t.numel() * t.element_size() for t in outputs),
+            input_bytes=sum(t.numel() * t.element_size() for t in inputs),
             fwd_flops=measured.fwd,
             bwd_flops=measured.bwd,
             saved_bytes=measured.saved,
-            saved_inputs=self._producers(n, args, kwargs, measured.saved_at),
+            saved_inputs=self._producers(n, flat, measured.saved_at),
             saves_output=measured.saves_output,
             params=params,
             param_bytes=pbytes,
             param_count=pcount,
             largest_param_bytes=largest,
             buffer_bytes=bbytes,
-            half=any(t.dtype in _HALF for t in tensors),
-            mutates=self._producers(n, args, kwargs, measured.written_at),
+            half=any(t.dtype in _HALF for t in (*inputs, *outputs)),
+            mutates=self._producers(n, flat, measured.written_at),
         )
         return out
 
-    def _producers(self, n: fx.Node, args: tuple, kwargs: dict, positions: frozenset[int]) -> tuple[str, ...]:
+    def _producers(self, n: fx.Node, leaves: list[Any], positions: frozenset[int]) -> tuple[str, ...]:
         """Names of the input nodes whose values sit at ``positions`` of the flat (args, kwargs)."""
         if not positions:
             return ()
         owner = {id(t): u.name for u in n.all_input_nodes for t in pytree.tree_leaves(self.env.get(u))}
-        leaves = pytree.tree_leaves((args, kwargs))
         return tuple(dict.fromkeys(owner[id(leaves[i])] for i in sorted(positions) if id(leaves[i]) in owner))
 
-    def _signature(self, n: fx.Node, args: tuple, kwargs: dict) -> tuple | None:
+    def _signature(self, n: fx.Node, flat: list[Any], structure: pytree.TreeSpec) -> tuple | None:
         """What determines a node's FLOPs and saved bytes (strides too: a copy may be saved); None when it cannot be told safely."""
 
         def describe(x):
@@ -273,10 +266,9 @@ class _Annotator(fx.Interpreter):
                 return repr(x)
             return None  # an unusual value: measure this node on its own
 
-        inputs = tuple(describe(x) for x in pytree.tree_leaves((args, kwargs)))
+        inputs = tuple(describe(x) for x in flat)
         if None in inputs:
             return None
-        structure = str(pytree.tree_structure((args, kwargs)))
         if n.op == "call_module":
             mod = self.module.get_submodule(str(n.target))
             state = tuple((k, tuple(v.shape), v.dtype, v.requires_grad) for k, v in [*mod.named_parameters(), *mod.named_buffers()])

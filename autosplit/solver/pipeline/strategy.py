@@ -109,8 +109,8 @@ def _refine(problem: Problem, c: Coarsening, plan: tuple[int, ...], prefix: Pref
     for _ in range(max_rounds):
         allowed = sorted({q for p in _cuts(c.order, best) for q in range(max(0, p - width), min(N, p + width) + 1)})
         found = split_dp(problem, c.order, allowed, prefix=prefix)
-        found_obj = evaluate(problem, found).objective if found is not None else math.inf
-        if found is not None and found_obj < best_obj:
+        found_obj = evaluate(problem, found).objective if found is not None else None
+        if found is not None and found_obj is not None and found_obj < best_obj:
             best, best_obj = found, found_obj
         elif width < widest:  # stuck: the cuts may need to travel together further than the window
             width *= 2
