@@ -201,3 +201,33 @@ def test_profile_on_cuda_uses_events_and_allocator_statistics(tmp_path):
     plan = autosplit.plan(model, ["cuda:0", "cpu"], example_inputs=(x,),
                           costs=autosplit.ProfileOptions(cache_dir=str(tmp_path), **FAST))
     assert plan.costs == "measured on cpu, cuda:0"
+
+
+class _InPlaceBlock(nn.Module):
+    """torchvision's pattern: BN then ReLU(inplace=True), twice with one shape; `out += x`."""
+
+    def __init__(self, c: int = 4):
+        super().__init__()
+        self.c1, self.b1 = nn.Conv2d(c, c, 3, padding=1, bias=False), nn.BatchNorm2d(c)
+        self.c2, self.b2 = nn.Conv2d(c, c, 3, padding=1, bias=False), nn.BatchNorm2d(c)
+        self.relu = nn.ReLU(inplace=True)
+
+    def forward(self, x):
+        out = self.relu(self.b1(self.c1(x)))
+        out = self.b2(self.c2(out))
+        out += x
+        return self.relu(out)
+
+
+def test_in_place_writes_are_seen_from_version_counters():
+    from autosplit.passes.annotate import annotate, node_info
+
+    model = nn.Sequential(_InPlaceBlock(), _InPlaceBlock())
+    x = torch.randn(2, 4, 8, 8)
+    captured = capture(model, (x,))
+    gm = annotate(captured, flat_inputs(captured, model, (x,), {}))  # the second block's nodes repeat the first's
+    mutates = {n.name: node_info(n).mutates for n in gm.graph.nodes if n.op != "output"}
+    written = {name: by for name, by in mutates.items() if by}
+    assert written["_0_relu"] == ("_0_b1",) and written["_1_relu"] == ("_1_b1",), written  # a repeated node too
+    assert all(len(by) == 1 for by in written.values())
+    assert_trains_like(model, ["cpu"] * 3, (x,))

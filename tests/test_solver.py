@@ -210,6 +210,18 @@ def test_chain_bound_sees_expensive_cuts_that_balance_ignores():
     assert max(evaluate(costly, solve(costly, time_limit=5).stage_of).time) == 80
 
 
+def test_chain_bound_charges_the_residual_beside_the_chain_link():
+    from autosplit.solver.pipeline.bounds import chain_bound, crossing_floor, lower_bound
+
+    # a → b → c → d with a skip a → c (a residual): a cut between b and c moves b's output and
+    # a's (4 + 1), one between a and b a's (4), one between c and d c's (5).
+    problem = make_problem([10, 10, 10, 10], [*chain(4), (0, 2)], stages=2, transfer=[4, 1, 5, 0], micro_batches=4)
+    assert chain_bound(problem) == 25  # two stages of 20 and the middle cut's 5 each, not 20 + 1
+    assert crossing_floor(problem) == 2 * 4  # the cheapest cut, charged to both its stages
+    # The best plan cuts in the middle: Σ t = 50, max t = 25, so 50 + 3 · 25.
+    assert lower_bound(problem) == 40 + 8 + 3 * 25 <= brute_force(problem) == 50 + 3 * 25
+
+
 def test_large_infeasible_problem_reports_the_memory_floor(monkeypatch):
     from autosplit.solver.pipeline import strategy
 
