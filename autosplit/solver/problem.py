@@ -167,21 +167,11 @@ class Evaluation:
         return max(range(len(self.time)), key=lambda s: self.time[s])
 
 
-def crossings(problem: Problem, stage_of: Sequence[int]) -> list[list[int]]:
-    """For each boundary k (index k − 1): nodes whose output crosses it (relayed stage to stage)."""
-    out: list[list[int]] = [[] for _ in range(problem.num_stages - 1)]
-    for u, consumers in enumerate(problem.consumers()):
-        last = max((stage_of[v] for v in consumers), default=stage_of[u])
-        for k in range(stage_of[u] + 1, last + 1):
-            out[k - 1].append(u)
-    return out
-
-
 def evaluate(problem: Problem, stage_of: Sequence[int]) -> Evaluation:
     """Stage times, memory and objective of ``stage_of`` (node index → stage), by the model above.
 
     Vectorised over nodes (integer arrays, so exact): a node's output crosses boundary k when
-    its stage < k ≤ its last consumer's stage (:func:`crossings`).
+    its stage < k ≤ its last consumer's stage (relayed stage to stage).
     """
     S, a = problem.num_stages, problem.arrays
     st = np.asarray(stage_of, dtype=np.int64)
