@@ -205,3 +205,25 @@ def test_unreadable_plan_file(tmp_path):
     with pytest.raises(errors.PlanFileError) as e:
         Plan.load(tmp_path / "missing.json")
     _says(e, "missing.json")
+
+
+class SharedTwice(nn.Module):
+    """``mul`` sits between two calls of ``shared``, so it shares their stage: two parts, not three."""
+
+    def __init__(self):
+        super().__init__()
+        self.shared = nn.Linear(4, 4)
+
+    def forward(self, x, bias, scale: float = 1.0):
+        h = self.shared(x)
+        _ = x + bias
+        return self.shared(h * scale)
+
+
+def test_too_few_parts_for_the_devices_is_not_blamed_on_memory():
+    x, kwargs = torch.randn(3, 4), {"bias": torch.randn(4), "scale": 0.5}
+    autosplit.plan(SharedTwice(), ["cpu"] * 2, example_inputs=(x,), example_kwargs=kwargs, time_limit=2.0)
+    with pytest.raises(errors.InfeasiblePlanError) as e:
+        autosplit.plan(SharedTwice(), ["cpu"] * 3, example_inputs=(x,), example_kwargs=kwargs, time_limit=2.0)
+    _says(e, "3 devices cannot each get a non-empty stage", "fewer devices")
+    assert "memory caps" not in str(e.value)

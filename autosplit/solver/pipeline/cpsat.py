@@ -196,31 +196,38 @@ def explain_infeasible(problem: Problem, core: Sequence[int | str], time_limit: 
     """Why no plan exists, in the user's terms, leading with the real cause.
 
     A core is sufficient, not minimal: it may name memory caps and constraints together.
-    So the constraints are first tried alone (caps dropped): if they conflict, they are the
-    cause whatever the memory; otherwise memory is, and the message gives the fullest
-    device's cap and the least any plan needs there.
+    So the problem is first solved with the caps dropped: if it is still infeasible, the
+    user constraints that conflict lead the message (or, with none, the pipeline's own
+    structure: too few independent units for the devices); otherwise memory is the cause, and
+    the message gives each capped stage's cap and the least any plan needs.
     """
+    conflict = _without_caps(problem, time_limit, seed)
+    if conflict:
+        return advice(
+            "these placement constraints cannot all hold: " + "; ".join(conflict),
+            "each of them is needed for the conflict, given that every device runs one non-empty stage and "
+            "stages follow the graph's order (memory is not the cause: without the caps they still conflict)",
+            "drop or relax one of them",
+        )
+    if conflict is not None:
+        return advice(
+            f"the {problem.num_stages} devices cannot each get a non-empty stage, whatever the memory",
+            "the calls of a shared module, and every node on a path between them, must share one stage (so must "
+            "an in-place write and the tensor it writes), which leaves fewer independent parts than devices",
+            "use fewer devices",
+        )
     rules = [c for c in core if isinstance(c, str)]
-    if rules:
-        conflict = _conflicting_rules(problem, time_limit, seed)
-        if conflict:
-            return advice(
-                "these placement constraints cannot all hold: " + "; ".join(conflict),
-                "each of them is needed for the conflict, given that every device runs one non-empty stage and "
-                "stages follow the graph's order (memory is not the cause: without the caps they still conflict)",
-                "drop or relax one of them",
-            )
     caps = [c for c in core if isinstance(c, int)]
     return explain_memory(problem, caps, time_limit, seed, constraints=rules)
 
 
-def _conflicting_rules(problem: Problem, time_limit: float, seed: int) -> list[str]:
-    """The user constraints that conflict with memory caps dropped (empty when they can all hold)."""
+def _without_caps(problem: Problem, time_limit: float, seed: int) -> list[str] | None:
+    """None when a plan exists with the memory caps dropped; else the user constraints in the conflict (maybe none)."""
     model = _Model(problem)
     guarded = model.add_assumptions(caps=False)
     solver = _solver(time_limit, seed, None)
     if solver.solve(model.m) != cp_model.INFEASIBLE:
-        return []
+        return None
     index = {lit.Index(): what for lit, what in guarded}
     return [str(index[i]) for i in solver.sufficient_assumptions_for_infeasibility() if i in index]
 
