@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from autosplit.examples import GPT
 from benchmarks.models import GNMT, MLP, ConvBN, InceptionA, InceptionE, ResNet
+from benchmarks.vision import EFFICIENTNET_B0_SETTING, MOBILENET_V2_SETTING, VGG11, DenseNet121, EfficientNetB0, MobileNetV2, ResNet50
 from conftest import assert_trains_like
 
 DEVICES = [2, 3, 4]
@@ -80,6 +81,25 @@ ZOO = {
     "lstm": lambda: (LSTMTagger(), (torch.randint(0, 50, (3, 5)),), {}),
     "gnmt": lambda: (GNMT(vocab=30, hidden=8, layers=3), (torch.randint(0, 30, (2, 5)), torch.randint(0, 30, (2, 4))), {}),
     "dict_tuple_output": lambda: (MultiHead(), (torch.randn(4, 8),), {"scale": 0.5}),
+    # torchvision-style CNNs (benchmarks/vision.py): in-place ReLU/ReLU6/SiLU, `out += identity`,
+    # depthwise convolutions, squeeze-and-excitation, dense concatenation.
+    "resnet50": lambda: (ResNet50(layers=(1, 1), width=4, num_classes=5), (torch.randn(2, 3, 16, 16),), {}),
+    "mobilenet_v2": lambda: (
+        MobileNetV2(num_classes=5, width_mult=0.25, setting=MOBILENET_V2_SETTING[:3], round_nearest=4, last_channel=16, dropout=0.0),
+        (torch.randn(2, 3, 16, 16),),
+        {},
+    ),
+    "densenet121": lambda: (
+        DenseNet121(growth_rate=4, block_config=(3, 2), num_init_features=8, bn_size=2, num_classes=5),
+        (torch.randn(2, 3, 16, 16),),
+        {},
+    ),
+    "efficientnet_b0": lambda: (
+        EfficientNetB0(num_classes=5, width_mult=0.25, depth_mult=0.5, setting=EFFICIENTNET_B0_SETTING[:3], divisor=4, dropout=0.0),
+        (torch.randn(2, 3, 16, 16),),
+        {},
+    ),
+    "vgg11": lambda: (VGG11(num_classes=5, width=1 / 16, hidden=16, pool=1, dropout=0.0), (torch.randn(2, 3, 32, 32),), {}),
 }
 
 
@@ -121,6 +141,161 @@ def test_transformers_models_train_like_original(factory, devices):
     ids = torch.randint(0, 60, (2, 8))
     split = assert_trains_like(model, ["cpu"] * devices, (ids,), {"attention_mask": _mask(2, 8)})
     assert split.plan.capture == "export"  # symbolic tracing cannot follow these models
+
+
+def _eager(cfg):
+    cfg._attn_implementation = "eager"  # the attention written out in ops, which export keeps
+    return cfg
+
+
+def _ids(batch: int = 2, seq: int = 8, vocab: int = 60, low: int = 0) -> torch.Tensor:
+    return torch.randint(low, vocab, (batch, seq))
+
+
+def _llama():
+    """Decoder-only: rotary embeddings, RMSNorm, SwiGLU, grouped-query attention (4 heads, 2 KV heads)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        vocab_size=60, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=16, attention_dropout=0.0, use_cache=False,
+    )
+    return LlamaForCausalLM(_eager(cfg)), (_ids(),), {"attention_mask": _mask(2, 8)}
+
+
+def _qwen2():
+    """Decoder-only: multi-query attention (4 heads, 1 KV head), biased QKV, tied input/output embedding."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    cfg = Qwen2Config(
+        vocab_size=60, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=1, max_position_embeddings=16, attention_dropout=0.0, use_cache=False, tie_word_embeddings=True,
+    )
+    return Qwen2ForCausalLM(_eager(cfg)), (_ids(),), {"attention_mask": _mask(2, 8)}
+
+
+def _roberta():
+    """Encoder-only: position ids computed from the padding in input_ids, MLM head tied to the embedding."""
+    from transformers import RobertaConfig, RobertaForMaskedLM
+
+    cfg = RobertaConfig(
+        vocab_size=60, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,
+        max_position_embeddings=16, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, pad_token_id=1,
+    )
+    ids = _ids(low=2)
+    ids[-1, -3:] = 1  # padding where the mask is 0
+    return RobertaForMaskedLM(_eager(cfg)), (ids,), {"attention_mask": _mask(2, 8)}
+
+
+def _distilbert():
+    """Encoder-only: BERT distilled (no token types, no pooler), sinusoidal position embeddings."""
+    from transformers import DistilBertConfig, DistilBertModel
+
+    cfg = DistilBertConfig(
+        vocab_size=60, dim=16, hidden_dim=32, n_layers=1, n_heads=2, max_position_embeddings=16,
+        sinusoidal_pos_embds=True, dropout=0.0, attention_dropout=0.0,
+    )
+    return DistilBertModel(_eager(cfg)), (_ids(),), {"attention_mask": _mask(2, 8)}
+
+
+def _t5():
+    """Encoder-decoder: relative position buckets, cross-attention, shared embedding tied to the LM head."""
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    cfg = T5Config(
+        vocab_size=60, d_model=16, d_kv=4, d_ff=32, num_layers=1, num_decoder_layers=1, num_heads=4,
+        relative_attention_num_buckets=8, relative_attention_max_distance=16, dropout_rate=0.0, use_cache=False,
+        decoder_start_token_id=0, pad_token_id=0,
+    )
+    kwargs = {"attention_mask": _mask(2, 8), "decoder_input_ids": _ids(2, 5)}
+    return T5ForConditionalGeneration(_eager(cfg)), (_ids(),), kwargs
+
+
+def _bart():
+    """Encoder-decoder: learned positions, post-LayerNorm, cross-attention, tied embeddings and LM head."""
+    from transformers import BartConfig, BartForConditionalGeneration
+
+    cfg = BartConfig(
+        vocab_size=60, d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+        decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32, max_position_embeddings=16,
+        dropout=0.0, attention_dropout=0.0, activation_dropout=0.0, use_cache=False,
+    )
+    kwargs = {"attention_mask": _mask(2, 8), "decoder_input_ids": _ids(2, 5, low=3)}
+    return BartForConditionalGeneration(_eager(cfg)), (_ids(low=3),), kwargs
+
+
+def _vit():
+    """Vision transformer: patch embedding (a strided conv), class token, position embeddings, classifier."""
+    from transformers import ViTConfig, ViTForImageClassification
+
+    cfg = ViTConfig(
+        hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32, image_size=16,
+        patch_size=4, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, num_labels=5,
+    )
+    return ViTForImageClassification(_eager(cfg)), (torch.randn(2, 3, 16, 16),), {}
+
+
+def _convnext():
+    """Convolutional: patchify stem, depthwise 7×7 convs, channels-last LayerNorm, layer scale."""
+    from transformers import ConvNextConfig, ConvNextForImageClassification
+
+    cfg = ConvNextConfig(
+        num_channels=3, patch_size=4, num_stages=2, hidden_sizes=[8, 16], depths=[1, 1], drop_path_rate=0.0,
+        image_size=32, num_labels=5,
+    )
+    return ConvNextForImageClassification(cfg), (torch.randn(2, 3, 32, 32),), {}
+
+
+def _opt():
+    """Decoder-only: learned positions offset by 2 and computed from the attention mask, ReLU MLP."""
+    from transformers import OPTConfig, OPTForCausalLM
+
+    cfg = OPTConfig(
+        vocab_size=60, hidden_size=16, num_hidden_layers=1, ffn_dim=32, num_attention_heads=2,
+        max_position_embeddings=16, word_embed_proj_dim=16, dropout=0.0, attention_dropout=0.0, use_cache=False,
+    )
+    return OPTForCausalLM(_eager(cfg)), (_ids(low=3),), {"attention_mask": _mask(2, 8)}
+
+
+def _gpt_neo():
+    """Decoder-only: local attention (a 4-token window over 8 tokens), unscaled attention scores."""
+    from transformers import GPTNeoConfig, GPTNeoForCausalLM
+
+    cfg = GPTNeoConfig(
+        vocab_size=60, max_position_embeddings=16, hidden_size=16, num_layers=1, attention_types=[[["local"], 1]],
+        num_heads=2, intermediate_size=32, window_size=4, resid_dropout=0.0, embed_dropout=0.0, attention_dropout=0.0,
+        use_cache=False, bos_token_id=0, eos_token_id=0,
+    )
+    return GPTNeoForCausalLM(_eager(cfg)), (_ids(),), {"attention_mask": _mask(2, 8)}
+
+
+# Family → (factory, device counts), one layer (or one encoder and one decoder layer) each.
+# Each run costs 1–4 s on two CPU cores, nearly all of it
+# autosplit's (export, annotation, a solver given 2 s), little of it the model's; so each family
+# runs at two of DEVICES (T5, the slowest at about 4 s a run, at one; BART covers encoder-decoders
+# at 2 and 4), and each device count is covered by five to seven families.
+HF_ZOO = {
+    "llama_gqa": (_llama, (3, 4)),
+    "qwen2_mqa_tied": (_qwen2, (2, 4)),
+    "roberta_mlm": (_roberta, (2, 3)),
+    "distilbert": (_distilbert, (3, 4)),
+    "t5": (_t5, (3,)),
+    "bart": (_bart, (2, 4)),
+    "vit": (_vit, (3, 4)),
+    "convnext": (_convnext, (2, 4)),
+    "opt": (_opt, (2, 3)),
+    "gpt_neo": (_gpt_neo, (3, 4)),
+}
+
+
+@pytest.mark.parametrize(
+    ("name", "devices"), [(name, d) for name in sorted(HF_ZOO) for d in HF_ZOO[name][1]], ids=lambda v: str(v)
+)
+def test_transformers_families_train_like_original(name, devices):
+    pytest.importorskip("transformers")
+    model, inputs, kwargs = HF_ZOO[name][0]()
+    split = assert_trains_like(model, ["cpu"] * devices, inputs, kwargs)
+    assert split.plan.capture == "export"
 
 
 def test_tied_embedding_is_one_parameter_on_one_device():
