@@ -45,7 +45,7 @@ def test_parse_bytes(text, expected):
     [
         (["nonsense-device"], None, "unknown device 'nonsense-device'"),
         (["cpu"], {"cuda:3": "1GiB"}, "matches no device"),
-        (["cpu"], {5: "1GiB"}, "only 1 devices given"),
+        (["cpu"], {5: "1GiB"}, "only 1 devices are given"),
         (["cpu"], {"cpu": "lots"}, "cannot read memory size 'lots'"),
         ([], None, "no devices given"),
     ],
