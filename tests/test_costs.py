@@ -231,3 +231,21 @@ def test_in_place_writes_are_seen_from_version_counters():
     assert written["_0_relu"] == ("_0_b1",) and written["_1_relu"] == ("_1_b1",), written  # a repeated node too
     assert all(len(by) == 1 for by in written.values())
     assert_trains_like(model, ["cpu"] * 3, (x,))
+
+
+def test_build_problem_caches_the_arrays_its_tuples_hold():
+    import numpy as np
+
+    from autosplit.examples import GPT
+    from autosplit.passes.annotate import annotate
+    from autosplit.passes.costs import estimate
+    from autosplit.solver import build_problem
+    from autosplit.solver.problem import Problem
+
+    model, ids = GPT(vocab=50, d_model=16, n_layers=2, n_heads=2, max_len=8), torch.randint(0, 50, (2, 8))
+    captured = capture(model, (ids,))
+    annotate(captured, flat_inputs(captured, model, (ids,), {}))
+    problem = build_problem(estimate(captured.gm, resolve_devices(["cpu"] * 3)), micro_batches=6, schedule="1f1b")
+    derived = Problem.arrays.func(problem)  # from the tuples, as a Problem made by hand gets them
+    for field in ("compute", "transfer", "state", "act", "recv", "send", "producer", "consumer"):
+        assert np.array_equal(getattr(problem.arrays, field), getattr(derived, field)), field

@@ -247,7 +247,7 @@ def build_problem(
     opt = table.optimizer_time or ((0.0,) * len(table.devices),) * N
     columns = list(order)
     seconds = np.add(np.add(_array(table.fwd_time, N)[:, columns], _array(table.bwd_time, N)[:, columns]), _array(opt, N)[:, columns])
-    compute = _rows(np.rint(seconds * NS))
+    compute = np.rint(seconds * NS).astype(np.int64)
     # Boundary k joins stages k−1 and k. Each micro-batch sends every crossing tensor forward and
     # its gradient back: 2·(M·latency + bytes/bandwidth) for a tensor of the whole batch's bytes,
     # the latency once per tensor of the value (none for a Python value: it crosses as a constant).
@@ -265,24 +265,27 @@ def build_problem(
         sent[:, k] = np.rint(2 * (M * lat * counts + nbytes / bw) * NS)
     for n in (n for n, read in enumerate(reads) if read):
         sent[n] = [round(min(tied_costs(table.output_bytes[n], bw, lat, M)) * NS) for bw, lat in links]
-    transfer = _rows(sent)
     in_flight_share = np.asarray(inflight, dtype=np.float64)
 
-    def per_stage(values: Sequence[int]) -> tuple[tuple[int, ...], ...]:  # kib(b · inflight[s] / M)
-        return _rows(np.ceil(np.asarray(values, dtype=np.float64)[:, None] * in_flight_share[None, :] / M / KIB))
-    return Problem(
+    def per_stage(values: Sequence[int]) -> np.ndarray:  # kib(b · inflight[s] / M)
+        return np.ceil(np.asarray(values, dtype=np.float64)[:, None] * in_flight_share[None, :] / M / KIB).astype(np.int64)
+
+    act, recv = per_stage(table.saved_bytes), per_stage(table.output_bytes)
+    send = per_stage(table.sent_bytes) if table.sent_bytes else None
+    state = tuple(kib(b) for b in table.state_bytes)
+    problem = Problem(
         nodes=table.nodes,
         labels=table.module_paths,
         devices=tuple(d.torch_device or d.name for d in devices),
-        compute=compute,
+        compute=_rows(compute),
         edges=table.edges,
         order_edges=table.order_edges,
-        transfer=transfer,
+        transfer=_rows(sent),
         boundary_latency=latency,
-        state_mem=tuple(kib(b) for b in table.state_bytes),
-        act_mem=per_stage(table.saved_bytes),
-        recv_mem=per_stage(table.output_bytes),
-        send_mem=per_stage(table.sent_bytes) if table.sent_bytes else (),
+        state_mem=state,
+        act_mem=_rows(act),
+        recv_mem=_rows(recv),
+        send_mem=_rows(send) if send is not None else (),
         capacity=tuple(d.memory // KIB for d in devices),
         colocate=table.colocate,
         micro_batches=M,
@@ -291,3 +294,10 @@ def build_problem(
             UserConstraint(c.text, tuple((n, stage_of_device[d]) for n, d in c.forbid), c.together) for c in constraints
         ),
     )
+    # The arrays the solver reads are at hand: cache them rather than convert the tuples back.
+    edges = np.asarray(table.edges, dtype=np.int64).reshape(-1, 2)
+    problem.__dict__["arrays"] = Arrays(
+        compute=compute, transfer=sent.astype(np.int64), state=np.asarray(state, dtype=np.int64), act=act, recv=recv,
+        send=send if send is not None else np.zeros((N, S), dtype=np.int64), producer=edges[:, 0], consumer=edges[:, 1],
+    )
+    return problem
