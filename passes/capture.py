@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+from torch.fx._lazy_graph_module import _make_graph_module, _use_lazy_graph_module
 from torch.fx.graph import _PyTreeCodeGen
 from torch.utils import _pytree as pytree
 
@@ -114,7 +115,10 @@ def _symbolic_trace(model: torch.nn.Module, args: tuple, kwargs: dict) -> fx.Gra
     tracer = _Tracer(_tied_owners(model))
     graph = tracer.trace(model, concrete_args=concrete or None)
     name = model.__class__.__name__
-    return fx.GraphModule(tracer.root, graph, name)
+    # Generating the module's Python code waits until something calls it or reads it: the
+    # passes only interpret the graph, and for 10k nodes the code takes about a second.
+    with _use_lazy_graph_module(True):
+        return _make_graph_module(tracer.root, graph, name)
 
 
 def _export(model: torch.nn.Module, args: tuple, kwargs: dict) -> fx.GraphModule:
