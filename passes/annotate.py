@@ -4,13 +4,15 @@ Runs the graph on fake tensors (``FakeTensorMode``: shapes and dtypes, no storag
 compute), so annotating a model costs milliseconds per node whatever its size. For each
 compute node it replays the op on fresh inputs that require grad, under
 
-- ``torch.utils.flop_counter.FlopCounterMode`` for forward and backward FLOPs, and
+- ``torch.utils.flop_counter.FlopCounterMode`` for forward and backward FLOPs,
 - ``torch.autograd.graph.saved_tensors_hooks`` for the bytes autograd keeps for backward
-  (parameters and views of them excluded: they are counted once, as model state).
+  (parameters and views of them excluded: they are counted once, as model state), and
+- the inputs' version counters for what it writes in place (``ReLU(inplace=True)``, ``x += y``).
 
 Results land in ``node.meta["autosplit"]`` as a :class:`NodeInfo`. Replays are memoised by
-the node's signature (op, module config, input shapes, dtypes and grad flags), so the layers
-of a deep model are measured once and the rest run forward only.
+the node's signature (op, module config, input shapes, strides, dtypes and grad flags), so
+the layers of a deep model are measured once; every later node of a known signature is not
+run at all: its output is made from the recorded metadata.
 
 Usage::
 
@@ -152,9 +154,7 @@ class _Annotator(fx.Interpreter):
         self._fakes: dict[int, torch.Tensor] = {}  # id(real tensor) → its fake, so identity survives
         self._state_fakes: set[int] = set()  # ids of fakes standing for parameters
         self._seen_state: set[int] = set()  # real params/buffers already owned by some node
-        # signature → (fwd FLOPs, bwd FLOPs, own saved bytes, saved input positions, saves output,
-        # positions written in place)
-        self._measured: dict[tuple, _Measured] = {}
+        self._measured: dict[tuple, _Measured] = {}  # signature → what its first node showed
 
     def fake(self, t: torch.Tensor) -> torch.Tensor:
         if id(t) not in self._fakes:
