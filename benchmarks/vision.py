@@ -466,16 +466,7 @@ class VGG11(nn.Module):
             nn.Dropout(p=dropout),
             nn.Linear(hidden, num_classes),
         )
-        for m in self.modules():
-            if isinstance(m, nn.Conv2d):
-                nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
-                nn.init.zeros_(m.bias)
-            elif isinstance(m, nn.BatchNorm2d):
-                nn.init.ones_(m.weight)
-                nn.init.zeros_(m.bias)
-            elif isinstance(m, nn.Linear):
-                nn.init.normal_(m.weight, 0, 0.01)
-                nn.init.zeros_(m.bias)
+        _init(self)
 
     def forward(self, x):
         x = self.avgpool(self.features(x))

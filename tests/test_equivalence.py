@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from autosplit.examples import GPT
 from benchmarks.models import GNMT, MLP, ConvBN, InceptionA, InceptionE, ResNet
-from benchmarks.vision import EFFICIENTNET_B0_SETTING, MOBILENET_V2_SETTING, VGG11, DenseNet121, EfficientNetB0, MobileNetV2, ResNet50
+from benchmarks.vision import make as make_vision
 from conftest import assert_trains_like
 
 DEVICES = [2, 3, 4]
@@ -83,23 +83,7 @@ ZOO = {
     "dict_tuple_output": lambda: (MultiHead(), (torch.randn(4, 8),), {"scale": 0.5}),
     # torchvision-style CNNs (benchmarks/vision.py): in-place ReLU/ReLU6/SiLU, `out += identity`,
     # depthwise convolutions, squeeze-and-excitation, dense concatenation.
-    "resnet50": lambda: (ResNet50(layers=(1, 1), width=4, num_classes=5), (torch.randn(2, 3, 16, 16),), {}),
-    "mobilenet_v2": lambda: (
-        MobileNetV2(num_classes=5, width_mult=0.25, setting=MOBILENET_V2_SETTING[:3], round_nearest=4, last_channel=16, dropout=0.0),
-        (torch.randn(2, 3, 16, 16),),
-        {},
-    ),
-    "densenet121": lambda: (
-        DenseNet121(growth_rate=4, block_config=(3, 2), num_init_features=8, bn_size=2, num_classes=5),
-        (torch.randn(2, 3, 16, 16),),
-        {},
-    ),
-    "efficientnet_b0": lambda: (
-        EfficientNetB0(num_classes=5, width_mult=0.25, depth_mult=0.5, setting=EFFICIENTNET_B0_SETTING[:3], divisor=4, dropout=0.0),
-        (torch.randn(2, 3, 16, 16),),
-        {},
-    ),
-    "vgg11": lambda: (VGG11(num_classes=5, width=1 / 16, hidden=16, pool=1, dropout=0.0), (torch.randn(2, 3, 32, 32),), {}),
+    **{name: (lambda name=name: (*make_vision(name, "tiny"), {})) for name in ("resnet50", "mobilenet_v2", "densenet121", "efficientnet_b0", "vgg11")},
 }
 
 
