@@ -15,6 +15,7 @@ import logging
 import os
 
 from autosplit.calibrate import Calibration, calibrate
+from autosplit.compare import Comparison, compare
 from autosplit.devices import PRESETS, DeviceSpec, resolve_devices
 from autosplit.errors import (
     AutosplitError,
@@ -30,6 +31,8 @@ from autosplit.errors import (
     PlanValidationError,
     SolverError,
 )
+from autosplit.htmlreport import write_html
+from autosplit.hybrid import Cluster, HybridPlan, measure_noise_scale, plan_hybrid
 from autosplit.measure import measure_link, measure_runtime, measure_stages
 from autosplit.options import PlanOptions
 from autosplit.passes.costs import CostTable
@@ -41,6 +44,7 @@ from autosplit.runtime.distributed import DistributedModel, distribute
 
 __all__ = [
     "autosplit", "plan", "distribute", "DistributedModel", "Planner", "PlanOptions", "Plan", "SplitModule",
+    "compare", "Comparison", "write_html", "plan_hybrid", "HybridPlan", "Cluster", "measure_noise_scale",
     "DeviceSpec", "PRESETS", "resolve_devices",
     "CostTable", "ProfileOptions", "calibrate", "Calibration", "measure_link", "measure_runtime", "measure_stages",
     "AutosplitError", "CaptureError", "CodegenError", "ConstraintError", "CostModelError", "DeviceError",

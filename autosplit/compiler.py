@@ -31,17 +31,20 @@ from typing import Any
 
 import torch
 
+from autosplit import progress
 from autosplit.devices import DeviceSpec
-from autosplit.errors import ConstraintError, CostModelError, DeviceError, advice
+from autosplit.errors import CodegenError, ConstraintError, CostModelError, DeviceError, advice
 from autosplit.options import PlanOptions
 from autosplit.passes.annotate import annotate
 from autosplit.passes.capture import Captured, capture, fingerprint, flat_inputs
 from autosplit.passes.codegen import Program, generate
 from autosplit.passes.costs import CostTable, estimate, with_overrides
 from autosplit.passes.profile import ProfileOptions, profile
-from autosplit.plan import Plan, SharedParam, SolverInfo, StageReport, StepTerms
+from autosplit.plan import Plan, PlannedTask, SharedParam, SolverInfo, StageReport, StepTerms
 from autosplit.runtime.microbatch import split_batch
 from autosplit.solver import Problem, build_problem, choose_order, evaluate, solve, validate
+from autosplit.solver.makespan import schedule_of, solve_makespan
+from autosplit.solver.makespan.schedule import memory_of, run_key
 from autosplit.solver.problem import KIB, NS, UserConstraint, tied_costs
 
 __all__ = ["Traced", "trace", "compile_plan", "codegen"]
@@ -50,9 +53,10 @@ log = logging.getLogger(__name__)
 
 
 @contextlib.contextmanager
-def _timed(name: str, timings: dict[str, float]) -> Iterator[None]:
+def _timed(name: str, timings: dict[str, float], limit: float | None = None) -> Iterator[None]:
     start = time.perf_counter()
-    yield
+    with progress.phase(name, limit):
+        yield
     timings[name] = time.perf_counter() - start
     log.info("pass %-9s %8.3fs", name, timings[name])
 
@@ -84,9 +88,12 @@ def trace(model: torch.nn.Module, example_inputs: tuple, example_kwargs: Mapping
     return Traced(captured, tuple(inputs), graph_id, timings)
 
 
-def compile_plan(traced: Traced, specs: tuple[DeviceSpec, ...], options: PlanOptions, *, given: Plan | None = None) -> Plan:
+def compile_plan(
+    traced: Traced, specs: tuple[DeviceSpec, ...], options: PlanOptions, *, given: Plan | None = None, check_memory: bool = True
+) -> Plan:
     """Steps *estimate* → *order* → *build* → *solve* → *validate*; with ``given``, no solving:
-    the saved plan is validated and its predictions refreshed under ``options.costs``."""
+    the saved plan is validated and its predictions refreshed under ``options.costs``
+    (``check_memory=False``: a plan over a memory cap is costed, not refused)."""
     timings = dict(traced.timings)
     if given is not None:
         given.check_fingerprint(traced.fingerprint, traced.node_names)
@@ -94,6 +101,8 @@ def compile_plan(traced: Traced, specs: tuple[DeviceSpec, ...], options: PlanOpt
     with _timed("estimate", timings):
         table, source = _costs(traced, specs, options, micro_batches=M)
     rules = _user_constraints(table, options)
+    if options.objective == "makespan" or (given is not None and given.schedule == "makespan"):
+        return _compile_makespan(traced, specs, options, table, source, rules, timings, given)
     with _timed("order", timings):
         order = given.stage_devices if given is not None else choose_order(
             table, micro_batches=M, schedule=options.schedule, constraints=rules
@@ -103,14 +112,18 @@ def compile_plan(traced: Traced, specs: tuple[DeviceSpec, ...], options: PlanOpt
     if given is not None:
         stage_of = tuple(given.stage_of[name] for name in problem.nodes)
         with _timed("validate", timings):
-            validate(problem, stage_of)
+            validate(problem, stage_of, memory=check_memory)
         terms, shared = predict_step(problem, table, stage_of, order, options)
+        solver = given.solver
+        if solver.status == "MANUAL":  # a hand-made split: its value under the solver's model, comparable with bounds
+            solver = dataclasses.replace(solver, objective=evaluate(problem, stage_of).objective / M / NS)
         return dataclasses.replace(
-            given, stages=_stage_reports(problem, table, stage_of, order), costs=source, step_time=terms.total,
+            given, solver=solver, stages=_stage_reports(problem, table, stage_of, order), costs=source, step_time=terms.total,
+            module_stages=_module_stages(table, stage_of),
             terms=terms, shared_params=shared, data_parallel=options.data_parallel, timings=timings,
             made_with=given.made_with or (given.costs, given.step_time),
         )
-    with _timed("solve", timings):
+    with _timed("solve", timings, limit=options.time_limit):
         solution = solve(problem, time_limit=options.time_limit, seed=options.seed)
     with _timed("validate", timings):
         validate(problem, solution.stage_of)
@@ -120,6 +133,7 @@ def compile_plan(traced: Traced, specs: tuple[DeviceSpec, ...], options: PlanOpt
         devices=specs,
         stage_devices=tuple(order),
         stages=_stage_reports(problem, table, solution.stage_of, order),
+        module_stages=_module_stages(table, solution.stage_of),
         step_time=terms.total,
         terms=terms,
         shared_params=shared,
@@ -146,8 +160,74 @@ def compile_plan(traced: Traced, specs: tuple[DeviceSpec, ...], options: PlanOpt
     )
 
 
+def _compile_makespan(
+    traced: Traced, specs: tuple[DeviceSpec, ...], options: PlanOptions, table: CostTable, source: str,
+    rules: list[UserConstraint], timings: dict[str, float], given: Plan | None,
+) -> Plan:
+    """The makespan objective (DLPlacer, :mod:`autosplit.solver.makespan`): one micro-batch, every
+    node on any device, each device's forward and backward tasks timed. With ``given``, its
+    assignment is re-timed under these costs (each device in the saved plan's task order)."""
+    order = tuple(range(len(specs)))
+    with _timed("build", timings):
+        problem = build_problem(table, micro_batches=1, schedule="sequential", order=order, constraints=rules)
+    index = {name: i for i, name in enumerate(problem.nodes)}
+    if given is not None:
+        runs = sorted(given.tasks, key=lambda t: run_key(t.start, t.end, t.kind, index[t.node]))
+        priority = [2 * index[t.node] + (t.kind == "backward") for t in runs]
+        schedule = schedule_of(problem, [given.assignment[name] for name in problem.nodes], priority or None)
+        solver = given.solver
+    else:
+        with _timed("solve", timings, limit=options.time_limit):
+            solution = solve_makespan(problem, time_limit=options.time_limit, seed=options.seed)
+        schedule = solution.schedule
+        solver = SolverInfo(
+            name=solution.solver, status=solution.status, objective=solution.objective / NS, bound=solution.bound / NS,
+            gap=solution.gap, wall_time=solution.wall_time, time_limit=options.time_limit, seed=options.seed,
+            baseline=None if solution.baseline is None else solution.baseline / NS, units=solution.units,
+        )
+    device_of = schedule.device_of
+    used = tuple(sorted(set(device_of)))
+    stage_of = [used.index(d) for d in device_of]
+    memory = memory_of(problem, device_of)
+    stages = []
+    for d in used:
+        members = [n for n, dd in enumerate(device_of) if dd == d]
+        state, act = sum(problem.state_mem[n] for n in members), sum(problem.act_mem[n][d] for n in members)
+        busy = sum(problem.compute[n][d] for n in members) / NS
+        stages.append(StageReport(
+            device=specs[d].torch_device or specs[d].name, nodes=len(members),
+            params=sum(table.param_counts[n] for n in members),
+            modules=_stage_modules(table, members),
+            compute=busy, transfer=0.0, time=busy,
+            forward=sum(table.fwd_time[n][d] for n in members), backward=sum(table.bwd_time[n][d] for n in members),
+            param_bytes=sum(table.param_bytes[n] for n in members) if table.param_bytes else 0,
+            memory_state=state * KIB, memory_activations=act * KIB,
+            memory_received=(memory[d] - state - act - problem.transient_mem) * KIB,
+            memory_transient=problem.transient_mem * KIB, capacity=specs[d].memory,
+        ))
+    makespan = schedule.makespan / NS
+    tasks = tuple(
+        PlannedTask(problem.nodes[t.unit], t.kind, t.device, t.start / NS, t.end / NS)
+        for t in sorted(schedule.tasks, key=lambda t: run_key(t.start, t.end, t.kind, t.unit))
+    )
+    common: dict[str, Any] = dict(
+        assignment={name: device_of[i] for i, name in enumerate(problem.nodes)}, stage_devices=used, stages=tuple(stages),
+        module_stages=_module_stages(table, stage_of), step_time=makespan, terms=StepTerms(makespan, 0.0, 0.0, 0.0, 0.0),
+        micro_batches=1, schedule="makespan", solver=solver, costs=source, timings=timings, tasks=tasks,
+    )
+    if given is not None:
+        return dataclasses.replace(given, **common, made_with=given.made_with or (given.costs, given.step_time))
+    return Plan(devices=specs, fingerprint=traced.fingerprint, capture=traced.captured.method, versions=_versions(), **common)
+
+
 def codegen(traced: Traced, plan: Plan) -> tuple[Program, dict[str, float]]:
     """Step *codegen*: the stage modules of ``plan`` on its devices, and the step's time."""
+    if plan.schedule == "makespan":
+        raise CodegenError(advice(
+            "codegen makes pipeline stages, and a makespan plan (objective='makespan') has none",
+            "its devices hold non-adjacent nodes and run them as their inputs arrive",
+            "run it with Planner.build(plan), which returns its MakespanRunner",
+        ))
     targets = [plan.devices[d].torch_device for d in plan.stage_devices]
     if None in targets:
         absent = sorted({d.name for d in plan.devices if d.torch_device is None})
@@ -235,16 +315,16 @@ def _stage_reports(problem: Problem, table: CostTable, stage_of: Sequence[int], 
     reports = []
     for s, device in enumerate(table.devices[d] for d in order):
         members = [n for n, st in enumerate(stage_of) if st == s]
-        # Name a stage by the modules whose parameters it holds (the FQN lists of manual splits).
-        owners = [n for n in members if table.param_counts[n]] or members
-        modules = list(dict.fromkeys(".".join(table.module_paths[n].split(".")[:2]) or "(root)" for n in owners))
         reports.append(
             StageReport(
                 device=device.torch_device or device.name,
                 nodes=len(members),
                 params=sum(table.param_counts[n] for n in members),
-                modules=tuple(modules),
+                modules=_stage_modules(table, members),
                 compute=ev.compute[s] / NS,
+                forward=sum(table.fwd_time[n][order[s]] for n in members),
+                backward=sum(table.bwd_time[n][order[s]] for n in members),
+                param_bytes=sum(table.param_bytes[n] for n in members) if table.param_bytes else 0,
                 transfer=ev.transfer[s] / NS,
                 time=ev.time[s] / NS,
                 memory_state=ev.state_mem[s] * KIB,
@@ -256,6 +336,22 @@ def _stage_reports(problem: Problem, table: CostTable, stage_of: Sequence[int], 
             )
         )
     return tuple(reports)
+
+
+def _stage_modules(table: CostTable, members: Sequence[int]) -> tuple[str, ...]:
+    """A stage named by the modules (two levels deep) whose parameters it holds: the FQN lists of manual splits."""
+    owners = [n for n in members if table.param_counts[n]] or members
+    return tuple(dict.fromkeys(".".join(table.module_paths[n].split(".")[:2]) or "(root)" for n in owners))
+
+
+def _module_stages(table: CostTable, stage_of: Sequence[int]) -> dict[str, tuple[int, ...]]:
+    """Every module path, at every level (in the order the graph first runs it), and the stages its nodes run on."""
+    stages: dict[str, set[int]] = {}
+    for path, s in zip(table.module_paths, stage_of):
+        parts = path.split(".") if path else []
+        for depth in range(len(parts) + 1):
+            stages.setdefault(".".join(parts[:depth]), set()).add(s)
+    return {path: tuple(sorted(found)) for path, found in stages.items()}
 
 
 def _costs(traced: Traced, specs: tuple[DeviceSpec, ...], options: PlanOptions, *, micro_batches: int) -> tuple[CostTable, str]:

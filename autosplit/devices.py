@@ -85,6 +85,9 @@ PRESETS: dict[str, DeviceSpec] = {
     "V100-16GB": DeviceSpec(
         "V100-16GB", 16 * GiB, 15.7e12, 900e9, 150e9, 5e-6, peak_flops_half=125e12
     ),
+    "V100-32GB": DeviceSpec(
+        "V100-32GB", 32 * GiB, 15.7e12, 900e9, 150e9, 5e-6, peak_flops_half=125e12
+    ),
     "A100-80GB": DeviceSpec(
         "A100-80GB", 80 * GiB, 19.5e12, 2039e9, 300e9, 5e-6, peak_flops_half=312e12
     ),

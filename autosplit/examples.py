@@ -1,9 +1,12 @@
-"""Built-in models: the GPT-style transformer the demo plans (no download, any size).
+"""Built-in models: the GPT-style transformer the demo plans (no download, any size), and
+:func:`gpt`, a workload factory the command line takes as ``autosplit.examples:gpt``.
 
 Usage::
 
     model = GPT(vocab=512, d_model=128, n_layers=4)
     logits = model(tokens, attention_mask=mask)
+
+    autosplit plan autosplit.examples:gpt --devices "cpu*2" --batch 8
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-__all__ = ["GPT", "GPTBlock"]
+__all__ = ["GPT", "GPTBlock", "gpt"]
 
 
 class CausalSelfAttention(nn.Module):
@@ -86,3 +89,22 @@ class GPT(nn.Module):
         for block in self.blocks:
             x = block(x, attention_mask)
         return self.head(self.ln_f(x))
+
+
+def gpt(batch: int = 8, *, seq: int = 64, vocab: int = 512, d_model: int = 64, n_layers: int = 8, seed: int = 0) -> dict:
+    """A workload for the command line: the GPT with an attention mask, a batch of random tokens,
+    next-token targets and cross-entropy over them (seeded: every process builds the same)."""
+    torch.manual_seed(seed)
+    model = GPT(vocab=vocab, d_model=d_model, n_layers=n_layers, n_heads=4, max_len=seq)
+    tokens = torch.randint(0, vocab, (batch, seq))
+    return {
+        "model": model,
+        "example_inputs": (tokens,),
+        "example_kwargs": {"attention_mask": torch.ones_like(tokens)},
+        "target": torch.randint(0, vocab, (batch, seq)),
+        "loss_fn": _token_loss,
+    }
+
+
+def _token_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1), target.flatten())

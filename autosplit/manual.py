@@ -1,15 +1,19 @@
 """Manual splits as plans: the splits users write today, costed and run like autosplit's own.
 
-- :func:`torchtitan_fqns` — torchtitan's ``module_fqns_per_model_part``: the repeated blocks
-  spread evenly over the stages, the input modules and the output modules each weighing one
-  block (``generate_llm_fqn_per_model_part``);
-- :func:`deepspeed_fqns` — DeepSpeed ``PipelineModule(partition_method=...)`` over the model's
-  layer list (top-level modules, ``ModuleList``/``Sequential`` expanded, in execution order):
-  ``"parameters"`` balances parameter counts (``partition_balanced``: the largest stage as small
-  as possible), ``"uniform"`` balances layer counts;
-- :func:`plan_from_fqns` — any list of module names per stage as a :class:`~autosplit.plan.Plan`,
-  checked (every module of the graph placed, data flowing forward only) and costed with the
-  planner's cost model, so it can be compared with autosplit's plan or run by either runtime.
+Each form becomes a stage per graph node, then a :class:`~autosplit.plan.Plan` checked (every
+node placed, data flowing forward only, memory) and costed with the planner's cost model, so
+it compares with autosplit's plan and runs on either runtime (:func:`manual_plan` reads them all):
+
+- module names per stage — torchtitan's ``module_fqns_per_model_part`` (:func:`fqn_stages`);
+  :func:`torchtitan_fqns` makes its even split of the repeated blocks, the input and output
+  modules each weighing one block (``generate_llm_fqn_per_model_part``); :func:`megatron_fqns`
+  Megatron's uneven first and last stages;
+- ``torch.distributed.pipelining`` split points (:func:`split_point_stages`);
+- DeepSpeed ``PipelineModule(partition_method=...)`` over the model's layer list (top-level
+  modules, ``ModuleList``/``Sequential`` expanded, in execution order): ``"parameters"``,
+  ``"uniform"``, ``"type:REGEX"`` (:func:`deepspeed_fqns`, ``partition_balanced``: the largest
+  stage as small as possible);
+- torchgpipe's ``balance`` (:func:`balance_fqns`).
 
 Usage::
 
@@ -20,8 +24,12 @@ Usage::
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
-from collections.abc import Sequence
+import difflib
+import itertools
+import re
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -30,7 +38,10 @@ from autosplit.compiler import compile_plan
 from autosplit.errors import ConstraintError, advice
 from autosplit.plan import Plan, SolverInfo
 
-__all__ = ["deepspeed_fqns", "layer_list", "plan_from_fqns", "torchtitan_fqns", "partition"]
+__all__ = [
+    "ManualSplit", "balance_fqns", "deepspeed_fqns", "fqn_stages", "layer_list", "manual_plan",
+    "megatron_fqns", "partition", "plan_from_fqns", "split_point_stages", "torchtitan_fqns",
+]
 
 
 def partition(weights: Sequence[float], stages: int) -> list[tuple[int, int]]:
@@ -86,19 +97,39 @@ def layer_list(model: torch.nn.Module, order: Sequence[str] = ()) -> list[str]:
 
 
 def deepspeed_fqns(model: torch.nn.Module, stages: int, method: str = "parameters", order: Sequence[str] = ()) -> list[list[str]]:
-    """Module names per stage as DeepSpeed's ``partition_method`` (``"parameters"`` or ``"uniform"``) splits them."""
+    """Module names per stage as DeepSpeed's ``partition_method`` splits them: ``"parameters"``,
+    ``"uniform"``, or ``"type:REGEX"`` (layers whose class name matches weigh one, others none)."""
     layers = layer_list(model, order)
     if method == "parameters":
         weights = [float(sum(p.numel() for p in model.get_submodule(layer).parameters())) for layer in layers]
     elif method == "uniform":
         weights = [1.0] * len(layers)
+    elif method.startswith("type:"):
+        pattern = re.compile(method[len("type:") :], re.IGNORECASE)
+        kinds = [type(model.get_submodule(layer)).__name__ for layer in layers]
+        weights = [float(bool(pattern.search(kind))) for kind in kinds]
+        if not any(weights):
+            raise ConstraintError(advice(
+                f"partition_method={method!r} matches no layer", "no layer's class name matches the pattern",
+                f"match one of the layer classes {sorted(set(kinds))}",
+            ))
     else:
         raise ConstraintError(advice(
             f"partition_method={method!r} is not supported",
-            "only DeepSpeed's two weightless methods are modelled",
-            "use 'parameters' or 'uniform'",
+            "DeepSpeed's methods that need no profile are modelled",
+            "use 'parameters', 'uniform' or 'type:REGEX'",
         ))
     return [layers[a:b] for a, b in partition(weights, stages)]
+
+
+def _blocks(layers: list[str], repeated: str) -> list[str]:
+    blocks = [layer for layer in layers if layer.startswith(repeated + ".")]
+    if not blocks:
+        raise ConstraintError(advice(
+            f"no repeated blocks under {repeated!r}", "no layer of the model is named under it",
+            f"name the ModuleList, one of {layers[:6]}",
+        ))
+    return blocks
 
 
 def torchtitan_fqns(
@@ -108,13 +139,7 @@ def torchtitan_fqns(
     """torchtitan's even split: the blocks of ``repeated`` (e.g. ``"layers"``) spread evenly, the
     modules before them weighing ``input_weight`` blocks and those after ``output_weight``."""
     layers = layer_list(model, order)
-    blocks = [layer for layer in layers if layer.startswith(repeated + ".")]
-    if not blocks:
-        raise ConstraintError(advice(
-            f"no repeated blocks under {repeated!r}",
-            "no layer of the model is named under it",
-            f"name the ModuleList, one of {layers[:6]}",
-        ))
+    blocks = _blocks(layers, repeated)
     first, last = layers.index(blocks[0]), layers.index(blocks[-1])
     units = [layers[:first], *([b] for b in blocks), layers[last + 1 :]]
     weights = [input_weight, *[1.0] * len(blocks), output_weight]
@@ -123,30 +148,100 @@ def torchtitan_fqns(
     return [[m for i in keep[a:b] for m in units[i]] for a, b in ranges]
 
 
-def plan_from_fqns(planner: Any, fqns_per_stage: Sequence[Sequence[str]], *, name: str = "manual") -> Plan:
-    """``fqns_per_stage`` (module names per stage, torchtitan's form) as a checked, costed plan
-    for ``planner``'s model and devices (stage ``s`` on device ``s``).
+def megatron_fqns(
+    model: torch.nn.Module, stages: int, *, repeated: str, first: int | None = None, last: int | None = None,
+    order: Sequence[str] = (),
+) -> list[list[str]]:
+    """Megatron-style uneven first and last stages: ``first`` (``last``) blocks of ``repeated`` on
+    the first (last) stage — with the input (output) modules — and the rest evenly over the
+    stages between (``num_layers_in_first_pipeline_stage`` / ``..._last_...``; like Megatron, the
+    middle blocks must divide evenly)."""
+    layers = layer_list(model, order)
+    blocks = _blocks(layers, repeated)
+    middle_stages = stages - (first is not None) - (last is not None)
+    rest = len(blocks) - (first or 0) - (last or 0)
+    if stages < 2 or middle_stages < 0 or rest < 0 or (middle_stages and rest % middle_stages) or (not middle_stages and rest):
+        raise ConstraintError(advice(
+            f"cannot give the first stage {first} and the last {last} of {len(blocks)} blocks, "
+            f"the other {rest} evenly over {middle_stages} stages",
+            "Megatron splits the blocks between the first and last stages evenly",
+            "choose first/last so the remaining blocks divide by the stages between them",
+        ))
+    per = rest // middle_stages if middle_stages else 0
+    counts = ([first] if first is not None else []) + [per] * middle_stages + ([last] if last is not None else [])
+    cuts = [0]
+    for c in counts:
+        cuts.append(cuts[-1] + c)
+    head, tail = layers[: layers.index(blocks[0])], layers[layers.index(blocks[-1]) + 1 :]
+    out = [blocks[a:b] for a, b in itertools.pairwise(cuts)]
+    out[0], out[-1] = head + out[0], out[-1] + tail
+    return out
+
+
+def balance_fqns(model: torch.nn.Module, balance: Sequence[int], order: Sequence[str] = ()) -> list[list[str]]:
+    """torchgpipe's ``balance``: the number of consecutive layers on each stage, over a
+    ``nn.Sequential``'s children (or, for another model, its layer list as :func:`layer_list`)."""
+    layers = list(dict(model.named_children())) if isinstance(model, torch.nn.Sequential) else layer_list(model, order)
+    if any(int(b) != b or b < 1 for b in balance) or sum(balance) != len(layers):
+        raise ConstraintError(advice(
+            f"balance {list(balance)} sums to {sum(balance)} layers, but the model has {len(layers)} ({layers[:4]} …)",
+            "torchgpipe's balance counts every layer once, at least one per stage",
+            f"give positive counts that sum to {len(layers)}",
+        ))
+    out, at = [], 0
+    for count in balance:
+        out.append(layers[at : at + int(count)])
+        at += int(count)
+    return out
+
+
+def _nodes(traced: Any) -> list[Any]:
+    return [n for n in traced.captured.gm.graph.nodes if n.op not in ("placeholder", "output")]
+
+
+def _unknown_module(traced: Any, name: str, what: str) -> ConstraintError:
+    """A module name that matches no node: inside a module the capture keeps whole, or unknown."""
+    paths = {p for p in traced.captured.module_paths.values() if p}
+    whole = sorted((p for p in paths if name.startswith(p + ".")), key=len)
+    if whole:
+        return ConstraintError(advice(
+            f"{what} {name!r} is inside {whole[-1]!r}, which the capture keeps as one node (a torch.nn module "
+            "is traced as a leaf)",
+            "a split can only fall between the graph's nodes",
+            f"split at {whole[-1]!r} itself, or at a module beside it",
+        ))
+    close = difflib.get_close_matches(name, sorted(paths), n=3)
+    return ConstraintError(advice(
+        f"{what} {name!r} names no module of the captured graph",
+        "the name is misspelt, or the module is not called in forward",
+        f"use a module path such as {close or sorted(paths)[:3]}",
+    ))
+
+
+def fqn_stages(traced: Any, fqns_per_stage: Sequence[Sequence[str]]) -> dict[str, int]:
+    """Node name → stage for module names per stage (torchtitan's form).
 
     A node belongs to the listed module that contains it (the longest name wins); a node of no
     listed module (a residual add, a reshape at the root) joins the latest stage of its inputs,
     or, without inputs, the earliest stage of its users.
     """
-    traced = planner.traced
-    specs = planner.specs()
-    if len(fqns_per_stage) != len(specs):
-        raise ConstraintError(
-            advice(
-                f"the split has {len(fqns_per_stage)} stages for {len(specs)} devices",
-                "a manual split puts stage s on device s",
-                "give one module list per device",
-            )
-        )
-    owner = {fqn: s for s, fqns in enumerate(fqns_per_stage) for fqn in fqns}
-    gm = traced.captured.gm
-    nodes = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
+    paths = traced.captured.module_paths
+    owner: dict[str, int] = {}
+    for s, fqns in enumerate(fqns_per_stage):
+        for fqn in fqns:
+            if fqn in owner:
+                raise ConstraintError(advice(
+                    f"module {fqn!r} is listed on stages {owner[fqn]} and {s}", "each module runs on one stage",
+                    "list every module once",
+                ))
+            owner[fqn] = s
+    nodes = _nodes(traced)
+    for fqn in owner:
+        if not any(paths.get(n.name, "") == fqn or paths.get(n.name, "").startswith(fqn + ".") for n in nodes):
+            raise _unknown_module(traced, fqn, "module")
     stage: dict[Any, int] = {}
     for n in nodes:
-        path = traced.captured.module_paths.get(n.name, "")
+        path = paths.get(n.name, "")
         hits = [f for f in owner if path == f or path.startswith(f + ".")]
         if hits:
             stage[n] = owner[max(hits, key=len)]
@@ -162,18 +257,109 @@ def plan_from_fqns(planner: Any, fqns_per_stage: Sequence[Sequence[str]], *, nam
     for n in nodes:
         for u in n.all_input_nodes:
             if u in stage and stage[u] > stage[n]:
-                raise ConstraintError(
-                    advice(
-                        f"the split puts {n.name} ({traced.captured.module_paths.get(n.name) or 'root'}) on stage {stage[n]}, "
-                        f"before its input {u.name} ({traced.captured.module_paths.get(u.name) or 'root'}) on stage {stage[u]}",
-                        "a pipeline's data flows from each stage to later ones only",
-                        "list the modules of each stage in execution order",
-                    )
-                )
+                raise ConstraintError(advice(
+                    f"the split puts {n.name} ({paths.get(n.name) or 'root'}) on stage {stage[n]}, "
+                    f"before its input {u.name} ({paths.get(u.name) or 'root'}) on stage {stage[u]}",
+                    "a pipeline's data flows from each stage to later ones only",
+                    "list the modules of each stage in execution order",
+                ))
+    return {n.name: s for n, s in stage.items()}
+
+
+def split_point_stages(traced: Any, split_spec: Mapping[str, Any] | Sequence[str]) -> dict[str, int]:
+    """Node name → stage for ``torch.distributed.pipelining`` split points: ``{"blocks.4":
+    SplitPoint.BEGINNING}`` cuts the graph before the module's first node, ``SplitPoint.END``
+    after its last; plain module names (a list) mean ``BEGINNING``. As in ``pipeline()``, the cut
+    falls in the graph's (execution) order."""
+    spec = dict(split_spec) if isinstance(split_spec, Mapping) else dict.fromkeys(split_spec, "beginning")
+    paths = traced.captured.module_paths
+    nodes = _nodes(traced)
+    cuts = []
+    for name, point in spec.items():
+        where = str(getattr(point, "name", point) or "beginning").lower()
+        if where not in ("beginning", "end"):
+            raise ConstraintError(advice(
+                f"split point {name!r}: {point!r} is not BEGINNING or END",
+                "torch.distributed.pipelining's SplitPoint has these two values",
+                "use SplitPoint.BEGINNING, SplitPoint.END, or the strings 'beginning' / 'end'",
+            ))
+        inside = [i for i, n in enumerate(nodes) if paths.get(n.name, "") == name or paths.get(n.name, "").startswith(name + ".")]
+        if not inside:
+            raise _unknown_module(traced, name, "split point")
+        cut = inside[0] if where == "beginning" else inside[-1] + 1
+        if not 0 < cut < len(nodes):
+            raise ConstraintError(advice(
+                f"split point {name!r} ({where}) falls at the {'start' if cut == 0 else 'end'} of the graph",
+                "it would leave a stage with no work", "split between two modules of the model",
+            ))
+        cuts.append((cut, name))
+    cuts.sort()
+    for (a, first), (b, second) in itertools.pairwise(cuts):
+        if a == b:
+            raise ConstraintError(advice(
+                f"split points {first!r} and {second!r} cut the graph at the same place",
+                "the stage between them would be empty", "drop one of them",
+            ))
+    return {n.name: bisect.bisect_right([c for c, _ in cuts], i) for i, n in enumerate(nodes)}
+
+
+ManualSplit = Plan | str | Mapping[str, Any] | Sequence[int] | Sequence[str] | Sequence[Sequence[str]]
+"""Every form :func:`manual_plan` reads: a plan; a DeepSpeed ``partition_method``; pipelining
+split points (a mapping, or a list of module names); a torchgpipe ``balance`` (a list of
+ints); module names per stage (torchtitan's ``module_fqns_per_model_part``)."""
+
+
+def manual_plan(planner: Any, split: ManualSplit, *, name: str = "manual", check_memory: bool = True) -> Plan:
+    """``split``, in any form users write one, as a checked plan costed by ``planner``'s cost model
+    (stage ``s`` on device ``s``). ``check_memory=False`` returns a plan over a cap instead of
+    raising (its stages show by how much)."""
+    model, S = planner.model, len(planner.specs())
+    order = list(dict.fromkeys(planner.traced.captured.module_paths.values()))
+    if isinstance(split, Plan):  # re-costed under the planner's options, as every other candidate
+        return _costed(planner, split.stage_of, name, check_memory, split.stage_devices)
+    if isinstance(split, str):
+        stage = fqn_stages(planner.traced, deepspeed_fqns(model, S, split, order))
+    elif isinstance(split, Mapping):
+        stage = split_point_stages(planner.traced, split)
+    elif split and all(isinstance(x, int) for x in split):
+        stage = fqn_stages(planner.traced, balance_fqns(model, list(split), order))  # type: ignore[arg-type]
+    elif split and all(isinstance(x, str) for x in split):
+        stage = split_point_stages(planner.traced, list(split))  # type: ignore[arg-type]
+    elif split and all(isinstance(x, (list, tuple)) and all(isinstance(f, str) for f in x) for x in split):
+        stage = fqn_stages(planner.traced, split)  # type: ignore[arg-type]
+    else:
+        raise ConstraintError(advice(
+            f"manual split {name!r} of type {type(split).__name__} is not a form autosplit reads",
+            "a manual split is a Plan, a DeepSpeed partition_method, split points, a balance list or module lists",
+            "e.g. 'parameters', {'blocks.4': SplitPoint.BEGINNING}, [3, 3], [['wte', 'blocks.0'], ['blocks.1', 'head']]",
+        ))
+    return _costed(planner, stage, name, check_memory)
+
+
+def plan_from_fqns(planner: Any, fqns_per_stage: Sequence[Sequence[str]], *, name: str = "manual") -> Plan:
+    """``fqns_per_stage`` (module names per stage, torchtitan's form) as a checked, costed plan
+    for ``planner``'s model and devices (stage ``s`` on device ``s``); see :func:`fqn_stages`."""
+    return _costed(planner, fqn_stages(planner.traced, fqns_per_stage), name, True)
+
+
+def _costed(
+    planner: Any, stage: Mapping[str, int], name: str, check_memory: bool, stage_devices: Sequence[int] | None = None
+) -> Plan:
+    """A stage per node as a plan (stage ``s`` on device ``stage_devices[s]``, default ``s``),
+    validated and costed on the same footing as autosplit's."""
+    traced, specs = planner.traced, planner.specs()
+    order = tuple(stage_devices) if stage_devices is not None else tuple(range(len(specs)))
+    used = sorted(set(stage.values()))
+    if used != list(range(len(specs))) or len(order) != len(specs):
+        raise ConstraintError(advice(
+            f"split {name!r} fills stages {used} for {len(specs)} devices",
+            "a manual split puts stage s on device s, one stage per device, none empty",
+            f"give exactly {len(specs)} non-empty stages",
+        ))
     given = Plan(
-        assignment={n.name: stage[n] for n in nodes},
+        assignment={node: order[s] for node, s in stage.items()},
         devices=specs,
-        stage_devices=tuple(range(len(specs))),
+        stage_devices=order,
         stages=(),
         step_time=0.0,
         micro_batches=planner.options.micro_batches_for(len(specs)),
@@ -183,6 +369,4 @@ def plan_from_fqns(planner: Any, fqns_per_stage: Sequence[Sequence[str]], *, nam
         fingerprint=traced.fingerprint,
         capture=traced.captured.method,
     )
-    made = compile_plan(traced, specs, planner.options, given=given)
-    predicted = made.terms.pipeline if made.terms else made.step_time
-    return dataclasses.replace(made, made_with=None, solver=dataclasses.replace(made.solver, objective=predicted))
+    return dataclasses.replace(compile_plan(traced, specs, planner.options, given=given, check_memory=check_memory), made_with=None)

@@ -41,6 +41,8 @@ import torch
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from autosplit.errors import CostModelError, advice
+
 __all__ = [
     "timed", "MemoryTracker", "pinned", "LinkMeasurement", "measure_link", "RuntimeMeasurement", "measure_runtime",
     "StageMeasurement", "measure_stages",
@@ -166,11 +168,12 @@ def _ping_pong(rank: int, port: int, backend: str, sizes: Sequence[int], repeats
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     try:
         device = f"cuda:{rank}" if backend == "nccl" else "cpu"
-        rows = []
-        for nbytes in sizes:
-            buf = torch.empty(max(nbytes // 4, 1), dtype=torch.float32, device=device)
-            trips = []
-            for i in range(repeats + 2):
+        bufs = [torch.empty(max(n // 4, 1), dtype=torch.float32, device=device) for n in sizes]
+        trips: list[list[float]] = [[] for _ in sizes]
+        # Rounds visit every size in turn, so a burst of load elsewhere on the machine lands
+        # on all sizes alike instead of tilting the line through one of them.
+        for round_ in range(repeats + 2):
+            for buf, times in zip(bufs, trips):
                 dist.barrier()
                 t0 = time.perf_counter_ns()
                 if rank == 0:
@@ -181,11 +184,10 @@ def _ping_pong(rank: int, port: int, backend: str, sizes: Sequence[int], repeats
                     dist.send(buf, 0)
                 if backend == "nccl":
                     torch.cuda.synchronize(device)
-                if i >= 2:  # the first trips set up the connection
-                    trips.append((time.perf_counter_ns() - t0) / 1e9)
-            rows.append((buf.numel() * 4, statistics.median(trips) / 2))
+                if round_ >= 2:  # the first rounds set up the connection
+                    times.append((time.perf_counter_ns() - t0) / 1e9)
         if rank == 0:
-            torch.save(rows, out)
+            torch.save([(buf.numel() * 4, min(times) / 2) for buf, times in zip(bufs, trips)], out)
     finally:
         dist.destroy_process_group()
 
@@ -197,20 +199,34 @@ def measure_link(
     """Measure point-to-point transfers between two local processes and fit the link model.
 
     Two processes (spawned, one thread each) bounce a message of every size ``repeats``
-    times; the one-way time is half the median round trip. The line through the smallest
-    and the largest message gives ``bandwidth`` (its inverse slope) and ``latency`` (the
-    smallest message's time less its bytes): a least-squares fit would let one noisy
-    middle size tilt the slope, even below zero, on a busy machine. ``backend="nccl"``
-    measures between ``cuda:0`` and ``cuda:1``.
+    times, the sizes interleaved; the one-way time is half the fastest round trip (load
+    elsewhere only ever adds time). The line through the smallest and the largest message
+    gives ``bandwidth`` (its inverse slope) and ``latency`` (the smallest message's time
+    less its bytes): a least-squares fit would let one noisy middle size tilt the slope,
+    even below zero, on a busy machine. ``backend="nccl"`` measures between ``cuda:0``
+    and ``cuda:1``. Raises :class:`~autosplit.errors.CostModelError` when the largest
+    message was not slower than the smallest, which only a machine too busy to measure
+    on produces.
     """
     import torch.multiprocessing as mp
 
+    if len(set(sizes)) < 2:
+        raise CostModelError(advice(
+            f"measure_link needs at least two distinct message sizes, got {tuple(sizes)}",
+            "bandwidth and latency are the slope and intercept of a line through them", "pass sizes=(4 << 10, 16 << 20)",
+        ))
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "link.pt")
         mp.spawn(_ping_pong, args=(_free_port(), backend, tuple(sizes), repeats, out), nprocs=2, join=True)
         rows = torch.load(out)
     (small, t_small), (large, t_large) = min(rows), max(rows)
-    bandwidth = (large - small) / max(t_large - t_small, 1e-12)
+    if t_large <= t_small:
+        raise CostModelError(advice(
+            f"the link measurement over {backend} is noise: a {large}-byte message took {t_large * 1e6:.0f} us one way, "
+            f"no longer than a {small}-byte one ({t_small * 1e6:.0f} us)", "other work on the machine delayed the transfers",
+            f"measure on a quiet machine or with more repeats (repeats={repeats})",
+        ))
+    bandwidth = (large - small) / (t_large - t_small)
     return LinkMeasurement(
         bandwidth=bandwidth, latency=max(t_small - small / bandwidth, 0.0), backend=backend, samples=tuple(rows)
     )

@@ -26,11 +26,12 @@ from autosplit.passes.profile import ProfileOptions
 from autosplit.solver.problem import SCHEDULES
 from autosplit.units import parse_bytes
 
-__all__ = ["PlanOptions", "SCHEDULES", "OPTIMIZERS", "CAPTURE_METHODS", "CostsLike"]
+__all__ = ["PlanOptions", "SCHEDULES", "OBJECTIVES", "OPTIMIZERS", "CAPTURE_METHODS", "CostsLike"]
 
 OPTIMIZERS = tuple(OPTIMIZER_STATE_BYTES)
 """Optimizers whose state and step temporaries the memory model counts."""
 CAPTURE_METHODS = ("auto", "symbolic_trace", "export")
+OBJECTIVES = ("pipeline", "makespan")
 
 CostsLike: TypeAlias = str | ProfileOptions | CostTable | Path
 
@@ -39,6 +40,11 @@ CostsLike: TypeAlias = str | ProfileOptions | CostTable | Path
 class PlanOptions:
     """How to plan: the schedule the plan is optimised for, costs, limits and user constraints."""
 
+    objective: str = "pipeline"
+    """``"pipeline"`` (contiguous stages, micro-batched; the step of the schedule) or
+    ``"makespan"`` (Pal et al.'s DLPlacer: any node on any device, forward and backward tasks
+    timed so that parallel branches run at once; one micro-batch; built into a
+    :class:`~autosplit.runtime.makespan.MakespanRunner` on CPU devices)."""
     micro_batches: int | None = None
     """Micro-batches per step. ``None``: 4 × the number of devices (GPipe, Huang et al. 2019
     §2.2: with M ≥ 4·S the bubble is small); always 1 for ``schedule="sequential"``."""
@@ -84,6 +90,8 @@ class PlanOptions:
             raise bad("micro_batches", self.micro_batches, "an integer ≥ 1, or None for 4 × devices")
         if self.schedule not in SCHEDULES:
             raise bad("schedule", self.schedule, f"one of {SCHEDULES}")
+        if self.objective not in OBJECTIVES:
+            raise bad("objective", self.objective, f"one of {OBJECTIVES}")
         if self.optimizer not in OPTIMIZERS:
             raise bad("optimizer", self.optimizer, f"one of {OPTIMIZERS}")
         if not isinstance(self.time_limit, (int, float)) or isinstance(self.time_limit, bool) or not 0 < self.time_limit < math.inf:

@@ -17,9 +17,10 @@ import dataclasses
 import io
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from autosplit.devices import DeviceSpec
 from autosplit.errors import PlanFileError, PlanMismatchError, advice
@@ -53,6 +54,12 @@ class StageReport:
     capacity: int
     memory_sent: int = 0
     """Outputs sent to later stages, held until their gradients return."""
+    forward: float = 0.0
+    """Forward seconds of the whole batch (part of :attr:`compute`)."""
+    backward: float = 0.0
+    """Backward seconds of the whole batch (part of :attr:`compute`; the rest is the optimizer step)."""
+    param_bytes: int = 0
+    """Bytes of the parameters the stage owns (what its gradient all-reduce moves)."""
 
     @property
     def memory(self) -> int:
@@ -62,11 +69,24 @@ class StageReport:
 
 
 @dataclass(frozen=True)
+class PlannedTask:
+    """One task of a makespan plan (DLPlacer): a node's forward or backward on a device, timed."""
+
+    node: str
+    kind: str
+    """``"forward"`` or ``"backward"`` (with the node's share of the optimizer step)."""
+    device: int
+    start: float
+    end: float
+
+
+@dataclass(frozen=True)
 class SolverInfo:
     name: str
     status: str
     objective: float
-    """Predicted step time of the plan, seconds."""
+    """The plan's value under the solver's model (the schedule over stage times, each stage's
+    optimizer step inside its compute), seconds: what :attr:`bound` bounds."""
     bound: float
     """Proven lower bound on the step time of any plan, seconds."""
     gap: float
@@ -146,6 +166,11 @@ class Plan:
     crossings: tuple[tuple[str, ...], ...] = ()
     """[boundary k − 1] the tensors stage k − 1 sends stage k, in order (the distributed runtime's
     positional interface; recorded when the plan is run distributed)."""
+    module_stages: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
+    """Module path (every level; ``""`` the root) → the stages its nodes run on: the module tree by stage."""
+    tasks: tuple[PlannedTask, ...] = ()
+    """Makespan plans (``schedule="makespan"``): every node's forward and backward task, timed;
+    each device runs its tasks in start order, as soon as their inputs arrive."""
     made_with: tuple[str, float] | None = None
     """For a saved plan re-costed on load: (the costs it was made with, the step it predicted then)."""
     schema_version: int = SCHEMA_VERSION
@@ -185,10 +210,40 @@ class Plan:
             "re-plan with autosplit.plan(model, devices, ...), or load the plan made for this model",
         ))
 
+    # -- manual splits: each a checked plan costed by ``planner`` (see autosplit.manual) ---------
+    @classmethod
+    def from_fqns(cls, planner: Any, fqns_per_stage: Sequence[Sequence[str]], *, name: str = "fqns") -> Plan:
+        """Module names per stage: torchtitan's ``module_fqns_per_model_part``."""
+        from autosplit.manual import manual_plan
+
+        return manual_plan(planner, [list(fqns) for fqns in fqns_per_stage], name=name)
+
+    @classmethod
+    def from_split_points(cls, planner: Any, split_spec: Mapping[str, Any] | Sequence[str], *, name: str = "split points") -> Plan:
+        """``torch.distributed.pipelining`` split points: ``{"blocks.4": SplitPoint.BEGINNING}`` or module names."""
+        from autosplit.manual import manual_plan
+
+        return manual_plan(planner, split_spec if isinstance(split_spec, Mapping) else list(split_spec), name=name)
+
+    @classmethod
+    def from_partition_method(cls, planner: Any, method: str, *, name: str | None = None) -> Plan:
+        """DeepSpeed ``PipelineModule(partition_method=...)``: ``"parameters"``, ``"uniform"`` or ``"type:REGEX"``."""
+        from autosplit.manual import manual_plan
+
+        return manual_plan(planner, method, name=name or f"deepspeed {method}")
+
+    @classmethod
+    def from_balance(cls, planner: Any, balance: Sequence[int], *, name: str = "balance") -> Plan:
+        """torchgpipe ``GPipe(model, balance=[...])``: consecutive layers per stage."""
+        from autosplit.manual import manual_plan
+
+        return manual_plan(planner, [int(b) for b in balance], name=name)
+
     # -- files ----------------------------------------------------------------------------
     def to_dict(self) -> dict:
         data = dataclasses.asdict(self)
         data["assignment"] = dict(self.assignment)
+        data["module_stages"] = {k: list(v) for k, v in self.module_stages.items()}
         return data
 
     def save(self, path: str | Path) -> None:
@@ -215,7 +270,9 @@ class Plan:
                 SharedParam(**{**p, "stages": tuple(p["stages"])}) for p in data.get("shared_params", ())
             )
             fields["crossings"] = tuple(tuple(c) for c in data.get("crossings", ()))
+            fields["tasks"] = tuple(PlannedTask(**t) for t in data.get("tasks", ()))
             fields["made_with"] = tuple(data["made_with"]) if data.get("made_with") else None
+            fields["module_stages"] = {str(k): tuple(int(s) for s in v) for k, v in data.get("module_stages", {}).items()}
             fields["assignment"] = {str(k): int(v) for k, v in data["assignment"].items()}
             fields["stage_devices"] = tuple(int(d) for d in data["stage_devices"])
             plan = cls(**fields)
@@ -265,8 +322,11 @@ class Plan:
             raise bad("step_time", self.step_time, "is not a finite number of seconds ≥ 0")
         if self.micro_batches < 1:
             raise bad("micro_batches", self.micro_batches, "is not an integer ≥ 1")
-        if self.schedule not in SCHEDULES:
-            raise bad("schedule", self.schedule, f"is not one of {SCHEDULES}")
+        if self.schedule not in (*SCHEDULES, "makespan"):
+            raise bad("schedule", self.schedule, f"is not one of {(*SCHEDULES, 'makespan')}")
+        for t in self.tasks:
+            if t.node not in self.assignment or t.device != self.assignment[t.node] or t.kind not in ("forward", "backward"):
+                raise bad("tasks", t, "does not match the assignment (a node's device) or is not a forward or backward")
         if self.data_parallel < 1:
             raise bad("data_parallel", self.data_parallel, "is not an integer ≥ 1")
         if not self.fingerprint:

@@ -32,6 +32,7 @@ from autosplit.errors import ConstraintError, DeviceError, advice
 from autosplit.options import PlanOptions
 from autosplit.plan import Plan
 from autosplit.runtime.local import SplitModule
+from autosplit.runtime.makespan import MakespanRunner
 
 __all__ = ["Planner", "plan", "autosplit", "load_plan", "make_options"]
 
@@ -95,7 +96,10 @@ class Planner:
         if saved is None:
             return compile_plan(self.traced, self.specs(), self.options)
         # A saved plan fixes the schedule it was made for, and (unless devices are given) the devices.
-        options = self.options.replace(schedule=saved.schedule, micro_batches=saved.micro_batches)
+        options = (
+            self.options.replace(objective="makespan") if saved.schedule == "makespan"
+            else self.options.replace(schedule=saved.schedule, micro_batches=saved.micro_batches)
+        )
         specs = saved.devices if self.devices is None else self.specs(options=options)
         if len(specs) != len(saved.devices):
             raise ConstraintError(
@@ -107,9 +111,12 @@ class Planner:
             )
         return compile_plan(self.traced, specs, options, given=saved)
 
-    def build(self, plan: Plan | str | Path | None = None) -> SplitModule:
-        """The :class:`SplitModule` of ``plan`` (default: :meth:`plan`), in this process."""
+    def build(self, plan: Plan | str | Path | None = None) -> SplitModule | MakespanRunner:
+        """The :class:`SplitModule` of ``plan`` (default: :meth:`plan`), in this process; for a
+        makespan plan, its :class:`~autosplit.runtime.makespan.MakespanRunner`."""
         made = self.plan() if plan is None else self.plan(plan)
+        if made.schedule == "makespan":
+            return MakespanRunner(self.model, self.traced.captured, made)
         program, timings = codegen(self.traced, made)
         return SplitModule(self.model, program, dataclasses.replace(made, timings={**made.timings, **timings}))
 
@@ -137,7 +144,7 @@ def plan(
 def autosplit(
     model: torch.nn.Module, devices: Sequence[DeviceLike] | None, *, example_inputs: Any,
     example_kwargs: Mapping[str, Any] | None = None, plan: Plan | str | Path | None = None, **options: Any,
-) -> SplitModule:
+) -> SplitModule | MakespanRunner:
     """Partition ``model`` over ``devices`` and return a module that trains exactly like it.
 
     The returned :class:`SplitModule` shares ``model``'s parameters (moved to their

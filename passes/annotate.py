@@ -23,6 +23,7 @@ Usage::
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -34,6 +35,25 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from autosplit.errors import CostModelError, advice
 from autosplit.passes.capture import Captured
+
+aten = torch.ops.aten
+
+
+def _rnn_layer_flops(input_shape, w_ih, w_hh, *_args, out_shape=None, **_kwargs) -> int:
+    """One LSTM/GRU layer's gate matmuls over every time step: 2 · tokens · (|W_ih| + |W_hh|)."""
+    tokens = input_shape[0] * input_shape[1]
+    return 2 * tokens * (w_ih[0] * w_ih[1] + w_hh[0] * w_hh[1])
+
+
+def _rnn_layer_backward_flops(input_shape, w_ih, w_hh, *args, out_shape=None, **kwargs) -> int:
+    """Gradients of the inputs and of the weights: twice the forward's matmuls."""
+    return 2 * _rnn_layer_flops(input_shape, w_ih, w_hh)
+
+
+RNN_FLOPS = {aten.mkldnn_rnn_layer: _rnn_layer_flops, aten.mkldnn_rnn_layer_backward: _rnn_layer_backward_flops}
+"""FlopCounterMode has no formula for the fused CPU RNN kernel that ``nn.LSTM`` runs (oneDNN; an
+LSTM with projections runs decomposed into matmuls, which it counts): without these, analytic
+costs would see no LSTM compute at all."""
 
 __all__ = ["NodeInfo", "annotate", "node_info", "fresh"]
 
@@ -104,14 +124,50 @@ class _TensorMeta:  # not a NamedTuple: pytree would walk into it
         return cls(tuple(t.shape), t.stride(), t.dtype, t.device, t.requires_grad)
 
 
+class _Made:
+    """A repeated node's output tensor, made from its metadata without building a tensor: what
+    the next nodes' signatures and annotations read. Each is a new object, so identity still
+    tells values apart; it becomes a fake tensor only when a node that reads it must run."""
+
+    __slots__ = ("meta",)
+
+    def __init__(self, meta: _TensorMeta):
+        self.meta = meta
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.meta.shape
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.meta.dtype
+
+    def numel(self) -> int:
+        return math.prod(self.meta.shape)
+
+    def element_size(self) -> int:
+        return self.meta.dtype.itemsize
+
+
+_TENSORS = (torch.Tensor, _Made)
+
+
+def _made(template: Any) -> Any:
+    """The output a node's recorded template describes, with :class:`_Made` tensors."""
+    if isinstance(template, _TensorMeta):
+        return _Made(template)
+    return pytree.tree_map(lambda x: _Made(x) if isinstance(x, _TensorMeta) else x, template)
+
+
 def _make(x: Any, mode: FakeTensorMode) -> Any:
-    """A fake tensor like the one ``x`` describes; other values as they are.
+    """A fake tensor like the :class:`_Made` ``x``; other values as they are.
 
     Built from a meta tensor directly: seven times cheaper than ``empty_strided`` dispatched
-    through the fake mode, which matters when most of a deep model's nodes are made this way.
+    through the fake mode.
     """
-    if not isinstance(x, _TensorMeta):
+    if not isinstance(x, _Made):
         return x
+    x = x.meta
     with unset_fake_temporarily():
         meta = torch.empty_strided(x.shape, x.stride, dtype=x.dtype, device="meta")
     return FakeTensor(mode, meta, x.device).requires_grad_(x.requires_grad)
@@ -155,6 +211,7 @@ class _Annotator(fx.Interpreter):
         self._state_fakes: set[int] = set()  # ids of fakes standing for parameters
         self._seen_state: set[int] = set()  # real params/buffers already owned by some node
         self._measured: dict[tuple, _Measured] = {}  # signature → what its first node showed
+        self._modules: dict[str, tuple] = {}  # call_module target → its part of the signature
 
     def fake(self, t: torch.Tensor) -> torch.Tensor:
         if id(t) not in self._fakes:
@@ -193,30 +250,31 @@ class _Annotator(fx.Interpreter):
 
     # -- per node -------------------------------------------------------------------------
     def run_node(self, n: fx.Node) -> Any:
-        with self.fake_mode:
-            args, kwargs = self.fetch_args_kwargs_from_env(n)
-            flat, structure = pytree.tree_flatten((args, kwargs))  # once: deep models have many nodes
-            try:
-                key = self._signature(n, flat, structure) if n.op.startswith("call") else None
-                if key is not None and key in self._measured:
-                    # The same op on inputs of the same shapes: its output has the same metadata,
-                    # so it is made, not run (a deep model repeats most of its nodes).
-                    measured = self._measured[key]
-                    out = pytree.tree_map(lambda x: _make(x, self.fake_mode), measured.output)
-                elif n.op.startswith("call"):
+        args, kwargs = self.fetch_args_kwargs_from_env(n)
+        flat, structure = pytree.tree_flatten((args, kwargs))  # once: deep models have many nodes
+        try:
+            key = self._signature(n, flat, structure) if n.op.startswith("call") else None
+            if key is not None and key in self._measured:
+                # The same op on inputs of the same shapes: its output has the same metadata,
+                # so it is made, not run (a deep model repeats most of its nodes).
+                measured = self._measured[key]
+                out = _made(measured.output)
+            elif n.op.startswith("call"):
+                with self.fake_mode:
                     out, measured = self._measure(n, args, kwargs)
-                    if key is not None:
-                        self._measured[key] = measured
-                else:
+                if key is not None:
+                    self._measured[key] = measured
+            else:
+                with self.fake_mode:
                     out = getattr(self, n.op)(n.target, args, kwargs)
-                    measured = _Measured(0, 0, 0, frozenset(), False, frozenset(), None)
-            except Exception as e:
-                raise CostModelError(advice(
-                    f"could not run node {n.format_node()} (module '{self.paths.get(n.name, '')}') "
-                    f"on fake tensors: {type(e).__name__}: {e}",
-                    "an op without a fake-tensor kernel, or one that reads tensor values",
-                    "capture with method='export', or make the module a leaf",
-                )) from e
+                measured = _Measured(0, 0, 0, frozenset(), False, frozenset(), None)
+        except Exception as e:
+            raise CostModelError(advice(
+                f"could not run node {n.format_node()} (module '{self.paths.get(n.name, '')}') "
+                f"on fake tensors: {type(e).__name__}: {e}",
+                "an op without a fake-tensor kernel, or one that reads tensor values",
+                "capture with method='export', or make the module a leaf",
+            )) from e
         if n.op == "call_module":
             mod = self.module.get_submodule(str(n.target))
             prefix = f"{n.target}."
@@ -227,8 +285,8 @@ class _Annotator(fx.Interpreter):
         else:
             owned = []
         params, pbytes, pcount, bbytes, largest = self._own(owned)
-        inputs = [t for t in flat if isinstance(t, torch.Tensor)]
-        outputs = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+        inputs = [t for t in flat if isinstance(t, _TENSORS)]
+        outputs = [t for t in pytree.tree_leaves(out) if isinstance(t, _TENSORS)]
         n.meta["autosplit"] = NodeInfo(
             module_path=self.paths.get(n.name, ""),
             output_shapes=tuple(tuple(int(d) for d in t.shape) for t in outputs),
@@ -260,6 +318,9 @@ class _Annotator(fx.Interpreter):
         """What determines a node's FLOPs and saved bytes (strides too: a copy may be saved); None when it cannot be told safely."""
 
         def describe(x):
+            if isinstance(x, _Made):
+                m = x.meta
+                return ("T", m.shape, m.stride, m.dtype, m.device, m.requires_grad, False)
             if isinstance(x, torch.Tensor):
                 return ("T", tuple(x.shape), x.stride(), x.dtype, x.device, x.requires_grad, id(x) in self._state_fakes)
             if x is None or isinstance(x, (bool, int, float, str, torch.dtype, torch.device, slice)):
@@ -270,9 +331,7 @@ class _Annotator(fx.Interpreter):
         if None in inputs:
             return None
         if n.op == "call_module":
-            mod = self.module.get_submodule(str(n.target))
-            state = tuple((k, tuple(v.shape), v.dtype, v.requires_grad) for k, v in [*mod.named_parameters(), *mod.named_buffers()])
-            what: Any = (type(mod), repr(mod), mod.training, state)
+            what: Any = self._module_signature(str(n.target))
         else:
             target = n.target
             what = target if isinstance(target, str) else (
@@ -280,10 +339,18 @@ class _Annotator(fx.Interpreter):
             )
         return (n.op, what, structure, inputs)
 
+    def _module_signature(self, target: str) -> tuple:
+        """What of a module decides its cost; once per module (they do not change during annotation)."""
+        if target not in self._modules:
+            mod = self.module.get_submodule(target)
+            state = tuple((k, tuple(v.shape), v.dtype, v.requires_grad) for k, v in [*mod.named_parameters(), *mod.named_buffers()])
+            self._modules[target] = (type(mod), repr(mod), mod.training, state)
+        return self._modules[target]
+
     def _measure(self, n: fx.Node, args: tuple, kwargs: dict) -> tuple[Any, _Measured]:
         """Run ``n`` on fresh grad-requiring inputs; its output (cut from the graph) and what it costs."""
 
-        args, kwargs = pytree.tree_map(lambda x: fresh(x, self._state_fakes), (args, kwargs))
+        args, kwargs = pytree.tree_map(lambda x: fresh(_make(x, self.fake_mode), self._state_fakes), (args, kwargs))
         flat = pytree.tree_leaves((args, kwargs))
         position = {id(t): i for i, t in enumerate(flat) if isinstance(t, torch.Tensor)}
         versions = {i: t._version for i, t in enumerate(flat) if isinstance(t, torch.Tensor)}
@@ -302,7 +369,10 @@ class _Annotator(fx.Interpreter):
                 own[id(base)] = base.numel() * base.element_size()
             return t
 
-        with FlopCounterMode(display=False) as fwd_counter, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with (
+            FlopCounterMode(display=False, custom_mapping=RNN_FLOPS) as fwd_counter,
+            torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
+        ):
             out = getattr(self, n.op)(n.target, args, kwargs)
         written_at = frozenset(i for i, v in versions.items() if flat[i]._version != v)
         leaves = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
@@ -313,7 +383,7 @@ class _Annotator(fx.Interpreter):
             grad_inputs += [self.fake(p) for p in self.module.get_submodule(str(n.target)).parameters() if p.requires_grad]
         bwd = 0
         if outs and grad_inputs:
-            with FlopCounterMode(display=False) as bwd_counter:
+            with FlopCounterMode(display=False, custom_mapping=RNN_FLOPS) as bwd_counter:
                 torch.autograd.grad(outs, grad_inputs, [torch.ones_like(o) for o in outs], allow_unused=True)
             bwd = bwd_counter.get_total_flops()
         out = _cut(out)

@@ -277,18 +277,31 @@ def estimate(
     # Identical devices (the common case: 64 of one kind) are costed once.
     kinds = list(dict.fromkeys(devices))
     kind_of = [kinds.index(d) for d in devices]
+    expanded: dict[tuple, tuple] = {}
+
+    def per_device(per_kind: tuple) -> tuple:
+        """A row over devices from one value per kind; equal rows are one tuple (deep models repeat)."""
+        if per_kind not in expanded:
+            expanded[per_kind] = tuple(per_kind[k] for k in kind_of)
+        return expanded[per_kind]
+
     by_kind = [[_times(n, info, d) for n, info in zip(nodes, infos)] for d in kinds]
-    times = [[by_kind[k][i] for k in kind_of] for i in range(len(nodes))]
+    fwd, bwd = [], []
+    for i, n in enumerate(nodes):
+        times = [by_kind[k][i] for k in range(len(kinds))]
+        got = [(d, prof.nodes[n.name]) for d, prof in enumerate(profiles) if prof is not None and n.name in prof.nodes]
+        if not got:
+            fwd.append(per_device(tuple(t[0] for t in times)))
+            bwd.append(per_device(tuple(t[1] for t in times)))
+            continue
+        row = [times[k] for k in kind_of]
+        for d, node in got:
+            row[d] = (node.fwd * micro_batches, node.bwd * micro_batches)
+        fwd.append(tuple(t[0] for t in row))
+        bwd.append(tuple(t[1] for t in row))
     transient = [info.output_bytes / micro_batches for info in infos]
     own_saved = [info.saved_bytes for info in infos]
     measured = next((p for p in profiles if p is not None), None)
-    for d, prof in enumerate(profiles):
-        if prof is None:
-            continue
-        for i, n in enumerate(nodes):
-            if n.name in prof.nodes:
-                got = prof.nodes[n.name]
-                times[i][d] = (got.fwd * micro_batches, got.bwd * micro_batches)
     if measured is not None:  # memory does not depend on which device of a kind measured it
         for i, n in enumerate(nodes):
             if n.name in measured.nodes:
@@ -318,8 +331,6 @@ def estimate(
                     order_edges.add((index[reader], i) if index[reader] < i else (i, index[reader]))
 
     saved, sent = _saved_bytes(gm, nodes, infos, own_saved)
-    fwd = [[t[0] for t in row] for row in times]
-    bwd = [[t[1] for t in row] for row in times]
     state = [
         2 * info.param_bytes + OPTIMIZER_STATE_BYTES[optimizer] * info.param_count + info.buffer_bytes
         for info in infos
@@ -328,8 +339,8 @@ def estimate(
         devices=tuple(devices),
         nodes=tuple(n.name for n in nodes),
         module_paths=tuple(info.module_path for info in infos),
-        fwd_time=tuple(map(tuple, fwd)),
-        bwd_time=tuple(map(tuple, bwd)),
+        fwd_time=tuple(fwd),
+        bwd_time=tuple(bwd),
         state_bytes=tuple(state),
         saved_bytes=tuple(saved),
         output_bytes=tuple(info.output_bytes for info in infos),
@@ -340,8 +351,8 @@ def estimate(
         sent_bytes=tuple(sent),
         transient_bytes=tuple(transient),
         optimizer_time=tuple(
-            tuple(steps[k] for k in kind_of)
-            for steps in ([optimizer_step_time(info.param_bytes, len(info.params), optimizer, d) for d in kinds] for info in infos)
+            per_device(tuple(optimizer_step_time(info.param_bytes, len(info.params), optimizer, d) for d in kinds))
+            for info in infos
         ),
         param_bytes=tuple(info.param_bytes for info in infos),
         param_reads=tuple(

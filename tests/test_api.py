@@ -64,7 +64,7 @@ def test_planner_captures_once_and_answers_what_if():
 
 def test_solver_never_imports_passes_or_torch():
     code = (
-        "import sys, autosplit.solver; "
+        "import sys, autosplit.solver, autosplit.solver.makespan, autosplit.solver.hybrid; "
         "bad = sorted(m for m in sys.modules if m.startswith(('autosplit.passes', 'torch'))); "
         "print(bad); sys.exit(1 if bad else 0)"
     )

@@ -254,18 +254,17 @@ def _gpt_neo():
 
 
 # Family → (factory, device counts), one layer (or one encoder and one decoder layer) each.
-# Each run costs 1–4 s on two CPU cores, nearly all of it
-# autosplit's (export, annotation, a solver given 2 s), little of it the model's; so each family
-# runs at two of DEVICES (T5, the slowest at about 4 s a run, at one; BART covers encoder-decoders
-# at 2 and 4), and each device count is covered by five to seven families.
+# Each run costs 1–4 s on two CPU cores, nearly all of it autosplit's (export, annotation, a
+# solver given 2 s), little of it the model's; so six families run at 2, 3 and 4 devices and the
+# other four at one or two of them (T5, the slowest at about 4 s a run, at one).
 HF_ZOO = {
-    "llama_gqa": (_llama, (3, 4)),
-    "qwen2_mqa_tied": (_qwen2, (2, 4)),
-    "roberta_mlm": (_roberta, (2, 3)),
-    "distilbert": (_distilbert, (3, 4)),
+    "llama_gqa": (_llama, (2, 3, 4)),
+    "qwen2_mqa_tied": (_qwen2, (2, 3, 4)),
+    "roberta_mlm": (_roberta, (2, 3, 4)),
+    "distilbert": (_distilbert, (2, 3, 4)),
     "t5": (_t5, (3,)),
-    "bart": (_bart, (2, 4)),
-    "vit": (_vit, (3, 4)),
+    "bart": (_bart, (2, 3, 4)),
+    "vit": (_vit, (2, 3, 4)),
     "convnext": (_convnext, (2, 4)),
     "opt": (_opt, (2, 3)),
     "gpt_neo": (_gpt_neo, (3, 4)),

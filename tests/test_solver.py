@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from unittest import mock
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -220,6 +221,67 @@ def test_chain_bound_charges_the_residual_beside_the_chain_link():
     assert crossing_floor(problem) == 2 * 4  # the cheapest cut, charged to both its stages
     # The best plan cuts in the middle: Σ t = 50, max t = 25, so 50 + 3 · 25.
     assert lower_bound(problem) == 40 + 8 + 3 * 25 <= brute_force(problem) == 50 + 3 * 25
+
+
+def test_chain_bound_charges_the_branch_beside_the_chain():
+    from autosplit.solver.pipeline.bounds import chain_bound
+
+    # q → s → o on the chain, q → v → o beside it (attention's value path): v may sit on
+    # either side of a cut between s and o, so the cut carries s's output and, besides, q's
+    # output or v's, whichever is cheaper (3), never s's alone (2).
+    problem = make_problem([10, 20, 1, 10], [(0, 1), (0, 2), (1, 3), (2, 3)], stages=2, transfer=[7, 2, 3, 0])
+    assert chain_bound(problem) == 10 + 20 + 2 + 3
+    assert min(max(evaluate(problem, so).time) for so in ((0, 0, 0, 1), (0, 0, 1, 1), (0, 1, 1, 1))) == 36
+    # Two branches read q (cheap, 1) and carry 10 each: both go after the cut and q's tensor
+    # is paid once, as the best plan pays it: the bound is tight.
+    towers = make_problem([10, 10, 0, 0, 20], [(0, 1), (0, 2), (0, 3), (1, 4), (2, 4), (3, 4)], stages=2,
+                          transfer=[1, 2, 10, 10, 0])
+    assert chain_bound(towers) == 20 + 2 + 1 == max(evaluate(towers, (0, 0, 1, 1, 1)).time)
+
+
+@st.composite
+def branchy_problems(draw):
+    """A chain with side branches that rejoin it (towers, attention's value path), sometimes in
+    several steps, and a tensor read by several side nodes: the detours the bound must price."""
+    n = length = draw(st.integers(4, 6))
+    edges = set(chain(n))
+    for _ in range(draw(st.integers(1, 3))):
+        u = draw(st.integers(0, length - 3))
+        v = draw(st.integers(u + 2, length - 1))
+        side = list(range(n, n + draw(st.integers(1, 2))))
+        if side[-1] >= 8:
+            break
+        edges |= {(u, side[0]), *zip(side, side[1:]), (side[-1], v)}
+        n += len(side)
+    S = draw(st.integers(2, 3))
+    position = {x: i for i, x in enumerate(_topological(edges))}  # Problem nodes are in topological order
+    edges = sorted((position[a], position[b]) for a, b in edges)
+    return make_problem(
+        [draw(st.integers(0, 12)) for _ in range(n)], edges, stages=S,
+        transfer=[draw(st.integers(0, 8)) for _ in range(n)], micro_batches=draw(st.integers(1, 5)),
+        latency=draw(st.integers(0, 2)),
+    )
+
+
+def _topological(edges):
+    import networkx as nx
+
+    return list(nx.lexicographical_topological_sort(nx.DiGraph(sorted(edges))))
+
+
+@settings(max_examples=80, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(branchy_problems())
+def test_bounds_hold_on_branches_beside_the_chain(problem):
+    from autosplit.solver.pipeline.bounds import chain_bound, lower_bound
+
+    from autosplit.solver.pipeline import bounds
+
+    plans = [so for so in itertools.product(range(problem.num_stages), repeat=len(problem.nodes)) if not violations(problem, so)]
+    best, slowest = min(evaluate(problem, so).objective for so in plans), min(max(evaluate(problem, so).time) for so in plans)
+    for span in (bounds._FREE_SPAN, 1, 2):  # 1, 2: free nodes spanning more positions are left out
+        with mock.patch.object(bounds, "_FREE_SPAN", span):
+            assert lower_bound(problem) <= best
+            assert chain_bound(problem) <= slowest
 
 
 def test_large_infeasible_problem_reports_the_memory_floor(monkeypatch):

@@ -447,6 +447,12 @@ def _chain(
 ) -> tuple[Chain, Captured]:
     """The plan's chain, generated from a capture at the micro-batch's shape: torch.export
     specialises a graph to its example shapes (guards, view sizes), and the stages run micro-batches."""
+    if plan.schedule == "makespan":
+        raise DistributedError(advice(
+            "a makespan plan (objective='makespan') has no pipeline stages to distribute",
+            "its devices hold non-adjacent nodes and run them as their inputs arrive, which no runtime does yet",
+            "distribute a plan made with objective='pipeline'",
+        ))
     args, kwargs = split_batch(planner.example_inputs, planner.example_kwargs, plan.micro_batches)[0]
     if plan.micro_batches == 1:
         captured = planner.traced.captured

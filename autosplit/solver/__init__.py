@@ -1,10 +1,10 @@
 """The placement solver: a plain :class:`Problem` in, an assignment out. No torch, no fx,
 nothing from ``autosplit.passes``.
 
-Objectives are an axis: :mod:`autosplit.solver.pipeline` (contiguous stages, GPipe/1F1B
-step time) is the one implemented; a second objective (DLPlacer's makespan) gets a sibling
-package over the same :class:`Problem`, :mod:`~autosplit.solver.coarsen` and
-:mod:`~autosplit.solver.validate`.
+Objectives are an axis over the same :class:`Problem`, :mod:`~autosplit.solver.coarsen` and
+:mod:`~autosplit.solver.validate`: :mod:`autosplit.solver.pipeline` (contiguous stages,
+GPipe/1F1B step time) and :mod:`autosplit.solver.makespan` (DLPlacer: tasks with start
+times on any device, one step's makespan).
 """
 
 from autosplit.solver.pipeline import Solution, choose_order, lower_bound, solve, split_dp, topological_order

@@ -165,6 +165,7 @@ def coarse_problem(problem: Problem, c: Coarsening) -> Problem:
         labels=c.labels,
         devices=problem.devices,
         compute=tuple(total(problem.compute, m, S) for m in blocks),
+        forward=tuple(total(problem.forward, m, S) for m in blocks) if problem.forward else (),
         edges=tuple(sorted(edges)),
         order_edges=tuple(sorted(order_edges)),
         transfer=tuple(total(problem.transfer, sorted(sends[b]), S - 1) for b in range(B)),

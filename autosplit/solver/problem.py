@@ -99,6 +99,12 @@ class Problem:
     send_mem: tuple[tuple[int, ...], ...] = ()
     """[node][stage] KiB the stage holds of a node output it sends on (the root of the
     backward that the returning gradient runs); empty: nothing is held."""
+    forward: tuple[tuple[int, ...], ...] = ()
+    """[node][stage] the forward's share of ``compute`` (the rest is backward and optimizer
+    step); the makespan objective schedules them as two tasks. Empty: half each."""
+
+    def forward_time(self, node: int, stage: int) -> int:
+        return self.forward[node][stage] if self.forward else self.compute[node][stage] // 2
 
     @property
     def num_stages(self) -> int:
@@ -109,6 +115,17 @@ class Problem:
         for u, v in self.edges:
             out[u].append(v)
         return out
+
+    @cached_property
+    def fastest(self) -> list[int]:
+        """[node] its compute on its fastest stage."""
+        return self.arrays.compute.min(axis=1).tolist() if self.num_stages else [0] * len(self.nodes)
+
+    @cached_property
+    def cheapest_transfer(self) -> list[int]:
+        """[node] moving its output over its cheapest boundary (0 with one stage)."""
+        transfer = self.arrays.transfer
+        return transfer.min(axis=1).tolist() if transfer.shape[1] else [0] * len(self.nodes)
 
     @cached_property
     def arrays(self) -> Arrays:
@@ -209,11 +226,26 @@ def tied_costs(nbytes: float, bandwidth: float, latency: float, micro_batches: i
 
 
 def _array(rows: Sequence[Sequence[float]], n: int) -> np.ndarray:
-    return np.asarray(rows, dtype=np.float64).reshape(n, -1)
+    """``rows`` as an (n, width) array; a row object that repeats (the cost table shares equal
+    rows) is converted once."""
+    unique: dict[int, Sequence[float]] = {}  # id → row (``rows`` keeps every row alive)
+    for r in rows:
+        unique.setdefault(id(r), r)
+    place = {key: i for i, key in enumerate(unique)}
+    table = np.asarray(list(unique.values()), dtype=np.float64).reshape(len(unique), -1)
+    return table[[place[id(r)] for r in rows]].reshape(n, -1)
 
 
 def _rows(values: np.ndarray) -> tuple[tuple[int, ...], ...]:
-    return tuple(map(tuple, values.astype(np.int64).tolist()))
+    """Integer rows as tuples; equal rows share one tuple (a deep model repeats its layers' rows,
+    and 64 identical devices make 64 equal columns: converting each once keeps this cheap)."""
+    table = np.ascontiguousarray(values, dtype=np.int64)
+    rows: dict[bytes, tuple[int, ...]] = {}
+    for i, row in enumerate(table):
+        key = row.tobytes()
+        if key not in rows:
+            rows[key] = tuple(table[i].tolist())
+    return tuple(rows[row.tobytes()] for row in table)
 
 
 def build_problem(
@@ -246,7 +278,8 @@ def build_problem(
     N = len(table.nodes)
     opt = table.optimizer_time or ((0.0,) * len(table.devices),) * N
     columns = list(order)
-    seconds = np.add(np.add(_array(table.fwd_time, N)[:, columns], _array(table.bwd_time, N)[:, columns]), _array(opt, N)[:, columns])
+    fwd = _array(table.fwd_time, N)[:, columns]
+    seconds = np.add(np.add(fwd, _array(table.bwd_time, N)[:, columns]), _array(opt, N)[:, columns])
     compute = np.rint(seconds * NS).astype(np.int64)
     # Boundary k joins stages k−1 and k. Each micro-batch sends every crossing tensor forward and
     # its gradient back: 2·(M·latency + bytes/bandwidth) for a tensor of the whole batch's bytes,
@@ -286,6 +319,7 @@ def build_problem(
         act_mem=_rows(act),
         recv_mem=_rows(recv),
         send_mem=_rows(send) if send is not None else (),
+        forward=_rows(np.minimum(np.rint(fwd * NS).astype(np.int64), compute)),
         capacity=tuple(d.memory // KIB for d in devices),
         colocate=table.colocate,
         micro_batches=M,

@@ -19,8 +19,9 @@ from autosplit.units import format_bytes
 __all__ = ["violations", "validate"]
 
 
-def violations(problem: Problem, stage_of: Sequence[int]) -> list[str]:
-    """Every rule ``stage_of`` (node index → stage) breaks, as sentences; empty when valid."""
+def violations(problem: Problem, stage_of: Sequence[int], *, memory: bool = True) -> list[str]:
+    """Every rule ``stage_of`` (node index → stage) breaks, as sentences; empty when valid
+    (``memory=False``: every rule but the memory caps)."""
     N, S = len(problem.nodes), problem.num_stages
     if len(stage_of) != N:
         return [f"plan places {len(stage_of)} nodes but the graph has {N}: every node must be placed exactly once"]
@@ -50,6 +51,8 @@ def violations(problem: Problem, stage_of: Sequence[int]) -> list[str]:
         empty = sorted(set(range(S)) - set(stage_of))
         if empty:
             out.append(f"stages {empty} are empty")
+    if not memory:
+        return out
     ev = evaluate(problem, stage_of)
     for s, (mem, cap) in enumerate(zip(ev.memory, problem.capacity)):
         if mem > cap:
@@ -57,8 +60,8 @@ def violations(problem: Problem, stage_of: Sequence[int]) -> list[str]:
     return out
 
 
-def validate(problem: Problem, stage_of: Sequence[int]) -> None:
-    found = violations(problem, stage_of)
+def validate(problem: Problem, stage_of: Sequence[int], *, memory: bool = True) -> None:
+    found = violations(problem, stage_of, memory=memory)
     if found:
         raise PlanValidationError(advice(
             "the plan breaks {} rule(s):\n  - {}".format(len(found), "\n  - ".join(found)),

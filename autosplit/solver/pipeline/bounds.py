@@ -11,8 +11,10 @@ chain's nodes fall into S consecutive, possibly empty, segments in stage order. 
 stage boundary falls between h_p and h_{p+1}, every tensor whose producer must come no
 later than h_p and one of whose consumers no earlier than h_{p+1} crosses it: the chain
 link, the residual stream beside it, a tied weight read at both ends. x(p) sums their
-cheapest transfers. So every stage costs at least its chain segment's compute (with the
-off-chain nodes that must lie inside it), plus the latency and x at each of its boundaries:
+cheapest transfers, plus the least cut through the off-chain nodes free to sit on either
+side (a path around the chain — attention's value projection — crosses somewhere too).
+So every stage costs at least its chain segment's compute (with the off-chain nodes that
+must lie inside it), plus the latency and x at each of its boundaries:
 
     T ≥ B* = min over 0 = p_0 ≤ … ≤ p_S = L of max_s [ c_H(p_s, p_{s+1}) + [s > 0](L + x(p_s))
                                                          + [s < S−1](L + x(p_{s+1})) ]
@@ -36,18 +38,20 @@ Usage::
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
+from ortools.graph.python import max_flow
 
 from autosplit.solver.problem import Problem
 
-__all__ = ["lower_bound", "chain_bound", "crossing_floor", "memory_units", "memory_floor"]
+__all__ = ["Chain", "chain_of", "lower_bound", "chain_bound", "crossing_floor", "memory_units", "memory_floor"]
 
 
 def heaviest_chain(problem: Problem) -> list[int]:
     """The dependency chain of largest total compute (longest path, nodes at their fastest)."""
-    cost = [min(row) for row in problem.compute]
+    cost = problem.fastest
     preds: list[list[int]] = [[] for _ in problem.nodes]
     for u, v in (*problem.edges, *problem.order_edges):
         preds[v].append(u)
@@ -68,7 +72,7 @@ def heaviest_chain(problem: Problem) -> list[int]:
 
 
 @dataclass(frozen=True)
-class _Chain:
+class Chain:
     """The heaviest chain and what any plan must pay along it (arrays over positions 0..L)."""
 
     nodes: list[int]
@@ -108,22 +112,130 @@ def _chain_reach(problem: Problem, chain: list[int]) -> tuple[list[int], list[in
     return before, after
 
 
-def _chain(problem: Problem) -> _Chain:
+def _detours(problem: Problem, chain: list[int], before: list[int], after: list[int], last: list[int]) -> np.ndarray:
+    """[p] the least a boundary between h_p and h_{p+1} carries beyond the tensors that must cross it.
+
+    Off-chain nodes that may sit on either side of such a boundary (``after ≤ p < before``:
+    in a transformer, the value projection beside the attention scores) are *free*. A path
+    from a node that must stay before the boundary, through free nodes, to one that must
+    come after it, crosses the boundary somewhere: the least such crossing is a minimum cut
+    (OR-Tools' max flow) in the small network of the free nodes and their neighbours, with
+    a tensor's cost paid once, however many of its readers lie beyond, and nothing for a
+    tensor already counted as crossing. Free nodes spanning more than ``_FREE_SPAN``
+    positions, or with no chain node before or after them, are left out, which only lowers
+    the cut. Repeated layers give the same network at many positions: each is solved once.
+    """
+    L, N = len(chain), len(problem.nodes)
+    on_chain = set(chain)
+    cost = problem.cheapest_transfer
+    consumers = problem.consumers()
+    producers: list[list[int]] = [[] for _ in range(N)]
+    for u, v in problem.edges:
+        producers[v].append(u)
+    followers: list[list[int]] = [[] for _ in range(N)]  # order edges: precedence, nothing carried
+    for u, v in problem.order_edges:
+        followers[u].append(v)
+    free_at: list[list[int]] = [[] for _ in range(L + 1)]
+    for u in range(N):
+        if u not in on_chain and 1 <= after[u] and before[u] <= L and before[u] - after[u] <= _FREE_SPAN:
+            for p in range(after[u], before[u]):
+                free_at[p].append(u)
+    links = _Links(producers, consumers, followers, before, after, last, cost)
+    extra = np.zeros(L + 1)
+    solved: dict[tuple, int] = {}
+    for p in range(1, L):
+        if free_at[p]:
+            arcs = links.network(p, free_at[p])
+            if arcs not in solved:
+                solved[arcs] = _min_cut(arcs)
+            extra[p] = solved[arcs]
+    return extra
+
+
+@dataclass(frozen=True)
+class _Links:
+    """What :func:`_detours` reads of the graph and the chain, per node."""
+
+    producers: list[list[int]]
+    consumers: list[list[int]]
+    followers: list[list[int]]
+    """Order edges: precedence, nothing carried."""
+    before: list[int]
+    after: list[int]
+    last: list[int]
+    """The last chain position that must follow one of the node's readers."""
+    cost: list[int]
+    """The least transfer of the node's output."""
+
+    def network(self, p: int, free: list[int]) -> tuple[tuple[int, int, int], ...]:
+        """Arcs (tail, head, capacity; −1 infinite) of the cut network at position p: node 0 is
+        the side before the boundary, 1 the side after it, then the free nodes and the tensors.
+        The same structure gives the same arcs, so the caller can solve each network once."""
+        local = {u: i + 2 for i, u in enumerate(free)}
+        tensors: dict[int, int] = {}  # producer → the network node of its output, paid once
+        arcs: list[tuple[int, int, int]] = []
+
+        def side(w: int) -> int | None:
+            if w in local:
+                return local[w]
+            return 0 if self.before[w] <= p else 1 if self.after[w] > p else None  # None: a free node left out
+
+        def tensor_of(w: int, tail: int) -> int:
+            if w not in tensors:
+                tensors[w] = len(local) + 2 + len(tensors)
+                arcs.append((tail, tensors[w], self.cost[w]))
+            return tensors[w]
+
+        for u in free:
+            for w in self.producers[u]:
+                if side(w) == 0 and not (self.before[w] <= p < self.last[w]):  # w's tensor is not counted yet
+                    arcs.append((tensor_of(w, 0), local[u], -1))
+            tensor = tensor_of(u, local[u])
+            for v in self.consumers[u]:
+                head = side(v)
+                if head is not None and head != 0:
+                    arcs.append((tensor, head, -1))  # u before the boundary and v after it: u's tensor crosses
+                    if head > 1:
+                        arcs.append((head, local[u], -1))  # v before the boundary ⇒ u before it
+            for v in self.followers[u]:
+                head = side(v)
+                if head is not None and head > 1:
+                    arcs.append((head, local[u], -1))
+        return tuple(arcs)
+
+
+_FREE_SPAN = 64
+"""Free nodes spanning more chain positions than this are left out of :func:`_detours`."""
+
+
+def _min_cut(arcs: Sequence[tuple[int, int, int]]) -> int:
+    """Value of the least cut from node 0 to node 1 (capacity −1: infinite)."""
+    tails, heads, caps = (np.asarray(c, dtype=np.int64) for c in zip(*arcs))
+    caps = np.where(caps < 0, np.iinfo(np.int64).max // (len(arcs) + 1), caps)
+    flow = max_flow.SimpleMaxFlow()
+    flow.add_arcs_with_capacity(tails, heads, caps)
+    if flow.solve(0, 1) != flow.OPTIMAL:
+        return 0  # no bound beats a wrong one
+    return int(flow.optimal_flow())
+
+
+def chain_of(problem: Problem) -> Chain:
     chain = heaviest_chain(problem)
     L = len(chain)
     before, after = _chain_reach(problem, chain)
     on_chain = set(chain)
     crossing = np.zeros(L + 2)  # a difference array over cut positions p = 0..L
     forced_end, forced_start = np.zeros(L + 2), np.zeros(L + 2)
-    for u, consumers in enumerate(problem.consumers()):
-        last = max((after[v] for v in consumers), default=0)
-        if before[u] < last:  # u's output crosses every cut p with before[u] ≤ p < last
-            crossing[before[u]] += min(problem.transfer[u], default=0)
-            crossing[last] -= min(problem.transfer[u], default=0)
+    last = [max((after[v] for v in consumers), default=0) for consumers in problem.consumers()]
+    fastest, transfer = problem.fastest, problem.cheapest_transfer
+    for u in range(len(problem.nodes)):
+        if before[u] < last[u]:  # u's output crosses every cut p with before[u] ≤ p < last[u]
+            crossing[before[u]] += transfer[u]
+            crossing[last[u]] -= transfer[u]
         if u not in on_chain and after[u] >= 1 and before[u] <= L:  # pinned between h_after and h_before
-            forced_end[before[u]] += min(problem.compute[u])
-            forced_start[after[u]] += min(problem.compute[u])
-    x = np.cumsum(crossing)[: L + 1]
+            forced_end[before[u]] += fastest[u]
+            forced_start[after[u]] += fastest[u]
+    x = np.cumsum(crossing)[: L + 1] + _detours(problem, chain, before, after, last)
     x[0] = x[-1] = 0.0
     members = {n for g in problem.colocate for n in g}
     units = [*problem.colocate, *((n,) for n in range(len(problem.nodes)) if n not in members)]
@@ -134,18 +246,18 @@ def _chain(problem: Problem) -> _Chain:
             free[min(before[n] for n in g)] -= 1
     room = np.cumsum(free)[: L + 1]
     room[1:L] += 1
-    prefix = np.concatenate([[0.0], np.cumsum([min(problem.compute[n]) for n in chain])])
-    return _Chain(chain, prefix, x, np.cumsum(forced_end)[: L + 1], np.cumsum(forced_start)[: L + 1], room)
+    prefix = np.concatenate([[0.0], np.cumsum([fastest[n] for n in chain])])
+    return Chain(chain, prefix, x, np.cumsum(forced_end)[: L + 1], np.cumsum(forced_start)[: L + 1], room)
 
 
-def chain_bound(problem: Problem, upper: float = math.inf, chain: _Chain | None = None) -> float:
+def chain_bound(problem: Problem, upper: float = math.inf, chain: Chain | None = None) -> float:
     """B* above: no plan's slowest stage is faster. ``upper`` (any plan's slowest stage) narrows the DP.
 
     Off-chain nodes forced into a segment (a, b] count as F(b) − G(a): the nodes forced
     inside, less those spanning past both ends, so never more than the true sum.
     """
     S = problem.num_stages
-    c = chain or _chain(problem)
+    c = chain or chain_of(problem)
     L = len(c.nodes)
     if S == 1 or L == 0:
         return float(c.prefix[-1])
@@ -157,18 +269,20 @@ def chain_bound(problem: Problem, upper: float = math.inf, chain: _Chain | None 
     valid = (starts >= lo[:, None]) & (starts >= 0)
     starts = np.clip(starts, 0, L)
     segment = c.prefix[ends][:, None] - c.prefix[starts] + np.maximum(0.0, c.forced_end[ends][:, None] - c.forced_start[starts])
+    segment[~valid] = np.inf
     left, right = lat + c.x[starts], lat + c.x[ends][:, None]
+    first, middle, last = segment + right, segment + left + right, segment + left
     val = np.where(ends == 0, 0.0, np.inf)
     for s in range(S):
-        t = segment + (left if s > 0 else 0.0) + (right if s < S - 1 else 0.0)
-        val = np.where(valid, np.maximum(val[starts], t), np.inf).min(axis=1)
+        t = first if s == 0 else last if s == S - 1 else middle
+        val = np.maximum(val[starts], t).min(axis=1)
     return float(val[L])
 
 
-def crossing_floor(problem: Problem, chain: _Chain | None = None) -> float:
+def crossing_floor(problem: Problem, chain: Chain | None = None) -> float:
     """The least any plan's S − 1 boundaries carry, summed (each is charged to both its stages):
     the cheapest positions, each used at most as often as it has room."""
-    c = chain or _chain(problem)
+    c = chain or chain_of(problem)
     cheapest = np.argsort(c.x, kind="stable")
     room = c.room[cheapest]
     before = np.cumsum(room) - room
@@ -179,8 +293,8 @@ def crossing_floor(problem: Problem, chain: _Chain | None = None) -> float:
 def lower_bound(problem: Problem, upper: float = math.inf) -> int:
     """The best of the bounds above, on the objective ``Σ t_s + (M − 1)·max t_s``."""
     S = problem.num_stages
-    c = _chain(problem)
-    fastest = [min(row) for row in problem.compute]
+    c = chain_of(problem)
+    fastest = problem.fastest
     total = sum(fastest) + 2 * sum(problem.boundary_latency)
     slowest = max(math.ceil(total / S), max(fastest, default=0), math.floor(chain_bound(problem, upper, c)))
     return total + math.floor(crossing_floor(problem, c)) + (problem.micro_batches - 1) * slowest

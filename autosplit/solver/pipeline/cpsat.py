@@ -49,7 +49,7 @@ from autosplit.solver.pipeline.bounds import memory_units
 from autosplit.solver.problem import KIB, Problem
 from autosplit.units import format_bytes
 
-__all__ = ["cpsat", "explain_infeasible", "explain_memory", "precheck", "PROVEN_GAP"]
+__all__ = ["cp_solver", "cpsat", "explain_infeasible", "explain_memory", "precheck", "PROVEN_GAP"]
 
 PROVEN_GAP = 1e-3
 """Search stops once a plan is proven within this fraction of optimal (CP-SAT's relative gap;
@@ -175,7 +175,7 @@ class _Model:
         return tuple(sum(solver.value(self.b[n][k]) for k in range(1, S)) for n in range(len(self.p.nodes)))
 
 
-def _solver(time_limit: float, seed: int, workers: int | None, deterministic: bool = True) -> cp_model.CpSolver:
+def cp_solver(time_limit: float, seed: int, workers: int | None, deterministic: bool = True) -> cp_model.CpSolver:
     """A seeded solver whose answer does not depend on timing: workers run interleaved and stop
     at a deterministic-time limit (half the wall-clock one, which on this kind of machine ends
     first), or once the plan is proven within 0.1% of optimal (the report shows the gap).
@@ -225,7 +225,7 @@ def _without_caps(problem: Problem, time_limit: float, seed: int) -> list[str] |
     """None when a plan exists with the memory caps dropped; else the user constraints in the conflict (maybe none)."""
     model = _Model(problem)
     guarded = model.add_assumptions(caps=False)
-    solver = _solver(time_limit, seed, None)
+    solver = cp_solver(time_limit, seed, None)
     if solver.solve(model.m) != cp_model.INFEASIBLE:
         return None
     index = {lit.Index(): what for lit, what in guarded}
@@ -248,7 +248,7 @@ def explain_memory(
     model.m.minimize(peak)
     # No hint exists for this model, and interleaved search rarely finds a first solution
     # without one; an explanation need not be reproducible, so search in parallel.
-    solver = _solver(time_limit, seed, None, deterministic=False)
+    solver = cp_solver(time_limit, seed, None, deterministic=False)
     status = solver.solve(model.m)
     caps = ", ".join(f"stage {s} on {problem.devices[s]} (cap {_kib(problem.capacity[s])})" for s in core)
     least = _kib(solver.value(peak)) if status in (cp_model.OPTIMAL, cp_model.FEASIBLE) else "unknown"
@@ -312,7 +312,7 @@ def cpsat(
     if hint is not None:
         model.hint(tuple(hint))
     model.m.minimize(model.objective)
-    solver = _solver(time_limit, seed, workers, deterministic)
+    solver = cp_solver(time_limit, seed, workers, deterministic)
     status = solver.solve(model.m)
     name = solver.status_name(status)
     log.info("cp-sat: %s in %.2fs, %d nodes x %d stages, bound %s", name, solver.wall_time,

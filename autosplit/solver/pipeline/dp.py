@@ -270,7 +270,7 @@ def split_dp(
     if K * K * S <= _EXACT_FREE_SUM:
         free_sum, _, _ = run(np.add, _INF)
     else:  # a lower bound on the least sum (transfers left out) only widens the scan below
-        free_sum = float(sum(min(row) for row in problem.compute) + 2 * sum(problem.boundary_latency))
+        free_sum = float(sum(problem.fastest) + 2 * sum(problem.boundary_latency))
     base_sum, base_back, _ = run(np.add, t_star)
     limit = t_star + (base_sum - free_sum) / (Mb - 1)
     best_obj, best_back = base_sum + (Mb - 1) * t_star, base_back

@@ -126,7 +126,7 @@ def dp_plan(
     N, S = len(problem.nodes), problem.num_stages
     if N * N <= DP_WORK_LIMIT:
         return split_dp(problem, order), None, None
-    total = sum(sum(row) / S for row in problem.compute)
+    total = float(problem.arrays.compute.sum()) / S
     coarse = coarsen(problem, order, max_cost=total / min(BLOCKS_PER_STAGE * S, MAX_BLOCKS))
     if log.isEnabledFor(logging.INFO):  # the repeated-layer scan only feeds this line
         repeated = repeated_layers(problem, order)

@@ -1,0 +1,304 @@
+"""Compare autosplit's plan with the manual splits users write today: predicted, and measured.
+
+Every candidate is costed by the same planner (same graph, cost table, devices, schedule and
+micro-batches), so the predicted columns compare like with like; ``measure=True`` also runs
+each one — through the distributed runtime (:func:`autosplit.distribute`) on every rank of an
+initialised process group, or through the local :class:`~autosplit.SplitModule` in this process
+otherwise — and puts the measured step beside the prediction of the runtime that ran it.
+
+Usage::
+
+    from torch.distributed.pipelining import SplitPoint
+    cmp = autosplit.compare(model, ["cpu"] * 2, example_inputs=(x,), manual={
+        "torchtitan": [["wte", "blocks.0", "blocks.1"], ["blocks.2", "blocks.3", "ln_f", "head"]],
+        "split points": {"blocks.2": SplitPoint.BEGINNING},
+        "deepspeed": "parameters",
+        "torchgpipe": [3, 3],
+    })
+    print(cmp)                       # autosplit's plan first, then each manual split
+    cmp.to_html("compare.html")      # the report, one self-contained file
+    cmp.to_json()
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import io
+import json
+import logging
+import statistics
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from autosplit.errors import AutosplitError, ConstraintError, advice
+from autosplit.manual import ManualSplit, manual_plan
+from autosplit.plan import Plan
+from autosplit.units import format_bytes
+
+__all__ = ["Candidate", "Comparison", "Measured", "compare"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Measured:
+    """Measured seconds per training step (forward, backward and optimizer step) of one plan."""
+
+    runtime: str
+    """``"distributed"`` (pipeline stages on the process group's ranks) or ``"local"`` (one
+    process, the stages in turn on their devices)."""
+    median: float
+    min: float
+    max: float
+    steps: int
+    predicted: float
+    """What the plan predicts for this runtime: its step time (distributed), or the sum of its
+    stages' compute (local: one process runs every stage in turn, the whole batch at once)."""
+
+    @property
+    def error(self) -> float:
+        """(predicted − measured) / measured."""
+        return (self.predicted - self.median) / self.median
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One split in the comparison: a costed plan, or why there is none."""
+
+    name: str
+    plan: Plan | None
+    error: str | None = None
+    """Why the split is not a plan (a module that does not exist, data flowing backwards, ...)."""
+    over_cap: tuple[str, ...] = ()
+    """The stages whose predicted memory exceeds their device's cap."""
+    measured: Measured | None = None
+
+    @property
+    def feasible(self) -> bool:
+        return self.plan is not None and not self.over_cap
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """autosplit's plan (first) and each manual split, on the same footing."""
+
+    candidates: tuple[Candidate, ...]
+
+    @property
+    def autosplit(self) -> Plan:
+        plan = self.candidates[0].plan
+        assert plan is not None
+        return plan
+
+    @property
+    def bound(self) -> float:
+        """The solver's proven lower bound on any plan's step under this cost model (seconds)."""
+        return self.autosplit.solver.bound
+
+    def table(self, width: int = 400) -> str:
+        from rich.console import Console
+        from rich.table import Table
+
+        measured = any(c.measured for c in self.candidates)
+        auto = self.autosplit
+        table = Table(title=f"autosplit vs manual splits: {len(auto.stages)} stages, {auto.schedule} × {auto.micro_batches} micro-batches")
+        columns = ["split", "feasible", "predicted step", "vs autosplit", "objective", "bottleneck stage",
+                   "stage times (ms)", "memory / cap"]
+        if measured:
+            columns += ["measured", "min–max (ms)", "runtime", "its prediction", "error"]
+        for col in columns:
+            left = col in ("split", "feasible", "stage times (ms)", "memory / cap", "runtime")
+            table.add_column(col, justify="left" if left else "right", no_wrap=True)
+        for c in self.candidates:
+            if c.plan is None:
+                table.add_row(c.name, "no (below)", *[""] * (len(columns) - 2))
+                continue
+            p = c.plan
+            row = [
+                c.name, "yes" if c.feasible else "no: over a cap", _ms(p.step_time), f"{p.step_time / auto.step_time:.3f}×",
+                _ms(p.solver.objective), str(p.bottleneck), " ".join(f"{st.time * 1e3:.2f}" for st in p.stages),
+                ", ".join(f"{format_bytes(st.memory)}/{format_bytes(st.capacity)}" for st in p.stages),
+            ]
+            if measured:
+                m = c.measured
+                row += [""] * 5 if m is None else [
+                    _ms(m.median), f"{m.min * 1e3:.2f}–{m.max * 1e3:.2f}", m.runtime, _ms(m.predicted), f"{m.error:+.1%}",
+                ]
+            table.add_row(*row)
+        out = io.StringIO()
+        console = Console(file=out, width=width, force_terminal=False, color_system=None)
+        console.print(table)
+        sv = auto.solver
+        console.print(f"solver bound {_ms(self.bound)}: no plan's objective (the solver's model of the step) is lower; "
+                      f"autosplit's gap {sv.gap:.2%} ({sv.status})")
+        for c in self.candidates:
+            for line in c.over_cap:
+                console.print(f"{c.name}: {line}")
+            if c.error:
+                console.print(f"{c.name}: {c.error}")
+        if measured and any(c.measured and c.measured.runtime == "local" for c in self.candidates):
+            console.print("local: one process runs the stages in turn, the whole batch at once; "
+                          "its prediction is the sum of the stages' compute")
+        return out.getvalue().rstrip()
+
+    def __str__(self) -> str:
+        return self.table()
+
+    def to_dict(self) -> dict:
+        return {
+            "bound": self.bound,
+            "candidates": [
+                {
+                    "name": c.name, "feasible": c.feasible, "error": c.error, "over_cap": list(c.over_cap),
+                    "plan": c.plan.to_dict() if c.plan is not None else None,
+                    "measured": dataclasses.asdict(c.measured) if c.measured is not None else None,
+                }
+                for c in self.candidates
+            ],
+        }
+
+    def to_json(self, path: str | Path | None = None) -> str:
+        text = json.dumps(self.to_dict(), indent=1)
+        if path is not None:
+            Path(path).write_text(text)
+        return text
+
+    def to_html(self, path: str | Path) -> Path:
+        """Write the report (the compare view, then each candidate's plan) as one self-contained HTML file."""
+        from autosplit.htmlreport import render
+
+        out = Path(path)
+        out.write_text(render(self.candidates, title="autosplit: compare"))
+        return out
+
+
+def compare(
+    model: torch.nn.Module,
+    devices: Sequence[Any],
+    *,
+    example_inputs: Any,
+    example_kwargs: Mapping[str, Any] | None = None,
+    manual: Mapping[str, ManualSplit] | None = None,
+    measure: bool = False,
+    loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+    target: Any = None,
+    steps: int = 10,
+    warmup: int = 2,
+    **options: Any,
+) -> Comparison:
+    """autosplit's plan and each ``manual`` split (name → any form :func:`~autosplit.manual.manual_plan`
+    reads), costed alike; with ``measure=True``, each feasible one also trained ``warmup + steps``
+    steps (``loss_fn(output, target)``) and timed. ``options``: any :class:`~autosplit.PlanOptions` field.
+
+    Under an initialised process group, call it on every rank: rank 0 plans and sends the
+    candidates to the others, and every rank measures through :func:`autosplit.distribute`.
+    """
+    from autosplit.planner import Planner
+
+    if measure and (loss_fn is None or target is None):
+        raise ConstraintError(advice(
+            "compare(measure=True) needs loss_fn and target", "a measured step trains: forward, loss, backward, optimizer",
+            "pass loss_fn=torch.nn.functional.cross_entropy (or yours) and target=... for the example batch",
+        ))
+    if not isinstance(steps, int) or steps < 1 or not isinstance(warmup, int) or warmup < 0:
+        raise ConstraintError(advice(
+            f"steps={steps!r}, warmup={warmup!r} are out of range", "a measurement needs at least one timed step",
+            "pass steps ≥ 1 and warmup ≥ 0",
+        ))
+    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+    kwargs = dict(example_kwargs or {})
+    candidates: list[Candidate] | None = None
+    if not distributed or torch.distributed.get_rank() == 0:
+        planner = Planner(model, devices, example_inputs=example_inputs, example_kwargs=kwargs, **options)
+        candidates = [Candidate("autosplit", planner.plan())]
+        for name, split in (manual or {}).items():
+            candidates.append(_manual(planner, name, split))
+    if distributed:
+        box = [candidates]
+        torch.distributed.broadcast_object_list(box, src=0)
+        candidates = box[0]
+    assert candidates is not None
+    if measure:
+        inputs = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
+        run = _measure_distributed if distributed else _measure_local
+        times = run(model, [c.plan for c in candidates if c.feasible], inputs, kwargs, loss_fn, target, steps, warmup)
+        it = iter(times)
+        candidates = [dataclasses.replace(c, measured=next(it)) if c.feasible else c for c in candidates]
+    return Comparison(tuple(candidates))
+
+
+def _manual(planner: Any, name: str, split: ManualSplit) -> Candidate:
+    try:
+        plan = manual_plan(planner, split, name=name, check_memory=False)
+    except AutosplitError as e:
+        log.info("manual split %s: %s", name, e)
+        return Candidate(name, None, error=f"{type(e).__name__}: {e}")
+    over = tuple(
+        f"stage {s} on {st.device} needs {format_bytes(st.memory)}, over its cap {format_bytes(st.capacity)}"
+        for s, st in enumerate(plan.stages)
+        if st.memory > st.capacity
+    )
+    return Candidate(name, plan, over_cap=over)
+
+
+def _summary(times: list[float], runtime: str, predicted: float) -> Measured:
+    return Measured(runtime, statistics.median(times), min(times), max(times), len(times), predicted)
+
+
+def _measure_local(model, plans, inputs, kwargs, loss_fn, target, steps, warmup) -> list[Measured]:
+    """Each plan as a :class:`SplitModule` in this process; plans measured round-robin, step by
+    step, so a slow moment of the machine falls on all of them alike."""
+    from autosplit.planner import Planner
+
+    runs: list[tuple[Any, torch.optim.Optimizer, list[float]]] = []
+    for plan in plans:
+        own = copy.deepcopy(model)  # a SplitModule moves the model's own modules to their devices
+        split = Planner(own, None, example_inputs=inputs, example_kwargs=kwargs).build(plan)
+        runs.append((split, torch.optim.Adam(split.parameters(), lr=1e-4), []))
+    for i in range(warmup + steps):
+        for split, opt, times in runs:
+            t0 = time.perf_counter()
+            loss_fn(split(*inputs, **kwargs), target).backward()
+            opt.step()
+            opt.zero_grad()
+            if i >= warmup:
+                times.append(time.perf_counter() - t0)
+    return [_summary(times, "local", sum(st.compute for st in plan.stages)) for plan, (*_, times) in zip(plans, runs)]
+
+
+def _measure_distributed(model, plans, inputs, kwargs, loss_fn, target, steps, warmup) -> list[Measured]:
+    """Each plan through :func:`autosplit.distribute` on every rank, round-robin; a step's time
+    is the slowest rank's."""
+    import torch.distributed as dist
+
+    from autosplit.runtime.distributed import distribute
+
+    runs: list[tuple[Any, torch.optim.Optimizer, list[float]]] = []
+    for plan in plans:
+        pipe = distribute(copy.deepcopy(model), None, example_inputs=inputs, example_kwargs=kwargs, loss_fn=loss_fn, plan=plan)
+        runs.append((pipe, torch.optim.Adam(pipe.parameters(), lr=1e-4), []))
+    for i in range(warmup + steps):
+        for pipe, opt, times in runs:
+            dist.barrier()
+            t0 = time.perf_counter()
+            pipe.step(*inputs, target=target, **kwargs)
+            opt.step()
+            opt.zero_grad()
+            if i >= warmup:
+                times.append(time.perf_counter() - t0)
+    out = []
+    for plan, (*_, times) in zip(plans, runs):
+        slowest = torch.tensor(times, dtype=torch.float64)
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+        out.append(_summary(slowest.tolist(), "distributed", plan.step_time))
+    return out
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.3f} ms"

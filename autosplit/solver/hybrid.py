@@ -1,0 +1,91 @@
+"""Hybrid data × model parallelism: the all-reduce, statistical efficiency and time to target.
+
+N devices form R = N / k data-parallel workers of k devices each; a worker's model is split
+over its k devices by the pipeline planner (Pal et al. 2019: each data-parallel worker is a
+group of devices; Joo & Youn's GHP: choose the grouping analytically). With worker batch b
+the global batch is B = R·b, and
+
+- ``T_step(k) = step of one worker's plan + the exposed all-reduce of each stage's gradients
+  over the R copies of that stage``;
+- examples to reach the target (McCandlish et al. 2018, "An Empirical Model of Large-Batch
+  Training", eq. 2.11): ``E(B) = E_min · (1 + B / B_noise)``;
+- time to target ``= E(B) / B · T_step(k)`` (steps × seconds per step).
+
+Torch-free: the orchestration (a plan per k) is :mod:`autosplit.hybrid`.
+
+Usage::
+
+    seconds = hierarchical_allreduce(nbytes, local=4, nodes=8, intra=(150e9, 5e-6), inter=(6.25e9, 5e-6))
+    factor = examples_factor(batch=4096, noise_scale=2000.0)      # E(B) / E_min
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections.abc import Mapping
+
+from autosplit.errors import ConstraintError, advice
+
+__all__ = ["ring_allreduce", "hierarchical_allreduce", "examples_factor", "time_to_target"]
+
+
+def ring_allreduce(nbytes: float, n: int, bandwidth: float, latency: float) -> float:
+    """Seconds to all-reduce ``nbytes`` over ``n`` peers in a ring: ``2(n−1)/n · bytes/bw +
+    2(n−1)·latency`` (reduce-scatter then all-gather; Patarasuk & Yuan 2009)."""
+    if n <= 1:
+        return 0.0
+    return 2 * (n - 1) / n * nbytes / bandwidth + 2 * (n - 1) * latency
+
+
+def hierarchical_allreduce(
+    nbytes: float, *, local: int, nodes: int, intra: tuple[float, float], inter: tuple[float, float]
+) -> float:
+    """Seconds to all-reduce ``nbytes`` over ``local × nodes`` peers, ``local`` on each node:
+    reduce-scatter inside each node (``intra`` = (bandwidth, latency)), all-reduce of each
+    1/local shard across the nodes (``inter``, every local peer on its own share of the node's
+    network), all-gather inside each node — NCCL's tree/ring hierarchy, modelled as rings."""
+    inside = ring_allreduce(nbytes, local, *intra)  # reduce-scatter + all-gather inside the node
+    across = ring_allreduce(nbytes / max(local, 1), nodes, *inter)
+    return inside + across
+
+
+def examples_factor(batch: float, noise_scale: float | None = None, table: Mapping[float, float] | None = None) -> float:
+    """``E(B) / E_min``: how many more examples than at a tiny batch reaching the target takes.
+
+    From the noise scale (McCandlish et al.: ``1 + B / B_noise``; ``None`` or ``inf``: 1, no
+    loss of statistical efficiency), or from a user's table ``{global batch: examples (or
+    epochs) to target}``: interpolated log-log between its entries, relative to its smallest
+    batch (1 below it), extended linearly in B past its largest.
+    """
+    if table:
+        points = sorted((float(b), float(e)) for b, e in table.items())
+        if any(b <= 0 or e <= 0 for b, e in points):
+            raise ConstraintError(advice(
+                f"the efficiency table {dict(points)} has a batch or an examples count ≤ 0",
+                "it maps a global batch to the examples (or epochs) it needs to reach the target",
+                "give positive batches and counts",
+            ))
+        base, batches = points[0][1], [b for b, _ in points]
+        if batch <= batches[0] or len(points) == 1:
+            return 1.0 if batch <= batches[0] else points[-1][1] / base
+        if batch >= batches[-1]:  # E(B) is linear in B for large B (the noise-scale form): extend the last segment
+            (b0, e0), (b1, e1) = points[-2], points[-1]
+            return (e1 + max(0.0, (e1 - e0) / (b1 - b0)) * (batch - b1)) / base
+        i = bisect.bisect_right(batches, batch)
+        (b0, e0), (b1, e1) = points[i - 1], points[i]
+        t = (math.log(batch) - math.log(b0)) / (math.log(b1) - math.log(b0))
+        return math.exp(math.log(e0) + t * (math.log(e1) - math.log(e0))) / base
+    if noise_scale is None or math.isinf(noise_scale):
+        return 1.0
+    if not noise_scale > 0:
+        raise ConstraintError(advice(
+            f"noise_scale={noise_scale!r} is not a positive number of examples",
+            "the gradient noise scale B_noise is a batch size", "measure it with autosplit.measure_noise_scale",
+        ))
+    return 1.0 + batch / noise_scale
+
+
+def time_to_target(step: float, batch: float, factor: float, min_examples: float = 1.0) -> float:
+    """Seconds to reach the target: ``E_min · factor / B`` steps of ``step`` seconds."""
+    return min_examples * factor / batch * step
