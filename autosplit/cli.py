@@ -178,7 +178,8 @@ def _emit(args: argparse.Namespace, text: str, data: Any) -> None:
 
 
 def _options(args: argparse.Namespace) -> dict[str, Any]:
-    out = {"time_limit": args.time_limit, "seed": args.seed, "schedule": args.schedule, "costs": args.costs}
+    out = {"time_limit": args.time_limit, "seed": args.seed, "schedule": args.schedule, "costs": args.costs,
+           "objective": args.objective}
     if args.micro_batches is not None:
         out["micro_batches"] = args.micro_batches
     return out
@@ -336,6 +337,8 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("--devices", required=devices is None, default=devices, help='e.g. "A100-80GB*8" or "cpu*2"')
         p.add_argument("--batch", type=int, default=None, help="passed to the factory as batch=")
         p.add_argument("--schedule", default="gpipe", help="gpipe, 1f1b or sequential (default gpipe)")
+        p.add_argument("--objective", default="pipeline",
+                       help="pipeline (default) or makespan (DLPlacer: parallel branches at once; compare shows both)")
         p.add_argument("--micro-batches", type=int, default=None, help="default 4 × stages")
         p.add_argument("--time-limit", type=float, default=10.0, help="solver time limit, seconds (default 10)")
         p.add_argument("--seed", type=int, default=0)

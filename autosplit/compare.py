@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import io
 import json
 import logging
@@ -39,6 +40,7 @@ import torch
 from autosplit.errors import AutosplitError, ConstraintError, advice
 from autosplit.manual import ManualSplit, manual_plan
 from autosplit.plan import Plan
+from autosplit.runtime.makespan import MakespanRunner
 from autosplit.units import format_bytes
 
 __all__ = ["Candidate", "Comparison", "Measured", "compare"]
@@ -51,15 +53,16 @@ class Measured:
     """Measured seconds per training step (forward, backward and optimizer step) of one plan."""
 
     runtime: str
-    """``"distributed"`` (pipeline stages on the process group's ranks) or ``"local"`` (one
-    process, the stages in turn on their devices)."""
+    """``"distributed"`` (pipeline stages on the process group's ranks), ``"local"`` (one
+    process, the stages in turn on their devices) or ``"makespan"`` (one process, a worker per
+    device running its planned tasks at once: :class:`~autosplit.runtime.makespan.MakespanRunner`)."""
     median: float
     min: float
     max: float
     steps: int
     predicted: float
-    """What the plan predicts for this runtime: its step time (distributed), or the sum of its
-    stages' compute (local: one process runs every stage in turn, the whole batch at once)."""
+    """What the plan predicts for this runtime: its step time (distributed, makespan), or the sum
+    of its stages' compute (local: one process runs every stage in turn, the whole batch at once)."""
 
     @property
     def error(self) -> float:
@@ -98,7 +101,8 @@ class Comparison:
 
     @property
     def bound(self) -> float:
-        """The solver's proven lower bound on any plan's step under this cost model (seconds)."""
+        """The solver's proven lower bound on the objective of any plan of autosplit's objective
+        under this cost model (seconds)."""
         return self.autosplit.solver.bound
 
     def table(self, width: int = 400) -> str:
@@ -107,13 +111,13 @@ class Comparison:
 
         measured = any(c.measured for c in self.candidates)
         auto = self.autosplit
-        table = Table(title=f"autosplit vs manual splits: {len(auto.stages)} stages, {auto.schedule} × {auto.micro_batches} micro-batches")
-        columns = ["split", "feasible", "predicted step", "vs autosplit", "objective", "bottleneck stage",
+        table = Table(title=f"autosplit vs manual splits on {len(auto.devices)} devices")
+        columns = ["split", "feasible", "schedule", "predicted step", "vs autosplit", "objective", "bottleneck stage",
                    "stage times (ms)", "memory / cap"]
         if measured:
             columns += ["measured", "min–max (ms)", "runtime", "its prediction", "error"]
         for col in columns:
-            left = col in ("split", "feasible", "stage times (ms)", "memory / cap", "runtime")
+            left = col in ("split", "feasible", "schedule", "stage times (ms)", "memory / cap", "runtime")
             table.add_column(col, justify="left" if left else "right", no_wrap=True)
         for c in self.candidates:
             if c.plan is None:
@@ -121,7 +125,7 @@ class Comparison:
                 continue
             p = c.plan
             row = [
-                c.name, "yes" if c.feasible else "no: over a cap", _ms(p.step_time), f"{p.step_time / auto.step_time:.3f}×",
+                c.name, "yes" if c.feasible else "no: over a cap", _schedule(p), _ms(p.step_time), f"{p.step_time / auto.step_time:.3f}×",
                 _ms(p.solver.objective), str(p.bottleneck), " ".join(f"{st.time * 1e3:.2f}" for st in p.stages),
                 ", ".join(f"{format_bytes(st.memory)}/{format_bytes(st.capacity)}" for st in p.stages),
             ]
@@ -134,14 +138,18 @@ class Comparison:
         out = io.StringIO()
         console = Console(file=out, width=width, force_terminal=False, color_system=None)
         console.print(table)
-        sv = auto.solver
-        console.print(f"solver bound {_ms(self.bound)}: no plan's objective (the solver's model of the step) is lower; "
-                      f"autosplit's gap {sv.gap:.2%} ({sv.status})")
+        for c in self.candidates:
+            if c.plan is not None and c.plan.solver.status != "MANUAL":
+                sv = c.plan.solver
+                console.print(f"{c.name}: solver bound {_ms(sv.bound)}, no {_objective(c.plan)} plan's objective (the solver's "
+                              f"model of the step) is lower; gap {sv.gap:.2%} ({sv.status})")
         for c in self.candidates:
             for line in c.over_cap:
                 console.print(f"{c.name}: {line}")
             if c.error:
                 console.print(f"{c.name}: {c.error}")
+        if measured and any(c.plan is not None and c.plan.schedule == "makespan" and c.measured is None for c in self.candidates):
+            console.print("makespan plans are measured in one process (MakespanRunner), not under a process group")
         if measured and any(c.measured and c.measured.runtime == "local" for c in self.candidates):
             console.print("local: one process runs the stages in turn, the whole batch at once; "
                           "its prediction is the sum of the stages' compute")
@@ -216,7 +224,13 @@ def compare(
     candidates: list[Candidate] | None = None
     if not distributed or torch.distributed.get_rank() == 0:
         planner = Planner(model, devices, example_inputs=example_inputs, example_kwargs=kwargs, **options)
-        candidates = [Candidate("autosplit", planner.plan())]
+        if planner.options.objective == "makespan":
+            # Both objectives, to say which is faster for this model; manual splits are pipelines.
+            candidates = [Candidate("autosplit makespan", planner.plan())]
+            planner = planner.with_options(objective="pipeline")
+            candidates.append(Candidate("autosplit pipeline", planner.plan()))
+        else:
+            candidates = [Candidate("autosplit", planner.plan())]
         for name, split in (manual or {}).items():
             candidates.append(_manual(planner, name, split))
     if distributed:
@@ -227,9 +241,11 @@ def compare(
     if measure:
         inputs = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
         run = _measure_distributed if distributed else _measure_local
-        times = run(model, [c.plan for c in candidates if c.feasible], inputs, kwargs, loss_fn, target, steps, warmup)
+        # The makespan runtime is one process's device workers: it has no distributed form yet.
+        measured = [c.plan is not None and c.feasible and not (distributed and c.plan.schedule == "makespan") for c in candidates]
+        times = run(model, [c.plan for c, m in zip(candidates, measured) if m], inputs, kwargs, loss_fn, target, steps, warmup)
         it = iter(times)
-        candidates = [dataclasses.replace(c, measured=next(it)) if c.feasible else c for c in candidates]
+        candidates = [dataclasses.replace(c, measured=next(it)) if m else c for c, m in zip(candidates, measured)]
     return Comparison(tuple(candidates))
 
 
@@ -256,20 +272,33 @@ def _measure_local(model, plans, inputs, kwargs, loss_fn, target, steps, warmup)
     step, so a slow moment of the machine falls on all of them alike."""
     from autosplit.planner import Planner
 
-    runs: list[tuple[Any, torch.optim.Optimizer, list[float]]] = []
+    runs: list[tuple[Callable[[], Any], torch.optim.Optimizer, list[float]]] = []
     for plan in plans:
         own = copy.deepcopy(model)  # a SplitModule moves the model's own modules to their devices
         split = Planner(own, None, example_inputs=inputs, example_kwargs=kwargs).build(plan)
-        runs.append((split, torch.optim.Adam(split.parameters(), lr=1e-4), []))
+        train: Callable[[], Any]
+        if isinstance(split, MakespanRunner):
+            train = functools.partial(split.step, *inputs, target=target, loss_fn=loss_fn, **kwargs)
+        else:
+            train = functools.partial(_train, split, inputs, kwargs, loss_fn, target)
+        runs.append((train, torch.optim.Adam(split.parameters(), lr=1e-4), []))
     for i in range(warmup + steps):
-        for split, opt, times in runs:
+        for train, opt, times in runs:
             t0 = time.perf_counter()
-            loss_fn(split(*inputs, **kwargs), target).backward()
+            train()
             opt.step()
             opt.zero_grad()
             if i >= warmup:
                 times.append(time.perf_counter() - t0)
-    return [_summary(times, "local", sum(st.compute for st in plan.stages)) for plan, (*_, times) in zip(plans, runs)]
+    return [
+        _summary(times, "makespan", plan.step_time) if plan.schedule == "makespan"
+        else _summary(times, "local", sum(st.compute for st in plan.stages))
+        for plan, (*_, times) in zip(plans, runs)
+    ]
+
+
+def _train(split: torch.nn.Module, inputs: tuple, kwargs: dict, loss_fn: Callable[[Any, Any], torch.Tensor], target: Any) -> None:
+    loss_fn(split(*inputs, **kwargs), target).backward()
 
 
 def _measure_distributed(model, plans, inputs, kwargs, loss_fn, target, steps, warmup) -> list[Measured]:
@@ -298,6 +327,14 @@ def _measure_distributed(model, plans, inputs, kwargs, loss_fn, target, steps, w
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
         out.append(_summary(slowest.tolist(), "distributed", plan.step_time))
     return out
+
+
+def _objective(plan: Plan) -> str:
+    return "makespan" if plan.schedule == "makespan" else "pipeline"
+
+
+def _schedule(plan: Plan) -> str:
+    return "makespan, 1 micro-batch" if plan.schedule == "makespan" else f"{plan.schedule} × {plan.micro_batches}"
 
 
 def _ms(seconds: float) -> str:

@@ -19,6 +19,7 @@ Usage::
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -119,6 +120,13 @@ class Planner:
             return MakespanRunner(self.model, self.traced.captured, made)
         program, timings = codegen(self.traced, made)
         return SplitModule(self.model, program, dataclasses.replace(made, timings={**made.timings, **timings}))
+
+    def with_options(self, **changes: Any) -> Planner:
+        """A planner of the same model and capture under other options (nothing is captured again)."""
+        other = copy.copy(self)
+        other._traced = self.traced
+        other.options = self.options.replace(**changes)
+        return other
 
     def what_if(self, *, devices: Sequence[DeviceLike] | None = None, **changes: Any) -> Plan:
         """The plan under other devices or options, reusing the captured graph:

@@ -8,7 +8,8 @@ for benchmarks that run the model). ``make(name, size)`` builds a model with exa
 - GNMT (Wu et al. 2016): 8 + 8 LSTM layers, bottom encoder layer bidirectional, residual
   connections from the third layer up, attention from the first decoder layer fed to all.
 - BigLSTM (Jozefowicz et al. 2016): large embedding, 2 LSTM layers with projection, softmax.
-- GPT-style transformer with tied embeddings (``autosplit.examples.GPT``), a ResNet, an MLP.
+- GPT-style transformer with tied embeddings (``autosplit.examples.GPT``), a ResNet, an MLP,
+  and a two-tower retrieval model (independent towers, for the makespan objective).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import torch.nn.functional as F
 
 from autosplit.examples import GPT
 
-__all__ = ["InceptionV3", "GNMT", "BigLSTM", "GPT", "ResNet", "MLP", "make", "WORKLOADS"]
+__all__ = ["InceptionV3", "GNMT", "BigLSTM", "GPT", "ResNet", "MLP", "TwoTower", "make", "WORKLOADS"]
 
 
 # -- Inception-V3 -------------------------------------------------------------------------
@@ -259,6 +260,29 @@ class MLP(nn.Module):
         return self.layers[-1](x)
 
 
+class TwoTower(nn.Module):
+    """A two-tower retrieval model (DSSM, Huang et al. 2013; Yi et al. 2019): a query tower and
+    an item tower, MLPs over their own features, joined only at the end by the in-batch score
+    matrix ``query @ item.T`` (train with cross-entropy against ``arange(batch)``: every other
+    item in the batch is a negative). The towers are independent branches of one step."""
+
+    def __init__(self, query_dim: int = 512, item_dim: int = 512, hidden: int = 2048, out: int = 256, layers: int = 3):
+        super().__init__()
+
+        def tower(dim: int) -> nn.Sequential:
+            dims = [dim] + [hidden] * (layers - 1) + [out]
+            mods: list[nn.Module] = []
+            for a, b in zip(dims, dims[1:]):
+                mods += [nn.Linear(a, b), nn.ReLU()]
+            return nn.Sequential(*mods[:-1])
+
+        self.query = tower(query_dim)
+        self.item = tower(item_dim)
+
+    def forward(self, query: torch.Tensor, item: torch.Tensor) -> torch.Tensor:
+        return self.query(query) @ self.item(item).T
+
+
 # -- registry -----------------------------------------------------------------------------
 def _tokens(vocab: int, batch: int, seq: int) -> torch.Tensor:
     return torch.randint(0, vocab, (batch, seq))
@@ -289,6 +313,11 @@ WORKLOADS: dict[str, dict[str, Callable[[], tuple[nn.Module, tuple]]]] = {
         "tiny": lambda: (ResNet(blocks=(1, 1, 1, 1), width=8, num_classes=10), (torch.randn(2, 3, 32, 32),)),
         "real": lambda: (ResNet(), (torch.randn(64, 3, 224, 224),)),
         "bench": lambda: (ResNet(width=16, num_classes=100), (torch.randn(32, 3, 64, 64),)),
+    },
+    "two_tower": {
+        "tiny": lambda: (TwoTower(16, 12, 32, 8, 3), (torch.randn(8, 16), torch.randn(8, 12))),
+        "real": lambda: (TwoTower(1024, 1024, 4096, 512, 4), (torch.randn(1024, 1024), torch.randn(1024, 1024))),
+        "bench": lambda: (TwoTower(), (torch.randn(256, 512), torch.randn(256, 512))),
     },
     "mlp": {
         "tiny": lambda: (MLP((16, 32, 32, 32, 4)), (torch.randn(4, 16),)),

@@ -207,3 +207,29 @@ def test_the_makespan_runtime_trains_like_the_unsplit_model(make):
     for (name, b), c in zip(model.named_buffers(), reference.buffers()):
         torch.testing.assert_close(b, c, msg=name)
     torch.testing.assert_close(runner(x), reference(x))
+
+
+def test_compare_shows_both_objectives_and_measures_the_makespan_runtime(tmp_path):
+    from benchmarks.models import make
+
+    torch.manual_seed(0)
+    model, (q, i) = make("two_tower", "tiny")
+    target = torch.arange(q.shape[0])
+    cmp = autosplit.compare(
+        model, ["cpu"] * 2, example_inputs=(q, i), manual={"deepspeed": "parameters"}, measure=True, steps=2, warmup=1,
+        loss_fn=torch.nn.functional.cross_entropy, target=target, objective="makespan", time_limit=5,
+    )
+    names = [c.name for c in cmp.candidates]
+    assert names == ["autosplit makespan", "autosplit pipeline", "deepspeed"]
+    makespan, pipeline, manual = (c.plan for c in cmp.candidates)
+    assert makespan.schedule == "makespan" and pipeline.schedule == manual.schedule == "gpipe"
+    assert pipeline.micro_batches == manual.micro_batches == 8
+    runtimes = [c.measured.runtime for c in cmp.candidates]
+    assert runtimes == ["makespan", "local", "local"]
+    assert cmp.candidates[0].measured.predicted == makespan.step_time
+    text = cmp.table()
+    assert "makespan, 1 micro-batch" in text and "gpipe × 8" in text
+    assert "no makespan plan's objective" in text and "no pipeline plan's objective" in text
+    cmp.to_html(tmp_path / "compare.html")
+    html = (tmp_path / "compare.html").read_text()
+    assert "no makespan plan&#39;s objective" in html or "no makespan plan's objective" in html
