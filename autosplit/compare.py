@@ -40,7 +40,7 @@ import torch
 from autosplit.errors import AutosplitError, ConstraintError, advice
 from autosplit.manual import ManualSplit, manual_plan
 from autosplit.plan import Plan
-from autosplit.runtime.makespan import MakespanRunner
+from autosplit.runtime.makespan import DeviceOptimizers, MakespanRunner
 from autosplit.units import format_bytes
 
 __all__ = ["Candidate", "Comparison", "Measured", "compare"]
@@ -272,16 +272,19 @@ def _measure_local(model, plans, inputs, kwargs, loss_fn, target, steps, warmup)
     step, so a slow moment of the machine falls on all of them alike."""
     from autosplit.planner import Planner
 
-    runs: list[tuple[Callable[[], Any], torch.optim.Optimizer, list[float]]] = []
+    runs: list[tuple[Callable[[], Any], torch.optim.Optimizer | DeviceOptimizers, list[float]]] = []
     for plan in plans:
         own = copy.deepcopy(model)  # a SplitModule moves the model's own modules to their devices
         split = Planner(own, None, example_inputs=inputs, example_kwargs=kwargs).build(plan)
         train: Callable[[], Any]
+        opt: torch.optim.Optimizer | DeviceOptimizers
         if isinstance(split, MakespanRunner):
             train = functools.partial(split.step, *inputs, target=target, loss_fn=loss_fn, **kwargs)
+            opt = split.optimizer(torch.optim.Adam, lr=1e-4)
         else:
             train = functools.partial(_train, split, inputs, kwargs, loss_fn, target)
-        runs.append((train, torch.optim.Adam(split.parameters(), lr=1e-4), []))
+            opt = torch.optim.Adam(split.parameters(), lr=1e-4)
+        runs.append((train, opt, []))
     for i in range(warmup + steps):
         for train, opt, times in runs:
             t0 = time.perf_counter()

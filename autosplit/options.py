@@ -145,7 +145,8 @@ class PlanOptions:
         return tuple(f.name for f in dataclasses.fields(cls))
 
     def micro_batches_for(self, stages: int) -> int:
-        """The number of micro-batches for ``stages`` devices (1 when sequential)."""
-        if self.schedule == "sequential":
+        """The number of micro-batches for ``stages`` devices (1 when sequential, and for the
+        makespan objective, which places one whole batch)."""
+        if self.schedule == "sequential" or self.objective == "makespan":
             return 1
         return self.micro_batches or 4 * stages

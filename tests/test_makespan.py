@@ -193,7 +193,9 @@ def test_the_makespan_runtime_trains_like_the_unsplit_model(make):
     loss_fn = lambda out, t: ((out - t) ** 2).mean()  # noqa: E731
     runner = autosplit.autosplit(model, ["cpu"] * 2, example_inputs=(x,), objective="makespan", pin=pin, time_limit=5)
     assert isinstance(runner, MakespanRunner) and len(runner.plan.stage_devices) == 2
-    opt, ref_opt = torch.optim.Adam(model.parameters(), lr=1e-2), torch.optim.Adam(reference.parameters(), lr=1e-2)
+    opt, ref_opt = runner.optimizer(torch.optim.Adam, lr=1e-2), torch.optim.Adam(reference.parameters(), lr=1e-2)
+    assert len(opt.optimizers) == 2, "one optimizer per device"
+    assert sum(len(g["params"]) for o in opt.optimizers.values() for g in o.param_groups) == len(list(model.parameters()))
     for step in range(3):
         loss = runner.step(x, target=target, loss_fn=loss_fn)
         expected = loss_fn(reference(x), target)

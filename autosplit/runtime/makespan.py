@@ -13,11 +13,17 @@ on one thread. Parameters are not cut: their gradients accumulate in ``.grad`` a
 (as traced code does: ``x = relu_(x)``, ``out += identity``). The loss is computed on the
 calling thread after every output's forward, as the plan's task model says.
 
+The plan counts each device's share of the optimizer step in its own time, so the update
+runs on the devices at once too: :meth:`MakespanRunner.optimizer` makes one optimizer per
+device over the parameters its nodes read, and its ``step`` runs them on one thread each.
+
 Usage::
 
     runner = autosplit.Planner(model, ["cpu", "cpu"], example_inputs=(x,), objective="makespan").build()
+    opt = runner.optimizer(torch.optim.Adam, lr=1e-3)          # one Adam per device
     loss = runner.step(x, target=y, loss_fn=F.cross_entropy)   # gradients in model.parameters()
-    optimizer.step()
+    opt.step()
+    opt.zero_grad()
 """
 
 from __future__ import annotations
@@ -36,7 +42,7 @@ from autosplit.passes.capture import Captured, flat_inputs
 from autosplit.plan import Plan
 from autosplit.solver.makespan.schedule import run_key
 
-__all__ = ["MakespanRunner"]
+__all__ = ["MakespanRunner", "DeviceOptimizers"]
 
 
 class _Abort(Exception):
@@ -76,6 +82,33 @@ class MakespanRunner(torch.nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self._captured.gm(*flat_inputs(self._captured, self.model, args, kwargs))
 
+    def optimizer(self, cls: type[torch.optim.Optimizer], **kwargs: Any) -> DeviceOptimizers:
+        """``cls(params, **kwargs)`` for each device over the parameters its nodes read (a
+        parameter read on several devices goes to the first; one no node reads, to the first
+        device), stepped at once by :meth:`DeviceOptimizers.step`."""
+        gm = self._captured.gm
+        owner: dict[torch.Tensor, int] = {}
+        for d, tasks in self._order.items():
+            for node, kind in tasks:
+                if kind != "forward":
+                    continue
+                if node.op == "call_module":
+                    params = list(gm.get_submodule(str(node.target)).parameters())
+                elif node.op == "get_attr":
+                    value: Any = gm
+                    for part in str(node.target).split("."):
+                        value = getattr(value, part)
+                    params = [value] if isinstance(value, torch.nn.Parameter) else []
+                else:
+                    continue
+                for p in params:
+                    owner.setdefault(p, d)
+        first = self.plan.stage_devices[0]
+        for p in self.model.parameters():
+            owner.setdefault(p, first)
+        groups = {d: [p for p, o in owner.items() if o == d] for d in self.plan.stage_devices}
+        return DeviceOptimizers({d: cls(ps, **kwargs) for d, ps in groups.items() if ps})
+
     def step(self, *args: Any, target: Any, loss_fn: Callable[[Any, Any], torch.Tensor], **kwargs: Any) -> torch.Tensor:
         """One training step: forward and backward of every node on its device's worker, in the
         planned order; the loss on this thread. Returns the loss (detached); gradients accumulate."""
@@ -111,6 +144,50 @@ class MakespanRunner(torch.nn.Module):
                 "the node it ran raised", "run the model unsplit with the same inputs to see the error",
             )) from state.error
         return loss.detach()
+
+
+class DeviceOptimizers:
+    """One optimizer per device of a makespan plan; :meth:`step` runs them at once, one thread
+    each with one intra-op thread, as the devices' workers do."""
+
+    def __init__(self, optimizers: dict[int, torch.optim.Optimizer]):
+        self.optimizers = optimizers
+
+    def step(self) -> None:
+        errors: list[BaseException] = []
+
+        def run(opt: torch.optim.Optimizer) -> None:
+            try:
+                opt.step()
+            except BaseException as e:  # noqa: BLE001 — raised typed on the calling thread below
+                errors.append(e)
+
+        previous = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            threads = [threading.Thread(target=run, args=(opt,), daemon=True) for opt in self.optimizers.values()]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+        finally:
+            torch.set_num_threads(previous)
+        if errors:
+            raise DistributedError(advice(
+                f"a device's optimizer step failed: {type(errors[0]).__name__}: {errors[0]}",
+                "the optimizer raised on its parameters", "step the same optimizer on the unsplit model to see the error",
+            )) from errors[0]
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for opt in self.optimizers.values():
+            opt.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict[int, dict[str, Any]]:
+        return {d: opt.state_dict() for d, opt in self.optimizers.items()}
+
+    def load_state_dict(self, state: dict[int, dict[str, Any]]) -> None:
+        for d, opt in self.optimizers.items():
+            opt.load_state_dict(state[d])
 
 
 def _cut(value: Any) -> Any:
