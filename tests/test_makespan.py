@@ -182,7 +182,29 @@ def _towers():
     return TwoTowers(32), torch.randn(16, 32), {"left": 0, "right": 1}
 
 
-@pytest.mark.parametrize("make", [_towers, _inception], ids=["two towers", "inception block"])
+class _Residual(nn.Module):
+    """Two residual branches writing in place (``ReLU(inplace=True)``, ``out += identity``)."""
+
+    def __init__(self, width: int = 16):
+        super().__init__()
+        self.a = nn.Sequential(nn.Linear(width, width), nn.ReLU(inplace=True), nn.Linear(width, width))
+        self.b = nn.Sequential(nn.Linear(width, width), nn.ReLU(inplace=True), nn.Linear(width, width))
+        self.act = nn.ReLU(inplace=True)
+
+    def forward(self, x):
+        identity = self.act(x * 1.0)
+        out = self.a(identity)
+        out += identity
+        other = self.b(identity)
+        other += out
+        return self.act(other)
+
+
+def _residual():
+    return _Residual(), torch.randn(8, 16), {"a": 0, "b": 1}
+
+
+@pytest.mark.parametrize("make", [_towers, _inception, _residual], ids=["two towers", "inception block", "in-place residual"])
 def test_the_makespan_runtime_trains_like_the_unsplit_model(make):
     torch.manual_seed(0)
     model, x, pin = make()

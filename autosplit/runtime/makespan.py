@@ -3,15 +3,20 @@ tasks in the planned order, as soon as their inputs are there, at the same time 
 
 One worker thread per device (CPU devices; one intra-op thread for the whole process while
 a step runs, so each worker is one core's worth of work and the kernels, which release the
-GIL, overlap). Every node runs on its own autograd graph: its tensor inputs are cut
-(``detach().requires_grad_()``), so its backward can be run on its own device's thread, in
-the planned order, once every consumer has returned the gradient of its output — the
-hand-driven equivalent of autograd's engine, which would otherwise run the whole backward
-on one thread. Parameters are not cut: their gradients accumulate in ``.grad`` as usual
-(autograd's accumulation is thread-safe). A node that writes an input in place (``relu_``,
-``x += y``) works on a clone of its cut input, so later nodes must read the value it returns
-(as traced code does: ``x = relu_(x)``, ``out += identity``). The loss is computed on the
-calling thread after every output's forward, as the plan's task model says.
+GIL, overlap). A device's work is cut into *segments*: runs of its consecutive forward tasks
+in the planned order, broken where a node reads a value computed from the segment on another
+device (a path that leaves the segment and comes back), so that segments form a DAG. Each
+segment runs on its own autograd graph: inputs from outside it are cut
+(``detach().requires_grad_()``), so its backward runs on its own device's thread, once every
+consumer outside it has returned the gradient of its outputs — the hand-driven equivalent of
+autograd's engine, which would otherwise run the whole backward on one thread. Every device
+runs its segments' forwards and backwards in one global order (a topological order of the
+segment DAG, by planned start), so no two devices wait on each other. Parameters are not cut:
+their gradients accumulate in ``.grad`` as usual (autograd's accumulation is thread-safe). A
+node that writes a cut input in place (``relu_``, ``x += y``) works on a clone of it, so later
+nodes must read the value it returns (as traced code does: ``x = relu_(x)``,
+``out += identity``). The loss is computed on the calling thread after every output's forward,
+as the plan's task model says.
 
 The plan counts each device's share of the optimizer step in its own time, so the update
 runs on the devices at once too: :meth:`MakespanRunner.optimizer` makes one optimizer per
@@ -28,6 +33,7 @@ Usage::
 
 from __future__ import annotations
 
+import heapq
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -73,11 +79,8 @@ class MakespanRunner(torch.nn.Module):
         self.model = model
         object.__setattr__(self, "_captured", captured)
         object.__setattr__(self, "plan", plan)
-        by_name = {n.name: n for n in captured.gm.graph.nodes}
-        position = {name: i for i, name in enumerate(by_name)}
-        runs = sorted(plan.tasks, key=lambda t: run_key(t.start, t.end, t.kind, position[t.node]))
-        self._order = {d: [(by_name[t.node], t.kind) for t in runs if t.device == d] for d in plan.stage_devices}
-        self._writes = {t.node: _written_inputs(by_name[t.node]) for t in plan.tasks}
+        self._order = _segments(captured.gm, plan)
+        self._writes = {n.name: _written_inputs(n) for n in captured.gm.graph.nodes}
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self._captured.gm(*flat_inputs(self._captured, self.model, args, kwargs))
@@ -89,15 +92,11 @@ class MakespanRunner(torch.nn.Module):
         gm = self._captured.gm
         owner: dict[torch.Tensor, int] = {}
         for d, tasks in self._order.items():
-            for node, kind in tasks:
-                if kind != "forward":
-                    continue
+            for node in (n for segment, kind in tasks if kind == "forward" for n in segment):
                 if node.op == "call_module":
                     params = list(gm.get_submodule(str(node.target)).parameters())
                 elif node.op == "get_attr":
-                    value: Any = gm
-                    for part in str(node.target).split("."):
-                        value = getattr(value, part)
+                    value = _run(gm, node, (), {})
                     params = [value] if isinstance(value, torch.nn.Parameter) else []
                 else:
                     continue
@@ -198,10 +197,78 @@ def _cut(value: Any) -> Any:
 
 
 def _written_inputs(node: fx.Node) -> frozenset[str]:
+    """Names of the input nodes ``node`` writes in place (annotation saw their version move)."""
     try:
-        return frozenset(p.name for p in node_info(node).mutates)
-    except (KeyError, AttributeError):
+        return frozenset(node_info(node).mutates)
+    except KeyError:  # placeholders and outputs carry no annotation
         return frozenset()
+
+
+Segment = tuple[fx.Node, ...]
+
+
+def _segments(gm: fx.GraphModule, plan: Plan) -> dict[int, list[tuple[Segment, str]]]:
+    """Each device's segments, forward and backward, in one global order (see the module docstring)."""
+    nodes = list(gm.graph.nodes)
+    position = {n: i for i, n in enumerate(nodes)}
+    by_name = {n.name: n for n in nodes}
+    # What a node must follow: its inputs, and the earlier readers of a value it writes in place.
+    after: dict[fx.Node, set[fx.Node]] = {n: set(n.all_input_nodes) for n in nodes}
+    for n in nodes:
+        for name in _written_inputs(n):
+            after[n] |= {r for r in by_name[name].users if r is not n and position[r] < position[n]}
+
+    runs = sorted(plan.tasks, key=lambda t: run_key(t.start, t.end, t.kind, position[by_name[t.node]]))
+    rank = {(t.node, t.kind): i for i, t in enumerate(runs)}
+    segments: list[list[fx.Node]] = []
+    device_of: list[int] = []
+    segment_of: dict[fx.Node, int] = {}
+    open_on: dict[int, tuple[int, int]] = {}  # device → (its open segment, the rank of that segment's first task)
+    for t in runs:
+        if t.kind == "backward":
+            open_on.pop(t.device, None)
+            continue
+        node = by_name[t.node]
+        i, start = open_on.get(t.device, (-1, -1))
+        # A node joins the open segment only if every value it reads from outside was planned
+        # before the segment began: then every segment depends only on segments begun earlier,
+        # and the segments form a DAG (no path leaves a segment and comes back).
+        if i < 0 or any(segment_of.get(p) != i and rank.get((p.name, "forward"), -1) >= start for p in after[node]):
+            i, start = len(segments), rank[t.node, "forward"]
+            open_on[t.device] = (i, start)
+            segments.append([])
+            device_of.append(t.device)
+        segments[i].append(node)
+        segment_of[node] = i
+    deps: list[set[tuple[int, str]]] = [set() for _ in segments]  # forward tasks' prerequisites
+    for i, seg in enumerate(segments):
+        deps[i] = {(segment_of[p], "forward") for n in seg for p in after[n] if p in segment_of and segment_of[p] != i}
+    back: list[set[tuple[int, str]]] = [set() for _ in segments]
+    for i, seg in enumerate(segments):
+        back[i] = {(segment_of[u], "backward") for n in seg for u in n.users if u in segment_of and segment_of[u] != i}
+        back[i] |= {(j, "forward") for j in range(len(segments))}  # the loss needs every forward
+    prereq = {**{(i, "forward"): deps[i] for i in range(len(segments))}, **{(i, "backward"): back[i] for i in range(len(segments))}}
+    # A topological order of the segment tasks, earliest planned first.
+    first = {
+        (i, kind): min(rank[n.name, kind] for n in seg if (n.name, kind) in rank)
+        for i, seg in enumerate(segments) for kind in ("forward", "backward")
+    }
+    waiting = {task: len(pre) for task, pre in prereq.items()}
+    unlocks: dict[tuple[int, str], list[tuple[int, str]]] = {task: [] for task in prereq}
+    for task, pre in prereq.items():
+        for p in pre:
+            unlocks[p].append(task)
+    ready = [(first[task], task) for task, count in waiting.items() if count == 0]
+    heapq.heapify(ready)
+    order: dict[int, list[tuple[Segment, str]]] = {d: [] for d in plan.stage_devices}
+    while ready:
+        _, (i, kind) = heapq.heappop(ready)
+        order[device_of[i]].append((tuple(segments[i]), kind))
+        for task in unlocks[i, kind]:
+            waiting[task] -= 1
+            if waiting[task] == 0:
+                heapq.heappush(ready, (first[task], task))
+    return order
 
 
 class _Step:
@@ -211,11 +278,12 @@ class _Step:
         self.gm = gm
         self.env = env
         self.done: dict[fx.Node, threading.Event] = {}
-        self.cuts: dict[fx.Node, list[tuple[fx.Node, Any, Any]]] = {}
-        """consumer → (producer, the value it received, its cut copy) per tensor input."""
+        self.cuts: dict[Segment, list[tuple[fx.Node, Any, Any]]] = {}
+        """segment → (producer outside it, the value it received, its cut copy) per tensor input."""
         self.grads: dict[fx.Node, list[Any]] = {}
-        """producer → gradient of each flat output, summed over consumers."""
+        """producer → gradient of each flat output, summed over the consumers outside its segment."""
         self.pending: dict[fx.Node, int] = {}
+        """producer → cut copies of its outputs whose gradient has not come back yet."""
         self.lock = threading.Condition()
         self.error: BaseException | None = None
         self.stopped = False
@@ -234,13 +302,13 @@ class _Step:
                         raise _Abort
         return fx.node.map_arg(arg, lambda n: self.env[n])
 
-    def work(self, tasks: list[tuple[fx.Node, str]], writes: dict[str, frozenset[str]]) -> None:
+    def work(self, tasks: list[tuple[Segment, str]], writes: dict[str, frozenset[str]]) -> None:
         try:
-            for node, kind in tasks:
+            for segment, kind in tasks:
                 if kind == "forward":
-                    self.forward(node, writes.get(node.name, frozenset()))
+                    self.forward(segment, writes)
                 else:
-                    self.backward(node)
+                    self.backward(segment)
         except _Abort:
             pass
         except BaseException as e:  # noqa: BLE001 — handed to the calling thread, which raises it typed
@@ -249,59 +317,65 @@ class _Step:
                 self.stopped = True
                 self.lock.notify_all()
 
-    def forward(self, node: fx.Node, writes: frozenset[str]) -> None:
-        self.wait_for((node.args, node.kwargs))
+    def forward(self, segment: Segment, writes: dict[str, frozenset[str]]) -> None:
+        """Run the segment's nodes in order; values from outside it are cut (and cloned where a
+        node writes them in place); each node's value is published as soon as it is computed."""
+        inside = set(segment)
         cuts: list[tuple[fx.Node, Any, Any]] = []
+        received: dict[fx.Node, Any] = {}
+        for node in segment:
+            self.wait_for([p for p in node.all_input_nodes if p not in inside])
+            written = writes.get(node.name, frozenset())
 
-        def cut_input(producer: fx.Node) -> Any:
-            def one(v: Any) -> Any:
-                c = _cut(v)
-                if c is not v:
-                    cuts.append((producer, v, c))
-                    return c.clone() if producer.name in writes else c
-                return v
+            def value_of(producer: fx.Node, written: frozenset[str] = written) -> Any:
+                if producer in inside:
+                    return self.env[producer]
+                if producer not in received:
+                    def one(v: Any) -> Any:
+                        c = _cut(v)
+                        if c is not v:
+                            cuts.append((producer, v, c))
+                        return c
 
-            return pytree.tree_map(one, self.env[producer])
+                    received[producer] = pytree.tree_map(one, self.env[producer])
+                value = received[producer]
+                return pytree.tree_map(lambda v: v.clone() if isinstance(v, torch.Tensor) else v, value) \
+                    if producer.name in written else value
 
-        args = fx.node.map_arg(node.args, cut_input)
-        kwargs = fx.node.map_arg(node.kwargs, cut_input)
-        target: Any = node.target
-        if node.op == "call_function":
-            value = target(*args, **kwargs)
-        elif node.op == "call_method":
-            value = getattr(args[0], target)(*args[1:], **kwargs)
-        elif node.op == "call_module":
-            value = self.gm.get_submodule(target)(*args, **kwargs)
-        else:  # get_attr
-            value = self.gm
-            for part in str(target).split("."):
-                value = getattr(value, part)
+            args = fx.node.map_arg(node.args, value_of)
+            kwargs = fx.node.map_arg(node.kwargs, value_of)
+            value = _run(self.gm, node, args, kwargs)
+            with self.lock:
+                self.env[node] = value
+            self._event(node).set()
         with self.lock:
-            self.env[node] = value
-            self.cuts[node] = cuts
+            self.cuts[segment] = cuts
             for producer, _, c in cuts:
                 if c.requires_grad:
                     self.pending[producer] = self.pending.get(producer, 0) + 1
-        self._event(node).set()
 
-    def backward(self, node: fx.Node) -> None:
-        # After the loss (every forward has run, so every consumer's cut is counted), and once
-        # every consumer has returned its gradient.
+    def backward(self, segment: Segment) -> None:
+        # After the loss (every forward has run, so every cut is counted), and once every
+        # consumer outside the segment has returned its gradient.
         while not self.loss_done.wait(0.05):
             if self.stopped:
                 raise _Abort
         with self.lock:
-            while self.pending.get(node, 0) > 0 and not self.stopped:
+            while any(self.pending.get(n, 0) > 0 for n in segment) and not self.stopped:
                 self.lock.wait(0.05)
             if self.stopped:
                 raise _Abort
-            grads = self.grads.pop(node, None)
-        if grads is not None:
+            grads = {n: self.grads.pop(n) for n in segment if n in self.grads}
+        roots, seeds = [], []
+        for node, node_grads in grads.items():
             outs = [o for o in pytree.tree_leaves(self.env[node]) if isinstance(o, torch.Tensor)]
-            pairs = [(o, g) for o, g in zip(outs, grads) if g is not None and o.requires_grad]
-            if pairs:
-                torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-        self._return(node)
+            for o, g in zip(outs, node_grads):
+                if g is not None and o.requires_grad:
+                    roots.append(o)
+                    seeds.append(g)
+        if roots:  # one backward through the segment's graph: autograd sums the paths inside it
+            torch.autograd.backward(roots, seeds)
+        self._return(segment)
 
     def send_back(self, arg: Any, cut_values: Any) -> None:
         """The loss's gradients of the outputs, to the nodes that made them."""
@@ -314,10 +388,10 @@ class _Step:
             self.lock.notify_all()
         self.loss_done.set()
 
-    def _return(self, node: fx.Node) -> None:
-        """Hand the gradients of ``node``'s cut inputs to their producers."""
+    def _return(self, segment: Segment) -> None:
+        """Hand the gradients of the segment's cut inputs to their producers."""
         with self.lock:
-            for producer, orig, c in self.cuts.get(node, ()):
+            for producer, orig, c in self.cuts.get(segment, ()):
                 if c.requires_grad:
                     if c.grad is not None:
                         self._add(producer, orig, c.grad)
@@ -335,6 +409,21 @@ class _Step:
             if any(not e.is_set() for e in self.done.values()) or self.error is not None:
                 self.stopped = True
             self.lock.notify_all()
+
+
+def _run(gm: fx.GraphModule, node: fx.Node, args: Any, kwargs: Any) -> Any:
+    """One node, as ``fx.Interpreter`` would run it."""
+    target: Any = node.target
+    if node.op == "call_function":
+        return target(*args, **kwargs)
+    if node.op == "call_method":
+        return getattr(args[0], target)(*args[1:], **kwargs)
+    if node.op == "call_module":
+        return gm.get_submodule(target)(*args, **kwargs)
+    value: Any = gm  # get_attr
+    for part in str(target).split("."):
+        value = getattr(value, part)
+    return value
 
 
 def _nodes_in(arg: Any) -> list[fx.Node]:
