@@ -81,3 +81,5 @@ def test_no_flush_beats_a_flushed_pipeline_in_the_steady_state():
 def test_bad_counts_are_typed_errors():
     with pytest.raises(ConstraintError, match="at least 1"):
         sim(0, 1, 1)
+    with pytest.raises(ConstraintError, match="runs no forward of mini-batch 5"):
+        sim(2, 2, 3).version_difference(0, 5, 0)

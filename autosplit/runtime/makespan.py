@@ -240,35 +240,42 @@ def _segments(gm: fx.GraphModule, plan: Plan) -> dict[int, list[tuple[Segment, s
             device_of.append(t.device)
         segments[i].append(node)
         segment_of[node] = i
-    deps: list[set[tuple[int, str]]] = [set() for _ in segments]  # forward tasks' prerequisites
-    for i, seg in enumerate(segments):
-        deps[i] = {(segment_of[p], "forward") for n in seg for p in after[n] if p in segment_of and segment_of[p] != i}
-    back: list[set[tuple[int, str]]] = [set() for _ in segments]
-    for i, seg in enumerate(segments):
-        back[i] = {(segment_of[u], "backward") for n in seg for u in n.users if u in segment_of and segment_of[u] != i}
-        back[i] |= {(j, "forward") for j in range(len(segments))}  # the loss needs every forward
-    prereq = {**{(i, "forward"): deps[i] for i in range(len(segments))}, **{(i, "backward"): back[i] for i in range(len(segments))}}
-    # A topological order of the segment tasks, earliest planned first.
-    first = {
-        (i, kind): min(rank[n.name, kind] for n in seg if (n.name, kind) in rank)
-        for i, seg in enumerate(segments) for kind in ("forward", "backward")
-    }
-    waiting = {task: len(pre) for task, pre in prereq.items()}
-    unlocks: dict[tuple[int, str], list[tuple[int, str]]] = {task: [] for task in prereq}
-    for task, pre in prereq.items():
-        for p in pre:
-            unlocks[p].append(task)
-    ready = [(first[task], task) for task, count in waiting.items() if count == 0]
-    heapq.heapify(ready)
+    # Every forward before every backward (the loss needs every output); within each kind, a
+    # topological order of the segments, earliest planned first.
+    feeds = [{segment_of[p] for n in seg for p in after[n] if p in segment_of} - {i} for i, seg in enumerate(segments)]
+    needs = [{segment_of[u] for n in seg for u in n.users if u in segment_of} - {i} for i, seg in enumerate(segments)]
     order: dict[int, list[tuple[Segment, str]]] = {d: [] for d in plan.stage_devices}
-    while ready:
-        _, (i, kind) = heapq.heappop(ready)
-        order[device_of[i]].append((tuple(segments[i]), kind))
-        for task in unlocks[i, kind]:
-            waiting[task] -= 1
-            if waiting[task] == 0:
-                heapq.heappush(ready, (first[task], task))
+    for kind, prerequisites in (("forward", feeds), ("backward", needs)):
+        planned = [min(rank[n.name, kind] for n in seg) for seg in segments]
+        ranked = _topological(prerequisites, planned)
+        if len(ranked) < len(segments):  # cannot happen: every segment depends only on earlier ones
+            raise CodegenError(advice(
+                f"the makespan runtime's {kind} segments form a cycle ({len(segments) - len(ranked)} of {len(segments)} left)",
+                "a segment reads a value computed after it began", "report this plan: it is a bug",
+            ))
+        for i in ranked:
+            order[device_of[i]].append((tuple(segments[i]), kind))
     return order
+
+
+def _topological(prerequisites: list[set[int]], priority: list[int]) -> list[int]:
+    """Kahn's algorithm, the lowest ``priority`` first among the ready."""
+    waiting = [len(p) for p in prerequisites]
+    unlocks: list[list[int]] = [[] for _ in prerequisites]
+    for i, pre in enumerate(prerequisites):
+        for j in pre:
+            unlocks[j].append(i)
+    ready = [(priority[i], i) for i, w in enumerate(waiting) if w == 0]
+    heapq.heapify(ready)
+    out = []
+    while ready:
+        _, i = heapq.heappop(ready)
+        out.append(i)
+        for j in unlocks[i]:
+            waiting[j] -= 1
+            if waiting[j] == 0:
+                heapq.heappush(ready, (priority[j], j))
+    return out
 
 
 class _Step:

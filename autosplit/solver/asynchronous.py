@@ -79,7 +79,11 @@ class Simulation:
             if work == Work("forward", mini, micro):
                 return mini - seen
             seen += work.kind == "update"
-        raise KeyError((stage, mini, micro))
+        raise ConstraintError(advice(
+            f"stage {stage} runs no forward of mini-batch {mini}, micro-batch {micro}",
+            f"the simulation has {self.stages} stages, {self.mini_batches} mini-batches of {self.micro_batches} micro-batches",
+            "ask for a stage, mini-batch and micro-batch inside those counts",
+        ))
 
     def differences(self, stage: int) -> list[int]:
         """The version difference of each of ``stage``'s forwards, in micro-batch order."""
