@@ -46,10 +46,14 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
         Path(out_dir, f"rank{rank}.ok").write_text(str(len(split.plan.assignment)))
     finally:
         dist.destroy_process_group()
+    # Checked and recorded: leave at once. In two of four full-suite runs a native thread still
+    # running at interpreter exit aborted a rank that had passed ("terminate called without an
+    # active exception", SIGABRT) after its checks; a failing check still raises above.
+    os._exit(0)
 
 
 def test_ddp_over_split_module_matches_full_batch_gradients(tmp_path):
     world = 2
     mp.spawn(_worker, args=(world, str(tmp_path / "init"), str(tmp_path)), nprocs=world, join=True)
-    assert sorted(os.listdir(tmp_path)) >= ["rank0.ok", "rank1.ok"]
+    assert {"rank0.ok", "rank1.ok"} <= set(os.listdir(tmp_path))
     assert (tmp_path / "rank0.ok").read_text() == (tmp_path / "rank1.ok").read_text()
