@@ -51,6 +51,7 @@ from autosplit.passes.capture import Captured, capture, fingerprint, flat_inputs
 from autosplit.passes.codegen import Chain, generate_chain
 from autosplit.plan import Plan
 from autosplit.planner import Planner, load_plan
+from autosplit.runtime.asynchronous import ASYNC_SCHEDULES
 from autosplit.runtime.microbatch import batch_size, is_batched, split_batch
 
 __all__ = ["DistributedModel", "distribute", "SCHEDULE_CLASSES"]
@@ -118,7 +119,7 @@ class DistributedModel:
         self, *, model: torch.nn.Module, plan: Plan, chain: Chain, layout: Layout, device: torch.device,
         loss_fn: Callable[[Any, Any], torch.Tensor],
         pp_group: Any, dp_mesh: Any, data_parallel: str, input_names: Sequence[str], to_flat: Callable[..., list[Any]],
-        micro_batches: int, tied_groups: Sequence[tuple[str, Any]] = (),
+        micro_batches: int, tied_groups: Sequence[tuple[str, Any]] = (), asynchronous: str | None = None,
     ) -> None:
         from torch.distributed import pipelining
 
@@ -161,11 +162,16 @@ class DistributedModel:
             return loss_fn(chain.output(out if isinstance(out, (tuple, list)) else (out,)), target)
 
         self._loss = loss
+        self._loss_of_output = loss_fn
+        self.last_run: dict[str, Any] = {}
         self._schedule_cls = getattr(pipelining, SCHEDULE_CLASSES[plan.schedule])
         self._schedule: Any = None
         self._rank = dist.get_rank()
         self._tied = [(self._state_names[name], group) for name, group in tied_groups]
         self._failed: str | None = None
+        self.asynchronous = asynchronous
+        """``"xpipe"``, ``"async"`` or ``"pipedream"`` when trained with :meth:`train`; None for :meth:`step`."""
+        self._pp_group = pp_group
 
     # -- training ------------------------------------------------------------------------------
     @property
@@ -196,6 +202,12 @@ class DistributedModel:
         mean loss would give; then step your optimizer. Returns the batch's loss (the mean of
         the micro-batch losses) on the last stage's ranks, ``None`` elsewhere.
         """
+        if self.asynchronous is not None:
+            raise DistributedError(advice(
+                f"step() runs one flushed step, and this pipeline runs the asynchronous {self.asynchronous!r} schedule",
+                "an asynchronous pipeline overlaps mini-batches, so it takes them all at once",
+                "call pipe.train(batches, optimizer=opt), or distribute with schedule='gpipe' or '1f1b'",
+            ))
         flat = self._to_flat(inputs, kwargs)
         named = dict(zip(self._input_names, flat))
         if self._schedule is None:
@@ -231,6 +243,46 @@ class DistributedModel:
         if not self.is_last:
             return None
         return torch.stack([loss.detach() for loss in losses]).mean()
+
+    def train(self, batches: Sequence[Any], *, optimizer: torch.optim.Optimizer) -> list[torch.Tensor | None]:
+        """Train on ``batches`` — each ``(inputs, target)`` or ``(inputs, kwargs, target)``, one
+        mini-batch of the example's shape — with this pipeline's asynchronous schedule (no flush
+        between mini-batches; see :mod:`autosplit.runtime.asynchronous`). Call it on every rank
+        with the same batches. The runtime steps ``optimizer`` (over :meth:`parameters`) after
+        each mini-batch's last backward and zeroes its gradients. Returns each mini-batch's loss
+        on the last stage's rank, ``None`` elsewhere; :attr:`last_run` says what the run kept."""
+        from autosplit.runtime.asynchronous import check_optimizer, run_asynchronous
+
+        if self.asynchronous is None:
+            raise DistributedError(advice(
+                "train() runs asynchronous schedules, and this pipeline flushes every step",
+                f"it was distributed with schedule={self.plan.schedule!r}",
+                "call step() per batch, or distribute with schedule='xpipe', 'async' or 'pipedream'",
+            ))
+        check_optimizer(self.asynchronous, optimizer)
+        flat_batches = []
+        for item in batches:
+            inputs, kwargs, target = item if len(item) == 3 else (item[0], {}, item[1])
+            inputs = inputs if isinstance(inputs, tuple) else (inputs,)
+            flat_batches.append((self._to_flat(inputs, dict(kwargs)), target))
+        stage, stages = self.layout.stage, self.layout.stages
+        peers = (self.layout.rank(stage - 1) if stage > 0 else None, self.layout.rank(stage + 1) if stage < stages - 1 else None)
+        try:
+            losses, self.last_run = run_asynchronous(
+                schedule=self.asynchronous, chain=self.chain, stage=stage, stages=stages, module=self.module,
+                device=self.device, batches=flat_batches, micro_batches=self.micro_batches, optimizer=optimizer,
+                loss_fn=self._loss_of_output, peers=peers,
+            )
+        except AutosplitError:
+            raise
+        except Exception as e:
+            self._failed = _causes(e)
+            raise DistributedError(advice(
+                f"rank {self._rank} (stage {stage} of {stages}) failed during asynchronous training: {_causes(e)}",
+                "an error in this stage's forward/backward, or a peer rank that failed or exited",
+                "look for the first rank that failed; run the model unsplit on one batch to reproduce",
+            )) from e
+        return losses
 
     # -- parameters and state, under the original names ----------------------------------------------
     def named_parameters(self) -> Iterator[tuple[str, torch.nn.Parameter]]:
@@ -279,7 +331,7 @@ class DistributedModel:
     def __repr__(self) -> str:
         return (
             f"DistributedModel(stage {self.layout.stage} of {self.layout.stages}, replica {self.layout.replica} of "
-            f"{self.layout.replicas}, {self.plan.schedule} × {self.micro_batches} micro-batches, device {self.device})"
+            f"{self.layout.replicas}, {self.asynchronous or self.plan.schedule} × {self.micro_batches} micro-batches, device {self.device})"
         )
 
 
@@ -381,6 +433,15 @@ def distribute(
         )
     options.setdefault("schedule", "gpipe")
     options["data_parallel"] = data_parallel
+    asynchronous = None
+    if options["schedule"] in ASYNC_SCHEDULES:
+        # Planned as 1F1B, the steady state an asynchronous pipeline keeps; run by train().
+        asynchronous, options["schedule"] = options["schedule"], "1f1b"
+        if data_parallel != 1:
+            raise DistributedError(advice(
+                f"schedule={asynchronous!r} with data_parallel={data_parallel}",
+                "the asynchronous schedules run one replica so far", "pass data_parallel=1, or schedule='gpipe' / '1f1b'",
+            ))
     if options["schedule"] not in SCHEDULE_CLASSES and given is None:
         raise DistributedError(
             advice(
@@ -408,6 +469,12 @@ def distribute(
     mesh = _mesh(device, stages, data_parallel)
     _agree(_checksums(model), "the model's initial weights (a checksum per parameter)")
     tied = [p for p in made.shared_params if p.policy == "replicate"]
+    if asynchronous is not None and tied:
+        raise DistributedError(advice(
+            f"schedule={asynchronous!r} with tied weights replicated on several stages ({[p.name for p in tied]})",
+            "asynchronous stages update at different times, so replicated copies would drift apart",
+            "untie the weights, or train this model with schedule='gpipe' or '1f1b'",
+        ))
     chain, captured = _chain(model, planner, made, stages, replicate={p.name for p in tied})
     if given is not None and given.crossings and given.crossings != chain.crossings:
         raise PlanMismatchError(
@@ -432,7 +499,7 @@ def distribute(
         model=model, plan=made, chain=chain, layout=layout, device=device, loss_fn=loss_fn,
         pp_group=mesh["pp"].get_group(), dp_mesh=mesh["dp"],
         data_parallel=replicate, input_names=chain.input_names, to_flat=to_flat, micro_batches=made.micro_batches,
-        tied_groups=tied_groups,
+        tied_groups=tied_groups, asynchronous=asynchronous,
     )
 
 

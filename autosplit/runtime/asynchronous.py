@@ -1,0 +1,221 @@
+"""Asynchronous pipeline schedules over a plan's chain of stages: XPipe, plain asynchronous, and
+PipeDream's weight stashing (DESIGN §4.7; Guan et al. 2019, Narayanan et al. 2019).
+
+``torch.distributed.pipelining`` flushes the pipeline every step, so these run on a loop of
+our own over the same stage modules (codegen's chain form: stage ``s`` receives only from
+``s − 1`` and sends only to ``s + 1``, tensors by position, static shapes). Each rank runs its
+stage's work in the order :func:`autosplit.solver.asynchronous.async_order` gives — ``S − s``
+micro-batches in flight, then one backward and one forward in turn, across mini-batches —
+and updates its weights after each mini-batch's last backward. Activations go forward with
+``isend``, gradients come back the same way; a rank blocks only on ``recv``, and the
+simulated order has no cycle, so no two ranks wait on each other.
+
+What a forward and a backward see, for a micro-batch whose forward runs ``s`` updates before
+the update its gradient is applied to (the version difference, read off the simulation):
+
+- ``"xpipe"``: the forward runs on the weights predicted for then, ``Ŵ = W − lr · s · Δ``
+  (:mod:`autosplit.runtime.prediction`); the backward on the weights of its time, which are
+  the ones the forward predicted. One weight copy: ``Ŵ`` lives only during the forward.
+- ``"async"``: the forward on the current weights, the backward on the weights of its time
+  (updated since): the inconsistency the other two remove.
+- ``"pipedream"``: forward and backward on the same weights: the version the forward saw is
+  stashed until the micro-batch's backward (one copy per version in flight).
+
+All three agree where no update falls between a micro-batch's forward and its backward (the
+last stage, always). Backwards read the weights of their time through saved-tensor hooks that
+keep the parameters themselves rather than a checked snapshot; ``tests/test_async_pipeline.py``
+checks each schedule against these rules applied to the unsplit model in one process.
+
+Usage (every rank, under ``torchrun``)::
+
+    pipe = autosplit.distribute(model, ["cpu"] * 2, example_inputs=(x,), loss_fn=loss_fn,
+                                schedule="xpipe", micro_batches=4)
+    opt = torch.optim.Adam(pipe.parameters(), lr=1e-3)
+    losses = pipe.train(batches, optimizer=opt)   # [(inputs, target), ...]; losses on the last stage
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from autosplit.passes.codegen import Chain
+from autosplit.runtime.microbatch import split_batch
+from autosplit.runtime.prediction import predicted, update_direction
+from autosplit.solver.asynchronous import Simulation, simulate
+
+__all__ = ["ASYNC_SCHEDULES", "run_asynchronous"]
+
+ASYNC_SCHEDULES = ("xpipe", "async", "pipedream")
+
+
+def _keep_live(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+@contextlib.contextmanager
+def _backward_reads_live_weights() -> Iterator[None]:
+    """Tensors saved for backward are the tensors themselves, unchecked: a backward after an
+    update reads the updated weights instead of failing autograd's version check."""
+    with torch.autograd.graph.saved_tensors_hooks(_keep_live, _keep_live):
+        yield
+
+
+class _Stash:
+    """PipeDream's stashed weight versions: one leaf copy per version some micro-batch in flight used."""
+
+    def __init__(self, params: Mapping[str, torch.nn.Parameter]):
+        self.params = params
+        self.versions: dict[int, dict[str, torch.Tensor]] = {}
+        self.users: dict[int, int] = {}
+
+    def take(self, version: int) -> dict[str, torch.Tensor]:
+        if version not in self.versions:
+            self.versions[version] = {n: p.detach().clone().requires_grad_(p.requires_grad) for n, p in self.params.items()}
+        self.users[version] = self.users.get(version, 0) + 1
+        return self.versions[version]
+
+    def give_back(self, version: int) -> None:
+        """After a stashed micro-batch's backward: its weight gradients into the parameters."""
+        with torch.no_grad():
+            for name, copy in self.versions[version].items():
+                if copy.grad is not None:
+                    p = self.params[name]
+                    p.grad = copy.grad.clone() if p.grad is None else p.grad.add_(copy.grad)
+                    copy.grad = None
+        self.users[version] -= 1
+        if self.users[version] == 0:
+            del self.versions[version], self.users[version]
+
+    @property
+    def most(self) -> int:
+        return max(len(self.versions), 1)
+
+
+def run_asynchronous(
+    *, schedule: str, chain: Chain, stage: int, stages: int, module: torch.nn.Module, device: torch.device,
+    batches: Sequence[tuple[list[Any], Any]], micro_batches: int, optimizer: torch.optim.Optimizer,
+    loss_fn: Callable[[Any, Any], torch.Tensor], group: Any = None, peers: tuple[int | None, int | None] = (None, None),
+) -> tuple[list[torch.Tensor | None], dict[str, Any]]:
+    """Train on ``batches`` (each: the model's flat inputs and the target) with ``schedule``;
+    returns each mini-batch's mean loss on the last stage (``None`` elsewhere) and what the run
+    kept (the most stashed versions, the version differences of this stage's forwards)."""
+    M, B = micro_batches, len(batches)
+    sim: Simulation = simulate(stages=stages, micro_batches=M, mini_batches=B, forward=[1.0] * stages, backward=[2.0] * stages)
+    previous, following = peers
+    params = dict(module.named_parameters())
+    stash = _Stash(params)
+    micro: dict[int, list[tuple[tuple, dict]]] = {}
+    targets: dict[int, list[Any]] = {}
+    in_flight: dict[tuple[int, int], dict[str, Any]] = {}
+    losses: list[list[torch.Tensor]] = [[] for _ in range(B)]
+    sends: list[Any] = []
+    last = stage == stages - 1
+    grad_flags = [t.requires_grad for t in chain.inputs_meta[stage]]
+    out_flags = [t.requires_grad for t in chain.inputs_meta[stage + 1]] if not last else []
+
+    def chunks(b: int) -> list[tuple[tuple, dict]]:
+        if b not in micro:
+            flat, target = batches[b]
+            named = dict(zip(chain.input_names, flat))
+            micro[b] = split_batch((), named, M)
+            if last:
+                targets[b] = [t for (t,), _ in split_batch((target,), {}, M)]
+        return micro[b]
+
+    for work in sim.order[stage]:
+        b, m = work.mini, work.micro
+        if work.kind == "update":
+            optimizer.step()
+            optimizer.zero_grad()
+            micro.pop(b, None)
+            targets.pop(b, None)
+            continue
+        if work.kind == "forward":
+            _, named = chunks(b)[m]
+            received: list[torch.Tensor] = []
+            for meta, wants_grad in zip(chain.inputs_meta[stage], grad_flags):
+                buf = torch.empty(meta.shape, dtype=meta.dtype, device=device)
+                dist.recv(buf, src=previous, group=group)
+                received.append(buf.requires_grad_(wants_grad))
+            version_gap = sim.version_difference(stage, b, m)
+            out, version = _forward(schedule, module, params, optimizer, stash, version_gap, b, received, named)
+            outs = list(out) if isinstance(out, (tuple, list)) else [out]
+            state: dict[str, Any] = {"received": received, "version": version}
+            if last:
+                loss = loss_fn(chain.output(outs), targets[b][m]) / M
+                state["loss"] = loss
+                losses[b].append(loss.detach() * M)
+            else:
+                for t in outs:
+                    sent = t.detach().contiguous()
+                    sends.append((dist.isend(sent, dst=following, group=group), sent))
+                state["outs"] = outs
+            in_flight[b, m] = state
+            continue
+        state = in_flight.pop((b, m))  # backward
+        if last:
+            state["loss"].backward()
+        else:
+            roots, seeds = [], []
+            for t, wants_grad in zip(state["outs"], out_flags):
+                if wants_grad:
+                    g = torch.empty(t.shape, dtype=t.dtype, device=device)
+                    dist.recv(g, src=following, group=group)
+                    if t.requires_grad:
+                        roots.append(t)
+                        seeds.append(g)
+            if roots:
+                torch.autograd.backward(roots, seeds)
+        if state["version"] is not None:
+            stash.give_back(state["version"])
+        if stage > 0:
+            for t, wants_grad in zip(state["received"], grad_flags):
+                if wants_grad:
+                    g = (t.grad if t.grad is not None else torch.zeros_like(t)).contiguous()
+                    sends.append((dist.isend(g, dst=previous, group=group), g))
+        sends = [(w, t) for w, t in sends if not w.is_completed()]
+    for w, _ in sends:
+        w.wait()
+    report = {"stashed_versions": stash.most, "version_differences": sim.differences(stage)}
+    return [torch.stack(ls).mean() if last else None for ls in losses], report
+
+
+def _forward(
+    schedule: str, module: torch.nn.Module, params: Mapping[str, torch.nn.Parameter], optimizer: torch.optim.Optimizer,
+    stash: _Stash, gap: int, mini: int, received: list[torch.Tensor], named: dict[str, Any],
+) -> tuple[Any, int | None]:
+    """The stage's forward on the weights ``schedule`` gives it; the stashed version it used, if any."""
+    if schedule == "pipedream":
+        if gap == 0:  # no update comes before this micro-batch's backward: nothing to stash
+            return module(*received, **named), None
+        version = mini - gap
+        return torch.func.functional_call(module, stash.take(version), tuple(received), named), version
+    with _backward_reads_live_weights():
+        if schedule == "async" or gap == 0:
+            return module(*received, **named), None
+        # xpipe: the weights predicted for the update this mini-batch's gradient is applied to,
+        # written into the parameters for the forward only.
+        guess = predicted(optimizer, gap)
+        kept = {n: p.detach().clone() for n, p in params.items() if guess.get(p, p) is not p}
+        try:
+            with torch.no_grad():
+                for n in kept:
+                    params[n].copy_(guess[params[n]])
+            return module(*received, **named), None
+        finally:
+            with torch.no_grad():
+                for n, value in kept.items():
+                    params[n].copy_(value)
+
+
+def check_optimizer(schedule: str, optimizer: torch.optim.Optimizer) -> None:
+    """XPipe needs an optimizer it can read a direction from (a typed error otherwise, before any work)."""
+    if schedule == "xpipe":
+        for group in optimizer.param_groups:
+            for p in group["params"][:1]:
+                update_direction(optimizer, p)
