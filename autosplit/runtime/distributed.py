@@ -399,7 +399,9 @@ def distribute(
     ``replicate``: how each stage's data-parallel replicas keep in step — ``"ddp"`` (whole
     parameters on every replica, gradients all-reduced: FSDP2's ``replicate``) or ``"fsdp"``
     (parameters and optimizer state sharded: ``fully_shard``). ``options``: any :class:`~autosplit.options.PlanOptions` field
-    (``micro_batches``, ``schedule`` — ``"gpipe"`` or ``"1f1b"`` — ``time_limit``, ...).
+    (``micro_batches``, ``schedule`` — ``"gpipe"`` or ``"1f1b"``, trained by
+    :meth:`~DistributedModel.step`; or the asynchronous ``"xpipe"``, ``"async"``, ``"pipedream"``,
+    trained by :meth:`~DistributedModel.train` — ``time_limit``, ...).
     """
     if not dist.is_available() or not dist.is_initialized():
         raise DistributedError(
