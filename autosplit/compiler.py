@@ -45,7 +45,7 @@ from autosplit.runtime.microbatch import split_batch
 from autosplit.solver import Problem, build_problem, choose_order, evaluate, solve, validate
 from autosplit.solver.makespan import schedule_of, solve_makespan
 from autosplit.solver.makespan.schedule import memory_of, run_key
-from autosplit.solver.problem import KIB, NS, UserConstraint, tied_costs
+from autosplit.solver.problem import ASYNC_SCHEDULES, KIB, NS, UserConstraint, tied_costs
 
 __all__ = ["Traced", "trace", "compile_plan", "codegen"]
 
@@ -283,11 +283,16 @@ def predict_step(
     opt = table.optimizer_time or tuple((0.0,) * len(table.devices) for _ in table.nodes)
     without = tuple(tuple(c - round(o[order[s]] * NS) for s, c in enumerate(row)) for row, o in zip(problem.compute, opt))
     sharing = dataclasses.replace(problem, transfer=tuple(map(tuple, transfer)))
-    total = evaluate(sharing, stage_of).objective / M / NS
-    pipeline = evaluate(dataclasses.replace(sharing, compute=without), stage_of).objective / M / NS
-    optimizer = total - pipeline
     overheads = [d.microbatch_overhead for d in devices]
-    overhead = sum(overheads) + (M - 1) * max(overheads)
+    if options.schedule in ASYNC_SCHEDULES:  # no flush: the steady state, M micro-batches through the slowest stage
+        total = max(evaluate(sharing, stage_of).time) / NS
+        pipeline = max(evaluate(dataclasses.replace(sharing, compute=without), stage_of).time) / NS
+        overhead = M * max(overheads)
+    else:
+        total = evaluate(sharing, stage_of).objective / M / NS
+        pipeline = evaluate(dataclasses.replace(sharing, compute=without), stage_of).objective / M / NS
+        overhead = sum(overheads) + (M - 1) * max(overheads)
+    optimizer = total - pipeline
     data_parallel = 0.0
     R = options.data_parallel
     if R > 1:

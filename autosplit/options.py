@@ -50,7 +50,9 @@ class PlanOptions:
     §2.2: with M ≥ 4·S the bubble is small); always 1 for ``schedule="sequential"``."""
     schedule: str = "gpipe"
     """``"gpipe"`` (all forwards, then all backwards), ``"1f1b"`` (PipeDream-Flush: each stage
-    holds at most S − s micro-batches) or ``"sequential"`` (one batch, stages in turn)."""
+    holds at most S − s micro-batches), ``"sequential"`` (one batch, stages in turn), or an
+    asynchronous schedule that never flushes — ``"xpipe"`` (weight prediction), ``"async"``,
+    ``"pipedream"`` (weight stashing) — run by :meth:`DistributedModel.train`."""
     optimizer: str = "adam"
     """The optimizer whose state (Adam: two fp32 moments) and step temporaries memory counts."""
     memory: Mapping[int | str, int | str] | None = None

@@ -29,6 +29,8 @@ from dataclasses import dataclass
 
 from autosplit.errors import ConstraintError, advice
 from autosplit.plan import Plan, StageReport
+from autosplit.solver.asynchronous import simulate
+from autosplit.solver.problem import ASYNC_SCHEDULES
 
 __all__ = ["Task", "stage_order", "timeline", "bubbles"]
 
@@ -84,6 +86,8 @@ def timeline(plan: Plan) -> list[Task]:
                       key=lambda t: (t.start, t.stage))
     S, M = len(plan.stages), plan.micro_batches
     durations = [_durations(st, M) for st in plan.stages]
+    if plan.schedule in ASYNC_SCHEDULES:
+        return _asynchronous(S, M, durations)
     orders = [stage_order(plan.schedule, s, S, M) for s in range(S)]
     done: dict[tuple[str, int, int], float] = {}
     free = [0.0] * S
@@ -119,6 +123,19 @@ def timeline(plan: Plan) -> list[Task]:
     else:
         end = max(free)
         tasks += [Task(s, -1, "optimizer", end, end + durations[s][2]) for s in range(S)]
+    return sorted(tasks, key=lambda t: (t.start, t.stage))
+
+
+def _asynchronous(S: int, M: int, durations: list[tuple[float, float, float]], mini_batches: int = 3) -> list[Task]:
+    """An asynchronous schedule over ``mini_batches`` mini-batches (micro-batch ``b·M + m``), no
+    flush between them: each stage's optimizer step follows its mini-batch's last backward."""
+    sim = simulate(stages=S, micro_batches=M, mini_batches=mini_batches, forward=[d[0] for d in durations],
+                   backward=[d[1] for d in durations], update=[d[2] for d in durations])
+    tasks = [
+        Task(s, -1 if w.kind == "update" else w.mini * M + w.micro, "optimizer" if w.kind == "update" else w.kind,
+             sim.start[s, w], sim.end[s, w])
+        for s in range(S) for w in sim.order[s]
+    ]
     return sorted(tasks, key=lambda t: (t.start, t.stage))
 
 

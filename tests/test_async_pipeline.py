@@ -50,7 +50,7 @@ def _worker(rank, init, schedule, n, out):
         dist.all_gather_object(names, [name for name, _ in pipe.named_parameters()])
         state = pipe.full_state_dict()
         if rank == 1:
-            torch.save({"state": state, "losses": losses, "stage0": names[0], "run": pipe.last_run}, out)
+            torch.save({"state": state, "losses": losses, "stage0": names[0], "run": pipe.last_run, "plan": pipe.plan.schedule}, out)
     finally:
         dist.destroy_process_group()
 
@@ -110,6 +110,7 @@ def reference(schedule, n, stage0):
 @pytest.mark.parametrize("schedule", ["xpipe", "async", "pipedream"])
 def test_asynchronous_schedules_follow_their_rules(tmp_path, schedule):
     got = _run(tmp_path, schedule, 4)
+    assert got["plan"] == schedule, "the plan records the schedule it runs"
     assert got["stage0"] and len(got["stage0"]) < 8, "the model is split across both stages"
     state, losses = reference(schedule, 4, got["stage0"])
     for k, v in state.items():

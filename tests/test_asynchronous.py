@@ -83,3 +83,42 @@ def test_bad_counts_are_typed_errors():
         sim(0, 1, 1)
     with pytest.raises(ConstraintError, match="runs no forward of mini-batch 5"):
         sim(2, 2, 3).version_difference(0, 5, 0)
+
+
+def test_weight_copies_and_in_flight_of_the_asynchronous_schedules():
+    from autosplit.solver.problem import in_flight, weight_copies
+
+    S = 4
+    for s in range(S):
+        assert weight_copies("pipedream", s, S, 1) == S - s - 1, "PipeDream stashes one version per mini-batch in flight"
+        assert weight_copies("async", s, S, 2) == 0
+        assert weight_copies("xpipe", s, S, 2) == (s < S - 1), "XPipe keeps the weights aside where it predicts"
+        assert in_flight("pipedream", s, S, 2) == S - s, "no flush: the next mini-batch's micro-batches are in flight too"
+        assert in_flight("1f1b", s, S, 2) == min(2, S - s)
+
+
+def test_an_asynchronous_plan_records_its_schedule_memory_and_steady_state(tmp_path):
+    import torch
+
+    import autosplit
+    from autosplit.examples import GPT
+    from autosplit.plan import Plan
+    from autosplit.timeline import timeline
+
+    torch.manual_seed(0)
+    model = GPT(vocab=64, d_model=32, n_layers=4, n_heads=4, max_len=16, tied=False)
+    planner = autosplit.Planner(model, ["cpu"] * 4, example_inputs=(torch.randint(0, 64, (8, 16)),), micro_batches=4, time_limit=5)
+    flushed = planner.what_if(schedule="1f1b")
+    # The same split under each schedule: a saved plan is re-costed under its own schedule.
+    plans = {s: planner.plan(Plan.from_dict({**flushed.to_dict(), "schedule": s})) for s in ("async", "pipedream")}
+    stash, plain = plans["pipedream"], plans["async"]
+    assert stash.schedule == "pipedream" and stash.assignment == flushed.assignment
+    assert stash.stages[0].memory > plain.stages[0].memory, "PipeDream's stashed versions cost memory"
+    assert stash.stages[-1].memory == plain.stages[-1].memory, "the last stage stashes nothing"
+    assert plain.step_time < flushed.step_time, "no flush, no bubble"
+    stash.save(tmp_path / "plan.json")
+    assert Plan.load(tmp_path / "plan.json").schedule == "pipedream"
+    tasks = timeline(plain)
+    first_of_next = min(t.start for t in tasks if t.kind == "forward" and t.micro >= 4)
+    last_of_this = max(t.end for t in tasks if t.kind == "backward" and t.micro < 4)
+    assert first_of_next < last_of_this, "the next mini-batch enters before this one drains"

@@ -48,9 +48,8 @@ from autosplit.runtime.microbatch import split_batch
 from autosplit.runtime.prediction import predicted, update_direction
 from autosplit.solver.asynchronous import Simulation, simulate
 
-__all__ = ["ASYNC_SCHEDULES", "run_asynchronous"]
+__all__ = ["run_asynchronous", "check_optimizer"]
 
-ASYNC_SCHEDULES = ("xpipe", "async", "pipedream")
 
 
 def _keep_live(t: torch.Tensor) -> torch.Tensor:

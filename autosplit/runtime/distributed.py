@@ -51,8 +51,8 @@ from autosplit.passes.capture import Captured, capture, fingerprint, flat_inputs
 from autosplit.passes.codegen import Chain, generate_chain
 from autosplit.plan import Plan
 from autosplit.planner import Planner, load_plan
-from autosplit.runtime.asynchronous import ASYNC_SCHEDULES
 from autosplit.runtime.microbatch import batch_size, is_batched, split_batch
+from autosplit.solver.problem import ASYNC_SCHEDULES
 
 __all__ = ["DistributedModel", "distribute", "SCHEDULE_CLASSES"]
 
@@ -164,13 +164,14 @@ class DistributedModel:
         self._loss = loss
         self._loss_of_output = loss_fn
         self.last_run: dict[str, Any] = {}
-        self._schedule_cls = getattr(pipelining, SCHEDULE_CLASSES[plan.schedule])
+        self._schedule_cls = getattr(pipelining, SCHEDULE_CLASSES.get(plan.schedule, "Schedule1F1B"))
         self._schedule: Any = None
         self._rank = dist.get_rank()
         self._tied = [(self._state_names[name], group) for name, group in tied_groups]
         self._failed: str | None = None
         self.asynchronous = asynchronous
-        """``"xpipe"``, ``"async"`` or ``"pipedream"`` when trained with :meth:`train`; None for :meth:`step`."""
+        """The plan's schedule when it is asynchronous (``"xpipe"``, ``"async"``, ``"pipedream"``:
+        trained with :meth:`train`); None for :meth:`step`."""
         self._pp_group = pp_group
 
     # -- training ------------------------------------------------------------------------------
@@ -256,7 +257,7 @@ class DistributedModel:
         if self.asynchronous is None:
             raise DistributedError(advice(
                 "train() runs asynchronous schedules, and this pipeline flushes every step",
-                f"it was distributed with schedule={self.plan.schedule!r}",
+                f"its plan's schedule is {self.plan.schedule!r}",
                 "call step() per batch, or distribute with schedule='xpipe', 'async' or 'pipedream'",
             ))
         check_optimizer(self.asynchronous, optimizer)
@@ -331,7 +332,7 @@ class DistributedModel:
     def __repr__(self) -> str:
         return (
             f"DistributedModel(stage {self.layout.stage} of {self.layout.stages}, replica {self.layout.replica} of "
-            f"{self.layout.replicas}, {self.asynchronous or self.plan.schedule} × {self.micro_batches} micro-batches, device {self.device})"
+            f"{self.layout.replicas}, {self.plan.schedule} × {self.micro_batches} micro-batches, device {self.device})"
         )
 
 
@@ -435,21 +436,13 @@ def distribute(
         )
     options.setdefault("schedule", "gpipe")
     options["data_parallel"] = data_parallel
-    asynchronous = None
-    if options["schedule"] in ASYNC_SCHEDULES:
-        # Planned as 1F1B, the steady state an asynchronous pipeline keeps; run by train().
-        asynchronous, options["schedule"] = options["schedule"], "1f1b"
-        if data_parallel != 1:
-            raise DistributedError(advice(
-                f"schedule={asynchronous!r} with data_parallel={data_parallel}",
-                "the asynchronous schedules run one replica so far", "pass data_parallel=1, or schedule='gpipe' / '1f1b'",
-            ))
-    if options["schedule"] not in SCHEDULE_CLASSES and given is None:
+    runnable = (*SCHEDULE_CLASSES, *ASYNC_SCHEDULES)
+    if options["schedule"] not in runnable and given is None:
         raise DistributedError(
             advice(
                 f"schedule={options['schedule']!r} cannot run pipelined",
-                "torch.distributed.pipelining runs these schedules only",
-                f"pass one of {sorted(SCHEDULE_CLASSES)}",
+                "torch.distributed.pipelining runs gpipe and 1f1b, and autosplit's own loop the asynchronous ones",
+                f"pass one of {list(runnable)}",
             )
         )
     planner = Planner(model, devices, example_inputs=example_inputs, example_kwargs=example_kwargs, **options)
@@ -457,14 +450,20 @@ def distribute(
     made = _broadcast_plan(planner, given, rank)
     made.check_fingerprint(traced.fingerprint, traced.node_names)
     _agree(traced.fingerprint, "the captured graph's fingerprint")
-    if made.schedule not in SCHEDULE_CLASSES:
+    if made.schedule not in runnable:
         raise DistributedError(
             advice(
                 f"the plan's schedule {made.schedule!r} cannot run pipelined",
-                "torch.distributed.pipelining runs these schedules only",
-                f"re-plan with one of {sorted(SCHEDULE_CLASSES)}",
+                "torch.distributed.pipelining runs gpipe and 1f1b, and autosplit's own loop the asynchronous ones",
+                f"re-plan with one of {list(runnable)}",
             )
         )
+    asynchronous = made.schedule if made.schedule in ASYNC_SCHEDULES else None
+    if asynchronous is not None and data_parallel != 1:
+        raise DistributedError(advice(
+            f"schedule={asynchronous!r} with data_parallel={data_parallel}",
+            "the asynchronous schedules run one replica so far", "pass data_parallel=1, or schedule='gpipe' / '1f1b'",
+        ))
 
     layout = Layout.of(rank, stages, data_parallel)
     device = _rank_device(made, layout.stage)

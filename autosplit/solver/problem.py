@@ -18,6 +18,12 @@ model state + saved activations × in-flight(s) / M + tensors received × in-fli
 + a transient reserve (the most any one op needs above what is live on one micro-batch —
 its output, analytically — or an optimizer step's temporaries), with in-flight
 micro-batches from the schedule (DESIGN §4.2).
+
+Asynchronous schedules (XPipe, async, PipeDream: no flush between mini-batches) are solved
+with the same objective — for M ≫ S it is set by the same slowest stage — and their step is
+predicted as the steady state, ``max_s t_s`` per mini-batch. A stage keeps ``S − s``
+micro-batches in flight, and PipeDream's stashed weight versions (XPipe: the weights kept aside
+during a forward on predicted ones) are charged with its activations.
 """
 
 from __future__ import annotations
@@ -30,26 +36,48 @@ from functools import cached_property
 import numpy as np
 
 from autosplit.errors import ConstraintError, advice
+from autosplit.solver.asynchronous import simulate, stashed_versions
 
-__all__ = ["Problem", "Evaluation", "UserConstraint", "SCHEDULES", "in_flight", "evaluate", "build_problem", "tied_costs"]
+__all__ = [
+    "Problem", "Evaluation", "UserConstraint", "SCHEDULES", "ASYNC_SCHEDULES", "in_flight", "weight_copies",
+    "evaluate", "build_problem", "tied_costs",
+]
 
 NS = 1e9  # time unit: nanoseconds per second
 KIB = 1024  # memory unit: bytes per KiB
 
-SCHEDULES = ("sequential", "gpipe", "1f1b")
+ASYNC_SCHEDULES = ("xpipe", "async", "pipedream")
+"""Asynchronous schedules: no flush between mini-batches (:mod:`autosplit.solver.asynchronous`)."""
+SCHEDULES = ("sequential", "gpipe", "1f1b", *ASYNC_SCHEDULES)
 
 
 def in_flight(schedule: str, stage: int, stages: int, micro_batches: int) -> int:
-    """Micro-batches whose activations stage ``stage`` holds at its peak (GPipe: all; 1F1B: S − s)."""
+    """Micro-batches whose activations stage ``stage`` holds at its peak (GPipe: all; 1F1B:
+    S − s, at most M; asynchronous: S − s, from the next mini-batch too)."""
     if schedule == "sequential":
         return 1
     if schedule == "gpipe":
         return micro_batches
     if schedule == "1f1b":
         return min(micro_batches, stages - stage)
+    if schedule in ASYNC_SCHEDULES:
+        return stages - stage
     raise ConstraintError(advice(
         f"unknown schedule {schedule!r}", "the pipeline model knows only these schedules", f"choose one of {SCHEDULES}"
     ))
+
+
+def weight_copies(schedule: str, stage: int, stages: int, micro_batches: int) -> int:
+    """Copies of its weights stage ``stage`` keeps beside them: PipeDream's stashed versions
+    still in flight, XPipe's weights kept aside while a forward runs on predicted ones (both
+    read off the simulated schedule); none otherwise."""
+    if schedule not in ("pipedream", "xpipe"):
+        return 0
+    sim = simulate(stages=stages, micro_batches=micro_batches, mini_batches=stages + 2,
+                   forward=[1.0] * stages, backward=[2.0] * stages)
+    if schedule == "pipedream":
+        return stashed_versions(sim, stage) - 1
+    return int(any(sim.differences(stage)))
 
 
 @dataclass(frozen=True)
@@ -304,6 +332,9 @@ def build_problem(
         return np.ceil(np.asarray(values, dtype=np.float64)[:, None] * in_flight_share[None, :] / M / KIB).astype(np.int64)
 
     act, recv = per_stage(table.saved_bytes), per_stage(table.output_bytes)
+    copies = np.asarray([weight_copies(schedule, s, S, M) for s in range(S)], dtype=np.int64)
+    if copies.any() and table.param_bytes:  # weight copies a schedule keeps: held with the activations
+        act += np.ceil(np.asarray(table.param_bytes, dtype=np.float64) / KIB).astype(np.int64)[:, None] * copies[None, :]
     send = per_stage(table.sent_bytes) if table.sent_bytes else None
     state = tuple(kib(b) for b in table.state_bytes)
     problem = Problem(
