@@ -268,7 +268,20 @@ def _run(args: argparse.Namespace, argv: list[str]) -> int:
         pipe.plan.save(args.out)
     opt = torch.optim.Adam(pipe.parameters(), lr=args.lr)
     rows = []
-    for step in range(args.steps):
+    if pipe.asynchronous is not None:  # no flush: every mini-batch in one run, timed as a whole
+        batch = (work["example_inputs"], work["example_kwargs"], work["target"])
+        dist.barrier()
+        t0 = time.perf_counter()
+        losses = pipe.train([batch] * args.steps, optimizer=opt)
+        dist.barrier()
+        per_step = (time.perf_counter() - t0) / args.steps
+        last = torch.tensor([-1.0 if loss is None else float(loss) for loss in losses], dtype=torch.float64)
+        dist.all_reduce(last, op=dist.ReduceOp.MAX)  # the last stage's losses
+        rows = [{"step": i, "seconds": per_step, "loss": float(v)} for i, v in enumerate(last)]
+        if not args.json and _rank() == 0:
+            for r in rows:
+                print(f"mini-batch {r['step']}: loss {r['loss']:.6f}")
+    for step in range(args.steps if pipe.asynchronous is None else 0):
         dist.barrier()
         t0 = time.perf_counter()
         loss = pipe.step(*work["example_inputs"], target=work["target"], **work["example_kwargs"])
@@ -279,7 +292,7 @@ def _run(args: argparse.Namespace, argv: list[str]) -> int:
         rows.append({"step": step, "seconds": elapsed[0].item(), "loss": elapsed[1].item()})
         if not args.json and _rank() == 0:
             print(f"step {step}: loss {rows[-1]['loss']:.6f}, {rows[-1]['seconds'] * 1e3:.1f} ms")
-    summary = (f"predicted step {pipe.plan.step_time * 1e3:.1f} ms; measured median "
+    summary = (f"predicted step {pipe.plan.step_time * 1e3:.1f} ms ({pipe.plan.schedule}); measured median "
                f"{sorted(r['seconds'] for r in rows)[len(rows) // 2] * 1e3:.1f} ms over {len(rows)} steps")
     _emit(args, summary, {"plan": pipe.plan.to_dict(), "steps": rows})
     dist.destroy_process_group()
@@ -336,7 +349,8 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("workload", help="MODULE:FACTORY returning the model and its example batch")
         p.add_argument("--devices", required=devices is None, default=devices, help='e.g. "A100-80GB*8" or "cpu*2"')
         p.add_argument("--batch", type=int, default=None, help="passed to the factory as batch=")
-        p.add_argument("--schedule", default="gpipe", help="gpipe, 1f1b or sequential (default gpipe)")
+        p.add_argument("--schedule", default="gpipe",
+                       help="gpipe (default), 1f1b, sequential, or the asynchronous xpipe, async, pipedream")
         p.add_argument("--objective", default="pipeline",
                        help="pipeline (default) or makespan (DLPlacer: parallel branches at once; compare shows both)")
         p.add_argument("--micro-batches", type=int, default=None, help="default 4 × stages")

@@ -271,7 +271,8 @@ def predict_step(
         bw, lat = min(bw for bw, _ in hops), max(lat for _, lat in hops)
         R = len(holders)
         replicate = 2 * (R - 1) / R * nbytes / bw + 2 * (R - 1) * lat  # ring all-reduce (Patarasuk & Yuan 2009)
-        policy = "replicate" if replicate < send else "send"
+        # Asynchronous stages update at different times: a replicated copy would drift, so it is sent.
+        policy = "replicate" if replicate < send and options.schedule not in ASYNC_SCHEDULES else "send"
         for k in range(1, S):  # what this parameter adds to the stages it crosses
             transfer[u][k - 1] = 0 if policy == "replicate" else round(tied_costs(nbytes, links[k - 1][0], links[k - 1][1], M)[0] * NS)
         if policy == "replicate":

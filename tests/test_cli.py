@@ -83,6 +83,16 @@ def test_run_launches_itself_under_torchrun_and_trains_pipelined():
     assert len(result["plan"]["devices"]) == 2
 
 
+def test_run_trains_an_asynchronous_schedule_with_a_tied_weight_sent():
+    done = _cli("run", *GPT_ARGS, "--micro-batches", "2", "--devices", "cpu*2", "--steps", "4", "--schedule", "xpipe", "--json")
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout)
+    losses = [row["loss"] for row in result["steps"]]
+    assert len(losses) == 4 and losses[-1] < losses[0]
+    assert result["plan"]["schedule"] == "xpipe"
+    assert [p["policy"] for p in result["plan"]["shared_params"]] == ["send"], "a replicated copy would drift"
+
+
 def test_compare_measures_through_the_distributed_runtime_when_launched():
     done = _cli("compare", *GPT_ARGS, "--micro-batches", "4", "--devices", "cpu*2", "--manual", 'cut=["blocks.4"]', "--measure",
                 "--steps", "2", "--nproc-per-node", "2", "--json")

@@ -324,8 +324,9 @@ def build_problem(
     sent = np.empty((N, len(links)))
     for k, (bw, lat) in enumerate(links):
         sent[:, k] = np.rint(2 * (M * lat * counts + nbytes / bw) * NS)
+    shared = min if schedule not in ASYNC_SCHEDULES else lambda costs: costs[0]  # asynchronous stages cannot replicate
     for n in (n for n, read in enumerate(reads) if read):
-        sent[n] = [round(min(tied_costs(table.output_bytes[n], bw, lat, M)) * NS) for bw, lat in links]
+        sent[n] = [round(shared(tied_costs(table.output_bytes[n], bw, lat, M)) * NS) for bw, lat in links]
     in_flight_share = np.asarray(inflight, dtype=np.float64)
 
     def per_stage(values: Sequence[int]) -> np.ndarray:  # kib(b · inflight[s] / M)
