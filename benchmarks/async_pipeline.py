@@ -170,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
         summary[schedule] = {
             "held_out_mean": statistics.mean(losses), "held_out_std": statistics.stdev(losses) if len(losses) > 1 else 0.0,
             "held_out": losses, "samples_per_s_median": statistics.median(speed), "samples_per_s": speed,
-            "stashed_versions": [r["run"].get("stashed_versions") for r in rs],
+            "stashed_copies_stage0": [r["run"].get("stashed_copies") for r in rs],
         }
     print(f"\n{'schedule':12s} {'held-out loss (mean ± sd)':>26s} {'samples/s':>10s}")
     for schedule, s in summary.items():

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from autosplit.runtime.prediction import update_direction
 from autosplit.solver.asynchronous import simulate
+from autosplit.solver.problem import weight_copies
 
 ROOT = Path(__file__).resolve().parents[1]
 MICRO, LR = 2, 0.05
@@ -46,11 +47,12 @@ def _worker(rank, init, schedule, n, out):
                                     schedule=schedule, micro_batches=MICRO, time_limit=2, pin={"0": 0, "6": 1})
         opt = torch.optim.Adam(pipe.parameters(), lr=LR)
         losses = pipe.train(batches, optimizer=opt)
-        names = [None, None]
+        names, runs = [None, None], [None, None]
         dist.all_gather_object(names, [name for name, _ in pipe.named_parameters()])
+        dist.all_gather_object(runs, pipe.last_run)
         state = pipe.full_state_dict()
         if rank == 1:
-            torch.save({"state": state, "losses": losses, "stage0": names[0], "run": pipe.last_run, "plan": pipe.plan.schedule}, out)
+            torch.save({"state": state, "losses": losses, "stage0": names[0], "runs": runs, "plan": pipe.plan.schedule}, out)
     finally:
         dist.destroy_process_group()
 
@@ -116,8 +118,12 @@ def test_asynchronous_schedules_follow_their_rules(tmp_path, schedule):
     for k, v in state.items():
         torch.testing.assert_close(got["state"][k], v, msg=k)
     torch.testing.assert_close(torch.stack(got["losses"]), torch.tensor(losses, dtype=torch.float64))
-    # Stage 1 (this rank) is the last: its forwards always see the weights their gradient updates.
-    assert got["run"]["version_differences"] == [0] * (4 * MICRO)
+    # The last stage's forwards always see the weights their gradient updates; stage 0 runs ahead.
+    first, last = got["runs"]
+    assert last["version_differences"] == [0] * (4 * MICRO) and any(first["version_differences"])
+    # PipeDream stashes as many copies as the memory model charges; the others none.
+    expected = weight_copies("pipedream", 0, 2, MICRO) if schedule == "pipedream" else 0
+    assert (first["stashed_copies"], last["stashed_copies"]) == (expected, 0) and weight_copies("pipedream", 0, 2, MICRO) == 1
 
 
 def test_the_schedules_differ_and_one_mini_batch_is_plain_training(tmp_path):

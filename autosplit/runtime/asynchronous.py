@@ -71,10 +71,13 @@ class _Stash:
         self.params = params
         self.versions: dict[int, dict[str, torch.Tensor]] = {}
         self.users: dict[int, int] = {}
+        self.peak = 0
+        """The most copies held at once."""
 
     def take(self, version: int) -> dict[str, torch.Tensor]:
         if version not in self.versions:
             self.versions[version] = {n: p.detach().clone().requires_grad_(p.requires_grad) for n, p in self.params.items()}
+            self.peak = max(self.peak, len(self.versions))
         self.users[version] = self.users.get(version, 0) + 1
         return self.versions[version]
 
@@ -90,10 +93,6 @@ class _Stash:
         if self.users[version] == 0:
             del self.versions[version], self.users[version]
 
-    @property
-    def most(self) -> int:
-        return max(len(self.versions), 1)
-
 
 def run_asynchronous(
     *, schedule: str, chain: Chain, stage: int, stages: int, module: torch.nn.Module, device: torch.device,
@@ -102,7 +101,8 @@ def run_asynchronous(
 ) -> tuple[list[torch.Tensor | None], dict[str, Any]]:
     """Train on ``batches`` (each: the model's flat inputs and the target) with ``schedule``;
     returns each mini-batch's mean loss on the last stage (``None`` elsewhere) and what the run
-    kept (the most stashed versions, the version differences of this stage's forwards)."""
+    kept (the most weight copies PipeDream stashed at once, the version differences of this
+    stage's forwards)."""
     M, B = micro_batches, len(batches)
     sim: Simulation = simulate(stages=stages, micro_batches=M, mini_batches=B, forward=[1.0] * stages, backward=[2.0] * stages)
     previous, following = peers
@@ -180,7 +180,7 @@ def run_asynchronous(
         sends = [(w, t) for w, t in sends if not w.is_completed()]
     for w, _ in sends:
         w.wait()
-    report = {"stashed_versions": stash.most, "version_differences": sim.differences(stage)}
+    report = {"stashed_copies": stash.peak, "version_differences": sim.differences(stage)}
     return [torch.stack(ls).mean() if last else None for ls in losses], report
 
 
