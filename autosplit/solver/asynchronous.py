@@ -27,7 +27,7 @@ Usage::
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from autosplit.errors import ConstraintError, SolverError, advice
 
@@ -70,25 +70,30 @@ class Simulation:
     order: tuple[tuple[Work, ...], ...]
     start: dict[tuple[int, Work], float]
     end: dict[tuple[int, Work], float]
+    _differences: dict[int, list[int]] = field(default_factory=dict, compare=False, repr=False)
 
     def version_difference(self, stage: int, mini: int, micro: int) -> int:
         """Updates of ``stage``'s weights between its forward of (``mini``, ``micro``) and the
         update that applies this mini-batch's gradient: ``b − u``."""
-        seen = 0
-        for work in self.order[stage]:
-            if work == Work("forward", mini, micro):
-                return mini - seen
-            seen += work.kind == "update"
-        raise ConstraintError(advice(
-            f"stage {stage} runs no forward of mini-batch {mini}, micro-batch {micro}",
-            f"the simulation has {self.stages} stages, {self.mini_batches} mini-batches of {self.micro_batches} micro-batches",
-            "ask for a stage, mini-batch and micro-batch inside those counts",
-        ))
+        if not (0 <= stage < self.stages and 0 <= mini < self.mini_batches and 0 <= micro < self.micro_batches):
+            raise ConstraintError(advice(
+                f"stage {stage} runs no forward of mini-batch {mini}, micro-batch {micro}",
+                f"the simulation has {self.stages} stages, {self.mini_batches} mini-batches of {self.micro_batches} micro-batches",
+                "ask for a stage, mini-batch and micro-batch inside those counts",
+            ))
+        return self.differences(stage)[mini * self.micro_batches + micro]
 
     def differences(self, stage: int) -> list[int]:
-        """The version difference of each of ``stage``'s forwards, in micro-batch order."""
-        return [self.version_difference(stage, j // self.micro_batches, j % self.micro_batches)
-                for j in range(self.micro_batches * self.mini_batches)]
+        """The version difference of each of ``stage``'s forwards, in micro-batch order (one pass over its order)."""
+        if stage not in self._differences:
+            out = [0] * (self.micro_batches * self.mini_batches)
+            seen = 0
+            for work in self.order[stage]:
+                if work.kind == "forward":
+                    out[work.mini * self.micro_batches + work.micro] = work.mini - seen
+                seen += work.kind == "update"
+            self._differences[stage] = out
+        return self._differences[stage]
 
     @property
     def makespan(self) -> float:
