@@ -4,8 +4,9 @@ tasks in the planned order, as soon as their inputs are there, at the same time 
 One worker thread per device (CPU devices; one intra-op thread for the whole process while
 a step runs, so each worker is one core's worth of work and the kernels, which release the
 GIL, overlap). A device's work is cut into *segments*: runs of its consecutive forward tasks
-in the planned order, broken where a node reads a value computed from the segment on another
-device (a path that leaves the segment and comes back), so that segments form a DAG. Each
+in the planned order, broken where a node reads, from outside the segment, a value planned
+after the segment began; so every segment depends only on segments begun before it, no path
+leaves a segment and comes back, and the segments form a DAG. Each
 segment runs on its own autograd graph: inputs from outside it are cut
 (``detach().requires_grad_()``), so its backward runs on its own device's thread, once every
 consumer outside it has returned the gradient of its outputs — the hand-driven equivalent of
