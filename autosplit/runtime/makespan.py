@@ -157,6 +157,7 @@ class DeviceOptimizers:
         errors: list[BaseException] = []
 
         def run(opt: torch.optim.Optimizer) -> None:
+            torch.set_num_threads(1)  # per thread, as the workers (see _Step.work)
             try:
                 opt.step()
             except BaseException as e:  # noqa: BLE001 — raised typed on the calling thread below
@@ -311,6 +312,11 @@ class _Step:
         return fx.node.map_arg(arg, lambda n: self.env[n])
 
     def work(self, tasks: list[tuple[Segment, str]], writes: dict[str, frozenset[str]]) -> None:
+        # OpenMP's thread count is per calling thread: a new thread starts with the machine's
+        # default, and the oneDNN kernels it runs spread over every core (two Python threads
+        # running small convolutions with F.conv2d each took 2× as long as one alone, and as
+        # long as one alone once each thread set it).
+        torch.set_num_threads(1)
         try:
             for segment, kind in tasks:
                 if kind == "forward":
