@@ -89,10 +89,11 @@ def test_weight_copies_and_in_flight_of_the_asynchronous_schedules():
     from autosplit.solver.problem import in_flight, weight_copies
 
     S = 4
+    assert weight_copies("pipedream", S, 1) == (3, 2, 1, 0), "PipeDream stashes one version per mini-batch in flight"
+    assert weight_copies("pipedream", S, 2) == (2, 1, 1, 0)
+    assert weight_copies("async", S, 2) == (0,) * S
+    assert weight_copies("xpipe", S, 2) == (1, 1, 1, 0), "XPipe keeps the weights aside where it predicts"
     for s in range(S):
-        assert weight_copies("pipedream", s, S, 1) == S - s - 1, "PipeDream stashes one version per mini-batch in flight"
-        assert weight_copies("async", s, S, 2) == 0
-        assert weight_copies("xpipe", s, S, 2) == (s < S - 1), "XPipe keeps the weights aside where it predicts"
         assert in_flight("pipedream", s, S, 2) == S - s, "no flush: the next mini-batch's micro-batches are in flight too"
         assert in_flight("1f1b", s, S, 2) == min(2, S - s)
 

@@ -67,17 +67,17 @@ def in_flight(schedule: str, stage: int, stages: int, micro_batches: int) -> int
     ))
 
 
-def weight_copies(schedule: str, stage: int, stages: int, micro_batches: int) -> int:
-    """Copies of its weights stage ``stage`` keeps beside them: PipeDream's stashed versions
-    still in flight, XPipe's weights kept aside while a forward runs on predicted ones (both
-    read off the simulated schedule); none otherwise."""
+def weight_copies(schedule: str, stages: int, micro_batches: int) -> tuple[int, ...]:
+    """Copies of its weights each stage keeps beside them: PipeDream's stashed versions still in
+    flight, XPipe's weights kept aside while a forward runs on predicted ones (both read off one
+    simulation of the schedule, long enough to reach its steady state); none otherwise."""
     if schedule not in ("pipedream", "xpipe"):
-        return 0
-    sim = simulate(stages=stages, micro_batches=micro_batches, mini_batches=stages + 2,
+        return (0,) * stages
+    sim = simulate(stages=stages, micro_batches=micro_batches, mini_batches=math.ceil(stages / micro_batches) + 2,
                    forward=[1.0] * stages, backward=[2.0] * stages)
     if schedule == "pipedream":
-        return stashed_versions(sim, stage) - 1
-    return int(any(sim.differences(stage)))
+        return tuple(stashed_versions(sim, s) - 1 for s in range(stages))
+    return tuple(int(any(sim.differences(s))) for s in range(stages))
 
 
 @dataclass(frozen=True)
@@ -333,7 +333,7 @@ def build_problem(
         return np.ceil(np.asarray(values, dtype=np.float64)[:, None] * in_flight_share[None, :] / M / KIB).astype(np.int64)
 
     act, recv = per_stage(table.saved_bytes), per_stage(table.output_bytes)
-    copies = np.asarray([weight_copies(schedule, s, S, M) for s in range(S)], dtype=np.int64)
+    copies = np.asarray(weight_copies(schedule, S, M), dtype=np.int64)
     if copies.any() and table.param_bytes:  # weight copies a schedule keeps: held with the activations
         act += np.ceil(np.asarray(table.param_bytes, dtype=np.float64) / KIB).astype(np.int64)[:, None] * copies[None, :]
     send = per_stage(table.sent_bytes) if table.sent_bytes else None
