@@ -42,9 +42,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import autosplit  # noqa: E402
-from autosplit.devices import resolve_devices  # noqa: E402
 from autosplit.passes.profile import ProfileOptions  # noqa: E402
-from benchmarks.pipeline_runtime import _worker, workload  # noqa: E402
+from benchmarks.pipeline_runtime import _worker, measured_cpu, workload  # noqa: E402
 from benchmarks.plan_time import machine  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "makespan.json"
@@ -158,10 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     start = time.time()
-    runtime = autosplit.measure_runtime(cache=False)
-    spec = runtime.apply(resolve_devices(["cpu"])[0])
-    print(f"link {runtime.link.bandwidth / 1e9:.2f} GB/s, {runtime.link.latency * 1e6:.0f} µs; "
-          f"runtime overhead {runtime.microbatch_overhead * 1e3:.2f} ms per micro-batch and stage")
+    runtime, spec = measured_cpu()
     records = []
     for name in args.models.split(","):
         records.append(run_model(name, args, spec))

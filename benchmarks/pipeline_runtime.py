@@ -51,7 +51,7 @@ sys.path.insert(0, str(ROOT))
 import autosplit  # noqa: E402
 from autosplit.devices import resolve_devices  # noqa: E402
 from autosplit.manual import deepspeed_fqns, plan_from_fqns, torchtitan_fqns  # noqa: E402
-from autosplit.measure import pinned  # noqa: E402
+from autosplit.measure import RuntimeMeasurement, pinned  # noqa: E402
 from autosplit.passes.profile import ProfileOptions  # noqa: E402
 from benchmarks.models import GPT, make  # noqa: E402
 from benchmarks.plan_time import machine  # noqa: E402
@@ -145,6 +145,14 @@ def _worker(rank: int, init: str, name: str, plans: list[tuple[str, str]], steps
         dist.destroy_process_group()
 
 
+def measured_cpu() -> tuple[RuntimeMeasurement, autosplit.DeviceSpec]:
+    """This machine's link and pipeline runtime overhead, measured now, and the ``cpu`` preset with them."""
+    runtime = autosplit.measure_runtime(cache=False)
+    print(f"link {runtime.link.bandwidth / 1e9:.2f} GB/s, {runtime.link.latency * 1e6:.0f} µs; "
+          f"runtime overhead {runtime.microbatch_overhead * 1e3:.2f} ms per micro-batch and stage")
+    return runtime, runtime.apply(resolve_devices(["cpu"])[0])
+
+
 def ideal_step(schedule: str, M: int, stage_compute: list[float], stage_opt: list[float]) -> float:
     """The schedule's step from measured stage times alone (no transfers, no runtime overhead):
     GPipe and 1F1B both take Σ_s τ_s + (M − 1)·max_s τ_s per step, τ_s = stage compute / M."""
@@ -220,10 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     args.schedules = args.schedules.split(",")
 
     start = time.time()
-    runtime = autosplit.measure_runtime(cache=False)
-    spec = runtime.apply(resolve_devices(["cpu"])[0])
-    print(f"link {runtime.link.bandwidth / 1e9:.2f} GB/s, {runtime.link.latency * 1e6:.0f} µs; "
-          f"runtime overhead {runtime.microbatch_overhead * 1e3:.2f} ms per micro-batch and stage")
+    runtime, spec = measured_cpu()
     records = []
     for name in args.models.split(","):
         records.append(run_model(name, args, spec))

@@ -34,11 +34,11 @@ Usage::
 
 from __future__ import annotations
 
-import heapq
 import threading
 from collections.abc import Callable
 from typing import Any
 
+import networkx as nx
 import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
@@ -261,23 +261,14 @@ def _segments(gm: fx.GraphModule, plan: Plan) -> dict[int, list[tuple[Segment, s
 
 
 def _topological(prerequisites: list[set[int]], priority: list[int]) -> list[int]:
-    """Kahn's algorithm, the lowest ``priority`` first among the ready."""
-    waiting = [len(p) for p in prerequisites]
-    unlocks: list[list[int]] = [[] for _ in prerequisites]
-    for i, pre in enumerate(prerequisites):
-        for j in pre:
-            unlocks[j].append(i)
-    ready = [(priority[i], i) for i, w in enumerate(waiting) if w == 0]
-    heapq.heapify(ready)
-    out = []
-    while ready:
-        _, i = heapq.heappop(ready)
-        out.append(i)
-        for j in unlocks[i]:
-            waiting[j] -= 1
-            if waiting[j] == 0:
-                heapq.heappush(ready, (priority[j], j))
-    return out
+    """A topological order, the lowest ``priority`` first among the ready (fewer than all when there is a cycle)."""
+    graph = nx.DiGraph()
+    graph.add_nodes_from(range(len(prerequisites)))
+    graph.add_edges_from((j, i) for i, pre in enumerate(prerequisites) for j in pre)
+    try:
+        return list(nx.lexicographical_topological_sort(graph, key=priority.__getitem__))
+    except nx.NetworkXUnfeasible:
+        return []
 
 
 class _Step:
