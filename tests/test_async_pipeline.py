@@ -163,6 +163,9 @@ def _refusals(rank, init):
             xpipe = autosplit.distribute(copy.deepcopy(model), ["cpu"] * 2, example_inputs=(batches[0][0],),
                                          loss_fn=F.mse_loss, schedule="xpipe", micro_batches=MICRO, time_limit=2)
             xpipe.train(batches, optimizer=torch.optim.SGD(xpipe.parameters(), lr=0.1))
+        with pytest.raises(DistributedError, match="one replica so far"):
+            autosplit.distribute(copy.deepcopy(model), ["cpu"], example_inputs=(batches[0][0],), loss_fn=F.mse_loss,
+                                 schedule="async", micro_batches=MICRO, data_parallel=2, time_limit=2)
         sync = autosplit.distribute(copy.deepcopy(model), ["cpu"] * 2, example_inputs=(batches[0][0],), loss_fn=F.mse_loss,
                                     micro_batches=MICRO, time_limit=2)
         with pytest.raises(DistributedError, match=r"train\(\) runs asynchronous schedules"):
