@@ -103,6 +103,7 @@ def test_an_asynchronous_plan_records_its_schedule_memory_and_steady_state(tmp_p
 
     import autosplit
     from autosplit.examples import GPT
+    from autosplit.htmlreport import write_html
     from autosplit.plan import Plan
     from autosplit.timeline import timeline
 
@@ -119,6 +120,8 @@ def test_an_asynchronous_plan_records_its_schedule_memory_and_steady_state(tmp_p
     assert plain.step_time < flushed.step_time, "no flush, no bubble"
     stash.save(tmp_path / "plan.json")
     assert Plan.load(tmp_path / "plan.json").schedule == "pipedream"
+    write_html(tmp_path / "plan.html", stash)
+    assert "pipedream order" in (tmp_path / "plan.html").read_text() and "without a flush" in (tmp_path / "plan.html").read_text()
     tasks = timeline(plain)
     first_of_next = min(t.start for t in tasks if t.kind == "forward" and t.micro >= 4)
     last_of_this = max(t.end for t in tasks if t.kind == "backward" and t.micro < 4)
