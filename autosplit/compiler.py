@@ -392,7 +392,9 @@ def _measured(
         )
     micro = list(split_batch(traced.inputs, None, micro_batches)[0][0])
     profiles = {
-        dev: profile(traced.captured, micro, dev, fingerprint=traced.fingerprint, options=profiling) for dev in present
+        dev: profile(traced.captured, micro, dev, fingerprint=traced.fingerprint, options=profiling,
+                     micro_batches=micro_batches, forwards_first=options.schedule == "gpipe", optimizer=options.optimizer)
+        for dev in present
     }
     table = estimate(
         traced.captured.gm, specs, optimizer=options.optimizer, micro_batches=micro_batches,

@@ -12,9 +12,11 @@ the GPipe and 1F1B schedules, measured in one run:
     ``partition_method="parameters"`` and ``"uniform"``.
 
 A step is forward + backward of every micro-batch and an Adam step; the figure is the median of
-``--steps`` steps after ``--warmup`` (min and max beside it), the slower rank's time per step.
-The plans of a model are timed round-robin (step i of every plan, then step i + 1), so they are
-compared side by side on this noisy machine.
+``--steps`` steps (min and max beside it), the slower rank's time per step. The plans of a model
+are timed side by side on this noisy machine, in interleaved blocks: ``--block`` consecutive
+steps of each plan after one untimed step, then the next plan's, after ``--warmup`` untimed
+rounds. (Interleaving single steps measured every plan on caches the other plans had filled:
+up to 20% slower than the same plan run on its own.)
 Each plan's predicted step (measured per-node costs profiled on one pinned core, the link and the
 runtime's per-micro-batch overhead measured first by ``autosplit.measure_runtime``) stands beside
 its measured one. Pipeline efficiency is the schedule's ideal step from the stages' measured
@@ -32,6 +34,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import math
 import os
 import statistics
 import sys
@@ -110,7 +113,9 @@ def _timed_stage(pipe) -> dict[str, float]:
     return totals
 
 
-def _worker(rank: int, init: str, name: str, plans: list[tuple[str, str]], steps: int, warmup: int, out: str) -> None:
+def _worker(
+    rank: int, init: str, name: str, plans: list[tuple[str, str]], steps: int, warmup: int, block: int, out: str
+) -> None:
     torch.set_num_threads(1)
     os.sched_setaffinity(0, {rank})
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=2, timeout=timedelta(minutes=5))
@@ -121,21 +126,25 @@ def _worker(rank: int, init: str, name: str, plans: list[tuple[str, str]], steps
             pipe = autosplit.distribute(copy.deepcopy(model), None, example_inputs=inputs, loss_fn=loss_fn, plan=path)
             opt = torch.optim.Adam(pipe.parameters(), lr=1e-4)
             runs.append((pipe, opt, _timed_stage(pipe), {"label": label, "times": [], "compute": []}))
-        # Round-robin: step i of every plan, then step i + 1, so the plans are compared side by
-        # side and a slow minute of this machine falls on all of them alike.
-        for i in range(warmup + steps):
+        # Interleaved blocks: `block` consecutive steps of each plan (the first one untimed: it
+        # brings the plan's weights back into cache), then the next plan's, round after round. The
+        # plans are compared side by side, so a slow minute of this machine falls on all of them
+        # alike, while each timed step follows a step of its own plan, as in training.
+        rounds = warmup + math.ceil(steps / block)
+        for r in range(rounds):
             for pipe, opt, totals, row in runs:
-                dist.barrier()
-                totals["compute"] = 0.0
-                t0 = time.perf_counter()
-                pipe.step(*inputs, target=target)
-                t1 = time.perf_counter()
-                opt.step()
-                opt.zero_grad()
-                t2 = time.perf_counter()
-                if i >= warmup:
-                    row["times"].append(t2 - t0)
-                    row["compute"].append((totals["compute"], t2 - t1))
+                for i in range(block + 1):
+                    dist.barrier()
+                    totals["compute"] = 0.0
+                    t0 = time.perf_counter()
+                    pipe.step(*inputs, target=target)
+                    t1 = time.perf_counter()
+                    opt.step()
+                    opt.zero_grad()
+                    t2 = time.perf_counter()
+                    if r >= warmup and i > 0:
+                        row["times"].append(t2 - t0)
+                        row["compute"].append((totals["compute"], t2 - t1))
         rows = [row for *_, row in runs]
         gathered = [None, None]
         dist.all_gather_object(gathered, rows)
@@ -164,7 +173,7 @@ def run_model(name: str, args, spec) -> dict:
     model, inputs, _, _ = workload(name)
     record: dict = {"model": name, "unsplit": {}, "configs": []}
     for threads in (1, 2):
-        t = unsplit_step(name, threads, args.steps, args.warmup)
+        t = unsplit_step(name, threads, args.steps, warmup=3)
         record["unsplit"][f"{threads} thread{'s' * (threads > 1)}"] = {
             "median": statistics.median(t), "min": min(t), "max": max(t)
         }
@@ -192,7 +201,7 @@ def run_model(name: str, args, spec) -> dict:
                     plans.append((key, path))
                     meta[key] = (label, M, schedule, plan)
         out = os.path.join(tmp, "rows.pt")
-        mp.spawn(_worker, args=(os.path.join(tmp, "init"), name, plans, args.steps, args.warmup, out), nprocs=2, join=True)
+        mp.spawn(_worker, args=(os.path.join(tmp, "init"), name, plans, args.steps, args.warmup, args.block, out), nprocs=2, join=True)
         ranks = torch.load(out, weights_only=False)
     for i, (key, _) in enumerate(plans):
         label, M, schedule, plan = meta[key]
@@ -221,7 +230,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--micro", default="4,8")
     parser.add_argument("--schedules", default="gpipe,1f1b")
     parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=1, help="untimed rounds first (pipelined plans)")
+    parser.add_argument("--block", type=int, default=5, help="consecutive timed steps of one plan")
     parser.add_argument("--out", default=str(RESULTS))
     args = parser.parse_args(argv)
     args.micro = [int(m) for m in args.micro.split(",")]

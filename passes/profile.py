@@ -30,13 +30,15 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import hashlib
 import json
 import logging
 import operator
 import os
+import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -55,7 +57,7 @@ __all__ = ["ProfileOptions", "NodeProfile", "Profile", "profile"]
 log = logging.getLogger(__name__)
 
 _FREE_TARGETS = {operator.getitem}
-_SCHEMA = 3  # bump when what a profile measures changes: older cache files are then ignored
+_SCHEMA = 4  # bump when what a profile measures changes: older cache files are then ignored
 
 
 @dataclass(frozen=True)
@@ -102,17 +104,19 @@ class Profile:
     wall_time: float
     """Seconds the profiling took (0 for a profile read from the cache)."""
     cached: bool = False
+    optimizer_step: float = 0.0
+    """Seconds of one step of the plan's optimizer over all the graph's parameters (0: none)."""
 
     def to_json(self) -> dict:
         return {
             "schema": _SCHEMA, "device": self.device, "key": self.key, "wall_time": self.wall_time,
-            "nodes": {name: dataclasses.astuple(p) for name, p in self.nodes.items()},
+            "optimizer_step": self.optimizer_step, "nodes": {name: dataclasses.astuple(p) for name, p in self.nodes.items()},
         }
 
     @classmethod
     def from_json(cls, data: dict) -> Profile:
         nodes = {name: NodeProfile(*row) for name, row in data["nodes"].items()}
-        return cls(data["device"], data["key"], nodes, data["wall_time"], cached=True)
+        return cls(data["device"], data["key"], nodes, data["wall_time"], cached=True, optimizer_step=data["optimizer_step"])
 
 
 def _cache_dir(options: ProfileOptions) -> Path:
@@ -172,6 +176,9 @@ class _Profiler(fx.Interpreter):
             outs = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
             return outs, grads + params
 
+        saved, peak = self._memory(n, args, kwargs, params)
+        if self.device.type == "cpu":  # timed inside whole passes instead (_in_context)
+            return NodeProfile(0.0, 0.0, saved, peak)
         fwd = timed(lambda inputs: self._call(n, *inputs[:2]), device=str(self.device), warmup=opts.warmup,
                     repeats=opts.repeats, setup=lambda: self._fresh(args, kwargs))
         outs, targets = forward()
@@ -191,7 +198,6 @@ class _Profiler(fx.Interpreter):
                         acc.add_(grads[i])
 
             bwd = timed(backward, device=str(self.device), warmup=opts.warmup, repeats=opts.repeats, setup=setup)
-        saved, peak = self._memory(n, args, kwargs, params)
         return NodeProfile(fwd, bwd, saved, peak)
 
     def _memory(self, n: fx.Node, args: tuple, kwargs: dict, params: Sequence[torch.Tensor]) -> tuple[int, int]:
@@ -222,6 +228,153 @@ class _Profiler(fx.Interpreter):
         return sum(saved.values()), max(int(peak) - counted, 0)
 
 
+class _InContext(fx.Interpreter):
+    """Times every compute node inside real training passes of the whole graph (CPU).
+
+    A node alone on fresh inputs runs on caches it has to itself and on freshly allocated
+    tensors; inside a pass it runs after its neighbours, between the other micro-batches'
+    tensors, and its backward is scheduled by the autograd engine. The two differ by more than
+    the cut decisions tolerate (on GNMT: an embedding's backward 40× too slow alone, the
+    attention 3× too fast), so on the CPU the times come from here.
+
+    Forward: a clock around each node's call. Backward: a post-hook on every autograd node the
+    node's forward created (found from its outputs, stopping at nodes already owned), charging
+    the time since the previous autograd node finished, so the engine's own work between nodes
+    (summing gradients of a value read twice) goes to the node it precedes.
+    """
+
+    def __init__(self, gm: fx.GraphModule):
+        super().__init__(gm)
+        self.fwd: dict[str, float] = {}
+        self.bwd: dict[str, float] = {}
+        self._owner: dict[Any, str] = {}  # autograd node → fx node that made it (kept alive: hooks stay registered once)
+        self._handles: list[Any] = []
+        self._last = 0.0
+
+    def run_node(self, n: fx.Node) -> Any:
+        if n.op not in ("call_function", "call_method", "call_module") or n.target in _FREE_TARGETS:
+            return super().run_node(n)
+        with self._set_current_node(n):
+            args, kwargs = self.fetch_args_kwargs_from_env(n)
+            t0 = time.perf_counter()
+            out = getattr(self, n.op)(n.target, args, kwargs)
+            self.fwd[n.name] = self.fwd.get(n.name, 0.0) + time.perf_counter() - t0
+        stack: list[Any] = [t.grad_fn for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+        while stack:
+            fn = stack.pop()
+            if fn is None or fn in self._owner:
+                continue
+            self._owner[fn] = n.name
+            self._handles.append(fn.register_hook(lambda _gi, _go, name=n.name: self._done(name)))
+            stack.extend(f for f, _ in fn.next_functions)
+        return out
+
+    def _done(self, name: str) -> None:
+        now = time.perf_counter()
+        self.bwd[name] = self.bwd.get(name, 0.0) + now - self._last
+        self._last = now
+
+    def backward(self, outs: list[torch.Tensor]) -> None:
+        self._last = time.perf_counter()
+        torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
+
+    def close(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._owner.clear()
+
+
+def _graph_outputs(out: Any) -> list[torch.Tensor]:
+    return [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
+
+
+def _in_context(
+    gm: fx.GraphModule, inputs: Sequence[Any], micro_batches: int, forwards_first: bool, rounds: int
+) -> dict[str, tuple[float, float]]:
+    """(forward, backward) seconds per micro-batch of every compute node, timed inside whole
+    passes of ``micro_batches`` micro-batches (all forwards first for GPipe, else one forward
+    and its backward at a time); the median over ``rounds`` after one untimed round.
+
+    The per-node clocks and hooks cost time of their own: each round's node times are scaled
+    so that they add up to the same pass without them, timed alongside.
+    """
+    params = list(gm.parameters())
+    grads = [p.grad for p in params]
+
+    def passes(forward: Callable[[], Any], backward: Callable[[list[torch.Tensor]], None]) -> tuple[float, float]:
+        for p in params:  # as after zero_grad(): the first micro-batch's gradients are stored, the others added
+            p.grad = None
+        t_fwd = t_bwd = 0.0
+        pending: list[list[torch.Tensor]] = []
+        for m in range(micro_batches):
+            t0 = time.perf_counter()
+            outs = _graph_outputs(forward())
+            t_fwd += time.perf_counter() - t0
+            pending.append(outs)
+            if not forwards_first or m == micro_batches - 1:
+                for outs in pending:
+                    t0 = time.perf_counter()
+                    if outs:
+                        backward(outs)
+                    t_bwd += time.perf_counter() - t0
+                pending = []
+        return t_fwd, t_bwd
+
+    def plain_backward(outs: list[torch.Tensor]) -> None:
+        torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
+
+    samples: dict[str, list[tuple[float, float]]] = {}
+    try:
+        for r in range(rounds + 1):
+            timer = _InContext(gm)
+            try:
+                passes(functools.partial(timer.run, *inputs), timer.backward)
+            finally:
+                timer.close()
+            plain_fwd, plain_bwd = passes(lambda: gm(*inputs), plain_backward)
+            if r == 0:
+                continue
+            f_scale = plain_fwd / max(sum(timer.fwd.values()), 1e-12)
+            b_scale = plain_bwd / max(sum(timer.bwd.values()), 1e-12)
+            for name in timer.fwd:
+                samples.setdefault(name, []).append(
+                    (timer.fwd[name] * f_scale / micro_batches, timer.bwd.get(name, 0.0) * b_scale / micro_batches)
+                )
+    finally:
+        for p, g in zip(params, grads):
+            p.grad = g
+    return {
+        name: (statistics.median(f for f, _ in rows), statistics.median(b for _, b in rows)) for name, rows in samples.items()
+    }
+
+
+_OPTIMIZERS: dict[str, Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]] = {
+    "adam": lambda ps: torch.optim.Adam(ps),
+    "adamw": lambda ps: torch.optim.AdamW(ps),
+    "sgd_momentum": lambda ps: torch.optim.SGD(ps, lr=0.01, momentum=0.9),
+    "sgd": lambda ps: torch.optim.SGD(ps, lr=0.01),
+}
+
+
+def _optimizer_step(gm: fx.GraphModule, optimizer: str, device: torch.device, options: ProfileOptions) -> float:
+    """Seconds of one ``optimizer`` step (torch's default implementation, as users train with)
+    over the graph's trainable parameters; the parameters and their gradients are put back."""
+    params = [p for p in gm.parameters() if p.requires_grad]
+    if optimizer not in _OPTIMIZERS or not params:
+        return 0.0
+    kept = [(p.detach().clone(), p.grad) for p in params]
+    try:
+        for p in params:
+            p.grad = torch.randn_like(p) * 1e-3
+        step = _OPTIMIZERS[optimizer](params).step
+        return timed(lambda: step(), device=str(device), warmup=max(options.warmup, 1), repeats=options.repeats)
+    finally:
+        with torch.no_grad():
+            for p, (value, grad) in zip(params, kept):
+                p.copy_(value)
+                p.grad = grad
+
+
 def _key(captured: Captured, inputs: Sequence[Any], device: torch.device, fingerprint: str, options: ProfileOptions) -> dict:
     tensors = [t for t in pytree.tree_leaves(list(inputs)) if isinstance(t, torch.Tensor)]
     dtypes = sorted({str(p.dtype) for p in captured.gm.parameters()} | {str(t.dtype) for t in tensors})
@@ -240,15 +393,22 @@ def _key(captured: Captured, inputs: Sequence[Any], device: torch.device, finger
 
 def profile(
     captured: Captured, inputs: Sequence[Any], device: str, *, fingerprint: str,
-    options: ProfileOptions = ProfileOptions(),
+    options: ProfileOptions = ProfileOptions(), micro_batches: int = 1, forwards_first: bool = False,
+    optimizer: str = "adam",
 ) -> Profile:
     """Measure every compute node of ``captured`` on ``device`` for the given (micro-batch) inputs.
 
     ``inputs`` are the flat graph inputs (``capture.flat_inputs``). The model's state is
-    copied to ``device`` when it lives elsewhere; it is never moved.
+    copied to ``device`` when it lives elsewhere; it is never moved. On the CPU, times are
+    taken inside passes of ``micro_batches`` micro-batches, all forwards first when
+    ``forwards_first`` (GPipe's order), as the stages will run them (:class:`_InContext`);
+    one step of ``optimizer`` over all parameters is timed too (:attr:`Profile.optimizer_step`).
     """
     dev = torch.device(device)
     key = _key(captured, inputs, dev, fingerprint, options)
+    key["optimizer"] = optimizer
+    if dev.type == "cpu":
+        key.update(micro_batches=micro_batches, forwards_first=forwards_first)
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
     path = _cache_dir(options) / f"{digest}.json"
     if options.use_cache and path.exists():
@@ -270,10 +430,16 @@ def profile(
     with pinned(options.threads, options.cores), torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
         profiler = _Profiler(gm, dev, options)
         profiler.run(*inputs)
+        if dev.type == "cpu":
+            times = _in_context(gm, inputs, micro_batches, forwards_first, rounds=options.repeats)
+            profiler.results = {
+                name: dataclasses.replace(p, fwd=times[name][0], bwd=times[name][1]) for name, p in profiler.results.items()
+            }
+        optimizer_step = _optimizer_step(gm, optimizer, dev, options)
     with torch.no_grad():  # profiling ran BatchNorm & co. many times: put their statistics back
         for name, b in gm.named_buffers():
             b.copy_(buffers[name])
-    result = Profile(device, key, profiler.results, time.perf_counter() - start)
+    result = Profile(device, key, profiler.results, time.perf_counter() - start, optimizer_step=optimizer_step)
     log.info("profiled %d nodes on %s in %.2fs", len(result.nodes), device, result.wall_time)
     if options.use_cache:
         path.parent.mkdir(parents=True, exist_ok=True)
