@@ -275,8 +275,9 @@ class _InContext(fx.Interpreter):
         self._last = now
 
     def backward(self, outs: list[torch.Tensor]) -> None:
+        seeds = [torch.ones_like(o) for o in outs]
         self._last = time.perf_counter()
-        torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
+        torch.autograd.backward(outs, seeds)
 
     def close(self) -> None:
         for h in self._handles:

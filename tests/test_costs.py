@@ -12,10 +12,11 @@ import autosplit
 from autosplit.calibrate import fit
 from autosplit.devices import resolve_devices
 from autosplit.errors import CostModelError
-from autosplit.measure import MemoryTracker, measure_link, measure_stages
+from autosplit.measure import MemoryTracker, measure_link, measure_stages, pinned, timed
 from autosplit.passes import profile as profile_module
 from autosplit.passes.capture import capture, flat_inputs
-from autosplit.passes.costs import CostTable, roofline
+from autosplit.passes.annotate import annotate
+from autosplit.passes.costs import CostTable, estimate, roofline
 from conftest import assert_trains_like
 
 FAST = dict(warmup=1, repeats=2)
@@ -73,6 +74,63 @@ def test_profile_measures_real_work_and_leaves_the_model_as_it_was(tmp_path):
     assert big.fwd + big.bwd > small.fwd + small.bwd  # 64× the FLOPs
     # ReLU keeps its output for backward: one 512 × 256 float32 tensor.
     assert prof.nodes["relu"].saved_bytes == 512 * 256 * 4
+
+
+class Lookup(nn.Module):
+    """An embedding (its backward zero-fills a whole table's gradient) before a wide and a narrow layer."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(4000, 64)
+        self.wide = nn.Linear(64, 1024)
+        self.narrow = nn.Linear(1024, 4)
+
+    def forward(self, tokens):
+        return self.narrow(torch.relu(self.wide(self.emb(tokens))))
+
+
+def test_cpu_profile_times_nodes_inside_whole_passes(tmp_path):
+    """Per-node times come from passes of all micro-batches: they add up to the pass as timed
+    on its own, each backward lands on the node whose forward made it, and gradients are untouched."""
+    model, tokens = Lookup(), torch.randint(0, 4000, (64, 16))
+    captured = capture(model, (tokens,))
+    micro = flat_inputs(captured, model, (tokens[:16],), {})
+    options = autosplit.ProfileOptions(use_cache=False, warmup=1, repeats=3, threads=1)
+    prof = profile_module.profile(captured, micro, "cpu", fingerprint="test", options=options, micro_batches=4,
+                                  forwards_first=True)
+    assert all(p.grad is None for p in model.parameters())
+    nodes = prof.nodes
+    assert nodes["wide"].bwd > nodes["narrow"].bwd  # 16× the FLOPs
+    assert nodes["emb"].bwd > 0  # the table's gradient is made in the embedding's backward, not in its neighbour's
+
+    def four_micro_batches():
+        outs = [model(chunk) for chunk in tokens.chunk(4)]
+        for out in outs:
+            out.backward(torch.ones_like(out))
+
+    with pinned(1, None):
+        whole = timed(four_micro_batches, warmup=2, repeats=5)
+    per_node = 4 * sum(n.fwd + n.bwd for n in nodes.values())
+    assert 0.5 * whole < per_node < 2 * whole, (per_node, whole)
+
+
+def test_the_optimizer_step_is_measured_and_spread_over_the_nodes_by_their_parameters(tmp_path):
+    model, tokens = Lookup(), torch.randint(0, 4000, (16, 16))
+    captured = capture(model, (tokens,))
+    inputs = flat_inputs(captured, model, (tokens,), {})
+    options = autosplit.ProfileOptions(use_cache=False, warmup=1, repeats=3)
+    before = copy.deepcopy(model.state_dict())
+    adam = profile_module.profile(captured, inputs, "cpu", fingerprint="test", options=options, optimizer="adam")
+    sgd = profile_module.profile(captured, inputs, "cpu", fingerprint="test", options=options, optimizer="sgd")
+    none = profile_module.profile(captured, inputs, "cpu", fingerprint="test", options=options, optimizer="none")
+    for name, value in model.state_dict().items():
+        torch.testing.assert_close(value, before[name], msg=f"timing the optimizer changed {name}")
+    assert adam.optimizer_step > 0 and sgd.optimizer_step > 0 and none.optimizer_step == 0
+    annotate(captured, inputs)
+    table = estimate(captured.gm, resolve_devices(["cpu"]), optimizer="adam", profiles=[adam])
+    per_node = {name: row[0] for name, row in zip(table.nodes, table.optimizer_time)}
+    assert sum(per_node.values()) == pytest.approx(adam.optimizer_step)
+    assert per_node["emb"] > per_node["narrow"]  # 256 000 parameters against 4 100
 
 
 def test_split_planned_on_measured_costs_trains_like_the_model(tmp_path):
