@@ -7,6 +7,7 @@ import copy
 import pytest
 import torch
 import torch.nn as nn
+from conftest import assert_trains_like
 
 import autosplit
 from autosplit.calibrate import fit
@@ -14,10 +15,9 @@ from autosplit.devices import resolve_devices
 from autosplit.errors import CostModelError
 from autosplit.measure import MemoryTracker, measure_link, measure_stages, pinned, timed
 from autosplit.passes import profile as profile_module
-from autosplit.passes.capture import capture, flat_inputs
 from autosplit.passes.annotate import annotate
+from autosplit.passes.capture import capture, flat_inputs
 from autosplit.passes.costs import CostTable, estimate, roofline
-from conftest import assert_trains_like
 
 FAST = dict(warmup=1, repeats=2)
 
@@ -225,7 +225,7 @@ def test_calibrate_returns_a_spec_that_plans_without_profiling(tmp_path):
 def test_memory_tracker_counts_storages_once_and_sees_them_freed():
     with MemoryTracker() as mem:
         a = torch.zeros(1024, 256)  # 1 MiB
-        view = a[:10]  # noqa: F841  (a view: no new storage)
+        view = a[:10]
         b = a + 1
         del b
     assert mem.peak == 2 * 2**20
