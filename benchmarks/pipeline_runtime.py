@@ -215,6 +215,8 @@ def run_model(name: str, args, spec) -> dict:
             "predicted": plan.step_time,
             "predicted_terms": None if plan.terms is None else vars(plan.terms),
             "error": (plan.step_time - measured) / measured,
+            "stage_compute": {"measured": compute, "measured_optimizer": opt,
+                              "predicted": [s.forward + s.backward for s in plan.stages]},
             "ideal": ideal_step(schedule, M, compute, opt),
             "efficiency": ideal_step(schedule, M, compute, opt) / measured,
             "stage_params": [s.params for s in plan.stages],
