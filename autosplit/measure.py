@@ -364,7 +364,9 @@ class RuntimeMeasurement:
 
 def _tiny_pipeline(rank: int, port: int, backend: str, counts: Sequence[int], steps: int, cores: bool, out: str) -> None:
     import torch.distributed as dist
-    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+    from torch.distributed.pipelining import ScheduleGPipe
+
+    from autosplit.runtime.stage import EarlyReceivingStage as PipelineStage  # the stage distribute() runs
 
     torch.set_num_threads(1)
     if cores and hasattr(os, "sched_setaffinity") and len(os.sched_getaffinity(0)) > rank:

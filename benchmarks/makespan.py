@@ -94,8 +94,9 @@ def local_runs(name: str, plan: autosplit.Plan, steps: int, warmup: int) -> dict
     return times
 
 
-def pipeline_runs(name: str, plans: dict[str, autosplit.Plan], steps: int, warmup: int) -> dict[str, list[float]]:
-    """(d): each plan through ``distribute`` on 2 pinned processes, round-robin; the slower rank's time."""
+def pipeline_runs(name: str, plans: dict[str, autosplit.Plan], steps: int) -> dict[str, list[float]]:
+    """(d): each plan through ``distribute`` on 2 pinned processes, in interleaved blocks of 5 steps
+    after one untimed round (``pipeline_runtime._worker``); the slower rank's time."""
     with tempfile.TemporaryDirectory() as tmp:
         saved = []
         for i, (label, plan) in enumerate(plans.items()):
@@ -103,7 +104,7 @@ def pipeline_runs(name: str, plans: dict[str, autosplit.Plan], steps: int, warmu
             plan.save(path)
             saved.append((label, path))
         out = os.path.join(tmp, "rows.pt")
-        mp.spawn(_worker, args=(os.path.join(tmp, "init"), name, saved, steps, warmup, out), nprocs=2, join=True)
+        mp.spawn(_worker, args=(os.path.join(tmp, "init"), name, saved, steps, 1, 5, out), nprocs=2, join=True)
         ranks = torch.load(out, weights_only=False)
     return {label: [max(a, b) for a, b in zip(ranks[0][i]["times"], ranks[1][i]["times"])] for i, label in enumerate(plans)}
 
@@ -117,7 +118,7 @@ def run_model(name: str, args: argparse.Namespace, spec: autosplit.DeviceSpec) -
                                           time_limit=args.time_limit, costs=PROFILE)
         for M in (1, 4)
     }
-    measured = {**local_runs(name, makespan, args.steps, args.warmup), **pipeline_runs(name, pipelines, args.steps, args.warmup)}
+    measured = {**local_runs(name, makespan, args.steps, args.warmup), **pipeline_runs(name, pipelines, args.steps)}
     predicted = {"makespan": makespan, **pipelines}
     rows = []
     for label, times in measured.items():

@@ -96,18 +96,29 @@ def unsplit_step(name: str, threads: int, steps: int, warmup: int) -> list[float
 
 
 def _timed_stage(pipe) -> dict[str, float]:
-    """Wrap the pipeline stage's forward/backward chunks with clocks; returns the running totals."""
-    totals = {"compute": 0.0}
+    """Wrap the pipeline stage's forward/backward chunks with clocks, less the time a chunk waits
+    for its micro-batch's data to arrive; returns the running totals."""
+    totals = {"compute": 0.0, "wait": 0.0}
     stage = pipe._stage
+    wait = stage.wait_received
+
+    def timed_wait(*args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return wait(*args, **kwargs)
+        finally:
+            totals["wait"] += time.perf_counter() - t0
+
+    stage.wait_received = timed_wait
     for method in ("forward_one_chunk", "backward_one_chunk"):
         inner = getattr(stage, method)
 
         def timed(*args, _inner=inner, **kwargs):
-            t0 = time.perf_counter()
+            t0, waited = time.perf_counter(), totals["wait"]
             try:
                 return _inner(*args, **kwargs)
             finally:
-                totals["compute"] += time.perf_counter() - t0
+                totals["compute"] += time.perf_counter() - t0 - (totals["wait"] - waited)
 
         setattr(stage, method, timed)
     return totals

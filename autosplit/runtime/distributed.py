@@ -13,7 +13,8 @@ outer dimension (as in torchtitan), so rank ``r`` runs stage ``r // data_paralle
 2. Codegen's chain form (:func:`~autosplit.passes.codegen.generate_chain`) gives each stage
    a module that receives only from its predecessor and sends only to its successor, tensors
    only, contiguous, with static per-micro-batch metadata — so ``PipelineStage`` needs no
-   shape-inference round trip.
+   shape-inference round trip. Each stage posts all of a step's receives when the step begins
+   (:class:`~autosplit.runtime.stage.EarlyReceivingStage`).
 3. With ``data_parallel > 1`` each stage's module is wrapped in DDP (or FSDP2's
    ``fully_shard``) over the mesh's ``dp`` group; the pipelining schedule synchronises
    gradients once per step, on the last micro-batch's backward.
@@ -123,6 +124,8 @@ class DistributedModel:
     ) -> None:
         from torch.distributed import pipelining
 
+        from autosplit.runtime.stage import EarlyReceivingStage
+
         self.plan = plan
         self.chain = chain
         self.layout = layout
@@ -151,7 +154,7 @@ class DistributedModel:
                 from torch.distributed._composable.replicate_with_fsdp import replicate
 
                 replicate(self.module, mesh=dp_mesh)
-        self._stage = pipelining.PipelineStage(
+        self._stage = EarlyReceivingStage(
             self.module, layout.stage, layout.stages, device,
             input_args=chain.inputs_meta[layout.stage],  # static metadata: no dry-run forward (it would touch BatchNorm statistics)
             output_args=chain.outputs_meta[layout.stage],
