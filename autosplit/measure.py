@@ -24,6 +24,7 @@ Usage::
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import dataclasses
 import json
 import os
@@ -45,7 +46,7 @@ from autosplit.errors import CostModelError, advice
 
 __all__ = [
     "timed", "MemoryTracker", "pinned", "LinkMeasurement", "measure_link", "RuntimeMeasurement", "measure_runtime",
-    "StageMeasurement", "measure_stages",
+    "StageMeasurement", "measure_stages", "steady_allocator",
 ]
 
 
@@ -119,6 +120,25 @@ class MemoryTracker(TorchDispatchMode):
             if isinstance(t, torch.Tensor) and t.device.type != "meta":
                 self._add(t.untyped_storage())
         return out
+
+
+def steady_allocator(trim_threshold: int = 1 << 30, mmap_threshold: int = 32 << 20) -> bool:
+    """Keep freed memory in this process instead of handing it back to the kernel (glibc's
+    ``mallopt``; the same as starting with ``MALLOC_TRIM_THRESHOLD_`` and ``MALLOC_MMAP_THRESHOLD_``).
+
+    A CPU training step frees and reallocates the same large tensors every micro-batch. By
+    default glibc returns memory above 128 KiB to the kernel when it is freed and faults it in
+    again on the next use; on this project's 2-core VM a benchmark process that had planned
+    first ran its unsplit GNMT step 30% slower that way (``benchmarks/pipeline_runtime.py``
+    calls this for every process it times). Process-wide, so it is the caller's choice; returns
+    ``False`` where there is no glibc ``mallopt``.
+    """
+    try:
+        mallopt = ctypes.CDLL("libc.so.6").mallopt
+    except (OSError, AttributeError):
+        return False
+    m_trim_threshold, m_mmap_threshold = -1, -3  # <malloc.h>
+    return bool(mallopt(m_trim_threshold, trim_threshold)) and bool(mallopt(m_mmap_threshold, mmap_threshold))
 
 
 @contextlib.contextmanager

@@ -43,6 +43,7 @@ sys.path.insert(0, str(ROOT))
 
 import autosplit  # noqa: E402
 from autosplit.passes.profile import ProfileOptions  # noqa: E402
+from autosplit.measure import steady_allocator  # noqa: E402
 from benchmarks.pipeline_runtime import _worker, measured_cpu, workload  # noqa: E402
 from benchmarks.plan_time import machine  # noqa: E402
 
@@ -158,6 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     start = time.time()
+    steady_allocator()  # as pipeline_runtime: every timed process alike
     runtime, spec = measured_cpu()
     records = []
     for name in args.models.split(","):
