@@ -25,7 +25,7 @@ step.
 
 Usage::
 
-    .venv/bin/python benchmarks/pipeline_runtime.py                # all models, ~15 min
+    .venv/bin/python benchmarks/pipeline_runtime.py                # all models, about 13 min
     .venv/bin/python benchmarks/pipeline_runtime.py --models gpt --micro 8 --schedules gpipe
 """
 
@@ -243,9 +243,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--models", default="gpt,inception_v3,gnmt,biglstm")
     parser.add_argument("--micro", default="4,8")
     parser.add_argument("--schedules", default="gpipe,1f1b")
-    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--warmup", type=int, default=1, help="untimed rounds first (pipelined plans)")
-    parser.add_argument("--block", type=int, default=5, help="consecutive timed steps of one plan")
+    parser.add_argument("--block", type=int, default=2, help="consecutive timed steps of one plan")
     parser.add_argument("--out", default=str(RESULTS))
     args = parser.parse_args(argv)
     args.micro = [int(m) for m in args.micro.split(",")]
