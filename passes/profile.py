@@ -5,14 +5,16 @@ have; for a device we do have, we run the graph on it (DESIGN §4.1). An ``fx.In
 runs the captured graph on real tensors of one micro-batch. At each compute node it
 replays the node on fresh inputs that require grad, like the annotate pass, and records
 
-- forward and backward seconds: warm-up runs, then the median of the repeats
-  (:func:`autosplit.measure.timed`: CUDA events on a GPU, a monotonic clock on the CPU),
-  with the intra-op threads the run will use;
+- forward and backward seconds, with the intra-op threads the run will use. On the CPU they
+  are timed inside whole passes of the M micro-batches in the schedule's order
+  (:class:`_InContext`); on a GPU the replay is timed alone with CUDA events (warm-up runs,
+  then the median of the repeats);
 - saved bytes (what autograd keeps for backward, parameters excluded, each storage once)
   and the transient peak of forward and backward above what was live before, from the
   allocator's statistics on a GPU and :class:`autosplit.measure.MemoryTracker` on the CPU.
 
-Costs in a :class:`Profile` are per micro-batch; the cost table scales them to the batch.
+One step of the plan's optimizer over all parameters is timed too. Costs in a
+:class:`Profile` are per micro-batch; the cost table scales them to the batch.
 Profiling leaves the model as it was: buffers (BatchNorm statistics) and the RNG state are
 restored afterwards.
 
@@ -173,7 +175,7 @@ class _Profiler(fx.Interpreter):
         def forward(_=None):
             a, k, grads = self._fresh(args, kwargs)
             out = self._call(n, a, k)
-            outs = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
+            outs = _grad_outputs(out)
             return outs, grads + params
 
         saved, peak = self._memory(n, args, kwargs, params)
@@ -219,7 +221,7 @@ class _Profiler(fx.Interpreter):
                 before = torch.cuda.memory_allocated(self.device)
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 out = self._call(n, a, k)
-            outs = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
+            outs = _grad_outputs(out)
             wrt = [*grads, *params]
             if outs and wrt:
                 torch.autograd.grad(outs, wrt, [torch.ones_like(o) for o in outs], allow_unused=True)
@@ -285,7 +287,7 @@ class _InContext(fx.Interpreter):
         self._owner.clear()
 
 
-def _graph_outputs(out: Any) -> list[torch.Tensor]:
+def _grad_outputs(out: Any) -> list[torch.Tensor]:
     return [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
 
 
@@ -309,7 +311,7 @@ def _in_context(
         pending: list[list[torch.Tensor]] = []
         for m in range(micro_batches):
             t0 = time.perf_counter()
-            outs = _graph_outputs(forward())
+            outs = _grad_outputs(forward())
             t_fwd += time.perf_counter() - t0
             pending.append(outs)
             if not forwards_first or m == micro_batches - 1:
