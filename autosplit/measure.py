@@ -425,8 +425,9 @@ def measure_runtime(
     Two processes (one thread each, pinned to their own cores) run a two-stage GPipe pipeline of a
     tiny linear layer with 2 and 16 micro-batches: its step is ``(S + M − 1) · τ`` with
     ``τ = compute + overhead`` per micro-batch (the receives are posted early, so the link's
-    latency overlaps), so the slope over ``M`` gives ``τ`` and the overhead is what remains of it. The result is cached on disk (``$AUTOSPLIT_CACHE`` or
-    ``~/.cache/autosplit``, keyed by backend, host, torch version); ``cache=False`` measures again.
+    latency overlaps), so the slope over ``M`` gives ``τ`` and the overhead is what remains of
+    it. The result is cached on disk (``$AUTOSPLIT_CACHE`` or ``~/.cache/autosplit``, keyed by
+    backend, host, torch version); ``cache=False`` measures again.
     Apply it to a device with ``measurement.apply(spec)``.
     """
     import platform
