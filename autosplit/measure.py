@@ -435,7 +435,7 @@ def measure_runtime(
     import torch.multiprocessing as mp
 
     root = Path(cache_dir or os.environ.get("AUTOSPLIT_CACHE") or Path.home() / ".cache" / "autosplit")
-    path = root / "runtime" / f"{backend}-{platform.node()}-{torch.__version__}.json"
+    path = root / "runtime" / f"{backend}-{platform.node()}-{torch.__version__}-v2.json"  # v2: receives posted early
     if cache and path.exists():
         with contextlib.suppress(ValueError, KeyError, TypeError):
             return RuntimeMeasurement.from_dict(json.loads(path.read_text()))
