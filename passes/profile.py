@@ -236,8 +236,9 @@ class _InContext(fx.Interpreter):
     A node alone on fresh inputs runs on caches it has to itself and on freshly allocated
     tensors; inside a pass it runs after its neighbours, between the other micro-batches'
     tensors, and its backward is scheduled by the autograd engine. The two differ by more than
-    the cut decisions tolerate (on GNMT: an embedding's backward 40× too slow alone, the
-    attention 3× too fast), so on the CPU the times come from here.
+    the cut decisions tolerate (on GNMT at M = 8: the embeddings' backward 3–4× slower alone,
+    the first LSTM's and the output layer's forward a quarter to a third faster), so on the CPU
+    the times come from here.
 
     Forward: a clock around each node's call. Backward: a post-hook on every autograd node the
     node's forward created (found from its outputs, stopping at nodes already owned), charging
