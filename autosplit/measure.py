@@ -128,9 +128,9 @@ def steady_allocator(trim_threshold: int = 1 << 30, mmap_threshold: int = 32 << 
 
     A CPU training step frees and reallocates the same large tensors every micro-batch. By
     default glibc returns memory above 128 KiB to the kernel when it is freed and faults it in
-    again on the next use; on this project's 2-core VM a benchmark process that had planned
-    first ran its unsplit GNMT step 30% slower that way (``benchmarks/pipeline_runtime.py``
-    calls this for every process it times). Process-wide, so it is the caller's choice; returns
+    again on the next use, which on this project's 2-core VM made a process that had planned
+    first run its training steps measurably slower (``benchmarks/pipeline_runtime.py`` calls
+    this for every process it times). Process-wide, so it is the caller's choice; returns
     ``False`` where there is no glibc ``mallopt``.
     """
     try:
@@ -386,7 +386,7 @@ def _tiny_pipeline(rank: int, port: int, backend: str, counts: Sequence[int], st
     import torch.distributed as dist
     from torch.distributed.pipelining import ScheduleGPipe
 
-    from autosplit.runtime.stage import EarlyReceivingStage as PipelineStage  # the stage distribute() runs
+    from autosplit.runtime.stage import EarlyReceivingStage  # the stage distribute() runs
 
     torch.set_num_threads(1)
     if cores and hasattr(os, "sched_setaffinity") and len(os.sched_getaffinity(0)) > rank:
@@ -398,7 +398,9 @@ def _tiny_pipeline(rank: int, port: int, backend: str, counts: Sequence[int], st
         meta = (torch.empty(1, width, device="meta").requires_grad_(True),)
         rows = []
         for m in counts:
-            stage = PipelineStage(module, rank, 2, torch.device("cpu"), input_args=() if rank == 0 else meta, output_args=meta)
+            stage = EarlyReceivingStage(
+                module, rank, 2, torch.device("cpu"), input_args=() if rank == 0 else meta, output_args=meta
+            )
             schedule = ScheduleGPipe(stage, n_microbatches=m, loss_fn=lambda out, t: out.sum())
             x, times = torch.randn(m, width), []
             for i in range(steps + 3):

@@ -15,8 +15,8 @@ A step is forward + backward of every micro-batch and an Adam step; the figure i
 ``--steps`` steps (min and max beside it), the slower rank's time per step. The plans of a model
 are timed side by side on this noisy machine, in interleaved blocks: ``--block`` consecutive
 steps of each plan after one untimed step, then the next plan's, after ``--warmup`` untimed
-rounds. (Interleaving single steps measured every plan on caches the other plans had filled:
-up to 20% slower than the same plan run on its own.)
+rounds. (Interleaving single steps measured every plan on caches the other plans had filled,
+slower than the same plan run on its own.)
 Each plan's predicted step (measured per-node costs profiled on one pinned core, the link and the
 runtime's per-micro-batch overhead measured first by ``autosplit.measure_runtime``) stands beside
 its measured one. Pipeline efficiency is the schedule's ideal step from the stages' measured

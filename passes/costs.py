@@ -253,22 +253,21 @@ def with_overrides(table: CostTable, overrides: Mapping[str, Mapping[str, float]
 
 
 def _optimizer_times(
-    infos: list[NodeInfo], devices: tuple[DeviceSpec, ...], kinds: list[DeviceSpec], profiles: list[Profile | None],
+    infos: list[NodeInfo], kinds: list[DeviceSpec], kind_of: list[int], profiles: list[Profile | None],
     optimizer: str, per_device: Callable[[tuple], tuple],
 ) -> tuple[tuple[float, ...], ...]:
     """[node][device] seconds of the optimizer step over the node's parameters: the analytic
     model (:func:`optimizer_step_time`), scaled on a profiled device so that the whole model's
     step takes what the profile measured (cache-resident state steps faster than DRAM bandwidth says)."""
     analytic = [tuple(optimizer_step_time(info.param_bytes, len(info.params), optimizer, d) for d in kinds) for info in infos]
-    kind_of = [kinds.index(d) for d in devices]
-    scale = [1.0] * len(devices)
+    scale = [1.0] * len(kind_of)
     for d, prof in enumerate(profiles):
         total = sum(row[kind_of[d]] for row in analytic)
         if prof is not None and prof.optimizer_step > 0 and total > 0:
             scale[d] = prof.optimizer_step / total
     if all(x == 1.0 for x in scale):
         return tuple(per_device(row) for row in analytic)
-    return tuple(tuple(row[kind_of[d]] * scale[d] for d in range(len(devices))) for row in analytic)
+    return tuple(tuple(row[k] * x for k, x in zip(kind_of, scale)) for row in analytic)
 
 
 def estimate(
@@ -369,7 +368,7 @@ def estimate(
         param_counts=tuple(info.param_count for info in infos),
         sent_bytes=tuple(sent),
         transient_bytes=tuple(transient),
-        optimizer_time=_optimizer_times(infos, devices, kinds, profiles, optimizer, per_device),
+        optimizer_time=_optimizer_times(infos, kinds, kind_of, profiles, optimizer, per_device),
         param_bytes=tuple(info.param_bytes for info in infos),
         param_reads=tuple(
             str(n.target) if n.op == "get_attr" and isinstance(operator.attrgetter(str(n.target))(gm), torch.nn.Parameter)

@@ -170,17 +170,15 @@ class _Profiler(fx.Interpreter):
 
     def _measure(self, n: fx.Node, args: tuple, kwargs: dict) -> NodeProfile:
         params = [p for p in self.module.get_submodule(str(n.target)).parameters() if p.requires_grad] if n.op == "call_module" else []
+        saved, peak = self._memory(n, args, kwargs, params)
+        if self.device.type == "cpu":  # timed inside whole passes instead (_in_context)
+            return NodeProfile(0.0, 0.0, saved, peak)
         opts = self.options
 
         def forward(_=None):
             a, k, grads = self._fresh(args, kwargs)
-            out = self._call(n, a, k)
-            outs = _grad_outputs(out)
-            return outs, grads + params
+            return _grad_outputs(self._call(n, a, k)), grads + params
 
-        saved, peak = self._memory(n, args, kwargs, params)
-        if self.device.type == "cpu":  # timed inside whole passes instead (_in_context)
-            return NodeProfile(0.0, 0.0, saved, peak)
         fwd = timed(lambda inputs: self._call(n, *inputs[:2]), device=str(self.device), warmup=opts.warmup,
                     repeats=opts.repeats, setup=lambda: self._fresh(args, kwargs))
         outs, targets = forward()
@@ -236,9 +234,8 @@ class _InContext(fx.Interpreter):
     A node alone on fresh inputs runs on caches it has to itself and on freshly allocated
     tensors; inside a pass it runs after its neighbours, between the other micro-batches'
     tensors, and its backward is scheduled by the autograd engine. The two differ by more than
-    the cut decisions tolerate (on GNMT at M = 8: the embeddings' backward 3–4× slower alone,
-    the first LSTM's and the output layer's forward a quarter to a third faster), so on the CPU
-    the times come from here.
+    the cut decisions tolerate (on GNMT the embeddings' backward is much slower alone, the
+    LSTMs' and the output layer's forward faster), so on the CPU the times come from here.
 
     Forward: a clock around each node's call. Backward: a post-hook on every autograd node the
     node's forward created (found from its outputs, stopping at nodes already owned), charging

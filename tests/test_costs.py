@@ -89,7 +89,7 @@ class Lookup(nn.Module):
         return self.narrow(torch.relu(self.wide(self.emb(tokens))))
 
 
-def test_cpu_profile_times_nodes_inside_whole_passes(tmp_path):
+def test_cpu_profile_times_nodes_inside_whole_passes():
     """Per-node times come from passes of all micro-batches: they add up to the pass as timed
     on its own, each backward lands on the node whose forward made it, and gradients are untouched."""
     model, tokens = Lookup(), torch.randint(0, 4000, (64, 16))
@@ -114,7 +114,7 @@ def test_cpu_profile_times_nodes_inside_whole_passes(tmp_path):
     assert 0.5 * whole < per_node < 2 * whole, (per_node, whole)
 
 
-def test_the_optimizer_step_is_measured_and_spread_over_the_nodes_by_their_parameters(tmp_path):
+def test_the_optimizer_step_is_measured_and_spread_over_the_nodes_by_their_parameters():
     model, tokens = Lookup(), torch.randint(0, 4000, (16, 16))
     captured = capture(model, (tokens,))
     inputs = flat_inputs(captured, model, (tokens,), {})

@@ -4,8 +4,7 @@ The pipelining schedules post a micro-batch's receive just before it runs (GPipe
 with a send they then wait for (1F1B). Gloo moves a message only once its receive is posted, so
 on CPU ranks of one pinned core each, a stage that is still computing the previous micro-batch
 leaves its neighbour's data, and its neighbour's send, waiting: on GNMT at M = 8 the stages
-idled for milliseconds per micro-batch, and the step took 10–25% longer than with every receive
-posted up front. Every micro-batch has its own receive buffers in a stage, so nothing stops
+idled for milliseconds per micro-batch in a profiler trace. Every micro-batch has its own receive buffers in a stage, so nothing stops
 posting them all at once.
 
 :class:`EarlyReceivingStage` does that when micro-batch 0's forward receive is asked for (the
