@@ -28,6 +28,7 @@ import copy
 import importlib
 import json
 import os
+import statistics
 import sys
 import threading
 import time
@@ -149,16 +150,8 @@ def _launch(argv: list[str], nproc: int) -> int | None:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun
 
-    rest, skip = [], False
-    for a in argv:  # the processes run the same command, without the launcher's own option
-        if skip:
-            skip = False
-        elif a == "--nproc-per-node":
-            skip = True
-        elif not a.startswith("--nproc-per-node="):
-            rest.append(a)
-    try:
-        torchrun(["--standalone", f"--nproc-per-node={nproc}", "-m", "autosplit", *rest])
+    try:  # the processes run the same command; with RANK set, they do not launch again
+        torchrun(["--standalone", f"--nproc-per-node={nproc}", "-m", "autosplit", *argv])
     except ChildFailedError as e:  # the ranks printed their errors; exit as the first failed rank did
         return next(iter(e.failures.values())).exitcode or 1
     return 0
@@ -261,7 +254,7 @@ def _run(args: argparse.Namespace, argv: list[str]) -> int:
             "return 'loss_fn' and 'target' from the factory",
         ))
     with _bars():
-        pipe = distribute(copy.deepcopy(work["model"]), None if args.plan else devices, example_inputs=work["example_inputs"],
+        pipe = distribute(work["model"], None if args.plan else devices, example_inputs=work["example_inputs"],
                           example_kwargs=work["example_kwargs"], loss_fn=work["loss_fn"], data_parallel=args.dp,
                           plan=args.plan, **_options(args))
     if args.out and _rank() == 0:
@@ -281,19 +274,20 @@ def _run(args: argparse.Namespace, argv: list[str]) -> int:
         if not args.json and _rank() == 0:
             for r in rows:
                 print(f"mini-batch {r['step']}: loss {r['loss']:.6f}")
-    for step in range(args.steps if pipe.asynchronous is None else 0):
-        dist.barrier()
-        t0 = time.perf_counter()
-        loss = pipe.step(*work["example_inputs"], target=work["target"], **work["example_kwargs"])
-        opt.step()
-        opt.zero_grad()
-        elapsed = torch.tensor([time.perf_counter() - t0, -1.0 if loss is None else float(loss)], dtype=torch.float64)
-        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # the slowest rank's time; the last stage's loss
-        rows.append({"step": step, "seconds": elapsed[0].item(), "loss": elapsed[1].item()})
-        if not args.json and _rank() == 0:
-            print(f"step {step}: loss {rows[-1]['loss']:.6f}, {rows[-1]['seconds'] * 1e3:.1f} ms")
+    else:
+        for step in range(args.steps):
+            dist.barrier()
+            t0 = time.perf_counter()
+            loss = pipe.step(*work["example_inputs"], target=work["target"], **work["example_kwargs"])
+            opt.step()
+            opt.zero_grad()
+            elapsed = torch.tensor([time.perf_counter() - t0, -1.0 if loss is None else float(loss)], dtype=torch.float64)
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # the slowest rank's time; the last stage's loss
+            rows.append({"step": step, "seconds": elapsed[0].item(), "loss": elapsed[1].item()})
+            if not args.json and _rank() == 0:
+                print(f"step {step}: loss {rows[-1]['loss']:.6f}, {rows[-1]['seconds'] * 1e3:.1f} ms")
     summary = (f"predicted step {pipe.plan.step_time * 1e3:.1f} ms ({pipe.plan.schedule}); measured median "
-               f"{sorted(r['seconds'] for r in rows)[len(rows) // 2] * 1e3:.1f} ms over {len(rows)} steps")
+               f"{statistics.median(r['seconds'] for r in rows) * 1e3:.1f} ms over {len(rows)} steps")
     _emit(args, summary, {"plan": pipe.plan.to_dict(), "steps": rows})
     dist.destroy_process_group()
     return 0
@@ -374,14 +368,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--html", help="write the HTML report here")
     p.set_defaults(run=_compare)
 
-    p = sub.add_parser("show", help="print (or render) a saved plan")
+    p = sub.add_parser("show", aliases=["report"], help="print (or render) a saved plan ('report': the same)")
     p.add_argument("plan")
     p.add_argument("--html", help="write the HTML report here")
     p.add_argument("--json", action="store_true", help="print the plan's JSON")
     p.set_defaults(run=_show)
-    report = sub.add_parser("report", help="the same as show (kept for old scripts)")
-    report.add_argument("plan")
-    report.set_defaults(run=_show, html=None, json=False)
 
     p = sub.add_parser("run", help="train the workload pipelined across processes (starts torchrun)")
     planning(p, devices="cpu*2")
