@@ -42,6 +42,7 @@ from autosplit.manual import ManualSplit, manual_plan
 from autosplit.plan import Plan
 from autosplit.runtime.makespan import DeviceOptimizers, MakespanRunner
 from autosplit.units import format_bytes
+from autosplit.units import format_ms as _ms
 
 __all__ = ["Candidate", "Comparison", "Measured", "compare"]
 
@@ -338,7 +339,3 @@ def _objective(plan: Plan) -> str:
 
 def _schedule(plan: Plan) -> str:
     return "makespan, 1 micro-batch" if plan.schedule == "makespan" else f"{plan.schedule} × {plan.micro_batches}"
-
-
-def _ms(seconds: float) -> str:
-    return f"{seconds * 1e3:.3f} ms"

@@ -43,6 +43,7 @@ from autosplit.passes.profile import ProfileOptions, profile
 from autosplit.plan import Plan, PlannedTask, SharedParam, SolverInfo, StageReport, StepTerms
 from autosplit.runtime.microbatch import split_batch
 from autosplit.solver import Problem, build_problem, choose_order, evaluate, solve, validate
+from autosplit.solver.hybrid import ring_allreduce
 from autosplit.solver.makespan import schedule_of, solve_makespan
 from autosplit.solver.makespan.schedule import memory_of, run_key
 from autosplit.solver.problem import ASYNC_SCHEDULES, KIB, NS, UserConstraint, tied_costs
@@ -270,7 +271,7 @@ def predict_step(
         send = sum(tied_costs(nbytes, bw, lat, M)[0] for bw, lat in hops)
         bw, lat = min(bw for bw, _ in hops), max(lat for _, lat in hops)
         R = len(holders)
-        replicate = 2 * (R - 1) / R * nbytes / bw + 2 * (R - 1) * lat  # ring all-reduce (Patarasuk & Yuan 2009)
+        replicate = ring_allreduce(nbytes, R, bw, lat)
         # Asynchronous stages update at different times: a replicated copy would drift, so it is sent.
         policy = "replicate" if replicate < send and options.schedule not in ASYNC_SCHEDULES else "send"
         for k in range(1, S):  # what this parameter adds to the stages it crosses
@@ -285,14 +286,14 @@ def predict_step(
     without = tuple(tuple(c - round(o[order[s]] * NS) for s, c in enumerate(row)) for row, o in zip(problem.compute, opt))
     sharing = dataclasses.replace(problem, transfer=tuple(map(tuple, transfer)))
     overheads = [d.microbatch_overhead for d in devices]
-    if options.schedule in ASYNC_SCHEDULES:  # no flush: the steady state, M micro-batches through the slowest stage
-        total = max(evaluate(sharing, stage_of).time) / NS
-        pipeline = max(evaluate(dataclasses.replace(sharing, compute=without), stage_of).time) / NS
-        overhead = M * max(overheads)
-    else:
-        total = evaluate(sharing, stage_of).objective / M / NS
-        pipeline = evaluate(dataclasses.replace(sharing, compute=without), stage_of).objective / M / NS
-        overhead = sum(overheads) + (M - 1) * max(overheads)
+    asynchronous = options.schedule in ASYNC_SCHEDULES  # no flush: the steady state, M micro-batches through the slowest stage
+
+    def step(problem: Problem) -> float:
+        ev = evaluate(problem, stage_of)
+        return max(ev.time) / NS if asynchronous else ev.objective / M / NS
+
+    total, pipeline = step(sharing), step(dataclasses.replace(sharing, compute=without))
+    overhead = M * max(overheads) if asynchronous else sum(overheads) + (M - 1) * max(overheads)
     optimizer = total - pipeline
     data_parallel = 0.0
     R = options.data_parallel
@@ -301,8 +302,7 @@ def predict_step(
         for n, s in enumerate(stage_of):
             bwd[s] += table.bwd_time[n][order[s]]
         for s, d in enumerate(devices):
-            bw, lat = d.link_to(d)
-            allreduce = 2 * (R - 1) / R * param_bytes[s] / bw + 2 * (R - 1) * lat
+            allreduce = ring_allreduce(param_bytes[s], R, *d.link_to(d))
             data_parallel = max(data_parallel, allreduce - bwd[s] / M)  # overlaps the last micro-batch's backward
     terms = StepTerms(pipeline, overhead, optimizer, tied_sync, max(0.0, data_parallel))
     return terms, tuple(shared)

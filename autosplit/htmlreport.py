@@ -22,7 +22,7 @@ from typing import Any
 
 from autosplit.plan import Plan
 from autosplit.timeline import bubbles, timeline
-from autosplit.units import format_bytes
+from autosplit.units import format_bytes, format_ms
 
 __all__ = ["render", "write_html", "STAGE_COLOURS"]
 
@@ -105,7 +105,7 @@ def _timeline_view(plan: Plan) -> dict[str, Any]:
     return {
         "tasks": rects, "bubbles": gaps, "ticks": _ticks(end, WIDTH), "height": len(plan.stages) * ROW + 24,
         "width": LEFT + WIDTH + 10, "rows": [(s * ROW + ROW / 2 + 4, f"stage {s}") for s in range(len(plan.stages))],
-        "end": end, "work": work, "bubble_share": 1 - busy / (work * len(plan.stages)) if work else 0.0,
+        "end": end, "bubble_share": 1 - busy / (work * len(plan.stages)) if work else 0.0,
     }
 
 
@@ -181,7 +181,7 @@ def render(candidates: Sequence[Any], *, title: str = "autosplit plan") -> str:
         loader=jinja2.PackageLoader("autosplit", "templates"), autoescape=True, trim_blocks=True, lstrip_blocks=True,
         undefined=jinja2.StrictUndefined,
     )
-    env.filters["ms"] = lambda seconds: f"{seconds * 1e3:.3f} ms"
+    env.filters["ms"] = format_ms
     env.filters["bytes"] = format_bytes
     env.filters["px"] = lambda v: f"{v:.1f}"
     entries = [_entry(c, i) for i, c in enumerate(candidates)]
@@ -191,10 +191,10 @@ def render(candidates: Sequence[Any], *, title: str = "autosplit plan") -> str:
     )
 
 
-def write_html(path: str | Path, plan: Plan, *, measured: Any = None) -> Path:
-    """Write the report of one plan (with its measurement, if any) to ``path``."""
+def write_html(path: str | Path, plan: Plan) -> Path:
+    """Write the report of one plan to ``path``."""
     from autosplit.compare import Candidate
 
     out = Path(path)
-    out.write_text(render([Candidate(plan.solver.name, plan, measured=measured)], title="autosplit plan"))
+    out.write_text(render([Candidate(plan.solver.name, plan)], title="autosplit plan"))
     return out

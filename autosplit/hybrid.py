@@ -63,9 +63,6 @@ class Cluster:
     def size(self) -> int:
         return self.nodes * self.per_node
 
-    def with_nodes(self, nodes: int) -> Cluster:
-        return dataclasses.replace(self, nodes=nodes)
-
     def replica_devices(self, k: int) -> list[DeviceSpec]:
         """The k devices of one worker: node by node, each node an island of NVLink peers, a
         device's share of its node's network between islands."""

@@ -25,6 +25,7 @@ from typing import Any
 from autosplit.devices import DeviceSpec
 from autosplit.errors import PlanFileError, PlanMismatchError, advice
 from autosplit.units import format_bytes
+from autosplit.units import format_ms as _ms
 
 __all__ = ["Plan", "StageReport", "SolverInfo", "SharedParam", "StepTerms", "SCHEMA_VERSION"]
 
@@ -406,10 +407,6 @@ class Plan:
 
     def __str__(self) -> str:
         return self.report()
-
-
-def _ms(seconds: float) -> str:
-    return f"{seconds * 1e3:.3f} ms"
 
 
 def _span(modules: tuple[str, ...]) -> str:

@@ -34,6 +34,10 @@ def parse_bytes(value: int | float | str) -> int:
     return parse_bytes(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
+def format_ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.3f} ms"
+
+
 def format_bytes(n: float) -> str:
     for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if abs(n) >= size:

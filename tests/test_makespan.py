@@ -35,7 +35,7 @@ def check(problem, schedule):
     assert len(task) == 2 * len(problem.nodes)
     for (u, kind), t in task.items():
         assert t.device == dev[u] and t.end - t.start == (fwd if kind == "forward" else bwd)[u][dev[u]]
-    prec, _ = task_graph(problem)
+    prec = task_graph(problem)
     for a, b, w in prec:
         first, then = task[a // 2, "backward" if a % 2 else "forward"], task[b // 2, "backward" if b % 2 else "forward"]
         apart = w >= 0 and dev[a // 2] != dev[b // 2]

@@ -97,7 +97,7 @@ class _Stash:
 def run_asynchronous(
     *, schedule: str, chain: Chain, stage: int, stages: int, module: torch.nn.Module, device: torch.device,
     batches: Sequence[tuple[list[Any], Any]], micro_batches: int, optimizer: torch.optim.Optimizer,
-    loss_fn: Callable[[Any, Any], torch.Tensor], group: Any = None, peers: tuple[int | None, int | None] = (None, None),
+    loss_fn: Callable[[Any, Any], torch.Tensor], peers: tuple[int | None, int | None] = (None, None),
 ) -> tuple[list[torch.Tensor | None], dict[str, Any]]:
     """Train on ``batches`` (each: the model's flat inputs and the target) with ``schedule``;
     returns each mini-batch's mean loss on the last stage (``None`` elsewhere) and what the run
@@ -139,7 +139,7 @@ def run_asynchronous(
             received: list[torch.Tensor] = []
             for meta, wants_grad in zip(chain.inputs_meta[stage], grad_flags):
                 buf = torch.empty(meta.shape, dtype=meta.dtype, device=device)
-                dist.recv(buf, src=previous, group=group)
+                dist.recv(buf, src=previous)
                 received.append(buf.requires_grad_(wants_grad))
             version_gap = sim.version_difference(stage, b, m)
             out, version = _forward(schedule, module, params, optimizer, stash, version_gap, b, received, named)
@@ -152,7 +152,7 @@ def run_asynchronous(
             else:
                 for t in outs:
                     sent = t.detach().contiguous()
-                    sends.append((dist.isend(sent, dst=following, group=group), sent))
+                    sends.append((dist.isend(sent, dst=following), sent))
                 state["outs"] = outs
             in_flight[b, m] = state
             continue
@@ -164,7 +164,7 @@ def run_asynchronous(
             for t, wants_grad in zip(state["outs"], out_flags):
                 if wants_grad:
                     g = torch.empty(t.shape, dtype=t.dtype, device=device)
-                    dist.recv(g, src=following, group=group)
+                    dist.recv(g, src=following)
                     if t.requires_grad:
                         roots.append(t)
                         seeds.append(g)
@@ -176,7 +176,7 @@ def run_asynchronous(
             for t, wants_grad in zip(state["received"], grad_flags):
                 if wants_grad:
                     g = (t.grad if t.grad is not None else torch.zeros_like(t)).contiguous()
-                    sends.append((dist.isend(g, dst=previous, group=group), g))
+                    sends.append((dist.isend(g, dst=previous), g))
         sends = [(w, t) for w, t in sends if not w.is_completed()]
     for w, _ in sends:
         w.wait()
@@ -199,7 +199,8 @@ def _forward(
             return module(*received, **named), None
         # xpipe: the weights predicted for the update this mini-batch's gradient is applied to,
         # written into the parameters for the forward only.
-        guess = predicted(optimizer, gap)
+        with torch.no_grad():  # read only to overwrite the parameters: no graph
+            guess = predicted(optimizer, gap)
         kept = {n: p.detach().clone() for n, p in params.items() if guess.get(p, p) is not p}
         try:
             with torch.no_grad():

@@ -175,7 +175,6 @@ class DistributedModel:
         self.asynchronous = asynchronous
         """The plan's schedule when it is asynchronous (``"xpipe"``, ``"async"``, ``"pipedream"``:
         trained with :meth:`train`); None for :meth:`step`."""
-        self._pp_group = pp_group
 
     # -- training ------------------------------------------------------------------------------
     @property

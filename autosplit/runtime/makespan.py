@@ -62,6 +62,7 @@ class MakespanRunner(torch.nn.Module):
 
     plan: Plan
     _captured: Captured
+    _interpreter: fx.Interpreter
 
     def __init__(self, model: torch.nn.Module, captured: Captured, plan: Plan):
         super().__init__()
@@ -81,6 +82,9 @@ class MakespanRunner(torch.nn.Module):
         object.__setattr__(self, "_captured", captured)
         object.__setattr__(self, "plan", plan)
         self._order = _segments(captured.gm, plan)
+        # Runs one node from its fetched arguments; its call_* methods keep no state, so the
+        # device threads share it.
+        object.__setattr__(self, "_interpreter", fx.Interpreter(captured.gm, garbage_collect_values=False))
         self._writes = {n.name: _written_inputs(n) for n in captured.gm.graph.nodes}
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -97,7 +101,7 @@ class MakespanRunner(torch.nn.Module):
                 if node.op == "call_module":
                     params = list(gm.get_submodule(str(node.target)).parameters())
                 elif node.op == "get_attr":
-                    value = _run(gm, node, (), {})
+                    value = self._interpreter.fetch_attr(str(node.target))
                     params = [value] if isinstance(value, torch.nn.Parameter) else []
                 else:
                     continue
@@ -118,7 +122,7 @@ class MakespanRunner(torch.nn.Module):
                                flat_inputs(self._captured, self.model, args, kwargs)):
             env[node] = value
         output_node = next(n for n in gm.graph.nodes if n.op == "output")
-        state = _Step(gm, env)
+        state = _Step(self._interpreter, env)
         threads = [threading.Thread(target=state.work, args=(tasks, self._writes), daemon=True)
                    for tasks in self._order.values()]
         previous = torch.get_num_threads()
@@ -274,8 +278,8 @@ def _topological(prerequisites: list[set[int]], priority: list[int]) -> list[int
 class _Step:
     """The shared state of one step: values, cut inputs, returned gradients, and who waits for what."""
 
-    def __init__(self, gm: fx.GraphModule, env: dict[fx.Node, Any]):
-        self.gm = gm
+    def __init__(self, interpreter: fx.Interpreter, env: dict[fx.Node, Any]):
+        self.interpreter = interpreter
         self.env = env
         self.done: dict[fx.Node, threading.Event] = {}
         self.cuts: dict[Segment, list[tuple[fx.Node, Any, Any]]] = {}
@@ -349,7 +353,7 @@ class _Step:
 
             args = fx.node.map_arg(node.args, value_of)
             kwargs = fx.node.map_arg(node.kwargs, value_of)
-            value = _run(self.gm, node, args, kwargs)
+            value = getattr(self.interpreter, node.op)(node.target, args, kwargs)
             with self.lock:
                 self.env[node] = value
             self._event(node).set()
@@ -414,21 +418,6 @@ class _Step:
             if any(not e.is_set() for e in self.done.values()) or self.error is not None:
                 self.stopped = True
             self.lock.notify_all()
-
-
-def _run(gm: fx.GraphModule, node: fx.Node, args: Any, kwargs: Any) -> Any:
-    """One node, as ``fx.Interpreter`` would run it."""
-    target: Any = node.target
-    if node.op == "call_function":
-        return target(*args, **kwargs)
-    if node.op == "call_method":
-        return getattr(args[0], target)(*args[1:], **kwargs)
-    if node.op == "call_module":
-        return gm.get_submodule(target)(*args, **kwargs)
-    value: Any = gm  # get_attr
-    for part in str(target).split("."):
-        value = getattr(value, part)
-    return value
 
 
 def _nodes_in(arg: Any) -> list[fx.Node]:

@@ -41,6 +41,10 @@ def update_direction(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> t
             "the parameter is not one of the optimizer's", "weights are predicted from the optimizer that updates them",
             "pass the optimizer built over this stage's parameters",
         ))
+    return _direction(optimizer, group, param)
+
+
+def _direction(optimizer: torch.optim.Optimizer, group: dict, param: torch.Tensor) -> torch.Tensor | None:
     state = optimizer.state.get(param, {})
     if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
         if "exp_avg" not in state:
@@ -76,6 +80,6 @@ def predicted(optimizer: torch.optim.Optimizer, version_difference: int) -> dict
     out: dict[torch.Tensor, torch.Tensor] = {}
     for group in optimizer.param_groups:
         for p in group["params"]:
-            direction = None if s == 0 else update_direction(optimizer, p)
+            direction = None if s == 0 else _direction(optimizer, group, p)
             out[p] = p if direction is None else p - (float(group["lr"]) * s) * direction.detach()
     return out

@@ -68,7 +68,7 @@ def examples_factor(batch: float, noise_scale: float | None = None, table: Mappi
             ))
         base, batches = points[0][1], [b for b, _ in points]
         if batch <= batches[0] or len(points) == 1:
-            return 1.0 if batch <= batches[0] else points[-1][1] / base
+            return 1.0  # at or below the smallest batch; with one point, E(B) is taken as constant
         if batch >= batches[-1]:  # E(B) is linear in B for large B (the noise-scale form): extend the last segment
             (b0, e0), (b1, e1) = points[-2], points[-1]
             return (e1 + max(0.0, (e1 - e0) / (b1 - b0)) * (batch - b1)) / base

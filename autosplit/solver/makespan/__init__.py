@@ -85,7 +85,7 @@ def makespan_bound(problem: Problem) -> int:
         for u in producers[v]:
             backward[u] = max(backward[u], backward[v])
     path = max(forward, default=0) + max(backward, default=0)
-    return max(path, math.ceil(sum(min(row) for row in problem.compute) / D))
+    return max(path, math.ceil(sum(problem.fastest) / D))
 
 
 def solve_makespan(problem: Problem, *, time_limit: float = 10.0, seed: int = 0, workers: int | None = None) -> MakespanSolution:

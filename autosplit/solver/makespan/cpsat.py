@@ -45,7 +45,7 @@ def makespan_cpsat(
     N, D = len(problem.nodes), problem.num_stages
     fwd, bwd = durations(problem)
     c = comm(problem)
-    prec, _ = task_graph(problem)  # the loss edges included
+    prec = task_graph(problem)  # the loss edges included
     horizon = hint.makespan if hint is not None else (
         sum(max(f) + max(b) for f, b in zip(fwd, bwd)) + 2 * sum(c)
     )

@@ -85,8 +85,8 @@ def comm(problem: Problem) -> list[int]:
     return [(max(row, default=0) + latency) // 2 for row in problem.transfer]
 
 
-def task_graph(problem: Problem) -> tuple[list[tuple[int, int, int]], list[int]]:
-    """Precedence between tasks as (task a, task b, unit w) triples, and the output units.
+def task_graph(problem: Problem) -> list[tuple[int, int, int]]:
+    """Precedence between tasks as (task a, task b, unit w) triples.
 
     Task ``2u`` is F_u, ``2u + 1`` is B_u. Each ``(a, b, w)``: b starts after a ends,
     plus w's one-way comm when a's and b's units sit on different devices (w = −1: no comm).
@@ -108,7 +108,7 @@ def task_graph(problem: Problem) -> tuple[list[tuple[int, int, int]], list[int]]
         for s in outputs:
             if w != s:
                 prec.append((2 * w, 2 * s + 1, -1))
-    return prec, outputs
+    return prec
 
 
 def memory_of(problem: Problem, device_of: Sequence[int]) -> list[int]:
@@ -196,7 +196,7 @@ def _time(
 def schedule_of(problem: Problem, device_of: Sequence[int], priority: Sequence[int] | None = None) -> Schedule:
     """Time the assignment ``device_of``: each device runs its tasks as soon as their inputs are
     there, in ``priority`` order (task ids ``2u``/``2u + 1``; default HEFT's rank)."""
-    prec, _ = task_graph(problem)
+    prec = task_graph(problem)
     if priority is None:
         rank = _upward_rank(problem, prec)
     else:
@@ -208,7 +208,7 @@ def schedule_of(problem: Problem, device_of: Sequence[int], priority: Sequence[i
 
 def list_schedule(problem: Problem) -> Schedule | None:
     """HEFT within the memory caps: None when a unit finds no device with room."""
-    prec, _ = task_graph(problem)
+    prec = task_graph(problem)
     fwd, _ = durations(problem)
     order = _topological_tasks(problem, prec, _upward_rank(problem, prec))
     forbidden = {(n, s) for c in problem.constraints for n, s in c.forbid}
