@@ -28,9 +28,11 @@ is free (appended, no insertion). It is the warm start of the CP-SAT model and t
 
 from __future__ import annotations
 
-import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+import networkx as nx
+from networkx.utils import UnionFind
 
 from autosplit.solver.problem import Problem
 
@@ -127,23 +129,10 @@ def memory_of(problem: Problem, device_of: Sequence[int]) -> list[int]:
 
 def _topological_tasks(problem: Problem, prec: Sequence[tuple[int, int, int]], rank: Sequence[float]) -> list[int]:
     """Every task, each after its predecessors, the highest rank first among the ready ones."""
-    T = 2 * len(problem.nodes)
-    indegree = [0] * T
-    succ: list[list[int]] = [[] for _ in range(T)]
-    for a, b, _ in prec:
-        indegree[b] += 1
-        succ[a].append(b)
-    ready = [(-rank[t], t) for t in range(T) if indegree[t] == 0]
-    heapq.heapify(ready)
-    out = []
-    while ready:
-        _, t = heapq.heappop(ready)
-        out.append(t)
-        for b in succ[t]:
-            indegree[b] -= 1
-            if indegree[b] == 0:
-                heapq.heappush(ready, (-rank[b], b))
-    return out
+    graph = nx.DiGraph()
+    graph.add_nodes_from(range(2 * len(problem.nodes)))
+    graph.add_edges_from((a, b) for a, b, _ in prec)
+    return list(nx.lexicographical_topological_sort(graph, key=lambda t: (-rank[t], t)))
 
 
 def _upward_rank(problem: Problem, prec: Sequence[tuple[int, int, int]]) -> list[float]:
@@ -214,21 +203,14 @@ def list_schedule(problem: Problem) -> Schedule | None:
     forbidden = {(n, s) for c in problem.constraints for n, s in c.forbid}
     used = [problem.transient_mem] * problem.num_stages
     caps = problem.capacity
-    root = list(range(len(problem.nodes)))  # units that must share a device (union-find): the first placed decides
-
-    def find(n: int) -> int:
-        while root[n] != n:
-            root[n] = n = root[root[n]]
-        return n
-
+    group = UnionFind(range(len(problem.nodes)))  # units that must share a device: the first placed decides
     for members in [*problem.colocate, *(c.together for c in problem.constraints)]:
-        for n in members[1:]:
-            root[find(n)] = find(members[0])
+        group.union(*members)
     placed: dict[int, int] = {}
 
     def choose(u: int, ready, free) -> int:
-        if find(u) in placed:
-            d = placed[find(u)]
+        if group[u] in placed:
+            d = placed[group[u]]
             used[d] += problem.state_mem[u] + problem.act_mem[u][d]
             return d
         best = None
@@ -242,7 +224,7 @@ def list_schedule(problem: Problem) -> Schedule | None:
         if best is None:
             raise _NoRoom
         used[best[1]] += problem.state_mem[u] + problem.act_mem[u][best[1]]
-        placed[find(u)] = best[1]
+        placed[group[u]] = best[1]
         return best[1]
 
     try:
