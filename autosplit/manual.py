@@ -169,9 +169,7 @@ def megatron_fqns(
         ))
     per = rest // middle_stages if middle_stages else 0
     counts = ([first] if first is not None else []) + [per] * middle_stages + ([last] if last is not None else [])
-    cuts = [0]
-    for c in counts:
-        cuts.append(cuts[-1] + c)
+    cuts = itertools.accumulate(counts, initial=0)
     head, tail = layers[: layers.index(blocks[0])], layers[layers.index(blocks[-1]) + 1 :]
     out = [blocks[a:b] for a, b in itertools.pairwise(cuts)]
     out[0], out[-1] = head + out[0], out[-1] + tail
@@ -188,11 +186,7 @@ def balance_fqns(model: torch.nn.Module, balance: Sequence[int], order: Sequence
             "torchgpipe's balance counts every layer once, at least one per stage",
             f"give positive counts that sum to {len(layers)}",
         ))
-    out, at = [], 0
-    for count in balance:
-        out.append(layers[at : at + int(count)])
-        at += int(count)
-    return out
+    return [layers[a:b] for a, b in itertools.pairwise(itertools.accumulate(map(int, balance), initial=0))]
 
 
 def _nodes(traced: Any) -> list[Any]:
@@ -339,7 +333,7 @@ def manual_plan(planner: Any, split: ManualSplit, *, name: str = "manual", check
 def plan_from_fqns(planner: Any, fqns_per_stage: Sequence[Sequence[str]], *, name: str = "manual") -> Plan:
     """``fqns_per_stage`` (module names per stage, torchtitan's form) as a checked, costed plan
     for ``planner``'s model and devices (stage ``s`` on device ``s``); see :func:`fqn_stages`."""
-    return _costed(planner, fqn_stages(planner.traced, fqns_per_stage), name, True)
+    return manual_plan(planner, [list(fqns) for fqns in fqns_per_stage], name=name)
 
 
 def _costed(

@@ -215,9 +215,9 @@ class Plan:
     @classmethod
     def from_fqns(cls, planner: Any, fqns_per_stage: Sequence[Sequence[str]], *, name: str = "fqns") -> Plan:
         """Module names per stage: torchtitan's ``module_fqns_per_model_part``."""
-        from autosplit.manual import manual_plan
+        from autosplit.manual import plan_from_fqns
 
-        return manual_plan(planner, [list(fqns) for fqns in fqns_per_stage], name=name)
+        return plan_from_fqns(planner, fqns_per_stage, name=name)
 
     @classmethod
     def from_split_points(cls, planner: Any, split_spec: Mapping[str, Any] | Sequence[str], *, name: str = "split points") -> Plan:
