@@ -268,9 +268,24 @@ def _summary(times: list[float], runtime: str, predicted: float) -> Measured:
     return Measured(runtime, statistics.median(times), min(times), max(times), len(times), predicted)
 
 
+def _round_robin(
+    runs: list[tuple[Callable[[], Any], Any, list[float]]], steps: int, warmup: int, sync: Callable[[], Any] = lambda: None
+) -> None:
+    """Step i of every run (train, optimizer step, zero grad), then step i + 1, so a slow moment of
+    the machine falls on all of them alike; each run's times after ``warmup`` go to its list."""
+    for i in range(warmup + steps):
+        for train, opt, times in runs:
+            sync()
+            t0 = time.perf_counter()
+            train()
+            opt.step()
+            opt.zero_grad()
+            if i >= warmup:
+                times.append(time.perf_counter() - t0)
+
+
 def _measure_local(model, plans, inputs, kwargs, loss_fn, target, steps, warmup) -> list[Measured]:
-    """Each plan as a :class:`SplitModule` in this process; plans measured round-robin, step by
-    step, so a slow moment of the machine falls on all of them alike."""
+    """Each plan as a :class:`SplitModule` in this process, measured round-robin."""
     from autosplit.planner import Planner
 
     runs: list[tuple[Callable[[], Any], torch.optim.Optimizer | DeviceOptimizers, list[float]]] = []
@@ -286,14 +301,7 @@ def _measure_local(model, plans, inputs, kwargs, loss_fn, target, steps, warmup)
             train = functools.partial(_train, split, inputs, kwargs, loss_fn, target)
             opt = torch.optim.Adam(split.parameters(), lr=1e-4)
         runs.append((train, opt, []))
-    for i in range(warmup + steps):
-        for train, opt, times in runs:
-            t0 = time.perf_counter()
-            train()
-            opt.step()
-            opt.zero_grad()
-            if i >= warmup:
-                times.append(time.perf_counter() - t0)
+    _round_robin(runs, steps, warmup)
     return [
         _summary(times, "makespan", plan.step_time) if plan.schedule == "makespan"
         else _summary(times, "local", sum(st.compute for st in plan.stages))
@@ -312,19 +320,11 @@ def _measure_distributed(model, plans, inputs, kwargs, loss_fn, target, steps, w
 
     from autosplit.runtime.distributed import distribute
 
-    runs: list[tuple[Any, torch.optim.Optimizer, list[float]]] = []
+    runs: list[tuple[Callable[[], Any], Any, list[float]]] = []
     for plan in plans:
         pipe = distribute(copy.deepcopy(model), None, example_inputs=inputs, example_kwargs=kwargs, loss_fn=loss_fn, plan=plan)
-        runs.append((pipe, torch.optim.Adam(pipe.parameters(), lr=1e-4), []))
-    for i in range(warmup + steps):
-        for pipe, opt, times in runs:
-            dist.barrier()
-            t0 = time.perf_counter()
-            pipe.step(*inputs, target=target, **kwargs)
-            opt.step()
-            opt.zero_grad()
-            if i >= warmup:
-                times.append(time.perf_counter() - t0)
+        runs.append((functools.partial(pipe.step, *inputs, target=target, **kwargs), torch.optim.Adam(pipe.parameters(), lr=1e-4), []))
+    _round_robin(runs, steps, warmup, sync=dist.barrier)
     out = []
     for plan, (*_, times) in zip(plans, runs):
         slowest = torch.tensor(times, dtype=torch.float64)
