@@ -123,7 +123,7 @@ def calibrate(
     if not isinstance(example_inputs, tuple):
         example_inputs = (example_inputs,)
     captured = capture(model, example_inputs, dict(example_kwargs or {}))
-    inputs = flat_inputs(captured, model, example_inputs, example_kwargs)
+    inputs = flat_inputs(captured, example_inputs, example_kwargs)
     annotate(captured, inputs)
     prof = profile(captured, inputs, spec.torch_device, fingerprint=fingerprint(captured.gm), options=options or ProfileOptions())
     return fit(samples_of(captured.gm, prof), spec).apply(spec)

@@ -83,7 +83,7 @@ def trace(model: torch.nn.Module, example_inputs: tuple, example_kwargs: Mapping
     with _timed("capture", timings):
         captured = capture(model, example_inputs, dict(example_kwargs or {}), method=method)
         graph_id = fingerprint(captured.gm)
-    inputs = flat_inputs(captured, model, example_inputs, dict(example_kwargs or {}))
+    inputs = flat_inputs(captured, example_inputs, dict(example_kwargs or {}))
     with _timed("annotate", timings):
         annotate(captured, inputs)
     return Traced(captured, tuple(inputs), graph_id, timings)

@@ -119,7 +119,7 @@ class Planner:
         if made.schedule == "makespan":
             return MakespanRunner(self.model, self.traced.captured, made)
         program, timings = codegen(self.traced, made)
-        return SplitModule(self.model, program, dataclasses.replace(made, timings={**made.timings, **timings}))
+        return SplitModule(self.model, self.traced.captured, program, dataclasses.replace(made, timings={**made.timings, **timings}))
 
     def with_options(self, **changes: Any) -> Planner:
         """A planner of the same model and capture under other options (nothing is captured again)."""

@@ -95,7 +95,7 @@ def balanced_plan(plan: autosplit.Plan, param_counts: dict[str, int]) -> autospl
 def node_params(model: torch.nn.Module, inputs: tuple) -> dict[str, int]:
     """Parameters each graph node owns (each parameter counted at its first user)."""
     captured = capture(model, inputs, {})
-    annotate(captured, flat_inputs(captured, model, inputs, {}))
+    annotate(captured, flat_inputs(captured, inputs, {}))
     return {n.name: node_info(n).param_count for n in captured.gm.graph.nodes if n.op not in ("placeholder", "output")}
 
 

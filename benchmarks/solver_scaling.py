@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
         captured = capture(model, (tokens,))
         t_capture = time.perf_counter() - t0
         t0 = time.perf_counter()
-        annotate(captured, flat_inputs(captured, model, (tokens,), {}))
+        annotate(captured, flat_inputs(captured, (tokens,), {}))
         t_annotate = time.perf_counter() - t0
         for S in (S for L, S in pairs if L == layers):
             t0 = time.perf_counter()

@@ -16,7 +16,7 @@ run at all: its output is made from the recorded metadata.
 
 Usage::
 
-    annotate(captured, flat_inputs(captured, model, args, kwargs))
+    annotate(captured, flat_inputs(captured, args, kwargs))
     info = node.meta["autosplit"]
 """
 

@@ -2,7 +2,10 @@
 
 Symbolic tracing comes first: it keeps the user's Python-level ops and module calls, and
 is cheap. Models it cannot follow (data-dependent control flow, most ``transformers``
-models) fall back to ``torch.export`` in non-strict mode, whose graph holds ATen ops.
+models) fall back to ``torch.export`` in non-strict mode, whose graph holds ATen ops; so do
+models whose trace would drop meaning — grad-mode and autocast regions, hooks, in-place
+updates of weights inside ``forward`` (:mod:`autosplit.passes.fidelity`). A capture is
+faithful or it is refused; the user's model is never changed by it.
 
 Tied parameters (one ``Parameter`` owned by two modules, e.g. GPT's input embedding and
 output projection) must be visible as *one* graph node, or codegen would place two
@@ -17,12 +20,13 @@ Usage::
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import inspect
 import logging
-from collections import defaultdict
+from collections import OrderedDict, defaultdict
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -32,6 +36,7 @@ from torch.fx.graph import _PyTreeCodeGen
 from torch.utils import _pytree as pytree
 
 from autosplit.errors import CaptureError, advice
+from autosplit.passes.fidelity import ModelSnapshot, RefuseStateWrites, StateWrite, Watch, functions_applied, hook_kinds, keep_functions
 
 __all__ = ["Captured", "capture", "flat_inputs", "fingerprint"]
 
@@ -47,6 +52,21 @@ class Captured:
     """``"symbolic_trace"`` or ``"export"``."""
     module_paths: Mapping[str, str]
     """Node name → qualified name of the innermost module the node came from (``""`` = root)."""
+    fixed_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    """Keyword arguments the capture fixed that the caller left out (``use_cache=False`` for a
+    ``transformers`` model in training); every call of the graph passes them too."""
+    signature: inspect.Signature | None = None
+    """The signature of the model's ``forward``, to bind calls to the graph's placeholders."""
+    output_type: type | None = None
+    """The model's own output class when the graph returns it as a plain ``dict`` (a
+    ``transformers`` ``ModelOutput``, a dict subclass, a dataclass); :meth:`restore_output`."""
+
+    def restore_output(self, out: Any) -> Any:
+        """``out`` as the model's own output class."""
+        cls = self.output_type
+        if cls is None or not isinstance(out, dict):
+            return out
+        return cls(**out) if dataclasses.is_dataclass(cls) else cls(out)
 
 
 def _tied_owners(model: torch.nn.Module) -> set[str]:
@@ -59,7 +79,8 @@ def _tied_owners(model: torch.nn.Module) -> set[str]:
 
 
 class _Tracer(fx.Tracer):
-    """Default leaves (``torch.nn`` modules), except modules that own tied parameters."""
+    """Default leaves (``torch.nn`` modules), except modules that own tied parameters; watches
+    for what the trace drops (:class:`~autosplit.passes.fidelity.Watch`)."""
 
     def __init__(self, trace_through: set[str]):
         super().__init__()
@@ -67,6 +88,9 @@ class _Tracer(fx.Tracer):
         # Buffers read in forward (masks, running stats) become get_attr nodes, so slicing
         # them by traced sizes works and codegen places them like parameters.
         self.proxy_buffer_attributes = True
+        self.watch = Watch()
+        self.output_type: type | None = None
+        self._arg_depth = 0
 
     def is_leaf_module(self, m: torch.nn.Module, qualname: str) -> bool:
         if qualname in self.trace_through:
@@ -76,7 +100,31 @@ class _Tracer(fx.Tracer):
     def trace(self, root: Any, concrete_args: dict[str, Any] | None = None) -> fx.Graph:
         state = [*root.named_parameters(), *root.named_buffers()] if isinstance(root, torch.nn.Module) else []
         self._state_names = {id(t): name for name, t in reversed(state)}  # reversed: the first name wins
+        if isinstance(root, torch.nn.Module):
+            self.watch.module_traced_through("", root)
         return super().trace(root, concrete_args)
+
+    def call_module(self, m: torch.nn.Module, forward: Any, args: tuple, kwargs: dict) -> Any:
+        qualname = self.path_of_module(m)
+        if not self.is_leaf_module(m, qualname):
+            self.watch.module_traced_through(qualname, m)
+        return super().call_module(m, forward, args, kwargs)
+
+    def create_proxy(self, kind: str, target: Any, args: Any, kwargs: Any, *rest: Any, **more: Any) -> fx.Proxy:
+        stack = list(self.module_stack.values())
+        self.watch.node_created(kind, stack[-1][0] if stack else "")
+        return super().create_proxy(kind, target, args, kwargs, *rest, **more)
+
+    def create_arg(self, a: Any) -> Any:
+        # The last top-level call is the return value of forward: remember its own class where
+        # fx would flatten it to a plain dict (a dict subclass, a dataclass such as ModelOutput).
+        if self._arg_depth == 0:
+            self.output_type = type(a) if isinstance(a, dict) and type(a) not in (dict, OrderedDict) else None
+        self._arg_depth += 1
+        try:
+            return super().create_arg(a)
+        finally:
+            self._arg_depth -= 1
 
     def getattr(self, attr: str, attr_val: Any, parameter_proxy_cache: dict[str, Any]) -> Any:
         """fx's own lookup scans every parameter and buffer of the model on each read, which is
@@ -102,84 +150,207 @@ def _module_path(node: fx.Node) -> str:
     return ""
 
 
-def _symbolic_trace(model: torch.nn.Module, args: tuple, kwargs: dict) -> fx.GraphModule:
-    # Optional arguments the example call leaves out (``attention_mask=None``) are traced
-    # as their defaults, so ``if mask is not None`` takes the branch the call takes.
+def _concrete_args(model: torch.nn.Module, args: tuple, kwargs: dict) -> dict[str, Any]:
+    """Arguments symbolic tracing takes as constants: optional ones the call leaves out or passes
+    as ``None`` (so ``if mask is not None`` takes the branch the call takes; fx asserts the value
+    at run time) and flags passed as ``bool``. A tensor default stays an input: baked in, fx
+    would store it on the model as an attribute the stages cannot see."""
     sig = inspect.signature(model.forward)
     given = sig.bind_partial(*args, **kwargs).arguments
     concrete = {
         name: p.default
         for name, p in sig.parameters.items()
-        if name not in given and p.default is not inspect.Parameter.empty
+        if name not in given and p.default is not inspect.Parameter.empty and not isinstance(p.default, torch.Tensor)
     }
+    concrete.update({
+        name: value for name, value in given.items()
+        if (value is None or isinstance(value, bool)) and sig.parameters[name].kind not in _VARIADIC
+    })
+    return concrete
+
+
+_VARIADIC = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+
+
+def _strip_tensor_defaults(graph: fx.Graph) -> None:
+    """fx stores a tensor default of ``forward`` as a ``_tensor_constant`` read in the
+    placeholder's default; the caller passes the value instead (:func:`flat_inputs` fills defaults)."""
+    for ph in graph.find_nodes(op="placeholder"):
+        if ph.args and isinstance(ph.args[0], fx.Node):
+            const = ph.args[0]
+            ph.args = ()
+            if not const.users:
+                graph.erase_node(const)
+
+
+def _symbolic_trace(model: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[fx.GraphModule, type | None]:
+    """Trace with torch.fx; a :class:`_Unfaithful` error names what the trace would drop."""
     tracer = _Tracer(_tied_owners(model))
-    graph = tracer.trace(model, concrete_args=concrete or None)
+    try:
+        with RefuseStateWrites(model), keep_functions(tracer):
+            graph = tracer.trace(model, concrete_args=_concrete_args(model, args, kwargs) or None)
+    except StateWrite as e:
+        raise _Unfaithful([str(e)]) from None
+    if tracer.watch.lost:
+        raise _Unfaithful(list(tracer.watch.lost))
+    _strip_tensor_defaults(graph)
+    output = next(iter(graph.find_nodes(op="output")))
+    made = output.args[0]
+    if isinstance(made, fx.Node) and made.op == "call_function" and dataclasses.is_dataclass(made.target) and not made.args:
+        # fx builds a returned dataclass in the graph; return its fields and rebuild it outside,
+        # so every stage boundary carries tensors only.
+        output.args = (dict(made.kwargs),)
+        graph.erase_node(made)
+        tracer.output_type = made.target
     name = model.__class__.__name__
     # Generating the module's Python code waits until something calls it or reads it: the
     # passes only interpret the graph, and for 10k nodes the code takes about a second.
     with _use_lazy_graph_module(True):
-        return _make_graph_module(tracer.root, graph, name)
+        return _make_graph_module(tracer.root, graph, name), tracer.output_type
+
+
+class _Unfaithful(Exception):
+    """Symbolic tracing would drop these constructs (one line each)."""
+
+    def __init__(self, lost: list[str]):
+        super().__init__("; ".join(lost))
+        self.lost = lost
 
 
 def _export(model: torch.nn.Module, args: tuple, kwargs: dict) -> fx.GraphModule:
-    ep = torch.export.export(model, args, kwargs, strict=False)
+    with functions_applied() as functions:
+        ep = torch.export.export(model, args, kwargs, strict=False)
+    if functions:
+        names = ", ".join(f"{f.__module__}.{f.__qualname__}" for f in functions)
+        raise CaptureError(advice(
+            f"{type(model).__name__} applies the custom autograd Function {names}, which torch.export traces "
+            "through: its backward would be lost",
+            "only symbolic tracing keeps a custom Function (as one node that runs its own backward), and it "
+            "could not trace this model",
+            "make the model symbolically traceable (capture='symbolic_trace' says why it is not), or replace the "
+            "Function by ops with the gradient you want",
+        ))
+    backward_hooked = [q or "the root" for q, m in model.named_modules() if any("backward" in k for k in hook_kinds(m))]
+    if backward_hooked:
+        raise CaptureError(advice(
+            f"{type(model).__name__} has backward hooks on {backward_hooked[:4]}, which torch.export does not keep",
+            "a backward hook changes gradients outside the graph",
+            "apply the hook's effect in forward (e.g. a custom op), or remove the hook while planning and training split",
+        ))
     return ep.module()
 
 
+def _training_kwargs(model: torch.nn.Module, kwargs: dict) -> dict[str, Any]:
+    """Keyword arguments fixed for training that the caller left out: ``use_cache=False`` where
+    ``forward`` takes ``use_cache`` (``transformers`` models return a KV cache by default,
+    which training never reads and neither tracer can return)."""
+    if "use_cache" in kwargs or "use_cache" not in inspect.signature(model.forward).parameters:
+        return {}
+    log.warning("capturing %s with use_cache=False: the KV cache is an inference output; training does not read it",
+                type(model).__name__)
+    return {"use_cache": False}
+
+
 def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, *, method: str = "auto") -> Captured:
-    """Capture ``model`` as an fx graph. ``method``: ``"auto"``, ``"symbolic_trace"`` or ``"export"``."""
-    kwargs = dict(kwargs or {})
+    """Capture ``model`` as an fx graph. ``method``: ``"auto"``, ``"symbolic_trace"`` or ``"export"``.
+
+    ``"auto"`` traces symbolically and falls back to ``torch.export`` where symbolic tracing
+    fails or would drop meaning (:mod:`autosplit.passes.fidelity`). The model is left exactly
+    as it was, whether capture succeeds or fails.
+    """
     if method not in ("auto", "symbolic_trace", "export"):
         raise CaptureError(advice(
             f"unknown capture method {method!r}", "autosplit captures with torch.fx or torch.export",
-            "use 'auto', 'symbolic_trace' or 'export'",
+            "pass capture='auto', 'symbolic_trace' or 'export'",
         ))
+    fixed = _training_kwargs(model, dict(kwargs or {}))
+    kwargs = {**fixed, **(kwargs or {})}
+    snapshot = ModelSnapshot.of(model)
+    try:
+        gm, used, output_type, reasons = _capture(model, tuple(args), kwargs, method)
+    finally:
+        snapshot.restore_attributes(model)
+    changed = snapshot.changes(model)
+    if changed:
+        raise CaptureError(advice(
+            f"capturing {type(model).__name__} changed the model: {'; '.join(changed[:4])}",
+            "forward changes the model's state at trace time in a way autosplit could not stop",
+            "move the state change out of forward (e.g. an EMA update into the training loop)",
+        ))
+    if reasons:
+        log.info("symbolic tracing would drop %s; captured with torch.export", "; ".join(reasons))
+    paths = {n.name: _module_path(n) for n in gm.graph.nodes}
+    log.debug("captured %s with %s: %d nodes", type(model).__name__, used, len(gm.graph.nodes))
+    return Captured(
+        gm=gm, method=used, module_paths=paths, fixed_kwargs=fixed, signature=inspect.signature(model.forward),
+        output_type=output_type,
+    )
+
+
+def _capture(model: torch.nn.Module, args: tuple, kwargs: dict, method: str) -> tuple[fx.GraphModule, str, type | None, list[str]]:
+    """(graph, method used, output class, what symbolic tracing would have dropped)."""
     errors: list[str] = []
-    gm = None
-    used = method
+    lost: list[str] = []
     if method in ("auto", "symbolic_trace"):
         try:
-            gm = _symbolic_trace(model, tuple(args), kwargs)
-            used = "symbolic_trace"
+            gm, output_type = _symbolic_trace(model, args, kwargs)
+            return gm, "symbolic_trace", output_type, []
+        except _Unfaithful as e:
+            lost = e.lost
+            if method == "symbolic_trace":
+                raise CaptureError(advice(
+                    f"symbolic tracing of {type(model).__name__} would silently drop: " + "; ".join(lost),
+                    "torch.fx records only the ops on traced values; context managers, hooks, custom Functions' "
+                    "backwards and eager writes into weights happen at trace time and are lost",
+                    "pass capture='auto' or capture='export' (torch.export records grad-mode and autocast regions "
+                    "and root hooks), or move the construct out of forward",
+                )) from None
+            errors.append("symbolic_trace would drop: " + "; ".join(lost))
         except Exception as e:  # noqa: BLE001 -- fx raises many types (TraceError, TypeError, ...); export is tried next
             errors.append(f"symbolic_trace: {type(e).__name__}: {e}")
             log.info("symbolic tracing failed (%s); falling back to torch.export", e)
-    if gm is None and method in ("auto", "export"):
+    if method in ("auto", "export"):
         try:
-            gm = _export(model, tuple(args), kwargs)
-            used = "export"
+            return _export(model, args, kwargs), "export", None, lost
+        except CaptureError as e:
+            if errors:
+                e.add_note("symbolic tracing was tried first: " + " | ".join(line.splitlines()[0][:300] for line in errors))
+            raise
         except Exception as e:  # noqa: BLE001 -- reported below with the tracer's error, in a CaptureError
             errors.append(f"torch.export: {type(e).__name__}: {e}")
-    if gm is None:
-        details = "\n  ".join(line.splitlines()[0][:400] for line in errors)
+    details = "\n  ".join(line.splitlines()[0][:400] for line in errors)
+    if lost:  # the tracer that would have worked drops meaning: say that first
         raise CaptureError(advice(
-            f"could not capture {type(model).__name__}:\n  {details}\n",
-            "Python control flow that depends on tensor values, or an op neither tracer supports",
-            "move data-dependent branches into a leaf module (autosplit keeps standard torch.nn modules as "
-            "leaves), replace `if tensor:` by torch.where / torch.cond, or pass method='export' with static "
-            "example inputs",
+            f"could not capture {type(model).__name__} faithfully:\n  {details}\n",
+            "symbolic tracing would silently drop what it names, and torch.export could not capture the model",
+            "move that construct out of forward (an EMA or momentum update into the training loop after "
+            "optimizer.step(); a hook's effect into forward), then plan again",
         )) from None
-    paths = {n.name: _module_path(n) for n in gm.graph.nodes}
-    log.debug("captured %s with %s: %d nodes", type(model).__name__, used, len(gm.graph.nodes))
-    return Captured(gm=gm, method=used, module_paths=paths)
+    raise CaptureError(advice(
+        f"could not capture {type(model).__name__}:\n  {details}\n",
+        "most often Python control flow on tensor values, or an input or output type torch.export does not know",
+        "move data-dependent branches into a leaf module (autosplit keeps standard torch.nn modules as leaves) or "
+        "use torch.where / torch.cond; register custom output classes with torch.utils._pytree; or pass "
+        "capture='export' with static example inputs",
+    )) from None
 
 
-def flat_inputs(captured: Captured, model: torch.nn.Module, args: tuple, kwargs: dict | None) -> list[Any]:
+def flat_inputs(captured: Captured, args: tuple, kwargs: Mapping[str, Any] | None) -> list[Any]:
     """The values of the graph's placeholders, in order, for a call ``model(*args, **kwargs)``."""
-    kwargs = dict(kwargs or {})
-    if isinstance(captured.gm.graph._codegen, _PyTreeCodeGen):
+    kwargs = {**captured.fixed_kwargs, **(kwargs or {})}
+    if isinstance(captured.gm.graph._codegen, _PyTreeCodeGen) or captured.signature is None:
         return list(pytree.tree_leaves((tuple(args), kwargs)))
     # Symbolic tracing makes one placeholder per forward parameter, in signature order
     # (concrete_args may rename them, so match by position, not by name).
-    bound = inspect.signature(model.forward).bind(*args, **kwargs)
+    bound = captured.signature.bind(*args, **kwargs)
     bound.apply_defaults()
     values = list(bound.arguments.values())
     placeholders = list(captured.gm.graph.find_nodes(op="placeholder"))
     if len(values) != len(placeholders):
         raise CaptureError(advice(
-            f"{type(model).__name__}.forward takes {len(values)} arguments but the graph has "
+            f"forward takes {len(values)} arguments but the graph has "
             f"{len(placeholders)} placeholders", "symbolic tracing cannot follow *args/**kwargs signatures",
-            "capture with method='export'",
+            "capture with capture='export'",
         ))
     return values
 

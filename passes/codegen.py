@@ -158,15 +158,15 @@ class Chain:
     input_names: tuple[str, ...]
     """Placeholder names of the captured graph, in order."""
     _output: Any = None
-    """(output node arguments, leaf slots, codegen) to rebuild the model's output."""
+    """(output node arguments, leaf slots, codegen, capture) to rebuild the model's output."""
 
     def output(self, leaves: Sequence[torch.Tensor]) -> Any:
         """The model's output (its nested structure) from the last stage's tensors."""
-        args, slots, graph_codegen = self._output
+        args, slots, graph_codegen, captured = self._output
         it = iter(leaves)
         values = {slot: next(it) for slot in slots}
         out = fx.node.map_aggregate(args, lambda a: values[a] if isinstance(a, fx.Node) else a)
-        return graph_codegen.process_outputs(out)
+        return captured.restore_output(graph_codegen.process_outputs(out))
 
     def __call__(self, *flat_inputs: Any) -> Any:
         """Run the stages in turn in this process (for checking the chain against the model)."""
@@ -347,5 +347,5 @@ def generate_chain(
         inputs_meta=tuple(inputs_meta),
         outputs_meta=tuple(outputs_meta),
         input_names=tuple(ph.name for ph in placeholders),
-        _output=(output.args[0], tuple(out_slots), gm.graph._codegen),
+        _output=(output.args[0], tuple(out_slots), gm.graph._codegen, captured),
     )

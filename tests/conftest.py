@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -27,6 +28,8 @@ def _leaves(out):
         return [t for k in sorted(out.keys()) for t in _leaves(out[k])]
     if isinstance(out, (tuple, list)):
         return [t for o in out for t in _leaves(o)]
+    if dataclasses.is_dataclass(out):
+        return [t for f in dataclasses.fields(out) for t in _leaves(getattr(out, f.name))]
     return []
 
 

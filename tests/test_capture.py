@@ -79,7 +79,7 @@ def test_annotations_count_flops_params_and_saved_activations():
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
     x = torch.randn(5, 8)
     captured = capture(model, (x,))
-    annotate(captured, flat_inputs(captured, model, (x,), {}))
+    annotate(captured, flat_inputs(captured, (x,), {}))
     first = node_info(next(n for n in captured.gm.graph.nodes if n.op == "call_module"))
     assert first.fwd_flops == 2 * 5 * 8 * 16
     assert first.bwd_flops == first.fwd_flops  # the weight's gradient; the input data needs none
@@ -106,7 +106,7 @@ def test_a_tensor_saved_by_several_consumers_counts_once():
 
     model, x = QKV(), torch.randn(5, 8)
     captured = capture(model, (x,))
-    annotate(captured, flat_inputs(captured, model, (x,), {}))
+    annotate(captured, flat_inputs(captured, (x,), {}))
     table = estimate(captured.gm, resolve_devices(["cpu"]))
     saved = dict(zip(table.nodes, table.saved_bytes))
     size = 5 * 8 * 4
@@ -122,10 +122,10 @@ def test_memoised_annotations_equal_measuring_every_node(monkeypatch):
     model = GPT(vocab=30, d_model=16, n_layers=3, n_heads=2, max_len=8)
     x = torch.randint(0, 30, (2, 8))
     memoised = capture(model, (x,))
-    annotate(memoised, flat_inputs(memoised, model, (x,), {}))
+    annotate(memoised, flat_inputs(memoised, (x,), {}))
     monkeypatch.setattr(annotate_module._Annotator, "_signature", lambda self, n, a, k: None)
     fresh = capture(model, (x,))
-    annotate(fresh, flat_inputs(fresh, model, (x,), {}))
+    annotate(fresh, flat_inputs(fresh, (x,), {}))
     pairs = list(zip(memoised.gm.graph.nodes, fresh.gm.graph.nodes))
     assert all(a.meta.get("autosplit") == b.meta.get("autosplit") for a, b in pairs)
     assert sum(node_info(a).fwd_flops for a, _ in pairs if "autosplit" in a.meta) > 0

@@ -61,7 +61,7 @@ def test_profile_measures_real_work_and_leaves_the_model_as_it_was(tmp_path):
     model_before = copy.deepcopy(model.state_dict())
     rng_before = torch.get_rng_state()
     captured = capture(model, (x,))
-    inputs = flat_inputs(captured, model, (x,), {})
+    inputs = flat_inputs(captured, (x,), {})
     # Five repeats: a median over two is a mean, which one preemption on a busy machine spoils.
     prof = profile_module.profile(
         captured, inputs, "cpu", fingerprint="test", options=autosplit.ProfileOptions(use_cache=False, warmup=1, repeats=5)
@@ -94,7 +94,7 @@ def test_cpu_profile_times_nodes_inside_whole_passes():
     on its own, each backward lands on the node whose forward made it, and gradients are untouched."""
     model, tokens = Lookup(), torch.randint(0, 4000, (64, 16))
     captured = capture(model, (tokens,))
-    micro = flat_inputs(captured, model, (tokens[:16],), {})
+    micro = flat_inputs(captured, (tokens[:16],), {})
     options = autosplit.ProfileOptions(use_cache=False, warmup=1, repeats=3, threads=1)
     prof = profile_module.profile(captured, micro, "cpu", fingerprint="test", options=options, micro_batches=4,
                                   forwards_first=True)
@@ -117,7 +117,7 @@ def test_cpu_profile_times_nodes_inside_whole_passes():
 def test_the_optimizer_step_is_measured_and_spread_over_the_nodes_by_their_parameters():
     model, tokens = Lookup(), torch.randint(0, 4000, (16, 16))
     captured = capture(model, (tokens,))
-    inputs = flat_inputs(captured, model, (tokens,), {})
+    inputs = flat_inputs(captured, (tokens,), {})
     options = autosplit.ProfileOptions(use_cache=False, warmup=1, repeats=3)
     before = copy.deepcopy(model.state_dict())
     adam = profile_module.profile(captured, inputs, "cpu", fingerprint="test", options=options, optimizer="adam")
@@ -186,7 +186,7 @@ def test_a_saved_cost_table_plans_like_the_original_and_a_foreign_one_is_refused
 
     model, x = Net(), torch.randn(8, 256)
     captured = capture(model, (x,))
-    annotate(captured, flat_inputs(captured, model, (x,), {}))
+    annotate(captured, flat_inputs(captured, (x,), {}))
     table = with_overrides(estimate(captured.gm, resolve_devices(["cpu"] * 2)), {"small": {"fwd": 5.0}})
     table.save(tmp_path / "costs.json")
     assert CostTable.load(tmp_path / "costs.json") == table
@@ -286,7 +286,7 @@ def test_in_place_writes_are_seen_from_version_counters():
     model = nn.Sequential(_InPlaceBlock(), _InPlaceBlock())
     x = torch.randn(2, 4, 8, 8)
     captured = capture(model, (x,))
-    gm = annotate(captured, flat_inputs(captured, model, (x,), {}))  # the second block's nodes repeat the first's
+    gm = annotate(captured, flat_inputs(captured, (x,), {}))  # the second block's nodes repeat the first's
     mutates = {n.name: node_info(n).mutates for n in gm.graph.nodes if n.op != "output"}
     written = {name: by for name, by in mutates.items() if by}
     assert written["_0_relu"] == ("_0_b1",) and written["_1_relu"] == ("_1_b1",), written  # a repeated node too
@@ -305,7 +305,7 @@ def test_build_problem_caches_the_arrays_its_tuples_hold():
 
     model, ids = GPT(vocab=50, d_model=16, n_layers=2, n_heads=2, max_len=8), torch.randint(0, 50, (2, 8))
     captured = capture(model, (ids,))
-    annotate(captured, flat_inputs(captured, model, (ids,), {}))
+    annotate(captured, flat_inputs(captured, (ids,), {}))
     problem = build_problem(estimate(captured.gm, resolve_devices(["cpu"] * 3)), micro_batches=6, schedule="1f1b")
     derived = Problem.arrays.func(problem)  # from the tuples, as a Problem made by hand gets them
     for field in ("compute", "transfer", "state", "act", "recv", "send", "producer", "consumer"):
@@ -325,7 +325,7 @@ def test_analytic_costs_count_the_fused_lstm_kernel():
 
     model, x = Recurrent(), torch.randn(4, 10, 64)
     captured = capture(model, (x,))
-    gm = annotate(captured, flat_inputs(captured, model, (x,), {}))
+    gm = annotate(captured, flat_inputs(captured, (x,), {}))
     info = node_info(next(n for n in gm.graph.nodes if n.name == "lstm"))
     gates = 2 * 4 * 10 * (4 * 128 * 64 + 4 * 128 * 128)  # tokens × (|W_ih| + |W_hh|), multiply-adds
     assert info.fwd_flops == gates and info.bwd_flops == 2 * gates

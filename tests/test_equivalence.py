@@ -310,7 +310,7 @@ def test_module_called_twice_and_in_place_writes_stay_with_their_tensor():
 
     model, inputs, kwargs = ZOO["dict_tuple_output"]()
     captured = capture(model, inputs, kwargs)
-    annotate(captured, flat_inputs(captured, model, inputs, kwargs))
+    annotate(captured, flat_inputs(captured, inputs, kwargs))
     table = estimate(captured.gm, resolve_devices(["cpu"] * 2))
     groups = [{table.nodes[i] for i in g} for g in table.colocate]
     assert {"shared", "shared_1", "add_"} <= next(g for g in groups if "shared" in g)

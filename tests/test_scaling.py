@@ -25,7 +25,7 @@ def _gpt_problem(layers: int = 6, devices: int = 4, method: str = "auto", **kw):
     model = GPT(vocab=64, d_model=32, n_layers=layers, n_heads=2, max_len=16)
     x = torch.randint(0, 64, (2, 16))
     captured = capture(model, (x,), method=method)
-    annotate(captured, flat_inputs(captured, model, (x,), {}))
+    annotate(captured, flat_inputs(captured, (x,), {}))
     table = estimate(captured.gm, resolve_devices(["A100-80GB"] * devices))
     return build_problem(table, micro_batches=4 * devices, **kw), captured
 

@@ -496,7 +496,7 @@ def distribute(
                 tied_groups.append((p.name, group))
 
     def to_flat(args: tuple, kwargs: dict) -> list[Any]:
-        return flat_inputs(captured, model, tuple(args), kwargs)
+        return flat_inputs(captured, tuple(args), kwargs)
 
     return DistributedModel(
         model=model, plan=made, chain=chain, layout=layout, device=device, loss_fn=loss_fn,
@@ -537,7 +537,7 @@ def _chain(
                     "make forward independent of the batch size, or plan with micro_batches=1",
                 )
             )
-    flat = flat_inputs(captured, model, args, kwargs)
+    flat = flat_inputs(captured, args, kwargs)
     return generate_chain(captured, plan.stage_of, stages, flat, replicate=replicate), captured
 
 

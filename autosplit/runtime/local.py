@@ -21,6 +21,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from autosplit.passes.capture import Captured, flat_inputs
 from autosplit.passes.codegen import Program
 from autosplit.plan import Plan
 
@@ -31,18 +32,21 @@ class SplitModule(torch.nn.Module):
     """A model partitioned over devices by a :class:`Plan`."""
 
     _program: Program
+    _captured: Captured
     plan: Plan
 
-    def __init__(self, model: torch.nn.Module, program: Program, plan: Plan):
+    def __init__(self, model: torch.nn.Module, captured: Captured, program: Program, plan: Plan):
         super().__init__()
-        for name, child in model.named_children():
+        # Every name, aliases included (one module or parameter under two names), as the model has them.
+        for name, child in model._modules.items():
             self.add_module(name, child)
-        for name, p in model.named_parameters(recurse=False):
+        for name, p in model._parameters.items():
             self.register_parameter(name, p)
-        for name, b in model.named_buffers(recurse=False):
+        for name, b in model._buffers.items():
             self.register_buffer(name, b, persistent=name not in model._non_persistent_buffers_set)
         # Plain attributes, not submodules: the stages reuse the tree registered above.
         object.__setattr__(self, "_program", program)
+        object.__setattr__(self, "_captured", captured)
         object.__setattr__(self, "plan", plan)
         self.training = model.training
 
@@ -64,7 +68,12 @@ class SplitModule(torch.nn.Module):
         return "\n\n".join(parts)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self._program.program(*args, **kwargs)
+        captured = self._captured
+        if captured.method == "export":  # the program flattens (args, kwargs) by the exported spec itself
+            out = self._program.program(*args, **{**captured.fixed_kwargs, **kwargs})
+        else:
+            out = self._program.program(*flat_inputs(captured, args, kwargs))
+        return captured.restore_output(out)
 
     def extra_repr(self) -> str:
         return f"stages={len(self.stages)}, devices={list(self.devices)}"

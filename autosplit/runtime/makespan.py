@@ -88,7 +88,7 @@ class MakespanRunner(torch.nn.Module):
         self._writes = {n.name: _written_inputs(n) for n in captured.gm.graph.nodes}
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self._captured.gm(*flat_inputs(self._captured, self.model, args, kwargs))
+        return self._captured.restore_output(self._captured.gm(*flat_inputs(self._captured, args, kwargs)))
 
     def optimizer(self, cls: type[torch.optim.Optimizer], **kwargs: Any) -> DeviceOptimizers:
         """``cls(params, **kwargs)`` for each device over the parameters its nodes read (a
@@ -119,7 +119,7 @@ class MakespanRunner(torch.nn.Module):
         gm = self._captured.gm
         env: dict[fx.Node, Any] = {}
         for node, value in zip((n for n in gm.graph.nodes if n.op == "placeholder"),
-                               flat_inputs(self._captured, self.model, args, kwargs)):
+                               flat_inputs(self._captured, args, kwargs)):
             env[node] = value
         output_node = next(n for n in gm.graph.nodes if n.op == "output")
         state = _Step(self._interpreter, env)
