@@ -41,7 +41,7 @@ from autosplit.passes.codegen import Program, generate
 from autosplit.passes.costs import CostTable, estimate, with_overrides
 from autosplit.passes.profile import ProfileOptions, profile
 from autosplit.plan import Plan, PlannedTask, SharedParam, SolverInfo, StageReport, StepTerms
-from autosplit.runtime.microbatch import split_batch
+from autosplit.runtime.microbatch import batch_size, split_batch
 from autosplit.solver import Problem, build_problem, choose_order, evaluate, solve, validate
 from autosplit.solver.hybrid import ring_allreduce
 from autosplit.solver.makespan import schedule_of, solve_makespan
@@ -71,22 +71,56 @@ class Traced:
     """The example values of the graph's placeholders, in order."""
     fingerprint: str
     timings: Mapping[str, float] = field(default_factory=dict)
+    model: torch.nn.Module | None = None
+    example: tuple[tuple, Mapping[str, Any]] = ((), {})
+    """The example call ``(args, kwargs)`` it was captured with."""
+    _micro: dict[int, Captured] = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def node_names(self) -> set[str]:
         return {n.name for n in self.captured.gm.graph.nodes if n.op not in ("placeholder", "output")}
 
+    def at_micro_batch(self, micro_batches: int) -> tuple[Captured, list[Any]]:
+        """The capture to run one of ``micro_batches`` micro-batches with, and its placeholder values.
+
+        torch.export specialises a graph to its example shapes (guards, view sizes), so an
+        exported model is captured again at the micro-batch's shape — it must give the same
+        graph, or it is refused. A symbolically traced graph runs any batch as it is.
+        """
+        if micro_batches == 1 or self.captured.method != "export":  # defaults included, cut like the inputs
+            return self.captured, list(split_batch(self.inputs, None, micro_batches)[0][0])
+        args, kwargs = split_batch(self.example[0], self.example[1], micro_batches)[0]
+        if micro_batches not in self._micro:
+            if self.model is None:
+                raise CodegenError(advice(
+                    f"this exported graph is specialised to its batch and cannot run {micro_batches} micro-batches",
+                    "the trace was made without its model, so it cannot be captured again at the micro-batch's shape",
+                    "trace with autosplit.compiler.trace(model, ...)",
+                ))
+            captured = capture(self.model, args, dict(kwargs), method="export")
+            if fingerprint(captured.gm) != self.fingerprint:
+                raise CodegenError(advice(
+                    f"the model captures as another graph at the micro-batch's shape ({batch_size(args, kwargs)} rows) "
+                    f"than at the batch's ({batch_size(*self.example)} rows)",
+                    "Python control flow or torch.export specialisation that depends on the batch size",
+                    "make forward independent of the batch size, or plan with micro_batches=1",
+                ))
+            self._micro[micro_batches] = captured
+        captured = self._micro[micro_batches]
+        return captured, flat_inputs(captured, args, kwargs)
+
 
 def trace(model: torch.nn.Module, example_inputs: tuple, example_kwargs: Mapping[str, Any] | None, *, method: str) -> Traced:
     """Steps *capture* and *annotate*."""
     timings: dict[str, float] = {}
+    kwargs = dict(example_kwargs or {})
     with _timed("capture", timings):
-        captured = capture(model, example_inputs, dict(example_kwargs or {}), method=method)
+        captured = capture(model, example_inputs, kwargs, method=method)
         graph_id = fingerprint(captured.gm)
-    inputs = flat_inputs(captured, example_inputs, dict(example_kwargs or {}))
+    inputs = flat_inputs(captured, example_inputs, kwargs)
     with _timed("annotate", timings):
         annotate(captured, inputs)
-    return Traced(captured, tuple(inputs), graph_id, timings)
+    return Traced(captured, tuple(inputs), graph_id, timings, model=model, example=(tuple(example_inputs), kwargs))
 
 
 def compile_plan(
@@ -390,9 +424,9 @@ def _measured(
                 "pass torch devices (e.g. 'cpu', 'cuda:0'), or costs='analytic' with calibrated specs (autosplit.calibrate)",
             )
         )
-    micro = list(split_batch(traced.inputs, None, micro_batches)[0][0])
+    captured, micro = traced.at_micro_batch(micro_batches)
     profiles = {
-        dev: profile(traced.captured, micro, dev, fingerprint=traced.fingerprint, options=profiling,
+        dev: profile(captured, micro, dev, fingerprint=traced.fingerprint, options=profiling,
                      micro_batches=micro_batches, forwards_first=options.schedule == "gpipe", optimizer=options.optimizer)
         for dev in present
     }

@@ -30,6 +30,7 @@ Usage::
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import functools
@@ -40,7 +41,7 @@ import operator
 import os
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -376,6 +377,20 @@ def _optimizer_step(gm: fx.GraphModule, optimizer: str, device: torch.device, op
                 p.grad = grad
 
 
+@contextlib.contextmanager
+def _state_restored(gm: fx.GraphModule) -> Iterator[None]:
+    """Every parameter and buffer of ``gm`` as it was when the block began (those written are copied back)."""
+    state = [t for t in {id(t): t for t in [*gm.parameters(), *gm.buffers()]}.values()]
+    kept = [(t, t._version, t.detach().clone()) for t in state]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for t, version, value in kept:
+                if t._version != version:
+                    t.copy_(value)
+
+
 def _key(captured: Captured, inputs: Sequence[Any], device: torch.device, fingerprint: str, options: ProfileOptions) -> dict:
     tensors = [t for t in pytree.tree_leaves(list(inputs)) if isinstance(t, torch.Tensor)]
     dtypes = sorted({str(p.dtype) for p in captured.gm.parameters()} | {str(t.dtype) for t in tensors})
@@ -425,10 +440,12 @@ def profile(
     on_device = all(t.device == dev for t in [*gm.parameters(), *gm.buffers()])
     if not on_device:
         gm = copy.deepcopy(gm).to(dev)
-    buffers = {name: b.detach().clone() for name, b in gm.named_buffers()}
     inputs = [x.to(dev) if isinstance(x, torch.Tensor) else x for x in inputs]
     start = time.perf_counter()
-    with pinned(options.threads, options.cores), torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
+    # Profiling runs forward many times: BatchNorm's statistics, and any weight forward updates
+    # itself (an EMA teacher), are put back afterwards, whether profiling succeeds or fails.
+    with _state_restored(gm), pinned(options.threads, options.cores), \
+            torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
         profiler = _Profiler(gm, dev, options)
         profiler.run(*inputs)
         if dev.type == "cpu":
@@ -437,9 +454,6 @@ def profile(
                 name: dataclasses.replace(p, fwd=times[name][0], bwd=times[name][1]) for name, p in profiler.results.items()
             }
         optimizer_step = _optimizer_step(gm, optimizer, dev, options)
-    with torch.no_grad():  # profiling ran BatchNorm & co. many times: put their statistics back
-        for name, b in gm.named_buffers():
-            b.copy_(buffers[name])
     result = Profile(device, key, profiler.results, time.perf_counter() - start, optimizer_step=optimizer_step)
     log.info("profiled %d nodes on %s in %.2fs", len(result.nodes), device, result.wall_time)
     if options.use_cache:

@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn as nn
 import zoo
-from conftest import assert_trains_like
+from conftest import _loss, assert_trains_like
 
 import autosplit
 from autosplit.passes.capture import capture
@@ -54,7 +54,7 @@ def test_none_argument_takes_the_branch_the_call_takes():
 def test_tensor_default_is_an_input_and_can_be_passed():
     model = zoo.TensorDefault().double()
     split = autosplit.autosplit(model, ["cpu"] * 2, example_inputs=(X.double(),))
-    shift = torch.arange(4, dtype=torch.float64)
+    shift = torch.arange(3, dtype=torch.float64)
     torch.testing.assert_close(split(X.double(), shift), model(X.double(), shift))
     assert not hasattr(model, "_tensor_constant0")
 
@@ -164,15 +164,25 @@ def _values(model):
     return {k: v.detach().clone() for k, v in [*model.named_parameters(), *model.named_buffers()]}
 
 
-@pytest.mark.parametrize("verb", ["plan", "autosplit", "compare"])
+VERBS = {
+    "plan": lambda model, inputs: autosplit.plan(model, ["cpu"] * 2, example_inputs=inputs),
+    "autosplit": lambda model, inputs: autosplit.autosplit(model, ["cpu"] * 2, example_inputs=inputs),
+    "plan with measured costs": lambda model, inputs: autosplit.plan(
+        model, ["cpu"] * 2, example_inputs=inputs, costs=autosplit.ProfileOptions(use_cache=False, repeats=1), micro_batches=2
+    ),
+    "compare, measured": lambda model, inputs: autosplit.compare(
+        model, ["cpu"] * 2, example_inputs=inputs, manual={"halves": [1, 1]}, measure=True, steps=1,
+        loss_fn=lambda out, target: _loss(out), target=torch.zeros(4), micro_batches=2,
+    ),
+}
+
+
+@pytest.mark.parametrize("verb", list(VERBS))
 def test_planning_never_changes_the_users_model(verb):
     """Parameters, buffers, hooks, attributes and requires_grad flags are identical before and after."""
     for name, model, inputs in _zoo():
         snapshot, values = ModelSnapshot.of(model), _values(model)
-        if verb == "compare":
-            autosplit.compare(model, ["cpu"] * 2, example_inputs=inputs)
-        else:
-            getattr(autosplit, verb)(model, ["cpu"] * 2, example_inputs=inputs)
+        VERBS[verb](model, inputs)
         assert snapshot.changes(model, versions=False) == [], name
         for key, value in _values(model).items():
             assert torch.equal(value, values[key]), f"{name}: {key} changed by {verb}"

@@ -144,9 +144,9 @@ class TensorDefault(nn.Module):
     def __init__(self):
         super().__init__()
         self.a = _mlp(D, D, D)
-        self.b = nn.Linear(D, 4)
+        self.b = nn.Linear(D, 3)
 
-    def forward(self, x, shift=torch.full((4,), 0.5)):  # noqa: B008 -- the pattern under test
+    def forward(self, x, shift=torch.full((3,), 0.5)):  # noqa: B008 -- the pattern under test
         return self.b(self.a(x)) + shift
 
 
