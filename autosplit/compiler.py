@@ -80,6 +80,11 @@ class Traced:
     def node_names(self) -> set[str]:
         return {n.name for n in self.captured.gm.graph.nodes if n.op not in ("placeholder", "output")}
 
+    @property
+    def batch(self) -> int | None:
+        """Rows of the example batch (dimension 0 of its first tensor), the micro-batches cut."""
+        return batch_size(self.inputs)
+
     def at_micro_batch(self, micro_batches: int) -> tuple[Captured, list[Any]]:
         """The capture to run one of ``micro_batches`` micro-batches with, and its placeholder values.
 
@@ -132,7 +137,7 @@ def compile_plan(
     timings = dict(traced.timings)
     if given is not None:
         given.check_fingerprint(traced.fingerprint, traced.node_names)
-    M = options.micro_batches_for(len(specs))
+    M = options.micro_batches_for(len(specs), traced.batch)
     with _timed("estimate", timings):
         table, source = _costs(traced, specs, options, micro_batches=M)
     rules = _user_constraints(table, options)

@@ -356,7 +356,7 @@ def _costed(
         stage_devices=order,
         stages=(),
         step_time=0.0,
-        micro_batches=planner.options.micro_batches_for(len(specs)),
+        micro_batches=planner.options.micro_batches_for(len(specs), traced.batch),
         schedule=planner.options.schedule,
         solver=SolverInfo(name=name, status="MANUAL", objective=0.0, bound=0.0, gap=0.0, wall_time=0.0,
                           time_limit=0.0, seed=0),

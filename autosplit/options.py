@@ -46,8 +46,9 @@ class PlanOptions:
     timed so that parallel branches run at once; one micro-batch; built into a
     :class:`~autosplit.runtime.makespan.MakespanRunner` on CPU devices)."""
     micro_batches: int | None = None
-    """Micro-batches per step. ``None``: 4 × the number of devices (GPipe, Huang et al. 2019
-    §2.2: with M ≥ 4·S the bubble is small); always 1 for ``schedule="sequential"``."""
+    """Micro-batches per step; must divide the batch. ``None``: the largest count ≤ 4 × the number of
+    devices that divides the batch (GPipe, Huang et al. 2019 §2.2: with M ≥ 4·S the bubble is
+    small); always 1 for ``schedule="sequential"``."""
     schedule: str = "gpipe"
     """``"gpipe"`` (all forwards, then all backwards), ``"1f1b"`` (PipeDream-Flush: each stage
     holds at most S − s micro-batches), ``"sequential"`` (one batch, stages in turn), or an
@@ -89,7 +90,7 @@ class PlanOptions:
             return isinstance(x, int) and not isinstance(x, bool)
 
         if self.micro_batches is not None and (not is_int(self.micro_batches) or self.micro_batches < 1):
-            raise bad("micro_batches", self.micro_batches, "an integer ≥ 1, or None for 4 × devices")
+            raise bad("micro_batches", self.micro_batches, "an integer ≥ 1, or None for the default (≤ 4 × devices, dividing the batch)")
         if self.schedule not in SCHEDULES:
             raise bad("schedule", self.schedule, f"one of {SCHEDULES}")
         if self.objective not in OBJECTIVES:
@@ -146,9 +147,20 @@ class PlanOptions:
     def names(cls) -> tuple[str, ...]:
         return tuple(f.name for f in dataclasses.fields(cls))
 
-    def micro_batches_for(self, stages: int) -> int:
-        """The number of micro-batches for ``stages`` devices (1 when sequential, and for the
-        makespan objective, which places one whole batch)."""
+    def micro_batches_for(self, stages: int, batch: int | None = None) -> int:
+        """The number of micro-batches for ``stages`` devices and a batch of ``batch`` rows: 1 when
+        sequential and for the makespan objective (one whole batch); by default the largest count
+        ≤ 4 × stages that divides the batch; an explicit count that does not divide it is refused."""
         if self.schedule == "sequential" or self.objective == "makespan":
             return 1
-        return self.micro_batches or 4 * stages
+        if self.micro_batches is not None:
+            if batch is not None and batch % self.micro_batches:
+                divisors = [m for m in range(1, batch + 1) if batch % m == 0]
+                raise ConstraintError(advice(
+                    f"micro_batches={self.micro_batches} does not divide the batch of {batch} rows",
+                    "every micro-batch of a pipeline has the same shape",
+                    f"pass micro_batches= one of {divisors}, or None for the default",
+                ))
+            return self.micro_batches
+        want = 4 * stages
+        return want if batch is None else max(m for m in range(1, min(want, batch) + 1) if batch % m == 0)

@@ -34,6 +34,7 @@ from autosplit.options import PlanOptions
 from autosplit.plan import Plan
 from autosplit.runtime.local import SplitModule
 from autosplit.runtime.makespan import MakespanRunner
+from autosplit.runtime.microbatch import batch_size
 
 __all__ = ["Planner", "plan", "autosplit", "load_plan", "make_options"]
 
@@ -71,6 +72,7 @@ class Planner:
         self.example_kwargs = dict(example_kwargs or {})
         self.options = make_options(options, **fields)
         self.devices = None if devices is None else tuple(devices)
+        self.options.micro_batches_for(1, batch_size(self.example_inputs, self.example_kwargs))  # refuses a count the batch does not divide
         self._traced: Traced | None = None
 
     @property

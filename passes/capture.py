@@ -36,7 +36,7 @@ from torch.fx.graph import _PyTreeCodeGen
 from torch.utils import _pytree as pytree
 
 from autosplit.errors import CaptureError, advice
-from autosplit.passes.fidelity import ModelSnapshot, RefuseStateWrites, StateWrite, Watch, functions_applied, hook_kinds, keep_functions
+from autosplit.passes.fidelity import ModelSnapshot, RefuseStateWrites, Watch, functions_applied, hook_kinds, keep_functions
 
 __all__ = ["Captured", "capture", "flat_inputs", "fingerprint"]
 
@@ -183,16 +183,20 @@ def _strip_tensor_defaults(graph: fx.Graph) -> None:
                 graph.erase_node(const)
 
 
-def _symbolic_trace(model: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[fx.GraphModule, type | None]:
-    """Trace with torch.fx; a :class:`_Unfaithful` error names what the trace would drop."""
+def _symbolic_trace(model: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[fx.GraphModule | None, type | None, list[str]]:
+    """Trace with torch.fx: (graph, output class, ``[]``), or ``(None, None, what the trace would drop)``."""
     tracer = _Tracer(_tied_owners(model))
+    guard = RefuseStateWrites(model)
     try:
-        with RefuseStateWrites(model), keep_functions(tracer):
+        with guard, keep_functions(tracer):
             graph = tracer.trace(model, concrete_args=_concrete_args(model, args, kwargs) or None)
-    except StateWrite as e:
-        raise _Unfaithful([str(e)]) from None
+    except CaptureError:
+        if guard.stopped is None:
+            raise
+    if guard.stopped is not None:  # also when forward caught the error and went on
+        return None, None, [guard.stopped]
     if tracer.watch.lost:
-        raise _Unfaithful(list(tracer.watch.lost))
+        return None, None, tracer.watch.lost
     _strip_tensor_defaults(graph)
     output = next(iter(graph.find_nodes(op="output")))
     made = output.args[0]
@@ -206,15 +210,7 @@ def _symbolic_trace(model: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[
     # Generating the module's Python code waits until something calls it or reads it: the
     # passes only interpret the graph, and for 10k nodes the code takes about a second.
     with _use_lazy_graph_module(True):
-        return _make_graph_module(tracer.root, graph, name), tracer.output_type
-
-
-class _Unfaithful(Exception):
-    """Symbolic tracing would drop these constructs (one line each)."""
-
-    def __init__(self, lost: list[str]):
-        super().__init__("; ".join(lost))
-        self.lost = lost
+        return _make_graph_module(tracer.root, graph, name), tracer.output_type, []
 
 
 def _export(model: torch.nn.Module, args: tuple, kwargs: dict) -> fx.GraphModule:
@@ -293,10 +289,13 @@ def _capture(model: torch.nn.Module, args: tuple, kwargs: dict, method: str) -> 
     lost: list[str] = []
     if method in ("auto", "symbolic_trace"):
         try:
-            gm, output_type = _symbolic_trace(model, args, kwargs)
-            return gm, "symbolic_trace", output_type, []
-        except _Unfaithful as e:
-            lost = e.lost
+            gm, output_type, lost = _symbolic_trace(model, args, kwargs)
+        except Exception as e:  # noqa: BLE001 -- fx raises many types (TraceError, TypeError, ...); export is tried next
+            errors.append(f"symbolic_trace: {type(e).__name__}: {e}")
+            log.info("symbolic tracing failed (%s); falling back to torch.export", e)
+        else:
+            if gm is not None:
+                return gm, "symbolic_trace", output_type, []
             if method == "symbolic_trace":
                 raise CaptureError(advice(
                     f"symbolic tracing of {type(model).__name__} would silently drop: " + "; ".join(lost),
@@ -304,11 +303,8 @@ def _capture(model: torch.nn.Module, args: tuple, kwargs: dict, method: str) -> 
                     "backwards and eager writes into weights happen at trace time and are lost",
                     "pass capture='auto' or capture='export' (torch.export records grad-mode and autocast regions "
                     "and root hooks), or move the construct out of forward",
-                )) from None
+                ))
             errors.append("symbolic_trace would drop: " + "; ".join(lost))
-        except Exception as e:  # noqa: BLE001 -- fx raises many types (TraceError, TypeError, ...); export is tried next
-            errors.append(f"symbolic_trace: {type(e).__name__}: {e}")
-            log.info("symbolic tracing failed (%s); falling back to torch.export", e)
     if method in ("auto", "export"):
         try:
             return _export(model, args, kwargs), "export", None, lost

@@ -29,7 +29,7 @@ before and after.
 Usage::
 
     snapshot = ModelSnapshot.of(model)
-    with RefuseStateWrites(model), keep_functions(tracer):
+    with RefuseStateWrites(model) as guard, keep_functions(tracer):
         graph = tracer.trace(model)
     snapshot.restore_attributes(model)
     assert not snapshot.changes(model)
@@ -49,9 +49,9 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = [
-    "ModelSnapshot", "RefuseStateWrites", "StateWrite", "Watch", "functions_applied", "hook_kinds", "keep_functions",
-]
+from autosplit.errors import CaptureError, advice
+
+__all__ = ["ModelSnapshot", "RefuseStateWrites", "Watch", "functions_applied", "hook_kinds", "keep_functions"]
 
 _DEVICE_TYPES = ("cpu", "cuda")
 _HOOKS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
@@ -122,10 +122,6 @@ def hook_kinds(module: torch.nn.Module) -> list[str]:
     return own + global_
 
 
-class StateWrite(RuntimeError):
-    """An op at trace time would write into a parameter or buffer of the model (it was stopped before it ran)."""
-
-
 _TENSOR_DATA = torch._C.TensorBase.__dict__["data"]
 
 
@@ -137,6 +133,8 @@ class RefuseStateWrites(TorchDispatchMode):
 
     def __init__(self, model: torch.nn.Module) -> None:
         super().__init__()
+        self.stopped: str | None = None
+        """The first write stopped, in the user's terms (None: none was tried)."""
         self._names: dict[StorageWeakRef, str] = {}
         for name, t in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
             with contextlib.suppress(RuntimeError, NotImplementedError):  # tensors without storage (subclasses)
@@ -156,7 +154,7 @@ class RefuseStateWrites(TorchDispatchMode):
         def set_data(t: torch.Tensor, value: torch.Tensor) -> None:
             name = self._state_name(t)
             if name is not None:
-                raise StateWrite(f"an assignment to {name}.data inside forward")
+                self._stop(f"an assignment to {name}.data inside forward")
             data.__set__(t, value)
 
         torch.Tensor.data = property(data.__get__, set_data)  # type: ignore[assignment]
@@ -174,8 +172,15 @@ class RefuseStateWrites(TorchDispatchMode):
                     continue
                 value = args[i] if i < len(args) else kwargs.get(arg.name)
                 for name in filter(None, map(self._state_name, pytree.tree_leaves(value))):
-                    raise StateWrite(f"an in-place update of {name} inside forward ({func})")
+                    self._stop(f"an in-place update of {name} inside forward ({func})")
         return func(*args, **kwargs)
+
+    def _stop(self, construct: str) -> None:
+        self.stopped = self.stopped or construct
+        raise CaptureError(advice(
+            f"{construct} was stopped before it ran", "symbolic tracing runs forward's eager code on the real weights",
+            "capture with torch.export (capture='auto' does), or move the update out of forward",
+        ))
 
 
 # -- custom autograd Functions ---------------------------------------------------------------------

@@ -55,7 +55,7 @@ def test_planner_captures_once_and_answers_what_if():
     traced = planner.traced
     wider = planner.what_if(devices=["cpu"] * 3, schedule="1f1b")
     assert planner.traced is traced, "what_if reuses the captured, annotated graph"
-    assert len(wider.stages) == 3 and wider.schedule == "1f1b" and wider.micro_batches == 12
+    assert len(wider.stages) == 3 and wider.schedule == "1f1b" and wider.micro_batches == 4, "the most ≤ 4 × 3 dividing 4 rows"
     assert first.schedule == "gpipe" and len(first.stages) == 2
     split = planner.build(first)
     assert split.plan.assignment == first.assignment
@@ -87,3 +87,12 @@ def test_library_is_clean_under_ruff_and_mypy(tool):
     args = [exe, "check", "autosplit", "passes"] if tool == "ruff" else [exe]
     result = subprocess.run(args, capture_output=True, text=True, cwd=ROOT)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+
+
+def test_default_micro_batches_divide_the_batch_and_an_explicit_count_must():
+    model, (tokens,) = _gpt()
+    six = torch.randint(0, 30, (6, 8))
+    assert autosplit.plan(model, ["cpu"] * 2, example_inputs=(six,), time_limit=1).micro_batches == 6  # ≤ 8, divides 6
+    assert autosplit.plan(model, ["cpu"] * 3, example_inputs=(tokens,), time_limit=1).micro_batches == 4
+    with pytest.raises(autosplit.ConstraintError, match=r"micro_batches=4 does not divide the batch of 6 rows.*\[1, 2, 3, 6\]"):
+        autosplit.Planner(model, ["cpu"] * 2, example_inputs=(six,), micro_batches=4)
