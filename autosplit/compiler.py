@@ -22,6 +22,7 @@ import contextlib
 import dataclasses
 import difflib
 import logging
+import re
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -383,10 +384,36 @@ def _stage_reports(problem: Problem, table: CostTable, stage_of: Sequence[int], 
     return tuple(reports)
 
 
+_ARTEFACT = re.compile(r"(^|\.)(_guards_fn|submod_\d+)(\.|$)")
+"""Modules torch.export adds (its shape guards, higher-order ops' bodies): not the user's."""
+
+
+def _unit(path: str) -> str:
+    """The module a report names for ``path``: down to the first numbered layer (``model.layers.3``), else two levels."""
+    parts = path.split(".") if path else []
+    numbered = next((i for i, part in enumerate(parts) if part.isdigit()), None)
+    return ".".join(parts[: numbered + 1 if numbered is not None else 2]) or "(root)"
+
+
+def _ranges(names: Sequence[str]) -> list[str]:
+    """Runs of consecutive numbered layers as one name: ``model.layers.0–4``."""
+    out: list[tuple[str, int, int] | str] = []
+    for name in names:
+        prefix, _, last = name.rpartition(".")
+        run = out[-1] if out else None
+        if last.isdigit() and isinstance(run, tuple) and run[0] == prefix and run[2] + 1 == int(last):
+            out[-1] = (prefix, run[1], int(last))
+        else:
+            out.append((prefix, int(last), int(last)) if last.isdigit() and prefix else name)
+    return [r if isinstance(r, str) else f"{r[0]}.{r[1]}" + (f"–{r[2]}" if r[2] > r[1] else "") for r in out]
+
+
 def _stage_modules(table: CostTable, members: Sequence[int]) -> tuple[str, ...]:
-    """A stage named by the modules (two levels deep) whose parameters it holds: the FQN lists of manual splits."""
+    """A stage named by the modules whose parameters it holds (numbered layers as ranges): the FQN
+    lists of manual splits, in short."""
     owners = [n for n in members if table.param_counts[n]] or members
-    return tuple(dict.fromkeys(".".join(table.module_paths[n].split(".")[:2]) or "(root)" for n in owners))
+    names = [u for u in dict.fromkeys(_unit(table.module_paths[n]) for n in owners) if not _ARTEFACT.search(u)]
+    return tuple(_ranges(names)) or ("(root)",)
 
 
 def _module_stages(table: CostTable, stage_of: Sequence[int]) -> dict[str, tuple[int, ...]]:
