@@ -41,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from autosplit.devices import resolve_devices  # noqa: E402
 from autosplit.errors import AutosplitError  # noqa: E402
+from autosplit.options import PlanOptions  # noqa: E402
 from autosplit.examples import GPT  # noqa: E402
 from autosplit.passes.annotate import annotate  # noqa: E402
 from autosplit.passes.capture import capture, flat_inputs  # noqa: E402
@@ -57,6 +58,8 @@ SHAPES = {
     "wide-untied": (1024, 16, 32000, 512, 4, False),
     "long-small-vocab": (384, 6, 8000, 2048, 2, True),
     "big-batch-untied": (640, 10, 32000, 128, 64, False),
+    "small": (256, 4, 8000, 128, 8, True),
+    "small-untied-batch2": (256, 4, 8000, 128, 2, False),
 }
 TARGETS = ((3000, 8, 0.01, 5.0), (10000, 64, 0.02, 10.0))
 """(at least this many nodes, onto this many devices, largest gap, most seconds end to end)."""
@@ -97,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     header = (f"{'shape':>16} {'layers':>6} {'nodes':>6} {'S':>3} {'annotate':>8} {'solve':>7} {'total':>7} {'status':>8} "
               f"{'gap':>6} {'autosplit':>10} {'dp':>10} {'cpsat-node':>10} {'uniform':>10}")
-    print("predicted step time in ms (A100-80GB presets, GPipe, M = 4·S); times in seconds")
+    print("predicted step time in ms (A100-80GB presets, GPipe, M = the most ≤ 4·S dividing the batch); times in seconds")
     print(header)
     for shape, layers in ((shape, layers) for shape in shapes for layers in dict.fromkeys(L for L, _ in pairs)):
         d_model, heads, vocab, seq, batch, tied = SHAPES[shape]
@@ -114,7 +117,8 @@ def main(argv: list[str] | None = None) -> int:
         for S in (S for L, S in pairs if L == layers):
             t0 = time.perf_counter()
             table = estimate(captured.gm, resolve_devices(["A100-80GB"] * S))
-            problem = build_problem(table, micro_batches=4 * S, schedule="gpipe")
+            # The planner's default: the most micro-batches ≤ 4·S that divide the batch (few per stage on small batches).
+            problem = build_problem(table, micro_batches=PlanOptions().micro_batches_for(S, batch), schedule="gpipe")
             t_build = time.perf_counter() - t0
             t0 = time.perf_counter()
             try:

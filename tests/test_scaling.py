@@ -95,7 +95,7 @@ def test_one_f_one_b_holds_fewer_micro_batches_than_gpipe():
     assert [in_flight("1f1b", s, 4, 8) for s in range(4)] == [4, 3, 2, 1]
     assert [in_flight("gpipe", s, 4, 8) for s in range(4)] == [8] * 4
     model = GPT(vocab=64, d_model=32, n_layers=4, n_heads=2, max_len=16)
-    x = torch.randint(0, 64, (4, 16))
+    x = torch.randint(0, 64, (8, 16))
     gpipe = autosplit.plan(model, ["cpu"] * 4, example_inputs=(x,), schedule="gpipe", micro_batches=8, time_limit=2)
     ofob = autosplit.plan(model, ["cpu"] * 4, example_inputs=(x,), schedule="1f1b", micro_batches=8, time_limit=2)
     assert sum(s.memory_activations for s in ofob.stages) < sum(s.memory_activations for s in gpipe.stages)

@@ -46,7 +46,10 @@ from ortools.graph.python import max_flow
 
 from autosplit.solver.problem import Problem
 
-__all__ = ["Chain", "chain_of", "lower_bound", "chain_bound", "crossing_floor", "memory_units", "memory_floor"]
+__all__ = [
+    "Chain", "chain_of", "lower_bound", "chain_bound", "chain_bounds", "crossing_floor", "crossing_floors", "memory_units",
+    "memory_floor",
+]
 
 
 def heaviest_chain(problem: Problem) -> list[int]:
@@ -250,8 +253,12 @@ def chain_of(problem: Problem) -> Chain:
     return Chain(chain, prefix, x, np.cumsum(forced_end)[: L + 1], np.cumsum(forced_start)[: L + 1], room)
 
 
-def chain_bound(problem: Problem, upper: float = math.inf, chain: Chain | None = None) -> float:
-    """B* above: no plan's slowest stage is faster. ``upper`` (any plan's slowest stage) narrows the DP.
+def chain_bounds(problem: Problem, upper: float = math.inf, chain: Chain | None = None) -> list[float]:
+    """[k] B* above with the chain in at most k segments (k = 1..S; [0] unused): no plan whose
+    boundaries cut the chain into k pieces has a faster slowest stage. ``upper`` (the slowest
+    stage of a known plan) narrows the DP: a segment of more compute than ``upper`` is left out,
+    so a count of pieces whose best split has a segment over it is bounded by ``upper`` — and by
+    the k-th of the chain's compute that one of its k pieces holds.
 
     Off-chain nodes forced into a segment (a, b] count as F(b) − G(a): the nodes forced
     inside, less those spanning past both ends, so never more than the true sum.
@@ -259,8 +266,9 @@ def chain_bound(problem: Problem, upper: float = math.inf, chain: Chain | None =
     S = problem.num_stages
     c = chain or chain_of(problem)
     L = len(c.nodes)
+    whole = float(c.prefix[-1])
     if S == 1 or L == 0:
-        return float(c.prefix[-1])
+        return [0.0] + [whole] * S
     lat = float(min(problem.boundary_latency))
     ends = np.arange(L + 1)
     lo = np.searchsorted(c.prefix, c.prefix - upper, side="left") if math.isfinite(upper) else np.zeros(L + 1, dtype=int)
@@ -272,32 +280,71 @@ def chain_bound(problem: Problem, upper: float = math.inf, chain: Chain | None =
     segment[~valid] = np.inf
     left, right = lat + c.x[starts], lat + c.x[ends][:, None]
     first, middle, last = segment + right, segment + left + right, segment + left
-    val = np.where(ends == 0, 0.0, np.inf)
-    for s in range(S):
-        t = first if s == 0 else last if s == S - 1 else middle
-        val = np.maximum(val[starts], t).min(axis=1)
-    return float(val[L])
+    bounds = [0.0, whole]
+    head = np.maximum(np.where(ends == 0, 0.0, np.inf)[starts], first).min(axis=1)  # first, then k − 2 middles
+    for k in range(2, S + 1):
+        value = float(np.maximum(head[starts], last).min(axis=1)[L])
+        bounds.append(max(min(value, upper), whole / k))  # k pieces hold the chain: one holds a k-th of it
+        head = np.maximum(head[starts], middle).min(axis=1)
+    return bounds
+
+
+def chain_bound(problem: Problem, upper: float = math.inf, chain: Chain | None = None) -> float:
+    """B* above, for the plan's S stages."""
+    return chain_bounds(problem, upper, chain)[problem.num_stages]
+
+
+def crossing_floors(problem: Problem, chain: Chain | None = None) -> list[float]:
+    """[D] the least the S − 1 boundaries carry, summed (each charged to both its stages), when D
+    of them sit at distinct positions inside the chain (∞ where no plan can): D positions at
+    their cheapest, the rest at the ends (free; as many as there are off-chain units to fill their
+    stages) or again at a chosen position (its x at least)."""
+    S = problem.num_stages
+    c = chain or chain_of(problem)
+    L = len(c.nodes)
+    inner = np.sort(c.x[1:L]) if L > 1 else np.zeros(0)
+    at_ends = int(c.room[0] + c.room[L]) if L else S - 1
+    floors = []
+    for D in range(S):
+        rest = max(0, S - 1 - D - at_ends)
+        if D > len(inner) or (rest and D == 0):
+            floors.append(math.inf)
+        else:
+            floors.append(2.0 * float(inner[:D].sum() + rest * (inner[0] if D else 0.0)))
+    return floors
 
 
 def crossing_floor(problem: Problem, chain: Chain | None = None) -> float:
-    """The least any plan's S − 1 boundaries carry, summed (each is charged to both its stages):
-    the cheapest positions, each used at most as often as it has room."""
-    c = chain or chain_of(problem)
-    cheapest = np.argsort(c.x, kind="stable")
-    room = c.room[cheapest]
-    before = np.cumsum(room) - room
-    taken = np.clip(problem.num_stages - 1 - before, 0, room)
-    return 2.0 * float((taken * c.x[cheapest]).sum())
+    """The least any plan's S − 1 boundaries carry, summed (each is charged to both its stages)."""
+    return min(crossing_floors(problem, chain))
 
 
 def lower_bound(problem: Problem, upper: float = math.inf) -> int:
-    """The best of the bounds above, on the objective ``Σ t_s + (M − 1)·max t_s``."""
-    S = problem.num_stages
+    """The best of the bounds above, on the objective ``Σ t_s + (M − 1)·max t_s``.
+
+    The two terms are bounded together: boundaries placed where they carry little (outside the
+    chain, or several at one position) cut the chain into fewer pieces, so the slowest stage is
+    slower. For each count D of distinct positions inside the chain, the Σ term pays the D
+    cheapest and the max term the chain in D + 1 pieces; the least over D bounds every plan.
+    The chain DP is narrowed to segments of at most ``upper`` compute (a known plan's slowest
+    stage), then run again up to the slowest stage the first bound leaves room for, so that
+    fewer pieces are bounded by their own value where it matters.
+    """
+    S, M = problem.num_stages, problem.micro_batches
     c = chain_of(problem)
     fastest = problem.fastest
     total = sum(fastest) + 2 * sum(problem.boundary_latency)
-    slowest = max(math.ceil(total / S), max(fastest, default=0), math.floor(chain_bound(problem, upper, c)))
-    return total + math.floor(crossing_floor(problem, c)) + (problem.micro_batches - 1) * slowest
+    balanced = max(math.ceil(total / S), max(fastest, default=0))
+    crossings = [(D, math.floor(x)) for D, x in enumerate(crossing_floors(problem, c)) if math.isfinite(x)]
+    if M == 1:
+        return total + min(x for _, x in crossings)
+
+    def least(cap: float) -> int:
+        pieces = chain_bounds(problem, cap, c)
+        return min(total + x + (M - 1) * max(balanced, math.floor(pieces[min(D + 1, S)])) for D, x in crossings)
+
+    first = least(upper)
+    return max(first, least(math.ceil((first - total) / (M - 1))))
 
 
 def memory_units(problem: Problem) -> list[tuple[tuple[int, ...], int]]:
