@@ -41,8 +41,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from autosplit.devices import resolve_devices  # noqa: E402
 from autosplit.errors import AutosplitError  # noqa: E402
-from autosplit.options import PlanOptions  # noqa: E402
 from autosplit.examples import GPT  # noqa: E402
+from autosplit.options import PlanOptions  # noqa: E402
 from autosplit.passes.annotate import annotate  # noqa: E402
 from autosplit.passes.capture import capture, flat_inputs  # noqa: E402
 from autosplit.passes.costs import estimate  # noqa: E402
