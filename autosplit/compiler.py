@@ -31,9 +31,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.utils import _pytree as pytree
 
 from autosplit import progress
-from autosplit.devices import DeviceSpec
+from autosplit.devices import DeviceSpec, uncalibrated
 from autosplit.errors import CodegenError, ConstraintError, CostModelError, DeviceError, advice
 from autosplit.options import PlanOptions
 from autosplit.passes.annotate import annotate
@@ -120,6 +121,9 @@ def trace(model: torch.nn.Module, example_inputs: tuple, example_kwargs: Mapping
     """Steps *capture* and *annotate*."""
     timings: dict[str, float] = {}
     kwargs = dict(example_kwargs or {})
+    state = [*model.parameters(), *model.buffers()]
+    if state and all(t.is_meta for t in state):  # planning reads shapes only: inputs go where the weights are
+        example_inputs, kwargs = pytree.tree_map_only(torch.Tensor, lambda t: t.to("meta"), (tuple(example_inputs), kwargs))
     with _timed("capture", timings):
         captured = capture(model, example_inputs, kwargs, method=method)
         graph_id = fingerprint(captured.gm)
@@ -434,7 +438,8 @@ def _costs(traced: Traced, specs: tuple[DeviceSpec, ...], options: PlanOptions, 
         source = f"given table ({costs if isinstance(costs, (str, Path)) else 'object'})"
     elif costs == "analytic":
         table = estimate(gm, specs, optimizer=options.optimizer, micro_batches=micro_batches)
-        source = "analytic"
+        present = sorted({str(s.torch_device) for s in specs if uncalibrated(s)})
+        source = "analytic" + (f" (uncalibrated for {', '.join(present)})" if present else "")
     else:
         table, source = _measured(traced, specs, ProfileOptions() if costs == "measured" else costs, options, micro_batches)
     if options.cost_overrides:

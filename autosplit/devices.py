@@ -148,6 +148,19 @@ def _resolve_one(entry: DeviceLike) -> DeviceSpec:
     ))
 
 
+def uncalibrated(spec: DeviceSpec) -> bool:
+    """Whether ``spec`` is a device present here (``torch_device``) still described by its preset's
+    roofline factors: its analytic costs are an estimate nobody fitted to this machine."""
+    if spec.torch_device is None:
+        return False
+    try:
+        preset = _resolve_one(spec.torch_device)
+    except DeviceError:
+        return False
+    fitted = ("efficiency", "memory_efficiency", "launch_overhead", "microbatch_overhead", "link_bandwidth", "link_latency")
+    return all(getattr(spec, f) == getattr(preset, f) for f in fitted)
+
+
 def resolve_devices(
     devices: Sequence[DeviceLike],
     memory: Mapping[int | str, int | str] | None = None,

@@ -59,6 +59,29 @@ class Cluster:
     source: str = ""
     """Where the figures come from."""
 
+    def __post_init__(self) -> None:
+        def refuse(field: str, value: object, rule: str, fix: str) -> ConstraintError:
+            return ConstraintError(advice(
+                f"Cluster {self.name!r}: {field}={value!r} {rule}",
+                "a cluster is nodes × per_node identical devices, linked by intra = (bandwidth, latency) inside a node "
+                "and by the network between nodes", fix,
+            ))
+
+        if not isinstance(self.device, DeviceSpec):
+            raise refuse("device", self.device, "is not a DeviceSpec", "pass autosplit.PRESETS['V100-16GB'] or a DeviceSpec")
+        for field in ("nodes", "per_node"):
+            if not _count(getattr(self, field)):
+                raise refuse(field, getattr(self, field), "is not an integer ≥ 1", f"pass {field}=1 or more")
+        if not (isinstance(self.intra, (tuple, list)) and len(self.intra) == 2):
+            raise refuse("intra", self.intra, "is not a (bandwidth, latency) pair", "pass intra=(150e9, 5e-6) (bytes/s, seconds)")
+        object.__setattr__(self, "intra", tuple(self.intra))
+        for field, value in (("intra[0] (bandwidth)", self.intra[0]), ("inter_bandwidth", self.inter_bandwidth)):
+            if not (_real(value) and value > 0):
+                raise refuse(field, value, "is not a positive number of bytes/s", "pass the link's bandwidth, e.g. 25e9")
+        for field, value in (("intra[1] (latency)", self.intra[1]), ("inter_latency", self.inter_latency)):
+            if not (_real(value) and 0 <= value < math.inf):
+                raise refuse(field, value, "is not a finite number of seconds ≥ 0", "pass the link's latency, e.g. 5e-6")
+
     @property
     def size(self) -> int:
         return self.nodes * self.per_node
@@ -274,16 +297,34 @@ def _first_sentence(text: str) -> str:
     return text.split(". ", 1)[0]
 
 
+def _count(value: object) -> bool:
+    """An integer ≥ 1 (not a bool)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def _real(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _map_tensors(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """``value`` with ``fn`` applied to every tensor in it (through tuples, lists and mappings)."""
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    if isinstance(value, (tuple, list)):
+        return type(value)(_map_tensors(v, fn) for v in value)
+    if isinstance(value, Mapping):
+        return {k: _map_tensors(v, fn) for k, v in value.items()}
+    return value
+
+
 def _at_batch(value: Any, batch: int, dim: int) -> Any:
     """``value`` with its tensors' batch dimension set to ``batch`` (rows repeated or cut: planning reads shapes)."""
-    if isinstance(value, torch.Tensor) and value.dim() > dim:
-        reps = math.ceil(batch / value.shape[dim])
-        return torch.cat([value] * reps, dim=dim).narrow(dim, 0, batch).contiguous()
-    if isinstance(value, (tuple, list)):
-        return type(value)(_at_batch(v, batch, dim) for v in value)
-    if isinstance(value, Mapping):
-        return {k: _at_batch(v, batch, dim) for k, v in value.items()}
-    return value
+    def resize(t: torch.Tensor) -> torch.Tensor:
+        if t.dim() <= dim:
+            return t
+        return torch.cat([t] * math.ceil(batch / t.shape[dim]), dim=dim).narrow(dim, 0, batch).contiguous()
+
+    return _map_tensors(value, resize)
 
 
 def _micro_batches(batch: int, k: int) -> int:
@@ -333,10 +374,12 @@ def _assemble(
     rows = _rows(cluster, plans, N, noise_scale, efficiency_table, min_examples)
     if not any(r.feasible for r in rows):
         why = "; ".join(f"k = {r.k}, worker batch {r.worker_batch}: {_first_sentence(r.error or '')}" for r in rows)
-        raise InfeasiblePlanError(advice(
-            f"no replica size in {sorted({k for k, _ in plans})} gives a worker plan that fits {cluster.device.name}", why,
-            "try larger replica sizes, a smaller batch, schedule='1f1b', or devices with more memory",
-        ))
+        if any((r.error or "").startswith(InfeasiblePlanError.__name__) for r in rows):
+            what = f" that fits {cluster.device.name}"
+            fix = "try larger replica sizes, a smaller batch, schedule='1f1b', or devices with more memory"
+        else:
+            what, fix = ", for reasons other than memory", "fix the causes named; autosplit.plan(model, devices, ...) shows each in full"
+        raise InfeasiblePlanError(advice(f"no replica size in {sorted({k for k, _ in plans})} gives a worker plan{what}", why, fix))
 
     def best(candidates: list[HybridRow]) -> HybridRow | None:
         return min(candidates, key=lambda r: r.time_to_target) if candidates else None
@@ -388,16 +431,43 @@ def plan_hybrid(
             "plan_hybrid needs exactly one of per_device_batch and global_batch",
             "the batch decides the statistical efficiency and the worker's work", "pass per_device_batch=64 (for example)",
         ))
+    name, given = ("per_device_batch", per_device_batch) if global_batch is None else ("global_batch", global_batch)
+    per_device: list[int] = []
+    if isinstance(per_device_batch, Sequence):
+        per_device = list(per_device_batch)
+    elif per_device_batch is not None:
+        per_device = [per_device_batch]
+    values: list[object] = [global_batch] if per_device_batch is None else [*per_device]
+    if not values or not all(_count(b) for b in values):
+        raise ConstraintError(advice(
+            f"{name}={given!r} is not a whole number of examples ≥ 1" + (" (or a list of them)" if global_batch is None else ""),
+            "a worker plans for a batch of that many examples", f"pass {name}=64 (for example)",
+        ))
+    examples_factor(1.0, noise_scale, efficiency_table)  # a bad noise scale or table fails here, not after every plan
+    if min_examples is not None and not (_real(min_examples) and 0 < min_examples < math.inf):
+        raise ConstraintError(advice(
+            f"min_examples={min_examples!r} is not a positive number of examples", "E_min turns time to target into seconds",
+            "pass the examples to the target at a tiny batch, or leave it out for seconds × E_min",
+        ))
     N = cluster.size
     sizes = sorted(set(replica_sizes or [k for k in _divisors(N) if k <= 64]))
-    bad = [k for k in sizes if k < 1 or N % k]
+    bad = [k for k in sizes if not _count(k) or N % k]
     if bad:
         raise ConstraintError(advice(
             f"replica sizes {bad} do not divide the cluster's {N} devices", "every worker has the same k devices",
             f"choose from {_divisors(N)}",
         ))
+    if global_batch is not None and all(global_batch % (N // k) for k in sizes):
+        raise ConstraintError(advice(
+            f"global_batch={global_batch} splits evenly over none of the worker counts {[N // k for k in sizes]} "
+            f"(replica sizes {sizes} on {N} devices)", "every worker gets the same share of the global batch",
+            f"pass a multiple of {N}, e.g. global_batch={N * max(1, round(global_batch / N))}",
+        ))
     kwargs = dict(example_kwargs or {})
     inputs = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
+    state = [*model.parameters(), *model.buffers()]
+    if state and all(t.is_meta for t in state):  # a model made under torch.device("meta"): plan it on meta inputs too
+        inputs, kwargs = _map_tensors(inputs, lambda t: t.to("meta")), _map_tensors(kwargs, lambda t: t.to("meta"))
     planners: dict[int, Planner] = {}
 
     def worker_plan(k: int, batch: int) -> Plan:
@@ -408,7 +478,7 @@ def plan_hybrid(
         return planner.what_if(devices=cluster.replica_devices(k), micro_batches=_micro_batches(batch, k))
 
     plans: dict[tuple[int, int], tuple[Plan | None, str | None]] = {}
-    per_device = [per_device_batch] if isinstance(per_device_batch, int) else list(per_device_batch or ())
+    failures: list[AutosplitError] = []
     for k in sizes:
         R = N // k
         if per_device:
@@ -423,7 +493,13 @@ def plan_hybrid(
             except AutosplitError as e:
                 log.info("k = %d, worker batch %d: %s", k, b, e)
                 plans[(k, b)] = (None, f"{type(e).__name__}: {e}")
+                failures.append(e)
 
+    causes = {f"{type(e).__name__}: {_first_sentence(str(e))}" for e in failures}
+    if len(failures) == len(plans) and len(causes) == 1 and not isinstance(failures[0], InfeasiblePlanError):
+        first = failures[0]  # not a matter of memory or replica size: the cause itself leads
+        first.add_note(f"(every one of the {len(plans)} worker plans tried, replica sizes {sizes}, failed this way)")
+        raise first
     return _assemble(cluster, plans, noise_scale, efficiency_table, min_examples)
 
 
@@ -462,6 +538,12 @@ def measure_noise_scale(
     their running statistics (eval mode) and put back as they were. The model's gradients
     are left zeroed; its weights and buffers are not changed.
     """
+    if not _count(small_batch):
+        raise ConstraintError(advice(
+            f"small_batch={small_batch!r} is not an integer ≥ 1",
+            "the estimator splits each big batch into chunks of small_batch examples",
+            "pass small_batch=8 (for example), with big batches a multiple (≥ 2×) of it",
+        ))
     params = [p for p in model.parameters() if p.requires_grad]
     coupled = [m for m in model.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and m.training]
     for m in coupled:

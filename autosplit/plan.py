@@ -2,7 +2,9 @@
 
 Plans are small versioned JSON (never pickle): schema version, library versions, graph
 fingerprint, devices, assignment, per-stage predictions and solver provenance. A manual
-split is a plan too, so comparing the two is comparing two files.
+split is a plan too, so comparing the two is comparing two files. ``save`` is atomic (a
+temporary file in the same folder, renamed over the target); ``load`` reads every field as its
+annotated type, then checks its range, and names the first field that is wrong.
 
 Usage::
 
@@ -13,10 +15,18 @@ Usage::
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import io
 import json
 import math
+import os
+import reprlib
+import secrets
+import shutil
+import types
+import typing
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -248,10 +258,46 @@ class Plan:
         return data
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(self.to_dict(), indent=1, sort_keys=False))
+        """Write the plan as JSON, atomically: a temporary file in the same folder, flushed to disk,
+        then renamed over ``path``, so a failure part-way leaves the old file as it was."""
+        target = Path(path)
+        text = json.dumps(self.to_dict(), indent=1, sort_keys=False)  # a plan that cannot be encoded touches no file
+        name, tmp = target.with_name(f".{target.name}.{secrets.token_hex(4)}.tmp"), None
+        try:
+            fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+            tmp = name
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                f.write(text)
+                f.flush()
+                os.fsync(f.fileno())
+            if target.is_file():
+                shutil.copymode(target, tmp)  # a replaced file keeps its permissions
+            os.replace(tmp, target)
+            tmp = None
+        except OSError as e:
+            folder = target.parent
+            if not folder.is_dir():
+                why, fix = f"the folder {folder} does not exist", f"create it first (mkdir -p {folder}), or save elsewhere"
+            elif target.is_dir():
+                why, fix = f"{target} is a folder", f"name a file in it, e.g. {target / 'plan.json'}"
+            elif isinstance(e, PermissionError):
+                why, fix = f"this user may not write {target} in {folder}", "save to a writable path, or change the permissions"
+            else:
+                why, fix = "the file system refused the write (a full disk?)", "free some space, or save elsewhere"
+            raise PlanFileError(advice(f"cannot save the plan to {target}: {type(e).__name__}: {e.strerror or e}", why, fix)) from e
+        finally:
+            if tmp is not None:
+                with contextlib.suppress(OSError):
+                    tmp.unlink()
 
     @classmethod
     def from_dict(cls, data: Mapping, *, source: str = "plan data") -> Plan:
+        """A plan from its :meth:`to_dict` form, every field checked for its type, then for its range."""
+        if not isinstance(data, Mapping):
+            raise PlanFileError(advice(
+                f"{source}: the plan is {_JSON_KINDS.get(type(data), type(data).__name__)} ({reprlib.repr(data)}), expected an object",
+                "the file holds other JSON than a saved plan", "load a file written by Plan.save, or re-plan the model",
+            ))
         version = data.get("schema_version")
         if version != SCHEMA_VERSION:
             raise PlanFileError(
@@ -261,28 +307,7 @@ class Plan:
                     "re-plan the model with this version",
                 )
             )
-        try:
-            fields = dict(data)
-            fields["devices"] = tuple(DeviceSpec.from_dict(d) for d in data["devices"])
-            fields["stages"] = tuple(StageReport(**{**s, "modules": tuple(s["modules"])}) for s in data["stages"])
-            fields["solver"] = SolverInfo(**data["solver"])
-            fields["terms"] = StepTerms(**data["terms"]) if data.get("terms") else None
-            fields["shared_params"] = tuple(
-                SharedParam(**{**p, "stages": tuple(p["stages"])}) for p in data.get("shared_params", ())
-            )
-            fields["crossings"] = tuple(tuple(c) for c in data.get("crossings", ()))
-            fields["tasks"] = tuple(PlannedTask(**t) for t in data.get("tasks", ()))
-            fields["made_with"] = tuple(data["made_with"]) if data.get("made_with") else None
-            fields["module_stages"] = {str(k): tuple(int(s) for s in v) for k, v in data.get("module_stages", {}).items()}
-            fields["assignment"] = {str(k): int(v) for k, v in data["assignment"].items()}
-            fields["stage_devices"] = tuple(int(d) for d in data["stage_devices"])
-            plan = cls(**fields)
-        except (KeyError, TypeError, ValueError, AttributeError) as e:
-            raise PlanFileError(advice(
-                f"{source}: a field is missing or malformed ({type(e).__name__}: {e})",
-                "the file was edited, truncated or written by hand",
-                "re-plan the model, or restore the file from where it was saved",
-            )) from e
+        plan = _record(cls, data, "", source)
         plan._check_fields(source)
         return plan
 
@@ -374,13 +399,22 @@ class Plan:
         out = io.StringIO()
         console = Console(file=out, width=width, force_terminal=False, color_system=None)
         console.print(table)
-        console.print(
-            f"predicted step time {_ms(self.step_time)} ({self.schedule}, {self.micro_batches} micro-batches); "
+        provenance = (
+            f"split by hand ({sv.name}), no solver ran; objective {_ms(sv.objective)} under the solver's model"
+            if sv.status == "MANUAL" else
             f"solver {sv.name}: {sv.status}, objective {_ms(sv.objective)}, bound {_ms(sv.bound)}, "
             f"gap {sv.gap:.2%}, {sv.wall_time:.2f}s (limit {sv.time_limit:g}s, seed {sv.seed}); "
-            f"{sv.units} units; dynamic program {_ms(sv.baseline) if sv.baseline is not None else 'found no split'}; "
-            f"costs {self.costs}; captured by {self.capture}, graph {self.fingerprint}"
+            f"{sv.units} units; dynamic program {_ms(sv.baseline) if sv.baseline is not None else 'found no split'}"
         )
+        console.print(
+            f"predicted step time {_ms(self.step_time)} ({self.schedule}, {self.micro_batches} micro-batches); "
+            f"{provenance}; costs {self.costs}; captured by {self.capture}, graph {self.fingerprint}"
+        )
+        if "uncalibrated" in self.costs:
+            console.print(
+                "the predicted times are a roofline estimate nobody fitted to these devices: calibrate them "
+                "(autosplit.calibrate, autosplit.measure_runtime) or plan with costs='measured' before trusting them"
+            )
         if self.terms is not None:
             t = self.terms
             console.print(
@@ -413,3 +447,76 @@ def _span(modules: tuple[str, ...]) -> str:
     if len(modules) <= 3:
         return ", ".join(modules)
     return f"{modules[0]} … {modules[-1]} ({len(modules)})"
+
+
+# -- reading plan files: each field as its annotated type -------------------------------------------
+_JSON_KINDS = {type(None): "null", bool: "a boolean", int: "an integer", float: "a number", str: "a string",
+               list: "a list", tuple: "a list", dict: "an object"}
+
+
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _wrong_type(source: str, path: str, value: object, expected: str) -> PlanFileError:
+    found = f"a list of {len(value)}" if isinstance(value, (list, tuple)) else _JSON_KINDS.get(type(value), type(value).__name__)
+    return PlanFileError(advice(
+        f"{source}: field {path} = {reprlib.repr(value)} is {found}, expected {expected}",
+        "the file was edited, or written by hand", "re-plan the model, or restore the file from where it was saved",
+    ))
+
+
+def _expected(hint: Any) -> str:
+    """What a field of type ``hint`` looks like in JSON, in words."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (types.UnionType, typing.Union):
+        return " or ".join(_expected(a) for a in args)
+    if origin is tuple:
+        return "a list" if args[-1] is Ellipsis else f"a list of {len(args)}"
+    return "an object" if origin is Mapping or dataclasses.is_dataclass(hint) else _JSON_KINDS[hint]
+
+
+def _field(value: Any, hint: Any, path: str, source: str, expected: str | None = None) -> Any:
+    """``value`` read as a field of type ``hint``, or a :class:`PlanFileError` naming ``path``, the type and the value."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (types.UnionType, typing.Union):  # X | None
+        if value is None:
+            return None
+        return _field(value, next(a for a in args if a is not type(None)), path, source, _expected(hint))
+    if dataclasses.is_dataclass(hint) and isinstance(value, Mapping):
+        return _record(typing.cast(type, hint), value, path, source)
+    if origin is tuple and isinstance(value, (list, tuple)):
+        items = args[:1] * len(value) if args[-1] is Ellipsis else args
+        if len(items) == len(value):
+            return tuple(_field(v, h, f"{path}[{i}]", source) for i, (v, h) in enumerate(zip(value, items)))
+    elif origin is Mapping and isinstance(value, Mapping):
+        return {_field(k, args[0], f"{path} key", source): _field(v, args[1], f"{path}[{k!r}]", source) for k, v in value.items()}
+    elif isinstance(value, bool):
+        if hint is bool:
+            return value
+    elif hint is float and isinstance(value, (int, float)):
+        return float(value)
+    elif hint is int and (isinstance(value, int) or (isinstance(value, float) and value.is_integer())):
+        return int(value)  # a count written as 8.0 is still 8
+    elif hint is str and isinstance(value, str):
+        return value
+    raise _wrong_type(source, path, value, expected or _expected(hint))
+
+
+def _record(cls: type, data: Mapping, path: str, source: str) -> Any:
+    """An instance of the dataclass ``cls`` from the JSON object ``data``: no unknown fields, no required field missing."""
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    where = f"{path}." if path else ""
+    unknown = sorted(str(k) for k in data if k not in fields)
+    missing = [n for n, f in fields.items()
+               if n not in data and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    if unknown or missing:
+        what = f"unknown field {where + unknown[0]!r}" if unknown else f"required field {where + missing[0]!r} is missing"
+        raise PlanFileError(advice(
+            f"{source}: {what} ({cls.__name__} has fields {list(fields)})",
+            "the file was edited, truncated or written by hand",
+            "re-plan the model, or restore the file from where it was saved",
+        ))
+    hints = _hints(cls)
+    return cls(**{name: _field(value, hints[name], f"{where}{name}", source) for name, value in data.items()})

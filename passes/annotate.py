@@ -269,11 +269,15 @@ class _Annotator(fx.Interpreter):
                     out = getattr(self, n.op)(n.target, args, kwargs)
                 measured = _Measured(0, 0, 0, frozenset(), False, frozenset(), None)
         except Exception as e:
+            first = next((line for line in str(e).splitlines() if line.strip()), "")
+            mismatch = "Device" in type(e).__name__ or "device" in first
             raise CostModelError(advice(
                 f"could not run node {n.format_node()} (module '{self.paths.get(n.name, '')}') "
-                f"on fake tensors: {type(e).__name__}: {e}",
-                "an op without a fake-tensor kernel, or one that reads tensor values",
-                "capture with method='export', or make the module a leaf",
+                f"on fake tensors: {type(e).__name__}: {first}",
+                "the model's weights and the example inputs are on different devices" if mismatch
+                else "an op without a fake-tensor kernel, or one that reads tensor values",
+                "pass example inputs on the weights' device (or the meta device)" if mismatch
+                else "capture with capture='export', or make the module a leaf",
             )) from e
         if n.op == "call_module":
             mod = self.module.get_submodule(str(n.target))

@@ -24,6 +24,7 @@ import dataclasses
 import hashlib
 import inspect
 import logging
+import typing
 from collections import OrderedDict, defaultdict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -38,7 +39,7 @@ from torch.utils import _pytree as pytree
 from autosplit.errors import CaptureError, advice
 from autosplit.passes.fidelity import ModelSnapshot, RefuseStateWrites, Watch, functions_applied, hook_kinds, keep_functions
 
-__all__ = ["Captured", "capture", "flat_inputs", "fingerprint"]
+__all__ = ["Captured", "capture", "flat_inputs", "fingerprint", "with_defaults"]
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +67,12 @@ class Captured:
         cls = self.output_type
         if cls is None or not isinstance(out, dict):
             return out
-        return cls(**out) if dataclasses.is_dataclass(cls) else cls(out)
+        return cls(**out) if _keyword_built(cls) else cls(out)
+
+
+def _keyword_built(cls: Any) -> bool:
+    """A dataclass or a named tuple: built from its fields by keyword."""
+    return isinstance(cls, type) and (dataclasses.is_dataclass(cls) or (issubclass(cls, tuple) and hasattr(cls, "_fields")))
 
 
 def _tied_owners(model: torch.nn.Module) -> set[str]:
@@ -200,12 +206,12 @@ def _symbolic_trace(model: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[
     _strip_tensor_defaults(graph)
     output = next(iter(graph.find_nodes(op="output")))
     made = output.args[0]
-    if isinstance(made, fx.Node) and made.op == "call_function" and dataclasses.is_dataclass(made.target) and not made.args:
-        # fx builds a returned dataclass in the graph; return its fields and rebuild it outside,
-        # so every stage boundary carries tensors only.
-        output.args = (dict(made.kwargs),)
+    if isinstance(made, fx.Node) and made.op == "call_function" and _keyword_built(made.target):
+        # fx builds a returned dataclass or named tuple in the graph; return its fields and rebuild
+        # it outside, so every stage boundary carries tensors only.
+        output.args = ({**dict(zip(getattr(made.target, "_fields", ()), made.args)), **made.kwargs},)
         graph.erase_node(made)
-        tracer.output_type = made.target
+        tracer.output_type = typing.cast(type, made.target)
     name = model.__class__.__name__
     # Generating the module's Python code waits until something calls it or reads it: the
     # passes only interpret the graph, and for 10k nodes the code takes about a second.
@@ -349,6 +355,17 @@ def flat_inputs(captured: Captured, args: tuple, kwargs: Mapping[str, Any] | Non
             "capture with capture='export'",
         ))
     return values
+
+
+def with_defaults(captured: Captured, args: tuple, kwargs: Mapping[str, Any] | None) -> tuple[tuple, dict[str, Any]]:
+    """The call ``(args, kwargs)`` with every default of ``forward`` written out, so that a tensor
+    default of the batch's rows is cut into micro-batches like any input (a symbolically traced
+    graph takes it as one; an exported one holds it, so its call is left as it is)."""
+    if captured.method == "export" or captured.signature is None:
+        return tuple(args), dict(kwargs or {})
+    bound = captured.signature.bind(*args, **{**captured.fixed_kwargs, **(kwargs or {})})
+    bound.apply_defaults()
+    return tuple(bound.args), dict(bound.kwargs)
 
 
 def _target_name(target: Any) -> str:

@@ -379,16 +379,15 @@ def _optimizer_step(gm: fx.GraphModule, optimizer: str, device: torch.device, op
 
 @contextlib.contextmanager
 def _state_restored(gm: fx.GraphModule) -> Iterator[None]:
-    """Every parameter and buffer of ``gm`` as it was when the block began (those written are copied back)."""
-    state = [t for t in {id(t): t for t in [*gm.parameters(), *gm.buffers()]}.values()]
-    kept = [(t, t._version, t.detach().clone()) for t in state]
+    """Every parameter and buffer of ``gm`` as it was when the block began (copied back whole: a
+    kernel such as BatchNorm's writes its statistics without moving their version counter)."""
+    kept = [(t, t.detach().clone()) for t in {id(t): t for t in [*gm.parameters(), *gm.buffers()]}.values()]
     try:
         yield
     finally:
         with torch.no_grad():
-            for t, version, value in kept:
-                if t._version != version:
-                    t.copy_(value)
+            for t, value in kept:
+                t.copy_(value)
 
 
 def _key(captured: Captured, inputs: Sequence[Any], device: torch.device, fingerprint: str, options: ProfileOptions) -> dict:

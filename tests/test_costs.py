@@ -145,7 +145,7 @@ def test_measured_costs_need_a_device_present():
 
 
 def test_micro_batches_must_divide_the_profiled_batch(tmp_path):
-    with pytest.raises(autosplit.ConstraintError, match="does not divide into 4 micro-batches"):
+    with pytest.raises(autosplit.ConstraintError, match="micro_batches=4 does not divide the batch of 6 rows"):
         autosplit.plan(Net(), ["cpu"] * 2, example_inputs=(torch.randn(6, 256),), micro_batches=4,
                        costs=autosplit.ProfileOptions(cache_dir=str(tmp_path), **FAST))
 
@@ -154,7 +154,7 @@ def test_overrides_set_a_node_and_spread_a_module_total():
     model, x = Net(), torch.randn(8, 256)
     base = autosplit.plan(model, ["cpu"] * 2, example_inputs=(x,))
     heavy = autosplit.plan(model, ["cpu"] * 2, example_inputs=(x,), cost_overrides={"small": {"fwd": 5.0, "bwd": 5.0}})
-    assert heavy.costs == "analytic + 1 override"
+    assert heavy.costs == "analytic (uncalibrated for cpu) + 1 override"
     # 10 s of work in the last layer: it gets a stage of its own, and the prediction says so.
     assert heavy.stage_of["small"] == 1 and all(s == 0 for n, s in heavy.stage_of.items() if n != "small")
     assert heavy.stages[1].compute == pytest.approx(10.0, abs=1e-3)  # + the optimizer step of its parameters

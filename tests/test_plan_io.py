@@ -117,7 +117,7 @@ def test_step_prediction_is_broken_into_terms_and_a_recosted_plan_shows_both(tmp
     slower = autosplit.Planner(model, None, example_inputs=inputs, cost_overrides={"blocks.0": {"fwd": 1.0}}).plan(
         tmp_path / "plan.json"
     )
-    assert slower.made_with == ("analytic", pytest.approx(plan.step_time))
+    assert slower.made_with == ("analytic (uncalibrated for cpu)", pytest.approx(plan.step_time))
     assert slower.step_time > plan.step_time + 0.5
     assert "as saved: step" in str(slower)
 
@@ -133,3 +133,16 @@ def test_measured_runtime_overhead_is_cached(tmp_path, monkeypatch):
     assert autosplit.measure_runtime(cache_dir=str(tmp_path)) == first
     spec = first.apply(autosplit.resolve_devices(["cpu"])[0])
     assert spec.microbatch_overhead == first.microbatch_overhead and spec.link_latency == first.link.latency
+
+
+def test_the_report_says_when_predictions_are_uncalibrated_and_when_a_split_was_made_by_hand():
+    model, inputs = _gpt()
+    planner = autosplit.Planner(model, ["cpu"] * 2, example_inputs=inputs, time_limit=2)
+    report = str(planner.plan())
+    assert "costs analytic (uncalibrated for cpu)" in report and "before trusting them" in report
+    assert "uncalibrated" not in str(autosplit.plan(model, ["A100-80GB"] * 2, example_inputs=inputs, time_limit=2))
+    from autosplit.manual import manual_plan
+
+    by_hand = str(manual_plan(planner, [["wte", "wpe", "blocks.0"], ["blocks.1", "ln_f", "head"]]))
+    assert "split by hand (manual), no solver ran" in by_hand
+    assert "bound" not in by_hand and "found no split" not in by_hand

@@ -198,6 +198,33 @@ def test_lower_bounds_never_exceed_the_optimum(problem):
     assert chain_bound(problem) <= slowest
 
 
+@settings(max_examples=60, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(random_problems())
+def test_memory_floors_never_exceed_the_least_fullest_stage(problem):
+    from autosplit.solver.pipeline.bounds import memory_chain_floor, memory_floor
+
+    fullest = [
+        max(s + a for s, a in zip(ev.state_mem, ev.act_mem)) + problem.transient_mem
+        for ev in (evaluate(problem, so) for so in itertools.product(range(problem.num_stages), repeat=len(problem.nodes)))
+    ]
+    orderly = [f for f, so in zip(fullest, itertools.product(range(problem.num_stages), repeat=len(problem.nodes)))
+               if not any("runs backwards" in v or "empty" in v for v in violations(problem, so))]
+    if orderly:
+        assert memory_floor(problem) <= min(orderly)
+        assert memory_chain_floor(problem) <= min(orderly)
+
+
+def test_layers_kept_whole_prove_a_model_infeasible_that_spreads_into_the_caps():
+    # Three layers of 6 KiB on two devices of 10: spread evenly they would fit (9 each), whole they cannot.
+    problem = make_problem([1, 1, 1], chain(3), stages=2, state=[6, 6, 6], capacity=[10, 10])
+    from autosplit.solver.pipeline.bounds import memory_chain_floor, memory_floor
+
+    assert memory_floor(problem) == 9 and memory_chain_floor(problem) == 12
+    with mock.patch("autosplit.solver.pipeline.strategy.CPSAT_VAR_LIMIT", 0):  # the DP finds nothing; no CP-SAT to explain it
+        with pytest.raises(InfeasiblePlanError, match=r"needs at least 12.00 KiB on its fullest device.*proven: layers kept whole"):
+            solve(problem, time_limit=1)
+
+
 def test_chain_bound_sees_expensive_cuts_that_balance_ignores():
     from autosplit.solver.pipeline.bounds import chain_bound
 
@@ -282,6 +309,33 @@ def test_bounds_hold_on_branches_beside_the_chain(problem):
         with mock.patch.object(bounds, "_FREE_SPAN", span):
             assert lower_bound(problem) <= best
             assert chain_bound(problem) <= slowest
+
+
+@settings(max_examples=60, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(random_problems())
+def test_memory_floors_never_exceed_the_least_fullest_stage(problem):
+    from autosplit.solver.pipeline.bounds import memory_chain_floor, memory_floor
+
+    fullest = [
+        max(s + a for s, a in zip(ev.state_mem, ev.act_mem)) + problem.transient_mem
+        for ev in (evaluate(problem, so) for so in itertools.product(range(problem.num_stages), repeat=len(problem.nodes)))
+    ]
+    orderly = [f for f, so in zip(fullest, itertools.product(range(problem.num_stages), repeat=len(problem.nodes)))
+               if not any("runs backwards" in v or "empty" in v for v in violations(problem, so))]
+    if orderly:
+        assert memory_floor(problem) <= min(orderly)
+        assert memory_chain_floor(problem) <= min(orderly)
+
+
+def test_layers_kept_whole_prove_a_model_infeasible_that_spreads_into_the_caps():
+    # Three layers of 6 KiB on two devices of 10: spread evenly they would fit (9 each), whole they cannot.
+    problem = make_problem([1, 1, 1], chain(3), stages=2, state=[6, 6, 6], capacity=[10, 10])
+    from autosplit.solver.pipeline.bounds import memory_chain_floor, memory_floor
+
+    assert memory_floor(problem) == 9 and memory_chain_floor(problem) == 12
+    with mock.patch("autosplit.solver.pipeline.strategy.CPSAT_VAR_LIMIT", 0):  # the DP finds nothing; no CP-SAT to explain it
+        with pytest.raises(InfeasiblePlanError, match=r"needs at least 12.00 KiB on its fullest device.*proven: layers kept whole"):
+            solve(problem, time_limit=1)
 
 
 def test_large_infeasible_problem_reports_the_memory_floor(monkeypatch):

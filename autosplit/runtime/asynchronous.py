@@ -37,6 +37,7 @@ Usage (every rank, under ``torchrun``)::
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -102,7 +103,7 @@ def run_asynchronous(
     """Train on ``batches`` (each: the model's flat inputs and the target) with ``schedule``;
     returns each mini-batch's mean loss on the last stage (``None`` elsewhere) and what the run
     kept (the most weight copies PipeDream stashed at once, the version differences of this
-    stage's forwards)."""
+    stage's forwards, when each mini-batch's update ended: ``time.perf_counter()``)."""
     M, B = micro_batches, len(batches)
     sim: Simulation = simulate(stages=stages, micro_batches=M, mini_batches=B, forward=[1.0] * stages, backward=[2.0] * stages)
     previous, following = peers
@@ -113,6 +114,7 @@ def run_asynchronous(
     in_flight: dict[tuple[int, int], dict[str, Any]] = {}
     losses: list[list[torch.Tensor]] = [[] for _ in range(B)]
     sends: list[Any] = []
+    updated: list[float] = []  # when each mini-batch's update ended here (perf_counter)
     last = stage == stages - 1
     grad_flags = [t.requires_grad for t in chain.inputs_meta[stage]]
     out_flags = [t.requires_grad for t in chain.inputs_meta[stage + 1]] if not last else []
@@ -131,6 +133,7 @@ def run_asynchronous(
         if work.kind == "update":
             optimizer.step()
             optimizer.zero_grad()
+            updated.append(time.perf_counter())
             micro.pop(b, None)
             targets.pop(b, None)
             continue
@@ -180,7 +183,7 @@ def run_asynchronous(
         sends = [(w, t) for w, t in sends if not w.is_completed()]
     for w, _ in sends:
         w.wait()
-    report = {"stashed_copies": stash.peak, "version_differences": sim.differences(stage)}
+    report = {"stashed_copies": stash.peak, "version_differences": sim.differences(stage), "update_times": updated}
     return [torch.stack(ls).mean() if last else None for ls in losses], report
 
 

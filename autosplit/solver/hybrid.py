@@ -22,12 +22,13 @@ Usage::
 from __future__ import annotations
 
 import bisect
+import itertools
 import math
 from collections.abc import Mapping
 
 from autosplit.errors import ConstraintError, advice
 
-__all__ = ["ring_allreduce", "hierarchical_allreduce", "examples_factor", "time_to_target"]
+__all__ = ["ring_allreduce", "hierarchical_allreduce", "examples_factor", "efficiency_points", "time_to_target"]
 
 
 def ring_allreduce(nbytes: float, n: int, bandwidth: float, latency: float) -> float:
@@ -55,35 +56,65 @@ def examples_factor(batch: float, noise_scale: float | None = None, table: Mappi
 
     From the noise scale (McCandlish et al.: ``1 + B / B_noise``; ``None`` or ``inf``: 1, no
     loss of statistical efficiency), or from a user's table ``{global batch: examples (or
-    epochs) to target}``: interpolated log-log between its entries, relative to its smallest
-    batch (1 below it), extended linearly in B past its largest.
+    epochs) to target}`` (see :func:`efficiency_points`): interpolated log-log between its
+    entries, relative to its smallest batch (1 below it), extended linearly in B past its largest.
     """
-    if table:
-        points = sorted((float(b), float(e)) for b, e in table.items())
-        if any(b <= 0 or e <= 0 for b, e in points):
-            raise ConstraintError(advice(
-                f"the efficiency table {dict(points)} has a batch or an examples count ≤ 0",
-                "it maps a global batch to the examples (or epochs) it needs to reach the target",
-                "give positive batches and counts",
-            ))
+    if table is not None:
+        points = efficiency_points(table)
         base, batches = points[0][1], [b for b, _ in points]
-        if batch <= batches[0] or len(points) == 1:
-            return 1.0  # at or below the smallest batch; with one point, E(B) is taken as constant
+        if batch <= batches[0]:
+            return 1.0
         if batch >= batches[-1]:  # E(B) is linear in B for large B (the noise-scale form): extend the last segment
             (b0, e0), (b1, e1) = points[-2], points[-1]
-            return (e1 + max(0.0, (e1 - e0) / (b1 - b0)) * (batch - b1)) / base
+            return (e1 + (e1 - e0) / (b1 - b0) * (batch - b1)) / base
         i = bisect.bisect_right(batches, batch)
         (b0, e0), (b1, e1) = points[i - 1], points[i]
         t = (math.log(batch) - math.log(b0)) / (math.log(b1) - math.log(b0))
         return math.exp(math.log(e0) + t * (math.log(e1) - math.log(e0))) / base
-    if noise_scale is None or math.isinf(noise_scale):
+    if noise_scale is None or noise_scale == math.inf:
         return 1.0
-    if not noise_scale > 0:
+    if not (_number(noise_scale) and noise_scale > 0):
         raise ConstraintError(advice(
             f"noise_scale={noise_scale!r} is not a positive number of examples",
             "the gradient noise scale B_noise is a batch size", "measure it with autosplit.measure_noise_scale",
         ))
     return 1.0 + batch / noise_scale
+
+
+def efficiency_points(table: Mapping[float, float]) -> list[tuple[float, float]]:
+    """A table ``{global batch: examples (or epochs) to target}`` as its entries in batch order, checked.
+
+    Two entries at least (one says nothing about how ``E(B)`` grows, so it would silently mean no
+    statistical cost), positive finite numbers, and examples never fewer at a larger batch:
+    ``E(B) = E_min·(1 + B/B_noise)`` grows with B, and a falling table would make ``E(B)/E_min`` below 1.
+    """
+    why = "the table maps a global batch to the examples (or epochs) it takes to reach the target"
+    bad = {b: e for b, e in table.items() if not (_number(b) and _number(e) and 0 < b < math.inf and 0 < e < math.inf)}
+    if bad:
+        raise ConstraintError(advice(
+            f"efficiency_table entries {bad} are not positive finite numbers (batch: examples to target)", why,
+            "give positive batches and counts, e.g. {256: 1.0e6, 1024: 1.2e6}",
+        ))
+    if len(table) < 2:
+        raise ConstraintError(advice(
+            f"efficiency_table {dict(table)} has {len(table)} entr{'y' if len(table) == 1 else 'ies'}, fewer than 2",
+            f"{why}; one entry says nothing about how that grows with the batch",
+            "give two or more batches, or noise_scale= instead, or neither for no statistical cost",
+        ))
+    points = sorted((float(b), float(e)) for b, e in table.items())
+    falls = [f"{e1:g} at batch {b1:g} < {e0:g} at batch {b0:g}" for (b0, e0), (b1, e1) in itertools.pairwise(points) if e1 < e0]
+    if falls:
+        raise ConstraintError(advice(
+            f"efficiency_table needs fewer examples at a larger batch: {'; '.join(falls)}",
+            "examples to target never fall as the batch grows (E(B) = E_min·(1 + B/B_noise)); "
+            "a falling table would make E(B)/E_min below 1",
+            "give examples (or epochs) to target, not steps: examples = steps × batch",
+        ))
+    return points
+
+
+def _number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def time_to_target(step: float, batch: float, factor: float, min_examples: float = 1.0) -> float:

@@ -48,13 +48,13 @@ from autosplit.solver.problem import Problem
 
 __all__ = [
     "Chain", "chain_of", "lower_bound", "chain_bound", "chain_bounds", "crossing_floor", "crossing_floors", "memory_units",
-    "memory_floor",
+    "memory_chain_floor", "memory_floor",
 ]
 
 
-def heaviest_chain(problem: Problem) -> list[int]:
-    """The dependency chain of largest total compute (longest path, nodes at their fastest)."""
-    cost = problem.fastest
+def heaviest_chain(problem: Problem, cost: Sequence[float] | None = None) -> list[int]:
+    """The dependency chain of largest total ``cost`` (longest path; default: compute at its fastest)."""
+    cost = problem.fastest if cost is None else cost
     preds: list[list[int]] = [[] for _ in problem.nodes]
     for u, v in (*problem.edges, *problem.order_edges):
         preds[v].append(u)
@@ -353,6 +353,37 @@ def memory_units(problem: Problem) -> list[tuple[tuple[int, ...], int]]:
     need = [problem.state_mem[n] + min(problem.act_mem[n]) for n in range(len(problem.nodes))]
     groups = [*problem.colocate, *((n,) for n in range(len(problem.nodes)))]
     return [(tuple(g), problem.transient_mem + sum(need[n] for n in g)) for g in groups]
+
+
+def memory_chain_floor(problem: Problem) -> int:
+    """KiB that any plan puts on its fullest device, at least, seen along the chain of most memory.
+
+    As for :func:`chain_bound`: the chain's nodes fall into S consecutive segments in stage
+    order, and off-chain nodes pinned between two chain nodes lie in the segments between. So
+    stage s holds at least its segment's state and activations (at stage s's in-flight count)
+    plus the pinned nodes, plus the transient reserve; the least over splits of the fullest
+    stage is a bottleneck DP. Unlike :func:`memory_floor` it knows that layers do not split.
+    """
+    N, S = len(problem.nodes), problem.num_stages
+    mem = np.asarray(problem.state_mem, dtype=np.float64)[:, None] + np.asarray(problem.act_mem, dtype=np.float64)  # [n, s]
+    chain = heaviest_chain(problem, mem.min(axis=1).tolist())
+    L = len(chain)
+    before, after = _chain_reach(problem, chain)
+    on_chain = set(chain)
+    forced_end, forced_start = np.zeros((L + 2, S)), np.zeros((L + 2, S))
+    for u in range(N):
+        if u not in on_chain and after[u] >= 1 and before[u] <= L:
+            forced_end[before[u]] += mem[u]
+            forced_start[after[u]] += mem[u]
+    prefix = np.vstack([np.zeros((1, S)), np.cumsum(mem[chain], axis=0)])  # [p, s]
+    F, G = np.cumsum(forced_end, axis=0)[: L + 1], np.cumsum(forced_start, axis=0)[: L + 1]
+    a, b = np.arange(L + 1)[None, :], np.arange(L + 1)[:, None]  # segment (a, b], b ≥ a
+    val = np.where(np.arange(L + 1) == 0, 0.0, np.inf)
+    for s in range(S):
+        segment = prefix[b, s] - prefix[a, s] + np.maximum(0.0, F[b, s] - G[a, s])
+        segment = np.where(a <= b, segment, np.inf)
+        val = np.maximum(val[None, :], segment).min(axis=1)
+    return int(problem.transient_mem + val[L])
 
 
 def memory_floor(problem: Problem) -> int:

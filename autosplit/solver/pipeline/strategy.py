@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 from autosplit.errors import InfeasiblePlanError, SolverError, advice
 from autosplit.solver.coarsen import Coarsening, coarse_problem, coarsen, repeated_layers
-from autosplit.solver.pipeline.bounds import lower_bound, memory_floor
+from autosplit.solver.pipeline.bounds import lower_bound, memory_chain_floor, memory_floor
 from autosplit.solver.pipeline.cpsat import PROVEN_GAP, cpsat, explain_infeasible, precheck
 from autosplit.solver.pipeline.dp import Prefix, prefix_sums, split_dp, topological_order
 from autosplit.solver.problem import KIB, Problem, evaluate
@@ -178,16 +178,21 @@ def solve(problem: Problem, *, time_limit: float = 10.0, seed: int = 0, workers:
         if N * (S - 1) <= CPSAT_VAR_LIMIT:
             everything = [*range(S), *(c.text for c in problem.constraints)]
             raise InfeasiblePlanError(explain_infeasible(problem, everything, time_limit, seed))
-        floor = memory_floor(problem)
-        if floor > max(problem.capacity):
+        spread, along_chain = memory_floor(problem), memory_chain_floor(problem)
+        floor, largest = max(spread, along_chain), max(problem.capacity)
+        if floor > largest:
             raise InfeasiblePlanError(advice(
                 f"no plan fits the memory caps: any plan needs at least {format_bytes(floor * KIB)} on its fullest "
-                f"device, but the largest cap is {format_bytes(max(problem.capacity) * KIB)}",
-                f"model state and activations exceed the caps even spread perfectly over {S} devices",
-                "more devices, schedule='1f1b' with more micro-batches, a smaller batch, or optimizer='sgd'",
+                f"device, but the largest cap is {format_bytes(largest * KIB)} (proven: "
+                + ("state and activations spread perfectly" if spread >= along_chain else "layers kept whole along the model's "
+                   "heaviest chain of layers, split at the best places") + f" over {S} devices)",
+                "model state and activations exceed the caps",
+                "more devices or devices with more memory, schedule='1f1b' (fewer micro-batches in flight), a smaller "
+                "batch, or optimizer='sgd'",
             ))
         raise SolverError(advice(
-            f"no plan found for {N} nodes on {S} devices within {time_limit:.1f}s",
+            f"no plan found for {N} nodes on {S} devices within {time_limit:.1f}s; not proven infeasible: any plan needs "
+            f"at least {format_bytes(floor * KIB)} on its fullest device (cap {format_bytes(largest * KIB)})",
             "the dynamic program found no contiguous split that fits memory and the constraints, and CP-SAT "
             "found none in time",
             "a longer time_limit, looser memory caps or constraints, or more devices",
