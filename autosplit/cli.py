@@ -40,19 +40,45 @@ __all__ = ["main"]
 
 
 # -- workloads, devices, manual splits ---------------------------------------------------------
+def _one_line(e: BaseException) -> str:
+    """An exception as ``Type: message`` on one line."""
+    return " ".join(f"{type(e).__name__}: {e}".split())
+
+
 def _workload(spec: str, batch: int | None) -> dict[str, Any]:
-    from autosplit.errors import ConstraintError, advice
+    from autosplit.errors import AutosplitError, ConstraintError, advice
 
     module_name, _, attr = spec.partition(":")
     try:
-        factory = getattr(importlib.import_module(module_name), attr or "workload")
-    except (ImportError, AttributeError) as e:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
         raise ConstraintError(advice(
-            f"cannot load the workload {spec!r}: {type(e).__name__}: {e}",
+            f"cannot load the workload {spec!r}: {_one_line(e)}",
             "MODULE:FACTORY names an importable module and a function in it",
             "e.g. autosplit.examples:gpt, or mypkg.models:make (run from the folder that holds mypkg)",
         )) from e
-    made = factory(batch=batch) if batch is not None else factory()
+    except Exception as e:  # the module's own code failed while importing
+        raise ConstraintError(advice(
+            f"cannot load the workload {spec!r}: importing {module_name} raised {_one_line(e)}",
+            f"the code of {module_name} fails when it is imported",
+            f"see the traceback of: python -c 'import {module_name}'",
+        )) from e
+    factory = getattr(module, attr or "workload", None)
+    if not callable(factory):
+        raise ConstraintError(advice(
+            f"cannot load the workload {spec!r}: {module_name} has no function {attr or 'workload'!r}",
+            "MODULE:FACTORY names an importable module and a function in it", "check the name after the colon",
+        ))
+    call = f"{module_name}.{attr or 'workload'}({'' if batch is None else f'batch={batch}'})"
+    try:
+        made = factory(batch=batch) if batch is not None else factory()
+    except AutosplitError:
+        raise
+    except Exception as e:  # the factory's own code failed
+        raise ConstraintError(advice(
+            f"the workload factory {call} raised {_one_line(e)}", "the factory's own code fails with these arguments",
+            f"see the traceback of: python -c 'import {module_name}; {call}'",
+        )) from e
     if isinstance(made, tuple):
         model, inputs = made[:2]
         made = {"model": model, "example_inputs": inputs}
@@ -94,11 +120,25 @@ def _manual(items: list[str]) -> dict[str, Any]:
                 f"--manual {item!r} is not NAME=SPLIT", "each manual split needs a name for the table",
                 "e.g. --manual ds=parameters or --manual even=@split.json",
             ))
+        where = f"--manual {name}"
         if spec.startswith("@"):
-            spec = Path(spec[1:]).read_text()
+            where += f" (file {spec[1:]})"
+            try:
+                spec = Path(spec[1:]).read_text()
+            except OSError as e:
+                raise ConstraintError(advice(
+                    f"{where}: cannot read the file: {_one_line(e)}", "@PATH reads the split from a JSON file",
+                    "check the path (relative to the current folder)",
+                )) from e
         try:
             splits[name] = json.loads(spec)
-        except json.JSONDecodeError:
+        except json.JSONDecodeError as e:
+            if spec.lstrip().startswith(("{", "[")):
+                raise ConstraintError(advice(
+                    f"{where}: {spec[:60]!r} is not valid JSON: {e.msg} at line {e.lineno} column {e.colno} (character {e.pos})",
+                    "a split that starts with { or [ is read as JSON: module lists per stage, a balance list or split points",
+                    """write it as JSON, e.g. --manual cut='{"blocks.4": "beginning"}' (double quotes inside)""",
+                )) from e
             splits[name] = spec  # a DeepSpeed partition_method
     return splits
 
@@ -147,14 +187,53 @@ def _launch(argv: list[str], nproc: int) -> int | None:
     """Start this command under torchrun with ``nproc`` processes, unless already in it."""
     if "RANK" in os.environ:
         return None
+    import tempfile
+
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun
 
-    try:  # the processes run the same command; with RANK set, they do not launch again
-        torchrun(["--standalone", f"--nproc-per-node={nproc}", "-m", "autosplit", *argv])
-    except ChildFailedError as e:  # the ranks printed their errors; exit as the first failed rank did
-        return next(iter(e.failures.values())).exitcode or 1
+    # torchrun sets one intra-op thread per process unless told otherwise, and prints a banner
+    # saying so; setting the same default here keeps the choice and drops the banner.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    with tempfile.TemporaryDirectory(prefix="autosplit-errors-") as reports:
+        os.environ[_REPORTS] = reports  # the ranks print each distinct error once (see _first_to_report)
+        try:  # the processes run the same command; with RANK set, they do not launch again
+            torchrun(["--standalone", f"--nproc-per-node={nproc}", "-m", "autosplit", *argv])
+        except ChildFailedError as e:  # the ranks printed their errors; exit as the first failed rank did
+            return next(iter(e.failures.values())).exitcode or 1
+        finally:
+            os.environ.pop(_REPORTS, None)
     return 0
+
+
+_REPORTS = "AUTOSPLIT_ERROR_REPORTS"
+"""A folder shared by the ranks of one launch, where each distinct error is claimed by the first
+rank that prints it."""
+
+
+def _first_to_report(message: str) -> bool:
+    """Whether this process prints ``message``: always outside torchrun; under it, only the first
+    rank with this exact message (every rank usually fails alike: a bad workload or option), so
+    a launch prints each distinct error once. The ranks of ``autosplit run`` share the folder
+    :func:`_launch` made; under a torchrun started by hand, the ranks of one node share one keyed
+    by the run and the launching agent's process."""
+    import hashlib
+    import tempfile
+
+    if "RANK" not in os.environ:
+        return True
+    folder = os.environ.get(_REPORTS) or os.path.join(
+        tempfile.gettempdir(), "autosplit-errors", f"{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}-{os.getppid()}"
+    )
+    try:
+        os.makedirs(folder, exist_ok=True)
+        claim = os.path.join(folder, hashlib.sha1(message.encode()).hexdigest()[:16])
+        os.close(os.open(claim, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return False  # another rank printed it
+    except OSError:
+        return True  # no shared folder: better twice than never
+    return True
 
 
 def _init_process_group() -> None:
@@ -261,16 +340,20 @@ def _run(args: argparse.Namespace, argv: list[str]) -> int:
         pipe.plan.save(args.out)
     opt = torch.optim.Adam(pipe.parameters(), lr=args.lr)
     rows = []
-    if pipe.asynchronous is not None:  # no flush: every mini-batch in one run, timed as a whole
+    if pipe.asynchronous is not None:  # no flush: every mini-batch in one run
         batch = (work["example_inputs"], work["example_kwargs"], work["target"])
         dist.barrier()
         t0 = time.perf_counter()
         losses = pipe.train([batch] * args.steps, optimizer=opt)
-        dist.barrier()
-        per_step = (time.perf_counter() - t0) / args.steps
+        # A mini-batch's time is the interval between the updates that end it and the one before,
+        # on the slowest rank; the first interval holds the pipeline's fill (start-up) and is left
+        # out of the median.
+        ends = torch.tensor([t0, *pipe.last_run["update_times"]], dtype=torch.float64)
+        intervals = ends.diff()
+        dist.all_reduce(intervals, op=dist.ReduceOp.MAX)
         last = torch.tensor([-1.0 if loss is None else float(loss) for loss in losses], dtype=torch.float64)
         dist.all_reduce(last, op=dist.ReduceOp.MAX)  # the last stage's losses
-        rows = [{"step": i, "seconds": per_step, "loss": float(v)} for i, v in enumerate(last)]
+        rows = [{"step": i, "seconds": float(dt), "loss": float(v), "start_up": i == 0} for i, (dt, v) in enumerate(zip(intervals, last))]
         if not args.json and _rank() == 0:
             for r in rows:
                 print(f"mini-batch {r['step']}: loss {r['loss']:.6f}")
@@ -286,8 +369,10 @@ def _run(args: argparse.Namespace, argv: list[str]) -> int:
             rows.append({"step": step, "seconds": elapsed[0].item(), "loss": elapsed[1].item()})
             if not args.json and _rank() == 0:
                 print(f"step {step}: loss {rows[-1]['loss']:.6f}, {rows[-1]['seconds'] * 1e3:.1f} ms")
+    steady = [r["seconds"] for r in rows if not r.get("start_up")] or [r["seconds"] for r in rows]
     summary = (f"predicted step {pipe.plan.step_time * 1e3:.1f} ms ({pipe.plan.schedule}); measured median "
-               f"{statistics.median(r['seconds'] for r in rows) * 1e3:.1f} ms over {len(rows)} steps")
+               f"{statistics.median(steady) * 1e3:.1f} ms over {len(steady)} steps"
+               + (" (the first mini-batch, which fills the pipeline, left out)" if len(steady) < len(rows) else ""))
     _emit(args, summary, {"plan": pipe.plan.to_dict(), "steps": rows})
     dist.destroy_process_group()
     return 0
@@ -407,7 +492,9 @@ def main(argv: list[str] | None = None) -> int:
         from autosplit.errors import AutosplitError
 
         if isinstance(e, AutosplitError):
-            print(f"autosplit: {type(e).__name__}: {e}", file=sys.stderr)
+            message = f"autosplit: {type(e).__name__}: {e}"
+            if _first_to_report(message):  # once per launch, not once per rank
+                print(message, file=sys.stderr)
             return 2
         raise
 

@@ -13,6 +13,10 @@
 - :func:`measure_runtime` — the link, and the pipeline runtime's fixed cost per micro-batch,
   fitted from a tiny two-stage ``torch.distributed.pipelining`` run (cached on disk).
 
+Both start their two processes as fresh interpreters running this module's own entry point
+(:func:`_pair`), not ``multiprocessing`` copies of the caller's ``__main__``: a script calls them
+without an ``if __name__ == "__main__":`` guard.
+
 Usage::
 
     fwd = timed(lambda: layer(x), device="cpu", warmup=2, repeats=5)
@@ -27,13 +31,16 @@ import contextlib
 import ctypes
 import dataclasses
 import json
+import logging
 import os
 import socket
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -42,12 +49,14 @@ import torch
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from autosplit.errors import CostModelError, advice
+from autosplit.errors import ConstraintError, CostModelError, advice
 
 __all__ = [
     "timed", "MemoryTracker", "pinned", "LinkMeasurement", "measure_link", "RuntimeMeasurement", "measure_runtime",
     "StageMeasurement", "measure_stages", "steady_allocator",
 ]
+
+_log = logging.getLogger(__name__)
 
 
 def timed(
@@ -176,9 +185,82 @@ class LinkMeasurement:
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return _free_ports(1)[0]
+
+
+def _free_ports(n: int) -> list[int]:
+    """``n`` distinct ports free now (held open together, so the system gives different ones)."""
+    with contextlib.ExitStack() as stack:
+        socks = [stack.enter_context(socket.socket()) for _ in range(n)]
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+
+
+_WORKERS = ("_ping_pong", "_tiny_pipeline", "_link_and_pipeline")
+
+
+def _pair(worker: str, args: list[Any], what: str, *, timeout: float = 600.0) -> None:
+    """Run ``worker(rank, *args)`` (a function of this module) on ranks 0 and 1, each a fresh
+    interpreter, and wait for both.
+
+    ``python -c`` with this module's entry point, not ``torch.multiprocessing.spawn``: spawning
+    re-imports the caller's ``__main__`` in every child, so a script without an
+    ``if __name__ == "__main__":`` guard would start the measurement again inside each child.
+    A rank that fails ends the other (which would wait for its peer until the timeout) and
+    raises :class:`~autosplit.errors.CostModelError` with the end of its stderr.
+    """
+    root = str(Path(__file__).resolve().parents[1])  # the folder holding autosplit/, for a checkout run in place
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(name, None)  # a caller under torchrun: the pair is a process group of its own
+    code = "import sys; from autosplit.measure import _worker_main; _worker_main(sys.argv[1:])"
+    with tempfile.TemporaryDirectory() as tmp:
+        logs = [Path(tmp) / f"rank{rank}.log" for rank in (0, 1)]
+        procs = []
+        for rank, log in enumerate(logs):
+            with open(log, "wb") as sink:
+                procs.append(subprocess.Popen(
+                    [sys.executable, "-c", code, worker, str(rank), json.dumps(args)],
+                    stdin=subprocess.DEVNULL, stdout=sink, stderr=subprocess.STDOUT, env=env,
+                ))
+        deadline, failed = time.monotonic() + timeout, None
+        try:
+            while any(p.poll() is None for p in procs) and failed is None:
+                failed = next((r for r, p in enumerate(procs) if p.returncode not in (None, 0)), None)
+                if time.monotonic() > deadline:
+                    raise CostModelError(advice(
+                        f"{what}: its two processes did not finish in {timeout:.0f} s",
+                        "a process is stuck (the machine is overloaded, or the port was taken)", "run it again",
+                    ))
+                time.sleep(0.05)
+            failed = next((r for r, p in enumerate(procs) if p.returncode not in (None, 0)), failed)
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                p.wait()
+        if failed is not None:
+            output = logs[failed].read_text(errors="replace").strip()
+            _log.debug("%s: output of rank %d:\n%s", what, failed, output)
+            # The exception's own line: the last one a traceback does not indent.
+            last = next((line for line in reversed(output.splitlines()) if line and not line[0].isspace()), "no output")
+            raise CostModelError(advice(
+                f"{what}: rank {failed} of its two processes exited with code {procs[failed].returncode}: {last}",
+                "the measuring process raised this (a backend this machine lacks, a port taken, a broken install)",
+                "set AUTOSPLIT_DEBUG=1 to log its whole output, fix the cause, and measure again",
+            ))
+
+
+def _worker_main(argv: Sequence[str]) -> None:
+    """Entry point of one process of :func:`_pair`: ``WORKER RANK JSON-ARGS``."""
+    worker, rank, args = argv
+    if worker not in _WORKERS:
+        raise CostModelError(advice(
+            f"autosplit.measure: unknown worker {worker!r}", f"this entry point runs {sorted(_WORKERS)} only",
+            "start measurements through measure_link or measure_runtime",
+        ))
+    globals()[worker](int(rank), *json.loads(args))
 
 
 def _ping_pong(rank: int, port: int, backend: str, sizes: Sequence[int], repeats: int, out: str) -> None:
@@ -218,7 +300,7 @@ def measure_link(
 ) -> LinkMeasurement:
     """Measure point-to-point transfers between two local processes and fit the link model.
 
-    Two processes (spawned, one thread each) bounce a message of every size ``repeats``
+    Two processes (fresh interpreters, one thread each) bounce a message of every size ``repeats``
     times, the sizes interleaved; the one-way time is half the fastest round trip (load
     elsewhere only ever adds time). The line through the smallest and the largest message
     gives ``bandwidth`` (its inverse slope) and ``latency`` (the smallest message's time
@@ -228,8 +310,6 @@ def measure_link(
     message was not slower than the smallest, which only a machine too busy to measure
     on produces.
     """
-    import torch.multiprocessing as mp
-
     if len(set(sizes)) < 2:
         raise CostModelError(advice(
             f"measure_link needs at least two distinct message sizes, got {tuple(sizes)}",
@@ -237,9 +317,15 @@ def measure_link(
         ))
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "link.pt")
-        mp.spawn(_ping_pong, args=(_free_port(), backend, tuple(sizes), repeats, out), nprocs=2, join=True)
+        _pair("_ping_pong", [_free_port(), backend, list(sizes), repeats, out], f"measure_link over {backend}")
         rows = torch.load(out)
-    (small, t_small), (large, t_large) = min(rows), max(rows)
+    return _fit_link(rows, backend, repeats)
+
+
+def _fit_link(rows: Sequence[Sequence[float]], backend: str, repeats: int) -> LinkMeasurement:
+    """The line through the smallest and the largest message of ``(bytes, one-way seconds)`` rows."""
+    pairs = [(int(n), float(t)) for n, t in rows]
+    (small, t_small), (large, t_large) = min(pairs), max(pairs)
     if t_large <= t_small:
         raise CostModelError(advice(
             f"the link measurement over {backend} is noise: a {large}-byte message took {t_large * 1e6:.0f} us one way, "
@@ -248,7 +334,7 @@ def measure_link(
         ))
     bandwidth = (large - small) / (t_large - t_small)
     return LinkMeasurement(
-        bandwidth=bandwidth, latency=max(t_small - small / bandwidth, 0.0), backend=backend, samples=tuple(rows)
+        bandwidth=bandwidth, latency=max(t_small - small / bandwidth, 0.0), backend=backend, samples=tuple(pairs)
     )
 
 
@@ -300,7 +386,13 @@ def measure_stages(
     Time is the median over ``steps`` after ``warmup`` steps, under ``threads`` pinned to
     ``cores`` as a stage process would run; peak memory is from :class:`MemoryTracker` over
     one step taken after the optimizer state exists.
+
+    Usage::
+
+        micro = split_batch((x,), {}, split.plan.micro_batches)   # autosplit.runtime.microbatch
+        stages = measure_stages(split, micro)                     # [StageMeasurement] per stage
     """
+    _check_measure_stages(split, micro_batches, steps, warmup, threads)
     records = _stage_inputs(split, micro_batches)
     results = []
     for stage, inputs in zip(split.stages, records):
@@ -321,6 +413,56 @@ def measure_stages(
                     bwd_s.append(bwd)
         results.append(StageMeasurement(statistics.median(fwd_s), statistics.median(bwd_s), peak))
     return results
+
+
+def _check_measure_stages(split: Any, micro_batches: Any, steps: Any, warmup: Any, threads: Any) -> None:
+    """:func:`measure_stages`' arguments, checked before anything runs."""
+    from autosplit.runtime.local import SplitModule
+
+    if not isinstance(split, SplitModule):
+        raise ConstraintError(advice(
+            f"measure_stages(split=...) got a {type(split).__name__}, not a SplitModule",
+            "it runs each stage of a split built in this process alone",
+            "pass the module autosplit.autosplit(model, devices, example_inputs=...) returns",
+        ))
+    how = ("pass split_batch((x,), {}, split.plan.micro_batches) (from autosplit.runtime.microbatch), "
+           "or a list of ((x_i,), {}) pairs, one per micro-batch")
+    if isinstance(micro_batches, (str, bytes, Mapping)) or not isinstance(micro_batches, Sequence):
+        raise ConstraintError(advice(
+            f"measure_stages(split, micro_batches=...) got {type(micro_batches).__name__} {_short(micro_batches)}, "
+            "not a list of micro-batches",
+            "it takes the inputs of every micro-batch of one step, each an (args, kwargs) pair, "
+            "not a count of micro-batches", how,
+        ))
+    if not micro_batches:
+        raise ConstraintError(advice(
+            "measure_stages(split, micro_batches=[]) got no micro-batches", "a step runs at least one micro-batch", how,
+        ))
+    for i, item in enumerate(micro_batches):
+        if not (isinstance(item, (tuple, list)) and len(item) == 2 and isinstance(item[0], (tuple, list))
+                and isinstance(item[1], Mapping)):
+            raise ConstraintError(advice(
+                f"measure_stages: micro_batches[{i}] is {type(item).__name__} {_short(item)}, not an (args, kwargs) pair",
+                "each micro-batch is the positional arguments (a tuple) and keyword arguments (a dict) of one forward call",
+                how,
+            ))
+    for name, value, least in (("steps", steps, 1), ("warmup", warmup, 0), ("threads", threads, 1)):
+        if value is None and name == "threads":
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise ConstraintError(advice(
+                f"measure_stages: {name}={value!r} is not an integer ≥ {least}",
+                "steps are timed steps, warmup untimed ones before them, threads the intra-op threads of a stage",
+                "e.g. steps=3, warmup=1, threads=1 (threads=None keeps the current count)",
+            ))
+
+
+def _short(value: Any, limit: int = 60) -> str:
+    """``value`` for a message: a tensor by its shape, anything else by its repr, cut to ``limit``."""
+    if isinstance(value, torch.Tensor):
+        return f"of shape {tuple(value.shape)}"
+    text = " ".join(repr(value).split())
+    return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
 def _optimizer(name: str, params: list[torch.Tensor]) -> torch.optim.Optimizer:
@@ -419,6 +561,15 @@ def _tiny_pipeline(rank: int, port: int, backend: str, counts: Sequence[int], st
         dist.destroy_process_group()
 
 
+def _link_and_pipeline(
+    rank: int, ports: Sequence[int], backend: str, sizes: Sequence[int], repeats: int, counts: Sequence[int], steps: int,
+    cores: bool, link_out: str, pipeline_out: str,
+) -> None:
+    """:func:`_ping_pong`, then :func:`_tiny_pipeline`, in one process (a process group each)."""
+    _ping_pong(rank, ports[0], backend, sizes, repeats, link_out)
+    _tiny_pipeline(rank, ports[1], backend, counts, steps, cores, pipeline_out)
+
+
 def measure_runtime(
     *, backend: str = "gloo", cache: bool = True, cache_dir: str | None = None, pin_cores: bool = True
 ) -> RuntimeMeasurement:
@@ -434,19 +585,19 @@ def measure_runtime(
     """
     import platform
 
-    import torch.multiprocessing as mp
-
     root = Path(cache_dir or os.environ.get("AUTOSPLIT_CACHE") or Path.home() / ".cache" / "autosplit")
     path = root / "runtime" / f"{backend}-{platform.node()}-{torch.__version__}-v2.json"  # v2: receives posted early
     if cache and path.exists():
         with contextlib.suppress(ValueError, KeyError, TypeError):
             return RuntimeMeasurement.from_dict(json.loads(path.read_text()))
-    link = measure_link(backend=backend)
-    counts = (2, 16)
+    counts, sizes, repeats = (2, 16), (4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20), 10
     with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "runtime.pt")
-        mp.spawn(_tiny_pipeline, args=(_free_port(), backend, counts, 20, pin_cores, out), nprocs=2, join=True)
-        got = torch.load(out)
+        outs = [os.path.join(tmp, "link.pt"), os.path.join(tmp, "runtime.pt")]
+        # One pair of processes for both measurements: starting one (importing torch) costs seconds.
+        _pair("_link_and_pipeline", [_free_ports(2), backend, list(sizes), repeats, list(counts), 20, pin_cores, *outs],
+              f"measure_runtime over {backend}")
+        link = _fit_link(torch.load(outs[0]), backend, repeats)
+        got = torch.load(outs[1])
     (m0, t0), (m1, t1) = got["rows"]
     per_micro = (t1 - t0) / (m1 - m0)
     # Every receive of a step is posted when it begins (EarlyReceivingStage), so the link's

@@ -108,3 +108,56 @@ def test_a_rank_that_fails_under_the_launcher_exits_2():
     done = _cli("run", *GPT_ARGS, "--devices", "cpu*2", "--dp", "1", "--nproc-per-node", "3", "--steps", "1")
     assert done.returncode == 2, done.stderr[-3000:]
     assert "DistributedError" in done.stderr
+
+
+WORKLOADS = '''
+import torch
+
+def tiny(batch=4):
+    return torch.nn.Linear(4, 2), (torch.randn(batch, 4),)
+
+def broken(batch=4):
+    raise ValueError("width 3 is not a multiple of 4")
+'''
+
+
+def _one_line_error(capsys) -> str:
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    return err
+
+
+def test_a_workload_that_fails_to_import_or_build_exits_2_on_one_line(tmp_path, monkeypatch, capsys):
+    monkeypatch.syspath_prepend(str(tmp_path))
+    (tmp_path / "cli_workloads.py").write_text(WORKLOADS)
+    (tmp_path / "cli_raises_on_import.py").write_text("raise RuntimeError('no GPU here\\nat all')\n")
+    assert main(["plan", "cli_raises_on_import:make", "--devices", "cpu"]) == 2
+    err = _one_line_error(capsys)
+    assert "importing cli_raises_on_import raised RuntimeError: no GPU here at all" in err
+    assert main(["plan", "cli_workloads:broken", "--batch", "8", "--devices", "cpu"]) == 2
+    err = _one_line_error(capsys)
+    assert "ConstraintError: the workload factory cli_workloads.broken(batch=8) raised ValueError: width 3 is not" in err
+    assert main(["plan", "cli_workloads:missing", "--devices", "cpu"]) == 2
+    assert "cli_workloads has no function 'missing'" in _one_line_error(capsys)
+
+
+def test_manual_json_that_does_not_parse_is_an_error_not_a_partition_method(tmp_path, monkeypatch, capsys):
+    monkeypatch.syspath_prepend(str(tmp_path))
+    (tmp_path / "cli_workloads.py").write_text(WORKLOADS)
+    args = ["compare", "cli_workloads:tiny", "--devices", "cpu*2", "--time-limit", "1", "--manual"]
+    assert main([*args, 'cut={"0": beginning}']) == 2
+    err = _one_line_error(capsys)
+    assert "ConstraintError: --manual cut: " in err and "is not valid JSON: Expecting value at line 1 column 7 (character 6)" in err
+    (tmp_path / "split.json").write_text("[[0], [1")
+    assert main([*args, f"even=@{tmp_path / 'split.json'}"]) == 2
+    assert f"--manual even (file {tmp_path / 'split.json'})" in _one_line_error(capsys)
+    assert main([*args, f"gone=@{tmp_path / 'gone.json'}"]) == 2
+    assert "cannot read the file: FileNotFoundError" in _one_line_error(capsys)
+
+
+def test_plan_out_into_a_missing_folder_exits_2(tmp_path, monkeypatch, capsys):
+    monkeypatch.syspath_prepend(str(tmp_path))
+    (tmp_path / "cli_workloads.py").write_text(WORKLOADS)
+    out = tmp_path / "no" / "plan.json"
+    assert main(["plan", "cli_workloads:tiny", "--devices", "cpu", "--out", str(out)]) == 2
+    assert f"PlanFileError: cannot save the plan to {out}" in _one_line_error(capsys)

@@ -246,8 +246,9 @@ def test_chain_bound_charges_the_residual_beside_the_chain_link():
     problem = make_problem([10, 10, 10, 10], [*chain(4), (0, 2)], stages=2, transfer=[4, 1, 5, 0], micro_batches=4)
     assert chain_bound(problem) == 25  # two stages of 20 and the middle cut's 5 each, not 20 + 1
     assert crossing_floor(problem) == 2 * 4  # the cheapest cut, charged to both its stages
-    # The best plan cuts in the middle: Σ t = 50, max t = 25, so 50 + 3 · 25.
-    assert lower_bound(problem) == 40 + 8 + 3 * 25 <= brute_force(problem) == 50 + 3 * 25
+    # The best plan cuts in the middle: Σ t = 50, max t = 25, so 50 + 3 · 25. Cutting at the cheap
+    # link instead would leave stages of 10 + 4 and 30 + 4: the traded bound proves the middle best.
+    assert lower_bound(problem) == brute_force(problem) == 50 + 3 * 25
 
 
 def test_chain_bound_charges_the_branch_beside_the_chain():

@@ -22,6 +22,15 @@ outer dimension (as in torchtitan), so rank ``r`` runs stage ``r // data_paralle
    activations every micro-batch, or replicated on each stage that reads it with its
    gradient summed across them once per step (DeepSpeed's TiedLayerSpec) — whichever the
    cost model finds cheaper; the plan records which.
+5. Every step begins with one small ``all_gather`` of each rank's batch rows and a digest of its
+   input and target shapes, so every rank refuses a disagreement before any stage computes. A
+   batch of other rows than the example's (a data loader's last batch) runs with stages whose
+   static metadata is rebuilt for its micro-batch shape — same module, same parameters — if
+   the stages' code does not fix the rows; it is cut into the plan's ``M`` micro-batches, or
+   the most below ``M`` that divide it and that the schedule runs, and refused otherwise.
+6. Entries of the model's ``state_dict`` that no stage reads (a parameter ``forward`` never
+   uses) are kept by stage 0, so state dicts and :meth:`~DistributedModel.parameters` hold the
+   whole model.
 
 Usage (``torchrun --nproc-per-node 2 train.py``)::
 
@@ -35,7 +44,9 @@ Usage (``torchrun --nproc-per-node 2 train.py``)::
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import hashlib
 import logging
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -45,14 +56,15 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.utils import _pytree as pytree
 
 from autosplit.devices import DeviceLike
 from autosplit.errors import AutosplitError, DistributedError, PlanMismatchError, advice
-from autosplit.passes.capture import Captured, capture, fingerprint, flat_inputs
+from autosplit.passes.capture import Captured, capture, fingerprint, flat_inputs, with_defaults
 from autosplit.passes.codegen import Chain, generate_chain
 from autosplit.plan import Plan
 from autosplit.planner import Planner, load_plan
-from autosplit.runtime.microbatch import batch_size, is_batched, split_batch
+from autosplit.runtime.microbatch import batch_size, is_batched
 from autosplit.solver.problem import ASYNC_SCHEDULES
 
 __all__ = ["DistributedModel", "distribute", "SCHEDULE_CLASSES"]
@@ -113,6 +125,16 @@ def _agree(value: Any, what: str, group: Any = None) -> None:
         )
 
 
+@dataclass
+class _Run:
+    """The schedule that runs batches of one size, over a stage whose static metadata is that
+    size's micro-batch shape."""
+
+    schedule: Any
+    micro_batches: int
+    started: bool = False
+
+
 class DistributedModel:
     """This rank's stage of a pipelined, data-parallel model. Made by :func:`distribute`."""
 
@@ -120,11 +142,10 @@ class DistributedModel:
         self, *, model: torch.nn.Module, plan: Plan, chain: Chain, layout: Layout, device: torch.device,
         loss_fn: Callable[[Any, Any], torch.Tensor],
         pp_group: Any, dp_mesh: Any, data_parallel: str, input_names: Sequence[str], to_flat: Callable[..., list[Any]],
-        micro_batches: int, tied_groups: Sequence[tuple[str, Any]] = (), asynchronous: str | None = None,
+        micro_batches: int, example: Sequence[Any], chain_at: Callable[[int], Chain],
+        tied_groups: Sequence[tuple[str, Any]] = (), asynchronous: str | None = None,
     ) -> None:
         from torch.distributed import pipelining
-
-        from autosplit.runtime.stage import EarlyReceivingStage
 
         self.plan = plan
         self.chain = chain
@@ -134,6 +155,8 @@ class DistributedModel:
         self._to_flat = to_flat
         self._input_names = tuple(input_names)
         self.module: torch.nn.Module = chain.stages[layout.stage]
+        if layout.stage == 0:
+            _keep_unread(self.module, model, chain)
         _place(self.module, device)
         # The model's own names for this stage's tensors (a tied weight under each of its names;
         # non-persistent buffers left out, as the model's state_dict does), fixed before
@@ -154,12 +177,18 @@ class DistributedModel:
                 from torch.distributed._composable.replicate_with_fsdp import replicate
 
                 replicate(self.module, mesh=dp_mesh)
-        self._stage = EarlyReceivingStage(
-            self.module, layout.stage, layout.stages, device,
-            input_args=chain.inputs_meta[layout.stage],  # static metadata: no dry-run forward (it would touch BatchNorm statistics)
-            output_args=chain.outputs_meta[layout.stage],
-            group=pp_group,
-        )
+            _quiet_fsdp_view_warning(self.module)
+        self._pp_group = pp_group
+        # static metadata: no dry-run forward (it would touch BatchNorm statistics)
+        self._stage = self._new_stage(chain.inputs_meta[layout.stage], chain.outputs_meta[layout.stage])
+        # The example fixes every input's shape but the batch rows (dimension 0 of the batched ones).
+        self._rows = batch_size(example)
+        self._batched = [is_batched(v, self._rows) for v in example]
+        self._shapes = _shapes(example)
+        self._chain_at = chain_at
+        self._runs: dict[int | None, _Run] = {}
+        self._unrunnable: dict[int, str] = {}
+        """Micro-batch rows the stages cannot run → why."""
 
         def loss(out: Any, target: Any) -> torch.Tensor:
             return loss_fn(chain.output(out if isinstance(out, (tuple, list)) else (out,)), target)
@@ -168,7 +197,6 @@ class DistributedModel:
         self._loss_of_output = loss_fn
         self.last_run: dict[str, Any] = {}
         self._schedule_cls = getattr(pipelining, SCHEDULE_CLASSES.get(plan.schedule, "Schedule1F1B"))
-        self._schedule: Any = None
         self._rank = dist.get_rank()
         self._tied = [(self._state_names[name], group) for name, group in tied_groups]
         self._failed: str | None = None
@@ -185,16 +213,23 @@ class DistributedModel:
     def is_last(self) -> bool:
         return self.layout.stage == self.layout.stages - 1
 
-    def _make_schedule(self, inputs: Mapping[str, Any]) -> Any:
-        # Inputs are cut by autosplit's one micro-batching rule (runtime/microbatch.py); the rest
-        # are given whole to every micro-batch. pipelining names that spec only privately (_Replicate).
+    def _new_stage(self, inputs_meta: Sequence[torch.Tensor], outputs_meta: Sequence[torch.Tensor]) -> Any:
+        from autosplit.runtime.stage import EarlyReceivingStage
+
+        return EarlyReceivingStage(
+            self.module, self.layout.stage, self.layout.stages, self.device,
+            input_args=tuple(inputs_meta), output_args=tuple(outputs_meta), group=self._pp_group,
+        )
+
+    def _make_schedule(self, stage: Any, micro_batches: int) -> Any:
+        # Inputs are cut as the example was (runtime/microbatch.py's rule, applied to the example,
+        # so an unbatched input is never cut because its dimension 0 happens to match a batch's
+        # rows); the rest are given whole to every micro-batch. pipelining names that spec only
+        # privately (_Replicate).
         from torch.distributed.pipelining.microbatch import TensorChunkSpec, _Replicate
 
-        batch = batch_size((), inputs)
-        specs = {k: TensorChunkSpec(0) if is_batched(v, batch) else _Replicate() for k, v in inputs.items()}
-        return self._schedule_cls(
-            self._stage, n_microbatches=self.micro_batches, loss_fn=self._loss, kwargs_chunk_spec=specs, scale_grads=True
-        )
+        specs = {k: TensorChunkSpec(0) if cut else _Replicate() for k, cut in zip(self._input_names, self._batched)}
+        return self._schedule_cls(stage, n_microbatches=micro_batches, loss_fn=self._loss, kwargs_chunk_spec=specs, scale_grads=True)
 
     def step(self, *inputs: Any, target: Any = None, **kwargs: Any) -> torch.Tensor | None:
         """One training step (forward and backward of every micro-batch) on this replica's batch.
@@ -204,6 +239,11 @@ class DistributedModel:
         accumulate into :meth:`parameters`, averaged over micro-batches as the full batch's
         mean loss would give; then step your optimizer. Returns the batch's loss (the mean of
         the micro-batch losses) on the last stage's ranks, ``None`` elsewhere.
+
+        Every rank must pass a batch of the same shape; it may have other rows than the example
+        (a data loader's last batch): see item 5 of this module's docstring. A disagreement, or
+        a batch no stage can run, raises :class:`DistributedError` on every rank before any
+        stage computes, and the pipeline stays usable.
         """
         if self.asynchronous is not None:
             raise DistributedError(advice(
@@ -211,10 +251,6 @@ class DistributedModel:
                 "an asynchronous pipeline overlaps mini-batches, so it takes them all at once",
                 "call pipe.train(batches, optimizer=opt), or distribute with schedule='gpipe' or '1f1b'",
             ))
-        flat = self._to_flat(inputs, kwargs)
-        named = dict(zip(self._input_names, flat))
-        if self._schedule is None:
-            self._schedule = self._make_schedule(named)
         if self._failed is not None:
             raise DistributedError(
                 advice(
@@ -223,9 +259,17 @@ class DistributedModel:
                     "re-create it with autosplit.distribute after fixing the cause (and a new process group if it was torn down)",
                 )
             )
+        flat = self._to_flat(inputs, kwargs)
+        rows = self._agree_on_batch(flat, target)
+        run = self._run_for(rows, flat)
+        kept = [] if run.started else self._gradients_a_new_schedule_clears()
+        run.started = True
         losses: list[torch.Tensor] = []
         try:
-            self._schedule.step(target=target if self.is_last else None, losses=losses if self.is_last else None, **named)
+            run.schedule.step(
+                target=target if self.is_last else None, losses=losses if self.is_last else None,
+                **dict(zip(self._input_names, flat)),
+            )
         except Exception as e:
             # A peer blocked on this rank fails when this process exits (gloo: "connection closed
             # by peer", at once) or at the process group's timeout, whichever comes first.
@@ -238,6 +282,9 @@ class DistributedModel:
                     "look for the first rank that failed (its error names the node); run the model unsplit on one batch to reproduce",
                 )
             ) from e
+        with torch.no_grad():
+            for p, earlier in kept:
+                p.grad = earlier if p.grad is None else p.grad + earlier
         own = dict(self.module.named_parameters(remove_duplicate=False))
         for local, group in self._tied:  # a replicated tied weight: sum its stages' gradients, once per step
             grad = own[local].grad
@@ -246,6 +293,99 @@ class DistributedModel:
         if not self.is_last:
             return None
         return torch.stack([loss.detach() for loss in losses]).mean()
+
+    # -- batches of another size -----------------------------------------------------------------
+    def _agree_on_batch(self, flat: Sequence[Any], target: Any) -> int | None:
+        """This batch's rows, once every rank has seen every rank's rows and shape digests (one
+        ``all_gather`` of four int64 per rank); raises the same error on every rank unless they agree."""
+        rows = batch_size(flat)
+        cut = isinstance(target, torch.Tensor) and target.dim() > 0
+        mine = torch.tensor(
+            [-1 if rows is None else rows, _digest(_shapes(flat)),
+             int(target.shape[0]) if cut else -1, _digest(_shapes([target])) if cut else 0],
+            dtype=torch.int64, device=self.device,
+        )
+        table = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+        try:
+            dist.all_gather(table, mine)
+        except Exception as e:
+            self._failed = _causes(e)
+            raise DistributedError(advice(
+                f"rank {self._rank} could not compare its batch with the other ranks': {_causes(e)}",
+                "a peer rank failed, exited, or did not call step() (the process group's timeout)",
+                "look for the first rank that failed; call step() on every rank with a batch of the same shape",
+            )) from e
+        last = [self.layout.rank(self.layout.stages - 1, r) for r in range(self.layout.replicas)]
+        _check_batches(torch.stack(table).tolist(), last)
+        return rows
+
+    def _run_for(self, rows: int | None, flat: Sequence[Any]) -> _Run:
+        """The schedule for a batch of ``rows`` rows (every rank has the same, so every rank finds
+        the same, or raises the same error)."""
+        expected = [((rows, *sig[0][1:]), sig[1]) if cut else sig for sig, cut in zip(self._shapes, self._batched)]
+        got = _shapes(flat)
+        if got != expected:
+            i = next((i for i, (a, b) in enumerate(zip(got, expected)) if a != b), 0)
+            raise DistributedError(advice(
+                f"input {self._input_names[i]!r} is {_describe(got[i])} where a batch of {rows} rows like the example "
+                f"({self._rows} rows) has {_describe(expected[i])}" if len(got) == len(expected) else
+                f"the batch has {len(got)} input values where the example has {len(expected)}",
+                "the stages' code and receive buffers keep the example's shapes except the batch rows "
+                "(dimension 0 of the batched inputs): sequence lengths, features and dtypes are fixed",
+                "pad inputs to the example's shape (masking the padding), or distribute with an example of this shape",
+            ))
+        if rows not in self._runs:
+            self._runs[rows] = self._new_run(rows)
+        return self._runs[rows]
+
+    def _new_run(self, rows: int | None) -> _Run:
+        M = self.micro_batches
+        if rows is None or self._rows is None or rows == self._rows:
+            return _Run(self._make_schedule(self._stage, M), M)
+        fewest = _fewest_micro_batches(self.plan.schedule, self.layout.stages)
+        counts = [m for m in range(M, fewest - 1, -1) if rows % m == 0]
+        for m in counts:
+            metadata = self._metadata(rows // m)
+            if metadata is not None:
+                log.info("a batch of %d rows runs as %d micro-batches of %d rows (planned: %d of %d)",
+                         rows, m, rows // m, M, self._rows // M)
+                return _Run(self._make_schedule(self._new_stage(*metadata), m), m)
+        why = "; ".join(f"micro-batches of {rows // m} rows: {self._unrunnable[rows // m]}" for m in counts)
+        raise DistributedError(advice(
+            f"a batch of {rows} rows cannot run on this pipeline (planned: {self._rows} rows in {M} micro-batches); "
+            + (why or f"no micro-batch count from {fewest} to {M} divides {rows}"),
+            f"every micro-batch must have the same shape, and the {self.plan.schedule} schedule on "
+            f"{self.layout.stages} stages runs {fewest} to {M} micro-batches here",
+            f"drop the last partial batch (DataLoader(drop_last=True)), pad it to {self._rows} rows (masking the "
+            f"padding out of the loss), or distribute with micro_batches= dividing every batch size",
+        ))
+
+    def _metadata(self, micro: int) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]] | None:
+        """This stage's static input and output metadata for micro-batches of ``micro`` rows, or
+        None (the reason in ``_unrunnable``) when the stages' code fixes the plan's rows."""
+        s, planned = self.layout.stage, (self._rows or 0) // self.micro_batches
+        if micro == planned:
+            return self.chain.inputs_meta[s], self.chain.outputs_meta[s]
+        if micro not in self._unrunnable:
+            try:
+                base, other = self._chain_at(planned), self._chain_at(micro)
+            except Exception as e:  # noqa: BLE001 -- any failure to capture at this shape refuses it, with its cause
+                self._unrunnable[micro] = f"the model could not be captured at this shape ({_causes(e)})"
+            else:
+                changed = _code_change(base, other)
+                if changed is None and other.crossings == self.chain.crossings:
+                    return other.inputs_meta[s], other.outputs_meta[s]
+                self._unrunnable[micro] = changed or "other values cross the stages at this shape"
+        return None
+
+    def _gradients_a_new_schedule_clears(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Gradients of FSDP2-managed parameters, which torch's pipelining sets to None when a
+        schedule first prepares its stage (``_post_metadata_inference_cleanup``): kept, to add
+        back after the step, so gradients accumulated over earlier steps survive a new batch size."""
+        from torch.distributed.fsdp import FSDPModule
+
+        params = {id(p): p for m in self.module.modules() if isinstance(m, FSDPModule) for p in m.parameters()}
+        return [(p, p.grad) for p in params.values() if p.grad is not None]
 
     def train(self, batches: Sequence[Any], *, optimizer: torch.optim.Optimizer) -> list[torch.Tensor | None]:
         """Train on ``batches`` — each ``(inputs, target)`` or ``(inputs, kwargs, target)``, one
@@ -264,10 +404,24 @@ class DistributedModel:
             ))
         check_optimizer(self.asynchronous, optimizer)
         flat_batches = []
-        for item in batches:
+        for i, item in enumerate(batches):
             inputs, kwargs, target = item if len(item) == 3 else (item[0], {}, item[1])
             inputs = inputs if isinstance(inputs, tuple) else (inputs,)
-            flat_batches.append((self._to_flat(inputs, dict(kwargs)), target))
+            flat = self._to_flat(inputs, dict(kwargs))
+            # Every rank is given the same batches, so every rank refuses the same one, before any compute.
+            rows = int(target.shape[0]) if isinstance(target, torch.Tensor) and target.dim() > 0 else None
+            if _shapes(flat) != self._shapes or (self._rows is not None and rows != self._rows):
+                got = [f"{n}: {_describe(v)}" for n, v in zip(self._input_names, _shapes(flat))]
+                want = [f"{n}: {_describe(v)}" for n, v in zip(self._input_names, self._shapes)]
+                raise DistributedError(advice(
+                    f"mini-batch {i} of {len(batches)} has inputs {got} and a target of {rows} rows, where the "
+                    f"example has {want} and {self._rows} rows",
+                    "an asynchronous pipeline runs every mini-batch with the example's shapes: its receive "
+                    "buffers and its simulated schedule are fixed when it starts",
+                    "give train() mini-batches of the example's shape (DataLoader(drop_last=True)); train a last "
+                    "partial batch with a flushed pipeline (schedule='gpipe' or '1f1b'), or drop it",
+                ))
+            flat_batches.append((flat, target))
         stage, stages = self.layout.stage, self.layout.stages
         peers = (self.layout.rank(stage - 1) if stage > 0 else None, self.layout.rank(stage + 1) if stage < stages - 1 else None)
         try:
@@ -370,6 +524,129 @@ def _place(module: torch.nn.Module, device: torch.device) -> None:
         for t in [*module.parameters(), *module.buffers()]:
             if t.device != device:
                 t.data = t.data.to(device)
+
+
+def _keep_unread(module: torch.nn.Module, model: torch.nn.Module, chain: Chain) -> None:
+    """Register on ``module`` (stage 0's) every entry of the model's ``state_dict`` that no stage
+    reads — a parameter or persistent buffer ``forward`` never uses — under a reserved name, so
+    stage 0's state dicts, parameters and replication hold it like the stage's own tensors."""
+    read = {id(t) for stage in chain.stages for t in [*stage.parameters(), *stage.buffers()]}
+    for i, (name, t) in enumerate(model.state_dict(keep_vars=True).items()):
+        if not isinstance(t, torch.Tensor) or id(t) in read:
+            continue
+        read.add(id(t))  # a tied pair of unread names: registered once, found under both
+        attr = f"_unread{i}_{name.replace('.', '_')}"
+        if isinstance(t, torch.nn.Parameter):
+            module.register_parameter(attr, t)
+        else:
+            module.register_buffer(attr, t)
+
+
+# -- batches: what every rank compares, and what the stages can run ------------------------------------
+
+
+def _shapes(values: Sequence[Any]) -> list[Any]:
+    """Each value's ``(shape, dtype)``, or its type's name if it is not a tensor."""
+    return [(tuple(v.shape), str(v.dtype)) if isinstance(v, torch.Tensor) else type(v).__name__ for v in values]
+
+
+def _describe(sig: Any) -> str:
+    return f"{sig[1].removeprefix('torch.')} {list(sig[0])}" if isinstance(sig, tuple) else f"a {sig}"
+
+
+def _digest(value: Any) -> int:
+    """56 bits of a hash of ``repr(value)``, equal in every process (Python's ``hash`` is not)."""
+    return int.from_bytes(hashlib.blake2b(repr(value).encode(), digest_size=7).digest(), "big")
+
+
+def _check_batches(seen: Sequence[Sequence[int]], last: Sequence[int]) -> None:
+    """Raise :class:`DistributedError` unless the ranks agree: ``seen[rank]`` is that rank's
+    ``[rows, input shapes digest, target rows, target shape digest]`` (-1: none); ``last`` are
+    the last stage's ranks, which cut the target with the inputs."""
+    rows = [s[0] for s in seen]
+    same = "give every rank a batch of the same shape (the same batch_size and drop_last=True on every rank's DataLoader)"
+    if len(set(rows)) > 1:
+        raise DistributedError(advice(
+            "the ranks were given batches of different sizes: "
+            + ", ".join(f"rank {r}: " + (f"{n} rows" if n >= 0 else "no batched tensor") for r, n in enumerate(rows)),
+            "a stage receives micro-batches of the shape its neighbour sends, so every rank of the pipeline "
+            "(and every replica) must run the same batch size in a step",
+            same,
+        ))
+    differ = [r for r, s in enumerate(seen) if s[1] != seen[0][1]]
+    if differ:
+        raise DistributedError(advice(
+            f"ranks {differ} were given inputs of other shapes or dtypes than rank 0 (all have {rows[0]} rows)",
+            "every stage's code and receive buffers are fixed to one shape per step",
+            same,
+        ))
+    wrong = [r for r in last if seen[r][2] != rows[0]] if rows[0] >= 0 else []
+    if wrong:
+        given = ", ".join(f"rank {r}: " + (f"{seen[r][2]} rows" if seen[r][2] >= 0 else "none") for r in wrong)
+        raise DistributedError(advice(
+            f"the last stage needs a target with the batch's {rows[0]} rows in dimension 0; {given}",
+            "the last stage cuts the target into micro-batches with the inputs and computes each one's loss",
+            "pass target= to step() on the last stage's ranks, one row per input row",
+        ))
+    if len({seen[r][3] for r in last}) > 1:
+        raise DistributedError(advice(
+            f"the last stage's replicas (ranks {list(last)}) were given targets of different shapes",
+            "every replica computes the same loss over its own rows",
+            same,
+        ))
+
+
+def _fewest_micro_batches(schedule: str, stages: int) -> int:
+    """The fewest micro-batches torch 2.13 runs a step in: ``Schedule1F1B`` refuses fewer than
+    stages (a ValueError when it is made); ``ScheduleGPipe`` runs any number."""
+    return stages if schedule == "1f1b" else 1
+
+
+def _code_change(base: Chain, other: Chain) -> str | None:
+    """The first line of stage code that differs between two chains of one plan (None: same code)."""
+    for s, (a, b) in enumerate(zip(base.stages, other.stages)):
+        if a.code != b.code:
+            old, new = next((x, y) for x, y in zip([*a.code.splitlines(), ""], [*b.code.splitlines(), ""]) if x != y)
+            return (f"stage {s}'s code fixes the micro-batch rows ({old.strip()[:120]!r} "
+                    f"becomes {new.strip()[:120]!r}; torch.export, or a shape passed between stages)")
+    return None
+
+
+def _meta_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """A copy of ``model`` with every parameter and buffer on the meta device, at its whole
+    (global) shape — a replicated or sharded DTensor's too. No memory for weights."""
+    memo: dict[int, Any] = {}
+    for t in [*model.parameters(), *model.buffers()]:
+        meta = torch.empty(t.shape, dtype=t.dtype, device="meta")
+        memo[id(t)] = torch.nn.Parameter(meta, requires_grad=t.requires_grad) if isinstance(t, torch.nn.Parameter) else meta
+    return copy.deepcopy(model, memo)
+
+
+def _chains_by_rows(
+    model: torch.nn.Module, planner: Planner, plan: Plan, stages: int, *, method: str, replicate: set[str]
+) -> Callable[[int], Chain]:
+    """``chain_at(rows)``: the plan's chain for micro-batches of ``rows`` rows and the example's
+    other dimensions, captured from a copy of the model on the meta device (made on first use;
+    it works after replication made the stages' weights DTensors). Only its code and static
+    metadata are read: the stages keep running their own modules."""
+    batch = batch_size(planner.example_inputs, planner.example_kwargs)
+    example = with_defaults(planner.traced.captured, planner.example_inputs, planner.example_kwargs)
+    example = pytree.tree_map(lambda v: v.to("meta") if isinstance(v, torch.Tensor) else v, example)
+    copies: list[torch.nn.Module] = []
+    chains: dict[int, Chain] = {}
+
+    def at(rows: int) -> Any:
+        return lambda v: torch.empty((rows, *v.shape[1:]), dtype=v.dtype, device="meta") if is_batched(v, batch) else v
+
+    def chain_at(rows: int) -> Chain:
+        if rows not in chains:
+            if not copies:
+                copies.append(_meta_copy(model))
+            args, kwargs = pytree.tree_map(at(rows), example)
+            chains[rows] = _capture_chain(copies[0], plan, stages, args, kwargs, method=method, replicate=replicate)[0]
+        return chains[rows]
+
+    return chain_at
 
 
 def _rank_device(plan: Plan, stage: int) -> torch.device:
@@ -478,7 +755,7 @@ def distribute(
             "asynchronous stages update at different times, so replicated copies would drift apart",
             "untie the weights, or train this model with schedule='gpipe' or '1f1b'",
         ))
-    chain, captured = _chain(model, planner, made, stages, replicate={p.name for p in tied})
+    chain, captured = _chain(planner, made, stages, replicate={p.name for p in tied})
     if given is not None and given.crossings and given.crossings != chain.crossings:
         raise PlanMismatchError(
             advice(
@@ -498,10 +775,13 @@ def distribute(
     def to_flat(args: tuple, kwargs: dict) -> list[Any]:
         return flat_inputs(captured, tuple(args), kwargs)
 
+    replicated = {p.name for p in tied}
     return DistributedModel(
         model=model, plan=made, chain=chain, layout=layout, device=device, loss_fn=loss_fn,
         pp_group=mesh["pp"].get_group(), dp_mesh=mesh["dp"],
         data_parallel=replicate, input_names=chain.input_names, to_flat=to_flat, micro_batches=made.micro_batches,
+        example=to_flat(tuple(planner.example_inputs), dict(planner.example_kwargs or {})),
+        chain_at=_chains_by_rows(model, planner, made, stages, method=captured.method, replicate=replicated),
         tied_groups=tied_groups, asynchronous=asynchronous,
     )
 
@@ -512,33 +792,57 @@ def _checksums(model: torch.nn.Module) -> list[str]:
         return [f"{float(t.double().sum()):.6g}" for t in [*model.parameters(), *model.buffers()] if t.device.type != "meta"]
 
 
-def _chain(
-    model: torch.nn.Module, planner: Planner, plan: Plan, stages: int, *, replicate: set[str]
-) -> tuple[Chain, Captured]:
-    """The plan's chain, generated from a capture at the micro-batch's shape: torch.export
-    specialises a graph to its example shapes (guards, view sizes), and the stages run micro-batches."""
+def _chain(planner: Planner, plan: Plan, stages: int, *, replicate: set[str]) -> tuple[Chain, Captured]:
+    """The plan's chain, generated at the micro-batch's shape (an exported graph captured again
+    there: torch.export specialises a graph to its example shapes)."""
     if plan.schedule == "makespan":
         raise DistributedError(advice(
             "a makespan plan (objective='makespan') has no pipeline stages to distribute",
             "its devices hold non-adjacent nodes and run them as their inputs arrive, which no runtime does yet",
             "distribute a plan made with objective='pipeline'",
         ))
-    args, kwargs = split_batch(planner.example_inputs, planner.example_kwargs, plan.micro_batches)[0]
-    if plan.micro_batches == 1:
-        captured = planner.traced.captured
-    else:
-        captured = capture(model, args, kwargs, method=planner.traced.captured.method)
-        if fingerprint(captured.gm) != plan.fingerprint:
-            raise DistributedError(
-                advice(
-                    f"the model captures as another graph at the micro-batch's shape ({batch_size(args, kwargs)} rows) "
-                    f"than at the batch's ({batch_size(planner.example_inputs, planner.example_kwargs)} rows)",
-                    "Python control flow or torch.export specialisation that depends on the batch size",
-                    "make forward independent of the batch size, or plan with micro_batches=1",
-                )
+    captured, flat = planner.traced.at_micro_batch(plan.micro_batches)
+    return generate_chain(captured, plan.stage_of, stages, flat, replicate=replicate), captured
+
+
+def _capture_chain(
+    model: torch.nn.Module, plan: Plan, stages: int, args: tuple, kwargs: dict[str, Any], *, method: str, replicate: set[str]
+) -> tuple[Chain, Captured]:
+    """The plan's chain from a capture of ``model`` at one micro-batch ``args``/``kwargs``."""
+    captured = capture(model, args, kwargs, method=method)
+    if fingerprint(captured.gm) != plan.fingerprint:
+        raise DistributedError(
+            advice(
+                f"the model captures as another graph at a micro-batch of {batch_size(args, kwargs)} rows than the plan's graph",
+                "Python control flow or torch.export specialisation that depends on the batch size",
+                "make forward independent of the batch size, or plan with micro_batches=1",
             )
+        )
     flat = flat_inputs(captured, args, kwargs)
     return generate_chain(captured, plan.stage_of, stages, flat, replicate=replicate), captured
+
+
+def _quiet_fsdp_view_warning(stage: torch.nn.Module) -> None:
+    """Silence FSDP2's "returned a view tensor" warning for this replicated stage module, and only it.
+
+    FSDP2 warns on every forward whose output is a view, because an in-place op on that view
+    would drop the pre-backward hook it registers there. A stage's outputs are views when
+    ``nn.Linear`` (or a matmul) ends it on a 3-D input: torch computes the product in 2-D and
+    returns a 3-D view of it (GPT's qkv projection or head; ``.contiguous()`` keeps such a view as
+    it is). The base is a temporary that only the view holds, and the runtime never writes into a
+    stage's outputs: a middle stage sends them and runs backward through them, the last stage
+    hands them to ``loss_fn``, which reads them (as a loss over an FSDP module's output must).
+    The filter matches the message with this stage's class name (``ReplicateStage0``,
+    ``FSDPStage1``) from FSDP's own module, so the warning still shows for every other module;
+    adding it again replaces the same filter.
+    """
+    import re
+    import warnings
+
+    warnings.filterwarnings(
+        "ignore", message=rf"FSDP2-wrapped module \({re.escape(type(stage).__name__)}\) returned a view tensor",
+        category=UserWarning, module=r"torch\.distributed\.fsdp\.",
+    )
 
 
 def _mesh(device: torch.device, stages: int, replicas: int) -> Any:

@@ -253,6 +253,45 @@ def chain_of(problem: Problem) -> Chain:
     return Chain(chain, prefix, x, np.cumsum(forced_end)[: L + 1], np.cumsum(forced_start)[: L + 1], room)
 
 
+@dataclass(frozen=True)
+class _Segments:
+    """Every chain segment (a, b] of at most ``upper`` compute, as [b, j] arrays (a = starts[b, j])
+    of the least time a stage holding it takes as the first, a middle or the last stage."""
+
+    starts: np.ndarray
+    first: np.ndarray
+    middle: np.ndarray
+    last: np.ndarray
+    x: np.ndarray
+
+    @classmethod
+    def of(cls, problem: Problem, c: Chain, upper: float) -> _Segments:
+        L = len(c.nodes)
+        lat = float(min(problem.boundary_latency))
+        ends = np.arange(L + 1)
+        lo = np.searchsorted(c.prefix, c.prefix - upper, side="left") if math.isfinite(upper) else np.zeros(L + 1, dtype=int)
+        width = int((ends - lo).max()) + 1
+        starts = ends[:, None] - np.arange(width)[None, :]  # segment (a, b], a ≤ b: empty segments allowed
+        valid = (starts >= lo[:, None]) & (starts >= 0)
+        starts = np.clip(starts, 0, L)
+        forced = np.maximum(0.0, c.forced_end[ends][:, None] - c.forced_start[starts])
+        segment = c.prefix[ends][:, None] - c.prefix[starts] + forced
+        segment[~valid] = np.inf
+        left, right = lat + c.x[starts], lat + c.x[ends][:, None]
+        return cls(starts, segment + right, segment + left + right, segment + left, c.x)
+
+    def least_crossings(self, S: int, cap: float) -> float:
+        """The least Σ x over the S − 1 boundaries of a split whose every stage takes at most ``cap``."""
+        paid = self.x[self.starts]  # the boundary a segment starts at (none for stage 0)
+        first, middle, last = (np.where(t <= cap, 0.0, np.inf) for t in (self.first, self.middle, self.last))
+        middle += paid
+        last += paid
+        cost = np.where(np.arange(len(self.x)) == 0, 0.0, np.inf)
+        for s in range(S):
+            cost = (cost[self.starts] + (first if s == 0 else last if s == S - 1 else middle)).min(axis=1)
+        return float(cost[-1])
+
+
 def chain_bounds(problem: Problem, upper: float = math.inf, chain: Chain | None = None) -> list[float]:
     """[k] B* above with the chain in at most k segments (k = 1..S; [0] unused): no plan whose
     boundaries cut the chain into k pieces has a faster slowest stage. ``upper`` (the slowest
@@ -269,24 +308,47 @@ def chain_bounds(problem: Problem, upper: float = math.inf, chain: Chain | None 
     whole = float(c.prefix[-1])
     if S == 1 or L == 0:
         return [0.0] + [whole] * S
-    lat = float(min(problem.boundary_latency))
-    ends = np.arange(L + 1)
-    lo = np.searchsorted(c.prefix, c.prefix - upper, side="left") if math.isfinite(upper) else np.zeros(L + 1, dtype=int)
-    width = int((ends - lo).max()) + 1
-    starts = ends[:, None] - np.arange(width)[None, :]  # segment (a, b], a ≤ b: empty segments allowed
-    valid = (starts >= lo[:, None]) & (starts >= 0)
-    starts = np.clip(starts, 0, L)
-    segment = c.prefix[ends][:, None] - c.prefix[starts] + np.maximum(0.0, c.forced_end[ends][:, None] - c.forced_start[starts])
-    segment[~valid] = np.inf
-    left, right = lat + c.x[starts], lat + c.x[ends][:, None]
-    first, middle, last = segment + right, segment + left + right, segment + left
+    seg = _Segments.of(problem, c, upper)
     bounds = [0.0, whole]
-    head = np.maximum(np.where(ends == 0, 0.0, np.inf)[starts], first).min(axis=1)  # first, then k − 2 middles
+    head = np.maximum(np.where(np.arange(L + 1) == 0, 0.0, np.inf)[seg.starts], seg.first).min(axis=1)  # first, k − 2 middles
     for k in range(2, S + 1):
-        value = float(np.maximum(head[starts], last).min(axis=1)[L])
+        value = float(np.maximum(head[seg.starts], seg.last).min(axis=1)[L])
         bounds.append(max(min(value, upper), whole / k))  # k pieces hold the chain: one holds a k-th of it
-        head = np.maximum(head[starts], middle).min(axis=1)
+        head = np.maximum(head[seg.starts], seg.middle).min(axis=1)
     return bounds
+
+
+_SEGMENT_CELLS = 20_000_000
+"""The most [end, start] cells :func:`traded_bound` lets its segment arrays take (a wider trade is cut short)."""
+
+
+def traded_bound(problem: Problem, total: float, low: float, slowest: float, chain: Chain | None = None, points: int = 3) -> float:
+    """The objective bounded by trading the slowest stage T against what the boundaries carry.
+
+    Any plan whose slowest stage takes T has its boundaries at a split of the chain whose every
+    stage takes at most T, so they carry at least X(T), the least over such splits (a DP like
+    B*'s, summing instead of maximising): the objective is at least total + 2·X(T) + (M − 1)·T.
+    X falls as T grows, so on a grid T_0 < … < T_K, from ``slowest`` (B*) up to where the trade
+    stops paying (X never falls below ``low``), every plan is above
+    min_i total + 2·X(T_{i+1}) + (M − 1)·T_i.
+    """
+    S, M = problem.num_stages, problem.micro_batches
+    c = chain or chain_of(problem)
+    if S == 1 or M == 1 or not c.nodes:
+        return 0.0
+    t0 = slowest  # B*: no plan's slowest stage is faster
+    x0 = _Segments.of(problem, c, t0).least_crossings(S, t0)
+    if not math.isfinite(x0) or x0 <= low:
+        return total + 2 * x0 + (M - 1) * t0 if math.isfinite(x0) else 0.0
+    top = t0 + 2 * (x0 - low) / (M - 1)
+    ends = np.arange(len(c.prefix))
+    while top > t0 * 1.001 and len(ends) * (ends - np.searchsorted(c.prefix, c.prefix - top)).max() > _SEGMENT_CELLS:
+        top = t0 + (top - t0) / 2  # any top is valid: past it, the bound counts the least crossing, ``low``
+    seg = _Segments.of(problem, c, top)
+    grid = [t0 + (top - t0) * i / points for i in range(points + 1)]
+    crossings = [x0, *(seg.least_crossings(S, t) for t in grid[1:])]
+    traded = [total + 2 * crossings[i + 1] + (M - 1) * grid[i] for i in range(points)]
+    return min(*traded, total + 2 * low + (M - 1) * top)
 
 
 def chain_bound(problem: Problem, upper: float = math.inf, chain: Chain | None = None) -> float:
@@ -319,7 +381,7 @@ def crossing_floor(problem: Problem, chain: Chain | None = None) -> float:
     return min(crossing_floors(problem, chain))
 
 
-def lower_bound(problem: Problem, upper: float = math.inf) -> int:
+def lower_bound(problem: Problem, upper: float = math.inf, objective: float | None = None) -> int:
     """The best of the bounds above, on the objective ``Σ t_s + (M − 1)·max t_s``.
 
     The two terms are bounded together: boundaries placed where they carry little (outside the
@@ -339,12 +401,22 @@ def lower_bound(problem: Problem, upper: float = math.inf) -> int:
     if M == 1:
         return total + min(x for _, x in crossings)
 
-    def least(cap: float) -> int:
-        pieces = chain_bounds(problem, cap, c)
-        return min(total + x + (M - 1) * max(balanced, math.floor(pieces[min(D + 1, S)])) for D, x in crossings)
+    def candidates(cap: float) -> dict[int, int]:
+        pieces[:] = chain_bounds(problem, cap, c)
+        return {D: total + x + (M - 1) * max(balanced, math.floor(pieces[min(D + 1, S)])) for D, x in crossings}
 
-    first = least(upper)
-    return max(first, least(math.ceil((first - total) / (M - 1))))
+    pieces: list[float] = []
+    first = candidates(upper)
+    slowest = pieces[S]  # exact: no split beats a known plan's slowest stage
+    # The chain in S pieces is bounded exactly (no split beats a known plan's slowest stage), so
+    # every boundary inside the chain gives a true value; fewer pieces matter only while their
+    # slowest stage stays below what leaves that value reachable: the DP runs again up to there.
+    reference = first.get(S - 1, min(first.values()))
+    again = candidates(math.ceil((reference - total) / (M - 1)))
+    coupled = max(min(first.values()), min(again.values()))
+    if objective is not None and objective - coupled <= objective * 1e-3:
+        return coupled  # already within the gap a plan is proven at
+    return max(coupled, math.floor(traded_bound(problem, total, min(x for _, x in crossings) / 2, slowest, c)))
 
 
 def memory_units(problem: Problem) -> list[tuple[tuple[int, ...], int]]:

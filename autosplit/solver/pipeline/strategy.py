@@ -151,7 +151,7 @@ def solve(problem: Problem, *, time_limit: float = 10.0, seed: int = 0, workers:
     baseline = dp_eval.objective if dp_eval else None
 
     units = N if coarse is None else coarse.num_blocks
-    bound = lower_bound(problem, upper=max(dp_eval.time) if dp_eval else math.inf)
+    bound = lower_bound(problem, upper=max(dp_eval.time) if dp_eval else math.inf, objective=baseline)
     remaining = time_limit - (time.perf_counter() - start)
     target: Problem | None = None
     if coarse is not None:  # blocks cannot express the refined cuts: CP-SAT gets a share of the time
