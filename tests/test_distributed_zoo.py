@@ -26,12 +26,15 @@ MICRO = 2
 def _cases():
     import zoo
 
+    x = torch.randn(4, zoo.D, generator=torch.Generator().manual_seed(1))
     for name in zoo.PIPELINING:
-        yield name, zoo.PIPELINING[name][0], zoo.pipelining_inputs(name)
+        yield name, zoo.PIPELINING[name][0], zoo.pipelining_inputs(name), torch.float64
     for name in ("frozen backbone", "gradient reversal", "root hooks", "EMA teacher", "tensor default",
                  "dict subclass output", "dataclass output", "named tuple output"):
-        yield name, zoo.PATTERNS[name], (torch.randn(4, zoo.D, generator=torch.Generator().manual_seed(1)),)
-    yield "optional mask", zoo.OptionalMask, (torch.randn(4, zoo.D, generator=torch.Generator().manual_seed(2)), None)
+        yield name, zoo.PATTERNS[name], (x,), torch.float64
+    yield "optional mask", zoo.OptionalMask, (x, None), torch.float64
+    # bf16 crosses between the stages where the autocast region is cut: against the same autocast unsplit
+    yield "autocast", zoo.AutocastRegion, (x,), torch.float32
 
 
 def _loss(out, target):
@@ -42,7 +45,7 @@ def _loss(out, target):
         leaves = [getattr(out, f.name) for f in dataclasses.fields(out)]
     else:
         leaves = list(out.values() if isinstance(out, dict) else out)
-    return sum(((t - target[..., : t.shape[-1]]) ** 2).mean() for t in leaves)
+    return sum(((t.to(target.dtype) - target[..., : t.shape[-1]]) ** 2).mean() for t in leaves)
 
 
 def _micro_call(model, inputs, rows: slice):
@@ -57,11 +60,11 @@ def _run(rank: int) -> None:
     import autosplit
     from autosplit.passes.fidelity import ModelSnapshot
 
-    for name, factory, inputs in _cases():
+    for name, factory, inputs, dtype in _cases():
         torch.manual_seed(0)
-        model = factory().double()
-        inputs = tuple(x.double() if isinstance(x, torch.Tensor) else x for x in inputs)
-        target = torch.randn(4, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+        model = factory().to(dtype)
+        inputs = tuple(x.to(dtype) if isinstance(x, torch.Tensor) else x for x in inputs)
+        target = torch.randn(4, 8, dtype=dtype, generator=torch.Generator().manual_seed(3))
         reference = copy.deepcopy(model)
         snapshot = ModelSnapshot.of(model)
         values = {k: v.clone() for k, v in model.state_dict().items()}
@@ -91,7 +94,7 @@ def _run(rank: int) -> None:
             torch.testing.assert_close(p, reference_state[pname], msg=lambda m: f"{name} {pname} after {STEPS} steps: {m}")
         full = pipe.full_state_dict()
         assert set(full) == set(reference_state), f"{name}: full_state_dict lacks {set(reference_state) - set(full)}"
-        fresh = factory().double()  # (not a deepcopy: MultiMLPWithDw keeps an activation on the module)
+        fresh = factory().to(dtype)  # (not a deepcopy: MultiMLPWithDw keeps an activation on the module)
         fresh.load_state_dict(full)
         for key, value in reference_state.items():
             torch.testing.assert_close(fresh.state_dict()[key], value, msg=lambda m: f"{name} {key}: {m}")
