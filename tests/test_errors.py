@@ -21,7 +21,7 @@ from autosplit import errors
 from autosplit.plan import Plan
 
 ROOT = Path(__file__).resolve().parents[1]
-LIBRARY = sorted([*(ROOT / "autosplit").rglob("*.py"), *(ROOT / "passes").rglob("*.py")])
+LIBRARY = sorted((ROOT / "autosplit").rglob("*.py"))
 SHAPE = re.compile(r".+\. Likely cause: .+\. Try: .+\.", re.DOTALL)
 
 

@@ -325,7 +325,7 @@ def estimate(
             if n.name in measured.nodes:
                 own_saved[i] = measured.nodes[n.name].saved_bytes * micro_batches
                 transient[i] = measured.nodes[n.name].peak_bytes
-    transient = [max(round(t), OPTIMIZER_TEMP_FACTOR[optimizer] * info.largest_param_bytes) for t, info in zip(transient, infos)]
+    transient = [int(max(round(t), OPTIMIZER_TEMP_FACTOR[optimizer] * info.largest_param_bytes)) for t, info in zip(transient, infos)]
 
     edges = sorted({(index[u], index[v]) for v in nodes for u in v.all_input_nodes if u in index})
 
@@ -367,7 +367,7 @@ def estimate(
         colocate=tuple(sorted(tuple(sorted(g)) for g in colocate.to_sets() if len(g) > 1)),
         param_counts=tuple(info.param_count for info in infos),
         sent_bytes=tuple(sent),
-        transient_bytes=tuple(transient),
+        transient_bytes=tuple(int(t) for t in transient),
         optimizer_time=_optimizer_times(infos, kinds, kind_of, profiles, optimizer, per_device),
         param_bytes=tuple(info.param_bytes for info in infos),
         param_reads=tuple(
