@@ -6,14 +6,15 @@ Usage::
     split = autosplit.autosplit(model, ["cpu"] * 4, example_inputs=(x,))
     print(split.plan)
 
-Set ``AUTOSPLIT_DEBUG=1`` to log every pass with its time.
+``AUTOSPLIT_DEBUG=1`` logs every pass with its time, ``2`` the solver and each plan, ``3`` each
+stage's code (:mod:`autosplit.debug`).
 """
 
 from __future__ import annotations
 
 import logging
-import os
 
+from autosplit import debug
 from autosplit.calibrate import Calibration, calibrate
 from autosplit.compare import Comparison, compare
 from autosplit.devices import PRESETS, DeviceSpec, resolve_devices
@@ -53,8 +54,4 @@ __all__ = [
 ]
 
 logging.getLogger(__name__).addHandler(logging.NullHandler())
-if os.environ.get("AUTOSPLIT_DEBUG"):
-    _handler = logging.StreamHandler()
-    _handler.setFormatter(logging.Formatter("[autosplit] %(name)s: %(message)s"))
-    logging.getLogger(__name__).addHandler(_handler)
-    logging.getLogger(__name__).setLevel(logging.DEBUG)
+debug.configure()

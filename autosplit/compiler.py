@@ -1,6 +1,7 @@
 """The compiler, top to bottom: capture → annotate → estimate → order → build → solve → validate → codegen.
 
-Three functions, each a sequence of named, timed steps (``AUTOSPLIT_DEBUG=1`` logs them):
+Three functions, each a sequence of named, timed steps (``AUTOSPLIT_DEBUG=1`` logs them, ``2`` each
+plan's report, ``3`` each stage's code: :mod:`autosplit.debug`):
 
 - :func:`trace` — capture the model as an fx graph and annotate every node (done once per
   model and input shape; :class:`~autosplit.planner.Planner` keeps the result);
@@ -33,7 +34,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from autosplit import progress
+from autosplit import debug, progress
 from autosplit.devices import DeviceSpec, uncalibrated
 from autosplit.errors import CodegenError, ConstraintError, CostModelError, DeviceError, advice
 from autosplit.options import PlanOptions
@@ -61,7 +62,7 @@ def _timed(name: str, timings: dict[str, float], limit: float | None = None) -> 
     with progress.phase(name, limit):
         yield
     timings[name] = time.perf_counter() - start
-    log.info("pass %-9s %8.3fs", name, timings[name])
+    debug.pass_times.info("pass %-9s %8.3fs", name, timings[name])
 
 
 @dataclass(frozen=True)
@@ -286,6 +287,9 @@ def codegen(traced: Traced, plan: Plan) -> tuple[Program, dict[str, float]]:
     timings: dict[str, float] = {}
     with _timed("codegen", timings):
         program = generate(traced.captured, plan.stage_of, [str(t) for t in targets])
+    if debug.stage_code.isEnabledFor(logging.DEBUG):
+        for s, (stage, device) in enumerate(zip(program.stages, program.devices)):
+            debug.stage_code.debug("stage %d on %s:\n%s", s, device, stage.code.strip())
     return program, timings
 
 

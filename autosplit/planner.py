@@ -21,12 +21,14 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import logging
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from autosplit import debug
 from autosplit.compiler import Traced, codegen, compile_plan, trace
 from autosplit.devices import DeviceLike, DeviceSpec, resolve_devices
 from autosplit.errors import ConstraintError, DeviceError, advice
@@ -95,6 +97,12 @@ class Planner:
     def plan(self, given: Plan | str | Path | None = None) -> Plan:
         """Solve for the best plan; or, with ``given`` (a :class:`Plan` or a JSON path), check it
         against this model and refresh its predictions without solving."""
+        made = self._plan(given)
+        if debug.plans.isEnabledFor(logging.DEBUG):
+            debug.plans.debug("%s", made)
+        return made
+
+    def _plan(self, given: Plan | str | Path | None) -> Plan:
         saved = load_plan(given)
         if saved is None:
             return compile_plan(self.traced, self.specs(), self.options)
