@@ -35,7 +35,7 @@ from autosplit.errors import (
 from autosplit.htmlreport import write_html
 from autosplit.hybrid import Cluster, HybridPlan, measure_noise_scale, plan_hybrid
 from autosplit.measure import measure_link, measure_runtime, measure_stages
-from autosplit.options import PlanOptions
+from autosplit.options import PlanOptions, SolverLimits
 from autosplit.passes.costs import CostTable
 from autosplit.passes.profile import ProfileOptions
 from autosplit.plan import Plan
@@ -44,7 +44,7 @@ from autosplit.runtime import SplitModule
 from autosplit.runtime.distributed import DistributedModel, distribute
 
 __all__ = [
-    "autosplit", "plan", "distribute", "DistributedModel", "Planner", "PlanOptions", "Plan", "SplitModule",
+    "autosplit", "plan", "distribute", "DistributedModel", "Planner", "PlanOptions", "SolverLimits", "Plan", "SplitModule",
     "compare", "Comparison", "write_html", "plan_hybrid", "HybridPlan", "Cluster", "measure_noise_scale",
     "DeviceSpec", "PRESETS", "resolve_devices",
     "CostTable", "ProfileOptions", "calibrate", "Calibration", "measure_link", "measure_runtime", "measure_stages",

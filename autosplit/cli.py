@@ -36,6 +36,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from autosplit import schedules
+
 __all__ = ["main"]
 
 
@@ -429,7 +431,7 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("--devices", required=devices is None, default=devices, help='e.g. "A100-80GB*8" or "cpu*2"')
         p.add_argument("--batch", type=int, default=None, help="passed to the factory as batch=")
         p.add_argument("--schedule", default="gpipe",
-                       help="gpipe (default), 1f1b, sequential, or the asynchronous xpipe, async, pipedream")
+                       help=f"gpipe (default), or one of {', '.join(schedules.SCHEDULES)} (any case; torch's class names too)")
         p.add_argument("--objective", default="pipeline",
                        help="pipeline (default) or makespan (DLPlacer: parallel branches at once; compare shows both)")
         p.add_argument("--micro-batches", type=int, default=None, help="default 4 × stages")

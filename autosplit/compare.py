@@ -149,7 +149,7 @@ class Comparison:
                 console.print(f"{c.name}: {line}")
             if c.error:
                 console.print(f"{c.name}: {c.error}")
-        if measured and any(c.plan is not None and c.plan.schedule == "makespan" and c.measured is None for c in self.candidates):
+        if measured and any(c.plan is not None and c.plan.objective == "makespan" and c.measured is None for c in self.candidates):
             console.print("makespan plans are measured in one process (MakespanRunner), not under a process group")
         if measured and any(c.measured and c.measured.runtime == "local" for c in self.candidates):
             console.print("local: one process runs the stages in turn, the whole batch at once; "
@@ -243,7 +243,7 @@ def compare(
         inputs = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
         run = _measure_distributed if distributed else _measure_local
         # The makespan runtime is one process's device workers: it has no distributed form yet.
-        measured = [c.plan is not None and c.feasible and not (distributed and c.plan.schedule == "makespan") for c in candidates]
+        measured = [c.plan is not None and c.feasible and not (distributed and c.plan.objective == "makespan") for c in candidates]
         times = run(model, [c.plan for c, m in zip(candidates, measured) if m], inputs, kwargs, loss_fn, target, steps, warmup)
         it = iter(times)
         candidates = [dataclasses.replace(c, measured=next(it)) if m else c for c, m in zip(candidates, measured)]
@@ -303,7 +303,7 @@ def _measure_local(model, plans, inputs, kwargs, loss_fn, target, steps, warmup)
         runs.append((train, opt, []))
     _round_robin(runs, steps, warmup)
     return [
-        _summary(times, "makespan", plan.step_time) if plan.schedule == "makespan"
+        _summary(times, "makespan", plan.step_time) if plan.objective == "makespan"
         else _summary(times, "local", sum(st.compute for st in plan.stages))
         for plan, (*_, times) in zip(plans, runs)
     ]
@@ -334,8 +334,8 @@ def _measure_distributed(model, plans, inputs, kwargs, loss_fn, target, steps, w
 
 
 def _objective(plan: Plan) -> str:
-    return "makespan" if plan.schedule == "makespan" else "pipeline"
+    return plan.objective
 
 
 def _schedule(plan: Plan) -> str:
-    return "makespan, 1 micro-batch" if plan.schedule == "makespan" else f"{plan.schedule} × {plan.micro_batches}"
+    return "makespan, 1 micro-batch" if plan.objective == "makespan" else f"{plan.schedule} × {plan.micro_batches}"

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from autosplit import debug, progress
+from autosplit import debug, progress, schedules
 from autosplit.devices import DeviceSpec, uncalibrated
 from autosplit.errors import CodegenError, ConstraintError, CostModelError, DeviceError, advice
 from autosplit.options import PlanOptions
@@ -49,7 +49,7 @@ from autosplit.solver import Problem, build_problem, choose_order, evaluate, sol
 from autosplit.solver.hybrid import ring_allreduce
 from autosplit.solver.makespan import schedule_of, solve_makespan
 from autosplit.solver.makespan.schedule import memory_of, run_key
-from autosplit.solver.problem import ASYNC_SCHEDULES, KIB, NS, UserConstraint, tied_costs
+from autosplit.solver.problem import KIB, NS, UserConstraint, tied_costs
 
 __all__ = ["Traced", "trace", "compile_plan", "codegen"]
 
@@ -147,11 +147,11 @@ def compile_plan(
     with _timed("estimate", timings):
         table, source = _costs(traced, specs, options, micro_batches=M)
     rules = _user_constraints(table, options)
-    if options.objective == "makespan" or (given is not None and given.schedule == "makespan"):
+    if options.objective == "makespan" or (given is not None and given.objective == "makespan"):
         return _compile_makespan(traced, specs, options, table, source, rules, timings, given)
     with _timed("order", timings):
         order = given.stage_devices if given is not None else choose_order(
-            table, micro_batches=M, schedule=options.schedule, constraints=rules
+            table, micro_batches=M, schedule=options.schedule, constraints=rules, limits=options.limits
         )
     with _timed("build", timings):
         problem = build_problem(table, micro_batches=M, schedule=options.schedule, order=order, constraints=rules)
@@ -170,7 +170,7 @@ def compile_plan(
             made_with=given.made_with or (given.costs, given.step_time),
         )
     with _timed("solve", timings, limit=options.time_limit):
-        solution = solve(problem, time_limit=options.time_limit, seed=options.seed)
+        solution = solve(problem, time_limit=options.time_limit, seed=options.seed, limits=options.limits)
     with _timed("validate", timings):
         validate(problem, solution.stage_of)
     terms, shared = predict_step(problem, table, solution.stage_of, order, options)
@@ -186,6 +186,7 @@ def compile_plan(
         data_parallel=options.data_parallel,
         micro_batches=M,
         schedule=options.schedule,
+        objective="pipeline",
         solver=SolverInfo(
             name=solution.solver,
             status=solution.status,
@@ -224,7 +225,7 @@ def _compile_makespan(
         solver = given.solver
     else:
         with _timed("solve", timings, limit=options.time_limit):
-            solution = solve_makespan(problem, time_limit=options.time_limit, seed=options.seed)
+            solution = solve_makespan(problem, time_limit=options.time_limit, seed=options.seed, limits=options.limits)
         schedule = solution.schedule
         solver = SolverInfo(
             name=solution.solver, status=solution.status, objective=solution.objective / NS, bound=solution.bound / NS,
@@ -259,7 +260,7 @@ def _compile_makespan(
     common: dict[str, Any] = dict(
         assignment={name: device_of[i] for i, name in enumerate(problem.nodes)}, stage_devices=used, stages=tuple(stages),
         module_stages=_module_stages(table, stage_of), step_time=makespan, terms=StepTerms(makespan, 0.0, 0.0, 0.0, 0.0),
-        micro_batches=1, schedule="makespan", solver=solver, costs=source, timings=timings, tasks=tasks,
+        micro_batches=1, schedule="makespan", objective="makespan", solver=solver, costs=source, timings=timings, tasks=tasks,
     )
     if given is not None:
         return dataclasses.replace(given, **common, made_with=given.made_with or (given.costs, given.step_time))
@@ -268,7 +269,7 @@ def _compile_makespan(
 
 def codegen(traced: Traced, plan: Plan) -> tuple[Program, dict[str, float]]:
     """Step *codegen*: the stage modules of ``plan`` on its devices, and the step's time."""
-    if plan.schedule == "makespan":
+    if plan.objective == "makespan":
         raise CodegenError(advice(
             "codegen makes pipeline stages, and a makespan plan (objective='makespan') has none",
             "its devices hold non-adjacent nodes and run them as their inputs arrive",
@@ -321,7 +322,7 @@ def predict_step(
         R = len(holders)
         replicate = ring_allreduce(nbytes, R, bw, lat)
         # Asynchronous stages update at different times: a replicated copy would drift, so it is sent.
-        policy = "replicate" if replicate < send and options.schedule not in ASYNC_SCHEDULES else "send"
+        policy = "replicate" if replicate < send and not schedules.lookup(options.schedule).asynchronous else "send"
         for k in range(1, S):  # what this parameter adds to the stages it crosses
             transfer[u][k - 1] = 0 if policy == "replicate" else round(tied_costs(nbytes, links[k - 1][0], links[k - 1][1], M)[0] * NS)
         if policy == "replicate":
@@ -334,7 +335,7 @@ def predict_step(
     without = tuple(tuple(c - round(o[order[s]] * NS) for s, c in enumerate(row)) for row, o in zip(problem.compute, opt))
     sharing = dataclasses.replace(problem, transfer=tuple(map(tuple, transfer)))
     overheads = [d.microbatch_overhead for d in devices]
-    asynchronous = options.schedule in ASYNC_SCHEDULES  # no flush: the steady state, M micro-batches through the slowest stage
+    asynchronous = schedules.lookup(options.schedule).asynchronous  # no flush: the steady state, M micro-batches through the slowest stage
 
     def step(problem: Problem) -> float:
         ev = evaluate(problem, stage_of)
@@ -466,9 +467,10 @@ def _measured(
             )
         )
     captured, micro = traced.at_micro_batch(micro_batches)
+    forwards_first = schedules.lookup(options.schedule).forwards_first
     profiles = {
         dev: profile(captured, micro, dev, fingerprint=traced.fingerprint, options=profiling,
-                     micro_batches=micro_batches, forwards_first=options.schedule == "gpipe", optimizer=options.optimizer)
+                     micro_batches=micro_batches, forwards_first=forwards_first, optimizer=options.optimizer)
         for dev in present
     }
     table = estimate(

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from autosplit import schedules
 from autosplit.plan import Plan
 from autosplit.timeline import bubbles, timeline
 from autosplit.units import format_bytes, format_ms
@@ -106,6 +107,7 @@ def _timeline_view(plan: Plan) -> dict[str, Any]:
         "tasks": rects, "bubbles": gaps, "ticks": _ticks(end, WIDTH), "height": len(plan.stages) * ROW + 24,
         "width": LEFT + WIDTH + 10, "rows": [(s * ROW + ROW / 2 + 4, f"stage {s}") for s in range(len(plan.stages))],
         "end": end, "bubble_share": 1 - busy / (work * len(plan.stages)) if work else 0.0,
+        "asynchronous": plan.objective == "pipeline" and schedules.lookup(plan.schedule).asynchronous,
     }
 
 

@@ -18,20 +18,24 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeAlias
+from typing import Any, Literal, TypeAlias, get_args
 
+from autosplit import schedules
 from autosplit.errors import ConstraintError, advice
 from autosplit.passes.costs import OPTIMIZER_STATE_BYTES, CostTable
 from autosplit.passes.profile import ProfileOptions
-from autosplit.solver.problem import SCHEDULES
+from autosplit.schedules import OBJECTIVES, SCHEDULES, Objective, ScheduleName
+from autosplit.solver.limits import SolverLimits
 from autosplit.units import parse_bytes
 
-__all__ = ["PlanOptions", "SCHEDULES", "OBJECTIVES", "OPTIMIZERS", "CAPTURE_METHODS", "CostsLike"]
+__all__ = ["PlanOptions", "SolverLimits", "SCHEDULES", "OBJECTIVES", "OPTIMIZERS", "CAPTURE_METHODS", "CostsLike",
+           "ScheduleName", "Objective", "Optimizer", "CaptureMethod"]
 
+Optimizer: TypeAlias = Literal["adam", "adamw", "sgd_momentum", "sgd", "none"]
 OPTIMIZERS = tuple(OPTIMIZER_STATE_BYTES)
-"""Optimizers whose state and step temporaries the memory model counts."""
-CAPTURE_METHODS = ("auto", "symbolic_trace", "export")
-OBJECTIVES = ("pipeline", "makespan")
+"""Optimizers whose state and step temporaries the memory model counts (the names of :data:`Optimizer`)."""
+CaptureMethod: TypeAlias = Literal["auto", "symbolic_trace", "export"]
+CAPTURE_METHODS: tuple[str, ...] = get_args(CaptureMethod)
 
 CostsLike: TypeAlias = str | ProfileOptions | CostTable | Path
 
@@ -40,7 +44,7 @@ CostsLike: TypeAlias = str | ProfileOptions | CostTable | Path
 class PlanOptions:
     """How to plan: the schedule the plan is optimised for, costs, limits and user constraints."""
 
-    objective: str = "pipeline"
+    objective: Objective = "pipeline"
     """``"pipeline"`` (contiguous stages, micro-batched; the step of the schedule) or
     ``"makespan"`` (Pal et al.'s DLPlacer: any node on any device, forward and backward tasks
     timed so that parallel branches run at once; one micro-batch; built into a
@@ -49,12 +53,14 @@ class PlanOptions:
     """Micro-batches per step; must divide the batch. ``None``: the largest count ≤ 4 × the number of
     devices that divides the batch (GPipe, Huang et al. 2019 §2.2: with M ≥ 4·S the bubble is
     small); always 1 for ``schedule="sequential"``."""
-    schedule: str = "gpipe"
+    schedule: ScheduleName = "gpipe"
     """``"gpipe"`` (all forwards, then all backwards), ``"1f1b"`` (PipeDream-Flush: each stage
     holds at most S − s micro-batches), ``"sequential"`` (one batch, stages in turn), or an
     asynchronous schedule that never flushes — ``"xpipe"`` (weight prediction), ``"async"``,
-    ``"pipedream"`` (weight stashing) — run by :meth:`DistributedModel.train`."""
-    optimizer: str = "adam"
+    ``"pipedream"`` (weight stashing) — run by :meth:`DistributedModel.train`. Any case, and torch's
+    class names (``"Schedule1F1B"``), are read as autosplit's name (:mod:`autosplit.schedules`);
+    torch's schedules autosplit cannot plan yet (``"Interleaved1F1B"``, ``"ZBVZeroBubble"`` …) are refused by name."""
+    optimizer: Optimizer = "adam"
     """The optimizer whose state (Adam: two fp32 moments) and step temporaries memory counts."""
     memory: Mapping[int | str, int | str] | None = None
     """Memory caps by device index or name, e.g. ``{"cuda:0": "20GiB", 3: 8 * 2**30}``."""
@@ -62,7 +68,7 @@ class PlanOptions:
     """Seconds the solver may search (the exact DP always finishes; CP-SAT stops here)."""
     seed: int = 0
     """Solver seed: the same model, devices, options and seed give the same plan on every rank."""
-    capture: str = "auto"
+    capture: CaptureMethod = "auto"
     """``"auto"`` (fx symbolic trace, torch.export when that fails), ``"symbolic_trace"`` or ``"export"``."""
     costs: CostsLike = "analytic"
     """``"analytic"`` (roofline), ``"measured"`` (profile every node, cached on disk), a
@@ -79,6 +85,10 @@ class PlanOptions:
     data_parallel: int = 1
     """Replicas of the split model (hybrid data × pipeline parallelism): the predicted step adds
     the part of each stage's gradient all-reduce over them that backward does not hide."""
+    limits: SolverLimits = SolverLimits()
+    """How much work the solver may do beyond ``time_limit``: the graph sizes past which it
+    coarsens, skips CP-SAT or narrows its bound, e.g. ``SolverLimits(cpsat_vars=40_000)``; each
+    field and its default: :class:`~autosplit.solver.limits.SolverLimits`."""
 
     def __post_init__(self) -> None:
         def bad(name: str, value: Any, legal: str) -> ConstraintError:
@@ -91,8 +101,12 @@ class PlanOptions:
 
         if self.micro_batches is not None and (not is_int(self.micro_batches) or self.micro_batches < 1):
             raise bad("micro_batches", self.micro_batches, "an integer ≥ 1, or None for the default (≤ 4 × devices, dividing the batch)")
-        if self.schedule not in SCHEDULES:
-            raise bad("schedule", self.schedule, f"one of {SCHEDULES}")
+        try:
+            entry = schedules.lookup(self.schedule)
+        except ConstraintError as e:
+            raise bad("schedule", self.schedule, f"one of {SCHEDULES}") from e
+        entry.require_runnable(f"option schedule={self.schedule!r}")
+        object.__setattr__(self, "schedule", entry.name)  # "Schedule1F1B", "1F1B" → "1f1b"
         if self.objective not in OBJECTIVES:
             raise bad("objective", self.objective, f"one of {OBJECTIVES}")
         if self.optimizer not in OPTIMIZERS:
@@ -103,6 +117,8 @@ class PlanOptions:
             raise bad("seed", self.seed, "an integer")
         if not is_int(self.data_parallel) or self.data_parallel < 1:
             raise bad("data_parallel", self.data_parallel, "an integer ≥ 1")
+        if not isinstance(self.limits, SolverLimits):
+            raise bad("limits", self.limits, "a SolverLimits(...), e.g. SolverLimits(cpsat_vars=40_000)")
         if self.capture not in CAPTURE_METHODS:
             raise bad("capture", self.capture, f"one of {CAPTURE_METHODS}")
         named = isinstance(self.costs, str) and self.costs in ("analytic", "measured")
@@ -151,7 +167,7 @@ class PlanOptions:
         """The number of micro-batches for ``stages`` devices and a batch of ``batch`` rows: 1 when
         sequential and for the makespan objective (one whole batch); by default the largest count
         ≤ 4 × stages that divides the batch; an explicit count that does not divide it is refused."""
-        if self.schedule == "sequential" or self.objective == "makespan":
+        if not schedules.lookup(self.schedule).micro_batched or self.objective == "makespan":
             return 1
         if self.micro_batches is not None:
             if batch is not None and batch % self.micro_batches:

@@ -39,7 +39,8 @@ from autosplit.units import format_ms as _ms
 
 __all__ = ["Plan", "StageReport", "SolverInfo", "SharedParam", "StepTerms", "SCHEMA_VERSION"]
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
+"""Version 3 added :attr:`Plan.objective`; a version-2 file is read with it derived from its schedule."""
 
 
 @dataclass(frozen=True)
@@ -160,6 +161,10 @@ class Plan:
     """Predicted seconds per training step (all micro-batches, forward and backward)."""
     micro_batches: int
     schedule: str
+    """The schedule the plan was made for (:mod:`autosplit.schedules`); a makespan plan writes ``"makespan"``."""
+    objective: str = field(kw_only=True)
+    """What the solver minimised: ``"pipeline"`` (the schedule's step) or ``"makespan"`` (one step's
+    tasks on any device, DLPlacer); read this, not :attr:`schedule`, to tell them apart."""
     solver: SolverInfo
     fingerprint: str
     capture: str
@@ -180,7 +185,7 @@ class Plan:
     module_stages: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
     """Module path (every level; ``""`` the root) → the stages its nodes run on: the module tree by stage."""
     tasks: tuple[PlannedTask, ...] = ()
-    """Makespan plans (``schedule="makespan"``): every node's forward and backward task, timed;
+    """Makespan plans (``objective="makespan"``): every node's forward and backward task, timed;
     each device runs its tasks in start order, as soon as their inputs arrive."""
     made_with: tuple[str, float] | None = None
     """For a saved plan re-costed on load: (the costs it was made with, the step it predicted then)."""
@@ -299,10 +304,13 @@ class Plan:
                 "the file holds other JSON than a saved plan", "load a file written by Plan.save, or re-plan the model",
             ))
         version = data.get("schema_version")
-        if version != SCHEMA_VERSION:
+        if version == 2:  # version 2 had no objective: a makespan plan said so in its schedule
+            objective = "makespan" if data.get("schedule") == "makespan" else "pipeline"
+            data = {**data, "objective": objective, "schema_version": SCHEMA_VERSION}
+        elif version != SCHEMA_VERSION:
             raise PlanFileError(
                 advice(
-                    f"{source}: plan schema version {version} is not supported (this autosplit reads {SCHEMA_VERSION})",
+                    f"{source}: plan schema version {version} is not supported (this autosplit reads versions 2 and {SCHEMA_VERSION})",
                     "the plan was written by another version of autosplit",
                     "re-plan the model with this version",
                 )
@@ -313,7 +321,8 @@ class Plan:
 
     def _check_fields(self, source: str) -> None:
         """Each field of a loaded plan within its range; a :class:`PlanFileError` naming the first that is not."""
-        from autosplit.solver.problem import SCHEDULES
+        from autosplit import schedules
+        from autosplit.errors import ConstraintError
 
         def bad(name: str, value: object, rule: str) -> PlanFileError:
             return PlanFileError(advice(
@@ -348,8 +357,14 @@ class Plan:
             raise bad("step_time", self.step_time, "is not a finite number of seconds ≥ 0")
         if self.micro_batches < 1:
             raise bad("micro_batches", self.micro_batches, "is not an integer ≥ 1")
-        if self.schedule not in (*SCHEDULES, "makespan"):
-            raise bad("schedule", self.schedule, f"is not one of {(*SCHEDULES, 'makespan')}")
+        if self.objective not in schedules.OBJECTIVES:
+            raise bad("objective", self.objective, f"is not one of {schedules.OBJECTIVES}")
+        if not (self.objective == "makespan" and self.schedule == "makespan"):  # a makespan plan writes "makespan"
+            try:
+                schedules.runnable(self.schedule)
+            except ConstraintError as e:
+                raise bad("schedule", self.schedule, f"is not one of {schedules.SCHEDULES}"
+                          + " or 'makespan'" * (self.objective == "makespan") + f": {e}") from e
         for t in self.tasks:
             if t.node not in self.assignment or t.device != self.assignment[t.node] or t.kind not in ("forward", "backward"):
                 raise bad("tasks", t, "does not match the assignment (a node's device) or is not a forward or backward")

@@ -108,7 +108,7 @@ class Planner:
             return compile_plan(self.traced, self.specs(), self.options)
         # A saved plan fixes the schedule it was made for, and (unless devices are given) the devices.
         options = (
-            self.options.replace(objective="makespan") if saved.schedule == "makespan"
+            self.options.replace(objective="makespan") if saved.objective == "makespan"
             else self.options.replace(schedule=saved.schedule, micro_batches=saved.micro_batches)
         )
         specs = saved.devices if self.devices is None else self.specs(options=options)
@@ -126,7 +126,7 @@ class Planner:
         """The :class:`SplitModule` of ``plan`` (default: :meth:`plan`), in this process; for a
         makespan plan, its :class:`~autosplit.runtime.makespan.MakespanRunner`."""
         made = self.plan() if plan is None else self.plan(plan)
-        if made.schedule == "makespan":
+        if made.objective == "makespan":
             return MakespanRunner(self.model, self.traced.captured, made)
         program, timings = codegen(self.traced, made)
         return SplitModule(self.model, self.traced.captured, program, dataclasses.replace(made, timings={**made.timings, **timings}))

@@ -27,10 +27,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from autosplit import schedules
 from autosplit.errors import ConstraintError, advice
 from autosplit.plan import Plan, StageReport
 from autosplit.solver.asynchronous import simulate
-from autosplit.solver.problem import ASYNC_SCHEDULES
 
 __all__ = ["Task", "stage_order", "timeline", "bubbles"]
 
@@ -49,22 +49,9 @@ class Task:
 
 
 def stage_order(schedule: str, stage: int, stages: int, micro_batches: int) -> list[tuple[str, int]]:
-    """The operations stage ``stage`` runs, in order: ``("forward" | "backward", micro-batch)``."""
-    M = micro_batches
-    if schedule == "gpipe":
-        return [("forward", m) for m in range(M)] + [("backward", m) for m in range(M)]
-    if schedule == "1f1b":
-        warmup = min(stages - stage - 1, M)
-        order = [("forward", m) for m in range(warmup)]
-        for m in range(M - warmup):
-            order += [("forward", warmup + m), ("backward", m)]
-        return order + [("backward", m) for m in range(M - warmup, M)]
-    if schedule == "sequential":
-        return [(kind, m) for m in range(M) for kind in ("forward", "backward")]
-    raise ConstraintError(advice(
-        f"no timeline for schedule {schedule!r}", "the timeline knows gpipe, 1f1b and sequential",
-        "re-plan with one of those schedules",
-    ))
+    """The operations stage ``stage`` runs, in order: ``("forward" | "backward", micro-batch)``
+    (the schedule's own order, :meth:`autosplit.schedules.Schedule.stage_order`)."""
+    return schedules.lookup(schedule).stage_order(stage, stages, micro_batches)
 
 
 def _durations(stage: StageReport, micro_batches: int) -> tuple[float, float, float]:
@@ -80,15 +67,16 @@ def _durations(stage: StageReport, micro_batches: int) -> tuple[float, float, fl
 def timeline(plan: Plan) -> list[Task]:
     """Every task of one training step under ``plan``'s schedule, by start time (a makespan
     plan's own tasks, one per node and direction, its optimizer steps inside the backwards)."""
-    if plan.schedule == "makespan":
+    if plan.objective == "makespan":
         stage = {d: s for s, d in enumerate(plan.stage_devices)}
         return sorted((Task(stage[t.device], 0, t.kind, t.start, t.end, t.node) for t in plan.tasks),
                       key=lambda t: (t.start, t.stage))
     S, M = len(plan.stages), plan.micro_batches
     durations = [_durations(st, M) for st in plan.stages]
-    if plan.schedule in ASYNC_SCHEDULES:
+    entry = schedules.lookup(plan.schedule)
+    if entry.asynchronous:
         return _asynchronous(S, M, durations)
-    orders = [stage_order(plan.schedule, s, S, M) for s in range(S)]
+    orders = [entry.stage_order(s, S, M) for s in range(S)]
     done: dict[tuple[str, int, int], float] = {}
     free = [0.0] * S
     nxt = [0] * S
@@ -115,7 +103,7 @@ def timeline(plan: Plan) -> list[Task]:
                 f"the {plan.schedule} order deadlocks on {S} stages × {M} micro-batches",
                 "a stage waits for a task that waits for it", "report this with the plan file",
             ))
-    if plan.schedule == "sequential":  # one process: the stages step their optimizers in turn
+    if entry.one_process:  # the stages step their optimizers in turn
         end = max(free)
         for s in range(S):
             tasks.append(Task(s, -1, "optimizer", end, end + durations[s][2]))

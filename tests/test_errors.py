@@ -123,12 +123,21 @@ def _says(excinfo, *names):
         ("schedule", "zigzag"), ("optimizer", "lion"), ("capture", "jit"), ("costs", "guessed"),
         ("seed", "0"), ("data_parallel", 0), ("memory", {0: "lots"}), ("memory", {-1: "8GiB"}),
         ("pin", ["layers.0"]), ("avoid", {"head": [1.5]}), ("together", "head"), ("cost_overrides", {1: {}}),
+        ("limits", {"dp_work": 1}),
     ],
 )
 def test_bad_options_are_refused_up_front(option, value):
     with pytest.raises((errors.ConstraintError, errors.DeviceError)) as e:
         autosplit.PlanOptions(**{option: value})
     _says(e, option if option != "memory" or value != {0: "lots"} else "lots")
+
+
+@pytest.mark.parametrize("field, value", [("dp_work", 0), ("cpsat_vars", -1), ("max_blocks", 2.5), ("free_span", True),
+                                          ("makespan_units", "150")])
+def test_bad_solver_limits_are_refused_up_front(field, value):
+    with pytest.raises(errors.ConstraintError) as e:
+        autosplit.SolverLimits(**{field: value})
+    _says(e, field, "≥ 1")
 
 
 def test_unknown_option_lists_the_legal_ones():

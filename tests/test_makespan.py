@@ -19,7 +19,7 @@ from autosplit.errors import CodegenError, InfeasiblePlanError
 from autosplit.htmlreport import write_html
 from autosplit.plan import Plan
 from autosplit.runtime.makespan import MakespanRunner
-from autosplit.solver import makespan as makespan_module
+from autosplit.solver.limits import SolverLimits
 from autosplit.solver.makespan import list_schedule, makespan_bound, solve_makespan
 from autosplit.solver.makespan.schedule import comm, durations, memory_of, run_key, task_graph
 from autosplit.solver.problem import UserConstraint
@@ -119,10 +119,9 @@ def test_schedules_keep_every_rule_and_cp_sat_improves_on_heft(problem):
     assert makespan_bound(problem) <= sol.bound <= sol.objective <= heft.makespan == sol.baseline
 
 
-def test_large_graphs_are_coarsened_and_timed_on_their_nodes(monkeypatch):
-    monkeypatch.setattr(makespan_module, "MAX_UNITS", 6)
+def test_large_graphs_are_coarsened_and_timed_on_their_nodes():
     problem = make_problem([5] * 20, [*chain(10), *((10 + i, 11 + i) for i in range(9)), (0, 10), (9, 19)], stages=2)
-    sol = solve_makespan(problem, time_limit=5)
+    sol = solve_makespan(problem, time_limit=5, limits=SolverLimits(makespan_units=6))
     check(problem, sol.schedule)
     assert sol.units < 20 and sol.objective < 200  # the two chains overlap
 

@@ -37,7 +37,7 @@ def plan() -> Plan:
 def test_a_saved_plan_loads_back_equal(plan, tmp_path):
     path = tmp_path / "plan.json"
     plan.save(path)
-    assert json.loads(path.read_text())["schema_version"] == 2
+    assert json.loads(path.read_text())["schema_version"] == 3
     assert Plan.load(path) == plan
     assert Plan.from_dict(plan.to_dict()) == plan  # the in-memory form (tuples, not lists) reads too
     assert sorted(p.name for p in tmp_path.iterdir()) == ["plan.json"]

@@ -37,7 +37,7 @@ def test_plan_round_trips_through_json(tmp_path):
     path = tmp_path / "plan.json"
     plan.save(path)
     data = json.loads(path.read_text())
-    assert data["schema_version"] == 2 and data["fingerprint"] == plan.fingerprint
+    assert data["schema_version"] == 3 and data["objective"] == "pipeline" and data["fingerprint"] == plan.fingerprint
     assert {"torch", "ortools"} <= set(data["versions"])
     loaded = autosplit.Plan.load(path)
     assert loaded == plan

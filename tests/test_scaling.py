@@ -16,8 +16,7 @@ from autosplit.passes.annotate import annotate
 from autosplit.passes.capture import capture, flat_inputs
 from autosplit.solver.coarsen import coarse_problem, coarsen, repeated_layers
 from autosplit.passes.costs import estimate
-from autosplit.solver import build_problem, evaluate, in_flight, solve, split_dp, topological_order, violations
-from autosplit.solver.pipeline import strategy as solve_module
+from autosplit.solver import SolverLimits, build_problem, evaluate, in_flight, solve, split_dp, topological_order, violations
 from test_solver import brute_force, chain, make_problem, random_problems
 
 
@@ -80,11 +79,10 @@ def test_coarsening_works_on_export_graphs():
     assert "blocks" not in first_block_labels
 
 
-def test_coarse_strategy_matches_node_level_plan_on_a_transformer(monkeypatch):
+def test_coarse_strategy_matches_node_level_plan_on_a_transformer():
     problem, _ = _gpt_problem(layers=8, devices=4)
     exact = solve(problem, time_limit=5)
-    monkeypatch.setattr(solve_module, "DP_WORK_LIMIT", 0)  # force coarsening + refinement
-    coarse = solve(problem, time_limit=5)
+    coarse = solve(problem, time_limit=5, limits=SolverLimits(dp_work=1))  # force coarsening + refinement
     assert coarse.units < len(problem.nodes)
     assert not violations(problem, coarse.stage_of)
     assert coarse.objective <= exact.objective * 1.005
@@ -179,10 +177,23 @@ def test_unknown_module_in_a_constraint_suggests_names():
         autosplit.plan(model, ["cpu"] * 2, example_inputs=inputs, pin={"blocks.1": "cpu"})
 
 
-def test_planning_is_deterministic_on_the_coarse_path(monkeypatch):
+def test_solver_limits_reach_the_solver_through_the_options():
+    # PlanOptions.limits reaches both solvers: by default the small model is planned node by node;
+    # dp_work=1 coarsens it for the pipeline objective, makespan_units=8 for the makespan one.
+    model, inputs = _gpt_small()
+    exact = autosplit.plan(model, ["cpu"] * 2, example_inputs=inputs, time_limit=2)
+    assert exact.solver.units == len(exact.assignment)
+    coarse = autosplit.plan(model, ["cpu"] * 2, example_inputs=inputs, time_limit=2, limits=SolverLimits(dp_work=1))
+    assert coarse.solver.units < len(coarse.assignment)
+    blocks = autosplit.plan(model, ["cpu"] * 2, example_inputs=inputs, time_limit=2, objective="makespan",
+                            limits=SolverLimits(makespan_units=8))
+    assert blocks.solver.units < len(blocks.assignment)
+
+
+def test_planning_is_deterministic_on_the_coarse_path():
     problem, _ = _gpt_problem(layers=6, devices=4)
-    monkeypatch.setattr(solve_module, "DP_WORK_LIMIT", 0)
-    assert solve(problem, time_limit=3, seed=3).stage_of == solve(problem, time_limit=3, seed=3).stage_of
+    coarse = SolverLimits(dp_work=1)
+    assert solve(problem, time_limit=3, seed=3, limits=coarse).stage_of == solve(problem, time_limit=3, seed=3, limits=coarse).stage_of
 
 
 def test_pinned_split_still_trains_like_the_original():

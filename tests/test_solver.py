@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import itertools
-from unittest import mock
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from autosplit.errors import InfeasiblePlanError, PlanValidationError
-from autosplit.solver import Problem, evaluate, solve, validate, violations
+from autosplit.solver import Problem, SolverLimits, evaluate, solve, validate, violations
 
 
 def make_problem(
@@ -198,33 +197,6 @@ def test_lower_bounds_never_exceed_the_optimum(problem):
     assert chain_bound(problem) <= slowest
 
 
-@settings(max_examples=60, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
-@given(random_problems())
-def test_memory_floors_never_exceed_the_least_fullest_stage(problem):
-    from autosplit.solver.pipeline.bounds import memory_chain_floor, memory_floor
-
-    fullest = [
-        max(s + a for s, a in zip(ev.state_mem, ev.act_mem)) + problem.transient_mem
-        for ev in (evaluate(problem, so) for so in itertools.product(range(problem.num_stages), repeat=len(problem.nodes)))
-    ]
-    orderly = [f for f, so in zip(fullest, itertools.product(range(problem.num_stages), repeat=len(problem.nodes)))
-               if not any("runs backwards" in v or "empty" in v for v in violations(problem, so))]
-    if orderly:
-        assert memory_floor(problem) <= min(orderly)
-        assert memory_chain_floor(problem) <= min(orderly)
-
-
-def test_layers_kept_whole_prove_a_model_infeasible_that_spreads_into_the_caps():
-    # Three layers of 6 KiB on two devices of 10: spread evenly they would fit (9 each), whole they cannot.
-    problem = make_problem([1, 1, 1], chain(3), stages=2, state=[6, 6, 6], capacity=[10, 10])
-    from autosplit.solver.pipeline.bounds import memory_chain_floor, memory_floor
-
-    assert memory_floor(problem) == 9 and memory_chain_floor(problem) == 12
-    with mock.patch("autosplit.solver.pipeline.strategy.CPSAT_VAR_LIMIT", 0):  # the DP finds nothing; no CP-SAT to explain it
-        with pytest.raises(InfeasiblePlanError, match=r"needs at least 12.00 KiB on its fullest device.*proven: layers kept whole"):
-            solve(problem, time_limit=1)
-
-
 def test_chain_bound_sees_expensive_cuts_that_balance_ignores():
     from autosplit.solver.pipeline.bounds import chain_bound
 
@@ -300,16 +272,14 @@ def _topological(edges):
 @settings(max_examples=80, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(branchy_problems())
 def test_bounds_hold_on_branches_beside_the_chain(problem):
-    from autosplit.solver.pipeline.bounds import chain_bound, lower_bound
-
-    from autosplit.solver.pipeline import bounds
+    from autosplit.solver.pipeline.bounds import chain_bound, chain_of, lower_bound
 
     plans = [so for so in itertools.product(range(problem.num_stages), repeat=len(problem.nodes)) if not violations(problem, so)]
     best, slowest = min(evaluate(problem, so).objective for so in plans), min(max(evaluate(problem, so).time) for so in plans)
-    for span in (bounds._FREE_SPAN, 1, 2):  # 1, 2: free nodes spanning more positions are left out
-        with mock.patch.object(bounds, "_FREE_SPAN", span):
-            assert lower_bound(problem) <= best
-            assert chain_bound(problem) <= slowest
+    for span in (SolverLimits().free_span, 1, 2):  # 1, 2: free nodes spanning more positions are left out
+        limits = SolverLimits(free_span=span)
+        assert lower_bound(problem, limits=limits) <= best
+        assert chain_bound(problem, chain=chain_of(problem, limits)) <= slowest
 
 
 @settings(max_examples=60, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
@@ -334,15 +304,13 @@ def test_layers_kept_whole_prove_a_model_infeasible_that_spreads_into_the_caps()
     from autosplit.solver.pipeline.bounds import memory_chain_floor, memory_floor
 
     assert memory_floor(problem) == 9 and memory_chain_floor(problem) == 12
-    with mock.patch("autosplit.solver.pipeline.strategy.CPSAT_VAR_LIMIT", 0):  # the DP finds nothing; no CP-SAT to explain it
-        with pytest.raises(InfeasiblePlanError, match=r"needs at least 12.00 KiB on its fullest device.*proven: layers kept whole"):
-            solve(problem, time_limit=1)
+    no_cpsat = SolverLimits(cpsat_vars=1)  # the DP finds nothing; no CP-SAT to explain it
+    with pytest.raises(InfeasiblePlanError, match=r"needs at least 12.00 KiB on its fullest device.*proven: layers kept whole"):
+        solve(problem, time_limit=1, limits=no_cpsat)
 
 
-def test_large_infeasible_problem_reports_the_memory_floor(monkeypatch):
-    from autosplit.solver.pipeline import strategy
-
-    monkeypatch.setattr(strategy, "CPSAT_VAR_LIMIT", 0)  # take the path of graphs too large for CP-SAT
+def test_large_infeasible_problem_reports_the_memory_floor():
     problem = make_problem([1] * 6, chain(6), stages=2, state=[100] * 6, capacity=[250, 250])
-    with pytest.raises(InfeasiblePlanError, match="any plan needs at least 300.00 KiB on its fullest device"):
-        solve(problem, time_limit=2)
+    too_large = SolverLimits(cpsat_vars=1)  # take the path of graphs too large for CP-SAT
+    with pytest.raises(InfeasiblePlanError, match=r"any plan needs at least 300\.00 KiB on its fullest device"):
+        solve(problem, time_limit=2, limits=too_large)

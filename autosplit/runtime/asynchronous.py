@@ -44,6 +44,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from autosplit import schedules
 from autosplit.passes.codegen import Chain
 from autosplit.runtime.microbatch import split_batch
 from autosplit.runtime.prediction import predicted, update_direction
@@ -191,14 +192,16 @@ def _forward(
     schedule: str, module: torch.nn.Module, params: Mapping[str, torch.nn.Parameter], optimizer: torch.optim.Optimizer,
     stash: _Stash, gap: int, mini: int, received: list[torch.Tensor], named: dict[str, Any],
 ) -> tuple[Any, int | None]:
-    """The stage's forward on the weights ``schedule`` gives it; the stashed version it used, if any."""
-    if schedule == "pipedream":
+    """The stage's forward on the weights ``schedule`` gives it (:attr:`~autosplit.schedules.Schedule.weights`);
+    the stashed version it used, if any."""
+    weights = schedules.lookup(schedule).weights
+    if weights == "stashed":
         if gap == 0:  # no update comes before this micro-batch's backward: nothing to stash
             return module(*received, **named), None
         version = mini - gap
         return torch.func.functional_call(module, stash.take(version), tuple(received), named), version
     with _backward_reads_live_weights():
-        if schedule == "async" or gap == 0:
+        if weights == "current" or gap == 0:
             return module(*received, **named), None
         # xpipe: the weights predicted for the update this mini-batch's gradient is applied to,
         # written into the parameters for the forward only.
@@ -218,7 +221,7 @@ def _forward(
 
 def check_optimizer(schedule: str, optimizer: torch.optim.Optimizer) -> None:
     """XPipe needs an optimizer it can read a direction from (a typed error otherwise, before any work)."""
-    if schedule == "xpipe":
+    if schedules.lookup(schedule).weights == "predicted":
         for group in optimizer.param_groups:
             for p in group["params"][:1]:
                 update_direction(optimizer, p)

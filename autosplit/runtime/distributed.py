@@ -52,28 +52,24 @@ import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
 from torch.utils import _pytree as pytree
 
+from autosplit import schedules
 from autosplit.devices import DeviceLike
-from autosplit.errors import AutosplitError, DistributedError, PlanMismatchError, advice
+from autosplit.errors import AutosplitError, ConstraintError, DistributedError, PlanMismatchError, advice
 from autosplit.passes.capture import Captured, capture, fingerprint, flat_inputs, with_defaults
 from autosplit.passes.codegen import Chain, generate_chain
 from autosplit.plan import Plan
 from autosplit.planner import Planner, load_plan
 from autosplit.runtime.microbatch import batch_size, is_batched
-from autosplit.solver.problem import ASYNC_SCHEDULES
 
-__all__ = ["DistributedModel", "distribute", "SCHEDULE_CLASSES"]
+__all__ = ["DistributedModel", "distribute"]
 
 log = logging.getLogger(__name__)
-
-SCHEDULE_CLASSES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B"}
-"""Plan schedule → ``torch.distributed.pipelining`` schedule class."""
-
 
 @dataclass(frozen=True)
 class Layout:
@@ -196,7 +192,9 @@ class DistributedModel:
         self._loss = loss
         self._loss_of_output = loss_fn
         self.last_run: dict[str, Any] = {}
-        self._schedule_cls = getattr(pipelining, SCHEDULE_CLASSES.get(plan.schedule, "Schedule1F1B"))
+        torch_class = schedules.lookup(plan.schedule).torch_class
+        # None: an asynchronous schedule, run by autosplit's own loop (train), never by a torch class
+        self._schedule_cls: Any = getattr(pipelining, torch_class) if torch_class is not None else None
         self._rank = dist.get_rank()
         self._tied = [(self._state_names[name], group) for name, group in tied_groups]
         self._failed: str | None = None
@@ -342,7 +340,7 @@ class DistributedModel:
         M = self.micro_batches
         if rows is None or self._rows is None or rows == self._rows:
             return _Run(self._make_schedule(self._stage, M), M)
-        fewest = _fewest_micro_batches(self.plan.schedule, self.layout.stages)
+        fewest = schedules.lookup(self.plan.schedule).fewest_micro_batches(self.layout.stages)
         counts = [m for m in range(M, fewest - 1, -1) if rows % m == 0]
         for m in counts:
             metadata = self._metadata(rows // m)
@@ -596,12 +594,6 @@ def _check_batches(seen: Sequence[Sequence[int]], last: Sequence[int]) -> None:
         ))
 
 
-def _fewest_micro_batches(schedule: str, stages: int) -> int:
-    """The fewest micro-batches torch 2.13 runs a step in: ``Schedule1F1B`` refuses fewer than
-    stages (a ValueError when it is made); ``ScheduleGPipe`` runs any number."""
-    return stages if schedule == "1f1b" else 1
-
-
 def _code_change(base: Chain, other: Chain) -> str | None:
     """The first line of stage code that differs between two chains of one plan (None: same code)."""
     for s, (a, b) in enumerate(zip(base.stages, other.stages)):
@@ -665,7 +657,7 @@ def distribute(
     loss_fn: Callable[[Any, Any], torch.Tensor],
     example_kwargs: Mapping[str, Any] | None = None,
     data_parallel: int = 1,
-    replicate: str = "ddp",
+    replicate: Literal["ddp", "fsdp"] = "ddp",
     plan: Plan | str | Path | None = None,
     **options: Any,
 ) -> DistributedModel:
@@ -715,29 +707,38 @@ def distribute(
         )
     options.setdefault("schedule", "gpipe")
     options["data_parallel"] = data_parallel
-    runnable = (*SCHEDULE_CLASSES, *ASYNC_SCHEDULES)
-    if options["schedule"] not in runnable and given is None:
-        raise DistributedError(
-            advice(
-                f"schedule={options['schedule']!r} cannot run pipelined",
-                "torch.distributed.pipelining runs gpipe and 1f1b, and autosplit's own loop the asynchronous ones",
-                f"pass one of {list(runnable)}",
+    runnable = [name for name in schedules.SCHEDULES if schedules.REGISTRY[name].distributed]
+    on_torch = " and ".join(name for name in runnable if schedules.REGISTRY[name].torch_class is not None)
+    if given is None:
+        try:
+            asked: schedules.Schedule | None = schedules.lookup(options["schedule"])
+        except ConstraintError:
+            asked = None
+        if asked is not None:  # torch's schedules autosplit cannot run yet are refused as such, before any work
+            asked.require_runnable(f"schedule={options['schedule']!r}")
+        if asked is None or not asked.distributed:
+            raise DistributedError(
+                advice(
+                    f"schedule={options['schedule']!r} cannot run pipelined",
+                    f"torch.distributed.pipelining runs {on_torch}, and autosplit's own loop the asynchronous ones",
+                    f"pass one of {runnable}",
+                )
             )
-        )
     planner = Planner(model, devices, example_inputs=example_inputs, example_kwargs=example_kwargs, **options)
     traced = planner.traced
     made = _broadcast_plan(planner, given, rank)
     made.check_fingerprint(traced.fingerprint, traced.node_names)
     _agree(traced.fingerprint, "the captured graph's fingerprint")
-    if made.schedule not in runnable:
+    entry = schedules.lookup(made.schedule) if made.objective == "pipeline" else None
+    if entry is None or not entry.distributed:
         raise DistributedError(
             advice(
                 f"the plan's schedule {made.schedule!r} cannot run pipelined",
-                "torch.distributed.pipelining runs gpipe and 1f1b, and autosplit's own loop the asynchronous ones",
-                f"re-plan with one of {list(runnable)}",
+                f"torch.distributed.pipelining runs {on_torch}, and autosplit's own loop the asynchronous ones",
+                f"re-plan with one of {runnable}",
             )
         )
-    asynchronous = made.schedule if made.schedule in ASYNC_SCHEDULES else None
+    asynchronous = entry.name if entry.asynchronous else None
     if asynchronous is not None and data_parallel != 1:
         raise DistributedError(advice(
             f"schedule={asynchronous!r} with data_parallel={data_parallel}",
@@ -795,7 +796,7 @@ def _checksums(model: torch.nn.Module) -> list[str]:
 def _chain(planner: Planner, plan: Plan, stages: int, *, replicate: set[str]) -> tuple[Chain, Captured]:
     """The plan's chain, generated at the micro-batch's shape (an exported graph captured again
     there: torch.export specialises a graph to its example shapes)."""
-    if plan.schedule == "makespan":
+    if plan.objective == "makespan":
         raise DistributedError(advice(
             "a makespan plan (objective='makespan') has no pipeline stages to distribute",
             "its devices hold non-adjacent nodes and run them as their inputs arrive, which no runtime does yet",

@@ -66,9 +66,9 @@ class MakespanRunner(torch.nn.Module):
 
     def __init__(self, model: torch.nn.Module, captured: Captured, plan: Plan):
         super().__init__()
-        if plan.schedule != "makespan":
+        if plan.objective != "makespan":
             raise CodegenError(advice(
-                f"MakespanRunner got a {plan.schedule} plan", "it runs plans made with objective='makespan'",
+                f"MakespanRunner got a {plan.objective} plan ({plan.schedule})", "it runs plans made with objective='makespan'",
                 "build pipeline plans with Planner.build",
             ))
         devices = {plan.devices[d].torch_device for d in plan.stage_devices}

@@ -4,15 +4,17 @@ nothing from ``autosplit.passes``.
 Objectives are an axis over the same :class:`Problem`, :mod:`~autosplit.solver.coarsen` and
 :mod:`~autosplit.solver.validate`: :mod:`autosplit.solver.pipeline` (contiguous stages,
 GPipe/1F1B step time) and :mod:`autosplit.solver.makespan` (DLPlacer: tasks with start
-times on any device, one step's makespan).
+times on any device, one step's makespan). How much work either may do before it coarsens or
+skips CP-SAT is one value, :class:`~autosplit.solver.limits.SolverLimits`.
 """
 
+from autosplit.solver.limits import SolverLimits
 from autosplit.solver.pipeline import Solution, choose_order, lower_bound, solve, split_dp, topological_order
 from autosplit.solver.problem import Evaluation, Problem, build_problem, evaluate, in_flight
 from autosplit.solver.validate import validate, violations
 
 __all__ = [
-    "Evaluation", "Problem", "Solution",
+    "Evaluation", "Problem", "Solution", "SolverLimits",
     "build_problem", "choose_order", "evaluate", "in_flight", "lower_bound", "solve", "split_dp",
     "topological_order", "validate", "violations",
 ]

@@ -35,47 +35,36 @@ from functools import cached_property
 
 import numpy as np
 
-from autosplit.errors import ConstraintError, advice
+from autosplit import schedules
+from autosplit.schedules import SCHEDULES
 from autosplit.solver.asynchronous import simulate, stashed_versions
 
 __all__ = [
-    "Problem", "Evaluation", "UserConstraint", "SCHEDULES", "ASYNC_SCHEDULES", "in_flight", "weight_copies",
+    "Problem", "Evaluation", "UserConstraint", "SCHEDULES", "in_flight", "weight_copies",
     "evaluate", "build_problem", "tied_costs",
 ]
 
 NS = 1e9  # time unit: nanoseconds per second
 KIB = 1024  # memory unit: bytes per KiB
 
-ASYNC_SCHEDULES = ("xpipe", "async", "pipedream")
-"""Asynchronous schedules: no flush between mini-batches (:mod:`autosplit.solver.asynchronous`)."""
-SCHEDULES = ("sequential", "gpipe", "1f1b", *ASYNC_SCHEDULES)
-
 
 def in_flight(schedule: str, stage: int, stages: int, micro_batches: int) -> int:
     """Micro-batches whose activations stage ``stage`` holds at its peak (GPipe: all; 1F1B:
-    S − s, at most M; asynchronous: S − s, from the next mini-batch too)."""
-    if schedule == "sequential":
-        return 1
-    if schedule == "gpipe":
-        return micro_batches
-    if schedule == "1f1b":
-        return min(micro_batches, stages - stage)
-    if schedule in ASYNC_SCHEDULES:
-        return stages - stage
-    raise ConstraintError(advice(
-        f"unknown schedule {schedule!r}", "the pipeline model knows only these schedules", f"choose one of {SCHEDULES}"
-    ))
+    S − s, at most M; asynchronous: S − s, from the next mini-batch too): the schedule's own rule
+    (:meth:`autosplit.schedules.Schedule.in_flight`)."""
+    return schedules.lookup(schedule).in_flight(stage, stages, micro_batches)
 
 
 def weight_copies(schedule: str, stages: int, micro_batches: int) -> tuple[int, ...]:
     """Copies of its weights each stage keeps beside them: PipeDream's stashed versions still in
     flight, XPipe's weights kept aside while a forward runs on predicted ones (both read off one
     simulation of the schedule, long enough to reach its steady state); none otherwise."""
-    if schedule not in ("pipedream", "xpipe"):
+    weights = schedules.lookup(schedule).weights
+    if weights == "current":
         return (0,) * stages
     sim = simulate(stages=stages, micro_batches=micro_batches, mini_batches=math.ceil(stages / micro_batches) + 2,
                    forward=[1.0] * stages, backward=[2.0] * stages)
-    if schedule == "pipedream":
+    if weights == "stashed":
         return tuple(stashed_versions(sim, s) - 1 for s in range(stages))
     return tuple(int(any(sim.differences(s))) for s in range(stages))
 
@@ -324,7 +313,8 @@ def build_problem(
     sent = np.empty((N, len(links)))
     for k, (bw, lat) in enumerate(links):
         sent[:, k] = np.rint(2 * (M * lat * counts + nbytes / bw) * NS)
-    shared = min if schedule not in ASYNC_SCHEDULES else lambda costs: costs[0]  # asynchronous stages cannot replicate
+    asynchronous = schedules.lookup(schedule).asynchronous  # asynchronous stages cannot replicate: they send
+    shared = (lambda costs: costs[0]) if asynchronous else min
     for n in (n for n, read in enumerate(reads) if read):
         sent[n] = [round(shared(tied_costs(table.output_bytes[n], bw, lat, M)) * NS) for bw, lat in links]
     in_flight_share = np.asarray(inflight, dtype=np.float64)

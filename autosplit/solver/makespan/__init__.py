@@ -3,7 +3,8 @@ start times so that parallel branches run at the same time; minimise one step's 
 
 - :mod:`.schedule` — tasks, timing an assignment, the list scheduler (HEFT);
 - :mod:`.cpsat` — the CP-SAT model (its mathematics in the module docstring);
-- :func:`solve_makespan` — how they combine: coarsen a large graph, HEFT, CP-SAT with
+- :func:`solve_makespan` — how they combine: coarsen a large graph
+  (:attr:`~autosplit.solver.limits.SolverLimits.makespan_units`), HEFT, CP-SAT with
   HEFT's schedule as hint, the better schedule timed on the nodes, and a bound.
 
 Usage::
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 
 from autosplit.errors import InfeasiblePlanError, advice
 from autosplit.solver.coarsen import coarse_problem, coarsen
+from autosplit.solver.limits import SolverLimits
 from autosplit.solver.makespan.cpsat import makespan_cpsat
 from autosplit.solver.makespan.schedule import Schedule, Task, durations, list_schedule, memory_of, schedule_of
 from autosplit.solver.pipeline.dp import topological_order
@@ -30,12 +32,6 @@ from autosplit.units import format_bytes
 __all__ = ["MakespanSolution", "Schedule", "Task", "list_schedule", "makespan_bound", "schedule_of", "solve_makespan"]
 
 log = logging.getLogger(__name__)
-
-MAX_UNITS = 150
-"""Largest graph CP-SAT schedules unit by unit; a larger one is coarsened into about this many
-blocks along its module hierarchy (Inception's towers stay apart while each is below the
-block size)."""
-
 
 @dataclass(frozen=True)
 class MakespanSolution:
@@ -88,16 +84,19 @@ def makespan_bound(problem: Problem) -> int:
     return max(path, math.ceil(sum(problem.fastest) / D))
 
 
-def solve_makespan(problem: Problem, *, time_limit: float = 10.0, seed: int = 0, workers: int | None = None) -> MakespanSolution:
-    """The shortest step found within ``time_limit`` seconds, with its bound."""
+def solve_makespan(
+    problem: Problem, *, time_limit: float = 10.0, seed: int = 0, workers: int | None = None, limits: SolverLimits = SolverLimits()
+) -> MakespanSolution:
+    """The shortest step found within ``time_limit`` seconds, with its bound; a graph of more than
+    ``limits.makespan_units`` nodes is scheduled as about that many blocks (:class:`SolverLimits`)."""
     t0 = time.perf_counter()
     N = len(problem.nodes)
     heft = list_schedule(problem)
     candidates: dict[str, Schedule] = {"heft": heft} if heft else {}
     target, c = problem, None
-    if N > MAX_UNITS:
+    if N > limits.makespan_units:
         total = sum(sum(row) / len(row) for row in problem.compute)
-        c = coarsen(problem, topological_order(problem), max_cost=total / MAX_UNITS)
+        c = coarsen(problem, topological_order(problem), max_cost=total / limits.makespan_units)
         target = coarse_problem(problem, c)
         log.info("makespan: coarsened %d nodes into %d blocks", N, c.num_blocks)
     hint = heft if c is None else list_schedule(target)

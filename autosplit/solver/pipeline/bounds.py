@@ -44,6 +44,7 @@ from dataclasses import dataclass
 import numpy as np
 from ortools.graph.python import max_flow
 
+from autosplit.solver.limits import SolverLimits
 from autosplit.solver.problem import Problem
 
 __all__ = [
@@ -115,7 +116,9 @@ def _chain_reach(problem: Problem, chain: list[int]) -> tuple[list[int], list[in
     return before, after
 
 
-def _detours(problem: Problem, chain: list[int], before: list[int], after: list[int], last: list[int]) -> np.ndarray:
+def _detours(
+    problem: Problem, chain: list[int], before: list[int], after: list[int], last: list[int], free_span: int
+) -> np.ndarray:
     """[p] the least a boundary between h_p and h_{p+1} carries beyond the tensors that must cross it.
 
     Off-chain nodes that may sit on either side of such a boundary (``after ≤ p < before``:
@@ -124,9 +127,10 @@ def _detours(problem: Problem, chain: list[int], before: list[int], after: list[
     come after it, crosses the boundary somewhere: the least such crossing is a minimum cut
     (OR-Tools' max flow) in the small network of the free nodes and their neighbours, with
     a tensor's cost paid once, however many of its readers lie beyond, and nothing for a
-    tensor already counted as crossing. Free nodes spanning more than ``_FREE_SPAN``
-    positions, or with no chain node before or after them, are left out, which only lowers
-    the cut. Repeated layers give the same network at many positions: each is solved once.
+    tensor already counted as crossing. Free nodes spanning more than ``free_span`` positions
+    (:attr:`SolverLimits.free_span`), or with no chain node before or after them, are left out,
+    which only lowers the cut. Repeated layers give the same network at many positions: each is
+    solved once.
     """
     L, N = len(chain), len(problem.nodes)
     on_chain = set(chain)
@@ -140,7 +144,7 @@ def _detours(problem: Problem, chain: list[int], before: list[int], after: list[
         followers[u].append(v)
     free_at: list[list[int]] = [[] for _ in range(L + 1)]
     for u in range(N):
-        if u not in on_chain and 1 <= after[u] and before[u] <= L and before[u] - after[u] <= _FREE_SPAN:
+        if u not in on_chain and 1 <= after[u] and before[u] <= L and before[u] - after[u] <= free_span:
             for p in range(after[u], before[u]):
                 free_at[p].append(u)
     links = _Links(producers, consumers, followers, before, after, last, cost)
@@ -207,10 +211,6 @@ class _Links:
         return tuple(arcs)
 
 
-_FREE_SPAN = 64
-"""Free nodes spanning more chain positions than this are left out of :func:`_detours`."""
-
-
 def _min_cut(arcs: Sequence[tuple[int, int, int]]) -> int:
     """Value of the least cut from node 0 to node 1 (capacity −1: infinite)."""
     tails, heads, caps = (np.asarray(c, dtype=np.int64) for c in zip(*arcs))
@@ -222,7 +222,7 @@ def _min_cut(arcs: Sequence[tuple[int, int, int]]) -> int:
     return int(flow.optimal_flow())
 
 
-def chain_of(problem: Problem) -> Chain:
+def chain_of(problem: Problem, limits: SolverLimits = SolverLimits()) -> Chain:
     chain = heaviest_chain(problem)
     L = len(chain)
     before, after = _chain_reach(problem, chain)
@@ -238,7 +238,7 @@ def chain_of(problem: Problem) -> Chain:
         if u not in on_chain and after[u] >= 1 and before[u] <= L:  # pinned between h_after and h_before
             forced_end[before[u]] += fastest[u]
             forced_start[after[u]] += fastest[u]
-    x = np.cumsum(crossing)[: L + 1] + _detours(problem, chain, before, after, last)
+    x = np.cumsum(crossing)[: L + 1] + _detours(problem, chain, before, after, last, limits.free_span)
     x[0] = x[-1] = 0.0
     members = {n for g in problem.colocate for n in g}
     units = [*problem.colocate, *((n,) for n in range(len(problem.nodes)) if n not in members)]
@@ -381,7 +381,9 @@ def crossing_floor(problem: Problem, chain: Chain | None = None) -> float:
     return min(crossing_floors(problem, chain))
 
 
-def lower_bound(problem: Problem, upper: float = math.inf, objective: float | None = None) -> int:
+def lower_bound(
+    problem: Problem, upper: float = math.inf, objective: float | None = None, *, limits: SolverLimits = SolverLimits()
+) -> int:
     """The best of the bounds above, on the objective ``Σ t_s + (M − 1)·max t_s``.
 
     The two terms are bounded together: boundaries placed where they carry little (outside the
@@ -390,10 +392,11 @@ def lower_bound(problem: Problem, upper: float = math.inf, objective: float | No
     cheapest and the max term the chain in D + 1 pieces; the least over D bounds every plan.
     The chain DP is narrowed to segments of at most ``upper`` compute (a known plan's slowest
     stage), then run again up to the slowest stage the first bound leaves room for, so that
-    fewer pieces are bounded by their own value where it matters.
+    fewer pieces are bounded by their own value where it matters. ``limits``: how far the chain's
+    detour cuts look (:attr:`SolverLimits.free_span`).
     """
     S, M = problem.num_stages, problem.micro_batches
-    c = chain_of(problem)
+    c = chain_of(problem, limits)
     fastest = problem.fastest
     total = sum(fastest) + 2 * sum(problem.boundary_latency)
     balanced = max(math.ceil(total / S), max(fastest, default=0))

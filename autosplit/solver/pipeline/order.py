@@ -25,6 +25,7 @@ import math
 import time
 from collections.abc import Sequence
 
+from autosplit.solver.limits import SolverLimits
 from autosplit.solver.pipeline.dp import topological_order
 from autosplit.solver.pipeline.strategy import dp_plan
 from autosplit.solver.problem import UserConstraint, build_problem, evaluate
@@ -50,8 +51,10 @@ def choose_order(
     schedule: str,
     constraints: Sequence[UserConstraint] = (),
     max_evaluations: int = 64,
+    limits: SolverLimits = SolverLimits(),
 ) -> tuple[int, ...]:
-    """A device order for the pipeline's stages (stage s on device ``order[s]``).
+    """A device order for the pipeline's stages (stage s on device ``order[s]``), each scored by the
+    DP under ``limits`` (when it coarsens: :class:`SolverLimits`).
 
     The search is bounded by a count of DP evaluations, not by time, so every rank of a
     distributed job reaches the same order.
@@ -71,7 +74,7 @@ def choose_order(
         evaluations += 1
         problem = build_problem(table, micro_batches=micro_batches, schedule=schedule, order=order, constraints=constraints)
         topo = topo or topological_order(problem)
-        plan, _, _ = dp_plan(problem, topo, refine=False)
+        plan, _, _ = dp_plan(problem, topo, refine=False, limits=limits)
         return math.inf if plan is None else evaluate(problem, plan).objective
 
     islands = list(dict.fromkeys(s.island for s in specs))

@@ -2,7 +2,7 @@
 
 1. Order the nodes topologically (:func:`~autosplit.solver.pipeline.dp.topological_order`).
 2. *Dynamic program* over split points of that order — every position for small graphs
-   (``DP_WORK_LIMIT``); otherwise the block boundaries of :func:`coarsen`, then, round by
+   (:attr:`SolverLimits.dp_work`); otherwise the block boundaries of :func:`coarsen`, then, round by
    round, every position near the chosen cuts (*refinement*). It is exact over the cuts it
    may use, runs in seconds, and is the baseline the report shows.
 3. *CP-SAT* (:mod:`~autosplit.solver.pipeline.cpsat`) on the nodes, or on the blocks when the node
@@ -12,13 +12,14 @@
 4. The bound: the best of CP-SAT's proven bound (when it ran on the nodes) and the
    analytic and chain bounds of :mod:`~autosplit.solver.pipeline.bounds`.
 
-Deterministic: the same problem, seed and limits give the same plan (CP-SAT runs its
-workers interleaved under a deterministic time limit), so every rank of a distributed
-job can plan on its own and agree.
+Deterministic: the same problem, seed and limits (``time_limit`` and :class:`SolverLimits`) give
+the same plan (CP-SAT runs its workers interleaved under a deterministic time limit), so every
+rank of a distributed job can plan on its own and agree.
 
 Usage::
 
     solution = solve(problem, time_limit=10, seed=0)
+    solution = solve(problem, limits=SolverLimits(dp_work=1))  # coarsen even a small graph
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from dataclasses import dataclass
 
 from autosplit.errors import InfeasiblePlanError, SolverError, advice
 from autosplit.solver.coarsen import Coarsening, coarse_problem, coarsen, repeated_layers
+from autosplit.solver.limits import SolverLimits
 from autosplit.solver.pipeline.bounds import lower_bound, memory_chain_floor, memory_floor
 from autosplit.solver.pipeline.cpsat import PROVEN_GAP, cpsat, explain_infeasible, precheck
 from autosplit.solver.pipeline.dp import Prefix, prefix_sums, split_dp, topological_order
@@ -42,19 +44,6 @@ from autosplit.units import format_bytes
 __all__ = ["Solution", "solve"]
 
 log = logging.getLogger(__name__)
-
-DP_WORK_LIMIT = 4 * 10**6
-"""Largest N² for which the DP may cut anywhere (one banded pass costs about N², whatever S);
-above it the DP cuts at block boundaries, then refines around the chosen cuts."""
-CPSAT_VAR_LIMIT = 12_000
-"""Largest CP-SAT model, in stage booleans (units × (S − 1)), worth building in Python."""
-BLOCKS_PER_STAGE = 64
-"""Coarsening target: a block costs at most 1/64 of an ideal stage, so cutting only at block
-boundaries costs at most that much balance before refinement..."""
-MAX_BLOCKS = 1536
-"""... and at most this many blocks (24 per stage on 64 devices): past that, the block DP's
-passes cost more than the refinement that follows needs (measured in solver_scaling)."""
-
 
 @dataclass(frozen=True)
 class Solution:
@@ -120,14 +109,14 @@ def _refine(problem: Problem, c: Coarsening, plan: tuple[int, ...], prefix: Pref
 
 
 def dp_plan(
-    problem: Problem, order: Sequence[int], *, refine: bool = True
+    problem: Problem, order: Sequence[int], *, refine: bool = True, limits: SolverLimits = SolverLimits()
 ) -> tuple[tuple[int, ...] | None, Coarsening | None, tuple[int, ...] | None]:
     """The dynamic program's plan: (plan, coarsening used or None, plan before refinement)."""
     N, S = len(problem.nodes), problem.num_stages
-    if N * N <= DP_WORK_LIMIT:
+    if N * N <= limits.dp_work:
         return split_dp(problem, order), None, None
     total = float(problem.arrays.compute.sum()) / S
-    coarse = coarsen(problem, order, max_cost=total / min(BLOCKS_PER_STAGE * S, MAX_BLOCKS))
+    coarse = coarsen(problem, order, max_cost=total / min(limits.blocks_per_stage * S, limits.max_blocks))
     if log.isEnabledFor(logging.INFO):  # the repeated-layer scan only feeds this line
         repeated = repeated_layers(problem, order)
         log.info("coarsened %d nodes into %d blocks; repeated layers: %s", N, coarse.num_blocks,
@@ -138,20 +127,23 @@ def dp_plan(
     return plan, coarse, block_dp
 
 
-def solve(problem: Problem, *, time_limit: float = 10.0, seed: int = 0, workers: int | None = None) -> Solution:
-    """Best assignment found within ``time_limit`` seconds, with its proven bound."""
+def solve(
+    problem: Problem, *, time_limit: float = 10.0, seed: int = 0, workers: int | None = None, limits: SolverLimits = SolverLimits()
+) -> Solution:
+    """Best assignment found within ``time_limit`` seconds, with its proven bound; ``limits``: when to
+    coarsen, skip CP-SAT or narrow the bound (:class:`SolverLimits`)."""
     start = time.perf_counter()
     precheck(problem)
     N, S = len(problem.nodes), problem.num_stages
     order = topological_order(problem)
 
-    dp, coarse, block_dp = dp_plan(problem, order)
+    dp, coarse, block_dp = dp_plan(problem, order, limits=limits)
     candidates = {"dp": dp} if dp else {}
     dp_eval = evaluate(problem, dp) if dp else None
     baseline = dp_eval.objective if dp_eval else None
 
     units = N if coarse is None else coarse.num_blocks
-    bound = lower_bound(problem, upper=max(dp_eval.time) if dp_eval else math.inf, objective=baseline)
+    bound = lower_bound(problem, upper=max(dp_eval.time) if dp_eval else math.inf, objective=baseline, limits=limits)
     remaining = time_limit - (time.perf_counter() - start)
     target: Problem | None = None
     if coarse is not None:  # blocks cannot express the refined cuts: CP-SAT gets a share of the time
@@ -159,7 +151,7 @@ def solve(problem: Problem, *, time_limit: float = 10.0, seed: int = 0, workers:
     proven = dp_eval is not None and dp_eval.objective - bound <= PROVEN_GAP * dp_eval.objective
     if proven and dp is not None and not violations(problem, dp):
         log.info("the DP's plan is within %.1f%% of the bound: no CP-SAT search", 100 * PROVEN_GAP)
-    elif units * (S - 1) <= CPSAT_VAR_LIMIT and remaining > 0 and S > 1:
+    elif units * (S - 1) <= limits.cpsat_vars and remaining > 0 and S > 1:
         target = problem if coarse is None else coarse_problem(problem, coarse)
         if coarse is not None and _one_order(target):
             log.info("the %d blocks admit one order only: the block DP is exact over them, no CP-SAT search", units)
@@ -175,7 +167,7 @@ def solve(problem: Problem, *, time_limit: float = 10.0, seed: int = 0, workers:
             bound = max(bound, math.ceil(cp_bound))
     valid = {k: v for k, v in candidates.items() if not violations(problem, v)}
     if not valid:
-        if N * (S - 1) <= CPSAT_VAR_LIMIT:
+        if N * (S - 1) <= limits.cpsat_vars:
             everything = [*range(S), *(c.text for c in problem.constraints)]
             raise InfeasiblePlanError(explain_infeasible(problem, everything, time_limit, seed))
         spread, along_chain = memory_floor(problem), memory_chain_floor(problem)

@@ -1,0 +1,243 @@
+"""The one registry of pipeline schedules: what each one is, for every module that asks.
+
+A *schedule* is the order of forward and backward work per stage (DESIGN §2). Each schedule
+autosplit knows is one frozen :class:`Schedule` entry here — whether it flushes, whether it is
+asynchronous, how many micro-batches a stage holds in flight, its order of work per stage, how
+its stages sit on ranks, how many stages a rank may hold, whether it splits the backward, which
+weights a forward reads (and so what weight copies it keeps) and the
+``torch.distributed.pipelining`` class that runs it. Planning, memory, prediction, timelines,
+reports and runtimes read these attributes instead of comparing names.
+
+- ``sequential``, ``gpipe`` (Huang et al. 2019), ``1f1b`` (PipeDream-Flush, Narayanan et al.
+  2021): flushed, one stage per rank; GPipe and 1F1B run on torch's ``ScheduleGPipe`` /
+  ``Schedule1F1B``, ``sequential`` in one process (:class:`~autosplit.runtime.SplitModule`).
+- ``xpipe`` (Guan et al. 2019), ``async``, ``pipedream`` (Narayanan et al. 2019): no flush
+  between mini-batches (DESIGN §4.7), run by autosplit's own loop
+  (:mod:`autosplit.runtime.asynchronous`).
+- torch's multi-stage and zero-bubble schedules (``Interleaved1F1B``, ``LoopedBFS``,
+  ``InterleavedZeroBubble``, ``ZBVZeroBubble``, ``DualPipeV``): known by name so that asking for
+  one is a :class:`~autosplit.errors.ConstraintError` saying autosplit cannot plan or run it yet,
+  never a silent default.
+
+``"makespan"`` is an *objective* (what the solver minimises), not a schedule: a plan says it in
+``Plan.objective``. Names are looked up case-insensitively, torch's class names too
+(``"Schedule1F1B"``, ``"1F1B"`` and ``"1f1b"`` are one schedule).
+
+Ground floor: imports nothing from autosplit but :mod:`autosplit.errors`, and no torch (the
+solver reads it).
+
+Usage::
+
+    from autosplit import schedules
+    entry = schedules.lookup("Schedule1F1B")          # the "1f1b" entry
+    entry.in_flight(stage=0, stages=4, micro_batches=8)  # 4
+    entry.torch_class                                  # "Schedule1F1B"
+"""
+
+from __future__ import annotations
+
+import typing
+from dataclasses import dataclass
+from typing import Any, Literal, TypeAlias
+
+from autosplit.errors import ConstraintError, advice
+
+__all__ = [
+    "Schedule", "ScheduleName", "Objective", "REGISTRY", "SCHEDULES", "ASYNCHRONOUS", "OBJECTIVES", "lookup", "runnable",
+]
+
+ScheduleName: TypeAlias = Literal["sequential", "gpipe", "1f1b", "xpipe", "async", "pipedream"]
+"""The schedules autosplit plans and runs today (``PlanOptions.schedule``)."""
+Objective: TypeAlias = Literal["pipeline", "makespan"]
+"""What the solver minimises: the ``pipeline`` step of a schedule, or the ``makespan`` of one step (DLPlacer)."""
+OBJECTIVES: tuple[str, ...] = typing.get_args(Objective)
+
+Order: TypeAlias = Literal["sequential", "fill_drain", "1f1b", "async_1f1b", "torch"]
+Placement: TypeAlias = Literal["linear", "loop", "v"]
+Weights: TypeAlias = Literal["current", "predicted", "stashed"]
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """One schedule and everything the rest of autosplit needs to know about it."""
+
+    name: str
+    """autosplit's name (lower case), as ``PlanOptions(schedule=...)`` and plan files write it."""
+    order: Order
+    """Each stage's order of work: ``"sequential"`` (one micro-batch through every stage and back
+    before the next), ``"fill_drain"`` (every forward, then every backward: GPipe), ``"1f1b"``
+    (``min(S − s − 1, M)`` forwards, then one forward and one backward in turn, then the rest of
+    the backwards), ``"async_1f1b"`` (``S − s`` forwards, then one backward and one forward in turn,
+    across mini-batches: :func:`autosplit.solver.asynchronous.async_order`), or ``"torch"`` (torch's
+    own action lists, which autosplit does not model yet)."""
+    flushes: bool
+    """Every step drains the pipeline before the optimizer step (synchronous training)."""
+    asynchronous: bool
+    """No flush between mini-batches; trained by ``DistributedModel.train``, predicted as the steady state."""
+    weights: Weights
+    """The weights a forward reads: ``"current"``, ``"predicted"`` for the update its gradient meets
+    (XPipe: the current ones kept aside meanwhile, one copy), or ``"stashed"`` (PipeDream: the
+    version its backward will use, one copy per version in flight)."""
+    placement: Placement
+    """Where stages sit on the ``pp`` ranks: ``"linear"`` (stage s on rank s), ``"loop"`` (stage s
+    on rank s mod pp: interleaved), ``"v"`` (rank r holds stages r and 2·pp − 1 − r)."""
+    stages_per_rank: tuple[int, int | None]
+    """Fewest and most stages one rank may hold (None: no limit)."""
+    split_backward: bool
+    """Backward split into input-gradient (I) and weight-gradient (W) work (zero bubble)."""
+    torch_class: str | None
+    """The ``torch.distributed.pipelining`` class that runs it; None when autosplit runs it itself
+    (``sequential`` in one process, the asynchronous ones in :mod:`autosplit.runtime.asynchronous`)."""
+    runnable: bool
+    """autosplit plans and runs it today; the others are refused by name (a later issue)."""
+    summary: str
+    """One line for messages and the CLI's help."""
+
+    @property
+    def distributed(self) -> bool:
+        """``autosplit.distribute`` runs it: on a torch schedule class, or autosplit's asynchronous loop."""
+        return self.runnable and (self.torch_class is not None or self.asynchronous)
+
+    @property
+    def forwards_first(self) -> bool:
+        """Every forward of a step runs before any backward (what a measured pass replays)."""
+        return self.order == "fill_drain"
+
+    @property
+    def micro_batched(self) -> bool:
+        """The batch is cut into micro-batches (``sequential`` runs it whole: always 1)."""
+        return self.order != "sequential"
+
+    @property
+    def one_process(self) -> bool:
+        """The stages run in turn in one process (their optimizer steps too)."""
+        return self.order == "sequential"
+
+    def require_runnable(self, said: str | None = None) -> Schedule:
+        """This entry, or a :class:`ConstraintError` saying autosplit cannot plan or run it yet.
+        ``said``: how the caller named it, e.g. ``"option schedule='ZBVZeroBubble'"``."""
+        if not self.runnable:
+            what = said or f"schedule {self.name!r}"
+            raise ConstraintError(advice(
+                f"{what} names torch's {self.torch_class}, which autosplit cannot plan or run yet",
+                f"autosplit plans one stage per rank with a modelled order ({', '.join(SCHEDULES)}); torch's multi-stage "
+                f"and zero-bubble schedules ({self.summary}) need their own step and memory model, a later issue",
+                f"choose one of {SCHEDULES}, or run torch.distributed.pipelining.{self.torch_class} on stages you build",
+            ))
+        return self
+
+    def in_flight(self, stage: int, stages: int, micro_batches: int) -> int:
+        """Micro-batches whose activations stage ``stage`` of ``stages`` holds at its peak (DESIGN
+        §4.2): sequential 1; GPipe all M; 1F1B ``min(M, S − s)``; asynchronous ``S − s`` (no flush:
+        the next mini-batch's micro-batches are in flight too)."""
+        self.require_runnable()
+        if self.order == "sequential":
+            return 1
+        if self.order == "fill_drain":
+            return micro_batches
+        if self.order == "1f1b":
+            return min(micro_batches, stages - stage)
+        return stages - stage  # async_1f1b
+
+    def stage_order(self, stage: int, stages: int, micro_batches: int) -> list[tuple[str, int]]:
+        """The work stage ``stage`` runs in one flushed step, in order: ``("forward" | "backward",
+        micro-batch)`` (GPipe as ``ScheduleGPipe``, micro-batch 0 first; 1F1B as ``Schedule1F1B``)."""
+        self.require_runnable()
+        M = micro_batches
+        if self.order == "fill_drain":
+            return [("forward", m) for m in range(M)] + [("backward", m) for m in range(M)]
+        if self.order == "1f1b":
+            warmup = min(stages - stage - 1, M)
+            order = [("forward", m) for m in range(warmup)]
+            for m in range(M - warmup):
+                order += [("forward", warmup + m), ("backward", m)]
+            return order + [("backward", m) for m in range(M - warmup, M)]
+        if self.order == "sequential":
+            return [(kind, m) for m in range(M) for kind in ("forward", "backward")]
+        raise ConstraintError(advice(
+            f"schedule {self.name!r} has no order within one step",
+            "an asynchronous schedule runs across mini-batches without a flush",
+            "read its order from autosplit.solver.asynchronous.async_order",
+        ))
+
+    def fewest_micro_batches(self, stages: int) -> int:
+        """The fewest micro-batches its torch class runs a step in (torch 2.13): ``Schedule1F1B``
+        refuses fewer than the stages (a ValueError when it is made); ``ScheduleGPipe`` runs any."""
+        return stages if self.order == "1f1b" else 1
+
+
+_ONE_PER_RANK = (1, 1)
+_ENTRIES = (
+    Schedule("sequential", "sequential", flushes=True, asynchronous=False, weights="current", placement="linear",
+             stages_per_rank=_ONE_PER_RANK, split_backward=False, torch_class=None, runnable=True,
+             summary="one batch, the stages in turn, in one process"),
+    Schedule("gpipe", "fill_drain", flushes=True, asynchronous=False, weights="current", placement="linear",
+             stages_per_rank=_ONE_PER_RANK, split_backward=False, torch_class="ScheduleGPipe", runnable=True,
+             summary="all forwards, then all backwards (GPipe)"),
+    Schedule("1f1b", "1f1b", flushes=True, asynchronous=False, weights="current", placement="linear",
+             stages_per_rank=_ONE_PER_RANK, split_backward=False, torch_class="Schedule1F1B", runnable=True,
+             summary="one forward, one backward (PipeDream-Flush): each stage holds at most S − s micro-batches"),
+    Schedule("xpipe", "async_1f1b", flushes=False, asynchronous=True, weights="predicted", placement="linear",
+             stages_per_rank=_ONE_PER_RANK, split_backward=False, torch_class=None, runnable=True,
+             summary="asynchronous, forwards on predicted weights (XPipe)"),
+    Schedule("async", "async_1f1b", flushes=False, asynchronous=True, weights="current", placement="linear",
+             stages_per_rank=_ONE_PER_RANK, split_backward=False, torch_class=None, runnable=True,
+             summary="asynchronous, forwards on the current weights"),
+    Schedule("pipedream", "async_1f1b", flushes=False, asynchronous=True, weights="stashed", placement="linear",
+             stages_per_rank=_ONE_PER_RANK, split_backward=False, torch_class=None, runnable=True,
+             summary="asynchronous, weight stashing (PipeDream)"),
+    Schedule("interleaved1f1b", "torch", flushes=True, asynchronous=False, weights="current", placement="loop",
+             stages_per_rank=(1, None), split_backward=False, torch_class="ScheduleInterleaved1F1B", runnable=False,
+             summary="interleaved 1F1B, several looped stages per rank"),
+    Schedule("loopedbfs", "torch", flushes=True, asynchronous=False, weights="current", placement="loop",
+             stages_per_rank=(1, None), split_backward=False, torch_class="ScheduleLoopedBFS", runnable=False,
+             summary="looped breadth-first, several looped stages per rank"),
+    Schedule("interleavedzerobubble", "torch", flushes=True, asynchronous=False, weights="current", placement="loop",
+             stages_per_rank=(1, None), split_backward=True, torch_class="ScheduleInterleavedZeroBubble", runnable=False,
+             summary="interleaved zero bubble, backward split into input and weight gradients"),
+    Schedule("zbvzerobubble", "torch", flushes=True, asynchronous=False, weights="current", placement="v",
+             stages_per_rank=(2, 2), split_backward=True, torch_class="ScheduleZBVZeroBubble", runnable=False,
+             summary="zero bubble on a V of two stages per rank"),
+    Schedule("dualpipev", "torch", flushes=True, asynchronous=False, weights="current", placement="v",
+             stages_per_rank=(2, 2), split_backward=True, torch_class="ScheduleDualPipeV", runnable=False,
+             summary="DualPipe on a V of two stages per rank"),
+)
+
+REGISTRY: dict[str, Schedule] = {s.name: s for s in _ENTRIES}
+"""Every schedule autosplit knows, by its name (runnable or not)."""
+SCHEDULES: tuple[str, ...] = tuple(s.name for s in _ENTRIES if s.runnable)
+"""The names of the schedules autosplit plans and runs (``PlanOptions.schedule``)."""
+ASYNCHRONOUS: tuple[str, ...] = tuple(s.name for s in _ENTRIES if s.asynchronous)
+"""The asynchronous ones (no flush between mini-batches)."""
+
+_BY_NAME: dict[str, Schedule] = {}
+for _s in _ENTRIES:
+    for _key in (_s.name, _s.torch_class, _s.torch_class and _s.torch_class.removeprefix("Schedule")):
+        if _key:
+            _BY_NAME.setdefault(_key.lower(), _s)
+
+
+def lookup(name: Any) -> Schedule:
+    """The entry of schedule ``name`` — autosplit's name, or torch's class name with or without
+    ``Schedule`` — in any case; a :class:`ConstraintError` listing the known names otherwise.
+    Not-runnable entries are returned too (:meth:`Schedule.require_runnable` refuses them)."""
+    entry = _BY_NAME.get(name.lower()) if isinstance(name, str) else None
+    if entry is not None:
+        return entry
+    if isinstance(name, str) and name.lower() in OBJECTIVES:
+        raise ConstraintError(advice(
+            f"{name!r} is an objective, not a schedule",
+            "the objective says what the solver minimises, the schedule the order of work per stage",
+            f"pass objective={name.lower()!r}, and a schedule from {SCHEDULES} for pipeline plans",
+        ))
+    raise ConstraintError(advice(
+        f"unknown schedule {name!r}",
+        f"autosplit knows the schedules {tuple(REGISTRY)} (torch's class names too, in any case); "
+        f"it plans and runs {SCHEDULES}",
+        f"choose one of {SCHEDULES}",
+    ))
+
+
+def runnable(name: Any) -> Schedule:
+    """:func:`lookup`, refusing a schedule autosplit cannot plan or run yet."""
+    return lookup(name).require_runnable()

@@ -1,0 +1,271 @@
+"""The schedule registry (autosplit/schedules.py): every entry's rules, name lookup, torch's
+schedules autosplit cannot run yet refused by name, and ``Plan.objective`` in plan files."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import typing
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+
+import autosplit
+from autosplit import schedules
+from autosplit.errors import ConstraintError, PlanFileError
+from autosplit.options import PlanOptions
+from autosplit.plan import SCHEMA_VERSION, Plan
+from autosplit.solver.problem import in_flight, weight_copies
+from autosplit.timeline import stage_order
+
+ROOT = Path(__file__).resolve().parents[1]
+GOLDEN = ROOT / "tests" / "golden"
+NOT_YET = ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
+
+
+# -- the formulas as they were written before the registry ------------------------------------------
+def old_in_flight(schedule: str, stage: int, stages: int, micro_batches: int) -> int:
+    if schedule == "sequential":
+        return 1
+    if schedule == "gpipe":
+        return micro_batches
+    if schedule == "1f1b":
+        return min(micro_batches, stages - stage)
+    assert schedule in ("xpipe", "async", "pipedream")
+    return stages - stage
+
+
+def old_stage_order(schedule: str, stage: int, stages: int, M: int) -> list[tuple[str, int]]:
+    if schedule == "gpipe":
+        return [("forward", m) for m in range(M)] + [("backward", m) for m in range(M)]
+    if schedule == "1f1b":
+        warmup = min(stages - stage - 1, M)
+        order = [("forward", m) for m in range(warmup)]
+        for m in range(M - warmup):
+            order += [("forward", warmup + m), ("backward", m)]
+        return order + [("backward", m) for m in range(M - warmup, M)]
+    assert schedule == "sequential"
+    return [(kind, m) for m in range(M) for kind in ("forward", "backward")]
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.Sequential(*(nn.Linear(8, 8) for _ in range(4)))
+
+    def forward(self, x):
+        return self.layers(x)
+
+
+def _plan(**options) -> Plan:
+    torch.manual_seed(0)
+    return autosplit.plan(Net(), ["cpu"] * 2, example_inputs=(torch.randn(4, 8),), time_limit=2.0, **options)
+
+
+# -- the entries -----------------------------------------------------------------------------------
+def test_the_runnable_schedules_are_the_option_literal_in_the_old_order():
+    assert schedules.SCHEDULES == ("sequential", "gpipe", "1f1b", "xpipe", "async", "pipedream")
+    assert typing.get_args(schedules.ScheduleName) == schedules.SCHEDULES
+    assert schedules.ASYNCHRONOUS == ("xpipe", "async", "pipedream")
+    assert typing.get_args(typing.get_type_hints(PlanOptions)["schedule"]) == schedules.SCHEDULES
+
+
+@pytest.mark.parametrize("name", schedules.SCHEDULES)
+def test_every_runnable_entry_holds_the_old_in_flight_rule(name):
+    entry = schedules.REGISTRY[name]
+    for S in range(1, 7):
+        for M in range(1, 11):
+            want = [old_in_flight(name, s, S, M) for s in range(S)]
+            assert [entry.in_flight(s, S, M) for s in range(S)] == want, (name, S, M)
+            assert [in_flight(name, s, S, M) for s in range(S)] == want
+
+
+@pytest.mark.parametrize("name", ["sequential", "gpipe", "1f1b"])
+def test_every_flushed_entry_keeps_the_old_stage_order(name):
+    for S in range(1, 6):
+        for M in range(1, 9):
+            for s in range(S):
+                assert stage_order(name, s, S, M) == old_stage_order(name, s, S, M), (name, S, M, s)
+
+
+def test_entries_say_what_the_code_used_to_ask_by_name():
+    R = schedules.REGISTRY
+    assert {n for n in schedules.SCHEDULES if R[n].asynchronous} == {"xpipe", "async", "pipedream"}
+    assert all(R[n].flushes != R[n].asynchronous for n in schedules.SCHEDULES)
+    # the torch class that runs it: the old SCHEDULE_CLASSES, nothing for the rest
+    assert {n: R[n].torch_class for n in schedules.SCHEDULES} == {
+        "sequential": None, "gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "xpipe": None, "async": None, "pipedream": None,
+    }
+    assert [n for n in schedules.SCHEDULES if R[n].distributed] == ["gpipe", "1f1b", "xpipe", "async", "pipedream"]
+    assert [n for n in schedules.SCHEDULES if R[n].forwards_first] == ["gpipe"]
+    assert [n for n in schedules.SCHEDULES if not R[n].micro_batched] == ["sequential"]
+    assert [R[n].fewest_micro_batches(4) for n in ("gpipe", "1f1b")] == [1, 4]
+    assert {n: R[n].weights for n in schedules.ASYNCHRONOUS} == {"xpipe": "predicted", "async": "current", "pipedream": "stashed"}
+    for n in schedules.SCHEDULES:
+        assert R[n].stages_per_rank == (1, 1) and R[n].placement == "linear" and not R[n].split_backward and R[n].runnable
+
+
+@pytest.mark.parametrize("name", schedules.SCHEDULES)
+def test_weight_copies_follow_the_weights_a_forward_reads(name):
+    for S, M in ((4, 1), (4, 2), (3, 4)):
+        copies = weight_copies(name, S, M)
+        if name not in ("pipedream", "xpipe"):  # the old rule: no copies but for these two
+            assert copies == (0,) * S
+        else:
+            assert any(copies) and copies[-1] == 0, "the last stage updates right after its backward"
+
+
+def test_torch_schedule_classes_are_all_known_and_exist():
+    import torch.distributed.pipelining as pipelining
+
+    public = {n for n in dir(pipelining) if n.startswith("Schedule")}
+    assert public <= {e.torch_class for e in schedules.REGISTRY.values()}, "a torch schedule the registry does not know"
+    for entry in schedules.REGISTRY.values():
+        if entry.torch_class is not None:
+            assert hasattr(pipelining, entry.torch_class), entry.torch_class
+    for name in NOT_YET:
+        entry = schedules.lookup(name)
+        assert not entry.runnable and not entry.distributed and entry.torch_class == f"Schedule{name}"
+    assert schedules.lookup("ZBVZeroBubble").placement == "v" and schedules.lookup("DualPipeV").stages_per_rank == (2, 2)
+    assert schedules.lookup("InterleavedZeroBubble").split_backward and schedules.lookup("Interleaved1F1B").placement == "loop"
+
+
+def test_the_registry_imports_no_torch():
+    code = ("import sys, types; pkg = types.ModuleType('autosplit'); "
+            f"pkg.__path__ = [{str(ROOT / 'autosplit')!r}]; sys.modules['autosplit'] = pkg; "
+            "import autosplit.schedules; sys.exit(1 if any(m.startswith('torch') for m in sys.modules) else 0)")
+    assert subprocess.run([sys.executable, "-c", code], cwd=ROOT).returncode == 0
+
+
+# -- names -----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name, canonical", [
+    ("1f1b", "1f1b"), ("1F1B", "1f1b"), ("Schedule1F1B", "1f1b"), ("schedule1f1b", "1f1b"),
+    ("gpipe", "gpipe"), ("GPipe", "gpipe"), ("ScheduleGPipe", "gpipe"), ("XPipe", "xpipe"), ("Sequential", "sequential"),
+    ("ScheduleInterleaved1F1B", "interleaved1f1b"), ("zbvzerobubble", "zbvzerobubble"), ("DualPipeV", "dualpipev"),
+])
+def test_lookup_ignores_case_and_reads_torch_class_names(name, canonical):
+    assert schedules.lookup(name).name == canonical
+
+
+@pytest.mark.parametrize("name", ["zigzag", "", None, 3, "Schedule"])
+def test_an_unknown_schedule_is_a_typed_error_naming_the_known_ones(name):
+    with pytest.raises(ConstraintError) as e:
+        schedules.lookup(name)
+    text = str(e.value)
+    assert f"unknown schedule {name!r}" in text
+    for known in schedules.REGISTRY:
+        assert repr(known) in text
+
+
+def test_makespan_is_named_an_objective():
+    with pytest.raises(ConstraintError, match=r"'makespan' is an objective, not a schedule.*objective='makespan'"):
+        schedules.lookup("makespan")
+
+
+def test_options_store_the_registry_name():
+    assert PlanOptions(schedule="Schedule1F1B").schedule == "1f1b"
+    assert PlanOptions(schedule="GPipe").schedule == "gpipe"
+    assert _plan(schedule="1F1B", micro_batches=2).schedule == "1f1b"
+
+
+# -- torch's schedules autosplit cannot run yet ---------------------------------------------------
+@pytest.mark.parametrize("name", NOT_YET)
+def test_not_yet_runnable_schedules_are_refused_at_plan_time(name):
+    with pytest.raises(ConstraintError) as e:
+        PlanOptions(schedule=name)
+    text = str(e.value)
+    assert f"option schedule={name!r}" in text and f"Schedule{name}" in text and "cannot plan or run yet" in text
+    assert "gpipe" in text and "1f1b" in text, "the error says what to choose instead"
+    with pytest.raises(ConstraintError, match="cannot plan or run yet"):
+        _plan(schedule=name)
+    with pytest.raises(ConstraintError, match="cannot plan or run yet"):
+        schedules.runnable(name)
+    with pytest.raises(ConstraintError, match="cannot plan or run yet"):
+        schedules.lookup(name).in_flight(0, 2, 4)
+
+
+_DISTRIBUTE = """
+import sys, datetime, torch, torch.distributed as dist
+sys.path.insert(0, {tests!r})
+import autosplit
+from test_schedules import Net
+dist.init_process_group("gloo", init_method="file://" + {init!r}, rank=0, world_size=1, timeout=datetime.timedelta(seconds=30))
+try:
+    for name, error in (("ZBVZeroBubble", autosplit.ConstraintError), ("Interleaved1F1B", autosplit.ConstraintError),
+                        ("sequential", autosplit.DistributedError), ("zigzag", autosplit.DistributedError)):
+        try:
+            autosplit.distribute(Net(), ["cpu"], example_inputs=(torch.randn(4, 8),), loss_fn=torch.nn.functional.mse_loss,
+                                 schedule=name, time_limit=1)
+        except error as e:
+            print(name, type(e).__name__, str(e).split(".")[0])
+        else:
+            raise SystemExit(f"{{name}} was not refused")
+finally:
+    dist.destroy_process_group()
+"""
+
+
+def test_not_yet_runnable_schedules_are_refused_by_distribute_without_hanging(tmp_path):
+    code = _DISTRIBUTE.format(tests=str(ROOT / "tests"), init=str(tmp_path / "init"))
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith("ZBVZeroBubble ConstraintError schedule='ZBVZeroBubble' names torch's ScheduleZBVZeroBubble")
+    assert lines[1].startswith("Interleaved1F1B ConstraintError")
+    assert lines[2] == "sequential DistributedError schedule='sequential' cannot run pipelined"
+    assert lines[3] == "zigzag DistributedError schedule='zigzag' cannot run pipelined"
+
+
+# -- Plan.objective in plan files -----------------------------------------------------------------
+def test_objective_round_trips(tmp_path):
+    plan = _plan()
+    assert plan.objective == "pipeline" and plan.schema_version == SCHEMA_VERSION == 3
+    plan.save(tmp_path / "plan.json")
+    data = json.loads((tmp_path / "plan.json").read_text())
+    assert data["objective"] == "pipeline" and data["schema_version"] == 3
+    assert Plan.load(tmp_path / "plan.json") == plan
+
+    torch.manual_seed(0)
+    planner = autosplit.Planner(Net(), ["cpu"] * 2, example_inputs=(torch.randn(4, 8),), objective="makespan", time_limit=2)
+    makespan = planner.plan()
+    assert makespan.objective == "makespan" and makespan.schedule == "makespan", "the schedule string stays as it was"
+    makespan.save(tmp_path / "makespan.json")
+    loaded = Plan.load(tmp_path / "makespan.json")
+    assert loaded == makespan
+    assert planner.plan(loaded).objective == "makespan"
+
+
+def test_a_version_2_file_still_loads():
+    v2 = json.loads((GOLDEN / "gpt_a100x2_gpipe.v2.plan.json").read_text())
+    assert v2["schema_version"] == 2 and "objective" not in v2
+    old = Plan.load(GOLDEN / "gpt_a100x2_gpipe.v2.plan.json")
+    assert old.objective == "pipeline" and old.schedule == "gpipe" and old.schema_version == SCHEMA_VERSION
+    assert old == Plan.load(GOLDEN / "gpt_a100x2_gpipe.plan.json"), "version 3 adds the objective, nothing else"
+
+
+def test_a_version_2_makespan_plan_reads_its_objective_from_its_schedule(tmp_path):
+    torch.manual_seed(0)
+    plan = autosplit.plan(Net(), ["cpu"] * 2, example_inputs=(torch.randn(4, 8),), objective="makespan", time_limit=2)
+    data = plan.to_dict()
+    del data["objective"]
+    data["schema_version"] = 2
+    old = Plan.from_dict(data)
+    assert old.objective == "makespan" and old == plan
+
+
+@pytest.mark.parametrize("edit, named", [
+    (lambda d: d.pop("objective"), "'objective'"),
+    (lambda d: d.update(objective="fastest"), "objective"),
+    (lambda d: d.update(schedule="makespan"), "schedule"),
+    (lambda d: d.update(schedule="ZBVZeroBubble"), "cannot plan or run yet"),
+    (lambda d: d.update(schema_version=1), "schema version 1"),
+])
+def test_version_3_files_are_checked(edit, named):
+    data = _plan().to_dict()
+    edit(data)
+    with pytest.raises(PlanFileError) as e:
+        Plan.from_dict(data, source="plan.json")
+    assert named in str(e.value)
