@@ -93,9 +93,8 @@ def _place_state(gm: fx.GraphModule, nodes: Sequence[fx.Node], device: str) -> N
                 t.data = t.data.to(device)
 
 
-def generate(captured: Captured, assignment: Mapping[str, int], devices: Sequence[str]) -> Program:
-    """Build the stage modules and the program for ``assignment`` (node name → stage index)."""
-    gm = captured.gm
+def _placed(gm: fx.GraphModule, assignment: Mapping[str, int]) -> tuple[list[fx.Node], dict[fx.Node, int]]:
+    """The graph's compute nodes and the stage of each, or a typed error if the plan leaves one out."""
     nodes = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
     missing = [n.name for n in nodes if n.name not in assignment]
     if missing:
@@ -103,7 +102,13 @@ def generate(captured: Captured, assignment: Mapping[str, int], devices: Sequenc
             f"assignment leaves {len(missing)} nodes unplaced (first: {missing[:3]})",
             "the plan was made for another graph, or edited", "validate the plan against this model, or re-plan",
         ))
-    stage_of = {n: assignment[n.name] for n in nodes}
+    return nodes, {n: assignment[n.name] for n in nodes}
+
+
+def generate(captured: Captured, assignment: Mapping[str, int], devices: Sequence[str]) -> Program:
+    """Build the stage modules and the program for ``assignment`` (node name → stage index)."""
+    gm = captured.gm
+    nodes, stage_of = _placed(gm, assignment)
     output = next(iter(gm.graph.find_nodes(op="output")))
     exported = set(output.all_input_nodes)
 
@@ -248,14 +253,7 @@ def generate_chain(
     """
     gm = captured.gm
     S = num_stages
-    nodes = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
-    missing = [n.name for n in nodes if n.name not in assignment]
-    if missing:
-        raise CodegenError(advice(
-            f"assignment leaves {len(missing)} nodes unplaced (first: {missing[:3]})",
-            "the plan was made for another graph, or edited", "validate the plan against this model, or re-plan",
-        ))
-    stage_of = {n: assignment[n.name] for n in nodes}
+    nodes, stage_of = _placed(gm, assignment)
     placeholders = list(gm.graph.find_nodes(op="placeholder"))
     output = next(iter(gm.graph.find_nodes(op="output")))
     values = _MicroValues(gm).values(micro_inputs)
