@@ -37,7 +37,9 @@ from typing import Any
 
 import torch
 
+from autosplit.candidates import Candidate, Measured
 from autosplit.errors import AutosplitError, ConstraintError, advice
+from autosplit.htmlreport import render
 from autosplit.manual import ManualSplit, manual_plan
 from autosplit.plan import Plan
 from autosplit.runtime.makespan import DeviceOptimizers, MakespanRunner
@@ -47,45 +49,6 @@ from autosplit.units import format_ms as _ms
 __all__ = ["Candidate", "Comparison", "Measured", "compare"]
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Measured:
-    """Measured seconds per training step (forward, backward and optimizer step) of one plan."""
-
-    runtime: str
-    """``"distributed"`` (pipeline stages on the process group's ranks), ``"local"`` (one
-    process, the stages in turn on their devices) or ``"makespan"`` (one process, a worker per
-    device running its planned tasks at once: :class:`~autosplit.runtime.makespan.MakespanRunner`)."""
-    median: float
-    min: float
-    max: float
-    steps: int
-    predicted: float
-    """What the plan predicts for this runtime: its step time (distributed, makespan), or the sum
-    of its stages' compute (local: one process runs every stage in turn, the whole batch at once)."""
-
-    @property
-    def error(self) -> float:
-        """(predicted − measured) / measured."""
-        return (self.predicted - self.median) / self.median
-
-
-@dataclass(frozen=True)
-class Candidate:
-    """One split in the comparison: a costed plan, or why there is none."""
-
-    name: str
-    plan: Plan | None
-    error: str | None = None
-    """Why the split is not a plan (a module that does not exist, data flowing backwards, ...)."""
-    over_cap: tuple[str, ...] = ()
-    """The stages whose predicted memory exceeds their device's cap."""
-    measured: Measured | None = None
-
-    @property
-    def feasible(self) -> bool:
-        return self.plan is not None and not self.over_cap
 
 
 @dataclass(frozen=True)
@@ -180,7 +143,6 @@ class Comparison:
 
     def to_html(self, path: str | Path) -> Path:
         """Write the report (the compare view, then each candidate's plan) as one self-contained HTML file."""
-        from autosplit.htmlreport import render
 
         out = Path(path)
         out.write_text(render(self.candidates, title="autosplit: compare"))

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from autosplit import schedules
+from autosplit.candidates import Candidate
 from autosplit.plan import Plan
 from autosplit.timeline import bubbles, timeline
 from autosplit.units import format_bytes, format_ms
@@ -195,8 +196,6 @@ def render(candidates: Sequence[Any], *, title: str = "autosplit plan") -> str:
 
 def write_html(path: str | Path, plan: Plan) -> Path:
     """Write the report of one plan to ``path``."""
-    from autosplit.compare import Candidate
-
     out = Path(path)
     out.write_text(render([Candidate(plan.solver.name, plan)], title="autosplit plan"))
     return out

@@ -27,7 +27,7 @@ import secrets
 import shutil
 import types
 import typing
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -225,35 +225,6 @@ class Plan:
             "the plan belongs to another model or another version of it",
             "re-plan with autosplit.plan(model, devices, ...), or load the plan made for this model",
         ))
-
-    # -- manual splits: each a checked plan costed by ``planner`` (see autosplit.manual) ---------
-    @classmethod
-    def from_fqns(cls, planner: Any, fqns_per_stage: Sequence[Sequence[str]], *, name: str = "fqns") -> Plan:
-        """Module names per stage: torchtitan's ``module_fqns_per_model_part``."""
-        from autosplit.manual import plan_from_fqns
-
-        return plan_from_fqns(planner, fqns_per_stage, name=name)
-
-    @classmethod
-    def from_split_points(cls, planner: Any, split_spec: Mapping[str, Any] | Sequence[str], *, name: str = "split points") -> Plan:
-        """``torch.distributed.pipelining`` split points: ``{"blocks.4": SplitPoint.BEGINNING}`` or module names."""
-        from autosplit.manual import manual_plan
-
-        return manual_plan(planner, split_spec if isinstance(split_spec, Mapping) else list(split_spec), name=name)
-
-    @classmethod
-    def from_partition_method(cls, planner: Any, method: str, *, name: str | None = None) -> Plan:
-        """DeepSpeed ``PipelineModule(partition_method=...)``: ``"parameters"``, ``"uniform"`` or ``"type:REGEX"``."""
-        from autosplit.manual import manual_plan
-
-        return manual_plan(planner, method, name=name or f"deepspeed {method}")
-
-    @classmethod
-    def from_balance(cls, planner: Any, balance: Sequence[int], *, name: str = "balance") -> Plan:
-        """torchgpipe ``GPipe(model, balance=[...])``: consecutive layers per stage."""
-        from autosplit.manual import manual_plan
-
-        return manual_plan(planner, [int(b) for b in balance], name=name)
 
     # -- files ----------------------------------------------------------------------------
     def to_dict(self) -> dict:

@@ -32,6 +32,7 @@ from autosplit import debug
 from autosplit.compiler import Traced, codegen, compile_plan, trace
 from autosplit.devices import DeviceLike, DeviceSpec, resolve_devices
 from autosplit.errors import ConstraintError, DeviceError, advice
+from autosplit.manual import manual_plan
 from autosplit.options import PlanOptions
 from autosplit.plan import Plan
 from autosplit.runtime.local import SplitModule
@@ -130,6 +131,17 @@ class Planner:
             return MakespanRunner(self.model, self.traced.captured, made)
         program, timings = codegen(self.traced, made)
         return SplitModule(self.model, self.traced.captured, program, dataclasses.replace(made, timings={**made.timings, **timings}))
+
+    def manual(self, split: Any, *, name: str | None = None) -> Plan:
+        """A split you would write by hand, as a checked plan costed like :meth:`plan`'s: module
+        names per stage (torchtitan), ``torch.distributed.pipelining`` split points
+        (``{"blocks.4": SplitPoint.BEGINNING}``), a DeepSpeed ``partition_method``
+        (``"parameters"``, ``"uniform"``, ``"type:REGEX"``) or a torchgpipe balance (``[3, 2]``);
+        see :func:`autosplit.manual.manual_plan`."""
+        if name is None:
+            name = (f"deepspeed {split}" if isinstance(split, str) else "split points" if isinstance(split, Mapping)
+                    else "balance" if split and all(isinstance(x, int) for x in split) else "manual")
+        return manual_plan(self, split, name=name)
 
     def with_options(self, **changes: Any) -> Planner:
         """A planner of the same model and capture under other options (nothing is captured again)."""

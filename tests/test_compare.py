@@ -29,10 +29,10 @@ def _planner(devices=2, layers=4, **options):
 
 def test_split_points_cut_where_pipelining_cuts():
     _, _, planner = _planner()
-    begin = autosplit.Plan.from_split_points(planner, {"blocks.2": SplitPoint.BEGINNING})
-    end = autosplit.Plan.from_split_points(planner, {"blocks.1": SplitPoint.END})
-    names = autosplit.Plan.from_split_points(planner, ["blocks.2"])
-    fqns = autosplit.Plan.from_fqns(planner, [["wte", "wpe", "blocks.0", "blocks.1"], ["blocks.2", "blocks.3", "ln_f", "head"]])
+    begin = planner.manual({"blocks.2": SplitPoint.BEGINNING})
+    end = planner.manual({"blocks.1": SplitPoint.END})
+    names = planner.manual(["blocks.2"])
+    fqns = planner.manual([["wte", "wpe", "blocks.0", "blocks.1"], ["blocks.2", "blocks.3", "ln_f", "head"]])
     assert begin.stage_of["blocks_1_out"] == 0 and begin.stage_of["blocks_2_ln1"] == 1
     assert begin.assignment == names.assignment
     # END of blocks.1 and BEGINNING of blocks.2 differ only in nodes between the two modules (none here)
@@ -42,11 +42,11 @@ def test_split_points_cut_where_pipelining_cuts():
 
 def test_deepspeed_type_balance_and_megatron_forms():
     model, _, planner = _planner(devices=2)
-    by_type = autosplit.Plan.from_partition_method(planner, "type:GPTBlock")
+    by_type = planner.manual("type:GPTBlock")
     assert by_type.solver.name == "deepspeed type:GPTBlock" and by_type.stage_of["blocks_1_out"] == 0
     assert by_type.stage_of["blocks_2_ln1"] == 1
     with pytest.raises(autosplit.ConstraintError, match="matches no layer"):
-        autosplit.Plan.from_partition_method(planner, "type:Conv")
+        planner.manual("type:Conv")
     assert megatron_fqns(model, 3, repeated="blocks", first=1, last=1) == [
         ["wte", "wpe", "blocks.0"], ["blocks.1", "blocks.2"], ["blocks.3", "ln_f", "head"]
     ]
@@ -57,7 +57,7 @@ def test_deepspeed_type_balance_and_megatron_forms():
     with pytest.raises(autosplit.ConstraintError, match="sums to 4 layers, but the model has 5"):
         balance_fqns(seq, [2, 2])
     seq_planner = autosplit.Planner(seq, ["cpu"] * 2, example_inputs=(torch.randn(4, 8),))
-    balanced = autosplit.Plan.from_balance(seq_planner, [3, 2])
+    balanced = seq_planner.manual([3, 2])
     assert sorted(balanced.stage_of.values()) == [0, 0, 0, 1, 1]
 
 
@@ -73,11 +73,11 @@ def test_a_split_inside_a_module_the_capture_keeps_whole_says_so():
 
     planner = autosplit.Planner(Net(), ["cpu"] * 2, example_inputs=(torch.randn(2, 5, 16),))
     with pytest.raises(autosplit.ConstraintError, match=r"'enc.self_attn' is inside 'enc', which the capture keeps as one node"):
-        autosplit.Plan.from_split_points(planner, {"enc.self_attn": SplitPoint.END})
+        planner.manual({"enc.self_attn": SplitPoint.END})
     with pytest.raises(autosplit.ConstraintError, match=r"names no module .* such as \['head'"):
-        autosplit.Plan.from_fqns(planner, [["enc"], ["haed"]])
+        planner.manual([["enc"], ["haed"]])
     with pytest.raises(autosplit.ConstraintError, match="at the start of the graph"):
-        autosplit.Plan.from_split_points(planner, {"enc": SplitPoint.BEGINNING})
+        planner.manual({"enc": SplitPoint.BEGINNING})
 
 
 def test_compare_puts_autosplit_first_and_every_split_on_the_same_footing():
