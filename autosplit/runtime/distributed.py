@@ -44,9 +44,7 @@ Usage (``torchrun --nproc-per-node 2 train.py``)::
 
 from __future__ import annotations
 
-import copy
 import dataclasses
-import hashlib
 import logging
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -56,15 +54,15 @@ from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
-from torch.utils import _pytree as pytree
 
 from autosplit import schedules
 from autosplit.devices import DeviceLike
 from autosplit.errors import AutosplitError, ConstraintError, DistributedError, PlanMismatchError, advice
-from autosplit.passes.capture import Captured, capture, fingerprint, flat_inputs, with_defaults
+from autosplit.passes.capture import Captured, flat_inputs
 from autosplit.passes.codegen import Chain, generate_chain
 from autosplit.plan import Plan
 from autosplit.planner import Planner, load_plan
+from autosplit.runtime.batches import chains_by_rows, check_batches, code_change, describe, digest, shapes
 from autosplit.runtime.microbatch import batch_size, is_batched
 
 __all__ = ["DistributedModel", "distribute"]
@@ -180,7 +178,7 @@ class DistributedModel:
         # The example fixes every input's shape but the batch rows (dimension 0 of the batched ones).
         self._rows = batch_size(example)
         self._batched = [is_batched(v, self._rows) for v in example]
-        self._shapes = _shapes(example)
+        self._shapes = shapes(example)
         self._chain_at = chain_at
         self._runs: dict[int | None, _Run] = {}
         self._unrunnable: dict[int, str] = {}
@@ -299,8 +297,8 @@ class DistributedModel:
         rows = batch_size(flat)
         cut = isinstance(target, torch.Tensor) and target.dim() > 0
         mine = torch.tensor(
-            [-1 if rows is None else rows, _digest(_shapes(flat)),
-             int(target.shape[0]) if cut else -1, _digest(_shapes([target])) if cut else 0],
+            [-1 if rows is None else rows, digest(shapes(flat)),
+             int(target.shape[0]) if cut else -1, digest(shapes([target])) if cut else 0],
             dtype=torch.int64, device=self.device,
         )
         table = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
@@ -314,19 +312,19 @@ class DistributedModel:
                 "look for the first rank that failed; call step() on every rank with a batch of the same shape",
             )) from e
         last = [self.layout.rank(self.layout.stages - 1, r) for r in range(self.layout.replicas)]
-        _check_batches(torch.stack(table).tolist(), last)
+        check_batches(torch.stack(table).tolist(), last)
         return rows
 
     def _run_for(self, rows: int | None, flat: Sequence[Any]) -> _Run:
         """The schedule for a batch of ``rows`` rows (every rank has the same, so every rank finds
         the same, or raises the same error)."""
         expected = [((rows, *sig[0][1:]), sig[1]) if cut else sig for sig, cut in zip(self._shapes, self._batched)]
-        got = _shapes(flat)
+        got = shapes(flat)
         if got != expected:
             i = next((i for i, (a, b) in enumerate(zip(got, expected)) if a != b), 0)
             raise DistributedError(advice(
-                f"input {self._input_names[i]!r} is {_describe(got[i])} where a batch of {rows} rows like the example "
-                f"({self._rows} rows) has {_describe(expected[i])}" if len(got) == len(expected) else
+                f"input {self._input_names[i]!r} is {describe(got[i])} where a batch of {rows} rows like the example "
+                f"({self._rows} rows) has {describe(expected[i])}" if len(got) == len(expected) else
                 f"the batch has {len(got)} input values where the example has {len(expected)}",
                 "the stages' code and receive buffers keep the example's shapes except the batch rows "
                 "(dimension 0 of the batched inputs): sequence lengths, features and dtypes are fixed",
@@ -370,7 +368,7 @@ class DistributedModel:
             except Exception as e:  # noqa: BLE001 -- any failure to capture at this shape refuses it, with its cause
                 self._unrunnable[micro] = f"the model could not be captured at this shape ({_causes(e)})"
             else:
-                changed = _code_change(base, other)
+                changed = code_change(base, other)
                 if changed is None and other.crossings == self.chain.crossings:
                     return other.inputs_meta[s], other.outputs_meta[s]
                 self._unrunnable[micro] = changed or "other values cross the stages at this shape"
@@ -408,9 +406,9 @@ class DistributedModel:
             flat = self._to_flat(inputs, dict(kwargs))
             # Every rank is given the same batches, so every rank refuses the same one, before any compute.
             rows = int(target.shape[0]) if isinstance(target, torch.Tensor) and target.dim() > 0 else None
-            if _shapes(flat) != self._shapes or (self._rows is not None and rows != self._rows):
-                got = [f"{n}: {_describe(v)}" for n, v in zip(self._input_names, _shapes(flat))]
-                want = [f"{n}: {_describe(v)}" for n, v in zip(self._input_names, self._shapes)]
+            if shapes(flat) != self._shapes or (self._rows is not None and rows != self._rows):
+                got = [f"{n}: {describe(v)}" for n, v in zip(self._input_names, shapes(flat))]
+                want = [f"{n}: {describe(v)}" for n, v in zip(self._input_names, self._shapes)]
                 raise DistributedError(advice(
                     f"mini-batch {i} of {len(batches)} has inputs {got} and a target of {rows} rows, where the "
                     f"example has {want} and {self._rows} rows",
@@ -541,104 +539,6 @@ def _keep_unread(module: torch.nn.Module, model: torch.nn.Module, chain: Chain) 
 
 
 # -- batches: what every rank compares, and what the stages can run ------------------------------------
-
-
-def _shapes(values: Sequence[Any]) -> list[Any]:
-    """Each value's ``(shape, dtype)``, or its type's name if it is not a tensor."""
-    return [(tuple(v.shape), str(v.dtype)) if isinstance(v, torch.Tensor) else type(v).__name__ for v in values]
-
-
-def _describe(sig: Any) -> str:
-    return f"{sig[1].removeprefix('torch.')} {list(sig[0])}" if isinstance(sig, tuple) else f"a {sig}"
-
-
-def _digest(value: Any) -> int:
-    """56 bits of a hash of ``repr(value)``, equal in every process (Python's ``hash`` is not)."""
-    return int.from_bytes(hashlib.blake2b(repr(value).encode(), digest_size=7).digest(), "big")
-
-
-def _check_batches(seen: Sequence[Sequence[int]], last: Sequence[int]) -> None:
-    """Raise :class:`DistributedError` unless the ranks agree: ``seen[rank]`` is that rank's
-    ``[rows, input shapes digest, target rows, target shape digest]`` (-1: none); ``last`` are
-    the last stage's ranks, which cut the target with the inputs."""
-    rows = [s[0] for s in seen]
-    same = "give every rank a batch of the same shape (the same batch_size and drop_last=True on every rank's DataLoader)"
-    if len(set(rows)) > 1:
-        raise DistributedError(advice(
-            "the ranks were given batches of different sizes: "
-            + ", ".join(f"rank {r}: " + (f"{n} rows" if n >= 0 else "no batched tensor") for r, n in enumerate(rows)),
-            "a stage receives micro-batches of the shape its neighbour sends, so every rank of the pipeline "
-            "(and every replica) must run the same batch size in a step",
-            same,
-        ))
-    differ = [r for r, s in enumerate(seen) if s[1] != seen[0][1]]
-    if differ:
-        raise DistributedError(advice(
-            f"ranks {differ} were given inputs of other shapes or dtypes than rank 0 (all have {rows[0]} rows)",
-            "every stage's code and receive buffers are fixed to one shape per step",
-            same,
-        ))
-    wrong = [r for r in last if seen[r][2] != rows[0]] if rows[0] >= 0 else []
-    if wrong:
-        given = ", ".join(f"rank {r}: " + (f"{seen[r][2]} rows" if seen[r][2] >= 0 else "none") for r in wrong)
-        raise DistributedError(advice(
-            f"the last stage needs a target with the batch's {rows[0]} rows in dimension 0; {given}",
-            "the last stage cuts the target into micro-batches with the inputs and computes each one's loss",
-            "pass target= to step() on the last stage's ranks, one row per input row",
-        ))
-    if len({seen[r][3] for r in last}) > 1:
-        raise DistributedError(advice(
-            f"the last stage's replicas (ranks {list(last)}) were given targets of different shapes",
-            "every replica computes the same loss over its own rows",
-            same,
-        ))
-
-
-def _code_change(base: Chain, other: Chain) -> str | None:
-    """The first line of stage code that differs between two chains of one plan (None: same code)."""
-    for s, (a, b) in enumerate(zip(base.stages, other.stages)):
-        if a.code != b.code:
-            old, new = next((x, y) for x, y in zip([*a.code.splitlines(), ""], [*b.code.splitlines(), ""]) if x != y)
-            return (f"stage {s}'s code fixes the micro-batch rows ({old.strip()[:120]!r} "
-                    f"becomes {new.strip()[:120]!r}; torch.export, or a shape passed between stages)")
-    return None
-
-
-def _meta_copy(model: torch.nn.Module) -> torch.nn.Module:
-    """A copy of ``model`` with every parameter and buffer on the meta device, at its whole
-    (global) shape — a replicated or sharded DTensor's too. No memory for weights."""
-    memo: dict[int, Any] = {}
-    for t in [*model.parameters(), *model.buffers()]:
-        meta = torch.empty(t.shape, dtype=t.dtype, device="meta")
-        memo[id(t)] = torch.nn.Parameter(meta, requires_grad=t.requires_grad) if isinstance(t, torch.nn.Parameter) else meta
-    return copy.deepcopy(model, memo)
-
-
-def _chains_by_rows(
-    model: torch.nn.Module, planner: Planner, plan: Plan, stages: int, *, method: str, replicate: set[str]
-) -> Callable[[int], Chain]:
-    """``chain_at(rows)``: the plan's chain for micro-batches of ``rows`` rows and the example's
-    other dimensions, captured from a copy of the model on the meta device (made on first use;
-    it works after replication made the stages' weights DTensors). Only its code and static
-    metadata are read: the stages keep running their own modules."""
-    batch = batch_size(planner.example_inputs, planner.example_kwargs)
-    example = with_defaults(planner.traced.captured, planner.example_inputs, planner.example_kwargs)
-    example = pytree.tree_map(lambda v: v.to("meta") if isinstance(v, torch.Tensor) else v, example)
-    copies: list[torch.nn.Module] = []
-    chains: dict[int, Chain] = {}
-
-    def at(rows: int) -> Any:
-        return lambda v: torch.empty((rows, *v.shape[1:]), dtype=v.dtype, device="meta") if is_batched(v, batch) else v
-
-    def chain_at(rows: int) -> Chain:
-        if rows not in chains:
-            if not copies:
-                copies.append(_meta_copy(model))
-            args, kwargs = pytree.tree_map(at(rows), example)
-            chains[rows] = _capture_chain(copies[0], plan, stages, args, kwargs, method=method, replicate=replicate)[0]
-        return chains[rows]
-
-    return chain_at
 
 
 def _rank_device(plan: Plan, stage: int) -> torch.device:
@@ -782,7 +682,10 @@ def distribute(
         pp_group=mesh["pp"].get_group(), dp_mesh=mesh["dp"],
         data_parallel=replicate, input_names=chain.input_names, to_flat=to_flat, micro_batches=made.micro_batches,
         example=to_flat(tuple(planner.example_inputs), dict(planner.example_kwargs or {})),
-        chain_at=_chains_by_rows(model, planner, made, stages, method=captured.method, replicate=replicated),
+        chain_at=chains_by_rows(
+            model, planner.traced.captured, (planner.example_inputs, planner.example_kwargs), made, stages,
+            method=captured.method, replicate=replicated,
+        ),
         tied_groups=tied_groups, asynchronous=asynchronous,
     )
 
@@ -803,23 +706,6 @@ def _chain(planner: Planner, plan: Plan, stages: int, *, replicate: set[str]) ->
             "distribute a plan made with objective='pipeline'",
         ))
     captured, flat = planner.traced.at_micro_batch(plan.micro_batches)
-    return generate_chain(captured, plan.stage_of, stages, flat, replicate=replicate), captured
-
-
-def _capture_chain(
-    model: torch.nn.Module, plan: Plan, stages: int, args: tuple, kwargs: dict[str, Any], *, method: str, replicate: set[str]
-) -> tuple[Chain, Captured]:
-    """The plan's chain from a capture of ``model`` at one micro-batch ``args``/``kwargs``."""
-    captured = capture(model, args, kwargs, method=method)
-    if fingerprint(captured.gm) != plan.fingerprint:
-        raise DistributedError(
-            advice(
-                f"the model captures as another graph at a micro-batch of {batch_size(args, kwargs)} rows than the plan's graph",
-                "Python control flow or torch.export specialisation that depends on the batch size",
-                "make forward independent of the batch size, or plan with micro_batches=1",
-            )
-        )
-    flat = flat_inputs(captured, args, kwargs)
     return generate_chain(captured, plan.stage_of, stages, flat, replicate=replicate), captured
 
 

@@ -1,0 +1,141 @@
+"""Batches of other shapes than the example's, for :mod:`autosplit.runtime.distributed`.
+
+Every step the ranks compare a signature of their batch (:func:`shapes`, :func:`digest`,
+:func:`check_batches`); a batch of other rows runs on stages whose static metadata is generated at
+its micro-batch shape from a copy of the model on the meta device (:func:`chains_by_rows`), when
+the stages' code is the same at both shapes (:func:`code_change`).
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+from autosplit.errors import DistributedError, advice
+from autosplit.passes.capture import Captured, capture, fingerprint, flat_inputs, with_defaults
+from autosplit.passes.codegen import Chain, generate_chain
+from autosplit.plan import Plan
+from autosplit.runtime.microbatch import batch_size, is_batched
+
+__all__ = ["capture_chain", "chains_by_rows", "check_batches", "code_change", "describe", "digest", "meta_copy", "shapes"]
+
+
+def shapes(values: Sequence[Any]) -> list[Any]:
+    """Each value's ``(shape, dtype)``, or its type's name if it is not a tensor."""
+    return [(tuple(v.shape), str(v.dtype)) if isinstance(v, torch.Tensor) else type(v).__name__ for v in values]
+
+
+def describe(sig: Any) -> str:
+    return f"{sig[1].removeprefix('torch.')} {list(sig[0])}" if isinstance(sig, tuple) else f"a {sig}"
+
+
+def digest(value: Any) -> int:
+    """56 bits of a hash of ``repr(value)``, equal in every process (Python's ``hash`` is not)."""
+    return int.from_bytes(hashlib.blake2b(repr(value).encode(), digest_size=7).digest(), "big")
+
+
+def check_batches(seen: Sequence[Sequence[int]], last: Sequence[int]) -> None:
+    """Raise :class:`DistributedError` unless the ranks agree: ``seen[rank]`` is that rank's
+    ``[rows, input shapes digest, target rows, target shape digest]`` (-1: none); ``last`` are
+    the last stage's ranks, which cut the target with the inputs."""
+    rows = [s[0] for s in seen]
+    same = "give every rank a batch of the same shape (the same batch_size and drop_last=True on every rank's DataLoader)"
+    if len(set(rows)) > 1:
+        raise DistributedError(advice(
+            "the ranks were given batches of different sizes: "
+            + ", ".join(f"rank {r}: " + (f"{n} rows" if n >= 0 else "no batched tensor") for r, n in enumerate(rows)),
+            "a stage receives micro-batches of the shape its neighbour sends, so every rank of the pipeline "
+            "(and every replica) must run the same batch size in a step",
+            same,
+        ))
+    differ = [r for r, s in enumerate(seen) if s[1] != seen[0][1]]
+    if differ:
+        raise DistributedError(advice(
+            f"ranks {differ} were given inputs of other shapes or dtypes than rank 0 (all have {rows[0]} rows)",
+            "every stage's code and receive buffers are fixed to one shape per step",
+            same,
+        ))
+    wrong = [r for r in last if seen[r][2] != rows[0]] if rows[0] >= 0 else []
+    if wrong:
+        given = ", ".join(f"rank {r}: " + (f"{seen[r][2]} rows" if seen[r][2] >= 0 else "none") for r in wrong)
+        raise DistributedError(advice(
+            f"the last stage needs a target with the batch's {rows[0]} rows in dimension 0; {given}",
+            "the last stage cuts the target into micro-batches with the inputs and computes each one's loss",
+            "pass target= to step() on the last stage's ranks, one row per input row",
+        ))
+    if len({seen[r][3] for r in last}) > 1:
+        raise DistributedError(advice(
+            f"the last stage's replicas (ranks {list(last)}) were given targets of different shapes",
+            "every replica computes the same loss over its own rows",
+            same,
+        ))
+
+
+def code_change(base: Chain, other: Chain) -> str | None:
+    """The first line of stage code that differs between two chains of one plan (None: same code)."""
+    for s, (a, b) in enumerate(zip(base.stages, other.stages)):
+        if a.code != b.code:
+            old, new = next((x, y) for x, y in zip([*a.code.splitlines(), ""], [*b.code.splitlines(), ""]) if x != y)
+            return (f"stage {s}'s code fixes the micro-batch rows ({old.strip()[:120]!r} "
+                    f"becomes {new.strip()[:120]!r}; torch.export, or a shape passed between stages)")
+    return None
+
+
+def meta_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """A copy of ``model`` with every parameter and buffer on the meta device, at its whole
+    (global) shape — a replicated or sharded DTensor's too. No memory for weights."""
+    memo: dict[int, Any] = {}
+    for t in [*model.parameters(), *model.buffers()]:
+        meta = torch.empty(t.shape, dtype=t.dtype, device="meta")
+        memo[id(t)] = torch.nn.Parameter(meta, requires_grad=t.requires_grad) if isinstance(t, torch.nn.Parameter) else meta
+    return copy.deepcopy(model, memo)
+
+
+def chains_by_rows(
+    model: torch.nn.Module, captured: Captured, example: tuple[tuple, Mapping[str, Any]], plan: Plan, stages: int, *,
+    method: str, replicate: set[str]
+) -> Callable[[int], Chain]:
+    """``chain_at(rows)``: the plan's chain for micro-batches of ``rows`` rows and the example's
+    other dimensions, captured from a copy of the model on the meta device (made on first use;
+    it works after replication made the stages' weights DTensors). Only its code and static
+    metadata are read: the stages keep running their own modules."""
+    batch = batch_size(*example)
+    example = with_defaults(captured, *example)
+    example = pytree.tree_map(lambda v: v.to("meta") if isinstance(v, torch.Tensor) else v, example)
+    copies: list[torch.nn.Module] = []
+    chains: dict[int, Chain] = {}
+
+    def at(rows: int) -> Any:
+        return lambda v: torch.empty((rows, *v.shape[1:]), dtype=v.dtype, device="meta") if is_batched(v, batch) else v
+
+    def chain_at(rows: int) -> Chain:
+        if rows not in chains:
+            if not copies:
+                copies.append(meta_copy(model))
+            args, kwargs = pytree.tree_map(at(rows), example)
+            chains[rows] = capture_chain(copies[0], plan, stages, args, kwargs, method=method, replicate=replicate)[0]
+        return chains[rows]
+
+    return chain_at
+
+
+def capture_chain(
+    model: torch.nn.Module, plan: Plan, stages: int, args: tuple, kwargs: dict[str, Any], *, method: str, replicate: set[str]
+) -> tuple[Chain, Captured]:
+    """The plan's chain from a capture of ``model`` at one micro-batch ``args``/``kwargs``."""
+    captured = capture(model, args, kwargs, method=method)
+    if fingerprint(captured.gm) != plan.fingerprint:
+        raise DistributedError(
+            advice(
+                f"the model captures as another graph at a micro-batch of {batch_size(args, kwargs)} rows than the plan's graph",
+                "Python control flow or torch.export specialisation that depends on the batch size",
+                "make forward independent of the batch size, or plan with micro_batches=1",
+            )
+        )
+    flat = flat_inputs(captured, args, kwargs)
+    return generate_chain(captured, plan.stage_of, stages, flat, replicate=replicate), captured
