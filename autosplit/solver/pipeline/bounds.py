@@ -382,7 +382,7 @@ def crossing_floor(problem: Problem, chain: Chain | None = None) -> float:
 
 
 def lower_bound(
-    problem: Problem, upper: float = math.inf, objective: float | None = None, *, limits: SolverLimits = SolverLimits()
+    problem: Problem, upper: float = math.inf, enough: float | None = None, *, limits: SolverLimits = SolverLimits()
 ) -> int:
     """The best of the bounds above, on the objective ``Σ t_s + (M − 1)·max t_s``.
 
@@ -391,9 +391,10 @@ def lower_bound(
     slower. For each count D of distinct positions inside the chain, the Σ term pays the D
     cheapest and the max term the chain in D + 1 pieces; the least over D bounds every plan.
     The chain DP is narrowed to segments of at most ``upper`` compute (a known plan's slowest
-    stage), then run again up to the slowest stage the first bound leaves room for, so that
-    fewer pieces are bounded by their own value where it matters. ``limits``: how far the chain's
-    detour cuts look (:attr:`SolverLimits.free_span`).
+    stage), then run again up to the slowest stage that the bound with every boundary inside the
+    chain leaves room for. Unless that already reaches ``enough`` (the bound that proves a known
+    plan), :func:`traded_bound` bounds the stages and the crossings together. ``limits``: how far
+    the chain's detour cuts look (:attr:`SolverLimits.free_span`).
     """
     S, M = problem.num_stages, problem.micro_batches
     c = chain_of(problem, limits)
@@ -417,8 +418,8 @@ def lower_bound(
     reference = first.get(S - 1, min(first.values()))
     again = candidates(math.ceil((reference - total) / (M - 1)))
     coupled = max(min(first.values()), min(again.values()))
-    if objective is not None and objective - coupled <= objective * 1e-3:
-        return coupled  # already within the gap a plan is proven at
+    if enough is not None and coupled >= enough:
+        return coupled  # proves the known plan already
     return max(coupled, math.floor(traded_bound(problem, total, min(x for _, x in crossings) / 2, slowest, c)))
 
 

@@ -143,7 +143,8 @@ def solve(
     baseline = dp_eval.objective if dp_eval else None
 
     units = N if coarse is None else coarse.num_blocks
-    bound = lower_bound(problem, upper=max(dp_eval.time) if dp_eval else math.inf, objective=baseline, limits=limits)
+    enough = None if baseline is None else baseline * (1 - PROVEN_GAP)  # a bound that proves the DP's plan
+    bound = lower_bound(problem, upper=max(dp_eval.time) if dp_eval else math.inf, enough=enough, limits=limits)
     remaining = time_limit - (time.perf_counter() - start)
     target: Problem | None = None
     if coarse is not None:  # blocks cannot express the refined cuts: CP-SAT gets a share of the time
