@@ -1,6 +1,6 @@
 """The rows of a comparison: one costed plan (or why there is none) and what measuring it showed.
 
-Data only, read by :mod:`autosplit.compare` (which makes them) and :mod:`autosplit.htmlreport`
+Data only, read by :mod:`autosplit.compare` (which makes them) and :mod:`autosplit.report.html`
 (which draws them).
 """
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from autosplit.plan import Plan
+from autosplit.plans import Plan
 
 __all__ = ["Candidate", "Measured"]
 

@@ -15,11 +15,13 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING, TypeAlias
 
 from autosplit.errors import DeviceError, advice
 from autosplit.units import GiB, format_bytes, parse_bytes
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["DeviceSpec", "PRESETS", "resolve_devices", "parse_bytes", "format_bytes"]
 
@@ -57,7 +59,7 @@ class DeviceSpec:
     network_latency: float = 5e-6
     microbatch_overhead: float = 0.0
     """The pipeline runtime's fixed seconds per micro-batch on a stage, forward and backward
-    (scheduling, send/recv set-up); 0 until measured (``autosplit.measure_runtime``)."""
+    (scheduling, send/recv set-up); 0 until measured (``autosplit.calibration.measure_runtime``)."""
 
     def link_to(self, other: DeviceSpec) -> tuple[float, float]:
         """(bandwidth bytes/s, latency s) from this device to ``other``: the slower end decides."""
@@ -99,10 +101,12 @@ PRESETS: dict[str, DeviceSpec] = {
     ),
 }
 
-DeviceLike = str | torch.device | DeviceSpec
+DeviceLike: TypeAlias = "str | torch.device | DeviceSpec"
 
 
 def _cuda_spec(dev: torch.device) -> DeviceSpec:
+    import torch
+
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     index = dev.index or 0
     if index >= count:
@@ -120,6 +124,8 @@ def _cuda_spec(dev: torch.device) -> DeviceSpec:
 
 
 def _resolve_one(entry: DeviceLike) -> DeviceSpec:
+    import torch
+
     if isinstance(entry, DeviceSpec):
         return entry
     if isinstance(entry, str):
@@ -170,6 +176,8 @@ def resolve_devices(
     Repeated entries (``["cpu"] * 4``) are distinct logical devices. ``memory`` keys are a
     device index, or a device string / spec name that applies to every matching entry.
     """
+    import torch
+
     if isinstance(devices, (str, torch.device, DeviceSpec)):
         devices = [devices]
     if not devices:

@@ -11,11 +11,14 @@ Usage::
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 
-__all__ = ["Listener", "listen", "phase"]
+from autosplit import debug
+
+__all__ = ["Listener", "listen", "phase", "timed_pass"]
 
 Listener = Callable[[str, str, "float | None"], None]
 """``(event, pass name, time limit in seconds or None)``; event is ``"start"`` or ``"end"``."""
@@ -42,3 +45,14 @@ def phase(name: str, limit: float | None = None) -> Iterator[None]:
     finally:
         if listener is not None:
             listener("end", name, limit)
+
+
+@contextmanager
+def timed_pass(name: str, timings: dict[str, float], limit: float | None = None) -> Iterator[None]:
+    """Run one named pass: announce it, record its seconds in ``timings[name]`` and log them
+    (``AUTOSPLIT_DEBUG=1``)."""
+    start = time.perf_counter()
+    with phase(name, limit):
+        yield
+    timings[name] = time.perf_counter() - start
+    debug.pass_times.info("pass %-9s %8.3fs", name, timings[name])

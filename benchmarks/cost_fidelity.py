@@ -10,11 +10,11 @@ For each benchmark model (``bench`` size) split onto 2, 3 and 4 CPU devices, thr
 plus a **parameter-balanced** split (DeepSpeed's ``partition_method="parameters"``: contiguous
 stages of the graph order with equal parameter counts).
 
-Every plan's stages are measured with :func:`autosplit.measure_stages` (one pinned core,
+Every plan's stages are measured with :func:`autosplit.calibration.measure_stages` (one pinned core,
 one thread, GPipe forward of every micro-batch then every backward, Adam step; median of
 3 steps) and its whole step with the split module run end to end on the same core.
 Transfers between CPU stage processes use the link measured over gloo
-(:func:`autosplit.measure_link`) in every plan's costs.
+(:func:`autosplit.calibration.measure_link`) in every plan's costs.
 
 Errors are ``predicted / measured − 1``:
 
@@ -50,15 +50,15 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import autosplit  # noqa: E402
-from autosplit.manual import partition  # noqa: E402
-from autosplit.measure import pinned  # noqa: E402
-from autosplit.passes.annotate import annotate, node_info  # noqa: E402
-from autosplit.passes.capture import capture, flat_inputs  # noqa: E402
-from autosplit.passes.profile import ProfileOptions  # noqa: E402
-from autosplit.runtime.microbatch import split_batch  # noqa: E402
-from benchmarks.models import GPT, WORKLOADS, make  # noqa: E402
-from benchmarks.plan_time import machine  # noqa: E402
+import autosplit
+from autosplit.compiler.manual import partition
+from autosplit.microbatch import split_batch
+from autosplit.options import ProfileOptions
+from autosplit.passes.annotate import annotate, node_info
+from autosplit.passes.capture import capture, flat_inputs
+from autosplit.timers import pinned
+from benchmarks.models import GPT, WORKLOADS, make
+from benchmarks.plan_time import machine
 
 CORE = (0,)
 MICRO_BATCHES = 4
@@ -104,7 +104,7 @@ def run_plan(model, inputs, devices, *, costs, label, given=None) -> tuple[autos
     kwargs = dict(example_inputs=inputs, micro_batches=MICRO_BATCHES)
     split = autosplit.autosplit(model, devices if given is None else None, plan=given, costs=costs, **kwargs)
     micro = split_batch(inputs, {}, MICRO_BATCHES)
-    stages = autosplit.measure_stages(split, micro, threads=1, cores=CORE)
+    stages = autosplit.calibration.measure_stages(split, micro, threads=1, cores=CORE)
     step = measure_step(split, micro)
     plan = split.plan
     M = plan.micro_batches
@@ -146,9 +146,9 @@ def main() -> None:
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "cost_fidelity.json"))
     args = ap.parse_args()
 
-    link = autosplit.measure_link()
+    link = autosplit.calibration.measure_link()
     print(f"link over gloo: {link.bandwidth / 1e9:.2f} GB/s, latency {link.latency * 1e6:.0f} us")
-    cpu = link.apply(autosplit.resolve_devices(["cpu"])[0])
+    cpu = link.apply(autosplit.devices.resolve_devices(["cpu"])[0])
     options = ProfileOptions(threads=1, cores=CORE, use_cache=False)
     start = time.perf_counter()
     cal_model = GPT(vocab=2048, d_model=128, n_layers=2, n_heads=4, max_len=64)

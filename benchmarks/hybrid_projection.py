@@ -8,7 +8,7 @@ the best hybrid's (``autosplit.plan_hybrid``: each worker a pipeline over k devi
 k = 2 … 64), beside the gains Pal et al. project (≥ 26.5%, 8%, 22%).
 
 Statistical efficiency needs a noise scale, and none is published for these models that we
-could check offline. So each is **measured by the tool** (``autosplit.measure_noise_scale``)
+could check offline. So each is **measured by the tool** (``autosplit.api.measure_noise_scale``)
 on the bench-size model of the same family, on a synthetic task with a learnable signal
 (noisy images of a fixed picture per class; a fixed token-by-token translation; text from a
 sparse random Markov chain), after a short warm-up of training. McCandlish et al. find the
@@ -154,18 +154,18 @@ def measure_noise(name: str, *, warmup_steps: int, big: int, small: int, batches
             inputs, target = sample(big)
             yield inputs, target
 
-    found = autosplit.measure_noise_scale(model, big_batches(), _loss, small_batch=small)
+    found = autosplit.api.measure_noise_scale(model, big_batches(), _loss, small_batch=small)
     return {
         "noise_scale": found.noise_scale, "trace": found.trace, "grad_sq": found.grad_sq, "small_batch": small,
         "big_batch": big, "batches": batches, "warmup_steps": warmup_steps,
         "loss_first": losses[0] if losses else None, "loss_last": losses[-1] if losses else None,
         "seconds": time.perf_counter() - t0,
-        "source": f"measured by autosplit.measure_noise_scale on the bench-size {name} ({small} vs {big} examples, "
+        "source": f"measured by autosplit.api.measure_noise_scale on the bench-size {name} ({small} vs {big} examples, "
                   f"{batches} batches) on a synthetic task after {warmup_steps} Adam steps",
     }
 
 
-def _fmt(r: autosplit.HybridRow | None) -> str:
+def _fmt(r: autosplit.compiler.hybrid.HybridRow | None) -> str:
     return "does not fit" if r is None else f"k={r.k:<2d} B={r.global_batch:<6d} {r.step * 1e3:8.1f} ms {r.time_to_target:9.3g}"
 
 
@@ -210,7 +210,7 @@ def project(w: Workload, memory_gb: int, nodes: int, noise: float, time_limit: f
     }
 
 
-def _row(r: autosplit.HybridRow | None) -> dict | None:
+def _row(r: autosplit.compiler.hybrid.HybridRow | None) -> dict | None:
     if r is None:
         return None
     return {"k": r.k, "replicas": r.replicas, "worker_batch": r.worker_batch, "global_batch": r.global_batch,

@@ -15,7 +15,7 @@ processes right after. A step is forward, backward and an Adam step; the figure 
 ``--steps`` steps after ``--warmup`` (min and max beside it). Every plan's predicted step stands
 beside its measured one; costs are per-node profiles on one pinned core made in this run (one
 micro-batch's for the pipeline plans, the whole batch's for the makespan plan). The pipeline
-plans use the link and runtime overhead measured by ``autosplit.measure_runtime``; the makespan
+plans use the link and runtime overhead measured by ``autosplit.calibration.measure_runtime``; the makespan
 plan's devices are the threads of one process, joined by memory (the ``cpu`` preset's link).
 
 Usage::
@@ -42,8 +42,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import autosplit  # noqa: E402
-from autosplit.passes.profile import ProfileOptions  # noqa: E402
-from autosplit.measure import steady_allocator  # noqa: E402
+from autosplit.options import ProfileOptions
+from autosplit.timers import steady_allocator
 from benchmarks.pipeline_runtime import _worker, measured_cpu, workload  # noqa: E402
 from benchmarks.plan_time import machine  # noqa: E402
 

@@ -18,7 +18,7 @@ steps of each plan after one untimed step, then the next plan's, after ``--warmu
 rounds. (Interleaving single steps measured every plan on caches the other plans had filled,
 slower than the same plan run on its own.)
 Each plan's predicted step (measured per-node costs profiled on one pinned core, the link and the
-runtime's per-micro-batch overhead measured first by ``autosplit.measure_runtime``) stands beside
+runtime's per-micro-batch overhead measured first by ``autosplit.calibration.measure_runtime``) stands beside
 its measured one. Pipeline efficiency is the schedule's ideal step from the stages' measured
 compute (forward + backward chunks and the optimizer step, timed inside the run) over the measured
 step.
@@ -52,10 +52,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import autosplit  # noqa: E402
+from autosplit.calibration.overhead import RuntimeMeasurement
+from autosplit.compiler.manual import deepspeed_fqns, plan_from_fqns, torchtitan_fqns
 from autosplit.devices import resolve_devices  # noqa: E402
-from autosplit.manual import deepspeed_fqns, plan_from_fqns, torchtitan_fqns  # noqa: E402
-from autosplit.measure import RuntimeMeasurement, pinned, steady_allocator  # noqa: E402
-from autosplit.passes.profile import ProfileOptions  # noqa: E402
+from autosplit.options import ProfileOptions
+from autosplit.timers import pinned, steady_allocator
 from benchmarks.models import GPT, make  # noqa: E402
 from benchmarks.plan_time import machine  # noqa: E402
 
@@ -168,7 +169,7 @@ def _worker(
 
 def measured_cpu() -> tuple[RuntimeMeasurement, autosplit.DeviceSpec]:
     """This machine's link and pipeline runtime overhead, measured now, and the ``cpu`` preset with them."""
-    runtime = autosplit.measure_runtime(cache=False)
+    runtime = autosplit.calibration.measure_runtime(cache=False)
     print(f"link {runtime.link.bandwidth / 1e9:.2f} GB/s, {runtime.link.latency * 1e6:.0f} µs; "
           f"runtime overhead {runtime.microbatch_overhead * 1e3:.2f} ms per micro-batch and stage")
     return runtime, runtime.apply(resolve_devices(["cpu"])[0])

@@ -25,8 +25,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import autosplit  # noqa: E402
-from autosplit.examples import GPT  # noqa: E402
+import autosplit
+from autosplit.examples import GPT
 
 PASSES = ("capture", "annotate", "estimate", "build", "solve", "validate", "codegen")
 

@@ -40,17 +40,18 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from autosplit.devices import resolve_devices  # noqa: E402
-from autosplit.errors import AutosplitError  # noqa: E402
-from autosplit.examples import GPT  # noqa: E402
-from autosplit.options import PlanOptions  # noqa: E402
-from autosplit.passes.annotate import annotate  # noqa: E402
-from autosplit.passes.capture import capture, flat_inputs  # noqa: E402
-from autosplit.passes.costs import estimate  # noqa: E402
-from autosplit.solver import build_problem, evaluate, solve, violations  # noqa: E402
-from autosplit.solver.pipeline.cpsat import cpsat  # noqa: E402
-from benchmarks.plan_time import machine  # noqa: E402
-
+from autosplit.devices import resolve_devices
+from autosplit.errors import AutosplitError
+from autosplit.examples import GPT
+from autosplit.options import PlanOptions
+from autosplit.passes.annotate import annotate
+from autosplit.passes.capture import capture, flat_inputs
+from autosplit.passes.costs import estimate
+from autosplit.solver.pipeline.cpsat import cpsat
+from autosplit.solver.pipeline.strategy import solve
+from autosplit.solver.problem import build_problem, evaluate
+from autosplit.solver.validate import violations
+from benchmarks.plan_time import machine
 
 SHAPES = {
     # name: (d_model, heads, vocab, seq, batch, tied head)
@@ -131,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{shape:>16} {layers:>6} {len(problem.nodes):>6} {S:>3} {t_annotate:8.2f}  {type(e).__name__}: {str(e)[:90]}")
                 continue
             t_solve = time.perf_counter() - t0
-            M, ms = problem.micro_batches, lambda obj: obj / problem.micro_batches / 1e6  # noqa: E731
+            M, ms = problem.micro_batches, lambda obj: obj / problem.micro_batches / 1e6
 
             node_obj, node_status = None, "skipped: model too large"
             if len(problem.nodes) * (S - 1) <= args.node_vars:

@@ -2,7 +2,7 @@
 
 For each model at bench size on 2 CPU devices (measured per-node costs, one pinned core, one
 thread), the plan's predicted compute per stage (forward + backward of every micro-batch and the
-optimizer step) beside ``autosplit.measure_stages``: the stage alone, all M forwards then all M
+optimizer step) beside ``autosplit.calibration.measure_stages``: the stage alone, all M forwards then all M
 backwards, then Adam. A stage whose M micro-batches' activations are alive at once can run slower
 than its nodes replayed one micro-batch at a time, which the per-node profile cannot see.
 
@@ -22,8 +22,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import autosplit  # noqa: E402
-from autosplit.passes.profile import ProfileOptions  # noqa: E402
-from autosplit.runtime.microbatch import split_batch  # noqa: E402
+from autosplit.microbatch import split_batch
+from autosplit.options import ProfileOptions
 from benchmarks.pipeline_runtime import workload  # noqa: E402
 from benchmarks.plan_time import machine  # noqa: E402
 
@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         plan = planner.plan()
         split = planner.build(plan)
-        measured = autosplit.measure_stages(split, split_batch(inputs, {}, args.micro), threads=1, cores=(0,))
+        measured = autosplit.calibration.measure_stages(split, split_batch(inputs, {}, args.micro), threads=1, cores=(0,))
         for s, (stage, got) in enumerate(zip(plan.stages, measured)):
             error = (stage.compute - got.time) / got.time
             rows.append({"model": name, "stage": s, "predicted": stage.compute, "measured": got.time, "error": error,

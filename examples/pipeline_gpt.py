@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 import autosplit
 from autosplit.examples import GPT
+from autosplit.report import plan_report
 
 
 def main() -> None:
@@ -45,7 +46,7 @@ def main() -> None:
         data_parallel=args.dp, schedule=args.schedule, micro_batches=4, time_limit=5,
     )
     if rank == 0:
-        print(pipe.plan)
+        print(plan_report(pipe.plan))
     opt = torch.optim.Adam(pipe.parameters(), lr=1e-3)
     for step in range(args.steps):
         loss = pipe.step(tokens, target=targets)

@@ -12,7 +12,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/ is not installed
 
-import autosplit  # noqa: E402
+import autosplit
 
 
 @pytest.fixture(autouse=True)

@@ -33,17 +33,17 @@ def _gpt():
     ],
 )
 def test_bad_options_fail_before_any_work_naming_the_option(field, value, legal):
-    with pytest.raises(autosplit.ConstraintError, match=f"option {field}=") as err:
+    with pytest.raises(autosplit.errors.ConstraintError, match=f"option {field}=") as err:
         autosplit.PlanOptions(**{field: value})
     assert legal in str(err.value)
     model, inputs = _gpt()
-    with pytest.raises(autosplit.ConstraintError, match=f"option {field}="):
+    with pytest.raises(autosplit.errors.ConstraintError, match=f"option {field}="):
         autosplit.plan(model, ["cpu"] * 2, example_inputs=inputs, **{field: value})
 
 
 def test_unknown_option_names_the_legal_ones():
     model, inputs = _gpt()
-    with pytest.raises(autosplit.ConstraintError, match="unknown option.*'shedule'.*schedule"):
+    with pytest.raises(autosplit.errors.ConstraintError, match="unknown option.*'shedule'.*schedule"):
         autosplit.plan(model, ["cpu"] * 2, example_inputs=inputs, shedule="1f1b")
 
 
@@ -94,5 +94,5 @@ def test_default_micro_batches_divide_the_batch_and_an_explicit_count_must():
     six = torch.randint(0, 30, (6, 8))
     assert autosplit.plan(model, ["cpu"] * 2, example_inputs=(six,), time_limit=1).micro_batches == 6  # ≤ 8, divides 6
     assert autosplit.plan(model, ["cpu"] * 3, example_inputs=(tokens,), time_limit=1).micro_batches == 4
-    with pytest.raises(autosplit.ConstraintError, match=r"micro_batches=4 does not divide the batch of 6 rows.*\[1, 2, 3, 6\]"):
+    with pytest.raises(autosplit.errors.ConstraintError, match=r"micro_batches=4 does not divide the batch of 6 rows.*\[1, 2, 3, 6\]"):
         autosplit.Planner(model, ["cpu"] * 2, example_inputs=(six,), micro_batches=4)

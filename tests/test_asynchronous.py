@@ -103,9 +103,9 @@ def test_an_asynchronous_plan_records_its_schedule_memory_and_steady_state(tmp_p
 
     import autosplit
     from autosplit.examples import GPT
-    from autosplit.htmlreport import write_html
-    from autosplit.plan import Plan
-    from autosplit.timeline import timeline
+    from autosplit.plans import Plan
+    from autosplit.report.html import write_html
+    from autosplit.report.timeline import timeline
 
     torch.manual_seed(0)
     model = GPT(vocab=64, d_model=32, n_layers=4, n_heads=4, max_len=16, tied=False)

@@ -7,14 +7,14 @@ import operator
 import pytest
 import torch
 import torch.nn as nn
+from conftest import assert_trains_like
 
 import autosplit
+from autosplit.devices import resolve_devices
 from autosplit.examples import GPT
 from autosplit.passes.annotate import annotate, node_info
 from autosplit.passes.capture import capture, flat_inputs
 from autosplit.passes.costs import estimate
-from autosplit.devices import resolve_devices
-from conftest import assert_trains_like
 
 
 class DataDependent(nn.Module):
@@ -49,7 +49,7 @@ def test_export_fallback_when_symbolic_tracing_fails():
 
 
 def test_uncapturable_model_gets_a_typed_error_with_advice():
-    with pytest.raises(autosplit.CaptureError) as err:
+    with pytest.raises(autosplit.errors.CaptureError) as err:
         autosplit.plan(Unsupported(), ["cpu"] * 2, example_inputs=(torch.randn(2, 2),))
     message = str(err.value)
     assert "symbolic_trace" in message and "torch.export" in message and "Try:" in message

@@ -87,7 +87,7 @@ def test_autocast_region_computes_in_bf16_like_the_model():
 def test_symbolic_trace_refuses_what_it_would_drop(factory, construct):
     model = factory()
     before = copy.deepcopy(model.state_dict())
-    with pytest.raises(autosplit.CaptureError, match="would silently drop") as err:
+    with pytest.raises(autosplit.errors.CaptureError, match="would silently drop") as err:
         autosplit.plan(model, ["cpu"] * 2, example_inputs=(X,), capture="symbolic_trace")
     assert construct in str(err.value) and "capture='export'" in str(err.value)
     for name, value in model.state_dict().items():
@@ -97,14 +97,14 @@ def test_symbolic_trace_refuses_what_it_would_drop(factory, construct):
 def test_a_weight_update_through_data_is_refused_by_name():
     model = zoo.MomentumEncoder()
     snapshot, before = ModelSnapshot.of(model), copy.deepcopy(model.state_dict())
-    with pytest.raises(autosplit.CaptureError, match=r"(?s)faithfully.*assignment to key.0.weight.data.*training loop"):
+    with pytest.raises(autosplit.errors.CaptureError, match=r"(?s)faithfully.*assignment to key.0.weight.data.*training loop"):
         autosplit.plan(model, ["cpu"] * 2, example_inputs=(X,))
     assert snapshot.changes(model) == []
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
 
 
 def test_export_refuses_a_custom_autograd_function():
-    with pytest.raises(autosplit.CaptureError, match=r"GradReverse.*backward would be lost"):
+    with pytest.raises(autosplit.errors.CaptureError, match=r"GradReverse.*backward would be lost"):
         capture(zoo.DomainAdversarial(), (X,), method="export")
 
 
@@ -125,7 +125,7 @@ class WritesThenBranches(nn.Module):
 def test_a_failed_capture_leaves_the_model_as_it_was():
     model = WritesThenBranches()
     snapshot = ModelSnapshot.of(model)
-    with pytest.raises(autosplit.CaptureError):
+    with pytest.raises(autosplit.errors.CaptureError):
         capture(model, (X,))
     assert snapshot.changes(model) == []
     assert model.steps.item() == 0
@@ -168,7 +168,7 @@ VERBS = {
     "plan": lambda model, inputs: autosplit.plan(model, ["cpu"] * 2, example_inputs=inputs),
     "autosplit": lambda model, inputs: autosplit.autosplit(model, ["cpu"] * 2, example_inputs=inputs),
     "plan with measured costs": lambda model, inputs: autosplit.plan(
-        model, ["cpu"] * 2, example_inputs=inputs, costs=autosplit.ProfileOptions(use_cache=False, repeats=1), micro_batches=2
+        model, ["cpu"] * 2, example_inputs=inputs, costs=autosplit.options.ProfileOptions(use_cache=False, repeats=1), micro_batches=2
     ),
     "compare, measured": lambda model, inputs: autosplit.compare(
         model, ["cpu"] * 2, example_inputs=inputs, manual={"halves": [1, 1]}, measure=True, steps=1,

@@ -15,8 +15,8 @@ from test_equivalence import ZOO, _mask
 
 import autosplit
 from autosplit.examples import GPT
+from autosplit.microbatch import split_batch
 from autosplit.passes.codegen import generate_chain
-from autosplit.runtime.microbatch import split_batch
 
 
 def _chain(model, devices, inputs, kwargs, micro_batches=1):

@@ -11,10 +11,10 @@ import torch.nn as nn
 from torch.distributed.pipelining import SplitPoint
 
 import autosplit
-from autosplit.compare import compare
+from autosplit.api.comparison import compare
+from autosplit.compiler.manual import balance_fqns, megatron_fqns
 from autosplit.examples import GPT
-from autosplit.htmlreport import render, write_html
-from autosplit.manual import balance_fqns, megatron_fqns
+from autosplit.report.html import render, write_html
 
 
 def _gpt(layers=4):
@@ -45,16 +45,16 @@ def test_deepspeed_type_balance_and_megatron_forms():
     by_type = planner.manual("type:GPTBlock")
     assert by_type.solver.name == "deepspeed type:GPTBlock" and by_type.stage_of["blocks_1_out"] == 0
     assert by_type.stage_of["blocks_2_ln1"] == 1
-    with pytest.raises(autosplit.ConstraintError, match="matches no layer"):
+    with pytest.raises(autosplit.errors.ConstraintError, match="matches no layer"):
         planner.manual("type:Conv")
     assert megatron_fqns(model, 3, repeated="blocks", first=1, last=1) == [
         ["wte", "wpe", "blocks.0"], ["blocks.1", "blocks.2"], ["blocks.3", "ln_f", "head"]
     ]
-    with pytest.raises(autosplit.ConstraintError, match="divide by the stages between"):
+    with pytest.raises(autosplit.errors.ConstraintError, match="divide by the stages between"):
         megatron_fqns(model, 4, repeated="blocks", first=1, last=2)
     seq = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
     assert balance_fqns(seq, [3, 2]) == [["0", "1", "2"], ["3", "4"]]
-    with pytest.raises(autosplit.ConstraintError, match="sums to 4 layers, but the model has 5"):
+    with pytest.raises(autosplit.errors.ConstraintError, match="sums to 4 layers, but the model has 5"):
         balance_fqns(seq, [2, 2])
     seq_planner = autosplit.Planner(seq, ["cpu"] * 2, example_inputs=(torch.randn(4, 8),))
     balanced = seq_planner.manual([3, 2])
@@ -72,11 +72,11 @@ def test_a_split_inside_a_module_the_capture_keeps_whole_says_so():
             return self.head(self.enc(x))
 
     planner = autosplit.Planner(Net(), ["cpu"] * 2, example_inputs=(torch.randn(2, 5, 16),))
-    with pytest.raises(autosplit.ConstraintError, match=r"'enc.self_attn' is inside 'enc', which the capture keeps as one node"):
+    with pytest.raises(autosplit.errors.ConstraintError, match=r"'enc.self_attn' is inside 'enc', which the capture keeps as one node"):
         planner.manual({"enc.self_attn": SplitPoint.END})
-    with pytest.raises(autosplit.ConstraintError, match=r"names no module .* such as \['head'"):
+    with pytest.raises(autosplit.errors.ConstraintError, match=r"names no module .* such as \['head'"):
         planner.manual([["enc"], ["haed"]])
-    with pytest.raises(autosplit.ConstraintError, match="at the start of the graph"):
+    with pytest.raises(autosplit.errors.ConstraintError, match="at the start of the graph"):
         planner.manual({"enc": SplitPoint.BEGINNING})
 
 
@@ -118,8 +118,8 @@ def test_a_manual_split_over_the_memory_cap_is_costed_and_marked():
     assert cmp.candidates[0].feasible and not heavy_row.feasible and heavy_row.plan is not None
     assert "stage 0 on cpu needs" in heavy_row.over_cap[0] and "over its cap" in heavy_row.over_cap[0]
     assert "no: over a cap" in str(cmp)
-    with pytest.raises(autosplit.PlanValidationError, match="over its cap"):
-        autosplit.manual.manual_plan(autosplit.Planner(model, ["cpu"] * 2, example_inputs=inputs, memory={0: cap, 1: cap}), heavy)
+    with pytest.raises(autosplit.errors.PlanValidationError, match="over its cap"):
+        autosplit.compiler.manual.manual_plan(autosplit.Planner(model, ["cpu"] * 2, example_inputs=inputs, memory={0: cap, 1: cap}), heavy)
 
 
 def test_compare_measures_each_split_locally_beside_its_prediction():
@@ -134,7 +134,7 @@ def test_compare_measures_each_split_locally_beside_its_prediction():
         assert m.predicted == pytest.approx(sum(st.compute for st in c.plan.stages))
     assert "its prediction" in str(cmp) and "local: one process runs the stages in turn" in str(cmp)
     assert all(p.grad is None for p in model.parameters()), "measuring trains copies, not the user's model"
-    with pytest.raises(autosplit.ConstraintError, match="needs loss_fn and target"):
+    with pytest.raises(autosplit.errors.ConstraintError, match="needs loss_fn and target"):
         compare(model, ["cpu"] * 2, example_inputs=inputs, measure=True)
 
 

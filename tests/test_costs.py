@@ -10,14 +10,17 @@ import torch.nn as nn
 from conftest import assert_trains_like
 
 import autosplit
-from autosplit.calibrate import fit
+from autosplit.calibration.efficiency import fit
+from autosplit.calibration.link import measure_link
+from autosplit.calibration.stages import measure_stages
+from autosplit.costtable import CostTable
 from autosplit.devices import resolve_devices
 from autosplit.errors import CostModelError
-from autosplit.measure import MemoryTracker, measure_link, measure_stages, pinned, timed
 from autosplit.passes import profile as profile_module
 from autosplit.passes.annotate import annotate
 from autosplit.passes.capture import capture, flat_inputs
-from autosplit.passes.costs import CostTable, estimate, roofline
+from autosplit.passes.costs import estimate, roofline
+from autosplit.timers import MemoryTracker, pinned, timed
 
 FAST = dict(warmup=1, repeats=2)
 
@@ -36,7 +39,7 @@ class Net(nn.Module):
 
 
 def _plan(model, x, tmp_path, **options):
-    costs = autosplit.ProfileOptions(cache_dir=str(tmp_path), **FAST)
+    costs = autosplit.options.ProfileOptions(cache_dir=str(tmp_path), **FAST)
     return autosplit.plan(model, ["cpu"] * 2, example_inputs=(x,), costs=costs, micro_batches=2, **options)
 
 
@@ -64,7 +67,7 @@ def test_profile_measures_real_work_and_leaves_the_model_as_it_was(tmp_path):
     inputs = flat_inputs(captured, (x,), {})
     # Five repeats: a median over two is a mean, which one preemption on a busy machine spoils.
     prof = profile_module.profile(
-        captured, inputs, "cpu", fingerprint="test", options=autosplit.ProfileOptions(use_cache=False, warmup=1, repeats=5)
+        captured, inputs, "cpu", fingerprint="test", options=autosplit.options.ProfileOptions(use_cache=False, warmup=1, repeats=5)
     )
     assert torch.equal(torch.get_rng_state(), rng_before)
     for name, value in model.state_dict().items():
@@ -95,7 +98,7 @@ def test_cpu_profile_times_nodes_inside_whole_passes():
     model, tokens = Lookup(), torch.randint(0, 4000, (64, 16))
     captured = capture(model, (tokens,))
     micro = flat_inputs(captured, (tokens[:16],), {})
-    options = autosplit.ProfileOptions(use_cache=False, warmup=1, repeats=3, threads=1)
+    options = autosplit.options.ProfileOptions(use_cache=False, warmup=1, repeats=3, threads=1)
     prof = profile_module.profile(captured, micro, "cpu", fingerprint="test", options=options, micro_batches=4,
                                   forwards_first=True)
     assert all(p.grad is None for p in model.parameters())
@@ -118,7 +121,7 @@ def test_the_optimizer_step_is_measured_and_spread_over_the_nodes_by_their_param
     model, tokens = Lookup(), torch.randint(0, 4000, (16, 16))
     captured = capture(model, (tokens,))
     inputs = flat_inputs(captured, (tokens,), {})
-    options = autosplit.ProfileOptions(use_cache=False, warmup=1, repeats=3)
+    options = autosplit.options.ProfileOptions(use_cache=False, warmup=1, repeats=3)
     before = copy.deepcopy(model.state_dict())
     adam = profile_module.profile(captured, inputs, "cpu", fingerprint="test", options=options, optimizer="adam")
     sgd = profile_module.profile(captured, inputs, "cpu", fingerprint="test", options=options, optimizer="sgd")
@@ -134,7 +137,7 @@ def test_the_optimizer_step_is_measured_and_spread_over_the_nodes_by_their_param
 
 
 def test_split_planned_on_measured_costs_trains_like_the_model(tmp_path):
-    costs = autosplit.ProfileOptions(cache_dir=str(tmp_path), **FAST)
+    costs = autosplit.options.ProfileOptions(cache_dir=str(tmp_path), **FAST)
     model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 4))
     assert_trains_like(model, ["cpu"] * 3, (torch.randn(8, 16),), costs=costs, micro_batches=4)
 
@@ -145,9 +148,9 @@ def test_measured_costs_need_a_device_present():
 
 
 def test_micro_batches_must_divide_the_profiled_batch(tmp_path):
-    with pytest.raises(autosplit.ConstraintError, match="micro_batches=4 does not divide the batch of 6 rows"):
+    with pytest.raises(autosplit.errors.ConstraintError, match="micro_batches=4 does not divide the batch of 6 rows"):
         autosplit.plan(Net(), ["cpu"] * 2, example_inputs=(torch.randn(6, 256),), micro_batches=4,
-                       costs=autosplit.ProfileOptions(cache_dir=str(tmp_path), **FAST))
+                       costs=autosplit.options.ProfileOptions(cache_dir=str(tmp_path), **FAST))
 
 
 def test_overrides_set_a_node_and_spread_a_module_total():
@@ -199,7 +202,7 @@ def test_a_saved_cost_table_plans_like_the_original_and_a_foreign_one_is_refused
 def test_fit_recovers_known_efficiencies():
     spec = resolve_devices(["cpu"])[0]
     # Factors on the fit's log grid (20 points a decade), so the exact answer is reachable.
-    truth = autosplit.Calibration(efficiency=0.1, memory_efficiency=10**-0.3, launch_overhead=20e-6, samples=0,
+    truth = autosplit.calibration.Calibration(efficiency=0.1, memory_efficiency=10**-0.3, launch_overhead=20e-6, samples=0,
                                   median_error=0, total_error=0).apply(spec)
     gen = torch.Generator().manual_seed(0)
     flops = torch.logspace(4, 10, 40).tolist()
@@ -215,7 +218,7 @@ def test_fit_recovers_known_efficiencies():
 def test_calibrate_returns_a_spec_that_plans_without_profiling(tmp_path):
     model, x = Net(), torch.randn(64, 256)
     spec = autosplit.calibrate(model, "cpu", example_inputs=(x,),
-                               options=autosplit.ProfileOptions(cache_dir=str(tmp_path), **FAST))
+                               options=autosplit.options.ProfileOptions(cache_dir=str(tmp_path), **FAST))
     assert spec.torch_device == "cpu" and spec.efficiency > 0 and spec.memory_efficiency > 0
     assert spec != resolve_devices(["cpu"])[0]
     plan = autosplit.plan(model, [spec] * 2, example_inputs=(x,))
@@ -260,7 +263,7 @@ def test_measure_link_fits_bandwidth_and_latency_over_gloo():
 def test_profile_on_cuda_uses_events_and_allocator_statistics(tmp_path):
     model, x = Net(), torch.randn(64, 256)
     plan = autosplit.plan(model, ["cuda:0", "cpu"], example_inputs=(x,),
-                          costs=autosplit.ProfileOptions(cache_dir=str(tmp_path), **FAST))
+                          costs=autosplit.options.ProfileOptions(cache_dir=str(tmp_path), **FAST))
     assert plan.costs == "measured on cpu, cuda:0"
 
 
@@ -300,8 +303,7 @@ def test_build_problem_caches_the_arrays_its_tuples_hold():
     from autosplit.examples import GPT
     from autosplit.passes.annotate import annotate
     from autosplit.passes.costs import estimate
-    from autosplit.solver import build_problem
-    from autosplit.solver.problem import Problem
+    from autosplit.solver.problem import Problem, build_problem
 
     model, ids = GPT(vocab=50, d_model=16, n_layers=2, n_heads=2, max_len=8), torch.randint(0, 50, (2, 8))
     captured = capture(model, (ids,))

@@ -5,7 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from autosplit import PRESETS, DeviceError, DeviceSpec, resolve_devices
+from autosplit import DeviceSpec
+from autosplit.devices import PRESETS, resolve_devices
+from autosplit.errors import DeviceError
 from autosplit.units import parse_bytes
 
 

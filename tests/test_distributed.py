@@ -73,7 +73,7 @@ def _double(x):
 def _reference_step(model, args, kwargs, target, loss_fn, chunks: int):
     """Loss of the unsplit model on the batch, run in ``chunks`` micro-batches of the pipeline's
     size when that matters (BatchNorm), else whole; gradients accumulate as the full batch's mean."""
-    from autosplit.runtime.microbatch import split_batch
+    from autosplit.microbatch import split_batch
 
     losses = []
     for (a, k), t in zip(split_batch(args, kwargs, chunks), target.chunk(chunks)):

@@ -138,7 +138,7 @@ def _sizes_worker(rank: int, world: int, init: str, tmp: str) -> None:
                 # 5 rows: no count from 2 (stages) to 2 (M) divides it. Refused on every rank before compute.
                 tokens, mask, target = _batch(5, 9)
                 refused = r"a batch of 5 rows cannot run .* no micro-batch count from 2 to 2 divides 5"
-                with pytest.raises(autosplit.DistributedError, match=refused):
+                with pytest.raises(autosplit.errors.DistributedError, match=refused):
                     pipe.step(tokens, attention_mask=mask, target=target)
                 assert all(p.grad is None for p in pipe.parameters())
                 _same_parameters(pipe, reference, "after the refused batch")
@@ -154,7 +154,7 @@ def _sizes_worker(rank: int, world: int, init: str, tmp: str) -> None:
         sgd = torch.optim.SGD(pipe.parameters(), lr=0.1)
         ref_sgd = torch.optim.SGD(reference.parameters(), lr=0.1)
         tokens, mask, target = _batch(6, 1)
-        with pytest.raises(autosplit.DistributedError, match=r"a batch of 6 rows cannot run .*code fixes the micro-batch rows"):
+        with pytest.raises(autosplit.errors.DistributedError, match=r"a batch of 6 rows cannot run .*code fixes the micro-batch rows"):
             pipe.step(tokens, attention_mask=mask, target=target)
         _same_parameters(pipe, reference, "export, after the refused batch")
         tokens, mask, target = _batch(4, 2)  # one micro-batch of the planned 4 rows
@@ -180,7 +180,7 @@ def test_batches_of_other_sizes_train_as_the_unsplit_model(tmp_path):
 
 def _disagree_worker(rank: int, world: int, init: str, tmp: str) -> None:
     import autosplit
-    from autosplit import DistributedError
+    from autosplit.errors import DistributedError
 
     _init(rank, world, init)
     try:

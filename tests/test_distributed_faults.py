@@ -90,14 +90,14 @@ def _faults_worker(rank: int, world: int, init: str, tmp: str, other_plan: str) 
     _init(rank, world, init)
     try:
         model, tokens, targets = _model()
-        with pytest.raises(autosplit.DistributedError, match="process group has 2 ranks, but the plan needs"):
+        with pytest.raises(autosplit.errors.DistributedError, match="process group has 2 ranks, but the plan needs"):
             autosplit.distribute(model, ["cpu"] * 3, example_inputs=(tokens,), loss_fn=_loss)
-        with pytest.raises(autosplit.PlanMismatchError, match="made for graph"):
+        with pytest.raises(autosplit.errors.PlanMismatchError, match="made for graph"):
             autosplit.distribute(model, None, example_inputs=(tokens,), loss_fn=_loss, plan=other_plan)
         pipe = autosplit.distribute(model, ["cpu"] * 2, example_inputs=(tokens,), loss_fn=_loss, micro_batches=2, time_limit=2)
         bad = torch.zeros(4, 8, 3, dtype=torch.long) if pipe.is_last else targets  # the last stage's loss raises
         start = time.monotonic()
-        with pytest.raises(autosplit.DistributedError, match=f"rank {rank} \\(stage {rank} of 2") as err:
+        with pytest.raises(autosplit.errors.DistributedError, match=f"rank {rank} \\(stage {rank} of 2") as err:
             pipe.step(tokens, target=bad)
         elapsed = time.monotonic() - start
         assert elapsed < TIMEOUT + 5, f"rank {rank} waited {elapsed:.1f}s"
@@ -105,7 +105,7 @@ def _faults_worker(rank: int, world: int, init: str, tmp: str, other_plan: str) 
             assert "target" in str(err.value)
             while not Path(tmp, "rank0.ok").exists() and time.monotonic() - start < 3 * TIMEOUT:
                 time.sleep(0.2)  # stay alive: the peer must fail by timeout, not by our exit
-        with pytest.raises(autosplit.DistributedError, match="failed in an earlier step"):
+        with pytest.raises(autosplit.errors.DistributedError, match="failed in an earlier step"):
             pipe.step(tokens, target=targets)
         Path(tmp, f"rank{rank}.ok").write_text(f"{elapsed:.1f}")
     finally:

@@ -8,11 +8,11 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from conftest import assert_trains_like
 
 from autosplit.examples import GPT
 from benchmarks.models import GNMT, MLP, ConvBN, InceptionA, InceptionE, ResNet
 from benchmarks.vision import make as make_vision
-from conftest import assert_trains_like
 
 DEVICES = [2, 3, 4]
 

@@ -18,7 +18,7 @@ import torch.nn as nn
 
 import autosplit
 from autosplit import errors
-from autosplit.plan import Plan
+from autosplit.plans import Plan
 
 ROOT = Path(__file__).resolve().parents[1]
 LIBRARY = sorted((ROOT / "autosplit").rglob("*.py"))
@@ -136,7 +136,7 @@ def test_bad_options_are_refused_up_front(option, value):
                                           ("makespan_units", "150")])
 def test_bad_solver_limits_are_refused_up_front(field, value):
     with pytest.raises(errors.ConstraintError) as e:
-        autosplit.SolverLimits(**{field: value})
+        autosplit.options.SolverLimits(**{field: value})
     _says(e, field, "≥ 1")
 
 

@@ -19,10 +19,11 @@ import torch
 import torch.nn as nn
 
 import autosplit
-from autosplit.compare import Candidate
+from autosplit.candidates import Candidate
 from autosplit.examples import GPT
-from autosplit.htmlreport import render
 from autosplit.passes.costs import estimate
+from autosplit.report.html import render
+from autosplit.report.text import plan_report
 
 GOLDEN = Path(__file__).parent / "golden"
 UPDATE = os.environ.get("AUTOSPLIT_UPDATE_GOLDEN") == "1"
@@ -78,5 +79,5 @@ def test_golden_plan_and_report(name):
     plan = _normalised(autosplit.plan(model, devices, example_inputs=inputs, costs=table, time_limit=10, seed=0, **options))
     assert plan.solver.gap <= 1e-9, "golden cases are small enough to prove optimal: a plan that is not would drift"
     _check(GOLDEN / f"{name}.plan.json", json.dumps(plan.to_dict(), indent=1) + "\n")
-    _check(GOLDEN / f"{name}.report.txt", plan.report() + "\n")
+    _check(GOLDEN / f"{name}.report.txt", plan_report(plan) + "\n")
     _check(GOLDEN / f"{name}.report.html", render([Candidate(plan.solver.name, plan)], title=f"golden: {name}"))

@@ -13,7 +13,8 @@ import torch
 import torch.nn as nn
 
 import autosplit
-from autosplit.hybrid import Cluster, measure_noise_scale, plan_hybrid
+from autosplit.api.hybrid import measure_noise_scale, plan_hybrid
+from autosplit.compiler.hybrid import Cluster
 from autosplit.solver.hybrid import examples_factor, hierarchical_allreduce, ring_allreduce
 
 
@@ -38,7 +39,7 @@ def test_statistical_efficiency():
     assert examples_factor(128, table=table) == 1 and examples_factor(1024, table=table) == pytest.approx(1.2)
     assert examples_factor(512, table=table) == pytest.approx(math.sqrt(1.0 * 1.2))  # log-log midpoint
     assert examples_factor(8192, table=table) == pytest.approx((20 + 8 / 3072 * 4096) / 10)  # the last segment, extended
-    with pytest.raises(autosplit.ConstraintError, match="noise_scale=-1"):
+    with pytest.raises(autosplit.errors.ConstraintError, match="noise_scale=-1"):
         examples_factor(64, -1.0)
 
 
@@ -65,7 +66,7 @@ def test_noise_scale_estimator_on_linear_regression():
     assert found.noise_scale == pytest.approx(expected, rel=0.1)
     assert found.grad_sq == pytest.approx(1.0, rel=0.1) and found.trace == pytest.approx(d + 1 + d, rel=0.1)
     assert all(p.grad is None for p in model.parameters())
-    with pytest.raises(autosplit.ConstraintError, match="does not split into more than one chunk"):
+    with pytest.raises(autosplit.errors.ConstraintError, match="does not split into more than one chunk"):
         measure_noise_scale(model, batches(1, 8), loss_fn, small_batch=8)
 
     # BatchNorm in training mode would normalise each chunk of 8 by its own statistics and
@@ -83,7 +84,7 @@ def _mlp():
 
 
 def _cluster(intra: float, inter: float, per_node: int = 2, nodes: int = 8) -> Cluster:
-    gpu = dataclasses.replace(autosplit.PRESETS["V100-16GB"], name="gpu")
+    gpu = dataclasses.replace(autosplit.devices.PRESETS["V100-16GB"], name="gpu")
     return Cluster("test", gpu, nodes, per_node, (intra, 0.0), inter, 0.0)
 
 
@@ -142,14 +143,14 @@ def test_small_noise_scale_and_a_slow_network_make_the_hybrid_win_at_the_crossov
 
 def test_bad_hybrid_input_is_refused():
     model, inputs = _mlp()
-    with pytest.raises(autosplit.ConstraintError, match="exactly one of per_device_batch and global_batch"):
+    with pytest.raises(autosplit.errors.ConstraintError, match="exactly one of per_device_batch and global_batch"):
         plan_hybrid(model, Cluster.dgx1(), example_inputs=inputs)
-    with pytest.raises(autosplit.ConstraintError, match=r"replica sizes \[3\] do not divide"):
+    with pytest.raises(autosplit.errors.ConstraintError, match=r"replica sizes \[3\] do not divide"):
         plan_hybrid(model, Cluster.dgx1(), example_inputs=inputs, per_device_batch=8, replica_sizes=[3])
-    tiny = dataclasses.replace(Cluster.dgx1(), device=dataclasses.replace(autosplit.PRESETS["V100-16GB"], memory=1 << 20))
-    with pytest.raises(autosplit.InfeasiblePlanError, match=r"k = 1, worker batch 8: .* needs .* MiB"):
+    tiny = dataclasses.replace(Cluster.dgx1(), device=dataclasses.replace(autosplit.devices.PRESETS["V100-16GB"], memory=1 << 20))
+    with pytest.raises(autosplit.errors.InfeasiblePlanError, match=r"k = 1, worker batch 8: .* needs .* MiB"):
         plan_hybrid(model, tiny, example_inputs=inputs, per_device_batch=8, replica_sizes=[1])
-    with pytest.raises(autosplit.ConstraintError, match="objective='sideways'"):
+    with pytest.raises(autosplit.errors.ConstraintError, match="objective='sideways'"):
         plan_hybrid(model, Cluster.dgx1(), example_inputs=inputs, per_device_batch=8, objective="sideways")
 
 
@@ -163,7 +164,7 @@ def test_workers_may_be_planned_for_the_makespan():
 
 
 def _cpu_cluster() -> Cluster:
-    cpu = dataclasses.replace(autosplit.PRESETS["cpu"], torch_device="cpu")
+    cpu = dataclasses.replace(autosplit.devices.PRESETS["cpu"], torch_device="cpu")
     return Cluster("2 × 2 CPU processes", cpu, 2, 2, (cpu.link_bandwidth, cpu.link_latency), 1e9, 1e-4)
 
 

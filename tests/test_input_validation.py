@@ -11,8 +11,9 @@ import torch
 import torch.nn as nn
 
 import autosplit
+from autosplit.api.hybrid import measure_noise_scale, plan_hybrid
+from autosplit.compiler.hybrid import Cluster
 from autosplit.errors import ConstraintError, CostModelError
-from autosplit.hybrid import Cluster, measure_noise_scale, plan_hybrid
 from autosplit.solver.hybrid import efficiency_points, examples_factor
 
 SHAPE = r"(?s).+\. Likely cause: .+\. Try: .+\."
@@ -30,7 +31,7 @@ def _says(excinfo, *names: str) -> None:
 
 
 # -- the cluster ----------------------------------------------------------------------------------
-GPU = dataclasses.replace(autosplit.PRESETS["V100-16GB"], name="gpu")
+GPU = dataclasses.replace(autosplit.devices.PRESETS["V100-16GB"], name="gpu")
 GOOD = {"name": "test", "device": GPU, "nodes": 2, "per_node": 4, "intra": (150e9, 5e-6), "inter_bandwidth": 50e9,
         "inter_latency": 5e-6}
 
@@ -93,12 +94,12 @@ def test_a_good_cluster_is_unchanged():
     ],
 )
 def test_bad_hybrid_batches_and_statistics_are_refused_before_any_plan(monkeypatch, batches, named):
-    import autosplit.planner
+    import autosplit.api.planner
 
     def no_planning(*args, **kwargs):
         raise AssertionError("a bad input must be refused before any worker is planned")
 
-    monkeypatch.setattr(autosplit.planner, "Planner", no_planning)
+    monkeypatch.setattr(autosplit.api.planner, "Planner", no_planning)
     with pytest.raises(ConstraintError) as e:
         plan_hybrid(_mlp(), Cluster.dgx1(), example_inputs=(torch.randn(8, 64),), **batches)
     _says(e, named)

@@ -1,9 +1,11 @@
 """The package's import layers, from every import statement (function-local ones included).
 
 - no import cycle between modules;
-- the solver imports neither torch nor the passes, nor anything of autosplit above it
-  (errors, units, the schedule registry and the solver itself only);
-- the ground floor (errors, units, schedules, progress, debug) imports nothing above it.
+- the ground floor (the values passes exchange: options, plans, cost tables, devices, the
+  schedule registry, errors, units, timers, …) imports nothing above it;
+- the solver imports neither torch nor the passes: only itself and the torch-free ground floor;
+- the runtimes and the reports never import the compiler or the API;
+- the plan, option and cost-table modules (and what they import) load without torch.
 """
 
 from __future__ import annotations
@@ -14,7 +16,10 @@ from pathlib import Path
 import networkx as nx
 
 PACKAGE = Path(__file__).resolve().parents[1] / "autosplit"
-GROUND = {"autosplit.errors", "autosplit.units", "autosplit.schedules", "autosplit.progress", "autosplit.debug"}
+GROUND = {f"autosplit.{m}" for m in (
+    "errors", "units", "schedules", "progress", "debug", "devices", "costtable", "options", "plans", "candidates", "microbatch", "timers",
+)}
+TORCH_FREE = {f"autosplit.{m}" for m in ("errors", "units", "schedules", "progress", "debug", "devices", "costtable", "options", "plans")}
 
 
 def _modules() -> dict[str, Path]:
@@ -25,11 +30,13 @@ def _modules() -> dict[str, Path]:
     return out
 
 
-def _imports(path: Path, modules: dict[str, Path]) -> set[str]:
+def _imports(path: Path, modules: dict[str, Path], *, top_level_only: bool = False) -> set[str]:
     """Every module ``path`` imports, by any statement anywhere in it (``from autosplit import x``
-    counts as importing ``autosplit.x`` when that is a module)."""
+    counts as importing ``autosplit.x`` when that is a module); ``top_level_only``: what loading it
+    imports (statements in functions and under ``if TYPE_CHECKING:`` left out)."""
     found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    tree = ast.parse(path.read_text())
+    for node in (tree.body if top_level_only else ast.walk(tree)):
         if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             found |= {f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in modules else node.module for a in node.names}
         elif isinstance(node, ast.Import):
@@ -57,7 +64,7 @@ def test_no_import_cycles():
 
 def test_the_solver_imports_neither_torch_nor_the_passes_nor_anything_above_it():
     modules = _modules()
-    allowed = {"autosplit.errors", "autosplit.units", "autosplit.schedules"}
+    allowed = TORCH_FREE
     bad = []
     for name, path in modules.items():
         if name.startswith("autosplit.solver"):
@@ -72,4 +79,28 @@ def test_the_ground_floor_imports_nothing_above_it():
     modules = _modules()
     bad = [f"{name} imports {target}" for name in GROUND for target in _imports(modules[name], modules)
            if target.startswith("autosplit") and target not in GROUND]
+    assert not bad, bad
+
+
+def test_the_runtimes_and_the_reports_import_neither_the_compiler_nor_the_api():
+    modules = _modules()
+    bad = [f"{name} imports {target}" for name, path in modules.items()
+           if name.startswith(("autosplit.runtime", "autosplit.report"))
+           for target in _imports(path, modules) if target.startswith(("autosplit.compiler", "autosplit.api"))]
+    assert not bad, bad
+
+
+def test_plans_options_and_cost_tables_load_without_torch():
+    modules = _modules()
+    seen, todo, bad = set(), list(TORCH_FREE), []
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        for target in _imports(modules[name], modules, top_level_only=True):
+            if target.split(".")[0] in ("torch", "numpy"):
+                bad.append(f"{name} imports {target}")
+            elif target.startswith("autosplit") and target in modules:
+                todo.append(target)
     assert not bad, bad

@@ -14,16 +14,16 @@ from hypothesis import strategies as st
 from test_solver import chain, make_problem
 
 import autosplit
-from autosplit.compiler import codegen
+from autosplit.compiler.steps import codegen
 from autosplit.errors import CodegenError, InfeasiblePlanError
-from autosplit.htmlreport import write_html
-from autosplit.plan import Plan
+from autosplit.options import SolverLimits
+from autosplit.plans import Plan
+from autosplit.report.html import write_html
+from autosplit.report.timeline import timeline
 from autosplit.runtime.makespan import MakespanRunner
-from autosplit.solver.limits import SolverLimits
-from autosplit.solver.makespan import list_schedule, makespan_bound, solve_makespan
-from autosplit.solver.makespan.schedule import comm, durations, memory_of, run_key, task_graph
+from autosplit.solver.makespan import makespan_bound, solve_makespan
+from autosplit.solver.makespan.schedule import comm, durations, list_schedule, memory_of, run_key, task_graph
 from autosplit.solver.problem import UserConstraint
-from autosplit.timeline import timeline
 
 
 def check(problem, schedule):
@@ -167,7 +167,7 @@ def test_a_makespan_plan_puts_the_towers_side_by_side_and_round_trips(tmp_path):
     assert isinstance(planner.build(plan), MakespanRunner)
     with pytest.raises(CodegenError, match=r"run it with Planner\.build"):
         codegen(planner.traced, plan)
-    with pytest.raises(autosplit.ConstraintError, match="objective='sideways'"):
+    with pytest.raises(autosplit.errors.ConstraintError, match="objective='sideways'"):
         autosplit.plan(model, ["cpu"] * 2, example_inputs=(x,), objective="sideways")
 
 

@@ -6,15 +6,15 @@ import pytest
 import torch
 
 import autosplit
+from autosplit.compiler.manual import deepspeed_fqns, partition, plan_from_fqns, torchtitan_fqns
 from autosplit.examples import GPT
-from autosplit.manual import deepspeed_fqns, partition, plan_from_fqns, torchtitan_fqns
 
 
 def test_partition_minimises_the_largest_stage():
     assert partition([1, 1, 1, 1], 2) == [(0, 2), (2, 4)]
     assert partition([5, 1, 1, 1, 1, 1], 2) == [(0, 1), (1, 6)]
     assert partition([1, 2, 3, 4, 5], 3) == [(0, 3), (3, 4), (4, 5)]
-    with pytest.raises(autosplit.ConstraintError, match="cannot cut 2 layers into 3"):
+    with pytest.raises(autosplit.errors.ConstraintError, match="cannot cut 2 layers into 3"):
         partition([1, 1], 3)
 
 
@@ -49,5 +49,5 @@ def test_a_manual_split_is_a_checked_costed_plan_that_autosplit_beats_or_ties():
 
 def test_a_split_against_the_data_flow_is_explained():
     model, planner, _ = _planner()
-    with pytest.raises(autosplit.ConstraintError, match="before its input"):
+    with pytest.raises(autosplit.errors.ConstraintError, match="before its input"):
         plan_from_fqns(planner, [["blocks.3", "blocks.4", "blocks.5", "ln_f", "head"], ["wte", "wpe", "blocks.0", "blocks.1", "blocks.2"]])

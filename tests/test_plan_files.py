@@ -13,7 +13,7 @@ import torch.nn as nn
 
 import autosplit
 from autosplit import errors
-from autosplit.plan import Plan
+from autosplit.plans import Plan
 
 SHAPE = r"(?s).+\. Likely cause: .+\. Try: .+\."
 

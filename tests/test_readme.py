@@ -169,7 +169,7 @@ def test_readme_split_json_and_every_manual_form_it_names_run_with_the_cli(tmp_p
 
 def test_measure_stages_says_what_it_takes_when_given_a_count():
     import autosplit
-    from autosplit.runtime.microbatch import split_batch
+    from autosplit.microbatch import split_batch
 
     model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU(), torch.nn.Linear(16, 16))
     x = torch.randn(8, 16)
@@ -181,12 +181,12 @@ def test_measure_stages_says_what_it_takes_when_given_a_count():
         ([x, x], "micro_batches[0] is Tensor of shape (8, 16), not an (args, kwargs) pair"),
         ([], "got no micro-batches"),
     ]:
-        with pytest.raises(autosplit.ConstraintError, match=shape) as e:
-            autosplit.measure_stages(split, wrong)
+        with pytest.raises(autosplit.errors.ConstraintError, match=shape) as e:
+            autosplit.calibration.measure_stages(split, wrong)
         assert says in str(e.value) and "split_batch((x,), {}, split.plan.micro_batches)" in str(e.value)
-    with pytest.raises(autosplit.ConstraintError, match="steps=0 is not an integer ≥ 1"):
-        autosplit.measure_stages(split, split_batch((x,), {}, 2), steps=0)
-    with pytest.raises(autosplit.ConstraintError, match="not a SplitModule"):
-        autosplit.measure_stages(model, split_batch((x,), {}, 2))
-    got = autosplit.measure_stages(split, split_batch((x,), {}, split.plan.micro_batches), steps=1, warmup=0)
+    with pytest.raises(autosplit.errors.ConstraintError, match="steps=0 is not an integer ≥ 1"):
+        autosplit.calibration.measure_stages(split, split_batch((x,), {}, 2), steps=0)
+    with pytest.raises(autosplit.errors.ConstraintError, match="not a SplitModule"):
+        autosplit.calibration.measure_stages(model, split_batch((x,), {}, 2))
+    got = autosplit.calibration.measure_stages(split, split_batch((x,), {}, split.plan.micro_batches), steps=1, warmup=0)
     assert len(got) == 2 and all(m.forward > 0 and m.peak_bytes > 0 for m in got)

@@ -8,16 +8,20 @@ import pytest
 import torch
 import torch.nn as nn
 from hypothesis import HealthCheck, given, settings
+from test_solver import brute_force, chain, make_problem, random_problems
 
 import autosplit
 from autosplit.devices import PRESETS, resolve_devices
 from autosplit.examples import GPT
+from autosplit.options import SolverLimits
 from autosplit.passes.annotate import annotate
 from autosplit.passes.capture import capture, flat_inputs
-from autosplit.solver.coarsen import coarse_problem, coarsen, repeated_layers
 from autosplit.passes.costs import estimate
-from autosplit.solver import SolverLimits, build_problem, evaluate, in_flight, solve, split_dp, topological_order, violations
-from test_solver import brute_force, chain, make_problem, random_problems
+from autosplit.solver.coarsen import coarse_problem, coarsen, repeated_layers
+from autosplit.solver.pipeline.dp import split_dp, topological_order
+from autosplit.solver.pipeline.strategy import solve
+from autosplit.solver.problem import build_problem, evaluate, in_flight
+from autosplit.solver.validate import violations
 
 
 def _gpt_problem(layers: int = 6, devices: int = 4, method: str = "auto", **kw):
@@ -43,7 +47,7 @@ def test_plans_validate_and_never_lose_to_the_dp(problem):
     dp = split_dp(problem, topological_order(problem))
     try:
         sol = solve(problem, time_limit=5)
-    except autosplit.InfeasiblePlanError:
+    except autosplit.errors.InfeasiblePlanError:
         assert dp is None
         return
     assert not violations(problem, sol.stage_of)
@@ -152,7 +156,7 @@ def test_pins_choose_the_device_order():
 
 def test_conflicting_constraints_are_named():
     model, inputs = _gpt_small()
-    with pytest.raises(autosplit.InfeasiblePlanError) as err:
+    with pytest.raises(autosplit.errors.InfeasiblePlanError) as err:
         autosplit.plan(model, ["cpu"] * 2, example_inputs=inputs, time_limit=2,
                        pin={"blocks.0": 0, "blocks.3": 1}, together=[("blocks.0", "blocks.3")])
     message = str(err.value)
@@ -162,7 +166,7 @@ def test_conflicting_constraints_are_named():
 
 def test_conflicting_pin_and_avoid_are_named_together():
     model, inputs = _gpt_small()
-    with pytest.raises(autosplit.InfeasiblePlanError) as err:
+    with pytest.raises(autosplit.errors.InfeasiblePlanError) as err:
         autosplit.plan(model, ["cpu"] * 2, example_inputs=inputs, time_limit=2,
                        pin={"blocks.1": 0}, avoid={"blocks.1": 0})
     message = str(err.value)
@@ -171,9 +175,9 @@ def test_conflicting_pin_and_avoid_are_named_together():
 
 def test_unknown_module_in_a_constraint_suggests_names():
     model, inputs = _gpt_small()
-    with pytest.raises(autosplit.ConstraintError, match="did you mean"):
+    with pytest.raises(autosplit.errors.ConstraintError, match="did you mean"):
         autosplit.plan(model, ["cpu"] * 2, example_inputs=inputs, pin={"block.1": 0})
-    with pytest.raises(autosplit.ConstraintError, match="matches 2 of the 2 devices"):
+    with pytest.raises(autosplit.errors.ConstraintError, match="matches 2 of the 2 devices"):
         autosplit.plan(model, ["cpu"] * 2, example_inputs=inputs, pin={"blocks.1": "cpu"})
 
 

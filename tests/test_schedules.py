@@ -17,9 +17,9 @@ import autosplit
 from autosplit import schedules
 from autosplit.errors import ConstraintError, PlanFileError
 from autosplit.options import PlanOptions
-from autosplit.plan import SCHEMA_VERSION, Plan
+from autosplit.plans import SCHEMA_VERSION, Plan
+from autosplit.report.timeline import stage_order
 from autosplit.solver.problem import in_flight, weight_copies
-from autosplit.timeline import stage_order
 
 ROOT = Path(__file__).resolve().parents[1]
 GOLDEN = ROOT / "tests" / "golden"
@@ -194,8 +194,8 @@ import autosplit
 from test_schedules import Net
 dist.init_process_group("gloo", init_method="file://" + {init!r}, rank=0, world_size=1, timeout=datetime.timedelta(seconds=30))
 try:
-    for name, error in (("ZBVZeroBubble", autosplit.ConstraintError), ("Interleaved1F1B", autosplit.ConstraintError),
-                        ("sequential", autosplit.DistributedError), ("zigzag", autosplit.DistributedError)):
+    for name, error in (("ZBVZeroBubble", autosplit.errors.ConstraintError), ("Interleaved1F1B", autosplit.errors.ConstraintError),
+                        ("sequential", autosplit.errors.ConstraintError), ("zigzag", autosplit.errors.ConstraintError)):
         try:
             autosplit.distribute(Net(), ["cpu"], example_inputs=(torch.randn(4, 8),), loss_fn=torch.nn.functional.mse_loss,
                                  schedule=name, time_limit=1)
@@ -215,8 +215,8 @@ def test_not_yet_runnable_schedules_are_refused_by_distribute_without_hanging(tm
     lines = result.stdout.splitlines()
     assert lines[0].startswith("ZBVZeroBubble ConstraintError schedule='ZBVZeroBubble' names torch's ScheduleZBVZeroBubble")
     assert lines[1].startswith("Interleaved1F1B ConstraintError")
-    assert lines[2] == "sequential DistributedError schedule='sequential' cannot run pipelined"
-    assert lines[3] == "zigzag DistributedError schedule='zigzag' cannot run pipelined"
+    assert lines[2] == "sequential ConstraintError schedule='sequential' cannot run pipelined"
+    assert lines[3] == "zigzag ConstraintError schedule='zigzag' cannot run pipelined"
 
 
 # -- Plan.objective in plan files -----------------------------------------------------------------

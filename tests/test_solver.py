@@ -9,7 +9,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from autosplit.errors import InfeasiblePlanError, PlanValidationError
-from autosplit.solver import Problem, SolverLimits, evaluate, solve, validate, violations
+from autosplit.options import SolverLimits
+from autosplit.solver import validate
+from autosplit.solver.pipeline.strategy import solve
+from autosplit.solver.problem import Problem, evaluate
+from autosplit.solver.validate import violations
 
 
 def make_problem(
@@ -272,7 +276,8 @@ def _topological(edges):
 @settings(max_examples=80, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(branchy_problems())
 def test_bounds_hold_on_branches_beside_the_chain(problem):
-    from autosplit.solver.pipeline.bounds import chain_bound, chain_of, lower_bound
+    from autosplit.solver.pipeline.bounds import chain_bound, lower_bound
+    from autosplit.solver.pipeline.chain import chain_of
 
     plans = [so for so in itertools.product(range(problem.num_stages), repeat=len(problem.nodes)) if not violations(problem, so)]
     best, slowest = min(evaluate(problem, so).objective for so in plans), min(max(evaluate(problem, so).time) for so in plans)

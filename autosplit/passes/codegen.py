@@ -234,6 +234,99 @@ def _slot_names(node: fx.Node, value: Any) -> list[tuple[str, int]]:
     return [(f"{node.name}.{i}", i) for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
 
 
+def _last_use(
+    nodes: Sequence[fx.Node], stage_of: Mapping[fx.Node, int], num_stages: int, replicated: Collection[fx.Node], output: fx.Node
+) -> dict[fx.Node, int]:
+    """The last stage that needs each node's value: a value is relayed through every stage up to it.
+    A replicated parameter is read where it is used, so it never leaves its own stage; the model's
+    outputs are needed by the last stage, which returns them."""
+    last_use = {n: max((stage_of.get(u, num_stages - 1) for u in n.users), default=stage_of[n]) for n in nodes}
+    last_use.update({n: stage_of[n] for n in replicated})
+    for n in output.all_input_nodes:
+        if n in stage_of:
+            last_use[n] = num_stages - 1
+    return last_use
+
+
+def _receive(
+    graph: fx.Graph, root: dict[str, Any], received: Sequence[fx.Node], values: Mapping[fx.Node, Any]
+) -> tuple[dict[fx.Node, Any], list[torch.Tensor]]:
+    """Placeholders in ``graph`` for the tensor leaves of the ``received`` values, and each received
+    value rebuilt from them: (stage environment, meta tensors of the placeholders in order).
+
+    Python values are fixed per micro-batch, so a value without tensors becomes a constant, and a
+    tuple-valued one is rebuilt from its received leaves and its constant ones (its tree spec is
+    added to ``root``)."""
+    env: dict[fx.Node, Any] = {}
+    metas = []
+    for n in received:
+        slots = _slot_names(n, values[n])
+        leaves = pytree.tree_leaves(values[n])
+        phs = {i: graph.placeholder(name.replace(".", "_")) for name, i in slots}
+        metas += [_meta(leaves[i]) for _, i in slots]
+        if isinstance(values[n], torch.Tensor):
+            env[n] = phs[0]
+        elif not phs:  # no tensor inside (a shape int, a tuple of them): a constant here
+            env[n] = _constant(values[n])
+        else:  # rebuild the value: tensor leaves received, the rest fixed per micro-batch
+            spec_name = f"_spec_{n.name}"
+            rebuilt = [phs[i] if i in phs else leaf for i, leaf in enumerate(leaves)]
+            root[spec_name] = pytree.tree_structure(values[n])
+            env[n] = graph.call_function(pytree.tree_unflatten, (rebuilt, graph.get_attr(spec_name)), name=n.name)
+    return env, metas
+
+
+def _send(
+    graph: fx.Graph, env: Mapping[fx.Node, Any], crossing: Sequence[fx.Node], values: Mapping[fx.Node, Any]
+) -> tuple[list[fx.Node], list[torch.Tensor]]:
+    """The contiguous tensor leaves of the values ``crossing`` to the next stage, in order, and their
+    meta tensors: only tensors cross, in contiguous memory (what gloo sends)."""
+    sent, metas = [], []
+    for n in crossing:
+        leaves = pytree.tree_leaves(values[n])
+        for _, i in _slot_names(n, values[n]):
+            if isinstance(values[n], torch.Tensor):
+                leaf = env[n]
+            else:
+                leaf = graph.call_function(operator.getitem, (graph.call_function(pytree.tree_leaves, (env[n],)), i))
+            sent.append(graph.call_method("contiguous", (leaf,)))
+            metas.append(_meta(leaves[i]))
+    return sent, metas
+
+
+def _model_outputs(
+    env: Mapping[fx.Node, Any], output: fx.Node, values: Mapping[fx.Node, Any]
+) -> tuple[list[Any], list[torch.Tensor], list[fx.Node]]:
+    """What the last stage returns: the tensor leaves of the model's output, their meta tensors, and
+    the nodes they are (so :meth:`Chain.output` can rebuild the structure). A non-tensor node in the
+    output is a typed error: the pipelined runtime returns tensors only."""
+    sent, metas, slots = [], [], []
+    for a in pytree.tree_leaves(output.args[0]) if not isinstance(output.args[0], fx.Node) else [output.args[0]]:
+        if isinstance(a, fx.Node) and isinstance(values.get(a), torch.Tensor):
+            sent.append(env[a])
+            metas.append(_meta(values[a]))
+            slots.append(a)
+        elif isinstance(a, fx.Node):
+            raise CodegenError(
+                advice(
+                    f"model output {a.name} is a {type(values.get(a)).__name__}, not a tensor",
+                    "the pipelined runtime sends and returns tensors only",
+                    "return tensors from forward (or a dict/tuple of them)",
+                )
+            )
+    return sent, metas, slots
+
+
+def _stage_module(gm: fx.GraphModule, root: dict[str, Any], graph: fx.Graph, stage: int) -> fx.GraphModule:
+    """The stage's module: ``graph`` over ``root`` plus the modules, parameters and buffers of ``gm``
+    it reads, the same objects under the same names (nothing is copied)."""
+    for node in graph.nodes:
+        if node.op in ("call_module", "get_attr") and node.target not in root:
+            root[str(node.target)] = operator.attrgetter(str(node.target))(gm)
+    graph.lint()
+    return fx.GraphModule(root, graph, class_name=f"Stage{stage}")
+
+
 def generate_chain(
     captured: Captured, assignment: Mapping[str, int], num_stages: int, micro_inputs: Sequence[Any],
     *, replicate: Collection[str] = (),
@@ -260,11 +353,7 @@ def generate_chain(
 
     replicate = set(replicate)
     replicated = {n for n in nodes if n.op == "get_attr" and str(n.target) in replicate}
-    last_use = {n: max((stage_of.get(u, S - 1) for u in n.users), default=stage_of[n]) for n in nodes}
-    last_use.update({n: stage_of[n] for n in replicated})
-    for n in output.all_input_nodes:
-        if n in stage_of:
-            last_use[n] = S - 1
+    last_use = _last_use(nodes, stage_of, S, replicated, output)
 
     def crossing(k: int) -> list[fx.Node]:  # values crossing boundary k (stage k − 1 → k), in graph order
         return [n for n in nodes if stage_of[n] < k <= last_use[n]]
@@ -273,24 +362,8 @@ def generate_chain(
     out_slots: list[Any] = []
     for s in range(S):
         graph = fx.Graph()
-        env: dict[fx.Node, Any] = {}
         root: dict[str, Any] = {}  # what the stage's graph reads by name: modules, parameters, buffers, tree specs
-        received = crossing(s) if s > 0 else []
-        metas = []
-        for n in received:
-            slots = _slot_names(n, values[n])
-            leaves = pytree.tree_leaves(values[n])
-            phs = {i: graph.placeholder(name.replace(".", "_")) for name, i in slots}
-            metas += [_meta(leaves[i]) for _, i in slots]
-            if isinstance(values[n], torch.Tensor):
-                env[n] = phs[0]
-            elif not phs:  # no tensor inside (a shape int, a tuple of them): a constant here
-                env[n] = _constant(values[n])
-            else:  # rebuild the value: tensor leaves received, the rest fixed per micro-batch
-                spec_name = f"_spec_{n.name}"
-                rebuilt = [phs[i] if i in phs else leaf for i, leaf in enumerate(leaves)]
-                root[spec_name] = pytree.tree_structure(values[n])
-                env[n] = graph.call_function(pytree.tree_unflatten, (rebuilt, graph.get_attr(spec_name)), name=n.name)
+        env, metas = _receive(graph, root, crossing(s) if s > 0 else [], values)
         inputs = graph.placeholder("**inputs")
         for ph in placeholders:
             if any(stage_of.get(u) == s or (s == S - 1 and u is output) for u in ph.users):
@@ -304,39 +377,12 @@ def generate_chain(
         for n in members:
             env[n] = graph.node_copy(n, env.__getitem__)
         if s < S - 1:
-            sent, meta_out = [], []
-            for n in crossing(s + 1):
-                leaves = pytree.tree_leaves(values[n])
-                for _, i in _slot_names(n, values[n]):
-                    if isinstance(values[n], torch.Tensor):
-                        leaf = env[n]
-                    else:
-                        leaf = graph.call_function(operator.getitem, (graph.call_function(pytree.tree_leaves, (env[n],)), i))
-                    sent.append(graph.call_method("contiguous", (leaf,)))
-                    meta_out.append(_meta(leaves[i]))
-            graph.output(tuple(sent))
+            sent, meta_out = _send(graph, env, crossing(s + 1), values)
             crossings.append(tuple(name for n in crossing(s + 1) for name, _ in _slot_names(n, values[n])))
         else:
-            sent, meta_out = [], []
-            for a in pytree.tree_leaves(output.args[0]) if not isinstance(output.args[0], fx.Node) else [output.args[0]]:
-                if isinstance(a, fx.Node) and isinstance(values.get(a), torch.Tensor):
-                    sent.append(env[a])
-                    meta_out.append(_meta(values[a]))
-                    out_slots.append(a)
-                elif isinstance(a, fx.Node):
-                    raise CodegenError(
-                        advice(
-                            f"model output {a.name} is a {type(values.get(a)).__name__}, not a tensor",
-                            "the pipelined runtime sends and returns tensors only",
-                            "return tensors from forward (or a dict/tuple of them)",
-                        )
-                    )
-            graph.output(tuple(sent))
-        for node in graph.nodes:
-            if node.op in ("call_module", "get_attr") and node.target not in root:
-                root[str(node.target)] = operator.attrgetter(str(node.target))(gm)
-        graph.lint()
-        stages.append(fx.GraphModule(root, graph, class_name=f"Stage{s}"))
+            sent, meta_out, out_slots = _model_outputs(env, output, values)
+        graph.output(tuple(sent))
+        stages.append(_stage_module(gm, root, graph, s))
         inputs_meta.append(tuple(metas))
         outputs_meta.append(tuple(meta_out))
     return Chain(

@@ -37,16 +37,14 @@ Usage::
 from __future__ import annotations
 
 import dataclasses
-import json
 import operator
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.fx as fx
 from networkx.utils import UnionFind
 
+from autosplit.costtable import OPTIMIZER_STATE_BYTES, OPTIMIZER_STEP_TRAFFIC, OPTIMIZER_TEMP_FACTOR, OVERRIDE_KEYS, CostTable
 from autosplit.devices import DeviceSpec
 from autosplit.errors import CostModelError, advice
 from autosplit.passes.annotate import NodeInfo, node_info
@@ -57,87 +55,9 @@ __all__ = [
     "with_overrides",
 ]
 
-# Optimizer state bytes per parameter (fp32 moments, whatever the parameter dtype).
-OPTIMIZER_STATE_BYTES = {"adam": 8, "adamw": 8, "sgd_momentum": 4, "sgd": 0, "none": 0}
-
-# Temporaries of one optimizer step, in units of the parameter tensor being updated:
-# torch's single-tensor Adam computes (exp_avg_sq.sqrt() / c).add_(eps), two new tensors.
-OPTIMIZER_TEMP_FACTOR = {"adam": 2, "adamw": 2, "sgd_momentum": 0, "sgd": 0, "none": 0}
-
-# Bytes one optimizer step reads and writes per byte of parameter, and the ops it launches per
-# parameter tensor, counted from torch's single-tensor implementations (the CPU default):
-# Adam: exp_avg.lerp_(g) 3, exp_avg_sq.mul_().addcmul_() 2 + 4, denom = (sqrt / c).add_(eps)
-# 2 + 2 + 2, param.addcdiv_(exp_avg, denom) 4 → 19 tensor passes; AdamW adds param.mul_() 2.
-# SGD: param.add_(g) 3; with momentum buf.mul_().add_(g) 2 + 3 first.
-OPTIMIZER_STEP_TRAFFIC = {"adam": (19, 7), "adamw": (21, 8), "sgd_momentum": (8, 3), "sgd": (3, 1), "none": (0, 0)}
-
-OVERRIDE_KEYS = ("fwd", "bwd", "saved_bytes")
 
 # Nodes that move no data and launch nothing: they only name a value.
 _FREE_TARGETS = {operator.getitem}
-
-
-@dataclass(frozen=True)
-class CostTable:
-    """Per-node costs on every device, plus the graph facts the solver needs. Plain data."""
-
-    devices: tuple[DeviceSpec, ...]
-    nodes: tuple[str, ...]
-    """Placeable nodes in graph (topological) order: everything but placeholders and output."""
-    module_paths: tuple[str, ...]
-    fwd_time: tuple[tuple[float, ...], ...]
-    """[node][device] forward seconds for the example batch."""
-    bwd_time: tuple[tuple[float, ...], ...]
-    state_bytes: tuple[int, ...]
-    """Parameters + gradients + optimizer state + buffers each node owns."""
-    saved_bytes: tuple[int, ...]
-    output_bytes: tuple[int, ...]
-    edges: tuple[tuple[int, int], ...]
-    """Data edges (producer index, consumer index) between placeable nodes."""
-    order_edges: tuple[tuple[int, int], ...]
-    """Precedence without data (around in-place writes)."""
-    colocate: tuple[tuple[int, ...], ...]
-    """Groups of node indices that must share a device."""
-    param_counts: tuple[int, ...]
-    sent_bytes: tuple[int, ...] = ()
-    """[node] bytes its stage holds when the output goes to another stage (0 when the
-    output is already counted as saved)."""
-    transient_bytes: tuple[int, ...] = ()
-    """[node] peak bytes above what is live while the node runs on one micro-batch, or while
-    the optimizer updates its parameters; empty: output bytes / micro-batches."""
-    optimizer_time: tuple[tuple[float, ...], ...] = ()
-    """[node][device] seconds of the optimizer step over the parameters the node owns (once per step)."""
-    param_bytes: tuple[int, ...] = ()
-    """[node] bytes of the parameters it owns (what its gradient all-reduce and optimizer step touch)."""
-    param_reads: tuple[str, ...] = ()
-    """[node] the qualified name of the parameter the node reads by name (``get_attr``), else ``""``:
-    such an output is the same for every
-    micro-batch, so a later stage that reads it gets it once per micro-batch or keeps a replica
-    whose gradient is summed once per step (a tied weight)."""
-    output_tensors: tuple[int, ...] = ()
-    """[node] tensors in its output: each crossing pays the link latency once per micro-batch; a
-    Python value (a shape int) crosses as a constant and pays nothing. Empty: one each."""
-
-    def save(self, path: str | Path) -> None:
-        """Write the table as JSON, to edit or to plan with again (``costs=path``)."""
-        data = dataclasses.asdict(self)
-        Path(path).write_text(json.dumps(data))
-
-    @classmethod
-    def load(cls, path: str | Path) -> CostTable:
-        try:
-            data = json.loads(Path(path).read_text())
-            data["devices"] = tuple(DeviceSpec.from_dict(d) for d in data["devices"])
-            return cls(**{k: _frozen(v) if k != "devices" else v for k, v in data.items()})
-        except (OSError, ValueError, TypeError, KeyError) as e:
-            raise CostModelError(advice(
-                f"cannot read a cost table from {path}: {type(e).__name__}: {e}",
-                "the file is missing, damaged, or was written by another version", "save the table again (CostTable.save)",
-            )) from e
-
-
-def _frozen(value):
-    return tuple(_frozen(v) for v in value) if isinstance(value, list) else value
 
 
 def roofline(flops: float, nbytes: float, spec: DeviceSpec, *, half: bool = False) -> float:
@@ -270,6 +190,98 @@ def _optimizer_times(
     return tuple(tuple(row[k] * x for k, x in zip(kind_of, scale)) for row in analytic)
 
 
+def _row_sharer(kind_of: list[int]) -> Callable[[tuple], tuple]:
+    """A function that turns one value per device kind into a row over devices (``kind_of[d]`` is
+    device ``d``'s kind); equal rows come back as one shared tuple, as deep models repeat them."""
+    expanded: dict[tuple, tuple] = {}
+
+    def per_device(per_kind: tuple) -> tuple:
+        if per_kind not in expanded:
+            expanded[per_kind] = tuple(per_kind[k] for k in kind_of)
+        return expanded[per_kind]
+
+    return per_device
+
+
+def _node_times(
+    nodes: list[fx.Node], infos: list[NodeInfo], kinds: list[DeviceSpec], kind_of: list[int], profiles: list[Profile | None],
+    micro_batches: int, per_device: Callable[[tuple], tuple],
+) -> tuple[list[tuple[float, ...]], list[tuple[float, ...]]]:
+    """[node][device] forward and backward seconds: the roofline per device kind, replaced on a
+    profiled device by the node's measured times (one micro-batch, scaled to the whole batch)."""
+    by_kind = [[_times(n, info, d) for n, info in zip(nodes, infos)] for d in kinds]
+    fwd, bwd = [], []
+    for i, n in enumerate(nodes):
+        times = [by_kind[k][i] for k in range(len(kinds))]
+        got = [(d, prof.nodes[n.name]) for d, prof in enumerate(profiles) if prof is not None and n.name in prof.nodes]
+        if not got:
+            fwd.append(per_device(tuple(t[0] for t in times)))
+            bwd.append(per_device(tuple(t[1] for t in times)))
+            continue
+        row = [times[k] for k in kind_of]
+        for d, node in got:
+            row[d] = (node.fwd * micro_batches, node.bwd * micro_batches)
+        fwd.append(tuple(t[0] for t in row))
+        bwd.append(tuple(t[1] for t in row))
+    return fwd, bwd
+
+
+def _activation_bytes(
+    nodes: list[fx.Node], infos: list[NodeInfo], profiles: list[Profile | None], micro_batches: int, optimizer: str
+) -> tuple[list[int], list[int]]:
+    """(bytes each node saves for backward, its transient peak) per node: annotated, or measured
+    by the first profile. The transient peak is at least the temporaries the optimizer step
+    allocates while it updates the node's largest parameter (:data:`OPTIMIZER_TEMP_FACTOR`)."""
+    transient = [info.output_bytes / micro_batches for info in infos]
+    own_saved = [info.saved_bytes for info in infos]
+    measured = next((p for p in profiles if p is not None), None)
+    if measured is not None:  # memory does not depend on which device of a kind measured it
+        for i, n in enumerate(nodes):
+            if n.name in measured.nodes:
+                own_saved[i] = measured.nodes[n.name].saved_bytes * micro_batches
+                transient[i] = measured.nodes[n.name].peak_bytes
+    peaks = [int(max(round(t), OPTIMIZER_TEMP_FACTOR[optimizer] * info.largest_param_bytes)) for t, info in zip(transient, infos)]
+    return own_saved, peaks
+
+
+def _placement_rules(
+    gm: fx.GraphModule, nodes: list[fx.Node], index: Mapping[fx.Node, int], infos: list[NodeInfo]
+) -> tuple[tuple[tuple[int, ...], ...], set[tuple[int, int]]]:
+    """(colocated groups, order edges) that codegen relies on (see the module docstring): calls of
+    one module, a ``get_attr`` and its first reader, and an in-place op and the node it writes stay
+    together; readers of a written tensor keep their order around the write."""
+    colocate = UnionFind(range(len(nodes)))
+    by_name = {n.name: n for n in gm.graph.nodes}
+    order_edges: set[tuple[int, int]] = set()
+    first_call: dict[str, int] = {}
+    for i, n in enumerate(nodes):
+        if n.op == "call_module":
+            j = first_call.setdefault(str(n.target), i)
+            colocate.union(i, j)
+        elif n.op == "get_attr":
+            readers = [index[u] for u in n.users if u in index]
+            if readers:
+                colocate.union(i, min(readers))
+        for written in (by_name[name] for name in infos[i].mutates):
+            if written in index:
+                colocate.union(i, index[written])
+            for reader in written.users:
+                if reader is not n and reader in index:
+                    order_edges.add((index[reader], i) if index[reader] < i else (i, index[reader]))
+    groups = tuple(sorted(tuple(sorted(g)) for g in colocate.to_sets() if len(g) > 1))
+    return groups, order_edges
+
+
+def _param_reads(gm: fx.GraphModule, nodes: list[fx.Node]) -> tuple[str, ...]:
+    """Per node, the qualified name of the parameter a ``get_attr`` reads, or ``""`` (any other node,
+    or a buffer or constant read)."""
+    return tuple(
+        str(n.target) if n.op == "get_attr" and isinstance(operator.attrgetter(str(n.target))(gm), torch.nn.Parameter)
+        else ""
+        for n in nodes
+    )
+
+
 def estimate(
     gm: fx.GraphModule,
     devices: tuple[DeviceSpec, ...],
@@ -295,59 +307,12 @@ def estimate(
     # Identical devices (the common case: 64 of one kind) are costed once.
     kinds = list(dict.fromkeys(devices))
     kind_of = [kinds.index(d) for d in devices]
-    expanded: dict[tuple, tuple] = {}
+    per_device = _row_sharer(kind_of)
 
-    def per_device(per_kind: tuple) -> tuple:
-        """A row over devices from one value per kind; equal rows are one tuple (deep models repeat)."""
-        if per_kind not in expanded:
-            expanded[per_kind] = tuple(per_kind[k] for k in kind_of)
-        return expanded[per_kind]
-
-    by_kind = [[_times(n, info, d) for n, info in zip(nodes, infos)] for d in kinds]
-    fwd, bwd = [], []
-    for i, n in enumerate(nodes):
-        times = [by_kind[k][i] for k in range(len(kinds))]
-        got = [(d, prof.nodes[n.name]) for d, prof in enumerate(profiles) if prof is not None and n.name in prof.nodes]
-        if not got:
-            fwd.append(per_device(tuple(t[0] for t in times)))
-            bwd.append(per_device(tuple(t[1] for t in times)))
-            continue
-        row = [times[k] for k in kind_of]
-        for d, node in got:
-            row[d] = (node.fwd * micro_batches, node.bwd * micro_batches)
-        fwd.append(tuple(t[0] for t in row))
-        bwd.append(tuple(t[1] for t in row))
-    transient = [info.output_bytes / micro_batches for info in infos]
-    own_saved = [info.saved_bytes for info in infos]
-    measured = next((p for p in profiles if p is not None), None)
-    if measured is not None:  # memory does not depend on which device of a kind measured it
-        for i, n in enumerate(nodes):
-            if n.name in measured.nodes:
-                own_saved[i] = measured.nodes[n.name].saved_bytes * micro_batches
-                transient[i] = measured.nodes[n.name].peak_bytes
-    transient = [int(max(round(t), OPTIMIZER_TEMP_FACTOR[optimizer] * info.largest_param_bytes)) for t, info in zip(transient, infos)]
-
+    fwd, bwd = _node_times(nodes, infos, kinds, kind_of, profiles, micro_batches, per_device)
+    own_saved, transient = _activation_bytes(nodes, infos, profiles, micro_batches, optimizer)
     edges = sorted({(index[u], index[v]) for v in nodes for u in v.all_input_nodes if u in index})
-
-    colocate = UnionFind(range(len(nodes)))
-    by_name = {n.name: n for n in gm.graph.nodes}
-    order_edges: set[tuple[int, int]] = set()
-    first_call: dict[str, int] = {}
-    for i, n in enumerate(nodes):
-        if n.op == "call_module":
-            j = first_call.setdefault(str(n.target), i)
-            colocate.union(i, j)
-        elif n.op == "get_attr":
-            readers = [index[u] for u in n.users if u in index]
-            if readers:
-                colocate.union(i, min(readers))
-        for written in (by_name[name] for name in infos[i].mutates):
-            if written in index:
-                colocate.union(i, index[written])
-            for reader in written.users:
-                if reader is not n and reader in index:
-                    order_edges.add((index[reader], i) if index[reader] < i else (i, index[reader]))
-
+    colocate, order_edges = _placement_rules(gm, nodes, index, infos)
     saved, sent = _saved_bytes(gm, nodes, infos, own_saved)
     state = [
         2 * info.param_bytes + OPTIMIZER_STATE_BYTES[optimizer] * info.param_count + info.buffer_bytes
@@ -364,16 +329,12 @@ def estimate(
         output_bytes=tuple(info.output_bytes for info in infos),
         edges=tuple(edges),
         order_edges=tuple(sorted(order_edges - set(edges))),
-        colocate=tuple(sorted(tuple(sorted(g)) for g in colocate.to_sets() if len(g) > 1)),
+        colocate=colocate,
         param_counts=tuple(info.param_count for info in infos),
         sent_bytes=tuple(sent),
         transient_bytes=tuple(int(t) for t in transient),
         optimizer_time=_optimizer_times(infos, kinds, kind_of, profiles, optimizer, per_device),
         param_bytes=tuple(info.param_bytes for info in infos),
-        param_reads=tuple(
-            str(n.target) if n.op == "get_attr" and isinstance(operator.attrgetter(str(n.target))(gm), torch.nn.Parameter)
-            else ""
-            for n in nodes
-        ),
+        param_reads=_param_reads(gm, nodes),
         output_tensors=tuple(len(info.output_shapes) for info in infos),
     )

@@ -11,7 +11,7 @@ replays the node on fresh inputs that require grad, like the annotate pass, and 
   then the median of the repeats);
 - saved bytes (what autograd keeps for backward, parameters excluded, each storage once)
   and the transient peak of forward and backward above what was live before, from the
-  allocator's statistics on a GPU and :class:`autosplit.measure.MemoryTracker` on the CPU.
+  allocator's statistics on a GPU and :class:`autosplit.timers.MemoryTracker` on the CPU.
 
 One step of the plan's optimizer over all parameters is timed too. Costs in a
 :class:`Profile` are per micro-batch; the cost table scales them to the batch.
@@ -51,9 +51,10 @@ import torch.fx as fx
 from torch.utils import _pytree as pytree
 
 from autosplit.errors import CostModelError, advice
-from autosplit.measure import MemoryTracker, pinned, timed
+from autosplit.options import ProfileOptions
 from autosplit.passes.annotate import fresh
 from autosplit.passes.capture import Captured
+from autosplit.timers import MemoryTracker, pinned, timed
 
 __all__ = ["ProfileOptions", "NodeProfile", "Profile", "profile"]
 
@@ -61,24 +62,6 @@ log = logging.getLogger(__name__)
 
 _FREE_TARGETS = {operator.getitem}
 _SCHEMA = 4  # bump when what a profile measures changes: older cache files are then ignored
-
-
-@dataclass(frozen=True)
-class ProfileOptions:
-    """How to measure. ``costs="measured"`` means ``ProfileOptions()``."""
-
-    warmup: int = 2
-    """Untimed runs per node first (caches, lazy initialisation, allocator warm-up)."""
-    repeats: int = 5
-    """Timed runs per node; the median is kept."""
-    threads: int | None = None
-    """Intra-op threads while profiling; ``None`` keeps ``torch.get_num_threads()``. Set it
-    to what each stage will run with (one process per CPU core: 1)."""
-    cores: tuple[int, ...] | None = None
-    """CPU cores to pin the profiling thread(s) to (Linux); ``None`` leaves affinity alone."""
-    cache_dir: str | None = None
-    """Where profiles are kept; ``None``: ``$AUTOSPLIT_CACHE`` or ``~/.cache/autosplit``."""
-    use_cache: bool = True
 
 
 @dataclass(frozen=True)
@@ -408,7 +391,7 @@ def _key(captured: Captured, inputs: Sequence[Any], device: torch.device, finger
 
 def profile(
     captured: Captured, inputs: Sequence[Any], device: str, *, fingerprint: str,
-    options: ProfileOptions = ProfileOptions(), micro_batches: int = 1, forwards_first: bool = False,
+    options: ProfileOptions | None = None, micro_batches: int = 1, forwards_first: bool = False,
     optimizer: str = "adam",
 ) -> Profile:
     """Measure every compute node of ``captured`` on ``device`` for the given (micro-batch) inputs.
@@ -419,6 +402,7 @@ def profile(
     ``forwards_first`` (GPipe's order), as the stages will run them (:class:`_InContext`);
     one step of ``optimizer`` over all parameters is timed too (:attr:`Profile.optimizer_step`).
     """
+    options = options or ProfileOptions()
     dev = torch.device(device)
     key = _key(captured, inputs, dev, fingerprint, options)
     key["optimizer"] = optimizer

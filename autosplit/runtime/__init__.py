@@ -1,14 +1,14 @@
-"""Runtimes: what runs a plan.
+"""Runtimes: what runs a plan. They read plans and generated stages; they never plan.
 
-- :mod:`.local` — :class:`SplitModule`, every stage in this process, one after another
-  (model parallelism for memory; wrap it in DDP for data parallelism);
-- :mod:`.microbatch` — how a batch is cut into micro-batches, for every runtime;
-- :mod:`.distributed` — pipeline stages on ``torch.distributed.pipelining``, one per
-  process, replicated over a ``("pp", "dp")`` device mesh (imported by ``autosplit`` itself:
-  it builds on the planner, which builds on the local runtime).
+- :mod:`.local` — :class:`SplitModule`, every stage in this process, one after another;
+- :mod:`.distributed` — :class:`DistributedModel`, a ``torch.distributed.pipelining`` stage per
+  process, replicated over a ``("pp", "dp")`` device mesh (built by :func:`autosplit.distribute`);
+- :mod:`.batches` — batches of other sizes than the example's, checked on every rank;
+- :mod:`.stage` — the pipelining stage that posts a step's receives early;
+- :mod:`.asynchronous` — XPipe / PipeDream's asynchronous loop; :mod:`.prediction` its weight prediction;
+- :mod:`.makespan` — :class:`MakespanRunner`, a makespan plan's tasks in one process.
 """
 
 from autosplit.runtime.local import SplitModule
-from autosplit.runtime.microbatch import split_batch
 
-__all__ = ["SplitModule", "split_batch"]
+__all__ = ["SplitModule"]

@@ -45,8 +45,8 @@ import torch
 import torch.distributed as dist
 
 from autosplit import schedules
+from autosplit.microbatch import split_batch
 from autosplit.passes.codegen import Chain
-from autosplit.runtime.microbatch import split_batch
 from autosplit.runtime.prediction import predicted, update_direction
 from autosplit.solver.asynchronous import Simulation, simulate
 
@@ -140,11 +140,7 @@ def run_asynchronous(
             continue
         if work.kind == "forward":
             _, named = chunks(b)[m]
-            received: list[torch.Tensor] = []
-            for meta, wants_grad in zip(chain.inputs_meta[stage], grad_flags):
-                buf = torch.empty(meta.shape, dtype=meta.dtype, device=device)
-                dist.recv(buf, src=previous)
-                received.append(buf.requires_grad_(wants_grad))
+            received = _receive(chain.inputs_meta[stage], grad_flags, previous, device)
             version_gap = sim.version_difference(stage, b, m)
             out, version = _forward(schedule, module, params, optimizer, stash, version_gap, b, received, named)
             outs = list(out) if isinstance(out, (tuple, list)) else [out]
@@ -164,28 +160,45 @@ def run_asynchronous(
         if last:
             state["loss"].backward()
         else:
-            roots, seeds = [], []
-            for t, wants_grad in zip(state["outs"], out_flags):
-                if wants_grad:
-                    g = torch.empty(t.shape, dtype=t.dtype, device=device)
-                    dist.recv(g, src=following)
-                    if t.requires_grad:
-                        roots.append(t)
-                        seeds.append(g)
-            if roots:
-                torch.autograd.backward(roots, seeds)
+            _backward_from(following, state["outs"], out_flags, device)
         if state["version"] is not None:
             stash.give_back(state["version"])
         if stage > 0:
-            for t, wants_grad in zip(state["received"], grad_flags):
-                if wants_grad:
-                    g = (t.grad if t.grad is not None else torch.zeros_like(t)).contiguous()
-                    sends.append((dist.isend(g, dst=previous), g))
+            sends += [(dist.isend(g, dst=previous), g) for g in _input_gradients(state["received"], grad_flags)]
         sends = [(w, t) for w, t in sends if not w.is_completed()]
     for w, _ in sends:
         w.wait()
     report = {"stashed_copies": stash.peak, "version_differences": sim.differences(stage), "update_times": updated}
     return [torch.stack(ls).mean() if last else None for ls in losses], report
+
+
+def _receive(metas: Sequence[torch.Tensor], grad_flags: Sequence[bool], src: int | None, device: torch.device) -> list[torch.Tensor]:
+    """A forward's inputs from the previous stage, in order, each requiring grad as the stage's inputs do."""
+    received = []
+    for meta, wants_grad in zip(metas, grad_flags):
+        buf = torch.empty(meta.shape, dtype=meta.dtype, device=device)
+        dist.recv(buf, src=src)
+        received.append(buf.requires_grad_(wants_grad))
+    return received
+
+
+def _backward_from(following: int | None, outs: Sequence[torch.Tensor], out_flags: Sequence[bool], device: torch.device) -> None:
+    """Receive the gradients of this stage's outputs from the next stage and run the backward from them."""
+    roots, seeds = [], []
+    for t, wants_grad in zip(outs, out_flags):
+        if wants_grad:
+            g = torch.empty(t.shape, dtype=t.dtype, device=device)
+            dist.recv(g, src=following)
+            if t.requires_grad:
+                roots.append(t)
+                seeds.append(g)
+    if roots:
+        torch.autograd.backward(roots, seeds)
+
+
+def _input_gradients(received: Sequence[torch.Tensor], grad_flags: Sequence[bool]) -> list[torch.Tensor]:
+    """The gradients of the inputs the previous stage sent (zeros for one the backward did not reach)."""
+    return [(t.grad if t.grad is not None else torch.zeros_like(t)).contiguous() for t, wants in zip(received, grad_flags) if wants]
 
 
 def _forward(

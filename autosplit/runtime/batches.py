@@ -17,10 +17,10 @@ import torch
 from torch.utils import _pytree as pytree
 
 from autosplit.errors import DistributedError, advice
+from autosplit.microbatch import batch_size, is_batched
 from autosplit.passes.capture import Captured, capture, fingerprint, flat_inputs, with_defaults
 from autosplit.passes.codegen import Chain, generate_chain
-from autosplit.plan import Plan
-from autosplit.runtime.microbatch import batch_size, is_batched
+from autosplit.plans import Plan
 
 __all__ = ["capture_chain", "chains_by_rows", "check_batches", "code_change", "describe", "digest", "meta_copy", "shapes"]
 

@@ -44,79 +44,25 @@ Usage (``torchrun --nproc-per-node 2 train.py``)::
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from autosplit import schedules
-from autosplit.devices import DeviceLike
-from autosplit.errors import AutosplitError, ConstraintError, DistributedError, PlanMismatchError, advice
-from autosplit.passes.capture import Captured, flat_inputs
-from autosplit.passes.codegen import Chain, generate_chain
-from autosplit.plan import Plan
-from autosplit.planner import Planner, load_plan
-from autosplit.runtime.batches import chains_by_rows, check_batches, code_change, describe, digest, shapes
-from autosplit.runtime.microbatch import batch_size, is_batched
+from autosplit.errors import AutosplitError, DistributedError, advice
+from autosplit.microbatch import batch_size, is_batched
+from autosplit.passes.codegen import Chain
+from autosplit.plans import Plan
+from autosplit.runtime.batches import check_batches, code_change, describe, digest, shapes
+from autosplit.runtime.placement import Layout, keep_unread, place, replicate_stage
 
-__all__ = ["DistributedModel", "distribute"]
+__all__ = ["DistributedModel"]
 
 log = logging.getLogger(__name__)
-
-@dataclass(frozen=True)
-class Layout:
-    """Where this rank sits on the ``("pp", "dp")`` mesh."""
-
-    stages: int
-    replicas: int
-    stage: int
-    replica: int
-
-    @classmethod
-    def of(cls, rank: int, stages: int, replicas: int) -> Layout:
-        return cls(stages, replicas, rank // replicas, rank % replicas)
-
-    def rank(self, stage: int, replica: int | None = None) -> int:
-        return stage * self.replicas + (self.replica if replica is None else replica)
-
-
-def _broadcast_plan(planner: Planner, given: Plan | None, rank: int) -> Plan:
-    """Rank 0 plans (or loads) and sends the plan; a failure there is raised on every rank."""
-    box: list[Any] = [None]
-    if rank == 0:
-        try:
-            box[0] = ("plan", (given if given is not None else planner.plan()).to_dict())
-        except AutosplitError as e:
-            box[0] = ("error", e)
-            dist.broadcast_object_list(box, src=0)
-            raise
-    dist.broadcast_object_list(box, src=0)
-    kind, payload = box[0]
-    if kind == "error":
-        payload.add_note("(raised on rank 0 while planning, and sent to every rank)")
-        raise payload
-    return Plan.from_dict(payload, source="the plan broadcast by rank 0")
-
-
-def _agree(value: Any, what: str, group: Any = None) -> None:
-    """Raise :class:`DistributedError` on every rank unless every rank holds the same ``value``."""
-    seen: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(seen, value, group=group)
-    differ = [r for r, v in enumerate(seen) if v != seen[0]]
-    if differ:
-        raise DistributedError(
-            advice(
-                f"ranks disagree on {what}: rank 0 has {seen[0]!r}, ranks {differ} have {[seen[r] for r in differ][:3]!r}",
-                "the ranks were given different models, inputs, options or plan files",
-                "build the model with the same seed (or load the same checkpoint) and pass the same arguments on every rank",
-            )
-        )
 
 
 @dataclass
@@ -135,7 +81,7 @@ class DistributedModel:
     def __init__(
         self, *, model: torch.nn.Module, plan: Plan, chain: Chain, layout: Layout, device: torch.device,
         loss_fn: Callable[[Any, Any], torch.Tensor],
-        pp_group: Any, dp_mesh: Any, data_parallel: str, input_names: Sequence[str], to_flat: Callable[..., list[Any]],
+        pp_group: Any, dp_mesh: Any, replication: str, input_names: Sequence[str], to_flat: Callable[..., list[Any]],
         micro_batches: int, example: Sequence[Any], chain_at: Callable[[int], Chain],
         tied_groups: Sequence[tuple[str, Any]] = (), asynchronous: str | None = None,
     ) -> None:
@@ -150,8 +96,8 @@ class DistributedModel:
         self._input_names = tuple(input_names)
         self.module: torch.nn.Module = chain.stages[layout.stage]
         if layout.stage == 0:
-            _keep_unread(self.module, model, chain)
-        _place(self.module, device)
+            keep_unread(self.module, model, chain)
+        place(self.module, device)
         # The model's own names for this stage's tensors (a tied weight under each of its names;
         # non-persistent buffers left out, as the model's state_dict does), fixed before
         # replication swaps the tensors for DTensors.
@@ -159,19 +105,7 @@ class DistributedModel:
         self._state_names = {k: local[id(t)] for k, t in model.state_dict(keep_vars=True).items() if id(t) in local}
         self._param_names = {k: local[id(p)] for k, p in model.named_parameters() if id(p) in local}
         if layout.replicas > 1:
-            # FSDP2's composable APIs, which the pipelining stage drives itself: gradient sync is
-            # switched off for all but the last micro-batch's backward. (Classic DDP cannot be
-            # used here: its reducer is prepared by every forward, but pipelining only wraps the
-            # backwards in no_sync, and DDP's bucket rebuild then sees each parameter M times.)
-            if data_parallel == "fsdp":
-                from torch.distributed.fsdp import fully_shard
-
-                fully_shard(self.module, mesh=dp_mesh)
-            else:
-                from torch.distributed._composable.replicate_with_fsdp import replicate
-
-                replicate(self.module, mesh=dp_mesh)
-            _quiet_fsdp_view_warning(self.module)
+            replicate_stage(self.module, replication, dp_mesh)
         self._pp_group = pp_group
         # static metadata: no dry-run forward (it would touch BatchNorm statistics)
         self._stage = self._new_stage(chain.inputs_meta[layout.stage], chain.outputs_meta[layout.stage])
@@ -515,224 +449,3 @@ def _causes(e: BaseException | None) -> str:
     return " ← ".join(lines)
 
 
-def _place(module: torch.nn.Module, device: torch.device) -> None:
-    with torch.no_grad():
-        for t in [*module.parameters(), *module.buffers()]:
-            if t.device != device:
-                t.data = t.data.to(device)
-
-
-def _keep_unread(module: torch.nn.Module, model: torch.nn.Module, chain: Chain) -> None:
-    """Register on ``module`` (stage 0's) every entry of the model's ``state_dict`` that no stage
-    reads — a parameter or persistent buffer ``forward`` never uses — under a reserved name, so
-    stage 0's state dicts, parameters and replication hold it like the stage's own tensors."""
-    read = {id(t) for stage in chain.stages for t in [*stage.parameters(), *stage.buffers()]}
-    for i, (name, t) in enumerate(model.state_dict(keep_vars=True).items()):
-        if not isinstance(t, torch.Tensor) or id(t) in read:
-            continue
-        read.add(id(t))  # a tied pair of unread names: registered once, found under both
-        attr = f"_unread{i}_{name.replace('.', '_')}"
-        if isinstance(t, torch.nn.Parameter):
-            module.register_parameter(attr, t)
-        else:
-            module.register_buffer(attr, t)
-
-
-# -- batches: what every rank compares, and what the stages can run ------------------------------------
-
-
-def _rank_device(plan: Plan, stage: int) -> torch.device:
-    spec = plan.devices[plan.stage_devices[stage]]
-    kind = torch.device(spec.torch_device or "cpu").type
-    if kind == "cuda":
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", torch.cuda.current_device())))
-    return torch.device(kind)
-
-
-def distribute(
-    model: torch.nn.Module,
-    devices: Sequence[DeviceLike] | None,
-    *,
-    example_inputs: Any,
-    loss_fn: Callable[[Any, Any], torch.Tensor],
-    example_kwargs: Mapping[str, Any] | None = None,
-    data_parallel: int = 1,
-    replicate: Literal["ddp", "fsdp"] = "ddp",
-    plan: Plan | str | Path | None = None,
-    **options: Any,
-) -> DistributedModel:
-    """Run ``model`` as pipeline stages across the ranks of the initialised process group.
-
-    ``devices`` are one replica's stage devices (``["cpu"] * 2``; ``None`` with a ``plan``);
-    world size must be ``data_parallel × len(devices)``. ``example_inputs`` /
-    ``example_kwargs`` are one replica's batch, the shape every :meth:`~DistributedModel.step`
-    takes. ``loss_fn(output, target)`` is called on each micro-batch's output (the model's
-    own output structure) and should average over its rows (e.g. ``CrossEntropyLoss()``).
-    ``replicate``: how each stage's data-parallel replicas keep in step — ``"ddp"`` (whole
-    parameters on every replica, gradients all-reduced: FSDP2's ``replicate``) or ``"fsdp"``
-    (parameters and optimizer state sharded: ``fully_shard``). ``options``: any :class:`~autosplit.options.PlanOptions` field
-    (``micro_batches``, ``schedule`` — ``"gpipe"`` or ``"1f1b"``, trained by
-    :meth:`~DistributedModel.step`; or the asynchronous ``"xpipe"``, ``"async"``, ``"pipedream"``,
-    trained by :meth:`~DistributedModel.train` — ``time_limit``, ...).
-    """
-    if not dist.is_available() or not dist.is_initialized():
-        raise DistributedError(
-            advice("autosplit.distribute needs an initialised process group", "torch.distributed is not initialised in this process",
-                   "call torch.distributed.init_process_group('gloo' or 'nccl') first, e.g. under torchrun")
-        )
-    if replicate not in ("ddp", "fsdp"):
-        raise DistributedError(advice(
-            f"replicate={replicate!r} is not supported",
-            "replicas are kept in step by FSDP2's replicate or fully_shard",
-            "pass 'ddp' or 'fsdp'",
-        ))
-    if not isinstance(data_parallel, int) or data_parallel < 1:
-        raise DistributedError(advice(
-            f"data_parallel={data_parallel!r} is out of range",
-            "it counts replicas of the pipeline",
-            "pass an integer ≥ 1",
-        ))
-    given = load_plan(plan)
-    stages = len(given.devices) if devices is None and given is not None else len(devices or ())
-    world, rank = dist.get_world_size(), dist.get_rank()
-    if world != stages * data_parallel:
-        raise DistributedError(
-            advice(
-                f"the process group has {world} ranks, but the plan needs data_parallel × stages = "
-                f"{data_parallel} × {stages} = {stages * data_parallel}",
-                "each rank runs one stage of one replica",
-                f"launch {stages * data_parallel} processes (torchrun --nproc-per-node {stages * data_parallel}), "
-                f"or pass data_parallel={world // stages if stages and world % stages == 0 else '…'} / other devices",
-            )
-        )
-    options.setdefault("schedule", "gpipe")
-    options["data_parallel"] = data_parallel
-    runnable = [name for name in schedules.SCHEDULES if schedules.REGISTRY[name].distributed]
-    on_torch = " and ".join(name for name in runnable if schedules.REGISTRY[name].torch_class is not None)
-    if given is None:
-        try:
-            asked: schedules.Schedule | None = schedules.lookup(options["schedule"])
-        except ConstraintError:
-            asked = None
-        if asked is not None:  # torch's schedules autosplit cannot run yet are refused as such, before any work
-            asked.require_runnable(f"schedule={options['schedule']!r}")
-        if asked is None or not asked.distributed:
-            raise DistributedError(
-                advice(
-                    f"schedule={options['schedule']!r} cannot run pipelined",
-                    f"torch.distributed.pipelining runs {on_torch}, and autosplit's own loop the asynchronous ones",
-                    f"pass one of {runnable}",
-                )
-            )
-    planner = Planner(model, devices, example_inputs=example_inputs, example_kwargs=example_kwargs, **options)
-    traced = planner.traced
-    made = _broadcast_plan(planner, given, rank)
-    made.check_fingerprint(traced.fingerprint, traced.node_names)
-    _agree(traced.fingerprint, "the captured graph's fingerprint")
-    entry = schedules.lookup(made.schedule) if made.objective == "pipeline" else None
-    if entry is None or not entry.distributed:
-        raise DistributedError(
-            advice(
-                f"the plan's schedule {made.schedule!r} cannot run pipelined",
-                f"torch.distributed.pipelining runs {on_torch}, and autosplit's own loop the asynchronous ones",
-                f"re-plan with one of {runnable}",
-            )
-        )
-    asynchronous = entry.name if entry.asynchronous else None
-    if asynchronous is not None and data_parallel != 1:
-        raise DistributedError(advice(
-            f"schedule={asynchronous!r} with data_parallel={data_parallel}",
-            "the asynchronous schedules run one replica so far", "pass data_parallel=1, or schedule='gpipe' / '1f1b'",
-        ))
-
-    layout = Layout.of(rank, stages, data_parallel)
-    device = _rank_device(made, layout.stage)
-    mesh = _mesh(device, stages, data_parallel)
-    _agree(_checksums(model), "the model's initial weights (a checksum per parameter)")
-    tied = [p for p in made.shared_params if p.policy == "replicate"]
-    if asynchronous is not None and tied:
-        raise DistributedError(advice(
-            f"schedule={asynchronous!r} with tied weights replicated on several stages ({[p.name for p in tied]})",
-            "asynchronous stages update at different times, so replicated copies would drift apart",
-            "untie the weights, or train this model with schedule='gpipe' or '1f1b'",
-        ))
-    chain, captured = _chain(planner, made, stages, replicate={p.name for p in tied})
-    if given is not None and given.crossings and given.crossings != chain.crossings:
-        raise PlanMismatchError(
-            advice(
-                f"the plan records crossings {given.crossings}, but this model's stages exchange {chain.crossings}",
-                "the plan was made for another version of the model or of autosplit",
-                "re-plan the model",
-            )
-        )
-    made = dataclasses.replace(made, crossings=chain.crossings)
-    tied_groups = []
-    for p in tied:  # new_group is collective: every rank creates every group, in one order
-        for replica in range(data_parallel):
-            group = dist.new_group([layout.rank(stage, replica) for stage in p.stages])
-            if layout.stage in p.stages and replica == layout.replica:
-                tied_groups.append((p.name, group))
-
-    def to_flat(args: tuple, kwargs: dict) -> list[Any]:
-        return flat_inputs(captured, tuple(args), kwargs)
-
-    replicated = {p.name for p in tied}
-    return DistributedModel(
-        model=model, plan=made, chain=chain, layout=layout, device=device, loss_fn=loss_fn,
-        pp_group=mesh["pp"].get_group(), dp_mesh=mesh["dp"],
-        data_parallel=replicate, input_names=chain.input_names, to_flat=to_flat, micro_batches=made.micro_batches,
-        example=to_flat(tuple(planner.example_inputs), dict(planner.example_kwargs or {})),
-        chain_at=chains_by_rows(
-            model, planner.traced.captured, (planner.example_inputs, planner.example_kwargs), made, stages,
-            method=captured.method, replicate=replicated,
-        ),
-        tied_groups=tied_groups, asynchronous=asynchronous,
-    )
-
-
-def _checksums(model: torch.nn.Module) -> list[str]:
-    """One number per parameter and buffer (6 significant digits), equal on ranks holding the same weights."""
-    with torch.no_grad():
-        return [f"{float(t.double().sum()):.6g}" for t in [*model.parameters(), *model.buffers()] if t.device.type != "meta"]
-
-
-def _chain(planner: Planner, plan: Plan, stages: int, *, replicate: set[str]) -> tuple[Chain, Captured]:
-    """The plan's chain, generated at the micro-batch's shape (an exported graph captured again
-    there: torch.export specialises a graph to its example shapes)."""
-    if plan.objective == "makespan":
-        raise DistributedError(advice(
-            "a makespan plan (objective='makespan') has no pipeline stages to distribute",
-            "its devices hold non-adjacent nodes and run them as their inputs arrive, which no runtime does yet",
-            "distribute a plan made with objective='pipeline'",
-        ))
-    captured, flat = planner.traced.at_micro_batch(plan.micro_batches)
-    return generate_chain(captured, plan.stage_of, stages, flat, replicate=replicate), captured
-
-
-def _quiet_fsdp_view_warning(stage: torch.nn.Module) -> None:
-    """Silence FSDP2's "returned a view tensor" warning for this replicated stage module, and only it.
-
-    FSDP2 warns on every forward whose output is a view, because an in-place op on that view
-    would drop the pre-backward hook it registers there. A stage's outputs are views when
-    ``nn.Linear`` (or a matmul) ends it on a 3-D input: torch computes the product in 2-D and
-    returns a 3-D view of it (GPT's qkv projection or head; ``.contiguous()`` keeps such a view as
-    it is). The base is a temporary that only the view holds, and the runtime never writes into a
-    stage's outputs: a middle stage sends them and runs backward through them, the last stage
-    hands them to ``loss_fn``, which reads them (as a loss over an FSDP module's output must).
-    The filter matches the message with this stage's class name (``ReplicateStage0``,
-    ``FSDPStage1``) from FSDP's own module, so the warning still shows for every other module;
-    adding it again replaces the same filter.
-    """
-    import re
-    import warnings
-
-    warnings.filterwarnings(
-        "ignore", message=rf"FSDP2-wrapped module \({re.escape(type(stage).__name__)}\) returned a view tensor",
-        category=UserWarning, module=r"torch\.distributed\.fsdp\.",
-    )
-
-
-def _mesh(device: torch.device, stages: int, replicas: int) -> Any:
-    from torch.distributed.device_mesh import init_device_mesh
-
-    return init_device_mesh(device.type, (stages, replicas), mesh_dim_names=("pp", "dp"))

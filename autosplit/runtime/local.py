@@ -23,7 +23,7 @@ import torch.fx as fx
 
 from autosplit.passes.capture import Captured, flat_inputs
 from autosplit.passes.codegen import Program
-from autosplit.plan import Plan
+from autosplit.plans import Plan
 
 __all__ = ["SplitModule"]
 

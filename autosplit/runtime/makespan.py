@@ -46,7 +46,7 @@ from torch.utils import _pytree as pytree
 from autosplit.errors import CodegenError, DistributedError, advice
 from autosplit.passes.annotate import node_info
 from autosplit.passes.capture import Captured, flat_inputs
-from autosplit.plan import Plan
+from autosplit.plans import Plan
 from autosplit.solver.makespan.schedule import run_key
 
 __all__ = ["MakespanRunner", "DeviceOptimizers"]

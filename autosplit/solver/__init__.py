@@ -8,8 +8,11 @@ times on any device, one step's makespan). How much work either may do before it
 skips CP-SAT is one value, :class:`~autosplit.solver.limits.SolverLimits`.
 """
 
-from autosplit.solver.limits import SolverLimits
-from autosplit.solver.pipeline import Solution, choose_order, lower_bound, solve, split_dp, topological_order
+from autosplit.options import SolverLimits
+from autosplit.solver.pipeline.bounds import lower_bound
+from autosplit.solver.pipeline.dp import split_dp, topological_order
+from autosplit.solver.pipeline.order import choose_order
+from autosplit.solver.pipeline.strategy import Solution, solve
 from autosplit.solver.problem import Evaluation, Problem, build_problem, evaluate, in_flight
 from autosplit.solver.validate import validate, violations
 

@@ -11,7 +11,7 @@ the global batch is B = R·b, and
   Training", eq. 2.11): ``E(B) = E_min · (1 + B / B_noise)``;
 - time to target ``= E(B) / B · T_step(k)`` (steps × seconds per step).
 
-Torch-free: the orchestration (a plan per k) is :mod:`autosplit.hybrid`.
+Torch-free: the orchestration (a plan per k) is :mod:`autosplit.api.hybrid`.
 
 Usage::
 
@@ -37,6 +37,12 @@ def ring_allreduce(nbytes: float, n: int, bandwidth: float, latency: float) -> f
     if n <= 1:
         return 0.0
     return 2 * (n - 1) / n * nbytes / bandwidth + 2 * (n - 1) * latency
+
+
+def exposed_allreduce(allreduce: float, backward: float, micro_batches: int) -> float:
+    """Seconds of a stage's gradient all-reduce the step waits for: what the backward of its last
+    micro-batch (``backward / micro_batches``) does not hide (DDP's bucketed overlap)."""
+    return max(0.0, allreduce - backward / micro_batches)
 
 
 def hierarchical_allreduce(
@@ -76,7 +82,7 @@ def examples_factor(batch: float, noise_scale: float | None = None, table: Mappi
     if not (_number(noise_scale) and noise_scale > 0):
         raise ConstraintError(advice(
             f"noise_scale={noise_scale!r} is not a positive number of examples",
-            "the gradient noise scale B_noise is a batch size", "measure it with autosplit.measure_noise_scale",
+            "the gradient noise scale B_noise is a batch size", "measure it with autosplit.api.measure_noise_scale",
         ))
     return 1.0 + batch / noise_scale
 

@@ -32,6 +32,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
+from typing import Any
 
 import numpy as np
 
@@ -265,6 +266,71 @@ def _rows(values: np.ndarray) -> tuple[tuple[int, ...], ...]:
     return tuple(rows[row.tobytes()] for row in table)
 
 
+def _kib(nbytes: float) -> int:
+    """Bytes in KiB, rounded up (a plan that fits in KiB fits in bytes)."""
+    return math.ceil(nbytes / KIB)
+
+
+def _compute_ns(table: Any, columns: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    """[node, stage] the forward's seconds and the whole compute's ns on each stage's device (``columns``:
+    the device of each stage).
+
+    The optimizer steps each stage's parameters once per step, after its last backward; charged
+    with the stage's compute, the schedule formula counts it about once (for S ≪ M), and the
+    solver balances it with the rest.
+    """
+    # Vectorised (numpy), with the scalar formulas' order of operations, so values match them exactly.
+    N = len(table.nodes)
+    opt = table.optimizer_time or ((0.0,) * len(table.devices),) * N
+    fwd = _array(table.fwd_time, N)[:, columns]
+    seconds = np.add(np.add(fwd, _array(table.bwd_time, N)[:, columns]), _array(opt, N)[:, columns])
+    return fwd, np.rint(seconds * NS).astype(np.int64)
+
+
+def _transfer_ns(table: Any, devices: Sequence[Any], micro_batches: int, schedule: str) -> np.ndarray:
+    """[node, k − 1] ns to move each node's output over boundary k (stages k−1 and k) and its gradient back.
+
+    Each micro-batch sends every crossing tensor forward and its gradient back:
+    2·(M·latency + bytes/bandwidth) for a tensor of the whole batch's bytes, the latency once per
+    tensor of the value (none for a Python value: it crosses as a constant). A parameter read on a
+    later stage (a tied weight) has the same bytes in every micro-batch: sent, it costs
+    2·M·(latency + bytes/bandwidth); replicated, one all-reduce of its gradient per step (two
+    holders, ring: bytes/bandwidth + 2·latency) — the cheaper is charged, and the runtime makes the
+    same choice (tied_policy). Asynchronous stages cannot replicate: they send.
+    """
+    M, N = micro_batches, len(table.nodes)
+    links = [devices[k - 1].link_to(devices[k]) for k in range(1, len(devices))]
+    reads = table.param_reads or ("",) * len(table.nodes)
+    tensors = table.output_tensors or (1,) * len(table.nodes)
+    nbytes, counts = np.asarray(table.output_bytes, dtype=np.float64), np.asarray(tensors, dtype=np.float64)
+    sent = np.empty((N, len(links)))
+    for k, (bw, lat) in enumerate(links):
+        sent[:, k] = np.rint(2 * (M * lat * counts + nbytes / bw) * NS)
+    asynchronous = schedules.lookup(schedule).asynchronous
+    shared = (lambda costs: costs[0]) if asynchronous else min
+    for n in (n for n, read in enumerate(reads) if read):
+        sent[n] = [round(shared(tied_costs(table.output_bytes[n], bw, lat, M)) * NS) for bw, lat in links]
+    return sent
+
+
+def _held_kib(table: Any, schedule: str, stages: int, micro_batches: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """[node, stage] KiB each stage holds at its peak, at the schedule's in-flight count: (saved
+    activations, with the weight copies the schedule keeps; received outputs; outputs it sends on,
+    None when the table records none)."""
+    S, M = stages, micro_batches
+    in_flight_share = np.asarray([in_flight(schedule, s, S, M) for s in range(S)], dtype=np.float64)
+
+    def per_stage(values: Sequence[int]) -> np.ndarray:  # kib(b · inflight[s] / M)
+        return np.ceil(np.asarray(values, dtype=np.float64)[:, None] * in_flight_share[None, :] / M / KIB).astype(np.int64)
+
+    act, recv = per_stage(table.saved_bytes), per_stage(table.output_bytes)
+    copies = np.asarray(weight_copies(schedule, S, M), dtype=np.int64)
+    if copies.any() and table.param_bytes:  # weight copies a schedule keeps: held with the activations
+        act += np.ceil(np.asarray(table.param_bytes, dtype=np.float64) / KIB).astype(np.int64)[:, None] * copies[None, :]
+    send = per_stage(table.sent_bytes) if table.sent_bytes else None
+    return act, recv, send
+
+
 def build_problem(
     table,
     *,
@@ -281,53 +347,12 @@ def build_problem(
     order = tuple(range(len(table.devices))) if order is None else tuple(order)
     devices = [table.devices[d] for d in order]
     stage_of_device = {d: s for s, d in enumerate(order)}
-    S = len(devices)
-    M = micro_batches
-    inflight = [in_flight(schedule, s, S, M) for s in range(S)]
-
-    def kib(nbytes: float) -> int:
-        return math.ceil(nbytes / KIB)
-
-    # The optimizer steps each stage's parameters once per step, after its last backward; charged
-    # with the stage's compute, the schedule formula counts it about once (for S ≪ M), and the
-    # solver balances it with the rest.
-    # Vectorised (numpy), with the scalar formulas' order of operations, so values match them exactly.
-    N = len(table.nodes)
-    opt = table.optimizer_time or ((0.0,) * len(table.devices),) * N
-    columns = list(order)
-    fwd = _array(table.fwd_time, N)[:, columns]
-    seconds = np.add(np.add(fwd, _array(table.bwd_time, N)[:, columns]), _array(opt, N)[:, columns])
-    compute = np.rint(seconds * NS).astype(np.int64)
-    # Boundary k joins stages k−1 and k. Each micro-batch sends every crossing tensor forward and
-    # its gradient back: 2·(M·latency + bytes/bandwidth) for a tensor of the whole batch's bytes,
-    # the latency once per tensor of the value (none for a Python value: it crosses as a constant).
-    # A parameter read on a later stage (a tied weight) has the same bytes in every micro-batch:
-    # sent, it costs 2·M·(latency + bytes/bandwidth); replicated, one all-reduce of its gradient
-    # per step (two holders, ring: bytes/bandwidth + 2·latency) — the cheaper is charged, and the
-    # runtime makes the same choice (tied_policy).
-    links = [devices[k - 1].link_to(devices[k]) for k in range(1, S)]
-    latency = tuple(0 for _ in links)
-    reads = table.param_reads or ("",) * len(table.nodes)
-    tensors = table.output_tensors or (1,) * len(table.nodes)
-    nbytes, counts = np.asarray(table.output_bytes, dtype=np.float64), np.asarray(tensors, dtype=np.float64)
-    sent = np.empty((N, len(links)))
-    for k, (bw, lat) in enumerate(links):
-        sent[:, k] = np.rint(2 * (M * lat * counts + nbytes / bw) * NS)
-    asynchronous = schedules.lookup(schedule).asynchronous  # asynchronous stages cannot replicate: they send
-    shared = (lambda costs: costs[0]) if asynchronous else min
-    for n in (n for n, read in enumerate(reads) if read):
-        sent[n] = [round(shared(tied_costs(table.output_bytes[n], bw, lat, M)) * NS) for bw, lat in links]
-    in_flight_share = np.asarray(inflight, dtype=np.float64)
-
-    def per_stage(values: Sequence[int]) -> np.ndarray:  # kib(b · inflight[s] / M)
-        return np.ceil(np.asarray(values, dtype=np.float64)[:, None] * in_flight_share[None, :] / M / KIB).astype(np.int64)
-
-    act, recv = per_stage(table.saved_bytes), per_stage(table.output_bytes)
-    copies = np.asarray(weight_copies(schedule, S, M), dtype=np.int64)
-    if copies.any() and table.param_bytes:  # weight copies a schedule keeps: held with the activations
-        act += np.ceil(np.asarray(table.param_bytes, dtype=np.float64) / KIB).astype(np.int64)[:, None] * copies[None, :]
-    send = per_stage(table.sent_bytes) if table.sent_bytes else None
-    state = tuple(kib(b) for b in table.state_bytes)
+    N, S, M = len(table.nodes), len(devices), micro_batches
+    fwd, compute = _compute_ns(table, list(order))
+    sent = _transfer_ns(table, devices, M, schedule)
+    act, recv, send = _held_kib(table, schedule, S, M)
+    state = tuple(_kib(b) for b in table.state_bytes)
+    transient = _kib(max(table.transient_bytes, default=0)) if table.transient_bytes else _kib(max(table.output_bytes, default=0) / M)
     problem = Problem(
         nodes=table.nodes,
         labels=table.module_paths,
@@ -336,7 +361,7 @@ def build_problem(
         edges=table.edges,
         order_edges=table.order_edges,
         transfer=_rows(sent),
-        boundary_latency=latency,
+        boundary_latency=(0,) * sent.shape[1],  # latency is paid per tensor, in ``sent``
         state_mem=state,
         act_mem=_rows(act),
         recv_mem=_rows(recv),
@@ -345,7 +370,7 @@ def build_problem(
         capacity=tuple(d.memory // KIB for d in devices),
         colocate=table.colocate,
         micro_batches=M,
-        transient_mem=kib(max(table.transient_bytes, default=0)) if table.transient_bytes else kib(max(table.output_bytes, default=0) / M),
+        transient_mem=transient,
         constraints=tuple(
             UserConstraint(c.text, tuple((n, stage_of_device[d]) for n, d in c.forbid), c.together) for c in constraints
         ),

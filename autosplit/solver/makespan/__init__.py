@@ -21,8 +21,8 @@ import time
 from dataclasses import dataclass
 
 from autosplit.errors import InfeasiblePlanError, advice
+from autosplit.options import SolverLimits
 from autosplit.solver.coarsen import coarse_problem, coarsen
-from autosplit.solver.limits import SolverLimits
 from autosplit.solver.makespan.cpsat import makespan_cpsat
 from autosplit.solver.makespan.schedule import Schedule, Task, durations, list_schedule, memory_of, schedule_of
 from autosplit.solver.pipeline.dp import topological_order

@@ -28,6 +28,7 @@ slowest device plus every transfer. The warm start's assignment and times are th
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 from ortools.sat.python import cp_model
 
@@ -38,18 +39,30 @@ from autosplit.solver.problem import Problem
 __all__ = ["makespan_cpsat"]
 
 
-def makespan_cpsat(
-    problem: Problem, hint: Schedule | None, *, time_limit: float, seed: int = 0, workers: int | None = None,
-) -> tuple[str, Schedule | None, float]:
-    """(status name, the best schedule found or None, the proven lower bound on the makespan)."""
+@dataclass(frozen=True)
+class _Vars:
+    """The model's placement and timing variables."""
+
+    x: list[list[cp_model.IntVar]]
+    """[u][d]: unit u runs on device d."""
+    start: list[cp_model.IntVar]
+    """[t] start of task t (2u: F_u, 2u + 1: B_u)."""
+    end: list[cp_model.IntVar]
+    """[t] end of task t."""
+
+
+def _horizon(hint: Schedule | None, fwd: list[list[int]], bwd: list[list[int]], c: list[int]) -> int:
+    """No optimal schedule is longer: the warm start's makespan, else every task on its slowest
+    device plus every transfer."""
+    if hint is not None:
+        return hint.makespan
+    return sum(max(f) + max(b) for f, b in zip(fwd, bwd)) + 2 * sum(c)
+
+
+def _add_tasks(m: cp_model.CpModel, problem: Problem, fwd: list[list[int]], bwd: list[list[int]], horizon: int) -> _Vars:
+    """Each unit on exactly one device, its forward and backward an optional interval per device
+    (sharing the unit's presence literal), and one task at a time on every device."""
     N, D = len(problem.nodes), problem.num_stages
-    fwd, bwd = durations(problem)
-    c = comm(problem)
-    prec = task_graph(problem)  # the loss edges included
-    horizon = hint.makespan if hint is not None else (
-        sum(max(f) + max(b) for f, b in zip(fwd, bwd)) + 2 * sum(c)
-    )
-    m = cp_model.CpModel()
     x = [[m.new_bool_var(f"x{u}_{d}") for d in range(D)] for u in range(N)]
     start = [m.new_int_var(0, horizon, f"s{t}") for t in range(2 * N)]
     end = [m.new_int_var(0, horizon, f"e{t}") for t in range(2 * N)]
@@ -61,20 +74,31 @@ def makespan_cpsat(
                 per_device[d].append(m.new_optional_interval_var(start[t], dur[d], end[t], x[u][d], f"i{t}_{d}"))
     for d in range(D):
         m.add_no_overlap(per_device[d])
+    return _Vars(x, start, end)
 
+
+def _add_precedence(m: cp_model.CpModel, problem: Problem, var: _Vars, c: list[int]) -> None:
+    """Every task after its predecessors (the loss edges included), plus the unit's one-way
+    transfer across a data edge whose ends sit on different devices (δ_uv)."""
+    D = problem.num_stages
     apart: dict[tuple[int, int], cp_model.IntVar] = {}
     for u, v in problem.edges:
         if (u, v) not in apart:
             delta = apart[u, v] = m.new_bool_var(f"d{u}_{v}")
             for d in range(D):
-                m.add(delta >= x[u][d] - x[v][d])
-    for a, b, w in prec:
+                m.add(delta >= var.x[u][d] - var.x[v][d])
+    for a, b, w in task_graph(problem):
         if w >= 0 and c[w] > 0:
             u, v = (a // 2, b // 2) if a % 2 == 0 else (b // 2, a // 2)
-            m.add(start[b] >= end[a] + c[w] * apart[u, v])
+            m.add(var.start[b] >= var.end[a] + c[w] * apart[u, v])
         else:
-            m.add(start[b] >= end[a])
+            m.add(var.start[b] >= var.end[a])
 
+
+def _add_memory(m: cp_model.CpModel, problem: Problem, x: list[list[cp_model.IntVar]]) -> None:
+    """Every device's state, activations, received outputs (r[u, d]: d holds u's output for a
+    consumer) and reserve within its capacity."""
+    N, D = len(problem.nodes), problem.num_stages
     receives: dict[tuple[int, int], cp_model.IntVar] = {}
     for u, v in problem.edges:
         for d in range(D):
@@ -88,6 +112,11 @@ def makespan_cpsat(
             + problem.transient_mem
             <= problem.capacity[d]
         )
+
+
+def _add_placement(m: cp_model.CpModel, problem: Problem, x: list[list[cp_model.IntVar]]) -> None:
+    """Units kept together share a device; the user's forbidden (unit, device) pairs are left out."""
+    D = problem.num_stages
     for members in [*problem.colocate, *(k.together for k in problem.constraints)]:
         for n in members[1:]:
             for d in range(D):
@@ -96,30 +125,52 @@ def makespan_cpsat(
         for n, d in k.forbid:
             m.add(x[n][d] == 0)
 
-    makespan = m.new_int_var(0, horizon, "C")
-    for t in range(2 * N):
-        m.add(makespan >= end[t])
-    m.minimize(makespan)
 
+def _add_hint(m: cp_model.CpModel, problem: Problem, hint: Schedule, var: _Vars, makespan: cp_model.IntVar) -> None:
+    """The warm start's assignment, task times and makespan as the solver's hint."""
+    for u, d in enumerate(hint.device_of):
+        for dd in range(problem.num_stages):
+            m.add_hint(var.x[u][dd], int(dd == d))
+    for task in hint.tasks:
+        t = 2 * task.unit + (task.kind == "backward")
+        m.add_hint(var.start[t], task.start)
+        m.add_hint(var.end[t], task.end)
+    m.add_hint(makespan, hint.makespan)
+
+
+def _read_schedule(solver: cp_model.CpSolver, problem: Problem, var: _Vars) -> Schedule:
+    """The schedule of the solver's best solution: each unit's device and each task's times."""
+    N, D = len(problem.nodes), problem.num_stages
+    device_of = tuple(next(d for d in range(D) if solver.value(var.x[u][d])) for u in range(N))
+    tasks = tuple(
+        Task(t // 2, "backward" if t % 2 else "forward", device_of[t // 2], solver.value(var.start[t]), solver.value(var.end[t]))
+        for t in range(2 * N)
+    )
+    return Schedule(device_of, tasks)
+
+
+def makespan_cpsat(
+    problem: Problem, hint: Schedule | None, *, time_limit: float, seed: int = 0, workers: int | None = None,
+) -> tuple[str, Schedule | None, float]:
+    """(status name, the best schedule found or None, the proven lower bound on the makespan)."""
+    fwd, bwd = durations(problem)
+    c = comm(problem)
+    horizon = _horizon(hint, fwd, bwd, c)
+    m = cp_model.CpModel()
+    var = _add_tasks(m, problem, fwd, bwd, horizon)
+    _add_precedence(m, problem, var, c)
+    _add_memory(m, problem, var.x)
+    _add_placement(m, problem, var.x)
+    makespan = m.new_int_var(0, horizon, "C")
+    for end in var.end:
+        m.add(makespan >= end)
+    m.minimize(makespan)
     if hint is not None:
-        for u, d in enumerate(hint.device_of):
-            for dd in range(D):
-                m.add_hint(x[u][dd], int(dd == d))
-        for task in hint.tasks:
-            t = 2 * task.unit + (task.kind == "backward")
-            m.add_hint(start[t], task.start)
-            m.add_hint(end[t], task.end)
-        m.add_hint(makespan, hint.makespan)
+        _add_hint(m, problem, hint, var, makespan)
 
     solver = cp_solver(max(time_limit, 0.01), seed, workers)  # deterministic: every rank plans the same
     status = solver.solve(m)
     name = solver.status_name(status)
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return name, None, solver.best_objective_bound if status != cp_model.INFEASIBLE else math.inf
-    device_of = tuple(next(d for d in range(D) if solver.value(x[u][d])) for u in range(N))
-    tasks = tuple(
-        Task(t // 2, "backward" if t % 2 else "forward", device_of[t // 2], solver.value(start[t]), solver.value(end[t]))
-        for t in range(2 * N)
-    )
-    return name, Schedule(device_of, tasks), solver.best_objective_bound
-
+    return name, _read_schedule(solver, problem, var), solver.best_objective_bound

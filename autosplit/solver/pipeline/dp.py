@@ -31,7 +31,7 @@ Usage::
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -177,44 +177,43 @@ def _upper_bound(problem: Problem, order: Sequence[int], cuts: np.ndarray, C: np
     return float(max(evaluate(problem, stage_of).time))
 
 
-def split_dp(
-    problem: Problem,
-    order: Sequence[int],
-    allowed: Sequence[int] | None = None,
-    *,
-    max_candidates: int = 8,
-    prefix: Prefix | None = None,
-) -> tuple[int, ...] | None:
-    """Best contiguous split of ``order`` into S non-empty stages (node index → stage), or None.
-
-    ``prefix``: :func:`prefix_sums` of ``order``, when the caller runs several DPs over it."""
-    N, S, Mb = len(order), problem.num_stages, problem.micro_batches
-    if S > N:
-        return None
+def _allowed_cuts(problem: Problem, order: Sequence[int], allowed: Sequence[int] | None) -> np.ndarray:
+    """The cut positions a split may use: ``allowed`` (every position by default) and both ends,
+    less those that would separate colocated nodes."""
+    N = len(order)
     bad = forbidden_cuts(problem, order)
     cuts = np.arange(N + 1) if allowed is None else np.unique(np.concatenate([[0, N], np.asarray(allowed, dtype=np.int64)]))
-    cuts = cuts[~bad[cuts]]
-    pre = prefix or prefix_sums(problem, order)
-    C, A, Mst, X, R, H, F = pre.C, pre.A, pre.Mst, pre.X, pre.R, pre.H, pre.F
-    K = len(cuts)
-    ends = np.arange(K)
-    bands: dict[tuple[int, float], tuple[np.ndarray, np.ndarray]] = {}
+    return cuts[~bad[cuts]]
 
-    def band(s: int, cap: float) -> tuple[np.ndarray, np.ndarray]:
+
+class _StageDP:
+    """The DP over stages at one order's allowed cuts: each stage's band of candidate segments
+    (cached per kind of stage and cap), the passes that combine them, and the split they pick."""
+
+    def __init__(self, problem: Problem, order: Sequence[int], cuts: np.ndarray, pre: Prefix) -> None:
+        self.problem, self.order, self.cuts, self.pre = problem, order, cuts, pre
+        self.ends = np.arange(len(cuts))
+        self._bands: dict[tuple[int, float], tuple[np.ndarray, np.ndarray]] = {}
+
+    def band(self, s: int, cap: float) -> tuple[np.ndarray, np.ndarray]:
         """Stages of one kind have the same band: it is computed once per kind and cap."""
-        key = (pre.kind[s], cap)
+        bands = self._bands
+        key = (self.pre.kind[s], cap)
         if key not in bands:
             if bands and next(iter(bands))[1] != cap:  # one cap per pass: keep only its bands
                 bands.clear()
-            bands[key] = _band(s, cap)
+            bands[key] = self._segments(s, cap)
         return bands[key]
 
-    def _band(s: int, cap: float) -> tuple[np.ndarray, np.ndarray]:
+    def _segments(self, s: int, cap: float) -> tuple[np.ndarray, np.ndarray]:
         """Stage s ending at each cut b: candidate starts a (K, W) and their times (+inf if invalid).
 
         A stage's compute alone must stay within ``cap``, so only the W cuts before b that
         satisfy it are candidates: a band about K/S wide instead of all K.
         """
+        problem, pre, cuts, ends = self.problem, self.pre, self.cuts, self.ends
+        S, K = problem.num_stages, len(cuts)
+        C, A, Mst, X, R, H, F = pre.C, pre.A, pre.Mst, pre.X, pre.R, pre.H, pre.F
         Cs = C[cuts, s]
         lo = np.searchsorted(Cs, Cs - cap, side="left")
         width = max(1, int((ends - lo).max()))
@@ -233,13 +232,16 @@ def split_dp(
         ok = valid & (mem <= problem.capacity[s]) & ((F[b, s] - F[a, s]) == 0) & (t <= cap)
         return starts, np.where(ok, t, _INF)
 
-    def run(combine, cap: float, collect: tuple[float, float] | None = None):
+    def run(
+        self, combine: Callable[[np.ndarray, np.ndarray], np.ndarray], cap: float, collect: tuple[float, float] | None = None
+    ) -> tuple[float, list[np.ndarray], list[np.ndarray]]:
         """DP over stages: (value at the end, back-pointers, segment costs seen within ``collect``)."""
-        val = np.full(K, _INF)
+        ends = self.ends
+        val = np.full(len(self.cuts), _INF)
         val[0] = 0.0
         back, seen = [], []
-        for s in range(S):
-            starts, t = band(s, cap)
+        for s in range(self.problem.num_stages):
+            starts, t = self.band(s, cap)
             if collect is not None:
                 seen.append(t[(t >= collect[0]) & (t <= collect[1])])
             cand = combine(val[starts], t)  # (K, W): end b, via start starts[b, j]
@@ -248,40 +250,72 @@ def split_dp(
             back.append(starts[ends, arg])
         return val[-1], back, seen
 
-    def walk(back) -> tuple[int, ...]:
-        stage_of = [0] * N
+    def walk(self, back: list[np.ndarray]) -> tuple[int, ...]:
+        """The split the back-pointers of a pass pick (node index → stage)."""
+        cuts, order = self.cuts, self.order
+        stage_of = [0] * len(order)
         b = len(cuts) - 1
-        for s in range(S - 1, -1, -1):
+        for s in range(self.problem.num_stages - 1, -1, -1):
             a = back[s][b]
             for p in range(cuts[a], cuts[b]):
                 stage_of[order[p]] = s
             b = a
         return tuple(stage_of)
 
-    if Mb == 1:  # no pipelining: only the sum counts
-        free_sum, free_back, _ = run(np.add, _INF)
-        return walk(free_back) if np.isfinite(free_sum) else None
-    # A valid equal-compute split bounds the slowest stage of the bottleneck optimum.
-    t_star, _, _ = run(np.maximum, _upper_bound(problem, order, cuts, C))
+
+def _least_bottleneck(problem: Problem, order: Sequence[int], dp: _StageDP) -> float:
+    """T*, the least possible slowest stage (inf when no split fits). The bottleneck pass first
+    looks only at segments within a valid equal-compute split's slowest stage (it bounds the
+    optimum), and over every segment when that split is not valid."""
+    t_star, _, _ = dp.run(np.maximum, _upper_bound(problem, order, dp.cuts, dp.pre.C))
     if not np.isfinite(t_star):
-        t_star, _, _ = run(np.maximum, _INF)
-    if not np.isfinite(t_star):
-        return None
+        t_star, _, _ = dp.run(np.maximum, _INF)
+    return t_star
+
+
+def _best_under_caps(problem: Problem, dp: _StageDP, t_star: float, max_candidates: int) -> list[np.ndarray]:
+    """Back-pointers of the split of least objective ``Σ t_s + (M − 1)·max t_s``: the least sum under
+    each cap T from T* up to where a larger bottleneck cannot pay for itself, at most
+    ``max_candidates`` caps beyond T*, evenly spread."""
+    K, S, Mb = len(dp.cuts), problem.num_stages, problem.micro_batches
     if K * K * S <= _EXACT_FREE_SUM:
-        free_sum, _, _ = run(np.add, _INF)
+        free_sum, _, _ = dp.run(np.add, _INF)
     else:  # a lower bound on the least sum (transfers left out) only widens the scan below
         free_sum = float(sum(problem.fastest) + 2 * sum(problem.boundary_latency))
-    base_sum, base_back, _ = run(np.add, t_star)
+    base_sum, base_back, _ = dp.run(np.add, t_star)
     limit = t_star + (base_sum - free_sum) / (Mb - 1)
     best_obj, best_back = base_sum + (Mb - 1) * t_star, base_back
     if limit > t_star:
-        _, _, seen = run(np.add, limit, collect=(t_star, limit))
+        _, _, seen = dp.run(np.add, limit, collect=(t_star, limit))
         candidates = np.unique(np.concatenate(seen))
         candidates = candidates[candidates > t_star]
         if len(candidates) > max_candidates:
             candidates = candidates[np.linspace(0, len(candidates) - 1, max_candidates).round().astype(int)]
         for T in candidates:
-            total, back, _ = run(np.add, T)
+            total, back, _ = dp.run(np.add, T)
             if np.isfinite(total) and total + (Mb - 1) * T < best_obj:
                 best_obj, best_back = total + (Mb - 1) * T, back
-    return walk(best_back)
+    return best_back
+
+
+def split_dp(
+    problem: Problem,
+    order: Sequence[int],
+    allowed: Sequence[int] | None = None,
+    *,
+    max_candidates: int = 8,
+    prefix: Prefix | None = None,
+) -> tuple[int, ...] | None:
+    """Best contiguous split of ``order`` into S non-empty stages (node index → stage), or None.
+
+    ``prefix``: :func:`prefix_sums` of ``order``, when the caller runs several DPs over it."""
+    if problem.num_stages > len(order):
+        return None
+    dp = _StageDP(problem, order, _allowed_cuts(problem, order, allowed), prefix or prefix_sums(problem, order))
+    if problem.micro_batches == 1:  # no pipelining: only the sum counts
+        free_sum, free_back, _ = dp.run(np.add, _INF)
+        return dp.walk(free_back) if np.isfinite(free_sum) else None
+    t_star = _least_bottleneck(problem, order, dp)
+    if not np.isfinite(t_star):
+        return None
+    return dp.walk(_best_under_caps(problem, dp, t_star, max_candidates))

@@ -25,7 +25,7 @@ import math
 import time
 from collections.abc import Sequence
 
-from autosplit.solver.limits import SolverLimits
+from autosplit.options import SolverLimits
 from autosplit.solver.pipeline.dp import topological_order
 from autosplit.solver.pipeline.strategy import dp_plan
 from autosplit.solver.problem import UserConstraint, build_problem, evaluate

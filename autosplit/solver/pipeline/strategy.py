@@ -32,8 +32,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from autosplit.errors import InfeasiblePlanError, SolverError, advice
+from autosplit.options import SolverLimits
 from autosplit.solver.coarsen import Coarsening, coarse_problem, coarsen, repeated_layers
-from autosplit.solver.limits import SolverLimits
 from autosplit.solver.pipeline.bounds import lower_bound, memory_chain_floor, memory_floor
 from autosplit.solver.pipeline.cpsat import PROVEN_GAP, cpsat, explain_infeasible, precheck
 from autosplit.solver.pipeline.dp import Prefix, prefix_sums, split_dp, topological_order

@@ -1,6 +1,6 @@
 """Manual splits as plans: the splits users write today, costed and run like autosplit's own.
 
-Each form becomes a stage per graph node, then a :class:`~autosplit.plan.Plan` checked (every
+Each form becomes a stage per graph node, then a :class:`~autosplit.plans.Plan` checked (every
 node placed, data flowing forward only, memory) and costed with the planner's cost model, so
 it compares with autosplit's plan and runs on either runtime (:func:`manual_plan` reads them all):
 
@@ -34,9 +34,9 @@ from typing import Any
 
 import torch
 
-from autosplit.compiler import compile_plan
+from autosplit.compiler.steps import compile_plan
 from autosplit.errors import ConstraintError, advice
-from autosplit.plan import Plan, SolverInfo
+from autosplit.plans import Plan, SolverInfo
 
 __all__ = [
     "ManualSplit", "balance_fqns", "deepspeed_fqns", "fqn_stages", "layer_list", "manual_plan",

@@ -1,7 +1,7 @@
 """The HTML report: one self-contained file (inline CSS and SVG; no script, no network).
 
 For each plan: the solver's status, bound and gap; the pipeline timeline as a Gantt chart of
-forward and backward work per micro-batch per stage, bubbles hatched (:mod:`autosplit.timeline`);
+forward and backward work per micro-batch per stage, bubbles hatched (:mod:`autosplit.report.timeline`);
 memory per device as stacked bars — state, activations, received, sent, transient — against
 its cap; the module tree coloured by stage; the stage table; predicted beside measured where
 measured. With several candidates, the compare view comes first. The page is laid out here,
@@ -22,8 +22,8 @@ from typing import Any
 
 from autosplit import schedules
 from autosplit.candidates import Candidate
-from autosplit.plan import Plan
-from autosplit.timeline import bubbles, timeline
+from autosplit.plans import Plan
+from autosplit.report.timeline import bubbles, timeline
 from autosplit.units import format_bytes, format_ms
 
 __all__ = ["render", "write_html", "STAGE_COLOURS"]
@@ -177,11 +177,11 @@ def _compare_view(candidates: Sequence[Any]) -> dict[str, Any]:
 
 def render(candidates: Sequence[Any], *, title: str = "autosplit plan") -> str:
     """The report of ``candidates`` (objects with ``name``, ``plan``, ``error``, ``over_cap`` and
-    ``measured``, as :class:`autosplit.compare.Candidate`) as one HTML page."""
+    ``measured``, as :class:`autosplit.candidates.Candidate`) as one HTML page."""
     import jinja2
 
     env = jinja2.Environment(
-        loader=jinja2.PackageLoader("autosplit", "templates"), autoescape=True, trim_blocks=True, lstrip_blocks=True,
+        loader=jinja2.PackageLoader("autosplit.report", "templates"), autoescape=True, trim_blocks=True, lstrip_blocks=True,
         undefined=jinja2.StrictUndefined,
     )
     env.filters["ms"] = format_ms

@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import io
 import json
 import math
 import os
@@ -34,7 +33,6 @@ from typing import Any
 
 from autosplit.devices import DeviceSpec
 from autosplit.errors import PlanFileError, PlanMismatchError, advice
-from autosplit.units import format_bytes
 from autosplit.units import format_ms as _ms
 
 __all__ = ["Plan", "StageReport", "SolverInfo", "SharedParam", "StepTerms", "SCHEMA_VERSION"]
@@ -366,73 +364,13 @@ class Plan:
             )) from e
         return cls.from_dict(data, source=str(path))
 
-    # -- report ---------------------------------------------------------------------------
-    def report(self, width: int = 140) -> str:
-        """The partition report as text: one row per device, then the solver's provenance."""
-        from rich.console import Console
-        from rich.table import Table
-
-        table = Table(title=f"autosplit plan: {len(self.assignment)} nodes on {len(self.devices)} devices")
-        for col in ("stage", "device", "modules", "nodes", "params", "memory / cap", "compute", "transfers", "stage time", ""):
-            table.add_column(col, justify="left" if col in ("device", "modules", "") else "right", no_wrap=col != "modules")
-        for s, st in enumerate(self.stages):
-            table.add_row(
-                str(s), f"{self.stage_devices[s]}: {st.device}", _span(st.modules), str(st.nodes), f"{st.params:,}",
-                f"{format_bytes(st.memory)} / {format_bytes(st.capacity)}",
-                _ms(st.compute), _ms(st.transfer), _ms(st.time), "◀ bottleneck" if s == self.bottleneck else "",
-            )
-        sv = self.solver
-        out = io.StringIO()
-        console = Console(file=out, width=width, force_terminal=False, color_system=None)
-        console.print(table)
-        provenance = (
-            f"split by hand ({sv.name}), no solver ran; objective {_ms(sv.objective)} under the solver's model"
-            if sv.status == "MANUAL" else
-            f"solver {sv.name}: {sv.status}, objective {_ms(sv.objective)}, bound {_ms(sv.bound)}, "
-            f"gap {sv.gap:.2%}, {sv.wall_time:.2f}s (limit {sv.time_limit:g}s, seed {sv.seed}); "
-            f"{sv.units} units; dynamic program {_ms(sv.baseline) if sv.baseline is not None else 'found no split'}"
-        )
-        console.print(
-            f"predicted step time {_ms(self.step_time)} ({self.schedule}, {self.micro_batches} micro-batches); "
-            f"{provenance}; costs {self.costs}; captured by {self.capture}, graph {self.fingerprint}"
-        )
-        if "uncalibrated" in self.costs:
-            console.print(
-                "the predicted times are a roofline estimate nobody fitted to these devices: calibrate them "
-                "(autosplit.calibrate, autosplit.measure_runtime) or plan with costs='measured' before trusting them"
-            )
-        if self.terms is not None:
-            t = self.terms
-            console.print(
-                f"step = pipeline {_ms(t.pipeline)} + runtime overhead {_ms(t.overhead)} + optimizer {_ms(t.optimizer)} "
-                f"+ tied-weight sync {_ms(t.tied_sync)} + data-parallel all-reduce {_ms(t.data_parallel)} "
-                f"(exposed, {self.data_parallel} replica{'s' * (self.data_parallel > 1)})"
-            )
-        for p in self.shared_params:
-            console.print(
-                f"shared parameter {p.name} on stages {list(p.stages)}: {p.policy} "
-                f"(send per micro-batch {_ms(p.send)}, replicate + all-reduce {_ms(p.replicate)} per step)"
-            )
-        if self.made_with is not None:
-            made_costs, made_step = self.made_with
-            console.print(f"as saved: step {_ms(made_step)} with costs {made_costs}; now {_ms(self.step_time)} with costs {self.costs}")
-        for s, st in enumerate(self.stages):
-            console.print(
-                f"  stage {s} memory: state {format_bytes(st.memory_state)} (params + grads + optimizer + buffers), "
-                f"activations {format_bytes(st.memory_activations)}, received {format_bytes(st.memory_received)}, "
-                f"sent {format_bytes(st.memory_sent)}, "
-                f"transient {format_bytes(st.memory_transient)}"
-            )
-        return out.getvalue().rstrip()
-
     def __str__(self) -> str:
-        return self.report()
-
-
-def _span(modules: tuple[str, ...]) -> str:
-    if len(modules) <= 3:
-        return ", ".join(modules)
-    return f"{modules[0]} … {modules[-1]} ({len(modules)})"
+        """One line; :func:`autosplit.report.plan_report` gives the partition report."""
+        return (
+            f"Plan({self.objective}: {len(self.assignment)} nodes on {len(self.stage_devices)} of {len(self.devices)} devices, "
+            f"{self.schedule}, {self.micro_batches} micro-batches, predicted step {_ms(self.step_time)}, "
+            f"solver {self.solver.name} {self.solver.status})"
+        )
 
 
 # -- reading plan files: each field as its annotated type -------------------------------------------

@@ -29,14 +29,14 @@ from dataclasses import dataclass
 
 from autosplit import schedules
 from autosplit.errors import ConstraintError, advice
-from autosplit.plan import Plan, StageReport
+from autosplit.plans import Plan, StageReport
 from autosplit.solver.asynchronous import simulate
 
-__all__ = ["Task", "stage_order", "timeline", "bubbles"]
+__all__ = ["StageTask", "stage_order", "timeline", "bubbles"]
 
 
 @dataclass(frozen=True)
-class Task:
+class StageTask:
     stage: int
     micro: int
     """Micro-batch index; -1 for the optimizer step."""
@@ -64,12 +64,12 @@ def _durations(stage: StageReport, micro_batches: int) -> tuple[float, float, fl
     return (forward + half) / micro_batches, (backward + half) / micro_batches, optimizer
 
 
-def timeline(plan: Plan) -> list[Task]:
+def timeline(plan: Plan) -> list[StageTask]:
     """Every task of one training step under ``plan``'s schedule, by start time (a makespan
     plan's own tasks, one per node and direction, its optimizer steps inside the backwards)."""
     if plan.objective == "makespan":
         stage = {d: s for s, d in enumerate(plan.stage_devices)}
-        return sorted((Task(stage[t.device], 0, t.kind, t.start, t.end, t.node) for t in plan.tasks),
+        return sorted((StageTask(stage[t.device], 0, t.kind, t.start, t.end, t.node) for t in plan.tasks),
                       key=lambda t: (t.start, t.stage))
     S, M = len(plan.stages), plan.micro_batches
     durations = [_durations(st, M) for st in plan.stages]
@@ -80,7 +80,7 @@ def timeline(plan: Plan) -> list[Task]:
     done: dict[tuple[str, int, int], float] = {}
     free = [0.0] * S
     nxt = [0] * S
-    tasks: list[Task] = []
+    tasks: list[StageTask] = []
     while any(nxt[s] < len(orders[s]) for s in range(S)):
         progressed = False
         for s in range(S):
@@ -95,7 +95,7 @@ def timeline(plan: Plan) -> list[Task]:
                 start = max(free[s], done[dep] if dep is not None else 0.0)
                 end = start + durations[s][0 if kind == "forward" else 1]
                 done[(kind, s, m)] = free[s] = end
-                tasks.append(Task(s, m, kind, start, end))
+                tasks.append(StageTask(s, m, kind, start, end))
                 nxt[s] += 1
                 progressed = True
         if not progressed:  # cannot happen for the orders above; guards a new schedule's order
@@ -106,28 +106,28 @@ def timeline(plan: Plan) -> list[Task]:
     if entry.one_process:  # the stages step their optimizers in turn
         end = max(free)
         for s in range(S):
-            tasks.append(Task(s, -1, "optimizer", end, end + durations[s][2]))
+            tasks.append(StageTask(s, -1, "optimizer", end, end + durations[s][2]))
             end += durations[s][2]
     else:
         end = max(free)
-        tasks += [Task(s, -1, "optimizer", end, end + durations[s][2]) for s in range(S)]
+        tasks += [StageTask(s, -1, "optimizer", end, end + durations[s][2]) for s in range(S)]
     return sorted(tasks, key=lambda t: (t.start, t.stage))
 
 
-def _asynchronous(S: int, M: int, durations: list[tuple[float, float, float]], mini_batches: int = 3) -> list[Task]:
+def _asynchronous(S: int, M: int, durations: list[tuple[float, float, float]], mini_batches: int = 3) -> list[StageTask]:
     """An asynchronous schedule over ``mini_batches`` mini-batches (micro-batch ``b·M + m``), no
     flush between them: each stage's optimizer step follows its mini-batch's last backward."""
     sim = simulate(stages=S, micro_batches=M, mini_batches=mini_batches, forward=[d[0] for d in durations],
                    backward=[d[1] for d in durations], update=[d[2] for d in durations])
     tasks = [
-        Task(s, -1 if w.kind == "update" else w.mini * M + w.micro, "optimizer" if w.kind == "update" else w.kind,
+        StageTask(s, -1 if w.kind == "update" else w.mini * M + w.micro, "optimizer" if w.kind == "update" else w.kind,
              sim.start[s, w], sim.end[s, w])
         for s in range(S) for w in sim.order[s]
     ]
     return sorted(tasks, key=lambda t: (t.start, t.stage))
 
 
-def bubbles(tasks: list[Task]) -> list[tuple[int, float, float]]:
+def bubbles(tasks: list[StageTask]) -> list[tuple[int, float, float]]:
     """Idle spans ``(stage, start, end)`` of each stage before the step's last backward ends."""
     work = [t for t in tasks if t.kind != "optimizer"]
     if not work:

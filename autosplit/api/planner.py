@@ -29,15 +29,17 @@ from typing import Any
 import torch
 
 from autosplit import debug
-from autosplit.compiler import Traced, codegen, compile_plan, trace
+from autosplit.compiler.manual import manual_plan
+from autosplit.compiler.steps import codegen, compile_plan
+from autosplit.compiler.trace import Traced, trace
 from autosplit.devices import DeviceLike, DeviceSpec, resolve_devices
 from autosplit.errors import ConstraintError, DeviceError, advice
-from autosplit.manual import manual_plan
+from autosplit.microbatch import batch_size
 from autosplit.options import PlanOptions
-from autosplit.plan import Plan
+from autosplit.plans import Plan
+from autosplit.report.text import plan_report
 from autosplit.runtime.local import SplitModule
 from autosplit.runtime.makespan import MakespanRunner
-from autosplit.runtime.microbatch import batch_size
 
 __all__ = ["Planner", "plan", "autosplit", "load_plan", "make_options"]
 
@@ -100,7 +102,7 @@ class Planner:
         against this model and refresh its predictions without solving."""
         made = self._plan(given)
         if debug.plans.isEnabledFor(logging.DEBUG):
-            debug.plans.debug("%s", made)
+            debug.plans.debug("%s", plan_report(made))
         return made
 
     def _plan(self, given: Plan | str | Path | None) -> Plan:
@@ -137,7 +139,7 @@ class Planner:
         names per stage (torchtitan), ``torch.distributed.pipelining`` split points
         (``{"blocks.4": SplitPoint.BEGINNING}``), a DeepSpeed ``partition_method``
         (``"parameters"``, ``"uniform"``, ``"type:REGEX"``) or a torchgpipe balance (``[3, 2]``);
-        see :func:`autosplit.manual.manual_plan`."""
+        see :func:`autosplit.compiler.manual.manual_plan`."""
         if name is None:
             name = (f"deepspeed {split}" if isinstance(split, str) else "split points" if isinstance(split, Mapping)
                     else "balance" if split and all(isinstance(x, int) for x in split) else "manual")

@@ -1,0 +1,235 @@
+"""``distribute``: plan (or load) a split on rank 0, agree on it across ranks, and build this rank's
+:class:`~autosplit.runtime.distributed.DistributedModel`.
+
+Usage (``torchrun --nproc-per-node 2 train.py``)::
+
+    dist.init_process_group("gloo")
+    pipe = autosplit.distribute(model, ["cpu"] * 2, example_inputs=(tokens,), loss_fn=loss_fn)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+
+from autosplit import schedules
+from autosplit.api.planner import Planner, load_plan
+from autosplit.devices import DeviceLike
+from autosplit.errors import AutosplitError, ConstraintError, DistributedError, PlanMismatchError, advice
+from autosplit.passes.capture import Captured, flat_inputs
+from autosplit.passes.codegen import Chain, generate_chain
+from autosplit.plans import Plan
+from autosplit.runtime.batches import chains_by_rows
+from autosplit.runtime.distributed import DistributedModel
+from autosplit.runtime.placement import Layout, agree, make_mesh, rank_device
+
+log = logging.getLogger(__name__)
+
+
+def _broadcast_plan(planner: Planner, given: Plan | None, rank: int) -> Plan:
+    """Rank 0 plans (or loads) and sends the plan; a failure there is raised on every rank."""
+    box: list[Any] = [None]
+    if rank == 0:
+        try:
+            box[0] = ("plan", (given if given is not None else planner.plan()).to_dict())
+        except AutosplitError as e:
+            box[0] = ("error", e)
+            dist.broadcast_object_list(box, src=0)
+            raise
+    dist.broadcast_object_list(box, src=0)
+    kind, payload = box[0]
+    if kind == "error":
+        payload.add_note("(raised on rank 0 while planning, and sent to every rank)")
+        raise payload
+    return Plan.from_dict(payload, source="the plan broadcast by rank 0")
+
+
+def distribute(
+    model: torch.nn.Module,
+    devices: Sequence[DeviceLike] | None,
+    *,
+    example_inputs: Any,
+    loss_fn: Callable[[Any, Any], torch.Tensor],
+    example_kwargs: Mapping[str, Any] | None = None,
+    data_parallel: int = 1,
+    replicate: Literal["ddp", "fsdp"] = "ddp",
+    plan: Plan | str | Path | None = None,
+    **options: Any,
+) -> DistributedModel:
+    """Run ``model`` as pipeline stages across the ranks of the initialised process group.
+
+    ``devices`` are one replica's stage devices (``["cpu"] * 2``; ``None`` with a ``plan``);
+    world size must be ``data_parallel × len(devices)``. ``example_inputs`` /
+    ``example_kwargs`` are one replica's batch, the shape every :meth:`~DistributedModel.step`
+    takes. ``loss_fn(output, target)`` is called on each micro-batch's output (the model's
+    own output structure) and should average over its rows (e.g. ``CrossEntropyLoss()``).
+    ``replicate``: how each stage's data-parallel replicas keep in step — ``"ddp"`` (whole
+    parameters on every replica, gradients all-reduced: FSDP2's ``replicate``) or ``"fsdp"``
+    (parameters and optimizer state sharded: ``fully_shard``). ``options``: any :class:`~autosplit.options.PlanOptions` field
+    (``micro_batches``, ``schedule`` — ``"gpipe"`` or ``"1f1b"``, trained by
+    :meth:`~DistributedModel.step`; or the asynchronous ``"xpipe"``, ``"async"``, ``"pipedream"``,
+    trained by :meth:`~DistributedModel.train` — ``time_limit``, ...).
+    """
+    given = load_plan(plan)
+    stages = len(given.devices) if devices is None and given is not None else len(devices or ())
+    _check_arguments(replicate, data_parallel, stages, None if given is not None else options.get("schedule", "gpipe"))
+    options = {"schedule": "gpipe", **options, "data_parallel": data_parallel}
+    planner = Planner(model, devices, example_inputs=example_inputs, example_kwargs=example_kwargs, **options)
+    made = _agreed_plan(planner, given, data_parallel)
+    return _build(model, planner, made, given, Layout.of(dist.get_rank(), stages, data_parallel), replicate, loss_fn)
+
+
+def _runnable() -> tuple[list[str], str]:
+    """The schedules ``distribute`` runs, and those of them torch's pipelining runs, as words."""
+    runnable = [name for name in schedules.SCHEDULES if schedules.REGISTRY[name].distributed]
+    return runnable, " and ".join(name for name in runnable if schedules.REGISTRY[name].torch_class is not None)
+
+
+def _check_arguments(replicate: str, data_parallel: Any, stages: int, schedule: str | None) -> None:
+    """Refuse, before any work, a process group that cannot run the split and arguments out of range
+    (``schedule``: the one asked for when no plan is given)."""
+    if not dist.is_available() or not dist.is_initialized():
+        raise DistributedError(
+            advice("autosplit.distribute needs an initialised process group", "torch.distributed is not initialised in this process",
+                   "call torch.distributed.init_process_group('gloo' or 'nccl') first, e.g. under torchrun")
+        )
+    if replicate not in ("ddp", "fsdp"):
+        raise ConstraintError(advice(
+            f"replicate={replicate!r} is not supported",
+            "replicas are kept in step by FSDP2's replicate or fully_shard",
+            "pass 'ddp' or 'fsdp'",
+        ))
+    if not isinstance(data_parallel, int) or data_parallel < 1:
+        raise ConstraintError(advice(
+            f"data_parallel={data_parallel!r} is out of range",
+            "it counts replicas of the pipeline",
+            "pass an integer ≥ 1",
+        ))
+    world = dist.get_world_size()
+    if world != stages * data_parallel:
+        raise DistributedError(
+            advice(
+                f"the process group has {world} ranks, but the plan needs data_parallel × stages = "
+                f"{data_parallel} × {stages} = {stages * data_parallel}",
+                "each rank runs one stage of one replica",
+                f"launch {stages * data_parallel} processes (torchrun --nproc-per-node {stages * data_parallel}), "
+                f"or pass data_parallel={world // stages if stages and world % stages == 0 else '…'} / other devices",
+            )
+        )
+    if schedule is None:
+        return
+    try:
+        asked: schedules.Schedule | None = schedules.lookup(schedule)
+    except ConstraintError:
+        asked = None
+    if asked is not None:  # torch's schedules autosplit cannot run yet are refused as such, before any work
+        asked.require_runnable(f"schedule={schedule!r}")
+    if asked is None or not asked.distributed:
+        runnable, on_torch = _runnable()
+        raise ConstraintError(advice(
+            f"schedule={schedule!r} cannot run pipelined",
+            f"torch.distributed.pipelining runs {on_torch}, and autosplit's own loop the asynchronous ones",
+            f"pass one of {runnable}",
+        ))
+
+
+def _agreed_plan(planner: Planner, given: Plan | None, data_parallel: int) -> Plan:
+    """The plan every rank runs: rank 0's (planned, or ``given``), checked on every rank against
+    its own capture, with the same graph and initial weights on every rank."""
+    traced = planner.traced
+    made = _broadcast_plan(planner, given, dist.get_rank())
+    made.check_fingerprint(traced.fingerprint, traced.node_names)
+    agree(traced.fingerprint, "the captured graph's fingerprint")
+    entry = schedules.lookup(made.schedule) if made.objective == "pipeline" else None
+    if entry is None or not entry.distributed:
+        runnable, on_torch = _runnable()
+        raise DistributedError(
+            advice(
+                f"the plan's schedule {made.schedule!r} cannot run pipelined",
+                f"torch.distributed.pipelining runs {on_torch}, and autosplit's own loop the asynchronous ones",
+                f"re-plan with one of {runnable}",
+            )
+        )
+    if entry.asynchronous and data_parallel != 1:
+        raise DistributedError(advice(
+            f"schedule={entry.name!r} with data_parallel={data_parallel}",
+            "the asynchronous schedules run one replica so far", "pass data_parallel=1, or schedule='gpipe' / '1f1b'",
+        ))
+    if entry.asynchronous and any(p.policy == "replicate" for p in made.shared_params):
+        raise DistributedError(advice(
+            f"schedule={entry.name!r} with tied weights replicated on several stages "
+            f"({[p.name for p in made.shared_params if p.policy == 'replicate']})",
+            "asynchronous stages update at different times, so replicated copies would drift apart",
+            "untie the weights, or train this model with schedule='gpipe' or '1f1b'",
+        ))
+    agree(_checksums(planner.model), "the model's initial weights (a checksum per parameter)")
+    return made
+
+
+def _build(
+    model: torch.nn.Module, planner: Planner, made: Plan, given: Plan | None, layout: Layout, replicate: str,
+    loss_fn: Callable[[Any, Any], torch.Tensor],
+) -> DistributedModel:
+    """This rank's stage of the agreed plan: the chain at the micro-batch's shape, the device mesh,
+    a process group per replicated tied weight, and the runtime around them."""
+    device = rank_device(made, layout.stage)
+    the_mesh = make_mesh(device, layout.stages, layout.replicas)
+    tied = [p for p in made.shared_params if p.policy == "replicate"]
+    replicated = {p.name for p in tied}
+    chain, captured = _chain(planner, made, layout.stages, replicate=replicated)
+    if given is not None and given.crossings and given.crossings != chain.crossings:
+        raise PlanMismatchError(
+            advice(
+                f"the plan records crossings {given.crossings}, but this model's stages exchange {chain.crossings}",
+                "the plan was made for another version of the model or of autosplit",
+                "re-plan the model",
+            )
+        )
+    made = dataclasses.replace(made, crossings=chain.crossings)
+    tied_groups = []
+    for p in tied:  # new_group is collective: every rank creates every group, in one order
+        for replica in range(layout.replicas):
+            group = dist.new_group([layout.rank(stage, replica) for stage in p.stages])
+            if layout.stage in p.stages and replica == layout.replica:
+                tied_groups.append((p.name, group))
+
+    def to_flat(args: tuple, kwargs: dict) -> list[Any]:
+        return flat_inputs(captured, tuple(args), kwargs)
+
+    entry = schedules.lookup(made.schedule)
+    return DistributedModel(
+        model=model, plan=made, chain=chain, layout=layout, device=device, loss_fn=loss_fn,
+        pp_group=the_mesh["pp"].get_group(), dp_mesh=the_mesh["dp"],
+        replication=replicate, input_names=chain.input_names, to_flat=to_flat, micro_batches=made.micro_batches,
+        example=to_flat(tuple(planner.example_inputs), dict(planner.example_kwargs or {})),
+        chain_at=chains_by_rows(
+            model, planner.traced.captured, (planner.example_inputs, planner.example_kwargs), made, layout.stages,
+            method=captured.method, replicate=replicated,
+        ),
+        tied_groups=tied_groups, asynchronous=entry.name if entry.asynchronous else None,
+    )
+
+
+def _checksums(model: torch.nn.Module) -> list[str]:
+    """One number per parameter and buffer (6 significant digits), equal on ranks holding the same weights."""
+    with torch.no_grad():
+        return [f"{float(t.double().sum()):.6g}" for t in [*model.parameters(), *model.buffers()] if t.device.type != "meta"]
+
+
+def _chain(planner: Planner, plan: Plan, stages: int, *, replicate: set[str]) -> tuple[Chain, Captured]:
+    """The plan's chain, generated at the micro-batch's shape (an exported graph captured again
+    there: torch.export specialises a graph to its example shapes)."""
+    if plan.objective == "makespan":
+        raise DistributedError(advice(
+            "a makespan plan (objective='makespan') has no pipeline stages to distribute",
+            "its devices hold non-adjacent nodes and run them as their inputs arrive, which no runtime does yet",
+            "distribute a plan made with objective='pipeline'",
+        ))
+    captured, flat = planner.traced.at_micro_batch(plan.micro_batches)
+    return generate_chain(captured, plan.stage_of, stages, flat, replicate=replicate), captured

@@ -1,0 +1,105 @@
+"""Step *estimate*: the cost table ``PlanOptions.costs`` asks for — analytic, measured, or given — with overrides.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+from autosplit import progress, schedules
+from autosplit.compiler.constraints import user_constraints
+from autosplit.compiler.trace import Traced
+from autosplit.costtable import CostTable
+from autosplit.devices import DeviceSpec, uncalibrated
+from autosplit.errors import CostModelError, advice
+from autosplit.options import PlanOptions, ProfileOptions
+from autosplit.passes.costs import estimate, with_overrides
+from autosplit.passes.profile import profile
+from autosplit.solver.problem import UserConstraint
+
+
+def cost_table(traced: Traced, specs: tuple[DeviceSpec, ...], options: PlanOptions, *, micro_batches: int) -> tuple[CostTable, str]:
+    """The cost table ``options.costs`` asks for (with overrides), and a line saying where it came from."""
+    costs, gm = options.costs, traced.captured.gm
+    if isinstance(costs, (CostTable, Path)) or (isinstance(costs, str) and costs not in ("analytic", "measured")):
+        table = _given_table(traced, specs, costs)
+        source = f"given table ({costs if isinstance(costs, (str, Path)) else 'object'})"
+    elif costs == "analytic":
+        table = estimate(gm, specs, optimizer=options.optimizer, micro_batches=micro_batches)
+        present = sorted({str(s.torch_device) for s in specs if uncalibrated(s)})
+        source = "analytic" + (f" (uncalibrated for {', '.join(present)})" if present else "")
+    else:
+        table, source = _measured(traced, specs, ProfileOptions() if costs == "measured" else costs, options, micro_batches)
+    if options.cost_overrides:
+        n = len(options.cost_overrides)
+        table = with_overrides(table, options.cost_overrides)
+        source += f" + {n} override{'s' * (n > 1)}"
+    return table, source
+
+
+def _measured(
+    traced: Traced, specs: tuple[DeviceSpec, ...], profiling: Any, options: PlanOptions, micro_batches: int
+) -> tuple[CostTable, str]:
+    present = sorted({s.torch_device for s in specs if s.torch_device is not None})
+    if not present:
+        raise CostModelError(
+            advice(
+                f"costs='measured' needs a device to measure on, but {[s.name for s in specs]} are all plan-only presets",
+                "presets have no hardware here to profile on",
+                "pass torch devices (e.g. 'cpu', 'cuda:0'), or costs='analytic' with calibrated specs (autosplit.calibrate)",
+            )
+        )
+    captured, micro = traced.at_micro_batch(micro_batches)
+    forwards_first = schedules.lookup(options.schedule).forwards_first
+    profiles = {
+        dev: profile(captured, micro, dev, fingerprint=traced.fingerprint, options=profiling,
+                     micro_batches=micro_batches, forwards_first=forwards_first, optimizer=options.optimizer)
+        for dev in present
+    }
+    table = estimate(
+        traced.captured.gm, specs, optimizer=options.optimizer, micro_batches=micro_batches,
+        profiles=[profiles.get(s.torch_device) if s.torch_device else None for s in specs],
+    )
+    hits = sum(p.cached for p in profiles.values())
+    analytic = [s.name for s in specs if s.torch_device is None]
+    return table, (
+        f"measured on {', '.join(present)}" + (f" (cache: {hits} of {len(profiles)})" if hits else "")
+        + (f"; analytic for {', '.join(dict.fromkeys(analytic))}" if analytic else "")
+    )
+
+
+def _given_table(traced: Traced, specs: tuple[DeviceSpec, ...], costs: CostTable | str | Path) -> CostTable:
+    table = costs if isinstance(costs, CostTable) else CostTable.load(costs)
+    nodes = tuple(n.name for n in traced.captured.gm.graph.nodes if n.op not in ("placeholder", "output"))
+    if table.nodes != nodes:
+        missing = sorted(set(nodes) - set(table.nodes))
+        raise CostModelError(
+            advice(
+                f"the given cost table has {len(table.nodes)} nodes, the captured graph {len(nodes)} "
+                f"(first missing: {missing[:3]})",
+                "the table belongs to another model or input shape",
+                "save a table from this model (CostTable.save) and edit it, or use cost_overrides=",
+            )
+        )
+    if len(table.devices) != len(specs):
+        raise CostModelError(
+            advice(
+                f"the given cost table has times for {len(table.devices)} devices, but {len(specs)} devices were given",
+                "the table was made for other devices",
+                "plan with the devices the table was made for, or save a table for these devices",
+            )
+        )
+    return dataclasses.replace(table, devices=specs)
+
+
+def estimated(
+    traced: Traced, specs: tuple[DeviceSpec, ...], options: PlanOptions
+) -> tuple[dict[str, float], int, CostTable, str, list[UserConstraint]]:
+    """Step *estimate*, timed: the step's timings so far, the micro-batches, the cost table, where
+    its figures came from, and the user's constraints over its nodes."""
+    timings = dict(traced.timings)
+    M = options.micro_batches_for(len(specs), traced.batch)
+    with progress.timed_pass("estimate", timings):
+        table, source = cost_table(traced, specs, options, micro_batches=M)
+    return timings, M, table, source, user_constraints(table, options)

@@ -1,0 +1,146 @@
+"""The predicted step and the per-stage figures of a plan, from its assignment under a cost table.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Sequence
+
+from autosplit import schedules
+from autosplit.costtable import CostTable
+from autosplit.options import PlanOptions
+from autosplit.plans import SharedParam, StageReport, StepTerms
+from autosplit.solver.hybrid import exposed_allreduce, ring_allreduce
+from autosplit.solver.problem import KIB, NS, Problem, evaluate, tied_costs
+
+
+def predict_step(
+    problem: Problem, table: CostTable, stage_of: Sequence[int], order: Sequence[int], options: PlanOptions
+) -> tuple[StepTerms, tuple[SharedParam, ...]]:
+    """The step the runtime will take (DESIGN §4.1): the schedule over stage times, plus what runs
+    around it — the runtime's per-micro-batch overhead, the optimizer step, tied-parameter
+    gradient sync and the exposed data-parallel all-reduce — and how each tied parameter is shared.
+    """
+    S, M = problem.num_stages, problem.micro_batches
+    devices = [table.devices[d] for d in order]
+    links = [devices[k - 1].link_to(devices[k]) for k in range(1, S)]
+    reads = table.param_reads or ("",) * len(table.nodes)
+    consumers = problem.consumers()
+    transfer = [list(row) for row in problem.transfer]
+    param_bytes = [0.0] * S
+    for n, s in enumerate(stage_of):
+        param_bytes[s] += table.param_bytes[n] if table.param_bytes else 0
+    shared, tied_sync = [], 0.0
+    for u, read in enumerate(reads):
+        holders = sorted({stage_of[u], *(stage_of[v] for v in consumers[u])})
+        if not read or len(holders) < 2:
+            continue
+        nbytes = table.output_bytes[u]
+        hops = links[holders[0] : holders[-1]]
+        send = sum(tied_costs(nbytes, bw, lat, M)[0] for bw, lat in hops)
+        bw, lat = min(bw for bw, _ in hops), max(lat for _, lat in hops)
+        R = len(holders)
+        replicate = ring_allreduce(nbytes, R, bw, lat)
+        # Asynchronous stages update at different times: a replicated copy would drift, so it is sent.
+        policy = "replicate" if replicate < send and not schedules.lookup(options.schedule).asynchronous else "send"
+        for k in range(1, S):  # what this parameter adds to the stages it crosses
+            transfer[u][k - 1] = 0 if policy == "replicate" else round(tied_costs(nbytes, links[k - 1][0], links[k - 1][1], M)[0] * NS)
+        if policy == "replicate":
+            tied_sync += replicate
+            for s in holders[1:]:  # every holder keeps its own copy, and all-reduces its gradient over replicas
+                param_bytes[s] += nbytes
+        shared.append(SharedParam(read, tuple(holders), policy, send, replicate))
+    # The solver's stage times include each stage's optimizer step (build_problem); report it apart.
+    opt = table.optimizer_time or tuple((0.0,) * len(table.devices) for _ in table.nodes)
+    without = tuple(tuple(c - round(o[order[s]] * NS) for s, c in enumerate(row)) for row, o in zip(problem.compute, opt))
+    sharing = dataclasses.replace(problem, transfer=tuple(map(tuple, transfer)))
+    overheads = [d.microbatch_overhead for d in devices]
+    asynchronous = schedules.lookup(options.schedule).asynchronous  # no flush: the steady state, M micro-batches through the slowest stage
+
+    def step(problem: Problem) -> float:
+        ev = evaluate(problem, stage_of)
+        return max(ev.time) / NS if asynchronous else ev.objective / M / NS
+
+    total, pipeline = step(sharing), step(dataclasses.replace(sharing, compute=without))
+    overhead = M * max(overheads) if asynchronous else sum(overheads) + (M - 1) * max(overheads)
+    optimizer = total - pipeline
+    data_parallel = 0.0
+    R = options.data_parallel
+    if R > 1:
+        bwd = [0.0] * S
+        for n, s in enumerate(stage_of):
+            bwd[s] += table.bwd_time[n][order[s]]
+        data_parallel = max(exposed_allreduce(ring_allreduce(param_bytes[s], R, *d.link_to(d)), bwd[s], M) for s, d in enumerate(devices))
+    terms = StepTerms(pipeline, overhead, optimizer, tied_sync, data_parallel)
+    return terms, tuple(shared)
+
+
+def stage_reports(problem: Problem, table: CostTable, stage_of: Sequence[int], order: Sequence[int]) -> tuple[StageReport, ...]:
+    ev = evaluate(problem, stage_of)
+    reports = []
+    for s, device in enumerate(table.devices[d] for d in order):
+        members = [n for n, st in enumerate(stage_of) if st == s]
+        reports.append(
+            StageReport(
+                device=device.torch_device or device.name,
+                nodes=len(members),
+                params=sum(table.param_counts[n] for n in members),
+                modules=stage_modules(table, members),
+                compute=ev.compute[s] / NS,
+                forward=sum(table.fwd_time[n][order[s]] for n in members),
+                backward=sum(table.bwd_time[n][order[s]] for n in members),
+                param_bytes=sum(table.param_bytes[n] for n in members) if table.param_bytes else 0,
+                transfer=ev.transfer[s] / NS,
+                time=ev.time[s] / NS,
+                memory_state=ev.state_mem[s] * KIB,
+                memory_activations=ev.act_mem[s] * KIB,
+                memory_received=ev.recv_mem[s] * KIB,
+                memory_sent=ev.send_mem[s] * KIB,
+                memory_transient=ev.transient_mem * KIB,
+                capacity=device.memory,
+            )
+        )
+    return tuple(reports)
+
+
+_ARTEFACT = re.compile(r"(^|\.)(_guards_fn|submod_\d+)(\.|$)")
+"""Modules torch.export adds (its shape guards, higher-order ops' bodies): not the user's."""
+
+
+def _unit(path: str) -> str:
+    """The module a report names for ``path``: down to the first numbered layer (``model.layers.3``), else two levels."""
+    parts = path.split(".") if path else []
+    numbered = next((i for i, part in enumerate(parts) if part.isdigit()), None)
+    return ".".join(parts[: numbered + 1 if numbered is not None else 2]) or "(root)"
+
+
+def _ranges(names: Sequence[str]) -> list[str]:
+    """Runs of consecutive numbered layers as one name: ``model.layers.0–4``."""
+    out: list[tuple[str, int, int] | str] = []
+    for name in names:
+        prefix, _, last = name.rpartition(".")
+        run = out[-1] if out else None
+        if last.isdigit() and isinstance(run, tuple) and run[0] == prefix and run[2] + 1 == int(last):
+            out[-1] = (prefix, run[1], int(last))
+        else:
+            out.append((prefix, int(last), int(last)) if last.isdigit() and prefix else name)
+    return [r if isinstance(r, str) else f"{r[0]}.{r[1]}" + (f"–{r[2]}" if r[2] > r[1] else "") for r in out]
+
+
+def stage_modules(table: CostTable, members: Sequence[int]) -> tuple[str, ...]:
+    """A stage named by the modules whose parameters it holds (numbered layers as ranges): the FQN
+    lists of manual splits, in short."""
+    owners = [n for n in members if table.param_counts[n]] or members
+    names = [u for u in dict.fromkeys(_unit(table.module_paths[n]) for n in owners) if not _ARTEFACT.search(u)]
+    return tuple(_ranges(names)) or ("(root)",)
+
+
+def module_stages(table: CostTable, stage_of: Sequence[int]) -> dict[str, tuple[int, ...]]:
+    """Every module path, at every level (in the order the graph first runs it), and the stages its nodes run on."""
+    stages: dict[str, set[int]] = {}
+    for path, s in zip(table.module_paths, stage_of):
+        parts = path.split(".") if path else []
+        for depth in range(len(parts) + 1):
+            stages.setdefault(".".join(parts[:depth]), set()).add(s)
+    return {path: tuple(sorted(found)) for path, found in stages.items()}

@@ -1,0 +1,48 @@
+"""A saved plan under today's costs: validated against the captured graph and re-costed, never solved.
+
+This is the path of ``plan=`` (a plan file or object) through :class:`~autosplit.api.planner.Planner`,
+:func:`autosplit.distribute` and the manual splits: the assignment stays, the stage figures, step
+terms and shared-parameter policies are recomputed under ``options.costs``, and the plan keeps
+what it was made with (``made_with``) so the report can show both.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from autosplit import progress
+from autosplit.compiler.costs import estimated
+from autosplit.compiler.makespan import compile_makespan
+from autosplit.compiler.prediction import module_stages, predict_step, stage_reports
+from autosplit.compiler.trace import Traced
+from autosplit.devices import DeviceSpec
+from autosplit.options import PlanOptions
+from autosplit.plans import Plan
+from autosplit.solver import validate
+from autosplit.solver.problem import NS, build_problem, evaluate
+
+
+def recost(traced: Traced, specs: tuple[DeviceSpec, ...], options: PlanOptions, given: Plan, *, check_memory: bool = True) -> Plan:
+    """``given`` validated (every node placed once, caps unless ``check_memory=False``, data flowing
+    forward) and its predictions refreshed; a hand-made split also gets its value under the
+    solver's model, so that it compares with the solver's bound."""
+    given.check_fingerprint(traced.fingerprint, traced.node_names)
+    timings, M, table, source, rules = estimated(traced, specs, options)
+    if given.objective == "makespan":
+        return compile_makespan(traced, specs, options, table, source, rules, timings, given)
+    order = given.stage_devices
+    with progress.timed_pass("build", timings):
+        problem = build_problem(table, micro_batches=M, schedule=options.schedule, order=order, constraints=rules)
+    stage_of = tuple(given.stage_of[name] for name in problem.nodes)
+    with progress.timed_pass("validate", timings):
+        validate(problem, stage_of, memory=check_memory)
+    terms, shared = predict_step(problem, table, stage_of, order, options)
+    solver = given.solver
+    if solver.status == "MANUAL":
+        solver = dataclasses.replace(solver, objective=evaluate(problem, stage_of).objective / M / NS)
+    return dataclasses.replace(
+        given, solver=solver, stages=stage_reports(problem, table, stage_of, order), costs=source, step_time=terms.total,
+        module_stages=module_stages(table, stage_of),
+        terms=terms, shared_params=shared, data_parallel=options.data_parallel, timings=timings,
+        made_with=given.made_with or (given.costs, given.step_time),
+    )

@@ -1,0 +1,120 @@
+"""The compiler, top to bottom: capture → annotate → estimate → order → build → solve → validate → codegen.
+
+Three functions, each a sequence of named, timed steps (``AUTOSPLIT_DEBUG=1`` logs them, ``2`` each
+plan's report, ``3`` each stage's code: :mod:`autosplit.debug`):
+
+- :func:`trace` — capture the model as an fx graph and annotate every node (done once per
+  model and input shape; :class:`~autosplit.api.planner.Planner` keeps the result);
+- :func:`compile_plan` — estimate costs, choose the device order, build the solver's
+  :class:`~autosplit.solver.Problem`, solve it and validate the assignment; or, given a
+  saved plan, validate it and refresh its predictions;
+- :func:`codegen` — one ``GraphModule`` per stage for a plan.
+
+Usage::
+
+    traced = trace(model, (x,), {}, method="auto")
+    plan = compile_plan(traced, resolve_devices(["cpu"] * 4), PlanOptions())
+    program = codegen(traced, plan)
+"""
+
+from __future__ import annotations
+
+import logging
+
+from autosplit import debug, progress
+from autosplit.compiler.costs import estimated
+from autosplit.compiler.makespan import compile_makespan
+from autosplit.compiler.prediction import module_stages, predict_step, stage_reports
+from autosplit.compiler.recost import recost
+from autosplit.compiler.trace import Traced, versions
+from autosplit.devices import DeviceSpec
+from autosplit.errors import CodegenError, DeviceError, advice
+from autosplit.options import PlanOptions
+from autosplit.passes.codegen import Program, generate
+from autosplit.plans import Plan, SolverInfo
+from autosplit.solver import validate
+from autosplit.solver.pipeline.order import choose_order
+from autosplit.solver.pipeline.strategy import solve
+from autosplit.solver.problem import NS, build_problem
+
+
+def compile_plan(
+    traced: Traced, specs: tuple[DeviceSpec, ...], options: PlanOptions, *, given: Plan | None = None, check_memory: bool = True
+) -> Plan:
+    """Steps *estimate* → *order* → *build* → *solve* → *validate*; with ``given``, no solving:
+    :func:`~autosplit.compiler.recost.recost` validates the saved plan and refreshes its predictions
+    under ``options.costs`` (``check_memory=False``: a plan over a memory cap is costed, not refused)."""
+    if given is not None:
+        return recost(traced, specs, options, given, check_memory=check_memory)
+    timings, M, table, source, rules = estimated(traced, specs, options)
+    if options.objective == "makespan":
+        return compile_makespan(traced, specs, options, table, source, rules, timings)
+    with progress.timed_pass("order", timings):
+        order = choose_order(table, micro_batches=M, schedule=options.schedule, constraints=rules, limits=options.limits)
+    with progress.timed_pass("build", timings):
+        problem = build_problem(table, micro_batches=M, schedule=options.schedule, order=order, constraints=rules)
+    with progress.timed_pass("solve", timings, limit=options.time_limit):
+        solution = solve(problem, time_limit=options.time_limit, seed=options.seed, limits=options.limits)
+    with progress.timed_pass("validate", timings):
+        validate(problem, solution.stage_of)
+    terms, shared = predict_step(problem, table, solution.stage_of, order, options)
+    return Plan(
+        assignment={name: order[s] for name, s in zip(problem.nodes, solution.stage_of)},
+        devices=specs,
+        stage_devices=tuple(order),
+        stages=stage_reports(problem, table, solution.stage_of, order),
+        module_stages=module_stages(table, solution.stage_of),
+        step_time=terms.total,
+        terms=terms,
+        shared_params=shared,
+        data_parallel=options.data_parallel,
+        micro_batches=M,
+        schedule=options.schedule,
+        objective="pipeline",
+        solver=SolverInfo(
+            name=solution.solver,
+            status=solution.status,
+            objective=solution.objective / M / NS,
+            bound=solution.bound / M / NS,
+            gap=solution.gap,
+            wall_time=solution.wall_time,
+            time_limit=options.time_limit,
+            seed=options.seed,
+            baseline=None if solution.baseline is None else solution.baseline / M / NS,
+            units=solution.units,
+        ),
+        fingerprint=traced.fingerprint,
+        capture=traced.captured.method,
+        costs=source,
+        versions=versions(),
+        timings=timings,
+    )
+
+
+def codegen(traced: Traced, plan: Plan) -> tuple[Program, dict[str, float]]:
+    """Step *codegen*: the stage modules of ``plan`` on its devices, and the step's time."""
+    if plan.objective == "makespan":
+        raise CodegenError(advice(
+            "codegen makes pipeline stages, and a makespan plan (objective='makespan') has none",
+            "its devices hold non-adjacent nodes and run them as their inputs arrive",
+            "run it with Planner.build(plan), which returns its MakespanRunner",
+        ))
+    targets = [plan.devices[d].torch_device for d in plan.stage_devices]
+    if None in targets:
+        absent = sorted({d.name for d in plan.devices if d.torch_device is None})
+        raise DeviceError(
+            advice(
+                f"cannot build modules for {absent}",
+                "presets describe hardware to plan for, not a device to run on",
+                "autosplit.plan(...) for planning only, or pass torch devices such as 'cuda:0' or 'cpu'",
+            )
+        )
+    timings: dict[str, float] = {}
+    with progress.timed_pass("codegen", timings):
+        program = generate(traced.captured, plan.stage_of, [str(t) for t in targets])
+    if debug.stage_code.isEnabledFor(logging.DEBUG):
+        for s, (stage, device) in enumerate(zip(program.stages, program.devices)):
+            debug.stage_code.debug("stage %d on %s:\n%s", s, device, stage.code.strip())
+    return program, timings
+
+

@@ -1,0 +1,97 @@
+"""Steps *capture* and *annotate*: the model as an annotated fx graph, done once per model and
+input shape (:class:`~autosplit.api.planner.Planner` keeps the result).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from importlib import metadata
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+from autosplit import progress
+from autosplit.errors import CodegenError, advice
+from autosplit.microbatch import batch_size, split_batch
+from autosplit.passes.annotate import annotate
+from autosplit.passes.capture import Captured, capture, fingerprint, flat_inputs
+
+
+@dataclass(frozen=True)
+class Traced:
+    """A captured, annotated model: what every plan of it starts from."""
+
+    captured: Captured
+    inputs: tuple[Any, ...]
+    """The example values of the graph's placeholders, in order."""
+    fingerprint: str
+    timings: Mapping[str, float] = field(default_factory=dict)
+    model: torch.nn.Module | None = None
+    example: tuple[tuple, Mapping[str, Any]] = ((), {})
+    """The example call ``(args, kwargs)`` it was captured with."""
+    _micro: dict[int, Captured] = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def node_names(self) -> set[str]:
+        return {n.name for n in self.captured.gm.graph.nodes if n.op not in ("placeholder", "output")}
+
+    @property
+    def batch(self) -> int | None:
+        """Rows of the example batch (dimension 0 of its first tensor), the micro-batches cut."""
+        return batch_size(self.inputs)
+
+    def at_micro_batch(self, micro_batches: int) -> tuple[Captured, list[Any]]:
+        """The capture to run one of ``micro_batches`` micro-batches with, and its placeholder values.
+
+        torch.export specialises a graph to its example shapes (guards, view sizes), so an
+        exported model is captured again at the micro-batch's shape — it must give the same
+        graph, or it is refused. A symbolically traced graph runs any batch as it is.
+        """
+        if micro_batches == 1 or self.captured.method != "export":  # defaults included, cut like the inputs
+            return self.captured, list(split_batch(self.inputs, None, micro_batches)[0][0])
+        args, kwargs = split_batch(self.example[0], self.example[1], micro_batches)[0]
+        if micro_batches not in self._micro:
+            if self.model is None:
+                raise CodegenError(advice(
+                    f"this exported graph is specialised to its batch and cannot run {micro_batches} micro-batches",
+                    "the trace was made without its model, so it cannot be captured again at the micro-batch's shape",
+                    "trace with autosplit.compiler.trace.trace(model, ...)",
+                ))
+            captured = capture(self.model, args, dict(kwargs), method="export")
+            if fingerprint(captured.gm) != self.fingerprint:
+                raise CodegenError(advice(
+                    f"the model captures as another graph at the micro-batch's shape ({batch_size(args, kwargs)} rows) "
+                    f"than at the batch's ({batch_size(*self.example)} rows)",
+                    "Python control flow or torch.export specialisation that depends on the batch size",
+                    "make forward independent of the batch size, or plan with micro_batches=1",
+                ))
+            self._micro[micro_batches] = captured
+        captured = self._micro[micro_batches]
+        return captured, flat_inputs(captured, args, kwargs)
+
+
+def trace(model: torch.nn.Module, example_inputs: tuple, example_kwargs: Mapping[str, Any] | None, *, method: str) -> Traced:
+    """Steps *capture* and *annotate*."""
+    timings: dict[str, float] = {}
+    kwargs = dict(example_kwargs or {})
+    state = [*model.parameters(), *model.buffers()]
+    if state and all(t.is_meta for t in state):  # planning reads shapes only: inputs go where the weights are
+        example_inputs, kwargs = pytree.tree_map_only(torch.Tensor, lambda t: t.to("meta"), (tuple(example_inputs), kwargs))
+    with progress.timed_pass("capture", timings):
+        captured = capture(model, example_inputs, kwargs, method=method)
+        graph_id = fingerprint(captured.gm)
+    inputs = flat_inputs(captured, example_inputs, kwargs)
+    with progress.timed_pass("annotate", timings):
+        annotate(captured, inputs)
+    return Traced(captured, tuple(inputs), graph_id, timings, model=model, example=(tuple(example_inputs), kwargs))
+
+
+def versions() -> dict[str, str]:
+    out = {"torch": str(torch.__version__)}
+    for pkg in ("autosplit", "ortools"):
+        with contextlib.suppress(metadata.PackageNotFoundError):
+            out[pkg] = metadata.version(pkg)
+    return out

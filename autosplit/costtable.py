@@ -1,0 +1,97 @@
+"""The cost table: per-node costs on every device, and the graph facts the solver needs.
+
+Plain data, written by the *estimate* pass (:mod:`autosplit.passes.costs`) or loaded from a file
+(``costs=path``), read by the compiler to build the solver's problem. No torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from autosplit.devices import DeviceSpec
+from autosplit.errors import CostModelError, advice
+
+# Optimizer state bytes per parameter (fp32 moments, whatever the parameter dtype).
+OPTIMIZER_STATE_BYTES = {"adam": 8, "adamw": 8, "sgd_momentum": 4, "sgd": 0, "none": 0}
+
+
+# Temporaries of one optimizer step, in units of the parameter tensor being updated:
+# torch's single-tensor Adam computes (exp_avg_sq.sqrt() / c).add_(eps), two new tensors.
+OPTIMIZER_TEMP_FACTOR = {"adam": 2, "adamw": 2, "sgd_momentum": 0, "sgd": 0, "none": 0}
+
+
+# Bytes one optimizer step reads and writes per byte of parameter, and the ops it launches per
+# parameter tensor, counted from torch's single-tensor implementations (the CPU default):
+# Adam: exp_avg.lerp_(g) 3, exp_avg_sq.mul_().addcmul_() 2 + 4, denom = (sqrt / c).add_(eps)
+# 2 + 2 + 2, param.addcdiv_(exp_avg, denom) 4 → 19 tensor passes; AdamW adds param.mul_() 2.
+# SGD: param.add_(g) 3; with momentum buf.mul_().add_(g) 2 + 3 first.
+OPTIMIZER_STEP_TRAFFIC = {"adam": (19, 7), "adamw": (21, 8), "sgd_momentum": (8, 3), "sgd": (3, 1), "none": (0, 0)}
+
+
+OVERRIDE_KEYS = ("fwd", "bwd", "saved_bytes")
+
+
+@dataclass(frozen=True)
+class CostTable:
+    """Per-node costs on every device, plus the graph facts the solver needs. Plain data."""
+
+    devices: tuple[DeviceSpec, ...]
+    nodes: tuple[str, ...]
+    """Placeable nodes in graph (topological) order: everything but placeholders and output."""
+    module_paths: tuple[str, ...]
+    fwd_time: tuple[tuple[float, ...], ...]
+    """[node][device] forward seconds for the example batch."""
+    bwd_time: tuple[tuple[float, ...], ...]
+    state_bytes: tuple[int, ...]
+    """Parameters + gradients + optimizer state + buffers each node owns."""
+    saved_bytes: tuple[int, ...]
+    output_bytes: tuple[int, ...]
+    edges: tuple[tuple[int, int], ...]
+    """Data edges (producer index, consumer index) between placeable nodes."""
+    order_edges: tuple[tuple[int, int], ...]
+    """Precedence without data (around in-place writes)."""
+    colocate: tuple[tuple[int, ...], ...]
+    """Groups of node indices that must share a device."""
+    param_counts: tuple[int, ...]
+    sent_bytes: tuple[int, ...] = ()
+    """[node] bytes its stage holds when the output goes to another stage (0 when the
+    output is already counted as saved)."""
+    transient_bytes: tuple[int, ...] = ()
+    """[node] peak bytes above what is live while the node runs on one micro-batch, or while
+    the optimizer updates its parameters; empty: output bytes / micro-batches."""
+    optimizer_time: tuple[tuple[float, ...], ...] = ()
+    """[node][device] seconds of the optimizer step over the parameters the node owns (once per step)."""
+    param_bytes: tuple[int, ...] = ()
+    """[node] bytes of the parameters it owns (what its gradient all-reduce and optimizer step touch)."""
+    param_reads: tuple[str, ...] = ()
+    """[node] the qualified name of the parameter the node reads by name (``get_attr``), else ``""``:
+    such an output is the same for every
+    micro-batch, so a later stage that reads it gets it once per micro-batch or keeps a replica
+    whose gradient is summed once per step (a tied weight)."""
+    output_tensors: tuple[int, ...] = ()
+    """[node] tensors in its output: each crossing pays the link latency once per micro-batch; a
+    Python value (a shape int) crosses as a constant and pays nothing. Empty: one each."""
+
+    def save(self, path: str | Path) -> None:
+        """Write the table as JSON, to edit or to plan with again (``costs=path``)."""
+        data = dataclasses.asdict(self)
+        Path(path).write_text(json.dumps(data))
+
+    @classmethod
+    def load(cls, path: str | Path) -> CostTable:
+        try:
+            data = json.loads(Path(path).read_text())
+            data["devices"] = tuple(DeviceSpec.from_dict(d) for d in data["devices"])
+            return cls(**{k: _frozen(v) if k != "devices" else v for k, v in data.items()})
+        except (OSError, ValueError, TypeError, KeyError) as e:
+            raise CostModelError(advice(
+                f"cannot read a cost table from {path}: {type(e).__name__}: {e}",
+                "the file is missing, damaged, or was written by another version", "save the table again (CostTable.save)",
+            )) from e
+
+
+def _frozen(value):
+    return tuple(_frozen(v) for v in value) if isinstance(value, list) else value

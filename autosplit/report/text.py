@@ -1,0 +1,79 @@
+"""The partition report as text: one row per stage, then the step's terms and the solver's provenance.
+
+Usage::
+
+    print(plan_report(plan))
+"""
+
+from __future__ import annotations
+
+import io
+
+from rich.console import Console
+from rich.table import Table
+
+from autosplit.plans import Plan
+from autosplit.units import format_bytes
+from autosplit.units import format_ms as _ms
+
+
+def plan_report(plan: Plan, width: int = 140) -> str:
+    """The partition report as text: one row per device, then the solver's provenance."""
+    table = Table(title=f"autosplit plan: {len(plan.assignment)} nodes on {len(plan.devices)} devices")
+    for col in ("stage", "device", "modules", "nodes", "params", "memory / cap", "compute", "transfers", "stage time", ""):
+        table.add_column(col, justify="left" if col in ("device", "modules", "") else "right", no_wrap=col != "modules")
+    for s, st in enumerate(plan.stages):
+        table.add_row(
+            str(s), f"{plan.stage_devices[s]}: {st.device}", _span(st.modules), str(st.nodes), f"{st.params:,}",
+            f"{format_bytes(st.memory)} / {format_bytes(st.capacity)}",
+            _ms(st.compute), _ms(st.transfer), _ms(st.time), "◀ bottleneck" if s == plan.bottleneck else "",
+        )
+    sv = plan.solver
+    out = io.StringIO()
+    console = Console(file=out, width=width, force_terminal=False, color_system=None)
+    console.print(table)
+    provenance = (
+        f"split by hand ({sv.name}), no solver ran; objective {_ms(sv.objective)} under the solver's model"
+        if sv.status == "MANUAL" else
+        f"solver {sv.name}: {sv.status}, objective {_ms(sv.objective)}, bound {_ms(sv.bound)}, "
+        f"gap {sv.gap:.2%}, {sv.wall_time:.2f}s (limit {sv.time_limit:g}s, seed {sv.seed}); "
+        f"{sv.units} units; dynamic program {_ms(sv.baseline) if sv.baseline is not None else 'found no split'}"
+    )
+    console.print(
+        f"predicted step time {_ms(plan.step_time)} ({plan.schedule}, {plan.micro_batches} micro-batches); "
+        f"{provenance}; costs {plan.costs}; captured by {plan.capture}, graph {plan.fingerprint}"
+    )
+    if "uncalibrated" in plan.costs:
+        console.print(
+            "the predicted times are a roofline estimate nobody fitted to these devices: calibrate them "
+            "(autosplit.calibrate, autosplit.calibration.measure_runtime) or plan with costs='measured' before trusting them"
+        )
+    if plan.terms is not None:
+        t = plan.terms
+        console.print(
+            f"step = pipeline {_ms(t.pipeline)} + runtime overhead {_ms(t.overhead)} + optimizer {_ms(t.optimizer)} "
+            f"+ tied-weight sync {_ms(t.tied_sync)} + data-parallel all-reduce {_ms(t.data_parallel)} "
+            f"(exposed, {plan.data_parallel} replica{'s' * (plan.data_parallel > 1)})"
+        )
+    for p in plan.shared_params:
+        console.print(
+            f"shared parameter {p.name} on stages {list(p.stages)}: {p.policy} "
+            f"(send per micro-batch {_ms(p.send)}, replicate + all-reduce {_ms(p.replicate)} per step)"
+        )
+    if plan.made_with is not None:
+        made_costs, made_step = plan.made_with
+        console.print(f"as saved: step {_ms(made_step)} with costs {made_costs}; now {_ms(plan.step_time)} with costs {plan.costs}")
+    for s, st in enumerate(plan.stages):
+        console.print(
+            f"  stage {s} memory: state {format_bytes(st.memory_state)} (params + grads + optimizer + buffers), "
+            f"activations {format_bytes(st.memory_activations)}, received {format_bytes(st.memory_received)}, "
+            f"sent {format_bytes(st.memory_sent)}, "
+            f"transient {format_bytes(st.memory_transient)}"
+        )
+    return out.getvalue().rstrip()
+
+
+def _span(modules: tuple[str, ...]) -> str:
+    if len(modules) <= 3:
+        return ", ".join(modules)
+    return f"{modules[0]} … {modules[-1]} ({len(modules)})"

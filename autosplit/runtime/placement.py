@@ -1,0 +1,129 @@
+"""Where this rank's stage lives: its place on the ``("pp", "dp")`` mesh, its device, the
+data-parallel wrapping of its module, and the model's state no stage reads.
+
+On the mesh ``pp`` is the outer dimension (as in torchtitan): rank ``r`` runs stage
+``r // replicas`` of replica ``r % replicas``.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from autosplit.errors import DistributedError, advice
+from autosplit.passes.codegen import Chain
+from autosplit.plans import Plan
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where this rank sits on the ``("pp", "dp")`` mesh."""
+
+    stages: int
+    replicas: int
+    stage: int
+    replica: int
+
+    @classmethod
+    def of(cls, rank: int, stages: int, replicas: int) -> Layout:
+        return cls(stages, replicas, rank // replicas, rank % replicas)
+
+    def rank(self, stage: int, replica: int | None = None) -> int:
+        return stage * self.replicas + (self.replica if replica is None else replica)
+
+
+def agree(value: Any, what: str, group: Any = None) -> None:
+    """Raise :class:`DistributedError` on every rank unless every rank holds the same ``value``."""
+    seen: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(seen, value, group=group)
+    differ = [r for r, v in enumerate(seen) if v != seen[0]]
+    if differ:
+        raise DistributedError(
+            advice(
+                f"ranks disagree on {what}: rank 0 has {seen[0]!r}, ranks {differ} have {[seen[r] for r in differ][:3]!r}",
+                "the ranks were given different models, inputs, options or plan files",
+                "build the model with the same seed (or load the same checkpoint) and pass the same arguments on every rank",
+            )
+        )
+
+
+def place(module: torch.nn.Module, device: torch.device) -> None:
+    with torch.no_grad():
+        for t in [*module.parameters(), *module.buffers()]:
+            if t.device != device:
+                t.data = t.data.to(device)
+
+
+def keep_unread(module: torch.nn.Module, model: torch.nn.Module, chain: Chain) -> None:
+    """Register on ``module`` (stage 0's) every entry of the model's ``state_dict`` that no stage
+    reads — a parameter or persistent buffer ``forward`` never uses — under a reserved name, so
+    stage 0's state dicts, parameters and replication hold it like the stage's own tensors."""
+    read = {id(t) for stage in chain.stages for t in [*stage.parameters(), *stage.buffers()]}
+    for i, (name, t) in enumerate(model.state_dict(keep_vars=True).items()):
+        if not isinstance(t, torch.Tensor) or id(t) in read:
+            continue
+        read.add(id(t))  # a tied pair of unread names: registered once, found under both
+        attr = f"_unread{i}_{name.replace('.', '_')}"
+        if isinstance(t, torch.nn.Parameter):
+            module.register_parameter(attr, t)
+        else:
+            module.register_buffer(attr, t)
+
+
+def rank_device(plan: Plan, stage: int) -> torch.device:
+    spec = plan.devices[plan.stage_devices[stage]]
+    kind = torch.device(spec.torch_device or "cpu").type
+    if kind == "cuda":
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", torch.cuda.current_device())))
+    return torch.device(kind)
+
+
+def _quiet_fsdp_view_warning(stage: torch.nn.Module) -> None:
+    """Silence FSDP2's "returned a view tensor" warning for this replicated stage module, and only it.
+
+    FSDP2 warns on every forward whose output is a view, because an in-place op on that view
+    would drop the pre-backward hook it registers there. A stage's outputs are views when
+    ``nn.Linear`` (or a matmul) ends it on a 3-D input: torch computes the product in 2-D and
+    returns a 3-D view of it (GPT's qkv projection or head; ``.contiguous()`` keeps such a view as
+    it is). The base is a temporary that only the view holds, and the runtime never writes into a
+    stage's outputs: a middle stage sends them and runs backward through them, the last stage
+    hands them to ``loss_fn``, which reads them (as a loss over an FSDP module's output must).
+    The filter matches the message with this stage's class name (``ReplicateStage0``,
+    ``FSDPStage1``) from FSDP's own module, so the warning still shows for every other module;
+    adding it again replaces the same filter.
+    """
+    import re
+    import warnings
+
+    warnings.filterwarnings(
+        "ignore", message=rf"FSDP2-wrapped module \({re.escape(type(stage).__name__)}\) returned a view tensor",
+        category=UserWarning, module=r"torch\.distributed\.fsdp\.",
+    )
+
+
+def make_mesh(device: torch.device, stages: int, replicas: int) -> Any:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(device.type, (stages, replicas), mesh_dim_names=("pp", "dp"))
+
+
+def replicate_stage(module: torch.nn.Module, mode: str, dp_mesh: Any) -> None:
+    """Keep ``module``'s replicas in step over ``dp_mesh`` with FSDP2's composable APIs, which the
+    pipelining stage drives itself: gradient sync is switched off for all but the last
+    micro-batch's backward. ``mode``: ``"ddp"`` (whole parameters, gradients all-reduced:
+    ``replicate``) or ``"fsdp"`` (parameters and optimizer state sharded: ``fully_shard``).
+    Classic DDP cannot be used here: its reducer is prepared by every forward, but pipelining only
+    wraps the backwards in ``no_sync``, and DDP's bucket rebuild then sees each parameter M times."""
+    if mode == "fsdp":
+        from torch.distributed.fsdp import fully_shard
+
+        fully_shard(module, mesh=dp_mesh)
+    else:
+        from torch.distributed._composable.replicate_with_fsdp import replicate
+
+        replicate(module, mesh=dp_mesh)
+    _quiet_fsdp_view_warning(module)
