@@ -32,10 +32,11 @@ from autosplit.plans import Plan
 from autosplit.runtime.distributed import DistributedModel
 from autosplit.runtime.local import SplitModule
 from autosplit.runtime.makespan import MakespanRunner
+from autosplit.shapes import Spec
 
 __all__ = [
     "autosplit", "plan", "distribute", "compare", "plan_hybrid", "calibrate",
-    "Planner", "PlanOptions", "Plan", "Cluster", "DeviceSpec",
+    "Planner", "PlanOptions", "Plan", "Cluster", "DeviceSpec", "Spec",
     "SplitModule", "DistributedModel", "MakespanRunner",
     "AutosplitError",
 ]

@@ -29,6 +29,13 @@ class CausalSelfAttention(nn.Module):
         self.proj = nn.Linear(d_model, d_model)
         self.register_buffer("causal", torch.tril(torch.ones(max_len, max_len, dtype=torch.bool)), persistent=False)
 
+    def reset_parameters(self) -> None:
+        """Recompute the causal mask: a non-persistent buffer, which no checkpoint holds, filled
+        again when the module is materialised from the meta device."""
+        n = self.causal.shape[0]
+        with torch.no_grad():
+            self.causal.copy_(torch.tril(torch.ones(n, n, dtype=torch.bool, device=self.causal.device)))
+
     def forward(self, x: torch.Tensor, key_mask: torch.Tensor | None = None) -> torch.Tensor:
         B, T, C = x.size(0), x.size(1), x.size(2)
         q, k, v = self.qkv(x).split(C, dim=2)
@@ -78,10 +85,16 @@ class GPT(nn.Module):
         # torch's N(0, 1) embedding the tied head's logits are so large that the softmax
         # gradients underflow to denormal floats, which CPUs compute several times slower.
         for module in self.modules():
-            if isinstance(module, (nn.Linear, nn.Embedding)):
-                nn.init.normal_(module.weight, std=0.02)
-            if isinstance(module, nn.Linear) and module.bias is not None:
-                nn.init.zeros_(module.bias)
+            self._init_weights(module)
+
+    @torch.no_grad()
+    def _init_weights(self, module: nn.Module) -> None:
+        """GPT-2's initialisation of one module (the transformers convention, which
+        :func:`autosplit.distribute` also follows when it materialises a stage of a meta model)."""
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
 
     def forward(self, idx: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         pos = torch.arange(idx.size(1), device=idx.device)

@@ -22,12 +22,14 @@ from autosplit import schedules
 from autosplit.api.planner import Planner, load_plan
 from autosplit.devices import DeviceLike
 from autosplit.errors import AutosplitError, ConstraintError, DistributedError, PlanMismatchError, advice
-from autosplit.passes.capture import Captured, flat_inputs
-from autosplit.passes.codegen import Chain, generate_chain
+from autosplit.microbatch import batch_size
+from autosplit.passes.capture import flat_inputs
+from autosplit.passes.codegen import retarget
 from autosplit.plans import Plan
-from autosplit.runtime.batches import chains_by_rows
+from autosplit.runtime.batches import ChainsByRows, meta_copy
 from autosplit.runtime.distributed import DistributedModel
-from autosplit.runtime.placement import Layout, agree, make_mesh, rank_device
+from autosplit.runtime.materialise import StageNames, WeightsLike, agree_by_name, materialise
+from autosplit.runtime.placement import Layout, agree, keep_unread, make_mesh, place, rank_device
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +62,7 @@ def distribute(
     data_parallel: int = 1,
     replicate: Literal["ddp", "fsdp"] = "ddp",
     plan: Plan | str | Path | None = None,
+    weights: WeightsLike = None,
     **options: Any,
 ) -> DistributedModel:
     """Run ``model`` as pipeline stages across the ranks of the initialised process group.
@@ -75,6 +78,13 @@ def distribute(
     (``micro_batches``, ``schedule`` — ``"gpipe"`` or ``"1f1b"``, trained by
     :meth:`~DistributedModel.step`; or the asynchronous ``"xpipe"``, ``"async"``, ``"pipedream"``,
     trained by :meth:`~DistributedModel.train` — ``time_limit``, ...).
+
+    A model built on the meta device (``with torch.device("meta"): model = Model(...)``) is planned
+    without allocating its weights, and each rank materialises only its stage: ``weights`` is a
+    checkpoint read by name (a ``torch.distributed.checkpoint`` folder, a ``torch.save``d state dict,
+    a folder of safetensors files), a state dict, or an ``init(stage_module)`` function; by default
+    each module's own init (``reset_parameters``, or a transformers model's ``_init_weights``),
+    seeded by its name. A real model's stage uses the model's own tensors.
     """
     given = load_plan(plan)
     stages = len(given.devices) if devices is None and given is not None else len(devices or ())
@@ -82,7 +92,7 @@ def distribute(
     options = {"schedule": "gpipe", **options, "data_parallel": data_parallel}
     planner = Planner(model, devices, example_inputs=example_inputs, example_kwargs=example_kwargs, **options)
     made = _agreed_plan(planner, given, data_parallel)
-    return _build(model, planner, made, given, Layout.of(dist.get_rank(), stages, data_parallel), replicate, loss_fn)
+    return _build(model, planner, made, given, Layout.of(dist.get_rank(), stages, data_parallel), replicate, loss_fn, weights)
 
 
 def _runnable() -> tuple[list[str], str]:
@@ -174,15 +184,27 @@ def _agreed_plan(planner: Planner, given: Plan | None, data_parallel: int) -> Pl
 
 def _build(
     model: torch.nn.Module, planner: Planner, made: Plan, given: Plan | None, layout: Layout, replicate: str,
-    loss_fn: Callable[[Any, Any], torch.Tensor],
+    loss_fn: Callable[[Any, Any], torch.Tensor], weights: WeightsLike,
 ) -> DistributedModel:
-    """This rank's stage of the agreed plan: the chain at the micro-batch's shape, the device mesh,
-    a process group per replicated tied weight, and the runtime around them."""
+    """This rank's stage of the agreed plan, and nothing else of the model: the chain is cut from a
+    copy of the model on the meta device (at the micro-batch's shape), this rank's stage is
+    materialised (:mod:`autosplit.runtime.materialise`), then the device mesh, a process group per
+    replicated tied weight, and the runtime around them."""
+    if made.objective == "makespan":
+        raise DistributedError(advice(
+            "a makespan plan (objective='makespan') has no pipeline stages to distribute",
+            "its devices hold non-adjacent nodes and run them as their inputs arrive, which no runtime does yet",
+            "distribute a plan made with objective='pipeline'",
+        ))
     device = rank_device(made, layout.stage)
-    the_mesh = make_mesh(device, layout.stages, layout.replicas)
     tied = [p for p in made.shared_params if p.policy == "replicate"]
     replicated = {p.name for p in tied}
-    chain, captured = _chain(planner, made, layout.stages, replicate=replicated)
+    meta = meta_copy(model)
+    example = (tuple(planner.example_inputs), dict(planner.example_kwargs or {}))
+    chains = ChainsByRows(meta, planner.traced.captured, example, made, layout.stages,
+                          method=planner.traced.captured.method, replicate=replicated)
+    batch = batch_size(*example)
+    chain, captured = chains.at(batch // made.micro_batches if batch else 0)
     if given is not None and given.crossings and given.crossings != chain.crossings:
         raise PlanMismatchError(
             advice(
@@ -192,10 +214,20 @@ def _build(
             )
         )
     made = dataclasses.replace(made, crossings=chain.crossings)
+    stage = chain.stages[layout.stage]
+    if layout.stage == 0:
+        keep_unread(stage, meta, chain)
+    names = StageNames.of(meta, stage)
+    how = materialise(stage, names, device, model=model, weights=weights, seed=planner.options.seed)
+    place(stage, device)
+    retarget(stage, device)
+    log.info("rank %d: stage %d materialised from %s", dist.get_rank(), layout.stage, how)
+    agree_by_name(stage, names)
+    the_mesh = make_mesh(device, layout.stages, layout.replicas)
     tied_groups = []
     for p in tied:  # new_group is collective: every rank creates every group, in one order
         for replica in range(layout.replicas):
-            group = dist.new_group([layout.rank(stage, replica) for stage in p.stages])
+            group = dist.new_group([layout.rank(s, replica) for s in p.stages])
             if layout.stage in p.stages and replica == layout.replica:
                 tied_groups.append((p.name, group))
 
@@ -204,15 +236,10 @@ def _build(
 
     entry = schedules.lookup(made.schedule)
     return DistributedModel(
-        model=model, plan=made, chain=chain, layout=layout, device=device, loss_fn=loss_fn,
+        module=stage, names=names, plan=made, chain=chain, layout=layout, device=device, loss_fn=loss_fn,
         pp_group=the_mesh["pp"].get_group(), dp_mesh=the_mesh["dp"],
         replication=replicate, input_names=chain.input_names, to_flat=to_flat, micro_batches=made.micro_batches,
-        example=to_flat(tuple(planner.example_inputs), dict(planner.example_kwargs or {})),
-        chain_at=chains_by_rows(
-            model, planner.traced.captured, (planner.example_inputs, planner.example_kwargs), made, layout.stages,
-            method=captured.method, replicate=replicated,
-        ),
-        tied_groups=tied_groups, asynchronous=entry.name if entry.asynchronous else None,
+        example=to_flat(*example), chain_at=chains, tied_groups=tied_groups, asynchronous=entry.name if entry.asynchronous else None,
     )
 
 
@@ -220,16 +247,3 @@ def _checksums(model: torch.nn.Module) -> list[str]:
     """One number per parameter and buffer (6 significant digits), equal on ranks holding the same weights."""
     with torch.no_grad():
         return [f"{float(t.double().sum()):.6g}" for t in [*model.parameters(), *model.buffers()] if t.device.type != "meta"]
-
-
-def _chain(planner: Planner, plan: Plan, stages: int, *, replicate: set[str]) -> tuple[Chain, Captured]:
-    """The plan's chain, generated at the micro-batch's shape (an exported graph captured again
-    there: torch.export specialises a graph to its example shapes)."""
-    if plan.objective == "makespan":
-        raise DistributedError(advice(
-            "a makespan plan (objective='makespan') has no pipeline stages to distribute",
-            "its devices hold non-adjacent nodes and run them as their inputs arrive, which no runtime does yet",
-            "distribute a plan made with objective='pipeline'",
-        ))
-    captured, flat = planner.traced.at_micro_batch(plan.micro_batches)
-    return generate_chain(captured, plan.stage_of, stages, flat, replicate=replicate), captured

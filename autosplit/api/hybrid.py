@@ -35,6 +35,7 @@ from autosplit.compiler.hybrid import Cluster, HybridPlan, assemble, default_mic
 from autosplit.errors import AutosplitError, ConstraintError, InfeasiblePlanError, advice
 from autosplit.options import PlanOptions
 from autosplit.plans import Plan
+from autosplit.shapes import as_tensors
 from autosplit.solver.hybrid import examples_factor
 
 log = logging.getLogger(__name__)
@@ -79,8 +80,8 @@ def plan_hybrid(
             "pass the examples to the target at a tiny batch, or leave it out for seconds × E_min",
         ))
     sizes = _replica_sizes(cluster, replica_sizes, global_batch)
-    kwargs = dict(example_kwargs or {})
-    inputs = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
+    kwargs = as_tensors(dict(example_kwargs or {}))
+    inputs = as_tensors(example_inputs if isinstance(example_inputs, tuple) else (example_inputs,))
     state = [*model.parameters(), *model.buffers()]
     if state and all(t.is_meta for t in state):  # a model made under torch.device("meta"): plan it on meta inputs too
         inputs, kwargs = _map_tensors(inputs, lambda t: t.to("meta")), _map_tensors(kwargs, lambda t: t.to("meta"))

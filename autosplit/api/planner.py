@@ -40,6 +40,7 @@ from autosplit.plans import Plan
 from autosplit.report.text import plan_report
 from autosplit.runtime.local import SplitModule
 from autosplit.runtime.makespan import MakespanRunner
+from autosplit.shapes import as_tensors, is_meta
 
 __all__ = ["Planner", "plan", "autosplit", "load_plan", "make_options"]
 
@@ -73,8 +74,8 @@ class Planner:
         **fields: Any,
     ) -> None:
         self.model = model
-        self.example_inputs = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
-        self.example_kwargs = dict(example_kwargs or {})
+        self.example_inputs = as_tensors(example_inputs if isinstance(example_inputs, tuple) else (example_inputs,))
+        self.example_kwargs = as_tensors(dict(example_kwargs or {}))
         self.options = make_options(options, **fields)
         self.devices = None if devices is None else tuple(devices)
         self.options.micro_batches_for(1, batch_size(self.example_inputs, self.example_kwargs))  # refuses a count the batch does not divide
@@ -129,6 +130,12 @@ class Planner:
         """The :class:`SplitModule` of ``plan`` (default: :meth:`plan`), in this process; for a
         makespan plan, its :class:`~autosplit.runtime.makespan.MakespanRunner`."""
         made = self.plan() if plan is None else self.plan(plan)
+        if is_meta(self.model):
+            raise ConstraintError(advice(
+                "autosplit() builds every stage in this process from the model's weights, and this model is on the meta device",
+                "a model built on meta has no weights until each stage is materialised",
+                "plan it with autosplit.plan(...), or train it with autosplit.distribute(..., weights=checkpoint) under torchrun",
+            ))
         if made.objective == "makespan":
             return MakespanRunner(self.model, self.traced.captured, made)
         program, timings = codegen(self.traced, made)

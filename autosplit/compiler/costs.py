@@ -16,6 +16,7 @@ from autosplit.errors import CostModelError, advice
 from autosplit.options import PlanOptions, ProfileOptions
 from autosplit.passes.costs import estimate, with_overrides
 from autosplit.passes.profile import profile
+from autosplit.shapes import is_meta
 from autosplit.solver.problem import UserConstraint
 
 
@@ -41,6 +42,13 @@ def cost_table(traced: Traced, specs: tuple[DeviceSpec, ...], options: PlanOptio
 def _measured(
     traced: Traced, specs: tuple[DeviceSpec, ...], profiling: Any, options: PlanOptions, micro_batches: int
 ) -> tuple[CostTable, str]:
+    if traced.model is not None and is_meta(traced.model):
+        raise CostModelError(advice(
+            "costs='measured' times the model's nodes on real weights, and this model is on the meta device",
+            "planning a meta model allocates nothing for its weights",
+            "plan it with costs='analytic' (calibrated device specs: autosplit.calibrate on a small real model), "
+            "or measure a real copy of it",
+        ))
     present = sorted({s.torch_device for s in specs if s.torch_device is not None})
     if not present:
         raise CostModelError(

@@ -14,7 +14,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from autosplit import progress
-from autosplit.errors import CodegenError, advice
+from autosplit.errors import CaptureError, CodegenError, advice
 from autosplit.microbatch import batch_size, split_batch
 from autosplit.passes.annotate import annotate
 from autosplit.passes.capture import Captured, capture, fingerprint, flat_inputs
@@ -76,10 +76,7 @@ class Traced:
 def trace(model: torch.nn.Module, example_inputs: tuple, example_kwargs: Mapping[str, Any] | None, *, method: str) -> Traced:
     """Steps *capture* and *annotate*."""
     timings: dict[str, float] = {}
-    kwargs = dict(example_kwargs or {})
-    state = [*model.parameters(), *model.buffers()]
-    if state and all(t.is_meta for t in state):  # planning reads shapes only: inputs go where the weights are
-        example_inputs, kwargs = pytree.tree_map_only(torch.Tensor, lambda t: t.to("meta"), (tuple(example_inputs), kwargs))
+    example_inputs, kwargs = _reconciled(model, tuple(example_inputs), dict(example_kwargs or {}))
     with progress.timed_pass("capture", timings):
         captured = capture(model, example_inputs, kwargs, method=method)
         graph_id = fingerprint(captured.gm)
@@ -95,3 +92,23 @@ def versions() -> dict[str, str]:
         with contextlib.suppress(metadata.PackageNotFoundError):
             out[pkg] = metadata.version(pkg)
     return out
+
+
+def _reconciled(model: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
+    """The example where the weights are: planning reads shapes only, so a model on the meta device
+    is traced on meta inputs, and a real model given meta inputs (or shapes) on zeros of them."""
+    state = [*model.parameters(), *model.buffers()]
+    on_meta = {t.is_meta for t in state}
+    if len(on_meta) > 1:
+        where = sorted({f"{name} ({'meta' if t.is_meta else t.device})" for name, t in
+                        [*model.named_parameters(), *model.named_buffers()]}, key=lambda n: "meta" not in n)
+        raise CaptureError(advice(
+            f"the model is partly on the meta device and partly real (e.g. {where[:1] + where[-1:]})",
+            "autosplit plans a model either from its shapes (all on meta) or from its real weights",
+            "build the whole model under `with torch.device('meta'):`, or materialise it fully (to_empty + init) first",
+        ))
+    if on_meta == {True}:
+        return pytree.tree_map_only(torch.Tensor, lambda t: t.to("meta"), (args, kwargs))
+    device = state[0].device if state else torch.device("cpu")
+    return pytree.tree_map_only(torch.Tensor, lambda t: torch.zeros(t.shape, dtype=t.dtype, device=device) if t.is_meta else t,
+                                (args, kwargs))

@@ -37,7 +37,7 @@ from torch.utils import _pytree as pytree
 from autosplit.errors import CodegenError, advice
 from autosplit.passes.capture import Captured
 
-__all__ = ["Chain", "Program", "generate", "generate_chain", "move"]
+__all__ = ["Chain", "Program", "generate", "generate_chain", "move", "retarget"]
 
 
 @torch.fx.wrap
@@ -393,3 +393,25 @@ def generate_chain(
         input_names=tuple(ph.name for ph in placeholders),
         _output=(output.args[0], tuple(out_slots), gm.graph._codegen, captured),
     )
+
+
+def retarget(gm: fx.GraphModule, device: torch.device) -> int:
+    """Make a stage cut from a capture on the meta device run on ``device``: torch.export writes
+    the device of the tensors it traced into ops that create or check tensors (``arange``,
+    ``zeros``, ``_assert_tensor_metadata``, ``to``), so every ``device=meta`` argument becomes
+    ``device``. Returns how many arguments changed (the code is regenerated when any did)."""
+    changed = 0
+
+    def swap(value: Any) -> Any:
+        nonlocal changed
+        if isinstance(value, torch.device) and value.type == "meta":
+            changed += 1
+            return device
+        return value
+
+    for node in gm.graph.nodes:
+        node.args = fx.node.map_aggregate(node.args, swap)
+        node.kwargs = fx.node.map_aggregate(node.kwargs, swap)
+    if changed:
+        gm.recompile()
+    return changed

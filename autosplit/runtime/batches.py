@@ -2,7 +2,7 @@
 
 Every step the ranks compare a signature of their batch (:func:`shapes`, :func:`digest`,
 :func:`check_batches`); a batch of other rows runs on stages whose static metadata is generated at
-its micro-batch shape from a copy of the model on the meta device (:func:`chains_by_rows`), when
+its micro-batch shape from a copy of the model on the meta device (:class:`ChainsByRows`), when
 the stages' code is the same at both shapes (:func:`code_change`).
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -22,7 +22,7 @@ from autosplit.passes.capture import Captured, capture, fingerprint, flat_inputs
 from autosplit.passes.codegen import Chain, generate_chain
 from autosplit.plans import Plan
 
-__all__ = ["capture_chain", "chains_by_rows", "check_batches", "code_change", "describe", "digest", "meta_copy", "shapes"]
+__all__ = ["ChainsByRows", "capture_chain", "check_batches", "code_change", "describe", "digest", "meta_copy", "shapes"]
 
 
 def shapes(values: Sequence[Any]) -> list[Any]:
@@ -96,32 +96,36 @@ def meta_copy(model: torch.nn.Module) -> torch.nn.Module:
     return copy.deepcopy(model, memo)
 
 
-def chains_by_rows(
-    model: torch.nn.Module, captured: Captured, example: tuple[tuple, Mapping[str, Any]], plan: Plan, stages: int, *,
-    method: str, replicate: set[str]
-) -> Callable[[int], Chain]:
-    """``chain_at(rows)``: the plan's chain for micro-batches of ``rows`` rows and the example's
-    other dimensions, captured from a copy of the model on the meta device (made on first use;
-    it works after replication made the stages' weights DTensors). Only its code and static
-    metadata are read: the stages keep running their own modules."""
-    batch = batch_size(*example)
-    example = with_defaults(captured, *example)
-    example = pytree.tree_map(lambda v: v.to("meta") if isinstance(v, torch.Tensor) else v, example)
-    copies: list[torch.nn.Module] = []
-    chains: dict[int, Chain] = {}
+class ChainsByRows:
+    """The plan's chain for micro-batches of any number of rows (and the example's other
+    dimensions), each captured from ``meta_model`` — the model's copy on the meta device — on
+    first use. Only their code, static metadata and input signature are read: the stages run
+    their own modules, so nothing here holds memory for weights."""
 
-    def at(rows: int) -> Any:
-        return lambda v: torch.empty((rows, *v.shape[1:]), dtype=v.dtype, device="meta") if is_batched(v, batch) else v
+    def __init__(
+        self, meta_model: torch.nn.Module, captured: Captured, example: tuple[tuple, Mapping[str, Any]], plan: Plan, stages: int, *,
+        method: str, replicate: set[str],
+    ) -> None:
+        self._batch = batch_size(*example)
+        example = with_defaults(captured, *example)
+        self._example = pytree.tree_map(lambda v: v.to("meta") if isinstance(v, torch.Tensor) else v, example)
+        self._model, self._plan, self._stages, self._method, self._replicate = meta_model, plan, stages, method, replicate
+        self._made: dict[int, tuple[Chain, Captured]] = {}
 
-    def chain_at(rows: int) -> Chain:
-        if rows not in chains:
-            if not copies:
-                copies.append(meta_copy(model))
-            args, kwargs = pytree.tree_map(at(rows), example)
-            chains[rows] = capture_chain(copies[0], plan, stages, args, kwargs, method=method, replicate=replicate)[0]
-        return chains[rows]
+    def __call__(self, rows: int) -> Chain:
+        return self.at(rows)[0]
 
-    return chain_at
+    def at(self, rows: int) -> tuple[Chain, Captured]:
+        """The chain at micro-batches of ``rows`` rows, and the capture it was cut from."""
+        if rows not in self._made:
+            def resize(v: Any) -> Any:
+                return torch.empty((rows, *v.shape[1:]), dtype=v.dtype, device="meta") if is_batched(v, self._batch) else v
+
+            args, kwargs = pytree.tree_map(resize, self._example)
+            self._made[rows] = capture_chain(
+                self._model, self._plan, self._stages, args, kwargs, method=self._method, replicate=self._replicate,
+            )
+        return self._made[rows]
 
 
 def capture_chain(

@@ -45,7 +45,7 @@ Usage (``torchrun --nproc-per-node 2 train.py``)::
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,7 +58,9 @@ from autosplit.microbatch import batch_size, is_batched
 from autosplit.passes.codegen import Chain
 from autosplit.plans import Plan
 from autosplit.runtime.batches import check_batches, code_change, describe, digest, shapes
-from autosplit.runtime.placement import Layout, keep_unread, place, replicate_stage
+from autosplit.runtime.checkpoint import StageState
+from autosplit.runtime.materialise import StageNames
+from autosplit.runtime.placement import Layout, replicate_stage
 
 __all__ = ["DistributedModel"]
 
@@ -75,11 +77,11 @@ class _Run:
     started: bool = False
 
 
-class DistributedModel:
+class DistributedModel(StageState):
     """This rank's stage of a pipelined, data-parallel model. Made by :func:`distribute`."""
 
     def __init__(
-        self, *, model: torch.nn.Module, plan: Plan, chain: Chain, layout: Layout, device: torch.device,
+        self, *, module: torch.nn.Module, names: StageNames, plan: Plan, chain: Chain, layout: Layout, device: torch.device,
         loss_fn: Callable[[Any, Any], torch.Tensor],
         pp_group: Any, dp_mesh: Any, replication: str, input_names: Sequence[str], to_flat: Callable[..., list[Any]],
         micro_batches: int, example: Sequence[Any], chain_at: Callable[[int], Chain],
@@ -94,16 +96,12 @@ class DistributedModel:
         self.micro_batches = micro_batches
         self._to_flat = to_flat
         self._input_names = tuple(input_names)
-        self.module: torch.nn.Module = chain.stages[layout.stage]
-        if layout.stage == 0:
-            keep_unread(self.module, model, chain)
-        place(self.module, device)
+        self.module = module
         # The model's own names for this stage's tensors (a tied weight under each of its names;
         # non-persistent buffers left out, as the model's state_dict does), fixed before
         # replication swaps the tensors for DTensors.
-        local = {id(t): name for name, t in self.module.state_dict(keep_vars=True).items()}
-        self._state_names = {k: local[id(t)] for k, t in model.state_dict(keep_vars=True).items() if id(t) in local}
-        self._param_names = {k: local[id(p)] for k, p in model.named_parameters() if id(p) in local}
+        self._state_names = dict(names.state)
+        self._param_names = dict(names.params)
         if layout.replicas > 1:
             replicate_stage(self.module, replication, dp_mesh)
         self._pp_group = pp_group
@@ -371,72 +369,11 @@ class DistributedModel:
             )) from e
         return losses
 
-    # -- parameters and state, under the original names ----------------------------------------------
-    def named_parameters(self) -> Iterator[tuple[str, torch.nn.Parameter]]:
-        """This rank's parameters under the model's own qualified names, in the model's order."""
-        own = dict(self.module.named_parameters(remove_duplicate=False))
-        return ((name, own[local]) for name, local in self._param_names.items())
-
-    def parameters(self) -> Iterator[torch.nn.Parameter]:
-        return (p for _, p in self.named_parameters())
-
-    def state_dict(self) -> dict[str, Any]:
-        """This stage's entries of the model's ``state_dict``, under the model's names (a tied
-        weight under each of its names, as the model lists it). DTensors when replicated with
-        FSDP2; :meth:`full_state_dict` gathers plain tensors."""
-        own = self.module.state_dict()
-        return {name: own[local] for name, local in self._state_names.items()}
-
-    def load_state_dict(self, state: Mapping[str, Any], *, strict: bool = True) -> None:
-        """Load this stage's entries from a whole model's ``state_dict`` (or a stage's)."""
-        own = self.state_dict()
-        missing = sorted(set(own) - set(state))
-        if strict and missing:
-            raise DistributedError(
-                advice(
-                    f"state dict lacks {len(missing)} entries of stage {self.layout.stage} (first: {missing[:3]})",
-                    "it was saved from another model or another version of it",
-                    "save it from this model (its state_dict() or full_state_dict()), or pass strict=False",
-                )
-            )
-        with torch.no_grad():
-            for name, value in own.items():
-                if name in state:
-                    _copy_into(value, state[name])
-
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """The whole model's state (every stage of replica 0) on every rank, in CPU memory, under
-        the model's names: ``unsplit.load_state_dict(pipe.full_state_dict())`` works."""
-        mine = {k: _full(v).detach().cpu() for k, v in self.state_dict().items()}
-        gathered: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, mine if self.layout.replica == 0 else None)
-        merged: dict[str, torch.Tensor] = {}
-        for part in gathered:
-            merged.update(part or {})
-        return merged
-
     def __repr__(self) -> str:
         return (
             f"DistributedModel(stage {self.layout.stage} of {self.layout.stages}, replica {self.layout.replica} of "
             f"{self.layout.replicas}, {self.plan.schedule} × {self.micro_batches} micro-batches, device {self.device})"
         )
-
-
-def _full(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor's whole value (collective: every rank of its mesh must call it); a tensor as is."""
-    full = getattr(t, "full_tensor", None)
-    return full() if full is not None else t
-
-
-def _copy_into(target: torch.Tensor, value: torch.Tensor) -> None:
-    """Copy a whole value into a tensor or into this rank's part of a DTensor."""
-    from torch.distributed.tensor import DTensor, distribute_tensor
-
-    if isinstance(target, DTensor):
-        part = distribute_tensor(value.to(target.device, target.dtype), target.device_mesh, target.placements)
-        target.to_local().copy_(part.to_local())
-    else:
-        target.copy_(value)
 
 
 def _causes(e: BaseException | None) -> str:

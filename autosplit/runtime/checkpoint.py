@@ -1,0 +1,282 @@
+"""Layout-free checkpoints: model and optimizer state, flat and keyed by the model's own names.
+
+A checkpoint is a ``torch.distributed.checkpoint`` folder of entries ``model.<fqn>`` (the
+model's ``state_dict``) and ``optimizer.<fqn>.<key>`` (each parameter's optimizer state, and its
+group's hyper-parameters, under the parameter's qualified name). Nothing in it says how the model
+was split, so a checkpoint written by one plan's stages loads under another plan — another cut,
+another number of stages or replicas — and into the unsplit model: each process reads only the
+entries of the tensors it holds.
+
+Saving goes to a fresh folder beside the target, renamed over it only once every process has
+written its part: a failed save leaves the last good checkpoint where it was.
+
+Usage::
+
+    pipe.save("ckpt", optimizer=opt)                    # every rank; DistributedModel.save
+    pipe.load("ckpt", optimizer=opt)                    # under this plan or another
+    save_checkpoint("ckpt", model, opt)                 # the unsplit model, one process
+    load_checkpoint("ckpt", model, opt)
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import uuid
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from autosplit.errors import ConstraintError, DistributedError, advice
+
+__all__ = ["StageState", "load_checkpoint", "load_entries", "save_checkpoint", "save_entries", "state_entries"]
+
+
+def state_entries(
+    state: Mapping[str, Any], params: Mapping[str, torch.Tensor], optimizer: torch.optim.Optimizer | None,
+) -> dict[str, Any]:
+    """The flat entries of a model's ``state`` and of ``optimizer``'s state for ``params`` (FQN → parameter)."""
+    out: dict[str, Any] = {f"model.{k}": v for k, v in state.items()}
+    if optimizer is None:
+        return out
+    fqn = {id(p): name for name, p in params.items()}
+    for group in optimizer.param_groups:
+        hyper = {k: v for k, v in group.items() if k != "params"}
+        for p in group["params"]:
+            if id(p) not in fqn:
+                raise ConstraintError(advice(
+                    "the optimizer holds a parameter the model does not have",
+                    "it was made for another model (or for the model before distribute split it)",
+                    "make the optimizer from pipe.parameters()",
+                ))
+            name = fqn[id(p)]
+            for k, v in optimizer.state.get(p, {}).items():
+                if isinstance(v, torch.Tensor):
+                    out[f"optimizer.{name}.state.{k}"] = v
+            for k, v in hyper.items():
+                number = _as_tensor(v)
+                if number is not None:
+                    out[f"optimizer.{name}.group.{k}"] = number
+    return out
+
+
+def _as_tensor(value: Any) -> torch.Tensor | None:
+    """A hyper-parameter that is a number or a tuple of numbers (``lr``, ``betas``) as a float64
+    tensor; None for flags and names, which the optimizer the user builds already holds."""
+    def number(v: Any) -> bool:
+        return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+    if number(value):
+        return torch.tensor(float(value), dtype=torch.float64)
+    if isinstance(value, tuple) and value and all(number(v) for v in value):
+        return torch.tensor([float(v) for v in value], dtype=torch.float64)
+    return None
+
+
+def save_entries(path: str | os.PathLike, entries: dict[str, Any], *, distributed: bool) -> Path:
+    """Write ``entries`` as a DCP checkpoint at ``path`` through a fresh sibling folder, renamed over
+    ``path`` once complete (``distributed``: every rank of the process group calls it, collectively)."""
+    import torch.distributed.checkpoint as dcp
+
+    target = Path(path).resolve()
+    token = [uuid.uuid4().hex[:12]]
+    if distributed:
+        dist.broadcast_object_list(token, src=0)
+    fresh = target.with_name(f".{target.name}.saving-{token[0]}")
+    try:
+        dcp.save(entries, checkpoint_id=fresh, no_dist=not distributed)
+    except Exception as e:
+        shutil.rmtree(fresh, ignore_errors=True)
+        raise DistributedError(advice(
+            f"saving the checkpoint {target} failed: {type(e).__name__}: {e}",
+            "a process could not write its part (disk full, permissions, a peer that failed)",
+            f"fix the cause and save again; the last checkpoint at {target}, if any, is untouched",
+        )) from e
+    if distributed:
+        dist.barrier()
+    if not distributed or dist.get_rank() == 0:
+        old = target.with_name(f".{target.name}.old-{token[0]}")
+        if target.exists():
+            target.rename(old)
+        fresh.rename(target)
+        shutil.rmtree(old, ignore_errors=True)
+    if distributed:
+        dist.barrier()
+    return target
+
+
+def load_entries(
+    path: str | os.PathLike, state: Mapping[str, torch.Tensor], params: Mapping[str, torch.Tensor],
+    optimizer: torch.optim.Optimizer | None, *, strict: bool = True,
+) -> None:
+    """Read into ``state`` (FQN → this process's tensors, loaded in place) and ``optimizer`` the
+    entries of a checkpoint that are theirs — no other entry is read, and no collective runs."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    folder = Path(path)
+    if not (folder / ".metadata").exists():
+        raise ConstraintError(advice(
+            f"{folder} is not a checkpoint (no .metadata file)", "pipe.load reads what pipe.save (DCP) wrote",
+            "pass the folder pipe.save or save_checkpoint wrote",
+        ))
+    reader = dcp.FileSystemReader(str(folder))
+    stored = reader.read_metadata().state_dict_metadata
+    wanted: dict[str, Any] = {f"model.{k}": v for k, v in state.items()}
+    missing = sorted(k[len("model."):] for k in wanted if k not in stored)
+    sizes = {k: tuple(m.size) for k, m in stored.items() if isinstance(m, TensorStorageMetadata)}
+    wrong = [f"{k[len('model.'):]}: {sizes[k]} saved, {tuple(v.shape)} here" for k, v in wanted.items()
+             if k in sizes and sizes[k] != tuple(v.shape)]
+    if (missing and strict) or wrong:
+        raise ConstraintError(advice(
+            f"the checkpoint {folder} " + (f"lacks {len(missing)} entries this process holds (first: {missing[:5]})" if missing else "")
+            + ("; " if missing and wrong else "") + (f"holds {len(wrong)} tensors of another shape ({wrong[:3]})" if wrong else ""),
+            "it was saved from another model or configuration", "load a checkpoint of this model, or pass strict=False for missing entries",
+        ))
+    wanted = {k: v for k, v in wanted.items() if k in stored}
+    slots = _optimizer_slots(optimizer, params, stored) if optimizer is not None else {}
+    dcp.load({**wanted, **slots}, storage_reader=reader, planner=dcp.DefaultLoadPlanner(allow_partial_load=True), no_dist=True)
+    if optimizer is not None:
+        _set_optimizer(optimizer, params, {k: v for k, v in slots.items()})
+
+
+def _optimizer_slots(optimizer: torch.optim.Optimizer, params: Mapping[str, torch.Tensor], stored: Mapping[str, Any]) -> dict[str, Any]:
+    """A target for every saved optimizer entry of ``params``: a tensor shaped like the parameter
+    (a DTensor for a sharded one) or as saved, or a placeholder for a Python value."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    slots: dict[str, Any] = {}
+    absent = []
+    for name, p in params.items():
+        keys = [k for k in stored if k.startswith(f"optimizer.{name}.")]
+        if not keys:
+            absent.append(name)
+        for k in keys:
+            meta = stored[k]
+            if not isinstance(meta, TensorStorageMetadata):
+                continue
+            if tuple(meta.size) == tuple(p.shape) and k.startswith(f"optimizer.{name}.state."):
+                slots[k] = torch.zeros_like(p, dtype=meta.properties.dtype)
+            else:
+                slots[k] = torch.zeros(meta.size, dtype=meta.properties.dtype)
+    if absent:
+        raise ConstraintError(advice(
+            f"the checkpoint holds no optimizer state for {len(absent)} parameters (first: {absent[:5]})",
+            "it was saved without optimizer=, or from another model",
+            "save with pipe.save(path, optimizer=opt), or load without optimizer=",
+        ))
+    return slots
+
+
+def _set_optimizer(optimizer: torch.optim.Optimizer, params: Mapping[str, torch.Tensor], slots: Mapping[str, Any]) -> None:
+    fqn = {id(p): name for name, p in params.items()}
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            prefix = f"optimizer.{fqn[id(p)]}."
+            entries = {k[len(prefix):]: v for k, v in slots.items() if k.startswith(prefix)}
+            state = {k[len("state."):]: v for k, v in entries.items() if k.startswith("state.")}
+            if state:
+                optimizer.state[p] = state
+            for k, v in entries.items():
+                key = k[len("group."):]
+                if k.startswith("group.") and key in group:
+                    old = group[key]
+                    group[key] = tuple(type(o)(x) for o, x in zip(old, v.tolist())) if isinstance(old, tuple) else type(old)(v.item())
+
+
+def save_checkpoint(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> Path:
+    """The unsplit ``model`` (and ``optimizer``) as a checkpoint any plan's stages load, from one process."""
+    return save_entries(path, state_entries(model.state_dict(), dict(model.named_parameters()), optimizer), distributed=False)
+
+
+def load_checkpoint(
+    path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, *, strict: bool = True,
+) -> None:
+    """A checkpoint written by any plan's stages (or :func:`save_checkpoint`) into the unsplit ``model`` and ``optimizer``."""
+    state = model.state_dict()  # tensors sharing the model's storage: loaded in place
+    with torch.no_grad():
+        load_entries(path, state, dict(model.named_parameters()), optimizer, strict=strict)
+
+
+class StageState:
+    """A stage's parameters and state under the model's own names, and its checkpoints: the part of
+    :class:`~autosplit.runtime.distributed.DistributedModel` that reads and writes weights."""
+
+    module: torch.nn.Module
+    layout: Any
+    _param_names: dict[str, str]
+    _state_names: dict[str, str]
+
+    def named_parameters(self) -> Iterator[tuple[str, torch.nn.Parameter]]:
+        """This rank's parameters under the model's own qualified names, in the model's order."""
+        own = dict(self.module.named_parameters(remove_duplicate=False))
+        return ((name, own[local]) for name, local in self._param_names.items())
+
+    def parameters(self) -> Iterator[torch.nn.Parameter]:
+        return (p for _, p in self.named_parameters())
+
+    def state_dict(self) -> dict[str, Any]:
+        """This stage's entries of the model's ``state_dict``, under the model's names (a tied
+        weight under each of its names, as the model lists it). DTensors when replicated with
+        FSDP2; :meth:`full_state_dict` gathers plain tensors."""
+        own = self.module.state_dict()
+        return {name: own[local] for name, local in self._state_names.items()}
+
+    def load_state_dict(self, state: Mapping[str, Any], *, strict: bool = True) -> None:
+        """Load this stage's entries from a whole model's ``state_dict`` (or a stage's)."""
+        own = self.state_dict()
+        missing = sorted(set(own) - set(state))
+        if strict and missing:
+            raise DistributedError(
+                advice(
+                    f"state dict lacks {len(missing)} entries of stage {self.layout.stage} (first: {missing[:3]})",
+                    "it was saved from another model or another version of it",
+                    "save it from this model (its state_dict() or full_state_dict()), or pass strict=False",
+                )
+            )
+        with torch.no_grad():
+            for name, value in own.items():
+                if name in state:
+                    _copy_into(value, state[name])
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The whole model's state (every stage of replica 0) on every rank, in CPU memory, under
+        the model's names: ``unsplit.load_state_dict(pipe.full_state_dict())`` works."""
+        mine = {k: _full(v).detach().cpu() for k, v in self.state_dict().items()}
+        gathered: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, mine if self.layout.replica == 0 else None)
+        merged: dict[str, torch.Tensor] = {}
+        for part in gathered:
+            merged.update(part or {})
+        return merged
+
+    def save(self, path: str | os.PathLike, *, optimizer: torch.optim.Optimizer | None = None) -> Path:
+        """Collective (every rank): the model's state and ``optimizer``'s as one layout-free checkpoint
+        at ``path`` (module docstring), which any plan's stages or the unsplit model load."""
+        return save_entries(path, state_entries(self.state_dict(), dict(self.named_parameters()), optimizer), distributed=True)
+
+    def load(self, path: str | os.PathLike, *, optimizer: torch.optim.Optimizer | None = None, strict: bool = True) -> None:
+        """This stage's entries of a checkpoint written under any plan (or by :func:`save_checkpoint`),
+        into its parameters, buffers and ``optimizer``; each rank reads only its own entries."""
+        with torch.no_grad():
+            load_entries(path, self.state_dict(), dict(self.named_parameters()), optimizer, strict=strict)
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's whole value (collective: every rank of its mesh must call it); a tensor as is."""
+    full = getattr(t, "full_tensor", None)
+    return full() if full is not None else t
+
+
+def _copy_into(target: torch.Tensor, value: torch.Tensor) -> None:
+    """Copy a whole value into a tensor or into this rank's part of a DTensor."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if isinstance(target, DTensor):
+        part = distribute_tensor(value.to(target.device, target.dtype), target.device_mesh, target.placements)
+        target.to_local().copy_(part.to_local())
+    else:
+        target.copy_(value)
