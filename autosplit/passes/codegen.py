@@ -399,7 +399,8 @@ def retarget(gm: fx.GraphModule, device: torch.device) -> int:
     """Make a stage cut from a capture on the meta device run on ``device``: torch.export writes
     the device of the tensors it traced into ops that create or check tensors (``arange``,
     ``zeros``, ``_assert_tensor_metadata``, ``to``), so every ``device=meta`` argument becomes
-    ``device``. Returns how many arguments changed (the code is regenerated when any did)."""
+    ``device``, in the stage's graph and in the bodies of its higher-order ops. Returns how many
+    arguments changed (the code of each graph that changed is regenerated)."""
     changed = 0
 
     def swap(value: Any) -> Any:
@@ -409,9 +410,13 @@ def retarget(gm: fx.GraphModule, device: torch.device) -> int:
             return device
         return value
 
-    for node in gm.graph.nodes:
-        node.args = fx.node.map_aggregate(node.args, swap)
-        node.kwargs = fx.node.map_aggregate(node.kwargs, swap)
-    if changed:
-        gm.recompile()
+    for module in gm.modules():  # higher-order ops' bodies (grad-mode, autocast regions) are graphs of their own
+        if not isinstance(module, fx.GraphModule):
+            continue
+        before = changed
+        for node in module.graph.nodes:
+            node.args = fx.node.map_aggregate(node.args, swap)
+            node.kwargs = fx.node.map_aggregate(node.kwargs, swap)
+        if changed > before:
+            module.recompile()
     return changed

@@ -191,20 +191,10 @@ def agree_by_name(stage: torch.nn.Module, names: StageNames) -> None:
 
 
 def _load(stage: torch.nn.Module, fqns: Mapping[str, list[str]], weights: str | os.PathLike | Mapping[str, torch.Tensor]) -> set[str]:
-    """Copy what ``weights`` holds for the stage's persistent tensors into them; the local names filled."""
-    wanted = {local: names_of for local, names_of in fqns.items()}
-    values = read_checkpoint(weights, {fqn for names_of in wanted.values() for fqn in names_of})
-    filled, wrong = set(), []
-    for local, names_of in wanted.items():
-        fqn = next((f for f in names_of if f in values), None)
-        if fqn is None:
-            continue
-        target, value = _tensor(stage, local), values[fqn]
-        if tuple(value.shape) != tuple(target.shape):
-            wrong.append(f"{fqn}: {tuple(value.shape)} in the checkpoint, {tuple(target.shape)} in the model")
-            continue
-        target.copy_(value)
-        filled.add(local)
+    """Fill the stage's tensors from what ``weights`` holds under any of their names; the local names filled."""
+    targets = {fqn: _tensor(stage, local) for local, names_of in fqns.items() for fqn in names_of}
+    wrong: list[str] = []
+    found = read_checkpoint(weights, targets, wrong)
     if wrong:
         raise ConstraintError(advice(
             f"{len(wrong)} tensors of the checkpoint {weights if not isinstance(weights, Mapping) else '(a state dict)'} "
@@ -212,18 +202,31 @@ def _load(stage: torch.nn.Module, fqns: Mapping[str, list[str]], weights: str | 
             "the checkpoint was saved from another model or configuration",
             "load a checkpoint of this model (its state_dict saved with torch.save, DCP or save_pretrained)",
         ))
-    return filled
+    return {local for local, names_of in fqns.items() if found & set(names_of)}
 
 
-def read_checkpoint(weights: str | os.PathLike | Mapping[str, torch.Tensor], keys: set[str]) -> dict[str, torch.Tensor]:
-    """The entries of ``keys`` that the checkpoint holds, read by name — no other tensor is read."""
+def read_checkpoint(
+    weights: str | os.PathLike | Mapping[str, torch.Tensor], targets: Mapping[str, torch.Tensor], wrong: list[str],
+) -> set[str]:
+    """Copy into ``targets`` (FQN → tensor) the entries the checkpoint holds, read by name, one
+    tensor at a time (a DCP checkpoint straight into them): no other entry is read, and at most
+    one entry is held beside its target. Returns the names found; a shape that differs is listed
+    in ``wrong`` and not copied."""
+    def fill(key: str, value: torch.Tensor) -> bool:
+        target = targets[key]
+        if tuple(value.shape) != tuple(target.shape):
+            wrong.append(f"{key}: {tuple(value.shape)} in the checkpoint, {tuple(target.shape)} in the model")
+            return False
+        target.copy_(value)
+        return True
+
     if isinstance(weights, Mapping):
-        return {k: v for k, v in weights.items() if k in keys}
+        return {k for k, v in weights.items() if k in targets and fill(k, v)}
     path = Path(weights)
     if path.is_dir() and (path / ".metadata").exists():
-        return _read_dcp(path, keys)
+        return _read_dcp(path, targets, wrong)
     if path.is_dir():
-        return _read_safetensors(path, keys)
+        return {k for k, v in _safetensors(path, set(targets)) if fill(k, v)}
     if path.is_file():
         try:
             state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
@@ -237,38 +240,45 @@ def read_checkpoint(weights: str | os.PathLike | Mapping[str, torch.Tensor], key
                 f"the checkpoint {path} holds a {type(state).__name__}, not a state dict", "weights= reads tensors by name",
                 "save model.state_dict(), not the model",
             ))
-        return {k: v for k, v in state.items() if k in keys}
+        return {k for k, v in state.items() if k in targets and fill(k, v)}  # memory-mapped: only these entries are read
     raise ConstraintError(advice(
         f"weights={str(weights)!r} is neither a file nor a folder", "the path is wrong",
         "pass a torch.save file, a torch.distributed.checkpoint folder or a folder of safetensors files",
     ))
 
 
-def _read_dcp(path: Path, keys: set[str]) -> dict[str, torch.Tensor]:
+def _read_dcp(path: Path, targets: Mapping[str, torch.Tensor], wrong: list[str]) -> set[str]:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     reader = dcp.FileSystemReader(str(path))
     stored = reader.read_metadata().state_dict_metadata
     # A plain state dict saved with DCP is keyed by FQN; a checkpoint of DistributedModel.save by "model.<fqn>".
-    prefix = "model." if not keys & set(stored) and any(k.startswith("model.") for k in stored) else ""
-    state = {}
-    for key in sorted(keys):
+    prefix = "model." if not set(targets) & set(stored) and any(k.startswith("model.") for k in stored) else ""
+    state, seen = {}, set()
+    for key, target in targets.items():
         meta = stored.get(prefix + key)
-        if isinstance(meta, TensorStorageMetadata):
-            state[prefix + key] = torch.empty(meta.size, dtype=meta.properties.dtype)
+        if not isinstance(meta, TensorStorageMetadata) or id(target) in seen:
+            continue
+        if tuple(meta.size) != tuple(target.shape):
+            wrong.append(f"{key}: {tuple(meta.size)} in the checkpoint, {tuple(target.shape)} in the model")
+            continue
+        seen.add(id(target))  # a tied weight: loaded once, under its first name
+        state[prefix + key] = target
     # Each rank reads its own keys, without a collective: the ranks' key sets differ, and a rank
     # that fails must not leave the others waiting in a load.
     dcp.load(state, storage_reader=reader, planner=dcp.DefaultLoadPlanner(allow_partial_load=True), no_dist=True)
-    return {k[len(prefix):]: v for k, v in state.items()}
+    loaded = {id(t) for t in state.values()}
+    return {key for key, target in targets.items() if id(target) in loaded}
 
 
-def _read_safetensors(path: Path, keys: set[str]) -> dict[str, torch.Tensor]:
+def _safetensors(path: Path, keys: set[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    """``keys``' entries of a folder of safetensors files (an index names each key's file), one at a time."""
     from safetensors import safe_open
 
     index = next(iter(sorted(path.glob("*.safetensors.index.json"))), None)
+    files: dict[str, list[str]] = {}
     if index is not None:
-        files: dict[str, list[str]] = {}
         for key, file in json.loads(index.read_text())["weight_map"].items():
             if key in keys:
                 files.setdefault(file, []).append(key)
@@ -279,16 +289,13 @@ def _read_safetensors(path: Path, keys: set[str]) -> dict[str, torch.Tensor]:
                 f"the folder {path} holds no checkpoint (no .metadata, no *.safetensors)", "weights= reads one of those",
                 "pass the folder save_pretrained or torch.distributed.checkpoint.save wrote, or a torch.save file",
             ))
-        files = {}
         for shard in shards:
             with safe_open(str(shard), framework="pt") as f:
                 files[shard.name] = [k for k in f.keys() if k in keys]
-    out = {}
     for file, names in files.items():
         with safe_open(str(path / file), framework="pt") as f:
             for key in names:
-                out[key] = f.get_tensor(key)
-    return out
+                yield key, f.get_tensor(key)
 
 
 # -- default init: each owning module alone, seeded by its name ------------------------------------
