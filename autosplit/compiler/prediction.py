@@ -32,6 +32,8 @@ def predict_step(
     for n, s in enumerate(stage_of):
         param_bytes[s] += table.param_bytes[n] if table.param_bytes else 0
     shared, tied_sync = [], 0.0
+    memory = evaluate(problem, stage_of).memory  # KiB per stage
+    replicas = [0] * S  # bytes of the tied weights' replicas each stage holds (parameter, gradient, optimizer state)
     for u, read in enumerate(reads):
         holders = sorted({stage_of[u], *(stage_of[v] for v in consumers[u])})
         if not read or len(holders) < 2:
@@ -43,7 +45,14 @@ def predict_step(
         R = len(holders)
         replicate = ring_allreduce(nbytes, R, bw, lat)
         # Asynchronous stages update at different times: a replicated copy would drift, so it is sent.
-        policy = "replicate" if replicate < send and not schedules.lookup(options.schedule).asynchronous else "send"
+        # A replica also holds the weight's gradient and optimizer state: it must fit beside the stage.
+        copies = [s for s in holders if s != stage_of[u]]
+        fits = all(memory[s] * KIB + replicas[s] + table.state_bytes[u] <= problem.capacity[s] * KIB
+                   for s in copies)
+        policy = "replicate" if replicate < send and fits and not schedules.lookup(options.schedule).asynchronous else "send"
+        if policy == "replicate":
+            for s in copies:
+                replicas[s] += table.state_bytes[u]
         for k in range(1, S):  # what this parameter adds to the stages it crosses
             transfer[u][k - 1] = 0 if policy == "replicate" else round(tied_costs(nbytes, links[k - 1][0], links[k - 1][1], M)[0] * NS)
         if policy == "replicate":
@@ -76,8 +85,19 @@ def predict_step(
     return terms, tuple(shared)
 
 
-def stage_reports(problem: Problem, table: CostTable, stage_of: Sequence[int], order: Sequence[int]) -> tuple[StageReport, ...]:
+def stage_reports(
+    problem: Problem, table: CostTable, stage_of: Sequence[int], order: Sequence[int], shared: Sequence[SharedParam] = (),
+) -> tuple[StageReport, ...]:
+    """Each stage's predicted figures; a stage holding a replica of a tied weight (``shared``) also
+    holds its gradient and optimizer state."""
     ev = evaluate(problem, stage_of)
+    replicas = [0] * len(order)
+    owner = {read: u for u, read in enumerate(table.param_reads) if read}
+    for p in shared:
+        if p.policy == "replicate" and p.name in owner:
+            for s in p.stages:
+                if s != stage_of[owner[p.name]]:
+                    replicas[s] += table.state_bytes[owner[p.name]]
     reports = []
     for s, device in enumerate(table.devices[d] for d in order):
         members = [n for n, st in enumerate(stage_of) if st == s]
@@ -93,7 +113,7 @@ def stage_reports(problem: Problem, table: CostTable, stage_of: Sequence[int], o
                 param_bytes=sum(table.param_bytes[n] for n in members) if table.param_bytes else 0,
                 transfer=ev.transfer[s] / NS,
                 time=ev.time[s] / NS,
-                memory_state=ev.state_mem[s] * KIB,
+                memory_state=ev.state_mem[s] * KIB + replicas[s],
                 memory_activations=ev.act_mem[s] * KIB,
                 memory_received=ev.recv_mem[s] * KIB,
                 memory_sent=ev.send_mem[s] * KIB,

@@ -41,7 +41,7 @@ def recost(traced: Traced, specs: tuple[DeviceSpec, ...], options: PlanOptions, 
     if solver.status == "MANUAL":
         solver = dataclasses.replace(solver, objective=evaluate(problem, stage_of).objective / M / NS)
     return dataclasses.replace(
-        given, solver=solver, stages=stage_reports(problem, table, stage_of, order), costs=source, step_time=terms.total,
+        given, solver=solver, stages=stage_reports(problem, table, stage_of, order, shared), costs=source, step_time=terms.total,
         module_stages=module_stages(table, stage_of),
         terms=terms, shared_params=shared, data_parallel=options.data_parallel, timings=timings,
         made_with=given.made_with or (given.costs, given.step_time),

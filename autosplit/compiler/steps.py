@@ -62,7 +62,7 @@ def compile_plan(
         assignment={name: order[s] for name, s in zip(problem.nodes, solution.stage_of)},
         devices=specs,
         stage_devices=tuple(order),
-        stages=stage_reports(problem, table, solution.stage_of, order),
+        stages=stage_reports(problem, table, solution.stage_of, order, shared),
         module_stages=module_stages(table, solution.stage_of),
         step_time=terms.total,
         terms=terms,
