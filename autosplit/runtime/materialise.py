@@ -145,21 +145,28 @@ def materialise(
             weights(stage)
             how = f"init function {getattr(weights, '__name__', repr(weights))}"
         else:
-            loaded: set[str] = set()
+            missing = dict(fqns)
             if weights is not None:
                 loaded = _load(stage, fqns, weights)
-            missing = {local: names_of for local, names_of in fqns.items() if local not in loaded}
+                persistent = set(names.state.values())
+                lacking = [names_of[0] for local, names_of in fqns.items() if local in persistent and local not in loaded]
+                if lacking:
+                    raise ConstraintError(advice(
+                        f"the checkpoint {_source(weights)} lacks {len(lacking)} entries this stage needs (first: {lacking[:5]})",
+                        "it was saved from another model or configuration, or its names differ from the model's",
+                        "load a checkpoint of this model (its state_dict, saved with torch.save, DCP or save_pretrained)",
+                    ))
+                # Non-persistent buffers are in no checkpoint: their modules compute them.
+                missing = {local: names_of for local, names_of in fqns.items() if local not in loaded}
             _default_init(stage, missing, model, seed)
-            how = f"checkpoint {weights}" if weights is not None and not isinstance(weights, Mapping) else (
-                "a state dict" if weights is not None else "each module's own init")
+            how = _source(weights) if weights is not None else "each module's own init"
     blank = [names_of[0] for local, names_of in fqns.items() if not recorder.wrote(_tensor(stage, local))]
     if blank:
         raise ConstraintError(advice(
             f"{len(blank)} tensors of this stage were never given a value (first: {blank[:5]})",
             f"materialising from {how}: "
-            + ("the checkpoint lacks them and their modules' init does not fill them" if weights is not None and not callable(weights)
-               else "their modules have no reset_parameters() (nor a transformers _init_weights) that fills them"
-               if weights is None else "the init function does not write them"),
+            + ("the init function does not write them" if callable(weights)
+               else "their modules have no reset_parameters() (nor a transformers _init_weights) that fills them"),
             "pass weights= a checkpoint that holds them, or an init(module) that fills every parameter and buffer",
         ))
     return how
@@ -187,6 +194,10 @@ def agree_by_name(stage: torch.nn.Module, names: StageNames) -> None:
         ))
 
 
+def _source(weights: Any) -> str:
+    return "(a state dict)" if isinstance(weights, Mapping) else f"checkpoint {weights}"
+
+
 # -- checkpoints, read by name -----------------------------------------------------------------------
 
 
@@ -197,7 +208,7 @@ def _load(stage: torch.nn.Module, fqns: Mapping[str, list[str]], weights: str | 
     found = read_checkpoint(weights, targets, wrong)
     if wrong:
         raise ConstraintError(advice(
-            f"{len(wrong)} tensors of the checkpoint {weights if not isinstance(weights, Mapping) else '(a state dict)'} "
+            f"{len(wrong)} tensors of the {_source(weights)} "
             f"have the wrong shape: {wrong[:3]}",
             "the checkpoint was saved from another model or configuration",
             "load a checkpoint of this model (its state_dict saved with torch.save, DCP or save_pretrained)",

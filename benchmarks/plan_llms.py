@@ -1,0 +1,114 @@
+"""Planning real LLM sizes on the meta device, from shapes alone (run by ``plan_time.py --llms``).
+
+Each model is built by transformers from its published configuration under
+``torch.device("meta")`` (no weights are allocated) and planned with ``autosplit.Spec`` inputs
+onto H100 presets, in a fresh process each, so its peak RSS is the planning process's own:
+
+- Llama-3-8B onto 8 H100s; Llama-3-70B onto 16, 32 and 64 (80 layers, GQA, vocabulary 128256,
+  sequence 8192); a Mixtral-8x7B-shaped mixture of experts onto 16.
+
+Recorded per model: capture, annotate, estimate and solve seconds, the process's peak RSS, and
+the outcome: the plan's layers per stage, memory per device and predicted step — or, where no
+plan fits (fp32 without recomputation: Adam state and activations exceed 80 GB), the least
+memory any plan needs, as the solver proves it. Beside it, torchtitan's uniform layout
+(``generate_llm_fqn_per_model_part``: input and output modules weighing one layer each) costed by
+the same model, memory caps not enforced. These are planned for GPUs this machine does not have:
+the figures are the cost model's (H100 presets), not measurements.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+LLAMA3_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                 vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0)
+LLAMA3_70B = {**LLAMA3_8B, "hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80, "num_attention_heads": 64}
+MIXTRAL_8X7B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                    vocab_size=32000, max_position_embeddings=8192, num_local_experts=8, num_experts_per_tok=2, rope_theta=1e6)
+CASES = [("llama3-8b", 8), ("llama3-70b", 16), ("llama3-70b", 32), ("llama3-70b", 64), ("mixtral-8x7b", 16)]
+
+
+def _model(name: str) -> Any:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM
+
+    with torch.device("meta"):
+        if name == "mixtral-8x7b":
+            return MixtralForCausalLM(MixtralConfig(**MIXTRAL_8X7B))
+        return LlamaForCausalLM(LlamaConfig(**(LLAMA3_8B if name == "llama3-8b" else LLAMA3_70B)))
+
+
+def _layers(modules: tuple[str, ...]) -> str:
+    return ", ".join(modules)
+
+
+def plan_one(name: str, devices: int, batch: int, seq: int, schedule: str, time_limit: float) -> dict[str, Any]:
+    """Plan one model in this process (call it in a fresh one: its peak RSS is reported)."""
+    import torch
+
+    import autosplit
+    from autosplit.compiler.manual import torchtitan_fqns
+
+    start = time.perf_counter()
+    model = _model(name)
+    planner = autosplit.Planner(model, ["H100-80GB"] * devices, example_inputs=(autosplit.Spec((batch, seq), torch.long),),
+                                schedule=schedule, time_limit=time_limit)
+    row: dict[str, Any] = {"model": name, "devices": devices, "batch": batch, "seq": seq, "schedule": schedule,
+                           "params": sum(p.numel() for p in model.parameters())}
+    try:
+        plan = planner.plan()
+        row.update(outcome="planned", passes_s={k: round(v, 3) for k, v in plan.timings.items()}, step_s=plan.step_time,
+                   stages=[{"modules": _layers(s.modules), "memory_gib": s.memory / 2**30} for s in plan.stages],
+                   solver=plan.solver.status, gap=plan.solver.gap)
+    except autosplit.AutosplitError as e:
+        need = re.search(r"needs (?:at least )?([\d.]+) GiB", str(e))
+        row.update(outcome=type(e).__name__, message=str(e).split(". Likely cause")[0],
+                   least_memory_gib=float(need.group(1)) if need else None,
+                   passes_s={k: round(v, 3) for k, v in planner.traced.timings.items()})
+    row["total_s"] = time.perf_counter() - start
+    try:
+        uniform = planner.manual(torchtitan_fqns(model, devices, repeated="model.layers"), name="torchtitan uniform")
+        row["torchtitan"] = {"step_s": uniform.step_time, "stages": [{"modules": _layers(s.modules), "memory_gib": s.memory / 2**30}
+                                                                    for s in uniform.stages]}
+    except autosplit.AutosplitError as e:
+        row["torchtitan"] = {"error": str(e).split(". Likely cause")[0]}
+    row["peak_rss_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9
+    return row
+
+
+def run(batch: int, seq: int, schedules: list[str], time_limit: float) -> list[dict[str, Any]]:
+    """Every case, each planned in a fresh interpreter; prints a table row as each finishes."""
+    rows = []
+    print(f"{'model':>13} {'devices':>7} {'schedule':>8} {'capture':>8} {'annotate':>8} {'estimate':>8} {'solve':>6} {'total s':>7} "
+          f"{'RSS GB':>6}  outcome")
+    for name, devices in CASES:
+        for schedule in schedules:
+            code = ("import json, sys; sys.path.insert(0, sys.argv[1]); from benchmarks.plan_llms import plan_one; "
+                    "print('ROW' + json.dumps(plan_one(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), sys.argv[6], "
+                    "float(sys.argv[7]))))")
+            out = subprocess.run([sys.executable, "-c", code, str(Path(__file__).resolve().parents[1]), name, str(devices), str(batch),
+                                  str(seq), schedule, str(time_limit)], capture_output=True, text=True, timeout=900)
+            line = next((x for x in out.stdout.splitlines() if x.startswith("ROW")), None)
+            if line is None:
+                print(f"{name:>13} {devices:>7} {schedule:>8} failed: {out.stderr.strip().splitlines()[-1:]}")
+                rows.append({"model": name, "devices": devices, "schedule": schedule, "outcome": "crashed", "stderr": out.stderr[-2000:]})
+                continue
+            row = json.loads(line[3:])
+            rows.append(row)
+            p = row.get("passes_s", {})
+            outcome = (f"step {row['step_s']:.2f} s, max memory {max(s['memory_gib'] for s in row['stages']):.1f} GiB"
+                       if row["outcome"] == "planned" else f"{row['outcome']}: needs {row['least_memory_gib']} GiB")
+            print(f"{name:>13} {devices:>7} {schedule:>8} {p.get('capture', 0):8.2f} {p.get('annotate', 0):8.2f} {p.get('estimate', 0):8.2f} "
+                  f"{p.get('solve', 0):6.2f} {row['total_s']:7.2f} {row['peak_rss_gb']:6.2f}  {outcome}")
+    return rows
+
+
+if __name__ == "__main__":
+    print(json.dumps(run(8, 8192, ["gpipe", "1f1b"], 10.0), indent=1))
