@@ -56,9 +56,9 @@ def test_compare_and_the_hybrid_planner_take_a_meta_model():
 
 def test_what_a_meta_model_cannot_do_is_refused_with_what_to_pass():
     spec = autosplit.Spec((8, 16), torch.long)
-    with pytest.raises(CostModelError, match="meta device.*costs='analytic'"):
+    with pytest.raises(CostModelError, match=r"meta device.*costs='analytic'"):
         autosplit.plan(_meta_gpt(), ["cpu"] * 2, example_inputs=(spec,), costs="measured", time_limit=1)
-    with pytest.raises(ConstraintError, match="meta device.*autosplit.distribute"):
+    with pytest.raises(ConstraintError, match=r"meta device.*autosplit\.distribute"):
         autosplit.autosplit(_meta_gpt(), ["cpu"] * 2, example_inputs=(spec,), time_limit=1)
     half = _meta_gpt()
     half.head = nn.Linear(32, 128, bias=False)  # real, beside meta layers
