@@ -104,7 +104,8 @@ def _train(rank: int, world: int, init: str, folder: str, cases: list[tuple[str,
                 model = _build(name)
             batches = _batches(name)
             pipe = autosplit.distribute(model, ["cpu"] * (world // dp), example_inputs=(batches[0][0],), loss_fn=_loss,
-                                        weights=f"{folder}/{weights}", schedule=schedule, micro_batches=MICRO, data_parallel=dp, time_limit=2)
+                                        weights=f"{folder}/{weights}", schedule=schedule, micro_batches=MICRO, data_parallel=dp,
+                                        time_limit=2)
             assert all(not p.is_meta for p in pipe.parameters()) and all(p.is_meta for p in model.parameters())
             opt = torch.optim.Adam(pipe.parameters(), lr=1e-2)
             losses = []
@@ -319,3 +320,33 @@ def test_a_tensor_nothing_initialises_or_the_checkpoint_lacks_is_refused_by_name
     real = Unfilled()
     with pytest.raises(ConstraintError, match="already real"):
         materialise(stage, names, torch.device("cpu"), model=real, weights={"scale": torch.ones(16)})
+
+
+def _real_model_kept_only_for_the_stage(rank: int, world: int, init: str, folder: str) -> None:
+    import gc
+    import weakref
+
+    import autosplit
+
+    _init(rank, world, init)
+    try:
+        torch.manual_seed(0)
+        model = _build("gpt")
+        batches = _batches("gpt")
+        pipe = autosplit.distribute(model, ["cpu"] * 2, example_inputs=(batches[0][0],), loss_fn=_loss, micro_batches=4, time_limit=2)
+        mine = {id(p) for p in pipe.parameters()}
+        others = [weakref.ref(p) for p in model.parameters() if id(p) not in mine]
+        assert others, "each stage holds part of the model"
+        del model
+        gc.collect()
+        assert all(r() is None for r in others), "autosplit kept parameters of other stages alive"
+        x, y = batches[0]
+        pipe.step(x, target=y)
+        Path(folder, f"freed{rank}.ok").write_text("ok")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_real_models_other_stages_are_freed_once_the_caller_drops_it(tmp_path):
+    _spawn(_real_model_kept_only_for_the_stage, 2, str(tmp_path / "init"), str(tmp_path))
+    assert len(list(tmp_path.glob("freed*.ok"))) == 2
