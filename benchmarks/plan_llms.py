@@ -12,8 +12,9 @@ the outcome: the plan's layers per stage, memory per device and predicted step â
 plan fits (fp32 without recomputation: Adam state and activations exceed 80 GB), the least
 memory any plan needs, as the solver proves it. Beside it, torchtitan's uniform layout
 (``generate_llm_fqn_per_model_part``: input and output modules weighing one layer each) costed by
-the same model, memory caps not enforced. These are planned for GPUs this machine does not have:
-the figures are the cost model's (H100 presets), not measurements.
+the same model, memory caps not enforced (its memory per device says by how much it misses).
+These are planned for GPUs this machine does not have: the figures are the cost model's (H100
+presets), not measurements.
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ def plan_one(name: str, devices: int, batch: int, seq: int, schedule: str, time_
     import torch
 
     import autosplit
-    from autosplit.compiler.manual import torchtitan_fqns
+    from autosplit.compiler.manual import execution_order, manual_plan, torchtitan_fqns
 
     start = time.perf_counter()
     model = _model(name)
@@ -74,7 +75,8 @@ def plan_one(name: str, devices: int, batch: int, seq: int, schedule: str, time_
                    passes_s={k: round(v, 3) for k, v in planner.traced.timings.items()})
     row["total_s"] = time.perf_counter() - start
     try:
-        uniform = planner.manual(torchtitan_fqns(model, devices, repeated="model.layers"), name="torchtitan uniform")
+        split = torchtitan_fqns(model, devices, repeated="model.layers", order=execution_order(planner.traced))
+        uniform = manual_plan(planner, split, name="torchtitan uniform", check_memory=False)
         row["torchtitan"] = {"step_s": uniform.step_time, "stages": [{"modules": _layers(s.modules), "memory_gib": s.memory / 2**30}
                                                                     for s in uniform.stages]}
     except autosplit.AutosplitError as e:
@@ -105,8 +107,9 @@ def run(batch: int, seq: int, schedules: list[str], time_limit: float) -> list[d
             p = row.get("passes_s", {})
             outcome = (f"step {row['step_s']:.2f} s, max memory {max(s['memory_gib'] for s in row['stages']):.1f} GiB"
                        if row["outcome"] == "planned" else f"{row['outcome']}: needs {row['least_memory_gib']} GiB")
-            print(f"{name:>13} {devices:>7} {schedule:>8} {p.get('capture', 0):8.2f} {p.get('annotate', 0):8.2f} {p.get('estimate', 0):8.2f} "
-                  f"{p.get('solve', 0):6.2f} {row['total_s']:7.2f} {row['peak_rss_gb']:6.2f}  {outcome}")
+            times = " ".join(f"{p.get(k, 0):8.2f}" for k in ("capture", "annotate", "estimate"))
+            print(f"{name:>13} {devices:>7} {schedule:>8} {times} {p.get('solve', 0):6.2f} {row['total_s']:7.2f} "
+                  f"{row['peak_rss_gb']:6.2f}  {outcome}")
     return rows
 
 

@@ -39,7 +39,7 @@ from autosplit.errors import ConstraintError, advice
 from autosplit.plans import Plan, SolverInfo
 
 __all__ = [
-    "ManualSplit", "balance_fqns", "deepspeed_fqns", "fqn_stages", "layer_list", "manual_plan",
+    "ManualSplit", "balance_fqns", "deepspeed_fqns", "execution_order", "fqn_stages", "layer_list", "manual_plan",
     "megatron_fqns", "partition", "plan_from_fqns", "split_point_stages", "torchtitan_fqns",
 ]
 
@@ -74,15 +74,16 @@ def partition(weights: Sequence[float], stages: int) -> list[tuple[int, int]]:
     return ranges[::-1]
 
 
-def layer_list(model: torch.nn.Module, order: Sequence[str] = ()) -> list[str]:
+def layer_list(model: torch.nn.Module, order: Sequence[str] = (), expand: str = "") -> list[str]:
     """The model as DeepSpeed sees a ``PipelineModule``: its top-level modules, containers
-    (``ModuleList``, ``Sequential``) expanded, ordered by ``order`` (module paths in execution order)."""
+    (``ModuleList``, ``Sequential``) expanded, ordered by ``order`` (module paths in execution order);
+    the modules on the path to ``expand`` are expanded too (a transformers ``model.layers``)."""
     layers: list[str] = []
 
     def walk(prefix: str, module: torch.nn.Module) -> None:
         for name, child in module.named_children():
             path = f"{prefix}{name}"
-            if isinstance(child, (torch.nn.ModuleList, torch.nn.Sequential)):
+            if isinstance(child, (torch.nn.ModuleList, torch.nn.Sequential)) or (expand + ".").startswith(path + "."):
                 walk(path + ".", child)
             else:
                 layers.append(path)
@@ -138,7 +139,7 @@ def torchtitan_fqns(
 ) -> list[list[str]]:
     """torchtitan's even split: the blocks of ``repeated`` (e.g. ``"layers"``) spread evenly, the
     modules before them weighing ``input_weight`` blocks and those after ``output_weight``."""
-    layers = layer_list(model, order)
+    layers = layer_list(model, order, expand=repeated)
     blocks = _blocks(layers, repeated)
     first, last = layers.index(blocks[0]), layers.index(blocks[-1])
     units = [layers[:first], *([b] for b in blocks), layers[last + 1 :]]
@@ -303,12 +304,20 @@ split points (a mapping, or a list of module names); a torchgpipe ``balance`` (a
 ints); module names per stage (torchtitan's ``module_fqns_per_model_part``)."""
 
 
+def execution_order(traced: Any) -> list[str]:
+    """Module paths in the order the graph first computes in them (reads of weights left out:
+    torch.export lifts them all to the front, in the parameters' order)."""
+    paths = traced.captured.module_paths
+    return list(dict.fromkeys(paths[n.name] for n in traced.captured.gm.graph.nodes
+                              if n.op not in ("placeholder", "get_attr", "output") and paths.get(n.name)))
+
+
 def manual_plan(planner: Any, split: ManualSplit, *, name: str = "manual", check_memory: bool = True) -> Plan:
     """``split``, in any form users write one, as a checked plan costed by ``planner``'s cost model
     (stage ``s`` on device ``s``). ``check_memory=False`` returns a plan over a cap instead of
     raising (its stages show by how much)."""
     model, S = planner.model, len(planner.specs())
-    order = list(dict.fromkeys(planner.traced.captured.module_paths.values()))
+    order = execution_order(planner.traced)
     if isinstance(split, Plan):  # re-costed under the planner's options, as every other candidate
         return _costed(planner, split.stage_of, name, check_memory, split.stage_devices)
     if isinstance(split, str):
