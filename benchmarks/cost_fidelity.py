@@ -45,12 +45,14 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import cast
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import autosplit
+import autosplit.calibration
 from autosplit.compiler.manual import partition
 from autosplit.microbatch import split_batch
 from autosplit.options import ProfileOptions
@@ -102,7 +104,9 @@ def node_params(model: torch.nn.Module, inputs: tuple) -> dict[str, int]:
 def run_plan(model, inputs, devices, *, costs, label, given=None) -> tuple[autosplit.SplitModule, dict]:
     torch.manual_seed(0)
     kwargs = dict(example_inputs=inputs, micro_batches=MICRO_BATCHES)
-    split = autosplit.autosplit(model, devices if given is None else None, plan=given, costs=costs, **kwargs)
+    split = cast(  # a pipeline plan: a SplitModule
+        autosplit.SplitModule, autosplit.autosplit(model, devices if given is None else None, plan=given, costs=costs, **kwargs)
+    )
     micro = split_batch(inputs, {}, MICRO_BATCHES)
     stages = autosplit.calibration.measure_stages(split, micro, threads=1, cores=CORE)
     step = measure_step(split, micro)
@@ -182,7 +186,8 @@ def main() -> None:
                     + f"  pipelined {r['pipelined_step_from_measured'] * 1e3:.1f} ms")
 
     print()
-    print(f"{'costs':12s} {'stage time |err| median / worst':>32s} {'step |err| median / worst':>28s} {'peak memory |err| median / worst':>34s}")
+    print(f"{'costs':12s} {'stage time |err| median / worst':>32s} {'step |err| median / worst':>28s} "
+          f"{'peak memory |err| median / worst':>34s}")
     table = {}
     for label in ("measured", "analytic", "calibrated"):
         sel = [r for r in rows if r["plan"] == label]

@@ -34,6 +34,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 import torch
 import torch.nn as nn
@@ -42,6 +43,8 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import autosplit
+import autosplit.api
+import autosplit.compiler.hybrid
 from benchmarks.models import GNMT, BigLSTM, InceptionV3, make
 from benchmarks.plan_time import machine
 
@@ -82,7 +85,7 @@ def _image_task(_model: nn.Module, gen: torch.Generator) -> Callable[[int], tupl
 
 
 def _translation_task(model: nn.Module, gen: torch.Generator) -> Callable[[int], tuple]:
-    vocab, seq = model.src_emb.num_embeddings, 16
+    vocab, seq = cast(nn.Embedding, model.src_emb).num_embeddings, 16  # a GNMT
     dictionary = torch.randperm(vocab, generator=gen)  # every source token has one translation
 
     def sample(batch: int) -> tuple:

@@ -33,17 +33,21 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import cast
 
 import torch
 import torch.multiprocessing as mp
 
+import autosplit
+from autosplit.options import ProfileOptions
+from autosplit.runtime.makespan import MakespanRunner
+from autosplit.timers import steady_allocator
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import autosplit  # noqa: E402
-from autosplit.options import ProfileOptions
-from autosplit.timers import steady_allocator
 from benchmarks.pipeline_runtime import _worker, measured_cpu, workload  # noqa: E402
 from benchmarks.plan_time import machine  # noqa: E402
 
@@ -57,7 +61,7 @@ def _summary(times: list[float]) -> dict[str, float]:
 
 def local_runs(name: str, plan: autosplit.Plan, steps: int, warmup: int) -> dict[str, list[float]]:
     """(a), (b) and (c), round-robin: step i of each, then step i + 1."""
-    runs = {}
+    runs: dict[str, Callable[[], None]] = {}
     for threads in (1, 2):
         model, inputs, target, loss_fn = workload(name)
         opt = torch.optim.Adam(model.parameters(), lr=1e-4)
@@ -70,7 +74,7 @@ def local_runs(name: str, plan: autosplit.Plan, steps: int, warmup: int) -> dict
 
         runs[f"unsplit {threads} thread{'s' * (threads > 1)}"] = unsplit
     model, inputs, target, loss_fn = workload(name)
-    runner = autosplit.autosplit(model, None, example_inputs=inputs, plan=plan)
+    runner = cast(MakespanRunner, autosplit.autosplit(model, None, example_inputs=inputs, plan=plan))  # a makespan plan
     device_opt = runner.optimizer(torch.optim.Adam, lr=1e-4)
 
     def makespan():

@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
                         rows.append(row)
                         print(f"{size:>5s} {params / 1e9:6.2f}B {world:5d} {mode:>4s} {rank:4d} {r['idle_rss'] / 1e9:8.2f} "
                               f"{r['peak_rss'] / 1e9:8.2f} {r['predicted'] / 1e9:12.2f} {increase / 1e9:11.2f} "
-                              f"{row['ratio_predicted_to_increase']:9.2f} {str(row['within_target']):>20s} {params * 4 / 1e9:13.2f}")
+                              f"{row['ratio_predicted_to_increase']:9.2f} {row['within_target']!s:>20s} {params * 4 / 1e9:13.2f}")
     Path(args.out).write_text(json.dumps({"machine": machine(), "seq": SEQ, "batch": BATCH, "vocab": VOCAB, "rows": rows}, indent=1))
     print(f"wrote {args.out}")
     return 0

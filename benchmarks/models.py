@@ -14,6 +14,7 @@ for benchmarks that run the model). ``make(name, size)`` builds a model with exa
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 
 import torch
@@ -131,7 +132,7 @@ class InceptionV3(nn.Module):
             nn.MaxPool2d(3, stride=2), ConvBN(_c(64, w), _c(80, w), 1), ConvBN(_c(80, w), _c(192, w), 3),
             nn.MaxPool2d(3, stride=2),
         )
-        blocks: list[nn.Module] = []
+        blocks: list[InceptionA | InceptionB | InceptionC | InceptionD | InceptionE] = []
         cin = _c(192, w)
         for pool in (32, 64, 64):
             blocks.append(InceptionA(cin, pool, w))
@@ -252,7 +253,7 @@ class ResNet(nn.Module):
 class MLP(nn.Module):
     def __init__(self, dims=(256, 512, 512, 512, 10)):
         super().__init__()
-        self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in zip(dims, dims[1:]))
+        self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in itertools.pairwise(dims))
 
     def forward(self, x):
         for layer in self.layers[:-1]:
@@ -272,7 +273,7 @@ class TwoTower(nn.Module):
         def tower(dim: int) -> nn.Sequential:
             dims = [dim] + [hidden] * (layers - 1) + [out]
             mods: list[nn.Module] = []
-            for a, b in zip(dims, dims[1:]):
+            for a, b in itertools.pairwise(dims):
                 mods += [nn.Linear(a, b), nn.ReLU()]
             return nn.Sequential(*mods[:-1])
 

@@ -42,21 +42,24 @@ import tempfile
 import time
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
+import autosplit
+import autosplit.calibration
+from autosplit.calibration.overhead import RuntimeMeasurement
+from autosplit.compiler.manual import deepspeed_fqns, plan_from_fqns, torchtitan_fqns
+from autosplit.devices import resolve_devices
+from autosplit.options import ProfileOptions
+from autosplit.timers import pinned, steady_allocator
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import autosplit  # noqa: E402
-from autosplit.calibration.overhead import RuntimeMeasurement
-from autosplit.compiler.manual import deepspeed_fqns, plan_from_fqns, torchtitan_fqns
-from autosplit.devices import resolve_devices  # noqa: E402
-from autosplit.options import ProfileOptions
-from autosplit.timers import pinned, steady_allocator
 from benchmarks.models import GPT, make  # noqa: E402
 from benchmarks.plan_time import machine  # noqa: E402
 
@@ -67,6 +70,7 @@ REPEATED = {"gpt": "blocks", "inception_v3": "blocks", "biglstm": None, "gnmt": 
 def workload(name: str):
     """(model, inputs, target, loss_fn), seeded so every process builds the same weights."""
     torch.manual_seed(0)
+    model: torch.nn.Module
     if name == "gpt":
         model, inputs = GPT(vocab=8000, d_model=256, n_layers=8, n_heads=4, max_len=128), (torch.randint(0, 8000, (8, 128)),)
     else:
@@ -134,7 +138,7 @@ def _worker(
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=2, timeout=timedelta(minutes=5))
     try:
         model, inputs, target, loss_fn = workload(name)
-        runs = []
+        runs: list[tuple[Any, Any, Any, dict[str, Any]]] = []
         for label, path in plans:
             pipe = autosplit.distribute(copy.deepcopy(model), None, example_inputs=inputs, loss_fn=loss_fn, plan=path)
             opt = torch.optim.Adam(pipe.parameters(), lr=1e-4)
@@ -201,9 +205,10 @@ def run_model(name: str, args, spec) -> dict:
                 )
                 order = list(planner.traced.captured.module_paths.values())
                 candidates = {"autosplit": planner.plan()}
-                if REPEATED[name]:
+                repeated = REPEATED[name]
+                if repeated:
                     candidates["torchtitan even"] = plan_from_fqns(
-                        planner, torchtitan_fqns(model, 2, repeated=REPEATED[name], order=order), name="torchtitan")
+                        planner, torchtitan_fqns(model, 2, repeated=repeated, order=order), name="torchtitan")
                 for method in ("parameters", "uniform"):
                     candidates[f"deepspeed {method}"] = plan_from_fqns(
                         planner, deepspeed_fqns(model, 2, method, order), name=f"deepspeed-{method}")
@@ -288,7 +293,7 @@ def summarise(records: list[dict]) -> dict:
     error of every plan, pipeline efficiency of autosplit's plans."""
     ratios, errors, efficiency = {}, [], []
     for r in records:
-        by = {}
+        by: dict[tuple[int, str], dict[str, dict]] = {}
         for c in r["configs"]:
             by.setdefault((c["micro_batches"], c["schedule"]), {})[c["plan"]] = c
             errors.append(abs(c["error"]))

@@ -28,11 +28,17 @@ import time
 from pathlib import Path
 from typing import Any
 
-LLAMA3_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
-                 vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0)
-LLAMA3_70B = {**LLAMA3_8B, "hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80, "num_attention_heads": 64}
-MIXTRAL_8X7B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
-                    vocab_size=32000, max_position_embeddings=8192, num_local_experts=8, num_experts_per_tok=2, rope_theta=1e6)
+LLAMA3_8B: dict[str, Any] = dict(
+    hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+    vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0,
+)
+LLAMA3_70B: dict[str, Any] = {
+    **LLAMA3_8B, "hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80, "num_attention_heads": 64,
+}
+MIXTRAL_8X7B: dict[str, Any] = dict(
+    hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+    vocab_size=32000, max_position_embeddings=8192, num_local_experts=8, num_experts_per_tok=2, rope_theta=1e6,
+)
 CASES = [("llama3-8b", 8), ("llama3-70b", 16), ("llama3-70b", 32), ("llama3-70b", 64), ("mixtral-8x7b", 16)]
 
 

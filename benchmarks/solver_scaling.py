@@ -35,6 +35,7 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -100,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
         pairs = [tuple(int(x) for x in p.split("x")) for p in args.pairs]
     else:
         pairs = [(layers, S) for layers in args.layers for S in args.devices]
-    rows = []
+    rows: list[dict[str, Any]] = []
     header = (f"{'shape':>16} {'layers':>6} {'nodes':>6} {'S':>3} {'annotate':>8} {'solve':>7} {'total':>7} {'status':>8} "
               f"{'gap':>6} {'autosplit':>10} {'dp':>10} {'cpsat-node':>10} {'uniform':>10}")
     print("predicted step time in ms (A100-80GB presets, GPipe, M = the most ≤ 4·S dividing the batch); times in seconds")
@@ -132,7 +133,10 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{shape:>16} {layers:>6} {len(problem.nodes):>6} {S:>3} {t_annotate:8.2f}  {type(e).__name__}: {str(e)[:90]}")
                 continue
             t_solve = time.perf_counter() - t0
-            M, ms = problem.micro_batches, lambda obj: obj / problem.micro_batches / 1e6
+            M = problem.micro_batches
+
+            def ms(obj: float, M: int = M) -> float:  # the step, per micro-batch, in ms
+                return obj / M / 1e6
 
             node_obj, node_status = None, "skipped: model too large"
             if len(problem.nodes) * (S - 1) <= args.node_vars:
@@ -145,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
             uniform = uniform_by_layers(problem, layers)
             uni_obj = evaluate(problem, uniform).objective if not violations(problem, uniform) else None
             total = t_capture + t_annotate + t_build + t_solve
-            row = {
+            row: dict[str, Any] = {
                 "shape": shape, "layers": layers, "nodes": len(problem.nodes), "devices": S, "micro_batches": M,
                 "seconds": {"capture": t_capture, "annotate": t_annotate, "estimate+build": t_build, "solve": t_solve,
                             "total": total},

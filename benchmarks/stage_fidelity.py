@@ -18,12 +18,14 @@ import json
 import sys
 from pathlib import Path
 
+import autosplit
+import autosplit.calibration
+from autosplit.microbatch import split_batch
+from autosplit.options import ProfileOptions
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import autosplit  # noqa: E402
-from autosplit.microbatch import split_batch
-from autosplit.options import ProfileOptions
 from benchmarks.pipeline_runtime import workload  # noqa: E402
 from benchmarks.plan_time import machine  # noqa: E402
 

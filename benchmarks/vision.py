@@ -30,6 +30,7 @@ from __future__ import annotations
 import math
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from typing import cast
 
 import torch
 import torch.nn as nn
@@ -449,7 +450,7 @@ class VGG11(nn.Module):
             if v == "M":
                 layers.append(nn.MaxPool2d(2, stride=2))
                 continue
-            cout = max(1, int(v * width))
+            cout = max(1, int(cast(int, v) * width))
             layers.append(nn.Conv2d(cin, cout, 3, padding=1))
             if batch_norm:
                 layers.append(nn.BatchNorm2d(cout))

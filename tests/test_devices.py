@@ -1,4 +1,4 @@
-"""Device entries, presets and memory caps (issue #2, item 2)."""
+"""Device entries, presets and memory caps."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Errors name the real cause (issue #9, item 4).
+"""Errors name the real cause.
 
 Every ``raise`` in the library is walked (AST) and must build its message with
 ``advice(what, why, fix)``, all three given; then typical mistakes are made for real and each

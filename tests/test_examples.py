@@ -1,5 +1,5 @@
 """The README's torchrun examples run as written (CPU, gloo), quietly, and `autosplit run` reports
-a typed error once, not once per rank (issue #21)."""
+a typed error once, not once per rank."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""Golden plans: fixed models with fixed cost tables give stored plans and stored report renders
-(issue #10, item 5), so a change to the solver, the cost bookkeeping or the report is a visible diff.
+"""Golden plans: fixed models with fixed cost tables give stored plans and stored report renders,
+so a change to the solver, the cost bookkeeping or the report is a visible diff.
 
 After an intended change, rewrite the stored files and review them in the diff::
 
@@ -24,8 +24,8 @@ from autosplit.examples import GPT
 from autosplit.passes.costs import estimate
 from autosplit.report.html import render
 from autosplit.report.text import plan_report
+from tests.helpers import GOLDEN
 
-GOLDEN = Path(__file__).parent / "golden"
 UPDATE = os.environ.get("AUTOSPLIT_UPDATE_GOLDEN") == "1"
 
 

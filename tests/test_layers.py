@@ -11,6 +11,8 @@
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import networkx as nx
@@ -74,6 +76,22 @@ def test_the_solver_imports_neither_torch_nor_the_passes_nor_anything_above_it()
                     bad.append(f"{name} imports {target}")
     assert not bad, bad
 
+
+
+def test_solver_never_imports_passes_or_torch():
+    code = (
+        "import sys, autosplit.solver, autosplit.solver.makespan, autosplit.solver.hybrid; "
+        "bad = sorted(m for m in sys.modules if m.startswith(('autosplit.passes', 'torch'))); "
+        "print(bad); sys.exit(1 if bad else 0)"
+    )
+    # Import the solver package alone, without the autosplit package's own __init__ pulling torch in.
+    result = subprocess.run(
+        [sys.executable, "-c", "import importlib.util, sys, types; "
+         f"pkg = types.ModuleType('autosplit'); pkg.__path__ = [{str(PACKAGE)!r}]; sys.modules['autosplit'] = pkg; "
+         + code],
+        capture_output=True, text=True, cwd=PACKAGE.parent,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
 
 def test_the_ground_floor_imports_nothing_above_it():
     modules = _modules()

@@ -1,4 +1,4 @@
-"""Plan files (issue #21): saved atomically, read field by field with each field's type."""
+"""Plan files: versioned JSON, saved atomically, read field by field with each field's type."""
 
 from __future__ import annotations
 
@@ -14,8 +14,7 @@ import torch.nn as nn
 import autosplit
 from autosplit import errors
 from autosplit.plans import Plan
-
-SHAPE = r"(?s).+\. Likely cause: .+\. Try: .+\."
+from tests.helpers import ADVICE_SHAPE, small_gpt
 
 
 class Net(nn.Module):
@@ -96,7 +95,7 @@ def test_a_save_that_fails_part_way_leaves_the_old_file_and_no_temporary(plan, t
         assert seen and seen[0].written > 100, "the failure should come after some bytes were written"
     if where != "interrupt":
         assert str(path) in str(e.value)
-        assert e.match(SHAPE)
+        assert e.match(ADVICE_SHAPE)
     assert path.read_bytes() == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["plan.json"], "the temporary file was left behind"
     assert Plan.load(path).micro_batches == 2
@@ -113,7 +112,7 @@ def test_a_plan_that_cannot_be_encoded_touches_no_file(plan, tmp_path):
 
 def test_saving_into_a_missing_folder_or_onto_a_folder_names_the_path_and_the_fix(plan, tmp_path):
     missing = tmp_path / "no" / "such" / "plan.json"
-    with pytest.raises(errors.PlanFileError, match=SHAPE) as e:
+    with pytest.raises(errors.PlanFileError, match=ADVICE_SHAPE) as e:
         plan.save(missing)
     assert str(missing) in str(e.value) and f"mkdir -p {missing.parent}" in str(e.value)
     with pytest.raises(errors.PlanFileError, match="is a folder") as e:
@@ -132,7 +131,7 @@ def test_saving_into_a_read_only_folder_is_a_typed_error(plan, tmp_path, monkeyp
 
         monkeypatch.setattr(os, "open", refuse)
     try:
-        with pytest.raises(errors.PlanFileError, match=SHAPE) as e:
+        with pytest.raises(errors.PlanFileError, match=ADVICE_SHAPE) as e:
             plan.save(folder / "plan.json")
     finally:
         folder.chmod(0o700)
@@ -178,7 +177,7 @@ def test_every_field_is_read_with_its_type(plan, tmp_path, edit, named):
     edit(data)
     path = tmp_path / "plan.json"
     path.write_text(json.dumps(data))
-    with pytest.raises(errors.PlanFileError, match=SHAPE) as e:
+    with pytest.raises(errors.PlanFileError, match=ADVICE_SHAPE) as e:
         Plan.load(path)
     assert str(path) in str(e.value) and named in str(e.value), str(e.value)
 
@@ -194,3 +193,24 @@ def test_a_file_that_is_not_an_object_and_counts_written_as_floats(plan, tmp_pat
     loaded = Plan.from_dict(data)
     assert loaded.micro_batches == 4 and isinstance(loaded.micro_batches, int)
     assert isinstance(loaded.devices[0].memory, int)
+
+
+def test_plan_round_trips_through_json(tmp_path):
+    model, inputs = small_gpt()
+    plan = autosplit.plan(model, ["cpu", "A100-80GB"], example_inputs=inputs, time_limit=2)
+    path = tmp_path / "plan.json"
+    plan.save(path)
+    data = json.loads(path.read_text())
+    assert data["schema_version"] == 3 and data["objective"] == "pipeline" and data["fingerprint"] == plan.fingerprint
+    assert {"torch", "ortools"} <= set(data["versions"])
+    loaded = autosplit.Plan.load(path)
+    assert loaded == plan
+
+
+def test_unknown_schema_version_is_rejected(tmp_path):
+    model, inputs = small_gpt()
+    plan = autosplit.plan(model, ["cpu"] * 2, example_inputs=inputs, time_limit=2)
+    data = plan.to_dict() | {"schema_version": 99}
+    (tmp_path / "p.json").write_text(json.dumps(data))
+    with pytest.raises(autosplit.errors.PlanFileError, match="schema version 99"):
+        autosplit.Plan.load(tmp_path / "p.json")

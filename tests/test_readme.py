@@ -1,4 +1,4 @@
-"""Every ```python snippet of README.md runs as written on the CPU quick-start machine (issue #21).
+"""Every ```python snippet of README.md runs as written on the CPU quick-start machine.
 
 The snippets are read from README.md when the tests run (never copied here), by the fence's
 info string:
@@ -147,7 +147,7 @@ def test_readme_snippet_runs_as_written(snippet: Snippet, session: _Session):
     assert not noise, f"{snippet.name} printed warnings:\n" + "\n".join(noise)
 
 
-# -- what a README reader tripped over (issue #21) ------------------------------------------------
+# -- what a README reader tripped over -----------------------------------------------------------
 def test_readme_split_json_and_every_manual_form_it_names_run_with_the_cli(tmp_path, capsys):
     import json
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from datetime import timedelta
 from pathlib import Path
+from typing import Any, cast
 
 import pytest
 import torch
@@ -23,8 +24,8 @@ from autosplit.runtime.materialise import StageNames, materialise
 
 STEPS = 3
 MICRO = 4
-LLAMA = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-             max_position_embeddings=32)
+LLAMA: dict[str, Any] = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+                         num_key_value_heads=2, max_position_embeddings=32)
 
 
 class SmallCNN(nn.Module):
@@ -47,7 +48,7 @@ def _build(name: str) -> nn.Module:
     if name == "llama":
         from transformers import LlamaConfig, LlamaForCausalLM
 
-        return LlamaForCausalLM(LlamaConfig(**LLAMA, attn_implementation="eager")).double()
+        return LlamaForCausalLM(LlamaConfig(**{**LLAMA, "attn_implementation": "eager"})).double()
     return SmallCNN().double()
 
 
@@ -70,7 +71,7 @@ def _reference(name: str, checkpoint_model: nn.Module, steps: int) -> tuple[list
     opt = torch.optim.Adam(checkpoint_model.parameters(), lr=1e-2)
     chunks = MICRO if name == "cnn" else 1  # BatchNorm normalises each micro-batch, in a pipeline as here
     for x, y in _batches(name)[:steps]:
-        loss = sum(_loss(checkpoint_model(xc), yc) / chunks for xc, yc in zip(x.chunk(chunks), y.chunk(chunks)))
+        loss = cast(torch.Tensor, sum(_loss(checkpoint_model(xc), yc) / chunks for xc, yc in zip(x.chunk(chunks), y.chunk(chunks))))
         loss.backward()
         opt.step()
         opt.zero_grad()
@@ -86,7 +87,7 @@ def _write_checkpoints(folder: Path) -> None:
         torch.save(model.state_dict(), folder / f"{name}.pt")
         dcp.save(model.state_dict(), checkpoint_id=folder / f"{name}.dcp", no_dist=True)
         if name == "llama":
-            model.save_pretrained(folder / "llama-hf", max_shard_size="60KB")  # sharded, with an index
+            cast(Any, model).save_pretrained(folder / "llama-hf", max_shard_size="60KB")  # sharded, with an index
 
 
 def _init(rank: int, world: int, init: str) -> None:
@@ -187,7 +188,7 @@ def _resume(rank: int, world: int, init: str, folder: str, stages: int, schedule
         opt.step()
         if pipe.is_last and pipe.layout.replica == 0:
             Path(folder, f"resumed-{world}x{stages}.json").write_text(json.dumps(
-                {"loss": float(loss), "stage_of": pipe.plan.stage_of}))
+                {"loss": float(cast(torch.Tensor, loss)), "stage_of": pipe.plan.stage_of}))
     finally:
         dist.destroy_process_group()
 

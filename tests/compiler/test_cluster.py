@@ -1,0 +1,59 @@
+"""A Cluster, the hardware the hybrid planner plans for, is checked when it is made: a typed error
+naming the field and the value found, in the what → why → try shape."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+
+import autosplit
+from autosplit.compiler.hybrid import Cluster
+from autosplit.errors import ConstraintError
+from tests.helpers import says
+
+GPU = dataclasses.replace(autosplit.devices.PRESETS["V100-16GB"], name="gpu")
+
+
+GOOD = {"name": "test", "device": GPU, "nodes": 2, "per_node": 4, "intra": (150e9, 5e-6), "inter_bandwidth": 50e9,
+        "inter_latency": 5e-6}
+
+
+@pytest.mark.parametrize(
+    "field, value, named",
+    [
+        ("nodes", 0, "nodes=0 is not an integer ≥ 1"),
+        ("nodes", -2, "nodes=-2"),
+        ("nodes", "two", "nodes='two'"),
+        ("nodes", 1.5, "nodes=1.5"),
+        ("nodes", True, "nodes=True"),
+        ("per_node", 0, "per_node=0 is not an integer ≥ 1"),
+        ("intra", (0.0, 5e-6), "intra[0] (bandwidth)=0.0 is not a positive number of bytes/s"),
+        ("intra", (150e9, -1e-6), "intra[1] (latency)=-1e-06 is not a finite number of seconds ≥ 0"),
+        ("intra", (150e9,), "intra=(150000000000.0,) is not a (bandwidth, latency) pair"),
+        ("inter_bandwidth", "fast", "inter_bandwidth='fast' is not a positive number"),
+        ("inter_bandwidth", -1.0, "inter_bandwidth=-1.0"),
+        ("inter_latency", math.nan, "inter_latency=nan"),
+        ("device", "V100-16GB", "device='V100-16GB' is not a DeviceSpec"),
+    ],
+)
+def test_a_cluster_is_checked_when_it_is_made(field, value, named):
+    with pytest.raises(ConstraintError) as e:
+        Cluster(**{**GOOD, field: value})
+    says(e, "Cluster 'test'", named)
+
+
+@pytest.mark.parametrize("make", [lambda: Cluster.dgx1(nodes=0), lambda: Cluster.dgx_a100(nodes=-1),
+                                  lambda: Cluster.dgx_h100(nodes="two"),  # type: ignore[arg-type]  # the wrong type under test
+                                  lambda: dataclasses.replace(Cluster.dgx1(), per_node=0)])
+def test_presets_and_replaced_clusters_are_checked_too(make):
+    with pytest.raises(ConstraintError) as e:
+        make()
+    says(e, "is not an integer ≥ 1")
+
+
+def test_a_good_cluster_is_unchanged():
+    cluster = Cluster(**{**GOOD, "intra": [150e9, 0.0]})
+    assert cluster.intra == (150e9, 0.0) and cluster.size == 8 and hash(cluster)
+    assert Cluster.dgx1(nodes=2).size == 16

@@ -1,0 +1,81 @@
+"""Analytic costs and what annotation records: the FLOPs of the fused LSTM kernel, in-place writes
+seen from version counters, and overrides applied to a cost table."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+from autosplit.costtable import CostTable
+from autosplit.devices import resolve_devices
+from autosplit.errors import CostModelError
+from autosplit.passes.capture import capture, flat_inputs
+from tests.helpers import assert_trains_like
+
+
+def test_module_override_total_is_kept_and_bad_overrides_are_named():
+    from autosplit.passes.costs import with_overrides
+
+    table = CostTable(
+        devices=resolve_devices(["cpu"]), nodes=("a", "b", "c"), module_paths=("m.x", "m.y", "n"),
+        fwd_time=((1.0,), (3.0,), (1.0,)), bwd_time=((0.0,), (0.0,), (1.0,)), state_bytes=(0, 0, 0),
+        saved_bytes=(10, 30, 5), output_bytes=(1, 1, 1), edges=((0, 1), (1, 2)), order_edges=(), colocate=(),
+        param_counts=(0, 0, 0),
+    )
+    out = with_overrides(table, {"m": {"fwd": 8.0, "saved_bytes": 4}, "c": {"bwd": 0.5}})
+    assert out.fwd_time == ((2.0,), (6.0,), (1.0,))  # 8 s shared 1 : 3
+    assert out.saved_bytes == (1, 3, 5) and out.bwd_time[2] == (0.5,)
+    with pytest.raises(CostModelError, match=r"'blocks.9', which is neither a node nor a module"):
+        with_overrides(table, {"blocks.9": {"fwd": 1.0}})
+    with pytest.raises(CostModelError, match="unknown fields \\['flops'\\]"):
+        with_overrides(table, {"a": {"flops": 1.0}})
+
+
+class _InPlaceBlock(nn.Module):
+    """torchvision's pattern: BN then ReLU(inplace=True), twice with one shape; `out += x`."""
+
+    def __init__(self, c: int = 4):
+        super().__init__()
+        self.c1, self.b1 = nn.Conv2d(c, c, 3, padding=1, bias=False), nn.BatchNorm2d(c)
+        self.c2, self.b2 = nn.Conv2d(c, c, 3, padding=1, bias=False), nn.BatchNorm2d(c)
+        self.relu = nn.ReLU(inplace=True)
+
+    def forward(self, x):
+        out = self.relu(self.b1(self.c1(x)))
+        out = self.b2(self.c2(out))
+        out += x
+        return self.relu(out)
+
+
+def test_in_place_writes_are_seen_from_version_counters():
+    from autosplit.passes.annotate import annotate, node_info
+
+    model = nn.Sequential(_InPlaceBlock(), _InPlaceBlock())
+    x = torch.randn(2, 4, 8, 8)
+    captured = capture(model, (x,))
+    gm = annotate(captured, flat_inputs(captured, (x,), {}))  # the second block's nodes repeat the first's
+    mutates = {n.name: node_info(n).mutates for n in gm.graph.nodes if n.op != "output"}
+    written = {name: by for name, by in mutates.items() if by}
+    assert written["_0_relu"] == ("_0_b1",) and written["_1_relu"] == ("_1_b1",), written  # a repeated node too
+    assert all(len(by) == 1 for by in written.values())
+    assert_trains_like(model, ["cpu"] * 3, (x,))
+
+
+def test_analytic_costs_count_the_fused_lstm_kernel():
+    from autosplit.passes.annotate import annotate, node_info
+
+    class Recurrent(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lstm = nn.LSTM(64, 128, batch_first=True)
+
+        def forward(self, x):
+            return self.lstm(x)[0]
+
+    model, x = Recurrent(), torch.randn(4, 10, 64)
+    captured = capture(model, (x,))
+    gm = annotate(captured, flat_inputs(captured, (x,), {}))
+    info = node_info(next(n for n in gm.graph.nodes if n.name == "lstm"))
+    gates = 2 * 4 * 10 * (4 * 128 * 64 + 4 * 128 * 128)  # tokens × (|W_ih| + |W_hh|), multiply-adds
+    assert info.fwd_flops == gates and info.bwd_flops == 2 * gates

@@ -1,0 +1,105 @@
+"""Profiles: per-node times and memory measured on real work, the model and the RNG left as they
+were, each backward and the optimizer step landing on the nodes they belong to."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+
+import autosplit
+from autosplit.devices import resolve_devices
+from autosplit.passes import profile as profile_module
+from autosplit.passes.annotate import annotate
+from autosplit.passes.capture import capture, flat_inputs
+from autosplit.passes.costs import estimate
+from autosplit.timers import pinned, timed
+from tests.helpers import FAST_PROFILE, ProfiledNet
+
+
+def test_profile_measures_real_work_and_leaves_the_model_as_it_was(tmp_path):
+    model, x = ProfiledNet(), torch.randn(512, 256)
+    model_before = copy.deepcopy(model.state_dict())
+    rng_before = torch.get_rng_state()
+    captured = capture(model, (x,))
+    inputs = flat_inputs(captured, (x,), {})
+    # Five repeats: a median over two is a mean, which one preemption on a busy machine spoils.
+    prof = profile_module.profile(
+        captured, inputs, "cpu", fingerprint="test", options=autosplit.options.ProfileOptions(use_cache=False, warmup=1, repeats=5)
+    )
+    assert torch.equal(torch.get_rng_state(), rng_before)
+    for name, value in model.state_dict().items():
+        torch.testing.assert_close(value, model_before[name], msg=f"profiling changed {name}")
+    big, small = prof.nodes["big"], prof.nodes["small"]
+    assert big.fwd > 0 and big.bwd > 0 and small.fwd > 0
+    assert big.fwd + big.bwd > small.fwd + small.bwd  # 64× the FLOPs
+    # ReLU keeps its output for backward: one 512 × 256 float32 tensor.
+    assert prof.nodes["relu"].saved_bytes == 512 * 256 * 4
+
+
+class Lookup(nn.Module):
+    """An embedding (its backward zero-fills a whole table's gradient) before a wide and a narrow layer."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(4000, 64)
+        self.wide = nn.Linear(64, 1024)
+        self.narrow = nn.Linear(1024, 4)
+
+    def forward(self, tokens):
+        return self.narrow(torch.relu(self.wide(self.emb(tokens))))
+
+
+def test_cpu_profile_times_nodes_inside_whole_passes():
+    """Per-node times come from passes of all micro-batches: they add up to the pass as timed
+    on its own, each backward lands on the node whose forward made it, and gradients are untouched."""
+    model, tokens = Lookup(), torch.randint(0, 4000, (64, 16))
+    captured = capture(model, (tokens,))
+    micro = flat_inputs(captured, (tokens[:16],), {})
+    options = autosplit.options.ProfileOptions(use_cache=False, warmup=1, repeats=3, threads=1)
+    prof = profile_module.profile(captured, micro, "cpu", fingerprint="test", options=options, micro_batches=4,
+                                  forwards_first=True)
+    assert all(p.grad is None for p in model.parameters())
+    nodes = prof.nodes
+    assert nodes["wide"].bwd > nodes["narrow"].bwd  # 16× the FLOPs
+    assert nodes["emb"].bwd > 0  # the table's gradient is made in the embedding's backward, not in its neighbour's
+
+    def four_micro_batches():
+        outs = [model(chunk) for chunk in tokens.chunk(4)]
+        for out in outs:
+            out.backward(torch.ones_like(out))
+
+    with pinned(1, None):
+        whole = timed(four_micro_batches, warmup=2, repeats=5)
+    per_node = 4 * sum(n.fwd + n.bwd for n in nodes.values())
+    assert 0.5 * whole < per_node < 2 * whole, (per_node, whole)
+
+
+def test_the_optimizer_step_is_measured_and_spread_over_the_nodes_by_their_parameters():
+    model, tokens = Lookup(), torch.randint(0, 4000, (16, 16))
+    captured = capture(model, (tokens,))
+    inputs = flat_inputs(captured, (tokens,), {})
+    options = autosplit.options.ProfileOptions(use_cache=False, warmup=1, repeats=3)
+    before = copy.deepcopy(model.state_dict())
+    adam = profile_module.profile(captured, inputs, "cpu", fingerprint="test", options=options, optimizer="adam")
+    sgd = profile_module.profile(captured, inputs, "cpu", fingerprint="test", options=options, optimizer="sgd")
+    none = profile_module.profile(captured, inputs, "cpu", fingerprint="test", options=options, optimizer="none")
+    for name, value in model.state_dict().items():
+        torch.testing.assert_close(value, before[name], msg=f"timing the optimizer changed {name}")
+    assert adam.optimizer_step > 0 and sgd.optimizer_step > 0 and none.optimizer_step == 0
+    annotate(captured, inputs)
+    table = estimate(captured.gm, resolve_devices(["cpu"]), optimizer="adam", profiles=[adam])
+    per_node = {name: row[0] for name, row in zip(table.nodes, table.optimizer_time)}
+    assert sum(per_node.values()) == pytest.approx(adam.optimizer_step)
+    assert per_node["emb"] > per_node["narrow"]  # 256 000 parameters against 4 100
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_profile_on_cuda_uses_events_and_allocator_statistics(tmp_path):
+    model, x = ProfiledNet(), torch.randn(64, 256)
+    plan = autosplit.plan(model, ["cuda:0", "cpu"], example_inputs=(x,),
+                          costs=autosplit.options.ProfileOptions(cache_dir=str(tmp_path), **FAST_PROFILE))
+    assert plan.costs == "measured on cpu, cuda:0"

@@ -1,0 +1,155 @@
+"""The distributed runtime's edges: checkpoints that move between split and unsplit models, and
+bad input, a failing rank or a schedule it cannot run ending in a typed error on every rank —
+never a hang."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+import autosplit
+from autosplit.examples import GPT
+from tests.helpers import ROOT
+
+TIMEOUT = 10
+
+
+def _model():
+    torch.manual_seed(0)
+    return GPT(vocab=40, d_model=16, n_layers=2, n_heads=2, max_len=8), torch.randint(0, 40, (4, 8)), torch.randint(0, 40, (4, 8))
+
+
+def _loss(out, target):
+    return F.cross_entropy(out.flatten(0, 1), target.flatten())
+
+
+def _init(rank: int, world: int, init: str) -> None:
+    sys.path.insert(0, str(ROOT))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world, timeout=timedelta(seconds=TIMEOUT))
+
+
+def _checkpoint_worker(rank: int, world: int, init: str, tmp: str) -> None:
+    _init(rank, world, init)
+    try:
+        model, tokens, targets = _model()
+        pipe = autosplit.distribute(model, ["cpu"] * 2, example_inputs=(tokens,), loss_fn=_loss, micro_batches=2, time_limit=2)
+        opt = torch.optim.Adam(pipe.parameters(), lr=1e-2)
+        pipe.step(tokens, target=targets)
+        opt.step()
+        dcp.save(pipe.state_dict(), checkpoint_id=f"{tmp}/from_split")  # each rank writes its stage
+        full = pipe.full_state_dict()  # collective: every rank gathers
+        if rank == 0:
+            torch.save(full, f"{tmp}/expected.pt")
+        dist.barrier()
+        # The other way: a checkpoint of the unsplit model (written by the test) loads into the stages.
+        state = pipe.state_dict()
+        dcp.load(state, checkpoint_id=f"{tmp}/from_unsplit")
+        pipe.load_state_dict(state)
+        unsplit = torch.load(f"{tmp}/unsplit.pt")
+        for name, value in pipe.state_dict().items():
+            torch.testing.assert_close(value, unsplit[name], msg=name)
+        Path(tmp, f"rank{rank}.ok").write_text("ok")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_checkpoints_move_between_the_distributed_and_the_unsplit_model(tmp_path):
+    # An unsplit model, trained differently, saved with DCP for the stages to load.
+    model, tokens, targets = _model()
+    torch.optim.SGD(model.parameters(), lr=0.5).zero_grad()
+    _loss(model(tokens), targets).backward()
+    torch.optim.SGD(model.parameters(), lr=0.5).step()
+    dcp.save(model.state_dict(), checkpoint_id=tmp_path / "from_unsplit", no_dist=True)
+    torch.save(model.state_dict(), tmp_path / "unsplit.pt")
+
+    mp.spawn(_checkpoint_worker, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
+    assert (tmp_path / "rank0.ok").exists() and (tmp_path / "rank1.ok").exists()
+
+    # What the stages saved loads into a fresh unsplit model under the original names.
+    fresh, _, _ = _model()
+    state = fresh.state_dict()
+    dcp.load(state, checkpoint_id=tmp_path / "from_split", no_dist=True)
+    fresh.load_state_dict(state)
+    expected = torch.load(tmp_path / "expected.pt")
+    assert set(expected) == set(fresh.state_dict())
+    for name, value in fresh.state_dict().items():
+        torch.testing.assert_close(value, expected[name], msg=name)
+    assert not torch.equal(expected["blocks.0.fc.weight"], _model()[0].blocks[0].fc.weight), "the step changed it"
+
+
+def _faults_worker(rank: int, world: int, init: str, tmp: str, other_plan: str) -> None:
+    _init(rank, world, init)
+    try:
+        model, tokens, targets = _model()
+        with pytest.raises(autosplit.errors.DistributedError, match="process group has 2 ranks, but the plan needs"):
+            autosplit.distribute(model, ["cpu"] * 3, example_inputs=(tokens,), loss_fn=_loss)
+        with pytest.raises(autosplit.errors.PlanMismatchError, match="made for graph"):
+            autosplit.distribute(model, None, example_inputs=(tokens,), loss_fn=_loss, plan=other_plan)
+        pipe = autosplit.distribute(model, ["cpu"] * 2, example_inputs=(tokens,), loss_fn=_loss, micro_batches=2, time_limit=2)
+        bad = torch.zeros(4, 8, 3, dtype=torch.long) if pipe.is_last else targets  # the last stage's loss raises
+        start = time.monotonic()
+        with pytest.raises(autosplit.errors.DistributedError, match=f"rank {rank} \\(stage {rank} of 2") as err:
+            pipe.step(tokens, target=bad)
+        elapsed = time.monotonic() - start
+        assert elapsed < TIMEOUT + 5, f"rank {rank} waited {elapsed:.1f}s"
+        if pipe.is_last:
+            assert "target" in str(err.value)
+            while not Path(tmp, "rank0.ok").exists() and time.monotonic() - start < 3 * TIMEOUT:
+                time.sleep(0.2)  # stay alive: the peer must fail by timeout, not by our exit
+        with pytest.raises(autosplit.errors.DistributedError, match="failed in an earlier step"):
+            pipe.step(tokens, target=targets)
+        Path(tmp, f"rank{rank}.ok").write_text(f"{elapsed:.1f}")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_bad_input_and_a_failing_rank_end_in_typed_errors_on_every_rank(tmp_path):
+    other = autosplit.plan(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2)), ["cpu"] * 2,
+                           example_inputs=(torch.randn(4, 8),), time_limit=2)
+    other.save(tmp_path / "other.json")
+    mp.spawn(_faults_worker, args=(2, str(tmp_path / "init"), str(tmp_path), str(tmp_path / "other.json")), nprocs=2, join=True)
+    assert float((tmp_path / "rank0.ok").read_text()) <= TIMEOUT + 5
+    assert (tmp_path / "rank1.ok").exists()
+
+
+_DISTRIBUTE = """
+import sys, datetime, torch, torch.distributed as dist
+sys.path.insert(0, {root!r})
+import autosplit
+from tests.helpers import LinearStack
+dist.init_process_group("gloo", init_method="file://" + {init!r}, rank=0, world_size=1, timeout=datetime.timedelta(seconds=30))
+try:
+    for name, error in (("ZBVZeroBubble", autosplit.errors.ConstraintError), ("Interleaved1F1B", autosplit.errors.ConstraintError),
+                        ("sequential", autosplit.errors.ConstraintError), ("zigzag", autosplit.errors.ConstraintError)):
+        try:
+            autosplit.distribute(LinearStack(), ["cpu"], example_inputs=(torch.randn(4, 8),), loss_fn=torch.nn.functional.mse_loss,
+                                 schedule=name, time_limit=1)
+        except error as e:
+            print(name, type(e).__name__, str(e).split(".")[0])
+        else:
+            raise SystemExit(f"{{name}} was not refused")
+finally:
+    dist.destroy_process_group()
+"""
+
+
+def test_not_yet_runnable_schedules_are_refused_by_distribute_without_hanging(tmp_path):
+    code = _DISTRIBUTE.format(root=str(ROOT), init=str(tmp_path / "init"))
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith("ZBVZeroBubble ConstraintError schedule='ZBVZeroBubble' names torch's ScheduleZBVZeroBubble")
+    assert lines[1].startswith("Interleaved1F1B ConstraintError")
+    assert lines[2] == "sequential ConstraintError schedule='sequential' cannot run pipelined"
+    assert lines[3] == "zigzag ConstraintError schedule='zigzag' cannot run pipelined"

@@ -1,0 +1,62 @@
+"""The hybrid planner's models, by hand: ring and hierarchical all-reduce, statistical efficiency
+from a noise scale or a table of epochs to target, and that table's checks."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+import autosplit
+from autosplit.compiler.hybrid import Cluster
+from autosplit.errors import ConstraintError
+from autosplit.solver.hybrid import efficiency_points, examples_factor, hierarchical_allreduce, ring_allreduce
+from tests.helpers import says
+
+
+def test_allreduce_models_by_hand():
+    assert ring_allreduce(8e9, 1, 1e9, 1e-3) == 0
+    assert ring_allreduce(8e9, 4, 1e9, 1e-3) == pytest.approx(2 * 3 / 4 * 8 + 6e-3)
+    intra, inter = (100e9, 1e-6), (10e9, 1e-5)
+    assert hierarchical_allreduce(8e9, local=4, nodes=1, intra=intra, inter=inter) == pytest.approx(ring_allreduce(8e9, 4, *intra))
+    assert hierarchical_allreduce(8e9, local=1, nodes=4, intra=intra, inter=inter) == pytest.approx(ring_allreduce(8e9, 4, *inter))
+    both = ring_allreduce(8e9, 4, *intra) + ring_allreduce(2e9, 8, *inter)
+    assert hierarchical_allreduce(8e9, local=4, nodes=8, intra=intra, inter=inter) == pytest.approx(both)
+    dgx = Cluster.dgx1(nodes=4)  # 32 V100s; one stage's copies on every GPU (k = 1): 8 per node, 4 nodes
+    share = (dgx.inter_bandwidth / 8, dgx.inter_latency)
+    assert dgx.allreduce(1e9, 1, 32) == pytest.approx(ring_allreduce(1e9, 8, *dgx.intra) + ring_allreduce(1e9 / 8, 4, *share))
+    assert dgx.allreduce(1e9, 16, 2) == pytest.approx(ring_allreduce(1e9, 2, *share))  # each copy on its own node
+
+
+def test_statistical_efficiency():
+    assert examples_factor(1024, None) == 1 and examples_factor(1024, math.inf) == 1
+    assert examples_factor(1024, 512.0) == pytest.approx(3.0)
+    table = {256: 10.0, 1024: 12.0, 4096: 20.0}  # epochs to target at three global batches
+    assert examples_factor(128, table=table) == 1 and examples_factor(1024, table=table) == pytest.approx(1.2)
+    assert examples_factor(512, table=table) == pytest.approx(math.sqrt(1.0 * 1.2))  # log-log midpoint
+    assert examples_factor(8192, table=table) == pytest.approx((20 + 8 / 3072 * 4096) / 10)  # the last segment, extended
+    with pytest.raises(autosplit.errors.ConstraintError, match="noise_scale=-1"):
+        examples_factor(64, -1.0)
+
+
+@pytest.mark.parametrize(
+    "table, named",
+    [
+        ({}, "has 0 entries, fewer than 2"),
+        ({256: 10.0}, "efficiency_table {256: 10.0} has 1 entry"),
+        ({256: 10.0, 1024: 12.0, 4096: 11.0, 8192: 9.0}, "11 at batch 4096 < 12 at batch 1024; 9 at batch 8192 < 11 at batch 4096"),
+        ({0: 1.0, 256: 2.0}, "entries {0: 1.0} are not positive finite numbers"),
+        ({256: -1.0, 512: 2.0}, "entries {256: -1.0}"),
+        ({"256": 1.0, 512: 2.0}, "entries {'256': 1.0}"),
+        ({256: math.inf, 512: 2.0}, "entries {256: inf}"),
+    ],
+)
+def test_an_efficiency_table_needs_two_positive_entries_never_falling(table, named):
+    with pytest.raises(ConstraintError) as e:
+        examples_factor(1024, table=table)
+    says(e, named)
+
+
+def test_a_good_efficiency_table_reads_in_batch_order():
+    assert efficiency_points({1024: 12, 256: 10.0, 4096: 12.0}) == [(256.0, 10.0), (1024.0, 12.0), (4096.0, 12.0)]
+    assert examples_factor(8192, table={256: 10.0, 1024: 12.0, 4096: 12.0}) == pytest.approx(1.2)  # a flat end stays flat
