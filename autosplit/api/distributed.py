@@ -24,12 +24,13 @@ from autosplit.devices import DeviceLike
 from autosplit.errors import AutosplitError, ConstraintError, DistributedError, PlanMismatchError, advice
 from autosplit.microbatch import batch_size
 from autosplit.passes.capture import flat_inputs
-from autosplit.passes.codegen import retarget
+from autosplit.passes.codegen import generate_chain, retarget
 from autosplit.plans import Plan
-from autosplit.runtime.batches import ChainsByRows, meta_copy
+from autosplit.runtime.batches import ChainsByRows, keep_only, meta_copy
 from autosplit.runtime.distributed import DistributedModel
 from autosplit.runtime.materialise import StageNames, WeightsLike, agree_by_name, materialise
 from autosplit.runtime.placement import Layout, agree, keep_unread, make_mesh, place, rank_device
+from autosplit.shapes import is_meta
 
 log = logging.getLogger(__name__)
 
@@ -186,10 +187,11 @@ def _build(
     model: torch.nn.Module, planner: Planner, made: Plan, given: Plan | None, layout: Layout, replicate: str,
     loss_fn: Callable[[Any, Any], torch.Tensor], weights: WeightsLike,
 ) -> DistributedModel:
-    """This rank's stage of the agreed plan, and nothing else of the model: the chain is cut from a
-    copy of the model on the meta device (at the micro-batch's shape), this rank's stage is
-    materialised (:mod:`autosplit.runtime.materialise`), then the device mesh, a process group per
-    replicated tied weight, and the runtime around them."""
+    """This rank's stage of the agreed plan, and nothing else of the model: the chain (at the
+    micro-batch's shape) is cut from the model's own capture, keeping only this stage's tensors
+    (:func:`~autosplit.runtime.batches.keep_only`), or for a model on the meta device from a copy
+    of it; the stage is materialised (:mod:`autosplit.runtime.materialise`), then the device mesh,
+    a process group per replicated tied weight, and the runtime around them."""
     if made.objective == "makespan":
         raise DistributedError(advice(
             "a makespan plan (objective='makespan') has no pipeline stages to distribute",
@@ -199,12 +201,15 @@ def _build(
     device = rank_device(made, layout.stage)
     tied = [p for p in made.shared_params if p.policy == "replicate"]
     replicated = {p.name for p in tied}
-    meta = meta_copy(model)
     example = (tuple(planner.example_inputs), dict(planner.example_kwargs or {}))
-    chains = ChainsByRows(meta, planner.traced.captured, example, made, layout.stages,
+    chains = ChainsByRows(meta_copy(model), planner.traced.captured, example, made, layout.stages,
                           method=planner.traced.captured.method, replicate=replicated)
-    batch = batch_size(*example)
-    chain, captured = chains.at(batch // made.micro_batches if batch else 0)
+    if is_meta(model):
+        batch = batch_size(*example)
+        chain, captured, meta = chains.to_materialise(batch // made.micro_batches if batch else 0)
+    else:  # cut from the model itself, as traced on its device (autocast regions apply there, not on meta)
+        captured, flat = planner.traced.at_micro_batch(made.micro_batches)
+        chain, meta = generate_chain(captured, made.stage_of, layout.stages, flat, replicate=replicated), model
     if given is not None and given.crossings and given.crossings != chain.crossings:
         raise PlanMismatchError(
             advice(
@@ -214,9 +219,11 @@ def _build(
             )
         )
     made = dataclasses.replace(made, crossings=chain.crossings)
+    if layout.stage == 0:  # (with every stage's tensors in view)
+        keep_unread(chain.stages[0], meta, chain)
+    if not is_meta(model):
+        chain, captured = keep_only(chain, captured, layout.stage)
     stage = chain.stages[layout.stage]
-    if layout.stage == 0:
-        keep_unread(stage, meta, chain)
     names = StageNames.of(meta, stage)
     how = materialise(stage, names, device, model=model, weights=weights, seed=planner.options.seed)
     place(stage, device)

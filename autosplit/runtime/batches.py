@@ -9,9 +9,10 @@ the stages' code is the same at both shapes (:func:`code_change`).
 from __future__ import annotations
 
 import copy
+import dataclasses
 import hashlib
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch.utils import _pytree as pytree
@@ -22,7 +23,7 @@ from autosplit.passes.capture import Captured, capture, fingerprint, flat_inputs
 from autosplit.passes.codegen import Chain, generate_chain
 from autosplit.plans import Plan
 
-__all__ = ["ChainsByRows", "capture_chain", "check_batches", "code_change", "describe", "digest", "meta_copy", "shapes"]
+__all__ = ["ChainsByRows", "capture_chain", "keep_only", "check_batches", "code_change", "describe", "digest", "meta_copy", "shapes"]
 
 
 def shapes(values: Sequence[Any]) -> list[Any]:
@@ -86,7 +87,10 @@ def code_change(base: Chain, other: Chain) -> str | None:
     return None
 
 
-def meta_copy(model: torch.nn.Module) -> torch.nn.Module:
+_M = TypeVar("_M", bound=torch.nn.Module)
+
+
+def meta_copy(model: _M) -> _M:
     """A copy of ``model`` with every parameter and buffer on the meta device, at its whole
     (global) shape — a replicated or sharded DTensor's too. No memory for weights."""
     memo: dict[int, Any] = {}
@@ -118,14 +122,44 @@ class ChainsByRows:
     def at(self, rows: int) -> tuple[Chain, Captured]:
         """The chain at micro-batches of ``rows`` rows, and the capture it was cut from."""
         if rows not in self._made:
-            def resize(v: Any) -> Any:
-                return torch.empty((rows, *v.shape[1:]), dtype=v.dtype, device="meta") if is_batched(v, self._batch) else v
-
-            args, kwargs = pytree.tree_map(resize, self._example)
-            self._made[rows] = capture_chain(
-                self._model, self._plan, self._stages, args, kwargs, method=self._method, replicate=self._replicate,
-            )
+            self._made[rows] = self._cut(self._model, rows)
         return self._made[rows]
+
+    def to_materialise(self, rows: int) -> tuple[Chain, Captured, torch.nn.Module]:
+        """A chain at ``rows`` cut from a meta copy of its own (returned with it): its stages share
+        modules with that copy, so materialising one changes the copy, never the chains above."""
+        model = meta_copy(self._model)
+        return (*self._cut(model, rows), model)
+
+    def _cut(self, model: torch.nn.Module, rows: int) -> tuple[Chain, Captured]:
+        def resize(v: Any) -> Any:
+            return torch.empty((rows, *v.shape[1:]), dtype=v.dtype, device="meta") if is_batched(v, self._batch) else v
+
+        args, kwargs = pytree.tree_map(resize, self._example)
+        chain, captured = capture_chain(model, self._plan, self._stages, args, kwargs, method=self._method, replicate=self._replicate)
+        regions = [n for gm in captured.gm.modules() if isinstance(gm, torch.fx.GraphModule) for n in gm.graph.nodes
+                   if n.target is torch.ops.higher_order.wrap_with_autocast]
+        if regions:
+            raise DistributedError(advice(
+                f"the model has {len(regions)} autocast region(s) ({regions[0].name}), and its stages' static metadata would be "
+                "traced on the meta device, where autocast does not cast: the dtypes crossing stages would be wrong",
+                "a model built on the meta device, or a batch of other rows than the example's (its stages are re-cut on meta)",
+                "build the model real and keep every batch the example's size, or move the autocast region out of forward",
+            ))
+        return chain, captured
+
+
+def keep_only(chain: Chain, captured: Captured, stage: int) -> tuple[Chain, Captured]:
+    """``chain`` and ``captured`` holding no tensor of the model but ``stage``'s: the other stages
+    and the whole graph become copies on the meta device (their code and metadata stay), so a rank
+    keeps nothing of the model alive beyond its stage."""
+    light = dataclasses.replace(captured, gm=meta_copy(captured.gm))
+    args, slots, codegen, _ = chain._output
+    nodes = {n.name: n for n in light.gm.graph.nodes}  # the output's nodes, in the copy's graph
+    args = torch.fx.node.map_arg(args, lambda n: nodes[n.name])
+    slots = tuple(torch.fx.node.map_arg(slot, lambda n: nodes[n.name]) for slot in slots)
+    stages = tuple(m if s == stage else meta_copy(m) for s, m in enumerate(chain.stages))
+    return dataclasses.replace(chain, stages=stages, _output=(args, slots, codegen, light)), light
 
 
 def capture_chain(

@@ -20,9 +20,11 @@ Usage::
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import uuid
+import warnings
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -32,7 +34,16 @@ import torch.distributed as dist
 
 from autosplit.errors import ConstraintError, DistributedError, advice
 
-__all__ = ["StageState", "load_checkpoint", "load_entries", "save_checkpoint", "save_entries", "state_entries"]
+__all__ = ["StageState", "single_process_dcp", "load_checkpoint", "load_entries", "save_checkpoint", "save_entries", "state_entries"]
+
+
+@contextlib.contextmanager
+def single_process_dcp() -> Iterator[None]:
+    """DCP without its warning that it runs in one process: here every rank reads (or the unsplit
+    model writes) its own entries alone, on purpose."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized", category=UserWarning)
+        yield
 
 
 def state_entries(
@@ -87,7 +98,8 @@ def save_entries(path: str | os.PathLike, entries: dict[str, Any], *, distribute
         dist.broadcast_object_list(token, src=0)
     fresh = target.with_name(f".{target.name}.saving-{token[0]}")
     try:
-        dcp.save(entries, checkpoint_id=fresh, no_dist=not distributed)
+        with single_process_dcp():
+            dcp.save(entries, checkpoint_id=fresh, no_dist=not distributed)
     except Exception as e:
         shutil.rmtree(fresh, ignore_errors=True)
         raise DistributedError(advice(
@@ -138,7 +150,8 @@ def load_entries(
         ))
     wanted = {k: v for k, v in wanted.items() if k in stored}
     slots = _optimizer_slots(optimizer, params, stored) if optimizer is not None else {}
-    dcp.load({**wanted, **slots}, storage_reader=reader, planner=dcp.DefaultLoadPlanner(allow_partial_load=True), no_dist=True)
+    with single_process_dcp():
+        dcp.load({**wanted, **slots}, storage_reader=reader, planner=dcp.DefaultLoadPlanner(allow_partial_load=True), no_dist=True)
     if optimizer is not None:
         _set_optimizer(optimizer, params, {k: v for k, v in slots.items()})
 

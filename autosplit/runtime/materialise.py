@@ -38,6 +38,7 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from autosplit.errors import ConstraintError, DistributedError, advice
+from autosplit.runtime.checkpoint import single_process_dcp
 from autosplit.shapes import is_meta
 
 __all__ = ["StageNames", "WeightsLike", "WriteRecorder", "agree_by_name", "materialise", "read_checkpoint"]
@@ -278,7 +279,8 @@ def _read_dcp(path: Path, targets: Mapping[str, torch.Tensor], wrong: list[str])
         state[prefix + key] = target
     # Each rank reads its own keys, without a collective: the ranks' key sets differ, and a rank
     # that fails must not leave the others waiting in a load.
-    dcp.load(state, storage_reader=reader, planner=dcp.DefaultLoadPlanner(allow_partial_load=True), no_dist=True)
+    with single_process_dcp():
+        dcp.load(state, storage_reader=reader, planner=dcp.DefaultLoadPlanner(allow_partial_load=True), no_dist=True)
     loaded = {id(t) for t in state.values()}
     return {key for key, target in targets.items() if id(target) in loaded}
 
