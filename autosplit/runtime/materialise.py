@@ -153,7 +153,7 @@ def materialise(
                 lacking = [names_of[0] for local, names_of in fqns.items() if local in persistent and local not in loaded]
                 if lacking:
                     raise ConstraintError(advice(
-                        f"the checkpoint {_source(weights)} lacks {len(lacking)} entries this stage needs (first: {lacking[:5]})",
+                        f"{_source(weights)} lacks {len(lacking)} entries this stage needs (first: {lacking[:5]})",
                         "it was saved from another model or configuration, or its names differ from the model's",
                         "load a checkpoint of this model (its state_dict, saved with torch.save, DCP or save_pretrained)",
                     ))
@@ -196,7 +196,7 @@ def agree_by_name(stage: torch.nn.Module, names: StageNames) -> None:
 
 
 def _source(weights: Any) -> str:
-    return "(a state dict)" if isinstance(weights, Mapping) else f"checkpoint {weights}"
+    return "the state dict given as weights=" if isinstance(weights, Mapping) else f"the checkpoint {weights}"
 
 
 # -- checkpoints, read by name -----------------------------------------------------------------------
@@ -209,7 +209,7 @@ def _load(stage: torch.nn.Module, fqns: Mapping[str, list[str]], weights: str | 
     found = read_checkpoint(weights, targets, wrong)
     if wrong:
         raise ConstraintError(advice(
-            f"{len(wrong)} tensors of the {_source(weights)} "
+            f"{len(wrong)} tensors of {_source(weights)} "
             f"have the wrong shape: {wrong[:3]}",
             "the checkpoint was saved from another model or configuration",
             "load a checkpoint of this model (its state_dict saved with torch.save, DCP or save_pretrained)",

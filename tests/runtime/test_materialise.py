@@ -314,7 +314,7 @@ def test_a_tensor_nothing_initialises_or_the_checkpoint_lacks_is_refused_by_name
     names = StageNames.of(meta, stage)
     with pytest.raises(ConstraintError, match=r"never given a value \(first: \['scale'\]\).*no reset_parameters"):
         materialise(stage, names, torch.device("cpu"), model=model, weights=None)
-    with pytest.raises(ConstraintError, match=r"state dict\) lacks 2 entries this stage needs \(first: \['fc.weight', 'fc.bias'\]\)"):
+    with pytest.raises(ConstraintError, match=r"weights= lacks 2 entries this stage needs \(first: \['fc.weight', 'fc.bias'\]\)"):
         materialise(stage, names, torch.device("cpu"), model=model, weights={"scale": torch.ones(16)})
     with pytest.raises(ConstraintError, match=r"wrong shape.*scale: \(8,\) in the checkpoint, \(16,\) in the model"):
         materialise(stage, names, torch.device("cpu"), model=model, weights={"scale": torch.ones(8)})
