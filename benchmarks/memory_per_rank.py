@@ -18,7 +18,7 @@ Prints a table and writes ``benchmarks/results/memory_per_rank.json``.
 
 Usage::
 
-    python benchmarks/memory_per_rank.py                               # the sizes below, ~10 minutes
+    python benchmarks/memory_per_rank.py                               # the sizes below
     python benchmarks/memory_per_rank.py --sizes 0.1 --procs 2 --modes meta   # a quick look
 """
 

@@ -113,8 +113,9 @@ def run(batch: int, seq: int, schedules: list[str], time_limit: float) -> list[d
             p = row.get("passes_s", {})
             outcome = (f"step {row['step_s']:.2f} s, max memory {max(s['memory_gib'] for s in row['stages']):.1f} GiB"
                        if row["outcome"] == "planned" else f"{row['outcome']}: needs {row['least_memory_gib']} GiB")
-            times = " ".join(f"{p.get(k, 0):8.2f}" for k in ("capture", "annotate", "estimate"))
-            print(f"{name:>13} {devices:>7} {schedule:>8} {times} {p.get('solve', 0):6.2f} {row['total_s']:7.2f} "
+            times = " ".join(f"{p[k]:8.2f}" if k in p else f"{'-':>8}" for k in ("capture", "annotate", "estimate"))  # - : not reached
+            solve = f"{p['solve']:6.2f}" if "solve" in p else f"{'-':>6}"
+            print(f"{name:>13} {devices:>7} {schedule:>8} {times} {solve} {row['total_s']:7.2f} "
                   f"{row['peak_rss_gb']:6.2f}  {outcome}")
     return rows
 

@@ -34,7 +34,8 @@ import torch.distributed as dist
 
 from autosplit.errors import ConstraintError, DistributedError, advice
 
-__all__ = ["StageState", "single_process_dcp", "load_checkpoint", "load_entries", "save_checkpoint", "save_entries", "state_entries"]
+__all__ = ["StageState", "load_checkpoint", "load_entries", "open_dcp", "read_into", "save_checkpoint", "save_entries",
+           "single_process_dcp", "state_entries"]
 
 
 @contextlib.contextmanager
@@ -126,22 +127,17 @@ def load_entries(
 ) -> None:
     """Read into ``state`` (FQN → this process's tensors, loaded in place) and ``optimizer`` the
     entries of a checkpoint that are theirs — no other entry is read, and no collective runs."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
     folder = Path(path)
     if not (folder / ".metadata").exists():
         raise ConstraintError(advice(
             f"{folder} is not a checkpoint (no .metadata file)", "pipe.load reads what pipe.save (DCP) wrote",
             "pass the folder pipe.save or save_checkpoint wrote",
         ))
-    reader = dcp.FileSystemReader(str(folder))
-    stored = reader.read_metadata().state_dict_metadata
+    reader, stored = open_dcp(folder)
     wanted: dict[str, Any] = {f"model.{k}": v for k, v in state.items()}
     missing = sorted(k[len("model."):] for k in wanted if k not in stored)
-    sizes = {k: tuple(m.size) for k, m in stored.items() if isinstance(m, TensorStorageMetadata)}
-    wrong = [f"{k[len('model.'):]}: {sizes[k]} saved, {tuple(v.shape)} here" for k, v in wanted.items()
-             if k in sizes and sizes[k] != tuple(v.shape)]
+    wrong = [f"{k[len('model.'):]}: {tuple(stored[k].size)} saved, {tuple(v.shape)} here" for k, v in wanted.items()
+             if k in stored and tuple(stored[k].size) != tuple(v.shape)]
     if (missing and strict) or wrong:
         raise ConstraintError(advice(
             f"the checkpoint {folder} " + (f"lacks {len(missing)} entries this process holds (first: {missing[:5]})" if missing else "")
@@ -150,17 +146,33 @@ def load_entries(
         ))
     wanted = {k: v for k, v in wanted.items() if k in stored}
     slots = _optimizer_slots(optimizer, params, stored) if optimizer is not None else {}
-    with single_process_dcp():
-        dcp.load({**wanted, **slots}, storage_reader=reader, planner=dcp.DefaultLoadPlanner(allow_partial_load=True), no_dist=True)
+    read_into(reader, {**wanted, **slots})
     if optimizer is not None:
-        _set_optimizer(optimizer, params, {k: v for k, v in slots.items()})
+        _set_optimizer(optimizer, params, slots)
+
+
+def open_dcp(folder: Path) -> tuple[Any, dict[str, Any]]:
+    """A reader of the DCP checkpoint in ``folder``, and its tensor entries' metadata (key → size, dtype)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    reader = dcp.FileSystemReader(str(folder))
+    stored = reader.read_metadata().state_dict_metadata
+    return reader, {k: m for k, m in stored.items() if isinstance(m, TensorStorageMetadata)}
+
+
+def read_into(reader: Any, state: dict[str, torch.Tensor]) -> None:
+    """Load ``state``'s entries in place, in this process alone: the ranks' key sets differ, and a
+    rank that fails must not leave the others waiting in a collective load."""
+    import torch.distributed.checkpoint as dcp
+
+    with single_process_dcp():
+        dcp.load(state, storage_reader=reader, planner=dcp.DefaultLoadPlanner(allow_partial_load=True), no_dist=True)
 
 
 def _optimizer_slots(optimizer: torch.optim.Optimizer, params: Mapping[str, torch.Tensor], stored: Mapping[str, Any]) -> dict[str, Any]:
     """A target for every saved optimizer entry of ``params``: a tensor shaped like the parameter
-    (a DTensor for a sharded one) or as saved, or a placeholder for a Python value."""
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
+    (a DTensor for a sharded one) for its state, else as saved (a step count, a hyper-parameter)."""
     slots: dict[str, Any] = {}
     absent = []
     for name, p in params.items():
@@ -169,8 +181,6 @@ def _optimizer_slots(optimizer: torch.optim.Optimizer, params: Mapping[str, torc
             absent.append(name)
         for k in keys:
             meta = stored[k]
-            if not isinstance(meta, TensorStorageMetadata):
-                continue
             if tuple(meta.size) == tuple(p.shape) and k.startswith(f"optimizer.{name}.state."):
                 slots[k] = torch.zeros_like(p, dtype=meta.properties.dtype)
             else:

@@ -4,8 +4,8 @@ The stages are cut from a copy of the model on the meta device, so a stage modul
 tensors under its own (local) names; :class:`StageNames` maps the model's qualified names (FQNs)
 to them. :func:`materialise` then gives the stage real tensors, from one of:
 
-- the user's real model: the stage *adopts* the model's own tensors by name (no copy; what the
-  stage does not use stays the caller's, and autosplit keeps no reference to it);
+- the user's real model: the stage, cut from the model's own capture, already holds the model's
+  tensors (no copy; what it does not use stays the caller's, and autosplit keeps no reference to it);
 - a checkpoint, read by name — only this stage's keys: a ``torch.distributed.checkpoint``
   directory, a ``torch.save``d state dict (memory-mapped), a folder of ``safetensors`` files (as
   ``save_pretrained`` writes them, sharded with an index), or a mapping;
@@ -27,7 +27,7 @@ import copy
 import json
 import os
 import zlib
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,7 +38,7 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from autosplit.errors import ConstraintError, DistributedError, advice
-from autosplit.runtime.checkpoint import single_process_dcp
+from autosplit.runtime.checkpoint import open_dcp, read_into
 from autosplit.shapes import is_meta
 
 __all__ = ["StageNames", "WeightsLike", "WriteRecorder", "agree_by_name", "materialise", "read_checkpoint"]
@@ -64,12 +64,12 @@ class StageNames:
         """Names by identity: ``stage`` must hold ``model``'s own tensors (it was cut from it)."""
         local = {id(t): name for name, t in [*stage.named_parameters(remove_duplicate=False), *stage.named_buffers(remove_duplicate=False)]}
 
-        def mine(pairs: Iterator[tuple[str, Any]]) -> dict[str, str]:
+        def mine(pairs: Iterable[tuple[str, Any]]) -> dict[str, str]:
             return {k: local[id(t)] for k, t in pairs if id(t) in local}
 
         return cls(
-            tensors=mine(iter([*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)])),
-            state=mine(iter(model.state_dict(keep_vars=True).items())),
+            tensors=mine([*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]),
+            state=mine(model.state_dict(keep_vars=True).items()),
             params=mine(model.named_parameters()),
         )
 
@@ -110,21 +110,12 @@ def _tensor(module: torch.nn.Module, local: str) -> torch.Tensor:
     return sub._parameters[name] if name in sub._parameters else sub._buffers[name]  # type: ignore[return-value]
 
 
-def _set(module: torch.nn.Module, local: str, value: torch.Tensor) -> None:
-    owner, _, name = local.rpartition(".")
-    sub = module.get_submodule(owner)
-    if name in sub._parameters:
-        sub._parameters[name] = value  # type: ignore[assignment]
-    else:
-        sub._buffers[name] = value
-
-
 def materialise(
     stage: torch.nn.Module, names: StageNames, device: torch.device, *, model: torch.nn.Module, weights: WeightsLike, seed: int = 0,
 ) -> str:
     """Give ``stage`` (meta tensors) real ones on ``device``; returns how, in words.
 
-    ``model``: the user's model — when real, the stage adopts its tensors (``weights`` must be None);
+    ``model``: the user's model — when real, the stage already holds its tensors (``weights`` must be None);
     when on the meta device, ``weights`` says where the values come from (module docstring).
     """
     fqns = names.fqns()
@@ -135,10 +126,7 @@ def materialise(
                 "weights= fills a model built on the meta device, stage by stage",
                 "build the model under `with torch.device('meta'):`, or leave weights= out",
             ))
-        own = {**dict(model.named_parameters(remove_duplicate=False)), **dict(model.named_buffers(remove_duplicate=False))}
-        for local, names_of in fqns.items():
-            _set(stage, local, own[names_of[0]])
-        return "the model's own tensors"
+        return "the model's own tensors"  # the stage was cut from the model's capture: they are its tensors
     stage.to_empty(device=device)
     recorder = WriteRecorder()
     with torch.no_grad(), recorder:
@@ -260,27 +248,20 @@ def read_checkpoint(
 
 
 def _read_dcp(path: Path, targets: Mapping[str, torch.Tensor], wrong: list[str]) -> set[str]:
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    reader = dcp.FileSystemReader(str(path))
-    stored = reader.read_metadata().state_dict_metadata
+    reader, stored = open_dcp(path)
     # A plain state dict saved with DCP is keyed by FQN; a checkpoint of DistributedModel.save by "model.<fqn>".
     prefix = "model." if not set(targets) & set(stored) and any(k.startswith("model.") for k in stored) else ""
     state, seen = {}, set()
     for key, target in targets.items():
         meta = stored.get(prefix + key)
-        if not isinstance(meta, TensorStorageMetadata) or id(target) in seen:
+        if meta is None or id(target) in seen:
             continue
         if tuple(meta.size) != tuple(target.shape):
             wrong.append(f"{key}: {tuple(meta.size)} in the checkpoint, {tuple(target.shape)} in the model")
             continue
         seen.add(id(target))  # a tied weight: loaded once, under its first name
         state[prefix + key] = target
-    # Each rank reads its own keys, without a collective: the ranks' key sets differ, and a rank
-    # that fails must not leave the others waiting in a load.
-    with single_process_dcp():
-        dcp.load(state, storage_reader=reader, planner=dcp.DefaultLoadPlanner(allow_partial_load=True), no_dist=True)
+    read_into(reader, state)
     loaded = {id(t) for t in state.values()}
     return {key for key, target in targets.items() if id(target) in loaded}
 
