@@ -36,14 +36,15 @@ Usage::
 
 from __future__ import annotations
 
+import functools
 import typing
 from dataclasses import dataclass
-from typing import Any, Literal, TypeAlias
+from typing import Any, Literal, NamedTuple, TypeAlias
 
 from autosplit.errors import ConstraintError, advice
 
 __all__ = [
-    "Schedule", "ScheduleName", "Objective", "REGISTRY", "SCHEDULES", "ASYNCHRONOUS", "OBJECTIVES", "lookup", "runnable",
+    "Action", "Schedule", "ScheduleName", "Objective", "REGISTRY", "SCHEDULES", "ASYNCHRONOUS", "OBJECTIVES", "lookup", "runnable",
 ]
 
 ScheduleName: TypeAlias = Literal["sequential", "gpipe", "1f1b", "xpipe", "async", "pipedream"]
@@ -55,6 +56,19 @@ OBJECTIVES: tuple[str, ...] = typing.get_args(Objective)
 Order: TypeAlias = Literal["sequential", "fill_drain", "1f1b", "async_1f1b", "torch"]
 Placement: TypeAlias = Literal["linear", "loop", "v"]
 Weights: TypeAlias = Literal["current", "predicted", "stashed"]
+Rounds: TypeAlias = Literal["any", "at_least_stages", "whole_rounds"]
+
+
+class Action(NamedTuple):
+    """One unit of a rank's work in a step: ``kind`` ``"F"`` (forward), ``"B"`` (the whole backward),
+    ``"I"`` (the backward to the stage's inputs) or ``"W"`` (to its weights), of ``stage`` on micro-batch ``micro``."""
+
+    kind: Literal["F", "B", "I", "W"]
+    stage: int
+    micro: int
+
+    def __str__(self) -> str:
+        return f"{self.stage}{self.kind}{self.micro}"
 
 
 @dataclass(frozen=True)
@@ -92,6 +106,10 @@ class Schedule:
     """autosplit plans and runs it today; the others are refused by name (a later issue)."""
     summary: str
     """One line for messages and the CLI's help."""
+    rounds: Rounds = "any"
+    """The micro-batch counts its class accepts (torch 2.13): ``"any"``; ``"at_least_stages"``
+    (``Schedule1F1B``, ``ScheduleDualPipeV``: M ≥ stages); ``"whole_rounds"`` (interleaved 1F1B and
+    zero bubble: rounds of ``max(1, M // pp)`` micro-batches must divide M)."""
 
     @property
     def distributed(self) -> bool:
@@ -126,10 +144,66 @@ class Schedule:
             ))
         return self
 
-    def in_flight(self, stage: int, stages: int, micro_batches: int) -> int:
+    def rank_of(self, stage: int, stages: int, ranks: int) -> int:
+        """The rank that holds stage ``stage`` of ``stages`` on ``ranks`` ranks (torch's own maps:
+        ``"loop"`` stage s on rank s mod pp, ``"v"`` rank r holds r and 2·pp − 1 − r)."""
+        if self.placement == "v":
+            return stage if stage < ranks else stages - 1 - stage
+        return stage % ranks
+
+    def refusal(self, *, ranks: int, stages: int, micro_batches: int) -> str | None:
+        """Why torch's class (or autosplit's runtime) cannot run ``stages`` stages on ``ranks`` ranks
+        with ``micro_batches`` micro-batches — the rule, in words — or None when it can."""
+        low, high = self.stages_per_rank
+        if ranks < 1 or stages % ranks:
+            return f"{self.name} puts the same number of stages on every rank, and {stages} stages do not divide into {ranks} ranks"
+        v = stages // ranks
+        if v < low or (high is not None and v > high):
+            allowed = f"exactly {low}" if low == high else f"at least {low}" if high is None else f"{low} to {high}"
+            return f"{self.name} runs {allowed} stage(s) per rank, not {v}"
+        M = micro_batches
+        if M < 1:
+            return f"{self.name} needs at least one micro-batch, not {M}"
+        if self.rounds == "at_least_stages" and M < stages:
+            return f"{self.name} needs at least as many micro-batches as stages ({stages}), not {M}"
+        if self.rounds == "whole_rounds" and M % max(1, M // ranks):
+            return (f"{self.name} runs micro-batches in rounds of max(1, M // pp) = {max(1, M // ranks)}, "
+                    f"which must divide M = {M} (torch's rule)")
+        return None
+
+    def check(self, *, ranks: int, stages: int, micro_batches: int) -> Schedule:
+        """This entry, or a :class:`ConstraintError` naming the rule :meth:`refusal` finds broken."""
+        why = self.refusal(ranks=ranks, stages=stages, micro_batches=micro_batches)
+        if why is not None:
+            counts = [m for m in range(1, 4 * stages + 1) if self.refusal(ranks=ranks, stages=stages, micro_batches=m) is None]
+            raise ConstraintError(advice(
+                f"schedule {self.name!r} with {stages} stages on {ranks} ranks and {micro_batches} micro-batches",
+                why,
+                (f"micro_batches in {counts[:8]}" if counts else f"another number of stages per rank (allowed: {self.stages_per_rank})")
+                + ", or another schedule",
+            ))
+        return self
+
+    def actions(self, ranks: int, micro_batches: int, stages_per_rank: int = 1) -> tuple[tuple[Action, ...], ...]:
+        """Every rank's work in one step, in the order it runs it: GPipe and 1F1B as
+        :meth:`stage_order`; torch's multi-stage schedules as their classes order it (torch's
+        ``get_schedule_ops``; DualPipeV's overlapped pairs as the forward, then the backward)."""
+        stages = ranks * stages_per_rank
+        self.check(ranks=ranks, stages=stages, micro_batches=micro_batches)
+        if self.order != "torch":
+            kinds = {"forward": "F", "backward": "B"}
+            return tuple(
+                tuple(Action(kinds[k], s, m) for k, m in self.stage_order(s, stages, micro_batches)) for s in range(stages)
+            )
+        assert self.torch_class is not None
+        return _torch_actions(self.torch_class, ranks, micro_batches, stages_per_rank)
+
+    def in_flight(self, stage: int, stages: int, micro_batches: int, ranks: int | None = None) -> int:
         """Micro-batches whose activations stage ``stage`` of ``stages`` holds at its peak (DESIGN
         §4.2): sequential 1; GPipe all M; 1F1B ``min(M, S − s)``; asynchronous ``S − s`` (no flush:
-        the next mini-batch's micro-batches are in flight too)."""
+        the next mini-batch's micro-batches are in flight too); torch's multi-stage schedules, counted
+        on their action lists (forward to the end of the backward, its weight part included) over
+        ``ranks`` ranks (default: one stage per rank)."""
         self.require_runnable()
         if self.order == "sequential":
             return 1
@@ -137,6 +211,15 @@ class Schedule:
             return micro_batches
         if self.order == "1f1b":
             return min(micro_batches, stages - stage)
+        if self.order == "torch":
+            ranks = ranks or stages
+            work = self.actions(ranks, micro_batches, stages // ranks)[self.rank_of(stage, stages, ranks)]
+            held = peak = 0
+            for a in work:
+                if a.stage == stage and a.kind in ("F", "B", "W"):
+                    held += 1 if a.kind == "F" else -1
+                    peak = max(peak, held)
+            return peak
         return stages - stage  # async_1f1b
 
     def stage_order(self, stage: int, stages: int, micro_batches: int) -> list[tuple[str, int]]:
@@ -155,15 +238,40 @@ class Schedule:
         if self.order == "sequential":
             return [(kind, m) for m in range(M) for kind in ("forward", "backward")]
         raise ConstraintError(advice(
-            f"schedule {self.name!r} has no order within one step",
-            "an asynchronous schedule runs across mini-batches without a flush",
-            "read its order from autosplit.solver.asynchronous.async_order",
+            f"schedule {self.name!r} has no order of one stage alone",
+            "an asynchronous schedule runs across mini-batches without a flush; torch's multi-stage schedules "
+            "order the work of a rank, several stages at once",
+            "read the order from autosplit.solver.asynchronous.async_order, or Schedule.actions",
         ))
 
-    def fewest_micro_batches(self, stages: int) -> int:
-        """The fewest micro-batches its torch class runs a step in (torch 2.13): ``Schedule1F1B``
-        refuses fewer than the stages (a ValueError when it is made); ``ScheduleGPipe`` runs any."""
-        return stages if self.order == "1f1b" else 1
+    def fewest_micro_batches(self, stages: int, ranks: int | None = None) -> int:
+        """The fewest micro-batches its torch class runs a step in (torch 2.13)."""
+        ranks = ranks or stages
+        return next(m for m in range(1, 4 * stages + 2) if self.refusal(ranks=ranks, stages=stages, micro_batches=m) is None)
+
+
+@functools.lru_cache(maxsize=256)
+def _torch_actions(torch_class: str, ranks: int, micro_batches: int, stages_per_rank: int) -> tuple[tuple[Action, ...], ...]:
+    """torch's own per-rank order for a multi-stage schedule class, from its schedule visualizer
+    (the class built over stand-in stages: no process group). Imports torch (only here)."""
+    import warnings
+
+    from torch.distributed.pipelining import _schedule_visualizer
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ops = _schedule_visualizer.get_schedule_ops(torch_class.removeprefix("Schedule"), ranks, micro_batches, stages_per_rank)
+    kinds = {"FORWARD": "F", "FULL_BACKWARD": "B", "BACKWARD_INPUT": "I", "BACKWARD_WEIGHT": "W"}
+
+    def flat(action: Any) -> list[Action]:
+        if action is None:
+            return []
+        if action.sub_actions:  # DualPipeV's overlapped forward and backward
+            return [a for sub in action.sub_actions for a in flat(sub)]
+        kind = kinds.get(action.computation_type.name)
+        return [] if kind is None else [Action(kind, action.stage_index, action.microbatch_index)]  # type: ignore[arg-type]
+
+    return tuple(tuple(a for action in rank for a in flat(action)) for rank in ops)
 
 
 _ONE_PER_RANK = (1, 1)
@@ -176,7 +284,8 @@ _ENTRIES = (
              summary="all forwards, then all backwards (GPipe)"),
     Schedule("1f1b", "1f1b", flushes=True, asynchronous=False, weights="current", placement="linear",
              stages_per_rank=_ONE_PER_RANK, split_backward=False, torch_class="Schedule1F1B", runnable=True,
-             summary="one forward, one backward (PipeDream-Flush): each stage holds at most S − s micro-batches"),
+             summary="one forward, one backward (PipeDream-Flush): each stage holds at most S − s micro-batches",
+             rounds="at_least_stages"),
     Schedule("xpipe", "async_1f1b", flushes=False, asynchronous=True, weights="predicted", placement="linear",
              stages_per_rank=_ONE_PER_RANK, split_backward=False, torch_class=None, runnable=True,
              summary="asynchronous, forwards on predicted weights (XPipe)"),
@@ -188,19 +297,19 @@ _ENTRIES = (
              summary="asynchronous, weight stashing (PipeDream)"),
     Schedule("interleaved1f1b", "torch", flushes=True, asynchronous=False, weights="current", placement="loop",
              stages_per_rank=(1, None), split_backward=False, torch_class="ScheduleInterleaved1F1B", runnable=False,
-             summary="interleaved 1F1B, several looped stages per rank"),
+             summary="interleaved 1F1B, several looped stages per rank", rounds="whole_rounds"),
     Schedule("loopedbfs", "torch", flushes=True, asynchronous=False, weights="current", placement="loop",
              stages_per_rank=(1, None), split_backward=False, torch_class="ScheduleLoopedBFS", runnable=False,
              summary="looped breadth-first, several looped stages per rank"),
     Schedule("interleavedzerobubble", "torch", flushes=True, asynchronous=False, weights="current", placement="loop",
              stages_per_rank=(1, None), split_backward=True, torch_class="ScheduleInterleavedZeroBubble", runnable=False,
-             summary="interleaved zero bubble, backward split into input and weight gradients"),
+             summary="interleaved zero bubble, backward split into input and weight gradients", rounds="whole_rounds"),
     Schedule("zbvzerobubble", "torch", flushes=True, asynchronous=False, weights="current", placement="v",
              stages_per_rank=(2, 2), split_backward=True, torch_class="ScheduleZBVZeroBubble", runnable=False,
              summary="zero bubble on a V of two stages per rank"),
     Schedule("dualpipev", "torch", flushes=True, asynchronous=False, weights="current", placement="v",
              stages_per_rank=(2, 2), split_backward=True, torch_class="ScheduleDualPipeV", runnable=False,
-             summary="DualPipe on a V of two stages per rank"),
+             summary="DualPipe on a V of two stages per rank", rounds="at_least_stages"),
 )
 
 REGISTRY: dict[str, Schedule] = {s.name: s for s in _ENTRIES}

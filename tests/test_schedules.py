@@ -225,3 +225,45 @@ def test_version_3_files_are_checked(edit, named):
     with pytest.raises(PlanFileError) as e:
         Plan.from_dict(data, source="plan.json")
     assert named in str(e.value)
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "interleaved1f1b", "loopedbfs", "interleavedzerobubble", "zbvzerobubble", "dualpipev"])
+def test_the_registrys_rules_are_torchs(name):
+    """refusal() says no exactly where torch's class refuses to be built (its schedule visualizer
+    builds the class over stand-in stages)."""
+    import warnings
+
+    from torch.distributed.pipelining import _schedule_visualizer
+
+    entry = schedules.lookup(name)
+    multi = entry.order == "torch"
+    for pp in (2, 4):
+        for v in ((2, 3) if multi else (1,)):
+            for M in range(1, 10):
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    try:
+                        _schedule_visualizer.get_schedule_ops(entry.torch_class.removeprefix("Schedule"), pp, M, v)
+                        torch_runs = True
+                    except ValueError:
+                        torch_runs = False
+                assert (entry.refusal(ranks=pp, stages=pp * v, micro_batches=M) is None) == torch_runs, (pp, v, M)
+
+
+def test_placement_is_torchs_stage_to_rank_map():
+    from torch.distributed.pipelining.schedules import generate_stage_to_rank_mapping
+
+    for name, style in (("interleaved1f1b", "loop"), ("zbvzerobubble", "v"), ("dualpipev", "v")):
+        entry = schedules.lookup(name)
+        for pp in (2, 3, 4):
+            S = 2 * pp
+            assert {s: entry.rank_of(s, S, pp) for s in range(S)} == generate_stage_to_rank_mapping(pp, S, style=style)
+
+
+def test_a_broken_rule_is_a_typed_error_naming_it():
+    with pytest.raises(ConstraintError, match=r"at least as many micro-batches as stages \(8\), not 4.*micro_batches in \[8"):
+        schedules.lookup("DualPipeV").check(ranks=4, stages=8, micro_batches=4)
+    with pytest.raises(ConstraintError, match=r"exactly 2 stage\(s\) per rank, not 3"):
+        schedules.lookup("ZBVZeroBubble").check(ranks=2, stages=6, micro_batches=4)
+    with pytest.raises(ConstraintError, match=r"rounds of max\(1, M // pp\) = 2, which must divide M = 5"):
+        schedules.lookup("Interleaved1F1B").check(ranks=2, stages=4, micro_batches=5)
