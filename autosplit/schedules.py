@@ -191,9 +191,9 @@ class Schedule:
         stages = ranks * stages_per_rank
         self.check(ranks=ranks, stages=stages, micro_batches=micro_batches)
         if self.order != "torch":
-            kinds = {"forward": "F", "backward": "B"}
             return tuple(
-                tuple(Action(kinds[k], s, m) for k, m in self.stage_order(s, stages, micro_batches)) for s in range(stages)
+                tuple(Action("F" if k == "forward" else "B", s, m) for k, m in self.stage_order(s, stages, micro_batches))
+                for s in range(stages)
             )
         assert self.torch_class is not None
         return _torch_actions(self.torch_class, ranks, micro_batches, stages_per_rank)
