@@ -71,6 +71,13 @@ class CostTable:
     such an output is the same for every
     micro-batch, so a later stage that reads it gets it once per micro-batch or keeps a replica
     whose gradient is summed once per step (a tied weight)."""
+    wgrad_share: tuple[float, ...] = ()
+    """[node] the share of its backward that is the gradient to its own parameters — the weight
+    pass (W) a zero-bubble schedule runs apart from the input pass (I = the rest) — from the two
+    passes' flops; empty: none (``B = I``)."""
+    wgrad_bytes: tuple[int, ...] = ()
+    """[node] bytes (whole batch) of the gradient a split backward keeps from I until W (at the
+    node's output, where the weight gradient starts); what the node saves is kept too."""
     output_tensors: tuple[int, ...] = ()
     """[node] tensors in its output: each crossing pays the link latency once per micro-batch; a
     Python value (a shape int) crosses as a constant and pays nothing. Empty: one each."""

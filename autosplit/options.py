@@ -116,6 +116,10 @@ class PlanOptions:
     ``"pipedream"`` (weight stashing) — run by :meth:`DistributedModel.train`. Any case, and torch's
     class names (``"Schedule1F1B"``), are read as autosplit's name (:mod:`autosplit.schedules`);
     torch's schedules autosplit cannot plan yet (``"Interleaved1F1B"``, ``"ZBVZeroBubble"`` …) are refused by name."""
+    stages_per_rank: int | None = None
+    """Stages each rank (device) runs: 1 for GPipe and 1F1B; torch's interleaved schedules loop over
+    ``v`` of them (stage s on rank s mod pp), ZBV and DualPipeV take exactly 2 in a V. ``None``: the
+    fewest the schedule runs (:attr:`autosplit.schedules.Schedule.stages_per_rank`)."""
     optimizer: Optimizer = "adam"
     """The optimizer whose state (Adam: two fp32 moments) and step temporaries memory counts."""
     memory: Mapping[int | str, int | str] | None = None
@@ -163,6 +167,12 @@ class PlanOptions:
             raise bad("schedule", self.schedule, f"one of {SCHEDULES}") from e
         entry.require_runnable(f"option schedule={self.schedule!r}")
         object.__setattr__(self, "schedule", entry.name)  # "Schedule1F1B", "1F1B" → "1f1b"
+        low, high = entry.stages_per_rank
+        if self.stages_per_rank is not None and (
+            not is_int(self.stages_per_rank) or self.stages_per_rank < low or (high is not None and self.stages_per_rank > high)
+        ):
+            allowed = f"{low}" if low == high else f"an integer ≥ {low}" if high is None else f"{low} to {high}"
+            raise bad("stages_per_rank", self.stages_per_rank, f"{allowed} for schedule {entry.name!r}, or None")
         if self.objective not in OBJECTIVES:
             raise bad("objective", self.objective, f"one of {OBJECTIVES}")
         if self.optimizer not in OPTIMIZERS:
@@ -219,12 +229,20 @@ class PlanOptions:
     def names(cls) -> tuple[str, ...]:
         return tuple(f.name for f in dataclasses.fields(cls))
 
-    def micro_batches_for(self, stages: int, batch: int | None = None) -> int:
-        """The number of micro-batches for ``stages`` devices and a batch of ``batch`` rows: 1 when
+    @property
+    def rank_stages(self) -> int:
+        """Stages per rank: :attr:`stages_per_rank`, or the fewest the schedule runs."""
+        return self.stages_per_rank or schedules.lookup(self.schedule).stages_per_rank[0]
+
+    def micro_batches_for(self, ranks: int, batch: int | None = None) -> int:
+        """The number of micro-batches for ``ranks`` devices and a batch of ``batch`` rows: 1 when
         sequential and for the makespan objective (one whole batch); by default the largest count
-        ≤ 4 × stages that divides the batch; an explicit count that does not divide it is refused."""
-        if not schedules.lookup(self.schedule).micro_batched or self.objective == "makespan":
+        ≤ 4 × stages that divides the batch and that the schedule runs; an explicit count that does
+        not divide the batch, or that the schedule cannot run, is refused."""
+        entry = schedules.lookup(self.schedule)
+        if not entry.micro_batched or self.objective == "makespan":
             return 1
+        stages = ranks * self.rank_stages
         if self.micro_batches is not None:
             if batch is not None and batch % self.micro_batches:
                 divisors = [m for m in range(1, batch + 1) if batch % m == 0]
@@ -233,6 +251,11 @@ class PlanOptions:
                     "every micro-batch of a pipeline has the same shape",
                     f"pass micro_batches= one of {divisors}, or None for the default",
                 ))
+            if entry.torch_class is not None and ranks > 1:
+                entry.check(ranks=ranks, stages=stages, micro_batches=self.micro_batches)
             return self.micro_batches
         want = 4 * stages
-        return want if batch is None else max(m for m in range(1, min(want, batch) + 1) if batch % m == 0)
+        counts = range(1, want + 1) if batch is None else [m for m in range(1, min(want, batch) + 1) if batch % m == 0]
+        runs = [m for m in counts if entry.torch_class is None or ranks == 1
+                or entry.refusal(ranks=ranks, stages=stages, micro_batches=m) is None]
+        return max(runs or counts)

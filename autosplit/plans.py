@@ -150,10 +150,11 @@ class Plan:
     """A placement of every graph node on a device, with its predicted costs."""
 
     assignment: Mapping[str, int]
-    """Graph node name → device index (into :attr:`devices`)."""
+    """Graph node name → device index (into :attr:`devices`); with several stages per rank, → stage."""
     devices: tuple[DeviceSpec, ...]
     stage_devices: tuple[int, ...]
-    """Device index of each pipeline stage, in execution order (stage 0 takes the inputs)."""
+    """Device index of each pipeline stage, in execution order (stage 0 takes the inputs); with
+    several stages per rank each device appears once per stage it runs (torch's loop or V)."""
     stages: tuple[StageReport, ...]
     step_time: float
     """Predicted seconds per training step (all micro-batches, forward and backward)."""
@@ -185,6 +186,10 @@ class Plan:
     tasks: tuple[PlannedTask, ...] = ()
     """Makespan plans (``objective="makespan"``): every node's forward and backward task, timed;
     each device runs its tasks in start order, as soon as their inputs arrive."""
+    stages_per_rank: int = 1
+    """Stages each device runs (:attr:`PlanOptions.stages_per_rank`); its stages' ranks are :attr:`stage_devices`."""
+    rank_memory: tuple[int, ...] = ()
+    """[device] peak bytes of its stages together, from the replayed schedule (empty: the stage rows')."""
     made_with: tuple[str, float] | None = None
     """For a saved plan re-costed on load: (the costs it was made with, the step it predicted then)."""
     schema_version: int = SCHEMA_VERSION
@@ -192,6 +197,8 @@ class Plan:
     @property
     def stage_of(self) -> dict[str, int]:
         """Graph node name → pipeline stage."""
+        if self.stages_per_rank > 1:
+            return dict(self.assignment)
         stage = {d: s for s, d in enumerate(self.stage_devices)}
         return {name: stage[d] for name, d in self.assignment.items()}
 
@@ -305,21 +312,29 @@ class Plan:
         for i, spec in enumerate(self.devices):
             if not spec.memory > 0:
                 raise bad(f"devices[{i}].memory", spec.memory, "is not a positive number of bytes")
+        v = self.stages_per_rank
+        if not (isinstance(v, int) and v >= 1):
+            raise bad("stages_per_rank", v, "is not an integer ≥ 1")
         seen: set[int] = set()
         for s, index in enumerate(self.stage_devices):
-            if not 0 <= index < D or index in seen:
+            if not 0 <= index < D or (index in seen and v == 1):
                 raise bad(f"stage_devices[{s}]", index, f"is not a distinct device index in 0..{D - 1}")
             seen.add(index)
         if not self.stage_devices:
             raise bad("stage_devices", [], "is empty: a plan has at least one stage")
+        if v > 1 and any(self.stage_devices.count(d) != v for d in seen):
+            raise bad("stage_devices", list(self.stage_devices), f"does not run {v} stages on each of its devices")
         if len(self.stages) != len(self.stage_devices):
             raise bad("stages", f"{len(self.stages)} rows", f"does not match the {len(self.stage_devices)} stage devices")
         if not self.assignment:
             raise bad("assignment", {}, "is empty: a plan places every graph node")
+        targets = set(range(len(self.stage_devices))) if v > 1 else seen
         for node, index in self.assignment.items():
             if not node:
                 raise bad("assignment", node, "has an empty node name")
-            if index not in seen:
+            if index not in targets:
+                if v > 1:
+                    raise bad(f"assignment[{node!r}]", index, f"is not a stage in 0..{len(self.stage_devices) - 1}")
                 rule = f"is not one of the plan's {D} devices" if not 0 <= index < D else "is a device no stage runs on"
                 raise bad(f"assignment[{node!r}]", index, f"{rule} (stage devices: {list(self.stage_devices)})")
         if not 0 <= self.step_time < math.inf:
@@ -334,6 +349,9 @@ class Plan:
             except ConstraintError as e:
                 raise bad("schedule", self.schedule, f"is not one of {schedules.SCHEDULES}"
                           + " or 'makespan'" * (self.objective == "makespan") + f": {e}") from e
+            low, high = schedules.lookup(self.schedule).stages_per_rank
+            if v < low or (high is not None and v > high):
+                raise bad("stages_per_rank", v, f"is outside what schedule {self.schedule!r} runs ({low} to {high or 'any'})")
         for t in self.tasks:
             if t.node not in self.assignment or t.device != self.assignment[t.node] or t.kind not in ("forward", "backward"):
                 raise bad("tasks", t, "does not match the assignment (a node's device) or is not a forward or backward")

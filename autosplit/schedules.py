@@ -47,7 +47,10 @@ __all__ = [
     "Action", "Schedule", "ScheduleName", "Objective", "REGISTRY", "SCHEDULES", "ASYNCHRONOUS", "OBJECTIVES", "lookup", "runnable",
 ]
 
-ScheduleName: TypeAlias = Literal["sequential", "gpipe", "1f1b", "xpipe", "async", "pipedream"]
+ScheduleName: TypeAlias = Literal[
+    "sequential", "gpipe", "1f1b", "xpipe", "async", "pipedream",
+    "interleaved1f1b", "loopedbfs", "interleavedzerobubble", "zbvzerobubble", "dualpipev",
+]
 """The schedules autosplit plans and runs today (``PlanOptions.schedule``)."""
 Objective: TypeAlias = Literal["pipeline", "makespan"]
 """What the solver minimises: the ``pipeline`` step of a schedule, or the ``makespan`` of one step (DLPlacer)."""
@@ -252,15 +255,22 @@ class Schedule:
 
 @functools.lru_cache(maxsize=256)
 def _torch_actions(torch_class: str, ranks: int, micro_batches: int, stages_per_rank: int) -> tuple[tuple[Action, ...], ...]:
-    """torch's own per-rank order for a multi-stage schedule class, from its schedule visualizer
-    (the class built over stand-in stages: no process group). Imports torch (only here)."""
+    """torch's own per-rank order for a multi-stage schedule class: the class built over stand-in
+    stages, as torch's schedule visualizer builds it (no process group; its ``pipeline_order`` is
+    what the class runs), for any number of stages per rank (the visualizer refuses one). Imports
+    torch (only here)."""
     import warnings
+    from unittest import mock
 
-    from torch.distributed.pipelining import _schedule_visualizer
+    from torch.distributed import pipelining
 
+    stand_in = mock.create_autospec(pipelining.PipelineStage, instance=True)
+    stand_in.group_rank, stand_in.group_size, stand_in.submod = 0, ranks, None
+    stand_in.num_stages = ranks * stages_per_rank
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        ops = _schedule_visualizer.get_schedule_ops(torch_class.removeprefix("Schedule"), ranks, micro_batches, stages_per_rank)
+        built = getattr(pipelining, torch_class)([stand_in] * stages_per_rank, micro_batches)
+    ops = [built.pipeline_order[r] for r in range(ranks)]
     kinds = {"FORWARD": "F", "FULL_BACKWARD": "B", "BACKWARD_INPUT": "I", "BACKWARD_WEIGHT": "W"}
 
     def flat(action: Any) -> list[Action]:
@@ -296,19 +306,19 @@ _ENTRIES = (
              stages_per_rank=_ONE_PER_RANK, split_backward=False, torch_class=None, runnable=True,
              summary="asynchronous, weight stashing (PipeDream)"),
     Schedule("interleaved1f1b", "torch", flushes=True, asynchronous=False, weights="current", placement="loop",
-             stages_per_rank=(1, None), split_backward=False, torch_class="ScheduleInterleaved1F1B", runnable=False,
+             stages_per_rank=(1, None), split_backward=False, torch_class="ScheduleInterleaved1F1B", runnable=True,
              summary="interleaved 1F1B, several looped stages per rank", rounds="whole_rounds"),
     Schedule("loopedbfs", "torch", flushes=True, asynchronous=False, weights="current", placement="loop",
-             stages_per_rank=(1, None), split_backward=False, torch_class="ScheduleLoopedBFS", runnable=False,
+             stages_per_rank=(1, None), split_backward=False, torch_class="ScheduleLoopedBFS", runnable=True,
              summary="looped breadth-first, several looped stages per rank"),
     Schedule("interleavedzerobubble", "torch", flushes=True, asynchronous=False, weights="current", placement="loop",
-             stages_per_rank=(1, None), split_backward=True, torch_class="ScheduleInterleavedZeroBubble", runnable=False,
+             stages_per_rank=(1, None), split_backward=True, torch_class="ScheduleInterleavedZeroBubble", runnable=True,
              summary="interleaved zero bubble, backward split into input and weight gradients", rounds="whole_rounds"),
     Schedule("zbvzerobubble", "torch", flushes=True, asynchronous=False, weights="current", placement="v",
-             stages_per_rank=(2, 2), split_backward=True, torch_class="ScheduleZBVZeroBubble", runnable=False,
+             stages_per_rank=(2, 2), split_backward=True, torch_class="ScheduleZBVZeroBubble", runnable=True,
              summary="zero bubble on a V of two stages per rank"),
     Schedule("dualpipev", "torch", flushes=True, asynchronous=False, weights="current", placement="v",
-             stages_per_rank=(2, 2), split_backward=True, torch_class="ScheduleDualPipeV", runnable=False,
+             stages_per_rank=(2, 2), split_backward=True, torch_class="ScheduleDualPipeV", runnable=True,
              summary="DualPipe on a V of two stages per rank", rounds="at_least_stages"),
 )
 

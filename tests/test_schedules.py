@@ -20,7 +20,8 @@ from autosplit.report.timeline import stage_order
 from autosplit.solver.problem import in_flight, weight_copies
 from tests.helpers import GOLDEN, ROOT, LinearStack
 
-NOT_YET = ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
+ONE_PER_RANK = ("sequential", "gpipe", "1f1b", "xpipe", "async", "pipedream")
+MULTI = ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
 
 
 # -- the formulas as they were written before the registry ------------------------------------------
@@ -55,14 +56,14 @@ def _plan(**options) -> Plan:
 
 # -- the entries -----------------------------------------------------------------------------------
 def test_the_runnable_schedules_are_the_option_literal_in_the_old_order():
-    assert schedules.SCHEDULES == ("sequential", "gpipe", "1f1b", "xpipe", "async", "pipedream")
+    assert schedules.SCHEDULES == (*ONE_PER_RANK, *(name.lower() for name in MULTI))
     assert typing.get_args(schedules.ScheduleName) == schedules.SCHEDULES
     assert schedules.ASYNCHRONOUS == ("xpipe", "async", "pipedream")
     assert typing.get_args(typing.get_type_hints(PlanOptions)["schedule"]) == schedules.SCHEDULES
 
 
-@pytest.mark.parametrize("name", schedules.SCHEDULES)
-def test_every_runnable_entry_holds_the_old_in_flight_rule(name):
+@pytest.mark.parametrize("name", ONE_PER_RANK)
+def test_every_one_stage_entry_holds_the_old_in_flight_rule(name):
     entry = schedules.REGISTRY[name]
     for S in range(1, 7):
         for M in range(1, 11):
@@ -84,16 +85,20 @@ def test_entries_say_what_the_code_used_to_ask_by_name():
     assert {n for n in schedules.SCHEDULES if R[n].asynchronous} == {"xpipe", "async", "pipedream"}
     assert all(R[n].flushes != R[n].asynchronous for n in schedules.SCHEDULES)
     # the torch class that runs it: the old SCHEDULE_CLASSES, nothing for the rest
-    assert {n: R[n].torch_class for n in schedules.SCHEDULES} == {
+    assert {n: R[n].torch_class for n in ONE_PER_RANK} == {
         "sequential": None, "gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "xpipe": None, "async": None, "pipedream": None,
     }
-    assert [n for n in schedules.SCHEDULES if R[n].distributed] == ["gpipe", "1f1b", "xpipe", "async", "pipedream"]
+    assert [n for n in ONE_PER_RANK if R[n].distributed] == ["gpipe", "1f1b", "xpipe", "async", "pipedream"]
     assert [n for n in schedules.SCHEDULES if R[n].forwards_first] == ["gpipe"]
     assert [n for n in schedules.SCHEDULES if not R[n].micro_batched] == ["sequential"]
     assert [R[n].fewest_micro_batches(4) for n in ("gpipe", "1f1b")] == [1, 4]
+    assert R["dualpipev"].fewest_micro_batches(4, ranks=2) == 4
     assert {n: R[n].weights for n in schedules.ASYNCHRONOUS} == {"xpipe": "predicted", "async": "current", "pipedream": "stashed"}
-    for n in schedules.SCHEDULES:
+    for n in ONE_PER_RANK:
         assert R[n].stages_per_rank == (1, 1) and R[n].placement == "linear" and not R[n].split_backward and R[n].runnable
+    for name in MULTI:
+        entry = schedules.lookup(name)
+        assert entry.runnable and entry.distributed and entry.flushes and entry.order == "torch"
 
 
 @pytest.mark.parametrize("name", schedules.SCHEDULES)
@@ -114,9 +119,8 @@ def test_torch_schedule_classes_are_all_known_and_exist():
     for entry in schedules.REGISTRY.values():
         if entry.torch_class is not None:
             assert hasattr(pipelining, entry.torch_class), entry.torch_class
-    for name in NOT_YET:
-        entry = schedules.lookup(name)
-        assert not entry.runnable and not entry.distributed and entry.torch_class == f"Schedule{name}"
+    for name in MULTI:
+        assert schedules.lookup(name).torch_class == f"Schedule{name}"
     assert schedules.lookup("ZBVZeroBubble").placement == "v" and schedules.lookup("DualPipeV").stages_per_rank == (2, 2)
     assert schedules.lookup("InterleavedZeroBubble").split_backward and schedules.lookup("Interleaved1F1B").placement == "loop"
 
@@ -159,20 +163,17 @@ def test_options_store_the_registry_name():
     assert _plan(schedule="1F1B", micro_batches=2).schedule == "1f1b"
 
 
-# -- torch's schedules autosplit cannot run yet ---------------------------------------------------
-@pytest.mark.parametrize("name", NOT_YET)
-def test_not_yet_runnable_schedules_are_refused_at_plan_time(name):
-    with pytest.raises(ConstraintError) as e:
-        PlanOptions(schedule=name)
-    text = str(e.value)
-    assert f"option schedule={name!r}" in text and f"Schedule{name}" in text and "cannot plan or run yet" in text
-    assert "gpipe" in text and "1f1b" in text, "the error says what to choose instead"
-    with pytest.raises(ConstraintError, match="cannot plan or run yet"):
-        _plan(schedule=name)
-    with pytest.raises(ConstraintError, match="cannot plan or run yet"):
-        schedules.runnable(name)
-    with pytest.raises(ConstraintError, match="cannot plan or run yet"):
-        schedules.lookup(name).in_flight(0, 2, 4)
+# -- several stages per rank ----------------------------------------------------------------------
+@pytest.mark.parametrize("name, v", [("ZBVZeroBubble", 3), ("DualPipeV", 1), ("gpipe", 2), ("Interleaved1F1B", 0)])
+def test_stages_per_rank_a_schedule_cannot_run_are_refused_at_plan_time(name, v):
+    with pytest.raises(ConstraintError, match=r"option stages_per_rank=.* is out of range"):
+        PlanOptions(schedule=name, stages_per_rank=v)
+
+
+def test_a_v_schedule_takes_two_stages_per_rank_by_default():
+    assert PlanOptions(schedule="zbvzerobubble").rank_stages == 2 and PlanOptions(schedule="interleaved1f1b").rank_stages == 1
+    plan = _plan(schedule="ZBVZeroBubble", micro_batches=4)
+    assert plan.stages_per_rank == 2 and plan.stage_devices == (0, 1, 1, 0) and len(plan.rank_memory) == 2
 
 
 # -- Plan.objective in plan files -----------------------------------------------------------------
@@ -216,7 +217,7 @@ def test_a_version_2_makespan_plan_reads_its_objective_from_its_schedule(tmp_pat
     (lambda d: d.pop("objective"), "'objective'"),
     (lambda d: d.update(objective="fastest"), "objective"),
     (lambda d: d.update(schedule="makespan"), "schedule"),
-    (lambda d: d.update(schedule="ZBVZeroBubble"), "cannot plan or run yet"),
+    (lambda d: d.update(schedule="ZBVZeroBubble"), "stages_per_rank"),
     (lambda d: d.update(schema_version=1), "schema version 1"),
 ])
 def test_version_3_files_are_checked(edit, named):

@@ -93,7 +93,9 @@ def distribute(
     options = {"schedule": "gpipe", **options, "data_parallel": data_parallel}
     planner = Planner(model, devices, example_inputs=example_inputs, example_kwargs=example_kwargs, **options)
     made = _agreed_plan(planner, given, data_parallel)
-    return _build(model, planner, made, given, Layout.of(dist.get_rank(), stages, data_parallel), replicate, loss_fn, weights)
+    layout = Layout.of(dist.get_rank(), len(made.stage_devices), data_parallel,
+                       stage_ranks=made.stage_devices if made.stages_per_rank > 1 else ())
+    return _build(model, planner, made, given, layout, replicate, loss_fn, weights)
 
 
 def _runnable() -> tuple[list[str], str]:
@@ -198,7 +200,8 @@ def _build(
             "its devices hold non-adjacent nodes and run them as their inputs arrive, which no runtime does yet",
             "distribute a plan made with objective='pipeline'",
         ))
-    device = rank_device(made, layout.stage)
+    held = layout.held
+    device = rank_device(made, held[0])
     tied = [p for p in made.shared_params if p.policy == "replicate"]
     replicated = {p.name for p in tied}
     example = (tuple(planner.example_inputs), dict(planner.example_kwargs or {}))
@@ -209,7 +212,8 @@ def _build(
         chain, captured, meta = chains.to_materialise(batch // made.micro_batches if batch else 0)
     else:  # cut from the model itself, as traced on its device (autocast regions apply there, not on meta)
         captured, flat = planner.traced.at_micro_batch(made.micro_batches)
-        chain, meta = generate_chain(captured, made.stage_of, layout.stages, flat, replicate=replicated), model
+        own = schedules.lookup(made.schedule).split_backward
+        chain, meta = generate_chain(captured, made.stage_of, layout.stages, flat, replicate=replicated, own_outputs=own), model
     if given is not None and given.crossings and given.crossings != chain.crossings:
         raise PlanMismatchError(
             advice(
@@ -219,23 +223,29 @@ def _build(
             )
         )
     made = dataclasses.replace(made, crossings=chain.crossings)
-    if layout.stage == 0:  # (with every stage's tensors in view)
+    if 0 in held:  # (with every stage's tensors in view)
         keep_unread(chain.stages[0], meta, chain)
     if not is_meta(model):
-        chain, captured = keep_only(chain, captured, layout.stage)
-    stage = chain.stages[layout.stage]
-    names = StageNames.of(meta, stage)
-    how = materialise(stage, names, device, model=model, weights=weights, seed=planner.options.seed)
-    place(stage, device)
-    retarget(stage, device)
-    log.info("rank %d: stage %d materialised from %s", dist.get_rank(), layout.stage, how)
-    agree_by_name(stage, names)
-    the_mesh = make_mesh(device, layout.stages, layout.replicas)
+        chain, captured = keep_only(chain, captured, held)
+    modules = {s: chain.stages[s] for s in held}
+    parts = {s: StageNames.of(meta, module) for s, module in modules.items()}
+    _untie(modules)
+    for s, module in modules.items():
+        how = materialise(module, parts[s], device, model=model, weights=weights, seed=planner.options.seed)
+        place(module, device)
+        retarget(module, device)
+        log.info("rank %d: stage %d materialised from %s", dist.get_rank(), s, how)
+    names, aliases = (parts[held[0]], {}) if len(held) == 1 else StageNames.merged(parts)
+    container = modules[held[0]] if len(held) == 1 else torch.nn.ModuleDict({str(s): m for s, m in modules.items()})
+    _equal_copies(container, aliases)
+    agree_by_name(container, names)
+    the_mesh = make_mesh(device, layout.pp, layout.replicas)
     tied_groups = []
     for p in tied:  # new_group is collective: every rank creates every group, in one order
         for replica in range(layout.replicas):
-            group = dist.new_group([layout.rank(s, replica) for s in p.stages])
-            if layout.stage in p.stages and replica == layout.replica:
+            ranks = sorted({layout.rank(s, replica) for s in p.stages})
+            group = dist.new_group(ranks) if len(ranks) > 1 else None  # one rank: its copies are summed locally
+            if any(s in held for s in p.stages) and replica == layout.replica:
                 tied_groups.append((p.name, group))
 
     def to_flat(args: tuple, kwargs: dict) -> list[Any]:
@@ -243,11 +253,45 @@ def _build(
 
     entry = schedules.lookup(made.schedule)
     return DistributedModel(
-        module=stage, names=names, plan=made, chain=chain, layout=layout, device=device, loss_fn=loss_fn,
+        modules=modules, names=names, aliases=aliases, plan=made, chain=chain, layout=layout, device=device, loss_fn=loss_fn,
         pp_group=the_mesh["pp"].get_group(), dp_mesh=the_mesh["dp"],
         replication=replicate, input_names=chain.input_names, to_flat=to_flat, micro_batches=made.micro_batches,
         example=to_flat(*example), chain_at=chains, tied_groups=tied_groups, asynchronous=entry.name if entry.asynchronous else None,
     )
+
+
+def _untie(modules: Mapping[int, torch.nn.Module]) -> None:
+    """A tensor two of this rank's stages hold (a tied weight on both arms of a V) becomes a copy of
+    its own in the later stage: each stage scales its own gradients by the micro-batches, so a
+    shared tensor would be scaled twice; the copies' gradients are summed after each step instead."""
+    seen: set[int] = set()
+    for module in modules.values():
+        mine: dict[int, tuple[torch.nn.Module, str, torch.Tensor]] = {}
+        for sub in module.modules():
+            for table in (sub._parameters, sub._buffers):
+                for name, t in table.items():
+                    if t is not None:
+                        mine.setdefault(id(t), (sub, name, t))
+        for key, (_, _, t) in mine.items():
+            if key not in seen:
+                continue
+            copy = torch.nn.Parameter(t.detach().clone(), t.requires_grad) if isinstance(t, torch.nn.Parameter) else t.detach().clone()
+            for sub in module.modules():  # every place this stage holds it
+                for table in (sub._parameters, sub._buffers):
+                    for name, held in list(table.items()):
+                        if held is t:
+                            table[name] = copy
+        seen |= set(mine)
+
+
+def _equal_copies(container: torch.nn.Module, aliases: Mapping[str, Sequence[str]]) -> None:
+    """A tensor two of this rank's stages hold (a tied weight on both arms of a V), materialised
+    once per stage: each copy takes the first's value, so they start, and stay, equal."""
+    own = {**dict(container.named_parameters(remove_duplicate=False)), **dict(container.named_buffers(remove_duplicate=False))}
+    with torch.no_grad():
+        for first, copies in aliases.items():
+            for name in copies:
+                own[name].copy_(own[first])
 
 
 def _checksums(model: torch.nn.Module) -> list[str]:

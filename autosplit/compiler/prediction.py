@@ -13,6 +13,7 @@ from autosplit.options import PlanOptions
 from autosplit.plans import SharedParam, StageReport, StepTerms
 from autosplit.solver.hybrid import exposed_allreduce, ring_allreduce
 from autosplit.solver.problem import KIB, NS, Problem, evaluate, tied_costs
+from autosplit.solver.replay import Replay, StageWork, peaks, replay
 
 
 def predict_step(
@@ -71,9 +72,13 @@ def predict_step(
         ev = evaluate(problem, stage_of)
         return max(ev.time) / NS if asynchronous else ev.objective / M / NS
 
-    total, pipeline = step(sharing), step(dataclasses.replace(sharing, compute=without))
-    overhead = M * max(overheads) if asynchronous else sum(overheads) + (M - 1) * max(overheads)
-    optimizer = total - pipeline
+    entry = schedules.lookup(options.schedule)
+    if entry.flushes and entry.torch_class is not None:  # torch runs it: replay its action lists
+        pipeline, optimizer, overhead = replayed_step(sharing, table, stage_of, order, options.schedule)
+    else:
+        total, pipeline = step(sharing), step(dataclasses.replace(sharing, compute=without))
+        overhead = M * max(overheads) if asynchronous else sum(overheads) + (M - 1) * max(overheads)
+        optimizer = total - pipeline
     data_parallel = 0.0
     R = options.data_parallel
     if R > 1:
@@ -83,6 +88,75 @@ def predict_step(
         data_parallel = max(exposed_allreduce(ring_allreduce(param_bytes[s], R, *d.link_to(d)), bwd[s], M) for s, d in enumerate(devices))
     terms = StepTerms(pipeline, overhead, optimizer, tied_sync, data_parallel)
     return terms, tuple(shared)
+
+
+def _stage_work(
+    problem: Problem, table: CostTable, stage_of: Sequence[int], order: Sequence[int], overhead: bool
+) -> tuple[list[StageWork], list[float]]:
+    """Per stage, one micro-batch's forward, input-gradient and weight-gradient seconds (its
+    transfers charged half to the forward, half to the backward, as the closed form charges them;
+    with ``overhead``, the runtime's per-micro-batch overhead too, the same way); and per stage
+    the optimizer step's seconds."""
+    S, M = problem.num_stages, problem.micro_batches
+    ev = evaluate(problem, stage_of)
+    share = table.wgrad_share or (0.0,) * len(table.nodes)
+    opt_rows = table.optimizer_time or tuple((0.0,) * len(table.devices) for _ in table.nodes)
+    fwd, back, weight, opt = [0.0] * S, [0.0] * S, [0.0] * S, [0.0] * S
+    for n, s in enumerate(stage_of):
+        d = order[s]
+        fwd[s] += table.fwd_time[n][d]
+        back[s] += table.bwd_time[n][d]
+        weight[s] += table.bwd_time[n][d] * share[n]
+        opt[s] += opt_rows[n][d]
+    work = []
+    for s in range(S):
+        extra = ev.transfer[s] / NS / 2 + (table.devices[order[s]].microbatch_overhead * M / 2 if overhead else 0.0)
+        work.append(StageWork((fwd[s] + extra) / M, (back[s] - weight[s] + extra) / M, weight[s] / M))
+    return work, opt
+
+
+def _replay(problem: Problem, table: CostTable, stage_of: Sequence[int], order: Sequence[int], schedule: str,
+            overhead: bool) -> tuple[Replay, list[float]]:
+    entry = schedules.lookup(schedule)
+    rank_of = [problem.rank(s) for s in range(problem.num_stages)]
+    work, opt = _stage_work(problem, table, stage_of, order, overhead)
+    actions = entry.actions(problem.ranks, problem.micro_batches, problem.stages_per_rank)
+    run = replay(actions, rank_of=rank_of, durations=work)
+    return run, [sum(opt[s] for s in range(problem.num_stages) if rank_of[s] == r) for r in range(problem.ranks)]
+
+
+def replayed_step(
+    problem: Problem, table: CostTable, stage_of: Sequence[int], order: Sequence[int], schedule: str
+) -> tuple[float, float, float]:
+    """(pipeline, optimizer, runtime overhead) seconds of one step, by replaying the schedule's own
+    action lists (:mod:`autosplit.solver.replay`): the pipeline is when the last rank ends its last
+    backward; each rank then steps its optimizer; the overhead is what the runtime's per-micro-batch
+    cost adds to the replay."""
+    run, opt = _replay(problem, table, stage_of, order, schedule, overhead=False)
+    with_overhead, _ = _replay(problem, table, stage_of, order, schedule, overhead=True)
+    total = max(end + o for end, o in zip(run.ends, opt))
+    return run.step, total - run.step, with_overhead.step - run.step
+
+
+def rank_peaks(problem: Problem, schedule: str, reports: Sequence[StageReport]) -> tuple[int, ...]:
+    """[rank] peak bytes of its stages together: their state, one transient reserve, and the
+    activations, received and sent tensors in flight as the schedule's action lists hold them (a
+    split backward keeps a micro-batch's until its weight pass, as torch's does); empty for a
+    schedule torch does not run (sequential, asynchronous)."""
+    entry = schedules.lookup(schedule)
+    if not entry.flushes or entry.torch_class is None:
+        return ()
+    S, M, R = problem.num_stages, problem.micro_batches, problem.ranks
+    per_micro = []
+    for s, st in enumerate(reports):
+        held = st.memory_activations + st.memory_received + st.memory_sent
+        per_micro.append(held / max(1, entry.in_flight(s, S, M, R)))
+    actions = entry.actions(R, M, problem.stages_per_rank)
+    peak = peaks(actions, saved=per_micro, weight_held=per_micro)
+    out = [reports[0].memory_transient + p for p in peak]
+    for s, st in enumerate(reports):
+        out[problem.rank(s)] += st.memory_state
+    return tuple(int(b) for b in out)
 
 
 def stage_reports(

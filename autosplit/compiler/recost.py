@@ -13,7 +13,7 @@ import dataclasses
 from autosplit import progress
 from autosplit.compiler.costs import estimated
 from autosplit.compiler.makespan import compile_makespan
-from autosplit.compiler.prediction import module_stages, predict_step, stage_reports
+from autosplit.compiler.prediction import module_stages, predict_step, rank_peaks, stage_reports
 from autosplit.compiler.trace import Traced
 from autosplit.devices import DeviceSpec
 from autosplit.options import PlanOptions
@@ -31,8 +31,9 @@ def recost(traced: Traced, specs: tuple[DeviceSpec, ...], options: PlanOptions, 
     if given.objective == "makespan":
         return compile_makespan(traced, specs, options, table, source, rules, timings, given)
     order = given.stage_devices
+    rank_of = order if given.stages_per_rank > 1 else ()  # several stages per rank: device index = rank
     with progress.timed_pass("build", timings):
-        problem = build_problem(table, micro_batches=M, schedule=options.schedule, order=order, constraints=rules)
+        problem = build_problem(table, micro_batches=M, schedule=options.schedule, order=order, constraints=rules, rank_of=rank_of)
     stage_of = tuple(given.stage_of[name] for name in problem.nodes)
     with progress.timed_pass("validate", timings):
         validate(problem, stage_of, memory=check_memory)
@@ -40,8 +41,10 @@ def recost(traced: Traced, specs: tuple[DeviceSpec, ...], options: PlanOptions, 
     solver = given.solver
     if solver.status == "MANUAL":
         solver = dataclasses.replace(solver, objective=evaluate(problem, stage_of).objective / M / NS)
+    reports = stage_reports(problem, table, stage_of, order, shared)
     return dataclasses.replace(
-        given, solver=solver, stages=stage_reports(problem, table, stage_of, order, shared), costs=source, step_time=terms.total,
+        given, solver=solver, stages=reports, rank_memory=rank_peaks(problem, options.schedule, reports), costs=source,
+        step_time=terms.total,
         module_stages=module_stages(table, stage_of),
         terms=terms, shared_params=shared, data_parallel=options.data_parallel, timings=timings,
         made_with=given.made_with or (given.costs, given.step_time),

@@ -21,10 +21,10 @@ from __future__ import annotations
 
 import logging
 
-from autosplit import debug, progress
+from autosplit import debug, progress, schedules
 from autosplit.compiler.costs import estimated
 from autosplit.compiler.makespan import compile_makespan
-from autosplit.compiler.prediction import module_stages, predict_step, stage_reports
+from autosplit.compiler.prediction import module_stages, predict_step, rank_peaks, stage_reports
 from autosplit.compiler.recost import recost
 from autosplit.compiler.trace import Traced, versions
 from autosplit.devices import DeviceSpec
@@ -49,20 +49,29 @@ def compile_plan(
     timings, M, table, source, rules = estimated(traced, specs, options)
     if options.objective == "makespan":
         return compile_makespan(traced, specs, options, table, source, rules, timings)
+    entry, ranks, v = schedules.lookup(options.schedule), len(specs), options.rank_stages
+    rank_of: tuple[int, ...] = ()
     with progress.timed_pass("order", timings):
-        order = choose_order(table, micro_batches=M, schedule=options.schedule, constraints=rules, limits=options.limits)
+        if v == 1:
+            order = choose_order(table, micro_batches=M, schedule=options.schedule, constraints=rules, limits=options.limits)
+        else:  # the schedule places the stages on the ranks (a loop or a V): rank r on device r
+            entry.check(ranks=ranks, stages=ranks * v, micro_batches=M)
+            rank_of = order = tuple(entry.rank_of(s, ranks * v, ranks) for s in range(ranks * v))
     with progress.timed_pass("build", timings):
-        problem = build_problem(table, micro_batches=M, schedule=options.schedule, order=order, constraints=rules)
+        problem = build_problem(table, micro_batches=M, schedule=options.schedule, order=order, constraints=rules, rank_of=rank_of)
     with progress.timed_pass("solve", timings, limit=options.time_limit):
         solution = solve(problem, time_limit=options.time_limit, seed=options.seed, limits=options.limits)
     with progress.timed_pass("validate", timings):
         validate(problem, solution.stage_of)
     terms, shared = predict_step(problem, table, solution.stage_of, order, options)
+    reports = stage_reports(problem, table, solution.stage_of, order, shared)
+    per_step = M  # the objective is M steps' worth
     return Plan(
-        assignment={name: order[s] for name, s in zip(problem.nodes, solution.stage_of)},
+        assignment={name: s if v > 1 else order[s] for name, s in zip(problem.nodes, solution.stage_of)},
         devices=specs,
         stage_devices=tuple(order),
-        stages=stage_reports(problem, table, solution.stage_of, order, shared),
+        stages=reports,
+        rank_memory=rank_peaks(problem, options.schedule, reports),
         module_stages=module_stages(table, solution.stage_of),
         step_time=terms.total,
         terms=terms,
@@ -70,17 +79,18 @@ def compile_plan(
         data_parallel=options.data_parallel,
         micro_batches=M,
         schedule=options.schedule,
+        stages_per_rank=v,
         objective="pipeline",
         solver=SolverInfo(
             name=solution.solver,
             status=solution.status,
-            objective=solution.objective / M / NS,
-            bound=solution.bound / M / NS,
+            objective=solution.objective / per_step / NS,
+            bound=solution.bound / per_step / NS,
             gap=solution.gap,
             wall_time=solution.wall_time,
             time_limit=options.time_limit,
             seed=options.seed,
-            baseline=None if solution.baseline is None else solution.baseline / M / NS,
+            baseline=None if solution.baseline is None else solution.baseline / per_step / NS,
             units=solution.units,
         ),
         fingerprint=traced.fingerprint,

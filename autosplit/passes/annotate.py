@@ -93,6 +93,10 @@ class NodeInfo:
     mutates: tuple[str, ...] = ()
     """Input nodes whose value this node writes in place (``relu_``, ``x += y``, a leaf module
     writing its argument), seen from the tensors' version counters when it ran."""
+    wgrad_share: float = 0.0
+    """The share of the backward that is the gradient to parameters (the weight-gradient pass W of
+    a split backward; the rest is the input-gradient pass I): by flops, or 1 when parameters are
+    all that needs a gradient (an embedding)."""
 
 
 class _Measured(NamedTuple):
@@ -108,6 +112,8 @@ class _Measured(NamedTuple):
     written_at: frozenset[int]
     """Positions of the inputs the node wrote in place (their version counter moved)."""
     output: Any
+    wgrad_share: float = 0.0
+    """Of ``bwd``, the share of the gradient to the node's own parameters (a zero-bubble W pass)."""
     """The output with each tensor as its :class:`_TensorMeta`, to make it again."""
 
 
@@ -308,6 +314,7 @@ class _Annotator(fx.Interpreter):
             buffer_bytes=bbytes,
             half=any(t.dtype in _HALF for t in (*inputs, *outputs)),
             mutates=self._producers(n, flat, measured.written_at),
+            wgrad_share=measured.wgrad_share,
         )
         return out
 
@@ -385,15 +392,23 @@ class _Annotator(fx.Interpreter):
         grad_inputs = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.requires_grad]
         if n.op == "call_module":
             grad_inputs += [self.fake(p) for p in self.module.get_submodule(str(n.target)).parameters() if p.requires_grad]
-        bwd = 0
+        bwd, wshare = 0, 0.0
+        weights = [t for t in grad_inputs if id(t) in self._state_fakes]
         if outs and grad_inputs:
+            ones = [torch.ones_like(o) for o in outs]
+            wgrad = 0
+            if weights and len(weights) < len(grad_inputs):  # the weight gradient alone, then the whole backward
+                with FlopCounterMode(display=False, custom_mapping=RNN_FLOPS) as w_counter:
+                    torch.autograd.grad(outs, weights, ones, allow_unused=True, retain_graph=True)
+                wgrad = w_counter.get_total_flops()
             with FlopCounterMode(display=False, custom_mapping=RNN_FLOPS) as bwd_counter:
-                torch.autograd.grad(outs, grad_inputs, [torch.ones_like(o) for o in outs], allow_unused=True)
+                torch.autograd.grad(outs, grad_inputs, ones, allow_unused=True)
             bwd = bwd_counter.get_total_flops()
+            wshare = 1.0 if weights and len(weights) == len(grad_inputs) else min(1.0, wgrad / bwd) if bwd else 0.0
         out = _cut(out)
         template = pytree.tree_map(lambda t: _TensorMeta.of(t) if isinstance(t, torch.Tensor) else t, out)
         measured = _Measured(
-            fwd_counter.get_total_flops(), bwd, sum(own.values()), frozenset(saved_at), saves_output, written_at, template
+            fwd_counter.get_total_flops(), bwd, sum(own.values()), frozenset(saved_at), saves_output, written_at, template, wshare
         )
         return out, measured
 

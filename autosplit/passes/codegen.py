@@ -277,10 +277,11 @@ def _receive(
 
 
 def _send(
-    graph: fx.Graph, env: Mapping[fx.Node, Any], crossing: Sequence[fx.Node], values: Mapping[fx.Node, Any]
+    graph: fx.Graph, env: Mapping[fx.Node, Any], crossing: Sequence[fx.Node], values: Mapping[fx.Node, Any], own: bool = False,
 ) -> tuple[list[fx.Node], list[torch.Tensor]]:
     """The contiguous tensor leaves of the values ``crossing`` to the next stage, in order, and their
-    meta tensors: only tensors cross, in contiguous memory (what gloo sends)."""
+    meta tensors: only tensors cross, in contiguous memory (what gloo sends); with ``own``, each in
+    memory of its own (a copy), never a view."""
     sent, metas = [], []
     for n in crossing:
         leaves = pytree.tree_leaves(values[n])
@@ -289,7 +290,8 @@ def _send(
                 leaf = env[n]
             else:
                 leaf = graph.call_function(operator.getitem, (graph.call_function(pytree.tree_leaves, (env[n],)), i))
-            sent.append(graph.call_method("contiguous", (leaf,)))
+            sent.append(graph.call_function(torch.clone, (leaf,), {"memory_format": torch.contiguous_format}) if own
+                        else graph.call_method("contiguous", (leaf,)))
             metas.append(_meta(leaves[i]))
     return sent, metas
 
@@ -329,7 +331,7 @@ def _stage_module(gm: fx.GraphModule, root: dict[str, Any], graph: fx.Graph, sta
 
 def generate_chain(
     captured: Captured, assignment: Mapping[str, int], num_stages: int, micro_inputs: Sequence[Any],
-    *, replicate: Collection[str] = (),
+    *, replicate: Collection[str] = (), own_outputs: bool = False,
 ) -> Chain:
     """The chain form of ``assignment`` (node name → stage) for micro-batches like ``micro_inputs``
     (the graph's placeholder values for one micro-batch).
@@ -339,7 +341,9 @@ def generate_chain(
     - only tensors cross: a Python value (a shape int, a tuple's non-tensor leaves) is fixed
       per micro-batch, so the receiving stage holds it as a constant; a tuple-valued node
       crosses as its tensor leaves and is rebuilt;
-    - every crossing is made contiguous (gloo sends contiguous memory only);
+    - every crossing is made contiguous (gloo sends contiguous memory only); with ``own_outputs``, a
+      copy of its own: torch's split backward (zero bubble) detaches a stage's outputs in place,
+      which a view (a ``Linear`` on 3-D input returns one) refuses;
     - the positional order of crossings is the graph's order, recorded in :attr:`Chain.crossings`;
     - a parameter named in ``replicate`` (a tied weight) never crosses: every stage that reads it
       reads it itself, and the runtime sums its gradient over those stages once per step.
@@ -377,7 +381,7 @@ def generate_chain(
         for n in members:
             env[n] = graph.node_copy(n, env.__getitem__)
         if s < S - 1:
-            sent, meta_out = _send(graph, env, crossing(s + 1), values)
+            sent, meta_out = _send(graph, env, crossing(s + 1), values, own_outputs)
             crossings.append(tuple(name for n in crossing(s + 1) for name, _ in _slot_names(n, values[n])))
         else:
             sent, meta_out, out_slots = _model_outputs(env, output, values)

@@ -336,5 +336,7 @@ def estimate(
         optimizer_time=_optimizer_times(infos, kinds, kind_of, profiles, optimizer, per_device),
         param_bytes=tuple(info.param_bytes for info in infos),
         param_reads=_param_reads(gm, nodes),
+        wgrad_share=tuple(info.wgrad_share for info in infos),
+        wgrad_bytes=tuple(info.output_bytes if 0 < info.wgrad_share < 1 else 0 for info in infos),
         output_tensors=tuple(len(info.output_shapes) for info in infos),
     )

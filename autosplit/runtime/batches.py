@@ -11,12 +11,13 @@ from __future__ import annotations
 import copy
 import dataclasses
 import hashlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any, TypeVar
 
 import torch
 from torch.utils import _pytree as pytree
 
+from autosplit import schedules
 from autosplit.errors import DistributedError, advice
 from autosplit.microbatch import batch_size, is_batched
 from autosplit.passes.capture import Captured, capture, fingerprint, flat_inputs, with_defaults
@@ -149,8 +150,8 @@ class ChainsByRows:
         return chain, captured
 
 
-def keep_only(chain: Chain, captured: Captured, stage: int) -> tuple[Chain, Captured]:
-    """``chain`` and ``captured`` holding no tensor of the model but ``stage``'s: the other stages
+def keep_only(chain: Chain, captured: Captured, held: Collection[int]) -> tuple[Chain, Captured]:
+    """``chain`` and ``captured`` holding no tensor of the model but the ``held`` stages': the other stages
     and the whole graph become copies on the meta device (their code and metadata stay), so a rank
     keeps nothing of the model alive beyond its stage."""
     light = dataclasses.replace(captured, gm=meta_copy(captured.gm))
@@ -158,7 +159,7 @@ def keep_only(chain: Chain, captured: Captured, stage: int) -> tuple[Chain, Capt
     nodes = {n.name: n for n in light.gm.graph.nodes}  # the output's nodes, in the copy's graph
     args = torch.fx.node.map_arg(args, lambda n: nodes[n.name])
     slots = tuple(torch.fx.node.map_arg(slot, lambda n: nodes[n.name]) for slot in slots)
-    stages = tuple(m if s == stage else meta_copy(m) for s, m in enumerate(chain.stages))
+    stages = tuple(m if s in held else meta_copy(m) for s, m in enumerate(chain.stages))
     return dataclasses.replace(chain, stages=stages, _output=(args, slots, codegen, light)), light
 
 
@@ -176,4 +177,5 @@ def capture_chain(
             )
         )
     flat = flat_inputs(captured, args, kwargs)
-    return generate_chain(captured, plan.stage_of, stages, flat, replicate=replicate), captured
+    own = schedules.lookup(plan.schedule).split_backward
+    return generate_chain(captured, plan.stage_of, stages, flat, replicate=replicate, own_outputs=own), captured

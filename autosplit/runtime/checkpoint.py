@@ -232,14 +232,35 @@ class StageState:
     layout: Any
     _param_names: dict[str, str]
     _state_names: dict[str, str]
+    _aliases: dict[str, tuple[str, ...]]
+    """A tensor several of this rank's stages hold (a tied weight on both arms of a V): the local
+    name it is read and written by → its copies' local names, kept equal to it."""
 
     def named_parameters(self) -> Iterator[tuple[str, torch.nn.Parameter]]:
-        """This rank's parameters under the model's own qualified names, in the model's order."""
+        """This rank's parameters under the model's own qualified names, in the model's order (a
+        parameter two of its stages hold: once, by its first copy)."""
         own = dict(self.module.named_parameters(remove_duplicate=False))
         return ((name, own[local]) for name, local in self._param_names.items())
 
     def parameters(self) -> Iterator[torch.nn.Parameter]:
-        return (p for _, p in self.named_parameters())
+        """Every parameter this rank trains — give them all to the optimizer: a tied weight two of its
+        stages hold is one copy per stage, both with the summed gradient, so both take the same step."""
+        own = dict(self.module.named_parameters(remove_duplicate=False))
+        for local in self._param_names.values():
+            yield own[local]
+            yield from (own[copy] for copy in self._aliases.get(local, ()))
+
+    def _copy_to_aliases(self, optimizer: torch.optim.Optimizer | None = None) -> None:
+        """Give each copy of a tensor two stages hold the first copy's value and optimizer state."""
+        own = {**dict(self.module.named_parameters(remove_duplicate=False)), **dict(self.module.named_buffers(remove_duplicate=False))}
+        with torch.no_grad():
+            for first, copies in self._aliases.items():
+                for name in copies:
+                    own[name].copy_(own[first])
+                    if optimizer is not None and own[first] in optimizer.state:
+                        optimizer.state[own[name]] = {
+                            k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in optimizer.state[own[first]].items()
+                        }
 
     def state_dict(self) -> dict[str, Any]:
         """This stage's entries of the model's ``state_dict``, under the model's names (a tied
@@ -255,7 +276,7 @@ class StageState:
         if strict and missing:
             raise DistributedError(
                 advice(
-                    f"state dict lacks {len(missing)} entries of stage {self.layout.stage} (first: {missing[:3]})",
+                    f"state dict lacks {len(missing)} entries of stage(s) {list(self.layout.held)} (first: {missing[:3]})",
                     "it was saved from another model or another version of it",
                     "save it from this model (its state_dict() or full_state_dict()), or pass strict=False",
                 )
@@ -264,6 +285,7 @@ class StageState:
             for name, value in own.items():
                 if name in state:
                     _copy_into(value, state[name])
+        self._copy_to_aliases()
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The whole model's state (every stage of replica 0) on every rank, in CPU memory, under
@@ -286,6 +308,7 @@ class StageState:
         into its parameters, buffers and ``optimizer``; each rank reads only its own entries."""
         with torch.no_grad():
             load_entries(path, self.state_dict(), dict(self.named_parameters()), optimizer, strict=strict)
+        self._copy_to_aliases(optimizer)
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:

@@ -45,7 +45,7 @@ Usage (``torchrun --nproc-per-node 2 train.py``)::
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -81,11 +81,11 @@ class DistributedModel(StageState):
     """This rank's stage of a pipelined, data-parallel model. Made by :func:`distribute`."""
 
     def __init__(
-        self, *, module: torch.nn.Module, names: StageNames, plan: Plan, chain: Chain, layout: Layout, device: torch.device,
-        loss_fn: Callable[[Any, Any], torch.Tensor],
+        self, *, modules: Mapping[int, torch.nn.Module], names: StageNames, plan: Plan, chain: Chain, layout: Layout,
+        device: torch.device, loss_fn: Callable[[Any, Any], torch.Tensor],
         pp_group: Any, dp_mesh: Any, replication: str, input_names: Sequence[str], to_flat: Callable[..., list[Any]],
         micro_batches: int, example: Sequence[Any], chain_at: Callable[[int], Chain],
-        tied_groups: Sequence[tuple[str, Any]] = (), asynchronous: str | None = None,
+        tied_groups: Sequence[tuple[str, Any]] = (), asynchronous: str | None = None, aliases: Mapping[str, Sequence[str]] = {},
     ) -> None:
         from torch.distributed import pipelining
 
@@ -96,17 +96,23 @@ class DistributedModel(StageState):
         self.micro_batches = micro_batches
         self._to_flat = to_flat
         self._input_names = tuple(input_names)
-        self.module = module
+        self.stage_modules = dict(modules)
+        """Stage index → its module, for every stage this rank runs."""
+        # One stage: its module; several: a container keyed by stage index (names.merged's prefixes).
+        self.module = (next(iter(modules.values())) if len(modules) == 1
+                       else torch.nn.ModuleDict({str(s): m for s, m in modules.items()}))
         # The model's own names for this stage's tensors (a tied weight under each of its names;
         # non-persistent buffers left out, as the model's state_dict does), fixed before
         # replication swaps the tensors for DTensors.
         self._state_names = dict(names.state)
         self._param_names = dict(names.params)
+        self._aliases = {local: tuple(copies) for local, copies in aliases.items()}
         if layout.replicas > 1:
-            replicate_stage(self.module, replication, dp_mesh)
+            for stage_module in modules.values():
+                replicate_stage(stage_module, replication, dp_mesh)
         self._pp_group = pp_group
         # static metadata: no dry-run forward (it would touch BatchNorm statistics)
-        self._stage = self._new_stage(chain.inputs_meta[layout.stage], chain.outputs_meta[layout.stage])
+        self._stages = self._new_stages(chain.inputs_meta, chain.outputs_meta)
         # The example fixes every input's shape but the batch rows (dimension 0 of the batched ones).
         self._rows = batch_size(example)
         self._batched = [is_batched(v, self._rows) for v in example]
@@ -122,7 +128,8 @@ class DistributedModel(StageState):
         self._loss = loss
         self._loss_of_output = loss_fn
         self.last_run: dict[str, Any] = {}
-        torch_class = schedules.lookup(plan.schedule).torch_class
+        self._entry = schedules.lookup(plan.schedule)
+        torch_class = self._entry.torch_class
         # None: an asynchronous schedule, run by autosplit's own loop (train), never by a torch class
         self._schedule_cls: Any = getattr(pipelining, torch_class) if torch_class is not None else None
         self._rank = dist.get_rank()
@@ -135,21 +142,28 @@ class DistributedModel(StageState):
     # -- training ------------------------------------------------------------------------------
     @property
     def stage_index(self) -> int:
-        return self.layout.stage
+        """This rank's (first) stage."""
+        return self.layout.held[0]
 
     @property
     def is_last(self) -> bool:
-        return self.layout.stage == self.layout.stages - 1
+        """This rank runs the last stage (in a V, the first rank does), so it computes the loss."""
+        return self.layout.stages - 1 in self.layout.held
 
-    def _new_stage(self, inputs_meta: Sequence[torch.Tensor], outputs_meta: Sequence[torch.Tensor]) -> Any:
-        from autosplit.runtime.stage import EarlyReceivingStage
+    def _new_stages(self, inputs_meta: Sequence[Sequence[torch.Tensor]], outputs_meta: Sequence[Sequence[torch.Tensor]]) -> list[Any]:
+        """This rank's ``PipelineStage`` of each stage it runs. One stage per rank posts its receives
+        early (:class:`~autosplit.runtime.stage.EarlyReceivingStage`); torch's multi-stage runtime
+        orders its own receives and passes tensors between a rank's stages in memory."""
+        from autosplit.runtime.stage import ContiguousGradStage, EarlyReceivingStage
 
-        return EarlyReceivingStage(
-            self.module, self.layout.stage, self.layout.stages, self.device,
-            input_args=tuple(inputs_meta), output_args=tuple(outputs_meta), group=self._pp_group,
-        )
+        kind = EarlyReceivingStage if len(self.stage_modules) == 1 else ContiguousGradStage
+        return [
+            kind(module, s, self.layout.stages, self.device, input_args=tuple(inputs_meta[s]),
+                 output_args=tuple(outputs_meta[s]), group=self._pp_group)
+            for s, module in self.stage_modules.items()
+        ]
 
-    def _make_schedule(self, stage: Any, micro_batches: int) -> Any:
+    def _make_schedule(self, stages: list[Any], micro_batches: int) -> Any:
         # Inputs are cut as the example was (runtime/microbatch.py's rule, applied to the example,
         # so an unbatched input is never cut because its dimension 0 happens to match a batch's
         # rows); the rest are given whole to every micro-batch. pipelining names that spec only
@@ -157,7 +171,14 @@ class DistributedModel(StageState):
         from torch.distributed.pipelining.microbatch import TensorChunkSpec, _Replicate
 
         specs = {k: TensorChunkSpec(0) if cut else _Replicate() for k, cut in zip(self._input_names, self._batched)}
-        return self._schedule_cls(stage, n_microbatches=micro_batches, loss_fn=self._loss, kwargs_chunk_spec=specs, scale_grads=True)
+        given = stages if self._entry.order == "torch" else stages[0]  # torch's multi-stage classes take a list
+        if self._schedule_cls.__name__ == "ScheduleLoopedBFS":
+            # Its constructor takes no chunk specs (torch 2.13) and would cut every input tensor on
+            # dimension 0; the base class keeps them in this attribute, so the specs go there.
+            schedule = self._schedule_cls(given, n_microbatches=micro_batches, loss_fn=self._loss, scale_grads=True)
+            schedule._kwargs_chunk_spec = specs
+            return schedule
+        return self._schedule_cls(given, n_microbatches=micro_batches, loss_fn=self._loss, kwargs_chunk_spec=specs, scale_grads=True)
 
     def step(self, *inputs: Any, target: Any = None, **kwargs: Any) -> torch.Tensor | None:
         """One training step (forward and backward of every micro-batch) on this replica's batch.
@@ -204,7 +225,7 @@ class DistributedModel(StageState):
             self._failed = _causes(e)
             raise DistributedError(
                 advice(
-                    f"rank {self._rank} (stage {self.layout.stage} of {self.layout.stages}, replica {self.layout.replica}) "
+                    f"rank {self._rank} (stage(s) {list(self.layout.held)} of {self.layout.stages}, replica {self.layout.replica}) "
                     f"failed during a pipelined step: {_causes(e)}",
                     "an error in this stage's forward/backward, or a peer rank that failed or exited",
                     "look for the first rank that failed (its error names the node); run the model unsplit on one batch to reproduce",
@@ -213,14 +234,31 @@ class DistributedModel(StageState):
         with torch.no_grad():
             for p, earlier in kept:
                 p.grad = earlier if p.grad is None else p.grad + earlier
-        own = dict(self.module.named_parameters(remove_duplicate=False))
-        for local, group in self._tied:  # a replicated tied weight: sum its stages' gradients, once per step
-            grad = own[local].grad
-            if grad is not None:
-                dist.all_reduce(grad.to_local() if hasattr(grad, "to_local") else grad, group=group)
+        self._sum_tied_gradients()
         if not self.is_last:
             return None
         return torch.stack([loss.detach() for loss in losses]).mean()
+
+    def _sum_tied_gradients(self) -> None:
+        """A replicated tied weight: its copies' gradients summed — this rank's (a V's two arms hold
+        one each), then over the other ranks that hold one (its group) — into every copy, once per step."""
+        own = dict(self.module.named_parameters(remove_duplicate=False))
+
+        def local(t: torch.Tensor) -> torch.Tensor:
+            return t.to_local() if hasattr(t, "to_local") else t
+
+        for name, group in self._tied:
+            copies = [own[n] for n in (name, *self._aliases.get(name, ()))]
+            grads = [local(p.grad) for p in copies if p.grad is not None]
+            if not grads:
+                continue
+            total = grads[0]
+            for g in grads[1:]:
+                total.add_(g)
+            if group is not None:
+                dist.all_reduce(total, group=group)
+            for g in grads[1:]:
+                g.copy_(total)
 
     # -- batches of another size -----------------------------------------------------------------
     def _agree_on_batch(self, flat: Sequence[Any], target: Any) -> int | None:
@@ -269,15 +307,17 @@ class DistributedModel(StageState):
     def _new_run(self, rows: int | None) -> _Run:
         M = self.micro_batches
         if rows is None or self._rows is None or rows == self._rows:
-            return _Run(self._make_schedule(self._stage, M), M)
-        fewest = schedules.lookup(self.plan.schedule).fewest_micro_batches(self.layout.stages)
-        counts = [m for m in range(M, fewest - 1, -1) if rows % m == 0]
+            return _Run(self._make_schedule(self._stages, M), M)
+        layout = self.layout
+        fewest = self._entry.fewest_micro_batches(layout.stages, layout.pp)
+        counts = [m for m in range(M, fewest - 1, -1)
+                  if rows % m == 0 and self._entry.refusal(ranks=layout.pp, stages=layout.stages, micro_batches=m) is None]
         for m in counts:
             metadata = self._metadata(rows // m)
             if metadata is not None:
                 log.info("a batch of %d rows runs as %d micro-batches of %d rows (planned: %d of %d)",
                          rows, m, rows // m, M, self._rows // M)
-                return _Run(self._make_schedule(self._new_stage(*metadata), m), m)
+                return _Run(self._make_schedule(self._new_stages(*metadata), m), m)
         why = "; ".join(f"micro-batches of {rows // m} rows: {self._unrunnable[rows // m]}" for m in counts)
         raise DistributedError(advice(
             f"a batch of {rows} rows cannot run on this pipeline (planned: {self._rows} rows in {M} micro-batches); "
@@ -288,12 +328,12 @@ class DistributedModel(StageState):
             f"padding out of the loss), or distribute with micro_batches= dividing every batch size",
         ))
 
-    def _metadata(self, micro: int) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]] | None:
-        """This stage's static input and output metadata for micro-batches of ``micro`` rows, or
+    def _metadata(self, micro: int) -> tuple[Sequence[Sequence[torch.Tensor]], Sequence[Sequence[torch.Tensor]]] | None:
+        """Every stage's static input and output metadata for micro-batches of ``micro`` rows, or
         None (the reason in ``_unrunnable``) when the stages' code fixes the plan's rows."""
-        s, planned = self.layout.stage, (self._rows or 0) // self.micro_batches
+        planned = (self._rows or 0) // self.micro_batches
         if micro == planned:
-            return self.chain.inputs_meta[s], self.chain.outputs_meta[s]
+            return self.chain.inputs_meta, self.chain.outputs_meta
         if micro not in self._unrunnable:
             try:
                 base, other = self._chain_at(planned), self._chain_at(micro)
@@ -302,7 +342,7 @@ class DistributedModel(StageState):
             else:
                 changed = code_change(base, other)
                 if changed is None and other.crossings == self.chain.crossings:
-                    return other.inputs_meta[s], other.outputs_meta[s]
+                    return other.inputs_meta, other.outputs_meta
                 self._unrunnable[micro] = changed or "other values cross the stages at this shape"
         return None
 
@@ -370,8 +410,10 @@ class DistributedModel(StageState):
         return losses
 
     def __repr__(self) -> str:
+        held = self.layout.held
         return (
-            f"DistributedModel(stage {self.layout.stage} of {self.layout.stages}, replica {self.layout.replica} of "
+            f"DistributedModel(stage{'s' * (len(held) > 1)} {', '.join(map(str, held))} of {self.layout.stages}, "
+            f"replica {self.layout.replica} of "
             f"{self.layout.replicas}, {self.plan.schedule} × {self.micro_batches} micro-batches, device {self.device})"
         )
 

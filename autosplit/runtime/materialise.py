@@ -73,6 +73,26 @@ class StageNames:
             params=mine(model.named_parameters()),
         )
 
+    @classmethod
+    def merged(cls, parts: Mapping[int, StageNames]) -> tuple[StageNames, dict[str, tuple[str, ...]]]:
+        """One rank's stages as one container (``ModuleDict`` keyed by stage index): their names,
+        prefixed with the stage's key; a tensor several of them hold (a tied weight on both arms of a
+        V) is named by the first, and its copies in the others come back as aliases: the first's
+        local name → the copies' local names."""
+        tensors: dict[str, str] = {}
+        state: dict[str, str] = {}
+        params: dict[str, str] = {}
+        aliases: dict[str, list[str]] = {}
+        for s, names in parts.items():
+            for mine, theirs in ((tensors, names.tensors), (state, names.state), (params, names.params)):
+                for fqn, local in theirs.items():
+                    here = f"{s}.{local}"
+                    if fqn not in mine:
+                        mine[fqn] = here
+                    elif mine is tensors and here not in aliases.get(mine[fqn], ()):
+                        aliases.setdefault(mine[fqn], []).append(here)
+        return cls(tensors, state, params), {k: tuple(v) for k, v in aliases.items()}
+
     def fqns(self) -> dict[str, list[str]]:
         """Local name → every FQN the model has for it, in the model's order."""
         out: dict[str, list[str]] = {}

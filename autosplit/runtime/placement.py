@@ -21,19 +21,37 @@ from autosplit.plans import Plan
 
 @dataclass(frozen=True)
 class Layout:
-    """Where this rank sits on the ``("pp", "dp")`` mesh."""
+    """Where this rank sits on the ``("pp", "dp")`` mesh, and the stages it runs."""
 
     stages: int
     replicas: int
     stage: int
+    """This rank's place along ``pp`` (with one stage per rank: its stage)."""
     replica: int
+    stage_ranks: tuple[int, ...] = ()
+    """[stage] its place along ``pp``, when a rank runs several stages (torch's loop or V); empty: stage s at s."""
 
     @classmethod
-    def of(cls, rank: int, stages: int, replicas: int) -> Layout:
-        return cls(stages, replicas, rank // replicas, rank % replicas)
+    def of(cls, rank: int, stages: int, replicas: int, stage_ranks: tuple[int, ...] = ()) -> Layout:
+        return cls(stages, replicas, rank // replicas, rank % replicas, stage_ranks)
+
+    @property
+    def pp(self) -> int:
+        """Ranks along ``pp``."""
+        return max(self.stage_ranks) + 1 if self.stage_ranks else self.stages
+
+    @property
+    def held(self) -> tuple[int, ...]:
+        """The stages this rank runs, in order."""
+        return tuple(s for s in range(self.stages) if self.place(s) == self.stage)
+
+    def place(self, stage: int) -> int:
+        """Stage ``stage``'s place along ``pp``."""
+        return self.stage_ranks[stage] if self.stage_ranks else stage
 
     def rank(self, stage: int, replica: int | None = None) -> int:
-        return stage * self.replicas + (self.replica if replica is None else replica)
+        """The global rank that runs ``stage`` of ``replica`` (default: this rank's replica)."""
+        return self.place(stage) * self.replicas + (self.replica if replica is None else replica)
 
 
 def agree(value: Any, what: str, group: Any = None) -> None:

@@ -18,12 +18,13 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage
 
 from autosplit.errors import DistributedError, advice
 
-__all__ = ["EarlyReceivingStage"]
+__all__ = ["EarlyReceivingStage", "ContiguousGradStage"]
 
 
 class EarlyReceivingStage(PipelineStage):
@@ -72,3 +73,19 @@ class EarlyReceivingStage(PipelineStage):
     def backward_one_chunk(self, bwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
         self.wait_received("backward", bwd_chunk_id)
         return super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
+
+
+class ContiguousGradStage(PipelineStage):
+    """:class:`~torch.distributed.pipelining.PipelineStage` that sends contiguous input gradients.
+
+    torch's split backward (the input pass of the zero-bubble schedules, torch 2.13) hands the
+    gradients ``autograd.grad`` returns straight to the sends, and gloo refuses a non-contiguous
+    one (the gradient of a transposed or expanded input): each is made contiguous once it is computed.
+    """
+
+    def backward_one_chunk(self, bwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+        out = super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
+        grads = self.bwd_cache.get(bwd_chunk_id)
+        if grads is not None:
+            self.bwd_cache[bwd_chunk_id] = tuple(g.contiguous() if isinstance(g, torch.Tensor) else g for g in grads)
+        return out

@@ -120,6 +120,33 @@ class Problem:
     forward: tuple[tuple[int, ...], ...] = ()
     """[node][stage] the forward's share of ``compute`` (the rest is backward and optimizer
     step); the makespan objective schedules them as two tasks. Empty: half each."""
+    rank_of: tuple[int, ...] = ()
+    """[stage] the rank that runs it, when a rank runs several stages (interleaved: s mod pp; a
+    V); empty: stage s on rank s. A rank's stages share its device: its memory cap holds their sum."""
+
+    @property
+    def ranks(self) -> int:
+        return max(self.rank_of) + 1 if self.rank_of else self.num_stages
+
+    @property
+    def stages_per_rank(self) -> int:
+        return self.num_stages // max(1, self.ranks)
+
+    def rank(self, stage: int) -> int:
+        return self.rank_of[stage] if self.rank_of else stage
+
+    def objective_of(self, stage_time: Sequence[int]) -> int:
+        """``M`` times the step for these whole-batch stage times (ns). One stage per rank:
+        ``Σ_s t_s + (M − 1)·max_s t_s`` (GPipe; 1F1B on equal stages). Several: ``M·max_r Σ_{s on r} t_s
+        + (pp − 1)·max_s t_s`` — each rank's work, plus a fill and drain of pp − 1 stage times (on
+        equal stages, Narayanan et al.'s interleaved ``(M + (pp − 1)/v)·v·t``; one rank's stages left
+        unbalanced pay the larger stage). The replayed schedule then judges the plan."""
+        if self.stages_per_rank == 1:
+            return int(sum(stage_time)) + (self.micro_batches - 1) * int(max(stage_time))
+        rank_time = [0] * self.ranks
+        for s, t in enumerate(stage_time):
+            rank_time[self.rank(s)] += int(t)
+        return self.micro_batches * max(rank_time) + (self.ranks - 1) * int(max(stage_time))
 
     def forward_time(self, node: int, stage: int) -> int:
         return self.forward[node][stage] if self.forward else self.compute[node][stage] // 2
@@ -189,6 +216,8 @@ class Evaluation:
     transient_mem: int
     objective: int
     send_mem: tuple[int, ...] = ()
+    rank_of: tuple[int, ...] = ()
+    """As :attr:`Problem.rank_of`."""
 
     @property
     def memory(self) -> tuple[int, ...]:
@@ -196,6 +225,26 @@ class Evaluation:
         return tuple(
             a + b + c + d + self.transient_mem for a, b, c, d in zip(self.state_mem, self.act_mem, self.recv_mem, send)
         )
+
+    @property
+    def rank_memory(self) -> tuple[int, ...]:
+        """[rank] KiB: its stages' memory, with one transient reserve."""
+        if not self.rank_of:
+            return self.memory
+        out = [self.transient_mem] * (max(self.rank_of) + 1)
+        for s, m in enumerate(self.memory):
+            out[self.rank_of[s]] += m - self.transient_mem
+        return tuple(out)
+
+    @property
+    def rank_time(self) -> tuple[int, ...]:
+        """[rank] ns of its stages' work (one stage per rank: the stage times)."""
+        if not self.rank_of:
+            return self.time
+        out = [0] * (max(self.rank_of) + 1)
+        for s, t in enumerate(self.time):
+            out[self.rank_of[s]] += t
+        return tuple(out)
 
     @property
     def bottleneck(self) -> int:
@@ -228,10 +277,9 @@ def evaluate(problem: Problem, stage_of: Sequence[int]) -> Evaluation:
     transfer[:-1] += boundary
     time = compute + transfer
     ints = lambda x: tuple(int(v) for v in x)  # noqa: E731
-    objective = int(time.sum()) + (problem.micro_batches - 1) * int(time.max())
     return Evaluation(
         ints(compute), ints(transfer), ints(time), ints(state), ints(act), ints(recv), problem.transient_mem,
-        objective, ints(send),
+        problem.objective_of(time.tolist()), ints(send), problem.rank_of,
     )
 
 
@@ -313,22 +361,50 @@ def _transfer_ns(table: Any, devices: Sequence[Any], micro_batches: int, schedul
     return sent
 
 
-def _held_kib(table: Any, schedule: str, stages: int, micro_batches: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+def _held_kib(
+    table: Any, schedule: str, stages: int, micro_batches: int, ranks: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
     """[node, stage] KiB each stage holds at its peak, at the schedule's in-flight count: (saved
     activations, with the weight copies the schedule keeps; received outputs; outputs it sends on,
     None when the table records none)."""
     S, M = stages, micro_batches
-    in_flight_share = np.asarray([in_flight(schedule, s, S, M) for s in range(S)], dtype=np.float64)
+    entry = schedules.lookup(schedule)
+    in_flight_share = np.asarray([entry.in_flight(s, S, M, ranks) for s in range(S)], dtype=np.float64)
 
     def per_stage(values: Sequence[int]) -> np.ndarray:  # kib(b · inflight[s] / M)
         return np.ceil(np.asarray(values, dtype=np.float64)[:, None] * in_flight_share[None, :] / M / KIB).astype(np.int64)
 
-    act, recv = per_stage(table.saved_bytes), per_stage(table.output_bytes)
+    saved = table.saved_bytes
+    if entry.split_backward and table.wgrad_bytes:  # gradients kept from the input pass (I) to the weight pass (W)
+        saved = [a + b for a, b in zip(saved, table.wgrad_bytes)]
+    act, recv = per_stage(saved), per_stage(table.output_bytes)
     copies = np.asarray(weight_copies(schedule, S, M), dtype=np.int64)
     if copies.any() and table.param_bytes:  # weight copies a schedule keeps: held with the activations
         act += np.ceil(np.asarray(table.param_bytes, dtype=np.float64) / KIB).astype(np.int64)[:, None] * copies[None, :]
     send = per_stage(table.sent_bytes) if table.sent_bytes else None
     return act, recv, send
+
+
+def _first_stage_only(table: Any, schedule: str, stages: int) -> tuple[UserConstraint, ...]:
+    """A split backward (zero bubble) computes a stage's weight gradients from what its input pass
+    reached; torch's stages past the first reach no parameter whose inputs need no gradient (an
+    embedding of token ids), and would leave its gradient None. Such nodes stay on stage 0, which
+    torch runs as one whole backward."""
+    if not schedules.lookup(schedule).split_backward or not table.wgrad_share or stages < 2:
+        return ()
+    only = [n for n, share in enumerate(table.wgrad_share) if share >= 1.0 and table.param_counts[n] + _read_param(table, n)]
+    return tuple(
+        UserConstraint(f"'{table.module_paths[n] or table.nodes[n]}' (node {table.nodes[n]}) has only a weight gradient "
+                       f"(its inputs need none), which {schedule}'s split backward computes on stage 0 only",
+                       tuple((n, s) for s in range(1, stages)))
+        for n in only
+    )
+
+
+def _read_param(table: Any, n: int) -> int:
+    """Whether node ``n`` reads a parameter through an attribute node (its weight is not its own)."""
+    reads = table.param_reads or ()
+    return int(any(reads[u] for u, v in table.edges if v == n))
 
 
 def build_problem(
@@ -338,19 +414,26 @@ def build_problem(
     schedule: str = "gpipe",
     order: Sequence[int] | None = None,
     constraints: Sequence[UserConstraint] = (),
+    rank_of: Sequence[int] = (),
 ) -> Problem:
     """Scale a cost table (``passes.costs.CostTable``) into integer units for one device order.
 
-    Stage ``s`` runs on device ``order[s]`` (identity by default). ``constraints`` name
+    Stage ``s`` runs on device ``order[s]`` (identity by default); with several stages per rank,
+    on rank ``rank_of[s]`` (a rank's stages name its device in ``order``). ``constraints`` name
     *devices* in their ``forbid`` pairs; they are turned into stages here.
     """
     order = tuple(range(len(table.devices))) if order is None else tuple(order)
     devices = [table.devices[d] for d in order]
-    stage_of_device = {d: s for s, d in enumerate(order)}
+    stages_of_device: dict[int, list[int]] = {}
+    for s, d in enumerate(order):
+        stages_of_device.setdefault(d, []).append(s)
     N, S, M = len(table.nodes), len(devices), micro_batches
     fwd, compute = _compute_ns(table, list(order))
     sent = _transfer_ns(table, devices, M, schedule)
-    act, recv, send = _held_kib(table, schedule, S, M)
+    act, recv, send = _held_kib(table, schedule, S, M, max(rank_of) + 1 if rank_of else S)
+    for k in range(1, S if rank_of else 0):  # two stages of one rank pass their tensors in memory
+        if rank_of[k - 1] == rank_of[k]:
+            sent[:, k - 1] = 0
     state = tuple(_kib(b) for b in table.state_bytes)
     transient = _kib(max(table.transient_bytes, default=0)) if table.transient_bytes else _kib(max(table.output_bytes, default=0) / M)
     problem = Problem(
@@ -372,8 +455,10 @@ def build_problem(
         micro_batches=M,
         transient_mem=transient,
         constraints=tuple(
-            UserConstraint(c.text, tuple((n, stage_of_device[d]) for n, d in c.forbid), c.together) for c in constraints
-        ),
+            UserConstraint(c.text, tuple((n, s) for n, d in c.forbid for s in stages_of_device.get(d, ())), c.together)
+            for c in constraints
+        ) + _first_stage_only(table, schedule, S),
+        rank_of=tuple(rank_of),
     )
     # The arrays the solver reads are at hand: cache them rather than convert the tuples back.
     edges = np.asarray(table.edges, dtype=np.int64).reshape(-1, 2)

@@ -54,9 +54,17 @@ def violations(problem: Problem, stage_of: Sequence[int], *, memory: bool = True
     if not memory:
         return out
     ev = evaluate(problem, stage_of)
-    for s, (mem, cap) in enumerate(zip(ev.memory, problem.capacity)):
+    if problem.stages_per_rank == 1:
+        for s, (mem, cap) in enumerate(zip(ev.memory, problem.capacity)):
+            if mem > cap:
+                out.append(f"stage {s} on {problem.devices[s]} needs {format_bytes(mem * KIB)}, over its cap {format_bytes(cap * KIB)}")
+        return out
+    for r, mem in enumerate(ev.rank_memory):
+        stages = [s for s in range(S) if problem.rank(s) == r]
+        cap = problem.capacity[stages[0]]
         if mem > cap:
-            out.append(f"stage {s} on {problem.devices[s]} needs {format_bytes(mem * KIB)}, over its cap {format_bytes(cap * KIB)}")
+            out.append(f"rank {r} on {problem.devices[stages[0]]} needs {format_bytes(mem * KIB)} for its stages {stages}, "
+                       f"over its cap {format_bytes(cap * KIB)}")
     return out
 
 

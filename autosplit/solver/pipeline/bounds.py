@@ -199,9 +199,12 @@ def lower_bound(
     the chain's detour cuts look (:attr:`SolverLimits.free_span`).
     """
     S, M = problem.num_stages, problem.micro_batches
-    c = chain_of(problem, limits)
     fastest = problem.fastest
     total = sum(fastest) + 2 * sum(problem.boundary_latency)
+    if problem.stages_per_rank > 1:  # several stages per rank: the work spread evenly over ranks and stages, no more
+        largest = max(fastest, default=0)
+        return M * max(math.ceil(total / problem.ranks), largest) + (problem.ranks - 1) * max(math.ceil(total / S), largest)
+    c = chain_of(problem, limits)
     balanced = max(math.ceil(total / S), max(fastest, default=0))
     crossings = [(D, math.floor(x)) for D, x in enumerate(crossing_floors(problem, c)) if math.isfinite(x)]
     if M == 1:
@@ -269,4 +272,4 @@ def memory_floor(problem: Problem) -> int:
     activations, and no less than the largest unit that cannot be split."""
     total = sum(problem.state_mem[n] + min(problem.act_mem[n]) for n in range(len(problem.nodes)))
     largest_unit = max(need for _, need in memory_units(problem))
-    return max(problem.transient_mem + math.ceil(total / problem.num_stages), largest_unit)
+    return max(problem.transient_mem + math.ceil(total / problem.ranks), largest_unit)  # a rank holds all its stages

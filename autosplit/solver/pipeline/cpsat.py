@@ -130,7 +130,13 @@ class _Model:
         self.T = self.m.new_int_var(lower, max(lower, upper), "T")
         for t in self.stage_time:
             self.m.add(self.T >= t)
-        self.objective = sum(self.stage_time) + (p.micro_batches - 1) * self.T
+        if p.stages_per_rank == 1:
+            self.objective = sum(self.stage_time) + (p.micro_batches - 1) * self.T
+            return
+        rank_T = self.m.new_int_var(lower, max(lower, upper), "rank_T")  # each rank's stages' times summed
+        for r in range(p.ranks):
+            self.m.add(rank_T >= sum(t for s, t in enumerate(self.stage_time) if p.rank(s) == r))
+        self.objective = p.micro_batches * rank_T + (p.ranks - 1) * self.T
 
     def memory(self, s: int):
         p = self.p
@@ -145,9 +151,14 @@ class _Model:
         """Memory caps (unless ``caps=False``) and user constraints, each behind a literal:
         (literal, stage index or constraint text)."""
         guarded: list[tuple[cp_model.IntVar, int | str]] = []
-        for s in range(self.p.num_stages if caps else 0):
+        p = self.p
+        for s in range(p.num_stages if caps else 0):
+            mine = [t for t in range(p.num_stages) if p.rank(t) == p.rank(s)]
+            if s != mine[0]:
+                continue  # a rank's cap is guarded once, at its first stage
             lit = self.m.new_bool_var(f"cap_{s}")
-            self.m.add(self.memory(s) <= self.p.capacity[s]).only_enforce_if(lit)
+            reserve = (len(mine) - 1) * p.transient_mem  # one transient reserve per rank
+            self.m.add(sum(self.memory(t) for t in mine) - reserve <= p.capacity[s]).only_enforce_if(lit)
             guarded.append((lit, s))
         for i, c in enumerate(self.p.constraints):
             lit = self.m.new_bool_var(f"user_{i}")

@@ -229,7 +229,9 @@ class _StageDP:
         if s < S - 1:
             t = t + X[b, s]
             mem = mem + H[b, s]
-        ok = valid & (mem <= problem.capacity[s]) & ((F[b, s] - F[a, s]) == 0) & (t <= cap)
+        # A rank's stages share its cap: each gets its share here (the DP is a warm start then;
+        # CP-SAT holds the rank's sum to the cap).
+        ok = valid & (mem <= problem.capacity[s] // problem.stages_per_rank) & ((F[b, s] - F[a, s]) == 0) & (t <= cap)
         return starts, np.where(ok, t, _INF)
 
     def run(
@@ -277,14 +279,18 @@ def _best_under_caps(problem: Problem, dp: _StageDP, t_star: float, max_candidat
     """Back-pointers of the split of least objective ``Σ t_s + (M − 1)·max t_s``: the least sum under
     each cap T from T* up to where a larger bottleneck cannot pay for itself, at most
     ``max_candidates`` caps beyond T*, evenly spread."""
-    K, S, Mb = len(dp.cuts), problem.num_stages, problem.micro_batches
+    K, S = len(dp.cuts), problem.num_stages
+    # One stage per rank: Σ t + (M − 1)·max t, exactly. Several: M·max_r Σ_{s on r} t_s + (pp − 1)·max_s t_s
+    # ≤ Σ t + (M·v + pp − 1)·max t, an upper bound the DP minimises (a warm start for CP-SAT).
+    M, v = problem.micro_batches, problem.stages_per_rank
+    weight = M - 1 if v == 1 else M * v + problem.ranks - 1
     if K * K * S <= _EXACT_FREE_SUM:
         free_sum, _, _ = dp.run(np.add, _INF)
     else:  # a lower bound on the least sum (transfers left out) only widens the scan below
         free_sum = float(sum(problem.fastest) + 2 * sum(problem.boundary_latency))
     base_sum, base_back, _ = dp.run(np.add, t_star)
-    limit = t_star + (base_sum - free_sum) / (Mb - 1)
-    best_obj, best_back = base_sum + (Mb - 1) * t_star, base_back
+    limit = t_star + (base_sum - free_sum) / weight
+    best_obj, best_back = base_sum + weight * t_star, base_back
     if limit > t_star:
         _, _, seen = dp.run(np.add, limit, collect=(t_star, limit))
         candidates = np.unique(np.concatenate(seen))
@@ -293,8 +299,8 @@ def _best_under_caps(problem: Problem, dp: _StageDP, t_star: float, max_candidat
             candidates = candidates[np.linspace(0, len(candidates) - 1, max_candidates).round().astype(int)]
         for T in candidates:
             total, back, _ = dp.run(np.add, T)
-            if np.isfinite(total) and total + (Mb - 1) * T < best_obj:
-                best_obj, best_back = total + (Mb - 1) * T, back
+            if np.isfinite(total) and total + weight * T < best_obj:
+                best_obj, best_back = total + weight * T, back
     return best_back
 
 
@@ -312,7 +318,7 @@ def split_dp(
     if problem.num_stages > len(order):
         return None
     dp = _StageDP(problem, order, _allowed_cuts(problem, order, allowed), prefix or prefix_sums(problem, order))
-    if problem.micro_batches == 1:  # no pipelining: only the sum counts
+    if problem.micro_batches == 1 and problem.stages_per_rank == 1:  # no pipelining: only the sum counts
         free_sum, free_back, _ = dp.run(np.add, _INF)
         return dp.walk(free_back) if np.isfinite(free_sum) else None
     t_star = _least_bottleneck(problem, order, dp)

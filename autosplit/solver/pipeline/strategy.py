@@ -178,7 +178,7 @@ def solve(
                 f"no plan fits the memory caps: any plan needs at least {format_bytes(floor * KIB)} on its fullest "
                 f"device, but the largest cap is {format_bytes(largest * KIB)} (proven: "
                 + ("state and activations spread perfectly" if spread >= along_chain else "layers kept whole along the model's "
-                   "heaviest chain of layers, split at the best places") + f" over {S} devices)",
+                   "heaviest chain of layers, split at the best places") + f" over {problem.ranks} devices)",
                 "model state and activations exceed the caps",
                 "more devices or devices with more memory, schedule='1f1b' (fewer micro-batches in flight), a smaller "
                 "batch, or optimizer='sgd'",

@@ -1,0 +1,102 @@
+"""torch's multi-stage schedules through ``distribute``: two stages per rank (a loop or a V), float64,
+three Adam steps, against the unsplit model trained in one process — losses, gradients and parameters."""
+
+from __future__ import annotations
+
+import copy
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+from tests.helpers import ROOT, as_float64, full_tensor, gpt_case, padding_mask, reference_step, where
+
+STEPS = 3
+MULTI = ["interleaved1f1b", "loopedbfs", "interleavedzerobubble", "zbvzerobubble", "dualpipev"]
+
+
+def _llama():
+    """A transformers Llama (rotary tables as non-persistent buffers, RMSNorm, SwiGLU, grouped-query attention)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        vocab_size=60, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=16, attention_dropout=0.0, use_cache=False,
+    )
+    cfg._attn_implementation = "eager"
+    ids = torch.randint(0, 60, (8, 8))
+    return LlamaForCausalLM(cfg), (ids,), {"attention_mask": padding_mask(8, 8)}, torch.randint(0, 60, (8, 8)), (
+        lambda out, t: F.cross_entropy(out["logits"].flatten(0, 1), t.flatten()))
+
+
+MODELS = {"gpt": gpt_case, "llama": _llama}
+
+
+def _run_case(name: str, schedule: str, dp: int, micro: int, rank: int, world: int) -> None:
+    import autosplit
+
+    torch.manual_seed(0)
+    model, args, kwargs, target, loss_fn = MODELS[name]()
+    model = model.double()
+    args, kwargs = tuple(as_float64(a) for a in args), {k: as_float64(v) for k, v in kwargs.items()}
+    reference = copy.deepcopy(model)
+    replica, rows = rank % dp, args[0].shape[0] // dp
+    mine = slice(replica * rows, (replica + 1) * rows)
+    my_args, my_kwargs = tuple(a[mine] for a in args), {k: v[mine] for k, v in kwargs.items()}
+    pipe = autosplit.distribute(
+        model, ["cpu"] * (world // dp), example_inputs=my_args, example_kwargs=my_kwargs, loss_fn=loss_fn,
+        data_parallel=dp, schedule=schedule, stages_per_rank=2, micro_batches=micro, time_limit=2,
+    )
+    assert pipe.plan.stages_per_rank == 2 and len(pipe.layout.held) == 2
+    opt = torch.optim.Adam(pipe.parameters(), lr=1e-2)
+    ref_opt = torch.optim.Adam(reference.parameters(), lr=1e-2)
+    ref_params = dict(reference.named_parameters())
+    for step in range(STEPS):
+        loss = pipe.step(*my_args, target=target[mine], **my_kwargs)
+        expected = reference_step(reference, args, kwargs, target, loss_fn, chunks=1)
+        if pipe.is_last and dp == 1:
+            torch.testing.assert_close(loss, expected, msg=where(f"{name} {schedule} step {step} loss"))
+        assert (loss is None) == (not pipe.is_last)
+        for pname, p in pipe.named_parameters():
+            torch.testing.assert_close(
+                full_tensor(p.grad), ref_params[pname].grad, msg=where(f"{name} {schedule} rank {rank} step {step} grad {pname}")
+            )
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+    for pname, p in pipe.named_parameters():
+        torch.testing.assert_close(full_tensor(p), ref_params[pname], msg=where(f"{name} {schedule} {pname} after {STEPS} steps"))
+
+
+def _worker(rank: int, world: int, init: str, cases: list, out: str) -> None:
+    sys.path.insert(0, str(ROOT))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world, timeout=timedelta(seconds=60))
+    try:
+        for case in cases:
+            _run_case(*case, rank=rank, world=world)
+            dist.barrier()
+        Path(out, f"rank{rank}.ok").write_text("ok")
+    finally:
+        dist.destroy_process_group()
+
+
+def _spawn(tmp_path, world: int, cases) -> None:
+    mp.spawn(_worker, args=(world, str(tmp_path / "init"), cases, str(tmp_path)), nprocs=world, join=True)
+    assert sorted(p.name for p in tmp_path.glob("*.ok")) == [f"rank{r}.ok" for r in range(world)]
+
+
+@pytest.mark.parametrize("schedule", MULTI)
+def test_two_stages_per_rank_train_like_the_unsplit_model(tmp_path, schedule):
+    pytest.importorskip("transformers")
+    _spawn(tmp_path, 2, [(name, schedule, 1, 4) for name in MODELS])
+
+
+def test_interleaved_with_data_parallelism_trains_like_the_unsplit_model(tmp_path):
+    _spawn(tmp_path, 4, [("gpt", "interleaved1f1b", 2, 2)])
