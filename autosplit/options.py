@@ -234,14 +234,17 @@ class PlanOptions:
         """Stages per rank: :attr:`stages_per_rank`, or the fewest the schedule runs."""
         return self.stages_per_rank or schedules.lookup(self.schedule).stages_per_rank[0]
 
-    def micro_batches_for(self, ranks: int, batch: int | None = None) -> int:
-        """The number of micro-batches for ``ranks`` devices and a batch of ``batch`` rows: 1 when
-        sequential and for the makespan objective (one whole batch); by default the largest count
-        ≤ 4 × stages that divides the batch and that the schedule runs; an explicit count that does
-        not divide the batch, or that the schedule cannot run, is refused."""
+    def micro_batches_for(self, ranks: int | None, batch: int | None = None) -> int:
+        """The number of micro-batches for ``ranks`` devices (None: not known yet, only the batch is
+        checked) and a batch of ``batch`` rows: 1 when sequential and for the makespan objective (one
+        whole batch); by default the largest count ≤ 4 × stages that divides the batch and that the
+        schedule runs; an explicit count that does not divide the batch, or that the schedule cannot
+        run, is refused."""
         entry = schedules.lookup(self.schedule)
         if not entry.micro_batched or self.objective == "makespan":
             return 1
+        known = ranks is not None and entry.torch_class is not None
+        ranks = ranks or 1
         stages = ranks * self.rank_stages
         if self.micro_batches is not None:
             if batch is not None and batch % self.micro_batches:
@@ -251,11 +254,10 @@ class PlanOptions:
                     "every micro-batch of a pipeline has the same shape",
                     f"pass micro_batches= one of {divisors}, or None for the default",
                 ))
-            if entry.torch_class is not None and ranks > 1:
+            if known:
                 entry.check(ranks=ranks, stages=stages, micro_batches=self.micro_batches)
             return self.micro_batches
         want = 4 * stages
         counts = range(1, want + 1) if batch is None else [m for m in range(1, min(want, batch) + 1) if batch % m == 0]
-        runs = [m for m in counts if entry.torch_class is None or ranks == 1
-                or entry.refusal(ranks=ranks, stages=stages, micro_batches=m) is None]
+        runs = [m for m in counts if not known or entry.refusal(ranks=ranks, stages=stages, micro_batches=m) is None]
         return max(runs or counts)

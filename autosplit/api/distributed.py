@@ -266,22 +266,16 @@ def _untie(modules: Mapping[int, torch.nn.Module]) -> None:
     shared tensor would be scaled twice; the copies' gradients are summed after each step instead."""
     seen: set[int] = set()
     for module in modules.values():
-        mine: dict[int, tuple[torch.nn.Module, str, torch.Tensor]] = {}
-        for sub in module.modules():
-            for table in (sub._parameters, sub._buffers):
-                for name, t in table.items():
-                    if t is not None:
-                        mine.setdefault(id(t), (sub, name, t))
-        for key, (_, _, t) in mine.items():
-            if key not in seen:
-                continue
-            copy = torch.nn.Parameter(t.detach().clone(), t.requires_grad) if isinstance(t, torch.nn.Parameter) else t.detach().clone()
-            for sub in module.modules():  # every place this stage holds it
-                for table in (sub._parameters, sub._buffers):
-                    for name, held in list(table.items()):
-                        if held is t:
-                            table[name] = copy
-        seen |= set(mine)
+        held = [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]
+        copies: dict[int, torch.Tensor] = {}
+        for name, t in held:
+            if id(t) in seen:
+                if id(t) not in copies:
+                    fresh = t.detach().clone()
+                    copies[id(t)] = torch.nn.Parameter(fresh, t.requires_grad) if isinstance(t, torch.nn.Parameter) else fresh
+                owner, _, attr = name.rpartition(".")
+                setattr(module.get_submodule(owner), attr, copies[id(t)])
+        seen |= {id(t) for _, t in held}
 
 
 def _equal_copies(container: torch.nn.Module, aliases: Mapping[str, Sequence[str]]) -> None:

@@ -78,7 +78,7 @@ class Planner:
         self.example_kwargs = as_tensors(dict(example_kwargs or {}))
         self.options = make_options(options, **fields)
         self.devices = None if devices is None else tuple(devices)
-        self.options.micro_batches_for(1, batch_size(self.example_inputs, self.example_kwargs))  # refuses a count the batch does not divide
+        self.options.micro_batches_for(None, batch_size(self.example_inputs, self.example_kwargs))  # refuses a count the batch does not divide
         self._traced: Traced | None = None
 
     @property

@@ -60,10 +60,10 @@ def violations(problem: Problem, stage_of: Sequence[int], *, memory: bool = True
                 out.append(f"stage {s} on {problem.devices[s]} needs {format_bytes(mem * KIB)}, over its cap {format_bytes(cap * KIB)}")
         return out
     for r, mem in enumerate(ev.rank_memory):
-        stages = [s for s in range(S) if problem.rank(s) == r]
-        cap = problem.capacity[stages[0]]
+        mine = [s for s in range(S) if problem.rank(s) == r]
+        cap = problem.capacity[mine[0]]
         if mem > cap:
-            out.append(f"rank {r} on {problem.devices[stages[0]]} needs {format_bytes(mem * KIB)} for its stages {stages}, "
+            out.append(f"rank {r} on {problem.devices[mine[0]]} needs {format_bytes(mem * KIB)} for its stages {mine}, "
                        f"over its cap {format_bytes(cap * KIB)}")
     return out
 

@@ -130,12 +130,12 @@ import autosplit
 from tests.helpers import LinearStack
 dist.init_process_group("gloo", init_method="file://" + {init!r}, rank=0, world_size=1, timeout=datetime.timedelta(seconds=30))
 try:
-    for name, error in (("ZBVZeroBubble", autosplit.errors.ConstraintError), ("Interleaved1F1B", autosplit.errors.ConstraintError),
-                        ("sequential", autosplit.errors.ConstraintError), ("zigzag", autosplit.errors.ConstraintError)):
+    for name, options in (("ZBVZeroBubble", dict(stages_per_rank=3)), ("DualPipeV", dict(micro_batches=1)),
+                          ("sequential", {{}}), ("zigzag", {{}})):
         try:
             autosplit.distribute(LinearStack(), ["cpu"], example_inputs=(torch.randn(4, 8),), loss_fn=torch.nn.functional.mse_loss,
-                                 schedule=name, time_limit=1)
-        except error as e:
+                                 schedule=name, time_limit=1, **options)
+        except autosplit.errors.ConstraintError as e:
             print(name, type(e).__name__, str(e).split(".")[0])
         else:
             raise SystemExit(f"{{name}} was not refused")
@@ -144,12 +144,12 @@ finally:
 """
 
 
-def test_not_yet_runnable_schedules_are_refused_by_distribute_without_hanging(tmp_path):
+def test_schedules_torch_cannot_run_so_are_refused_by_distribute_without_hanging(tmp_path):
     code = _DISTRIBUTE.format(root=str(ROOT), init=str(tmp_path / "init"))
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
     lines = result.stdout.splitlines()
-    assert lines[0].startswith("ZBVZeroBubble ConstraintError schedule='ZBVZeroBubble' names torch's ScheduleZBVZeroBubble")
-    assert lines[1].startswith("Interleaved1F1B ConstraintError")
+    assert lines[0] == "ZBVZeroBubble ConstraintError option stages_per_rank=3 is out of range"
+    assert lines[1] == "DualPipeV ConstraintError schedule 'dualpipev' with 2 stages on 1 ranks and 1 micro-batches"
     assert lines[2] == "sequential ConstraintError schedule='sequential' cannot run pipelined"
     assert lines[3] == "zigzag ConstraintError schedule='zigzag' cannot run pipelined"

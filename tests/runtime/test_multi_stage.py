@@ -74,7 +74,7 @@ def _run_case(name: str, schedule: str, dp: int, micro: int, rank: int, world: i
         torch.testing.assert_close(full_tensor(p), ref_params[pname], msg=where(f"{name} {schedule} {pname} after {STEPS} steps"))
 
 
-def _worker(rank: int, world: int, init: str, cases: list, out: str) -> None:
+def _worker(rank: int, world: int, init: str, cases: list[tuple[str, str, int, int]], out: str) -> None:
     sys.path.insert(0, str(ROOT))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world, timeout=timedelta(seconds=60))
