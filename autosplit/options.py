@@ -26,7 +26,13 @@ from autosplit.errors import ConstraintError, advice
 from autosplit.schedules import OBJECTIVES, SCHEDULES, Objective, ScheduleName
 from autosplit.units import parse_bytes
 
-__all__ = ["PlanOptions", "SolverLimits", "ProfileOptions", "SCHEDULES", "OBJECTIVES", "OPTIMIZERS", "CAPTURE_METHODS", "CostsLike",
+AUTO = "auto"
+"""What ``schedule``, ``stages_per_rank`` and ``micro_batches`` say to let the planner choose."""
+AUTO_MOST_STAGES_PER_RANK = 2
+"""The most stages per rank ``stages_per_rank="auto"`` tries (each more adds a transfer per boundary)."""
+
+__all__ = ["AUTO", "AUTO_MOST_STAGES_PER_RANK",
+           "PlanOptions", "SolverLimits", "ProfileOptions", "SCHEDULES", "OBJECTIVES", "OPTIMIZERS", "CAPTURE_METHODS", "CostsLike",
            "ScheduleName", "Objective", "Optimizer", "CaptureMethod"]
 
 Optimizer: TypeAlias = Literal["adam", "adamw", "sgd_momentum", "sgd", "none"]
@@ -105,21 +111,23 @@ class PlanOptions:
     ``"makespan"`` (Pal et al.'s DLPlacer: any node on any device, forward and backward tasks
     timed so that parallel branches run at once; one micro-batch; built into a
     :class:`~autosplit.runtime.makespan.MakespanRunner` on CPU devices)."""
-    micro_batches: int | None = None
+    micro_batches: int | Literal["auto"] | None = None
     """Micro-batches per step; must divide the batch. ``None``: the largest count ≤ 4 × the number of
-    devices that divides the batch (GPipe, Huang et al. 2019 §2.2: with M ≥ 4·S the bubble is
-    small); always 1 for ``schedule="sequential"``."""
-    schedule: ScheduleName = "gpipe"
+    stages that divides the batch and that the schedule runs (GPipe, Huang et al. 2019 §2.2: with
+    M ≥ 4·S the bubble is small); always 1 for ``schedule="sequential"``. ``"auto"``: the planner
+    tries every such count from the number of devices up."""
+    schedule: ScheduleName | Literal["auto"] = "gpipe"
     """``"gpipe"`` (all forwards, then all backwards), ``"1f1b"`` (PipeDream-Flush: each stage
     holds at most S − s micro-batches), ``"sequential"`` (one batch, stages in turn), or an
     asynchronous schedule that never flushes — ``"xpipe"`` (weight prediction), ``"async"``,
     ``"pipedream"`` (weight stashing) — run by :meth:`DistributedModel.train`. Any case, and torch's
     class names (``"Schedule1F1B"``), are read as autosplit's name (:mod:`autosplit.schedules`);
     torch's schedules autosplit cannot plan yet (``"Interleaved1F1B"``, ``"ZBVZeroBubble"`` …) are refused by name."""
-    stages_per_rank: int | None = None
+    stages_per_rank: int | Literal["auto"] | None = None
     """Stages each rank (device) runs: 1 for GPipe and 1F1B; torch's interleaved schedules loop over
     ``v`` of them (stage s on rank s mod pp), ZBV and DualPipeV take exactly 2 in a V. ``None``: the
-    fewest the schedule runs (:attr:`autosplit.schedules.Schedule.stages_per_rank`)."""
+    fewest the schedule runs (:attr:`autosplit.schedules.Schedule.stages_per_rank`); ``"auto"``: the
+    planner tries 1 to :data:`AUTO_MOST_STAGES_PER_RANK` (as the schedule allows)."""
     optimizer: Optimizer = "adam"
     """The optimizer whose state (Adam: two fp32 moments) and step temporaries memory counts."""
     memory: Mapping[int | str, int | str] | None = None
@@ -159,16 +167,20 @@ class PlanOptions:
         def is_int(x: Any) -> bool:
             return isinstance(x, int) and not isinstance(x, bool)
 
-        if self.micro_batches is not None and (not is_int(self.micro_batches) or self.micro_batches < 1):
-            raise bad("micro_batches", self.micro_batches, "an integer ≥ 1, or None for the default (≤ 4 × devices, dividing the batch)")
-        try:
-            entry = schedules.lookup(self.schedule)
-        except ConstraintError as e:
-            raise bad("schedule", self.schedule, f"one of {SCHEDULES}") from e
-        entry.require_runnable(f"option schedule={self.schedule!r}")
-        object.__setattr__(self, "schedule", entry.name)  # "Schedule1F1B", "1F1B" → "1f1b"
-        low, high = entry.stages_per_rank
-        if self.stages_per_rank is not None and (
+        if self.micro_batches not in (None, AUTO) and (not is_int(self.micro_batches) or self.micro_batches < 1):
+            raise bad("micro_batches", self.micro_batches, "an integer ≥ 1, 'auto', or None (≤ 4 × stages, dividing the batch)")
+        if isinstance(self.schedule, str) and self.schedule.lower() == AUTO:
+            object.__setattr__(self, "schedule", AUTO)
+            entry = None
+        else:
+            try:
+                entry = schedules.lookup(self.schedule)
+            except ConstraintError as e:
+                raise bad("schedule", self.schedule, f"one of {SCHEDULES} or 'auto'") from e
+            entry.require_runnable(f"option schedule={self.schedule!r}")
+            object.__setattr__(self, "schedule", entry.name)  # "Schedule1F1B", "1F1B" → "1f1b"
+        low, high = entry.stages_per_rank if entry is not None else (1, None)
+        if self.stages_per_rank not in (None, AUTO) and (
             not is_int(self.stages_per_rank) or self.stages_per_rank < low or (high is not None and self.stages_per_rank > high)
         ):
             allowed = f"{low}" if low == high else f"an integer ≥ {low}" if high is None else f"{low} to {high}"
@@ -230,30 +242,39 @@ class PlanOptions:
         return tuple(f.name for f in dataclasses.fields(cls))
 
     @property
+    def searches(self) -> bool:
+        """Some of schedule, stages per rank and micro-batches are ``"auto"``: the planner chooses them."""
+        return AUTO in (self.schedule, self.stages_per_rank, self.micro_batches)
+
+    @property
     def rank_stages(self) -> int:
         """Stages per rank: :attr:`stages_per_rank`, or the fewest the schedule runs."""
-        return self.stages_per_rank or schedules.lookup(self.schedule).stages_per_rank[0]
+        if isinstance(self.stages_per_rank, int):
+            return self.stages_per_rank
+        return schedules.lookup(self.schedule).stages_per_rank[0]
 
     def micro_batches_for(self, ranks: int | None, batch: int | None = None) -> int:
         """The number of micro-batches for ``ranks`` devices (None: not known yet, only the batch is
         checked) and a batch of ``batch`` rows: 1 when sequential and for the makespan objective (one
         whole batch); by default the largest count ≤ 4 × stages that divides the batch and that the
         schedule runs; an explicit count that does not divide the batch, or that the schedule cannot
-        run, is refused."""
+        run, is refused. Still ``"auto"`` (the planner's search decides): 1."""
+        if isinstance(self.micro_batches, int) and batch is not None and batch % self.micro_batches:
+            divisors = [m for m in range(1, batch + 1) if batch % m == 0]
+            raise ConstraintError(advice(
+                f"micro_batches={self.micro_batches} does not divide the batch of {batch} rows",
+                "every micro-batch of a pipeline has the same shape",
+                f"pass micro_batches= one of {divisors}, or None for the default",
+            ))
+        if self.searches:
+            return 1
         entry = schedules.lookup(self.schedule)
         if not entry.micro_batched or self.objective == "makespan":
             return 1
         known = ranks is not None and entry.torch_class is not None
         ranks = ranks or 1
         stages = ranks * self.rank_stages
-        if self.micro_batches is not None:
-            if batch is not None and batch % self.micro_batches:
-                divisors = [m for m in range(1, batch + 1) if batch % m == 0]
-                raise ConstraintError(advice(
-                    f"micro_batches={self.micro_batches} does not divide the batch of {batch} rows",
-                    "every micro-batch of a pipeline has the same shape",
-                    f"pass micro_batches= one of {divisors}, or None for the default",
-                ))
+        if isinstance(self.micro_batches, int):
             if known:
                 entry.check(ranks=ranks, stages=stages, micro_batches=self.micro_batches)
             return self.micro_batches

@@ -146,6 +146,25 @@ class StepTerms:
 
 
 @dataclass(frozen=True)
+class Alternative:
+    """One configuration the planner's search tried (``schedule="auto"`` and the like), split by the DP."""
+
+    schedule: str
+    stages_per_rank: int
+    micro_batches: int
+    step_time: float
+    """Predicted (replayed) seconds per step; infinite when no split fits."""
+    rank_memory: tuple[int, ...] = ()
+    """[device] peak bytes of its stages together."""
+    note: str = ""
+    """Why no split fits, when none does."""
+
+    @property
+    def fits(self) -> bool:
+        return math.isfinite(self.step_time)
+
+
+@dataclass(frozen=True)
 class Plan:
     """A placement of every graph node on a device, with its predicted costs."""
 
@@ -190,6 +209,8 @@ class Plan:
     """Stages each device runs (:attr:`PlanOptions.stages_per_rank`); its stages' ranks are :attr:`stage_devices`."""
     rank_memory: tuple[int, ...] = ()
     """[device] peak bytes of its stages together, from the replayed schedule (empty: the stage rows')."""
+    alternatives: tuple[Alternative, ...] = ()
+    """The configurations a search tried (options left ``"auto"``), fastest first; empty without a search."""
     made_with: tuple[str, float] | None = None
     """For a saved plan re-costed on load: (the costs it was made with, the step it predicted then)."""
     schema_version: int = SCHEMA_VERSION

@@ -78,7 +78,8 @@ class Planner:
         self.example_kwargs = as_tensors(dict(example_kwargs or {}))
         self.options = make_options(options, **fields)
         self.devices = None if devices is None else tuple(devices)
-        self.options.micro_batches_for(None, batch_size(self.example_inputs, self.example_kwargs))  # refuses a count the batch does not divide
+        # refuses a count the batch does not divide
+        self.options.micro_batches_for(None, batch_size(self.example_inputs, self.example_kwargs))
         self._traced: Traced | None = None
 
     @property
@@ -113,7 +114,7 @@ class Planner:
         # A saved plan fixes the schedule it was made for, and (unless devices are given) the devices.
         options = (
             self.options.replace(objective="makespan") if saved.objective == "makespan"
-            else self.options.replace(schedule=saved.schedule, micro_batches=saved.micro_batches)
+            else self.options.replace(schedule=saved.schedule, micro_batches=saved.micro_batches, stages_per_rank=saved.stages_per_rank)
         )
         specs = saved.devices if self.devices is None else self.specs(options=options)
         if len(specs) != len(saved.devices):

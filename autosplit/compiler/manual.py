@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from autosplit import schedules
 from autosplit.compiler.steps import compile_plan
 from autosplit.errors import ConstraintError, advice
 from autosplit.plans import Plan, SolverInfo
@@ -316,7 +317,7 @@ def manual_plan(planner: Any, split: ManualSplit, *, name: str = "manual", check
     """``split``, in any form users write one, as a checked plan costed by ``planner``'s cost model
     (stage ``s`` on device ``s``). ``check_memory=False`` returns a plan over a cap instead of
     raising (its stages show by how much)."""
-    model, S = planner.model, len(planner.specs())
+    model, S = planner.model, len(planner.specs()) * planner.options.rank_stages
     order = execution_order(planner.traced)
     if isinstance(split, Plan):  # re-costed under the planner's options, as every other candidate
         return _costed(planner, split.stage_of, name, check_memory, split.stage_devices)
@@ -348,25 +349,32 @@ def plan_from_fqns(planner: Any, fqns_per_stage: Sequence[Sequence[str]], *, nam
 def _costed(
     planner: Any, stage: Mapping[str, int], name: str, check_memory: bool, stage_devices: Sequence[int] | None = None
 ) -> Plan:
-    """A stage per node as a plan (stage ``s`` on device ``stage_devices[s]``, default ``s``),
-    validated and costed on the same footing as autosplit's."""
-    traced, specs = planner.traced, planner.specs()
-    order = tuple(stage_devices) if stage_devices is not None else tuple(range(len(specs)))
+    """A stage per node as a plan (stage ``s`` on device ``stage_devices[s]``; by default ``s``, or
+    with several stages per rank where the schedule places it), validated and costed on the same
+    footing as autosplit's."""
+    traced, specs, options = planner.traced, planner.specs(), planner.options
+    v = options.rank_stages
+    S = len(specs) * v
+    if stage_devices is not None:
+        order = tuple(stage_devices)
+    else:
+        order = tuple(schedules.lookup(options.schedule).rank_of(s, S, len(specs)) for s in range(S))
     used = sorted(set(stage.values()))
-    if used != list(range(len(specs))) or len(order) != len(specs):
+    if used != list(range(S)) or len(order) != S:
         raise ConstraintError(advice(
-            f"split {name!r} fills stages {used} for {len(specs)} devices",
-            "a manual split puts stage s on device s, one stage per device, none empty",
-            f"give exactly {len(specs)} non-empty stages",
+            f"split {name!r} fills stages {used} for {len(specs)} devices × {v} stage(s) per device",
+            f"a manual split gives every stage a non-empty part, {v} per device as the {options.schedule} schedule places them",
+            f"give exactly {S} non-empty stages",
         ))
     given = Plan(
-        assignment={node: order[s] for node, s in stage.items()},
+        assignment={node: s if v > 1 else order[s] for node, s in stage.items()},
         devices=specs,
         stage_devices=order,
         stages=(),
         step_time=0.0,
         micro_batches=planner.options.micro_batches_for(len(specs), traced.batch),
         schedule=planner.options.schedule,
+        stages_per_rank=v,
         objective="pipeline",
         solver=SolverInfo(name=name, status="MANUAL", objective=0.0, bound=0.0, gap=0.0, wall_time=0.0,
                           time_limit=0.0, seed=0),

@@ -19,6 +19,7 @@ Usage::
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 from autosplit import debug, progress, schedules
@@ -26,16 +27,17 @@ from autosplit.compiler.costs import estimated
 from autosplit.compiler.makespan import compile_makespan
 from autosplit.compiler.prediction import module_stages, predict_step, rank_peaks, stage_reports
 from autosplit.compiler.recost import recost
+from autosplit.compiler.refine import refine
+from autosplit.compiler.search import search, stage_problem
 from autosplit.compiler.trace import Traced, versions
 from autosplit.devices import DeviceSpec
 from autosplit.errors import CodegenError, DeviceError, advice
 from autosplit.options import PlanOptions
 from autosplit.passes.codegen import Program, generate
-from autosplit.plans import Plan, SolverInfo
+from autosplit.plans import Alternative, Plan, SolverInfo
 from autosplit.solver import validate
-from autosplit.solver.pipeline.order import choose_order
 from autosplit.solver.pipeline.strategy import solve
-from autosplit.solver.problem import NS, build_problem
+from autosplit.solver.problem import NS, evaluate
 
 
 def compile_plan(
@@ -46,33 +48,41 @@ def compile_plan(
     under ``options.costs`` (``check_memory=False``: a plan over a memory cap is costed, not refused)."""
     if given is not None:
         return recost(traced, specs, options, given, check_memory=check_memory)
+    alternatives: tuple[Alternative, ...] = ()
+    if options.searches and options.objective == "pipeline":
+        searched: dict[str, float] = {}
+        with progress.timed_pass("search", searched):
+            options, alternatives = search(traced, specs, options)
+        plan = compile_plan(traced, specs, options)
+        return dataclasses.replace(plan, alternatives=alternatives, timings={**plan.timings, **searched})
     timings, M, table, source, rules = estimated(traced, specs, options)
     if options.objective == "makespan":
         return compile_makespan(traced, specs, options, table, source, rules, timings)
-    entry, ranks, v = schedules.lookup(options.schedule), len(specs), options.rank_stages
-    rank_of: tuple[int, ...] = ()
-    with progress.timed_pass("order", timings):
-        if v == 1:
-            order = choose_order(table, micro_batches=M, schedule=options.schedule, constraints=rules, limits=options.limits)
-        else:  # the schedule places the stages on the ranks (a loop or a V): rank r on device r
-            entry.check(ranks=ranks, stages=ranks * v, micro_batches=M)
-            rank_of = order = tuple(entry.rank_of(s, ranks * v, ranks) for s in range(ranks * v))
-    with progress.timed_pass("build", timings):
-        problem = build_problem(table, micro_batches=M, schedule=options.schedule, order=order, constraints=rules, rank_of=rank_of)
+    v = options.rank_stages
+    with progress.timed_pass("build", timings):  # the device order (one stage per rank) and the solver's problem
+        order, problem = stage_problem(table, len(specs), options, M, rules)
     with progress.timed_pass("solve", timings, limit=options.time_limit):
         solution = solve(problem, time_limit=options.time_limit, seed=options.seed, limits=options.limits)
+    stage_of, solver_name, status = solution.stage_of, solution.solver, solution.status
+    entry = schedules.lookup(options.schedule)
+    if v > 1 or entry.split_backward:  # the closed form is a surrogate here: the replay judges, and moves the cuts
+        with progress.timed_pass("refine", timings):
+            stage_of = refine(problem, table, stage_of, order, options)
+        if stage_of != solution.stage_of:
+            solver_name, status = f"{solution.solver} + replay", "FEASIBLE"
     with progress.timed_pass("validate", timings):
-        validate(problem, solution.stage_of)
-    terms, shared = predict_step(problem, table, solution.stage_of, order, options)
-    reports = stage_reports(problem, table, solution.stage_of, order, shared)
+        validate(problem, stage_of)
+    terms, shared = predict_step(problem, table, stage_of, order, options)
+    reports = stage_reports(problem, table, stage_of, order, shared)
     per_step = M  # the objective is M steps' worth
+    objective = evaluate(problem, stage_of).objective
     return Plan(
-        assignment={name: s if v > 1 else order[s] for name, s in zip(problem.nodes, solution.stage_of)},
+        assignment={name: s if v > 1 else order[s] for name, s in zip(problem.nodes, stage_of)},
         devices=specs,
         stage_devices=tuple(order),
         stages=reports,
         rank_memory=rank_peaks(problem, options.schedule, reports),
-        module_stages=module_stages(table, solution.stage_of),
+        module_stages=module_stages(table, stage_of),
         step_time=terms.total,
         terms=terms,
         shared_params=shared,
@@ -82,11 +92,11 @@ def compile_plan(
         stages_per_rank=v,
         objective="pipeline",
         solver=SolverInfo(
-            name=solution.solver,
-            status=solution.status,
-            objective=solution.objective / per_step / NS,
+            name=solver_name,
+            status=status,
+            objective=objective / per_step / NS,
             bound=solution.bound / per_step / NS,
-            gap=solution.gap,
+            gap=0.0 if objective <= 0 else max(0.0, (objective - solution.bound) / objective),
             wall_time=solution.wall_time,
             time_limit=options.time_limit,
             seed=options.seed,

@@ -1,0 +1,145 @@
+"""Step *refine*: the solver's split, its cuts moved while the replayed step improves.
+
+The solver minimises a closed form of the schedule (:meth:`~autosplit.solver.problem.Problem.objective_of`),
+exact for GPipe and for equal stages; torch's interleaved and zero-bubble schedules, run as their
+action lists say, reward other cuts (a rank's two stages need not be equal when one of them waits
+anyway). The replay is the judge: each cut between stages, in a topological order in which the
+split is contiguous, moves by ``±width`` nodes while that lowers the replayed step and breaks no
+rule (memory, colocation, data flowing forward); the width halves when no move helps, down to one
+node, within a budget of replays. The result is never slower, by the replay, than the split given.
+
+Usage::
+
+    stage_of = refine(problem, table, solution.stage_of, order, options)
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import math
+from collections.abc import Callable, Sequence
+
+from autosplit.costtable import CostTable
+from autosplit.options import PlanOptions
+from autosplit.solver.pipeline.dp import topological_order
+from autosplit.solver.problem import Problem
+from autosplit.solver.validate import violations
+
+__all__ = ["refine", "REPLAYS"]
+
+REPLAYS = 400
+"""Most replays one refinement spends (each costs about the schedule's action count)."""
+
+
+def refine(
+    problem: Problem, table: CostTable, stage_of: Sequence[int], order: Sequence[int], options: PlanOptions, *,
+    replays: int = REPLAYS,
+) -> tuple[int, ...]:
+    """The fastest, by the replay, of ``stage_of``, the split of equal compute per stage and (when
+    they are few) every split at cheap cuts — the layer boundaries — each with its cuts then moved
+    while the replayed step improves (a split not contiguous in the problem's topological order is
+    not moved)."""
+    from autosplit.compiler.prediction import predict_step  # prediction imports nothing from here
+
+    topo = topological_order(problem)
+    N, S = len(topo), problem.num_stages
+
+    def split(cuts: Sequence[int]) -> tuple[int, ...]:
+        out = [0] * N
+        for s, (a, b) in enumerate(itertools.pairwise([0, *cuts, N])):
+            for p in range(a, b):
+                out[topo[p]] = s
+        return tuple(out)
+
+    def step(plan: tuple[int, ...]) -> float:
+        return math.inf if violations(problem, plan) else predict_step(problem, table, plan, order, options)[0].total
+
+    along = [stage_of[n] for n in topo]
+    seeds = [] if any(b < a for a, b in itertools.pairwise(along)) else [[p for p in range(1, N) if along[p] != along[p - 1]]]
+    cheap = _cheap_cuts(problem, topo)
+    work = list(itertools.accumulate(problem.fastest[n] for n in topo))  # equal compute per stage, at cheap cuts
+    even = sorted({_nearest(cheap, bisect.bisect_left(work, work[-1] * s / S)) for s in range(1, S)})
+    if len(even) == S - 1:
+        seeds.append(even)
+    best_plan, best = tuple(stage_of), step(tuple(stage_of))
+    if math.comb(len(cheap), S - 1) <= replays // 2:  # few layer boundaries: every split at them is replayed
+        for cuts in itertools.combinations(cheap, S - 1):
+            plan = split(cuts)
+            cost = step(plan)
+            if cost < best * (1 - 1e-9):
+                best_plan, best = plan, cost
+        seeds.append([p for p in range(1, N) if best_plan[topo[p]] != best_plan[topo[p - 1]]])
+    for cuts in seeds:
+        plan, cost = _descend(cuts, cheap, split, step, N, max(1, replays // len(seeds)))
+        if cost < best * (1 - 1e-9):
+            best_plan, best = plan, cost
+    return best_plan
+
+
+def _cheap_cuts(problem: Problem, topo: Sequence[int]) -> list[int]:
+    """Positions of ``topo`` where a cut sends little: at most 1.5 × what the cheapest fifth of cuts
+    send (between two layers, where one tensor crosses, rather than inside one)."""
+    N = len(topo)
+    pos = {n: i for i, n in enumerate(topo)}
+    last = list(range(N))
+    for u, v in problem.edges:
+        last[pos[u]] = max(last[pos[u]], pos[v])
+    sends = [min(row, default=0) for row in problem.transfer]
+    change = [0] * (N + 1)
+    for i, n in enumerate(topo):  # node i's output crosses cuts i + 1 … last[i]
+        change[i + 1] += sends[n]
+        change[last[i] + 1] -= sends[n]
+    crossing = list(itertools.accumulate(change))
+    inner = sorted(c for c in crossing[1:N] if c > 0)
+    low = inner[len(inner) // 5] if inner else 0  # the 20th percentile: a layer boundary, not the ends' few bytes
+    return [p for p in range(1, N) if crossing[p] <= 1.5 * low]
+
+
+def _nearest(cheap: Sequence[int], p: int) -> int:
+    i = bisect.bisect_left(cheap, p)
+    return min(cheap[max(0, i - 1): i + 1], key=lambda q: abs(q - p), default=p)
+
+
+def _moved(cuts: Sequence[int], k: int, span: int, how: str, delta: int, cheap: Sequence[int]) -> list[int]:
+    """Cuts ``k … k + span − 1`` shifted by ``delta`` nodes (``how="shift"``), or each to the next
+    cheap cut in ``delta``'s direction (``how="jump"``)."""
+    trial = list(cuts)
+    for j in range(k, min(k + span, len(cuts))):
+        if how == "shift":
+            trial[j] += delta
+        elif delta > 0:
+            i = bisect.bisect_right(cheap, trial[j])
+            trial[j] = cheap[i] if i < len(cheap) else trial[j]
+        else:
+            i = bisect.bisect_left(cheap, trial[j])
+            trial[j] = cheap[i - 1] if i > 0 else trial[j]
+    return trial
+
+
+def _descend(
+    cuts: list[int], cheap: Sequence[int], split: Callable[[Sequence[int]], tuple[int, ...]],
+    step: Callable[[tuple[int, ...]], float], N: int, replays: int,
+) -> tuple[tuple[int, ...], float]:
+    """Move one cut, or a stage (two cuts together), to the next cheap cut either way or by
+    ``±width`` nodes while the step improves; halve the width when nothing helps, down to one node;
+    at most ``replays`` steps evaluated."""
+    plan = split(cuts)
+    best, spent = step(plan), 1
+    width = max(1, N // (4 * (len(cuts) + 1)))
+    while width >= 1 and spent < replays:
+        moved = False
+        tries = [("jump", -1), ("jump", 1), ("shift", -width), ("shift", width)]
+        for k, span, (how, delta) in itertools.product(range(len(cuts)), (1, 2), tries):
+            trial = _moved(cuts, k, span, how, delta, cheap)
+            if trial == cuts or any(b <= a for a, b in itertools.pairwise([0, *trial, N])):
+                continue
+            candidate = split(trial)
+            cost, spent = step(candidate), spent + 1
+            if cost < best * (1 - 1e-9):
+                best, plan, cuts, moved = cost, candidate, trial, True
+            if spent >= replays:
+                break
+        if not moved:
+            width //= 2
+    return plan, best

@@ -1,0 +1,113 @@
+"""Step *search*: the schedule, stages per rank and micro-batch count, when the options leave them to
+the planner (``"auto"``), and the solver's problem for one such configuration.
+
+Every configuration the options allow — each flushed schedule torch runs, each number of stages per
+rank it takes (up to :data:`~autosplit.options.AUTO_MOST_STAGES_PER_RANK`), each micro-batch count
+that divides the batch and that its class accepts — is split by the exact DP (no CP-SAT: a search
+runs dozens) and judged by its replayed step and per-rank peak memory. The fastest that fits memory
+is planned in full; the others come back as :class:`~autosplit.plans.Alternative` rows for the report.
+
+Usage::
+
+    chosen, alternatives = search(traced, specs, PlanOptions(schedule="auto", stages_per_rank="auto"))
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+
+from autosplit import schedules
+from autosplit.compiler.costs import estimated
+from autosplit.compiler.prediction import predict_step, rank_peaks, stage_reports
+from autosplit.compiler.trace import Traced
+from autosplit.costtable import CostTable
+from autosplit.devices import DeviceSpec
+from autosplit.errors import InfeasiblePlanError, advice
+from autosplit.options import AUTO, AUTO_MOST_STAGES_PER_RANK, PlanOptions
+from autosplit.plans import Alternative
+from autosplit.solver.pipeline.dp import topological_order
+from autosplit.solver.pipeline.order import choose_order
+from autosplit.solver.pipeline.strategy import dp_plan
+from autosplit.solver.problem import Problem, UserConstraint, build_problem
+from autosplit.solver.validate import violations
+
+__all__ = ["configurations", "search", "stage_problem"]
+
+log = logging.getLogger(__name__)
+
+
+def stage_problem(
+    table: CostTable, ranks: int, options: PlanOptions, micro_batches: int, rules: list[UserConstraint]
+) -> tuple[tuple[int, ...], Problem]:
+    """(device of each stage, the solver's problem) for one concrete configuration: with one stage
+    per rank the device order is searched (:func:`choose_order`); with several, the schedule places
+    the stages on the ranks (a loop or a V) and rank r runs on device r."""
+    entry, v = schedules.lookup(options.schedule), options.rank_stages
+    if v == 1:
+        order = choose_order(table, micro_batches=micro_batches, schedule=options.schedule, constraints=rules, limits=options.limits)
+        rank_of: tuple[int, ...] = ()
+    else:
+        entry.check(ranks=ranks, stages=ranks * v, micro_batches=micro_batches)
+        rank_of = order = tuple(entry.rank_of(s, ranks * v, ranks) for s in range(ranks * v))
+    problem = build_problem(table, micro_batches=micro_batches, schedule=options.schedule, order=order, constraints=rules,
+                            rank_of=rank_of)
+    return order, problem
+
+
+def configurations(options: PlanOptions, ranks: int, batch: int | None) -> list[PlanOptions]:
+    """Every concrete configuration ``options`` leave open, in a fixed order."""
+    names = ([n for n in schedules.SCHEDULES if schedules.REGISTRY[n].flushes and schedules.REGISTRY[n].torch_class]
+             if options.schedule == AUTO else [options.schedule])
+    out = []
+    for name in names:
+        entry = schedules.lookup(name)
+        low, high = entry.stages_per_rank
+        per_rank = (range(low, max(low, min(high or AUTO_MOST_STAGES_PER_RANK, AUTO_MOST_STAGES_PER_RANK)) + 1)
+                    if options.stages_per_rank in (None, AUTO) and (options.stages_per_rank == AUTO or low > 1)
+                    else [options.stages_per_rank or low])
+        for v in per_rank:
+            if ranks == 1 and v > 1 and entry.placement != "v":
+                continue
+            concrete = options.replace(schedule=name, stages_per_rank=v, micro_batches=None)
+            if options.micro_batches == AUTO:
+                counts = [m for m in range(ranks, 4 * ranks * v + 1) if (batch is None or batch % m == 0)
+                          and entry.refusal(ranks=ranks, stages=ranks * v, micro_batches=m) is None]
+            else:
+                counts = [options.micro_batches or concrete.micro_batches_for(ranks, batch)]
+            out += [concrete.replace(micro_batches=m) for m in counts
+                    if entry.refusal(ranks=ranks, stages=ranks * v, micro_batches=m) is None]
+    return out
+
+
+def _judge(traced: Traced, specs: tuple[DeviceSpec, ...], options: PlanOptions) -> Alternative:
+    """One configuration, split by the DP and replayed."""
+    _, M, table, _, rules = estimated(traced, specs, options)
+    order, problem = stage_problem(table, len(specs), options, M, rules)
+    stage_of, _, _ = dp_plan(problem, topological_order(problem), limits=options.limits)
+    why = "no contiguous split fits" if stage_of is None else "; ".join(violations(problem, stage_of))
+    row = Alternative(options.schedule, options.rank_stages, M, math.inf, (), why)
+    if stage_of is None or why:
+        return row
+    terms, shared = predict_step(problem, table, stage_of, order, options)
+    return dataclasses.replace(row, step_time=terms.total,
+                               rank_memory=rank_peaks(problem, options.schedule, stage_reports(problem, table, stage_of, order, shared)))
+
+
+def search(traced: Traced, specs: tuple[DeviceSpec, ...], options: PlanOptions) -> tuple[PlanOptions, tuple[Alternative, ...]]:
+    """The fastest configuration that fits memory among those ``options`` leave open, and every
+    one tried (fastest first); an :class:`InfeasiblePlanError` naming them when none fits."""
+    tried = [(concrete, _judge(traced, specs, concrete)) for concrete in configurations(options, len(specs), traced.batch)]
+    tried.sort(key=lambda pair: (pair[1].step_time, pair[1].schedule, pair[1].stages_per_rank, pair[1].micro_batches))
+    for _, row in tried:
+        log.info("search: %s × %d stage(s) per rank × %d micro-batches: %s", row.schedule, row.stages_per_rank,
+                 row.micro_batches, f"{row.step_time * 1e3:.3f} ms" if row.fits else row.note)
+    if not tried or not tried[0][1].fits:
+        raise InfeasiblePlanError(advice(
+            f"none of the {len(tried)} configurations tried fits: "
+            + "; ".join(f"{r.schedule} × {r.stages_per_rank} × M={r.micro_batches}: {r.note}" for _, r in tried[:6]),
+            "every schedule, stages per rank and micro-batch count the options allow was split by the DP",
+            "more devices or memory, a smaller batch, or fix schedule= to search CP-SAT's wider space",
+        ))
+    return tried[0][0], tuple(row for _, row in tried)
