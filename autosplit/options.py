@@ -167,7 +167,7 @@ class PlanOptions:
         def is_int(x: Any) -> bool:
             return isinstance(x, int) and not isinstance(x, bool)
 
-        if self.micro_batches not in (None, AUTO) and (not is_int(self.micro_batches) or self.micro_batches < 1):
+        if self.micro_batches not in (None, AUTO) and not (is_int(self.micro_batches) and int(self.micro_batches) >= 1):
             raise bad("micro_batches", self.micro_batches, "an integer ≥ 1, 'auto', or None (≤ 4 × stages, dividing the batch)")
         if isinstance(self.schedule, str) and self.schedule.lower() == AUTO:
             object.__setattr__(self, "schedule", AUTO)
@@ -180,11 +180,10 @@ class PlanOptions:
             entry.require_runnable(f"option schedule={self.schedule!r}")
             object.__setattr__(self, "schedule", entry.name)  # "Schedule1F1B", "1F1B" → "1f1b"
         low, high = entry.stages_per_rank if entry is not None else (1, None)
-        if self.stages_per_rank not in (None, AUTO) and (
-            not is_int(self.stages_per_rank) or self.stages_per_rank < low or (high is not None and self.stages_per_rank > high)
-        ):
+        v = self.stages_per_rank
+        if v not in (None, AUTO) and not (is_int(v) and low <= int(v) <= (high or int(v))):
             allowed = f"{low}" if low == high else f"an integer ≥ {low}" if high is None else f"{low} to {high}"
-            raise bad("stages_per_rank", self.stages_per_rank, f"{allowed} for schedule {entry.name!r}, or None")
+            raise bad("stages_per_rank", v, f"{allowed} for schedule {self.schedule!r}, or 'auto' or None")
         if self.objective not in OBJECTIVES:
             raise bad("objective", self.objective, f"one of {OBJECTIVES}")
         if self.optimizer not in OPTIMIZERS:

@@ -68,6 +68,8 @@ class StageReport:
     """Forward seconds of the whole batch (part of :attr:`compute`)."""
     backward: float = 0.0
     """Backward seconds of the whole batch (part of :attr:`compute`; the rest is the optimizer step)."""
+    backward_weight: float = 0.0
+    """Of :attr:`backward`, the seconds of the gradient to the weights (W, which zero-bubble schedules run apart)."""
     param_bytes: int = 0
     """Bytes of the parameters the stage owns (what its gradient all-reduce moves)."""
 

@@ -28,7 +28,6 @@ def predict_step(
     links = [devices[k - 1].link_to(devices[k]) for k in range(1, S)]
     reads = table.param_reads or ("",) * len(table.nodes)
     consumers = problem.consumers()
-    transfer = [list(row) for row in problem.transfer]
     param_bytes = [0.0] * S
     for n, s in enumerate(stage_of):
         param_bytes[s] += table.param_bytes[n] if table.param_bytes else 0
@@ -54,8 +53,6 @@ def predict_step(
         if policy == "replicate":
             for s in copies:
                 replicas[s] += table.state_bytes[u]
-        for k in range(1, S):  # what this parameter adds to the stages it crosses
-            transfer[u][k - 1] = 0 if policy == "replicate" else round(tied_costs(nbytes, links[k - 1][0], links[k - 1][1], M)[0] * NS)
         if policy == "replicate":
             tied_sync += replicate
             for s in holders[1:]:  # every holder keeps its own copy, and all-reduces its gradient over replicas
@@ -64,7 +61,7 @@ def predict_step(
     # The solver's stage times include each stage's optimizer step (build_problem); report it apart.
     opt = table.optimizer_time or tuple((0.0,) * len(table.devices) for _ in table.nodes)
     without = tuple(tuple(c - round(o[order[s]] * NS) for s, c in enumerate(row)) for row, o in zip(problem.compute, opt))
-    sharing = dataclasses.replace(problem, transfer=tuple(map(tuple, transfer)))
+    sharing = sharing_problem(problem, table, order, shared)
     overheads = [d.microbatch_overhead for d in devices]
     asynchronous = schedules.lookup(options.schedule).asynchronous  # no flush: the steady state, M micro-batches through the slowest stage
 
@@ -88,6 +85,30 @@ def predict_step(
         data_parallel = max(exposed_allreduce(ring_allreduce(param_bytes[s], R, *d.link_to(d)), bwd[s], M) for s, d in enumerate(devices))
     terms = StepTerms(pipeline, overhead, optimizer, tied_sync, data_parallel)
     return terms, tuple(shared)
+
+
+def sharing_problem(problem: Problem, table: CostTable, order: Sequence[int], shared: Sequence[SharedParam]) -> Problem:
+    """``problem`` with each shared parameter's crossings costed as its policy says: nothing when
+    replicated (each holder reads its own copy, whose gradient sync is a term of its own, and no
+    stage receives it), sent once per micro-batch otherwise."""
+    if not shared:
+        return problem
+    devices = [table.devices[d] for d in order]
+    links = [devices[k - 1].link_to(devices[k]) for k in range(1, problem.num_stages)]
+    node = {read: u for u, read in enumerate(table.param_reads) if read}
+    transfer, recv = [list(row) for row in problem.transfer], [list(row) for row in problem.recv_mem]
+    send = [list(row) for row in problem.send_mem]
+    for p in shared:
+        u = node[p.name]
+        for k, (bw, lat) in enumerate(links):
+            sent = tied_costs(table.output_bytes[u], bw, lat, problem.micro_batches)[0]
+            transfer[u][k] = 0 if p.policy == "replicate" else round(sent * NS)
+        if p.policy == "replicate":
+            recv[u] = [0] * problem.num_stages
+            if send:
+                send[u] = [0] * problem.num_stages
+    rows = lambda table: tuple(map(tuple, table))  # noqa: E731
+    return dataclasses.replace(problem, transfer=rows(transfer), recv_mem=rows(recv), send_mem=rows(send))
 
 
 def _stage_work(
@@ -163,8 +184,8 @@ def stage_reports(
     problem: Problem, table: CostTable, stage_of: Sequence[int], order: Sequence[int], shared: Sequence[SharedParam] = (),
 ) -> tuple[StageReport, ...]:
     """Each stage's predicted figures; a stage holding a replica of a tied weight (``shared``) also
-    holds its gradient and optimizer state."""
-    ev = evaluate(problem, stage_of)
+    holds its gradient and optimizer state, and sends it nowhere."""
+    ev = evaluate(sharing_problem(problem, table, order, shared), stage_of)
     replicas = [0] * len(order)
     owner = {read: u for u, read in enumerate(table.param_reads) if read}
     for p in shared:
@@ -173,6 +194,7 @@ def stage_reports(
                 if s != stage_of[owner[p.name]]:
                     replicas[s] += table.state_bytes[owner[p.name]]
     reports = []
+    share = table.wgrad_share or (0.0,) * len(table.nodes)
     for s, device in enumerate(table.devices[d] for d in order):
         members = [n for n, st in enumerate(stage_of) if st == s]
         reports.append(
@@ -184,6 +206,7 @@ def stage_reports(
                 compute=ev.compute[s] / NS,
                 forward=sum(table.fwd_time[n][order[s]] for n in members),
                 backward=sum(table.bwd_time[n][order[s]] for n in members),
+                backward_weight=sum(table.bwd_time[n][order[s]] * share[n] for n in members),
                 param_bytes=sum(table.param_bytes[n] for n in members) if table.param_bytes else 0,
                 transfer=ev.transfer[s] / NS,
                 time=ev.time[s] / NS,

@@ -56,7 +56,8 @@ def refine(
         return math.inf if violations(problem, plan) else predict_step(problem, table, plan, order, options)[0].total
 
     along = [stage_of[n] for n in topo]
-    seeds = [] if any(b < a for a, b in itertools.pairwise(along)) else [[p for p in range(1, N) if along[p] != along[p - 1]]]
+    seeds: list[list[int]] = [] if any(b < a for a, b in itertools.pairwise(along)) else [
+        [p for p in range(1, N) if along[p] != along[p - 1]]]
     cheap = _cheap_cuts(problem, topo)
     work = list(itertools.accumulate(problem.fastest[n] for n in topo))  # equal compute per stage, at cheap cuts
     even = sorted({_nearest(cheap, bisect.bisect_left(work, work[-1] * s / S)) for s in range(1, S)})
@@ -64,8 +65,8 @@ def refine(
         seeds.append(even)
     best_plan, best = tuple(stage_of), step(tuple(stage_of))
     if math.comb(len(cheap), S - 1) <= replays // 2:  # few layer boundaries: every split at them is replayed
-        for cuts in itertools.combinations(cheap, S - 1):
-            plan = split(cuts)
+        for chosen in itertools.combinations(cheap, S - 1):
+            plan = split(chosen)
             cost = step(plan)
             if cost < best * (1 - 1e-9):
                 best_plan, best = plan, cost

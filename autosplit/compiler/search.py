@@ -64,9 +64,12 @@ def configurations(options: PlanOptions, ranks: int, batch: int | None) -> list[
     for name in names:
         entry = schedules.lookup(name)
         low, high = entry.stages_per_rank
-        per_rank = (range(low, max(low, min(high or AUTO_MOST_STAGES_PER_RANK, AUTO_MOST_STAGES_PER_RANK)) + 1)
-                    if options.stages_per_rank in (None, AUTO) and (options.stages_per_rank == AUTO or low > 1)
-                    else [options.stages_per_rank or low])
+        if isinstance(options.stages_per_rank, int):
+            per_rank = [options.stages_per_rank]
+        elif options.stages_per_rank == AUTO:
+            per_rank = list(range(low, max(low, min(high or AUTO_MOST_STAGES_PER_RANK, AUTO_MOST_STAGES_PER_RANK)) + 1))
+        else:
+            per_rank = [low]
         for v in per_rank:
             if ranks == 1 and v > 1 and entry.placement != "v":
                 continue
@@ -75,7 +78,8 @@ def configurations(options: PlanOptions, ranks: int, batch: int | None) -> list[
                 counts = [m for m in range(ranks, 4 * ranks * v + 1) if (batch is None or batch % m == 0)
                           and entry.refusal(ranks=ranks, stages=ranks * v, micro_batches=m) is None]
             else:
-                counts = [options.micro_batches or concrete.micro_batches_for(ranks, batch)]
+                given = options.micro_batches
+                counts = [given if isinstance(given, int) else concrete.micro_batches_for(ranks, batch)]
             out += [concrete.replace(micro_batches=m) for m in counts
                     if entry.refusal(ranks=ranks, stages=ranks * v, micro_batches=m) is None]
     return out

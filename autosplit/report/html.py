@@ -94,20 +94,24 @@ def _timeline_view(plan: Plan) -> dict[str, Any]:
         what = t.kind if t.kind == "optimizer" else f"{t.kind} of micro-batch {t.micro}"
         w = (t.end - t.start) * scale
         rects.append(Rect(
-            LEFT + t.start * scale, t.stage * ROW + 2, max(w, 0.5), ROW - 4, f"task {t.kind}", colour(t.stage),
+            LEFT + t.start * scale, t.row * ROW + 2, max(w, 0.5), ROW - 4, f"task {t.kind}", colour(t.stage),
             f"stage {t.stage}: {what}, {t.start * 1e3:.3f}–{t.end * 1e3:.3f} ms",
             str(t.micro) if t.micro >= 0 and w > 14 else "",
         ))
     gaps = [
-        Rect(LEFT + a * scale, s * ROW + 2, (b - a) * scale, ROW - 4, "bubble", title=f"stage {s} idle {(b - a) * 1e3:.3f} ms")
+        Rect(LEFT + a * scale, s * ROW + 2, (b - a) * scale, ROW - 4, "bubble",
+             title=f"{'rank' if plan.stages_per_rank > 1 else 'stage'} {s} idle {(b - a) * 1e3:.3f} ms")
         for s, a, b in bubbles(tasks) if (b - a) * scale >= 0.5
     ]
     work = max((t.end for t in tasks if t.kind != "optimizer"), default=0.0)
     busy = sum(t.end - t.start for t in tasks if t.kind != "optimizer")
+    rows = sorted({t.row for t in tasks}) or [0]
+    several = plan.stages_per_rank > 1
     return {
-        "tasks": rects, "bubbles": gaps, "ticks": _ticks(end, WIDTH), "height": len(plan.stages) * ROW + 24,
-        "width": LEFT + WIDTH + 10, "rows": [(s * ROW + ROW / 2 + 4, f"stage {s}") for s in range(len(plan.stages))],
-        "end": end, "bubble_share": 1 - busy / (work * len(plan.stages)) if work else 0.0,
+        "tasks": rects, "bubbles": gaps, "ticks": _ticks(end, WIDTH), "height": len(rows) * ROW + 24,
+        "width": LEFT + WIDTH + 10,
+        "rows": [(r * ROW + ROW / 2 + 4, f"rank {r}" if several else f"stage {r}") for r in rows],
+        "end": end, "bubble_share": 1 - busy / (work * len(rows)) if work else 0.0,
         "asynchronous": plan.objective == "pipeline" and schedules.lookup(plan.schedule).asynchronous,
     }
 

@@ -35,7 +35,9 @@ def plan_report(plan: Plan, width: int = 140) -> str:
     provenance = (
         f"split by hand ({sv.name}), no solver ran; objective {_ms(sv.objective)} under the solver's model"
         if sv.status == "MANUAL" else
-        f"solver {sv.name}: {sv.status}, objective {_ms(sv.objective)}, bound {_ms(sv.bound)}, "
+        f"solver {sv.name}: {sv.status}, objective {_ms(sv.objective)}"
+        + (" (the schedule's closed form, which the replay refines)" if plan.stages_per_rank > 1 else "")
+        + f", bound {_ms(sv.bound)}, "
         f"gap {sv.gap:.2%}, {sv.wall_time:.2f}s (limit {sv.time_limit:g}s, seed {sv.seed}); "
         f"{sv.units} units; dynamic program {_ms(sv.baseline) if sv.baseline is not None else 'found no split'}"
     )
@@ -70,6 +72,17 @@ def plan_report(plan: Plan, width: int = 140) -> str:
             f"sent {format_bytes(st.memory_sent)}, "
             f"transient {format_bytes(st.memory_transient)}"
         )
+    if plan.stages_per_rank > 1:
+        for r, peak in enumerate(plan.rank_memory):
+            mine = [s for s, d in enumerate(plan.stage_devices) if d == r]
+            console.print(f"  device {r} (stages {mine}) peak {format_bytes(peak)} of {format_bytes(plan.stages[mine[0]].capacity)}, "
+                          f"replayed in the {plan.schedule} order")
+    if plan.alternatives:
+        console.print(f"configurations tried ({len(plan.alternatives)}, fastest first; split by the DP, replayed):")
+        for a in plan.alternatives[:12]:
+            peak = max(a.rank_memory, default=0)
+            console.print(f"  {a.schedule} × {a.stages_per_rank} stage(s) per device × {a.micro_batches} micro-batches: "
+                          + (f"{_ms(a.step_time)}, peak {format_bytes(peak)}" if a.fits else a.note))
     return out.getvalue().rstrip()
 
 

@@ -31,6 +31,7 @@ from autosplit import schedules
 from autosplit.errors import ConstraintError, advice
 from autosplit.plans import Plan, StageReport
 from autosplit.solver.asynchronous import simulate
+from autosplit.solver.replay import StageWork, replay
 
 __all__ = ["StageTask", "stage_order", "timeline", "bubbles"]
 
@@ -41,11 +42,18 @@ class StageTask:
     micro: int
     """Micro-batch index; -1 for the optimizer step."""
     kind: str
-    """``"forward"``, ``"backward"`` or ``"optimizer"``."""
+    """``"forward"``, ``"backward"``, ``"input"`` / ``"weight"`` (a split backward) or ``"optimizer"``."""
     start: float
     end: float
     node: str = ""
     """The graph node (makespan plans, whose tasks are per node)."""
+    rank: int = -1
+    """The device (pipeline rank) that runs it; -1: the stage's own (one stage per rank)."""
+
+    @property
+    def row(self) -> int:
+        """The row the chart draws it on: its rank."""
+        return self.stage if self.rank < 0 else self.rank
 
 
 def stage_order(schedule: str, stage: int, stages: int, micro_batches: int) -> list[tuple[str, int]]:
@@ -76,6 +84,8 @@ def timeline(plan: Plan) -> list[StageTask]:
     entry = schedules.lookup(plan.schedule)
     if entry.asynchronous:
         return _asynchronous(S, M, durations)
+    if entry.torch_class is not None:
+        return _replayed(plan, durations)
     orders = [entry.stage_order(s, S, M) for s in range(S)]
     done: dict[tuple[str, int, int], float] = {}
     free = [0.0] * S
@@ -114,6 +124,29 @@ def timeline(plan: Plan) -> list[StageTask]:
     return sorted(tasks, key=lambda t: (t.start, t.stage))
 
 
+def _replayed(plan: Plan, durations: list[tuple[float, float, float]]) -> list[StageTask]:
+    """The schedule's own action lists, replayed (:mod:`autosplit.solver.replay`): one row per rank,
+    each rank's optimizer step after its last backward."""
+    entry, M, v = schedules.lookup(plan.schedule), plan.micro_batches, plan.stages_per_rank
+    S = len(plan.stages)
+    ranks = S // v
+    rank_of = [entry.rank_of(s, S, ranks) if v > 1 else s for s in range(S)]
+    work = []
+    for (f, b, _), st in zip(durations, plan.stages):
+        weight = min(b, st.backward_weight / M)
+        work.append(StageWork(f, b - weight, weight))
+    actions = entry.actions(ranks, M, v)
+    run = replay(actions, rank_of=rank_of, durations=work)
+    kinds = {"F": "forward", "B": "backward", "I": "input", "W": "weight"}
+    tasks = [StageTask(a.stage, a.micro, kinds[a.kind], t0, t1, rank=r)
+             for r, rank in enumerate(actions) for a, t0, t1 in zip(rank, run.start[r], run.end[r])]
+    for r, end in enumerate(run.ends):
+        for s in (s for s in range(S) if rank_of[s] == r):
+            tasks.append(StageTask(s, -1, "optimizer", end, end + durations[s][2], rank=r))
+            end += durations[s][2]
+    return sorted(tasks, key=lambda t: (t.start, t.row))
+
+
 def _asynchronous(S: int, M: int, durations: list[tuple[float, float, float]], mini_batches: int = 3) -> list[StageTask]:
     """An asynchronous schedule over ``mini_batches`` mini-batches (micro-batch ``b·M + m``), no
     flush between them: each stage's optimizer step follows its mini-batch's last backward."""
@@ -128,15 +161,15 @@ def _asynchronous(S: int, M: int, durations: list[tuple[float, float, float]], m
 
 
 def bubbles(tasks: list[StageTask]) -> list[tuple[int, float, float]]:
-    """Idle spans ``(stage, start, end)`` of each stage before the step's last backward ends."""
+    """Idle spans ``(row, start, end)`` of each row (rank) before the step's last backward ends."""
     work = [t for t in tasks if t.kind != "optimizer"]
     if not work:
         return []
     horizon = max(t.end for t in work)
     out = []
-    for s in sorted({t.stage for t in work}):
+    for s in sorted({t.row for t in work}):
         at = 0.0
-        for t in sorted((t for t in work if t.stage == s), key=lambda t: t.start):
+        for t in sorted((t for t in work if t.row == s), key=lambda t: t.start):
             if t.start > at + 1e-12:
                 out.append((s, at, t.start))
             at = max(at, t.end)

@@ -1,0 +1,101 @@
+"""Plans for torch's multi-stage schedules: several stages per rank, the replayed step and memory,
+the replay's refinement of the solver's cuts, the ``"auto"`` search, and their plan files."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import autosplit
+from autosplit.compiler.costs import estimated
+from autosplit.compiler.prediction import predict_step
+from autosplit.compiler.refine import refine
+from autosplit.compiler.search import stage_problem
+from autosplit.examples import GPT
+from autosplit.plans import Plan
+from autosplit.report import plan_report
+from autosplit.report.timeline import timeline
+from autosplit.solver.pipeline.dp import topological_order
+from autosplit.solver.pipeline.strategy import dp_plan
+
+TORCH_RUN = {"gpipe", "1f1b", "interleaved1f1b", "loopedbfs", "interleavedzerobubble", "zbvzerobubble", "dualpipev"}
+
+
+def _planner(**options) -> autosplit.Planner:
+    torch.manual_seed(0)
+    model = GPT(vocab=128, d_model=32, n_layers=4, n_heads=2, max_len=16)
+    return autosplit.Planner(model, ["cpu"] * 2, example_inputs=(torch.randint(0, 128, (8, 16)),), time_limit=2, **options)
+
+
+@pytest.mark.parametrize("schedule, placement", [("interleaved1f1b", (0, 1, 0, 1)), ("zbvzerobubble", (0, 1, 1, 0)),
+                                                  ("dualpipev", (0, 1, 1, 0)), ("loopedbfs", (0, 1, 0, 1))])
+def test_two_stages_per_rank_sit_where_torch_puts_them(schedule, placement):
+    plan = _planner(schedule=schedule, stages_per_rank=2, micro_batches=4).plan()
+    assert plan.stage_devices == placement and plan.stages_per_rank == 2
+    assert sorted(set(plan.assignment.values())) == [0, 1, 2, 3], "several stages per rank: nodes map to stages"
+    assert len(plan.rank_memory) == 2 and all(m > 0 for m in plan.rank_memory)
+    for r in range(2):  # a rank's peak holds no more than its stages' own peaks together
+        assert plan.rank_memory[r] <= sum(st.memory for s, st in enumerate(plan.stages) if placement[s] == r)
+    tasks = timeline(plan)
+    assert {t.row for t in tasks} == {0, 1}, "the chart has a row per rank"
+    assert sum(t.kind == "optimizer" for t in tasks) == 4 and sum(t.kind == "forward" for t in tasks) == 4 * 4
+    work = max(t.end for t in tasks if t.kind != "optimizer")
+    assert work == pytest.approx(plan.terms.pipeline), "the chart is the replay the prediction made"
+
+
+def test_split_backward_keeps_weight_only_nodes_on_the_first_stage():
+    plan = _planner(schedule="interleavedzerobubble", stages_per_rank=2, micro_batches=4).plan()
+    assert plan.module_stages["wte"] == (0,) and plan.module_stages["wpe"] == (0,)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_one_stage_per_rank_memory_is_each_stages(schedule):
+    plan = _planner(schedule=schedule, micro_batches=4).plan()
+    assert plan.rank_memory == pytest.approx([st.memory for st in plan.stages], abs=2048)
+
+
+@pytest.mark.parametrize("schedule", ["interleaved1f1b", "interleavedzerobubble", "zbvzerobubble"])
+def test_refining_by_the_replay_never_makes_the_step_slower(schedule):
+    planner = _planner(schedule=schedule, stages_per_rank=2, micro_batches=4)
+    _, M, table, _, rules = estimated(planner.traced, planner.specs(), planner.options)
+    order, problem = stage_problem(table, 2, planner.options, M, rules)
+    seed, _, _ = dp_plan(problem, topological_order(problem))
+    refined = refine(problem, table, seed, order, planner.options)
+
+    def step(plan):
+        return predict_step(problem, table, plan, order, planner.options)[0].total
+
+    assert step(refined) <= step(seed) + 1e-12
+
+
+def test_auto_returns_the_fastest_configuration_that_fits_and_the_others():
+    plan = _planner(schedule="auto", stages_per_rank="auto", micro_batches="auto").plan()
+    rows = plan.alternatives
+    assert len(rows) > 10 and {r.schedule for r in rows} == TORCH_RUN
+    assert [r.step_time for r in rows] == sorted(r.step_time for r in rows)
+    best = rows[0]
+    assert (plan.schedule, plan.stages_per_rank, plan.micro_batches) == (best.schedule, best.stages_per_rank, best.micro_batches)
+    assert all(r.micro_batches % 1 == 0 and 8 % r.micro_batches == 0 for r in rows)
+    assert "configurations tried" in plan_report(plan) and "search" in plan.timings
+
+
+def test_auto_respects_a_memory_cap_that_rules_out_gpipe():
+    free = _planner(schedule="auto", micro_batches=8).plan()
+    gpipe = next(r for r in free.alternatives if r.schedule == "gpipe")
+    one_f = next(r for r in free.alternatives if r.schedule == "1f1b")
+    assert max(one_f.rank_memory) < max(gpipe.rank_memory)
+    cap = (max(one_f.rank_memory) + max(gpipe.rank_memory)) // 2
+    capped = _planner(schedule="auto", micro_batches=8, memory={0: cap, 1: cap}).plan()
+    assert capped.schedule != "gpipe" and max(capped.rank_memory) <= cap
+    assert not next(r for r in capped.alternatives if r.schedule == "gpipe").fits
+
+
+def test_a_multi_stage_plan_file_round_trips_and_recosts(tmp_path):
+    planner = _planner(schedule="zbvzerobubble", micro_batches=4)
+    plan = planner.plan()
+    plan.save(tmp_path / "plan.json")
+    loaded = Plan.load(tmp_path / "plan.json")
+    assert loaded == plan
+    again = _planner(schedule="gpipe").plan(tmp_path / "plan.json")  # the file fixes schedule and stages per rank
+    assert again.schedule == "zbvzerobubble" and again.stages_per_rank == 2
+    assert again.step_time == pytest.approx(plan.step_time) and again.rank_memory == plan.rank_memory
