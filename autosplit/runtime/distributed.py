@@ -90,6 +90,7 @@ class DistributedModel(StageState):
         from torch.distributed import pipelining
 
         self.plan = plan
+        self._entry = schedules.lookup(plan.schedule)
         self.chain = chain
         self.layout = layout
         self.device = device
@@ -128,7 +129,6 @@ class DistributedModel(StageState):
         self._loss = loss
         self._loss_of_output = loss_fn
         self.last_run: dict[str, Any] = {}
-        self._entry = schedules.lookup(plan.schedule)
         torch_class = self._entry.torch_class
         # None: an asynchronous schedule, run by autosplit's own loop (train), never by a torch class
         self._schedule_cls: Any = getattr(pipelining, torch_class) if torch_class is not None else None
@@ -151,12 +151,13 @@ class DistributedModel(StageState):
         return self.layout.stages - 1 in self.layout.held
 
     def _new_stages(self, inputs_meta: Sequence[Sequence[torch.Tensor]], outputs_meta: Sequence[Sequence[torch.Tensor]]) -> list[Any]:
-        """This rank's ``PipelineStage`` of each stage it runs. One stage per rank posts its receives
+        """This rank's ``PipelineStage`` of each stage it runs. GPipe and 1F1B post their receives
         early (:class:`~autosplit.runtime.stage.EarlyReceivingStage`); torch's multi-stage runtime
-        orders its own receives and passes tensors between a rank's stages in memory."""
+        orders its own receives, passes tensors between a rank's stages in memory, and may split the
+        backward (:class:`~autosplit.runtime.stage.ContiguousGradStage`)."""
         from autosplit.runtime.stage import ContiguousGradStage, EarlyReceivingStage
 
-        kind = EarlyReceivingStage if len(self.stage_modules) == 1 else ContiguousGradStage
+        kind = ContiguousGradStage if self._entry.order == "torch" else EarlyReceivingStage
         return [
             kind(module, s, self.layout.stages, self.device, input_args=tuple(inputs_meta[s]),
                  output_args=tuple(outputs_meta[s]), group=self._pp_group)

@@ -37,7 +37,7 @@ def _llama():
 MODELS = {"gpt": gpt_case, "llama": _llama}
 
 
-def _run_case(name: str, schedule: str, dp: int, micro: int, rank: int, world: int) -> None:
+def _run_case(name: str, schedule: str, dp: int, micro: int, v: int, rank: int, world: int) -> None:
     import autosplit
 
     torch.manual_seed(0)
@@ -50,9 +50,9 @@ def _run_case(name: str, schedule: str, dp: int, micro: int, rank: int, world: i
     my_args, my_kwargs = tuple(a[mine] for a in args), {k: v[mine] for k, v in kwargs.items()}
     pipe = autosplit.distribute(
         model, ["cpu"] * (world // dp), example_inputs=my_args, example_kwargs=my_kwargs, loss_fn=loss_fn,
-        data_parallel=dp, schedule=schedule, stages_per_rank=2, micro_batches=micro, time_limit=2,
+        data_parallel=dp, schedule=schedule, stages_per_rank=v, micro_batches=micro, time_limit=2,
     )
-    assert pipe.plan.stages_per_rank == 2 and len(pipe.layout.held) == 2
+    assert pipe.plan.stages_per_rank == v and len(pipe.layout.held) == v
     opt = torch.optim.Adam(pipe.parameters(), lr=1e-2)
     ref_opt = torch.optim.Adam(reference.parameters(), lr=1e-2)
     ref_params = dict(reference.named_parameters())
@@ -74,7 +74,7 @@ def _run_case(name: str, schedule: str, dp: int, micro: int, rank: int, world: i
         torch.testing.assert_close(full_tensor(p), ref_params[pname], msg=where(f"{name} {schedule} {pname} after {STEPS} steps"))
 
 
-def _worker(rank: int, world: int, init: str, cases: list[tuple[str, str, int, int]], out: str) -> None:
+def _worker(rank: int, world: int, init: str, cases: list[tuple[str, str, int, int, int]], out: str) -> None:
     sys.path.insert(0, str(ROOT))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world, timeout=timedelta(seconds=60))
@@ -95,8 +95,12 @@ def _spawn(tmp_path, world: int, cases) -> None:
 @pytest.mark.parametrize("schedule", MULTI)
 def test_two_stages_per_rank_train_like_the_unsplit_model(tmp_path, schedule):
     pytest.importorskip("transformers")
-    _spawn(tmp_path, 2, [(name, schedule, 1, 4) for name in MODELS])
+    _spawn(tmp_path, 2, [(name, schedule, 1, 4, 2) for name in MODELS])
+
+
+def test_one_stage_per_rank_on_the_multi_stage_classes_trains_like_the_unsplit_model(tmp_path):
+    _spawn(tmp_path, 2, [("gpt", schedule, 1, 4, 1) for schedule in ("interleaved1f1b", "interleavedzerobubble")])
 
 
 def test_interleaved_with_data_parallelism_trains_like_the_unsplit_model(tmp_path):
-    _spawn(tmp_path, 4, [("gpt", "interleaved1f1b", 2, 2)])
+    _spawn(tmp_path, 4, [("gpt", "interleaved1f1b", 2, 2, 2)])
