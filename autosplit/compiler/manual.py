@@ -135,19 +135,33 @@ def _blocks(layers: list[str], repeated: str) -> list[str]:
 
 
 def torchtitan_fqns(
-    model: torch.nn.Module, stages: int, *, repeated: str, input_weight: float = 1, output_weight: float = 1,
+    model: torch.nn.Module, stages: int, *, repeated: str, input_weight: int = 1, output_weight: int = 1,
     order: Sequence[str] = (),
 ) -> list[list[str]]:
-    """torchtitan's even split: the blocks of ``repeated`` (e.g. ``"layers"``) spread evenly, the
-    modules before them weighing ``input_weight`` blocks and those after ``output_weight``."""
+    """torchtitan's even split (``generate_llm_fqn_per_model_part``): the blocks of ``repeated``
+    (e.g. ``"layers"``) and the modules before and after them, weighing ``input_weight`` and
+    ``output_weight`` blocks, dealt out evenly — the first stages take one more when they do not
+    divide — the first stage's share less the input weight, the last stage's less the output weight."""
     layers = layer_list(model, order, expand=repeated)
     blocks = _blocks(layers, repeated)
     first, last = layers.index(blocks[0]), layers.index(blocks[-1])
-    units = [layers[:first], *([b] for b in blocks), layers[last + 1 :]]
-    weights = [input_weight, *[1.0] * len(blocks), output_weight]
-    keep = [i for i, u in enumerate(units) if u]
-    ranges = partition([weights[i] for i in keep], stages)
-    return [[m for i in keep[a:b] for m in units[i]] for a, b in ranges]
+    if stages == 1:
+        return [layers]
+    per, extra = divmod(len(blocks) + input_weight + output_weight, stages)
+    if per < max(1, input_weight, output_weight):
+        raise ConstraintError(advice(
+            f"torchtitan's split of {len(blocks)} blocks (input weight {input_weight}, output weight {output_weight}) "
+            f"into {stages} stages leaves {per} per stage",
+            "every stage needs at least one block's share, and no less than the input and output weights",
+            "fewer stages, or smaller input_weight/output_weight",
+        ))
+    out, taken = [], 0
+    for s in range(stages):
+        share = per + (s < extra) - (input_weight if s == 0 else 0) - (output_weight if s == stages - 1 else 0)
+        take = blocks[taken:] if s == stages - 1 else blocks[taken:taken + share]
+        taken += len(take)
+        out.append([*(layers[:first] if s == 0 else []), *take, *(layers[last + 1:] if s == stages - 1 else [])])
+    return out
 
 
 def megatron_fqns(

@@ -273,6 +273,17 @@ def _grad_outputs(out: Any) -> list[torch.Tensor]:
     return [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
 
 
+def _flat(gm: fx.GraphModule) -> fx.GraphModule:
+    """``gm`` called with its placeholders' values in order, as the profiler holds them: an
+    exported graph's own ``forward`` rebuilds the model's (args, kwargs) first, which a flat call
+    does not match. Shares ``gm``'s modules and tensors."""
+    if type(gm.graph._codegen) is fx.graph.CodeGen:
+        return gm
+    graph = fx.Graph()  # the same nodes, the plain code generator
+    graph.output(graph.graph_copy(gm.graph, {}))
+    return fx.GraphModule(gm, graph)
+
+
 def _in_context(
     gm: fx.GraphModule, inputs: Sequence[Any], micro_batches: int, forwards_first: bool, rounds: int
 ) -> dict[str, tuple[float, float]]:
@@ -285,6 +296,7 @@ def _in_context(
     """
     params = list(gm.parameters())
     grads = [p.grad for p in params]
+    plain = _flat(gm)
 
     def passes(forward: Callable[[], Any], backward: Callable[[list[torch.Tensor]], None]) -> tuple[float, float]:
         for p in params:  # as after zero_grad(): the first micro-batch's gradients are stored, the others added
@@ -316,7 +328,7 @@ def _in_context(
                 passes(functools.partial(timer.run, *inputs), timer.backward)
             finally:
                 timer.close()
-            plain_fwd, plain_bwd = passes(lambda: gm(*inputs), plain_backward)
+            plain_fwd, plain_bwd = passes(lambda: plain(*inputs), plain_backward)
             if r == 0:
                 continue
             f_scale = plain_fwd / max(sum(timer.fwd.values()), 1e-12)

@@ -36,6 +36,11 @@ def test_manual_splits_in_the_forms_users_write():
     assert torchtitan_fqns(model, 2, repeated="blocks", order=order) == [
         ["wte", "wpe", "blocks.0", "blocks.1", "blocks.2"], ["blocks.3", "blocks.4", "blocks.5", "ln_f", "head"]
     ]
+    eight = GPT(vocab=64, d_model=16, n_layers=8, n_heads=2, max_len=8)  # 10 layer weights over 4 stages: 3, 3, 2, 2
+    assert torchtitan_fqns(eight, 4, repeated="blocks") == [
+        ["wte", "wpe", "blocks.0", "blocks.1"], ["blocks.2", "blocks.3", "blocks.4"], ["blocks.5", "blocks.6"],
+        ["blocks.7", "ln_f", "head"],
+    ], "torchtitan gives the early stages the layers that do not divide"
     uniform = deepspeed_fqns(model, 2, "uniform", order)
     assert [len(s) for s in uniform] == [5, 5]
     by_params = deepspeed_fqns(model, 3, "parameters", order)

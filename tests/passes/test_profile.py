@@ -103,3 +103,19 @@ def test_profile_on_cuda_uses_events_and_allocator_statistics(tmp_path):
     plan = autosplit.plan(model, ["cuda:0", "cpu"], example_inputs=(x,),
                           costs=autosplit.options.ProfileOptions(cache_dir=str(tmp_path), **FAST_PROFILE))
     assert plan.costs == "measured on cpu, cuda:0"
+
+
+def test_an_exported_model_with_keyword_inputs_is_profiled():
+    """torch.export's graph rebuilds the model's (args, kwargs) in its own forward; the profiler's
+    plain pass calls it with the placeholders' values, as the per-node pass does."""
+    pytest.importorskip("transformers")
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=60, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                      num_key_value_heads=1, max_position_embeddings=16, use_cache=False)
+    cfg._attn_implementation = "eager"
+    ids = torch.randint(0, 60, (2, 8))
+    plan = autosplit.plan(LlamaForCausalLM(cfg), ["cpu"] * 2, example_inputs=(ids,), example_kwargs={"attention_mask": torch.ones(2, 8)},
+                          costs=autosplit.options.ProfileOptions(use_cache=False, **FAST_PROFILE), time_limit=2)
+    assert plan.capture == "export" and plan.costs.startswith("measured") and plan.step_time > 0
