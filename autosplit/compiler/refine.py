@@ -3,10 +3,12 @@
 The solver minimises a closed form of the schedule (:meth:`~autosplit.solver.problem.Problem.objective_of`),
 exact for GPipe and for equal stages; torch's interleaved and zero-bubble schedules, run as their
 action lists say, reward other cuts (a rank's two stages need not be equal when one of them waits
-anyway). The replay is the judge: each cut between stages, in a topological order in which the
-split is contiguous, moves by ``±width`` nodes while that lowers the replayed step and breaks no
-rule (memory, colocation, data flowing forward); the width halves when no move helps, down to one
-node, within a budget of replays. The result is never slower, by the replay, than the split given.
+anyway). The replay is the judge. Candidates, in a topological order in which a split is contiguous:
+the solver's split; the split of equal compute per stage at *cheap cuts* (layer boundaries, where
+little crosses); and, when there are few cheap cuts, every split at them. From each, a descent moves
+one cut, or one stage, to the next cheap cut or by ``±width`` nodes while the replayed step drops and
+no rule breaks (memory, colocation, data flowing forward), the width halving down to one node, within
+a budget of replays. The result is never slower, by the replay, than the split given.
 
 Usage::
 

@@ -1,0 +1,364 @@
+"""torch's pipeline schedules on 2 CPU processes: autosplit's split against torchtitan's, per schedule.
+
+For two models — the GPT of issue #8 (tied embeddings, 8 layers, d_model 256, vocab 8000, seq 128,
+batch 8; as ``pipeline_runtime.py``) and a transformers ``LlamaForCausalLM`` of the same size (8
+layers, hidden 256, 4 heads, 2 KV heads, intermediate 688, vocab 8000, eager attention; built from
+a ``LlamaConfig``, nothing downloaded) — and for every schedule × stages per rank v ∈ {1, 2} (as
+the schedule allows) × M micro-batches, measured in one run per model:
+
+(a) autosplit's plan for that configuration (``schedule=``, ``stages_per_rank=``, ``micro_batches=``);
+(b) torchtitan's uniform split of the repeated layers over 2·v stages, placed as the schedule
+    places them (loop or V), in two variants where they differ: ``tt 1/1`` the input and output
+    modules each weighing one layer (``input_weight = output_weight = 1``: first/last stage one
+    layer less) and ``tt 0/0`` the layers alone spread evenly (both from ``torchtitan_fqns``);
+(c) once per model, ``schedule="auto", stages_per_rank="auto", micro_batches="auto"``: its choice.
+
+Beside them the unsplit model on 1 and on 2 threads. Every plan runs through
+``autosplit.distribute`` on 2 gloo processes, each pinned to its own core with one thread; a step
+is forward + backward of every micro-batch and an Adam step, the slower rank's time; the figure is
+the median of ``--steps`` steps (min and max beside it), timed in interleaved blocks as
+``pipeline_runtime.py`` does. Predictions (step: torch's action lists replayed; peak memory per
+rank) use per-node costs measured in this run on one pinned core with one thread, and the link
+and runtime overhead measured first by ``autosplit.calibration.measure_runtime``.
+
+Targets (issue #24 item 7), computed and printed: median |predicted − measured| / measured ≤ 10%
+over all rows and ≤ 20% for every row; (c) at least as fast as the best (b) of all schedules
+(best_b / c ≥ 0.98); (a) at least as fast as (b) in every configuration (b / a ≥ 0.98, b the
+faster of its variants).
+
+Usage::
+
+    .venv/bin/python benchmarks/schedules.py                       # everything, about 35 min
+    .venv/bin/python benchmarks/schedules.py --quick --models gpt --schedules interleaved1f1b,zbvzerobubble --micro 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import os
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import autosplit  # noqa: E402
+from autosplit.compiler.manual import execution_order, plan_from_fqns, torchtitan_fqns  # noqa: E402
+from autosplit.options import ProfileOptions  # noqa: E402
+from autosplit.timers import pinned, steady_allocator  # noqa: E402
+from benchmarks import pipeline_runtime  # noqa: E402
+from benchmarks.pipeline_runtime import measured_cpu  # noqa: E402
+from benchmarks.plan_time import machine  # noqa: E402
+
+RESULTS = ROOT / "benchmarks" / "results"
+SCHEDULES = ["gpipe", "1f1b", "interleaved1f1b", "loopedbfs", "interleavedzerobubble", "zbvzerobubble", "dualpipev"]
+REPEATED = {"gpt": "blocks", "llama": "model.layers"}
+TT_WEIGHTS = {"tt 1/1": (1, 1), "tt 0/0": (0, 0)}
+ERROR_MEDIAN, ERROR_WORST, RATIO = 0.10, 0.20, 0.98
+LOOPED = ("interleaved1f1b", "loopedbfs", "interleavedzerobubble")
+"""torch's multi-stage classes with one stage per rank: run with --include-v1-loop (they hung while
+these stages posted their receives early, before multi-stage classes got ContiguousGradStage)."""
+
+
+def workload(name: str):
+    """(model, inputs, target, loss_fn), seeded so that every process builds the same weights."""
+    if name == "gpt":
+        return pipeline_runtime.workload("gpt")
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=8000, hidden_size=256, intermediate_size=688, num_hidden_layers=8, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=128, attention_dropout=0.0, use_cache=False,
+    )
+    config._attn_implementation = "eager"
+    model = LlamaForCausalLM(config)
+    # 16 rows: at M = 8 a micro-batch of one row would let torch.export specialise the batch dimension
+    inputs = (torch.randint(0, 8000, (16, 128)),)
+    torch.manual_seed(1)
+    target = torch.randint(0, 8000, (16, 128))
+    return model, inputs, target, lambda out, t: F.cross_entropy(out["logits"].flatten(0, 1), t.flatten())
+
+
+def unsplit(name: str, threads: int, steps: int, warmup: int = 3) -> dict[str, float]:
+    """The unsplit model's step (forward, backward, Adam) on ``threads`` threads pinned to as many cores."""
+    model, inputs, target, loss_fn = workload(name)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+    times = []
+    with pinned(threads, tuple(range(threads))):
+        for i in range(warmup + steps):
+            t0 = time.perf_counter()
+            loss_fn(model(*inputs), target).backward()
+            opt.step()
+            opt.zero_grad()
+            if i >= warmup:
+                times.append(time.perf_counter() - t0)
+    return {"median": statistics.median(times), "min": min(times), "max": max(times)}
+
+
+def _worker(rank: int, init: str, name: str, plans: list[str], steps: int, warmup: int, block: int, out: str) -> None:
+    torch.set_num_threads(1)
+    os.sched_setaffinity(0, {rank})
+    steady_allocator()
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=2, timeout=timedelta(minutes=5))
+    try:
+        model, inputs, target, loss_fn = workload(name)
+        runs: list[tuple[Any, Any, list[float]]] = []
+        for path in plans:
+            pipe = autosplit.distribute(copy.deepcopy(model), None, example_inputs=inputs, loss_fn=loss_fn, plan=path)
+            runs.append((pipe, torch.optim.Adam(pipe.parameters(), lr=1e-4), []))
+        # Interleaved blocks as pipeline_runtime.py: `block` timed steps of a plan after one untimed
+        # step (its weights back into cache), then the next plan's, round after round.
+        for r in range(warmup + math.ceil(steps / block)):
+            for pipe, opt, times in runs:
+                for i in range(block + 1):
+                    dist.barrier()
+                    t0 = time.perf_counter()
+                    pipe.step(*inputs, target=target)
+                    opt.step()
+                    opt.zero_grad()
+                    if r >= warmup and i > 0:
+                        times.append(time.perf_counter() - t0)
+        gathered: list[Any] = [None, None]
+        dist.all_gather_object(gathered, [times for *_, times in runs])
+        if rank == 0:
+            torch.save(gathered, out)
+    finally:
+        dist.destroy_process_group()
+
+
+def configurations(schedules: list[str], micro: list[int]) -> list[tuple[str, int, int]]:
+    """(schedule, stages per rank, M) for every schedule × v ∈ {1, 2} it allows × M (the looped
+    schedules at v = 1 too: the caller skips them, see :data:`LOOPED`)."""
+    from autosplit import schedules as registry
+
+    out = []
+    for schedule in schedules:
+        low, high = registry.lookup(schedule).stages_per_rank
+        for v in (1, 2):
+            if low <= v <= (high or v):
+                out += [(schedule, v, M) for M in micro]
+    return out
+
+
+def candidates(model, inputs, spec, config: tuple[str, int, int], args, costs) -> dict[str, Any]:
+    """label → plan for one configuration: autosplit's, and torchtitan's (both variants where they differ)."""
+    schedule, v, M = config
+    planner = autosplit.Planner(model, [spec] * 2, example_inputs=inputs, schedule=schedule, stages_per_rank=v,
+                                micro_batches=M, time_limit=args.time_limit, costs=costs)
+    order = execution_order(planner.traced)
+    plans: dict[str, Any] = {"autosplit": planner.plan()}
+    seen = []
+    for label, (w_in, w_out) in TT_WEIGHTS.items():
+        fqns = torchtitan_fqns(model, 2 * v, repeated=REPEATED[args.model], input_weight=w_in, output_weight=w_out,
+                               order=order)
+        if fqns not in seen:
+            seen.append(fqns)
+            plans[label] = plan_from_fqns(planner, fqns, name=label)
+    return plans
+
+
+def auto_plan(model, inputs, spec, args, costs):
+    return autosplit.Planner(model, [spec] * 2, example_inputs=inputs, schedule="auto", stages_per_rank="auto",
+                             micro_batches="auto", time_limit=args.time_limit, costs=costs).plan()
+
+
+def split_text(plan, repeated: str) -> str:
+    """The stages' modules, compactly: ``[wte wpe 0–2][2–4]…`` (stage order, repeated prefix dropped)."""
+    def short(m: str) -> str:
+        return m.replace(repeated + ".", "").replace("model.", "")
+    return "".join("[" + " ".join(short(m) for m in s.modules) + "]" for s in plan.stages)
+
+
+def plan_all(name: str, args, spec, tmp: str) -> tuple[list[dict], list[str]]:
+    """Every row's plan of ``name``, saved under ``tmp``: (row metadata, plan paths)."""
+    model, inputs, _, _ = workload(name)
+    args.model = name
+    # Profiled in this run on the pinned core, as timed; kept for the run so each (M, schedule
+    # family) is profiled once.
+    costs = ProfileOptions(threads=1, cores=(0,), cache_dir=os.path.join(tmp, "profiles"))
+    rows: list[dict] = []
+    paths: list[str] = []
+
+    def add(kind: str, label: str, plan, schedule: str, v: int, M: int | str) -> None:
+        path = os.path.join(tmp, f"{name}-{len(paths)}.json")
+        plan.save(path)
+        paths.append(path)
+        rows.append({
+            "model": name, "kind": kind, "plan": label, "schedule": schedule, "stages_per_rank": v,
+            "micro_batches": M, "predicted": plan.step_time, "rank_memory": list(plan.rank_memory),
+            "predicted_terms": None if plan.terms is None else vars(plan.terms),
+            "split": split_text(plan, REPEATED[name]), "solver": f"{plan.solver.name} {plan.solver.status}",
+        })
+
+    for schedule, v, M in configurations(args.schedules, args.micro):
+        t0 = time.time()
+        if v == 1 and schedule in LOOPED and not args.include_v1_loop:
+            print(f"  SKIPPED {name} {schedule} v=1 M={M}: distribute hangs (see LOOPED)", flush=True)
+            rows.append({"model": name, "schedule": schedule, "stages_per_rank": v, "micro_batches": M,
+                         "kind": "skipped", "error": "distribute hangs with one stage per rank on a multi-stage class"})
+            continue
+        try:
+            plans = candidates(model, inputs, spec, (schedule, v, M), args, costs)
+        except Exception:  # noqa: BLE001 — an autosplit failure is a finding: shown, recorded, and the rest goes on
+            traceback.print_exc()
+            rows.append({"model": name, "schedule": schedule, "stages_per_rank": v, "micro_batches": M,
+                         "kind": "failed", "error": traceback.format_exc()})
+            continue
+        for label, plan in plans.items():
+            add("a" if label == "autosplit" else "b", label, plan, schedule, v, M)
+        print(f"  planned {name} {schedule} v={v} M={M} in {time.time() - t0:.0f}s", flush=True)
+    if args.auto:
+        t0 = time.time()
+        try:
+            chosen = auto_plan(model, inputs, spec, args, costs)
+        except Exception:  # noqa: BLE001 — recorded as for the configurations above
+            traceback.print_exc()
+            rows.append({"model": name, "schedule": "auto", "stages_per_rank": "auto", "micro_batches": "auto",
+                         "kind": "failed", "error": traceback.format_exc()})
+            return rows, paths
+        if chosen.stages_per_rank == 1 and chosen.schedule in LOOPED and not args.include_v1_loop:
+            raise SystemExit(f"auto chose {chosen.schedule} v=1, which hangs in distribute (see LOOPED)")
+        add("c", "auto", chosen, chosen.schedule, chosen.stages_per_rank, chosen.micro_batches)
+        rows[-1]["alternatives"] = [vars(a) for a in chosen.alternatives]
+        print(f"  planned {name} auto in {time.time() - t0:.0f}s: {chosen.schedule} v={chosen.stages_per_rank} "
+              f"M={chosen.micro_batches}", flush=True)
+    return rows, paths
+
+
+def run_model(name: str, args, spec) -> dict:
+    record: dict = {"model": name, "unsplit": {}}
+    for threads in (1, 2):
+        record["unsplit"][f"{threads} thread{'s' * (threads > 1)}"] = unsplit(name, threads, max(args.steps, 5))
+    with tempfile.TemporaryDirectory() as tmp:
+        rows, paths = plan_all(name, args, spec, tmp)
+        out = os.path.join(tmp, "times.pt")
+        t0 = time.time()
+        mp.spawn(_worker, args=(os.path.join(tmp, "init"), name, paths, args.steps, args.warmup, args.block, out),
+                 nprocs=2, join=True)
+        record["timing_seconds"] = time.time() - t0
+        ranks = torch.load(out, weights_only=False)
+    timed = [r for r in rows if r["kind"] in ("a", "b", "c")]
+    for i, row in enumerate(timed):
+        per_step = [max(a, b) for a, b in zip(ranks[0][i], ranks[1][i])]
+        measured = statistics.median(per_step)
+        row["measured"] = {"median": measured, "min": min(per_step), "max": max(per_step), "steps": per_step}
+        row["error"] = (row["predicted"] - measured) / measured
+    record["rows"] = rows
+    return record
+
+
+def verdicts(records: list[dict]) -> dict:
+    """The issue's targets over the rows of every model."""
+    rows = [r for rec in records for r in rec["rows"] if r["kind"] in ("a", "b", "c")]
+    errors = [abs(r["error"]) for r in rows]
+    over = [f"{r['model']} {r['plan']} {r['schedule']} v={r['stages_per_rank']} M={r['micro_batches']}: {r['error']:+.1%}"
+            for r in rows if abs(r["error"]) > ERROR_WORST]
+    a_vs_b, auto = {}, {}
+    for rec in records:
+        by: dict[tuple, dict[str, dict]] = {}
+        for r in rec["rows"]:
+            if r["kind"] in ("a", "b"):
+                by.setdefault((r["schedule"], r["stages_per_rank"], r["micro_batches"]), {})[r["plan"]] = r
+        for (schedule, v, M), plans in by.items():
+            b = [p["measured"]["median"] for label, p in plans.items() if label != "autosplit"]
+            if "autosplit" in plans and b:
+                a_vs_b[f"{rec['model']} {schedule} v={v} M={M}"] = min(b) / plans["autosplit"]["measured"]["median"]
+        c = [r for r in rec["rows"] if r["kind"] == "c"]
+        b_rows = [r for r in rec["rows"] if r["kind"] == "b"]
+        if c and b_rows:
+            best = min(b_rows, key=lambda r: r["measured"]["median"])
+            auto[rec["model"]] = {
+                "ratio": best["measured"]["median"] / c[0]["measured"]["median"],
+                "auto": f"{c[0]['schedule']} v={c[0]['stages_per_rank']} M={c[0]['micro_batches']}",
+                "best_b": f"{best['plan']} {best['schedule']} v={best['stages_per_rank']} M={best['micro_batches']}",
+            }
+    failed = [f"{r['kind']}: {r['model']} {r['schedule']} v={r['stages_per_rank']} M={r['micro_batches']}"
+              for rec in records for r in rec["rows"] if r["kind"] in ("failed", "skipped")]
+    return {
+        "median_abs_error": statistics.median(errors) if errors else None,
+        "worst_abs_error": max(errors) if errors else None,
+        "median_error_met": bool(errors) and statistics.median(errors) <= ERROR_MEDIAN,
+        "every_row_error_met": bool(errors) and not over,
+        "rows_over_20pct": over,
+        "auto_vs_best_b": auto,
+        "auto_met": all(x["ratio"] >= RATIO for x in auto.values()) if auto else None,
+        "b_over_a": a_vs_b,
+        "b_over_a_min": min(a_vs_b.values()) if a_vs_b else None,
+        "a_vs_b_met": bool(a_vs_b) and min(a_vs_b.values()) >= RATIO,
+        "a_vs_b_missed": {k: x for k, x in a_vs_b.items() if x < RATIO},
+        "failed_or_skipped": failed,
+    }
+
+
+def report(record: dict) -> None:
+    u = record["unsplit"]
+    print(f"\n{record['model']}: unsplit {u['1 thread']['median'] * 1e3:.0f} ms (1 thread), "
+          f"{u['2 threads']['median'] * 1e3:.0f} ms (2 threads)")
+    print(f"  {'plan':9s} {'schedule':21s} {'v':>1s} {'M':>2s} {'measured ms (min-max)':>22s} {'pred':>5s} "
+          f"{'error':>7s} {'MiB r0/r1':>9s} {'vs 2thr':>7s}  split")
+    for r in record["rows"]:
+        if r["kind"] in ("failed", "skipped"):
+            print(f"  {r['kind'].upper():9s} {r['schedule']:21s} {r['stages_per_rank']!s:>1s} {r['micro_batches']!s:>2s}")
+            continue
+        m, mem = r["measured"], "/".join(f"{x / 2**20:.0f}" for x in r["rank_memory"])
+        print(f"  {r['plan']:9s} {r['schedule']:21s} {r['stages_per_rank']:>1d} {r['micro_batches']!s:>2s} "
+              f"{m['median'] * 1e3:6.0f} ({m['min'] * 1e3:5.0f}-{m['max'] * 1e3:5.0f}) {r['predicted'] * 1e3:5.0f} "
+              f"{r['error']:+7.1%} {mem:>9s} {u['2 threads']['median'] / m['median']:6.2f}x  {r['split']}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default="gpt,llama")
+    parser.add_argument("--schedules", default=",".join(SCHEDULES))
+    parser.add_argument("--micro", default="4,8")
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per plan")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed rounds first")
+    parser.add_argument("--block", type=int, default=2, help="consecutive timed steps of one plan")
+    parser.add_argument("--time-limit", type=float, default=10, help="solver seconds per plan")
+    parser.add_argument("--no-auto", dest="auto", action="store_false", help="skip (c), the schedule search")
+    parser.add_argument("--include-v1-loop", action="store_true", help="also run the looped schedules at v=1")
+    parser.add_argument("--quick", action="store_true", help="4 timed steps, no warm-up round, 3 s solves")
+    parser.add_argument("--out", default=None, help="default: results/schedules.json (schedules_quick.json with --quick)")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.steps, args.warmup, args.time_limit = 4, 0, 3
+    args.micro = [int(m) for m in args.micro.split(",")]
+    args.schedules = args.schedules.split(",")
+    out = Path(args.out or RESULTS / ("schedules_quick.json" if args.quick else "schedules.json"))
+
+    start = time.time()
+    steady_allocator()
+    runtime, spec = measured_cpu()
+    records: list[dict] = []
+    out.parent.mkdir(parents=True, exist_ok=True)
+    for name in args.models.split(","):  # written after every model, so a later failure loses nothing
+        records.append(run_model(name, args, spec))
+        report(records[-1])
+        summary = verdicts(records)
+        out.write_text(json.dumps({
+            "machine": machine(), "seconds": time.time() - start, "argv": sys.argv[1:], "steps": args.steps,
+            "warmup": args.warmup, "block": args.block, "time_limit": args.time_limit,
+            "auto_micro_batches": "auto", "runtime": runtime.to_dict(), "summary": summary, "models": records,
+        }, indent=1))
+    print(json.dumps(verdicts(records), indent=1))
+    print(f"wrote {out} in {time.time() - start:.0f}s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
