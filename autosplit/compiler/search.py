@@ -24,7 +24,7 @@ from autosplit.compiler.prediction import predict_step, rank_peaks, stage_report
 from autosplit.compiler.trace import Traced
 from autosplit.costtable import CostTable
 from autosplit.devices import DeviceSpec
-from autosplit.errors import InfeasiblePlanError, advice
+from autosplit.errors import AutosplitError, InfeasiblePlanError, advice
 from autosplit.options import AUTO, AUTO_MOST_STAGES_PER_RANK, PlanOptions
 from autosplit.plans import Alternative
 from autosplit.solver.pipeline.dp import topological_order
@@ -86,7 +86,17 @@ def configurations(options: PlanOptions, ranks: int, batch: int | None) -> list[
 
 
 def _judge(traced: Traced, specs: tuple[DeviceSpec, ...], options: PlanOptions) -> Alternative:
-    """One configuration, split by the DP and replayed."""
+    """One configuration, split by the DP and replayed; one that cannot be costed (an exported
+    graph that changes at its micro-batch's shape) is a row that does not fit, saying why."""
+    try:
+        return _split_and_replay(traced, specs, options)
+    except AutosplitError as e:
+        first = str(e).split(". Likely cause")[0]
+        log.info("search: %s × %s × M=%s cannot be costed: %s", options.schedule, options.rank_stages, options.micro_batches, first)
+        return Alternative(options.schedule, options.rank_stages, int(options.micro_batches or 0), math.inf, (), first)
+
+
+def _split_and_replay(traced: Traced, specs: tuple[DeviceSpec, ...], options: PlanOptions) -> Alternative:
     _, M, table, _, rules = estimated(traced, specs, options)
     order, problem = stage_problem(table, len(specs), options, M, rules)
     stage_of, _, _ = dp_plan(problem, topological_order(problem), limits=options.limits)
