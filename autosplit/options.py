@@ -122,7 +122,9 @@ class PlanOptions:
     asynchronous schedule that never flushes — ``"xpipe"`` (weight prediction), ``"async"``,
     ``"pipedream"`` (weight stashing) — run by :meth:`DistributedModel.train`. Any case, and torch's
     class names (``"Schedule1F1B"``), are read as autosplit's name (:mod:`autosplit.schedules`);
-    torch's schedules autosplit cannot plan yet (``"Interleaved1F1B"``, ``"ZBVZeroBubble"`` …) are refused by name."""
+    torch's multi-stage schedules (``"interleaved1f1b"``, ``"loopedbfs"``, ``"interleavedzerobubble"``,
+    ``"zbvzerobubble"``, ``"dualpipev"``) with :attr:`stages_per_rank`; ``"auto"``: the planner tries
+    every flushed schedule torch runs (``compiler/search.py``)."""
     stages_per_rank: int | Literal["auto"] | None = None
     """Stages each rank (device) runs: 1 for GPipe and 1F1B; torch's interleaved schedules loop over
     ``v`` of them (stage s on rank s mod pp), ZBV and DualPipeV take exactly 2 in a V. ``None``: the

@@ -15,9 +15,9 @@ reports and runtimes read these attributes instead of comparing names.
   between mini-batches (DESIGN §4.7), run by autosplit's own loop
   (:mod:`autosplit.runtime.asynchronous`).
 - torch's multi-stage and zero-bubble schedules (``Interleaved1F1B``, ``LoopedBFS``,
-  ``InterleavedZeroBubble``, ``ZBVZeroBubble``, ``DualPipeV``): known by name so that asking for
-  one is a :class:`~autosplit.errors.ConstraintError` saying autosplit cannot plan or run it yet,
-  never a silent default.
+  ``InterleavedZeroBubble``, ``ZBVZeroBubble``, ``DualPipeV``): several stages per rank (a loop or
+  a V), their order torch's own action lists (:meth:`Schedule.actions`), replayed by
+  :mod:`autosplit.solver.replay`; torch's constructor rules are :meth:`Schedule.refusal`.
 
 ``"makespan"`` is an *objective* (what the solver minimises), not a schedule: a plan says it in
 ``Plan.objective``. Names are looked up case-insensitively, torch's class names too
@@ -51,7 +51,7 @@ ScheduleName: TypeAlias = Literal[
     "sequential", "gpipe", "1f1b", "xpipe", "async", "pipedream",
     "interleaved1f1b", "loopedbfs", "interleavedzerobubble", "zbvzerobubble", "dualpipev",
 ]
-"""The schedules autosplit plans and runs today (``PlanOptions.schedule``)."""
+"""The schedules autosplit plans and runs (``PlanOptions.schedule``)."""
 Objective: TypeAlias = Literal["pipeline", "makespan"]
 """What the solver minimises: the ``pipeline`` step of a schedule, or the ``makespan`` of one step (DLPlacer)."""
 OBJECTIVES: tuple[str, ...] = typing.get_args(Objective)
@@ -86,7 +86,7 @@ class Schedule:
     (``min(S − s − 1, M)`` forwards, then one forward and one backward in turn, then the rest of
     the backwards), ``"async_1f1b"`` (``S − s`` forwards, then one backward and one forward in turn,
     across mini-batches: :func:`autosplit.solver.asynchronous.async_order`), or ``"torch"`` (torch's
-    own action lists, which autosplit does not model yet)."""
+    own action lists, :meth:`actions`)."""
     flushes: bool
     """Every step drains the pipeline before the optimizer step (synchronous training)."""
     asynchronous: bool
@@ -106,7 +106,7 @@ class Schedule:
     """The ``torch.distributed.pipelining`` class that runs it; None when autosplit runs it itself
     (``sequential`` in one process, the asynchronous ones in :mod:`autosplit.runtime.asynchronous`)."""
     runnable: bool
-    """autosplit plans and runs it today; the others are refused by name (a later issue)."""
+    """autosplit plans and runs it (every entry today; one that is not would be refused by name)."""
     summary: str
     """One line for messages and the CLI's help."""
     rounds: Rounds = "any"
