@@ -276,7 +276,7 @@ class StageState:
         if strict and missing:
             raise DistributedError(
                 advice(
-                    f"state dict lacks {len(missing)} entries of stage(s) {list(self.layout.held)} (first: {missing[:3]})",
+                    f"state dict lacks {len(missing)} entries of stages {list(self.layout.held)} (first: {missing[:3]})",
                     "it was saved from another model or another version of it",
                     "save it from this model (its state_dict() or full_state_dict()), or pass strict=False",
                 )

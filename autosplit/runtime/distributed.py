@@ -226,7 +226,7 @@ class DistributedModel(StageState):
             self._failed = _causes(e)
             raise DistributedError(
                 advice(
-                    f"rank {self._rank} (stage(s) {list(self.layout.held)} of {self.layout.stages}, replica {self.layout.replica}) "
+                    f"rank {self._rank} ({self._held_text()} of {self.layout.stages}, replica {self.layout.replica}) "
                     f"failed during a pipelined step: {_causes(e)}",
                     "an error in this stage's forward/backward, or a peer rank that failed or exited",
                     "look for the first rank that failed (its error names the node); run the model unsplit on one batch to reproduce",
@@ -239,6 +239,10 @@ class DistributedModel(StageState):
         if not self.is_last:
             return None
         return torch.stack([loss.detach() for loss in losses]).mean()
+
+    def _held_text(self) -> str:
+        held = self.layout.held
+        return f"stage {held[0]}" if len(held) == 1 else f"stages {list(held)}"
 
     def _sum_tied_gradients(self) -> None:
         """A replicated tied weight: its copies' gradients summed — this rank's (a V's two arms hold
@@ -411,9 +415,8 @@ class DistributedModel(StageState):
         return losses
 
     def __repr__(self) -> str:
-        held = self.layout.held
         return (
-            f"DistributedModel(stage{'s' * (len(held) > 1)} {', '.join(map(str, held))} of {self.layout.stages}, "
+            f"DistributedModel({self._held_text()} of {self.layout.stages}, "
             f"replica {self.layout.replica} of "
             f"{self.layout.replicas}, {self.plan.schedule} × {self.micro_batches} micro-batches, device {self.device})"
         )
