@@ -86,7 +86,11 @@ def workload(name: str):
 
 
 def unsplit_step(name: str, threads: int, steps: int, warmup: int) -> list[float]:
-    model, inputs, target, loss_fn = workload(name)
+    return timed_steps(*workload(name), threads=threads, steps=steps, warmup=warmup)
+
+
+def timed_steps(model, inputs, target, loss_fn, *, threads: int, steps: int, warmup: int) -> list[float]:
+    """Seconds of each of ``steps`` unsplit steps (forward, backward, Adam) on ``threads`` pinned threads."""
     opt = torch.optim.Adam(model.parameters(), lr=1e-4)
     times = []
     with pinned(threads, tuple(range(threads))):

@@ -59,7 +59,7 @@ sys.path.insert(0, str(ROOT))
 import autosplit  # noqa: E402
 from autosplit.compiler.manual import execution_order, plan_from_fqns, torchtitan_fqns  # noqa: E402
 from autosplit.options import ProfileOptions  # noqa: E402
-from autosplit.timers import pinned, steady_allocator  # noqa: E402
+from autosplit.timers import steady_allocator  # noqa: E402
 from benchmarks import pipeline_runtime  # noqa: E402
 from benchmarks.pipeline_runtime import measured_cpu  # noqa: E402
 from benchmarks.plan_time import machine  # noqa: E402
@@ -96,17 +96,7 @@ def workload(name: str):
 
 def unsplit(name: str, threads: int, steps: int, warmup: int = 3) -> dict[str, float]:
     """The unsplit model's step (forward, backward, Adam) on ``threads`` threads pinned to as many cores."""
-    model, inputs, target, loss_fn = workload(name)
-    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
-    times = []
-    with pinned(threads, tuple(range(threads))):
-        for i in range(warmup + steps):
-            t0 = time.perf_counter()
-            loss_fn(model(*inputs), target).backward()
-            opt.step()
-            opt.zero_grad()
-            if i >= warmup:
-                times.append(time.perf_counter() - t0)
+    times = pipeline_runtime.timed_steps(*workload(name), threads=threads, steps=steps, warmup=warmup)
     return {"median": statistics.median(times), "min": min(times), "max": max(times)}
 
 
