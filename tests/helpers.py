@@ -692,3 +692,33 @@ def pipelining_inputs(name: str, batch: int = ModelWithKwargs.BATCH, seed: int =
     _, extra = PIPELINING[name]
     g = torch.Generator().manual_seed(seed)
     return tuple(torch.randn(batch, D, generator=g) for _ in range(1 + extra))
+
+
+# -- gloo processes running cases ------------------------------------------------------------------
+
+
+def _case_worker(rank: int, world: int, init: str, run_case: Callable[..., None], cases: list[tuple], out: str) -> None:
+    import sys
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    sys.path.insert(0, str(ROOT))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world, timeout=timedelta(seconds=60))
+    try:
+        for case in cases:
+            run_case(*case, rank=rank, world=world)
+            dist.barrier()
+        Path(out, f"rank{rank}.ok").write_text("ok")
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn_cases(tmp_path: Path, world: int, run_case: Callable[..., None], cases: list[tuple]) -> None:
+    """``run_case(*case, rank=, world=)`` for every case on ``world`` gloo processes (one thread each),
+    a barrier after each; every rank must finish."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(_case_worker, args=(world, str(tmp_path / "init"), run_case, cases, str(tmp_path)), nprocs=world, join=True)
+    assert sorted(p.name for p in tmp_path.glob("*.ok")) == [f"rank{r}.ok" for r in range(world)]

@@ -11,19 +11,14 @@ full-batch BatchNorm, and it should not pretend to.
 from __future__ import annotations
 
 import copy
-import sys
 from collections.abc import Callable
-from datetime import timedelta
-from pathlib import Path
 from typing import Literal
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-from tests.helpers import ROOT, InceptionNet, as_float64, full_tensor, gpt2_lm, gpt_case, reference_step, where
+from tests.helpers import InceptionNet, as_float64, full_tensor, gpt2_lm, gpt_case, reference_step, spawn_cases, where
 
 MICRO = 2
 
@@ -109,22 +104,8 @@ def _run_case(name: str, schedule: str, dp: int, replicate: Literal["ddp", "fsdp
             torch.testing.assert_close(fresh.state_dict()[key], value, msg=_mismatch(key, full[key], value))
 
 
-def _worker(rank: int, world: int, init: str, cases: list[tuple[str, str, int, Literal["ddp", "fsdp"]]], out: str) -> None:
-    sys.path.insert(0, str(ROOT))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world, timeout=timedelta(seconds=60))
-    try:
-        for case in cases:
-            _run_case(*case, rank=rank, world=world)
-            dist.barrier()
-        Path(out, f"rank{rank}.ok").write_text("ok")
-    finally:
-        dist.destroy_process_group()
-
-
 def _spawn(tmp_path, world: int, cases) -> None:
-    mp.spawn(_worker, args=(world, str(tmp_path / "init"), cases, str(tmp_path)), nprocs=world, join=True)
-    assert sorted(p.name for p in tmp_path.glob("*.ok")) == [f"rank{r}.ok" for r in range(world)]
+    spawn_cases(tmp_path, world, _run_case, cases)
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])

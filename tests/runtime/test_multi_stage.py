@@ -4,17 +4,12 @@ three Adam steps, against the unsplit model trained in one process — losses, g
 from __future__ import annotations
 
 import copy
-import sys
-from datetime import timedelta
-from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-from tests.helpers import ROOT, as_float64, full_tensor, gpt_case, padding_mask, reference_step, where
+from tests.helpers import as_float64, full_tensor, gpt_case, padding_mask, reference_step, spawn_cases, where
 
 STEPS = 3
 MULTI = ["interleaved1f1b", "loopedbfs", "interleavedzerobubble", "zbvzerobubble", "dualpipev"]
@@ -74,22 +69,8 @@ def _run_case(name: str, schedule: str, dp: int, micro: int, v: int, rank: int, 
         torch.testing.assert_close(full_tensor(p), ref_params[pname], msg=where(f"{name} {schedule} {pname} after {STEPS} steps"))
 
 
-def _worker(rank: int, world: int, init: str, cases: list[tuple[str, str, int, int, int]], out: str) -> None:
-    sys.path.insert(0, str(ROOT))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world, timeout=timedelta(seconds=60))
-    try:
-        for case in cases:
-            _run_case(*case, rank=rank, world=world)
-            dist.barrier()
-        Path(out, f"rank{rank}.ok").write_text("ok")
-    finally:
-        dist.destroy_process_group()
-
-
 def _spawn(tmp_path, world: int, cases) -> None:
-    mp.spawn(_worker, args=(world, str(tmp_path / "init"), cases, str(tmp_path)), nprocs=world, join=True)
-    assert sorted(p.name for p in tmp_path.glob("*.ok")) == [f"rank{r}.ok" for r in range(world)]
+    spawn_cases(tmp_path, world, _run_case, cases)
 
 
 @pytest.mark.parametrize("schedule", MULTI)
