@@ -33,13 +33,17 @@ AUTO_MOST_STAGES_PER_RANK = 2
 
 __all__ = ["AUTO", "AUTO_MOST_STAGES_PER_RANK",
            "PlanOptions", "SolverLimits", "ProfileOptions", "SCHEDULES", "OBJECTIVES", "OPTIMIZERS", "CAPTURE_METHODS", "CostsLike",
-           "ScheduleName", "Objective", "Optimizer", "CaptureMethod"]
+           "ScheduleName", "Objective", "Optimizer", "CaptureMethod", "Precision", "PRECISIONS", "Checkpointing", "CHECKPOINTINGS"]
 
 Optimizer: TypeAlias = Literal["adam", "adamw", "sgd_momentum", "sgd", "none"]
 OPTIMIZERS = tuple(OPTIMIZER_STATE_BYTES)
 """Optimizers whose state and step temporaries the memory model counts (the names of :data:`Optimizer`)."""
 CaptureMethod: TypeAlias = Literal["auto", "symbolic_trace", "export"]
 CAPTURE_METHODS: tuple[str, ...] = get_args(CaptureMethod)
+Precision: TypeAlias = Literal["fp32", "bf16", "fp16-mixed", "bf16-mixed"]
+PRECISIONS: tuple[str, ...] = get_args(Precision)
+Checkpointing: TypeAlias = Literal["none", "full", "auto"]
+CHECKPOINTINGS: tuple[str, ...] = get_args(Checkpointing)
 
 
 @dataclass(frozen=True)
@@ -152,6 +156,20 @@ class PlanOptions:
     """Module → devices it must not run on: ``{"head": ["cuda:0"]}``."""
     together: Sequence[Sequence[str]] | None = None
     """Groups of modules that must share a device: ``[("wte", "head")]``."""
+    precision: Precision = "fp32"
+    """What the stages compute and keep in: ``"fp32"`` (the model's own dtype), ``"bf16"`` (parameters,
+    gradients, optimizer state and activations in bfloat16), ``"bf16-mixed"`` / ``"fp16-mixed"``
+    (``torch.autocast`` around every stage's forward, fp32 master weights and optimizer state; fp16
+    with a loss scaler). Costs charge each op at the device's peak for the dtype it computes in."""
+    checkpointing: Checkpointing = "none"
+    """Activation checkpointing per block (a repeated layer: the units coarsening finds): ``"none"``
+    (keep every activation), ``"full"`` (recompute every block in the backward, as torchtitan's
+    ``full`` mode), ``"auto"`` (the solver chooses, per stage, which blocks recompute, minimising the
+    step under each device's memory cap). Recomputed blocks run under
+    ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``."""
+    recompute: Mapping[str, bool] | None = None
+    """Per block, the user's decision that ``checkpointing="auto"`` keeps: ``{"layers.0": True,
+    "layers.31": False}`` (True: recompute it; a module path names every block inside it)."""
     data_parallel: int = 1
     """Replicas of the split model (hybrid data × pipeline parallelism): the predicted step adds
     the part of each stage's gradient all-reduce over them that backward does not hide."""
@@ -198,6 +216,14 @@ class PlanOptions:
             raise bad("data_parallel", self.data_parallel, "an integer ≥ 1")
         if not isinstance(self.limits, SolverLimits):
             raise bad("limits", self.limits, "a SolverLimits(...), e.g. SolverLimits(cpsat_vars=40_000)")
+        if self.precision not in PRECISIONS:
+            raise bad("precision", self.precision, f"one of {PRECISIONS}")
+        if self.checkpointing not in CHECKPOINTINGS:
+            raise bad("checkpointing", self.checkpointing, f"one of {CHECKPOINTINGS}")
+        if self.recompute is not None and not (
+            isinstance(self.recompute, Mapping) and all(isinstance(k, str) and isinstance(v, bool) for k, v in self.recompute.items())
+        ):
+            raise bad("recompute", self.recompute, "a mapping of module path to True (recompute) or False (keep)")
         if self.capture not in CAPTURE_METHODS:
             raise bad("capture", self.capture, f"one of {CAPTURE_METHODS}")
         named = isinstance(self.costs, str) and self.costs in ("analytic", "measured")

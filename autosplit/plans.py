@@ -72,6 +72,10 @@ class StageReport:
     """Of :attr:`backward`, the seconds of the gradient to the weights (W, which zero-bubble schedules run apart)."""
     param_bytes: int = 0
     """Bytes of the parameters the stage owns (what its gradient all-reduce moves)."""
+    recompute: tuple[str, ...] = ()
+    """Blocks (module paths) the stage recomputes in its backward (part of :attr:`backward`)."""
+    recompute_saves: int = 0
+    """Bytes of activations the stage does not hold because it recomputes :attr:`recompute`."""
 
     @property
     def memory(self) -> int:
@@ -213,6 +217,10 @@ class Plan:
     """[device] peak bytes of its stages together, from the replayed schedule (empty: the stage rows')."""
     alternatives: tuple[Alternative, ...] = ()
     """The configurations a search tried (options left ``"auto"``), fastest first; empty without a search."""
+    precision: str = "fp32"
+    """The precision the plan was costed for and its stages run in (:attr:`PlanOptions.precision`)."""
+    recompute: tuple[str, ...] = ()
+    """Blocks (module paths) whose activations the stages recompute in the backward instead of keeping."""
     made_with: tuple[str, float] | None = None
     """For a saved plan re-costed on load: (the costs it was made with, the step it predicted then)."""
     schema_version: int = SCHEMA_VERSION
