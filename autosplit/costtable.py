@@ -14,7 +14,8 @@ from pathlib import Path
 from autosplit.devices import DeviceSpec
 from autosplit.errors import CostModelError, advice
 
-# Optimizer state bytes per parameter (fp32 moments, whatever the parameter dtype).
+# Optimizer state bytes per fp32 parameter; torch.optim keeps the moments in the parameter's dtype
+# (``zeros_like(param)``), so a bf16 parameter's state is half this.
 OPTIMIZER_STATE_BYTES = {"adam": 8, "adamw": 8, "sgd_momentum": 4, "sgd": 0, "none": 0}
 
 
@@ -81,6 +82,22 @@ class CostTable:
     output_tensors: tuple[int, ...] = ()
     """[node] tensors in its output: each crossing pays the link latency once per micro-batch; a
     Python value (a shape int) crosses as a constant and pays nothing. Empty: one each."""
+
+    blocks: tuple[str, ...] = ()
+    """Labels (module paths) of the blocks a plan may recompute in the backward (activation checkpointing)."""
+    block_members: tuple[tuple[int, ...], ...] = ()
+    """[block] its node indices."""
+    block_saves: tuple[int, ...] = ()
+    """[block] bytes (whole batch) its stage no longer holds when it alone recomputes: its members'
+    activations, less the inputs the checkpoint keeps."""
+    block_activations: tuple[int, ...] = ()
+    """[block] bytes (whole batch) of its activations, held again (one micro-batch's share) while its
+    backward recomputes it."""
+    block_refusal: tuple[str, ...] = ()
+    """[block] why recomputing it would train differently, or ``""``."""
+    recomputed: tuple[str, ...] = ()
+    """The blocks whose costs here are the recomputing ones (backward includes the forward again,
+    activations are the checkpoint's inputs)."""
 
     def save(self, path: str | Path) -> None:
         """Write the table as JSON, to edit or to plan with again (``costs=path``)."""

@@ -61,6 +61,12 @@ class DeviceSpec:
     """The pipeline runtime's fixed seconds per micro-batch on a stage, forward and backward
     (scheduling, send/recv set-up); 0 until measured (``autosplit.calibration.measure_runtime``)."""
 
+    @property
+    def device_type(self) -> str:
+        """``"cpu"`` or ``"cuda"``: whose autocast policy and kernels the cost model assumes (presets of
+        GPUs, and any spec not named or placed on the CPU, are GPUs)."""
+        return "cpu" if (self.torch_device or self.name).startswith("cpu") else "cuda"
+
     def link_to(self, other: DeviceSpec) -> tuple[float, float]:
         """(bandwidth bytes/s, latency s) from this device to ``other``: the slower end decides."""
         if self.island == other.island:

@@ -224,6 +224,19 @@ class PlanOptions:
             isinstance(self.recompute, Mapping) and all(isinstance(k, str) and isinstance(v, bool) for k, v in self.recompute.items())
         ):
             raise bad("recompute", self.recompute, "a mapping of module path to True (recompute) or False (keep)")
+        if self.checkpoints and self.objective == "makespan":
+            raise ConstraintError(advice(
+                f"option checkpointing={self.checkpointing!r} (or recompute=) is planned for pipeline stages, and "
+                "objective='makespan' has none", "the makespan objective schedules single nodes, not checkpointed blocks",
+                "use objective='pipeline', or checkpointing='none'",
+            ))
+        if self.checkpoints and entry is not None and entry.split_backward:
+            raise ConstraintError(advice(
+                f"option checkpointing={self.checkpointing!r} (or recompute=) with schedule={self.schedule!r}, whose backward "
+                "is split into input and weight passes", "a checkpointed block's recomputation across torch's split "
+                "backward is not tested here, and a split that trains differently is worse than none",
+                "use a schedule with a whole backward (gpipe, 1f1b, interleaved1f1b, loopedbfs), or checkpointing='none'",
+            ))
         if self.capture not in CAPTURE_METHODS:
             raise bad("capture", self.capture, f"one of {CAPTURE_METHODS}")
         named = isinstance(self.costs, str) and self.costs in ("analytic", "measured")
@@ -272,6 +285,11 @@ class PlanOptions:
     def searches(self) -> bool:
         """Some of schedule, stages per rank and micro-batches are ``"auto"``: the planner chooses them."""
         return AUTO in (self.schedule, self.stages_per_rank, self.micro_batches)
+
+    @property
+    def checkpoints(self) -> bool:
+        """Some block may be recomputed: :attr:`checkpointing` is not ``"none"``, or :attr:`recompute` asks for one."""
+        return self.checkpointing != "none" or any((self.recompute or {}).values())
 
     @property
     def rank_stages(self) -> int:

@@ -9,6 +9,7 @@ from typing import Any
 
 from autosplit import progress, schedules
 from autosplit.compiler.constraints import user_constraints
+from autosplit.compiler.recompute import candidate_blocks
 from autosplit.compiler.trace import Traced
 from autosplit.costtable import CostTable
 from autosplit.devices import DeviceSpec, uncalibrated
@@ -20,18 +21,33 @@ from autosplit.shapes import is_meta
 from autosplit.solver.problem import UserConstraint
 
 
-def cost_table(traced: Traced, specs: tuple[DeviceSpec, ...], options: PlanOptions, *, micro_batches: int) -> tuple[CostTable, str]:
-    """The cost table ``options.costs`` asks for (with overrides), and a line saying where it came from."""
-    costs, gm = options.costs, traced.captured.gm
+def cost_table(
+    traced: Traced, specs: tuple[DeviceSpec, ...], options: PlanOptions, *, micro_batches: int, recompute: tuple[str, ...] = ()
+) -> tuple[CostTable, str]:
+    """The cost table ``options.costs`` asks for (with overrides), and a line saying where it came from.
+    It describes the blocks a plan may recompute (``options.checkpointing``, ``options.recompute``),
+    and its costs are those of recomputing the blocks labelled in ``recompute``."""
+    costs, gm = options.costs, traced.annotated(options.precision, specs[0].device_type)
     if isinstance(costs, (CostTable, Path)) or (isinstance(costs, str) and costs not in ("analytic", "measured")):
         table = _given_table(traced, specs, costs)
         source = f"given table ({costs if isinstance(costs, (str, Path)) else 'object'})"
-    elif costs == "analytic":
-        table = estimate(gm, specs, optimizer=options.optimizer, micro_batches=micro_batches)
-        present = sorted({str(s.torch_device) for s in specs if uncalibrated(s)})
-        source = "analytic" + (f" (uncalibrated for {', '.join(present)})" if present else "")
+        if (options.checkpointing != "none" or options.recompute or recompute) and not table.blocks:
+            raise CostModelError(advice(
+                f"checkpointing={options.checkpointing!r} needs the blocks a plan may recompute, and the given cost table has none",
+                "a given table holds the costs of one way to run the model", "plan with costs='analytic' or 'measured'",
+            ))
     else:
-        table, source = _measured(traced, specs, ProfileOptions() if costs == "measured" else costs, options, micro_batches)
+        def table_of(**blocks: Any) -> tuple[CostTable, str]:
+            if costs == "analytic":
+                present = sorted({str(s.torch_device) for s in specs if uncalibrated(s)})
+                return estimate(gm, specs, optimizer=options.optimizer, micro_batches=micro_batches, **blocks), (
+                    "analytic" + (f" (uncalibrated for {', '.join(present)})" if present else ""))
+            return _measured(traced, specs, ProfileOptions() if costs == "measured" else costs, options, micro_batches, blocks)
+
+        table, source = table_of()
+        blocks = candidate_blocks(table, options, recompute)
+        if blocks:
+            table, source = table_of(blocks=blocks, recompute=recompute)
     if options.cost_overrides:
         n = len(options.cost_overrides)
         table = with_overrides(table, options.cost_overrides)
@@ -40,8 +56,16 @@ def cost_table(traced: Traced, specs: tuple[DeviceSpec, ...], options: PlanOptio
 
 
 def _measured(
-    traced: Traced, specs: tuple[DeviceSpec, ...], profiling: Any, options: PlanOptions, micro_batches: int
+    traced: Traced, specs: tuple[DeviceSpec, ...], profiling: Any, options: PlanOptions, micro_batches: int,
+    blocks: dict[str, Any],
 ) -> tuple[CostTable, str]:
+    if options.precision != "fp32":
+        raise CostModelError(advice(
+            f"costs='measured' profiles the model's nodes in fp32, and the plan is for precision={options.precision!r}",
+            "the profiler does not yet run nodes under autocast or in bf16",
+            f"plan with costs='analytic' and precision={options.precision!r} (calibrated device specs: autosplit.calibrate), "
+            "or measure with precision='fp32'",
+        ))
     if traced.model is not None and is_meta(traced.model):
         raise CostModelError(advice(
             "costs='measured' times the model's nodes on real weights, and this model is on the meta device",
@@ -67,7 +91,7 @@ def _measured(
     }
     table = estimate(
         traced.captured.gm, specs, optimizer=options.optimizer, micro_batches=micro_batches,
-        profiles=[profiles.get(s.torch_device) if s.torch_device else None for s in specs],
+        profiles=[profiles.get(s.torch_device) if s.torch_device else None for s in specs], **blocks,
     )
     hits = sum(p.cached for p in profiles.values())
     analytic = [s.name for s in specs if s.torch_device is None]

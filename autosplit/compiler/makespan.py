@@ -72,6 +72,7 @@ def compile_makespan(
         assignment={name: device_of[i] for i, name in enumerate(problem.nodes)}, stage_devices=used, stages=tuple(stages),
         module_stages=module_stages(table, stage_of), step_time=makespan, terms=StepTerms(makespan, 0.0, 0.0, 0.0, 0.0),
         micro_batches=1, schedule="makespan", objective="makespan", solver=solver, costs=source, timings=timings, tasks=tasks,
+        precision=options.precision,
     )
     if given is not None:
         return dataclasses.replace(given, **common, made_with=given.made_with or (given.costs, given.step_time))

@@ -182,9 +182,12 @@ def rank_peaks(problem: Problem, schedule: str, reports: Sequence[StageReport]) 
 
 def stage_reports(
     problem: Problem, table: CostTable, stage_of: Sequence[int], order: Sequence[int], shared: Sequence[SharedParam] = (),
+    schedule: str = "gpipe",
 ) -> tuple[StageReport, ...]:
     """Each stage's predicted figures; a stage holding a replica of a tied weight (``shared``) also
-    holds its gradient and optimizer state, and sends it nowhere."""
+    holds its gradient and optimizer state, and sends it nowhere. The blocks the table recomputes
+    are named on their stage, with the activations they save at its peak (``schedule``'s in-flight
+    micro-batches)."""
     ev = evaluate(sharing_problem(problem, table, order, shared), stage_of)
     replicas = [0] * len(order)
     owner = {read: u for u, read in enumerate(table.param_reads) if read}
@@ -195,8 +198,12 @@ def stage_reports(
                     replicas[s] += table.state_bytes[owner[p.name]]
     reports = []
     share = table.wgrad_share or (0.0,) * len(table.nodes)
+    entry, M, S = schedules.lookup(schedule), problem.micro_batches, problem.num_stages
+    recomputed = [(label, table.blocks.index(label)) for label in table.recomputed]
     for s, device in enumerate(table.devices[d] for d in order):
         members = [n for n, st in enumerate(stage_of) if st == s]
+        mine = [(label, b) for label, b in recomputed if stage_of[table.block_members[b][0]] == s]
+        in_flight = entry.in_flight(s, S, M, problem.ranks) / M
         reports.append(
             StageReport(
                 device=device.torch_device or device.name,
@@ -216,6 +223,8 @@ def stage_reports(
                 memory_sent=ev.send_mem[s] * KIB,
                 memory_transient=ev.transient_mem * KIB,
                 capacity=device.memory,
+                recompute=tuple(label for label, _ in mine),
+                recompute_saves=round(sum(table.block_saves[b] for _, b in mine) * in_flight),
             )
         )
     return tuple(reports)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 
 from autosplit import progress
-from autosplit.compiler.costs import estimated
+from autosplit.compiler.costs import cost_table, estimated
 from autosplit.compiler.makespan import compile_makespan
 from autosplit.compiler.prediction import module_stages, predict_step, rank_peaks, stage_reports
 from autosplit.compiler.trace import Traced
@@ -28,6 +28,8 @@ def recost(traced: Traced, specs: tuple[DeviceSpec, ...], options: PlanOptions, 
     solver's model, so that it compares with the solver's bound."""
     given.check_fingerprint(traced.fingerprint, traced.node_names)
     timings, M, table, source, rules = estimated(traced, specs, options)
+    if given.recompute:  # the costs of the blocks it recomputes
+        table, source = cost_table(traced, specs, options, micro_batches=M, recompute=given.recompute)
     if given.objective == "makespan":
         return compile_makespan(traced, specs, options, table, source, rules, timings, given)
     order = given.stage_devices
@@ -41,11 +43,11 @@ def recost(traced: Traced, specs: tuple[DeviceSpec, ...], options: PlanOptions, 
     solver = given.solver
     if solver.status == "MANUAL":
         solver = dataclasses.replace(solver, objective=evaluate(problem, stage_of).objective / M / NS)
-    reports = stage_reports(problem, table, stage_of, order, shared)
+    reports = stage_reports(problem, table, stage_of, order, shared, options.schedule)
     return dataclasses.replace(
         given, solver=solver, stages=reports, rank_memory=rank_peaks(problem, options.schedule, reports), costs=source,
         step_time=terms.total,
         module_stages=module_stages(table, stage_of),
-        terms=terms, shared_params=shared, data_parallel=options.data_parallel, timings=timings,
+        terms=terms, shared_params=shared, data_parallel=options.data_parallel, timings=timings, precision=options.precision,
         made_with=given.made_with or (given.costs, given.step_time),
     )

@@ -19,8 +19,9 @@ import logging
 import math
 
 from autosplit import schedules
-from autosplit.compiler.costs import estimated
+from autosplit.compiler.costs import cost_table, estimated
 from autosplit.compiler.prediction import predict_step, rank_peaks, stage_reports
+from autosplit.compiler.recompute import offered
 from autosplit.compiler.trace import Traced
 from autosplit.costtable import CostTable
 from autosplit.devices import DeviceSpec
@@ -52,13 +53,26 @@ def stage_problem(
         entry.check(ranks=ranks, stages=ranks * v, micro_batches=micro_batches)
         rank_of = order = tuple(entry.rank_of(s, ranks * v, ranks) for s in range(ranks * v))
     problem = build_problem(table, micro_batches=micro_batches, schedule=options.schedule, order=order, constraints=rules,
-                            rank_of=rank_of)
+                            rank_of=rank_of, recompute=offered(table, options) if table.blocks else None)
     return order, problem
+
+
+def recomputing(
+    traced: Traced, specs: tuple[DeviceSpec, ...], options: PlanOptions, micro_batches: int, rules: list[UserConstraint],
+    order: tuple[int, ...], labels: tuple[str, ...],
+) -> tuple[CostTable, str, Problem]:
+    """The cost table and problem of stages in ``order`` that recompute the blocks ``labels``: their
+    costs exactly, nothing left to choose."""
+    table, source = cost_table(traced, specs, options, micro_batches=micro_batches, recompute=labels)
+    problem = build_problem(table, micro_batches=micro_batches, schedule=options.schedule, order=order, constraints=rules,
+                            rank_of=order if options.rank_stages > 1 else ())
+    return table, source, problem
 
 
 def configurations(options: PlanOptions, ranks: int, batch: int | None) -> list[PlanOptions]:
     """Every concrete configuration ``options`` leave open, in a fixed order."""
-    names = ([n for n in schedules.SCHEDULES if schedules.REGISTRY[n].flushes and schedules.REGISTRY[n].torch_class]
+    names = ([n for n in schedules.SCHEDULES if schedules.REGISTRY[n].flushes and schedules.REGISTRY[n].torch_class
+              and not (options.checkpoints and schedules.REGISTRY[n].split_backward)]
              if options.schedule == AUTO else [options.schedule])
     out = []
     for name in names:
@@ -99,14 +113,24 @@ def _judge(traced: Traced, specs: tuple[DeviceSpec, ...], options: PlanOptions) 
 def _split_and_replay(traced: Traced, specs: tuple[DeviceSpec, ...], options: PlanOptions) -> Alternative:
     _, M, table, _, rules = estimated(traced, specs, options)
     order, problem = stage_problem(table, len(specs), options, M, rules)
-    stage_of, _, _ = dp_plan(problem, topological_order(problem), limits=options.limits)
+    stage_of, labels = None, ()
+    for chosen in dict.fromkeys(problem.forced):  # the fewest and the most blocks recomputed, when there are any
+        fixed = problem.fixed(chosen)
+        found, _, _ = dp_plan(fixed, topological_order(fixed), limits=options.limits)
+        if found is not None and not violations(fixed, found):
+            stage_of, labels = found, tuple(problem.recompute[u].label for u in chosen)
+            break
+    if labels:
+        table, _, problem = recomputing(traced, specs, options, M, rules, order, labels)
+    elif stage_of is None:
+        stage_of, _, _ = dp_plan(problem, topological_order(problem), limits=options.limits)
     why = "no contiguous split fits" if stage_of is None else "; ".join(violations(problem, stage_of))
     row = Alternative(options.schedule, options.rank_stages, M, math.inf, (), why)
     if stage_of is None or why:
         return row
     terms, shared = predict_step(problem, table, stage_of, order, options)
     return dataclasses.replace(row, step_time=terms.total,
-                               rank_memory=rank_peaks(problem, options.schedule, stage_reports(problem, table, stage_of, order, shared)))
+                               rank_memory=rank_peaks(problem, options.schedule, stage_reports(problem, table, stage_of, order, shared, options.schedule)))
 
 
 def search(traced: Traced, specs: tuple[DeviceSpec, ...], options: PlanOptions) -> tuple[PlanOptions, tuple[Alternative, ...]]:

@@ -28,7 +28,7 @@ from autosplit.compiler.makespan import compile_makespan
 from autosplit.compiler.prediction import module_stages, predict_step, rank_peaks, stage_reports
 from autosplit.compiler.recost import recost
 from autosplit.compiler.refine import refine
-from autosplit.compiler.search import search, stage_problem
+from autosplit.compiler.search import recomputing, search, stage_problem
 from autosplit.compiler.trace import Traced, versions
 from autosplit.devices import DeviceSpec
 from autosplit.errors import CodegenError, DeviceError, advice
@@ -63,6 +63,10 @@ def compile_plan(
         order, problem = stage_problem(table, len(specs), options, M, rules)
     with progress.timed_pass("solve", timings, limit=options.time_limit):
         solution = solve(problem, time_limit=options.time_limit, seed=options.seed, limits=options.limits)
+    recomputed = tuple(problem.recompute[u].label for u in solution.recompute)
+    if problem.recompute:  # the chosen blocks' costs, exactly (the solver spread each block's over its members)
+        with progress.timed_pass("estimate", timings):
+            table, source, problem = recomputing(traced, specs, options, M, rules, order, recomputed)
     stage_of, solver_name, status = solution.stage_of, solution.solver, solution.status
     entry = schedules.lookup(options.schedule)
     if v > 1 or entry.split_backward:  # the closed form is a surrogate here: the replay judges, and moves the cuts
@@ -73,7 +77,7 @@ def compile_plan(
     with progress.timed_pass("validate", timings):
         validate(problem, stage_of)
     terms, shared = predict_step(problem, table, stage_of, order, options)
-    reports = stage_reports(problem, table, stage_of, order, shared)
+    reports = stage_reports(problem, table, stage_of, order, shared, options.schedule)
     per_step = M  # the objective is M steps' worth
     objective = evaluate(problem, stage_of).objective
     return Plan(
@@ -90,6 +94,8 @@ def compile_plan(
         micro_batches=M,
         schedule=options.schedule,
         stages_per_rank=v,
+        precision=options.precision,
+        recompute=recomputed,
         objective="pipeline",
         solver=SolverInfo(
             name=solver_name,
@@ -131,7 +137,7 @@ def codegen(traced: Traced, plan: Plan) -> tuple[Program, dict[str, float]]:
         )
     timings: dict[str, float] = {}
     with progress.timed_pass("codegen", timings):
-        program = generate(traced.captured, plan.stage_of, [str(t) for t in targets])
+        program = generate(traced.captured, plan.stage_of, [str(t) for t in targets], recompute=plan.recompute)
     if debug.stage_code.isEnabledFor(logging.DEBUG):
         for s, (stage, device) in enumerate(zip(program.stages, program.devices)):
             debug.stage_code.debug("stage %d on %s:\n%s", s, device, stage.code.strip())

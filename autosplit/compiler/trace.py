@@ -5,6 +5,7 @@ input shape (:class:`~autosplit.api.planner.Planner` keeps the result).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from importlib import metadata
@@ -33,6 +34,28 @@ class Traced:
     example: tuple[tuple, Mapping[str, Any]] = ((), {})
     """The example call ``(args, kwargs)`` it was captured with."""
     _micro: dict[int, Captured] = field(default_factory=dict, compare=False, repr=False)
+    _precisions: dict[tuple[str, str], torch.fx.GraphModule] = field(default_factory=dict, compare=False, repr=False)
+
+    def annotated(self, precision: str, device_type: str) -> torch.fx.GraphModule:
+        """The graph annotated as ``precision`` runs it on a ``device_type`` target (``"cpu"``,
+        ``"cuda"``): the captured graph itself for fp32, else a copy of it (same nodes and names,
+        same module) annotated anew, made once and kept."""
+        if precision == "fp32":
+            return self.captured.gm
+        key = (precision, "cpu" if device_type == "cpu" else "cuda")
+        if key not in self._precisions:
+            graph = torch.fx.Graph()
+            graph.output(graph.graph_copy(self.captured.gm.graph, {}))
+            copy = torch.fx.GraphModule(self.captured.gm, graph)
+            names = [n.name for n in copy.graph.nodes]
+            if names != [n.name for n in self.captured.gm.graph.nodes]:
+                raise CodegenError(advice(
+                    "copying the captured graph to annotate it in another precision renamed its nodes",
+                    "an fx graph whose node names collide with its own namespace", "plan with precision='fp32'",
+                ))
+            annotate(dataclasses.replace(self.captured, gm=copy), list(self.inputs), precision=precision, device_type=key[1])
+            self._precisions[key] = copy
+        return self._precisions[key]
 
     @property
     def node_names(self) -> set[str]:

@@ -22,6 +22,7 @@ Usage::
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 from dataclasses import dataclass
@@ -35,6 +36,8 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from autosplit.errors import CostModelError, advice
 from autosplit.passes.capture import Captured
+
+F = torch.nn.functional
 
 aten = torch.ops.aten
 
@@ -55,7 +58,7 @@ RNN_FLOPS = {aten.mkldnn_rnn_layer: _rnn_layer_flops, aten.mkldnn_rnn_layer_back
 LSTM with projections runs decomposed into matmuls, which it counts): without these, analytic
 costs would see no LSTM compute at all."""
 
-__all__ = ["NodeInfo", "annotate", "node_info", "fresh"]
+__all__ = ["LOW_PRECISION", "NodeInfo", "annotate", "node_info", "fresh", "precision_context"]
 
 log = logging.getLogger(__name__)
 
@@ -208,10 +211,59 @@ def _cut(value: Any) -> Any:
     return pytree.tree_map(lambda t: t.detach().requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor) else t, value)
 
 
+LOW_PRECISION = {"bf16": torch.bfloat16, "bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}
+"""The low-precision dtype of each precision (:attr:`autosplit.options.PlanOptions.precision`) but fp32."""
+
+
+# CUDA's autocast runs these in fp32 whatever their inputs (``autocast_mode.cpp``, the fp32 lists),
+# where CPU autocast leaves them in the input's dtype. Annotating on fake CPU tensors (fake CUDA
+# tensors cannot run autograd on a machine without CUDA), a GPU target's policy is completed by
+# casting their floating inputs to fp32 first, as CUDA's autocast does.
+_CUDA_FP32 = frozenset({
+    F.softmax, F.log_softmax, F.layer_norm, F.group_norm, F.softplus, F.cross_entropy, F.nll_loss, F.mse_loss,
+    F.l1_loss, F.smooth_l1_loss, F.huber_loss, F.kl_div, F.binary_cross_entropy_with_logits, F.cosine_similarity,
+    torch.softmax, torch.log_softmax, torch.exp, torch.expm1, torch.log, torch.log1p, torch.log2, torch.log10,
+    torch.reciprocal, torch.rsqrt, torch.pow, torch.sum, torch.prod, torch.cumsum, torch.cumprod, torch.logsumexp,
+    torch.norm, torch.cdist, torch.Tensor.softmax, torch.Tensor.log_softmax, torch.Tensor.exp, torch.Tensor.log,
+    torch.Tensor.rsqrt, torch.Tensor.reciprocal, torch.Tensor.pow, torch.Tensor.__pow__, torch.Tensor.sum,
+    torch.Tensor.prod, torch.Tensor.cumsum, torch.Tensor.logsumexp, torch.Tensor.norm,
+})
+
+
+_ATTENTION = frozenset({F.scaled_dot_product_attention, aten.scaled_dot_product_attention.default})
+
+
+class _CudaFp32(torch.overrides.TorchFunctionMode):
+    """CUDA autocast's fp32 ops, on top of CPU autocast (see :data:`_CUDA_FP32`)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _CUDA_FP32 and torch.is_autocast_enabled("cpu"):
+            up = lambda x: x.float() if isinstance(x, torch.Tensor) and x.dtype in _HALF else x  # noqa: E731
+            args, kwargs = pytree.tree_map(up, (args, kwargs))
+            with torch.autocast("cpu", enabled=False):
+                return func(*args, **kwargs)
+        return func(*args, **kwargs)
+
+
+def precision_context(precision: str, device_type: str) -> contextlib.AbstractContextManager:
+    """The forward's dtype policy for annotating ``precision`` on a ``device_type`` (``"cpu"``,
+    ``"cuda"``) target: autocast for the mixed precisions; nothing for fp32 and bf16 (a bf16 model
+    is annotated with bf16 state and inputs instead)."""
+    if not precision.endswith("-mixed"):
+        return contextlib.nullcontext()
+    stack = contextlib.ExitStack()
+    stack.enter_context(torch.autocast("cpu", dtype=LOW_PRECISION[precision]))
+    if device_type != "cpu":
+        stack.enter_context(_CudaFp32())
+    return stack
+
+
 class _Annotator(fx.Interpreter):
-    def __init__(self, captured: Captured):
+    def __init__(self, captured: Captured, precision: str = "fp32", device_type: str = "cpu"):
         super().__init__(captured.gm, garbage_collect_values=True)
         self.paths = captured.module_paths
+        self.precision, self.device_type = precision, device_type
         self.fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
         self._fakes: dict[int, torch.Tensor] = {}  # id(real tensor) → its fake, so identity survives
         self._state_fakes: set[int] = set()  # ids of fakes standing for parameters
@@ -221,12 +273,21 @@ class _Annotator(fx.Interpreter):
 
     def fake(self, t: torch.Tensor) -> torch.Tensor:
         if id(t) not in self._fakes:
-            f = self.fake_mode.from_tensor(t)
+            f = self._fake_in_precision(t) if self.precision != "fp32" else self.fake_mode.from_tensor(t)
             if isinstance(t, torch.nn.Parameter):
                 f.requires_grad_(t.requires_grad)
                 self._state_fakes.add(id(f))
             self._fakes[id(t)] = f
         return self._fakes[id(t)]
+
+    def _fake_in_precision(self, t: torch.Tensor) -> torch.Tensor:
+        """A fake of ``t`` as the precision holds it: floating values in bf16 for ``"bf16"``; on the
+        CPU (where autocast applies to fakes) for the mixed ones, whatever device the model is on."""
+        dtype = LOW_PRECISION[self.precision] if self.precision == "bf16" and t.is_floating_point() else t.dtype
+        device = torch.device("cpu") if self.precision.endswith("-mixed") else t.device
+        with unset_fake_temporarily():
+            meta = torch.empty_strided(tuple(t.shape), t.stride(), dtype=dtype, device="meta")
+        return FakeTensor(self.fake_mode, meta, device)
 
     # -- state ----------------------------------------------------------------------------
     def _own(self, named: list[tuple[str, torch.Tensor]]) -> tuple[tuple[str, ...], int, int, int, int]:
@@ -235,7 +296,7 @@ class _Annotator(fx.Interpreter):
             if id(t) in self._seen_state:
                 continue
             self._seen_state.add(id(t))
-            size = t.numel() * t.element_size()
+            size = t.numel() * (2 if self.precision == "bf16" and t.is_floating_point() else t.element_size())
             if isinstance(t, torch.nn.Parameter):
                 names.append(name)
                 pbytes += size
@@ -358,10 +419,31 @@ class _Annotator(fx.Interpreter):
             self._modules[target] = (type(mod), repr(mod), mod.training, state)
         return self._modules[target]
 
+    def _attention_on_cpu(self, n: fx.Node, args_kwargs: Any) -> torch.device | None:
+        """The device to move an attention node's output back to, when it must be measured on CPU
+        fakes instead (None otherwise). On the meta device ``scaled_dot_product_attention`` runs the
+        math path, which saves the (B, H, L, L) probabilities; the fused kernels training runs — flash
+        or memory-efficient on GPUs, the CPU's flash kernel — save the log-sum-exp instead."""
+        if n.target not in _ATTENTION:
+            return None
+        devices = {t.device for t in pytree.tree_leaves(args_kwargs) if isinstance(t, torch.Tensor)}
+        return next(iter(devices)) if devices and all(d.type == "meta" for d in devices) else None
+
+    def _moved(self, x: Any, device: torch.device) -> Any:
+        """A fake like ``x`` (shape, strides, dtype, grad flag) on ``device``; other values as they are."""
+        if not isinstance(x, torch.Tensor):
+            return x
+        with unset_fake_temporarily():
+            meta = torch.empty_strided(tuple(x.shape), x.stride(), dtype=x.dtype, device="meta")
+        return FakeTensor(self.fake_mode, meta, device).requires_grad_(x.requires_grad)
+
     def _measure(self, n: fx.Node, args: tuple, kwargs: dict) -> tuple[Any, _Measured]:
         """Run ``n`` on fresh grad-requiring inputs; its output (cut from the graph) and what it costs."""
 
         args, kwargs = pytree.tree_map(lambda x: fresh(_make(x, self.fake_mode), self._state_fakes), (args, kwargs))
+        back_to = self._attention_on_cpu(n, (args, kwargs))
+        if back_to is not None:
+            args, kwargs = pytree.tree_map(lambda x: self._moved(x, torch.device("cpu")), (args, kwargs))
         flat = pytree.tree_leaves((args, kwargs))
         position = {id(t): i for i, t in enumerate(flat) if isinstance(t, torch.Tensor)}
         versions = {i: t._version for i, t in enumerate(flat) if isinstance(t, torch.Tensor)}
@@ -383,6 +465,7 @@ class _Annotator(fx.Interpreter):
         with (
             FlopCounterMode(display=False, custom_mapping=RNN_FLOPS) as fwd_counter,
             torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
+            precision_context(self.precision, self.device_type),
         ):
             out = getattr(self, n.op)(n.target, args, kwargs)
         written_at = frozenset(i for i, v in versions.items() if flat[i]._version != v)
@@ -406,6 +489,8 @@ class _Annotator(fx.Interpreter):
             bwd = bwd_counter.get_total_flops()
             wshare = 1.0 if weights and len(weights) == len(grad_inputs) else min(1.0, wgrad / bwd) if bwd else 0.0
         out = _cut(out)
+        if back_to is not None:
+            out = pytree.tree_map(lambda x: self._moved(x, back_to), out)
         template = pytree.tree_map(lambda t: _TensorMeta.of(t) if isinstance(t, torch.Tensor) else t, out)
         measured = _Measured(
             fwd_counter.get_total_flops(), bwd, sum(own.values()), frozenset(saved_at), saves_output, written_at, template, wshare
@@ -413,9 +498,15 @@ class _Annotator(fx.Interpreter):
         return out, measured
 
 
-def annotate(captured: Captured, inputs: list[Any]) -> fx.GraphModule:
-    """Write a :class:`NodeInfo` into ``node.meta["autosplit"]`` of every node; returns the graph module."""
-    annotator = _Annotator(captured)
+def annotate(captured: Captured, inputs: list[Any], *, precision: str = "fp32", device_type: str = "cpu") -> fx.GraphModule:
+    """Write a :class:`NodeInfo` into ``node.meta["autosplit"]`` of every node; returns the graph module.
+
+    ``precision`` (:attr:`~autosplit.options.PlanOptions.precision`) on a ``device_type`` target:
+    each node is run as that precision runs it — the mixed ones under autocast (CUDA's policy for a
+    GPU: its fp32 ops stay fp32), ``"bf16"`` with bf16 parameters, buffers and floating inputs — so
+    its FLOPs, bytes, saved tensors and dtype (``half``: the tensor-core peak applies) are its own.
+    """
+    annotator = _Annotator(captured, precision, device_type)
     fake_inputs = [annotator.fake(x) if isinstance(x, torch.Tensor) else x for x in inputs]
     annotator.run(*fake_inputs)
     return captured.gm

@@ -37,8 +37,9 @@ Usage::
 from __future__ import annotations
 
 import dataclasses
+import math
 import operator
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 
 import torch
 import torch.fx as fx
@@ -94,7 +95,7 @@ def _times(node: fx.Node, info: NodeInfo, spec: DeviceSpec) -> tuple[float, floa
 
 
 def _saved_bytes(
-    gm: fx.GraphModule, nodes: list[fx.Node], infos: list[NodeInfo], own: list[int]
+    gm: fx.GraphModule, nodes: list[fx.Node], infos: list[NodeInfo], own: list[int], recomputed: Collection[int] = frozenset()
 ) -> tuple[list[int], list[int]]:
     """(activation bytes, bytes held when sent to another stage) per node; each storage once.
 
@@ -102,23 +103,33 @@ def _saved_bytes(
     projections) is alive once: it is charged to its producer, on top of what the
     producer itself saves. A saved graph input is charged to its first saver. The
     model's outputs stay alive until the loss has used them: they count as saved.
+
+    Nodes in ``recomputed`` (the blocks a plan checkpoints) save nothing of their own: the
+    checkpoint keeps every tensor they read from outside the blocks instead, and recomputes the rest
+    in the backward.
     """
     index = {n.name: i for i, n in enumerate(nodes)}
     placeholders = {n.name: n for n in gm.graph.find_nodes(op="placeholder")}
-    saved = list(own)
+    saved = [0 if i in recomputed else b for i, b in enumerate(own)]
     charged: set[str] = set()
+
+    def kept(i: int) -> Sequence[str]:  # what node i keeps alive for its backward
+        if i not in recomputed:
+            return infos[i].saved_inputs
+        return [u.name for u in nodes[i].all_input_nodes if index.get(u.name) not in recomputed]
+
     for i, info in enumerate(infos):
-        for name in info.saved_inputs:
+        for name in kept(i):
             if name in charged:
                 continue
             charged.add(name)
             if name in index:
                 p = index[name]
-                if not infos[p].saves_output and nodes[p].op != "get_attr":  # parameters are model state
+                if (not infos[p].saves_output or p in recomputed) and nodes[p].op != "get_attr":  # parameters are model state
                     saved[p] += infos[p].output_bytes
             elif name in placeholders:
                 saved[i] += node_info(placeholders[name]).output_bytes
-    held = {nodes[i].name for i, info in enumerate(infos) if info.saves_output} | charged
+    held = {nodes[i].name for i, info in enumerate(infos) if info.saves_output and i not in recomputed} | charged
     output = next(iter(gm.graph.find_nodes(op="output")))
     for u in output.all_input_nodes:
         if u.name in index and u.name not in held:
@@ -282,6 +293,44 @@ def _param_reads(gm: fx.GraphModule, nodes: list[fx.Node]) -> tuple[str, ...]:
     )
 
 
+def _blocks(
+    gm: fx.GraphModule, nodes: list[fx.Node], infos: list[NodeInfo], own: list[int], saved: list[int],
+    blocks: Sequence[tuple[str, Collection[str]]], micro_batches: int,
+) -> dict[str, tuple]:
+    """The cost table's fields that describe ``blocks`` (label, member node names) as a plan may
+    recompute them: members, the bytes recomputing each alone saves (what its members stop holding,
+    less what the checkpoint keeps of its inputs), the bytes its backward holds again while it
+    recomputes, and why a block cannot be recomputed."""
+    index = {n.name: i for i, n in enumerate(nodes)}
+    members = [tuple(sorted(index[m] for m in names if m in index)) for _, names in blocks]
+    saves, held, why = [], [], []
+    for block in members:
+        alone, _ = _saved_bytes(gm, nodes, infos, own, frozenset(block))
+        saves.append(sum(saved) - sum(alone))
+        held.append(sum(saved[i] for i in block))
+        why.append(_not_recomputable(gm, [nodes[i] for i in block], [infos[i] for i in block]))
+    return dict(blocks=tuple(label for label, _ in blocks), block_members=tuple(members), block_saves=tuple(saves),
+                block_activations=tuple(held), block_refusal=tuple(why))
+
+
+def _not_recomputable(gm: fx.GraphModule, members: Sequence[fx.Node], infos: Sequence[NodeInfo]) -> str:
+    """Why recomputing these nodes in the backward would train differently ("" when it would not):
+    a write in place into a value from outside them (recomputing would read the written value), or
+    a module whose buffers training updates (BatchNorm's running statistics would move twice)."""
+    inside = {n.name for n in members}
+    for n, info in zip(members, infos):
+        outside = [name for name in info.mutates if name not in inside]
+        if outside:
+            return f"node {n.name} writes {outside[0]} in place"
+        if n.op == "call_module":
+            mod = gm.get_submodule(str(n.target))
+            if mod.training and any(True for _ in mod.buffers()) and getattr(mod, "track_running_stats", True) and isinstance(
+                mod, torch.nn.modules.batchnorm._NormBase
+            ):
+                return f"module {n.target} ({type(mod).__name__}) updates its running statistics in training"
+    return ""
+
+
 def estimate(
     gm: fx.GraphModule,
     devices: tuple[DeviceSpec, ...],
@@ -289,11 +338,17 @@ def estimate(
     optimizer: str = "adam",
     profiles: Sequence[Profile | None] | None = None,
     micro_batches: int = 1,
+    blocks: Sequence[tuple[str, Collection[str]]] = (),
+    recompute: Collection[str] = (),
 ) -> CostTable:
     """Build the :class:`CostTable` of an annotated graph for ``devices``.
 
     ``profiles[d]`` (one micro-batch of ``micro_batches``) gives device ``d`` measured
-    costs; ``None`` or a missing profile keeps the analytic ones.
+    costs; ``None`` or a missing profile keeps the analytic ones. ``blocks`` (label, member node
+    names) are what a plan may recompute (activation checkpointing); the costs of those labelled in
+    ``recompute`` are the recomputing ones: their forward runs again in the backward, their members
+    keep none of their activations (the checkpoint keeps their inputs), and their backward needs
+    the block's activations of one micro-batch again.
     """
     if optimizer not in OPTIMIZER_STATE_BYTES:
         raise CostModelError(advice(
@@ -314,8 +369,22 @@ def estimate(
     edges = sorted({(index[u], index[v]) for v in nodes for u in v.all_input_nodes if u in index})
     colocate, order_edges = _placement_rules(gm, nodes, index, infos)
     saved, sent = _saved_bytes(gm, nodes, infos, own_saved)
+    described = _blocks(gm, nodes, infos, own_saved, saved, blocks, micro_batches) if blocks else {}
+    unknown = sorted(set(recompute) - set(described.get("blocks", ())))
+    if unknown:
+        raise CostModelError(advice(
+            f"cannot cost recomputing {unknown}: not among the blocks described ({list(described.get('blocks', ()))[:4]})",
+            "recompute names the labels of blocks passed in blocks=", "pass every recomputed block in blocks= too",
+        ))
+    if recompute:
+        chosen = [described["block_members"][described["blocks"].index(label)] for label in recompute]
+        recomputed = frozenset(i for block in chosen for i in block)
+        saved, sent = _saved_bytes(gm, nodes, infos, own_saved, recomputed)
+        again = max(described["block_activations"][described["blocks"].index(label)] for label in recompute)
+        transient = [t + math.ceil(again / micro_batches) if i in recomputed else t for i, t in enumerate(transient)]
+        bwd = [per_device(tuple(b + f for b, f in zip(bwd[i], fwd[i]))) if i in recomputed else bwd[i] for i in range(len(nodes))]
     state = [
-        2 * info.param_bytes + OPTIMIZER_STATE_BYTES[optimizer] * info.param_count + info.buffer_bytes
+        2 * info.param_bytes + OPTIMIZER_STATE_BYTES[optimizer] * info.param_bytes // 4 + info.buffer_bytes
         for info in infos
     ]
     return CostTable(
@@ -339,4 +408,6 @@ def estimate(
         wgrad_share=tuple(info.wgrad_share for info in infos),
         wgrad_bytes=tuple(info.output_bytes if 0 < info.wgrad_share < 1 else 0 for info in infos),
         output_tensors=tuple(len(info.output_shapes) for info in infos),
+        recomputed=tuple(recompute),
+        **described,
     )

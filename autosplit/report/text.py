@@ -42,7 +42,7 @@ def plan_report(plan: Plan, width: int = 140) -> str:
         f"{sv.units} units; dynamic program {_ms(sv.baseline) if sv.baseline is not None else 'found no split'}"
     )
     console.print(
-        f"predicted step time {_ms(plan.step_time)} ({plan.schedule}, {plan.micro_batches} micro-batches); "
+        f"predicted step time {_ms(plan.step_time)} ({plan.schedule}, {plan.micro_batches} micro-batches, {plan.precision}); "
         f"{provenance}; costs {plan.costs}; captured by {plan.capture}, graph {plan.fingerprint}"
     )
     if "uncalibrated" in plan.costs:
@@ -72,6 +72,9 @@ def plan_report(plan: Plan, width: int = 140) -> str:
             f"sent {format_bytes(st.memory_sent)}, "
             f"transient {format_bytes(st.memory_transient)}"
         )
+        if st.recompute:
+            console.print(f"    recomputes {_span(st.recompute)} in its backward: {format_bytes(st.recompute_saves)} of activations "
+                          "not held")
     if plan.stages_per_rank > 1:
         for r, peak in enumerate(plan.rank_memory):
             mine = [s for s, d in enumerate(plan.stage_devices) if d == r]

@@ -23,6 +23,7 @@ Usage::
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections import defaultdict
 from collections.abc import Sequence
@@ -63,7 +64,8 @@ def _prefix(label: str, depth: int) -> str:
 
 
 def coarsen(problem: Problem, order: Sequence[int], *, max_cost: float) -> Coarsening:
-    """Blocks of at most ``max_cost`` compute (unless one node alone is larger)."""
+    """Blocks of at most ``max_cost`` compute (unless one node alone is larger); a block the problem
+    may recompute (:attr:`Problem.recompute`) starts and ends at block boundaries."""
     cost = [sum(row) / len(row) for row in problem.compute]
     labels = [problem.labels[n] for n in order]
     prefix_cost = [0.0]
@@ -90,10 +92,14 @@ def coarsen(problem: Problem, order: Sequence[int], *, max_cost: float) -> Coars
             return [(p, p + 1) for p in range(lo, hi)]
         return [piece for a, b in runs(lo, hi, depth) for piece in split(a, b, depth + 1)]
 
-    pieces = split(0, len(order), 1)
+    position = {n: p for p, n in enumerate(order)}
+    breaks = {edge for block in problem.recompute for edge in (
+        min(position[n] for n in block.members), max(position[n] for n in block.members) + 1)}
+    pieces = [piece for lo, hi in split(0, len(order), 1)
+              for piece in itertools.pairwise([lo, *sorted(b for b in breaks if lo < b < hi), hi])]
     merged: list[tuple[int, int]] = []
     for lo, hi in pieces:  # chain contraction along the order
-        if merged and span_cost(merged[-1][0], hi) <= max_cost:
+        if merged and span_cost(merged[-1][0], hi) <= max_cost and lo not in breaks:
             merged[-1] = (merged[-1][0], hi)
         else:
             merged.append((lo, hi))
@@ -177,6 +183,9 @@ def coarse_problem(problem: Problem, c: Coarsening) -> Problem:
         colocate=(),  # coarsen() never lets a colocated group straddle two blocks
         micro_batches=problem.micro_batches,
         transient_mem=problem.transient_mem,
+        recompute=tuple(
+            dataclasses.replace(block, members=tuple(sorted({block_of[n] for n in block.members}))) for block in problem.recompute
+        ),
         constraints=tuple(
             UserConstraint(
                 c.text,

@@ -28,20 +28,22 @@ during a forward on predicted ones) are charged with its activations.
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
 import numpy as np
+from networkx.utils import UnionFind
 
 from autosplit import schedules
 from autosplit.schedules import SCHEDULES
 from autosplit.solver.asynchronous import simulate, stashed_versions
 
 __all__ = [
-    "Problem", "Evaluation", "UserConstraint", "SCHEDULES", "in_flight", "weight_copies",
+    "Problem", "Recompute", "Evaluation", "UserConstraint", "SCHEDULES", "in_flight", "weight_copies",
     "evaluate", "build_problem", "tied_costs",
 ]
 
@@ -80,6 +82,24 @@ class UserConstraint:
     """(node, stage) pairs the plan may not use."""
     together: tuple[int, ...] = ()
     """Nodes that must share one stage."""
+
+
+@dataclass(frozen=True)
+class Recompute:
+    """A block the plan may recompute in the backward instead of keeping its activations."""
+
+    label: str
+    members: tuple[int, ...]
+    """Its nodes (a plan that recomputes it keeps them on one stage: one checkpointed region)."""
+    compute: tuple[int, ...]
+    """[stage] ns its forward takes again in the backward (whole batch)."""
+    saves: tuple[int, ...]
+    """[stage] KiB its stage no longer holds at its peak."""
+    reserve: int
+    """KiB its backward holds again (one micro-batch of its activations): a stage that recomputes
+    keeps room for its largest such block."""
+    forced: bool | None = None
+    """True: the plan must recompute it; False: must keep it; None: the solver chooses."""
 
 
 @dataclass(frozen=True)
@@ -123,6 +143,47 @@ class Problem:
     rank_of: tuple[int, ...] = ()
     """[stage] the rank that runs it, when a rank runs several stages (interleaved: s mod pp; a
     V); empty: stage s on rank s. A rank's stages share its device: its memory cap holds their sum."""
+
+    recompute: tuple[Recompute, ...] = ()
+    """Blocks the solver may recompute (activation checkpointing); costs above are those of keeping them."""
+
+    def fixed(self, chosen: Collection[int]) -> Problem:
+        """This problem with the blocks ``chosen`` (indices into :attr:`recompute`) recomputed and no
+        choice left: each block's recompute time and saved memory spread over its members (in
+        proportion to their activations), its members kept together, and every stage's reserve raised
+        by the largest block's (a bound: a stage without one keeps the room too)."""
+        chosen = sorted(set(chosen))
+        if not self.recompute and not chosen:
+            return self
+        a = self.arrays
+        compute, act = a.compute.copy(), a.act.copy()
+        groups = UnionFind(range(len(self.nodes)))
+        for group in self.colocate:
+            groups.union(*group)
+        for u in chosen:
+            block = self.recompute[u]
+            members = np.asarray(block.members, dtype=np.int64)
+            held = act[members].astype(np.float64)  # [member, stage]
+            whole = held.sum(axis=0)
+            share = np.where(whole > 0, held / np.where(whole > 0, whole, 1), 1 / len(members))
+            act[members] -= np.minimum(held, np.ceil(share * np.asarray(block.saves)[None, :])).astype(np.int64)
+            compute[members[0]] += np.asarray(block.compute, dtype=np.int64)
+            groups.union(*block.members)
+        colocate = tuple(sorted(tuple(sorted(g)) for g in groups.to_sets() if len(g) > 1))
+        reserve = max((self.recompute[u].reserve for u in chosen), default=0)
+        fixed = dataclasses.replace(
+            self, compute=_rows(compute), act_mem=_rows(act), colocate=colocate, transient_mem=self.transient_mem + reserve,
+            recompute=(),
+        )
+        fixed.__dict__["arrays"] = dataclasses.replace(a, compute=compute, act=act)
+        return fixed
+
+    @property
+    def forced(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """(blocks the plan must recompute, blocks it may): the least and the most it can recompute."""
+        must = tuple(u for u, b in enumerate(self.recompute) if b.forced)
+        may = tuple(u for u, b in enumerate(self.recompute) if b.forced is not False)
+        return must, may
 
     @property
     def ranks(self) -> int:
@@ -407,6 +468,24 @@ def _read_param(table: Any, n: int) -> int:
     return int(any(reads[u] for u, v in table.edges if v == n))
 
 
+def _recompute(
+    table: Any, offered: Mapping[str, bool | None], fwd: np.ndarray, schedule: str, stages: int, micro_batches: int, ranks: int
+) -> tuple[Recompute, ...]:
+    """The table's blocks that ``offered`` names, as the solver's :class:`Recompute` choices."""
+    entry = schedules.lookup(schedule)
+    share = np.asarray([entry.in_flight(s, stages, micro_batches, ranks) for s in range(stages)], dtype=np.float64) / micro_batches
+    out = []
+    for label, forced in offered.items():
+        b = table.blocks.index(label)
+        members = table.block_members[b]
+        out.append(Recompute(
+            label, members, tuple(np.rint(fwd[list(members)].sum(axis=0) * NS).astype(np.int64).tolist()),
+            tuple(int(x) for x in np.floor(table.block_saves[b] * share / KIB)),
+            _kib(table.block_activations[b] / micro_batches), forced,
+        ))
+    return tuple(out)
+
+
 def build_problem(
     table,
     *,
@@ -415,12 +494,14 @@ def build_problem(
     order: Sequence[int] | None = None,
     constraints: Sequence[UserConstraint] = (),
     rank_of: Sequence[int] = (),
+    recompute: Mapping[str, bool | None] | None = None,
 ) -> Problem:
     """Scale a cost table (``passes.costs.CostTable``) into integer units for one device order.
 
     Stage ``s`` runs on device ``order[s]`` (identity by default); with several stages per rank,
     on rank ``rank_of[s]`` (a rank's stages name its device in ``order``). ``constraints`` name
-    *devices* in their ``forbid`` pairs; they are turned into stages here.
+    *devices* in their ``forbid`` pairs; they are turned into stages here. ``recompute``: the table's
+    blocks the solver may recompute, by label, each with the user's decision (True, False) or None.
     """
     order = tuple(range(len(table.devices))) if order is None else tuple(order)
     devices = [table.devices[d] for d in order]
@@ -459,6 +540,7 @@ def build_problem(
             for c in constraints
         ) + _first_stage_only(table, schedule, S),
         rank_of=tuple(rank_of),
+        recompute=_recompute(table, recompute or {}, fwd, schedule, S, M, max(rank_of) + 1 if rank_of else S),
     )
     # The arrays the solver reads are at hand: cache them rather than convert the tuples back.
     edges = np.asarray(table.edges, dtype=np.int64).reshape(-1, 2)

@@ -39,7 +39,7 @@ from __future__ import annotations
 import logging
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 from ortools.sat.python import cp_model
@@ -78,6 +78,7 @@ class _Model:
         self._order()
         self._nonempty()
         self._crossings()
+        self._recompute()
         self._time()
 
     def ge(self, n: int, k: int):
@@ -114,6 +115,43 @@ class _Model:
                 for v in outside:  # b[v, k] ∧ ¬b[u, k] → y[u, k]
                     self.m.add_bool_or([self.b[v][k].negated(), self.b[u][k], y])
 
+    def _recompute(self) -> None:
+        """Per block u a literal r[u] (recompute it) and per stage z[u, s] = r[u] ∧ in(first member, s);
+        a recomputed block's members share a stage. A stage's time grows by the blocks it recomputes,
+        its memory shrinks by what they save, and every stage's reserve grows by the largest recomputed
+        block's (see :meth:`Problem.fixed`)."""
+        p, S = self.p, self.p.num_stages
+        self.r: list[Any] = []
+        self.extra_time: list[Any] = [0] * S
+        self.extra_mem: list[Any] = [0] * S
+        z: dict[tuple[int, int], Any] = {}
+        for u, block in enumerate(p.recompute):
+            r = self.m.new_bool_var(f"r_{u}")
+            if block.forced is not None:
+                self.m.add(r == int(block.forced))
+            self.r.append(r)
+            first = block.members[0]
+            for n in block.members[1:]:
+                if self.b[n] is not self.b[first]:
+                    for k in range(1, S):
+                        self.m.add(self.b[n][k] == self.b[first][k]).only_enforce_if(r)
+            for s in range(S):
+                zz = z[u, s] = self.m.new_bool_var(f"z_{u}_{s}")
+                inside = self.inside(first, s)
+                self.m.add(zz <= r)
+                self.m.add(zz <= inside)
+                self.m.add(zz >= r + inside - 1)
+                self.extra_time[s] += block.compute[s] * zz
+                self.extra_mem[s] -= block.saves[s] * zz
+        if p.recompute:  # one reserve for every stage, as the cost table keeps one transient reserve
+            reserve = self.m.new_int_var(0, max(b.reserve for b in p.recompute), "reserve")
+            for u, block in enumerate(p.recompute):
+                self.m.add(reserve >= block.reserve * self.r[u])
+            self.extra_mem = [m + reserve for m in self.extra_mem]
+
+    def recomputed(self, solver: cp_model.CpSolver) -> tuple[int, ...]:
+        return tuple(u for u, r in enumerate(self.r) if solver.value(r))
+
     def _time(self) -> None:
         p, S, N = self.p, self.p.num_stages, len(self.p.nodes)
         boundary = [0] + [
@@ -122,10 +160,12 @@ class _Model:
         ] + [0]
         self.stage_time = [
             sum(p.compute[n][s] * self.inside(n, s) for n in range(N)) + (boundary[s] if s > 0 else 0) + boundary[s + 1]
+            + self.extra_time[s]
             for s in range(S)
         ]
         fastest = [min(row) for row in p.compute]
         upper = sum(max(row) for row in p.compute) + sum(sum(row) for row in p.transfer) + sum(p.boundary_latency)
+        upper += sum(max(block.compute) for block in p.recompute)
         lower = max(math.ceil(sum(fastest) / S), max(fastest, default=0))
         self.T = self.m.new_int_var(lower, max(lower, upper), "T")
         for t in self.stage_time:
@@ -141,6 +181,7 @@ class _Model:
     def memory(self, s: int):
         p = self.p
         mem = p.transient_mem + sum((p.state_mem[n] + p.act_mem[n][s]) * self.inside(n, s) for n in range(len(p.nodes)))
+        mem += self.extra_mem[s]
         if s > 0:
             mem += sum(p.recv_mem[u][s] * y for (u, k), y in self.y.items() if k == s)
         if s < p.num_stages - 1 and p.send_mem:
@@ -171,7 +212,9 @@ class _Model:
         self.m.add_assumptions([lit for lit, _ in guarded])
         return guarded
 
-    def hint(self, stage_of: tuple[int, ...]) -> None:
+    def hint(self, stage_of: tuple[int, ...], recompute: Collection[int] = ()) -> None:
+        for u, r in enumerate(self.r):
+            self.m.add_hint(r, int(u in recompute))
         seen = set()
         for n, s in enumerate(stage_of):
             row = self.b[n]
@@ -313,15 +356,19 @@ def cpsat(
     seed: int,
     workers: int | None,
     deterministic: bool = True,
+    hint_recompute: Collection[int] = (),
+    recomputed: list[int] | None = None,
 ) -> tuple[str, tuple[int, ...] | None, float, list[int | str]]:
     """Run the model: (status, assignment or None, best bound, the infeasibility core).
 
-    The core lists what conflicts: stage indices for memory caps, texts for user constraints.
+    The core lists what conflicts: stage indices for memory caps, texts for user constraints. With
+    :attr:`Problem.recompute` blocks, ``hint_recompute`` are the hinted ones and the blocks the plan
+    recomputes are appended to ``recomputed``.
     """
     model = _Model(problem)
     guarded = model.add_assumptions()
     if hint is not None:
-        model.hint(tuple(hint))
+        model.hint(tuple(hint), hint_recompute)
     model.m.minimize(model.objective)
     solver = cp_solver(time_limit, seed, workers, deterministic)
     status = solver.solve(model.m)
@@ -329,6 +376,8 @@ def cpsat(
     log.info("cp-sat: %s in %.2fs, %d nodes x %d stages, bound %s", name, solver.wall_time,
              len(problem.nodes), problem.num_stages, solver.best_objective_bound)
     if status in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        if recomputed is not None:
+            recomputed.extend(model.recomputed(solver))
         return name, model.stage_of(solver), solver.best_objective_bound, []
     core: list[int | str] = []
     if status == cp_model.INFEASIBLE:

@@ -59,6 +59,8 @@ class Solution:
     """Objective of the dynamic program's plan (None when it found none)."""
     units: int = 0
     """How many units the solver placed: nodes, or blocks after coarsening."""
+    recompute: tuple[int, ...] = ()
+    """The blocks (indices into :attr:`Problem.recompute`) the plan recomputes."""
 
     @property
     def gap(self) -> float:
@@ -131,7 +133,88 @@ def solve(
     problem: Problem, *, time_limit: float = 10.0, seed: int = 0, workers: int | None = None, limits: SolverLimits = SolverLimits()
 ) -> Solution:
     """Best assignment found within ``time_limit`` seconds, with its proven bound; ``limits``: when to
-    coarsen, skip CP-SAT or narrow the bound (:class:`SolverLimits`)."""
+    coarsen, skip CP-SAT or narrow the bound (:class:`SolverLimits`).
+
+    With blocks to recompute (:attr:`Problem.recompute`), the DP splits the model recomputing the
+    fewest and the most blocks allowed, then CP-SAT chooses split and blocks together from the better
+    of the two; the bound is the time bound with the fewest (recomputing only adds time) or CP-SAT's
+    on the nodes, and the plan the best found, judged on the nodes."""
+    if not problem.recompute:
+        return _split(problem, time_limit=time_limit, seed=seed, workers=workers, limits=limits)
+    start = time.perf_counter()
+    must, may = problem.forced
+    found: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {}  # method → (blocks, plan)
+    units = len(problem.nodes)
+    for name, chosen in {"dp": must, "dp (recompute)": may}.items():
+        fixed = problem.fixed(chosen)
+        plan, coarse, _ = dp_plan(fixed, topological_order(fixed), limits=limits)
+        units = units if coarse is None else coarse.num_blocks
+        if plan is not None and not violations(fixed, plan):
+            found.setdefault(name, (chosen, plan))
+    value = {name: evaluate(problem.fixed(chosen), plan).objective for name, (chosen, plan) in found.items()}
+    baseline = value.get("dp")
+    bound = lower_bound(problem.fixed(must), limits=limits)
+    remaining = time_limit - (time.perf_counter() - start)
+    if len(may) > len(must) and remaining > 0 and problem.num_stages > 1:
+        hint = min(found, key=value.__getitem__) if found else None
+        joint = _joint(problem, found[hint][1] if hint else None, found[hint][0] if hint else must,
+                       time_limit=remaining, seed=seed, workers=workers, limits=limits)
+        if joint is not None:
+            plan, chosen, joint_bound = joint
+            if plan is not None and not violations(problem.fixed(chosen), plan):
+                found["cp-sat"] = (chosen, plan)
+                value["cp-sat"] = evaluate(problem.fixed(chosen), plan).objective
+            bound = max(bound, joint_bound)
+    if not found:  # nothing fits even recomputing every block allowed: that split's own error says why
+        _split(problem.fixed(may), time_limit=max(1.0, time_limit - (time.perf_counter() - start)), seed=seed,
+               workers=workers, limits=limits)
+        raise SolverError(advice(
+            f"no plan found for {len(problem.nodes)} nodes on {problem.num_stages} stages recomputing up to "
+            f"{len(may)} blocks within {time_limit:.1f}s", "neither the DP nor CP-SAT found a split that fits",
+            "a longer time_limit, looser memory caps, or more devices",
+        ))
+    name = min(found, key=lambda k: (value[k], k))
+    chosen, plan = found[name]
+    objective = value[name]
+    bound = min(bound, objective)
+    return Solution(plan, "OPTIMAL" if bound == objective else "FEASIBLE", objective, bound, time.perf_counter() - start,
+                    name, baseline, units, tuple(chosen))
+
+
+def _joint(
+    problem: Problem, stage_of: tuple[int, ...] | None, chosen: tuple[int, ...], *, time_limit: float, seed: int,
+    workers: int | None, limits: SolverLimits,
+) -> tuple[tuple[int, ...] | None, tuple[int, ...], int] | None:
+    """CP-SAT over the split and the blocks together, from the plan ``stage_of`` recomputing
+    ``chosen``: (plan on the nodes, blocks it recomputes, a bound valid for every plan — 0 unless it
+    ran on the nodes themselves). On the nodes when the model is small enough, else on blocks that
+    keep each recomputable block whole (as few as :attr:`SolverLimits.cpsat_vars` allows)."""
+    N, S = len(problem.nodes), problem.num_stages
+    order = topological_order(problem)
+    if N * (S - 1) <= limits.cpsat_vars:
+        recomputed: list[int] = []
+        name, found, cp_bound, core = cpsat(problem, stage_of, time_limit=time_limit, seed=seed, workers=workers,
+                                            hint_recompute=chosen, recomputed=recomputed)
+        if name == "INFEASIBLE":
+            raise InfeasiblePlanError(explain_infeasible(problem.fixed(problem.forced[1]), core, time_limit, seed))
+        return found, tuple(recomputed), math.ceil(cp_bound)
+    units = max(len(problem.recompute), min(limits.cpsat_vars // max(1, S - 1), limits.max_blocks))
+    c = coarsen(problem, order, max_cost=float(problem.arrays.compute.sum()) / S / max(1, units // S))
+    if c.num_blocks * (S - 1) > 4 * limits.cpsat_vars:
+        log.info("%d blocks x %d stages: too many to choose recomputation with CP-SAT; kept the DP's choice", c.num_blocks, S)
+        return None
+    coarse = coarse_problem(problem, c)
+    hint = None if stage_of is None else tuple(stage_of[c.members(b)[0]] for b in range(c.num_blocks))
+    recomputed = []
+    _, found, _, _ = cpsat(coarse, hint, time_limit=time_limit, seed=seed, workers=workers, hint_recompute=chosen,
+                           recomputed=recomputed)
+    return None if found is None else (c.to_nodes(found), tuple(recomputed), 0)
+
+
+def _split(
+    problem: Problem, *, time_limit: float = 10.0, seed: int = 0, workers: int | None = None, limits: SolverLimits = SolverLimits()
+) -> Solution:
+    """:func:`solve` for a problem with nothing to recompute: the split alone."""
     start = time.perf_counter()
     precheck(problem)
     N, S = len(problem.nodes), problem.num_stages
