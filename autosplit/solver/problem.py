@@ -163,10 +163,7 @@ class Problem:
         for u in chosen:
             block = self.recompute[u]
             members = np.asarray(block.members, dtype=np.int64)
-            held = act[members].astype(np.float64)  # [member, stage]
-            whole = held.sum(axis=0)
-            share = np.where(whole > 0, held / np.where(whole > 0, whole, 1), 1 / len(members))
-            act[members] -= np.minimum(held, np.ceil(share * np.asarray(block.saves)[None, :])).astype(np.int64)
+            act[members] -= _apportion(act[members], np.asarray(block.saves, dtype=np.int64))
             compute[members[0]] += np.asarray(block.compute, dtype=np.int64)
             groups.union(*block.members)
         colocate = tuple(sorted(tuple(sorted(g)) for g in groups.to_sets() if len(g) > 1))
@@ -247,6 +244,17 @@ class Problem:
             act=table(self.act_mem, S), recv=table(self.recv_mem, S), send=table(self.send_mem, S),
             producer=edges[:, 0], consumer=edges[:, 1],
         )
+
+
+def _apportion(held: np.ndarray, total: np.ndarray) -> np.ndarray:
+    """[member, stage] integer parts of ``total[stage]`` in proportion to ``held`` (largest
+    remainders), each at most what it holds: they sum to ``total`` exactly (when it is held)."""
+    whole = held.sum(axis=0)
+    exact = held * (np.minimum(total, whole) / np.where(whole > 0, whole, 1))[None, :]
+    part = np.floor(exact).astype(np.int64)
+    short = np.minimum(total, whole) - part.sum(axis=0)
+    rank = np.argsort(np.argsort(-(exact - part), axis=0, kind="stable"), axis=0)
+    return part + (rank < short[None, :])
 
 
 @dataclass(frozen=True)
