@@ -15,7 +15,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from autosplit import progress
-from autosplit.errors import CaptureError, CodegenError, advice
+from autosplit.errors import CaptureError, CodegenError, ConstraintError, advice
 from autosplit.microbatch import batch_size, split_batch
 from autosplit.passes.annotate import annotate
 from autosplit.passes.capture import Captured, capture, fingerprint, flat_inputs
@@ -43,6 +43,14 @@ class Traced:
         if precision == "fp32":
             return self.captured.gm
         key = (precision, "cpu" if device_type == "cpu" else "cuda")
+        if precision == "bf16" and self.captured.method == "export":
+            raise ConstraintError(advice(
+                "precision='bf16' converts the model to bfloat16, and this model was captured by torch.export, which "
+                "bakes the dtypes it traced into the graph (a cast back to float32 would stay one)",
+                "symbolic tracing failed for this model, so its graph is the exported one",
+                "convert the model first (model.to(torch.bfloat16); on the meta device it costs nothing) and plan it with "
+                "precision='fp32' (the model's own dtype), or use precision='bf16-mixed'",
+            ))
         if key not in self._precisions:
             graph = torch.fx.Graph()
             graph.output(graph.graph_copy(self.captured.gm.graph, {}))

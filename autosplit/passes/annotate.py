@@ -215,48 +215,85 @@ LOW_PRECISION = {"bf16": torch.bfloat16, "bf16-mixed": torch.bfloat16, "fp16-mix
 """The low-precision dtype of each precision (:attr:`autosplit.options.PlanOptions.precision`) but fp32."""
 
 
-# CUDA's autocast runs these in fp32 whatever their inputs (``autocast_mode.cpp``, the fp32 lists),
-# where CPU autocast leaves them in the input's dtype. Annotating on fake CPU tensors (fake CUDA
-# tensors cannot run autograd on a machine without CUDA), a GPU target's policy is completed by
-# casting their floating inputs to fp32 first, as CUDA's autocast does.
-_CUDA_FP32 = frozenset({
-    F.softmax, F.log_softmax, F.layer_norm, F.group_norm, F.softplus, F.cross_entropy, F.nll_loss, F.mse_loss,
-    F.l1_loss, F.smooth_l1_loss, F.huber_loss, F.kl_div, F.binary_cross_entropy_with_logits, F.cosine_similarity,
-    torch.softmax, torch.log_softmax, torch.exp, torch.expm1, torch.log, torch.log1p, torch.log2, torch.log10,
-    torch.reciprocal, torch.rsqrt, torch.pow, torch.sum, torch.prod, torch.cumsum, torch.cumprod, torch.logsumexp,
-    torch.norm, torch.cdist, torch.Tensor.softmax, torch.Tensor.log_softmax, torch.Tensor.exp, torch.Tensor.log,
-    torch.Tensor.rsqrt, torch.Tensor.reciprocal, torch.Tensor.pow, torch.Tensor.__pow__, torch.Tensor.sum,
-    torch.Tensor.prod, torch.Tensor.cumsum, torch.Tensor.logsumexp, torch.Tensor.norm,
-})
-
-
 _ATTENTION = frozenset({F.scaled_dot_product_attention, aten.scaled_dot_product_attention.default})
 
 
-class _CudaFp32(torch.overrides.TorchFunctionMode):
-    """CUDA autocast's fp32 ops, on top of CPU autocast (see :data:`_CUDA_FP32`)."""
+def _ops(*names: str) -> frozenset:
+    """The torch functions, Tensor methods and aten op packets of these names (those that exist)."""
+    found: set = set()
+    for name in names:
+        for space in (torch, torch.Tensor, F, torch.linalg):
+            if hasattr(space, name):
+                found.add(getattr(space, name))
+        if hasattr(aten, name):
+            found.add(getattr(aten, name))
+    return frozenset(found)
+
+
+# torch.autocast's op lists (aten/src/ATen/autocast_mode.cpp, torch 2.13): ops that run in the low
+# precision, and ops each device type runs in fp32 whatever their inputs. Autocast itself acts only
+# on CPU and CUDA tensors, while annotation runs on fakes — of a meta-device model too (whose
+# exported graph names the meta device and reads meta buffers inside higher-order ops), and for a
+# GPU target on a machine without one — so the policy is applied here, at the function level.
+_LOW = _ops(
+    "linear", "matmul", "__matmul__", "__rmatmul__", "mm", "bmm", "addmm", "baddbmm", "addbmm", "addmv", "addr", "mv", "einsum",
+    "chain_matmul", "multi_dot", "vecdot", "conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d",
+    "conv_transpose3d", "convolution", "_convolution", "conv_tbc", "prelu", "scaled_dot_product_attention",
+    "_scaled_dot_product_flash_attention", "lstm_cell", "gru_cell", "rnn_tanh_cell", "rnn_relu_cell",
+)
+_LOSSES = (
+    "cross_entropy", "cross_entropy_loss", "nll_loss", "nll_loss2d", "mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss",
+    "kl_div", "binary_cross_entropy", "binary_cross_entropy_with_logits", "poisson_nll_loss", "hinge_embedding_loss",
+    "cosine_embedding_loss", "margin_ranking_loss", "soft_margin_loss", "triplet_margin_loss", "multi_margin_loss",
+    "multilabel_margin_loss", "ctc_loss",
+)
+_FP32 = {
+    "cuda": _ops(
+        *_LOSSES, "acos", "asin", "cosh", "erfinv", "exp", "expm1", "log", "log10", "log2", "log1p", "reciprocal", "rsqrt",
+        "sinh", "tan", "pow", "__pow__", "softplus", "layer_norm", "native_layer_norm", "group_norm", "native_group_norm",
+        "frobenius_norm", "nuclear_norm", "cosine_similarity", "dist", "pdist", "cdist", "renorm", "logsumexp", "softmax",
+        "_softmax", "log_softmax", "_log_softmax", "cumprod", "cumsum", "prod", "sum", "norm", "vector_norm", "matrix_norm",
+    ),
+    "cpu": _ops(
+        *_LOSSES, "avg_pool3d", "grid_sampler", "polar", "prod", "quantile", "nanquantile", "stft", "cdist", "trace",
+        "view_as_complex", "cholesky", "inverse", "pinverse", "max_pool3d", "adaptive_avg_pool3d", "reflection_pad1d",
+        "reflection_pad2d", "replication_pad1d", "replication_pad2d", "replication_pad3d",
+    ),
+}
+
+
+class _Autocast(torch.overrides.TorchFunctionMode):
+    """torch.autocast's policy for ``device_type`` at ``dtype``, on any tensors (see :data:`_LOW`):
+    floating fp32 inputs of a low-precision op are cast down (a weight's cast copy is what the op
+    saves, as under autocast), and low-precision inputs of the device's fp32 ops are cast up. A
+    region the model itself runs with autocast disabled (a rotary embedding's tables) is cast too."""
+
+    def __init__(self, device_type: str, dtype: torch.dtype):
+        super().__init__()
+        self.fp32, self.dtype = _FP32["cpu" if device_type == "cpu" else "cuda"], dtype
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func in _CUDA_FP32 and torch.is_autocast_enabled("cpu"):
-            up = lambda x: x.float() if isinstance(x, torch.Tensor) and x.dtype in _HALF else x  # noqa: E731
-            args, kwargs = pytree.tree_map(up, (args, kwargs))
-            with torch.autocast("cpu", enabled=False):
-                return func(*args, **kwargs)
+        key = getattr(func, "overloadpacket", func)
+        if key is aten._assert_tensor_metadata:  # export's checks of the dtypes it traced, which the policy changes
+            return None
+        if key in _LOW:
+            cast = lambda x: x.to(self.dtype) if isinstance(x, torch.Tensor) and x.dtype == torch.float32 else x  # noqa: E731
+        elif key in self.fp32:
+            cast = lambda x: x.float() if isinstance(x, torch.Tensor) and x.dtype in _HALF else x  # noqa: E731
+        else:
+            return func(*args, **kwargs)
+        args, kwargs = pytree.tree_map(cast, (args, kwargs))
         return func(*args, **kwargs)
 
 
 def precision_context(precision: str, device_type: str) -> contextlib.AbstractContextManager:
     """The forward's dtype policy for annotating ``precision`` on a ``device_type`` (``"cpu"``,
-    ``"cuda"``) target: autocast for the mixed precisions; nothing for fp32 and bf16 (a bf16 model
-    is annotated with bf16 state and inputs instead)."""
+    ``"cuda"``) target: autocast's for the mixed precisions; nothing for fp32 and bf16 (a bf16
+    model is annotated with bf16 state and inputs instead)."""
     if not precision.endswith("-mixed"):
         return contextlib.nullcontext()
-    stack = contextlib.ExitStack()
-    stack.enter_context(torch.autocast("cpu", dtype=LOW_PRECISION[precision]))
-    if device_type != "cpu":
-        stack.enter_context(_CudaFp32())
-    return stack
+    return _Autocast(device_type, LOW_PRECISION[precision])
 
 
 class _Annotator(fx.Interpreter):
@@ -264,6 +301,7 @@ class _Annotator(fx.Interpreter):
         super().__init__(captured.gm, garbage_collect_values=True)
         self.paths = captured.module_paths
         self.precision, self.device_type = precision, device_type
+        self._state_read = False  # inputs are faked first, then the model's state as nodes read it
         self.fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
         self._fakes: dict[int, torch.Tensor] = {}  # id(real tensor) → its fake, so identity survives
         self._state_fakes: set[int] = set()  # ids of fakes standing for parameters
@@ -281,13 +319,13 @@ class _Annotator(fx.Interpreter):
         return self._fakes[id(t)]
 
     def _fake_in_precision(self, t: torch.Tensor) -> torch.Tensor:
-        """A fake of ``t`` as the precision holds it: floating values in bf16 for ``"bf16"``; on the
-        CPU (where autocast applies to fakes) for the mixed ones, whatever device the model is on."""
-        dtype = LOW_PRECISION[self.precision] if self.precision == "bf16" and t.is_floating_point() else t.dtype
-        device = torch.device("cpu") if self.precision.endswith("-mixed") else t.device
+        """A fake of ``t`` as the precision holds it: floating parameters and inputs in bf16 for
+        ``"bf16"`` (buffers keep their dtype: an exported graph checks the dtypes it traced them in)."""
+        low = self.precision == "bf16" and t.is_floating_point() and (isinstance(t, torch.nn.Parameter) or not self._state_read)
+        dtype = LOW_PRECISION[self.precision] if low else t.dtype
         with unset_fake_temporarily():
             meta = torch.empty_strided(tuple(t.shape), t.stride(), dtype=dtype, device="meta")
-        return FakeTensor(self.fake_mode, meta, device)
+        return FakeTensor(self.fake_mode, meta, t.device)
 
     # -- state ----------------------------------------------------------------------------
     def _own(self, named: list[tuple[str, torch.Tensor]]) -> tuple[tuple[str, ...], int, int, int, int]:
@@ -296,7 +334,8 @@ class _Annotator(fx.Interpreter):
             if id(t) in self._seen_state:
                 continue
             self._seen_state.add(id(t))
-            size = t.numel() * (2 if self.precision == "bf16" and t.is_floating_point() else t.element_size())
+            low = self.precision == "bf16" and t.is_floating_point() and isinstance(t, torch.nn.Parameter)
+            size = t.numel() * (2 if low else t.element_size())
             if isinstance(t, torch.nn.Parameter):
                 names.append(name)
                 pbytes += size
@@ -321,7 +360,9 @@ class _Annotator(fx.Interpreter):
         flat, structure = pytree.tree_flatten((args, kwargs))  # once: deep models have many nodes
         try:
             key = self._signature(n, flat, structure) if n.op.startswith("call") else None
-            if key is not None and key in self._measured:
+            if n.target is aten._assert_tensor_metadata.default and self.precision != "fp32":
+                out, measured = None, _Measured(0, 0, 0, frozenset(), False, frozenset(), None)  # checks fp32 dtypes
+            elif key is not None and key in self._measured:
                 # The same op on inputs of the same shapes: its output has the same metadata,
                 # so it is made, not run (a deep model repeats most of its nodes).
                 measured = self._measured[key]
@@ -508,5 +549,6 @@ def annotate(captured: Captured, inputs: list[Any], *, precision: str = "fp32", 
     """
     annotator = _Annotator(captured, precision, device_type)
     fake_inputs = [annotator.fake(x) if isinstance(x, torch.Tensor) else x for x in inputs]
+    annotator._state_read = True
     annotator.run(*fake_inputs)
     return captured.gm
