@@ -44,7 +44,7 @@ class CausalSelfAttention(nn.Module):
         mask = self.causal[:T, :T]
         if key_mask is not None:
             mask = mask & key_mask[:, None, None, :].bool()
-        att = att.masked_fill(~mask, -1e9).softmax(dim=-1)
+        att = att.masked_fill(~mask, -1e4).softmax(dim=-1)  # -1e4: as -inf after softmax, and within fp16 (autocast)
         y = (att @ v).transpose(1, 2).reshape(B, T, C)
         return self.proj(y)
 

@@ -30,6 +30,7 @@ from autosplit.runtime.batches import ChainsByRows, keep_only, meta_copy
 from autosplit.runtime.distributed import DistributedModel
 from autosplit.runtime.materialise import StageNames, WeightsLike, agree_by_name, materialise
 from autosplit.runtime.placement import Layout, agree, keep_unread, make_mesh, place, rank_device
+from autosplit.runtime.precision import stage_device_type
 from autosplit.shapes import is_meta
 
 log = logging.getLogger(__name__)
@@ -85,7 +86,8 @@ def distribute(
     checkpoint read by name (a ``torch.distributed.checkpoint`` folder, a ``torch.save``d state dict,
     a folder of safetensors files), a state dict, or an ``init(stage_module)`` function; by default
     each module's own init (``reset_parameters``, or a transformers model's ``_init_weights``),
-    seeded by its name. A real model's stage uses the model's own tensors.
+    seeded by its name. A real model's stage uses the model's own tensors (with ``precision="bf16"``,
+    converted to bfloat16 in place, as ``autosplit.autosplit`` does).
     """
     given = load_plan(plan)
     stages = len(given.devices) if devices is None and given is not None else len(devices or ())
@@ -181,6 +183,12 @@ def _agreed_plan(planner: Planner, given: Plan | None, data_parallel: int) -> Pl
             "asynchronous stages update at different times, so replicated copies would drift apart",
             "untie the weights, or train this model with schedule='gpipe' or '1f1b'",
         ))
+    if entry.asynchronous and made.precision != "fp32":
+        raise DistributedError(advice(
+            f"schedule={entry.name!r} with precision={made.precision!r}",
+            "the asynchronous schedules run their own loop, which runs fp32 so far",
+            "plan with precision='fp32', or train with schedule='gpipe' or '1f1b'",
+        ))
     agree(_checksums(planner.model), "the model's initial weights (a checksum per parameter)")
     return made
 
@@ -213,7 +221,9 @@ def _build(
     else:  # cut from the model itself, as traced on its device (autocast regions apply there, not on meta)
         captured, flat = planner.traced.at_micro_batch(made.micro_batches)
         own = schedules.lookup(made.schedule).split_backward
-        chain, meta = generate_chain(captured, made.stage_of, layout.stages, flat, replicate=replicated, own_outputs=own), model
+        precision = (made.precision, stage_device_type(made))
+        chain, meta = generate_chain(captured, made.stage_of, layout.stages, flat, replicate=replicated, own_outputs=own,
+                                     precision=precision, recompute=made.recompute), model
     if given is not None and given.crossings and given.crossings != chain.crossings:
         raise PlanMismatchError(
             advice(

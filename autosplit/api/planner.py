@@ -111,10 +111,11 @@ class Planner:
         saved = load_plan(given)
         if saved is None:
             return compile_plan(self.traced, self.specs(), self.options)
-        # A saved plan fixes the schedule it was made for, and (unless devices are given) the devices.
+        # A saved plan fixes the schedule and precision it was made for, and (unless devices are given) the devices.
         options = (
-            self.options.replace(objective="makespan") if saved.objective == "makespan"
-            else self.options.replace(schedule=saved.schedule, micro_batches=saved.micro_batches, stages_per_rank=saved.stages_per_rank)
+            self.options.replace(objective="makespan", precision=saved.precision) if saved.objective == "makespan"
+            else self.options.replace(schedule=saved.schedule, micro_batches=saved.micro_batches, stages_per_rank=saved.stages_per_rank,
+                                      precision=saved.precision)
         )
         specs = saved.devices if self.devices is None else self.specs(options=options)
         if len(specs) != len(saved.devices):
@@ -138,6 +139,12 @@ class Planner:
                 "plan it with autosplit.plan(...), or train it with autosplit.distribute(..., weights=checkpoint) under torchrun",
             ))
         if made.objective == "makespan":
+            if made.precision != "fp32":
+                raise ConstraintError(advice(
+                    f"a makespan plan (objective='makespan') with precision={made.precision!r}",
+                    "the makespan runtime runs the model in its own dtypes so far",
+                    "plan with precision='fp32', or with objective='pipeline'",
+                ))
             return MakespanRunner(self.model, self.traced.captured, made)
         program, timings = codegen(self.traced, made)
         return SplitModule(self.model, self.traced.captured, program, dataclasses.replace(made, timings={**made.timings, **timings}))
@@ -188,7 +195,8 @@ def autosplit(
     """Partition ``model`` over ``devices`` and return a module that trains exactly like it.
 
     The returned :class:`SplitModule` shares ``model``'s parameters (moved to their
-    devices in place) and carries the plan as ``.plan``. Pass ``plan`` (a :class:`Plan`
+    devices in place; with ``precision="bf16"`` also converted to bfloat16 in place, as
+    ``model.to(torch.bfloat16)`` would) and carries the plan as ``.plan``. Pass ``plan`` (a :class:`Plan`
     or a JSON path) to rebuild a saved split without solving; ``devices=None`` then
     takes the plan's devices. ``options``: see :func:`plan`.
     """

@@ -76,10 +76,11 @@ def offered(table: CostTable, options: PlanOptions) -> dict[str, bool | None]:
     in-place write into its input, BatchNorm's running statistics) is kept, or refused when the
     user asks for it by name."""
     default = {"none": False, "full": True, "auto": None}[options.checkpointing]
+    pins = options.recompute or {}
     decided: dict[str, bool | None] = {}
     for b, label in enumerate(table.blocks):
-        keys = [k for k in options.recompute or {} if _inside(label, k)]
-        choice = options.recompute[max(keys, key=len)] if keys else default
+        keys = [k for k in pins if _inside(label, k)]
+        choice = pins[max(keys, key=len)] if keys else default
         why = table.block_refusal[b]
         if why and choice is not False:
             if keys and choice:

@@ -113,7 +113,7 @@ def _judge(traced: Traced, specs: tuple[DeviceSpec, ...], options: PlanOptions) 
 def _split_and_replay(traced: Traced, specs: tuple[DeviceSpec, ...], options: PlanOptions) -> Alternative:
     _, M, table, _, rules = estimated(traced, specs, options)
     order, problem = stage_problem(table, len(specs), options, M, rules)
-    stage_of, labels = None, ()
+    stage_of, labels = None, tuple[str, ...]()
     for chosen in dict.fromkeys(problem.forced):  # the fewest and the most blocks recomputed, when there are any
         fixed = problem.fixed(chosen)
         found, _, _ = dp_plan(fixed, topological_order(fixed), limits=options.limits)
@@ -129,8 +129,8 @@ def _split_and_replay(traced: Traced, specs: tuple[DeviceSpec, ...], options: Pl
     if stage_of is None or why:
         return row
     terms, shared = predict_step(problem, table, stage_of, order, options)
-    return dataclasses.replace(row, step_time=terms.total,
-                               rank_memory=rank_peaks(problem, options.schedule, stage_reports(problem, table, stage_of, order, shared, options.schedule)))
+    reports = stage_reports(problem, table, stage_of, order, shared, options.schedule)
+    return dataclasses.replace(row, step_time=terms.total, rank_memory=rank_peaks(problem, options.schedule, reports))
 
 
 def search(traced: Traced, specs: tuple[DeviceSpec, ...], options: PlanOptions) -> tuple[PlanOptions, tuple[Alternative, ...]]:

@@ -15,6 +15,15 @@ passes ``validate`` can be applied.
 - Parameters and buffers are moved in place (``tensor.data``), so ``Parameter`` objects,
   and an optimizer already holding them, stay valid.
 
+Activation checkpointing (``recompute``, the plan's blocks by module path): within a stage, each
+contiguous run of a recomputed block's nodes becomes one *region*, a sub-``GraphModule`` whose
+placeholders are the values the run reads from outside it and whose outputs are the values read
+after it. The stage calls it as ``torch.utils.checkpoint.checkpoint(self.recompute_h_1, *inputs,
+use_reentrant=False)`` — the backward reruns it, with the forward's RNG state, instead of keeping
+its activations — and names the results as the nodes they are. A region holds no state: its code
+reads its stage's modules, parameters and buffers. A block whose rerun would differ or change state
+again (in-place writes into what it reads, running statistics of batch norm in training) is refused.
+
 Usage::
 
     program = generate(captured, stage_of_node, devices)
@@ -24,20 +33,29 @@ Usage::
 from __future__ import annotations
 
 import copy
+import difflib
+import itertools
+import logging
 import operator
+import re
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.fx as fx
+import torch.utils.checkpoint
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.graph_module import _copy_attr  # fx's own copy of an attribute into a GraphModule, containers and all
 from torch.utils import _pytree as pytree
 
+from autosplit import debug
 from autosplit.errors import CodegenError, advice
 from autosplit.passes.capture import Captured
 
 __all__ = ["Chain", "Program", "generate", "generate_chain", "move", "retarget"]
+
+log = logging.getLogger(__name__)
 
 
 @torch.fx.wrap
@@ -55,8 +73,10 @@ class Program:
     devices: tuple[str, ...]
 
 
-def _stage_graph(nodes: Sequence[fx.Node], stage: int, stage_of: Mapping[fx.Node, int], exported: set[fx.Node]):
-    """Graph of one stage: (graph, received nodes in order, sent nodes in order)."""
+def _stage_graph(
+    nodes: Sequence[fx.Node], stage: int, stage_of: Mapping[fx.Node, int], exported: set[fx.Node], regions: _Regions,
+):
+    """Graph of one stage: (graph, received nodes in order, sent nodes in order, regions to attach)."""
     members = set(nodes)
     received: list[fx.Node] = []
     for n in nodes:
@@ -68,12 +88,11 @@ def _stage_graph(nodes: Sequence[fx.Node], stage: int, stage_of: Mapping[fx.Node
     for u in received:
         env[u] = graph.placeholder(u.name)
         env[u].meta = dict(u.meta)
-    for n in nodes:
-        env[n] = graph.node_copy(n, lambda x: env[x])
+    pending = regions.copy_nodes(graph, nodes, env)
     sent = [n for n in nodes if n in exported or any(stage_of.get(user, stage) != stage for user in n.users)]
     graph.output(tuple(env[n] for n in sent))
     graph.lint()
-    return graph, received, sent
+    return graph, received, sent, pending
 
 
 def _place_state(gm: fx.GraphModule, nodes: Sequence[fx.Node], device: str) -> None:
@@ -105,10 +124,251 @@ def _placed(gm: fx.GraphModule, assignment: Mapping[str, int]) -> tuple[list[fx.
     return nodes, {n: assignment[n.name] for n in nodes}
 
 
-def generate(captured: Captured, assignment: Mapping[str, int], devices: Sequence[str]) -> Program:
-    """Build the stage modules and the program for ``assignment`` (node name → stage index)."""
+# -- activation checkpointing: a recomputed block's nodes in a stage as one region ---------------
+
+_INPLACE_OPERATORS = frozenset({
+    operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv, operator.imod, operator.ipow,
+    operator.iand, operator.ior, operator.ixor, operator.ilshift, operator.irshift, operator.imatmul, operator.setitem,
+})
+"""Python's in-place operators: each writes its first argument."""
+
+_VIEWS = frozenset({
+    "getitem", "getattr", "view", "view_as", "reshape", "reshape_as", "transpose", "t", "permute", "expand", "expand_as",
+    "narrow", "select", "squeeze", "unsqueeze", "flatten", "unflatten", "unfold", "as_strided", "diagonal", "detach",
+    "split", "split_with_sizes", "chunk", "unbind", "tensor_split", "movedim", "moveaxis", "swapaxes", "swapdims",
+    "contiguous", "to", "type", "type_as", "float", "double", "half", "bfloat16", "real", "imag", "view_as_real",
+    "view_as_complex",
+})
+"""Ops that may return their first argument's memory (a view of it, or the tensor itself)."""
+
+
+def _op_name(node: fx.Node) -> str:
+    if node.op == "call_method":
+        return str(node.target)
+    return getattr(node.target, "__name__", "") if node.op == "call_function" else ""
+
+
+def _inplace(gm: fx.GraphModule, node: fx.Node) -> bool:
+    """``node`` writes its first argument and returns it, by its code: ``x += y``, a method or function
+    named ``…_`` (torch's naming), ``inplace=True``, a module with ``inplace`` set."""
+    name = _op_name(node)
+    return (
+        node.target in _INPLACE_OPERATORS or node.kwargs.get("inplace") is True
+        or (name.endswith("_") and not name.startswith("_") and name != "requires_grad_")
+        or (node.op == "call_module" and getattr(gm.get_submodule(str(node.target)), "inplace", False) is True)
+    )
+
+
+def _written(gm: fx.GraphModule, node: fx.Node) -> list[fx.Node]:
+    """The input nodes ``node`` writes in place: as the annotate pass measured them (version
+    counters), else read from the code, conservatively (:func:`_inplace`, an ATen op whose schema
+    writes, batch norm's running statistics in training)."""
+    mutates = getattr(node.meta.get("autosplit"), "mutates", None)
+    if mutates is not None:
+        return [u for u in node.all_input_nodes if u.name in mutates]
+    if isinstance(node.target, torch._ops.OpOverload):
+        written: list[fx.Node] = []
+        for i, arg in enumerate(node.target._schema.arguments):
+            if arg.alias_info is not None and arg.alias_info.is_write:
+                fx.node.map_arg(node.args[i] if i < len(node.args) else node.kwargs.get(arg.name), written.append)
+        return written
+    if node.target is torch.nn.functional.batch_norm:
+        bound = {**dict(zip(("input", "running_mean", "running_var", "weight", "bias", "training"), node.args)), **node.kwargs}
+        stats = (bound.get("running_mean"), bound.get("running_var")) if bound.get("training") else ()
+        return [v for v in stats if isinstance(v, fx.Node)]
+    first = node.args[0] if node.args else None
+    return [first] if isinstance(first, fx.Node) and _inplace(gm, node) else []
+
+
+def _aliases(gm: fx.GraphModule, node: fx.Node) -> list[fx.Node]:
+    """``node`` and the values whose memory it may be, followed up through views and in-place ops
+    (which alias their first argument): what a write into ``node`` writes."""
+    chain = [node]
+    while True:
+        n = chain[-1]
+        if isinstance(n.target, torch._ops.OpOverload):
+            aliasing = any(r.alias_info is not None for r in n.target._schema.returns)
+        else:
+            aliasing = _op_name(n) in _VIEWS or _inplace(gm, n)
+        first = n.args[0] if aliasing and n.args else None
+        if not isinstance(first, fx.Node) or first in chain:
+            return chain
+        chain.append(first)
+
+
+@dataclass
+class _Pending:
+    """A region made while its stage's graph was built; attached once the stage module exists."""
+
+    block: str
+    graph: fx.Graph
+    call: fx.Node
+    """The stage's ``checkpoint`` call, whose first argument becomes the region."""
+
+
+class _Regions:
+    """The plan's recomputed blocks over a captured graph: the block each node belongs to (the
+    outermost of ``blocks`` holding its module path), and each stage's runs of a block's nodes
+    made into regions (:meth:`copy_nodes`)."""
+
+    def __init__(self, captured: Captured, nodes: Sequence[fx.Node], blocks: Collection[str]):
+        self.gm = captured.gm
+        wanted = set(blocks)
+        self.block_of: dict[fx.Node, str] = {}
+        self.writes: list[tuple[fx.Node, fx.Node]] = []
+        held: set[str] = set()  # every module path that holds a node: the blocks one can name
+        for n in nodes if wanted else ():
+            path = captured.module_paths.get(n.name, "")
+            parts = path.split(".") if path else []
+            prefixes = [".".join(parts[:i]) for i in range(1, len(parts) + 1)]
+            held.update(prefixes)
+            block = next((p for p in prefixes if p in wanted), None)
+            if block is not None:
+                self.block_of[n] = block
+        unknown = [b for b in dict.fromkeys(blocks) if b not in held]
+        if unknown:
+            near = difflib.get_close_matches(unknown[0], sorted(held), n=5, cutoff=0.0)
+            raise CodegenError(advice(
+                f"recompute names {unknown[0]!r}, the module path of no node of the graph"
+                + (f" ({len(unknown)} such blocks: {unknown[:5]})" if len(unknown) > 1 else ""),
+                "a block is a module (by qualified name) whose forward the model calls; a module it never calls, "
+                "or a misspelt name, holds no node",
+                f"name blocks of this graph, such as {near}",
+            ))
+        self.order = {n: i for i, n in enumerate(self.gm.graph.nodes)} if self.block_of else {}
+        if self.block_of:  # (node, what it writes in place), for _check
+            self.writes = [(n, w) for n in nodes for w in _written(self.gm, n)]
+
+    def copy_nodes(self, graph: fx.Graph, members: Sequence[fx.Node], env: dict[fx.Node, Any]) -> list[_Pending]:
+        """Copy ``members`` (a stage's nodes, in order) into ``graph``; each maximal run of one
+        recomputed block's nodes becomes ``checkpoint(region, *inputs, use_reentrant=False)`` and a
+        ``getitem`` per value read outside the run, named as its node. A run of attribute reads
+        alone, or whose values nothing outside it reads, is copied as it is."""
+        pending = []
+        for block, group in itertools.groupby(members, key=self.block_of.get):
+            run = list(group)
+            inside = set(run)
+            outputs = [n for n in run if any(u not in inside for u in n.users)]
+            if block is None or not outputs or all(n.op == "get_attr" for n in run):
+                for n in run:
+                    env[n] = graph.node_copy(n, env.__getitem__)
+                continue
+            inputs = list(dict.fromkeys(u for n in run for u in n.all_input_nodes if u not in inside))
+            self._check(block, run, inputs)
+            sub = fx.Graph()
+            local: dict[fx.Node, fx.Node] = {}
+            for u in inputs:
+                local[u] = sub.placeholder(u.name)
+                local[u].meta = dict(u.meta)
+            for n in run:
+                local[n] = sub.node_copy(n, local.__getitem__)
+            sub.output(tuple(local[n] for n in outputs))
+            sub.lint()
+            args = (None, *(env[u] for u in inputs))  # the region itself once the stage exists (_attach)
+            call = graph.create_node(
+                "call_function", torch.utils.checkpoint.checkpoint, args, {"use_reentrant": False}, name=f"checkpoint_{block}",
+            )
+            for i, n in enumerate(outputs):
+                env[n] = graph.create_node("call_function", operator.getitem, (call, i), name=n.name)
+            pending.append(_Pending(block, sub, call))
+        return pending
+
+    def _check(self, block: str, run: Sequence[fx.Node], inputs: Sequence[fx.Node]) -> None:
+        """Refuse a region whose rerun in the backward would not compute what its forward did, or would
+        change state again: one that writes in place into a value it reads from outside or into a
+        parameter or buffer, whose inputs a later node writes, or that holds a module updating
+        running statistics in training."""
+        leave_out = f"leave {block!r} out of recompute (blocks inside it that do not may stay)"
+        for n in run:
+            if n.op != "call_module":
+                continue
+            for name, m in self.gm.get_submodule(str(n.target)).named_modules(prefix=str(n.target)):
+                if isinstance(m, torch.nn.modules.batchnorm._NormBase) and m.track_running_stats and m.training:
+                    raise CodegenError(advice(
+                        f"block {block!r} cannot be recomputed: it holds {name} ({type(m).__name__}), whose running "
+                        "statistics update in training",
+                        "recomputing the block in the backward would update them a second time", leave_out,
+                    ))
+        inside = set(run)
+        read = {a for u in inputs for a in _aliases(self.gm, u)}
+        for n, w in self.writes:
+            aliases = _aliases(self.gm, w)
+            if n in inside:
+                hit = next((a for a in aliases if a not in inside or a.op == "get_attr"), None)
+                if hit is not None:
+                    what = "a parameter or buffer" if hit.op == "get_attr" else "a value the block reads from outside it"
+                    raise CodegenError(advice(
+                        f"block {block!r} cannot be recomputed: {n.name} writes in place into {hit.name}, {what}",
+                        "recomputing the block in the backward would write it a second time, and read what it wrote", leave_out,
+                    ))
+            elif self.order[n] > self.order[run[0]] and read.intersection(aliases):
+                raise CodegenError(advice(
+                    f"block {block!r} cannot be recomputed: {n.name}, after it, writes in place into {w.name}, which the block reads",
+                    "recomputing the block in the backward would read the written value", leave_out,
+                ))
+
+
+def _attach(stage: fx.GraphModule, pending: Sequence[_Pending], gm: fx.GraphModule) -> None:
+    """Make each pending region a :class:`_Region` of ``stage``, named after its block
+    (``recompute_h_1``), and its ``checkpoint`` call read it; the stage gets what the region reads
+    of ``gm`` (the same objects, under the same names), as it does what its own nodes read."""
+    for p in pending:
+        for n in p.graph.nodes:
+            if n.op in ("get_attr", "call_module"):
+                try:
+                    operator.attrgetter(str(n.target))(stage)
+                except AttributeError:
+                    _copy_attr(gm, stage, str(n.target))
+        name = base = "recompute_" + re.sub(r"\W", "_", p.block)
+        i = 0
+        while hasattr(stage, name):
+            i += 1
+            name = f"{base}_{i}"
+        region = _Region(p.graph, stage, name)
+        stage.add_module(name, region)
+        with stage.graph.inserting_before(p.call):
+            p.call.update_arg(0, stage.graph.get_attr(name))
+        log.debug("%s: block %s recomputed in the backward as %s (%d values in, %d out)", type(stage).__name__, p.block, name,
+                  len(p.call.args) - 1, len(p.call.users))
+        if debug.stage_code.isEnabledFor(logging.DEBUG):
+            debug.stage_code.debug("%s.%s:\n%s", type(stage).__name__, name, region.code.strip())
+    if pending:
+        stage.recompile()
+
+
+class _Region(fx.GraphModule):
+    """A recomputed block's nodes in a stage, as the module its stage calls under
+    ``torch.utils.checkpoint.checkpoint``. It holds no state of its own: the modules, parameters
+    and buffers its code reads (``self.h…``) are looked up on its stage at each call, so nothing is
+    registered twice (the stage's ``state_dict`` and parameter names stay the model's) and a stage
+    whose tensors are replaced (materialised from meta, moved) is seen as it is."""
+
+    def __init__(self, graph: fx.Graph, owner: fx.GraphModule | None, class_name: str):
+        super().__init__(torch.nn.Module(), fx.Graph(), class_name=class_name)
+        self.__dict__["_shared"] = frozenset(str(n.target).split(".")[0] for n in graph.nodes if n.op in ("get_attr", "call_module"))
+        self.__dict__["_owner"] = owner  # not a submodule: the stage holds the region, never the reverse
+        self.graph = graph
+
+    def __getattr__(self, name: str) -> Any:
+        if name in self.__dict__.get("_shared", ()):
+            return getattr(self.__dict__["_owner"], name)
+        return super().__getattr__(name)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _Region:
+        copied = _Region(copy.deepcopy(self.graph, memo), None, type(self).__name__)
+        memo[id(self)] = copied
+        copied.__dict__["_owner"] = copy.deepcopy(self.__dict__["_owner"], memo)
+        return copied
+
+
+def generate(
+    captured: Captured, assignment: Mapping[str, int], devices: Sequence[str], *, recompute: Collection[str] = (),
+) -> Program:
+    """Build the stage modules and the program for ``assignment`` (node name → stage index);
+    ``recompute``: blocks (module paths) each stage runs under activation checkpointing."""
     gm = captured.gm
     nodes, stage_of = _placed(gm, assignment)
+    regions = _Regions(captured, nodes, recompute)
     output = next(iter(gm.graph.find_nodes(op="output")))
     exported = set(output.all_input_nodes)
 
@@ -120,8 +380,9 @@ def generate(captured: Captured, assignment: Mapping[str, int], devices: Sequenc
     stages = []
     for s, device in enumerate(devices):
         members = [n for n in nodes if stage_of[n] == s]
-        graph, received, sent = _stage_graph(members, s, stage_of, exported)
+        graph, received, sent, pending = _stage_graph(members, s, stage_of, exported, regions)
         stage = fx.GraphModule(gm, graph, class_name=f"Stage{s}")
+        _attach(stage, pending, gm)
         _place_state(gm, members, device)
         stages.append(stage)
         args = tuple(program.call_function(move, (env[u], device)) for u in received)
@@ -184,18 +445,45 @@ class Chain:
 
 class _MicroValues(fx.Interpreter):
     """The value of every node for one micro-batch, on fake tensors: shapes, dtypes, grad flags
-    and the Python values (shape ints) that crossings need; real state is never touched."""
+    and the Python values (shape ints) that crossings need; real state is never touched.
 
-    def __init__(self, gm: fx.GraphModule):
+    ``precision`` — (the plan's precision, the stages' device type) — makes the dtypes those the
+    stages compute: for ``"bf16"`` floating state and inputs are bf16; for ``"bf16-mixed"`` and
+    ``"fp16-mixed"`` every node runs under ``torch.autocast`` on that device type, on fakes of that
+    device type (autocast casts nothing on meta: a model on the meta device is faked there, and a
+    ``device=meta`` argument of its graph's ops becomes that device)."""
+
+    def __init__(self, gm: fx.GraphModule, precision: tuple[str, str] = ("fp32", "cpu")):
+        from autosplit.passes.annotate import LOW_PRECISION
+
         super().__init__(gm, garbage_collect_values=False)
         self.mode = FakeTensorMode(allow_non_fake_inputs=True)
         self._fakes: dict[int, torch.Tensor] = {}
+        self.precision, device_type = precision
+        self._low = LOW_PRECISION.get(self.precision)
+        self._home = torch.device(device_type) if self.precision.endswith("-mixed") else None
+        """The device type the fakes live on under autocast; None: each tensor's own."""
+        if self._home is not None and self._home.type != "cpu" and not torch.get_device_module(self._home.type).is_available():
+            raise CodegenError(advice(
+                f"the dtypes crossing stages under precision={self.precision!r} on {device_type} need that device's autocast",
+                f"no {device_type} device is available in this process, and autocast is off without one",
+                f"build the stages in a process that has a {device_type} device",
+            ))
 
     def fake(self, t: torch.Tensor) -> torch.Tensor:
         if id(t) not in self._fakes:
-            self._fakes[id(t)] = self.mode.from_tensor(t)
+            bf16 = self.precision == "bf16" and t.is_floating_point()
+            if not bf16 and (self._home is None or t.device.type == self._home.type):
+                fake = self.mode.from_tensor(t)
+            else:  # remade as the stages hold it: in bf16, or on the stages' device type
+                from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
+
+                with unset_fake_temporarily():
+                    meta = torch.empty_strided(tuple(t.shape), t.stride(), dtype=self._low if bf16 else t.dtype, device="meta")
+                fake = FakeTensor(self.mode, meta, self._home if self._home is not None else t.device)
+            self._fakes[id(t)] = fake
             if t.requires_grad:
-                self._fakes[id(t)].requires_grad_(True)
+                fake.requires_grad_(True)
         return self._fakes[id(t)]
 
     def fetch_attr(self, target: str) -> Any:
@@ -207,12 +495,40 @@ class _MicroValues(fx.Interpreter):
         state = {k: self.fake(v) for k, v in [*mod.named_parameters(), *mod.named_buffers()]}
         return torch.func.functional_call(mod, state, tuple(args), dict(kwargs))
 
+    def _at_home(self, args: Any, kwargs: Any) -> tuple[Any, Any]:
+        """``device=meta`` arguments (a graph torch.export traced on meta) moved to the fakes' device type."""
+        home = self._home
+        if home is None:
+            return args, kwargs
+        swap = lambda v: home if isinstance(v, torch.device) and v.type == "meta" else v  # noqa: E731
+        return fx.node.map_aggregate(args, swap), fx.node.map_aggregate(kwargs, swap)
+
+    def call_function(self, target: Any, args: Any, kwargs: Any) -> Any:
+        return super().call_function(target, *self._at_home(args, kwargs))
+
+    def call_method(self, target: Any, args: Any, kwargs: Any) -> Any:
+        return super().call_method(target, *self._at_home(args, kwargs))
+
     def run_node(self, n: fx.Node) -> Any:
         with self.mode:
-            return super().run_node(n)
+            if self._home is None:
+                return super().run_node(n)
+            with torch.autocast(self._home.type, dtype=self._low):
+                return super().run_node(n)
 
     def values(self, inputs: Sequence[Any]) -> dict[fx.Node, Any]:
-        self.run(*[self.fake(x) if isinstance(x, torch.Tensor) else x for x in inputs])
+        try:
+            self.run(*[self.fake(x) if isinstance(x, torch.Tensor) else x for x in inputs])
+        except Exception as e:
+            if self.precision == "fp32":
+                raise
+            raise CodegenError(advice(
+                f"the values crossing stages could not be traced under precision={self.precision!r}: {type(e).__name__}: "
+                + next((line for line in str(e).splitlines() if line.strip()), "")[:300],
+                "their dtypes are found by running the graph on fake tensors as the stages hold them (bf16, or "
+                "under autocast on the stages' device type), which this graph refuses",
+                "plan with precision='fp32', or build the model on a real device (a graph traced on meta may fix that device)",
+            )) from e
         return dict(self.env)
 
 
@@ -331,7 +647,8 @@ def _stage_module(gm: fx.GraphModule, root: dict[str, Any], graph: fx.Graph, sta
 
 def generate_chain(
     captured: Captured, assignment: Mapping[str, int], num_stages: int, micro_inputs: Sequence[Any],
-    *, replicate: Collection[str] = (), own_outputs: bool = False,
+    *, replicate: Collection[str] = (), own_outputs: bool = False, precision: tuple[str, str] = ("fp32", "cpu"),
+    recompute: Collection[str] = (),
 ) -> Chain:
     """The chain form of ``assignment`` (node name → stage) for micro-batches like ``micro_inputs``
     (the graph's placeholder values for one micro-batch).
@@ -347,13 +664,18 @@ def generate_chain(
     - the positional order of crossings is the graph's order, recorded in :attr:`Chain.crossings`;
     - a parameter named in ``replicate`` (a tied weight) never crosses: every stage that reads it
       reads it itself, and the runtime sums its gradient over those stages once per step.
+    - ``precision`` (the plan's precision, the stages' device type): the metadata carry the dtypes
+      the stages compute and exchange under it (bf16 state, or autocast: see ``_MicroValues``).
+    - the blocks (module paths) in ``recompute`` run under activation checkpointing, as in
+      :func:`generate`; crossings are unchanged by them.
     """
     gm = captured.gm
     S = num_stages
     nodes, stage_of = _placed(gm, assignment)
+    regions = _Regions(captured, nodes, recompute)
     placeholders = list(gm.graph.find_nodes(op="placeholder"))
     output = next(iter(gm.graph.find_nodes(op="output")))
-    values = _MicroValues(gm).values(micro_inputs)
+    values = _MicroValues(gm, precision).values(micro_inputs)
 
     replicate = set(replicate)
     replicated = {n for n in nodes if n.op == "get_attr" and str(n.target) in replicate}
@@ -378,8 +700,7 @@ def generate_chain(
         # An attribute read nothing uses (torch.export keeps one per alias of a tied weight)
         # is left out, so a stage holds only the parameters it computes with.
         members = [n for n in nodes if stage_of[n] == s and (n.users or n.op != "get_attr")]
-        for n in members:
-            env[n] = graph.node_copy(n, env.__getitem__)
+        pending = regions.copy_nodes(graph, members, env)
         if s < S - 1:
             sent, meta_out = _send(graph, env, crossing(s + 1), values, own_outputs)
             crossings.append(tuple(name for n in crossing(s + 1) for name, _ in _slot_names(n, values[n])))
@@ -387,6 +708,7 @@ def generate_chain(
             sent, meta_out, out_slots = _model_outputs(env, output, values)
         graph.output(tuple(sent))
         stages.append(_stage_module(gm, root, graph, s))
+        _attach(stages[-1], pending, gm)
         inputs_meta.append(tuple(metas))
         outputs_meta.append(tuple(meta_out))
     return Chain(

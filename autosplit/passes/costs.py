@@ -118,7 +118,7 @@ def _saved_bytes(
             return infos[i].saved_inputs
         return [u.name for u in nodes[i].all_input_nodes if index.get(u.name) not in recomputed]
 
-    for i, info in enumerate(infos):
+    for i in range(len(infos)):
         for name in kept(i):
             if name in charged:
                 continue

@@ -23,6 +23,7 @@ from autosplit.microbatch import batch_size, is_batched
 from autosplit.passes.capture import Captured, capture, fingerprint, flat_inputs, with_defaults
 from autosplit.passes.codegen import Chain, generate_chain
 from autosplit.plans import Plan
+from autosplit.runtime.precision import stage_device_type
 
 __all__ = ["ChainsByRows", "capture_chain", "keep_only", "check_batches", "code_change", "describe", "digest", "meta_copy", "shapes"]
 
@@ -178,4 +179,6 @@ def capture_chain(
         )
     flat = flat_inputs(captured, args, kwargs)
     own = schedules.lookup(plan.schedule).split_backward
-    return generate_chain(captured, plan.stage_of, stages, flat, replicate=replicate, own_outputs=own), captured
+    precision = (plan.precision, stage_device_type(plan))
+    return generate_chain(captured, plan.stage_of, stages, flat, replicate=replicate, own_outputs=own, precision=precision,
+                          recompute=plan.recompute), captured

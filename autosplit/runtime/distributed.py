@@ -31,6 +31,11 @@ outer dimension (as in torchtitan), so rank ``r`` runs stage ``r // data_paralle
 6. Entries of the model's ``state_dict`` that no stage reads (a parameter ``forward`` never
    uses) are kept by stage 0, so state dicts and :meth:`~DistributedModel.parameters` hold the
    whole model.
+7. Every rank runs its stages in the plan's precision (:mod:`autosplit.runtime.precision`): each
+   stage's forward and the loss under ``torch.autocast`` for the mixed ones (the static metadata
+   carry the dtypes autocast gives the crossings), or bf16 parameters and inputs for ``"bf16"``;
+   ``"fp16-mixed"`` scales the loss and skips, on every rank, a step with an inf or NaN gradient
+   (:attr:`DistributedModel.scaler`).
 
 Usage (``torchrun --nproc-per-node 2 train.py``)::
 
@@ -61,6 +66,7 @@ from autosplit.runtime.batches import check_batches, code_change, describe, dige
 from autosplit.runtime.checkpoint import StageState
 from autosplit.runtime.materialise import StageNames
 from autosplit.runtime.placement import Layout, replicate_stage
+from autosplit.runtime.precision import LossScaler, autocast, cast_inputs, hold
 
 __all__ = ["DistributedModel"]
 
@@ -108,6 +114,12 @@ class DistributedModel(StageState):
         self._state_names = dict(names.state)
         self._param_names = dict(names.params)
         self._aliases = {local: tuple(copies) for local, copies in aliases.items()}
+        self.precision = plan.precision
+        """The plan's precision, which every stage of every rank runs in (:mod:`autosplit.runtime.precision`)."""
+        for stage_module in modules.values():
+            hold(stage_module, plan.precision)
+        self.scaler = LossScaler(device) if plan.precision == "fp16-mixed" else None
+        """The fp16 loss scaler :meth:`step` uses (``"fp16-mixed"`` only; its ``state_dict`` is GradScaler's)."""
         if layout.replicas > 1:
             for stage_module in modules.values():
                 replicate_stage(stage_module, replication, dp_mesh)
@@ -124,7 +136,9 @@ class DistributedModel(StageState):
         """Micro-batch rows the stages cannot run → why."""
 
         def loss(out: Any, target: Any) -> torch.Tensor:
-            return loss_fn(chain.output(out if isinstance(out, (tuple, list)) else (out,)), target)
+            with autocast(plan.precision, device.type):  # the loss too, as PyTorch's autocast recipe has it
+                value = loss_fn(chain.output(out if isinstance(out, (tuple, list)) else (out,)), target)
+            return value if self.scaler is None else self.scaler.scale(value)
 
         self._loss = loss
         self._loss_of_output = loss_fn
@@ -160,7 +174,7 @@ class DistributedModel(StageState):
         kind = ContiguousGradStage if self._entry.order == "torch" else EarlyReceivingStage
         return [
             kind(module, s, self.layout.stages, self.device, input_args=tuple(inputs_meta[s]),
-                 output_args=tuple(outputs_meta[s]), group=self._pp_group)
+                 output_args=tuple(outputs_meta[s]), group=self._pp_group, precision=(self.precision, self.device.type))
             for s, module in self.stage_modules.items()
         ]
 
@@ -212,13 +226,17 @@ class DistributedModel(StageState):
         flat = self._to_flat(inputs, kwargs)
         rows = self._agree_on_batch(flat, target)
         run = self._run_for(rows, flat)
-        kept = [] if run.started else self._gradients_a_new_schedule_clears()
+        if self.scaler is not None:  # only this step's gradients are scaled, so earlier ones wait aside
+            kept = self._set_aside_gradients()
+            scale = self.scaler.get_scale()
+        else:
+            kept = [] if run.started else self._gradients_a_new_schedule_clears()
         run.started = True
         losses: list[torch.Tensor] = []
         try:
             run.schedule.step(
                 target=target if self.is_last else None, losses=losses if self.is_last else None,
-                **dict(zip(self._input_names, flat)),
+                **dict(zip(self._input_names, cast_inputs(flat, self.precision))),
             )
         except Exception as e:
             # A peer blocked on this rank fails when this process exits (gloo: "connection closed
@@ -232,13 +250,19 @@ class DistributedModel(StageState):
                     "look for the first rank that failed (its error names the node); run the model unsplit on one batch to reproduce",
                 )
             ) from e
+        if self.scaler is not None:
+            self._sum_tied_gradients()
+            if self.scaler.unscale_and_update(self.module.parameters()):
+                kept = []  # the optimizer's step is skipped, as GradScaler.step skips it
         with torch.no_grad():
             for p, earlier in kept:
                 p.grad = earlier if p.grad is None else p.grad + earlier
-        self._sum_tied_gradients()
+        if self.scaler is None:
+            self._sum_tied_gradients()
         if not self.is_last:
             return None
-        return torch.stack([loss.detach() for loss in losses]).mean()
+        mean = torch.stack([loss.detach() for loss in losses]).mean()
+        return mean if self.scaler is None else mean / scale
 
     def _held_text(self) -> str:
         held = self.layout.held
@@ -350,6 +374,13 @@ class DistributedModel(StageState):
                     return other.inputs_meta, other.outputs_meta
                 self._unrunnable[micro] = changed or "other values cross the stages at this shape"
         return None
+
+    def _set_aside_gradients(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Every parameter's gradient so far, taken out (the parameter's ``grad`` set to None) to add back after the step."""
+        kept: list[tuple[torch.Tensor, torch.Tensor]] = [(p, p.grad) for p in self.module.parameters() if p.grad is not None]
+        for p, _ in kept:
+            p.grad = None
+        return kept
 
     def _gradients_a_new_schedule_clears(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Gradients of FSDP2-managed parameters, which torch's pipelining sets to None when a

@@ -7,11 +7,24 @@ checkpoints load into either. The generated stage modules share those objects bu
 kept out of the module tree, so nothing is listed twice. ``DistributedDataParallel``
 (``device_ids=None``) can replicate it for hybrid data + model parallelism.
 
+Each stage runs in the plan's precision (:mod:`autosplit.runtime.precision`): ``"bf16-mixed"`` /
+``"fp16-mixed"`` run every stage's forward under ``torch.autocast`` on its device type (parameters
+stay fp32; compute the loss under the same autocast, and for fp16 scale it with
+``torch.amp.GradScaler`` as for any model). ``"bf16"`` holds the model in bfloat16: building the
+split converts its floating parameters and buffers in place, as ``model.to(torch.bfloat16)`` would
+(the split shares them, as it shares their device), and floating inputs are cast where they enter.
+
 Usage::
 
     split = autosplit.autosplit(model, ["cpu"] * 4, example_inputs=(x,))
     loss_fn(split(x), y).backward()
     print(split.code)            # the generated Python of every stage
+
+    split = autosplit.autosplit(model, ["cpu"] * 2, example_inputs=(x,), precision="fp16-mixed")
+    opt, scaler = torch.optim.Adam(split.parameters()), torch.amp.GradScaler("cpu")
+    with torch.autocast("cpu", dtype=torch.float16):   # the loss under the stages' autocast
+        loss = loss_fn(split(x), y)
+    scaler.scale(loss).backward(); scaler.step(opt); scaler.update()
 """
 
 from __future__ import annotations
@@ -24,6 +37,7 @@ import torch.fx as fx
 from autosplit.passes.capture import Captured, flat_inputs
 from autosplit.passes.codegen import Program
 from autosplit.plans import Plan
+from autosplit.runtime.precision import AutocastStage, cast_inputs, hold, is_mixed
 
 __all__ = ["SplitModule"]
 
@@ -49,6 +63,10 @@ class SplitModule(torch.nn.Module):
         object.__setattr__(self, "_captured", captured)
         object.__setattr__(self, "plan", plan)
         self.training = model.training
+        hold(self, plan.precision)
+        if is_mixed(plan.precision):  # the program calls each stage through its autocast
+            for s, device in enumerate(program.devices):
+                setattr(program.program, f"stage{s}", AutocastStage(program.stages[s], plan.precision, torch.device(device).type))
 
     @property
     def stages(self) -> tuple[fx.GraphModule, ...]:
@@ -69,6 +87,7 @@ class SplitModule(torch.nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         captured = self._captured
+        args, kwargs = cast_inputs((args, kwargs), self.plan.precision)
         if captured.method == "export":  # the program flattens (args, kwargs) by the exported spec itself
             out = self._program.program(*args, **{**captured.fixed_kwargs, **kwargs})
         else:

@@ -12,6 +12,10 @@ first thing every schedule does in a step), hands the schedule no receive ops of
 waits for a micro-batch's data in :meth:`EarlyReceivingStage.wait_received` at the start of its
 forward or backward chunk, which is after every send the schedule issued before it, so no
 schedule can deadlock on it. Sends are unchanged.
+
+Both stage classes run their forward in the plan's precision (autocast for the mixed ones, the
+backward outside it) and refuse to send a tensor whose dtype is not the one the next stage's
+receive buffer was made with.
 """
 
 from __future__ import annotations
@@ -23,11 +27,42 @@ import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage
 
 from autosplit.errors import DistributedError, advice
+from autosplit.runtime.precision import autocast
 
 __all__ = ["EarlyReceivingStage", "ContiguousGradStage"]
 
 
-class EarlyReceivingStage(PipelineStage):
+class _PolicyStage(PipelineStage):
+    """A stage whose forward runs under the plan's precision (``precision``: the plan's, and the
+    stage's device type; :func:`~autosplit.runtime.precision.autocast`), the backward outside it; a
+    tensor it sends whose dtype is not the one its neighbour's receive buffer was made with is a
+    typed error before the send, never a silent cast or a mismatched message."""
+
+    def __init__(self, *args: Any, precision: tuple[str, str] = ("fp32", "cpu"), **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.precision = precision
+        self._sent_dtypes = tuple(t.dtype for t in kwargs.get("output_args") or ())
+
+    def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+        with autocast(*self.precision):
+            out = super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+        if not self.is_last:
+            sent = out if isinstance(out, (tuple, list)) else (out,)
+            wrong = [(i, t.dtype, d) for i, (t, d) in enumerate(zip(sent, self._sent_dtypes))
+                     if isinstance(t, torch.Tensor) and t.dtype != d]
+            if wrong:
+                i, got, expected = wrong[0]
+                raise DistributedError(advice(
+                    f"stage {self.stage_index} computed its output {i} in {got}, where its static metadata (stage "
+                    f"{self.stage_index + 1}'s receive buffer) say {expected} ({len(wrong)} of {len(sent)} outputs differ)",
+                    f"the metadata were traced under precision {self.precision[0]!r} on {self.precision[1]}, and the stage "
+                    "computes otherwise (an op autocast treats differently on this device, or a dtype set inside forward)",
+                    "plan with precision='fp32', or cast the value to one dtype inside forward",
+                ))
+        return out
+
+
+class EarlyReceivingStage(_PolicyStage):
     """:class:`~torch.distributed.pipelining.PipelineStage` with a step's receives posted at its start."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -75,7 +110,7 @@ class EarlyReceivingStage(PipelineStage):
         return super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
 
 
-class ContiguousGradStage(PipelineStage):
+class ContiguousGradStage(_PolicyStage):
     """:class:`~torch.distributed.pipelining.PipelineStage` that sends contiguous input gradients.
 
     torch's split backward (the input pass of the zero-bubble schedules, torch 2.13) hands the

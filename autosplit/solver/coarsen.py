@@ -95,17 +95,16 @@ def coarsen(problem: Problem, order: Sequence[int], *, max_cost: float) -> Coars
     position = {n: p for p, n in enumerate(order)}
     breaks = {edge for block in problem.recompute for edge in (
         min(position[n] for n in block.members), max(position[n] for n in block.members) + 1)}
-    pieces = [piece for lo, hi in split(0, len(order), 1)
-              for piece in itertools.pairwise([lo, *sorted(b for b in breaks if lo < b < hi), hi])]
+    ends = {hi for lo, hi in split(0, len(order), 1)} | {b for b in breaks if 0 < b < len(order)}
+    forbidden = forbidden_cuts(problem, order)  # colocated (or kept-together) nodes never straddle a block
+    pieces = itertools.pairwise([0, *sorted(p for p in ends if not forbidden[p] or p == len(order))])
     merged: list[tuple[int, int]] = []
-    for lo, hi in pieces:  # chain contraction along the order
+    for lo, hi in pieces:  # chain contraction along the order, at the cuts allowed
         if merged and span_cost(merged[-1][0], hi) <= max_cost and lo not in breaks:
             merged[-1] = (merged[-1][0], hi)
         else:
             merged.append((lo, hi))
-    forbidden = forbidden_cuts(problem, order)  # colocated (or kept-together) nodes never straddle a block
-    cut_at = [0, *(hi for _, hi in merged if not forbidden[hi])]
-    merged = list(itertools.pairwise(cut_at))
+    cut_at = [0, *(hi for _, hi in merged)]
     bounds = tuple(cut_at)
     block_labels = tuple(_common_label(labels[lo:hi]) for lo, hi in merged)
     return Coarsening(tuple(order), bounds, block_labels)

@@ -42,7 +42,8 @@ def test_precision_changes_dtypes_state_and_time(example):
     assert 2 * sum(i.param_bytes for i in bf16.values()) == sum(i.param_bytes for i in fp32.values())
     assert all(p.dtype == torch.float32 for p in model.parameters())  # planning never casts the user's model
 
-    plans = {p: autosplit.plan(model, ["H100-80GB"] * 2, example_inputs=x, precision=p, time_limit=2) for p in ("fp32", "bf16-mixed", "bf16")}
+    plans = {p: autosplit.plan(model, ["H100-80GB"] * 2, example_inputs=x, precision=p, time_limit=2)
+             for p in ("fp32", "bf16-mixed", "bf16")}
     assert all(plan.precision == p for p, plan in plans.items())
     state = {p: sum(s.memory_state for s in plan.stages) for p, plan in plans.items()}
     acts = {p: sum(s.memory_activations for s in plan.stages) for p, plan in plans.items()}

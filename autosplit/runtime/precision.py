@@ -1,0 +1,179 @@
+"""A plan's precision at run time (:attr:`~autosplit.plans.Plan.precision`, defined by
+:attr:`~autosplit.options.PlanOptions.precision`), the same for the local and the distributed runtime.
+
+- ``"fp32"``: the model's own dtypes; nothing changes.
+- ``"bf16"``: the model's floating parameters and buffers are held in bfloat16 — converted in place
+  when the split is built, as ``model.to(torch.bfloat16)`` would, so gradients and optimizer state
+  are bf16 too — and floating inputs are cast to bf16 where they enter (:func:`hold`, :func:`cast_inputs`).
+- ``"bf16-mixed"`` / ``"fp16-mixed"``: every stage's forward (and the pipeline's loss) runs under
+  ``torch.autocast`` on the stage's device type (:func:`autocast`); parameters (fp32 master
+  weights), gradients and optimizer state stay fp32, and the backward runs outside autocast, as
+  PyTorch recommends. The tensors crossing stages have the dtype autocast gives them (a ``Linear``'s
+  output is bf16), and the distributed stages' static metadata say so.
+- ``"fp16-mixed"`` in :meth:`~autosplit.runtime.distributed.DistributedModel.step`: a
+  :class:`LossScaler` scales each micro-batch's loss, unscales the gradients after the step and
+  skips the step on every rank when any rank found an inf or NaN. Locally (a ``SplitModule``) the
+  user drives backward, so they use ``torch.amp.GradScaler`` as with any model.
+
+Usage::
+
+    with autocast(plan.precision, "cuda"):
+        out = stage(*received)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.utils import _pytree as pytree
+
+from autosplit.errors import DistributedError, advice
+from autosplit.passes.annotate import LOW_PRECISION
+from autosplit.plans import Plan
+
+__all__ = ["AutocastStage", "LossScaler", "autocast", "cast_inputs", "hold", "is_mixed", "stage_device_type"]
+
+log = logging.getLogger(__name__)
+
+
+def is_mixed(precision: str) -> bool:
+    """The precision runs the forward under ``torch.autocast`` (``"bf16-mixed"``, ``"fp16-mixed"``)."""
+    return precision.endswith("-mixed")
+
+
+def autocast(precision: str, device_type: str) -> contextlib.AbstractContextManager:
+    """``torch.autocast(device_type, dtype)`` for a mixed precision; a null context otherwise."""
+    if not is_mixed(precision):
+        return contextlib.nullcontext()
+    return torch.autocast(device_type, dtype=LOW_PRECISION[precision])
+
+
+def hold(module: torch.nn.Module, precision: str) -> int:
+    """For ``"bf16"``: ``module``'s floating parameters and buffers converted to bfloat16 in place
+    (``tensor.data``, as ``module.to(torch.bfloat16)`` does), so ``Parameter`` objects stay valid.
+    Returns how many tensors changed; nothing changes for other precisions."""
+    if precision != "bf16":
+        return 0
+    changed = 0
+    with torch.no_grad():
+        for t in [*module.parameters(), *module.buffers()]:
+            if t.is_floating_point() and t.dtype != torch.bfloat16:
+                t.data = t.data.to(torch.bfloat16)
+                changed += 1
+    if changed:
+        log.info("precision bf16: %d parameters and buffers converted to bfloat16 in place", changed)
+    return changed
+
+
+def cast_inputs(values: Any, precision: str) -> Any:
+    """For ``"bf16"``: every floating tensor in ``values`` cast to bfloat16; ``values`` unchanged otherwise."""
+    if precision != "bf16":
+        return values
+    return pytree.tree_map(lambda t: t.to(torch.bfloat16) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, values)
+
+
+def stage_device_type(plan: Plan) -> str:
+    """The device type (``"cpu"``, ``"cuda"``) the plan's stages run on, which fixes what autocast
+    does to the tensors crossing them: a :class:`DistributedError` for a mixed precision over stages of
+    several types (each rank would trace the crossings' dtypes under another autocast policy)."""
+    kinds = sorted({torch.device(plan.devices[d].torch_device or "cpu").type for d in plan.stage_devices})
+    if len(kinds) > 1 and is_mixed(plan.precision):
+        raise DistributedError(advice(
+            f"precision={plan.precision!r} over pipeline stages on devices of {len(kinds)} types ({kinds})",
+            "autocast casts differently on each device type, and the stages' static metadata (the dtypes crossing "
+            "them) are traced under one policy",
+            "run every stage on one device type, or plan with precision='fp32' or 'bf16'",
+        ))
+    return kinds[0] if kinds else "cpu"
+
+
+class AutocastStage(torch.nn.Module):
+    """``stage`` run under ``torch.autocast(device_type, dtype)`` of a mixed ``precision`` (the local
+    runtime's per-stage policy; the distributed stages enter it in their ``forward_one_chunk``)."""
+
+    def __init__(self, stage: torch.nn.Module, precision: str, device_type: str):
+        super().__init__()
+        self.stage = stage
+        self.precision = precision
+        self.device_type = device_type
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        with autocast(self.precision, self.device_type):
+            return self.stage(*args, **kwargs)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+class LossScaler:
+    """Dynamic loss scaling for an ``"fp16-mixed"`` pipeline: ``torch.amp.GradScaler``'s rule, defaults,
+    state dict and kernels (``_amp_foreach_non_finite_check_and_unscale_``, ``_amp_update_scale_``),
+    with "found inf" all-reduced over every rank before the step is kept or skipped.
+
+    Written here rather than wrapping ``GradScaler`` because GradScaler keeps its inf checks per
+    optimizer, privately, with no point at which ranks could agree on them, and the pipeline's step
+    is not given the optimizer. A skipped step leaves every gradient of every rank ``None``, so the
+    optimizer's next ``step()`` changes nothing (as ``GradScaler.step`` skips it), and the scale is
+    multiplied by ``backoff_factor``; after ``growth_interval`` steps without inf it grows by ``growth_factor``.
+    """
+
+    def __init__(self, device: torch.device, *, init_scale: float = 2.0**16, growth_factor: float = 2.0,
+                 backoff_factor: float = 0.5, growth_interval: int = 2000) -> None:
+        self.device = device
+        self.growth_factor, self.backoff_factor, self.growth_interval = growth_factor, backoff_factor, growth_interval
+        self._scale = torch.full((), init_scale, dtype=torch.float32, device=device)
+        self._growth_tracker = torch.zeros((), dtype=torch.int32, device=device)
+        self.skipped = 0
+        """Steps skipped so far (an inf or NaN gradient on some rank)."""
+
+    def get_scale(self) -> float:
+        """The scale the next step's losses are multiplied by."""
+        return float(self._scale.item())
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss * self._scale.to(device=loss.device)
+
+    def unscale_and_update(self, params: Iterable[torch.Tensor], group: Any = None) -> bool:
+        """Divide the gradients of ``params`` by the scale in place, agree over ``group`` (default:
+        every rank) whether any was inf or NaN, drop them all if so, and update the scale. Call it on
+        every rank once per step; returns whether the step was skipped."""
+        params = list(params)
+        found = torch.zeros(1, dtype=torch.float32, device=self.device)
+        inv_scale = self._scale.double().reciprocal().float()
+        by_kind: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+        for p in params:
+            if p.grad is not None:
+                g = _local(p.grad)
+                by_kind.setdefault((g.device, g.dtype), []).append(g)
+        for (device, _), grads in by_kind.items():
+            here = torch.zeros(1, dtype=torch.float32, device=device)
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, here, inv_scale.to(device))
+            found += here.to(self.device)
+        if dist.is_available() and dist.is_initialized():
+            dist.all_reduce(found, op=dist.ReduceOp.MAX, group=group)
+        skipped = bool(found.item() > 0)
+        if skipped:
+            for p in params:
+                p.grad = None
+            self.skipped += 1
+            log.info("fp16 loss scale %g gave an inf or NaN gradient: step skipped on every rank", self.get_scale())
+        torch._amp_update_scale_(self._scale, self._growth_tracker, found, self.growth_factor, self.backoff_factor, self.growth_interval)
+        return skipped
+
+    def state_dict(self) -> dict[str, Any]:
+        """As ``GradScaler.state_dict()`` names it, so either loads the other's."""
+        return {"scale": self.get_scale(), "growth_factor": self.growth_factor, "backoff_factor": self.backoff_factor,
+                "growth_interval": self.growth_interval, "_growth_tracker": int(self._growth_tracker.item())}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._scale.fill_(float(state["scale"]))
+        self._growth_tracker.fill_(int(state["_growth_tracker"]))
+        self.growth_factor = float(state["growth_factor"])
+        self.backoff_factor = float(state["backoff_factor"])
+        self.growth_interval = int(state["growth_interval"])
