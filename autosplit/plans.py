@@ -64,6 +64,9 @@ class StageReport:
     capacity: int
     memory_sent: int = 0
     """Outputs sent to later stages, held until their gradients return."""
+    memory_buffers: int = 0
+    """Buffers torch's stage keeps all step for the gradients of the outputs it sends, one per micro-batch
+    (:attr:`memory_received` holds the receiving side's: a buffer per micro-batch and its gradient)."""
     forward: float = 0.0
     """Forward seconds of the whole batch (part of :attr:`compute`)."""
     backward: float = 0.0
@@ -80,7 +83,8 @@ class StageReport:
     @property
     def memory(self) -> int:
         return (
-            self.memory_state + self.memory_activations + self.memory_received + self.memory_sent + self.memory_transient
+            self.memory_state + self.memory_activations + self.memory_received + self.memory_sent + self.memory_buffers
+            + self.memory_transient
         )
 
 

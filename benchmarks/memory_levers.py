@@ -4,13 +4,14 @@ the step against recomputing every block (issue 25 item 4).
 For a GPT (``autosplit.examples.GPT``) and a transformers Llama (built from a config, no download),
 both real, fp32, on 2 gloo processes (one core and one thread each), 1F1B:
 
-1. plan with ``checkpointing="none"`` and ``"full"`` without caps; the cap is set halfway between
-   their fullest devices, so that keeping every activation does not fit (the planner proves it)
-   and recomputing every block does;
+1. the cap: 2% under the least cap at which ``checkpointing="none"`` fits (bisected between the
+   fullest devices of the uncapped ``"full"`` and ``"none"`` plans), so that keeping every
+   activation does not fit and recomputing every block does;
 2. plan ``"auto"`` and ``"full"`` under that cap, run both, interleaved step by step (a slow minute
    of this machine falls on both), and report the median step of each and their ratio;
 3. per rank, the peak of the bytes of live tensors during one step (``autosplit.timers.MemoryTracker``:
-   every storage created inside it, plus the stage's parameters and optimizer state, counted once)
+   every storage created inside it, plus the stage's parameters, optimizer state and torch's receive
+   buffers, counted once)
    against the plan's predicted peak for that device (``plan.rank_memory``), and the peak resident
    set increase (``VmHWM``) beside it for reference.
 
@@ -48,13 +49,15 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import autosplit
-from autosplit.errors import InfeasiblePlanError
+from autosplit.errors import InfeasiblePlanError, SolverError
 from autosplit.timers import MemoryTracker, steady_allocator
 from benchmarks.pipeline_runtime import timed_steps
 from benchmarks.plan_time import machine
 
 RESULTS = Path(__file__).resolve().parent / "results"
-BATCH, SEQ, VOCAB, MICRO = 8, 128, 2048, 8
+BATCH, SEQ, VOCAB = 8, 128, 2048
+MICRO = {"gpt": 8, "llama": 4}
+"""Micro-batches per step: the Llama's exported graph specialises a batch of one row, so its micro-batches hold two."""
 
 
 def _loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -89,6 +92,14 @@ def _optimizer_tensors(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [t for state in opt.state.values() for t in state.values() if isinstance(t, torch.Tensor)]
 
 
+def _receive_buffers(pipe: Any) -> list[torch.Tensor]:
+    """The buffers torch's stages made before the measured step (one per micro-batch for each
+    received activation and each gradient coming back; torch's private ``_RecvInfo`` records)."""
+    infos = [info for stage in pipe._stages for table in (stage.args_recv_info, stage.grad_recv_info)
+             for chunk in table.values() for info in chunk]
+    return [info.buffer for info in infos if isinstance(getattr(info, "buffer", None), torch.Tensor)]
+
+
 def _worker(rank: int, init: str, name: str, plans: list[tuple[str, str]], steps: int, out: str) -> None:
     torch.set_num_threads(1)
     os.sched_setaffinity(0, {rank})
@@ -108,7 +119,7 @@ def _worker(rank: int, init: str, name: str, plans: list[tuple[str, str]], steps
             idle, _ = _rss()
             Path("/proc/self/clear_refs").write_text("5")  # the resident peak from here on
             tracker = MemoryTracker()
-            tracker.track(list(pipe.parameters()), _optimizer_tensors(opt))
+            tracker.track(list(pipe.parameters()), _optimizer_tensors(opt), _receive_buffers(pipe))
             with tracker:
                 pipe.step(*inputs, target=target)
                 opt.step()
@@ -133,25 +144,36 @@ def _worker(rank: int, init: str, name: str, plans: list[tuple[str, str]], steps
         dist.destroy_process_group()
 
 
-def _plan(model: torch.nn.Module, inputs: tuple, **options: Any) -> autosplit.Plan:
-    return autosplit.plan(model, ["cpu"] * 2, example_inputs=inputs, schedule="1f1b", micro_batches=MICRO, time_limit=20, **options)
+def _plan(model: torch.nn.Module, inputs: tuple, name: str, **options: Any) -> autosplit.Plan:
+    return autosplit.plan(model, ["cpu"] * 2, example_inputs=inputs, schedule="1f1b", micro_batches=MICRO[name],
+                          **{"time_limit": 20, **options})
 
 
 def run_model(name: str, steps: int, tmp: str) -> dict[str, Any]:
     model, inputs, target = workload(name)
-    uncapped = {mode: _plan(model, inputs, checkpointing=mode) for mode in ("none", "full")}
+    uncapped = {mode: _plan(model, inputs, name, checkpointing=mode) for mode in ("none", "full")}
     fullest = {mode: max(p.rank_memory or [s.memory for s in p.stages]) for mode, p in uncapped.items()}
-    cap = (fullest["none"] + fullest["full"]) // 2
+    # The cap: 2% under the least at which keeping every activation fits (bisected), and above
+    # what recomputing every block needs.
+    low, high = fullest["full"], fullest["none"]
+    while high - low > 2**16:
+        mid = (low + high) // 2
+        try:
+            _plan(model, inputs, name, checkpointing="none", memory={0: mid, 1: mid}, time_limit=5)
+            high = mid
+        except (InfeasiblePlanError, SolverError):
+            low = mid
+    cap = max(fullest["full"] + 2**16, int(high * 0.98))
     memory = {0: cap, 1: cap}
     row: dict[str, Any] = {"model": name, "params": sum(p.numel() for p in model.parameters()), "cap": cap,
-                           "fullest_uncapped": fullest}
+                           "fullest_uncapped": fullest, "least_cap_keeping_all": high}
     start = time.perf_counter()
     try:
-        _plan(model, inputs, checkpointing="none", memory=memory)
+        _plan(model, inputs, name, checkpointing="none", memory=memory)
         row["none"] = "fits (the cap is not tight enough)"
-    except InfeasiblePlanError as e:
-        row["none"] = f"infeasible: {str(e).split('. Likely cause')[0][:200]}"
-    plans = {mode: _plan(model, inputs, checkpointing=mode, memory=memory) for mode in ("auto", "full")}
+    except (InfeasiblePlanError, SolverError) as e:
+        row["none"] = f"no plan: {str(e).split('. Likely cause')[0][:200]}"
+    plans = {mode: _plan(model, inputs, name, checkpointing=mode, memory=memory) for mode in ("auto", "full")}
     row["planning_s"] = time.perf_counter() - start
     paths = []
     for mode, plan in plans.items():
@@ -208,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(run_model(name, args.steps, tmp))
             report(rows[-1])
     targets = {
-        "auto_fits_where_none_does_not": all(r["none"].startswith("infeasible") for r in rows),
+        "auto_fits_where_none_does_not": all(r["none"].startswith("no plan") for r in rows),
         "peak_within_15_percent": all(abs(e) <= 0.15 for r in rows for m in ("auto", "full") for e in r[m]["peak_error"]),
         "auto_faster_than_full": all(r["auto_over_full"] < 1 for r in rows),
     }

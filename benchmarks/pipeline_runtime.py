@@ -108,7 +108,7 @@ def _timed_stage(pipe) -> dict[str, float]:
     """Wrap the pipeline stage's forward/backward chunks with clocks, less the time a chunk waits
     for its micro-batch's data to arrive; returns the running totals."""
     totals = {"compute": 0.0, "wait": 0.0}
-    stage = pipe._stage
+    stage = pipe._stages[0]
     wait = stage.wait_received
 
     def timed_wait(*args, **kwargs):

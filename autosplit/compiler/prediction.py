@@ -47,10 +47,11 @@ def predict_step(
         # Asynchronous stages update at different times: a replicated copy would drift, so it is sent.
         # A replica also holds the weight's gradient and optimizer state: it must fit beside the stage.
         copies = [s for s in holders if s != stage_of[u]]
-        fits = all(memory[s] * KIB + replicas[s] + table.state_bytes[u] <= problem.capacity[s] * KIB
-                   for s in copies)
+        # Under torch's schedules the problem already charges each copy's state where it is read.
+        extra = 0 if problem.buffer_mem else table.state_bytes[u]
+        fits = all(memory[s] * KIB + replicas[s] + extra <= problem.capacity[s] * KIB for s in copies)
         policy = "replicate" if replicate < send and fits and not schedules.lookup(options.schedule).asynchronous else "send"
-        if policy == "replicate":
+        if policy == "replicate" and not problem.buffer_mem:
             for s in copies:
                 replicas[s] += table.state_bytes[u]
         if policy == "replicate":
@@ -98,6 +99,7 @@ def sharing_problem(problem: Problem, table: CostTable, order: Sequence[int], sh
     node = {read: u for u, read in enumerate(table.param_reads) if read}
     transfer, recv = [list(row) for row in problem.transfer], [list(row) for row in problem.recv_mem]
     send = [list(row) for row in problem.send_mem]
+    buffers = list(problem.buffer_mem)
     for p in shared:
         u = node[p.name]
         for k, (bw, lat) in enumerate(links):
@@ -107,8 +109,10 @@ def sharing_problem(problem: Problem, table: CostTable, order: Sequence[int], sh
             recv[u] = [0] * problem.num_stages
             if send:
                 send[u] = [0] * problem.num_stages
+            if buffers:
+                buffers[u] = 0
     rows = lambda table: tuple(map(tuple, table))  # noqa: E731
-    return dataclasses.replace(problem, transfer=rows(transfer), recv_mem=rows(recv), send_mem=rows(send))
+    return dataclasses.replace(problem, transfer=rows(transfer), recv_mem=rows(recv), send_mem=rows(send), buffer_mem=tuple(buffers))
 
 
 def _stage_work(
@@ -160,23 +164,23 @@ def replayed_step(
 
 
 def rank_peaks(problem: Problem, schedule: str, reports: Sequence[StageReport]) -> tuple[int, ...]:
-    """[rank] peak bytes of its stages together: their state, one transient reserve, and the
-    activations, received and sent tensors in flight as the schedule's action lists hold them (a
-    split backward keeps a micro-batch's until its weight pass, as torch's does); empty for a
-    schedule torch does not run (sequential, asynchronous)."""
+    """[rank] peak bytes of its stages together: their state, their pipeline buffers (received
+    tensors and gradients, one per micro-batch), one transient reserve, and the activations and sent
+    outputs in flight as the schedule's action lists hold them (a split backward keeps a micro-batch's
+    until its weight pass, as torch's does); empty for a schedule torch does not run (sequential, asynchronous)."""
     entry = schedules.lookup(schedule)
     if not entry.flushes or entry.torch_class is None:
         return ()
     S, M, R = problem.num_stages, problem.micro_batches, problem.ranks
     per_micro = []
     for s, st in enumerate(reports):
-        held = st.memory_activations + st.memory_received + st.memory_sent
+        held = st.memory_activations + st.memory_sent
         per_micro.append(held / max(1, entry.in_flight(s, S, M, R)))
     actions = entry.actions(R, M, problem.stages_per_rank)
     peak = peaks(actions, saved=per_micro, weight_held=per_micro)
     out = [reports[0].memory_transient + p for p in peak]
-    for s, st in enumerate(reports):
-        out[problem.rank(s)] += st.memory_state
+    for s, st in enumerate(reports):  # what a stage holds all step: its state and its pipeline buffers
+        out[problem.rank(s)] += st.memory_state + st.memory_received + st.memory_buffers
     return tuple(int(b) for b in out)
 
 
@@ -200,6 +204,8 @@ def stage_reports(
     share = table.wgrad_share or (0.0,) * len(table.nodes)
     entry, M, S = schedules.lookup(schedule), problem.micro_batches, problem.num_stages
     recomputed = [(label, table.blocks.index(label)) for label in table.recomputed]
+    # The buffers a sender keeps for gradients coming back (the receiver's, twice its received bytes, are all of them).
+    sent_buffers = [b - r for b, r in zip(ev.buffer_mem, ev.recv_mem)] if ev.buffer_mem else [0] * len(order)
     for s, device in enumerate(table.devices[d] for d in order):
         members = [n for n, st in enumerate(stage_of) if st == s]
         mine = [(label, b) for label, b in recomputed if stage_of[table.block_members[b][0]] == s]
@@ -220,7 +226,8 @@ def stage_reports(
                 memory_state=ev.state_mem[s] * KIB + replicas[s],
                 memory_activations=ev.act_mem[s] * KIB,
                 memory_received=ev.recv_mem[s] * KIB,
-                memory_sent=ev.send_mem[s] * KIB,
+                memory_sent=(ev.send_mem[s] - sent_buffers[s]) * KIB,
+                memory_buffers=sent_buffers[s] * KIB,
                 memory_transient=ev.transient_mem * KIB,
                 capacity=device.memory,
                 recompute=tuple(label for label, _ in mine),

@@ -234,8 +234,8 @@ class DistributedModel(StageState):
         run.started = True
         losses: list[torch.Tensor] = []
         try:
-            run.schedule.step(
-                target=target if self.is_last else None, losses=losses if self.is_last else None,
+            run.schedule.step(  # the last stage's outputs are not returned: kept, they would hold M of them to the end
+                target=target if self.is_last else None, losses=losses if self.is_last else None, return_outputs=False,
                 **dict(zip(self._input_names, cast_inputs(flat, self.precision))),
             )
         except Exception as e:

@@ -44,7 +44,7 @@ from autosplit.solver.asynchronous import simulate, stashed_versions
 
 __all__ = [
     "Problem", "Recompute", "Evaluation", "UserConstraint", "SCHEDULES", "in_flight", "weight_copies",
-    "evaluate", "build_problem", "tied_costs",
+    "evaluate", "build_problem", "pipeline_buffers", "tied_costs",
 ]
 
 NS = 1e9  # time unit: nanoseconds per second
@@ -146,6 +146,11 @@ class Problem:
 
     recompute: tuple[Recompute, ...] = ()
     """Blocks the solver may recompute (activation checkpointing); costs above are those of keeping them."""
+    buffer_mem: tuple[int, ...] = ()
+    """[node] KiB of the buffers torch's pipeline stages keep for the node's output when it crosses a
+    boundary, one per micro-batch for the whole step: the receiver's buffer and the gradient autograd
+    leaves in it, the sender's buffer for the gradient coming back. Included in :attr:`recv_mem`
+    (twice) and :attr:`send_mem` (once); empty: none (a runtime of its own)."""
 
     def fixed(self, chosen: Collection[int]) -> Problem:
         """This problem with the blocks ``chosen`` (indices into :attr:`recompute`) recomputed and no
@@ -287,6 +292,8 @@ class Evaluation:
     send_mem: tuple[int, ...] = ()
     rank_of: tuple[int, ...] = ()
     """As :attr:`Problem.rank_of`."""
+    buffer_mem: tuple[int, ...] = ()
+    """[stage] of ``recv_mem`` and ``send_mem``, the pipeline's per-micro-batch buffers (:attr:`Problem.buffer_mem`)."""
 
     @property
     def memory(self) -> tuple[int, ...]:
@@ -345,10 +352,15 @@ def evaluate(problem: Problem, stage_of: Sequence[int]) -> Evaluation:
     transfer[1:] += boundary
     transfer[:-1] += boundary
     time = compute + transfer
+    buffers = np.zeros(S, dtype=np.int64)
+    if problem.buffer_mem:
+        crossing = (np.asarray(problem.buffer_mem, dtype=np.int64)[:, None] * crosses).sum(axis=0)  # [boundary k − 1]
+        buffers[1:] += 2 * crossing
+        buffers[:-1] += crossing
     ints = lambda x: tuple(int(v) for v in x)  # noqa: E731
     return Evaluation(
         ints(compute), ints(transfer), ints(time), ints(state), ints(act), ints(recv), problem.transient_mem,
-        problem.objective_of(time.tolist()), ints(send), problem.rank_of,
+        problem.objective_of(time.tolist()), ints(send), problem.rank_of, ints(buffers),
     )
 
 
@@ -432,10 +444,11 @@ def _transfer_ns(table: Any, devices: Sequence[Any], micro_batches: int, schedul
 
 def _held_kib(
     table: Any, schedule: str, stages: int, micro_batches: int, ranks: int
-) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-    """[node, stage] KiB each stage holds at its peak, at the schedule's in-flight count: (saved
-    activations, with the weight copies the schedule keeps; received outputs; outputs it sends on,
-    None when the table records none)."""
+) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray | None]:
+    """[node, stage] KiB each stage holds at its peak: (saved activations at the schedule's in-flight
+    count, with the weight copies the schedule keeps; received outputs; outputs it sends on, None
+    when the table records none; [node] the pipeline buffers among the last two, see
+    :func:`pipeline_buffers`)."""
     S, M = stages, micro_batches
     entry = schedules.lookup(schedule)
     in_flight_share = np.asarray([entry.in_flight(s, S, M, ranks) for s in range(S)], dtype=np.float64)
@@ -446,12 +459,34 @@ def _held_kib(
     saved = table.saved_bytes
     if entry.split_backward and table.wgrad_bytes:  # gradients kept from the input pass (I) to the weight pass (W)
         saved = [a + b for a, b in zip(saved, table.wgrad_bytes)]
-    act, recv = per_stage(saved), per_stage(table.output_bytes)
+    act = per_stage(saved)
     copies = np.asarray(weight_copies(schedule, S, M), dtype=np.int64)
     if copies.any() and table.param_bytes:  # weight copies a schedule keeps: held with the activations
         act += np.ceil(np.asarray(table.param_bytes, dtype=np.float64) / KIB).astype(np.int64)[:, None] * copies[None, :]
     send = per_stage(table.sent_bytes) if table.sent_bytes else None
-    return act, recv, send
+    buffers = pipeline_buffers(table, schedule, M)
+    if buffers is None:  # a runtime of its own: what it receives is held while in flight
+        return act, per_stage(table.output_bytes), send, None
+    recv = np.repeat(2 * buffers[:, None], S, axis=1)
+    send = np.repeat(buffers[:, None], S, axis=1) + (send if send is not None else 0)
+    for n, read in enumerate(table.param_reads or ()):
+        if read:  # a tied weight read on a later stage is replicated there (see _transfer_ns): its copy's state
+            recv[n], send[n] = _kib(table.state_bytes[n]), 0
+    return act, recv, send, buffers
+
+
+def pipeline_buffers(table: Any, schedule: str, micro_batches: int) -> np.ndarray | None:
+    """[node] KiB torch's pipeline stages hold for the node's output if it crosses a boundary: one
+    buffer per micro-batch (``PipelineStage`` makes them once, for every micro-batch of the step),
+    so the whole batch's bytes; none for a parameter read on a later stage (a tied weight: a replica
+    there holds its state instead). None for schedules torch does not run (their runtime holds what
+    is in flight only)."""
+    entry = schedules.lookup(schedule)
+    if not entry.flushes or entry.torch_class is None:
+        return None
+    reads = table.param_reads or ("",) * len(table.output_bytes)
+    whole = [0 if read else b for b, read in zip(table.output_bytes, reads)]
+    return np.ceil(np.asarray(whole, dtype=np.float64) / KIB).astype(np.int64)
 
 
 def _first_stage_only(table: Any, schedule: str, stages: int) -> tuple[UserConstraint, ...]:
@@ -519,7 +554,7 @@ def build_problem(
     N, S, M = len(table.nodes), len(devices), micro_batches
     fwd, compute = _compute_ns(table, list(order))
     sent = _transfer_ns(table, devices, M, schedule)
-    act, recv, send = _held_kib(table, schedule, S, M, max(rank_of) + 1 if rank_of else S)
+    act, recv, send, buffers = _held_kib(table, schedule, S, M, max(rank_of) + 1 if rank_of else S)
     for k in range(1, S if rank_of else 0):  # two stages of one rank pass their tensors in memory
         if rank_of[k - 1] == rank_of[k]:
             sent[:, k - 1] = 0
@@ -549,6 +584,7 @@ def build_problem(
         ) + _first_stage_only(table, schedule, S),
         rank_of=tuple(rank_of),
         recompute=_recompute(table, recompute or {}, fwd, schedule, S, M, max(rank_of) + 1 if rank_of else S),
+        buffer_mem=tuple(buffers.tolist()) if buffers is not None else (),
     )
     # The arrays the solver reads are at hand: cache them rather than convert the tuples back.
     edges = np.asarray(table.edges, dtype=np.int64).reshape(-1, 2)
