@@ -69,8 +69,9 @@ def plan_report(plan: Plan, width: int = 140) -> str:
         console.print(
             f"  stage {s} memory: state {format_bytes(st.memory_state)} (params + grads + optimizer + buffers), "
             f"activations {format_bytes(st.memory_activations)}, received {format_bytes(st.memory_received)}, "
-            f"sent {format_bytes(st.memory_sent)}, " + (f"gradient buffers {format_bytes(st.memory_buffers)}, " if st.memory_buffers else "") +
-            f"transient {format_bytes(st.memory_transient)}"
+            f"sent {format_bytes(st.memory_sent)}, "
+            + (f"gradient buffers {format_bytes(st.memory_buffers)}, " if st.memory_buffers else "")
+            + f"transient {format_bytes(st.memory_transient)}"
         )
         if st.recompute:
             console.print(f"    recomputes {_span(st.recompute)} in its backward: {format_bytes(st.recompute_saves)} of activations "
