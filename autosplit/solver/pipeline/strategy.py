@@ -151,6 +151,7 @@ def solve(
         units = units if coarse is None else coarse.num_blocks
         if plan is not None and not violations(fixed, plan):
             found.setdefault(name, (chosen, plan))
+    found = {name: (_keep_what_fits(problem, plan, chosen), plan) for name, (chosen, plan) in found.items()}
     value = {name: evaluate(problem.fixed(chosen), plan).objective for name, (chosen, plan) in found.items()}
     baseline = value.get("dp")
     bound = lower_bound(problem.fixed(must), limits=limits)
@@ -162,7 +163,7 @@ def solve(
         if joint is not None:
             plan, chosen, joint_bound = joint
             if plan is not None and not violations(problem.fixed(chosen), plan):
-                found["cp-sat"] = (chosen, plan)
+                found["cp-sat"] = (chosen := _keep_what_fits(problem, plan, chosen), plan)
                 value["cp-sat"] = evaluate(problem.fixed(chosen), plan).objective
             bound = max(bound, joint_bound)
     if not found:  # nothing fits even recomputing every block allowed: that split's own error says why
@@ -179,6 +180,26 @@ def solve(
     bound = min(bound, objective)
     return Solution(plan, "OPTIMAL" if bound == objective else "FEASIBLE", objective, bound, time.perf_counter() - start,
                     name, baseline, units, tuple(chosen))
+
+
+def _keep_what_fits(problem: Problem, stage_of: Sequence[int], chosen: Sequence[int]) -> tuple[int, ...]:
+    """``chosen`` less the blocks each rank's memory can keep after all, for the split ``stage_of``:
+    blocks that cost the most time per byte they save are kept first (for a stage's equal layers,
+    the least time that fits)."""
+    kept = set(chosen)
+    must = set(problem.forced[0])
+    ev = evaluate(problem.fixed(kept), stage_of)
+    first = {problem.rank(s): s for s in reversed(range(problem.num_stages))}
+    slack = {r: problem.capacity[s] - ev.rank_memory[r] for r, s in first.items()}
+    stage = {u: stage_of[problem.recompute[u].members[0]] for u in kept}
+    ratio = {u: problem.recompute[u].compute[stage[u]] / max(1, problem.recompute[u].saves[stage[u]]) for u in kept}
+    for u in sorted(kept - must, key=lambda u: (-ratio[u], u)):
+        r, need = problem.rank(stage[u]), problem.recompute[u].saves[stage[u]]
+        if need <= slack[r]:
+            kept.discard(u)
+            slack[r] -= need
+    found = tuple(sorted(kept))
+    return found if not violations(problem.fixed(found), stage_of) else tuple(chosen)
 
 
 def _joint(
