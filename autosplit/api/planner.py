@@ -180,9 +180,9 @@ def plan(
 ) -> Plan:
     """Plan ``model`` onto ``devices`` without building modules (devices may be hardware you lack).
 
-    ``options``: any :class:`PlanOptions` field — ``micro_batches``, ``schedule``, ``optimizer``,
-    ``memory``, ``time_limit``, ``seed``, ``capture``, ``costs``, ``cost_overrides``, ``pin``,
-    ``avoid``, ``together``. A set of constraints that cannot hold is explained in the
+    ``options``: any :class:`PlanOptions` field — ``micro_batches``, ``schedule``, ``precision``,
+    ``checkpointing``, ``recompute``, ``optimizer``, ``memory``, ``time_limit``, ``seed``, ``capture``,
+    ``costs``, ``cost_overrides``, ``pin``, ``avoid``, ``together``. A set of constraints that cannot hold is explained in the
     user's terms (:class:`~autosplit.errors.InfeasiblePlanError`).
     """
     return Planner(model, devices, example_inputs=example_inputs, example_kwargs=example_kwargs, **options).plan()
