@@ -56,7 +56,9 @@ def _layers(modules: tuple[str, ...]) -> str:
     return ", ".join(modules)
 
 
-def plan_one(name: str, devices: int, batch: int, seq: int, schedule: str, time_limit: float) -> dict[str, Any]:
+def plan_one(
+    name: str, devices: int, batch: int, seq: int, schedule: str, time_limit: float, precision: str = "fp32", checkpointing: str = "none",
+) -> dict[str, Any]:
     """Plan one model in this process (call it in a fresh one: its peak RSS is reported)."""
     import torch
 
@@ -66,13 +68,14 @@ def plan_one(name: str, devices: int, batch: int, seq: int, schedule: str, time_
     start = time.perf_counter()
     model = _model(name)
     planner = autosplit.Planner(model, ["H100-80GB"] * devices, example_inputs=(autosplit.Spec((batch, seq), torch.long),),
-                                schedule=schedule, time_limit=time_limit)
+                                schedule=schedule, time_limit=time_limit, precision=precision, checkpointing=checkpointing)
     row: dict[str, Any] = {"model": name, "devices": devices, "batch": batch, "seq": seq, "schedule": schedule,
-                           "params": sum(p.numel() for p in model.parameters())}
+                           "precision": precision, "checkpointing": checkpointing, "params": sum(p.numel() for p in model.parameters())}
     try:
         plan = planner.plan()
         row.update(outcome="planned", passes_s={k: round(v, 3) for k, v in plan.timings.items()}, step_s=plan.step_time,
-                   stages=[{"modules": _layers(s.modules), "memory_gib": s.memory / 2**30} for s in plan.stages],
+                   stages=[{"modules": _layers(s.modules), "memory_gib": s.memory / 2**30, "recompute": len(s.recompute)}
+                           for s in plan.stages],
                    solver=plan.solver.status, gap=plan.solver.gap)
     except autosplit.AutosplitError as e:
         need = re.search(r"needs (?:at least )?([\d.]+) GiB", str(e))
@@ -91,7 +94,9 @@ def plan_one(name: str, devices: int, batch: int, seq: int, schedule: str, time_
     return row
 
 
-def run(batch: int, seq: int, schedules: list[str], time_limit: float) -> list[dict[str, Any]]:
+def run(
+    batch: int, seq: int, schedules: list[str], time_limit: float, precision: str = "fp32", checkpointing: str = "none",
+) -> list[dict[str, Any]]:
     """Every case, each planned in a fresh interpreter; prints a table row as each finishes."""
     rows = []
     print(f"{'model':>13} {'devices':>7} {'schedule':>8} {'capture':>8} {'annotate':>8} {'estimate':>8} {'solve':>6} {'total s':>7} "
@@ -100,9 +105,10 @@ def run(batch: int, seq: int, schedules: list[str], time_limit: float) -> list[d
         for schedule in schedules:
             code = ("import json, sys; sys.path.insert(0, sys.argv[1]); from benchmarks.plan_llms import plan_one; "
                     "print('ROW' + json.dumps(plan_one(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), sys.argv[6], "
-                    "float(sys.argv[7]))))")
+                    "float(sys.argv[7]), sys.argv[8], sys.argv[9])))")
             out = subprocess.run([sys.executable, "-c", code, str(Path(__file__).resolve().parents[1]), name, str(devices), str(batch),
-                                  str(seq), schedule, str(time_limit)], capture_output=True, text=True, timeout=900)
+                                  str(seq), schedule, str(time_limit), precision, checkpointing],
+                                 capture_output=True, text=True, timeout=900)
             line = next((x for x in out.stdout.splitlines() if x.startswith("ROW")), None)
             if line is None:
                 print(f"{name:>13} {devices:>7} {schedule:>8} failed: {out.stderr.strip().splitlines()[-1:]}")

@@ -54,12 +54,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--time-limit", type=float, default=10.0, help="solver limit (the library default)")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "plan_time.json"))
     parser.add_argument("--llms", action="store_true", help="plan Llama-3-8B/70B and Mixtral-8x7B on meta instead (plan_llms.py)")
+    parser.add_argument("--precision", default="fp32", help="with --llms: the plans' precision (e.g. bf16-mixed)")
+    parser.add_argument("--checkpointing", default="none", help="with --llms: none, full or auto")
     args = parser.parse_args(argv)
     if args.llms:
         from benchmarks.plan_llms import run
 
-        rows = run(args.batch, 8192, ["gpipe", "1f1b"], args.time_limit)
-        out = Path(args.out).with_name("plan_time_llms.json")
+        rows = run(args.batch, 8192, ["gpipe", "1f1b"], args.time_limit, args.precision, args.checkpointing)
+        name = "plan_time_llms.json" if args.precision == "fp32" and args.checkpointing == "none" else (
+            f"plan_time_llms_{args.precision}_{args.checkpointing}.json")
+        out = Path(args.out).with_name(name)
         out.write_text(json.dumps({"benchmark": "plan_time --llms", "machine": machine(), "rows": rows}, indent=1))
         print(f"wrote {out}")
         return 0
