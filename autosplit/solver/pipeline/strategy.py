@@ -145,7 +145,7 @@ def solve(
     must, may = problem.forced
     found: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {}  # method → (blocks, plan)
     units = len(problem.nodes)
-    for name, chosen in {"dp": must, "dp (recompute)": may}.items():
+    for name, chosen in {"dp": must, **({"dp (recompute)": may} if may != must else {})}.items():
         fixed = problem.fixed(chosen)
         plan, coarse, _ = dp_plan(fixed, topological_order(fixed), limits=limits)
         units = units if coarse is None else coarse.num_blocks
@@ -166,14 +166,11 @@ def solve(
                 found["cp-sat"] = (chosen := _keep_what_fits(problem, plan, chosen), plan)
                 value["cp-sat"] = evaluate(problem.fixed(chosen), plan).objective
             bound = max(bound, joint_bound)
-    if not found:  # nothing fits even recomputing every block allowed: that split's own error says why
-        _split(problem.fixed(may), time_limit=max(1.0, time_limit - (time.perf_counter() - start)), seed=seed,
-               workers=workers, limits=limits)
-        raise SolverError(advice(
-            f"no plan found for {len(problem.nodes)} nodes on {problem.num_stages} stages recomputing up to "
-            f"{len(may)} blocks within {time_limit:.1f}s", "neither the DP nor CP-SAT found a split that fits",
-            "a longer time_limit, looser memory caps, or more devices",
-        ))
+    if not found:  # recomputing every block allowed, as a plain split: its plan, or its own error saying why none fits
+        alone = _split(problem.fixed(may), time_limit=max(1.0, time_limit - (time.perf_counter() - start)), seed=seed,
+                       workers=workers, limits=limits)
+        found[alone.solver] = (may, alone.stage_of)
+        value[alone.solver] = alone.objective
     name = min(found, key=lambda k: (value[k], k))
     chosen, plan = found[name]
     objective = value[name]
