@@ -178,9 +178,12 @@ def rank_peaks(problem: Problem, schedule: str, reports: Sequence[StageReport]) 
         per_micro.append(held / max(1, entry.in_flight(s, S, M, R)))
     actions = entry.actions(R, M, problem.stages_per_rank)
     peak = peaks(actions, saved=per_micro, weight_held=per_micro)
-    out = [reports[0].memory_transient + p for p in peak]
+    out = list(peak)
+    reserve = [0] * len(out)
     for s, st in enumerate(reports):  # what a stage holds all step: its state and its pipeline buffers
         out[problem.rank(s)] += st.memory_state + st.memory_received + st.memory_buffers
+        reserve[problem.rank(s)] = max(reserve[problem.rank(s)], st.memory_transient)
+    out = [o + r for o, r in zip(out, reserve)]
     return tuple(int(b) for b in out)
 
 
@@ -195,11 +198,19 @@ def stage_reports(
     ev = evaluate(sharing_problem(problem, table, order, shared), stage_of)
     replicas = [0] * len(order)
     owner = {read: u for u, read in enumerate(table.param_reads) if read}
+    # Each stage's own transient reserve: the most one of its ops (or its optimizer step, over a tied
+    # weight's replica too) needs above what is live. The solver keeps the graph's largest on every
+    # stage, a bound; the report gives each stage its own.
+    transient = [0] * len(order)
+    for n, s in enumerate(stage_of):
+        transient[s] = max(transient[s], table.transient_bytes[n] if table.transient_bytes else ev.transient_mem * KIB)
     for p in shared:
         if p.policy == "replicate" and p.name in owner:
             for s in p.stages:
                 if s != stage_of[owner[p.name]]:
                     replicas[s] += table.state_bytes[owner[p.name]]
+                    if table.transient_bytes:
+                        transient[s] = max(transient[s], table.transient_bytes[owner[p.name]])
     reports = []
     share = table.wgrad_share or (0.0,) * len(table.nodes)
     entry, M, S = schedules.lookup(schedule), problem.micro_batches, problem.num_stages
@@ -228,7 +239,7 @@ def stage_reports(
                 memory_received=ev.recv_mem[s] * KIB,
                 memory_sent=(ev.send_mem[s] - sent_buffers[s]) * KIB,
                 memory_buffers=sent_buffers[s] * KIB,
-                memory_transient=ev.transient_mem * KIB,
+                memory_transient=min(transient[s], ev.transient_mem * KIB),
                 capacity=device.memory,
                 recompute=tuple(label for label, _ in mine),
                 recompute_saves=round(sum(table.block_saves[b] for _, b in mine) * in_flight),
