@@ -16,7 +16,7 @@ from autosplit.devices import DeviceSpec, uncalibrated
 from autosplit.errors import CostModelError, advice
 from autosplit.options import PlanOptions, ProfileOptions
 from autosplit.passes.costs import estimate, with_overrides
-from autosplit.passes.profile import profile
+from autosplit.passes.profile import Profile, profile
 from autosplit.shapes import is_meta
 from autosplit.solver.problem import UserConstraint
 
@@ -37,17 +37,17 @@ def cost_table(
                 "a given table holds the costs of one way to run the model", "plan with costs='analytic' or 'measured'",
             ))
     else:
-        def table_of(**blocks: Any) -> tuple[CostTable, str]:
-            if costs == "analytic":
-                present = sorted({str(s.torch_device) for s in specs if uncalibrated(s)})
-                return estimate(gm, specs, optimizer=options.optimizer, micro_batches=micro_batches, **blocks), (
-                    "analytic" + (f" (uncalibrated for {', '.join(present)})" if present else ""))
-            return _measured(traced, specs, ProfileOptions() if costs == "measured" else costs, options, micro_batches, blocks)
-
-        table, source = table_of()
+        if costs == "analytic":
+            profiles: list[Profile | None] = [None] * len(specs)
+            present = sorted({str(s.torch_device) for s in specs if uncalibrated(s)})
+            source = "analytic" + (f" (uncalibrated for {', '.join(present)})" if present else "")
+        else:  # profiled once; both tables below are made from the same profiles
+            profiles, source = _measured(traced, specs, ProfileOptions() if costs == "measured" else costs, options, micro_batches)
+        table = estimate(gm, specs, optimizer=options.optimizer, micro_batches=micro_batches, profiles=profiles)
         blocks = candidate_blocks(table, options, recompute)
         if blocks:
-            table, source = table_of(blocks=blocks, recompute=recompute)
+            table = estimate(gm, specs, optimizer=options.optimizer, micro_batches=micro_batches, profiles=profiles,
+                             blocks=blocks, recompute=recompute)
     if options.cost_overrides:
         n = len(options.cost_overrides)
         table = with_overrides(table, options.cost_overrides)
@@ -57,8 +57,8 @@ def cost_table(
 
 def _measured(
     traced: Traced, specs: tuple[DeviceSpec, ...], profiling: Any, options: PlanOptions, micro_batches: int,
-    blocks: dict[str, Any],
-) -> tuple[CostTable, str]:
+) -> tuple[list[Profile | None], str]:
+    """Each device's profile (None for a plan-only preset), and a line saying where the costs came from."""
     if options.precision != "fp32":
         raise CostModelError(advice(
             f"costs='measured' profiles the model's nodes in fp32, and the plan is for precision={options.precision!r}",
@@ -89,13 +89,9 @@ def _measured(
                      micro_batches=micro_batches, forwards_first=forwards_first, optimizer=options.optimizer)
         for dev in present
     }
-    table = estimate(
-        traced.captured.gm, specs, optimizer=options.optimizer, micro_batches=micro_batches,
-        profiles=[profiles.get(s.torch_device) if s.torch_device else None for s in specs], **blocks,
-    )
     hits = sum(p.cached for p in profiles.values())
     analytic = [s.name for s in specs if s.torch_device is None]
-    return table, (
+    return [profiles.get(s.torch_device) if s.torch_device else None for s in specs], (
         f"measured on {', '.join(present)}" + (f" (cache: {hits} of {len(profiles)})" if hits else "")
         + (f"; analytic for {', '.join(dict.fromkeys(analytic))}" if analytic else "")
     )

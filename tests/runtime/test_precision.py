@@ -75,6 +75,16 @@ def _reference_step(model, args, kwargs, target, loss_fn, precision, scaler, opt
 # -- one process ---------------------------------------------------------------------------------
 
 
+def _step(opt: torch.optim.Optimizer, scaler) -> None:
+    """One optimizer step (through ``scaler`` when there is one, as GradScaler drives it), gradients cleared."""
+    if scaler is None:
+        opt.step()
+    else:
+        scaler.step(opt)
+        scaler.update()
+    opt.zero_grad()
+
+
 @pytest.mark.parametrize("precision", ["bf16-mixed", "bf16", "fp16-mixed"])
 def test_a_split_model_trains_like_the_unsplit_one_in_the_plans_precision(precision):
     """Outputs, gradients and the parameters after 3 Adam steps (fp16: through GradScaler) agree; the
@@ -103,13 +113,8 @@ def test_a_split_model_trains_like_the_unsplit_one_in_the_plans_precision(precis
         for name, p in split.named_parameters():
             assert p.grad.dtype == held
             torch.testing.assert_close(p.grad, ref_params[name].grad, **TOL[precision], msg=where(f"step {step} grad {name}"))
-        for o, s in ((opt, scaler), (ref_opt, ref_scaler)):
-            if s is None:
-                o.step()
-            else:
-                s.step(o)
-                s.update()
-            o.zero_grad()
+        _step(opt, scaler)
+        _step(ref_opt, ref_scaler)
     for name, p in split.named_parameters():
         torch.testing.assert_close(p, ref_params[name], **TOL[precision], msg=where(f"{name} after {STEPS} steps"))
         assert {v.dtype for v in opt.state[p].values() if v.is_floating_point() and v.dim()} == {held}
@@ -186,14 +191,8 @@ def _run_case(model_case: str, precision: str, schedule: str, build: str, rank: 
         for name, p in pipe.named_parameters():
             torch.testing.assert_close(p.grad, ref_params[name].grad, **TOL[precision],
                                        msg=where(f"{model_case} {precision} rank {rank} step {step} grad {name}"))
-        opt.step()
-        opt.zero_grad()
-        if ref_scaler is None:
-            ref_opt.step()
-        else:
-            ref_scaler.step(ref_opt)
-            ref_scaler.update()
-        ref_opt.zero_grad()
+        _step(opt, None)
+        _step(ref_opt, ref_scaler)
     for name, p in pipe.named_parameters():
         torch.testing.assert_close(p, ref_params[name], **TOL[precision], msg=where(f"{model_case} {precision} {name} after {STEPS} steps"))
     if build == "meta":  # a batch of other rows: stages re-cut on meta at its micro-batch shape
