@@ -333,6 +333,7 @@ class Plan:
     def _check_fields(self, source: str) -> None:
         """Each field of a loaded plan within its range; a :class:`PlanFileError` naming the first that is not."""
         from autosplit import schedules
+        from autosplit.options import PRECISIONS
         from autosplit.errors import ConstraintError
 
         def bad(name: str, value: object, rule: str) -> PlanFileError:
@@ -392,6 +393,10 @@ class Plan:
                 raise bad("tasks", t, "does not match the assignment (a node's device) or is not a forward or backward")
         if self.data_parallel < 1:
             raise bad("data_parallel", self.data_parallel, "is not an integer ≥ 1")
+        if self.precision not in PRECISIONS:
+            raise bad("precision", self.precision, f"is not one of {PRECISIONS}")
+        if len(set(self.recompute)) != len(self.recompute) or not all(isinstance(b, str) and b for b in self.recompute):
+            raise bad("recompute", list(self.recompute), "does not name distinct blocks (module paths)")
         if not self.fingerprint:
             raise bad("fingerprint", self.fingerprint, "is empty")
         if self.crossings and len(self.crossings) != len(self.stage_devices) - 1:

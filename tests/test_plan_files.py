@@ -169,6 +169,8 @@ def test_a_replaced_file_keeps_its_permissions_and_a_new_one_follows_the_umask(p
         (lambda d: d.update(module_stages={"": [0, "1"]}), "field module_stages[''][1] = '1' is a string, expected an integer"),
         (lambda d: d.update(data_parallel=True), "field data_parallel = True is a boolean, expected an integer"),
         (lambda d: d.update(surprise=1), "unknown field 'surprise'"),
+        (lambda d: d.update(precision="fp8"), "field precision = 'fp8' is not one of"),
+        (lambda d: d.update(recompute=["h.0", "h.0"]), "field recompute = ['h.0', 'h.0'] does not name distinct blocks"),
         (lambda d: d["solver"].pop("gap"), "required field 'solver.gap' is missing"),
     ],
 )
