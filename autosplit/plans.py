@@ -333,8 +333,8 @@ class Plan:
     def _check_fields(self, source: str) -> None:
         """Each field of a loaded plan within its range; a :class:`PlanFileError` naming the first that is not."""
         from autosplit import schedules
-        from autosplit.options import PRECISIONS
         from autosplit.errors import ConstraintError
+        from autosplit.options import PRECISIONS
 
         def bad(name: str, value: object, rule: str) -> PlanFileError:
             return PlanFileError(advice(
