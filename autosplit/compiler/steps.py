@@ -64,7 +64,7 @@ def compile_plan(
     with progress.timed_pass("solve", timings, limit=options.time_limit):
         solution = solve(problem, time_limit=options.time_limit, seed=options.seed, limits=options.limits)
     recomputed = tuple(problem.recompute[u].label for u in solution.recompute)
-    if problem.recompute:  # the chosen blocks' costs, exactly (the solver spread each block's over its members)
+    if recomputed:  # the chosen blocks' costs, exactly (the solver spread each block's over its members)
         with progress.timed_pass("estimate", timings):
             table, source, problem = recomputing(traced, specs, options, M, rules, order, recomputed)
     stage_of, solver_name, status = solution.stage_of, solution.solver, solution.status
