@@ -10,7 +10,9 @@ onto H100 presets, in a fresh process each, so its peak RSS is the planning proc
 Recorded per model: capture, annotate, estimate and solve seconds, the process's peak RSS, and
 the outcome: the plan's layers per stage, memory per device and predicted step — or, where no
 plan fits (fp32 without recomputation: Adam state and activations exceed 80 GB), the least
-memory any plan needs, as the solver proves it. Beside it, torchtitan's uniform layout
+memory any plan needs, as the solver proves it. ``precision="bf16"`` converts the meta model to
+bfloat16 and plans it as it is (parameters, gradients and Adam moments in bf16: torch.export bakes
+the dtypes it traces, so autosplit refuses to convert an exported graph itself). Beside it, torchtitan's uniform layout
 (``generate_llm_fqn_per_model_part``: input and output modules weighing one layer each) costed by
 the same model, memory caps not enforced (its memory per device says by how much it misses).
 These are planned for GPUs this machine does not have: the figures are the cost model's (H100
@@ -67,8 +69,12 @@ def plan_one(
 
     start = time.perf_counter()
     model = _model(name)
+    runs_in = precision
+    if precision == "bf16":  # torch.export bakes dtypes: the model is converted first and planned as it is
+        model.to(torch.bfloat16)
+        runs_in = "fp32"
     planner = autosplit.Planner(model, ["H100-80GB"] * devices, example_inputs=(autosplit.Spec((batch, seq), torch.long),),
-                                schedule=schedule, time_limit=time_limit, precision=precision, checkpointing=checkpointing)
+                                schedule=schedule, time_limit=time_limit, precision=runs_in, checkpointing=checkpointing)
     row: dict[str, Any] = {"model": name, "devices": devices, "batch": batch, "seq": seq, "schedule": schedule,
                            "precision": precision, "checkpointing": checkpointing, "params": sum(p.numel() for p in model.parameters())}
     try:

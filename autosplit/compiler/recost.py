@@ -36,7 +36,8 @@ def recost(traced: Traced, specs: tuple[DeviceSpec, ...], options: PlanOptions, 
     rank_of = order if given.stages_per_rank > 1 else ()  # several stages per rank: device index = rank
     with progress.timed_pass("build", timings):
         problem = build_problem(table, micro_batches=M, schedule=options.schedule, order=order, constraints=rules, rank_of=rank_of)
-    stage_of = tuple(given.stage_of[name] for name in problem.nodes)
+    given_stage = given.stage_of  # a property that builds the whole map
+    stage_of = tuple(given_stage[name] for name in problem.nodes)
     with progress.timed_pass("validate", timings):
         validate(problem, stage_of, memory=check_memory)
     terms, shared = predict_step(problem, table, stage_of, order, options)

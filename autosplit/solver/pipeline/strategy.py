@@ -24,6 +24,7 @@ Usage::
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import math
@@ -143,6 +144,10 @@ def solve(
         return _split(problem, time_limit=time_limit, seed=seed, workers=workers, limits=limits)
     start = time.perf_counter()
     must, may = problem.forced
+    # Before any search: no plan holds less than every block it may recompute recomputed, with no
+    # more colocated and no more reserved than the problem itself.
+    least = dataclasses.replace(problem.fixed(may), colocate=problem.colocate, transient_mem=problem.transient_mem)
+    _refuse_over_caps(problem, memory_floor(least))
     found: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {}  # method → (blocks, plan)
     units = len(problem.nodes)
     for name, chosen in {"dp": must, **({"dp (recompute)": may} if may != must else {})}.items():
@@ -177,6 +182,22 @@ def solve(
     bound = min(bound, objective)
     return Solution(plan, "OPTIMAL" if bound == objective else "FEASIBLE", objective, bound, time.perf_counter() - start,
                     name, baseline, units, tuple(chosen))
+
+
+def _refuse_over_caps(problem: Problem, spread: int, along_chain: int = 0) -> None:
+    """Raise :class:`InfeasiblePlanError` where the memory floors (:func:`memory_floor`, spread
+    perfectly; :func:`memory_chain_floor`, layers whole along the heaviest chain) exceed every cap."""
+    floor, largest = max(spread, along_chain), max(problem.capacity)
+    if floor > largest:
+        raise InfeasiblePlanError(advice(
+            f"no plan fits the memory caps: any plan needs at least {format_bytes(floor * KIB)} on its fullest "
+            f"device, but the largest cap is {format_bytes(largest * KIB)} (proven: "
+            + ("state and activations spread perfectly" if spread >= along_chain else "layers kept whole along the model's "
+               "heaviest chain of layers, split at the best places") + f" over {problem.ranks} devices)",
+            "model state and activations exceed the caps",
+            "more devices or devices with more memory, schedule='1f1b' (fewer micro-batches in flight), a smaller "
+            "batch, or optimizer='sgd'",
+        ))
 
 
 def _keep_what_fits(problem: Problem, stage_of: Sequence[int], chosen: Sequence[int]) -> tuple[int, ...]:
@@ -273,17 +294,8 @@ def _split(
             everything = [*range(S), *(c.text for c in problem.constraints)]
             raise InfeasiblePlanError(explain_infeasible(problem, everything, time_limit, seed))
         spread, along_chain = memory_floor(problem), memory_chain_floor(problem)
+        _refuse_over_caps(problem, spread, along_chain)
         floor, largest = max(spread, along_chain), max(problem.capacity)
-        if floor > largest:
-            raise InfeasiblePlanError(advice(
-                f"no plan fits the memory caps: any plan needs at least {format_bytes(floor * KIB)} on its fullest "
-                f"device, but the largest cap is {format_bytes(largest * KIB)} (proven: "
-                + ("state and activations spread perfectly" if spread >= along_chain else "layers kept whole along the model's "
-                   "heaviest chain of layers, split at the best places") + f" over {problem.ranks} devices)",
-                "model state and activations exceed the caps",
-                "more devices or devices with more memory, schedule='1f1b' (fewer micro-batches in flight), a smaller "
-                "batch, or optimizer='sgd'",
-            ))
         raise SolverError(advice(
             f"no plan found for {N} nodes on {S} devices within {time_limit:.1f}s; not proven infeasible: any plan needs "
             f"at least {format_bytes(floor * KIB)} on its fullest device (cap {format_bytes(largest * KIB)})",
