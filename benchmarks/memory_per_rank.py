@@ -92,7 +92,8 @@ def _worker(rank: int, world: int, size: str, mode: str, checkpoint: str, init: 
     opt.zero_grad(set_to_none=False)
     _, peak = _rss()
     stage = pipe.plan.stages[pipe.stage_index]
-    row = {"rank": rank, "idle_rss": idle, "idle_rss_before_torch_pipelining": bare, "built_rss": built, "peak_rss": peak, "predicted": stage.memory,
+    row = {"rank": rank, "idle_rss": idle, "idle_rss_before_torch_pipelining": bare, "built_rss": built, "peak_rss": peak,
+           "predicted": stage.memory,
            "predicted_parts": {"state": stage.memory_state, "activations": stage.memory_activations, "received": stage.memory_received,
                                "sent": stage.memory_sent, "transient": stage.memory_transient},
            "stage_params": stage.params}
