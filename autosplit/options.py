@@ -326,4 +326,10 @@ class PlanOptions:
         want = 4 * stages
         counts = range(1, want + 1) if batch is None else [m for m in range(1, min(want, batch) + 1) if batch % m == 0]
         runs = [m for m in counts if not known or entry.refusal(ranks=ranks, stages=stages, micro_batches=m) is None]
+        if known and batch is not None and not runs:  # no count of this batch runs: say so before any work
+            raise ConstraintError(advice(
+                f"schedule {entry.name!r} with {stages} stages on {ranks} ranks and a batch of {batch} rows",
+                f"no micro-batch count that divides the batch runs: {entry.refusal(ranks=ranks, stages=stages, micro_batches=max(counts))}",
+                "a larger batch, fewer devices, or another schedule (gpipe runs any count)",
+            ))
         return max(runs or counts)

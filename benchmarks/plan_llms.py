@@ -73,11 +73,12 @@ def plan_one(
     if precision == "bf16":  # torch.export bakes dtypes: the model is converted first and planned as it is
         model.to(torch.bfloat16)
         runs_in = "fp32"
-    planner = autosplit.Planner(model, ["H100-80GB"] * devices, example_inputs=(autosplit.Spec((batch, seq), torch.long),),
-                                schedule=schedule, time_limit=time_limit, precision=runs_in, checkpointing=checkpointing)
     row: dict[str, Any] = {"model": name, "devices": devices, "batch": batch, "seq": seq, "schedule": schedule,
                            "precision": precision, "checkpointing": checkpointing, "params": sum(p.numel() for p in model.parameters())}
+    planner = None
     try:
+        planner = autosplit.Planner(model, ["H100-80GB"] * devices, example_inputs=(autosplit.Spec((batch, seq), torch.long),),
+                                    schedule=schedule, time_limit=time_limit, precision=runs_in, checkpointing=checkpointing)
         plan = planner.plan()
         row.update(outcome="planned", passes_s={k: round(v, 3) for k, v in plan.timings.items()}, step_s=plan.step_time,
                    stages=[{"modules": _layers(s.modules), "memory_gib": s.memory / 2**30, "recompute": len(s.recompute)}
@@ -87,8 +88,11 @@ def plan_one(
         need = re.search(r"needs (?:at least )?([\d.]+) GiB", str(e))
         row.update(outcome=type(e).__name__, message=str(e).split(". Likely cause")[0],
                    least_memory_gib=float(need.group(1)) if need else None,
-                   passes_s={k: round(v, 3) for k, v in planner.traced.timings.items()})
+                   passes_s={} if planner is None else {k: round(v, 3) for k, v in planner.traced.timings.items()})
     row["total_s"] = time.perf_counter() - start
+    if planner is None:  # refused before any work: nothing to compare against
+        row["peak_rss_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9
+        return row
     try:
         split = torchtitan_fqns(model, devices, repeated="model.layers", order=execution_order(planner.traced))
         uniform = manual_plan(planner, split, name="torchtitan uniform", check_memory=False)

@@ -78,8 +78,9 @@ class Planner:
         self.example_kwargs = as_tensors(dict(example_kwargs or {}))
         self.options = make_options(options, **fields)
         self.devices = None if devices is None else tuple(devices)
-        # refuses a count the batch does not divide
-        self.options.micro_batches_for(None, batch_size(self.example_inputs, self.example_kwargs))
+        # refuses a count the batch does not divide, or (devices known) that the schedule cannot run
+        ranks = len(self.devices) if self.devices is not None and self.options.data_parallel == 1 else None
+        self.options.micro_batches_for(ranks, batch_size(self.example_inputs, self.example_kwargs))
         self._traced: Traced | None = None
 
     @property
