@@ -154,6 +154,16 @@ def test_bad_devices_and_caps(devices, memory, named):
     _says(e, named)
 
 
+def test_a_batch_too_small_for_the_schedule_is_refused_before_capture(monkeypatch):
+    """1F1B needs as many micro-batches as stages: 4 rows cannot feed 8 stages, said when the Planner is made."""
+    import autosplit.api.planner as planner
+
+    monkeypatch.setattr(planner, "trace", lambda *a, **k: pytest.fail("captured before refusing"))
+    with pytest.raises(errors.ConstraintError) as e:
+        autosplit.Planner(Net(), ["cpu"] * 8, example_inputs=(torch.randn(4, 8),), schedule="1f1b")
+    _says(e, "1f1b", "8 stages", "4 rows", "at least as many micro-batches as stages")
+
+
 def test_conflicting_constraints_lead_when_memory_is_ample():
     with pytest.raises(errors.InfeasiblePlanError) as e:
         _plan(pin={"layers.0": 0, "head": 1}, together=[("layers.0", "head")])

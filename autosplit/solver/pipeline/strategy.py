@@ -150,13 +150,15 @@ def solve(
     _refuse_over_caps(problem, memory_floor(least))
     found: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {}  # method → (blocks, plan)
     units = len(problem.nodes)
-    slowest = math.inf  # of a split recomputing the fewest blocks, memory aside: narrows the time bound's DP
+    slowest = math.inf  # of any split found, recomputing the fewest blocks, memory aside: narrows the time bound's DP
     for name, chosen in {"dp": must, **({"dp (recompute)": may} if may != must else {})}.items():
         fixed = problem.fixed(chosen)
+        if chosen != may and memory_floor(fixed) > max(problem.capacity):
+            continue  # no plan recomputing so few fits (Llama-3-70B: its DP alone takes seconds)
         plan, coarse, _ = dp_plan(fixed, topological_order(fixed), limits=limits)
         units = units if coarse is None else coarse.num_blocks
-        if plan is not None and name == "dp":
-            slowest = max(evaluate(fixed, plan).time)
+        if plan is not None:
+            slowest = min(slowest, max(evaluate(problem.fixed(must), plan).time))
         if plan is not None and not violations(fixed, plan):
             found.setdefault(name, (chosen, plan))
     found = {name: (_keep_what_fits(problem, plan, chosen), plan) for name, (chosen, plan) in found.items()}
