@@ -150,6 +150,7 @@ def solve(
     _refuse_over_caps(problem, memory_floor(least))
     found: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {}  # method → (blocks, plan)
     units = len(problem.nodes)
+    fewest = problem.fixed(must)
     slowest = math.inf  # of any split found, recomputing the fewest blocks, memory aside: narrows the time bound's DP
     for name, chosen in {"dp": must, **({"dp (recompute)": may} if may != must else {})}.items():
         fixed = problem.fixed(chosen)
@@ -158,13 +159,13 @@ def solve(
         plan, coarse, _ = dp_plan(fixed, topological_order(fixed), limits=limits)
         units = units if coarse is None else coarse.num_blocks
         if plan is not None:
-            slowest = min(slowest, max(evaluate(problem.fixed(must), plan).time))
+            slowest = min(slowest, max(evaluate(fewest, plan).time))
         if plan is not None and not violations(fixed, plan):
             found.setdefault(name, (chosen, plan))
     found = {name: (_keep_what_fits(problem, plan, chosen), plan) for name, (chosen, plan) in found.items()}
     value = {name: evaluate(problem.fixed(chosen), plan).objective for name, (chosen, plan) in found.items()}
     baseline = value.get("dp")
-    bound = lower_bound(problem.fixed(must), upper=slowest, limits=limits)
+    bound = lower_bound(fewest, upper=slowest, limits=limits)
     remaining = time_limit - (time.perf_counter() - start)
     if len(may) > len(must) and remaining > 0 and problem.num_stages > 1:
         hint = min(found, key=value.__getitem__) if found else None
