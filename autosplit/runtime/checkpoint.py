@@ -232,6 +232,8 @@ class StageState:
     layout: Any
     _param_names: dict[str, str]
     _state_names: dict[str, str]
+    scaler: Any
+    """The fp16 loss scaler (:class:`~autosplit.runtime.precision.LossScaler`), or None."""
     _aliases: dict[str, tuple[str, ...]]
     """A tensor several of this rank's stages hold (a tied weight on both arms of a V): the local
     name it is read and written by → its copies' local names, kept equal to it."""
@@ -300,15 +302,26 @@ class StageState:
 
     def save(self, path: str | os.PathLike, *, optimizer: torch.optim.Optimizer | None = None) -> Path:
         """Collective (every rank): the model's state and ``optimizer``'s as one layout-free checkpoint
-        at ``path`` (module docstring), which any plan's stages or the unsplit model load."""
-        return save_entries(path, state_entries(self.state_dict(), dict(self.named_parameters()), optimizer), distributed=True)
+        at ``path`` (module docstring), which any plan's stages or the unsplit model load; with an
+        fp16 loss scaler, its state too (``scaler.<key>``, the same on every rank)."""
+        entries = state_entries(self.state_dict(), dict(self.named_parameters()), optimizer)
+        if self.scaler is not None:
+            entries.update({f"scaler.{k}": torch.tensor(float(v), dtype=torch.float64) for k, v in self.scaler.state_dict().items()})
+        return save_entries(path, entries, distributed=True)
 
     def load(self, path: str | os.PathLike, *, optimizer: torch.optim.Optimizer | None = None, strict: bool = True) -> None:
         """This stage's entries of a checkpoint written under any plan (or by :func:`save_checkpoint`),
-        into its parameters, buffers and ``optimizer``; each rank reads only its own entries."""
+        into its parameters, buffers and ``optimizer``; each rank reads only its own entries. A loss
+        scaler takes the saved one's state where the checkpoint has one (else it keeps its own)."""
         with torch.no_grad():
             load_entries(path, self.state_dict(), dict(self.named_parameters()), optimizer, strict=strict)
         self._copy_to_aliases(optimizer)
+        if self.scaler is not None:
+            reader, stored = open_dcp(Path(path))
+            saved = {k: torch.zeros((), dtype=torch.float64) for k in stored if k.startswith("scaler.")}
+            if saved:
+                read_into(reader, saved)
+                self.scaler.load_state_dict({k[len("scaler."):]: v.item() for k, v in saved.items()})
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:

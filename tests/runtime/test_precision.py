@@ -13,6 +13,9 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import os
+import shutil
+import tempfile
 from typing import Any
 
 import pytest
@@ -225,6 +228,18 @@ def _overflowing_step_is_skipped_everywhere(pipe, opt, args, kwargs, target, ran
     pipe.step(*args, target=target, **kwargs)
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in pipe.parameters())
     assert pipe.scaler.skipped == 1
+    # The scaler's state travels with the checkpoint: a resumed run keeps its scale and growth count.
+    folder: list = [tempfile.mkdtemp() if rank == 0 else None]
+    dist.broadcast_object_list(folder, src=0)
+    saved = pipe.scaler.state_dict()
+    assert saved["_growth_tracker"] == 1
+    pipe.save(os.path.join(folder[0], "ckpt"), optimizer=opt)
+    pipe.scaler.load_state_dict({**saved, "scale": 2.0**3, "_growth_tracker": 0})
+    pipe.load(os.path.join(folder[0], "ckpt"), optimizer=opt)
+    assert pipe.scaler.state_dict() == saved, f"rank {rank}"
+    dist.barrier()
+    if rank == 0:
+        shutil.rmtree(folder[0])
 
 
 def test_pipelined_training_in_mixed_and_bf16_precision_equals_unsplit_training(tmp_path):
