@@ -123,10 +123,12 @@ def save_entries(path: str | os.PathLike, entries: dict[str, Any], *, distribute
 
 def load_entries(
     path: str | os.PathLike, state: Mapping[str, torch.Tensor], params: Mapping[str, torch.Tensor],
-    optimizer: torch.optim.Optimizer | None, *, strict: bool = True,
-) -> None:
+    optimizer: torch.optim.Optimizer | None, *, strict: bool = True, optional: Mapping[str, torch.Tensor] | None = None,
+) -> set[str]:
     """Read into ``state`` (FQN → this process's tensors, loaded in place) and ``optimizer`` the
-    entries of a checkpoint that are theirs — no other entry is read, and no collective runs."""
+    entries of a checkpoint that are theirs — no other entry is read, and no collective runs —
+    and into ``optional`` (entry key → tensor) those of its entries the checkpoint holds; returns
+    the keys of ``optional`` it read."""
     folder = Path(path)
     if not (folder / ".metadata").exists():
         raise ConstraintError(advice(
@@ -145,10 +147,12 @@ def load_entries(
             "it was saved from another model or configuration", "load a checkpoint of this model, or pass strict=False for missing entries",
         ))
     wanted = {k: v for k, v in wanted.items() if k in stored}
+    present = {k: v for k, v in (optional or {}).items() if k in stored}
     slots = _optimizer_slots(optimizer, params, stored) if optimizer is not None else {}
-    read_into(reader, {**wanted, **slots})
+    read_into(reader, {**wanted, **slots, **present})
     if optimizer is not None:
         _set_optimizer(optimizer, params, slots)
+    return set(present)
 
 
 def open_dcp(folder: Path) -> tuple[Any, dict[str, Any]]:
@@ -313,15 +317,13 @@ class StageState:
         """This stage's entries of a checkpoint written under any plan (or by :func:`save_checkpoint`),
         into its parameters, buffers and ``optimizer``; each rank reads only its own entries. A loss
         scaler takes the saved one's state where the checkpoint has one (else it keeps its own)."""
+        keys = self.scaler.state_dict() if self.scaler is not None else {}
+        scaler = {f"scaler.{k}": torch.zeros((), dtype=torch.float64) for k in keys}
         with torch.no_grad():
-            load_entries(path, self.state_dict(), dict(self.named_parameters()), optimizer, strict=strict)
+            read = load_entries(path, self.state_dict(), dict(self.named_parameters()), optimizer, strict=strict, optional=scaler)
         self._copy_to_aliases(optimizer)
-        if self.scaler is not None:
-            reader, stored = open_dcp(Path(path))
-            saved = {k: torch.zeros((), dtype=torch.float64) for k in stored if k.startswith("scaler.")}
-            if saved:
-                read_into(reader, saved)
-                self.scaler.load_state_dict({k[len("scaler."):]: v.item() for k, v in saved.items()})
+        if self.scaler is not None and read == set(scaler):
+            self.scaler.load_state_dict({k[len("scaler."):]: v.item() for k, v in scaler.items()})
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:

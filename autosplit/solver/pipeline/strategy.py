@@ -146,14 +146,14 @@ def solve(
     must, may = problem.forced
     # Before any search: no plan holds less than every block it may recompute recomputed, with no
     # more colocated and no more reserved than the problem itself.
-    least = dataclasses.replace(problem.fixed(may), colocate=problem.colocate, transient_mem=problem.transient_mem)
+    fewest, most = problem.fixed(must), problem.fixed(may)
+    least = dataclasses.replace(most, colocate=problem.colocate, transient_mem=problem.transient_mem)
     _refuse_over_caps(problem, memory_floor(least))
     found: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {}  # method → (blocks, plan)
     units = len(problem.nodes)
-    fewest = problem.fixed(must)
     slowest = math.inf  # of any split found, recomputing the fewest blocks, memory aside: narrows the time bound's DP
-    for name, chosen in {"dp": must, **({"dp (recompute)": may} if may != must else {})}.items():
-        fixed = problem.fixed(chosen)
+    runs = {"dp": (must, fewest), **({"dp (recompute)": (may, most)} if may != must else {})}
+    for name, (chosen, fixed) in runs.items():
         if chosen != may and memory_floor(fixed) > max(problem.capacity):
             continue  # no plan recomputing so few fits (Llama-3-70B: its DP alone takes seconds)
         plan, coarse, _ = dp_plan(fixed, topological_order(fixed), limits=limits)
@@ -178,7 +178,7 @@ def solve(
                 value["cp-sat"] = evaluate(problem.fixed(chosen), plan).objective
             bound = max(bound, joint_bound)
     if not found:  # recomputing every block allowed, as a plain split: its plan, or its own error saying why none fits
-        alone = _split(problem.fixed(may), time_limit=max(1.0, time_limit - (time.perf_counter() - start)), seed=seed,
+        alone = _split(most, time_limit=max(1.0, time_limit - (time.perf_counter() - start)), seed=seed,
                        workers=workers, limits=limits)
         found[alone.solver] = (may, alone.stage_of)
         value[alone.solver] = alone.objective
