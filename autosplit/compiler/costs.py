@@ -83,10 +83,10 @@ def _measured(
             )
         )
     captured, micro = traced.at_micro_batch(micro_batches)
-    forwards_first = schedules.lookup(options.schedule).forwards_first
+    entry = schedules.lookup(options.schedule)
     profiles = {
-        dev: profile(captured, micro, dev, fingerprint=traced.fingerprint, options=profiling,
-                     micro_batches=micro_batches, forwards_first=forwards_first, optimizer=options.optimizer)
+        dev: profile(captured, micro, dev, fingerprint=traced.fingerprint, options=profiling, micro_batches=micro_batches,
+                     forwards_first=entry.forwards_first, optimizer=options.optimizer, split_backward=entry.split_backward)
         for dev in present
     }
     hits = sum(p.cached for p in profiles.values())

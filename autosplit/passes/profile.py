@@ -284,19 +284,92 @@ def _flat(gm: fx.GraphModule) -> fx.GraphModule:
     return fx.GraphModule(gm, graph)
 
 
+class _GradFrontier(fx.Interpreter):
+    """The nodes whose outputs are the first activations that need a gradient: computed from the
+    inputs and parameters alone (an embedding's output), where a stage's input would be."""
+
+    def __init__(self, gm: fx.GraphModule):
+        super().__init__(gm)
+        self.grad: set[fx.Node] = set()
+        self.frontier: list[fx.Node] = []
+        self.tensors = True
+
+    def run_node(self, n: fx.Node) -> Any:
+        out = super().run_node(n)
+        if n.op != "get_attr" and any(isinstance(t, torch.Tensor) and t.requires_grad for t in pytree.tree_leaves(out)):
+            self.grad.add(n)
+            if not any(a in self.grad for a in n.all_input_nodes):
+                self.frontier.append(n)
+                self.tensors &= isinstance(out, torch.Tensor)
+        return out
+
+
+def _leaf(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().requires_grad_()
+
+
+def _cut_at_frontier(gm: fx.GraphModule, inputs: Sequence[Any]) -> fx.GraphModule | None:
+    """``gm`` (flat) cut where its activations first need a gradient, as a stage boundary would
+    cut it: each such value is replaced by a leaf copy, and the graph returns ``(its output, the
+    values, their leaves)``. None when nothing needs a gradient or such a value is not one tensor."""
+    finder = _GradFrontier(gm)
+    finder.run(*inputs)
+    if not finder.frontier or not finder.tensors:
+        return None
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    values: list[fx.Node] = []
+    leaves: list[fx.Node] = []
+    for n in gm.graph.nodes:
+        if n.op == "output":
+            graph.output((fx.map_arg(n.args[0], env.__getitem__), values, leaves))
+            break
+        env[n] = graph.node_copy(n, env.__getitem__)
+        if n in finder.frontier:
+            values.append(env[n])
+            env[n] = graph.call_function(_leaf, (values[-1],))
+            leaves.append(env[n])
+    return fx.GraphModule(gm, graph)
+
+
+def _split_backward(
+    outs: list[torch.Tensor], values: list[torch.Tensor], leaves: list[torch.Tensor], params: list[torch.nn.Parameter]
+) -> None:
+    """The backward of a graph cut by :func:`_cut_at_frontier` as a zero-bubble stage runs it:
+    torch's input pass (I) down to the leaves, then its weight pass (W); what precedes the cut
+    (the embeddings) gets a plain backward, as torch's first stage runs it."""
+    # torch's own functions, as its stages call them (imported here: `import autosplit` leaves
+    # torch.distributed.pipelining for first use)
+    from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+
+    outs = [o.clone() if o._is_view() else o for o in outs]  # torch detaches them in place, which a view refuses
+    grads, groups = stage_backward_input(outs, [torch.ones_like(o) for o in outs], leaves, iter(params))
+    stage_backward_weight(iter(params), groups)
+    below = [(v, g) for v, g in zip(values, grads) if g is not None]
+    if below:
+        torch.autograd.backward([v for v, _ in below], [g for _, g in below])
+
+
 def _in_context(
-    gm: fx.GraphModule, inputs: Sequence[Any], micro_batches: int, forwards_first: bool, rounds: int
+    gm: fx.GraphModule, inputs: Sequence[Any], micro_batches: int, forwards_first: bool, rounds: int,
+    split_backward: bool = False,
 ) -> dict[str, tuple[float, float]]:
     """(forward, backward) seconds per micro-batch of every compute node, timed inside whole
     passes of ``micro_batches`` micro-batches (all forwards first for GPipe, else one forward
     and its backward at a time); the median over ``rounds`` after one untimed round.
 
     The per-node clocks and hooks cost time of their own: each round's node times are scaled
-    so that they add up to the same pass without them, timed alongside.
+    so that they add up to the same pass without them, timed alongside. With
+    ``split_backward`` (zero-bubble schedules) that pass runs its backward as torch's pipeline
+    stages do — ``stage_backward_input`` from the activations at the gradient frontier, then
+    ``stage_backward_weight`` — so the node times carry what splitting costs: the walks over
+    the autograd graph and the retained graph (about a tenth of the backward of a GPT block
+    on this project's CPU).
     """
     params = list(gm.parameters())
     grads = [p.grad for p in params]
     plain = _flat(gm)
+    split = _cut_at_frontier(plain, inputs) if split_backward else None
 
     def passes(forward: Callable[[], Any], backward: Callable[[list[torch.Tensor]], None]) -> tuple[float, float]:
         for p in params:  # as after zero_grad(): the first micro-batch's gradients are stored, the others added
@@ -320,6 +393,19 @@ def _in_context(
     def plain_backward(outs: list[torch.Tensor]) -> None:
         torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
 
+    cuts: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = []  # (frontier values, their leaves) per micro-batch
+
+    def split_forward() -> Any:
+        assert split is not None
+        out, values, leaves = split(*inputs)
+        cuts.append((values, leaves))
+        return out
+
+    def split_passes(outs: list[torch.Tensor]) -> None:
+        _split_backward(outs, *cuts.pop(0), params)
+
+    reference = (split_forward, split_passes) if split is not None else (lambda: plain(*inputs), plain_backward)
+
     samples: dict[str, list[tuple[float, float]]] = {}
     try:
         for r in range(rounds + 1):
@@ -328,7 +414,7 @@ def _in_context(
                 passes(functools.partial(timer.run, *inputs), timer.backward)
             finally:
                 timer.close()
-            plain_fwd, plain_bwd = passes(lambda: plain(*inputs), plain_backward)
+            plain_fwd, plain_bwd = passes(*reference)
             if r == 0:
                 continue
             f_scale = plain_fwd / max(sum(timer.fwd.values()), 1e-12)
@@ -404,14 +490,15 @@ def _key(captured: Captured, inputs: Sequence[Any], device: torch.device, finger
 def profile(
     captured: Captured, inputs: Sequence[Any], device: str, *, fingerprint: str,
     options: ProfileOptions | None = None, micro_batches: int = 1, forwards_first: bool = False,
-    optimizer: str = "adam",
+    optimizer: str = "adam", split_backward: bool = False,
 ) -> Profile:
     """Measure every compute node of ``captured`` on ``device`` for the given (micro-batch) inputs.
 
     ``inputs`` are the flat graph inputs (``capture.flat_inputs``). The model's state is
     copied to ``device`` when it lives elsewhere; it is never moved. On the CPU, times are
     taken inside passes of ``micro_batches`` micro-batches, all forwards first when
-    ``forwards_first`` (GPipe's order), as the stages will run them (:class:`_InContext`);
+    ``forwards_first`` (GPipe's order), as the stages will run them (:class:`_InContext`),
+    the backward split into torch's input and weight passes when ``split_backward``;
     one step of ``optimizer`` over all parameters is timed too (:attr:`Profile.optimizer_step`).
     """
     options = options or ProfileOptions()
@@ -420,6 +507,8 @@ def profile(
     key["optimizer"] = optimizer
     if dev.type == "cpu":
         key.update(micro_batches=micro_batches, forwards_first=forwards_first)
+        if split_backward:
+            key["split_backward"] = True
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
     path = _cache_dir(options) / f"{digest}.json"
     if options.use_cache and path.exists():
@@ -444,7 +533,7 @@ def profile(
         profiler = _Profiler(gm, dev, options)
         profiler.run(*inputs)
         if dev.type == "cpu":
-            times = _in_context(gm, inputs, micro_batches, forwards_first, rounds=options.repeats)
+            times = _in_context(gm, inputs, micro_batches, forwards_first, rounds=options.repeats, split_backward=split_backward)
             profiler.results = {
                 name: dataclasses.replace(p, fwd=times[name][0], bwd=times[name][1]) for name, p in profiler.results.items()
             }

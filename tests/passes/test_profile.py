@@ -119,3 +119,31 @@ def test_an_exported_model_with_keyword_inputs_is_profiled():
     plan = autosplit.plan(LlamaForCausalLM(cfg), ["cpu"] * 2, example_inputs=(ids,), example_kwargs={"attention_mask": torch.ones(2, 8)},
                           costs=autosplit.options.ProfileOptions(use_cache=False, **FAST_PROFILE), time_limit=2)
     assert plan.capture == "export" and plan.costs.startswith("measured") and plan.step_time > 0
+
+
+def test_a_split_backward_profile_runs_torchs_input_and_weight_passes_to_the_same_gradients():
+    """Zero-bubble schedules are profiled with torch's I and W passes from the graph's first
+    activations (:func:`_cut_at_frontier`), which must give the gradients a plain backward gives;
+    such a profile is cached apart from the plain one."""
+    model, tokens = Lookup(), torch.randint(0, 4000, (16, 16))
+    captured = capture(model, (tokens,))
+    inputs = flat_inputs(captured, (tokens,), {})
+    cut = profile_module._cut_at_frontier(profile_module._flat(captured.gm), inputs)
+    assert cut is not None
+    params = list(captured.gm.parameters())
+    out, values, leaves = cut(*inputs)
+    assert [v.grad_fn.name() for v in values] == ["EmbeddingBackward0"] and all(leaf.is_leaf for leaf in leaves)
+    profile_module._split_backward([out], values, leaves, params)
+    split = [p.grad.clone() for p in params]
+    captured.gm.zero_grad(set_to_none=True)
+    plain = profile_module._flat(captured.gm)(*inputs)
+    plain.backward(torch.ones_like(plain))
+    for p, g in zip(params, split):
+        torch.testing.assert_close(g, p.grad)
+    captured.gm.zero_grad(set_to_none=True)
+
+    options = autosplit.options.ProfileOptions(use_cache=False, warmup=0, repeats=1, threads=1)
+    prof = profile_module.profile(captured, inputs, "cpu", fingerprint="test", options=options, micro_batches=2,
+                                  split_backward=True)
+    assert prof.key["split_backward"] is True and prof.nodes["wide"].bwd > 0
+    assert all(p.grad is None for p in params)
