@@ -18,8 +18,9 @@ Beside them the unsplit model on 1 and on 2 threads. Every plan runs through
 is forward + backward of every micro-batch and an Adam step, the slower rank's time; the figure is
 the median of ``--steps`` steps (min and max beside it), timed in interleaved blocks as
 ``pipeline_runtime.py`` does. Predictions (step: torch's action lists replayed; peak memory per
-rank) use per-node costs measured in this run on one pinned core with one thread, and the link
-and runtime overhead measured first by ``autosplit.calibration.measure_runtime``.
+rank) use per-node costs measured in this run on one pinned core with one thread (the zero-bubble
+schedules' with torch's split backward), the loss (``loss_fn``, ``example_target``) timed on that
+core, and the link and runtime overhead measured first by ``autosplit.calibration.measure_runtime``.
 
 Targets (issue #24 item 7), computed and printed: median |predicted − measured| / measured ≤ 10%
 over all rows and ≤ 20% for every row; (c) at least as fast as the best (b) of all schedules
@@ -145,11 +146,11 @@ def configurations(schedules: list[str], micro: list[int]) -> list[tuple[str, in
     return out
 
 
-def candidates(model, inputs, spec, config: tuple[str, int, int], args, costs) -> dict[str, Any]:
+def candidates(model, inputs, loss, spec, config: tuple[str, int, int], args, costs) -> dict[str, Any]:
     """label → plan for one configuration: autosplit's, and torchtitan's (both variants where they differ)."""
     schedule, v, M = config
     planner = autosplit.Planner(model, [spec] * 2, example_inputs=inputs, schedule=schedule, stages_per_rank=v,
-                                micro_batches=M, time_limit=args.time_limit, costs=costs)
+                                micro_batches=M, time_limit=args.time_limit, costs=costs, **loss)
     order = execution_order(planner.traced)
     plans: dict[str, Any] = {"autosplit": planner.plan()}
     seen = []
@@ -162,9 +163,9 @@ def candidates(model, inputs, spec, config: tuple[str, int, int], args, costs) -
     return plans
 
 
-def auto_plan(model, inputs, spec, args, costs):
+def auto_plan(model, inputs, loss, spec, args, costs):
     return autosplit.Planner(model, [spec] * 2, example_inputs=inputs, schedule="auto", stages_per_rank="auto",
-                             micro_batches="auto", time_limit=args.time_limit, costs=costs).plan()
+                             micro_batches="auto", time_limit=args.time_limit, costs=costs, **loss).plan()
 
 
 def split_text(plan, repeated: str) -> str:
@@ -176,7 +177,8 @@ def split_text(plan, repeated: str) -> str:
 
 def plan_all(name: str, args, spec, tmp: str) -> tuple[list[dict], list[str]]:
     """Every row's plan of ``name``, saved under ``tmp``: (row metadata, plan paths)."""
-    model, inputs, _, _ = workload(name)
+    model, inputs, target, loss_fn = workload(name)
+    loss = {"loss_fn": loss_fn, "example_target": target} if args.cost_loss else {}
     args.model = name
     # Profiled in this run on the pinned core, as timed; kept for the run so each (M, schedule
     # family) is profiled once.
@@ -203,7 +205,7 @@ def plan_all(name: str, args, spec, tmp: str) -> tuple[list[dict], list[str]]:
                          "kind": "skipped", "error": "distribute hangs with one stage per rank on a multi-stage class"})
             continue
         try:
-            plans = candidates(model, inputs, spec, (schedule, v, M), args, costs)
+            plans = candidates(model, inputs, loss, spec, (schedule, v, M), args, costs)
         except Exception:  # noqa: BLE001 — an autosplit failure is a finding: shown, recorded, and the rest goes on
             traceback.print_exc()
             rows.append({"model": name, "schedule": schedule, "stages_per_rank": v, "micro_batches": M,
@@ -215,7 +217,7 @@ def plan_all(name: str, args, spec, tmp: str) -> tuple[list[dict], list[str]]:
     if args.auto:
         t0 = time.time()
         try:
-            chosen = auto_plan(model, inputs, spec, args, costs)
+            chosen = auto_plan(model, inputs, loss, spec, args, costs)
         except Exception:  # noqa: BLE001 — recorded as for the configurations above
             traceback.print_exc()
             rows.append({"model": name, "schedule": "auto", "stages_per_rank": "auto", "micro_batches": "auto",
@@ -322,6 +324,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--time-limit", type=float, default=10, help="solver seconds per plan")
     parser.add_argument("--no-auto", dest="auto", action="store_false", help="skip (c), the schedule search")
     parser.add_argument("--include-v1-loop", action="store_true", help="also run the looped schedules at v=1")
+    parser.add_argument("--no-loss", dest="cost_loss", action="store_false",
+                        help="plan without the loss (loss_fn, example_target), as before it was costed")
     parser.add_argument("--quick", action="store_true", help="4 timed steps, no warm-up round, 3 s solves")
     parser.add_argument("--out", default=None, help="default: results/schedules.json (schedules_quick.json with --quick)")
     args = parser.parse_args(argv)
@@ -343,7 +347,8 @@ def main(argv: list[str] | None = None) -> int:
         out.write_text(json.dumps({
             "machine": machine(), "seconds": time.time() - start, "argv": sys.argv[1:], "steps": args.steps,
             "warmup": args.warmup, "block": args.block, "time_limit": args.time_limit,
-            "auto_micro_batches": "auto", "runtime": runtime.to_dict(), "summary": summary, "models": records,
+            "auto_micro_batches": "auto", "loss_costed": args.cost_loss, "runtime": runtime.to_dict(), "summary": summary,
+            "models": records,
         }, indent=1))
     print(json.dumps(verdicts(records), indent=1))
     print(f"wrote {out} in {time.time() - start:.0f}s")

@@ -65,6 +65,7 @@ def distribute(
     replicate: Literal["ddp", "fsdp"] = "ddp",
     plan: Plan | str | Path | None = None,
     weights: WeightsLike = None,
+    example_target: Any = None,
     **options: Any,
 ) -> DistributedModel:
     """Run ``model`` as pipeline stages across the ranks of the initialised process group.
@@ -73,7 +74,8 @@ def distribute(
     world size must be ``data_parallel × len(devices)``. ``example_inputs`` /
     ``example_kwargs`` are one replica's batch, the shape every :meth:`~DistributedModel.step`
     takes. ``loss_fn(output, target)`` is called on each micro-batch's output (the model's
-    own output structure) and should average over its rows (e.g. ``CrossEntropyLoss()``).
+    own output structure) and should average over its rows (e.g. ``CrossEntropyLoss()``); with an
+    ``example_target`` of the batch, the plan costs it on the stage that returns the output.
     ``replicate``: how each stage's data-parallel replicas keep in step — ``"ddp"`` (whole
     parameters on every replica, gradients all-reduced: FSDP2's ``replicate``) or ``"fsdp"``
     (parameters and optimizer state sharded: ``fully_shard``). ``options``: any :class:`~autosplit.options.PlanOptions` field
@@ -93,7 +95,8 @@ def distribute(
     stages = len(given.devices) if devices is None and given is not None else len(devices or ())
     _check_arguments(replicate, data_parallel, stages, None if given is not None else options.get("schedule", "gpipe"))
     options = {"schedule": "gpipe", **options, "data_parallel": data_parallel}
-    planner = Planner(model, devices, example_inputs=example_inputs, example_kwargs=example_kwargs, **options)
+    planner = Planner(model, devices, example_inputs=example_inputs, example_kwargs=example_kwargs,
+                      loss_fn=None if example_target is None else loss_fn, example_target=example_target, **options)
     made = _agreed_plan(planner, given, data_parallel)
     layout = Layout.of(dist.get_rank(), len(made.stage_devices), data_parallel,
                        stage_ranks=made.stage_devices if made.stages_per_rank > 1 else ())

@@ -22,7 +22,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +36,7 @@ from autosplit.devices import DeviceLike, DeviceSpec, resolve_devices
 from autosplit.errors import ConstraintError, DeviceError, advice
 from autosplit.microbatch import batch_size
 from autosplit.options import PlanOptions
+from autosplit.passes.loss import Loss
 from autosplit.plans import Plan
 from autosplit.report.text import plan_report
 from autosplit.runtime.local import SplitModule
@@ -60,7 +61,8 @@ class Planner:
     ``devices``: torch device strings or objects (``["cpu"] * 4`` are four logical
     devices), presets (``"A100-80GB"``) or :class:`DeviceSpec`; ``None`` only with a saved
     plan, whose devices are then used. ``options`` and keyword fields: see
-    :class:`PlanOptions`.
+    :class:`PlanOptions`. With ``loss_fn(output, target)`` and an ``example_target`` of the
+    batch, the plan costs the loss too, on the stage that returns the output.
     """
 
     def __init__(
@@ -71,9 +73,12 @@ class Planner:
         example_inputs: Any,
         example_kwargs: Mapping[str, Any] | None = None,
         options: PlanOptions | None = None,
+        loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+        example_target: Any = None,
         **fields: Any,
     ) -> None:
         self.model = model
+        self.loss = _loss(loss_fn, example_target)
         self.example_inputs = as_tensors(example_inputs if isinstance(example_inputs, tuple) else (example_inputs,))
         self.example_kwargs = as_tensors(dict(example_kwargs or {}))
         self.options = make_options(options, **fields)
@@ -87,7 +92,7 @@ class Planner:
     def traced(self) -> Traced:
         """The captured, annotated graph (made on first use, then kept)."""
         if self._traced is None:
-            self._traced = trace(self.model, self.example_inputs, self.example_kwargs, method=self.options.capture)
+            self._traced = trace(self.model, self.example_inputs, self.example_kwargs, method=self.options.capture, loss=self.loss)
         return self._traced
 
     def specs(self, devices: Sequence[DeviceLike] | None = None, options: PlanOptions | None = None) -> tuple[DeviceSpec, ...]:
@@ -175,6 +180,17 @@ class Planner:
         return compile_plan(self.traced, self.specs(devices, options), options)
 
 
+def _loss(loss_fn: Callable[[Any, Any], torch.Tensor] | None, example_target: Any) -> Loss | None:
+    if (loss_fn is None) != (example_target is None):
+        given, missing = ("loss_fn", "example_target") if example_target is None else ("example_target", "loss_fn")
+        raise ConstraintError(advice(
+            f"{given} was given without {missing}",
+            "the planner costs the loss by running loss_fn(output, target) on the model's output and one micro-batch of the target",
+            f"pass {missing} too, or neither (the loss is then not costed)",
+        ))
+    return None if loss_fn is None else Loss(loss_fn, as_tensors(example_target))
+
+
 def plan(
     model: torch.nn.Module, devices: Sequence[DeviceLike], *, example_inputs: Any,
     example_kwargs: Mapping[str, Any] | None = None, **options: Any,
@@ -183,7 +199,8 @@ def plan(
 
     ``options``: any :class:`PlanOptions` field — ``micro_batches``, ``schedule``, ``precision``,
     ``checkpointing``, ``recompute``, ``optimizer``, ``memory``, ``time_limit``, ``seed``, ``capture``,
-    ``costs``, ``cost_overrides``, ``pin``, ``avoid``, ``together``. A set of constraints that cannot hold is explained in the
+    ``costs``, ``cost_overrides``, ``pin``, ``avoid``, ``together``; or ``loss_fn`` and ``example_target``
+    (see :class:`Planner`). A set of constraints that cannot hold is explained in the
     user's terms (:class:`~autosplit.errors.InfeasiblePlanError`).
     """
     return Planner(model, devices, example_inputs=example_inputs, example_kwargs=example_kwargs, **options).plan()

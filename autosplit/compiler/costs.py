@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from pathlib import Path
 from typing import Any
@@ -16,9 +17,11 @@ from autosplit.devices import DeviceSpec, uncalibrated
 from autosplit.errors import CostModelError, advice
 from autosplit.options import PlanOptions, ProfileOptions
 from autosplit.passes.costs import estimate, with_overrides
+from autosplit.passes.loss import LossCost, cost_loss, output_like
 from autosplit.passes.profile import Profile, profile
 from autosplit.shapes import is_meta
 from autosplit.solver.problem import UserConstraint
+from autosplit.timers import pinned
 
 
 def cost_table(
@@ -37,22 +40,38 @@ def cost_table(
                 "a given table holds the costs of one way to run the model", "plan with costs='analytic' or 'measured'",
             ))
     else:
-        if costs == "analytic":
+        profiling = None if costs == "analytic" else ProfileOptions() if costs == "measured" else costs
+        if profiling is None:
             profiles: list[Profile | None] = [None] * len(specs)
             present = sorted({str(s.torch_device) for s in specs if uncalibrated(s)})
             source = "analytic" + (f" (uncalibrated for {', '.join(present)})" if present else "")
         else:  # profiled once; both tables below are made from the same profiles
-            profiles, source = _measured(traced, specs, ProfileOptions() if costs == "measured" else costs, options, micro_batches)
-        table = estimate(gm, specs, optimizer=options.optimizer, micro_batches=micro_batches, profiles=profiles)
+            assert isinstance(profiling, ProfileOptions)
+            profiles, source = _measured(traced, specs, profiling, options, micro_batches)
+        loss = _loss(traced, specs, options, micro_batches, profiling)
+        if loss is not None:
+            source += "; loss costed on the output's stage"
+        table = estimate(gm, specs, optimizer=options.optimizer, micro_batches=micro_batches, profiles=profiles, loss=loss)
         blocks = candidate_blocks(table, options, recompute)
         if blocks:
             table = estimate(gm, specs, optimizer=options.optimizer, micro_batches=micro_batches, profiles=profiles,
-                             blocks=blocks, recompute=recompute)
+                             blocks=blocks, recompute=recompute, loss=loss)
     if options.cost_overrides:
         n = len(options.cost_overrides)
         table = with_overrides(table, options.cost_overrides)
         source += f" + {n} override{'s' * (n > 1)}"
     return table, source
+
+
+def _loss(traced: Traced, specs: tuple[DeviceSpec, ...], options: PlanOptions, micro_batches: int,
+          profiling: ProfileOptions | None) -> LossCost | None:
+    """One micro-batch's loss on every device (measured where ``profiling``), or None without a loss."""
+    if traced.loss is None:
+        return None
+    captured, micro = traced.at_micro_batch(micro_batches)
+    output = output_like(captured, micro, options.precision, specs[0].device_type)
+    with pinned(profiling.threads, profiling.cores) if profiling is not None else contextlib.nullcontext():
+        return cost_loss(traced.loss, output, micro_batches, specs, measure=profiling is not None, precision=options.precision)
 
 
 def _measured(

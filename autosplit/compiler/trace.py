@@ -19,6 +19,7 @@ from autosplit.errors import CaptureError, CodegenError, ConstraintError, advice
 from autosplit.microbatch import batch_size, split_batch
 from autosplit.passes.annotate import annotate
 from autosplit.passes.capture import Captured, capture, fingerprint, flat_inputs
+from autosplit.passes.loss import Loss
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,8 @@ class Traced:
     model: torch.nn.Module | None = None
     example: tuple[tuple, Mapping[str, Any]] = ((), {})
     """The example call ``(args, kwargs)`` it was captured with."""
+    loss: Loss | None = None
+    """The training loss the plans are costed with (None: not costed)."""
     _micro: dict[int, Captured] = field(default_factory=dict, compare=False, repr=False)
     _precisions: dict[tuple[str, str], torch.fx.GraphModule] = field(default_factory=dict, compare=False, repr=False)
 
@@ -104,7 +107,9 @@ class Traced:
         return captured, flat_inputs(captured, args, kwargs)
 
 
-def trace(model: torch.nn.Module, example_inputs: tuple, example_kwargs: Mapping[str, Any] | None, *, method: str) -> Traced:
+def trace(
+    model: torch.nn.Module, example_inputs: tuple, example_kwargs: Mapping[str, Any] | None, *, method: str, loss: Loss | None = None,
+) -> Traced:
     """Steps *capture* and *annotate*."""
     timings: dict[str, float] = {}
     example_inputs, kwargs = _reconciled(model, tuple(example_inputs), dict(example_kwargs or {}))
@@ -114,7 +119,7 @@ def trace(model: torch.nn.Module, example_inputs: tuple, example_kwargs: Mapping
     inputs = flat_inputs(captured, example_inputs, kwargs)
     with progress.timed_pass("annotate", timings):
         annotate(captured, inputs)
-    return Traced(captured, tuple(inputs), graph_id, timings, model=model, example=(tuple(example_inputs), kwargs))
+    return Traced(captured, tuple(inputs), graph_id, timings, model=model, example=(tuple(example_inputs), kwargs), loss=loss)
 
 
 def versions() -> dict[str, str]:

@@ -25,6 +25,9 @@ the node's measured forward/backward seconds replace the roofline, and its measu
 bytes and transient peak replace the annotated ones. Profiles hold one micro-batch; the
 table holds the whole batch (× micro-batches), like the analytic costs.
 
+The loss (:mod:`autosplit.passes.loss`), when the planner is given one, is charged to the node
+that makes the model's output last: the stage that returns the output runs it per micro-batch.
+
 Overrides (:func:`with_overrides`): ``{"blocks.3": {"fwd": 2e-3, "bwd": 4e-3}, "linear_1": {"saved_bytes": 0}}``
 sets a node's cost, or a module's total, on every device, whatever the table's source.
 
@@ -40,6 +43,7 @@ import dataclasses
 import math
 import operator
 from collections.abc import Callable, Collection, Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 import torch.fx as fx
@@ -50,6 +54,9 @@ from autosplit.devices import DeviceSpec
 from autosplit.errors import CostModelError, advice
 from autosplit.passes.annotate import NodeInfo, node_info
 from autosplit.passes.profile import Profile
+
+if TYPE_CHECKING:
+    from autosplit.passes.loss import LossCost
 
 __all__ = [
     "CostTable", "estimate", "roofline", "link_time", "optimizer_step_time", "OPTIMIZER_STATE_BYTES", "OVERRIDE_KEYS",
@@ -340,6 +347,7 @@ def estimate(
     micro_batches: int = 1,
     blocks: Sequence[tuple[str, Collection[str]]] = (),
     recompute: Collection[str] = (),
+    loss: LossCost | None = None,
 ) -> CostTable:
     """Build the :class:`CostTable` of an annotated graph for ``devices``.
 
@@ -348,7 +356,8 @@ def estimate(
     names) are what a plan may recompute (activation checkpointing); the costs of those labelled in
     ``recompute`` are the recomputing ones: their forward runs again in the backward, their members
     keep none of their activations (the checkpoint keeps their inputs), and their backward needs
-    the block's activations of one micro-batch again.
+    the block's activations of one micro-batch again. ``loss`` (one micro-batch's) is charged to
+    the node that makes the model's output last, every micro-batch's.
     """
     if optimizer not in OPTIMIZER_STATE_BYTES:
         raise CostModelError(advice(
@@ -366,6 +375,14 @@ def estimate(
 
     fwd, bwd = _node_times(nodes, infos, kinds, kind_of, profiles, micro_batches, per_device)
     own_saved, transient = _activation_bytes(nodes, infos, profiles, micro_batches, optimizer)
+    if loss is not None:
+        output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+        makers = [index[u] for u in output.all_input_nodes if u in index]
+        if makers:
+            at = max(makers)
+            fwd[at] = tuple(t + micro_batches * c for t, c in zip(fwd[at], loss.fwd))
+            bwd[at] = tuple(t + micro_batches * c for t, c in zip(bwd[at], loss.bwd))
+            own_saved[at] += micro_batches * loss.saved_bytes
     edges = sorted({(index[u], index[v]) for v in nodes for u in v.all_input_nodes if u in index})
     colocate, order_edges = _placement_rules(gm, nodes, index, infos)
     saved, sent = _saved_bytes(gm, nodes, infos, own_saved)
