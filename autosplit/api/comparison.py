@@ -59,7 +59,8 @@ def compare(
 ) -> Comparison:
     """autosplit's plan and each ``manual`` split (name → any form :func:`~autosplit.compiler.manual.manual_plan`
     reads), costed alike; with ``measure=True``, each feasible one also trained ``warmup + steps``
-    steps (``loss_fn(output, target)``) and timed. ``options``: any :class:`~autosplit.PlanOptions` field.
+    steps (``loss_fn(output, target)``) and timed; given both, every plan costs the loss.
+    ``options``: any :class:`~autosplit.PlanOptions` field.
 
     Under an initialised process group, call it on every rank: rank 0 plans and sends the
     candidates to the others, and every rank measures through :func:`autosplit.distribute`.
@@ -80,7 +81,9 @@ def compare(
     kwargs = dict(example_kwargs or {})
     candidates: list[Candidate] | None = None
     if not distributed or torch.distributed.get_rank() == 0:
-        planner = Planner(model, devices, example_inputs=example_inputs, example_kwargs=kwargs, **options)
+        costed = loss_fn is not None and target is not None  # the loss costed in every candidate's plan
+        planner = Planner(model, devices, example_inputs=example_inputs, example_kwargs=kwargs,
+                          loss_fn=loss_fn if costed else None, example_target=target if costed else None, **options)
         if planner.options.objective == "makespan":
             # Both objectives, to say which is faster for this model; manual splits are pipelines.
             candidates = [Candidate("autosplit makespan", planner.plan())]

@@ -19,8 +19,9 @@ def plan(args: argparse.Namespace, argv: list[str]) -> int:
     from autosplit.report.text import plan_report
 
     work = inputs.workload(args.workload, args.batch)
+    loss = {"loss_fn": work["loss_fn"], "example_target": work["target"]} if "loss_fn" in work and "target" in work else {}
     planner = Planner(work["model"], inputs.devices(args.devices), example_inputs=work["example_inputs"],
-                      example_kwargs=work["example_kwargs"], **inputs.options(args))
+                      example_kwargs=work["example_kwargs"], **loss, **inputs.options(args))
     with processes.bars():
         plan = planner.plan()
     if args.out:
@@ -91,8 +92,8 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
         ))
     with processes.bars():
         pipe = distribute(work["model"], None if args.plan else devices, example_inputs=work["example_inputs"],
-                          example_kwargs=work["example_kwargs"], loss_fn=work["loss_fn"], data_parallel=args.dp,
-                          plan=args.plan, **inputs.options(args))
+                          example_kwargs=work["example_kwargs"], loss_fn=work["loss_fn"], example_target=work["target"],
+                          data_parallel=args.dp, plan=args.plan, **inputs.options(args))
     if args.out and processes.rank() == 0:
         pipe.plan.save(args.out)
     opt = torch.optim.Adam(pipe.parameters(), lr=args.lr)
