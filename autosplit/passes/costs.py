@@ -262,6 +262,17 @@ def _activation_bytes(
     return own_saved, peaks
 
 
+def _wgrad_shares(nodes: list[fx.Node], infos: list[NodeInfo], profiles: list[Profile | None]) -> tuple[float, ...]:
+    """[node] the weight pass's share of its backward: measured by the first profile that timed torch's
+    split backward (a zero-bubble schedule's), else from flops (annotate)."""
+    measured = next((p for p in profiles if p is not None and any(n.wgrad_share is not None for n in p.nodes.values())), None)
+    shares = []
+    for n, info in zip(nodes, infos):
+        node = measured.nodes.get(n.name) if measured is not None else None
+        shares.append(node.wgrad_share if node is not None and node.wgrad_share is not None else info.wgrad_share)
+    return tuple(shares)
+
+
 def _placement_rules(
     gm: fx.GraphModule, nodes: list[fx.Node], index: Mapping[fx.Node, int], infos: list[NodeInfo]
 ) -> tuple[tuple[tuple[int, ...], ...], set[tuple[int, int]]]:
@@ -422,7 +433,7 @@ def estimate(
         optimizer_time=_optimizer_times(infos, kinds, kind_of, profiles, optimizer, per_device),
         param_bytes=tuple(info.param_bytes for info in infos),
         param_reads=_param_reads(gm, nodes),
-        wgrad_share=tuple(info.wgrad_share for info in infos),
+        wgrad_share=_wgrad_shares(nodes, infos, profiles),
         wgrad_bytes=tuple(info.output_bytes if 0 < info.wgrad_share < 1 else 0 for info in infos),
         output_tensors=tuple(len(info.output_shapes) for info in infos),
         recomputed=tuple(recompute),

@@ -41,7 +41,7 @@ import operator
 import os
 import statistics
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -61,7 +61,7 @@ __all__ = ["ProfileOptions", "NodeProfile", "Profile", "profile"]
 log = logging.getLogger(__name__)
 
 _FREE_TARGETS = {operator.getitem}
-_SCHEMA = 4  # bump when what a profile measures changes: older cache files are then ignored
+_SCHEMA = 5  # bump when what a profile measures changes: older cache files are then ignored
 
 
 @dataclass(frozen=True)
@@ -77,6 +77,9 @@ class NodeProfile:
     peak_bytes: int
     """Transient peak of forward + backward above what was live before, beyond the node's
     output and its parameters' gradients (counted as activations and model state)."""
+    wgrad_share: float | None = None
+    """Of ``bwd``, the share of torch's weight pass (W) when the backward was profiled split
+    (zero-bubble schedules); None otherwise (the cost table then divides by flops)."""
 
 
 @dataclass(frozen=True)
@@ -333,43 +336,49 @@ def _cut_at_frontier(gm: fx.GraphModule, inputs: Sequence[Any]) -> fx.GraphModul
 
 
 def _split_backward(
-    outs: list[torch.Tensor], values: list[torch.Tensor], leaves: list[torch.Tensor], params: list[torch.nn.Parameter]
-) -> None:
+    outs: list[torch.Tensor], values: list[torch.Tensor], leaves: list[torch.Tensor], params: list[torch.nn.Parameter],
+) -> tuple[float, float]:
     """The backward of a graph cut by :func:`_cut_at_frontier` as a zero-bubble stage runs it:
     torch's input pass (I) down to the leaves, then its weight pass (W); what precedes the cut
-    (the embeddings) gets a plain backward, as torch's first stage runs it."""
+    (the embeddings: weight gradients alone, which torch's first stage runs in its W) gets a
+    plain backward. Returns the seconds of I and of W (that plain backward included)."""
     # torch's own functions, as its stages call them (imported here: `import autosplit` leaves
     # torch.distributed.pipelining for first use)
     from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 
     outs = [o.clone() if o._is_view() else o for o in outs]  # torch detaches them in place, which a view refuses
+    t0 = time.perf_counter()
     grads, groups = stage_backward_input(outs, [torch.ones_like(o) for o in outs], leaves, iter(params))
+    t1 = time.perf_counter()
     stage_backward_weight(iter(params), groups)
     below = [(v, g) for v, g in zip(values, grads) if g is not None]
     if below:
         torch.autograd.backward([v for v, _ in below], [g for _, g in below])
+    return t1 - t0, time.perf_counter() - t1
 
 
 def _in_context(
     gm: fx.GraphModule, inputs: Sequence[Any], micro_batches: int, forwards_first: bool, rounds: int,
-    split_backward: bool = False,
-) -> dict[str, tuple[float, float]]:
-    """(forward, backward) seconds per micro-batch of every compute node, timed inside whole
-    passes of ``micro_batches`` micro-batches (all forwards first for GPipe, else one forward
-    and its backward at a time); the median over ``rounds`` after one untimed round.
+    wgrad_shares: Mapping[str, float] | None = None,
+) -> dict[str, tuple[float, float, float | None]]:
+    """(forward, backward, weight-pass share of the backward or None) seconds per micro-batch of
+    every compute node, timed inside whole passes of ``micro_batches`` micro-batches (all forwards
+    first for GPipe, else one forward and its backward at a time); the median over ``rounds``
+    after one untimed round.
 
     The per-node clocks and hooks cost time of their own: each round's node times are scaled
-    so that they add up to the same pass without them, timed alongside. With
-    ``split_backward`` (zero-bubble schedules) that pass runs its backward as torch's pipeline
-    stages do — ``stage_backward_input`` from the activations at the gradient frontier, then
-    ``stage_backward_weight`` — so the node times carry what splitting costs: the walks over
-    the autograd graph and the retained graph (about a tenth of the backward of a GPT block
-    on this project's CPU).
+    so that they add up to the same pass without them, timed alongside. Given ``wgrad_shares``
+    (each node's weight-gradient share by flops; zero-bubble schedules), that pass runs its
+    backward as torch's pipeline stages do (:func:`_split_backward`), so the node times carry
+    what splitting costs — the walks over the autograd graph and the retained graph — and the
+    input pass and the weight pass are timed apart: each node's backward is divided by its
+    share, and its I and W parts scaled to the two measured totals.
     """
     params = list(gm.parameters())
     grads = [p.grad for p in params]
     plain = _flat(gm)
-    split = _cut_at_frontier(plain, inputs) if split_backward else None
+    split = _cut_at_frontier(plain, inputs) if wgrad_shares is not None else None
+    parts = [0.0, 0.0]  # the split reference pass's I and W seconds, this round
 
     def passes(forward: Callable[[], Any], backward: Callable[[list[torch.Tensor]], None]) -> tuple[float, float]:
         for p in params:  # as after zero_grad(): the first micro-batch's gradients are stored, the others added
@@ -402,11 +411,13 @@ def _in_context(
         return out
 
     def split_passes(outs: list[torch.Tensor]) -> None:
-        _split_backward(outs, *cuts.pop(0), params)
+        i, w = _split_backward(outs, *cuts.pop(0), params)
+        parts[0] += i
+        parts[1] += w
 
     reference = (split_forward, split_passes) if split is not None else (lambda: plain(*inputs), plain_backward)
 
-    samples: dict[str, list[tuple[float, float]]] = {}
+    samples: dict[str, list[tuple[float, float, float]]] = {}
     try:
         for r in range(rounds + 1):
             timer = _InContext(gm)
@@ -414,21 +425,29 @@ def _in_context(
                 passes(functools.partial(timer.run, *inputs), timer.backward)
             finally:
                 timer.close()
+            parts[:] = [0.0, 0.0]
             plain_fwd, plain_bwd = passes(*reference)
             if r == 0:
                 continue
             f_scale = plain_fwd / max(sum(timer.fwd.values()), 1e-12)
-            b_scale = plain_bwd / max(sum(timer.bwd.values()), 1e-12)
+            if split is None:  # one scale for the whole backward
+                i_scale = w_scale = plain_bwd / max(sum(timer.bwd.values()), 1e-12)
+            else:
+                share = {name: (wgrad_shares or {}).get(name, 0.0) for name in timer.bwd}
+                i_scale = parts[0] / max(sum(b * (1 - share[name]) for name, b in timer.bwd.items()), 1e-12)
+                w_scale = parts[1] / max(sum(b * share[name] for name, b in timer.bwd.items()), 1e-12)
             for name in timer.fwd:
-                samples.setdefault(name, []).append(
-                    (timer.fwd[name] * f_scale / micro_batches, timer.bwd.get(name, 0.0) * b_scale / micro_batches)
-                )
+                b, s = timer.bwd.get(name, 0.0), (wgrad_shares or {}).get(name, 0.0)
+                i, w = b * (1 - s) * i_scale / micro_batches, b * s * w_scale / micro_batches
+                samples.setdefault(name, []).append((timer.fwd[name] * f_scale / micro_batches, i, w))
     finally:
         for p, g in zip(params, grads):
             p.grad = g
-    return {
-        name: (statistics.median(f for f, _ in rows), statistics.median(b for _, b in rows)) for name, rows in samples.items()
-    }
+    times = {}
+    for name, rows in samples.items():
+        i, w = statistics.median(row[1] for row in rows), statistics.median(row[2] for row in rows)
+        times[name] = (statistics.median(row[0] for row in rows), i + w, w / (i + w) if split is not None and i + w > 0 else None)
+    return times
 
 
 _OPTIMIZERS: dict[str, Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]] = {
@@ -490,7 +509,7 @@ def _key(captured: Captured, inputs: Sequence[Any], device: torch.device, finger
 def profile(
     captured: Captured, inputs: Sequence[Any], device: str, *, fingerprint: str,
     options: ProfileOptions | None = None, micro_batches: int = 1, forwards_first: bool = False,
-    optimizer: str = "adam", split_backward: bool = False,
+    optimizer: str = "adam", wgrad_shares: Mapping[str, float] | None = None,
 ) -> Profile:
     """Measure every compute node of ``captured`` on ``device`` for the given (micro-batch) inputs.
 
@@ -498,7 +517,8 @@ def profile(
     copied to ``device`` when it lives elsewhere; it is never moved. On the CPU, times are
     taken inside passes of ``micro_batches`` micro-batches, all forwards first when
     ``forwards_first`` (GPipe's order), as the stages will run them (:class:`_InContext`),
-    the backward split into torch's input and weight passes when ``split_backward``;
+    the backward split into torch's input and weight passes, timed apart, given ``wgrad_shares``
+    (node → weight-gradient share by flops: a zero-bubble schedule's profile);
     one step of ``optimizer`` over all parameters is timed too (:attr:`Profile.optimizer_step`).
     """
     options = options or ProfileOptions()
@@ -507,7 +527,7 @@ def profile(
     key["optimizer"] = optimizer
     if dev.type == "cpu":
         key.update(micro_batches=micro_batches, forwards_first=forwards_first)
-        if split_backward:
+        if wgrad_shares is not None:
             key["split_backward"] = True
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
     path = _cache_dir(options) / f"{digest}.json"
@@ -533,9 +553,10 @@ def profile(
         profiler = _Profiler(gm, dev, options)
         profiler.run(*inputs)
         if dev.type == "cpu":
-            times = _in_context(gm, inputs, micro_batches, forwards_first, rounds=options.repeats, split_backward=split_backward)
+            times = _in_context(gm, inputs, micro_batches, forwards_first, rounds=options.repeats, wgrad_shares=wgrad_shares)
             profiler.results = {
-                name: dataclasses.replace(p, fwd=times[name][0], bwd=times[name][1]) for name, p in profiler.results.items()
+                name: dataclasses.replace(p, fwd=times[name][0], bwd=times[name][1], wgrad_share=times[name][2])
+                for name, p in profiler.results.items()
             }
         optimizer_step = _optimizer_step(gm, optimizer, dev, options)
     result = Profile(device, key, profiler.results, time.perf_counter() - start, optimizer_step=optimizer_step)

@@ -124,7 +124,8 @@ def test_an_exported_model_with_keyword_inputs_is_profiled():
 def test_a_split_backward_profile_runs_torchs_input_and_weight_passes_to_the_same_gradients():
     """Zero-bubble schedules are profiled with torch's I and W passes from the graph's first
     activations (:func:`_cut_at_frontier`), which must give the gradients a plain backward gives;
-    such a profile is cached apart from the plain one."""
+    the two passes are timed apart and give each node its weight pass's share; such a profile is
+    cached apart from the plain one."""
     model, tokens = Lookup(), torch.randint(0, 4000, (16, 16))
     captured = capture(model, (tokens,))
     inputs = flat_inputs(captured, (tokens,), {})
@@ -143,7 +144,16 @@ def test_a_split_backward_profile_runs_torchs_input_and_weight_passes_to_the_sam
     captured.gm.zero_grad(set_to_none=True)
 
     options = autosplit.options.ProfileOptions(use_cache=False, warmup=0, repeats=1, threads=1)
+    annotate(captured, inputs)
+    shares = {n.name: n.meta["autosplit"].wgrad_share for n in captured.gm.graph.nodes if "autosplit" in n.meta}
+    assert 0 < shares["wide"] < 1 and shares["emb"] == 1 and shares["relu"] == 0
     prof = profile_module.profile(captured, inputs, "cpu", fingerprint="test", options=options, micro_batches=2,
-                                  split_backward=True)
-    assert prof.key["split_backward"] is True and prof.nodes["wide"].bwd > 0
-    assert all(p.grad is None for p in params)
+                                  wgrad_shares=shares)
+    assert prof.key["split_backward"] is True and all(p.grad is None for p in params)
+    # I and W timed apart: a layer's backward divides between them, the embedding's is all W, the ReLU's all I
+    nodes = prof.nodes
+    assert nodes["wide"].bwd > 0 and 0 < nodes["wide"].wgrad_share < 1
+    assert (nodes["emb"].wgrad_share, nodes["relu"].wgrad_share) == (1.0, 0.0)
+    table = estimate(captured.gm, resolve_devices(["cpu"]), profiles=[prof], micro_batches=2)
+    assert table.wgrad_share[table.nodes.index("wide")] == nodes["wide"].wgrad_share
+    assert profile_module.profile(captured, inputs, "cpu", fingerprint="test", options=options).nodes["wide"].wgrad_share is None
