@@ -82,10 +82,13 @@ def output_like(captured: Captured, inputs: Sequence[Any], precision: str = "fp3
     """The model's output for ``inputs`` (one micro-batch) as meta tensors, made on fake tensors:
     nothing is computed or allocated, on a meta model too."""
     gm = captured.gm
-    meta = any(t.is_meta for t in [*gm.parameters(), *gm.buffers()])
+    state = {**dict(gm.named_parameters()), **dict(gm.named_buffers())}
+    meta = any(t.is_meta for t in state.values())
     with FakeTensorMode(allow_non_fake_inputs=True) as mode, precision_context(precision, device_type):
         fake = [mode.from_tensor(x.to("meta") if meta else x) if isinstance(x, torch.Tensor) else x for x in inputs]
-        out = _flat(gm)(*fake)
+        # fake copies of the weights too: a forward that writes its own state (an EMA teacher) writes those
+        fake_state = {name: mode.from_tensor(t) for name, t in state.items()}
+        out = torch.func.functional_call(_flat(gm), fake_state, tuple(fake))
     codegen = gm.graph._codegen
     if isinstance(codegen, _PyTreeCodeGen) and codegen.pytree_info.out_spec is not None:  # exported: the flat outputs, restructured
         out = pytree.tree_unflatten(list(out), codegen.pytree_info.out_spec)
