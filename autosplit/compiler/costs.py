@@ -17,8 +17,8 @@ from autosplit.devices import DeviceSpec, uncalibrated
 from autosplit.errors import CostModelError, advice
 from autosplit.options import PlanOptions, ProfileOptions
 from autosplit.passes.annotate import node_info
-from autosplit.passes.costs import estimate, with_overrides
-from autosplit.passes.loss import LossCost, cost_loss, output_like
+from autosplit.passes.costs import LossCost, estimate, with_overrides
+from autosplit.passes.loss import cost_loss, output_like
 from autosplit.passes.profile import Profile, profile
 from autosplit.shapes import is_meta
 from autosplit.solver.problem import UserConstraint

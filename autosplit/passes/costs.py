@@ -43,7 +43,6 @@ import dataclasses
 import math
 import operator
 from collections.abc import Callable, Collection, Mapping, Sequence
-from typing import TYPE_CHECKING
 
 import torch
 import torch.fx as fx
@@ -55,9 +54,6 @@ from autosplit.errors import CostModelError, advice
 from autosplit.passes.annotate import NodeInfo, node_info
 from autosplit.passes.profile import Profile
 
-if TYPE_CHECKING:
-    from autosplit.passes.loss import LossCost
-
 __all__ = [
     "CostTable", "estimate", "roofline", "link_time", "optimizer_step_time", "OPTIMIZER_STATE_BYTES", "OVERRIDE_KEYS",
     "with_overrides",
@@ -66,6 +62,17 @@ __all__ = [
 
 # Nodes that move no data and launch nothing: they only name a value.
 _FREE_TARGETS = {operator.getitem}
+
+
+@dataclasses.dataclass(frozen=True)
+class LossCost:
+    """One micro-batch's loss on every device (:mod:`autosplit.passes.loss`), charged by :func:`estimate`."""
+
+    fwd: tuple[float, ...]
+    """[device] forward seconds."""
+    bwd: tuple[float, ...]
+    saved_bytes: int
+    """What autograd keeps from the loss's forward to its backward (the output it reads excluded)."""
 
 
 def roofline(flops: float, nbytes: float, spec: DeviceSpec, *, half: bool = False) -> float:

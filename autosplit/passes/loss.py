@@ -36,7 +36,7 @@ from autosplit.devices import DeviceSpec
 from autosplit.errors import CostModelError, advice
 from autosplit.passes.annotate import precision_context
 from autosplit.passes.capture import Captured
-from autosplit.passes.costs import roofline
+from autosplit.passes.costs import LossCost, roofline
 from autosplit.passes.profile import _flat
 from autosplit.timers import timed
 
@@ -50,17 +50,6 @@ class Loss:
 
     fn: Callable[[Any, Any], torch.Tensor]
     target: Any
-
-
-@dataclass(frozen=True)
-class LossCost:
-    """One micro-batch's loss on every device."""
-
-    fwd: tuple[float, ...]
-    """[device] forward seconds."""
-    bwd: tuple[float, ...]
-    saved_bytes: int
-    """What autograd keeps from the loss's forward to its backward (the output it reads excluded)."""
 
 
 class _Traffic(TorchDispatchMode):
@@ -87,7 +76,7 @@ def output_like(captured: Captured, inputs: Sequence[Any], precision: str = "fp3
     with FakeTensorMode(allow_non_fake_inputs=True) as mode, precision_context(precision, device_type):
         fake = [mode.from_tensor(x.to("meta") if meta else x) if isinstance(x, torch.Tensor) else x for x in inputs]
         # fake copies of the weights too: a forward that writes its own state (an EMA teacher) writes those
-        fake_state = {name: mode.from_tensor(t) for name, t in state.items()}
+        fake_state: dict[str, torch.Tensor] = {name: mode.from_tensor(t) for name, t in state.items()}
         out = torch.func.functional_call(_flat(gm), fake_state, tuple(fake))
     codegen = gm.graph._codegen
     if isinstance(codegen, _PyTreeCodeGen) and codegen.pytree_info.out_spec is not None:  # exported: the flat outputs, restructured
