@@ -11,9 +11,16 @@ initialisation and the batch order). Throughput is samples per second of the tra
 measured in the same runs, beside the unsplit model on 1 and 2 threads (same steps, same
 batches).
 
+``--stages 4`` runs the pipeline 4 deep (4 gloo processes; XPipe's case for weight prediction
+is deep pipelines, where the version difference grows with the stage count). With more processes
+than cores the processes share them, so throughput is not measured but predicted (the plan's
+replayed step); the held-out losses and every stage's version differences are measured. The
+verdict compares each asynchronous schedule's gap to GPipe with GPipe's spread over seeds.
+
 Usage::
 
     .venv/bin/python benchmarks/async_pipeline.py                 # 4 schedules × 3 seeds, a few minutes
+    .venv/bin/python benchmarks/async_pipeline.py --stages 4      # results/async_pipeline_depth4.json, about 15 min
     .venv/bin/python benchmarks/async_pipeline.py --steps 50 --seeds 1
 """
 
@@ -92,11 +99,11 @@ def held_out_loss(model: torch.nn.Module, held: torch.Tensor, seq: int, rows: in
 
 def _worker(rank: int, init: str, schedule: str, seed: int, args: argparse.Namespace, out: str) -> None:
     torch.set_num_threads(1)
-    os.sched_setaffinity(0, {rank})
-    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=2, timeout=timedelta(minutes=5))
+    os.sched_setaffinity(0, {rank % len(os.sched_getaffinity(0))})  # a core each; shared beyond the cores
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=args.stages, timeout=timedelta(minutes=10))
     try:
         model, batches, held = make(args, seed)
-        pipe = autosplit.distribute(model, ["cpu"] * 2, example_inputs=(batches[0][0],), loss_fn=loss_fn,
+        pipe = autosplit.distribute(model, ["cpu"] * args.stages, example_inputs=(batches[0][0],), loss_fn=loss_fn,
                                     schedule=schedule, micro_batches=args.micro, time_limit=5, seed=0)
         opt = torch.optim.Adam(pipe.parameters(), lr=args.lr)
         dist.barrier()
@@ -111,12 +118,44 @@ def _worker(rank: int, init: str, schedule: str, seed: int, args: argparse.Names
         dist.barrier()
         seconds = time.perf_counter() - t0
         state = pipe.full_state_dict()
+        runs: list = [None] * args.stages
+        dist.all_gather_object(runs, pipe.last_run)
         if rank == 0:
             model.load_state_dict(state)
-            torch.save({"seconds": seconds, "held_out": held_out_loss(model, held, args.seq),
-                        "stage_params": [s.params for s in pipe.plan.stages], "run": getattr(pipe, "last_run", {})}, out)
+            torch.save({"seconds": seconds, "held_out": held_out_loss(model, held, args.seq), "predicted_step": pipe.plan.step_time,
+                        "stage_params": [s.params for s in pipe.plan.stages], "run": runs[0],
+                        "version_differences": [_differences(r) for r in runs]}, out)
     finally:
         dist.destroy_process_group()
+
+
+def _differences(run: dict) -> dict | None:
+    """A stage's version differences (updates between a forward and the update its gradient meets), summarised."""
+    values = run.get("version_differences") if run else None
+    if not values:
+        return None
+    return {"min": min(values), "max": max(values), "mean": statistics.mean(values)}
+
+
+def verdict(summary: dict) -> dict:
+    """Each asynchronous schedule's held-out gap to GPipe, against GPipe's spread over seeds; and
+    whether weight prediction (XPipe) closes the gap that staleness (async) opens."""
+    if "gpipe" not in summary:
+        return {}
+    base, noise = summary["gpipe"]["held_out_mean"], summary["gpipe"]["held_out_std"]
+    gaps = {name: s["held_out_mean"] - base for name, s in summary.items() if name != "gpipe"}
+    out: dict = {"gpipe_std": noise, "gap_to_gpipe": gaps}
+    if "async" in gaps and "xpipe" in gaps:
+        stale, predicted = gaps["async"], gaps["xpipe"]
+        if stale <= noise:
+            out["xpipe"] = f"staleness opens no gap beyond GPipe's spread over seeds ({stale:+.4f} vs sd {noise:.4f})"
+        elif predicted <= noise:
+            out["xpipe"] = f"weight prediction closes it: XPipe {predicted:+.4f} against async {stale:+.4f} (GPipe sd {noise:.4f})"
+        elif predicted < stale:
+            out["xpipe"] = f"weight prediction narrows it by {1 - predicted / stale:.0%}: XPipe {predicted:+.4f} against async {stale:+.4f}"
+        else:
+            out["xpipe"] = f"weight prediction does not narrow it: XPipe {predicted:+.4f} against async {stale:+.4f}"
+    return out
 
 
 def unsplit(args: argparse.Namespace, threads: int) -> dict:
@@ -149,8 +188,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--chars", type=int, default=2_000_000)
-    parser.add_argument("--out", default=str(RESULTS))
+    parser.add_argument("--stages", type=int, default=2, help="pipeline depth: one process per stage")
+    parser.add_argument("--out", default=None, help="default: results/async_pipeline.json (async_pipeline_depth4.json at 4 stages)")
     args = parser.parse_args(argv)
+    args.out = args.out or str(RESULTS if args.stages == 2 else RESULTS.with_name(f"async_pipeline_depth{args.stages}.json"))
+    timed = args.stages <= len(os.sched_getaffinity(0))  # a core per process: throughput measured, else predicted
 
     start = time.time()
     runs: dict[str, list[dict]] = {}
@@ -158,30 +200,42 @@ def main(argv: list[str] | None = None) -> int:
         for seed in range(args.seeds):
             for schedule in args.schedules.split(","):  # the schedules of one seed side by side
                 out = os.path.join(tmp, f"{schedule}-{seed}.pt")
-                mp.spawn(_worker, args=(os.path.join(tmp, f"init-{schedule}-{seed}"), schedule, seed, args, out), nprocs=2, join=True)
+                mp.spawn(_worker, args=(os.path.join(tmp, f"init-{schedule}-{seed}"), schedule, seed, args, out),
+                         nprocs=args.stages, join=True)
                 r = torch.load(out, weights_only=False)
-                r["samples_per_s"] = args.steps * args.batch / r["seconds"]
+                r["samples_per_s"] = args.steps * args.batch / r["seconds"] if timed else None
+                r["predicted_samples_per_s"] = args.batch / r["predicted_step"]
                 runs.setdefault(schedule, []).append(r)
-                print(f"seed {seed} {schedule:9s} held-out loss {r['held_out']:.4f}  {r['samples_per_s']:7.1f} samples/s")
+                speed = f"{r['samples_per_s']:7.1f} samples/s" if timed else f"{r['predicted_samples_per_s']:7.1f} samples/s predicted"
+                gaps = " ".join(f"{d['max']}" if d else "-" for d in r["version_differences"])
+                print(f"seed {seed} {schedule:9s} held-out loss {r['held_out']:.4f}  {speed}  most updates behind, per stage: {gaps}")
     baseline = {f"{t} thread{'s' * (t > 1)}": unsplit(args, t) for t in (1, 2)}
     summary = {}
     for schedule, rs in runs.items():
         losses, speed = [r["held_out"] for r in rs], [r["samples_per_s"] for r in rs]
         summary[schedule] = {
             "held_out_mean": statistics.mean(losses), "held_out_std": statistics.stdev(losses) if len(losses) > 1 else 0.0,
-            "held_out": losses, "samples_per_s_median": statistics.median(speed), "samples_per_s": speed,
-            "stashed_copies_stage0": [r["run"].get("stashed_copies") for r in rs],
+            "held_out": losses, "samples_per_s_median": statistics.median(speed) if timed else None, "samples_per_s": speed,
+            "predicted_samples_per_s": rs[0]["predicted_samples_per_s"],
+            "stashed_copies_stage0": [(r["run"] or {}).get("stashed_copies") for r in rs],
+            "version_differences": rs[0]["version_differences"],
         }
-    print(f"\n{'schedule':12s} {'held-out loss (mean ± sd)':>26s} {'samples/s':>10s}")
+    print(f"\n{'schedule':12s} {'held-out loss (mean ± sd)':>26s} {'samples/s':>10s} {'predicted':>10s}  "
+          "version difference per stage (mean)")
     for schedule, s in summary.items():
-        print(f"{schedule:12s} {s['held_out_mean']:15.4f} ± {s['held_out_std']:.4f} {s['samples_per_s_median']:14.1f}")
+        measured = f"{s['samples_per_s_median']:10.1f}" if timed else f"{'-':>10s}"
+        differences = " ".join(f"{d['mean']:.2f}" if d else "-" for d in s["version_differences"])
+        print(f"{schedule:12s} {s['held_out_mean']:15.4f} ± {s['held_out_std']:.4f} {measured} "
+              f"{s['predicted_samples_per_s']:10.1f}  {differences}")
+    verdicts = verdict(summary)
+    print(json.dumps(verdicts, indent=1))
     for label, b in baseline.items():
         print(f"{'unsplit ' + label:24s} {b['held_out']:7.4f} (seed 0) {b['samples_per_s']:12.1f}")
     print(f"(initial loss ln {VOCAB} = {math.log(VOCAB):.3f})")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({
-        "machine": machine(), "seconds": time.time() - start, "args": vars(args), "summary": summary,
-        "unsplit": baseline, "runs": runs,
+        "machine": machine(), "seconds": time.time() - start, "args": vars(args), "throughput_measured": timed,
+        "summary": summary, "verdict": verdicts, "unsplit": baseline, "runs": runs,
     }, indent=1, default=str))
     print(f"wrote {args.out} in {time.time() - start:.0f}s")
     return 0

@@ -20,7 +20,6 @@ Usage::
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -146,25 +145,21 @@ def _counted(
     return passes[0], passes[1], sum(saved.values())
 
 
-def _measured(loss: Loss, output: Any, target: Any, device: torch.device, precision: str) -> tuple[float, float]:
-    """(forward, backward) seconds of the loss on real tensors on ``device``."""
+def _measured(loss: Loss, output: Any, target: Any, device: torch.device) -> tuple[float, float]:
+    """(forward, backward) seconds of the loss on real tensors on ``device`` (measured costs are fp32)."""
     def make(t: torch.Tensor) -> torch.Tensor:
         if t.is_floating_point():
             return torch.randn(t.shape, dtype=t.dtype, device=device)
         return torch.zeros(t.shape, dtype=t.dtype, device=device)
 
     real_target = pytree.tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, target)
-    autocast = (torch.autocast(device.type, dtype=torch.bfloat16 if precision == "bf16-mixed" else torch.float16)
-                if precision.endswith("-mixed") else contextlib.nullcontext())
-
     values = pytree.tree_map(lambda t: make(t) if isinstance(t, torch.Tensor) else t, output)
 
     def fresh() -> Any:  # the same values, new leaves: making them is not the loss's time
         return _with_grad(values, lambda t: t.detach())[0]
 
     def forward(out: Any) -> torch.Tensor:
-        with autocast:
-            return _scalar(loss.fn(out, real_target))
+        return _scalar(loss.fn(out, real_target))
 
     fwd = timed(forward, device=str(device), setup=fresh)
     bwd = timed(lambda value: value.backward(), device=str(device), setup=lambda: forward(fresh()))
@@ -197,7 +192,7 @@ def cost_loss(
     times: dict[DeviceSpec, tuple[float, float]] = {}
     for spec in dict.fromkeys(specs):
         here = spec.torch_device if measure else None
-        times[spec] = _measured(loss, output, target, torch.device(here), precision) if here is not None else analytic(spec)
+        times[spec] = _measured(loss, output, target, torch.device(here)) if here is not None else analytic(spec)
     fwd, bwd = zip(*(times[spec] for spec in specs))
     return LossCost(tuple(fwd), tuple(bwd), saved)
 
