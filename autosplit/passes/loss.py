@@ -1,8 +1,7 @@
 """Loss: the training loss, costed as the last stage runs it.
 
 ``loss_fn(output, target)`` runs once per micro-batch on the stage that returns the model's output.
-Over a large vocabulary it is no small part of a step: the cross-entropy of ``benchmarks/schedules.py``'s
-Llama (8,000 classes) takes about a tenth of its step on this project's CPU. Given the loss and an
+Over a large vocabulary (a language model's cross-entropy) it is no small part of a step. Given the loss and an
 example target, the estimate pass charges its time and what it saves for backward to the node that
 makes the model's output (``autosplit.passes.costs.estimate``); without them the loss is not costed.
 
