@@ -206,9 +206,9 @@ def main(argv: list[str] | None = None) -> int:
                 r["samples_per_s"] = args.steps * args.batch / r["seconds"] if timed else None
                 r["predicted_samples_per_s"] = args.batch / r["predicted_step"]
                 runs.setdefault(schedule, []).append(r)
-                speed = f"{r['samples_per_s']:7.1f} samples/s" if timed else f"{r['predicted_samples_per_s']:7.1f} samples/s predicted"
+                shown = f"{r['samples_per_s']:7.1f} samples/s" if timed else f"{r['predicted_samples_per_s']:7.1f} samples/s predicted"
                 gaps = " ".join(f"{d['max']}" if d else "-" for d in r["version_differences"])
-                print(f"seed {seed} {schedule:9s} held-out loss {r['held_out']:.4f}  {speed}  most updates behind, per stage: {gaps}")
+                print(f"seed {seed} {schedule:9s} held-out loss {r['held_out']:.4f}  {shown}  most updates behind, per stage: {gaps}")
     baseline = {f"{t} thread{'s' * (t > 1)}": unsplit(args, t) for t in (1, 2)}
     summary = {}
     for schedule, rs in runs.items():
