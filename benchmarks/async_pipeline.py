@@ -12,7 +12,9 @@ measured in the same runs, beside the unsplit model on 1 and 2 threads (same ste
 batches).
 
 ``--stages 4`` runs the pipeline 4 deep (4 gloo processes; XPipe's case for weight prediction
-is deep pipelines, where the version difference grows with the stage count). With more processes
+is deep pipelines, where the version difference grows with the stage count: with ``--micro 2``
+stage 0 holds two mini-batches in flight and runs up to 2 updates behind; GPipe, whose training
+does not depend on M, runs at least one micro-batch per stage). With more processes
 than cores the processes share them, so throughput is not measured but predicted (the plan's
 replayed step); the held-out losses and every stage's version differences are measured. The
 verdict compares each asynchronous schedule's gap to GPipe with GPipe's spread over seeds.
@@ -21,6 +23,7 @@ Usage::
 
     .venv/bin/python benchmarks/async_pipeline.py                 # 4 schedules × 3 seeds, a few minutes
     .venv/bin/python benchmarks/async_pipeline.py --stages 4      # results/async_pipeline_depth4.json, about 15 min
+    .venv/bin/python benchmarks/async_pipeline.py --stages 4 --micro 2 --out benchmarks/results/async_pipeline_depth4_m2.json
     .venv/bin/python benchmarks/async_pipeline.py --steps 50 --seeds 1
 """
 
@@ -103,8 +106,11 @@ def _worker(rank: int, init: str, schedule: str, seed: int, args: argparse.Names
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=args.stages, timeout=timedelta(minutes=10))
     try:
         model, batches, held = make(args, seed)
+        # GPipe's training does not depend on M (one synchronous update per mini-batch): below one
+        # micro-batch per stage it runs one per stage, which only its (predicted) throughput sees.
+        micro = max(args.micro, args.stages) if schedule == "gpipe" else args.micro
         pipe = autosplit.distribute(model, ["cpu"] * args.stages, example_inputs=(batches[0][0],), loss_fn=loss_fn,
-                                    schedule=schedule, micro_batches=args.micro, time_limit=5, seed=0)
+                                    schedule=schedule, micro_batches=micro, time_limit=5, seed=0)
         opt = torch.optim.Adam(pipe.parameters(), lr=args.lr)
         dist.barrier()
         t0 = time.perf_counter()
