@@ -378,6 +378,7 @@ def _in_context(
     grads = [p.grad for p in params]
     plain = _flat(gm)
     split = _cut_at_frontier(plain, inputs) if wgrad_shares is not None else None
+    shares = wgrad_shares or {}
     parts = [0.0, 0.0]  # the split reference pass's I and W seconds, this round
 
     def passes(forward: Callable[[], Any], backward: Callable[[list[torch.Tensor]], None]) -> tuple[float, float]:
@@ -433,11 +434,10 @@ def _in_context(
             if split is None:  # one scale for the whole backward
                 i_scale = w_scale = plain_bwd / max(sum(timer.bwd.values()), 1e-12)
             else:
-                share = {name: (wgrad_shares or {}).get(name, 0.0) for name in timer.bwd}
-                i_scale = parts[0] / max(sum(b * (1 - share[name]) for name, b in timer.bwd.items()), 1e-12)
-                w_scale = parts[1] / max(sum(b * share[name] for name, b in timer.bwd.items()), 1e-12)
+                i_scale = parts[0] / max(sum(b * (1 - shares.get(name, 0.0)) for name, b in timer.bwd.items()), 1e-12)
+                w_scale = parts[1] / max(sum(b * shares.get(name, 0.0) for name, b in timer.bwd.items()), 1e-12)
             for name in timer.fwd:
-                b, s = timer.bwd.get(name, 0.0), (wgrad_shares or {}).get(name, 0.0)
+                b, s = timer.bwd.get(name, 0.0), shares.get(name, 0.0)
                 i, w = b * (1 - s) * i_scale / micro_batches, b * s * w_scale / micro_batches
                 samples.setdefault(name, []).append((timer.fwd[name] * f_scale / micro_batches, i, w))
     finally:
