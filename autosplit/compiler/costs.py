@@ -66,13 +66,18 @@ def cost_table(
 
 def _loss(traced: Traced, specs: tuple[DeviceSpec, ...], options: PlanOptions, micro_batches: int,
           profiling: ProfileOptions | None) -> LossCost | None:
-    """One micro-batch's loss on every device (measured where ``profiling``), or None without a loss."""
+    """One micro-batch's loss on every device (measured where ``profiling``), or None without a loss;
+    made once per (micro-batches, precision, devices, profiling) and kept on ``traced``."""
     if traced.loss is None:
         return None
-    captured, micro = traced.at_micro_batch(micro_batches)
-    output = output_like(captured, micro, options.precision, specs[0].device_type)
-    with pinned(profiling.threads, profiling.cores) if profiling is not None else contextlib.nullcontext():
-        return cost_loss(traced.loss, output, micro_batches, specs, measure=profiling is not None, precision=options.precision)
+    key = (micro_batches, options.precision, specs, profiling)
+    if key not in traced._losses:
+        captured, micro = traced.at_micro_batch(micro_batches)
+        output = output_like(captured, micro, options.precision, specs[0].device_type)
+        with pinned(profiling.threads, profiling.cores) if profiling is not None else contextlib.nullcontext():
+            traced._losses[key] = cost_loss(traced.loss, output, micro_batches, specs, measure=profiling is not None,
+                                            precision=options.precision)
+    return traced._losses[key]
 
 
 def _measured(
@@ -105,11 +110,11 @@ def _measured(
     captured, micro = traced.at_micro_batch(micro_batches)
     entry = schedules.lookup(options.schedule)
     # a zero-bubble schedule's profile times torch's input and weight passes apart, and divides each node's by its flops
-    shares = {n.name: node_info(n).wgrad_share for n in traced.captured.gm.graph.nodes if "autosplit" in n.meta}
+    shares = {n.name: node_info(n).wgrad_share for n in traced.captured.gm.graph.nodes if "autosplit" in n.meta} \
+        if entry.split_backward else None
     profiles = {
         dev: profile(captured, micro, dev, fingerprint=traced.fingerprint, options=profiling, micro_batches=micro_batches,
-                     forwards_first=entry.forwards_first, optimizer=options.optimizer,
-                     wgrad_shares=shares if entry.split_backward else None)
+                     forwards_first=entry.forwards_first, optimizer=options.optimizer, wgrad_shares=shares)
         for dev in present
     }
     hits = sum(p.cached for p in profiles.values())

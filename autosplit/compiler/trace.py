@@ -38,6 +38,8 @@ class Traced:
     """The training loss the plans are costed with (None: not costed)."""
     _micro: dict[int, Captured] = field(default_factory=dict, compare=False, repr=False)
     _precisions: dict[tuple[str, str], torch.fx.GraphModule] = field(default_factory=dict, compare=False, repr=False)
+    _losses: dict[tuple, Any] = field(default_factory=dict, compare=False, repr=False)
+    """The loss's cost per (micro-batches, precision, devices, profiling): costed once per plan search."""
 
     def annotated(self, precision: str, device_type: str) -> torch.fx.GraphModule:
         """The graph annotated as ``precision`` runs it on a ``device_type`` target (``"cpu"``,

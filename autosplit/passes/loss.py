@@ -32,6 +32,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from autosplit.devices import DeviceSpec
 from autosplit.errors import CostModelError, advice
+from autosplit.microbatch import split_batch
 from autosplit.passes.annotate import precision_context
 from autosplit.passes.capture import Captured
 from autosplit.passes.costs import LossCost, roofline
@@ -44,7 +45,7 @@ __all__ = ["Loss", "LossCost", "cost_loss", "output_like"]
 @dataclass(frozen=True)
 class Loss:
     """The training loss the plan is for: ``fn(output, target)``, and an example ``target`` of the
-    whole batch (split into micro-batches along dimension 0, as the pipeline splits it)."""
+    whole batch (cut into micro-batches by :func:`autosplit.microbatch.split_batch`)."""
 
     fn: Callable[[Any, Any], torch.Tensor]
     target: Any
@@ -80,10 +81,6 @@ def output_like(captured: Captured, inputs: Sequence[Any], precision: str = "fp3
     if isinstance(codegen, _PyTreeCodeGen) and codegen.pytree_info.out_spec is not None:  # exported: the flat outputs, restructured
         out = pytree.tree_unflatten(list(out), codegen.pytree_info.out_spec)
     return pytree.tree_map(lambda t: torch.empty(t.shape, dtype=t.dtype, device="meta") if isinstance(t, torch.Tensor) else t, out)
-
-
-def _first_micro_batch(target: Any, micro_batches: int) -> Any:
-    return pytree.tree_map(lambda t: t.tensor_split(micro_batches)[0] if isinstance(t, torch.Tensor) else t, target)
 
 
 def _with_grad(output: Any, make: Callable[[torch.Tensor], torch.Tensor]) -> tuple[Any, list[torch.Tensor]]:
@@ -170,7 +167,7 @@ def cost_loss(
 ) -> LossCost:
     """One micro-batch's loss on every device of ``specs``: measured where ``measure`` and the device
     is present here, else analytic. ``output``: the model's output for one micro-batch (meta tensors)."""
-    target = _first_micro_batch(loss.target, micro_batches)
+    target = split_batch((loss.target,), None, micro_batches)[0][0][0]  # as the pipeline cuts it
     device_type = specs[0].device_type if specs else "cpu"
     try:
         forward, backward, saved = _counted(loss, output, target, precision, device_type)
