@@ -98,6 +98,11 @@ class ProfileOptions:
     to what each stage will run with (one process per CPU core: 1)."""
     cores: tuple[int, ...] | None = None
     """CPU cores to pin the profiling thread(s) to (Linux); ``None`` leaves affinity alone."""
+    beside: tuple[int, ...] = ()
+    """CPU cores that run the same passes while the CPU profile is taken (Linux; one forked process
+    per core, ``threads`` each): the other pipeline ranks of this host. Cores that share caches,
+    memory bandwidth or a physical core run slower together than alone, and a pipeline's ranks
+    compute together; ``()`` profiles on an otherwise idle host."""
     cache_dir: str | None = None
     """Where profiles are kept; ``None``: ``$AUTOSPLIT_CACHE`` or ``~/.cache/autosplit``."""
     use_cache: bool = True

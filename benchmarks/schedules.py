@@ -16,9 +16,11 @@ the schedule allows) × M micro-batches, measured in one run per model:
 Beside them the unsplit model on 1 and on 2 threads. Every plan runs through
 ``autosplit.distribute`` on 2 gloo processes, each pinned to its own core with one thread; a step
 is forward + backward of every micro-batch and an Adam step, the slower rank's time; the figure is
-the median of ``--steps`` steps (min and max beside it), timed in interleaved blocks as
-``pipeline_runtime.py`` does. Predictions (step: torch's action lists replayed; peak memory per
-rank) use per-node costs measured in this run on one pinned core with one thread (the zero-bubble
+the median of ``--steps`` steps (min and max beside it). Each configuration's plans run on a fresh
+pair of processes (``--processes model``: one pair for all of a model's plans, as before), timed
+in interleaved blocks as ``pipeline_runtime.py`` does. Predictions (step: torch's action lists replayed; peak memory per
+rank) use per-node costs measured in this run on one pinned core with one thread while the other
+core runs the same passes (``ProfileOptions.beside``; ``--idle``: on an idle host) (the zero-bubble
 schedules' with torch's split backward), the loss (``loss_fn``, ``example_target``) timed on that
 core, and the link and runtime overhead measured first by ``autosplit.calibration.measure_runtime``.
 
@@ -180,9 +182,9 @@ def plan_all(name: str, args, spec, tmp: str) -> tuple[list[dict], list[str]]:
     model, inputs, target, loss_fn = workload(name)
     loss = {"loss_fn": loss_fn, "example_target": target} if args.cost_loss else {}
     args.model = name
-    # Profiled in this run on the pinned core, as timed; kept for the run so each (M, schedule
-    # family) is profiled once.
-    costs = ProfileOptions(threads=1, cores=(0,), cache_dir=os.path.join(tmp, "profiles"))
+    # Profiled in this run on the pinned core, as timed, while core 1 runs the same passes (rank 1
+    # computes beside rank 0); kept for the run so each (M, schedule family) is profiled once.
+    costs = ProfileOptions(threads=1, cores=(0,), beside=(1,) if args.beside else (), cache_dir=os.path.join(tmp, "profiles"))
     rows: list[dict] = []
     paths: list[str] = []
 
@@ -232,21 +234,40 @@ def plan_all(name: str, args, spec, tmp: str) -> tuple[list[dict], list[str]]:
     return rows, paths
 
 
+def groups(timed: list[dict], processes: str) -> list[list[int]]:
+    """Indices of the plans timed together in one pair of processes: a configuration's plans (its
+    (a) and (b) rows, compared side by side; (c) alone), or every plan of the model."""
+    if processes == "model":
+        return [list(range(len(timed)))]
+    by: dict[tuple, list[int]] = {}
+    for i, r in enumerate(timed):
+        by.setdefault((r["kind"] == "c", r["schedule"], r["stages_per_rank"], r["micro_batches"]), []).append(i)
+    return list(by.values())
+
+
+def time_plans(name: str, paths: list[str], args, tmp: str) -> list[list[list[float]]]:
+    """Per rank, per plan, the timed steps of ``paths`` run together on a fresh pair of processes."""
+    os.makedirs(tmp)
+    out = os.path.join(tmp, "times.pt")
+    mp.spawn(_worker, args=(os.path.join(tmp, "init"), name, paths, args.steps, args.warmup, args.block, out),
+             nprocs=2, join=True)
+    return torch.load(out, weights_only=False)
+
+
 def run_model(name: str, args, spec) -> dict:
     record: dict = {"model": name, "unsplit": {}}
     for threads in (1, 2):
         record["unsplit"][f"{threads} thread{'s' * (threads > 1)}"] = unsplit(name, threads, max(args.steps, 5))
     with tempfile.TemporaryDirectory() as tmp:
         rows, paths = plan_all(name, args, spec, tmp)
-        out = os.path.join(tmp, "times.pt")
+        timed = [r for r in rows if r["kind"] in ("a", "b", "c")]
         t0 = time.time()
-        mp.spawn(_worker, args=(os.path.join(tmp, "init"), name, paths, args.steps, args.warmup, args.block, out),
-                 nprocs=2, join=True)
+        times = [time_plans(name, [paths[i] for i in group], args, os.path.join(tmp, f"times-{n}"))
+                 for n, group in enumerate(groups(timed, args.processes))]
         record["timing_seconds"] = time.time() - t0
-        ranks = torch.load(out, weights_only=False)
-    timed = [r for r in rows if r["kind"] in ("a", "b", "c")]
-    for i, row in enumerate(timed):
-        per_step = [max(a, b) for a, b in zip(ranks[0][i], ranks[1][i])]
+        record["processes"] = args.processes
+    for row, (rank0, rank1) in zip(timed, (t for per_group in times for t in zip(*per_group))):
+        per_step = [max(a, b) for a, b in zip(rank0, rank1)]
         measured = statistics.median(per_step)
         row["measured"] = {"median": measured, "min": min(per_step), "max": max(per_step), "steps": per_step}
         row["error"] = (row["predicted"] - measured) / measured
@@ -326,6 +347,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--include-v1-loop", action="store_true", help="also run the looped schedules at v=1")
     parser.add_argument("--no-loss", dest="cost_loss", action="store_false",
                         help="plan without the loss (loss_fn, example_target), as before it was costed")
+    parser.add_argument("--idle", dest="beside", action="store_false",
+                        help="profile on an idle host, not beside core 1 running the same passes (as before)")
+    parser.add_argument("--processes", choices=("configuration", "model"), default="configuration",
+                        help="a fresh pair of processes per configuration (default), or one pair for all of a model's plans")
     parser.add_argument("--quick", action="store_true", help="4 timed steps, no warm-up round, 3 s solves")
     parser.add_argument("--out", default=None, help="default: results/schedules.json (schedules_quick.json with --quick)")
     args = parser.parse_args(argv)
@@ -346,7 +371,8 @@ def main(argv: list[str] | None = None) -> int:
         summary = verdicts(records)
         out.write_text(json.dumps({
             "machine": machine(), "seconds": time.time() - start, "argv": sys.argv[1:], "steps": args.steps,
-            "warmup": args.warmup, "block": args.block, "time_limit": args.time_limit,
+            "warmup": args.warmup, "block": args.block, "processes": args.processes,
+            "profiled_beside": args.beside, "time_limit": args.time_limit,
             "auto_micro_batches": "auto", "loss_costed": args.cost_loss, "runtime": runtime.to_dict(), "summary": summary,
             "models": records,
         }, indent=1))

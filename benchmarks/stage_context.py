@@ -10,8 +10,8 @@ costs measured in this run (one pinned core, one thread), for each schedule:
 - before and after those steps, the same rank runs the same stage module alone on the inputs it
   received in a pipeline step (all forwards, then all backwards, the loss on the last stage; the
   other rank does the same at the same time), timed and counted the same way;
-- beside them, the plan's predicted forward and backward of that stage (which do not include the
-  loss: the planner is not given one) and its predicted step.
+- beside them, the plan's predicted forward and backward of that stage (the last stage's with the
+  loss: the planner is given ``loss_fn`` and ``example_target``) and its predicted step.
 
 Prints a table and writes ``benchmarks/results/stage_context.json``.
 
@@ -166,16 +166,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--schedules", default="gpipe,1f1b")
     parser.add_argument("--micro", type=int, default=4)
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--idle", dest="beside", action="store_false",
+                        help="profile on an idle host (by default core 1 runs the same passes meanwhile, as rank 1 will)")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "stage_context.json"))
     args = parser.parse_args(argv)
     _, spec = pipeline_runtime.measured_cpu()
-    model, inputs, _, _ = pipeline_runtime.workload("gpt")
+    model, inputs, target, loss_fn = pipeline_runtime.workload("gpt")
     with tempfile.TemporaryDirectory() as tmp:
-        costs = ProfileOptions(threads=1, cores=(0,), cache_dir=os.path.join(tmp, "profiles"))
+        costs = ProfileOptions(threads=1, cores=(0,), beside=(1,) if args.beside else (), cache_dir=os.path.join(tmp, "profiles"))
         paths = []
         for schedule in args.schedules.split(","):
             plan = autosplit.plan(model, [spec] * 2, example_inputs=inputs, schedule=schedule, micro_batches=args.micro,
-                                  costs=costs, time_limit=5, seed=0)
+                                  costs=costs, time_limit=5, seed=0, loss_fn=loss_fn, example_target=target)
             paths.append(os.path.join(tmp, f"{schedule}.json"))
             plan.save(paths[-1])
         out = os.path.join(tmp, "rows.json")

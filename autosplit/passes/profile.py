@@ -7,7 +7,8 @@ replays the node on fresh inputs that require grad, like the annotate pass, and 
 
 - forward and backward seconds, with the intra-op threads the run will use. On the CPU they
   are timed inside whole passes of the M micro-batches in the schedule's order
-  (:class:`_InContext`); on a GPU the replay is timed alone with CUDA events (warm-up runs,
+  (:class:`_InContext`), optionally while the other cores of the host run the same passes, as
+  the pipeline's other ranks will (``ProfileOptions.beside``); on a GPU the replay is timed alone with CUDA events (warm-up runs,
   then the median of the repeats);
 - saved bytes (what autograd keeps for backward, parameters excluded, each storage once)
   and the transient peak of forward and backward above what was live before, from the
@@ -39,6 +40,7 @@ import json
 import logging
 import operator
 import os
+import signal
 import statistics
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -478,6 +480,46 @@ def _optimizer_step(gm: fx.GraphModule, optimizer: str, device: torch.device, op
 
 
 @contextlib.contextmanager
+def _beside(gm: fx.GraphModule, inputs: Sequence[Any], cores: Sequence[int], threads: int | None) -> Iterator[None]:
+    """Run the block while a forked copy of this process on each of ``cores`` runs ``gm``'s forward
+    and backward on ``inputs`` over and over (:attr:`ProfileOptions.beside`). A fork shares the
+    graph without pickling it, and its gradients and state stay its own; it exits when killed or
+    when this process is gone."""
+    if not cores:
+        yield
+        return
+    if not (hasattr(os, "fork") and hasattr(os, "sched_setaffinity")):
+        raise CostModelError(advice(
+            f"cannot profile beside cores {tuple(cores)} on this platform",
+            "running the passes beside the profile forks processes pinned to cores (Linux only)",
+            "leave ProfileOptions.beside empty",
+        ))
+    run, parent, children = _flat(gm), os.getpid(), []
+    try:
+        for core in cores:
+            pid = os.fork()
+            if pid == 0:  # the child: never returns into the caller's code
+                try:
+                    os.sched_setaffinity(0, {core})
+                    torch.set_num_threads(threads or 1)
+                    while os.getppid() == parent:
+                        for p in gm.parameters():
+                            p.grad = None
+                        outs = _grad_outputs(run(*inputs))
+                        if outs:
+                            torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
+                finally:
+                    os._exit(0)
+            children.append(pid)
+        yield
+    finally:
+        for pid in children:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+
+
+@contextlib.contextmanager
 def _state_restored(gm: fx.GraphModule) -> Iterator[None]:
     """Every parameter and buffer of ``gm`` as it was when the block began (copied back whole: a
     kernel such as BatchNorm's writes its statistics without moving their version counter)."""
@@ -527,6 +569,8 @@ def profile(
     key["optimizer"] = optimizer
     if dev.type == "cpu":
         key.update(micro_batches=micro_batches, forwards_first=forwards_first)
+        if options.beside:
+            key["beside"] = list(options.beside)
         if wgrad_shares is not None:
             key["split_backward"] = True
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
@@ -552,13 +596,14 @@ def profile(
             torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
         profiler = _Profiler(gm, dev, options)
         profiler.run(*inputs)
-        if dev.type == "cpu":
-            times = _in_context(gm, inputs, micro_batches, forwards_first, rounds=options.repeats, wgrad_shares=wgrad_shares)
-            profiler.results = {
-                name: dataclasses.replace(p, fwd=times[name][0], bwd=times[name][1], wgrad_share=times[name][2])
-                for name, p in profiler.results.items()
-            }
-        optimizer_step = _optimizer_step(gm, optimizer, dev, options)
+        with _beside(gm, inputs, options.beside if dev.type == "cpu" else (), options.threads):
+            if dev.type == "cpu":
+                times = _in_context(gm, inputs, micro_batches, forwards_first, rounds=options.repeats, wgrad_shares=wgrad_shares)
+                profiler.results = {
+                    name: dataclasses.replace(p, fwd=times[name][0], bwd=times[name][1], wgrad_share=times[name][2])
+                    for name, p in profiler.results.items()
+                }
+            optimizer_step = _optimizer_step(gm, optimizer, dev, options)
     result = Profile(device, key, profiler.results, time.perf_counter() - start, optimizer_step=optimizer_step)
     log.info("profiled %d nodes on %s in %.2fs", len(result.nodes), device, result.wall_time)
     if options.use_cache:

@@ -4,6 +4,8 @@ were, each backward and the optimizer step landing on the nodes they belong to."
 from __future__ import annotations
 
 import copy
+import dataclasses
+import os
 
 import pytest
 import torch
@@ -75,6 +77,32 @@ def test_cpu_profile_times_nodes_inside_whole_passes():
         whole = timed(four_micro_batches, warmup=2, repeats=5)
     per_node = 4 * sum(n.fwd + n.bwd for n in nodes.values())
     assert 0.5 * whole < per_node < 2 * whole, (per_node, whole)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork") or len(os.sched_getaffinity(0)) < 2, reason="needs Linux and 2 cores")
+def test_a_profile_taken_beside_other_ranks_runs_them_and_leaves_no_process_behind(tmp_path):
+    """``beside`` cores run the same passes in forked processes while the profile is timed: they
+    compute (their CPU time shows when reaped), none outlives the profile, the model and its
+    gradients stay as they were, and the profile is cached apart from the idle one."""
+    model, tokens = Lookup(), torch.randint(0, 4000, (64, 16))
+    before = copy.deepcopy(model.state_dict())
+    captured = capture(model, (tokens,))
+    micro = flat_inputs(captured, (tokens[:16],), {})
+    cores = sorted(os.sched_getaffinity(0))
+    options = autosplit.options.ProfileOptions(warmup=1, repeats=3, threads=1, cores=(cores[0],), beside=(cores[1],),
+                                               cache_dir=str(tmp_path))
+    children_cpu = os.times().children_user
+    prof = profile_module.profile(captured, micro, "cpu", fingerprint="test", options=options, micro_batches=4)
+    assert os.times().children_user > children_cpu
+    with pytest.raises(ChildProcessError):
+        os.waitpid(-1, os.WNOHANG)
+    assert all(p.grad is None for p in model.parameters())
+    for name, value in model.state_dict().items():
+        torch.testing.assert_close(value, before[name], msg=f"profiling changed {name}")
+    assert prof.key["beside"] == [cores[1]] and all(n.fwd > 0 for n in prof.nodes.values())
+    idle = profile_module.profile(captured, micro, "cpu", fingerprint="test", micro_batches=4,
+                                  options=dataclasses.replace(options, beside=()))
+    assert not idle.cached and "beside" not in idle.key and len(list(tmp_path.rglob("*.json"))) == 2
 
 
 def test_the_optimizer_step_is_measured_and_spread_over_the_nodes_by_their_parameters():
