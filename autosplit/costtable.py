@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -67,6 +68,9 @@ class CostTable:
     """[node][device] seconds of the optimizer step over the parameters the node owns (once per step)."""
     param_bytes: tuple[int, ...] = ()
     """[node] bytes of the parameters it owns (what its gradient all-reduce and optimizer step touch)."""
+    row_grad_bytes: tuple[int, ...] = ()
+    """[node] for an embedding table it owns, bytes of the rows the batch looks up (with their
+    indices): its gradient's non-zero part (:attr:`NodeInfo.row_grad_bytes`); else 0. Empty: none."""
     param_reads: tuple[str, ...] = ()
     """[node] the qualified name of the parameter the node reads by name (``get_attr``), else ``""``:
     such an output is the same for every
@@ -98,6 +102,11 @@ class CostTable:
     recomputed: tuple[str, ...] = ()
     """The blocks whose costs here are the recomputing ones (backward includes the forward again,
     activations are the checkpoint's inputs)."""
+
+    def row_sparse(self, members: Iterable[int]) -> dict[str, int]:
+        """``sparse_param_bytes`` and ``row_grad_bytes`` (:class:`~autosplit.plans.StageReport`) of the nodes ``members``."""
+        rows = [n for n in members if self.row_grad_bytes and self.row_grad_bytes[n]]
+        return {"sparse_param_bytes": sum(self.param_bytes[n] for n in rows), "row_grad_bytes": sum(self.row_grad_bytes[n] for n in rows)}
 
     def save(self, path: str | Path) -> None:
         """Write the table as JSON, to edit or to plan with again (``costs=path``)."""

@@ -75,6 +75,11 @@ class StageReport:
     """Of :attr:`backward`, the seconds of the gradient to the weights (W, which zero-bubble schedules run apart)."""
     param_bytes: int = 0
     """Bytes of the parameters the stage owns (what its gradient all-reduce moves)."""
+    sparse_param_bytes: int = 0
+    """Of :attr:`param_bytes`, embedding tables whose gradient is non-zero only in the rows looked up."""
+    row_grad_bytes: int = 0
+    """Bytes of those rows (with their indices) per step: what each replica contributes when the
+    tables' gradients are all-gathered as rows instead of all-reduced whole."""
     recompute: tuple[str, ...] = ()
     """Blocks (module paths) the stage recomputes in its backward (part of :attr:`backward`)."""
     recompute_saves: int = 0

@@ -214,6 +214,35 @@ class BigLSTM(nn.Module):
         return self.softmax(x)
 
 
+class SampledBigLSTM(nn.Module):
+    """BigLSTM as Jozefowicz et al. 2016 trained it: a softmax over each position's true word and
+    ``candidates`` (8,192 words sampled per step and shared by the batch) only. The softmax table
+    is an ``nn.Embedding`` (vocab × proj, and a bias column) looked up at those rows, so its
+    gradient, like the input embedding's, is non-zero in those rows alone. ``candidates`` is shaped
+    (1, samples), so that micro-batching never cuts it with the batch. Returns the logits
+    (positions, 1 + candidates), the true word's first: the loss is ``cross_entropy(logits, 0)``.
+    The sampler's log-probability correction and the removal of accidental hits are left out
+    (elementwise on these logits: they change neither the shapes nor the cost to speak of)."""
+
+    def __init__(self, vocab: int = 793471, embed: int = 512, hidden: int = 8192, proj: int = 1024):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, embed)
+        self.lstm1 = nn.LSTM(embed, hidden, proj_size=proj, batch_first=True)
+        self.lstm2 = nn.LSTM(proj, hidden, proj_size=proj, batch_first=True)
+        self.softmax_w = nn.Embedding(vocab, proj)
+        self.softmax_b = nn.Embedding(vocab, 1)
+
+    def forward(self, tokens, targets, candidates):
+        x, _ = self.lstm1(self.emb(tokens))
+        x, _ = self.lstm2(x)
+        h = x.flatten(0, 1)
+        ids = torch.cat([targets.flatten(), candidates.flatten()])  # one lookup of every row the step touches
+        w, b = self.softmax_w(ids), self.softmax_b(ids)
+        n = h.shape[0]
+        true = (h * w[:n]).sum(-1, keepdim=True) + b[:n]
+        return torch.cat([true, h @ w[n:].t() + b[n:].t()], 1)
+
+
 # -- ResNet, MLP --------------------------------------------------------------------------
 class BasicBlock(nn.Module):
     def __init__(self, cin: int, cout: int, stride: int):

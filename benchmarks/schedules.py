@@ -16,11 +16,11 @@ the schedule allows) × M micro-batches, measured in one run per model:
 Beside them the unsplit model on 1 and on 2 threads. Every plan runs through
 ``autosplit.distribute`` on 2 gloo processes, each pinned to its own core with one thread; a step
 is forward + backward of every micro-batch and an Adam step, the slower rank's time; the figure is
-the median of ``--steps`` steps (min and max beside it). Each configuration's plans run on a fresh
-pair of processes (``--processes model``: one pair for all of a model's plans, as before), timed
-in interleaved blocks as ``pipeline_runtime.py`` does. Predictions (step: torch's action lists replayed; peak memory per
-rank) use per-node costs measured in this run on one pinned core with one thread while the other
-core runs the same passes (``ProfileOptions.beside``; ``--idle``: on an idle host) (the zero-bubble
+the median of ``--steps`` steps (min and max beside it). One pair of processes holds all of a
+model's plans (``--processes configuration``: a fresh pair per configuration), timed in
+interleaved blocks as ``pipeline_runtime.py`` does. Predictions (step: torch's action lists replayed; peak memory per
+rank) use per-node costs measured in this run on one pinned core with one thread (``--beside``: while
+the other core runs the same passes, ``ProfileOptions.beside``) (the zero-bubble
 schedules' with torch's split backward), the loss (``loss_fn``, ``example_target``) timed on that
 core, and the link and runtime overhead measured first by ``autosplit.calibration.measure_runtime``.
 
@@ -182,8 +182,8 @@ def plan_all(name: str, args, spec, tmp: str) -> tuple[list[dict], list[str]]:
     model, inputs, target, loss_fn = workload(name)
     loss = {"loss_fn": loss_fn, "example_target": target} if args.cost_loss else {}
     args.model = name
-    # Profiled in this run on the pinned core, as timed, while core 1 runs the same passes (rank 1
-    # computes beside rank 0); kept for the run so each (M, schedule family) is profiled once.
+    # Profiled in this run on the pinned core, as timed (--beside: while core 1 runs the same passes,
+    # as rank 1 computes beside rank 0); kept for the run so each (M, schedule family) is profiled once.
     costs = ProfileOptions(threads=1, cores=(0,), beside=(1,) if args.beside else (), cache_dir=os.path.join(tmp, "profiles"))
     rows: list[dict] = []
     paths: list[str] = []
@@ -347,10 +347,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--include-v1-loop", action="store_true", help="also run the looped schedules at v=1")
     parser.add_argument("--no-loss", dest="cost_loss", action="store_false",
                         help="plan without the loss (loss_fn, example_target), as before it was costed")
-    parser.add_argument("--idle", dest="beside", action="store_false",
-                        help="profile on an idle host, not beside core 1 running the same passes (as before)")
-    parser.add_argument("--processes", choices=("configuration", "model"), default="configuration",
-                        help="a fresh pair of processes per configuration (default), or one pair for all of a model's plans")
+    parser.add_argument("--beside", action="store_true",
+                        help="profile while core 1 runs the same passes (ProfileOptions.beside), not on an idle host")
+    parser.add_argument("--processes", choices=("configuration", "model"), default="model",
+                        help="one pair of processes for all of a model's plans (default), or a fresh pair per configuration")
     parser.add_argument("--quick", action="store_true", help="4 timed steps, no warm-up round, 3 s solves")
     parser.add_argument("--out", default=None, help="default: results/schedules.json (schedules_quick.json with --quick)")
     args = parser.parse_args(argv)

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.utils import _pytree as pytree
 
 from autosplit.api.planner import Planner
 from autosplit.compiler.hybrid import Cluster, HybridPlan, assemble, default_micro_batches, divisors, first_sentence, is_count, is_real
@@ -89,8 +90,9 @@ def plan_hybrid(
 
     def worker_plan(k: int, batch: int) -> Plan:
         if batch not in planners:  # one capture per worker batch, reused for every k
-            planners[batch] = Planner(model, cluster.replica_devices(1), example_inputs=_at_batch(inputs, batch, batch_dim),
-                                      example_kwargs=_at_batch(kwargs, batch, batch_dim), objective=objective, **options)
+            args_b, kwargs_b = _at_batch((inputs, kwargs), batch, batch_dim)
+            planners[batch] = Planner(model, cluster.replica_devices(1), example_inputs=args_b, example_kwargs=kwargs_b,
+                                      objective=objective, **options)
         planner = planners[batch]
         return planner.what_if(devices=cluster.replica_devices(k), micro_batches=default_micro_batches(batch, k))
 
@@ -276,9 +278,14 @@ def _map_tensors(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
 
 
 def _at_batch(value: Any, batch: int, dim: int) -> Any:
-    """``value`` with its tensors' batch dimension set to ``batch`` (rows repeated or cut: planning reads shapes)."""
+    """``value`` with its batched tensors' batch dimension set to ``batch`` (rows repeated or cut:
+    planning reads shapes). Batched: as :func:`autosplit.microbatch.split_batch` reads it, the
+    tensors whose dimension ``dim`` has the size of the first tensor's that has one; any other
+    (a set of sampled classes shared by the batch) stays as it is."""
+    example = next((t.shape[dim] for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor) and t.dim() > dim), None)
+
     def resize(t: torch.Tensor) -> torch.Tensor:
-        if t.dim() <= dim:
+        if t.dim() <= dim or t.shape[dim] != example:
             return t
         return torch.cat([t] * math.ceil(batch / t.shape[dim]), dim=dim).narrow(dim, 0, batch).contiguous()
 

@@ -13,8 +13,16 @@ from dataclasses import dataclass
 
 from autosplit.devices import PRESETS, DeviceSpec
 from autosplit.errors import ConstraintError, InfeasiblePlanError, advice
-from autosplit.plans import Plan
-from autosplit.solver.hybrid import examples_factor, exposed_allreduce, hierarchical_allreduce, ring_allreduce, time_to_target
+from autosplit.plans import Plan, StageReport
+from autosplit.solver.hybrid import (
+    examples_factor,
+    exposed_allreduce,
+    hierarchical_allgather,
+    hierarchical_allreduce,
+    ring_allgather,
+    ring_allreduce,
+    time_to_target,
+)
 from autosplit.units import format_bytes
 
 
@@ -71,17 +79,29 @@ class Cluster:
             for d in range(k)
         ]
 
-    def allreduce(self, nbytes: float, k: int, replicas: int) -> float:
+    def allreduce(self, nbytes: float, k: int, replicas: int, *, gather: bool = False) -> float:
         """Seconds to all-reduce one stage's gradients (``nbytes``) over its ``replicas`` copies,
-        worker r's copy on device ``r·k + s``. Every device of a node all-reduces at once (each
-        stage its own gradients), so a device gets 1/per_node of the node's network."""
+        worker r's copy on device ``r·k + s`` — or, ``gather``, to all-gather ``nbytes`` from each
+        copy (a row-sparse gradient). Every device of a node exchanges at once (each stage its own
+        gradients), so a device gets 1/per_node of the node's network."""
         share = (self.inter_bandwidth / self.per_node, self.inter_latency)
         if replicas <= 1:
             return 0.0
         if k <= self.per_node and self.per_node % k == 0:
             local = min(replicas, self.per_node // k)
-            return hierarchical_allreduce(nbytes, local=local, nodes=math.ceil(replicas / local), intra=self.intra, inter=share)
-        return ring_allreduce(nbytes, replicas, *share)  # each copy on its own node
+            hierarchical = hierarchical_allgather if gather else hierarchical_allreduce
+            return hierarchical(nbytes, local=local, nodes=math.ceil(replicas / local), intra=self.intra, inter=share)
+        return (ring_allgather if gather else ring_allreduce)(nbytes, replicas, *share)  # each copy on its own node
+
+    def gradient_sync(self, stage: StageReport, k: int, replicas: int) -> float:
+        """Seconds to sum one stage's gradients over its ``replicas`` copies: the dense ones
+        all-reduced; its embedding tables' all-gathered as the rows each copy looked up
+        (:attr:`StageReport.row_grad_bytes`) where that moves less time than all-reducing them whole."""
+        dense = self.allreduce(stage.param_bytes - stage.sparse_param_bytes, k, replicas)
+        if not stage.sparse_param_bytes:
+            return dense
+        return dense + min(self.allreduce(stage.sparse_param_bytes, k, replicas),
+                           self.allreduce(stage.row_grad_bytes, k, replicas, gather=True))
 
     # Presets. Figures: NVIDIA's system architecture white papers; one direction per device.
     @classmethod
@@ -307,7 +327,7 @@ def _rows(
             rows.append(HybridRow(k, R, b, B, 0, math.inf, 0.0, 0.0, factor, math.inf, 0, cluster.device.memory, None, error))
             continue
         exposed = max(
-            (exposed_allreduce(cluster.allreduce(st.param_bytes, k, R), st.backward, plan.micro_batches) for st in plan.stages),
+            (exposed_allreduce(cluster.gradient_sync(st, k, R), st.backward, plan.micro_batches) for st in plan.stages),
             default=0.0,
         )
         step = plan.step_time + exposed

@@ -59,6 +59,7 @@ def compile_makespan(
             compute=busy, transfer=0.0, time=busy,
             forward=sum(table.fwd_time[n][d] for n in members), backward=sum(table.bwd_time[n][d] for n in members),
             param_bytes=sum(table.param_bytes[n] for n in members) if table.param_bytes else 0,
+            **table.row_sparse(members),
             memory_state=state * KIB, memory_activations=act * KIB,
             memory_received=(memory[d] - state - act - problem.transient_mem) * KIB,
             memory_transient=problem.transient_mem * KIB, capacity=specs[d].memory,

@@ -232,6 +232,7 @@ def stage_reports(
                 backward=sum(table.bwd_time[n][order[s]] for n in members),
                 backward_weight=sum(table.bwd_time[n][order[s]] * share[n] for n in members),
                 param_bytes=sum(table.param_bytes[n] for n in members) if table.param_bytes else 0,
+                **table.row_sparse(members),
                 transfer=ev.transfer[s] / NS,
                 time=ev.time[s] / NS,
                 memory_state=ev.state_mem[s] * KIB + replicas[s],

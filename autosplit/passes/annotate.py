@@ -23,6 +23,7 @@ Usage::
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import math
 from dataclasses import dataclass
@@ -100,6 +101,11 @@ class NodeInfo:
     """The share of the backward that is the gradient to parameters (the weight-gradient pass W of
     a split backward; the rest is the input-gradient pass I): by flops, or 1 when parameters are
     all that needs a gradient (an embedding)."""
+    row_grad_bytes: int = 0
+    """For the node that owns an embedding table read only by lookups (``nn.Embedding``,
+    ``F.embedding``, ``aten.embedding``; not a table tied to an output layer): bytes of the rows the
+    batch looks up, with a 64-bit index each, at most the whole table — the non-zero part of its
+    gradient, which a sparse all-gather moves instead of the dense table (:func:`_row_sparse`)."""
 
 
 class _Measured(NamedTuple):
@@ -551,4 +557,51 @@ def annotate(captured: Captured, inputs: list[Any], *, precision: str = "fp32", 
     fake_inputs = [annotator.fake(x) if isinstance(x, torch.Tensor) else x for x in inputs]
     annotator._state_read = True
     annotator.run(*fake_inputs)
+    _row_sparse(captured.gm)
     return captured.gm
+
+
+_LOOKUPS = {torch.nn.functional.embedding: 1, torch.embedding: 0, aten.embedding.default: 0}
+"""Embedding functions → the position of the table among their arguments."""
+
+
+def _row_sparse(gm: fx.GraphModule) -> None:
+    """Set :attr:`NodeInfo.row_grad_bytes` on the owners of tables that every reader only looks up.
+
+    A parameter's readers are the ``call_module`` nodes of modules holding it and the users of
+    ``get_attr`` nodes fetching it. Each lookup adds the rows its output holds (output elements /
+    row width); any other reader (a tied output layer) makes the gradient dense, and the table is
+    left out."""
+    rows: dict[int, int] = {}  # id(table) → rows looked up
+    dense: set[int] = set()
+
+    def read(p: torch.Tensor, lookup: fx.Node | None) -> None:
+        if lookup is None or p.dim() != 2:
+            dense.add(id(p))
+        else:
+            rows[id(p)] = rows.get(id(p), 0) + math.prod(lookup.meta["autosplit"].output_shapes[0]) // p.shape[-1]
+
+    for n in gm.graph.nodes:
+        if n.op == "call_module":
+            mod = gm.get_submodule(str(n.target))
+            for p in mod.parameters():
+                read(p, n if isinstance(mod, torch.nn.Embedding) and p is mod.weight else None)
+        elif n.op == "get_attr":
+            try:
+                p = gm.get_parameter(str(n.target))
+            except AttributeError:
+                continue
+            for user in n.users:
+                at = _LOOKUPS.get(user.target)
+                read(p, user if at is not None and len(user.args) > at and user.args[at] is n else None)
+    sparse = {key: count for key, count in rows.items() if key not in dense}
+    if not sparse:
+        return
+    tables: dict[str, torch.Tensor] = {name: p for name, p in gm.named_parameters(remove_duplicate=False) if id(p) in sparse}
+    for n in gm.graph.nodes:
+        info = n.meta.get("autosplit")
+        owned = [tables[name] for name in (info.params if info else ()) if name in tables]
+        if owned:
+            element = info.param_bytes / info.param_count  # as the node's state is counted (bf16: 2)
+            total = sum(min(sparse[id(t)], t.shape[0]) * (round(t.shape[-1] * element) + 8) for t in owned)
+            n.meta["autosplit"] = dataclasses.replace(info, row_grad_bytes=total)

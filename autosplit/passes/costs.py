@@ -439,6 +439,7 @@ def estimate(
         transient_bytes=tuple(int(t) for t in transient),
         optimizer_time=_optimizer_times(infos, kinds, kind_of, profiles, optimizer, per_device),
         param_bytes=tuple(info.param_bytes for info in infos),
+        row_grad_bytes=tuple(info.row_grad_bytes for info in infos) if any(info.row_grad_bytes for info in infos) else (),
         param_reads=_param_reads(gm, nodes),
         wgrad_share=_wgrad_shares(nodes, infos, profiles),
         wgrad_bytes=tuple(info.output_bytes if 0 < info.wgrad_share < 1 else 0 for info in infos),

@@ -28,7 +28,10 @@ from collections.abc import Mapping
 
 from autosplit.errors import ConstraintError, advice
 
-__all__ = ["ring_allreduce", "hierarchical_allreduce", "examples_factor", "efficiency_points", "time_to_target"]
+__all__ = [
+    "ring_allreduce", "ring_allgather", "hierarchical_allreduce", "hierarchical_allgather", "examples_factor", "efficiency_points",
+    "time_to_target",
+]
 
 
 def ring_allreduce(nbytes: float, n: int, bandwidth: float, latency: float) -> float:
@@ -37,6 +40,15 @@ def ring_allreduce(nbytes: float, n: int, bandwidth: float, latency: float) -> f
     if n <= 1:
         return 0.0
     return 2 * (n - 1) / n * nbytes / bandwidth + 2 * (n - 1) * latency
+
+
+def ring_allgather(nbytes: float, n: int, bandwidth: float, latency: float) -> float:
+    """Seconds for ``n`` peers in a ring to each gather every other peer's ``nbytes``:
+    ``(n−1) · bytes/bw + (n−1)·latency`` — what a row-sparse gradient (an embedding's) is
+    exchanged with, since its rows do not add up in place."""
+    if n <= 1:
+        return 0.0
+    return (n - 1) * nbytes / bandwidth + (n - 1) * latency
 
 
 def exposed_allreduce(allreduce: float, backward: float, micro_batches: int) -> float:
@@ -55,6 +67,15 @@ def hierarchical_allreduce(
     inside = ring_allreduce(nbytes, local, *intra)  # reduce-scatter + all-gather inside the node
     across = ring_allreduce(nbytes / max(local, 1), nodes, *inter)
     return inside + across
+
+
+def hierarchical_allgather(
+    nbytes: float, *, local: int, nodes: int, intra: tuple[float, float], inter: tuple[float, float]
+) -> float:
+    """Seconds for ``local × nodes`` peers to gather every peer's ``nbytes``: each peer first with
+    its counterparts on the other nodes (``inter``, on its share of the node's network), then
+    inside each node, now ``nodes × nbytes`` each (``intra``)."""
+    return ring_allgather(nbytes, nodes, *inter) + ring_allgather(nodes * nbytes, local, *intra)
 
 
 def examples_factor(batch: float, noise_scale: float | None = None, table: Mapping[float, float] | None = None) -> float:

@@ -20,8 +20,8 @@ its output, analytically — or an optimizer step's temporaries), with in-flight
 micro-batches from the schedule (DESIGN §4.2).
 
 Asynchronous schedules (XPipe, async, PipeDream: no flush between mini-batches) are solved
-with the same objective — for M ≫ S it is set by the same slowest stage — and their step is
-predicted as the steady state, ``max_s t_s`` per mini-batch. A stage keeps ``S − s``
+and predicted in their steady state (:attr:`Problem.steady`): ``max_s t_s`` per mini-batch,
+objective ``M · max_s t_s``. A stage keeps ``S − s``
 micro-batches in flight, and PipeDream's stashed weight versions (XPipe: the weights kept aside
 during a forward on predicted ones) are charged with its activations.
 """
@@ -151,6 +151,9 @@ class Problem:
     boundary, one per micro-batch for the whole step: the receiver's buffer and the gradient autograd
     leaves in it, the sender's buffer for the gradient coming back. Included in :attr:`recv_mem`
     (twice) and :attr:`send_mem` (once); empty: none (a runtime of its own)."""
+    steady: bool = False
+    """No flush between mini-batches (an asynchronous schedule): a step is M micro-batches through
+    the slowest stage, and the objective ``M · max_s t_s``."""
 
     def fixed(self, chosen: Collection[int]) -> Problem:
         """This problem with the blocks ``chosen`` (indices into :attr:`recompute`) recomputed and no
@@ -204,6 +207,8 @@ class Problem:
         + (pp − 1)·max_s t_s`` — each rank's work, plus a fill and drain of pp − 1 stage times (on
         equal stages, Narayanan et al.'s interleaved ``(M + (pp − 1)/v)·v·t``; one rank's stages left
         unbalanced pay the larger stage). The replayed schedule then judges the plan."""
+        if self.steady:
+            return self.micro_batches * int(max(stage_time))
         if self.stages_per_rank == 1:
             return int(sum(stage_time)) + (self.micro_batches - 1) * int(max(stage_time))
         rank_time = [0] * self.ranks
@@ -585,6 +590,7 @@ def build_problem(
         rank_of=tuple(rank_of),
         recompute=_recompute(table, recompute or {}, fwd, schedule, S, M, max(rank_of) + 1 if rank_of else S),
         buffer_mem=tuple(buffers.tolist()) if buffers is not None else (),
+        steady=schedules.lookup(schedule).asynchronous,
     )
     # The arrays the solver reads are at hand: cache them rather than convert the tuples back.
     edges = np.asarray(table.edges, dtype=np.int64).reshape(-1, 2)

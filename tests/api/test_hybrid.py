@@ -1,5 +1,6 @@
 """The hybrid planner: the noise-scale estimator on a closed form, choices with known answers, and
-its inputs checked up front, in the what → why → try shape, before any worker is planned."""
+its inputs checked up front, in the what → why → try shape, before any worker is planned; an
+embedding's gradient synced as the rows it looked up."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import autosplit
 from autosplit.api.hybrid import measure_noise_scale, plan_hybrid
 from autosplit.compiler.hybrid import Cluster
 from autosplit.errors import CaptureError, ConstraintError
+from autosplit.solver.hybrid import exposed_allreduce
 from tests.helpers import says
 
 
@@ -215,3 +217,33 @@ def test_small_batch_not_below_the_big_batch_is_named():
     with pytest.raises(ConstraintError) as e:
         measure_noise_scale(nn.Linear(4, 1), [(torch.randn(16, 4), torch.randn(16))], lambda out, y: out.mean(), small_batch=16)
     says(e, "a batch of 16 examples", "small_batch=16")
+
+
+class _SharedLookup(nn.Module):
+    """An embedding looked up at each position's token and at a set of ids shared by the whole batch
+    (a sampled softmax's candidates, shaped (1, n) so that the batch is never cut through them)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(50_000, 64)
+        self.out = nn.Linear(64, 64)
+
+    def forward(self, tokens, shared):
+        rows = self.emb(torch.cat([tokens.flatten(), shared.flatten()]))
+        return self.out(rows[: tokens.numel()]).view(*tokens.shape, -1) + rows[tokens.numel():].mean(0)
+
+
+def test_an_embeddings_gradient_is_synced_as_the_rows_looked_up_and_a_shared_input_keeps_its_shape():
+    cluster = Cluster.dgx1(nodes=2)
+    hp = plan_hybrid(_SharedLookup(), cluster, example_inputs=(torch.zeros(8, 4, dtype=torch.long), torch.zeros(1, 16, dtype=torch.long)),
+                     per_device_batch=8, replica_sizes=[1, 2], time_limit=2)
+    assert {r.worker_batch for r in hp.rows} == {8, 16}
+    for r in hp.rows:
+        (table,) = [st for st in r.plan.stages if st.sparse_param_bytes]
+        assert table.sparse_param_bytes == 50_000 * 64 * 4
+        # Each position's row and the 16 shared ones (not resized with the batch), with a 64-bit index each.
+        assert table.row_grad_bytes == (r.worker_batch * 4 + 16) * (64 * 4 + 8)
+        synced = [cluster.gradient_sync(st, r.k, r.replicas) for st in r.plan.stages]
+        assert r.allreduce == pytest.approx(max(exposed_allreduce(t, st.backward, r.micro_batches) for t, st in zip(synced, r.plan.stages)))
+        if r.replicas > 1:
+            assert cluster.gradient_sync(table, r.k, r.replicas) < cluster.allreduce(table.param_bytes, r.k, r.replicas)

@@ -3,6 +3,8 @@ records their memory and a steady state without a flush."""
 
 from __future__ import annotations
 
+import pytest
+
 
 def test_an_asynchronous_plan_records_its_schedule_memory_and_steady_state(tmp_path):
     import torch
@@ -32,3 +34,22 @@ def test_an_asynchronous_plan_records_its_schedule_memory_and_steady_state(tmp_p
     first_of_next = min(t.start for t in tasks if t.kind == "forward" and t.micro >= 4)
     last_of_this = max(t.end for t in tasks if t.kind == "backward" and t.micro < 4)
     assert first_of_next < last_of_this, "the next mini-batch enters before this one drains"
+
+
+def test_an_asynchronous_plan_is_solved_for_its_steady_state_even_with_one_micro_batch():
+    """Without a flush every stage works on a different micro-batch at once, even at M = 1: the
+    objective is M × the slowest stage, so the solver balances the stages (the flushed closed form
+    at M = 1 is the sum of the stages, which one stage minimises)."""
+    import torch
+    import torch.nn as nn
+
+    import autosplit
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(256, 256) for _ in range(8)])
+    for schedule in ("pipedream", "xpipe"):
+        plan = autosplit.plan(model, ["cpu"] * 2, example_inputs=(torch.randn(64, 256),), schedule=schedule,
+                              micro_batches=1, time_limit=5)
+        assert [len(st.modules) for st in plan.stages] == [4, 4], plan.stages
+        assert plan.solver.bound <= plan.solver.objective * (1 + 1e-9)
+        assert plan.solver.objective == pytest.approx(max(st.time for st in plan.stages), rel=1e-6)

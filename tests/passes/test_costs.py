@@ -79,3 +79,24 @@ def test_analytic_costs_count_the_fused_lstm_kernel():
     info = node_info(next(n for n in gm.graph.nodes if n.name == "lstm"))
     gates = 2 * 4 * 10 * (4 * 128 * 64 + 4 * 128 * 128)  # tokens × (|W_ih| + |W_hh|), multiply-adds
     assert info.fwd_flops == gates and info.bwd_flops == 2 * gates
+
+
+@pytest.mark.parametrize("capture_with", ["symbolic_trace", "export"])
+def test_an_embedding_table_read_only_by_lookups_records_the_rows_its_gradient_holds(capture_with):
+    """Untied, the token table's gradient is the rows the batch looked up (with a 64-bit index each);
+    tied to the output layer, whose matmul reads every row, it is dense and records none."""
+    from autosplit.examples import GPT
+    from autosplit.passes.annotate import annotate
+
+    tokens = torch.randint(0, 64, (4, 8))
+    for tied in (False, True):
+        torch.manual_seed(0)
+        model = GPT(vocab=64, d_model=16, n_layers=1, n_heads=2, max_len=8, tied=tied)
+        captured = capture(model, (tokens,), method=capture_with)
+        gm = annotate(captured, flat_inputs(captured, (tokens,), {}))
+        rows = {n.name: n.meta["autosplit"].row_grad_bytes for n in gm.graph.nodes if n.meta["autosplit"].row_grad_bytes}
+        if tied:
+            assert len(rows) == 1, rows  # the position table alone: 8 positions looked up
+            assert next(iter(rows.values())) == 8 * (16 * 4 + 8)
+        else:
+            assert sorted(rows.values()) == [8 * (16 * 4 + 8), 32 * (16 * 4 + 8)], rows  # 8 positions, 4 × 8 tokens

@@ -1,8 +1,10 @@
-"""The hybrid planner's models, by hand: ring and hierarchical all-reduce, statistical efficiency
+"""The hybrid planner's models, by hand: ring and hierarchical all-reduce and all-gather (an embedding
+table's gradient as its rows), statistical efficiency
 from a noise scale or a table of epochs to target, and that table's checks."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -10,7 +12,15 @@ import pytest
 import autosplit
 from autosplit.compiler.hybrid import Cluster
 from autosplit.errors import ConstraintError
-from autosplit.solver.hybrid import efficiency_points, examples_factor, hierarchical_allreduce, ring_allreduce
+from autosplit.plans import StageReport
+from autosplit.solver.hybrid import (
+    efficiency_points,
+    examples_factor,
+    hierarchical_allgather,
+    hierarchical_allreduce,
+    ring_allgather,
+    ring_allreduce,
+)
 from tests.helpers import says
 
 
@@ -26,6 +36,32 @@ def test_allreduce_models_by_hand():
     share = (dgx.inter_bandwidth / 8, dgx.inter_latency)
     assert dgx.allreduce(1e9, 1, 32) == pytest.approx(ring_allreduce(1e9, 8, *dgx.intra) + ring_allreduce(1e9 / 8, 4, *share))
     assert dgx.allreduce(1e9, 16, 2) == pytest.approx(ring_allreduce(1e9, 2, *share))  # each copy on its own node
+
+
+def test_allgather_models_by_hand():
+    assert ring_allgather(1e9, 1, 1e9, 1e-3) == 0
+    assert ring_allgather(1e9, 4, 1e9, 1e-3) == pytest.approx(3 * 1 + 3e-3)  # each peer receives 3 pieces
+    intra, inter = (100e9, 1e-6), (10e9, 1e-5)
+    both = ring_allgather(1e9, 8, *inter) + ring_allgather(8e9, 4, *intra)  # across the nodes, then inside each
+    assert hierarchical_allgather(1e9, local=4, nodes=8, intra=intra, inter=inter) == pytest.approx(both)
+    dgx = Cluster.dgx1(nodes=4)
+    share = (dgx.inter_bandwidth / 8, dgx.inter_latency)
+    assert dgx.allreduce(1e6, 16, 2, gather=True) == pytest.approx(ring_allgather(1e6, 2, *share))
+
+
+def test_an_embedding_tables_gradient_is_gathered_as_rows_only_where_that_is_faster():
+    dgx = Cluster.dgx1(nodes=16)
+    table, rows = 3.2e9, 10e6  # a 793k × 1024 fp32 softmax table, and the rows one replica looked up
+    stage = StageReport("gpu", 1, 0, (), 0.0, 0.0, 0.0, 0, 0, 0, 0, 0, param_bytes=int(table) + 4000,
+                        sparse_param_bytes=int(table), row_grad_bytes=int(rows))
+    dense = dgx.allreduce(4000, 1, 128)
+    gathered = dgx.allreduce(rows, 1, 128, gather=True)
+    assert gathered < dgx.allreduce(table, 1, 128)
+    assert dgx.gradient_sync(stage, 1, 128) == pytest.approx(dense + gathered)
+    crowded = dataclasses.replace(stage, row_grad_bytes=int(table))  # every row looked up: all-reducing is cheaper
+    assert dgx.gradient_sync(crowded, 1, 128) == pytest.approx(dense + dgx.allreduce(table, 1, 128))
+    plain = dataclasses.replace(stage, sparse_param_bytes=0, row_grad_bytes=0)
+    assert dgx.gradient_sync(plain, 1, 128) == dgx.allreduce(table + 4000, 1, 128)
 
 
 def test_statistical_efficiency():

@@ -186,7 +186,8 @@ def crossing_floor(problem: Problem, chain: Chain | None = None) -> float:
 def lower_bound(
     problem: Problem, upper: float = math.inf, enough: float | None = None, *, limits: SolverLimits = SolverLimits()
 ) -> int:
-    """The best of the bounds above, on the objective ``Σ t_s + (M − 1)·max t_s``.
+    """The best of the bounds above, on the objective ``Σ t_s + (M − 1)·max t_s`` (``M · max t_s``
+    for a :attr:`~Problem.steady` one).
 
     The two terms are bounded together: boundaries placed where they carry little (outside the
     chain, or several at one position) cut the chain into fewer pieces, so the slowest stage is
@@ -206,6 +207,8 @@ def lower_bound(
         return M * max(math.ceil(total / problem.ranks), largest) + (problem.ranks - 1) * max(math.ceil(total / S), largest)
     c = chain_of(problem, limits)
     balanced = max(math.ceil(total / S), max(fastest, default=0))
+    if problem.steady:  # M · the slowest stage, which no split makes faster than the chain in S pieces
+        return M * max(balanced, math.floor(chain_bounds(problem, upper, c)[S]))
     crossings = [(D, math.floor(x)) for D, x in enumerate(crossing_floors(problem, c)) if math.isfinite(x)]
     if M == 1:
         return total + min(x for _, x in crossings)

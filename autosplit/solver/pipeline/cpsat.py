@@ -170,6 +170,9 @@ class _Model:
         self.T = self.m.new_int_var(lower, max(lower, upper), "T")
         for t in self.stage_time:
             self.m.add(self.T >= t)
+        if p.steady:
+            self.objective = p.micro_batches * self.T
+            return
         if p.stages_per_rank == 1:
             self.objective = sum(self.stage_time) + (p.micro_batches - 1) * self.T
             return

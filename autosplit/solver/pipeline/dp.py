@@ -324,4 +324,6 @@ def split_dp(
     t_star = _least_bottleneck(problem, order, dp)
     if not np.isfinite(t_star):
         return None
+    if problem.steady:  # only the slowest stage counts: the least sum under it breaks ties
+        return dp.walk(dp.run(np.add, t_star)[1])
     return dp.walk(_best_under_caps(problem, dp, t_star, max_candidates))
