@@ -261,14 +261,17 @@ def _fmt(r: autosplit.compiler.hybrid.HybridRow | None) -> str:
 
 
 def drivers(dp: autosplit.compiler.hybrid.HybridRow, hybrid: autosplit.compiler.hybrid.HybridRow) -> dict:
-    """The gain (time to target of ``dp`` over ``hybrid``) as the product of three ratios, one per
-    input of the projection: the statistical efficiency (steps to the target at each global
-    batch), the step model (the worker plans' predicted steps) and the all-reduce model (what the
-    exposed gradient sync adds to each step). The driver is the ratio farthest from 1."""
+    """The gain (time to target of ``dp`` over ``hybrid``, ``T = E(B)/B · step``) as the product of
+    three ratios, one per input of the projection: the efficiency curve (examples to the target at
+    data parallelism's global batch over the hybrid's), the step model (examples per second of the
+    hybrid's worker plans over data parallelism's, all workers together, before the all-reduce) and
+    the all-reduce model (how much longer the exposed gradient sync makes data parallelism's step
+    than the hybrid's). Each ratio above 1 favours the hybrid; ``driver`` is the one farthest from 1
+    (which need not be what makes the gain differ from Pal et al.'s: see :func:`verdict`)."""
     assert dp.plan is not None and hybrid.plan is not None
     ratios = {
-        "efficiency curve": (dp.examples_factor / dp.global_batch) / (hybrid.examples_factor / hybrid.global_batch),
-        "step model": dp.plan.step_time / hybrid.plan.step_time,
+        "efficiency curve": dp.examples_factor / hybrid.examples_factor,
+        "step model": (hybrid.global_batch / hybrid.plan.step_time) / (dp.global_batch / dp.plan.step_time),
         "all-reduce model": (dp.step / dp.plan.step_time) / (hybrid.step / hybrid.plan.step_time),
     }
     return {"ratios": ratios, "driver": max(ratios, key=lambda k: abs(math.log(ratios[k])))}
@@ -335,7 +338,9 @@ def _row(r: autosplit.compiler.hybrid.HybridRow | None) -> dict | None:
 def verdict(results: dict) -> list[dict]:
     """Item 4's table: per model, cluster and worker objective, the gain at the largest size under
     the published efficiency beside Pal et al.'s, whether the direction matches, and — where the
-    size differs by more than 2× — the input that drives the difference."""
+    size differs by more than 2× — the input that drives the difference: of the three ratios the
+    gain is made of (:func:`drivers`), the one that pulls furthest the way ours differs (below
+    Pal et al.'s: the smallest; above: the largest)."""
     rows = []
     for name, w in results["workloads"].items():
         for p in w["projections"]:
@@ -346,8 +351,9 @@ def verdict(results: dict) -> list[dict]:
                 row["direction_matches"] = (gain > 0) == (w["pal_gain"] > 0)
                 row["size_ratio"] = gain / w["pal_gain"]
                 if not 0.5 <= row["size_ratio"] <= 2 and p["drivers_at_largest"]:
-                    row["driver"] = p["drivers_at_largest"]["driver"]
-                    row["driver_ratio"] = p["drivers_at_largest"]["ratios"][row["driver"]]
+                    ratios = p["drivers_at_largest"]["ratios"]
+                    row["driver"] = (min if gain < w["pal_gain"] else max)(ratios, key=ratios.get)
+                    row["driver_ratio"] = ratios[row["driver"]]
             rows.append(row)
     return rows
 
@@ -367,8 +373,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--small", type=int, default=8)
     parser.add_argument("--batches", type=int, default=8)
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--verdict-only", action="store_true",
+                        help="recompute the closing table from the projections already in --out, planning nothing")
     args = parser.parse_args(argv)
     torch.set_num_threads(2)
+    if args.verdict_only:
+        results = json.loads(args.out.read_text())
+        return closing_table(results, args.out)
 
     results: dict = {"machine": machine(), "args": {k: str(v) for k, v in vars(args).items()},
                      "efficiency": {k: {"table": e.table, "source": e.source, "adapted": e.adapted} for k, e in EFFICIENCY.items()},
@@ -392,6 +403,11 @@ def main(argv: list[str] | None = None) -> int:
         }
         args.out.parent.mkdir(parents=True, exist_ok=True)  # written after every model: a later failure loses nothing
         args.out.write_text(json.dumps(results, indent=1, default=str))
+    return closing_table(results, args.out)
+
+
+def closing_table(results: dict, out: Path) -> int:
+    """Print the verdict table and write ``results`` with it to ``out``."""
     results["verdict"] = verdict(results)
     print(f"\n{'model':13s} {'V100':>5s} {'objective':>9s} {'gain @ largest':>14s} {'Pal et al.':>10s} {'direction':>9s} "
           f"{'size ×':>7s}  driver of the difference")
@@ -400,8 +416,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{r['model']:13s} {r['gpu_memory_gb']:>3d}GB {r['objective']:>9s} {gain:>14s} {r['pal_gain']:>+10.1%} "
               f"{r.get('direction_matches', '-')!s:>9s} {r.get('size_ratio', math.nan):7.2f}  "
               + (f"{r['driver']} ({r['driver_ratio']:.2f}×)" if "driver" in r else ""))
-    args.out.write_text(json.dumps(results, indent=1, default=str))
-    print(f"\nwrote {args.out}")
+    out.write_text(json.dumps(results, indent=1, default=str))
+    print(f"\nwrote {out}")
     return 0
 
 
