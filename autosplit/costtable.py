@@ -103,10 +103,10 @@ class CostTable:
     """The blocks whose costs here are the recomputing ones (backward includes the forward again,
     activations are the checkpoint's inputs)."""
 
-    def row_sparse(self, members: Iterable[int]) -> dict[str, int]:
-        """``sparse_param_bytes`` and ``row_grad_bytes`` (:class:`~autosplit.plans.StageReport`) of the nodes ``members``."""
+    def row_sparse(self, members: Iterable[int]) -> tuple[int, int]:
+        """(``sparse_param_bytes``, ``row_grad_bytes``) of :class:`~autosplit.plans.StageReport` for the nodes ``members``."""
         rows = [n for n in members if self.row_grad_bytes and self.row_grad_bytes[n]]
-        return {"sparse_param_bytes": sum(self.param_bytes[n] for n in rows), "row_grad_bytes": sum(self.row_grad_bytes[n] for n in rows)}
+        return sum(self.param_bytes[n] for n in rows), sum(self.row_grad_bytes[n] for n in rows)
 
     def save(self, path: str | Path) -> None:
         """Write the table as JSON, to edit or to plan with again (``costs=path``)."""

@@ -39,7 +39,7 @@ import json
 import math
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import cast
@@ -123,7 +123,7 @@ def _text_task(model: nn.Module, gen: torch.Generator) -> Callable[[int], tuple]
     return sample
 
 
-def monotone(epochs: dict[int, float]) -> dict[int, float]:
+def monotone(epochs: Mapping[int, float]) -> dict[int, float]:
     """``epochs`` (batch → epochs to target) made non-decreasing in the batch by pooling adjacent
     violators (isotonic regression, equal weights): tuned per batch, a reference can need fewer
     epochs at a larger batch, which no efficiency curve ``E(B) = E_min(1 + B/B_noise)`` allows."""
@@ -142,7 +142,7 @@ def monotone(epochs: dict[int, float]) -> dict[int, float]:
 class Efficiency:
     """A published steps-to-target curve as an efficiency table {global batch: examples to target}."""
 
-    epochs: dict[int, float]
+    epochs: Mapping[int, float]
     """Global batch → epochs to the target, as published (medians over runs)."""
     dataset: int
     """Examples per epoch."""
@@ -150,7 +150,7 @@ class Efficiency:
     adapted: str
 
     @property
-    def table(self) -> dict[int, float]:
+    def table(self) -> dict[float, float]:
         return {b: e * self.dataset for b, e in monotone(self.epochs).items()}
 
 
@@ -378,8 +378,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     torch.set_num_threads(2)
     if args.verdict_only:
-        results = json.loads(args.out.read_text())
-        return closing_table(results, args.out)
+        return closing_table(json.loads(args.out.read_text()), args.out)
 
     results: dict = {"machine": machine(), "args": {k: str(v) for k, v in vars(args).items()},
                      "efficiency": {k: {"table": e.table, "source": e.source, "adapted": e.adapted} for k, e in EFFICIENCY.items()},

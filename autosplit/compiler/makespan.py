@@ -52,6 +52,7 @@ def compile_makespan(
         members = [n for n, dd in enumerate(device_of) if dd == d]
         state, act = sum(problem.state_mem[n] for n in members), sum(problem.act_mem[n][d] for n in members)
         busy = sum(problem.compute[n][d] for n in members) / NS
+        sparse, rows = table.row_sparse(members)
         stages.append(StageReport(
             device=specs[d].torch_device or specs[d].name, nodes=len(members),
             params=sum(table.param_counts[n] for n in members),
@@ -59,7 +60,7 @@ def compile_makespan(
             compute=busy, transfer=0.0, time=busy,
             forward=sum(table.fwd_time[n][d] for n in members), backward=sum(table.bwd_time[n][d] for n in members),
             param_bytes=sum(table.param_bytes[n] for n in members) if table.param_bytes else 0,
-            **table.row_sparse(members),
+            sparse_param_bytes=sparse, row_grad_bytes=rows,
             memory_state=state * KIB, memory_activations=act * KIB,
             memory_received=(memory[d] - state - act - problem.transient_mem) * KIB,
             memory_transient=problem.transient_mem * KIB, capacity=specs[d].memory,

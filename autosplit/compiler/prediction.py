@@ -221,6 +221,7 @@ def stage_reports(
         members = [n for n, st in enumerate(stage_of) if st == s]
         mine = [(label, b) for label, b in recomputed if stage_of[table.block_members[b][0]] == s]
         in_flight = entry.in_flight(s, S, M, problem.ranks) / M
+        sparse, rows = table.row_sparse(members)
         reports.append(
             StageReport(
                 device=device.torch_device or device.name,
@@ -232,7 +233,8 @@ def stage_reports(
                 backward=sum(table.bwd_time[n][order[s]] for n in members),
                 backward_weight=sum(table.bwd_time[n][order[s]] * share[n] for n in members),
                 param_bytes=sum(table.param_bytes[n] for n in members) if table.param_bytes else 0,
-                **table.row_sparse(members),
+                sparse_param_bytes=sparse,
+                row_grad_bytes=rows,
                 transfer=ev.transfer[s] / NS,
                 time=ev.time[s] / NS,
                 memory_state=ev.state_mem[s] * KIB + replicas[s],
