@@ -198,23 +198,33 @@ class GNMT(nn.Module):
 
 
 # -- BigLSTM ------------------------------------------------------------------------------
-class BigLSTM(nn.Module):
-    """BigLSTM (2048-512 in the paper): embedding, 2 projected LSTM layers, full softmax layer."""
+class _LSTMBody(nn.Module):
+    """BigLSTM's embedding and 2 projected LSTM layers (2048-512 in the paper), without a softmax."""
 
-    def __init__(self, vocab: int = 793471, embed: int = 512, hidden: int = 8192, proj: int = 1024):
+    def __init__(self, vocab: int, embed: int, hidden: int, proj: int):
         super().__init__()
         self.emb = nn.Embedding(vocab, embed)
         self.lstm1 = nn.LSTM(embed, hidden, proj_size=proj, batch_first=True)
         self.lstm2 = nn.LSTM(proj, hidden, proj_size=proj, batch_first=True)
+
+    def states(self, tokens):
+        x, _ = self.lstm1(self.emb(tokens))
+        x, _ = self.lstm2(x)
+        return x
+
+
+class BigLSTM(_LSTMBody):
+    """BigLSTM: the LSTM body and a full softmax layer."""
+
+    def __init__(self, vocab: int = 793471, embed: int = 512, hidden: int = 8192, proj: int = 1024):
+        super().__init__(vocab, embed, hidden, proj)
         self.softmax = nn.Linear(proj, vocab)
 
     def forward(self, tokens):
-        x, _ = self.lstm1(self.emb(tokens))
-        x, _ = self.lstm2(x)
-        return self.softmax(x)
+        return self.softmax(self.states(tokens))
 
 
-class SampledBigLSTM(nn.Module):
+class SampledBigLSTM(_LSTMBody):
     """BigLSTM as Jozefowicz et al. 2016 trained it: a softmax over each position's true word and
     ``candidates`` (8,192 words sampled per step and shared by the batch) only. The softmax table
     is an ``nn.Embedding`` (vocab × proj, and a bias column) looked up at those rows, so its
@@ -225,17 +235,12 @@ class SampledBigLSTM(nn.Module):
     (elementwise on these logits: they change neither the shapes nor the cost to speak of)."""
 
     def __init__(self, vocab: int = 793471, embed: int = 512, hidden: int = 8192, proj: int = 1024):
-        super().__init__()
-        self.emb = nn.Embedding(vocab, embed)
-        self.lstm1 = nn.LSTM(embed, hidden, proj_size=proj, batch_first=True)
-        self.lstm2 = nn.LSTM(proj, hidden, proj_size=proj, batch_first=True)
+        super().__init__(vocab, embed, hidden, proj)
         self.softmax_w = nn.Embedding(vocab, proj)
         self.softmax_b = nn.Embedding(vocab, 1)
 
     def forward(self, tokens, targets, candidates):
-        x, _ = self.lstm1(self.emb(tokens))
-        x, _ = self.lstm2(x)
-        h = x.flatten(0, 1)
+        h = self.states(tokens).flatten(0, 1)
         ids = torch.cat([targets.flatten(), candidates.flatten()])  # one lookup of every row the step touches
         w, b = self.softmax_w(ids), self.softmax_b(ids)
         n = h.shape[0]

@@ -484,7 +484,8 @@ def _beside(gm: fx.GraphModule, inputs: Sequence[Any], cores: Sequence[int], thr
     """Run the block while a forked copy of this process on each of ``cores`` runs ``gm``'s forward
     and backward on ``inputs`` over and over (:attr:`ProfileOptions.beside`). A fork shares the
     graph without pickling it, and its gradients and state stay its own; it exits when killed or
-    when this process is gone."""
+    when this process is gone. A copy that stopped on an error is refused afterwards: the profile
+    would have been taken on an idle core, not beside a busy one."""
     if not cores:
         yield
         return
@@ -494,11 +495,12 @@ def _beside(gm: fx.GraphModule, inputs: Sequence[Any], cores: Sequence[int], thr
             "running the passes beside the profile forks processes pinned to cores (Linux only)",
             "leave ProfileOptions.beside empty",
         ))
-    run, parent, children = _flat(gm), os.getpid(), []
+    run, parent, children, failed = _flat(gm), os.getpid(), {}, []
     try:
         for core in cores:
             pid = os.fork()
             if pid == 0:  # the child: never returns into the caller's code
+                code = 1
                 try:
                     os.sched_setaffinity(0, {core})
                     torch.set_num_threads(threads or 1)
@@ -508,15 +510,24 @@ def _beside(gm: fx.GraphModule, inputs: Sequence[Any], cores: Sequence[int], thr
                         outs = _grad_outputs(run(*inputs))
                         if outs:
                             torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
+                    code = 0
                 finally:
-                    os._exit(0)
-            children.append(pid)
+                    os._exit(code)
+            children[pid] = core
         yield
     finally:
-        for pid in children:
+        for pid, core in children.items():
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
+            _, status = os.waitpid(pid, 0)
+            if os.WIFEXITED(status) and os.WEXITSTATUS(status):
+                failed.append(core)
+    if failed:
+        raise CostModelError(advice(
+            f"the passes run beside the profile stopped on an error on cores {failed}",
+            "the profile was then taken beside idle cores, not beside busy ones as ProfileOptions.beside asks",
+            "profile without beside= to see the error, or check that the model runs forward and backward in a forked process",
+        ))
 
 
 @contextlib.contextmanager

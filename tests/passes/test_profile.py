@@ -13,6 +13,7 @@ import torch.nn as nn
 
 import autosplit
 from autosplit.devices import resolve_devices
+from autosplit.errors import CostModelError
 from autosplit.passes import profile as profile_module
 from autosplit.passes.annotate import annotate
 from autosplit.passes.capture import capture, flat_inputs
@@ -103,6 +104,32 @@ def test_a_profile_taken_beside_other_ranks_runs_them_and_leaves_no_process_behi
     idle = profile_module.profile(captured, micro, "cpu", fingerprint="test", micro_batches=4,
                                   options=dataclasses.replace(options, beside=()))
     assert not idle.cached and "beside" not in idle.key and len(list(tmp_path.rglob("*.json"))) == 2
+
+
+_PROFILING_PROCESS = os.getpid()
+
+
+@torch.fx.wrap
+def _fails_in_a_fork(x):
+    if os.getpid() != _PROFILING_PROCESS:
+        raise RuntimeError("not in the profiling process")
+    return x
+
+
+class _ForkFails(nn.Module):
+    def forward(self, x):
+        return _fails_in_a_fork(torch.relu(x))
+
+
+@pytest.mark.skipif(not hasattr(os, "fork") or len(os.sched_getaffinity(0)) < 2, reason="needs Linux and 2 cores")
+def test_a_profile_whose_passes_beside_it_failed_is_refused():
+    import time
+
+    gm = torch.fx.symbolic_trace(_ForkFails())
+    x = torch.randn(4, 4, requires_grad=True)
+    with pytest.raises(CostModelError, match=r"stopped on an error on cores \[\d+\]"):
+        with profile_module._beside(gm, [x], (sorted(os.sched_getaffinity(0))[1],), 1):
+            time.sleep(0.5)
 
 
 def test_the_optimizer_step_is_measured_and_spread_over_the_nodes_by_their_parameters():
