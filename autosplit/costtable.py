@@ -102,6 +102,9 @@ class CostTable:
     recomputed: tuple[str, ...] = ()
     """The blocks whose costs here are the recomputing ones (backward includes the forward again,
     activations are the checkpoint's inputs)."""
+    recompute_kept: tuple[tuple[int, int], ...] = ()
+    """[recomputed block] (micro-batches it keeps, of every so many its stage holds at once):
+    :class:`~autosplit.plans.PartialRecompute`; (0, 1) for one that recomputes every micro-batch."""
 
     def row_sparse(self, members: Iterable[int]) -> tuple[int, int]:
         """(``sparse_param_bytes``, ``row_grad_bytes``) of :class:`~autosplit.plans.StageReport` for the nodes ``members``."""

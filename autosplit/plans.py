@@ -35,10 +35,33 @@ from autosplit.devices import DeviceSpec
 from autosplit.errors import PlanFileError, PlanMismatchError, advice
 from autosplit.units import format_ms as _ms
 
-__all__ = ["Plan", "StageReport", "SolverInfo", "SharedParam", "StepTerms", "SCHEMA_VERSION"]
+__all__ = ["Plan", "StageReport", "SolverInfo", "SharedParam", "StepTerms", "PartialRecompute", "SCHEMA_VERSION"]
 
 SCHEMA_VERSION = 3
 """Version 3 added :attr:`Plan.objective`; a version-2 file is read with it derived from its schedule."""
+
+
+@dataclass(frozen=True)
+class PartialRecompute:
+    """A recomputed block that keeps the activations of some of its stage's micro-batches.
+
+    A flushed schedule runs each stage's forwards and backwards in micro-batch order, so the
+    micro-batches a stage holds at once are consecutive, at most ``window`` of them (its in-flight
+    count at the peak). Micro-batch ``i`` keeps its activations iff ``i mod window < keep``: any
+    ``window`` consecutive micro-batches hold exactly ``keep`` kept, and the rest recompute — the
+    "partial activation checkpointing" of NeMo and torchtitan, chosen by the plan."""
+
+    block: str
+    keep: int
+    window: int
+
+    def recomputes(self, micro_batch: int) -> bool:
+        """Whether micro-batch ``micro_batch`` of a step recomputes the block in its backward."""
+        return micro_batch % self.window >= self.keep
+
+    def recomputed(self, micro_batches: int) -> int:
+        """How many of a step's ``micro_batches`` recompute the block."""
+        return sum(self.recomputes(i) for i in range(micro_batches))
 
 
 @dataclass(frozen=True)
@@ -230,6 +253,9 @@ class Plan:
     """The precision the plan was costed for and its stages run in (:attr:`PlanOptions.precision`)."""
     recompute: tuple[str, ...] = ()
     """Blocks (module paths) whose activations the stages recompute in the backward instead of keeping."""
+    recompute_partial: tuple[PartialRecompute, ...] = ()
+    """Of :attr:`recompute`, the blocks that keep some micro-batches' activations (the rest recompute
+    all of theirs)."""
     made_with: tuple[str, float] | None = None
     """For a saved plan re-costed on load: (the costs it was made with, the step it predicted then)."""
     schema_version: int = SCHEMA_VERSION
@@ -402,6 +428,9 @@ class Plan:
             raise bad("precision", self.precision, f"is not one of {PRECISIONS}")
         if len(set(self.recompute)) != len(self.recompute) or not all(isinstance(b, str) and b for b in self.recompute):
             raise bad("recompute", list(self.recompute), "does not name distinct blocks (module paths)")
+        for some in self.recompute_partial:
+            if some.block not in self.recompute or not 0 < some.keep < some.window:
+                raise bad("recompute_partial", some, "names a block not in recompute, or does not keep 1 to window − 1 micro-batches")
         if not self.fingerprint:
             raise bad("fingerprint", self.fingerprint, "is empty")
         if self.crossings and len(self.crossings) != len(self.stage_devices) - 1:

@@ -2,7 +2,8 @@
 the step against recomputing every block (issue 25 item 4).
 
 For a GPT (``autosplit.examples.GPT``) and a transformers Llama (built from a config, no download),
-both real, fp32, on 2 gloo processes (one core and one thread each), 1F1B:
+both real, fp32, on 2 gloo processes (one core and one thread each), 1F1B (``--schedule gpipe``:
+GPipe, where every stage holds all 8 micro-batches and a block may keep some of them):
 
 1. the cap: 2% under the least cap at which ``checkpointing="none"`` fits (bisected between the
    fullest devices of the uncapped ``"full"`` and ``"none"`` plans), so that keeping every
@@ -24,7 +25,8 @@ Prints a table and writes ``benchmarks/results/memory_levers.json``.
 
 Usage::
 
-    python benchmarks/memory_levers.py               # GPT and Llama, ~5 min on 2 cores
+    python benchmarks/memory_levers.py               # GPT and Llama, ~8 min on 2 cores
+    python benchmarks/memory_levers.py --schedule gpipe   # results/memory_levers_gpipe.json
     python benchmarks/memory_levers.py --models gpt --steps 4
 """
 
@@ -32,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import json
 import os
 import statistics
@@ -144,14 +147,15 @@ def _worker(rank: int, init: str, name: str, plans: list[tuple[str, str]], steps
         dist.destroy_process_group()
 
 
-def _plan(model: torch.nn.Module, inputs: tuple, name: str, **options: Any) -> autosplit.Plan:
-    return autosplit.plan(model, ["cpu"] * 2, example_inputs=inputs, schedule="1f1b", micro_batches=MICRO[name],
+def plan_with(model: torch.nn.Module, inputs: tuple, name: str, schedule: str = "1f1b", **options: Any) -> autosplit.Plan:
+    return autosplit.plan(model, ["cpu"] * 2, example_inputs=inputs, schedule=schedule, micro_batches=MICRO[name],
                           **{"time_limit": 20, **options})
 
 
-def run_model(name: str, steps: int, tmp: str) -> dict[str, Any]:
+def run_model(name: str, steps: int, tmp: str, schedule: str = "1f1b") -> dict[str, Any]:
     model, inputs, target = workload(name)
-    uncapped = {mode: _plan(model, inputs, name, checkpointing=mode) for mode in ("none", "full")}
+
+    uncapped = {mode: plan_with(model, inputs, name, schedule, checkpointing=mode) for mode in ("none", "full")}
     fullest = {mode: max(p.rank_memory or [s.memory for s in p.stages]) for mode, p in uncapped.items()}
     # The cap: 2% under the least at which keeping every activation fits (bisected), and above
     # what recomputing every block needs.
@@ -159,7 +163,7 @@ def run_model(name: str, steps: int, tmp: str) -> dict[str, Any]:
     while high - low > 2**16:
         mid = (low + high) // 2
         try:
-            _plan(model, inputs, name, checkpointing="none", memory={0: mid, 1: mid}, time_limit=5)
+            plan_with(model, inputs, name, schedule, checkpointing="none", memory={0: mid, 1: mid}, time_limit=5)
             high = mid
         except (InfeasiblePlanError, SolverError):
             low = mid
@@ -169,18 +173,19 @@ def run_model(name: str, steps: int, tmp: str) -> dict[str, Any]:
                            "fullest_uncapped": fullest, "least_cap_keeping_all": high}
     start = time.perf_counter()
     try:
-        _plan(model, inputs, name, checkpointing="none", memory=memory)
+        plan_with(model, inputs, name, schedule, checkpointing="none", memory=memory)
         row["none"] = "fits (the cap is not tight enough)"
     except (InfeasiblePlanError, SolverError) as e:
         row["none"] = f"no plan: {str(e).split('. Likely cause')[0][:200]}"
-    plans = {mode: _plan(model, inputs, name, checkpointing=mode, memory=memory) for mode in ("auto", "full")}
+    plans = {mode: plan_with(model, inputs, name, schedule, checkpointing=mode, memory=memory) for mode in ("auto", "full")}
     row["planning_s"] = time.perf_counter() - start
     paths = []
     for mode, plan in plans.items():
         path = str(Path(tmp, f"{name}-{mode}.json"))
         plan.save(path)
         paths.append((mode, path))
-        row[mode] = {"recompute": list(plan.recompute), "predicted_step": plan.step_time,
+        row[mode] = {"recompute": list(plan.recompute), "partial": [dataclasses.asdict(p) for p in plan.recompute_partial],
+                     "predicted_step": plan.step_time,
                      "predicted_rank_memory": list(plan.rank_memory or [s.memory for s in plan.stages])}
     out = str(Path(tmp, f"{name}-measured.json"))
     mp.spawn(_worker, args=(str(Path(tmp, f"init-{name}")), name, paths, steps, out), nprocs=2, join=True)
@@ -206,14 +211,14 @@ def report(row: dict[str, Any]) -> None:
     print(f"\n{row['model']}: {row['params'] / 1e6:.1f} M parameters, cap {row['cap'] / mib:.1f} MiB per device "
           f"(fullest device uncapped: none {row['fullest_uncapped']['none'] / mib:.1f} MiB, "
           f"full {row['fullest_uncapped']['full'] / mib:.1f} MiB); checkpointing='none' under the cap: {row['none']}")
-    print(f"{'mode':>5s} {'blocks':>6s} {'step ms':>8s} {'pred ms':>8s} {'rank':>4s} {'measured MiB':>12s} {'predicted MiB':>13s} "
-          f"{'error':>6s} {'RSS+ MiB':>8s}")
+    print(f"{'mode':>5s} {'blocks':>6s} {'partly':>6s} {'step ms':>8s} {'pred ms':>8s} {'rank':>4s} {'measured MiB':>12s} "
+          f"{'predicted MiB':>13s} {'error':>6s} {'RSS+ MiB':>8s}")
     for mode in ("auto", "full"):
         r = row[mode]
         for rank in range(2):
-            print(f"{mode:>5s} {len(r['recompute']):6d} {r['measured_step'] * 1e3:8.1f} {r['predicted_step'] * 1e3:8.1f} {rank:4d} "
-                  f"{r['measured_peak'][rank] / mib:12.2f} {r['predicted_rank_memory'][rank] / mib:13.2f} "
-                  f"{r['peak_error'][rank]:+6.1%} {r['rss_increase'][rank] / mib:8.1f}")
+            print(f"{mode:>5s} {len(r['recompute']):6d} {len(r['partial']):6d} {r['measured_step'] * 1e3:8.1f} "
+                  f"{r['predicted_step'] * 1e3:8.1f} {rank:4d} {r['measured_peak'][rank] / mib:12.2f} "
+                  f"{r['predicted_rank_memory'][rank] / mib:13.2f} {r['peak_error'][rank]:+6.1%} {r['rss_increase'][rank] / mib:8.1f}")
     print(f"auto / full step: {row['auto_over_full']:.3f}; unsplit model: {row['unsplit_1_thread'] * 1e3:.1f} ms on 1 thread, "
           f"{row['unsplit_2_thread'] * 1e3:.1f} ms on 2 threads")
 
@@ -222,12 +227,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=["gpt", "llama"], choices=["gpt", "llama"])
     parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--out", default=str(RESULTS / "memory_levers.json"))
+    parser.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe"])
+    parser.add_argument("--out", default=None, help="default: results/memory_levers.json (1f1b), memory_levers_gpipe.json")
     args = parser.parse_args(argv)
+    args.out = args.out or str(RESULTS / ("memory_levers.json" if args.schedule == "1f1b" else f"memory_levers_{args.schedule}.json"))
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.models:
-            rows.append(run_model(name, args.steps, tmp))
+            rows.append(run_model(name, args.steps, tmp, args.schedule))
             report(rows[-1])
     targets = {
         "auto_fits_where_none_does_not": all(r["none"].startswith("no plan") for r in rows),
@@ -236,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     print(f"\ntargets: {targets}")
     Path(args.out).write_text(json.dumps({"machine": machine(), "batch": BATCH, "seq": SEQ, "vocab": VOCAB, "micro_batches": MICRO,
-                                          "schedule": "1f1b", "rows": rows, "targets": targets}, indent=1))
+                                          "schedule": args.schedule, "rows": rows, "targets": targets}, indent=1))
     print(f"wrote {args.out}")
     return 0
 

@@ -20,17 +20,20 @@ from autosplit.passes.annotate import node_info
 from autosplit.passes.costs import LossCost, estimate, with_overrides
 from autosplit.passes.loss import cost_loss, output_like
 from autosplit.passes.profile import Profile, profile
+from autosplit.plans import PartialRecompute
 from autosplit.shapes import is_meta
 from autosplit.solver.problem import UserConstraint
 from autosplit.timers import pinned
 
 
 def cost_table(
-    traced: Traced, specs: tuple[DeviceSpec, ...], options: PlanOptions, *, micro_batches: int, recompute: tuple[str, ...] = ()
+    traced: Traced, specs: tuple[DeviceSpec, ...], options: PlanOptions, *, micro_batches: int, recompute: tuple[str, ...] = (),
+    partial: tuple[PartialRecompute, ...] = (),
 ) -> tuple[CostTable, str]:
     """The cost table ``options.costs`` asks for (with overrides), and a line saying where it came from.
     It describes the blocks a plan may recompute (``options.checkpointing``, ``options.recompute``),
-    and its costs are those of recomputing the blocks labelled in ``recompute``."""
+    and its costs are those of recomputing the blocks labelled in ``recompute`` (of them, ``partial``
+    keep some micro-batches)."""
     costs, gm = options.costs, traced.annotated(options.precision, specs[0].device_type)
     if isinstance(costs, (CostTable, Path)) or (isinstance(costs, str) and costs not in ("analytic", "measured")):
         table = _given_table(traced, specs, costs)
@@ -56,7 +59,7 @@ def cost_table(
         blocks = candidate_blocks(table, options, recompute)
         if blocks:
             table = estimate(gm, specs, optimizer=options.optimizer, micro_batches=micro_batches, profiles=profiles,
-                             blocks=blocks, recompute=recompute, loss=loss)
+                             blocks=blocks, recompute=recompute, partial=partial, loss=loss)
     if options.cost_overrides:
         n = len(options.cost_overrides)
         table = with_overrides(table, options.cost_overrides)

@@ -29,7 +29,7 @@ def recost(traced: Traced, specs: tuple[DeviceSpec, ...], options: PlanOptions, 
     given.check_fingerprint(traced.fingerprint, traced.node_names)
     timings, M, table, source, rules = estimated(traced, specs, options)
     if given.recompute:  # the costs of the blocks it recomputes
-        table, source = cost_table(traced, specs, options, micro_batches=M, recompute=given.recompute)
+        table, source = cost_table(traced, specs, options, micro_batches=M, recompute=given.recompute, partial=given.recompute_partial)
     if given.objective == "makespan":
         return compile_makespan(traced, specs, options, table, source, rules, timings, given)
     order = given.stage_devices

@@ -27,7 +27,7 @@ from autosplit.costtable import CostTable
 from autosplit.devices import DeviceSpec
 from autosplit.errors import AutosplitError, InfeasiblePlanError, advice
 from autosplit.options import AUTO, AUTO_MOST_STAGES_PER_RANK, PlanOptions
-from autosplit.plans import Alternative
+from autosplit.plans import Alternative, PartialRecompute
 from autosplit.solver.pipeline.dp import topological_order
 from autosplit.solver.pipeline.order import choose_order
 from autosplit.solver.pipeline.strategy import dp_plan
@@ -59,11 +59,11 @@ def stage_problem(
 
 def recomputing(
     traced: Traced, specs: tuple[DeviceSpec, ...], options: PlanOptions, micro_batches: int, rules: list[UserConstraint],
-    order: tuple[int, ...], labels: tuple[str, ...],
+    order: tuple[int, ...], labels: tuple[str, ...], partial: tuple[PartialRecompute, ...] = (),
 ) -> tuple[CostTable, str, Problem]:
-    """The cost table and problem of stages in ``order`` that recompute the blocks ``labels``: their
-    costs exactly, nothing left to choose."""
-    table, source = cost_table(traced, specs, options, micro_batches=micro_batches, recompute=labels)
+    """The cost table and problem of stages in ``order`` that recompute the blocks ``labels`` (of them,
+    ``partial`` keep some micro-batches): their costs exactly, nothing left to choose."""
+    table, source = cost_table(traced, specs, options, micro_batches=micro_batches, recompute=labels, partial=partial)
     problem = build_problem(table, micro_batches=micro_batches, schedule=options.schedule, order=order, constraints=rules,
                             rank_of=order if options.rank_stages > 1 else ())
     return table, source, problem

@@ -34,7 +34,7 @@ from autosplit.devices import DeviceSpec
 from autosplit.errors import CodegenError, DeviceError, advice
 from autosplit.options import PlanOptions
 from autosplit.passes.codegen import Program, generate
-from autosplit.plans import Alternative, Plan, SolverInfo
+from autosplit.plans import Alternative, PartialRecompute, Plan, SolverInfo
 from autosplit.solver import validate
 from autosplit.solver.pipeline.strategy import solve
 from autosplit.solver.problem import NS, evaluate
@@ -64,9 +64,11 @@ def compile_plan(
     with progress.timed_pass("solve", timings, limit=options.time_limit):
         solution = solve(problem, time_limit=options.time_limit, seed=options.seed, limits=options.limits)
     recomputed = tuple(problem.recompute[u].label for u in solution.recompute)
+    partial = tuple(PartialRecompute(problem.recompute[u].label, keep, problem.recompute[u].in_flight[s])
+                    for u, s, keep in solution.partial)
     if recomputed:  # the chosen blocks' costs, exactly (the solver spread each block's over its members)
         with progress.timed_pass("estimate", timings):
-            table, source, problem = recomputing(traced, specs, options, M, rules, order, recomputed)
+            table, source, problem = recomputing(traced, specs, options, M, rules, order, recomputed, partial)
     stage_of, solver_name, status = solution.stage_of, solution.solver, solution.status
     entry = schedules.lookup(options.schedule)
     if v > 1 or entry.split_backward:  # the closed form is a surrogate here: the replay judges, and moves the cuts
@@ -96,6 +98,7 @@ def compile_plan(
         stages_per_rank=v,
         precision=options.precision,
         recompute=recomputed,
+        recompute_partial=partial,
         objective="pipeline",
         solver=SolverInfo(
             name=solver_name,
@@ -137,7 +140,8 @@ def codegen(traced: Traced, plan: Plan) -> tuple[Program, dict[str, float]]:
         )
     timings: dict[str, float] = {}
     with progress.timed_pass("codegen", timings):
-        program = generate(traced.captured, plan.stage_of, [str(t) for t in targets], recompute=plan.recompute)
+        program = generate(traced.captured, plan.stage_of, [str(t) for t in targets], recompute=plan.recompute,
+                           partial=plan.recompute_partial)
     if debug.stage_code.isEnabledFor(logging.DEBUG):
         for s, (stage, device) in enumerate(zip(program.stages, program.devices)):
             debug.stage_code.debug("stage %d on %s:\n%s", s, device, stage.code.strip())

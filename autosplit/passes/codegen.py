@@ -23,6 +23,11 @@ use_reentrant=False)`` — the backward reruns it, with the forward's RNG state,
 its activations — and names the results as the nodes they are. A region holds no state: its code
 reads its stage's modules, parameters and buffers. A block whose rerun would differ or change state
 again (in-place writes into what it reads, running statistics of batch norm in training) is refused.
+A block that keeps some micro-batches (``partial``: :class:`~autosplit.plans.PartialRecompute`) is
+called as ``recompute_unless_kept(self.recompute_h_1, *inputs, keep=1, window=2)``: the forward of a
+micro-batch that keeps its activations calls the region plainly, the others under the checkpoint.
+The micro-batch is the one the pipeline stage runs (:func:`micro_batch`); a forward outside one
+recomputes.
 
 Usage::
 
@@ -32,13 +37,15 @@ Usage::
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import copy
 import difflib
 import itertools
 import logging
 import operator
 import re
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,10 +59,33 @@ from torch.utils import _pytree as pytree
 from autosplit import debug
 from autosplit.errors import CodegenError, advice
 from autosplit.passes.capture import Captured
+from autosplit.plans import PartialRecompute
 
-__all__ = ["Chain", "Program", "generate", "generate_chain", "move", "retarget"]
+__all__ = ["Chain", "Program", "generate", "generate_chain", "micro_batch", "move", "recompute_unless_kept", "retarget"]
 
 log = logging.getLogger(__name__)
+
+_MICRO_BATCH: contextvars.ContextVar[int | None] = contextvars.ContextVar("autosplit_micro_batch", default=None)
+
+
+@contextlib.contextmanager
+def micro_batch(index: int) -> Iterator[None]:
+    """Run a stage's forward as micro-batch ``index`` of its step (what :func:`recompute_unless_kept` reads)."""
+    token = _MICRO_BATCH.set(index)
+    try:
+        yield
+    finally:
+        _MICRO_BATCH.reset(token)
+
+
+def recompute_unless_kept(region: torch.nn.Module, *inputs: Any, keep: int, window: int) -> Any:
+    """``region(*inputs)``, kept for the backward if this forward's micro-batch keeps its activations
+    (:meth:`PartialRecompute.recomputes`), else under ``torch.utils.checkpoint`` (a forward outside a
+    pipeline stage, which sets no micro-batch, recomputes: the plan counted no more)."""
+    index = _MICRO_BATCH.get()
+    if index is not None and not PartialRecompute("", keep, window).recomputes(index):
+        return region(*inputs)
+    return torch.utils.checkpoint.checkpoint(region, *inputs, use_reentrant=False)
 
 
 @torch.fx.wrap
@@ -211,8 +241,11 @@ class _Regions:
     outermost of ``blocks`` holding its module path), and each stage's runs of a block's nodes
     made into regions (:meth:`copy_nodes`)."""
 
-    def __init__(self, captured: Captured, nodes: Sequence[fx.Node], blocks: Collection[str]):
+    def __init__(
+        self, captured: Captured, nodes: Sequence[fx.Node], blocks: Collection[str], partial: Sequence[PartialRecompute] = (),
+    ):
         self.gm = captured.gm
+        self.partial = {p.block: p for p in partial}
         wanted = set(blocks)
         self.block_of: dict[fx.Node, str] = {}
         self.writes: list[tuple[fx.Node, fx.Node]] = []
@@ -265,9 +298,10 @@ class _Regions:
             sub.output(tuple(local[n] for n in outputs))
             sub.lint()
             args = (None, *(env[u] for u in inputs))  # the region itself once the stage exists (_attach)
-            call = graph.create_node(
-                "call_function", torch.utils.checkpoint.checkpoint, args, {"use_reentrant": False}, name=f"checkpoint_{block}",
-            )
+            some = self.partial.get(block)
+            target, kwargs = ((recompute_unless_kept, dict[str, Any](keep=some.keep, window=some.window)) if some else
+                              (torch.utils.checkpoint.checkpoint, dict[str, Any](use_reentrant=False)))
+            call = graph.create_node("call_function", target, args, kwargs, name=f"checkpoint_{block}")
             for i, n in enumerate(outputs):
                 env[n] = graph.create_node("call_function", operator.getitem, (call, i), name=n.name)
             pending.append(_Pending(block, sub, call))
@@ -363,12 +397,14 @@ class _Region(fx.GraphModule):
 
 def generate(
     captured: Captured, assignment: Mapping[str, int], devices: Sequence[str], *, recompute: Collection[str] = (),
+    partial: Sequence[PartialRecompute] = (),
 ) -> Program:
     """Build the stage modules and the program for ``assignment`` (node name → stage index);
-    ``recompute``: blocks (module paths) each stage runs under activation checkpointing."""
+    ``recompute``: blocks (module paths) each stage runs under activation checkpointing, ``partial``
+    those of them that keep some micro-batches."""
     gm = captured.gm
     nodes, stage_of = _placed(gm, assignment)
-    regions = _Regions(captured, nodes, recompute)
+    regions = _Regions(captured, nodes, recompute, partial)
     output = next(iter(gm.graph.find_nodes(op="output")))
     exported = set(output.all_input_nodes)
 
@@ -648,7 +684,7 @@ def _stage_module(gm: fx.GraphModule, root: dict[str, Any], graph: fx.Graph, sta
 def generate_chain(
     captured: Captured, assignment: Mapping[str, int], num_stages: int, micro_inputs: Sequence[Any],
     *, replicate: Collection[str] = (), own_outputs: bool = False, precision: tuple[str, str] = ("fp32", "cpu"),
-    recompute: Collection[str] = (),
+    recompute: Collection[str] = (), partial: Sequence[PartialRecompute] = (),
 ) -> Chain:
     """The chain form of ``assignment`` (node name → stage) for micro-batches like ``micro_inputs``
     (the graph's placeholder values for one micro-batch).
@@ -666,13 +702,13 @@ def generate_chain(
       reads it itself, and the runtime sums its gradient over those stages once per step.
     - ``precision`` (the plan's precision, the stages' device type): the metadata carry the dtypes
       the stages compute and exchange under it (bf16 state, or autocast: see ``_MicroValues``).
-    - the blocks (module paths) in ``recompute`` run under activation checkpointing, as in
-      :func:`generate`; crossings are unchanged by them.
+    - the blocks (module paths) in ``recompute`` run under activation checkpointing (``partial``:
+      those that keep some micro-batches), as in :func:`generate`; crossings are unchanged by them.
     """
     gm = captured.gm
     S = num_stages
     nodes, stage_of = _placed(gm, assignment)
-    regions = _Regions(captured, nodes, recompute)
+    regions = _Regions(captured, nodes, recompute, partial)
     placeholders = list(gm.graph.find_nodes(op="placeholder"))
     output = next(iter(gm.graph.find_nodes(op="output")))
     values = _MicroValues(gm, precision).values(micro_inputs)

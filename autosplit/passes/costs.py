@@ -53,6 +53,7 @@ from autosplit.devices import DeviceSpec
 from autosplit.errors import CostModelError, advice
 from autosplit.passes.annotate import NodeInfo, node_info
 from autosplit.passes.profile import Profile
+from autosplit.plans import PartialRecompute
 
 __all__ = [
     "CostTable", "estimate", "roofline", "link_time", "optimizer_step_time", "OPTIMIZER_STATE_BYTES", "OVERRIDE_KEYS",
@@ -365,6 +366,7 @@ def estimate(
     micro_batches: int = 1,
     blocks: Sequence[tuple[str, Collection[str]]] = (),
     recompute: Collection[str] = (),
+    partial: Sequence[PartialRecompute] = (),
     loss: LossCost | None = None,
 ) -> CostTable:
     """Build the :class:`CostTable` of an annotated graph for ``devices``.
@@ -374,8 +376,9 @@ def estimate(
     names) are what a plan may recompute (activation checkpointing); the costs of those labelled in
     ``recompute`` are the recomputing ones: their forward runs again in the backward, their members
     keep none of their activations (the checkpoint keeps their inputs), and their backward needs
-    the block's activations of one micro-batch again. ``loss`` (one micro-batch's) is charged to
-    the node that makes the model's output last, every micro-batch's.
+    the block's activations of one micro-batch again; those in ``partial`` keep some micro-batches'
+    activations and recompute the others' (a mix of both costs, by the share of each). ``loss`` (one
+    micro-batch's) is charged to the node that makes the model's output last, every micro-batch's.
     """
     if optimizer not in OPTIMIZER_STATE_BYTES:
         raise CostModelError(advice(
@@ -415,9 +418,17 @@ def estimate(
         chosen = [described["block_members"][described["blocks"].index(label)] for label in recompute]
         recomputed = frozenset(i for block in chosen for i in block)
         saved, sent = _saved_bytes(gm, nodes, infos, own_saved, recomputed)
+        again_share = dict.fromkeys(recomputed, 1.0)
+        for p in partial:  # at the stage's peak, p.keep of its p.window micro-batches hold what keeping the block holds
+            members = frozenset(described["block_members"][described["blocks"].index(p.block)])
+            whole, whole_sent = _saved_bytes(gm, nodes, infos, own_saved, recomputed - members)
+            saved = [math.ceil(a + (b - a) * p.keep / p.window) for a, b in zip(saved, whole)]
+            sent = [math.ceil(a + (b - a) * p.keep / p.window) for a, b in zip(sent, whole_sent)]
+            again_share.update(dict.fromkeys(members, p.recomputed(micro_batches) / micro_batches))
         again = max(described["block_activations"][described["blocks"].index(label)] for label in recompute)
         transient = [t + math.ceil(again / micro_batches) if i in recomputed else t for i, t in enumerate(transient)]
-        bwd = [per_device(tuple(b + f for b, f in zip(bwd[i], fwd[i]))) if i in recomputed else bwd[i] for i in range(len(nodes))]
+        bwd = [per_device(tuple(b + f * again_share[i] for b, f in zip(bwd[i], fwd[i]))) if i in recomputed else bwd[i]
+               for i in range(len(nodes))]
     state = [
         2 * info.param_bytes + OPTIMIZER_STATE_BYTES[optimizer] * info.param_bytes // 4 + info.buffer_bytes
         for info in infos
@@ -445,5 +456,6 @@ def estimate(
         wgrad_bytes=tuple(info.output_bytes if 0 < info.wgrad_share < 1 else 0 for info in infos),
         output_tensors=tuple(len(info.output_shapes) for info in infos),
         recomputed=tuple(recompute),
+        recompute_kept=tuple(next(((p.keep, p.window) for p in partial if p.block == label), (0, 1)) for label in recompute),
         **described,
     )

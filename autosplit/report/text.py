@@ -76,6 +76,9 @@ def plan_report(plan: Plan, width: int = 140) -> str:
         if st.recompute:
             console.print(f"    recomputes {_span(st.recompute)} in its backward: {format_bytes(st.recompute_saves)} of activations "
                           "not held")
+            for some in (some for some in plan.recompute_partial if some.block in st.recompute):
+                console.print(f"      {some.block} keeps micro-batch i's activations where i mod {some.window} < {some.keep} "
+                              f"({some.recomputed(plan.micro_batches)} of {plan.micro_batches} recompute)")
     if plan.stages_per_rank > 1:
         for r, peak in enumerate(plan.rank_memory):
             mine = [s for s, d in enumerate(plan.stage_devices) if d == r]

@@ -14,7 +14,8 @@ forward or backward chunk, which is after every send the schedule issued before 
 schedule can deadlock on it. Sends are unchanged.
 
 Both stage classes run their forward in the plan's precision (autocast for the mixed ones, the
-backward outside it) and refuse to send a tensor whose dtype is not the one the next stage's
+backward outside it), as the micro-batch it is (:func:`~autosplit.passes.codegen.micro_batch`, read by
+blocks that keep some micro-batches' activations), and refuse to send a tensor whose dtype is not the one the next stage's
 receive buffer was made with.
 """
 
@@ -27,6 +28,7 @@ import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage
 
 from autosplit.errors import DistributedError, advice
+from autosplit.passes.codegen import micro_batch
 from autosplit.runtime.precision import autocast
 
 __all__ = ["EarlyReceivingStage", "ContiguousGradStage"]
@@ -44,7 +46,7 @@ class _PolicyStage(PipelineStage):
         self._sent_dtypes = tuple(t.dtype for t in kwargs.get("output_args") or ())
 
     def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
-        with autocast(*self.precision):
+        with autocast(*self.precision), micro_batch(fwd_chunk_id):  # the micro-batch: for blocks that keep some
             out = super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
         if not self.is_last:
             sent = out if isinstance(out, (tuple, list)) else (out,)

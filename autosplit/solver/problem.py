@@ -39,6 +39,7 @@ import numpy as np
 from networkx.utils import UnionFind
 
 from autosplit import schedules
+from autosplit.plans import PartialRecompute
 from autosplit.schedules import SCHEDULES
 from autosplit.solver.asynchronous import simulate, stashed_versions
 
@@ -100,6 +101,19 @@ class Recompute:
     keeps room for its largest such block."""
     forced: bool | None = None
     """True: the plan must recompute it; False: must keep it; None: the solver chooses."""
+    in_flight: tuple[int, ...] = ()
+    """[stage] micro-batches the stage holds at its peak, where the runtime can keep some of them
+    (:class:`~autosplit.plans.PartialRecompute`: flushed schedules torch runs); empty: all or none."""
+
+    def partly(self, stage: int, keep: int, micro_batches: int) -> Recompute:
+        """This block on ``stage`` keeping ``keep`` of every ``in_flight[stage]`` micro-batches: it
+        saves the rest's share of its memory and recomputes the micro-batches that do not keep theirs."""
+        window = self.in_flight[stage]
+        again = PartialRecompute(self.label, keep, window).recomputed(micro_batches)
+        compute, saves = list(self.compute), list(self.saves)
+        compute[stage] = round(compute[stage] * again / micro_batches)
+        saves[stage] = saves[stage] * (window - keep) // window
+        return dataclasses.replace(self, compute=tuple(compute), saves=tuple(saves))
 
 
 @dataclass(frozen=True)
@@ -155,12 +169,14 @@ class Problem:
     """No flush between mini-batches (an asynchronous schedule): a step is M micro-batches through
     the slowest stage, and the objective ``M · max_s t_s``."""
 
-    def fixed(self, chosen: Collection[int]) -> Problem:
+    def fixed(self, chosen: Collection[int], partial: Mapping[int, tuple[int, int]] | None = None) -> Problem:
         """This problem with the blocks ``chosen`` (indices into :attr:`recompute`) recomputed and no
         choice left: each block's recompute time and saved memory spread over its members (in
         proportion to their activations), its members kept together, and every stage's reserve raised
-        by the largest block's (a bound: a stage without one keeps the room too)."""
+        by the largest block's (a bound: a stage without one keeps the room too). ``partial``: block →
+        (its stage, micro-batches it keeps there), see :meth:`Recompute.partly`."""
         chosen = sorted(set(chosen))
+        partial = partial or {}
         if not self.recompute and not chosen:
             return self
         a = self.arrays
@@ -169,7 +185,7 @@ class Problem:
         for group in self.colocate:
             groups.union(*group)
         for u in chosen:
-            block = self.recompute[u]
+            block = self.recompute[u] if u not in partial else self.recompute[u].partly(*partial[u], self.micro_batches)
             members = np.asarray(block.members, dtype=np.int64)
             act[members] -= _apportion(act[members], np.asarray(block.saves, dtype=np.int64))
             compute[members[0]] += np.asarray(block.compute, dtype=np.int64)
@@ -521,7 +537,10 @@ def _recompute(
 ) -> tuple[Recompute, ...]:
     """The table's blocks that ``offered`` names, as the solver's :class:`Recompute` choices."""
     entry = schedules.lookup(schedule)
-    share = np.asarray([entry.in_flight(s, stages, micro_batches, ranks) for s in range(stages)], dtype=np.float64) / micro_batches
+    in_flight = [entry.in_flight(s, stages, micro_batches, ranks) for s in range(stages)]
+    share = np.asarray(in_flight, dtype=np.float64) / micro_batches
+    # torch's stages tell the generated code each forward's micro-batch (runtime.stage), in order per stage
+    windows = tuple(in_flight) if entry.flushes and entry.torch_class is not None else ()
     out = []
     for label, forced in offered.items():
         b = table.blocks.index(label)
@@ -529,7 +548,7 @@ def _recompute(
         out.append(Recompute(
             label, members, tuple(np.rint(fwd[list(members)].sum(axis=0) * NS).astype(np.int64).tolist()),
             tuple(int(x) for x in np.floor(table.block_saves[b] * share / KIB)),
-            _kib(table.block_activations[b] / micro_batches), forced,
+            _kib(table.block_activations[b] / micro_batches), forced, windows,
         ))
     return tuple(out)
 

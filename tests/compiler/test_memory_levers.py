@@ -3,6 +3,8 @@ model, the plans they give, and the errors that refuse what would train differen
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import torch.nn as nn
@@ -10,7 +12,7 @@ import torch.nn.functional as F
 
 import autosplit
 from autosplit.compiler.trace import trace
-from autosplit.errors import ConstraintError, CostModelError
+from autosplit.errors import ConstraintError, CostModelError, PlanFileError
 from autosplit.examples import gpt
 from autosplit.passes.annotate import node_info
 from tests.helpers import says
@@ -107,6 +109,32 @@ def test_recompute_pins_and_saved_plans(example, tmp_path):
     assert again.recompute == plan.recompute
     assert [s.memory for s in again.stages] == [s.memory for s in plan.stages]
     assert again.step_time == pytest.approx(plan.step_time)
+
+
+def test_a_block_keeps_the_micro_batches_memory_holds(example, tmp_path):
+    """GPipe holds all 4 micro-batches on each stage: under a cap that keeps no block whole, some keep a
+    share of their micro-batches, faster than recomputing them whole; the plan says which, and keeps it."""
+    model, x = example
+    common = dict(example_inputs=x, schedule="gpipe", micro_batches=4, memory={0: "7MiB", 1: "7MiB"}, time_limit=5)
+    auto = autosplit.plan(model, ["cpu"] * 2, checkpointing="auto", **common)
+    full = autosplit.plan(model, ["cpu"] * 2, checkpointing="full", **common)
+    assert auto.recompute_partial and all(p.block in auto.recompute and p.window == 4 and 0 < p.keep < 4 for p in auto.recompute_partial)
+    assert auto.step_time < full.step_time and all(s.memory <= s.capacity for s in auto.stages)
+    stage = {p.block: s for s, st in enumerate(auto.stages) for p in auto.recompute_partial if p.block in st.recompute}
+    for p in auto.recompute_partial:  # a stage whose blocks keep some micro-batches saves less than recomputing them all
+        assert auto.stages[stage[p.block]].recompute_saves < full.stages[stage[p.block]].recompute_saves
+    report = autosplit.report.text.plan_report(auto)
+    first = auto.recompute_partial[0]
+    assert f"{first.block} keeps micro-batch i's activations where i mod 4 < {first.keep}" in report
+    auto.save(tmp_path / "plan.json")
+    again = autosplit.Planner(model, None, example_inputs=x, schedule="gpipe", micro_batches=4).plan(tmp_path / "plan.json")
+    assert again.recompute_partial == auto.recompute_partial and again.step_time == pytest.approx(auto.step_time)
+    built = autosplit.Planner(model, None, example_inputs=x, schedule="gpipe", micro_batches=4).build(again)
+    assert any(f"keep = {first.keep}, window = 4" in stage.code for stage in built.stages)
+    data = json.loads((tmp_path / "plan.json").read_text())
+    data["recompute_partial"][0]["keep"] = 4  # keeping every micro-batch is not recomputing: an edited file
+    with pytest.raises(PlanFileError, match="recompute_partial"):
+        autosplit.Plan.from_dict(data)
 
 
 class Residual(nn.Module):

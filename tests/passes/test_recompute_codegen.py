@@ -1,7 +1,8 @@
 """Activation checkpointing in the generated stages (``Plan.recompute``): each recomputed block's
 nodes in a stage run as one region under ``torch.utils.checkpoint``, train exactly as the unsplit
-model (float64; dropout draws the forward's mask again), keep fewer activations for the backward,
-and a block whose rerun would differ or update state twice is refused by name."""
+model (float64; dropout draws the forward's mask again), keep fewer activations for the backward
+(a block that keeps some micro-batches: only the others), and a block whose rerun would differ or
+update state twice is refused by name."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ import torch.nn as nn
 import autosplit
 from autosplit.errors import CodegenError
 from autosplit.microbatch import split_batch
-from autosplit.passes.codegen import generate, generate_chain
+from autosplit.passes.codegen import generate, generate_chain, micro_batch
+from autosplit.plans import PartialRecompute
 from tests.helpers import (
     ExampleCode,
     as_float64,
@@ -118,6 +120,29 @@ def _saved_bytes(stage: torch.nn.Module, received: tuple, inputs: dict) -> tuple
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = stage(*received, **inputs)
     return saved, out
+
+
+def test_a_block_that_keeps_some_micro_batches_checkpoints_only_the_others():
+    model, inputs = seeded_gpt(4)
+    planner = _planner(model, inputs)
+    plan, captured = planner.plan(), planner.traced.captured
+    micro = split_batch(planner.traced.inputs, None, 1)[0][0]
+    blocks = _blocks(model)
+    chain = generate_chain(captured, plan.stage_of, 2, micro, recompute=blocks,
+                           partial=[PartialRecompute(b, 2, 3) for b in blocks])  # of every 3 micro-batches, 2 keep
+    full = generate_chain(captured, plan.stage_of, 2, micro, recompute=blocks)
+    assert "keep=2,window=3" in chain.stages[0].code.replace(" ", "")
+    named = dict(zip(chain.input_names, micro))
+    recomputing, expected = _saved_bytes(full.stages[0], (), named)
+    for i in range(6):
+        with micro_batch(i):
+            saved, out = _saved_bytes(chain.stages[0], (), named)
+        torch.testing.assert_close(out, expected)
+        assert (saved > recomputing) == (i % 3 < 2), f"micro-batch {i}: {saved} bytes saved, {recomputing} when recomputing"
+    assert _saved_bytes(chain.stages[0], (), named)[0] == recomputing, "outside a pipeline stage every micro-batch recomputes"
+    assert [PartialRecompute("b", 2, 3).recomputes(i) for i in range(7)] == [False, False, True] * 2 + [False]
+    assert all(sum(not PartialRecompute("b", k, w).recomputes(i) for i in range(j, j + w)) == k
+               for w in range(1, 6) for k in range(w + 1) for j in range(10)), "any window of consecutive micro-batches keeps k"
 
 
 def test_recomputing_every_block_keeps_fewer_activations_in_each_stage():
@@ -254,7 +279,7 @@ def test_a_region_takes_python_values_from_outside_it():
 # -- the distributed form: 2 gloo processes -----------------------------------------------------------------
 
 
-def _run_case(schedule: str, *, rank: int, world: int) -> None:
+def _run_case(schedule: str, partial: bool = False, *, rank: int, world: int) -> None:
     torch.manual_seed(0)
     model, args, kwargs, target, loss_fn = gpt_case()
     model = model.double()
@@ -262,10 +287,12 @@ def _run_case(schedule: str, *, rank: int, world: int) -> None:
     reference = copy.deepcopy(model)
     planner = autosplit.Planner(model, ["cpu"] * world, example_inputs=args, example_kwargs=kwargs, micro_batches=2,
                                 schedule=schedule, time_limit=2)
-    plan = dataclasses.replace(planner.plan(), recompute=_blocks(model))
+    some = tuple(PartialRecompute(b, 1, 2) for b in _blocks(model)) if partial else ()  # micro-batch 0 keeps, 1 recomputes
+    plan = dataclasses.replace(planner.plan(), recompute=_blocks(model), recompute_partial=some)
     pipe = autosplit.distribute(model, None, example_inputs=args, example_kwargs=kwargs, loss_fn=loss_fn, plan=plan)
-    assert pipe.plan.recompute == _blocks(model)
-    assert all(isinstance(m, torch.fx.GraphModule) and "checkpoint(" in m.code for m in pipe.stage_modules.values())
+    assert pipe.plan.recompute == _blocks(model) and pipe.plan.recompute_partial == some
+    called = "recompute_unless_kept(" if partial else "checkpoint("
+    assert all(isinstance(m, torch.fx.GraphModule) and called in m.code for m in pipe.stage_modules.values())
     opt, ref_opt = torch.optim.Adam(pipe.parameters(), lr=1e-2), torch.optim.Adam(reference.parameters(), lr=1e-2)
     ref_params = dict(reference.named_parameters())
     for step in range(STEPS):
@@ -282,4 +309,4 @@ def _run_case(schedule: str, *, rank: int, world: int) -> None:
 
 
 def test_recomputing_pipeline_trains_like_the_unsplit_model_on_two_processes(tmp_path):
-    spawn_cases(tmp_path, 2, _run_case, [("gpipe",), ("1f1b",)])
+    spawn_cases(tmp_path, 2, _run_case, [("gpipe",), ("1f1b",), ("1f1b", True)])

@@ -119,9 +119,12 @@ class _Model:
         """Per block u a literal r[u] (recompute it) and per stage z[u, s] = r[u] ∧ in(first member, s);
         a recomputed block's members share a stage. A stage's time grows by the blocks it recomputes,
         its memory shrinks by what they save, and every stage's reserve grows by the largest recomputed
-        block's (see :meth:`Problem.fixed`)."""
+        block's (see :meth:`Problem.fixed`). A block the solver chooses that can keep some of its
+        stage's in-flight micro-batches (:attr:`Recompute.in_flight`) gets k[u, s], the micro-batches
+        it keeps there (0 unless z[u, s]): the time and memory of :meth:`Recompute.partly`, as tables."""
         p, S = self.p, self.p.num_stages
         self.r: list[Any] = []
+        self.k: dict[tuple[int, int], Any] = {}
         self.extra_time: list[Any] = [0] * S
         self.extra_mem: list[Any] = [0] * S
         z: dict[tuple[int, int], Any] = {}
@@ -143,6 +146,17 @@ class _Model:
                 self.m.add(zz >= r + inside - 1)
                 self.extra_time[s] += block.compute[s] * zz
                 self.extra_mem[s] -= block.saves[s] * zz
+                window = block.in_flight[s] if block.in_flight and block.forced is None else 1
+                if window > 1:
+                    kk = self.k[u, s] = self.m.new_int_var(0, window - 1, f"k_{u}_{s}")
+                    self.m.add(kk <= (window - 1) * zz)
+                    ways = [block.partly(s, keep, p.micro_batches) for keep in range(window)]
+                    time_back = self.m.new_int_var(0, block.compute[s], f"kt_{u}_{s}")
+                    mem_back = self.m.new_int_var(0, block.saves[s], f"km_{u}_{s}")
+                    self.m.add_element(kk, [block.compute[s] - w.compute[s] for w in ways], time_back)
+                    self.m.add_element(kk, [block.saves[s] - w.saves[s] for w in ways], mem_back)
+                    self.extra_time[s] -= time_back
+                    self.extra_mem[s] += mem_back
         if p.recompute:  # one reserve for every stage, as the cost table keeps one transient reserve
             reserve = self.m.new_int_var(0, max(b.reserve for b in p.recompute), "reserve")
             for u, block in enumerate(p.recompute):
@@ -151,6 +165,10 @@ class _Model:
 
     def recomputed(self, solver: cp_model.CpSolver) -> tuple[int, ...]:
         return tuple(u for u, r in enumerate(self.r) if solver.value(r))
+
+    def kept(self, solver: cp_model.CpSolver) -> dict[int, tuple[int, int]]:
+        """Block → (its stage, micro-batches it keeps there), for the blocks that keep some."""
+        return {u: (s, solver.value(k)) for (u, s), k in self.k.items() if solver.value(k) > 0}
 
     def _time(self) -> None:
         p, S, N = self.p, self.p.num_stages, len(self.p.nodes)
@@ -361,12 +379,14 @@ def cpsat(
     deterministic: bool = True,
     hint_recompute: Collection[int] = (),
     recomputed: list[int] | None = None,
+    kept: dict[int, tuple[int, int]] | None = None,
 ) -> tuple[str, tuple[int, ...] | None, float, list[int | str]]:
     """Run the model: (status, assignment or None, best bound, the infeasibility core).
 
     The core lists what conflicts: stage indices for memory caps, texts for user constraints. With
-    :attr:`Problem.recompute` blocks, ``hint_recompute`` are the hinted ones and the blocks the plan
-    recomputes are appended to ``recomputed``.
+    :attr:`Problem.recompute` blocks, ``hint_recompute`` are the hinted ones, the blocks the plan
+    recomputes are appended to ``recomputed`` and those that keep some micro-batches put in ``kept``
+    (block → (stage, micro-batches kept)).
     """
     model = _Model(problem)
     guarded = model.add_assumptions()
@@ -381,6 +401,8 @@ def cpsat(
     if status in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         if recomputed is not None:
             recomputed.extend(model.recomputed(solver))
+        if kept is not None:
+            kept.update(model.kept(solver))
         return name, model.stage_of(solver), solver.best_objective_bound, []
     core: list[int | str] = []
     if status == cp_model.INFEASIBLE:

@@ -31,6 +31,7 @@ import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from autosplit.errors import InfeasiblePlanError, SolverError, advice
 from autosplit.options import SolverLimits
@@ -62,6 +63,9 @@ class Solution:
     """How many units the solver placed: nodes, or blocks after coarsening."""
     recompute: tuple[int, ...] = ()
     """The blocks (indices into :attr:`Problem.recompute`) the plan recomputes."""
+    partial: tuple[tuple[int, int, int], ...] = ()
+    """(block, its stage, micro-batches it keeps there) for the blocks of :attr:`recompute` that keep
+    some (:meth:`Problem.fixed`'s ``partial``)."""
 
     @property
     def gap(self) -> float:
@@ -138,8 +142,11 @@ def solve(
 
     With blocks to recompute (:attr:`Problem.recompute`), the DP splits the model recomputing the
     fewest and the most blocks allowed, then CP-SAT chooses split and blocks together from the better
-    of the two; the bound is the time bound with the fewest (recomputing only adds time) or CP-SAT's
-    on the nodes, and the plan the best found, judged on the nodes."""
+    of the two, and for each block on a stage that holds several micro-batches at once
+    (:attr:`Recompute.in_flight`) how many of them keep their activations; each DP plan's ranks keep
+    the blocks, and the micro-batches, their memory holds after all. The bound is the time bound
+    with the fewest (recomputing only adds time) or CP-SAT's on the nodes, and the plan the best
+    found, judged on the nodes."""
     if not problem.recompute:
         return _split(problem, time_limit=time_limit, seed=seed, workers=workers, limits=limits)
     start = time.perf_counter()
@@ -149,7 +156,7 @@ def solve(
     fewest, most = problem.fixed(must), problem.fixed(may)
     least = dataclasses.replace(most, colocate=problem.colocate, transient_mem=problem.transient_mem)
     _refuse_over_caps(problem, memory_floor(least))
-    found: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {}  # method → (blocks, plan)
+    found: dict[str, tuple[Any, tuple[int, ...]]] = {}  # method → ((blocks, partial), plan)
     units = len(problem.nodes)
     slowest = math.inf  # of any split found, recomputing the fewest blocks, memory aside: narrows the time bound's DP
     runs = {"dp": (must, fewest), **({"dp (recompute)": (may, most)} if may != must else {})}
@@ -163,31 +170,34 @@ def solve(
         if plan is not None and not violations(fixed, plan):
             found.setdefault(name, (chosen, plan))
     found = {name: (_keep_what_fits(problem, plan, chosen), plan) for name, (chosen, plan) in found.items()}
-    value = {name: evaluate(problem.fixed(chosen), plan).objective for name, (chosen, plan) in found.items()}
+    value = {name: evaluate(problem.fixed(*chosen), plan).objective for name, (chosen, plan) in found.items()}
     baseline = value.get("dp")
     bound = lower_bound(fewest, upper=slowest, limits=limits)
     remaining = time_limit - (time.perf_counter() - start)
     if len(may) > len(must) and remaining > 0 and problem.num_stages > 1:
         hint = min(found, key=value.__getitem__) if found else None
-        joint = _joint(problem, found[hint][1] if hint else None, found[hint][0] if hint else must,
+        joint = _joint(problem, found[hint][1] if hint else None, found[hint][0][0] if hint else must,
                        time_limit=remaining, seed=seed, workers=workers, limits=limits)
         if joint is not None:
-            plan, chosen, joint_bound = joint
-            if plan is not None and not violations(problem.fixed(chosen), plan):
-                found["cp-sat"] = (chosen := _keep_what_fits(problem, plan, chosen), plan)
-                value["cp-sat"] = evaluate(problem.fixed(chosen), plan).objective
+            plan, blocks, kept, joint_bound = joint
+            if plan is not None and not violations(problem.fixed(blocks, kept), plan):
+                # CP-SAT's own choice, or each rank keeping what fits after all (CP-SAT stopped by its time limit)
+                split = plan
+                ways = [(blocks, kept), _keep_what_fits(problem, split, blocks)]
+                found["cp-sat"] = (min(ways, key=lambda way: evaluate(problem.fixed(*way), split).objective), split)
+                value["cp-sat"] = evaluate(problem.fixed(*found["cp-sat"][0]), plan).objective
             bound = max(bound, joint_bound)
     if not found:  # recomputing every block allowed, as a plain split: its plan, or its own error saying why none fits
         alone = _split(most, time_limit=max(1.0, time_limit - (time.perf_counter() - start)), seed=seed,
                        workers=workers, limits=limits)
-        found[alone.solver] = (may, alone.stage_of)
+        found[alone.solver] = ((may, {}), alone.stage_of)
         value[alone.solver] = alone.objective
     name = min(found, key=lambda k: (value[k], k))
-    chosen, plan = found[name]
+    (chosen, partial), plan = found[name]
     objective = value[name]
     bound = min(bound, objective)
     return Solution(plan, "OPTIMAL" if bound == objective else "FEASIBLE", objective, bound, time.perf_counter() - start,
-                    name, baseline, units, tuple(chosen))
+                    name, baseline, units, tuple(chosen), tuple((u, s, k) for u, (s, k) in sorted(partial.items())))
 
 
 def _refuse_over_caps(problem: Problem, spread: int, along_chain: int = 0) -> None:
@@ -206,10 +216,14 @@ def _refuse_over_caps(problem: Problem, spread: int, along_chain: int = 0) -> No
         ))
 
 
-def _keep_what_fits(problem: Problem, stage_of: Sequence[int], chosen: Sequence[int]) -> tuple[int, ...]:
-    """``chosen`` less the blocks each rank's memory can keep after all, for the split ``stage_of``:
-    blocks that cost the most time per byte they save are kept first (for a stage's equal layers,
-    the least time that fits)."""
+def _keep_what_fits(
+    problem: Problem, stage_of: Sequence[int], chosen: Sequence[int]
+) -> tuple[tuple[int, ...], dict[int, tuple[int, int]]]:
+    """(``chosen`` less the blocks each rank's memory can keep after all, for the split ``stage_of``;
+    of the rest, block → (stage, micro-batches it keeps there) where the rank can hold some of a
+    block's in-flight micro-batches but not all: :meth:`Problem.fixed`'s arguments). Blocks that cost
+    the most time per byte they save are kept first (for a stage's equal layers, the least time
+    that fits); the blocks the user asked to recompute recompute every micro-batch."""
     kept = set(chosen)
     must = set(problem.forced[0])
     ev = evaluate(problem.fixed(kept), stage_of)
@@ -222,27 +236,40 @@ def _keep_what_fits(problem: Problem, stage_of: Sequence[int], chosen: Sequence[
         if need <= slack[r]:
             kept.discard(u)
             slack[r] -= need
+    partial = {}
+    for u in sorted(kept - must, key=lambda u: (-ratio[u], u)):
+        block, s = problem.recompute[u], stage[u]
+        window = block.in_flight[s] if block.in_flight else 1
+        each = block.saves[s] / window  # KiB one kept micro-batch holds again
+        keep = min(window - 1, int(slack[problem.rank(s)] // each) if each > 0 else window - 1)
+        if keep > 0:
+            partial[u] = (s, keep)
+            slack[problem.rank(s)] -= block.saves[s] - block.partly(s, keep, problem.micro_batches).saves[s]
     found = tuple(sorted(kept))
-    return found if not violations(problem.fixed(found), stage_of) else tuple(chosen)
+    if partial and violations(problem.fixed(found, partial), stage_of):  # the memory apportioned otherwise: no partial
+        partial = {}
+    return (found, partial) if not violations(problem.fixed(found), stage_of) else (tuple(chosen), {})
 
 
 def _joint(
     problem: Problem, stage_of: tuple[int, ...] | None, chosen: tuple[int, ...], *, time_limit: float, seed: int,
     workers: int | None, limits: SolverLimits,
-) -> tuple[tuple[int, ...] | None, tuple[int, ...], int] | None:
+) -> tuple[tuple[int, ...] | None, tuple[int, ...], dict[int, tuple[int, int]], int] | None:
     """CP-SAT over the split and the blocks together, from the plan ``stage_of`` recomputing
-    ``chosen``: (plan on the nodes, blocks it recomputes, a bound valid for every plan — 0 unless it
-    ran on the nodes themselves). On the nodes when the model is small enough, else on blocks that
-    keep each recomputable block whole (as few as :attr:`SolverLimits.cpsat_vars` allows)."""
+    ``chosen``: (plan on the nodes, blocks it recomputes, those that keep some micro-batches (block →
+    (stage, kept)), a bound valid for every plan — 0 unless it ran on the nodes themselves). On the
+    nodes when the model is small enough, else on blocks that keep each recomputable block whole (as
+    few as :attr:`SolverLimits.cpsat_vars` allows)."""
     N, S = len(problem.nodes), problem.num_stages
     order = topological_order(problem)
     if N * (S - 1) <= limits.cpsat_vars:
         recomputed: list[int] = []
+        kept: dict[int, tuple[int, int]] = {}
         name, found, cp_bound, core = cpsat(problem, stage_of, time_limit=time_limit, seed=seed, workers=workers,
-                                            hint_recompute=chosen, recomputed=recomputed)
+                                            hint_recompute=chosen, recomputed=recomputed, kept=kept)
         if name == "INFEASIBLE":
             raise InfeasiblePlanError(explain_infeasible(problem.fixed(problem.forced[1]), core, time_limit, seed))
-        return found, tuple(recomputed), math.ceil(cp_bound)
+        return found, tuple(recomputed), kept, math.ceil(cp_bound)
     units = max(len(problem.recompute), min(limits.cpsat_vars // max(1, S - 1), limits.max_blocks))
     c = coarsen(problem, order, max_cost=float(problem.arrays.compute.sum()) / S / max(1, units // S))
     if c.num_blocks * (S - 1) > 4 * limits.cpsat_vars:
@@ -250,10 +277,10 @@ def _joint(
         return None
     coarse = coarse_problem(problem, c)
     hint = None if stage_of is None else tuple(stage_of[c.members(b)[0]] for b in range(c.num_blocks))
-    recomputed = []
+    recomputed, kept = [], {}
     _, found, _, _ = cpsat(coarse, hint, time_limit=time_limit, seed=seed, workers=workers, hint_recompute=chosen,
-                           recomputed=recomputed)
-    return None if found is None else (c.to_nodes(found), tuple(recomputed), 0)
+                           recomputed=recomputed, kept=kept)
+    return None if found is None else (c.to_nodes(found), tuple(recomputed), kept, 0)
 
 
 def _split(
