@@ -51,7 +51,8 @@ def _row(plan: autosplit.Plan, ranks: int, batch: int, seconds: float) -> dict[s
         "schedule": plan.schedule, "micro_batches": plan.micro_batches, "stages_per_rank": plan.stages_per_rank,
         "step_s": plan.step_time, "tokens_per_s_per_gpu": batch * SEQ / plan.step_time / ranks,
         "peak_gib": max(peaks) / GiB, "peaks_gib": [p / GiB for p in peaks], "recomputed_blocks": len(plan.recompute),
-        "recompute_per_stage": [len(s.recompute) for s in plan.stages], "solver": plan.solver.name, "status": plan.solver.status,
+        "recompute_per_stage": [len(s.recompute) for s in plan.stages],
+        "partial": [[p.block, p.keep, p.window] for p in plan.recompute_partial], "solver": plan.solver.name, "status": plan.solver.status,
         "gap": plan.solver.gap, "planning_s": seconds, "timings": dict(plan.timings),
     }
 
@@ -83,14 +84,15 @@ def run(ranks: int, micro_batches: int, time_limit: float, search: bool) -> dict
 def report(r: dict[str, Any]) -> None:
     print(f"\nLlama-3-70B on {r['devices']} × {PRESET}, batch {r['batch']} × {r['seq']}, bf16-mixed, 1F1B "
           f"(capture + annotate {r['capture_s']:.1f} s)")
-    print(f"{'mode':>6s} {'step s':>7s} {'tok/s/GPU':>9s} {'peak GiB':>8s} {'blocks':>6s} {'solver':>15s} {'gap':>6s} {'plan s':>6s}")
+    print(f"{'mode':>6s} {'step s':>7s} {'tok/s/GPU':>9s} {'peak GiB':>8s} {'blocks':>6s} {'partly':>6s} "
+          f"{'solver':>15s} {'gap':>6s} {'plan s':>6s}")
     rows = [*r["modes"].items(), *([("search", r["search"])] if "search" in r else [])]
     for mode, m in rows:
         if "error" in m:
             print(f"{mode:>6s}  no plan ({m['planning_s']:.1f} s): {m['error'][:160]}")
             continue
         print(f"{mode:>6s} {m['step_s']:7.2f} {m['tokens_per_s_per_gpu']:9.0f} {m['peak_gib']:8.1f} {m['recomputed_blocks']:6d} "
-              f"{m['solver'] + ' ' + m['status'][:4]:>15s} {m['gap']:6.1%} {m['planning_s']:6.1f}"
+              f"{len(m['partial']):6d} {m['solver'] + ' ' + m['status'][:4]:>15s} {m['gap']:6.1%} {m['planning_s']:6.1f}"
               + (f"  ({m['schedule']}, M={m['micro_batches']}, v={m['stages_per_rank']}, {m['tried']} tried)" if mode == "search" else ""))
 
 

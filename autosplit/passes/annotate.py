@@ -26,6 +26,7 @@ import contextlib
 import dataclasses
 import logging
 import math
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -101,6 +102,10 @@ class NodeInfo:
     """The share of the backward that is the gradient to parameters (the weight-gradient pass W of
     a split backward; the rest is the input-gradient pass I): by flops, or 1 when parameters are
     all that needs a gradient (an embedding)."""
+    weight_copy_bytes: int = 0
+    """Of :attr:`saved_bytes`, the low-precision copies of parameters autocast makes for this node and
+    it saves: autocast casts a weight again in every forward it runs, so each micro-batch in flight
+    holds its own copy (the bytes here are one copy's; the cost table scales them by the micro-batches)."""
     row_grad_bytes: int = 0
     """For the node that owns an embedding table read only by lookups (``nn.Embedding``,
     ``F.embedding``, ``aten.embedding``; not a table tied to an output layer): bytes of the rows the
@@ -121,9 +126,11 @@ class _Measured(NamedTuple):
     written_at: frozenset[int]
     """Positions of the inputs the node wrote in place (their version counter moved)."""
     output: Any
+    """The output with each tensor as its :class:`_TensorMeta`, to make it again."""
     wgrad_share: float = 0.0
     """Of ``bwd``, the share of the gradient to the node's own parameters (a zero-bubble W pass)."""
-    """The output with each tensor as its :class:`_TensorMeta`, to make it again."""
+    copies: int = 0
+    """Of ``saved``, the bytes of the low-precision copies of parameters autocast made."""
 
 
 @dataclass(frozen=True)
@@ -274,9 +281,20 @@ class _Autocast(torch.overrides.TorchFunctionMode):
     saves, as under autocast), and low-precision inputs of the device's fp32 ops are cast up. A
     region the model itself runs with autocast disabled (a rotary embedding's tables) is cast too."""
 
-    def __init__(self, device_type: str, dtype: torch.dtype):
+    def __init__(self, device_type: str, dtype: torch.dtype, params: Collection[int] = ()):
         super().__init__()
         self.fp32, self.dtype = _FP32["cpu" if device_type == "cpu" else "cuda"], dtype
+        self.params = params
+        self.copies: dict[int, torch.Tensor] = {}
+        """The cast copies of the tensors whose ids are in ``params`` (the model's parameters), by id."""
+
+    def _down(self, x: Any) -> Any:
+        if not isinstance(x, torch.Tensor) or x.dtype != torch.float32:
+            return x
+        y = x.to(self.dtype)
+        if id(x) in self.params:
+            self.copies[id(y)] = y
+        return y
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -284,7 +302,7 @@ class _Autocast(torch.overrides.TorchFunctionMode):
         if key is aten._assert_tensor_metadata:  # export's checks of the dtypes it traced, which the policy changes
             return None
         if key in _LOW:
-            cast = lambda x: x.to(self.dtype) if isinstance(x, torch.Tensor) and x.dtype == torch.float32 else x  # noqa: E731
+            cast = self._down
         elif key in self.fp32:
             cast = lambda x: x.float() if isinstance(x, torch.Tensor) and x.dtype in _HALF else x  # noqa: E731
         else:
@@ -293,13 +311,14 @@ class _Autocast(torch.overrides.TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def precision_context(precision: str, device_type: str) -> contextlib.AbstractContextManager:
+def precision_context(precision: str, device_type: str, params: Collection[int] = ()) -> contextlib.AbstractContextManager:
     """The forward's dtype policy for annotating ``precision`` on a ``device_type`` (``"cpu"``,
-    ``"cuda"``) target: autocast's for the mixed precisions; nothing for fp32 and bf16 (a bf16
-    model is annotated with bf16 state and inputs instead)."""
+    ``"cuda"``) target: autocast's for the mixed precisions (recording the copies it makes of the
+    tensors whose ids are in ``params``); nothing for fp32 and bf16 (a bf16 model is annotated with
+    bf16 state and inputs instead)."""
     if not precision.endswith("-mixed"):
         return contextlib.nullcontext()
-    return _Autocast(device_type, LOW_PRECISION[precision])
+    return _Autocast(device_type, LOW_PRECISION[precision], params)
 
 
 class _Annotator(fx.Interpreter):
@@ -423,6 +442,7 @@ class _Annotator(fx.Interpreter):
             half=any(t.dtype in _HALF for t in (*inputs, *outputs)),
             mutates=self._producers(n, flat, measured.written_at),
             wgrad_share=measured.wgrad_share,
+            weight_copy_bytes=measured.copies,
         )
         return out
 
@@ -496,6 +516,8 @@ class _Annotator(fx.Interpreter):
         versions = {i: t._version for i, t in enumerate(flat) if isinstance(t, torch.Tensor)}
         own: dict[int, int] = {}
         saved_at: set[int] = set()
+        policy = precision_context(self.precision, self.device_type, self._state_fakes)
+        copies: dict[int, torch.Tensor] = getattr(policy, "copies", {})
 
         def pack(t: torch.Tensor) -> torch.Tensor:
             base = t._base if t._base is not None else t
@@ -512,7 +534,7 @@ class _Annotator(fx.Interpreter):
         with (
             FlopCounterMode(display=False, custom_mapping=RNN_FLOPS) as fwd_counter,
             torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
-            precision_context(self.precision, self.device_type),
+            policy,
         ):
             out = getattr(self, n.op)(n.target, args, kwargs)
         written_at = frozenset(i for i, v in versions.items() if flat[i]._version != v)
@@ -540,7 +562,8 @@ class _Annotator(fx.Interpreter):
             out = pytree.tree_map(lambda x: self._moved(x, back_to), out)
         template = pytree.tree_map(lambda t: _TensorMeta.of(t) if isinstance(t, torch.Tensor) else t, out)
         measured = _Measured(
-            fwd_counter.get_total_flops(), bwd, sum(own.values()), frozenset(saved_at), saves_output, written_at, template, wshare
+            fwd_counter.get_total_flops(), bwd, sum(own.values()), frozenset(saved_at), saves_output, written_at, template, wshare,
+            sum(b for i, b in own.items() if i in copies),
         )
         return out, measured
 

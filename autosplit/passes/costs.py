@@ -257,9 +257,11 @@ def _activation_bytes(
 ) -> tuple[list[int], list[int]]:
     """(bytes each node saves for backward, its transient peak) per node: annotated, or measured
     by the first profile. The transient peak is at least the temporaries the optimizer step
-    allocates while it updates the node's largest parameter (:data:`OPTIMIZER_TEMP_FACTOR`)."""
+    allocates while it updates the node's largest parameter (:data:`OPTIMIZER_TEMP_FACTOR`). The
+    whole batch's saved bytes hold a weight copy autocast makes once per micro-batch: every
+    micro-batch in flight keeps its own (``NodeInfo.weight_copy_bytes``)."""
     transient = [info.output_bytes / micro_batches for info in infos]
-    own_saved = [info.saved_bytes for info in infos]
+    own_saved = [info.saved_bytes + (micro_batches - 1) * info.weight_copy_bytes for info in infos]
     measured = next((p for p in profiles if p is not None), None)
     if measured is not None:  # memory does not depend on which device of a kind measured it
         for i, n in enumerate(nodes):

@@ -12,9 +12,11 @@ import torch.nn.functional as F
 
 import autosplit
 from autosplit.compiler.trace import trace
+from autosplit.devices import resolve_devices
 from autosplit.errors import ConstraintError, CostModelError, PlanFileError
 from autosplit.examples import gpt
 from autosplit.passes.annotate import node_info
+from autosplit.passes.costs import estimate
 from tests.helpers import says
 
 
@@ -44,7 +46,8 @@ def test_precision_changes_dtypes_state_and_time(example):
     assert 2 * sum(i.param_bytes for i in bf16.values()) == sum(i.param_bytes for i in fp32.values())
     assert all(p.dtype == torch.float32 for p in model.parameters())  # planning never casts the user's model
 
-    plans = {p: autosplit.plan(model, ["H100-80GB"] * 2, example_inputs=x, precision=p, time_limit=2)
+    # One micro-batch: autocast's weight copies are held once (each micro-batch in flight holds its own).
+    plans = {p: autosplit.plan(model, ["H100-80GB"] * 2, example_inputs=x, precision=p, micro_batches=1, time_limit=2)
              for p in ("fp32", "bf16-mixed", "bf16")}
     assert all(plan.precision == p for p, plan in plans.items())
     state = {p: sum(s.memory_state for s in plan.stages) for p, plan in plans.items()}
@@ -54,6 +57,35 @@ def test_precision_changes_dtypes_state_and_time(example):
     compute = {p: sum(s.compute for s in plan.stages) for p, plan in plans.items()}
     assert compute["bf16-mixed"] < compute["fp32"]
     assert "bf16-mixed" in str(autosplit.report.text.plan_report(plans["bf16-mixed"]))
+
+
+def test_every_micro_batch_in_flight_keeps_its_own_autocast_weight_copy(example):
+    """torch.autocast casts a weight again in every region it is entered for (a pipeline stage enters
+    it per micro-batch) and the matmul saves that copy: M micro-batches in flight hold M copies. The
+    annotation finds the copies, and the cost table charges one per micro-batch."""
+    lin, copies = nn.Linear(64, 64), set()
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.dtype == torch.bfloat16 and t.numel() == lin.weight.numel():
+            copies.add(t.untyped_storage().data_ptr())
+        return t
+
+    held = []
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        for _ in range(4):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                held.append(lin(torch.randn(8, 64, requires_grad=True)))  # a stage's input: its gradient is needed
+    assert len(copies) == 4
+
+    model, x = example
+    gm = trace(model, x, {}, method="auto").annotated("bf16-mixed", "cuda")
+    infos = _infos(gm)
+    qkv = infos["blocks_0_attn_qkv"]
+    assert qkv.weight_copy_bytes == 2 * model.blocks[0].attn.qkv.weight.numel()  # the bf16 copy of its weight (the bias is not saved)
+    assert _infos(trace(model, x, {}, method="auto").captured.gm)["blocks_0_attn_qkv"].weight_copy_bytes == 0  # fp32: none
+    tables = {M: estimate(gm, resolve_devices(["H100-80GB"]), micro_batches=M) for M in (1, 4)}
+    n = tables[1].nodes.index("blocks_0_attn_qkv")
+    assert tables[4].saved_bytes[n] - tables[1].saved_bytes[n] == 3 * qkv.weight_copy_bytes
 
 
 class Attention(nn.Module):

@@ -59,10 +59,12 @@ log = logging.getLogger(__name__)
 
 
 class _Model:
-    """Builds the model above; ``caps=False`` drops memory caps (used to explain infeasibility)."""
+    """Builds the model above; ``caps=False`` drops memory caps (used to explain infeasibility);
+    ``partial=False``: recomputed blocks recompute every micro-batch (no k[u, s])."""
 
-    def __init__(self, problem: Problem):
+    def __init__(self, problem: Problem, partial: bool = True):
         self.p = problem
+        self.partial = partial
         self.m = cp_model.CpModel()
         S = problem.num_stages
         rep = list(range(len(problem.nodes)))
@@ -146,7 +148,7 @@ class _Model:
                 self.m.add(zz >= r + inside - 1)
                 self.extra_time[s] += block.compute[s] * zz
                 self.extra_mem[s] -= block.saves[s] * zz
-                window = block.in_flight[s] if block.in_flight and block.forced is None else 1
+                window = block.in_flight[s] if self.partial and block.in_flight and block.forced is None else 1
                 if window > 1:
                     kk = self.k[u, s] = self.m.new_int_var(0, window - 1, f"k_{u}_{s}")
                     self.m.add(kk <= (window - 1) * zz)
@@ -380,15 +382,17 @@ def cpsat(
     hint_recompute: Collection[int] = (),
     recomputed: list[int] | None = None,
     kept: dict[int, tuple[int, int]] | None = None,
+    partial: bool = True,
 ) -> tuple[str, tuple[int, ...] | None, float, list[int | str]]:
     """Run the model: (status, assignment or None, best bound, the infeasibility core).
 
     The core lists what conflicts: stage indices for memory caps, texts for user constraints. With
     :attr:`Problem.recompute` blocks, ``hint_recompute`` are the hinted ones, the blocks the plan
     recomputes are appended to ``recomputed`` and those that keep some micro-batches put in ``kept``
-    (block → (stage, micro-batches kept)).
+    (block → (stage, micro-batches kept)); ``partial=False`` leaves that choice out of the model
+    (its bound then holds only for blocks recomputed whole).
     """
-    model = _Model(problem)
+    model = _Model(problem, partial)
     guarded = model.add_assumptions()
     if hint is not None:
         model.hint(tuple(hint), hint_recompute)
