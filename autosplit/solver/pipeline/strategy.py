@@ -31,7 +31,6 @@ import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from autosplit.errors import InfeasiblePlanError, SolverError, advice
 from autosplit.options import SolverLimits
@@ -70,6 +69,10 @@ class Solution:
     @property
     def gap(self) -> float:
         return 0.0 if self.objective <= 0 else max(0.0, (self.objective - self.bound) / self.objective)
+
+
+_Choice = tuple[tuple[int, ...], dict[int, tuple[int, int]]]
+"""Blocks a plan recomputes, and block → (its stage, micro-batches it keeps there) for those that keep some."""
 
 
 def _one_order(problem: Problem) -> bool:
@@ -156,7 +159,7 @@ def solve(
     fewest, most = problem.fixed(must), problem.fixed(may)
     least = dataclasses.replace(most, colocate=problem.colocate, transient_mem=problem.transient_mem)
     _refuse_over_caps(problem, memory_floor(least))
-    found: dict[str, tuple[Any, tuple[int, ...]]] = {}  # method → ((blocks, partial), plan)
+    found: dict[str, tuple[_Choice, tuple[int, ...]]] = {}  # method → ((blocks, partial), plan)
     units = len(problem.nodes)
     slowest = math.inf  # of any split found, recomputing the fewest blocks, memory aside: narrows the time bound's DP
     runs = {"dp": (must, fewest), **({"dp (recompute)": (may, most)} if may != must else {})}
@@ -168,8 +171,7 @@ def solve(
         if plan is not None:
             slowest = min(slowest, max(evaluate(fewest, plan).time))
         if plan is not None and not violations(fixed, plan):
-            found.setdefault(name, (chosen, plan))
-    found = {name: (_keep_what_fits(problem, plan, chosen), plan) for name, (chosen, plan) in found.items()}
+            found.setdefault(name, (_keep_what_fits(problem, plan, chosen), plan))
     value = {name: evaluate(problem.fixed(*chosen), plan).objective for name, (chosen, plan) in found.items()}
     baseline = value.get("dp")
     bound = lower_bound(fewest, upper=slowest, limits=limits)
@@ -216,9 +218,7 @@ def _refuse_over_caps(problem: Problem, spread: int, along_chain: int = 0) -> No
         ))
 
 
-def _keep_what_fits(
-    problem: Problem, stage_of: Sequence[int], chosen: Sequence[int]
-) -> tuple[tuple[int, ...], dict[int, tuple[int, int]]]:
+def _keep_what_fits(problem: Problem, stage_of: Sequence[int], chosen: Sequence[int]) -> _Choice:
     """(``chosen`` less the blocks each rank's memory can keep after all, for the split ``stage_of``;
     of the rest, block → (stage, micro-batches it keeps there) where the rank can hold some of a
     block's in-flight micro-batches but not all: :meth:`Problem.fixed`'s arguments). Blocks that cost
