@@ -25,7 +25,7 @@ Prints a table and writes ``benchmarks/results/memory_levers.json``.
 
 Usage::
 
-    python benchmarks/memory_levers.py               # GPT and Llama, ~8 min on 2 cores
+    python benchmarks/memory_levers.py               # GPT and Llama, ~2 min on 2 cores
     python benchmarks/memory_levers.py --schedule gpipe   # results/memory_levers_gpipe.json
     python benchmarks/memory_levers.py --models gpt --steps 4
 """

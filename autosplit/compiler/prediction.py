@@ -215,7 +215,7 @@ def stage_reports(
     share = table.wgrad_share or (0.0,) * len(table.nodes)
     entry, M, S = schedules.lookup(schedule), problem.micro_batches, problem.num_stages
     recomputed = [(label, table.blocks.index(label)) for label in table.recomputed]
-    kept = dict(zip(table.recomputed, table.recompute_kept))  # (kept, window) of a block that keeps some micro-batches
+    kept = {label: k / w for label, (k, w) in zip(table.recomputed, table.recompute_kept)}  # share of its micro-batches a block keeps
     # The buffers a sender keeps for gradients coming back (the receiver's, twice its received bytes, are all of them).
     sent_buffers = [b - r for b, r in zip(ev.buffer_mem, ev.recv_mem)] if ev.buffer_mem else [0] * len(order)
     for s, device in enumerate(table.devices[d] for d in order):
@@ -246,14 +246,10 @@ def stage_reports(
                 memory_transient=min(transient[s], ev.transient_mem * KIB),
                 capacity=device.memory,
                 recompute=tuple(label for label, _ in mine),
-                recompute_saves=round(sum(table.block_saves[b] * (1 - _kept_share(kept.get(label))) for label, b in mine) * in_flight),
+                recompute_saves=round(sum(table.block_saves[b] * (1 - kept.get(label, 0.0)) for label, b in mine) * in_flight),
             )
         )
     return tuple(reports)
-
-
-def _kept_share(kept: tuple[int, int] | None) -> float:
-    return 0.0 if kept is None else kept[0] / kept[1]
 
 
 _ARTEFACT = re.compile(r"(^|\.)(_guards_fn|submod_\d+)(\.|$)")
