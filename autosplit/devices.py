@@ -60,6 +60,12 @@ class DeviceSpec:
     microbatch_overhead: float = 0.0
     """The pipeline runtime's fixed seconds per micro-batch on a stage, forward and backward
     (scheduling, send/recv set-up); 0 until measured (``autosplit.calibration.measure_runtime``)."""
+    allreduce_bandwidth: float | None = None
+    """Per-hop bandwidth of a ring all-reduce between devices of one island as the backend runs it,
+    bytes/s; ``None``: ``link_bandwidth``. Measured where it differs: gloo's CPU all-reduce also
+    sums on the cores and hands data between its threads (``measure_runtime`` fits it)."""
+    allreduce_latency: float | None = None
+    """Per-hop latency of that all-reduce, seconds; ``None``: ``link_latency``."""
 
     @property
     def device_type(self) -> str:
@@ -72,6 +78,17 @@ class DeviceSpec:
         if self.island == other.island:
             return min(self.link_bandwidth, other.link_bandwidth), max(self.link_latency, other.link_latency)
         return min(self.network_bandwidth, other.network_bandwidth), max(self.network_latency, other.network_latency)
+
+    def allreduce_link(self, other: DeviceSpec) -> tuple[float, float]:
+        """(bandwidth bytes/s, latency s) of one hop of a ring all-reduce between this device and
+        ``other`` (:func:`~autosplit.solver.hybrid.ring_allreduce`): the measured all-reduce figures
+        within an island, where both have them; else the link's."""
+        if self.island != other.island:
+            return self.link_to(other)
+        bandwidths, latencies = (self.allreduce_bandwidth, other.allreduce_bandwidth), (self.allreduce_latency, other.allreduce_latency)
+        if None in bandwidths or None in latencies:
+            return self.link_to(other)
+        return min(b for b in bandwidths if b is not None), max(t for t in latencies if t is not None)
 
     def on_island(self, island: str) -> DeviceSpec:
         return dataclasses.replace(self, island=island)

@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import json
 import math
 import os
@@ -136,15 +137,15 @@ def _worker(rank: int, init: str, name: str, plans: list[str], steps: int, warmu
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=2, timeout=timedelta(minutes=5))
     try:
         model, inputs, target, loss_fn = workload(name)
-        runs: list[tuple[Any, Any, list[float], list[float]]] = []
+        runs: list[tuple[Any, Any, list[float], list[float], list[tuple[float, list]]]] = []
         for path in plans:
             pipe = autosplit.distribute(copy.deepcopy(model), None, example_inputs=inputs, loss_fn=loss_fn, plan=path)
-            runs.append((pipe, torch.optim.Adam(pipe.parameters(), lr=1e-4), [], []))
+            runs.append((pipe, torch.optim.Adam(pipe.parameters(), lr=1e-4), [], [], []))
         # Interleaved blocks as pipeline_runtime.py: `block` timed steps of a plan after one untimed
         # step (its weights back into cache), then the next plan's, round after round; before each
         # timed block, the machine's speed (probe) on core 0, rank 1 waiting.
         for r in range(warmup + math.ceil(steps / block)):
-            for pipe, opt, times, speeds in runs:
+            for pipe, opt, times, speeds, traces in runs:
                 if r >= warmup:
                     dist.barrier()
                     if rank == 0:
@@ -152,13 +153,15 @@ def _worker(rank: int, init: str, name: str, plans: list[str], steps: int, warmu
                 for i in range(block + 1):
                     dist.barrier()
                     t0 = time.perf_counter()
-                    pipe.step(*inputs, target=target)
+                    with pipe.tracing() as spans:  # when each action ran (two clock reads per action)
+                        pipe.step(*inputs, target=target)
                     opt.step()
                     opt.zero_grad()
                     if r >= warmup and i > 0:
                         times.append(time.perf_counter() - t0)
+                        traces.append((t0, [tuple(x) for x in spans]))
         gathered: list[Any] = [None, None]
-        dist.all_gather_object(gathered, [(times, speeds) for *_, times, speeds in runs])
+        dist.all_gather_object(gathered, [(times, speeds, traces) for *_, times, speeds, traces in runs])
         if rank == 0:
             torch.save(gathered, out)
     finally:
@@ -228,6 +231,7 @@ def plan_all(name: str, args, spec, tmp: str) -> tuple[list[dict], list[str]]:
             "micro_batches": M, "predicted": plan.step_time, "rank_memory": list(plan.rank_memory),
             "predicted_terms": None if plan.terms is None else vars(plan.terms),
             "split": split_text(plan, REPEATED[name]), "solver": f"{plan.solver.name} {plan.solver.status}",
+            "stage_times": [{"forward": st.forward, "backward": st.backward} for st in plan.stages],
         })
 
     for schedule, v, M in configurations(args.schedules, args.micro):
@@ -276,9 +280,9 @@ def groups(timed: list[dict], processes: str) -> list[list[int]]:
     return list(by.values())
 
 
-def time_plans(name: str, paths: list[str], args, tmp: str) -> list[list[tuple[list[float], list[float]]]]:
-    """Per rank, per plan, (the timed steps, the probe's times on rank 0) of ``paths`` run together on
-    a fresh pair of processes."""
+def time_plans(name: str, paths: list[str], args, tmp: str) -> list[list[tuple[list[float], list[float], list]]]:
+    """Per rank, per plan, (the timed steps, the probe's times on rank 0, each timed step's (start,
+    spans)) of ``paths`` run together on a fresh pair of processes."""
     os.makedirs(tmp)
     out = os.path.join(tmp, "times.pt")
     mp.spawn(_worker, args=(os.path.join(tmp, "init"), name, paths, args.steps, args.warmup, args.block, out),
@@ -303,7 +307,8 @@ def run_model(name: str, args, spec) -> dict:
         record["timing_seconds"] = time.time() - t0
         record["processes"] = args.processes
     at_profile = statistics.mean(record["probe_at_profile"])
-    for row, ((rank0, speeds), (rank1, _)) in zip(timed, (t for per_group in times for t in zip(*per_group))):
+    for row, ((rank0, speeds, traces0), (rank1, _, traces1)) in zip(timed, (t for per_group in times for t in zip(*per_group))):
+        row.update(decomposed(row, traces0, traces1))
         per_step = [max(a, b) for a, b in zip(rank0, rank1)]
         measured = statistics.median(per_step)
         row["measured"] = {"median": measured, "min": min(per_step), "max": max(per_step), "steps": per_step}
@@ -313,6 +318,38 @@ def run_model(name: str, args, spec) -> dict:
         row["drift_corrected_error"] = (row["predicted"] * row["speed_ratio"] - measured) / measured
     record["rows"] = rows
     return record
+
+
+def _measured(seconds: dict, action) -> float:
+    return seconds[action.kind, action.stage, action.micro]
+
+
+def decomposed(row: dict, traces0: list, traces1: list) -> dict:
+    """Where a row's error comes from, from the spans of its timed steps (medians over steps):
+
+    - ``compute_ratio``: the stages' measured compute (every forward with its loss, backward,
+      input and weight pass, waits for received tensors left out) over the plan's (its stages'
+      forward + backward): the per-node costs against this moment of the machine;
+    - ``replay_gap``: (the step's last action end − the replay of torch's action lists with the
+      step's own measured durations, no transfers or runtime overhead) / that end: what the
+      schedule model leaves out, the costs aside (transfers, the runtime's work between actions)."""
+    from autosplit import schedules as registry
+    from autosplit.solver.replay import measured_durations, replay
+
+    entry, v, M = registry.lookup(row["schedule"]), row["stages_per_rank"], row["micro_batches"]
+    S = 2 * v
+    actions = entry.actions(2, M, v)
+    rank_of = [entry.rank_of(s, S, 2) for s in range(S)]
+    predicted = sum(st["forward"] + st["backward"] for st in row["stage_times"])
+    ratios, gaps = [], []
+    for (t0, spans0), (t1, spans1) in zip(traces0, traces1):
+        spans = spans0 + spans1
+        seconds = measured_durations(spans)
+        ratios.append(sum(seconds.values()) / predicted)
+        end = max(e for *_, e in spans) - min(t0, t1)
+        replayed = replay(actions, rank_of=rank_of, durations=functools.partial(_measured, seconds))
+        gaps.append((end - replayed.step) / end)
+    return {"compute_ratio": statistics.median(ratios), "replay_gap": statistics.median(gaps)} if ratios else {}
 
 
 def verdicts(records: list[dict]) -> dict:
@@ -349,6 +386,10 @@ def verdicts(records: list[dict]) -> dict:
         "median_error_met": bool(errors) and statistics.median(errors) <= ERROR_MEDIAN,
         "every_row_error_met": bool(errors) and not over,
         "rows_over_20pct": over,
+        "decomposed": {  # medians over rows: measured compute / predicted, and what the replay of measured durations misses
+            "compute_ratio": statistics.median(r["compute_ratio"] for r in rows if "compute_ratio" in r) if rows else None,
+            "replay_gap": statistics.median(r["replay_gap"] for r in rows if "replay_gap" in r) if rows else None,
+        },
         "drift_corrected": {  # the prediction scaled by the machine's speed at measurement over at profiling (probe)
             "median_abs_error": statistics.median(corrected) if corrected else None,
             "worst_abs_error": max(corrected) if corrected else None,
@@ -370,7 +411,7 @@ def report(record: dict) -> None:
           f"{u['2 threads']['median'] * 1e3:.0f} ms (2 threads)")
     print(f"  probe at profiling {', '.join(f'{t * 1e3:.1f}' for t in record['probe_at_profile'])} ms")
     print(f"  {'plan':9s} {'schedule':21s} {'v':>1s} {'M':>2s} {'measured ms (min-max)':>22s} {'pred':>5s} "
-          f"{'error':>7s} {'speed':>5s} {'drift-corr':>10s} {'MiB r0/r1':>9s} {'vs 2thr':>7s}  split")
+          f"{'error':>7s} {'speed':>5s} {'drift-corr':>10s} {'comp m/p':>8s} {'replay gap':>10s} {'MiB r0/r1':>9s} {'vs 2thr':>7s}  split")
     for r in record["rows"]:
         if r["kind"] in ("failed", "skipped"):
             print(f"  {r['kind'].upper():9s} {r['schedule']:21s} {r['stages_per_rank']!s:>1s} {r['micro_batches']!s:>2s}")
@@ -378,7 +419,8 @@ def report(record: dict) -> None:
         m, mem = r["measured"], "/".join(f"{x / 2**20:.0f}" for x in r["rank_memory"])
         print(f"  {r['plan']:9s} {r['schedule']:21s} {r['stages_per_rank']:>1d} {r['micro_batches']!s:>2s} "
               f"{m['median'] * 1e3:6.0f} ({m['min'] * 1e3:5.0f}-{m['max'] * 1e3:5.0f}) {r['predicted'] * 1e3:5.0f} "
-              f"{r['error']:+7.1%} {r['speed_ratio']:5.2f} {r['drift_corrected_error']:+10.1%} {mem:>9s} "
+              f"{r['error']:+7.1%} {r['speed_ratio']:5.2f} {r['drift_corrected_error']:+10.1%} "
+              f"{r.get('compute_ratio', math.nan):8.2f} {r.get('replay_gap', math.nan):+10.1%} {mem:>9s} "
               f"{u['2 threads']['median'] / m['median']:6.2f}x  {r['split']}")
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import statistics
 import tempfile
 import time
 from collections.abc import Sequence
@@ -38,7 +39,11 @@ class LinkMeasurement:
         return dataclasses.replace(spec, link_bandwidth=self.bandwidth, link_latency=self.latency)
 
 
-def ping_pong(rank: int, port: int, backend: str, sizes: Sequence[int], repeats: int, out: str) -> None:
+def ping_pong(
+    rank: int, port: int, backend: str, sizes: Sequence[int], repeats: int, out: str, allreduce_out: str | None = None,
+) -> None:
+    """Rank 0 saves ``(bytes, one-way seconds)`` per size to ``out``; with ``allreduce_out``, also
+    ``(bytes, median seconds)`` of an ``all_reduce`` of each size over the two ranks (the sizes interleaved)."""
     import torch.distributed as dist
 
     torch.set_num_threads(1)
@@ -65,6 +70,19 @@ def ping_pong(rank: int, port: int, backend: str, sizes: Sequence[int], repeats:
                     times.append((time.perf_counter_ns() - t0) / 1e9)
         if rank == 0:
             torch.save([(buf.numel() * 4, min(times) / 2) for buf, times in zip(bufs, trips)], out)
+        if allreduce_out is not None:
+            reduces: list[list[float]] = [[] for _ in sizes]
+            for round_ in range(repeats + 2):
+                for buf, times in zip(bufs, reduces):
+                    dist.barrier()
+                    t0 = time.perf_counter_ns()
+                    dist.all_reduce(buf)
+                    if backend == "nccl":
+                        torch.cuda.synchronize(device)
+                    if round_ >= 2:
+                        times.append((time.perf_counter_ns() - t0) / 1e9)
+            if rank == 0:
+                torch.save([(buf.numel() * 4, statistics.median(times)) for buf, times in zip(bufs, reduces)], allreduce_out)
     finally:
         dist.destroy_process_group()
 
@@ -111,3 +129,13 @@ def fit_link(rows: Sequence[Sequence[float]], backend: str, repeats: int) -> Lin
     return LinkMeasurement(
         bandwidth=bandwidth, latency=max(t_small - small / bandwidth, 0.0), backend=backend, samples=tuple(pairs)
     )
+
+
+def fit_allreduce(rows: Sequence[Sequence[float]], backend: str, repeats: int) -> LinkMeasurement:
+    """One hop of a ring all-reduce, from ``(bytes, seconds)`` of all-reduces over two ranks: the
+    line through the smallest and the largest (:func:`fit_link`) is ``bytes / bandwidth + 2 ·
+    latency`` for a ring of two (:func:`~autosplit.solver.hybrid.ring_allreduce`). Their median,
+    not their fastest, is fitted: a step waits for the all-reduce it gets, which on CPU ranks
+    includes waking the backend's threads on cores that are computing."""
+    line = fit_link(rows, backend, repeats)
+    return dataclasses.replace(line, latency=line.latency / 2)

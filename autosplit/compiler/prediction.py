@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import re
 from collections.abc import Sequence
 
@@ -41,9 +42,10 @@ def predict_step(
         nbytes = table.output_bytes[u]
         hops = links[holders[0] : holders[-1]]
         send = sum(tied_costs(nbytes, bw, lat, M)[0] for bw, lat in hops)
-        bw, lat = min(bw for bw, _ in hops), max(lat for _, lat in hops)
-        R = len(holders)
-        replicate = ring_allreduce(nbytes, R, bw, lat)
+        # One all-reduce member per rank: a rank's own copies (a V's two arms) are summed in place.
+        members = sorted({problem.rank(s): s for s in holders}.values())
+        ring = [devices[a].allreduce_link(devices[b]) for a, b in itertools.pairwise(members)]
+        replicate = ring_allreduce(nbytes, len(members), min(bw for bw, _ in ring), max(lat for _, lat in ring)) if ring else 0.0
         # Asynchronous stages update at different times: a replicated copy would drift, so it is sent.
         # A replica also holds the weight's gradient and optimizer state: it must fit beside the stage.
         copies = [s for s in holders if s != stage_of[u]]
@@ -83,7 +85,8 @@ def predict_step(
         bwd = [0.0] * S
         for n, s in enumerate(stage_of):
             bwd[s] += table.bwd_time[n][order[s]]
-        data_parallel = max(exposed_allreduce(ring_allreduce(param_bytes[s], R, *d.link_to(d)), bwd[s], M) for s, d in enumerate(devices))
+        data_parallel = max(exposed_allreduce(ring_allreduce(param_bytes[s], R, *d.allreduce_link(d)), bwd[s], M)
+                            for s, d in enumerate(devices))
     terms = StepTerms(pipeline, overhead, optimizer, tied_sync, data_parallel)
     return terms, tuple(shared)
 

@@ -49,8 +49,10 @@ Usage (``torchrun --nproc-per-node 2 train.py``)::
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Callable, Mapping, Sequence
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -67,6 +69,7 @@ from autosplit.runtime.checkpoint import StageState
 from autosplit.runtime.materialise import StageNames
 from autosplit.runtime.placement import Layout, replicate_stage
 from autosplit.runtime.precision import LossScaler, autocast, cast_inputs, hold
+from autosplit.runtime.stage import Span
 
 __all__ = ["DistributedModel"]
 
@@ -80,6 +83,7 @@ class _Run:
 
     schedule: Any
     micro_batches: int
+    stages: list[Any]
     started: bool = False
 
 
@@ -136,11 +140,17 @@ class DistributedModel(StageState):
         """Micro-batch rows the stages cannot run → why."""
 
         def loss(out: Any, target: Any) -> torch.Tensor:
+            start = time.perf_counter()
             with autocast(plan.precision, device.type):  # the loss too, as PyTorch's autocast recipe has it
                 value = loss_fn(chain.output(out if isinstance(out, (tuple, list)) else (out,)), target)
+            if self._timeline is not None:  # torch's schedules compute the micro-batches' losses in order
+                self._timeline.append(Span("L", self.layout.stages - 1, self._losses_in_step, start, time.perf_counter()))
+            self._losses_in_step += 1
             return value if self.scaler is None else self.scaler.scale(value)
 
         self._loss = loss
+        self._timeline: list[Span] | None = None
+        self._losses_in_step = 0
         self._loss_of_output = loss_fn
         self.last_run: dict[str, Any] = {}
         torch_class = self._entry.torch_class
@@ -232,6 +242,9 @@ class DistributedModel(StageState):
         else:
             kept = [] if run.started else self._gradients_a_new_schedule_clears()
         run.started = True
+        self._losses_in_step = 0
+        for stage in run.stages:
+            stage.timeline = self._timeline
         losses: list[torch.Tensor] = []
         try:
             run.schedule.step(  # the last stage's outputs are not returned: kept, they would hold M of them to the end
@@ -263,6 +276,24 @@ class DistributedModel(StageState):
             return None
         mean = torch.stack([loss.detach() for loss in losses]).mean()
         return mean if self.scaler is None else mean / scale
+
+    @contextlib.contextmanager
+    def tracing(self) -> Iterator[list[Span]]:
+        """Record when this rank's actions run in the steps taken inside: yields the list their
+        :class:`~autosplit.runtime.stage.Span` are appended to, in the order they ran — each
+        forward, backward (or input and weight pass) and loss of each micro-batch of each stage
+        this rank runs, waits for received tensors left out. Every rank's spans share one clock
+        on a host, so the ranks' lists together are the measured timeline of a step, to set beside
+        the plan's replay (:func:`~autosplit.solver.replay.replay` takes measured durations)."""
+        timeline: list[Span] = []
+        self._timeline = timeline
+        try:
+            yield timeline
+        finally:
+            self._timeline = None
+            for run in self._runs.values():
+                for stage in run.stages:
+                    stage.timeline = None
 
     def _held_text(self) -> str:
         held = self.layout.held
@@ -336,7 +367,7 @@ class DistributedModel(StageState):
     def _new_run(self, rows: int | None) -> _Run:
         M = self.micro_batches
         if rows is None or self._rows is None or rows == self._rows:
-            return _Run(self._make_schedule(self._stages, M), M)
+            return _Run(self._make_schedule(self._stages, M), M, self._stages)
         layout = self.layout
         fewest = self._entry.fewest_micro_batches(layout.stages, layout.pp)
         counts = [m for m in range(M, fewest - 1, -1)
@@ -346,7 +377,8 @@ class DistributedModel(StageState):
             if metadata is not None:
                 log.info("a batch of %d rows runs as %d micro-batches of %d rows (planned: %d of %d)",
                          rows, m, rows // m, M, self._rows // M)
-                return _Run(self._make_schedule(self._new_stages(*metadata), m), m)
+                stages = self._new_stages(*metadata)
+                return _Run(self._make_schedule(stages, m), m, stages)
         why = "; ".join(f"micro-batches of {rows // m} rows: {self._unrunnable[rows // m]}" for m in counts)
         raise DistributedError(advice(
             f"a batch of {rows} rows cannot run on this pipeline (planned: {self._rows} rows in {M} micro-batches); "

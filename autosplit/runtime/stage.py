@@ -13,7 +13,9 @@ waits for a micro-batch's data in :meth:`EarlyReceivingStage.wait_received` at t
 forward or backward chunk, which is after every send the schedule issued before it, so no
 schedule can deadlock on it. Sends are unchanged.
 
-Both stage classes run their forward in the plan's precision (autocast for the mixed ones, the
+Both stage classes record when each of their actions ran (:class:`Span`) while their
+``timeline`` is a list (:meth:`~autosplit.runtime.distributed.DistributedModel.tracing`), and run
+their forward in the plan's precision (autocast for the mixed ones, the
 backward outside it), as the micro-batch it is (:func:`~autosplit.passes.codegen.micro_batch`, read by
 blocks that keep some micro-batches' activations), and refuse to send a tensor whose dtype is not the one the next stage's
 receive buffer was made with.
@@ -21,7 +23,8 @@ receive buffer was made with.
 
 from __future__ import annotations
 
-from typing import Any
+import time
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -31,7 +34,21 @@ from autosplit.errors import DistributedError, advice
 from autosplit.passes.codegen import micro_batch
 from autosplit.runtime.precision import autocast
 
-__all__ = ["EarlyReceivingStage", "ContiguousGradStage"]
+__all__ = ["EarlyReceivingStage", "ContiguousGradStage", "Span"]
+
+
+class Span(NamedTuple):
+    """One action a stage ran: ``kind`` ``"F"``, ``"B"``, ``"I"``, ``"W"`` as in the schedule's
+    action lists, or ``"L"`` (the loss on the last stage's output, which torch's schedules compute
+    after its ``F``), of micro-batch ``micro`` of stage ``stage``, from ``start`` to ``end`` in
+    ``time.perf_counter()`` seconds (one clock for every process of a Linux host). Waiting for a
+    received tensor is outside it."""
+
+    kind: str
+    stage: int
+    micro: int
+    start: float
+    end: float
 
 
 class _PolicyStage(PipelineStage):
@@ -44,10 +61,18 @@ class _PolicyStage(PipelineStage):
         super().__init__(*args, **kwargs)
         self.precision = precision
         self._sent_dtypes = tuple(t.dtype for t in kwargs.get("output_args") or ())
+        self.timeline: list[Span] | None = None
+        """Where this stage's :class:`Span` go while it is a list; ``None``: not recorded."""
+
+    def _record(self, kind: str, micro: int, start: float) -> None:
+        if self.timeline is not None:
+            self.timeline.append(Span(kind, self.stage_index, micro, start, time.perf_counter()))
 
     def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
         with autocast(*self.precision), micro_batch(fwd_chunk_id):  # the micro-batch: for blocks that keep some
             out = super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+        self._record("F", fwd_chunk_id, start)
         if not self.is_last:
             sent = out if isinstance(out, (tuple, list)) else (out,)
             wrong = [(i, t.dtype, d) for i, (t, d) in enumerate(zip(sent, self._sent_dtypes))
@@ -61,6 +86,18 @@ class _PolicyStage(PipelineStage):
                     "computes otherwise (an op autocast treats differently on this device, or a dtype set inside forward)",
                     "plan with precision='fp32', or cast the value to one dtype inside forward",
                 ))
+        return out
+
+    def backward_one_chunk(self, bwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        out = super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
+        self._record("B" if kwargs.get("full_backward", True) else "I", bwd_chunk_id, start)
+        return out
+
+    def backward_weight_one_chunk(self, bwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        out = super().backward_weight_one_chunk(bwd_chunk_id, *args, **kwargs)
+        self._record("W", bwd_chunk_id, start)
         return out
 
 

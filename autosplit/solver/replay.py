@@ -26,17 +26,20 @@ Usage::
     run = replay(actions, rank_of=[0, 1, 2, 3], durations=[StageWork(1, 1, 1)] * 4)
     run.step, run.ends                       # 33.0, (33.0, 31.0, 29.0, 27.0)
     peaks(actions, saved=[4] * 4)            # bytes held at each rank's peak: [16, 12, 8, 4]
+    # a measured step's own durations (every rank's DistributedModel.tracing() spans):
+    seconds = measured_durations(spans)
+    replay(actions, rank_of=[0, 1, 2, 3], durations=lambda a: seconds[a.kind, a.stage, a.micro])
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from autosplit.errors import SolverError, advice
 from autosplit.schedules import Action
 
-__all__ = ["StageWork", "Replay", "replay", "peaks"]
+__all__ = ["StageWork", "Replay", "replay", "peaks", "measured_durations"]
 
 
 @dataclass(frozen=True)
@@ -76,13 +79,15 @@ class Replay:
 
 
 def replay(
-    actions: Sequence[Sequence[Action]], *, rank_of: Sequence[int], durations: Sequence[StageWork],
-    delay: Sequence[float] = (),
+    actions: Sequence[Sequence[Action]], *, rank_of: Sequence[int],
+    durations: Sequence[StageWork] | Callable[[Action], float], delay: Sequence[float] = (),
 ) -> Replay:
     """Replay ``actions`` (per rank, in order) with ``durations[s]`` per micro-batch of stage ``s``
-    (stage ``s`` on rank ``rank_of[s]``) and ``delay[k − 1]`` seconds to cross boundary ``k``
-    between ranks (default none). A :class:`SolverError` if the lists wait on each other forever."""
+    (stage ``s`` on rank ``rank_of[s]``), or ``durations(action)`` seconds for each action (a
+    measured step's own), and ``delay[k − 1]`` seconds to cross boundary ``k`` between ranks
+    (default none). A :class:`SolverError` if the lists wait on each other forever."""
     S = len(rank_of)
+    seconds = durations if callable(durations) else lambda a: durations[a.stage].of(a.kind)
     delays = list(delay) or [0.0] * max(0, S - 1)
     done: dict[tuple[str, int, int], float] = {}
     start: list[list[float]] = [[] for _ in actions]
@@ -119,7 +124,7 @@ def replay(
                 if at is None:
                     break
                 t0 = max(free[r], at)
-                t1 = t0 + durations[a.stage].of(a.kind)
+                t1 = t0 + seconds(a)
                 start[r].append(t0)
                 end[r].append(t1)
                 free[r] = t1
@@ -155,3 +160,14 @@ def peaks(
             peak = max(peak, live)
         out.append(peak)
     return tuple(out)
+
+
+def measured_durations(spans: Iterable[tuple[str, int, int, float, float]]) -> dict[tuple[str, int, int], float]:
+    """``(kind, stage, micro) → seconds`` from measured ``(kind, stage, micro, start, end)`` spans
+    (:class:`~autosplit.runtime.stage.Span`): a loss span (``"L"``) counts in its micro-batch's
+    forward, as the cost model charges it."""
+    out: dict[tuple[str, int, int], float] = {}
+    for kind, stage, micro, start, end in spans:
+        key = ("F" if kind == "L" else kind, stage, micro)
+        out[key] = out.get(key, 0.0) + end - start
+    return out

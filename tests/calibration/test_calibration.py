@@ -1,18 +1,21 @@
 """Calibration: efficiencies fitted from samples, a calibrated device that plans without profiling,
-stages measured alone, the link over gloo, and the runtime's overhead measured once and cached."""
+stages measured alone, the link and the all-reduce over gloo, and the runtime's overhead measured once and cached."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
 
 import autosplit
 from autosplit.calibration.efficiency import fit
-from autosplit.calibration.link import measure_link
+from autosplit.calibration.link import fit_allreduce, measure_link
 from autosplit.calibration.stages import measure_stages
 from autosplit.devices import resolve_devices
 from autosplit.errors import CostModelError
 from autosplit.passes.costs import roofline
+from autosplit.solver.hybrid import ring_allreduce
 from tests.helpers import FAST_PROFILE, ProfiledNet
 
 
@@ -70,3 +73,20 @@ def test_measured_runtime_overhead_is_cached(tmp_path, monkeypatch):
     assert autosplit.calibration.measure_runtime(cache_dir=str(tmp_path)) == first
     spec = first.apply(autosplit.devices.resolve_devices(["cpu"])[0])
     assert spec.microbatch_overhead == first.microbatch_overhead and spec.link_latency == first.link.latency
+    assert first.allreduce is not None and len(first.allreduce.samples) == len(first.link.samples)
+    assert spec.allreduce_link(spec) == (first.allreduce.bandwidth, first.allreduce.latency)
+
+
+def test_allreduce_is_fitted_per_hop_of_a_ring_of_two_and_used_where_measured():
+    # Planted: t = 3 ms + bytes / 2 GB/s — a ring of two pays bytes / bw + 2 · latency.
+    rows = [(n, 3e-3 + n / 2e9) for n in (4 << 10, 1 << 20, 16 << 20)]
+    hop = fit_allreduce(rows, "gloo", 5)
+    assert hop.bandwidth == pytest.approx(2e9) and hop.latency == pytest.approx(1.5e-3)
+    assert ring_allreduce(8 << 20, 2, hop.bandwidth, hop.latency) == pytest.approx(3e-3 + (8 << 20) / 2e9)
+    cpu = resolve_devices(["cpu"])[0]
+    assert cpu.allreduce_link(cpu) == cpu.link_to(cpu)  # not measured: the link's figures
+    measured = dataclasses.replace(cpu, allreduce_bandwidth=hop.bandwidth, allreduce_latency=hop.latency)
+    assert measured.allreduce_link(measured) == (hop.bandwidth, hop.latency)
+    assert measured.allreduce_link(cpu) == cpu.link_to(cpu)  # only where both ends were measured
+    elsewhere = measured.on_island("other")
+    assert measured.allreduce_link(elsewhere) == measured.link_to(elsewhere)  # across islands: the network

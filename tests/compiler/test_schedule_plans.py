@@ -3,6 +3,8 @@ the replay's refinement of the solver's cuts, the ``"auto"`` search, and their p
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -11,10 +13,12 @@ from autosplit.compiler.costs import estimated
 from autosplit.compiler.prediction import predict_step
 from autosplit.compiler.refine import refine
 from autosplit.compiler.search import stage_problem
+from autosplit.devices import resolve_devices
 from autosplit.examples import GPT
 from autosplit.plans import Plan
 from autosplit.report import plan_report
 from autosplit.report.timeline import timeline
+from autosplit.solver.hybrid import ring_allreduce
 from autosplit.solver.pipeline.dp import topological_order
 from autosplit.solver.pipeline.strategy import dp_plan
 
@@ -99,3 +103,23 @@ def test_a_multi_stage_plan_file_round_trips_and_recosts(tmp_path):
     again = _planner(schedule="gpipe").plan(tmp_path / "plan.json")  # the file fixes schedule and stages per rank
     assert again.schedule == "zbvzerobubble" and again.stages_per_rank == 2
     assert again.step_time == pytest.approx(plan.step_time) and again.rank_memory == plan.rank_memory
+
+
+def test_a_tied_weight_is_all_reduced_between_ranks_with_the_measured_all_reduce():
+    """The GPT's embedding and head: on two ranks (1F1B) their gradients are all-reduced at the
+    devices' measured all-reduce figures; in a V both sit on rank 0 and are summed in place, free."""
+    cpu = resolve_devices(["cpu"])[0]
+    spec = dataclasses.replace(cpu, allreduce_bandwidth=1e9, allreduce_latency=2e-3)
+    torch.manual_seed(0)
+    model = GPT(vocab=128, d_model=32, n_layers=4, n_heads=2, max_len=16)
+    inputs = (torch.randint(0, 128, (8, 16)),)
+    linear = autosplit.Planner(model, [spec] * 2, example_inputs=inputs, time_limit=2, schedule="1f1b", micro_batches=4).plan()
+    (tied,) = linear.shared_params
+    assert tied.stages == (0, 1)
+    assert tied.replicate == pytest.approx(ring_allreduce(128 * 32 * 4, 2, 1e9, 2e-3))
+    assert linear.terms.tied_sync == (tied.replicate if tied.policy == "replicate" else 0.0)
+    v = autosplit.Planner(model, [spec] * 2, example_inputs=inputs, time_limit=2, schedule="zbvzerobubble",
+                          stages_per_rank=2, micro_batches=4).plan()
+    (tied,) = v.shared_params
+    assert tied.stages == (0, 3) and v.stage_devices[0] == v.stage_devices[3] == 0
+    assert tied.replicate == 0.0 and tied.policy == "replicate" and v.terms.tied_sync == 0.0

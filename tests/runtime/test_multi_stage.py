@@ -85,3 +85,47 @@ def test_one_stage_per_rank_on_the_multi_stage_classes_trains_like_the_unsplit_m
 
 def test_interleaved_with_data_parallelism_trains_like_the_unsplit_model(tmp_path):
     _spawn(tmp_path, 4, [("gpt", "interleaved1f1b", 2, 2, 2)])
+
+
+def _trace_case(schedule: str, v: int, micro: int, rank: int, world: int) -> None:
+    import torch.distributed as dist
+
+    import autosplit
+    from autosplit import schedules
+    from autosplit.solver.replay import measured_durations, replay
+
+    torch.manual_seed(0)
+    model, args, kwargs, target, loss_fn = gpt_case()
+    pipe = autosplit.distribute(model, ["cpu"] * world, example_inputs=args, example_kwargs=kwargs, loss_fn=loss_fn,
+                                schedule=schedule, stages_per_rank=v, micro_batches=micro, time_limit=2)
+    pipe.step(*args, target=target, **kwargs)
+    dist.barrier()
+    start = torch.tensor(__import__("time").perf_counter(), dtype=torch.float64)
+    with pipe.tracing() as spans:
+        pipe.step(*args, target=target, **kwargs)
+    pipe.step(*args, target=target, **kwargs)  # outside the context: nothing more recorded
+    gathered: list = [None] * world
+    dist.all_gather_object(gathered, (float(start), list(spans)))
+    entry = schedules.lookup(schedule)
+    actions = entry.actions(world, micro, v)
+    for r, (_, mine) in enumerate(gathered):
+        ran = [(k, s, m) for k, s, m, *_ in mine if k != "L"]
+        assert [(a.kind, a.stage, a.micro) for a in actions[r]] == ran, where(f"{schedule} rank {r}")
+        losses = [(s, m) for k, s, m, *_ in mine if k == "L"]
+        holds_last = entry.rank_of(world * v - 1, world * v, world) == r
+        assert losses == ([(world * v - 1, m) for m in range(micro)] if holds_last else [])
+        assert all(e >= s for *_, s, e in mine)
+    # Every action starts after its rank's last one and its inputs ended: replaying the measured
+    # durations with free transfers can only end sooner than the step did.
+    every = [x for _, mine in gathered for x in mine]
+    seconds = measured_durations(every)
+    rank_of = [entry.rank_of(s, world * v, world) for s in range(world * v)]
+    replayed = replay(actions, rank_of=rank_of, durations=lambda a: seconds[a.kind, a.stage, a.micro]).step
+    measured = max(e for *_, e in every) - min(s for s, _ in gathered)
+    assert 0 < replayed <= measured + 1e-6, where(f"{schedule}: replayed {replayed} > measured {measured}")
+
+
+def test_tracing_records_each_action_as_the_schedule_orders_it(tmp_path):
+    """``DistributedModel.tracing()``: every rank's spans follow its schedule's action list, the loss once per
+    micro-batch on the last stage's rank, and the replay of their durations is a lower bound on the step."""
+    spawn_cases(tmp_path, 2, _trace_case, [("1f1b", 1, 4), ("zbvzerobubble", 2, 4)])
