@@ -22,9 +22,11 @@ from pathlib import Path
 
 import torch
 
+from autosplit import schedules
 from autosplit.calibration.link import LinkMeasurement, fit_allreduce, fit_link, ping_pong
 from autosplit.calibration.pair import free_ports, run_pair
-from autosplit.timers import timed
+from autosplit.schedules import Action
+from autosplit.solver.replay import measured_durations, replay
 
 _log = logging.getLogger(__name__)
 
@@ -36,9 +38,10 @@ class RuntimeMeasurement:
 
     link: LinkMeasurement
     microbatch_overhead: float
-    """Seconds per micro-batch and stage (forward + backward) beyond compute and link time."""
+    """Seconds per micro-batch and stage (its forward and its backward: half each) beyond compute and link time."""
     samples: tuple[tuple[int, float], ...]
-    """(micro-batches, median step seconds) of the tiny two-stage pipeline it was fitted from."""
+    """(micro-batches, median seconds from a step's start to its last action's end) of the tiny
+    two-stage pipeline it was fitted from."""
     allreduce: LinkMeasurement | None = None
     """One hop of the backend's ring all-reduce between the two processes (:func:`fit_allreduce`)."""
 
@@ -67,7 +70,17 @@ def _pin(rank: int) -> None:
         os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[rank]})
 
 
+TINY_WIDTH, TINY_ROWS = 256, 256
+"""The calibration pipeline's stage: a ``Linear(256, 256)`` on micro-batches of 256 rows — a 256 KiB
+crossing and about a millisecond of compute per pass, so that a rank receives while it computes. On
+CPU ranks of one core each, what a crossing costs beyond the link's ping-pong time grows with its
+size (the receiving core must leave its compute to take it in); the overhead fitted here holds it
+for crossings of this size, the transformer blocks' of the benchmarks."""
+
+
 def tiny_pipeline(rank: int, port: int, backend: str, counts: Sequence[int], steps: int, cores: bool, out: str) -> None:
+    """Rank 0 saves, per micro-batch count, every timed step's ``(start, spans)`` of both ranks
+    (:class:`~autosplit.runtime.stage.Span`) of a two-stage GPipe pipeline of :data:`TINY_WIDTH`."""
     import torch.distributed as dist
     from torch.distributed.pipelining import ScheduleGPipe
 
@@ -78,30 +91,53 @@ def tiny_pipeline(rank: int, port: int, backend: str, counts: Sequence[int], ste
         _pin(rank)
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     try:
-        width = 8
-        module = torch.nn.Linear(width, width)
-        meta = (torch.empty(1, width, device="meta").requires_grad_(True),)
-        rows = []
+        torch.manual_seed(0)
+        module = torch.nn.Linear(TINY_WIDTH, TINY_WIDTH)
+        meta = (torch.empty(TINY_ROWS, TINY_WIDTH, device="meta").requires_grad_(True),)
+        rows: dict[int, list] = {}
         for m in counts:
             stage = EarlyReceivingStage(
                 module, rank, 2, torch.device("cpu"), input_args=() if rank == 0 else meta, output_args=meta
             )
             schedule = ScheduleGPipe(stage, n_microbatches=m, loss_fn=lambda out, t: out.sum())
-            x, times = torch.randn(m, width), []
+            x, rows[m] = torch.randn(m * TINY_ROWS, TINY_WIDTH), []
             for i in range(steps + 3):
+                stage.timeline = []
                 dist.barrier()
-                t0 = time.perf_counter_ns()
+                t0 = time.perf_counter()
                 schedule.step(x) if rank == 0 else schedule.step(target=x)
                 if i >= 3:
-                    times.append((time.perf_counter_ns() - t0) / 1e9)
-            rows.append((m, statistics.median(times)))
-        # The compute inside: one micro-batch's forward + backward of the stage module.
-        x = torch.randn(1, width, requires_grad=True)
-        compute = timed(lambda: module(x).sum().backward(), warmup=5, repeats=50)
+                    rows[m].append((t0, [tuple(span) for span in stage.timeline]))
+        both: list = [None, None]
+        dist.all_gather_object(both, rows)
         if rank == 0:
-            torch.save({"rows": rows, "compute": compute}, out)
+            torch.save(both, out)
     finally:
         dist.destroy_process_group()
+
+
+def fit_overhead(
+    actions: Sequence[Sequence[Action]], rank_of: Sequence[int], spans: Sequence[tuple[str, int, int, float, float]],
+    start: float, delay: Sequence[float],
+) -> float:
+    """The seconds ``o`` each action takes beyond its measured span such that replaying the
+    schedule's ``actions`` with the step's own durations plus ``o`` and the link's ``delay``
+    per crossing ends when the step's last action ended (measured from ``start``): the runtime's
+    work between actions (the schedule's bookkeeping, posting sends, waking for a receive). The
+    replay only grows with ``o``, so bisection finds it; 0 when the replay alone ends later."""
+    seconds = measured_durations(spans)
+    end = max(e for *_, e in spans) - start
+
+    def replayed(o: float) -> float:
+        return replay(actions, rank_of=rank_of, durations=lambda a: seconds[a.kind, a.stage, a.micro] + o, delay=delay).step
+
+    low, high = 0.0, end
+    if replayed(low) >= end:
+        return 0.0
+    for _ in range(40):
+        mid = (low + high) / 2
+        low, high = (mid, high) if replayed(mid) < end else (low, mid)
+    return low
 
 
 def link_and_pipeline(
@@ -123,22 +159,24 @@ def measure_runtime(
     """Measure the link (:func:`measure_link`), the backend's all-reduce (:func:`fit_allreduce`) and
     the pipeline runtime's fixed cost per micro-batch.
 
-    Two processes (one thread each, pinned to their own cores) run a two-stage GPipe pipeline of a
-    tiny linear layer with 2 and 16 micro-batches: its step is ``(S + M − 1) · τ`` with
-    ``τ = compute + overhead`` per micro-batch (the receives are posted early, so the link's
-    latency overlaps), so the slope over ``M`` gives ``τ`` and the overhead is what remains of
-    it. The result is cached on disk (``$AUTOSPLIT_CACHE`` or ``~/.cache/autosplit``, keyed by
-    backend, host, torch version); ``cache=False`` measures again.
+    Two processes (one thread each, pinned to their own cores) run a two-stage GPipe pipeline of
+    a small linear layer (:func:`tiny_pipeline`) and record when each forward and backward ran.
+    Replaying each step's own durations with the link's transfer time ends before the step did;
+    the overhead per action that closes the gap (:func:`fit_overhead`, the median over steps) is
+    the runtime's own work, and a micro-batch's forward and backward on a stage pay it twice
+    (``microbatch_overhead``). Fitted on a step's own spans, it does not depend on how fast the
+    machine computes at that moment. The result is cached on disk (``$AUTOSPLIT_CACHE`` or
+    ``~/.cache/autosplit``, keyed by backend, host, torch version); ``cache=False`` measures again.
     Apply it to a device with ``measurement.apply(spec)``.
     """
     import platform
 
     root = Path(cache_dir or os.environ.get("AUTOSPLIT_CACHE") or Path.home() / ".cache" / "autosplit")
-    path = root / "runtime" / f"{backend}-{platform.node()}-{torch.__version__}-v3.json"  # v3: with the all-reduce
+    path = root / "runtime" / f"{backend}-{platform.node()}-{torch.__version__}-v4.json"  # v4: all-reduce; overhead fitted on spans
     if cache and path.exists():
         with contextlib.suppress(ValueError, KeyError, TypeError):
             return RuntimeMeasurement.from_dict(json.loads(path.read_text()))
-    counts, sizes, repeats = (2, 16), (4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20), 10
+    counts, sizes, repeats = (8,), (4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20), 10
     with tempfile.TemporaryDirectory() as tmp:
         outs = [os.path.join(tmp, "link.pt"), os.path.join(tmp, "allreduce.pt"), os.path.join(tmp, "runtime.pt")]
         # One pair of processes for both measurements: starting one (importing torch) costs seconds.
@@ -147,12 +185,15 @@ def measure_runtime(
         link = fit_link(torch.load(outs[0]), backend, repeats)
         allreduce = fit_allreduce(torch.load(outs[1]), backend, repeats)
         got = torch.load(outs[2])
-    (m0, t0), (m1, t1) = got["rows"]
-    per_micro = (t1 - t0) / (m1 - m0)
-    # Every receive of a step is posted when it begins (EarlyReceivingStage), so the link's
-    # latency is off the critical path here: what a micro-batch adds beyond compute is the runtime's own work.
-    overhead = max(per_micro - got["compute"], 0.0)
-    result = RuntimeMeasurement(link, overhead, tuple(got["rows"]), allreduce)
+    crossing = link.latency + TINY_ROWS * TINY_WIDTH * 4 / link.bandwidth
+    fits, samples = [], []
+    for m in counts:
+        actions = schedules.lookup("gpipe").actions(2, m)
+        steps = list(zip(got[0][m], got[1][m]))
+        fits += [fit_overhead(actions, (0, 1), spans0 + spans1, min(t0, t1), [crossing]) for (t0, spans0), (t1, spans1) in steps]
+        samples.append((m, statistics.median(max(e for *_, e in s0 + s1) - min(t0, t1) for (t0, s0), (t1, s1) in steps)))
+    overhead = 2 * statistics.median(fits)
+    result = RuntimeMeasurement(link, overhead, tuple(samples), allreduce)
     if cache:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(result.to_dict()))

@@ -9,13 +9,16 @@ import pytest
 import torch
 
 import autosplit
+from autosplit import schedules
 from autosplit.calibration.efficiency import fit
 from autosplit.calibration.link import fit_allreduce, measure_link
+from autosplit.calibration.overhead import fit_overhead
 from autosplit.calibration.stages import measure_stages
 from autosplit.devices import resolve_devices
 from autosplit.errors import CostModelError
 from autosplit.passes.costs import roofline
 from autosplit.solver.hybrid import ring_allreduce
+from autosplit.solver.replay import replay
 from tests.helpers import FAST_PROFILE, ProfiledNet
 
 
@@ -68,7 +71,7 @@ def test_measure_link_fits_bandwidth_and_latency_over_gloo():
 
 def test_measured_runtime_overhead_is_cached(tmp_path, monkeypatch):
     first = autosplit.calibration.measure_runtime(cache_dir=str(tmp_path))
-    assert first.link.bandwidth > 0 and first.microbatch_overhead >= 0 and len(first.samples) == 2
+    assert first.link.bandwidth > 0 and first.microbatch_overhead >= 0 and len(first.samples) == 1
     monkeypatch.setattr(autosplit.calibration.overhead, "run_pair", lambda *_, **__: (_ for _ in ()).throw(AssertionError("cached")))
     assert autosplit.calibration.measure_runtime(cache_dir=str(tmp_path)) == first
     spec = first.apply(autosplit.devices.resolve_devices(["cpu"])[0])
@@ -90,3 +93,14 @@ def test_allreduce_is_fitted_per_hop_of_a_ring_of_two_and_used_where_measured():
     assert measured.allreduce_link(cpu) == cpu.link_to(cpu)  # only where both ends were measured
     elsewhere = measured.on_island("other")
     assert measured.allreduce_link(elsewhere) == measured.link_to(elsewhere)  # across islands: the network
+
+
+def test_the_runtime_overhead_is_what_the_replay_of_a_steps_own_spans_leaves_out():
+    # Planted: every action spends 0.5 ms of the runtime's own before its compute; fitted back from the spans alone.
+    actions = schedules.lookup("gpipe").actions(2, 4)
+    work, o, delay = {"F": 2e-3, "B": 4e-3}, 0.5e-3, [0.1e-3]
+    run = replay(actions, rank_of=(0, 1), durations=lambda a: work[a.kind] * (1 + a.stage) + o, delay=delay)
+    spans = [(a.kind, a.stage, a.micro, s + o, e) for r, acts in enumerate(run.actions)
+             for a, s, e in zip(acts, run.start[r], run.end[r])]
+    assert fit_overhead(actions, (0, 1), spans, 0.0, delay) == pytest.approx(o, rel=1e-6)
+    assert fit_overhead(actions, (0, 1), spans, 0.0, [1.0]) == 0.0  # a replay already later than the step: nothing left out
