@@ -32,6 +32,13 @@ VM runs the same work at speeds that drift by more than the error being measured
 the probe's time at its measurement over its time at profiling (``drift_corrected_error``), beside
 the raw error, which the targets are judged on.
 
+Every timed step is traced (``DistributedModel.tracing``: when each forward, backward, input and
+weight pass and loss ran on each rank), which splits each row's error in two (:func:`decomposed`):
+``compute_ratio``, the stages' measured compute over the plan's (the per-node costs against this
+moment of the machine), and ``replay_gap``, how much later the step's last action ended than the
+replay of torch's action lists with the step's own durations (what the schedule model leaves out:
+transfers, the runtime's work between actions).
+
 Targets (issue #24 item 7), computed and printed: median |predicted − measured| / measured ≤ 10%
 over all rows and ≤ 20% for every row; (c) at least as fast as the best (b) of all schedules
 (best_b / c ≥ 0.98); (a) at least as fast as (b) in every configuration (b / a ≥ 0.98, b the
@@ -330,6 +337,7 @@ def decomposed(row: dict, traces0: list, traces1: list) -> dict:
     - ``compute_ratio``: the stages' measured compute (every forward with its loss, backward,
       input and weight pass, waits for received tensors left out) over the plan's (its stages'
       forward + backward): the per-node costs against this moment of the machine;
+      ``stage_compute_ratio`` the same per stage;
     - ``replay_gap``: (the step's last action end − the replay of torch's action lists with the
       step's own measured durations, no transfers or runtime overhead) / that end: what the
       schedule model leaves out, the costs aside (transfers, the runtime's work between actions)."""
@@ -341,15 +349,20 @@ def decomposed(row: dict, traces0: list, traces1: list) -> dict:
     actions = entry.actions(2, M, v)
     rank_of = [entry.rank_of(s, S, 2) for s in range(S)]
     predicted = sum(st["forward"] + st["backward"] for st in row["stage_times"])
-    ratios, gaps = [], []
+    ratios, gaps, per_stage = [], [], []
     for (t0, spans0), (t1, spans1) in zip(traces0, traces1):
         spans = spans0 + spans1
         seconds = measured_durations(spans)
         ratios.append(sum(seconds.values()) / predicted)
+        per_stage.append([sum(t for (_, s, _), t in seconds.items() if s == stage) / (st["forward"] + st["backward"])
+                          for stage, st in enumerate(row["stage_times"])])
         end = max(e for *_, e in spans) - min(t0, t1)
         replayed = replay(actions, rank_of=rank_of, durations=functools.partial(_measured, seconds))
         gaps.append((end - replayed.step) / end)
-    return {"compute_ratio": statistics.median(ratios), "replay_gap": statistics.median(gaps)} if ratios else {}
+    if not ratios:
+        return {}
+    return {"compute_ratio": statistics.median(ratios), "replay_gap": statistics.median(gaps),
+            "stage_compute_ratio": [statistics.median(col) for col in zip(*per_stage)]}
 
 
 def verdicts(records: list[dict]) -> dict:
