@@ -1,9 +1,9 @@
-"""The pipeline runtime's fixed cost per micro-batch, fitted from a tiny two-stage
-``torch.distributed.pipelining`` run beside a link measurement (cached on disk).
+"""The pipeline runtime's fixed cost per micro-batch, fitted on a traced two-stage
+``torch.distributed.pipelining`` run, beside the link's and the all-reduce's measurements (cached on disk).
 
 Usage::
 
-    spec = measure_runtime().apply(autosplit.DeviceSpec.cpu())
+    spec = measure_runtime().apply(autosplit.devices.resolve_devices(["cpu"])[0])
 """
 
 from __future__ import annotations
