@@ -286,14 +286,11 @@ class DistributedModel(StageState):
         on a host, so the ranks' lists together are the measured timeline of a step, to set beside
         the plan's replay (:func:`~autosplit.solver.replay.replay` takes measured durations)."""
         timeline: list[Span] = []
-        self._timeline = timeline
+        self._timeline = timeline  # each step hands it to its stages
         try:
             yield timeline
         finally:
             self._timeline = None
-            for run in self._runs.values():
-                for stage in run.stages:
-                    stage.timeline = None
 
     def _held_text(self) -> str:
         held = self.layout.held
