@@ -54,7 +54,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import functools
 import json
 import math
 import os
@@ -327,10 +326,6 @@ def run_model(name: str, args, spec) -> dict:
     return record
 
 
-def _measured(seconds: dict, action) -> float:
-    return seconds[action.kind, action.stage, action.micro]
-
-
 def decomposed(row: dict, traces0: list, traces1: list) -> dict:
     """Where a row's error comes from, from the spans of its timed steps (medians over steps):
 
@@ -357,8 +352,7 @@ def decomposed(row: dict, traces0: list, traces1: list) -> dict:
         per_stage.append([sum(t for (_, s, _), t in seconds.items() if s == stage) / (st["forward"] + st["backward"])
                           for stage, st in enumerate(row["stage_times"])])
         end = max(e for *_, e in spans) - min(t0, t1)
-        replayed = replay(actions, rank_of=rank_of, durations=functools.partial(_measured, seconds))
-        gaps.append((end - replayed.step) / end)
+        gaps.append((end - replay(actions, rank_of=rank_of, durations=seconds).step) / end)
     if not ratios:
         return {}
     return {"compute_ratio": statistics.median(ratios), "replay_gap": statistics.median(gaps),

@@ -129,7 +129,7 @@ def fit_overhead(
     end = max(e for *_, e in spans) - start
 
     def replayed(o: float) -> float:
-        return replay(actions, rank_of=rank_of, durations=lambda a: seconds[a.kind, a.stage, a.micro] + o, delay=delay).step
+        return replay(actions, rank_of=rank_of, durations={k: t + o for k, t in seconds.items()}, delay=delay).step
 
     low, high = 0.0, end
     if replayed(low) >= end:

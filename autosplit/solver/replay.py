@@ -28,12 +28,12 @@ Usage::
     peaks(actions, saved=[4] * 4)            # bytes held at each rank's peak: [16, 12, 8, 4]
     # a measured step's own durations (every rank's DistributedModel.tracing() spans):
     seconds = measured_durations(spans)
-    replay(actions, rank_of=[0, 1, 2, 3], durations=lambda a: seconds[a.kind, a.stage, a.micro])
+    replay(actions, rank_of=[0, 1, 2, 3], durations=seconds)
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from autosplit.errors import SolverError, advice
@@ -80,14 +80,20 @@ class Replay:
 
 def replay(
     actions: Sequence[Sequence[Action]], *, rank_of: Sequence[int],
-    durations: Sequence[StageWork] | Callable[[Action], float], delay: Sequence[float] = (),
+    durations: Sequence[StageWork] | Mapping[tuple[str, int, int], float], delay: Sequence[float] = (),
 ) -> Replay:
     """Replay ``actions`` (per rank, in order) with ``durations[s]`` per micro-batch of stage ``s``
-    (stage ``s`` on rank ``rank_of[s]``), or ``durations(action)`` seconds for each action (a
-    measured step's own), and ``delay[k − 1]`` seconds to cross boundary ``k`` between ranks
-    (default none). A :class:`SolverError` if the lists wait on each other forever."""
+    (stage ``s`` on rank ``rank_of[s]``), or ``durations[kind, stage, micro]`` seconds for each
+    action (a measured step's own: :func:`measured_durations`), and ``delay[k − 1]`` seconds to
+    cross boundary ``k`` between ranks (default none). A :class:`SolverError` if the lists wait on
+    each other forever."""
     S = len(rank_of)
-    seconds = durations if callable(durations) else lambda a: durations[a.stage].of(a.kind)
+
+    def seconds(a: Action) -> float:
+        if isinstance(durations, Mapping):
+            return durations[a.kind, a.stage, a.micro]
+        return durations[a.stage].of(a.kind)
+
     delays = list(delay) or [0.0] * max(0, S - 1)
     done: dict[tuple[str, int, int], float] = {}
     start: list[list[float]] = [[] for _ in actions]

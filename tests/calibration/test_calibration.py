@@ -18,7 +18,7 @@ from autosplit.devices import resolve_devices
 from autosplit.errors import CostModelError
 from autosplit.passes.costs import roofline
 from autosplit.solver.hybrid import ring_allreduce
-from autosplit.solver.replay import replay
+from autosplit.solver.replay import StageWork, replay
 from tests.helpers import FAST_PROFILE, ProfiledNet
 
 
@@ -98,8 +98,9 @@ def test_allreduce_is_fitted_per_hop_of_a_ring_of_two_and_used_where_measured():
 def test_the_runtime_overhead_is_what_the_replay_of_a_steps_own_spans_leaves_out():
     # Planted: every action spends 0.5 ms of the runtime's own before its compute; fitted back from the spans alone.
     actions = schedules.lookup("gpipe").actions(2, 4)
-    work, o, delay = {"F": 2e-3, "B": 4e-3}, 0.5e-3, [0.1e-3]
-    run = replay(actions, rank_of=(0, 1), durations=lambda a: work[a.kind] * (1 + a.stage) + o, delay=delay)
+    o, delay = 0.5e-3, [0.1e-3]
+    work = [StageWork(2e-3 * (1 + s) + o, 4e-3 * (1 + s) + o, 0.0) for s in (0, 1)]  # F, and B = I + W
+    run = replay(actions, rank_of=(0, 1), durations=work, delay=delay)
     spans = [(a.kind, a.stage, a.micro, s + o, e) for r, acts in enumerate(run.actions)
              for a, s, e in zip(acts, run.start[r], run.end[r])]
     assert fit_overhead(actions, (0, 1), spans, 0.0, delay) == pytest.approx(o, rel=1e-6)

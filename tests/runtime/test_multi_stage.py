@@ -4,6 +4,7 @@ three Adam steps, against the unsplit model trained in one process — losses, g
 from __future__ import annotations
 
 import copy
+import time
 
 import pytest
 import torch
@@ -100,12 +101,12 @@ def _trace_case(schedule: str, v: int, micro: int, rank: int, world: int) -> Non
                                 schedule=schedule, stages_per_rank=v, micro_batches=micro, time_limit=2)
     pipe.step(*args, target=target, **kwargs)
     dist.barrier()
-    start = torch.tensor(__import__("time").perf_counter(), dtype=torch.float64)
+    start = time.perf_counter()
     with pipe.tracing() as spans:
         pipe.step(*args, target=target, **kwargs)
     pipe.step(*args, target=target, **kwargs)  # outside the context: nothing more recorded
     gathered: list = [None] * world
-    dist.all_gather_object(gathered, (float(start), list(spans)))
+    dist.all_gather_object(gathered, (start, list(spans)))
     entry = schedules.lookup(schedule)
     actions = entry.actions(world, micro, v)
     for r, (_, mine) in enumerate(gathered):
@@ -120,7 +121,7 @@ def _trace_case(schedule: str, v: int, micro: int, rank: int, world: int) -> Non
     every = [x for _, mine in gathered for x in mine]
     seconds = measured_durations(every)
     rank_of = [entry.rank_of(s, world * v, world) for s in range(world * v)]
-    replayed = replay(actions, rank_of=rank_of, durations=lambda a: seconds[a.kind, a.stage, a.micro]).step
+    replayed = replay(actions, rank_of=rank_of, durations=seconds).step
     measured = max(e for *_, e in every) - min(s for s, _ in gathered)
     assert 0 < replayed <= measured + 1e-6, where(f"{schedule}: replayed {replayed} > measured {measured}")
 
