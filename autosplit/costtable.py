@@ -80,6 +80,10 @@ class CostTable:
     """[node] the share of its backward that is the gradient to its own parameters — the weight
     pass (W) a zero-bubble schedule runs apart from the input pass (I = the rest) — from the two
     passes' flops; empty: none (``B = I``)."""
+    split_cost: tuple[tuple[float, ...], ...] = ()
+    """[node][device] seconds (whole batch) of :attr:`bwd_time` that splitting the backward into
+    I and W costs (measured: torch's two passes against one whole backward); torch's first stage
+    of a split backward runs its backward whole and does not pay it. Empty: none."""
     wgrad_bytes: tuple[int, ...] = ()
     """[node] bytes (whole batch) of the gradient a split backward keeps from I until W (at the
     node's output, where the weight gradient starts); what the node saves is kept too."""

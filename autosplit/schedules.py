@@ -147,6 +147,13 @@ class Schedule:
             ))
         return self
 
+    def backward_in_weight_pass(self, stage: int) -> bool:
+        """Stage ``stage`` runs its whole backward in its weight pass (W), none in its input pass
+        (I): torch's first stage of a split backward, whose inputs need no gradient, skips the input
+        pass and runs one plain backward in the weight pass (``PipelineStage.backward_one_chunk`` and
+        ``backward_weight_one_chunk``, torch 2.13)."""
+        return self.split_backward and stage == 0
+
     def rank_of(self, stage: int, stages: int, ranks: int) -> int:
         """The rank that holds stage ``stage`` of ``stages`` on ``ranks`` ranks (torch's own maps:
         ``"loop"`` stage s on rank s mod pp, ``"v"`` rank r holds r and 2·pp − 1 − r)."""

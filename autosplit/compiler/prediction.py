@@ -119,35 +119,51 @@ def sharing_problem(problem: Problem, table: CostTable, order: Sequence[int], sh
 
 
 def _stage_work(
-    problem: Problem, table: CostTable, stage_of: Sequence[int], order: Sequence[int], overhead: bool
+    problem: Problem, table: CostTable, stage_of: Sequence[int], order: Sequence[int], entry: schedules.Schedule,
+    overhead: bool,
 ) -> tuple[list[StageWork], list[float]]:
-    """Per stage, one micro-batch's forward, input-gradient and weight-gradient seconds (its
-    transfers charged half to the forward, half to the backward, as the closed form charges them;
-    with ``overhead``, the runtime's per-micro-batch overhead too, the same way); and per stage
-    the optimizer step's seconds."""
+    """Per stage, one micro-batch's forward, input-gradient and weight-gradient seconds under
+    ``entry``'s schedule (its transfers charged half to the forward, half to the backward, as the
+    closed form charges them; with ``overhead``, the runtime's per-micro-batch overhead too, the
+    same way); and per stage the optimizer step's seconds."""
     S, M = problem.num_stages, problem.micro_batches
     ev = evaluate(problem, stage_of)
-    share = table.wgrad_share or (0.0,) * len(table.nodes)
     opt_rows = table.optimizer_time or tuple((0.0,) * len(table.devices) for _ in table.nodes)
-    fwd, back, weight, opt = [0.0] * S, [0.0] * S, [0.0] * S, [0.0] * S
+    fwd, opt = [0.0] * S, [0.0] * S
     for n, s in enumerate(stage_of):
         d = order[s]
         fwd[s] += table.fwd_time[n][d]
-        back[s] += table.bwd_time[n][d]
-        weight[s] += table.bwd_time[n][d] * share[n]
         opt[s] += opt_rows[n][d]
     work = []
     for s in range(S):
         extra = ev.transfer[s] / NS / 2 + (table.devices[order[s]].microbatch_overhead * M / 2 if overhead else 0.0)
-        work.append(StageWork((fwd[s] + extra) / M, (back[s] - weight[s] + extra) / M, weight[s] / M))
+        i, w = backward_passes(table, stage_of, order, entry, s)
+        work.append(StageWork((fwd[s] + extra) / M, (i + extra) / M, w / M))
     return work, opt
+
+
+def backward_passes(
+    table: CostTable, stage_of: Sequence[int], order: Sequence[int], entry: schedules.Schedule, stage: int
+) -> tuple[float, float]:
+    """(input pass I, weight pass W) seconds of ``stage``'s backward over the whole batch under
+    ``entry``'s schedule: each node's backward divided by its weight share (:attr:`CostTable.wgrad_share`);
+    where torch runs the stage's backward whole in W (:meth:`~autosplit.schedules.Schedule.backward_in_weight_pass`),
+    all of it there, less what splitting it would cost (:attr:`CostTable.split_cost`)."""
+    members = [n for n, s in enumerate(stage_of) if s == stage]
+    d = order[stage]
+    whole = sum(table.bwd_time[n][d] for n in members)
+    if entry.backward_in_weight_pass(stage):
+        return 0.0, whole - (sum(table.split_cost[n][d] for n in members) if table.split_cost else 0.0)
+    share = table.wgrad_share or (0.0,) * len(table.nodes)
+    weight = sum(table.bwd_time[n][d] * share[n] for n in members)
+    return whole - weight, weight
 
 
 def _replay(problem: Problem, table: CostTable, stage_of: Sequence[int], order: Sequence[int], schedule: str,
             overhead: bool) -> tuple[Replay, list[float]]:
     entry = schedules.lookup(schedule)
     rank_of = [problem.rank(s) for s in range(problem.num_stages)]
-    work, opt = _stage_work(problem, table, stage_of, order, overhead)
+    work, opt = _stage_work(problem, table, stage_of, order, entry, overhead)
     actions = entry.actions(problem.ranks, problem.micro_batches, problem.stages_per_rank)
     run = replay(actions, rank_of=rank_of, durations=work)
     return run, [sum(opt[s] for s in range(problem.num_stages) if rank_of[s] == r) for r in range(problem.ranks)]
@@ -215,7 +231,6 @@ def stage_reports(
                     if table.transient_bytes:
                         transient[s] = max(transient[s], table.transient_bytes[owner[p.name]])
     reports = []
-    share = table.wgrad_share or (0.0,) * len(table.nodes)
     entry, M, S = schedules.lookup(schedule), problem.micro_batches, problem.num_stages
     recomputed = [(label, table.blocks.index(label)) for label in table.recomputed]
     kept = {label: k / w for label, (k, w) in zip(table.recomputed, table.recompute_kept)}  # share of its micro-batches a block keeps
@@ -226,21 +241,23 @@ def stage_reports(
         mine = [(label, b) for label, b in recomputed if stage_of[table.block_members[b][0]] == s]
         in_flight = entry.in_flight(s, S, M, problem.ranks) / M
         sparse, rows = table.row_sparse(members)
+        i, w = backward_passes(table, stage_of, order, entry, s)
+        unsplit = sum(table.bwd_time[n][order[s]] for n in members) - i - w  # what a whole backward saves (the first stage)
         reports.append(
             StageReport(
                 device=device.torch_device or device.name,
                 nodes=len(members),
                 params=sum(table.param_counts[n] for n in members),
                 modules=stage_modules(table, members),
-                compute=ev.compute[s] / NS,
+                compute=ev.compute[s] / NS - unsplit,
                 forward=sum(table.fwd_time[n][order[s]] for n in members),
-                backward=sum(table.bwd_time[n][order[s]] for n in members),
-                backward_weight=sum(table.bwd_time[n][order[s]] * share[n] for n in members),
+                backward=i + w,
+                backward_weight=w,
                 param_bytes=sum(table.param_bytes[n] for n in members) if table.param_bytes else 0,
                 sparse_param_bytes=sparse,
                 row_grad_bytes=rows,
                 transfer=ev.transfer[s] / NS,
-                time=ev.time[s] / NS,
+                time=ev.time[s] / NS - unsplit,
                 memory_state=ev.state_mem[s] * KIB + replicas[s],
                 memory_activations=ev.act_mem[s] * KIB,
                 memory_received=ev.recv_mem[s] * KIB,

@@ -272,6 +272,16 @@ def _activation_bytes(
     return own_saved, peaks
 
 
+def _split_costs(nodes: list[fx.Node], profiles: list[Profile | None], micro_batches: int) -> tuple[tuple[float, ...], ...]:
+    """[node][device] what splitting the backward costs (whole batch), measured where a profile timed
+    torch's split backward against a whole one; empty when none did."""
+    rows = tuple(
+        tuple(p.nodes[n.name].split_cost * micro_batches if p is not None and n.name in p.nodes else 0.0 for p in profiles)
+        for n in nodes
+    )
+    return rows if any(any(row) for row in rows) else ()
+
+
 def _wgrad_shares(nodes: list[fx.Node], infos: list[NodeInfo], profiles: list[Profile | None]) -> tuple[float, ...]:
     """[node] the weight pass's share of its backward: measured by the first profile that timed torch's
     split backward (a zero-bubble schedule's), else from flops (annotate)."""
@@ -398,13 +408,17 @@ def estimate(
 
     fwd, bwd = _node_times(nodes, infos, kinds, kind_of, profiles, micro_batches, per_device)
     own_saved, transient = _activation_bytes(nodes, infos, profiles, micro_batches, optimizer)
+    wgrad_share = list(_wgrad_shares(nodes, infos, profiles))
     if loss is not None:
         output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
         makers = [index[u] for u in output.all_input_nodes if u in index]
         if makers:
             at = max(makers)
             fwd[at] = tuple(t + micro_batches * c for t, c in zip(fwd[at], loss.fwd))
+            # the loss's backward is the gradient of the output: input-pass work, so the node's weight pass keeps its seconds
+            weight = wgrad_share[at] * sum(bwd[at])
             bwd[at] = tuple(t + micro_batches * c for t, c in zip(bwd[at], loss.bwd))
+            wgrad_share[at] = weight / sum(bwd[at]) if sum(bwd[at]) > 0 else wgrad_share[at]
             own_saved[at] += micro_batches * loss.saved_bytes
     edges = sorted({(index[u], index[v]) for v in nodes for u in v.all_input_nodes if u in index})
     colocate, order_edges = _placement_rules(gm, nodes, index, infos)
@@ -454,7 +468,8 @@ def estimate(
         param_bytes=tuple(info.param_bytes for info in infos),
         row_grad_bytes=tuple(info.row_grad_bytes for info in infos) if any(info.row_grad_bytes for info in infos) else (),
         param_reads=_param_reads(gm, nodes),
-        wgrad_share=_wgrad_shares(nodes, infos, profiles),
+        wgrad_share=tuple(wgrad_share),
+        split_cost=_split_costs(nodes, profiles, micro_batches),
         wgrad_bytes=tuple(info.output_bytes if 0 < info.wgrad_share < 1 else 0 for info in infos),
         output_tensors=tuple(len(info.output_shapes) for info in infos),
         recomputed=tuple(recompute),

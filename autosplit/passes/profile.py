@@ -63,7 +63,7 @@ __all__ = ["ProfileOptions", "NodeProfile", "Profile", "profile"]
 log = logging.getLogger(__name__)
 
 _FREE_TARGETS = {operator.getitem}
-_SCHEMA = 5  # bump when what a profile measures changes: older cache files are then ignored
+_SCHEMA = 6  # bump when what a profile measures changes: older cache files are then ignored
 
 
 @dataclass(frozen=True)
@@ -82,6 +82,9 @@ class NodeProfile:
     wgrad_share: float | None = None
     """Of ``bwd``, the share of torch's weight pass (W) when the backward was profiled split
     (zero-bubble schedules); None otherwise (the cost table then divides by flops)."""
+    split_cost: float = 0.0
+    """Of ``bwd``, what splitting it costs: ``bwd`` less the same node's backward run whole, as
+    torch's first stage of a split backward runs it (0 when the backward was not profiled split)."""
 
 
 @dataclass(frozen=True)
@@ -362,11 +365,11 @@ def _split_backward(
 def _in_context(
     gm: fx.GraphModule, inputs: Sequence[Any], micro_batches: int, forwards_first: bool, rounds: int,
     wgrad_shares: Mapping[str, float] | None = None,
-) -> dict[str, tuple[float, float, float | None]]:
-    """(forward, backward, weight-pass share of the backward or None) seconds per micro-batch of
-    every compute node, timed inside whole passes of ``micro_batches`` micro-batches (all forwards
-    first for GPipe, else one forward and its backward at a time); the median over ``rounds``
-    after one untimed round.
+) -> dict[str, tuple[float, float, float | None, float]]:
+    """(forward, backward, weight-pass share of the backward or None, what splitting adds to the
+    backward) seconds per micro-batch of every compute node, timed inside whole passes of
+    ``micro_batches`` micro-batches (all forwards first for GPipe, else one forward and its
+    backward at a time); the median over ``rounds`` after one untimed round.
 
     The per-node clocks and hooks cost time of their own: each round's node times are scaled
     so that they add up to the same pass without them, timed alongside. Given ``wgrad_shares``
@@ -374,7 +377,9 @@ def _in_context(
     backward as torch's pipeline stages do (:func:`_split_backward`), so the node times carry
     what splitting costs — the walks over the autograd graph and the retained graph — and the
     input pass and the weight pass are timed apart: each node's backward is divided by its
-    share, and its I and W parts scaled to the two measured totals.
+    share, and its I and W parts scaled to the two measured totals. A plain pass is timed too,
+    for the first stage, which torch runs whole: the node's backward scaled to it, less its
+    split one, is what splitting adds.
     """
     params = list(gm.parameters())
     grads = [p.grad for p in params]
@@ -420,7 +425,7 @@ def _in_context(
 
     reference = (split_forward, split_passes) if split is not None else (lambda: plain(*inputs), plain_backward)
 
-    samples: dict[str, list[tuple[float, float, float]]] = {}
+    samples: dict[str, list[tuple[float, float, float, float]]] = {}
     try:
         for r in range(rounds + 1):
             timer = _InContext(gm)
@@ -429,26 +434,30 @@ def _in_context(
             finally:
                 timer.close()
             parts[:] = [0.0, 0.0]
-            plain_fwd, plain_bwd = passes(*reference)
+            ref_fwd, ref_bwd = passes(*reference)
+            whole_bwd = passes(lambda: plain(*inputs), plain_backward)[1] if split is not None else ref_bwd
             if r == 0:
                 continue
-            f_scale = plain_fwd / max(sum(timer.fwd.values()), 1e-12)
+            f_scale = ref_fwd / max(sum(timer.fwd.values()), 1e-12)
+            b_scale = whole_bwd / max(sum(timer.bwd.values()), 1e-12)
             if split is None:  # one scale for the whole backward
-                i_scale = w_scale = plain_bwd / max(sum(timer.bwd.values()), 1e-12)
+                i_scale = w_scale = b_scale
             else:
                 i_scale = parts[0] / max(sum(b * (1 - shares.get(name, 0.0)) for name, b in timer.bwd.items()), 1e-12)
                 w_scale = parts[1] / max(sum(b * shares.get(name, 0.0) for name, b in timer.bwd.items()), 1e-12)
             for name in timer.fwd:
                 b, s = timer.bwd.get(name, 0.0), shares.get(name, 0.0)
                 i, w = b * (1 - s) * i_scale / micro_batches, b * s * w_scale / micro_batches
-                samples.setdefault(name, []).append((timer.fwd[name] * f_scale / micro_batches, i, w))
+                samples.setdefault(name, []).append((timer.fwd[name] * f_scale / micro_batches, i, w, b * b_scale / micro_batches))
     finally:
         for p, g in zip(params, grads):
             p.grad = g
     times = {}
     for name, rows in samples.items():
         i, w = statistics.median(row[1] for row in rows), statistics.median(row[2] for row in rows)
-        times[name] = (statistics.median(row[0] for row in rows), i + w, w / (i + w) if split is not None and i + w > 0 else None)
+        whole = statistics.median(row[3] for row in rows)
+        times[name] = (statistics.median(row[0] for row in rows), i + w, w / (i + w) if split is not None and i + w > 0 else None,
+                       i + w - whole if split is not None else 0.0)
     return times
 
 
@@ -611,7 +620,8 @@ def profile(
             if dev.type == "cpu":
                 times = _in_context(gm, inputs, micro_batches, forwards_first, rounds=options.repeats, wgrad_shares=wgrad_shares)
                 profiler.results = {
-                    name: dataclasses.replace(p, fwd=times[name][0], bwd=times[name][1], wgrad_share=times[name][2])
+                    name: dataclasses.replace(p, fwd=times[name][0], bwd=times[name][1], wgrad_share=times[name][2],
+                                              split_cost=times[name][3])
                     for name, p in profiler.results.items()
                 }
             optimizer_step = _optimizer_step(gm, optimizer, dev, options)

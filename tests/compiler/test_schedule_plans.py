@@ -52,6 +52,26 @@ def test_split_backward_keeps_weight_only_nodes_on_the_first_stage():
     assert plan.module_stages["wte"] == (0,) and plan.module_stages["wpe"] == (0,)
 
 
+@pytest.mark.parametrize("schedule", ["interleavedzerobubble", "zbvzerobubble"])
+def test_the_first_stage_of_a_split_backward_runs_it_whole_in_its_weight_pass(schedule):
+    """torch's first stage has no input gradient to compute: its input pass does nothing and its weight
+    pass runs one whole backward, which does not pay for splitting (measured in the profile)."""
+    planner = _planner(schedule=schedule, stages_per_rank=2, micro_batches=4, costs="measured")
+    plan = planner.plan()
+    first, *others = plan.stages
+    assert first.backward_weight == first.backward > 0
+    assert all(0 <= st.backward_weight < st.backward for st in others) and any(st.backward_weight > 0 for st in others)
+    _, _, table, _, _ = estimated(planner.traced, planner.specs(), planner.options)
+    members = [table.nodes.index(name) for name, s in plan.assignment.items() if s == 0]
+    split = sum(table.bwd_time[n][0] for n in members)
+    assert table.split_cost and first.backward == pytest.approx(split - sum(table.split_cost[n][0] for n in members))
+    analytic = _planner(schedule=schedule, stages_per_rank=2, micro_batches=4).plan()
+    assert analytic.stages[0].backward_weight == analytic.stages[0].backward > 0
+    tasks = [t for t in timeline(plan) if t.stage == 0]
+    inputs = [t.end - t.start for t in tasks if t.kind == "input"]
+    assert inputs and inputs == pytest.approx([first.transfer / 2 / 4] * 4), "the chart's first-stage I: its transfer only"
+
+
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_one_stage_per_rank_memory_is_each_stages(schedule):
     plan = _planner(schedule=schedule, micro_batches=4).plan()

@@ -45,7 +45,7 @@ def _data():
     return torch.randint(0, VOCAB, (ROWS, SEQ)), torch.randint(0, VOCAB, (ROWS, SEQ))
 
 
-def test_the_loss_is_charged_to_the_node_that_makes_the_output_for_every_micro_batch():
+def test_the_loss_is_charged_to_the_node_that_makes_the_output_for_every_micro_batch_in_its_input_pass():
     model, (tokens, target) = TinyLM(), _data()
     specs, options, M = resolve_devices(["cpu"] * 2), PlanOptions(micro_batches=4), 4
     without, _ = cost_table(trace(model, (tokens,), {}, method="auto"), specs, options, micro_batches=M)
@@ -64,6 +64,9 @@ def test_the_loss_is_charged_to_the_node_that_makes_the_output_for_every_micro_b
                 assert table.fwd_time[i][d] == pytest.approx(without.fwd_time[i][d] + M * cost.fwd[d])
                 assert table.bwd_time[i][d] == pytest.approx(without.bwd_time[i][d] + M * cost.bwd[d])
             assert table.saved_bytes[i] == without.saved_bytes[i] + M * cost.saved_bytes
+            # the loss's backward is the output's gradient, input-pass work: the weight pass keeps its seconds
+            assert 0 < table.wgrad_share[i] < without.wgrad_share[i]
+            assert sum(table.bwd_time[i]) * table.wgrad_share[i] == pytest.approx(sum(without.bwd_time[i]) * without.wgrad_share[i])
         else:
             assert (table.fwd_time[i], table.bwd_time[i], table.saved_bytes[i]) == (
                 without.fwd_time[i], without.bwd_time[i], without.saved_bytes[i]), name

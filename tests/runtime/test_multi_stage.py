@@ -116,6 +116,10 @@ def _trace_case(schedule: str, v: int, micro: int, rank: int, world: int) -> Non
         holds_last = entry.rank_of(world * v - 1, world * v, world) == r
         assert losses == ([(world * v - 1, m) for m in range(micro)] if holds_last else [])
         assert all(e >= s for *_, s, e in mine)
+    if entry.split_backward:  # torch's first stage runs its whole backward in W (what the cost model charges it)
+        first = {k: sum(e - s for kind, stage, _, s, e in (x for _, mine in gathered for x in mine) if (kind, stage) == (k, 0))
+                 for k in "IW"}
+        assert first["I"] < 0.5 * first["W"], where(f"{schedule}: the first stage's I {first['I']} s, W {first['W']} s")
     # Every action starts after its rank's last one and its inputs ended: replaying the measured
     # durations with free transfers can only end sooner than the step did.
     every = [x for _, mine in gathered for x in mine]
