@@ -16,7 +16,6 @@ from autosplit.costtable import CostTable
 from autosplit.devices import DeviceSpec, uncalibrated
 from autosplit.errors import CostModelError, advice
 from autosplit.options import PlanOptions, ProfileOptions
-from autosplit.passes.annotate import node_info
 from autosplit.passes.costs import LossCost, estimate, with_overrides
 from autosplit.passes.loss import cost_loss, output_like
 from autosplit.passes.profile import Profile, profile
@@ -112,12 +111,10 @@ def _measured(
         )
     captured, micro = traced.at_micro_batch(micro_batches)
     entry = schedules.lookup(options.schedule)
-    # a zero-bubble schedule's profile times torch's input and weight passes apart, and divides each node's by its flops
-    shares = {n.name: node_info(n).wgrad_share for n in traced.captured.gm.graph.nodes if "autosplit" in n.meta} \
-        if entry.split_backward else None
     profiles = {
         dev: profile(captured, micro, dev, fingerprint=traced.fingerprint, options=profiling, micro_batches=micro_batches,
-                     forwards_first=entry.forwards_first, optimizer=options.optimizer, wgrad_shares=shares)
+                     forwards_first=entry.forwards_first, optimizer=options.optimizer,
+                     split_backward=entry.split_backward)  # a zero-bubble schedule's I and W, timed apart
         for dev in present
     }
     hits = sum(p.cached for p in profiles.values())

@@ -31,6 +31,7 @@ Usage::
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import copy
 import dataclasses
@@ -43,7 +44,7 @@ import os
 import signal
 import statistics
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -63,7 +64,7 @@ __all__ = ["ProfileOptions", "NodeProfile", "Profile", "profile"]
 log = logging.getLogger(__name__)
 
 _FREE_TARGETS = {operator.getitem}
-_SCHEMA = 6  # bump when what a profile measures changes: older cache files are then ignored
+_SCHEMA = 7  # bump when what a profile measures changes: older cache files are then ignored
 
 
 @dataclass(frozen=True)
@@ -232,14 +233,21 @@ class _InContext(fx.Interpreter):
     Forward: a clock around each node's call. Backward: a post-hook on every autograd node the
     node's forward created (found from its outputs, stopping at nodes already owned), charging
     the time since the previous autograd node finished, so the engine's own work between nodes
-    (summing gradients of a value read twice) goes to the node it precedes.
+    (summing gradients of a value read twice) goes to the node it precedes. A backward split as
+    torch's stages split it (:meth:`split_backward`) charges each pass apart: an autograd node
+    that computes a weight's gradient runs again in the weight pass, and its post-hook fires there.
     """
 
     def __init__(self, gm: fx.GraphModule):
         super().__init__(gm)
         self.fwd: dict[str, float] = {}
         self.bwd: dict[str, float] = {}
-        self._owner: dict[Any, str] = {}  # autograd node → fx node that made it (kept alive: hooks stay registered once)
+        """Backward seconds per node: of a whole backward, or of a split one's input pass (I)."""
+        self.weight: dict[str, float] = {}
+        """A split backward's weight pass (W) seconds per node."""
+        self._charged = self.bwd
+        self.owner: dict[Any, str] = {}
+        """Autograd node → the fx node that made it (kept alive: hooks stay registered once)."""
         self._handles: list[Any] = []
         self._last = 0.0
 
@@ -254,27 +262,54 @@ class _InContext(fx.Interpreter):
         stack: list[Any] = [t.grad_fn for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.grad_fn is not None]
         while stack:
             fn = stack.pop()
-            if fn is None or fn in self._owner:
+            if fn is None or fn in self.owner:
                 continue
-            self._owner[fn] = n.name
+            self.owner[fn] = n.name
             self._handles.append(fn.register_hook(lambda _gi, _go, name=n.name: self._done(name)))
             stack.extend(f for f, _ in fn.next_functions)
         return out
 
     def _done(self, name: str) -> None:
         now = time.perf_counter()
-        self.bwd[name] = self.bwd.get(name, 0.0) + now - self._last
+        self._charged[name] = self._charged.get(name, 0.0) + now - self._last
         self._last = now
+
+    def _charge(self, into: dict[str, float]) -> None:
+        self._charged, self._last = into, time.perf_counter()
+
+    @contextlib.contextmanager
+    def _started_at(self, outs: list[torch.Tensor]) -> Iterator[None]:
+        """The clock restarts as the backward reaches the outputs' autograd nodes: what the engine
+        and torch's split do before (the split's walk over the whole graph) goes to no node, and
+        the scaling to the measured pass shares it among them all, as each stage pays it for its own."""
+        def restart(_grad_outputs: Any) -> None:
+            self._last = time.perf_counter()
+
+        handles = [fn.register_prehook(restart) for fn in {o.grad_fn for o in outs if o.grad_fn is not None}]
+        try:
+            yield
+        finally:
+            for h in handles:
+                h.remove()
 
     def backward(self, outs: list[torch.Tensor]) -> None:
         seeds = [torch.ones_like(o) for o in outs]
-        self._last = time.perf_counter()
-        torch.autograd.backward(outs, seeds)
+        self._charge(self.bwd)
+        with self._started_at(outs):
+            torch.autograd.backward(outs, seeds)
+
+    def split_backward(
+        self, outs: list[torch.Tensor], values: list[torch.Tensor], leaves: list[torch.Tensor], params: list[torch.nn.Parameter],
+    ) -> None:
+        """:func:`_split_backward` on a graph this timer ran cut by :func:`_cut_at_frontier`."""
+        self._charge(self.bwd)
+        with self._started_at(outs):
+            _split_backward(outs, values, leaves, params, weight_pass=lambda: self._charge(self.weight))
 
     def close(self) -> None:
         for h in self._handles:
             h.remove()
-        self._owner.clear()
+        self.owner.clear()
 
 
 def _grad_outputs(out: Any) -> list[torch.Tensor]:
@@ -342,11 +377,13 @@ def _cut_at_frontier(gm: fx.GraphModule, inputs: Sequence[Any]) -> fx.GraphModul
 
 def _split_backward(
     outs: list[torch.Tensor], values: list[torch.Tensor], leaves: list[torch.Tensor], params: list[torch.nn.Parameter],
+    weight_pass: Callable[[], None] = lambda: None,
 ) -> tuple[float, float]:
     """The backward of a graph cut by :func:`_cut_at_frontier` as a zero-bubble stage runs it:
-    torch's input pass (I) down to the leaves, then its weight pass (W); what precedes the cut
-    (the embeddings: weight gradients alone, which torch's first stage runs in its W) gets a
-    plain backward. Returns the seconds of I and of W (that plain backward included)."""
+    torch's input pass (I) down to the leaves, then its weight pass (W) (``weight_pass()`` called
+    as it starts); what precedes the cut (the embeddings: weight gradients alone, which torch's
+    first stage runs in its W) gets a plain backward. Returns the seconds of I and of W (that plain
+    backward included)."""
     # torch's own functions, as its stages call them (imported here: `import autosplit` leaves
     # torch.distributed.pipelining for first use)
     from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
@@ -355,6 +392,7 @@ def _split_backward(
     t0 = time.perf_counter()
     grads, groups = stage_backward_input(outs, [torch.ones_like(o) for o in outs], leaves, iter(params))
     t1 = time.perf_counter()
+    weight_pass()
     stage_backward_weight(iter(params), groups)
     below = [(v, g) for v, g in zip(values, grads) if g is not None]
     if below:
@@ -364,7 +402,7 @@ def _split_backward(
 
 def _in_context(
     gm: fx.GraphModule, inputs: Sequence[Any], micro_batches: int, forwards_first: bool, rounds: int,
-    wgrad_shares: Mapping[str, float] | None = None,
+    split_backward: bool = False,
 ) -> dict[str, tuple[float, float, float | None, float]]:
     """(forward, backward, weight-pass share of the backward or None, what splitting adds to the
     backward) seconds per micro-batch of every compute node, timed inside whole passes of
@@ -372,20 +410,18 @@ def _in_context(
     backward at a time); the median over ``rounds`` after one untimed round.
 
     The per-node clocks and hooks cost time of their own: each round's node times are scaled
-    so that they add up to the same pass without them, timed alongside. Given ``wgrad_shares``
-    (each node's weight-gradient share by flops; zero-bubble schedules), that pass runs its
-    backward as torch's pipeline stages do (:func:`_split_backward`), so the node times carry
-    what splitting costs — the walks over the autograd graph and the retained graph — and the
-    input pass and the weight pass are timed apart: each node's backward is divided by its
-    share, and its I and W parts scaled to the two measured totals. A plain pass is timed too,
-    for the first stage, which torch runs whole: the node's backward scaled to it, less its
-    split one, is what splitting adds.
+    so that they add up to the same pass without them, timed alongside. With ``split_backward``
+    (zero-bubble schedules) both passes run their backward as torch's pipeline stages do
+    (:func:`_split_backward`), so the node times carry what splitting costs — the walks over the
+    autograd graph and the retained graph — and each node's input pass (I) and weight pass (W)
+    are timed apart, each scaled to its pass's measured total. A whole backward is timed too, for
+    the first stage, which torch runs whole: the split one's excess over it, shared by the nodes
+    in proportion to their backward, is what splitting adds.
     """
     params = list(gm.parameters())
     grads = [p.grad for p in params]
     plain = _flat(gm)
-    split = _cut_at_frontier(plain, inputs) if wgrad_shares is not None else None
-    shares = wgrad_shares or {}
+    split = _cut_at_frontier(plain, inputs) if split_backward else None
     parts = [0.0, 0.0]  # the split reference pass's I and W seconds, this round
 
     def passes(forward: Callable[[], Any], backward: Callable[[list[torch.Tensor]], None]) -> tuple[float, float]:
@@ -410,54 +446,55 @@ def _in_context(
     def plain_backward(outs: list[torch.Tensor]) -> None:
         torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
 
-    cuts: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = []  # (frontier values, their leaves) per micro-batch
+    def cut_pass(run: Callable[..., Any], backward: Callable[..., Any]) -> tuple[Callable[[], Any], Callable[[list[torch.Tensor]], None]]:
+        """A forward of the cut graph (by ``run``) and the split backward (by ``backward``) that takes its cut."""
+        cuts: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = []  # (frontier values, their leaves) per micro-batch
 
-    def split_forward() -> Any:
-        assert split is not None
-        out, values, leaves = split(*inputs)
-        cuts.append((values, leaves))
-        return out
+        def forward() -> Any:
+            out, values, leaves = run(*inputs)
+            cuts.append((values, leaves))
+            return out
+        return forward, lambda outs: backward(outs, *cuts.pop(0), params)
 
-    def split_passes(outs: list[torch.Tensor]) -> None:
-        i, w = _split_backward(outs, *cuts.pop(0), params)
+    def reference_split(outs: list[torch.Tensor], values: list[torch.Tensor], leaves: list[torch.Tensor], ps: list) -> None:
+        i, w = _split_backward(outs, values, leaves, ps)
         parts[0] += i
         parts[1] += w
 
-    reference = (split_forward, split_passes) if split is not None else (lambda: plain(*inputs), plain_backward)
-
-    samples: dict[str, list[tuple[float, float, float, float]]] = {}
+    samples: dict[str, list[list[float]]] = {}  # per round: forward, I, W, what splitting costs
     try:
         for r in range(rounds + 1):
-            timer = _InContext(gm)
+            timer = _InContext(split if split is not None else gm)
             try:
-                passes(functools.partial(timer.run, *inputs), timer.backward)
+                passes(*(cut_pass(timer.run, timer.split_backward) if split is not None
+                         else (functools.partial(timer.run, *inputs), timer.backward)))
+                owned = collections.Counter(timer.owner.values())  # autograd nodes per fx node
             finally:
                 timer.close()
             parts[:] = [0.0, 0.0]
-            ref_fwd, ref_bwd = passes(*reference)
-            whole_bwd = passes(lambda: plain(*inputs), plain_backward)[1] if split is not None else ref_bwd
+            ref_fwd, ref_bwd = passes(*(cut_pass(split, reference_split) if split is not None
+                                        else (lambda: plain(*inputs), plain_backward)))
+            whole = passes(lambda: plain(*inputs), plain_backward)[1] if split is not None else ref_bwd
             if r == 0:
                 continue
             f_scale = ref_fwd / max(sum(timer.fwd.values()), 1e-12)
-            b_scale = whole_bwd / max(sum(timer.bwd.values()), 1e-12)
-            if split is None:  # one scale for the whole backward
-                i_scale = w_scale = b_scale
-            else:
-                i_scale = parts[0] / max(sum(b * (1 - shares.get(name, 0.0)) for name, b in timer.bwd.items()), 1e-12)
-                w_scale = parts[1] / max(sum(b * shares.get(name, 0.0) for name, b in timer.bwd.items()), 1e-12)
+            # Each node's computing, scaled to a whole backward; what splitting adds to a pass (torch's
+            # walks over the autograd graph, its hooks) shared by the autograd nodes of the fx nodes in it.
+            b_scale = whole / max(sum(timer.bwd.values()) + sum(timer.weight.values()), 1e-12)
+            extra = [(total - b_scale * sum(times.values()), {n: owned[n] for n in times})
+                     for total, times in ((parts[0], timer.bwd), (parts[1], timer.weight))] if split is not None else []
             for name in timer.fwd:
-                b, s = timer.bwd.get(name, 0.0), shares.get(name, 0.0)
-                i, w = b * (1 - s) * i_scale / micro_batches, b * s * w_scale / micro_batches
-                samples.setdefault(name, []).append((timer.fwd[name] * f_scale / micro_batches, i, w, b * b_scale / micro_batches))
+                added = [over * nodes.get(name, 0) / max(sum(nodes.values()), 1) for over, nodes in extra] or [0.0, 0.0]
+                i = max(0.0, timer.bwd.get(name, 0.0) * b_scale + added[0])
+                w = max(0.0, timer.weight.get(name, 0.0) * b_scale + added[1])
+                samples.setdefault(name, []).append([x / micro_batches for x in (timer.fwd[name] * f_scale, i, w, sum(added))])
     finally:
         for p, g in zip(params, grads):
             p.grad = g
     times = {}
     for name, rows in samples.items():
-        i, w = statistics.median(row[1] for row in rows), statistics.median(row[2] for row in rows)
-        whole = statistics.median(row[3] for row in rows)
-        times[name] = (statistics.median(row[0] for row in rows), i + w, w / (i + w) if split is not None and i + w > 0 else None,
-                       i + w - whole if split is not None else 0.0)
+        f, i, w, cost = (statistics.median(col) for col in zip(*rows))
+        times[name] = (f, i + w, w / (i + w) if split is not None and i + w > 0 else None, cost)
     return times
 
 
@@ -571,7 +608,7 @@ def _key(captured: Captured, inputs: Sequence[Any], device: torch.device, finger
 def profile(
     captured: Captured, inputs: Sequence[Any], device: str, *, fingerprint: str,
     options: ProfileOptions | None = None, micro_batches: int = 1, forwards_first: bool = False,
-    optimizer: str = "adam", wgrad_shares: Mapping[str, float] | None = None,
+    optimizer: str = "adam", split_backward: bool = False,
 ) -> Profile:
     """Measure every compute node of ``captured`` on ``device`` for the given (micro-batch) inputs.
 
@@ -579,8 +616,8 @@ def profile(
     copied to ``device`` when it lives elsewhere; it is never moved. On the CPU, times are
     taken inside passes of ``micro_batches`` micro-batches, all forwards first when
     ``forwards_first`` (GPipe's order), as the stages will run them (:class:`_InContext`),
-    the backward split into torch's input and weight passes, timed apart, given ``wgrad_shares``
-    (node → weight-gradient share by flops: a zero-bubble schedule's profile);
+    the backward split into torch's input and weight passes, each node's timed apart, with
+    ``split_backward`` (a zero-bubble schedule's profile);
     one step of ``optimizer`` over all parameters is timed too (:attr:`Profile.optimizer_step`).
     """
     options = options or ProfileOptions()
@@ -591,7 +628,7 @@ def profile(
         key.update(micro_batches=micro_batches, forwards_first=forwards_first)
         if options.beside:
             key["beside"] = list(options.beside)
-        if wgrad_shares is not None:
+        if split_backward:
             key["split_backward"] = True
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
     path = _cache_dir(options) / f"{digest}.json"
@@ -618,7 +655,7 @@ def profile(
         profiler.run(*inputs)
         with _beside(gm, inputs, options.beside if dev.type == "cpu" else (), options.threads):
             if dev.type == "cpu":
-                times = _in_context(gm, inputs, micro_batches, forwards_first, rounds=options.repeats, wgrad_shares=wgrad_shares)
+                times = _in_context(gm, inputs, micro_batches, forwards_first, rounds=options.repeats, split_backward=split_backward)
                 profiler.results = {
                     name: dataclasses.replace(p, fwd=times[name][0], bwd=times[name][1], wgrad_share=times[name][2],
                                               split_cost=times[name][3])

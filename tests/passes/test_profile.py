@@ -200,15 +200,17 @@ def test_a_split_backward_profile_runs_torchs_input_and_weight_passes_to_the_sam
 
     options = autosplit.options.ProfileOptions(use_cache=False, warmup=0, repeats=1, threads=1)
     annotate(captured, inputs)
-    shares = {n.name: n.meta["autosplit"].wgrad_share for n in captured.gm.graph.nodes if "autosplit" in n.meta}
-    assert 0 < shares["wide"] < 1 and shares["emb"] == 1 and shares["relu"] == 0
     prof = profile_module.profile(captured, inputs, "cpu", fingerprint="test", options=options, micro_batches=2,
-                                  wgrad_shares=shares)
+                                  split_backward=True)
     assert prof.key["split_backward"] is True and all(p.grad is None for p in params)
-    # I and W timed apart: a layer's backward divides between them, the embedding's is all W, the ReLU's all I
+    # each node's I and W timed apart: a layer's backward divides between them, the embedding's is all W
+    # (before the cut, torch's first stage runs it in W), the ReLU's all I (it has no weight to run again)
     nodes = prof.nodes
     assert nodes["wide"].bwd > 0 and 0 < nodes["wide"].wgrad_share < 1
     assert (nodes["emb"].wgrad_share, nodes["relu"].wgrad_share) == (1.0, 0.0)
     table = estimate(captured.gm, resolve_devices(["cpu"]), profiles=[prof], micro_batches=2)
     assert table.wgrad_share[table.nodes.index("wide")] == nodes["wide"].wgrad_share
-    assert profile_module.profile(captured, inputs, "cpu", fingerprint="test", options=options).nodes["wide"].wgrad_share is None
+    # what splitting costs, beside a whole backward, is part of each node's backward
+    assert table.split_cost and all(abs(c) < sum(b) for c, b in zip((row[0] for row in table.split_cost), table.bwd_time) if c)
+    whole = profile_module.profile(captured, inputs, "cpu", fingerprint="test", options=options).nodes["wide"]
+    assert (whole.wgrad_share, whole.split_cost) == (None, 0.0)
