@@ -78,8 +78,8 @@ class CostTable:
     whose gradient is summed once per step (a tied weight)."""
     wgrad_share: tuple[float, ...] = ()
     """[node] the share of its backward that is the gradient to its own parameters — the weight
-    pass (W) a zero-bubble schedule runs apart from the input pass (I = the rest) — from the two
-    passes' flops; empty: none (``B = I``)."""
+    pass (W) a zero-bubble schedule runs apart from the input pass (I = the rest) — timed in a
+    split-backward profile, else from the two passes' flops; empty: none (``B = I``)."""
     split_cost: tuple[tuple[float, ...], ...] = ()
     """[node][device] seconds (whole batch) of :attr:`bwd_time` that splitting the backward into
     I and W costs (measured: torch's two passes against one whole backward); torch's first stage

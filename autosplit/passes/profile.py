@@ -412,11 +412,11 @@ def _in_context(
     The per-node clocks and hooks cost time of their own: each round's node times are scaled
     so that they add up to the same pass without them, timed alongside. With ``split_backward``
     (zero-bubble schedules) both passes run their backward as torch's pipeline stages do
-    (:func:`_split_backward`), so the node times carry what splitting costs — the walks over the
-    autograd graph and the retained graph — and each node's input pass (I) and weight pass (W)
-    are timed apart, each scaled to its pass's measured total. A whole backward is timed too, for
-    the first stage, which torch runs whole: the split one's excess over it, shared by the nodes
-    in proportion to their backward, is what splitting adds.
+    (:func:`_split_backward`), and each node's input pass (I) and weight pass (W) are timed apart.
+    A whole backward is timed too (torch's first stage runs one): each node's computing is scaled
+    to it, and what each split pass takes beyond it — torch's walks over the autograd graph, its
+    hooks — is shared among the nodes in that pass by their autograd nodes, as each stage pays it
+    over its own graph: that share is what splitting adds to the node.
     """
     params = list(gm.parameters())
     grads = [p.grad for p in params]
