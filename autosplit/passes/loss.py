@@ -158,7 +158,7 @@ def _measured(loss: Loss, output: Any, target: Any, device: torch.device) -> tup
         return _scalar(loss.fn(out, real_target))
 
     # The first calls fault in fresh memory for the output-sized gradients (on this project's CPU
-    # VM the first backwards took three times the later ones): warm up past them, as a stage has.
+    # VM the first backwards were several times slower than later ones): warm up past them, as a stage has.
     fwd = timed(forward, device=str(device), setup=fresh, warmup=5, repeats=10)
     bwd = timed(lambda value: value.backward(), device=str(device), setup=lambda: forward(fresh()), warmup=5, repeats=10)
     return fwd, bwd
