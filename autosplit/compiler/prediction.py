@@ -135,28 +135,28 @@ def _stage_work(
         fwd[s] += table.fwd_time[n][d]
         opt[s] += opt_rows[n][d]
     work = []
-    for s in range(S):
+    for s, (i, w) in enumerate(backward_passes(table, stage_of, order, entry)):
         extra = ev.transfer[s] / NS / 2 + (table.devices[order[s]].microbatch_overhead * M / 2 if overhead else 0.0)
-        i, w = backward_passes(table, stage_of, order, entry, s)
         work.append(StageWork((fwd[s] + extra) / M, (i + extra) / M, w / M))
     return work, opt
 
 
 def backward_passes(
-    table: CostTable, stage_of: Sequence[int], order: Sequence[int], entry: schedules.Schedule, stage: int
-) -> tuple[float, float]:
-    """(input pass I, weight pass W) seconds of ``stage``'s backward over the whole batch under
+    table: CostTable, stage_of: Sequence[int], order: Sequence[int], entry: schedules.Schedule
+) -> list[tuple[float, float]]:
+    """[stage] (input pass I, weight pass W) seconds of its backward over the whole batch under
     ``entry``'s schedule: each node's backward divided by its weight share (:attr:`CostTable.wgrad_share`);
     where torch runs the stage's backward whole in W (:meth:`~autosplit.schedules.Schedule.backward_in_weight_pass`),
     all of it there, less what splitting it would cost (:attr:`CostTable.split_cost`)."""
-    members = [n for n, s in enumerate(stage_of) if s == stage]
-    d = order[stage]
-    whole = sum(table.bwd_time[n][d] for n in members)
-    if entry.backward_in_weight_pass(stage):
-        return 0.0, whole - (sum(table.split_cost[n][d] for n in members) if table.split_cost else 0.0)
+    S = len(order)
     share = table.wgrad_share or (0.0,) * len(table.nodes)
-    weight = sum(table.bwd_time[n][d] * share[n] for n in members)
-    return whole - weight, weight
+    whole, weight, split = [0.0] * S, [0.0] * S, [0.0] * S
+    for n, s in enumerate(stage_of):
+        b = table.bwd_time[n][order[s]]
+        whole[s] += b
+        weight[s] += b * share[n]
+        split[s] += table.split_cost[n][order[s]] if table.split_cost else 0.0
+    return [(0.0, whole[s] - split[s]) if entry.backward_in_weight_pass(s) else (whole[s] - weight[s], weight[s]) for s in range(S)]
 
 
 def _replay(problem: Problem, table: CostTable, stage_of: Sequence[int], order: Sequence[int], schedule: str,
@@ -236,12 +236,13 @@ def stage_reports(
     kept = {label: k / w for label, (k, w) in zip(table.recomputed, table.recompute_kept)}  # share of its micro-batches a block keeps
     # The buffers a sender keeps for gradients coming back (the receiver's, twice its received bytes, are all of them).
     sent_buffers = [b - r for b, r in zip(ev.buffer_mem, ev.recv_mem)] if ev.buffer_mem else [0] * len(order)
+    backward = backward_passes(table, stage_of, order, entry)
     for s, device in enumerate(table.devices[d] for d in order):
         members = [n for n, st in enumerate(stage_of) if st == s]
         mine = [(label, b) for label, b in recomputed if stage_of[table.block_members[b][0]] == s]
         in_flight = entry.in_flight(s, S, M, problem.ranks) / M
         sparse, rows = table.row_sparse(members)
-        i, w = backward_passes(table, stage_of, order, entry, s)
+        i, w = backward[s]
         unsplit = sum(table.bwd_time[n][order[s]] for n in members) - i - w  # what a whole backward saves (the first stage)
         reports.append(
             StageReport(

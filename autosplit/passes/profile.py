@@ -481,10 +481,10 @@ def _in_context(
             # Each node's computing, scaled to a whole backward; what splitting adds to a pass (torch's
             # walks over the autograd graph, its hooks) shared by the autograd nodes of the fx nodes in it.
             b_scale = whole / max(sum(timer.bwd.values()) + sum(timer.weight.values()), 1e-12)
-            extra = [(total - b_scale * sum(times.values()), {n: owned[n] for n in times})
+            extra = [((total - b_scale * sum(times.values())) / max(sum(owned[n] for n in times), 1), times)
                      for total, times in ((parts[0], timer.bwd), (parts[1], timer.weight))] if split is not None else []
             for name in timer.fwd:
-                added = [over * nodes.get(name, 0) / max(sum(nodes.values()), 1) for over, nodes in extra] or [0.0, 0.0]
+                added = [per_node * owned[name] if name in times else 0.0 for per_node, times in extra] or [0.0, 0.0]
                 i = max(0.0, timer.bwd.get(name, 0.0) * b_scale + added[0])
                 w = max(0.0, timer.weight.get(name, 0.0) * b_scale + added[1])
                 samples.setdefault(name, []).append([x / micro_batches for x in (timer.fwd[name] * f_scale, i, w, sum(added))])

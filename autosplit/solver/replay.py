@@ -88,11 +88,16 @@ def replay(
     cross boundary ``k`` between ranks (default none). A :class:`SolverError` if the lists wait on
     each other forever."""
     S = len(rank_of)
+    if isinstance(durations, Mapping):
+        measured = durations
 
-    def seconds(a: Action) -> float:
-        if isinstance(durations, Mapping):
-            return durations[a.kind, a.stage, a.micro]
-        return durations[a.stage].of(a.kind)
+        def seconds(a: Action) -> float:
+            return measured[a.kind, a.stage, a.micro]
+    else:
+        per_stage = durations
+
+        def seconds(a: Action) -> float:
+            return per_stage[a.stage].of(a.kind)
 
     delays = list(delay) or [0.0] * max(0, S - 1)
     done: dict[tuple[str, int, int], float] = {}
