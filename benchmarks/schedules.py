@@ -16,11 +16,15 @@ the schedule allows) × M micro-batches, measured in one run per model:
 Beside them the unsplit model on 1 and on 2 threads. Every plan runs through
 ``autosplit.distribute`` on 2 gloo processes, each pinned to its own core with one thread; a step
 is forward + backward of every micro-batch and an Adam step, the slower rank's time; the figure is
-the median of ``--steps`` steps (min and max beside it). One pair of processes holds all of a
-model's plans (``--processes configuration``: a fresh pair per configuration), timed in
-interleaved blocks as ``pipeline_runtime.py`` does. Predictions (step: torch's action lists replayed; peak memory per
-rank) use per-node costs measured in this run on one pinned core with one thread (``--beside``: while
-the other core runs the same passes, ``ProfileOptions.beside``) (the zero-bubble
+the median of ``--steps`` steps (min and max beside it). Each configuration's plans run on a fresh
+pair of processes, timed in interleaved blocks as ``pipeline_runtime.py`` does, and (c) once more
+beside the fastest (b) of every configuration, on a pair of their own (``auto_beside``: the (c)
+target is judged on that side-by-side run). ``--processes model`` puts all of a model's plans in
+one pair, as runs before 2026-11-25 did: there a plan runs slower than alone, and by how much
+depends on its configuration (``crowding.py`` measures it), which no user running one plan sees.
+Predictions (step: torch's action lists replayed; peak memory per rank) use per-node costs
+measured in this run on one pinned core with one thread (``--beside``: while the other core runs
+the same passes, ``ProfileOptions.beside``) (the zero-bubble
 schedules' with torch's split backward), the loss (``loss_fn``, ``example_target``) timed on that
 core, and the link and runtime overhead measured first by ``autosplit.calibration.measure_runtime``.
 
@@ -303,27 +307,48 @@ def run_model(name: str, args, spec) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         with pinned(1, (0,)):
             before = probe()
-        rows, paths = plan_all(name, args, spec, tmp)
+        rows, paths = plan_all(name, args, spec, tmp)  # paths: one per row of kind a, b or c, in order
         with pinned(1, (0,)):
             record["probe_at_profile"] = [before, probe()]
         timed = [r for r in rows if r["kind"] in ("a", "b", "c")]
         t0 = time.time()
-        times = [time_plans(name, [paths[i] for i in group], args, os.path.join(tmp, f"times-{n}"))
-                 for n, group in enumerate(groups(timed, args.processes))]
+        at_profile = statistics.mean(record["probe_at_profile"])
+        for n, group in enumerate(groups(timed, args.processes)):
+            got = time_plans(name, [paths[i] for i in group], args, os.path.join(tmp, f"times-{n}"))
+            for i, (rank0, rank1) in zip(group, zip(*got)):
+                measured(timed[i], rank0, rank1, at_profile)
+        c = [i for i, r in enumerate(timed) if r["kind"] == "c"]
+        b = [i for i, r in enumerate(timed) if r["kind"] == "b"]
+        if c and b and args.processes == "configuration":
+            best = min(b, key=lambda i: timed[i]["measured"]["median"])
+            record["auto_beside"] = auto_beside(name, timed[c[0]], timed[best], [paths[c[0]], paths[best]], args,
+                                                os.path.join(tmp, "times-auto"))
         record["timing_seconds"] = time.time() - t0
         record["processes"] = args.processes
-    at_profile = statistics.mean(record["probe_at_profile"])
-    for row, ((rank0, speeds, traces0), (rank1, _, traces1)) in zip(timed, (t for per_group in times for t in zip(*per_group))):
-        row.update(decomposed(row, traces0, traces1))
-        per_step = [max(a, b) for a, b in zip(rank0, rank1)]
-        measured = statistics.median(per_step)
-        row["measured"] = {"median": measured, "min": min(per_step), "max": max(per_step), "steps": per_step}
-        row["error"] = (row["predicted"] - measured) / measured
-        row["probe"] = speeds
-        row["speed_ratio"] = statistics.median(speeds) / at_profile  # > 1: the machine ran slower than when profiled
-        row["drift_corrected_error"] = (row["predicted"] * row["speed_ratio"] - measured) / measured
     record["rows"] = rows
     return record
+
+
+def measured(row: dict, rank0: tuple, rank1: tuple, at_profile: float) -> None:
+    """Fill ``row`` with its timed steps: each rank's (step seconds, probe seconds, traces)."""
+    (times0, speeds, traces0), (times1, _, traces1) = rank0, rank1
+    row.update(decomposed(row, traces0, traces1))
+    per_step = [max(a, b) for a, b in zip(times0, times1)]
+    median = statistics.median(per_step)
+    row["measured"] = {"median": median, "min": min(per_step), "max": max(per_step), "steps": per_step}
+    row["error"] = (row["predicted"] - median) / median
+    row["probe"] = speeds
+    row["speed_ratio"] = statistics.median(speeds) / at_profile  # > 1: the machine ran slower than when profiled
+    row["drift_corrected_error"] = (row["predicted"] * row["speed_ratio"] - median) / median
+
+
+def auto_beside(name: str, auto: dict, best: dict, paths: list[str], args, tmp: str) -> dict:
+    """(c) timed again beside the fastest (b) of the configurations' runs, on a fresh pair of their
+    own, in interleaved blocks: the ratio the (c) target is judged on, both measured side by side."""
+    got = time_plans(name, paths, args, tmp)
+    c_time, b_time = (statistics.median(max(x, y) for x, y in zip(r0[0], r1[0])) for r0, r1 in zip(*got))
+    return {"best_b": f"{best['plan']} {best['schedule']} v={best['stages_per_rank']} M={best['micro_batches']}",
+            "auto": c_time, "best_b_measured": b_time, "ratio": b_time / c_time}
 
 
 def decomposed(row: dict, traces0: list, traces1: list) -> dict:
@@ -385,6 +410,8 @@ def verdicts(records: list[dict]) -> dict:
                 "auto": f"{c[0]['schedule']} v={c[0]['stages_per_rank']} M={c[0]['micro_batches']}",
                 "best_b": f"{best['plan']} {best['schedule']} v={best['stages_per_rank']} M={best['micro_batches']}",
             }
+            if "auto_beside" in rec:  # judged on (c) and that (b) timed side by side on a pair of their own
+                auto[rec["model"]].update(ratio=rec["auto_beside"]["ratio"], ratio_in_groups=auto[rec["model"]]["ratio"])
     failed = [f"{r['kind']}: {r['model']} {r['schedule']} v={r['stages_per_rank']} M={r['micro_batches']}"
               for rec in records for r in rec["rows"] if r["kind"] in ("failed", "skipped")]
     return {
@@ -429,6 +456,10 @@ def report(record: dict) -> None:
               f"{r['error']:+7.1%} {r['speed_ratio']:5.2f} {r['drift_corrected_error']:+10.1%} "
               f"{r.get('compute_ratio', math.nan):8.2f} {r.get('replay_gap', math.nan):+10.1%} {mem:>9s} "
               f"{u['2 threads']['median'] / m['median']:6.2f}x  {r['split']}")
+    if "auto_beside" in record:
+        x = record["auto_beside"]
+        print(f"  auto beside {x['best_b']}: {x['auto'] * 1e3:.0f} vs {x['best_b_measured'] * 1e3:.0f} ms "
+              f"(best (b) / auto {x['ratio']:.3f})")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -446,8 +477,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="plan without the loss (loss_fn, example_target), as before it was costed")
     parser.add_argument("--beside", action="store_true",
                         help="profile while core 1 runs the same passes (ProfileOptions.beside), not on an idle host")
-    parser.add_argument("--processes", choices=("configuration", "model"), default="model",
-                        help="one pair of processes for all of a model's plans (default), or a fresh pair per configuration")
+    parser.add_argument("--processes", choices=("configuration", "model"), default="configuration",
+                        help="a fresh pair of processes per configuration (default), or one pair for all of a model's plans")
     parser.add_argument("--quick", action="store_true", help="4 timed steps, no warm-up round, 3 s solves")
     parser.add_argument("--out", default=None, help="default: results/schedules.json (schedules_quick.json with --quick)")
     args = parser.parse_args(argv)
