@@ -145,6 +145,12 @@ class SolverInfo:
     """Predicted step time of the dynamic program's plan (contiguous split of one order), seconds."""
     units: int = 0
     """Units the solver placed: graph nodes, or blocks after coarsening."""
+    step_bound: float | None = None
+    """Where the step is replayed from torch's action lists (several stages per rank, or a split
+    backward), :attr:`objective` and :attr:`bound` are the schedule's closed form, a surrogate; this
+    is a proven lower bound on :attr:`Plan.step_time` itself over every split of the plan's schedule,
+    micro-batches and stages per rank (``autosplit.compiler.prediction.step_bound``: all the work
+    spread evenly over the ranks). ``None`` where :attr:`bound` bounds the step's own model."""
 
 
 @dataclass(frozen=True)
@@ -259,6 +265,12 @@ class Plan:
     made_with: tuple[str, float] | None = None
     """For a saved plan re-costed on load: (the costs it was made with, the step it predicted then)."""
     schema_version: int = SCHEMA_VERSION
+
+    @property
+    def step_gap(self) -> float | None:
+        """How far :attr:`step_time` may be above the best split's, at most: (step − :attr:`SolverInfo.step_bound`) / step."""
+        bound = self.solver.step_bound
+        return None if bound is None or not self.step_time > 0 else max(0.0, (self.step_time - bound) / self.step_time)
 
     @property
     def stage_of(self) -> dict[str, int]:

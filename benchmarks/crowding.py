@@ -22,6 +22,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -50,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     model, inputs, target, loss_fn = workload("gpt")
     with tempfile.TemporaryDirectory() as tmp:
         costs = ProfileOptions(threads=1, cores=(0,), cache_dir=os.path.join(tmp, "profiles"))
-        plans = []
+        plans: list[dict[str, Any]] = []
         for schedule, m in WATCHED + CROWD + CROWD:
             with pinned(1, (0,)):
                 plan = autosplit.Planner(model, [spec] * 2, example_inputs=inputs, schedule=schedule, stages_per_rank=2,
@@ -66,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
 
         alone = [medians([i], f"alone-{i}")[0] for i in range(len(WATCHED))]
         crowd = medians(list(range(len(plans))), "crowd")
-    rows = [{"schedule": p["schedule"], "micro_batches": p["micro_batches"], "predicted": p["predicted"],
+    rows: list[dict[str, Any]] = [{"schedule": p["schedule"], "micro_batches": p["micro_batches"], "predicted": p["predicted"],
              "alone": alone[i] if i < len(alone) else None, "in_crowd": crowd[i]} for i, p in enumerate(plans)]
     print(f"GPT, v = 2, {len(plans)} plans in the crowd; median of {args.steps} steps, ms")
     print(f"  {'schedule':22s} {'M':>2s} {'pred':>5s} {'alone':>6s} {'crowd':>6s} {'crowd/alone':>11s} {'crowd/pred':>10s}")

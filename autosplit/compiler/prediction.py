@@ -182,6 +182,31 @@ def replayed_step(
     return run.step, total - run.step, with_overhead.step - run.step
 
 
+def step_bound(table: CostTable, ranks: int, micro_batches: int, schedule: str, stages_per_rank: int) -> float | None:
+    """A proven lower bound on the replayed step (:func:`replayed_step`, its three terms summed) of
+    every split of ``table``'s nodes under this schedule, ranks, micro-batches and stages per rank;
+    None where the solver's own bound covers the step (one stage per rank, whole backward: its
+    closed form is the replay) or torch does not run the schedule.
+
+    Each rank runs its stages' actions one after another, so the replay ends no earlier than the
+    busiest rank's work, and the optimizer step follows it on that rank: the step is at least the
+    work and optimizer steps of all nodes spread evenly over the ranks. Each node is counted at its
+    cheapest device; transfers, which any split adds, at nothing; a split backward's cost of
+    splitting as if every node were on the first stage, which does not pay it. The runtime's
+    overhead per micro-batch and stage (on the cheapest device) does not depend on the split, but
+    its replay may hide some of it in the schedule's idle time where the optimizer's does not, so
+    it counts in a second bound, without the optimizer's share."""
+    entry = schedules.lookup(schedule)
+    if entry.torch_class is None or not (stages_per_rank > 1 or entry.split_backward):
+        return None
+    split = table.split_cost if table.split_cost and entry.backward_in_weight_pass(0) else None
+    work = sum(min(f + b - (split[n][d] if split else 0.0) for d, (f, b) in enumerate(zip(fr, br)))
+               for n, (fr, br) in enumerate(zip(table.fwd_time, table.bwd_time)))
+    optimizer = sum(min(row) for row in table.optimizer_time) if table.optimizer_time else 0.0
+    overhead = stages_per_rank * micro_batches * min(d.microbatch_overhead for d in table.devices)
+    return max((work + optimizer) / ranks, work / ranks + overhead)
+
+
 def rank_peaks(problem: Problem, schedule: str, reports: Sequence[StageReport]) -> tuple[int, ...]:
     """[rank] peak bytes of its stages together: their state, their pipeline buffers (received
     tensors and gradients, one per micro-batch), one transient reserve, and the activations and sent

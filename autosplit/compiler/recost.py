@@ -13,7 +13,7 @@ import dataclasses
 from autosplit import progress
 from autosplit.compiler.costs import cost_table, estimated
 from autosplit.compiler.makespan import compile_makespan
-from autosplit.compiler.prediction import module_stages, predict_step, rank_peaks, stage_reports
+from autosplit.compiler.prediction import module_stages, predict_step, rank_peaks, stage_reports, step_bound
 from autosplit.compiler.trace import Traced
 from autosplit.devices import DeviceSpec
 from autosplit.options import PlanOptions
@@ -28,6 +28,7 @@ def recost(traced: Traced, specs: tuple[DeviceSpec, ...], options: PlanOptions, 
     solver's model, so that it compares with the solver's bound."""
     given.check_fingerprint(traced.fingerprint, traced.node_names)
     timings, M, table, source, rules = estimated(traced, specs, options)
+    base = table  # before recompute, which only adds work: the step bound holds for every split
     if given.recompute:  # the costs of the blocks it recomputes
         table, source = cost_table(traced, specs, options, micro_batches=M, recompute=given.recompute, partial=given.recompute_partial)
     if given.objective == "makespan":
@@ -41,7 +42,8 @@ def recost(traced: Traced, specs: tuple[DeviceSpec, ...], options: PlanOptions, 
     with progress.timed_pass("validate", timings):
         validate(problem, stage_of, memory=check_memory)
     terms, shared = predict_step(problem, table, stage_of, order, options)
-    solver = given.solver
+    # The replayed step's bound under today's costs, as the step; a hand split gets one too.
+    solver = dataclasses.replace(given.solver, step_bound=step_bound(base, problem.ranks, M, options.schedule, given.stages_per_rank))
     if solver.status == "MANUAL":
         solver = dataclasses.replace(solver, objective=evaluate(problem, stage_of).objective / M / NS)
     reports = stage_reports(problem, table, stage_of, order, shared, options.schedule)

@@ -25,7 +25,7 @@ import logging
 from autosplit import debug, progress, schedules
 from autosplit.compiler.costs import estimated
 from autosplit.compiler.makespan import compile_makespan
-from autosplit.compiler.prediction import module_stages, predict_step, rank_peaks, stage_reports
+from autosplit.compiler.prediction import module_stages, predict_step, rank_peaks, stage_reports, step_bound
 from autosplit.compiler.recost import recost
 from autosplit.compiler.refine import refine
 from autosplit.compiler.search import recomputing, search, stage_problem
@@ -63,6 +63,8 @@ def compile_plan(
         order, problem = stage_problem(table, len(specs), options, M, rules)
     with progress.timed_pass("solve", timings, limit=options.time_limit):
         solution = solve(problem, time_limit=options.time_limit, seed=options.seed, limits=options.limits)
+    # On the table before any recompute: recomputing only adds work, so it bounds those splits too.
+    bound = step_bound(table, problem.ranks, M, options.schedule, v)
     recomputed = tuple(problem.recompute[u].label for u in solution.recompute)
     partial = tuple(PartialRecompute(problem.recompute[u].label, keep, problem.recompute[u].in_flight[s])
                     for u, s, keep in solution.partial)
@@ -70,8 +72,7 @@ def compile_plan(
         with progress.timed_pass("estimate", timings):
             table, source, problem = recomputing(traced, specs, options, M, rules, order, recomputed, partial)
     stage_of, solver_name, status = solution.stage_of, solution.solver, solution.status
-    entry = schedules.lookup(options.schedule)
-    if v > 1 or entry.split_backward:  # the closed form is a surrogate here: the replay judges, and moves the cuts
+    if v > 1 or schedules.lookup(options.schedule).split_backward:  # the closed form is a surrogate: the replay judges, and moves the cuts
         with progress.timed_pass("refine", timings):
             stage_of = refine(problem, table, stage_of, order, options)
         if stage_of != solution.stage_of:
@@ -111,6 +112,7 @@ def compile_plan(
             seed=options.seed,
             baseline=None if solution.baseline is None else solution.baseline / per_step / NS,
             units=solution.units,
+            step_bound=bound,
         ),
         fingerprint=traced.fingerprint,
         capture=traced.captured.method,

@@ -32,14 +32,17 @@ def plan_report(plan: Plan, width: int = 140) -> str:
     out = io.StringIO()
     console = Console(file=out, width=width, force_terminal=False, color_system=None)
     console.print(table)
+    replayed = (f"replayed step bound {_ms(sv.step_bound)} (every split's work spread evenly over the ranks), "
+                f"step gap {plan.step_gap:.2%}; " if sv.step_bound is not None and plan.step_gap is not None else "")
     provenance = (
-        f"split by hand ({sv.name}), no solver ran; objective {_ms(sv.objective)} under the solver's model"
+        f"split by hand ({sv.name}), no solver ran; {replayed}objective {_ms(sv.objective)} under the solver's model"
         if sv.status == "MANUAL" else
         f"solver {sv.name}: {sv.status}, objective {_ms(sv.objective)}"
-        + (" (the schedule's closed form, which the replay refines)" if plan.stages_per_rank > 1 else "")
+        + (" (the schedule's closed form, which the replay refines)"
+           if plan.stages_per_rank > 1 or sv.step_bound is not None else "")
         + f", bound {_ms(sv.bound)}, "
         f"gap {sv.gap:.2%}, {sv.wall_time:.2f}s (limit {sv.time_limit:g}s, seed {sv.seed}); "
-        f"{sv.units} units; dynamic program {_ms(sv.baseline) if sv.baseline is not None else 'found no split'}"
+        + f"{replayed}{sv.units} units; dynamic program {_ms(sv.baseline) if sv.baseline is not None else 'found no split'}"
     )
     console.print(
         f"predicted step time {_ms(plan.step_time)} ({plan.schedule}, {plan.micro_batches} micro-batches, {plan.precision}); "

@@ -4,6 +4,7 @@ the replay's refinement of the solver's cuts, the ``"auto"`` search, and their p
 from __future__ import annotations
 
 import dataclasses
+import random
 
 import pytest
 import torch
@@ -90,6 +91,39 @@ def test_refining_by_the_replay_never_makes_the_step_slower(schedule):
         return predict_step(problem, table, plan, order, planner.options)[0].total
 
     assert step(refined) <= step(seed) + 1e-12
+
+
+@pytest.mark.parametrize("schedule", ["interleaved1f1b", "zbvzerobubble", "dualpipev"])
+def test_no_split_replays_below_the_proven_step_bound(schedule):
+    """The replayed step's bound (all the work spread evenly over the ranks) holds for every split,
+    with the runtime's overhead per micro-batch counted, and the plan reports it beside its gap."""
+    cpu = dataclasses.replace(resolve_devices(["cpu"])[0], microbatch_overhead=2e-3)
+    torch.manual_seed(0)
+    model = GPT(vocab=128, d_model=32, n_layers=4, n_heads=2, max_len=16)
+    planner = autosplit.Planner(model, [cpu, cpu], example_inputs=(torch.randint(0, 128, (8, 16)),), time_limit=2,
+                                schedule=schedule, stages_per_rank=2, micro_batches=4)
+    plan = planner.plan()
+    bound = plan.solver.step_bound
+    assert bound is not None and 0 < bound <= plan.step_time and plan.step_gap == pytest.approx(1 - bound / plan.step_time)
+    assert f"step gap {plan.step_gap:.2%}" in plan_report(plan)
+    _, M, table, _, rules = estimated(planner.traced, planner.specs(), planner.options)
+    order, problem = stage_problem(table, 2, planner.options, M, rules)
+    nodes = topological_order(problem)
+    rng = random.Random(0)
+    steps = []
+    for _ in range(60):  # contiguous splits of the node order into 4 stages, cut anywhere
+        cuts = sorted(rng.sample(range(1, len(nodes)), 3))
+        stage_of = [0] * len(nodes)
+        for s, (a, b) in enumerate(zip([0, *cuts], [*cuts, len(nodes)])):
+            for u in nodes[a:b]:
+                stage_of[u] = s
+        steps.append(predict_step(problem, table, stage_of, order, planner.options)[0].total)
+    assert min(steps) >= bound, "a split replayed below the bound: it does not bound"
+    assert min(steps) <= 2 * bound, "the bound is within 2x of the splits it bounds"
+    by_hand = planner.manual([["wte", "wpe", "blocks.0"], ["blocks.1"], ["blocks.2"], ["blocks.3", "ln_f", "head"]])
+    assert by_hand.solver.step_bound == pytest.approx(bound) and by_hand.step_time >= bound, "a hand split: the same bound"
+    assert "replayed step bound" in plan_report(by_hand)
+    assert _planner(schedule="1f1b", micro_batches=4).plan().solver.step_bound is None, "1F1B's closed form bounds its step"
 
 
 def test_auto_returns_the_fastest_configuration_that_fits_and_the_others():
