@@ -147,6 +147,12 @@ class Schedule:
             ))
         return self
 
+    def replayed(self, stages_per_rank: int) -> bool:
+        """The solver's closed form only approximates how torch runs this schedule (several stages
+        per rank, or a split backward): the replay of its action lists judges the split
+        (``compiler/refine.py``), and the step is bounded apart (``compiler/prediction.step_bound``)."""
+        return self.torch_class is not None and (stages_per_rank > 1 or self.split_backward)
+
     def backward_in_weight_pass(self, stage: int) -> bool:
         """Stage ``stage`` runs its whole backward in its weight pass (W), none in its input pass
         (I): torch's first stage of a split backward, whose inputs need no gradient, skips the input

@@ -9,7 +9,7 @@ as that run did: median step, alone and in the crowd, beside the prediction
 
 Usage::
 
-    .venv/bin/python benchmarks/crowding.py      # about 8 min
+    .venv/bin/python benchmarks/crowding.py      # about 9 min
 """
 
 from __future__ import annotations
@@ -35,7 +35,8 @@ from benchmarks.plan_time import machine  # noqa: E402
 from benchmarks.schedules import RESULTS, time_plans, workload  # noqa: E402
 
 WATCHED = [("interleavedzerobubble", 2), ("zbvzerobubble", 4), ("interleavedzerobubble", 8)]
-"""The plans timed alone: auto's choice for the GPT in ``results/schedules.json`` and two others."""
+"""The plans timed alone: interleaved zero-bubble at M = 2 (``auto``'s choice for the GPT in some
+runs of ``schedules.py``) and two others."""
 CROWD = [(s, m) for s in ("interleaved1f1b", "loopedbfs", "interleavedzerobubble", "zbvzerobubble", "dualpipev") for m in (4, 8)]
 
 

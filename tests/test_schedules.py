@@ -101,6 +101,9 @@ def test_entries_say_what_the_code_used_to_ask_by_name():
     for name in MULTI:
         entry = schedules.lookup(name)
         assert entry.runnable and entry.distributed and entry.flushes and entry.order == "torch"
+    # the closed form is exact for torch's one-stage-per-rank, whole-backward schedules only
+    assert [n for n in schedules.SCHEDULES if R[n].replayed(1)] == ["interleavedzerobubble", "zbvzerobubble", "dualpipev"]
+    assert all(R[n.lower()].replayed(2) for n in MULTI) and not R["xpipe"].replayed(2), "torch runs it, several stages a rank"
 
 
 @pytest.mark.parametrize("name", schedules.SCHEDULES)

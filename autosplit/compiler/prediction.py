@@ -197,7 +197,7 @@ def step_bound(table: CostTable, ranks: int, micro_batches: int, schedule: str, 
     its replay may hide some of it in the schedule's idle time where the optimizer's does not, so
     it counts in a second bound, without the optimizer's share."""
     entry = schedules.lookup(schedule)
-    if entry.torch_class is None or not (stages_per_rank > 1 or entry.split_backward):
+    if not entry.replayed(stages_per_rank):
         return None
     split = table.split_cost if table.split_cost and entry.backward_in_weight_pass(0) else None
     work = sum(min(f + b - (split[n][d] if split else 0.0) for d, (f, b) in enumerate(zip(fr, br)))

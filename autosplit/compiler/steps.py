@@ -72,7 +72,7 @@ def compile_plan(
         with progress.timed_pass("estimate", timings):
             table, source, problem = recomputing(traced, specs, options, M, rules, order, recomputed, partial)
     stage_of, solver_name, status = solution.stage_of, solution.solver, solution.status
-    if v > 1 or schedules.lookup(options.schedule).split_backward:  # the closed form is a surrogate: the replay judges, and moves the cuts
+    if schedules.lookup(options.schedule).replayed(v):  # the closed form is a surrogate: the replay judges, and moves the cuts
         with progress.timed_pass("refine", timings):
             stage_of = refine(problem, table, stage_of, order, options)
         if stage_of != solution.stage_of:
