@@ -35,6 +35,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import sys
@@ -188,6 +189,15 @@ EFFICIENCY = {
 
 SAMPLES = 8192
 """Jozefowicz et al. 2016, §3: the softmax is sampled, 8,192 words per step."""
+PIECES = {"gnmt": 10, "biglstm": 20}
+"""Time pieces the recurrences run on (``benchmarks.models.recur``): GNMT's 50 steps in 10 of 5
+steps, BigLSTM's 20 one by one (its graph was unrolled so). A stack of LSTMs placed layer by
+layer runs as a wavefront over them, as GNMT's model parallelism does (Wu et al. 2016, §3.3);
+one node per layer would leave each device idle until the layer below has read the sequence."""
+SHARDS = 8
+"""Vocabulary slices of a full softmax (``benchmarks.models.Sharded``): GNMT partitions its
+softmax over its GPUs (§3.3) and the released lm_1b graph keeps it in 8; one node of 32k or
+793k outputs would sit on one device of a worker."""
 
 WORKLOADS = {
     "inception_v3": Workload(
@@ -197,12 +207,13 @@ WORKLOADS = {
         "inception_v3", "inception_v3",
     ),
     "gnmt": Workload(
-        "gnmt", GNMT, lambda b: (torch.zeros(b, 50, dtype=torch.long), torch.zeros(b, 50, dtype=torch.long)), 128,
+        "gnmt", functools.partial(GNMT, chunks=PIECES["gnmt"], shards=SHARDS),
+        lambda b: (torch.zeros(b, 50, dtype=torch.long), torch.zeros(b, 50, dtype=torch.long)), 128,
         "Wu et al. 2016 (GNMT), §8: 128 sentence pairs per replica; 50 tokens a side assumed",
         "adam", "GNMT trains with Adam, then SGD", 0.08, (16, 32), _translation_task, "gnmt", "gnmt",
     ),
     "biglstm": Workload(
-        "biglstm", SampledBigLSTM,
+        "biglstm", functools.partial(SampledBigLSTM, chunks=PIECES["biglstm"]),
         lambda b: (torch.zeros(b, 20, dtype=torch.long), torch.zeros(b, 20, dtype=torch.long),
                    torch.zeros(1, SAMPLES, dtype=torch.long)), 128,
         "Jozefowicz et al. 2016 (Exploring the Limits of Language Modeling): 128 sequences of 20 steps per worker, "
@@ -211,7 +222,8 @@ WORKLOADS = {
         _text_task, "biglstm", "biglstm",
     ),
     "biglstm_full": Workload(
-        "biglstm_full", BigLSTM, lambda b: (torch.zeros(b, 20, dtype=torch.long),), 128,
+        "biglstm_full", functools.partial(BigLSTM, chunks=PIECES["biglstm"], shards=SHARDS),
+        lambda b: (torch.zeros(b, 20, dtype=torch.long),), 128,
         "as biglstm, with the full 793,471-word softmax instead of the sampled one",
         "sgd_momentum", "AdaGrad keeps one accumulator per parameter, as SGD with momentum does", 0.22, (16, 32),
         _text_task, "biglstm", "biglstm",

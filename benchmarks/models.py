@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from autosplit.examples import GPT
 
-__all__ = ["InceptionV3", "GNMT", "BigLSTM", "GPT", "ResNet", "MLP", "TwoTower", "make", "WORKLOADS"]
+__all__ = ["InceptionV3", "GNMT", "BigLSTM", "SampledBigLSTM", "GPT", "ResNet", "MLP", "TwoTower", "make", "WORKLOADS"]
 
 
 # -- Inception-V3 -------------------------------------------------------------------------
@@ -155,6 +155,49 @@ class InceptionV3(nn.Module):
         return self.fc(torch.flatten(F.adaptive_avg_pool2d(x, 1), 1))
 
 
+# -- recurrences in time pieces ---------------------------------------------------------------
+def pieces(x: torch.Tensor, chunks: int) -> list[torch.Tensor]:
+    """``x`` (batch, time, …) as ``chunks`` consecutive pieces along time (one piece: ``[x]``)."""
+    if chunks == 1:
+        return [x]
+    parts = x.tensor_split(chunks, 1)
+    return [parts[i] for i in range(chunks)]  # indexed, not iterated: torch.fx traces getitem
+
+
+def joined(xs: list[torch.Tensor]) -> torch.Tensor:
+    """The pieces of :func:`pieces` back as one sequence."""
+    return xs[0] if len(xs) == 1 else torch.cat(xs, 1)
+
+
+def recur(lstm: nn.LSTM, xs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """A unidirectional ``lstm`` over a sequence given as time pieces, its state carried from piece
+    to piece: the outputs of one call on the whole sequence, computed as one call (one graph node)
+    per piece. Split so, a stack of LSTMs placed layer by layer on different devices runs as a
+    wavefront — layer i + 1 works on piece t while layer i works on piece t + 1 — which is how
+    GNMT's layer-per-GPU model parallelism gains (Wu et al. 2016, §3.3); one node per layer would
+    leave each device idle until the layer below has read the whole sequence."""
+    out, state = [], None
+    for x in xs:
+        y, state = lstm(x) if state is None else lstm(x, state)
+        out.append(y)
+    return out
+
+
+class Sharded(nn.Module):
+    """A linear layer to ``features`` outputs as ``shards`` layers over consecutive slices of them
+    (sizes as ``tensor_split``'s), outputs concatenated: one node per slice, which a planner may
+    place on different devices. ``Sharded(i, o, s)(x) == nn.Linear(i, o)(x)`` for weights
+    ``torch.cat([p.weight for p in self.parts])``."""
+
+    def __init__(self, in_features: int, features: int, shards: int):
+        super().__init__()
+        sizes = [len(part) for part in torch.arange(features).tensor_split(shards)]
+        self.parts = nn.ModuleList(nn.Linear(in_features, n) for n in sizes)
+
+    def forward(self, x):
+        return torch.cat([part(x) for part in self.parts], -1)
+
+
 # -- GNMT ---------------------------------------------------------------------------------
 class Attention(nn.Module):
     """Normalized Bahdanau attention (GNMT §3)."""
@@ -171,10 +214,17 @@ class Attention(nn.Module):
 
 
 class GNMT(nn.Module):
-    """GNMT: ``layers`` encoder + ``layers`` decoder LSTM layers, attention, residuals from layer 3."""
+    """GNMT: ``layers`` encoder + ``layers`` decoder LSTM layers, attention, residuals from layer 3.
 
-    def __init__(self, vocab: int = 32000, hidden: int = 1024, layers: int = 8):
+    ``chunks``: every unidirectional layer (all but the bidirectional bottom encoder layer), the
+    attention and the output layer run on that many time pieces (:func:`recur`). ``shards``: the
+    output layer as that many layers over consecutive slices of the vocabulary, its logits
+    concatenated (GNMT §3.3 partitions its softmax so, one part per GPU). Neither changes the
+    function, only the graph a planner sees."""
+
+    def __init__(self, vocab: int = 32000, hidden: int = 1024, layers: int = 8, chunks: int = 1, shards: int = 1):
         super().__init__()
+        self.chunks = chunks
         self.src_emb = nn.Embedding(vocab, hidden)
         self.tgt_emb = nn.Embedding(vocab, hidden)
         self.enc0 = nn.LSTM(hidden, hidden // 2, batch_first=True, bidirectional=True)
@@ -182,46 +232,51 @@ class GNMT(nn.Module):
         self.dec0 = nn.LSTM(hidden, hidden, batch_first=True)
         self.attn = Attention(hidden)
         self.dec = nn.ModuleList(nn.LSTM(2 * hidden, hidden, batch_first=True) for _ in range(layers - 1))
-        self.out = nn.Linear(hidden, vocab)
+        self.out = nn.Linear(hidden, vocab) if shards == 1 else Sharded(hidden, vocab, shards)
 
     def forward(self, src, tgt):
-        x, _ = self.enc0(self.src_emb(src))
+        x, _ = self.enc0(self.src_emb(src))  # bidirectional: it reads the whole source before any output
+        xs = pieces(x, self.chunks)
         for i, lstm in enumerate(self.enc):
-            y, _ = lstm(x)
-            x = x + y if i >= 1 else y  # residuals start at the third encoder layer
-        y, _ = self.dec0(self.tgt_emb(tgt))
-        context = self.attn(y, x)
+            ys = recur(lstm, xs)
+            xs = [x + y for x, y in zip(xs, ys)] if i >= 1 else ys  # residuals start at the third encoder layer
+        keys = joined(xs)
+        ys = recur(self.dec0, pieces(self.tgt_emb(tgt), self.chunks))
+        contexts = [self.attn(y, keys) for y in ys]
         for i, lstm in enumerate(self.dec):
-            z, _ = lstm(torch.cat([y, context], -1))
-            y = y + z if i >= 1 else z
-        return self.out(y)
+            zs = recur(lstm, [torch.cat([y, c], -1) for y, c in zip(ys, contexts)])
+            ys = [y + z for y, z in zip(ys, zs)] if i >= 1 else zs
+        return joined([self.out(y) for y in ys])
 
 
 # -- BigLSTM ------------------------------------------------------------------------------
 class _LSTMBody(nn.Module):
-    """BigLSTM's embedding and 2 projected LSTM layers (2048-512 in the paper), without a softmax."""
+    """BigLSTM's embedding and 2 projected LSTM layers (2048-512 in the paper), without a softmax;
+    ``chunks`` as :class:`GNMT`'s."""
 
-    def __init__(self, vocab: int, embed: int, hidden: int, proj: int):
+    def __init__(self, vocab: int, embed: int, hidden: int, proj: int, chunks: int):
         super().__init__()
+        self.chunks = chunks
         self.emb = nn.Embedding(vocab, embed)
         self.lstm1 = nn.LSTM(embed, hidden, proj_size=proj, batch_first=True)
         self.lstm2 = nn.LSTM(proj, hidden, proj_size=proj, batch_first=True)
 
-    def states(self, tokens):
-        x, _ = self.lstm1(self.emb(tokens))
-        x, _ = self.lstm2(x)
-        return x
+    def states(self, tokens) -> list[torch.Tensor]:
+        """The top layer's outputs, in time pieces."""
+        return recur(self.lstm2, recur(self.lstm1, pieces(self.emb(tokens), self.chunks)))
 
 
 class BigLSTM(_LSTMBody):
-    """BigLSTM: the LSTM body and a full softmax layer."""
+    """BigLSTM: the LSTM body and a full softmax layer, in ``shards`` vocabulary slices as
+    :class:`GNMT`'s (the released lm_1b graph keeps its softmax in 8)."""
 
-    def __init__(self, vocab: int = 793471, embed: int = 512, hidden: int = 8192, proj: int = 1024):
-        super().__init__(vocab, embed, hidden, proj)
-        self.softmax = nn.Linear(proj, vocab)
+    def __init__(self, vocab: int = 793471, embed: int = 512, hidden: int = 8192, proj: int = 1024, chunks: int = 1,
+                 shards: int = 1):
+        super().__init__(vocab, embed, hidden, proj, chunks)
+        self.softmax = nn.Linear(proj, vocab) if shards == 1 else Sharded(proj, vocab, shards)
 
     def forward(self, tokens):
-        return self.softmax(self.states(tokens))
+        return joined([self.softmax(h) for h in self.states(tokens)])
 
 
 class SampledBigLSTM(_LSTMBody):
@@ -234,18 +289,17 @@ class SampledBigLSTM(_LSTMBody):
     The sampler's log-probability correction and the removal of accidental hits are left out
     (elementwise on these logits: they change neither the shapes nor the cost to speak of)."""
 
-    def __init__(self, vocab: int = 793471, embed: int = 512, hidden: int = 8192, proj: int = 1024):
-        super().__init__(vocab, embed, hidden, proj)
+    def __init__(self, vocab: int = 793471, embed: int = 512, hidden: int = 8192, proj: int = 1024, chunks: int = 1):
+        super().__init__(vocab, embed, hidden, proj, chunks)
         self.softmax_w = nn.Embedding(vocab, proj)
         self.softmax_b = nn.Embedding(vocab, 1)
 
     def forward(self, tokens, targets, candidates):
-        h = self.states(tokens).flatten(0, 1)
-        ids = torch.cat([targets.flatten(), candidates.flatten()])  # one lookup of every row the step touches
-        w, b = self.softmax_w(ids), self.softmax_b(ids)
-        n = h.shape[0]
-        true = (h * w[:n]).sum(-1, keepdim=True) + b[:n]
-        return torch.cat([true, h @ w[n:].t() + b[n:].t()], 1)
+        w, b = self.softmax_w(candidates)[0], self.softmax_b(candidates)[0]  # (samples, proj), (samples, 1)
+        true_w, true_b = pieces(self.softmax_w(targets), self.chunks), pieces(self.softmax_b(targets), self.chunks)
+        logits = [torch.cat([(h * tw).sum(-1, keepdim=True) + tb, h @ w.t() + b.t()], -1)
+                  for h, tw, tb in zip(self.states(tokens), true_w, true_b)]
+        return joined(logits).flatten(0, 1)
 
 
 # -- ResNet, MLP --------------------------------------------------------------------------

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -13,7 +14,7 @@ from hypothesis import strategies as st
 from autosplit.errors import InfeasiblePlanError
 from autosplit.options import SolverLimits
 from autosplit.solver.makespan import makespan_bound, solve_makespan
-from autosplit.solver.makespan.schedule import comm, durations, list_schedule, memory_of, run_key, task_graph
+from autosplit.solver.makespan.schedule import comm, durations, list_schedule, memory_of, pinned_search, run_key, task_graph
 from autosplit.solver.problem import UserConstraint
 from tests.helpers import chain, make_problem
 
@@ -73,6 +74,26 @@ def test_a_chain_gains_nothing():
     sol = solve_makespan(problem, time_limit=5)
     check(problem, sol.schedule)
     assert sol.objective == sum([2, 4, 6, 8, 10, 12]) == sol.bound and sol.status == "OPTIMAL"
+
+
+def test_a_stack_of_recurrences_runs_as_a_wavefront():
+    """Two LSTM layers called once per time piece, each layer's calls one colocated group, the
+    upper one heavier: HEFT puts it beside the lower one for want of one transfer; the pinned
+    search moves it to the other device, where the layers overlap piece by piece."""
+    n = 6
+    a, b = list(range(n)), list(range(n, 2 * n))
+    edges = [*((a[t], a[t + 1]) for t in range(n - 1)), *((b[t], b[t + 1]) for t in range(n - 1)), *zip(a, b)]
+    problem = make_problem([20] * n + [30] * n, edges, stages=2, transfer=[2] * 2 * n, colocate=[tuple(a), tuple(b)])
+    heft = list_schedule(problem)
+    assert len(set(heft.device_of)) == 1 and heft.makespan == 300
+    # By hand, the critical path: a0, 1 ns of transfer, b0 … b5 (10 + 1 + 6 × 15), and the
+    # backward the same way back: 2 × 101.
+    pinned = pinned_search(problem, heft, deadline=math.inf)
+    check(problem, pinned)
+    assert pinned.makespan == 202 and pinned.device_of[a[0]] != pinned.device_of[b[0]]
+    sol = solve_makespan(problem, time_limit=5)
+    check(problem, sol.schedule)
+    assert sol.objective == 202 and sol.baseline == 300
 
 
 def test_memory_and_constraints_are_kept():

@@ -1,11 +1,13 @@
 """The makespan objective (DESIGN §4.3; Pal et al.'s DLPlacer): place units on devices with
 start times so that parallel branches run at the same time; minimise one step's makespan.
 
-- :mod:`.schedule` — tasks, timing an assignment, the list scheduler (HEFT);
+- :mod:`.schedule` — tasks, timing an assignment, the list scheduler (HEFT) and a local
+  search that pins heavy groups to other devices around it;
 - :mod:`.cpsat` — the CP-SAT model (its mathematics in the module docstring);
-- :func:`solve_makespan` — how they combine: coarsen a large graph
-  (:attr:`~autosplit.solver.limits.SolverLimits.makespan_units`), HEFT, CP-SAT with
-  HEFT's schedule as hint, the better schedule timed on the nodes, and a bound.
+- :func:`solve_makespan` — how they combine: HEFT, its pinned search (a quarter of the time
+  limit), coarsening of a large graph
+  (:attr:`~autosplit.solver.limits.SolverLimits.makespan_units`), CP-SAT with the better of
+  the two as hint, the best schedule timed on the nodes, and a bound.
 
 Usage::
 
@@ -24,7 +26,7 @@ from autosplit.errors import InfeasiblePlanError, advice
 from autosplit.options import SolverLimits
 from autosplit.solver.coarsen import coarse_problem, coarsen
 from autosplit.solver.makespan.cpsat import makespan_cpsat
-from autosplit.solver.makespan.schedule import Schedule, Task, durations, list_schedule, memory_of, schedule_of
+from autosplit.solver.makespan.schedule import Schedule, Task, durations, list_schedule, memory_of, pinned_search, schedule_of
 from autosplit.solver.pipeline.dp import topological_order
 from autosplit.solver.problem import KIB, Problem
 from autosplit.units import format_bytes
@@ -44,7 +46,8 @@ class MakespanSolution:
     bound: int
     wall_time: float
     solver: str
-    """``"cp-sat"`` or ``"heft"``: which produced the schedule."""
+    """``"cp-sat"``, ``"heft"`` or ``"heft, pinned"`` (HEFT around the groups :func:`pinned_search`
+    pinned): which produced the schedule."""
     baseline: int | None
     """HEFT's makespan on the nodes (None when it found no schedule within the caps)."""
     units: int
@@ -93,13 +96,15 @@ def solve_makespan(
     N = len(problem.nodes)
     heft = list_schedule(problem)
     candidates: dict[str, Schedule] = {"heft": heft} if heft else {}
+    if heft is not None:
+        candidates["heft, pinned"] = pinned_search(problem, heft, deadline=t0 + time_limit / 4)
     target, c = problem, None
     if N > limits.makespan_units:
         total = sum(sum(row) / len(row) for row in problem.compute)
         c = coarsen(problem, topological_order(problem), max_cost=total / limits.makespan_units)
         target = coarse_problem(problem, c)
         log.info("makespan: coarsened %d nodes into %d blocks", N, c.num_blocks)
-    hint = heft if c is None else list_schedule(target)
+    hint = min(candidates.values(), key=lambda s: s.makespan, default=None) if c is None else list_schedule(target)
     remaining = max(0.0, time_limit - (time.perf_counter() - t0))
     name, found, cp_bound = makespan_cpsat(target, hint, time_limit=remaining, seed=seed, workers=workers)
     if found is not None:

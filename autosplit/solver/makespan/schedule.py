@@ -28,7 +28,8 @@ is free (appended, no insertion). It is the warm start of the CP-SAT model and t
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import networkx as nx
@@ -36,7 +37,10 @@ from networkx.utils import UnionFind
 
 from autosplit.solver.problem import Problem
 
-__all__ = ["Task", "Schedule", "comm", "run_key", "durations", "list_schedule", "memory_of", "schedule_of", "task_graph"]
+__all__ = [
+    "Task", "Schedule", "comm", "run_key", "durations", "groups", "list_schedule", "memory_of", "pinned_search", "schedule_of",
+    "task_graph",
+]
 
 
 @dataclass(frozen=True)
@@ -195,23 +199,32 @@ def schedule_of(problem: Problem, device_of: Sequence[int], priority: Sequence[i
     return _time(problem, _topological_tasks(problem, prec, rank), prec, lambda u, _ready, _free: device_of[u])
 
 
-def list_schedule(problem: Problem) -> Schedule | None:
-    """HEFT within the memory caps: None when a unit finds no device with room."""
+def groups(problem: Problem) -> UnionFind:
+    """Units that must share a device (colocated, or kept together by a constraint), as a union-find."""
+    group = UnionFind(range(len(problem.nodes)))
+    for members in [*problem.colocate, *(c.together for c in problem.constraints)]:
+        group.union(*members)
+    return group
+
+
+def list_schedule(problem: Problem, pinned: Mapping[int, int] | None = None) -> Schedule | None:
+    """HEFT within the memory caps: None when a unit finds no device with room. ``pinned``
+    (unit → device) places those units' groups there instead of where they would finish first."""
     prec = task_graph(problem)
     fwd, _ = durations(problem)
     order = _topological_tasks(problem, prec, _upward_rank(problem, prec))
     forbidden = {(n, s) for c in problem.constraints for n, s in c.forbid}
     used = [problem.transient_mem] * problem.num_stages
     caps = problem.capacity
-    group = UnionFind(range(len(problem.nodes)))  # units that must share a device: the first placed decides
-    for members in [*problem.colocate, *(c.together for c in problem.constraints)]:
-        group.union(*members)
-    placed: dict[int, int] = {}
+    group = groups(problem)  # the first unit of a group placed decides for all of it
+    placed: dict[int, int] = {group[u]: d for u, d in (pinned or {}).items()}
 
     def choose(u: int, ready, free) -> int:
         if group[u] in placed:
             d = placed[group[u]]
             used[d] += problem.state_mem[u] + problem.act_mem[u][d]
+            if (u, d) in forbidden:
+                raise _NoRoom
             return d
         best = None
         for d in range(problem.num_stages):
@@ -234,6 +247,46 @@ def list_schedule(problem: Problem) -> Schedule | None:
     if any(m > cap for m, cap in zip(memory_of(problem, found.device_of), caps)):
         return None
     return found
+
+
+def pinned_search(problem: Problem, start: Schedule, *, deadline: float, evaluations: int = 400) -> Schedule:
+    """``start`` (HEFT's schedule) improved by pinning whole groups to other devices.
+
+    HEFT places a group where its first unit finishes first, blind to the group's later units:
+    a recurrence called once per time piece (each call a unit, all of them one group) lands on
+    the device that ran the piece below it, for want of one transfer, and a stack of them never
+    runs as a wavefront. This local search takes the heavy groups (each at least 1% of the work,
+    heaviest first), pins one at a time to another device (every other with up to 4 devices,
+    else the 3 least busy), runs HEFT again around the pins and keeps a pin that shortens the
+    step. Passes repeat until none does, ``evaluations`` HEFT runs are spent or
+    ``time.perf_counter()`` passes ``deadline``. Every schedule it returns is HEFT's under some
+    pins, so it keeps every rule HEFT keeps."""
+    group = groups(problem)
+    fwd, bwd = durations(problem)
+    work: dict[int, int] = {}
+    for u in range(len(problem.nodes)):
+        work[group[u]] = work.get(group[u], 0) + min(f + b for f, b in zip(fwd[u], bwd[u]))
+    total = sum(work.values())
+    heavy = sorted((w, g) for g, w in work.items() if w >= total / 100)[::-1][:48]
+    best, pins, spent = start, dict[int, int](), 0
+    improved = True
+    while improved and spent < evaluations and time.perf_counter() < deadline:
+        improved = False
+        for _, g in heavy:
+            busy = [0] * problem.num_stages
+            for t in best.tasks:
+                busy[t.device] += t.end - t.start
+            here = best.device_of[g]
+            others = sorted((d for d in range(problem.num_stages) if d != here), key=lambda d: (busy[d], d))
+            for d in others if problem.num_stages <= 4 else others[:3]:
+                if spent >= evaluations or time.perf_counter() >= deadline:
+                    return best
+                spent += 1
+                found = list_schedule(problem, {**pins, g: d})
+                if found is not None and found.makespan < best.makespan:
+                    best, pins, improved = found, {**pins, g: d}, True
+                    break
+    return best
 
 
 class _NoRoom(Exception):
