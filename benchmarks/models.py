@@ -295,9 +295,14 @@ class SampledBigLSTM(_LSTMBody):
         self.softmax_b = nn.Embedding(vocab, 1)
 
     def forward(self, tokens, targets, candidates):
-        w, b = self.softmax_w(candidates)[0], self.softmax_b(candidates)[0]  # (samples, proj), (samples, 1)
-        true_w, true_b = pieces(self.softmax_w(targets), self.chunks), pieces(self.softmax_b(targets), self.chunks)
-        logits = [torch.cat([(h * tw).sum(-1, keepdim=True) + tb, h @ w.t() + b.t()], -1)
+        ids = torch.cat([targets.flatten(), candidates.flatten()])  # one lookup of every row the step touches
+        w, b = self.softmax_w(ids), self.softmax_b(ids)
+        batch, steps = targets.size(0), targets.size(1)
+        n = batch * steps
+        true_w = pieces(w[:n].reshape(batch, steps, -1), self.chunks)
+        true_b = pieces(b[:n].reshape(batch, steps, 1), self.chunks)
+        sampled_w, sampled_b = w[n:].t(), b[n:].t()  # (proj, samples), (1, samples): one view each, shared by the pieces
+        logits = [torch.cat([(h * tw).sum(-1, keepdim=True) + tb, h @ sampled_w + sampled_b], -1)
                   for h, tw, tb in zip(self.states(tokens), true_w, true_b)]
         return joined(logits).flatten(0, 1)
 
