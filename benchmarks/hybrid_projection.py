@@ -352,7 +352,8 @@ def verdict(results: dict) -> list[dict]:
     the published efficiency beside Pal et al.'s, whether the direction matches, and — where the
     size differs by more than 2× — the input that drives the difference: of the three ratios the
     gain is made of (:func:`drivers`), the one that pulls furthest the way ours differs (below
-    Pal et al.'s: the smallest; above: the largest)."""
+    Pal et al.'s: the smallest; above: the largest). ``needed_for_pal``: the value each ratio
+    would need, the other two as projected, for Pal et al.'s gain."""
     rows = []
     for name, w in results["workloads"].items():
         for p in w["projections"]:
@@ -366,6 +367,9 @@ def verdict(results: dict) -> list[dict]:
                     ratios = p["drivers_at_largest"]["ratios"]
                     row["driver"] = (min if gain < w["pal_gain"] else max)(ratios, key=ratios.get)
                     row["driver_ratio"] = ratios[row["driver"]]
+                if p["drivers_at_largest"]:  # each ratio Pal et al.'s gain would take, the other two as ours
+                    ratios = p["drivers_at_largest"]["ratios"]
+                    row["needed_for_pal"] = {k: (1 + w["pal_gain"]) * v / math.prod(ratios.values()) for k, v in ratios.items()}
             rows.append(row)
     return rows
 
@@ -426,7 +430,9 @@ def closing_table(results: dict, out: Path) -> int:
         gain = "no DP/hybrid" if r["gain"] is None else f"{r['gain']:+.1%}"
         print(f"{r['model']:13s} {r['gpu_memory_gb']:>3d}GB {r['objective']:>9s} {gain:>14s} {r['pal_gain']:>+10.1%} "
               f"{r.get('direction_matches', '-')!s:>9s} {r.get('size_ratio', math.nan):7.2f}  "
-              + (f"{r['driver']} ({r['driver_ratio']:.2f}×)" if "driver" in r else ""))
+              + (f"{r['driver']} ({r['driver_ratio']:.2f}×)" if "driver" in r else "")
+              + (" — Pal et al.'s gain needs " + ", ".join(f"{k} {v:.2f}" for k, v in r["needed_for_pal"].items())
+                 if "needed_for_pal" in r else ""))
     out.write_text(json.dumps(results, indent=1, default=str))
     print(f"\nwrote {out}")
     return 0
