@@ -344,7 +344,19 @@ def _row(r: autosplit.compiler.hybrid.HybridRow | None) -> dict | None:
         return None
     return {"k": r.k, "replicas": r.replicas, "worker_batch": r.worker_batch, "global_batch": r.global_batch,
             "micro_batches": r.micro_batches, "step": r.step, "exposed_allreduce": r.allreduce,
-            "examples_factor": r.examples_factor, "time_to_target": r.time_to_target, "memory": r.memory}
+            "examples_factor": r.examples_factor, "time_to_target": r.time_to_target, "memory": r.memory,
+            "worker_step": r.plan.step_time if r.plan else None, "heaviest_nodes": heaviest(r.plan)}
+
+
+def heaviest(plan: autosplit.Plan | None, count: int = 4) -> list[tuple[str, float]]:
+    """A makespan worker's ``count`` nodes with the most task time (forward + backward with its
+    optimizer step, seconds), the device they run on aside: what the worker's step is made of."""
+    if plan is None or plan.objective != "makespan":
+        return []
+    busy: dict[str, float] = {}
+    for t in plan.tasks:
+        busy[t.node] = busy.get(t.node, 0.0) + t.end - t.start
+    return sorted(busy.items(), key=lambda kv: -kv[1])[:count]
 
 
 def verdict(results: dict) -> list[dict]:

@@ -241,6 +241,7 @@ def plan_all(name: str, args, spec, tmp: str) -> tuple[list[dict], list[str]]:
             "micro_batches": M, "predicted": plan.step_time, "rank_memory": list(plan.rank_memory),
             "predicted_terms": None if plan.terms is None else vars(plan.terms),
             "split": split_text(plan, REPEATED[name]), "solver": f"{plan.solver.name} {plan.solver.status}",
+            "step_bound": plan.solver.step_bound, "step_gap": plan.step_gap,
             "stage_times": [{"forward": st.forward, "backward": st.backward} for st in plan.stages],
         })
 
