@@ -7,7 +7,11 @@ for benchmarks that run the model). ``make(name, size)`` builds a model with exa
 - Inception-V3 (Szegedy et al. 2016): stem, InceptionA×3, B, C×4, D, E×2, parallel towers.
 - GNMT (Wu et al. 2016): 8 + 8 LSTM layers, bottom encoder layer bidirectional, residual
   connections from the third layer up, attention from the first decoder layer fed to all.
-- BigLSTM (Jozefowicz et al. 2016): large embedding, 2 LSTM layers with projection, softmax.
+- BigLSTM (Jozefowicz et al. 2016): large embedding, 2 LSTM layers with projection, softmax
+  (full, or sampled as the paper trained it: ``SampledBigLSTM``).
+- GNMT and BigLSTM can run their LSTMs on time pieces (:func:`recur`) and a full softmax in
+  vocabulary slices (:class:`Sharded`): the same function, as their papers' model parallelism
+  ran it, in a graph a planner can spread as a wavefront.
 - GPT-style transformer with tied embeddings (``autosplit.examples.GPT``), a ResNet, an MLP,
   and a two-tower retrieval model (independent towers, for the makespan objective).
 """
