@@ -42,7 +42,7 @@ def recost(traced: Traced, specs: tuple[DeviceSpec, ...], options: PlanOptions, 
     with progress.timed_pass("validate", timings):
         validate(problem, stage_of, memory=check_memory)
     terms, shared = predict_step(problem, table, stage_of, order, options)
-    # The replayed step's bound under today's costs, as the step; a hand split gets one too.
+    # The replayed step's bound under the costs the step is re-costed with; a hand split gets one too.
     solver = dataclasses.replace(given.solver, step_bound=step_bound(base, problem.ranks, M, options.schedule, given.stages_per_rank))
     if solver.status == "MANUAL":
         solver = dataclasses.replace(solver, objective=evaluate(problem, stage_of).objective / M / NS)
