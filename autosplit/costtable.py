@@ -17,20 +17,38 @@ from autosplit.errors import CostModelError, advice
 
 # Optimizer state bytes per fp32 parameter; torch.optim keeps the moments in the parameter's dtype
 # (``zeros_like(param)``), so a bf16 parameter's state is half this.
-OPTIMIZER_STATE_BYTES = {"adam": 8, "adamw": 8, "sgd_momentum": 4, "sgd": 0, "none": 0}
+OPTIMIZER_STATE_BYTES = {"adam": 8, "adamw": 8, "adagrad": 4, "sgd_momentum": 4, "sgd": 0, "none": 0}
 
 
 # Temporaries of one optimizer step, in units of the parameter tensor being updated:
-# torch's single-tensor Adam computes (exp_avg_sq.sqrt() / c).add_(eps), two new tensors.
-OPTIMIZER_TEMP_FACTOR = {"adam": 2, "adamw": 2, "sgd_momentum": 0, "sgd": 0, "none": 0}
+# torch's single-tensor Adam computes (exp_avg_sq.sqrt() / c).add_(eps), two new tensors; Adagrad
+# state_sum.sqrt().add_(eps), one.
+OPTIMIZER_TEMP_FACTOR = {"adam": 2, "adamw": 2, "adagrad": 1, "sgd_momentum": 0, "sgd": 0, "none": 0}
 
 
 # Bytes one optimizer step reads and writes per byte of parameter, and the ops it launches per
 # parameter tensor, counted from torch's single-tensor implementations (the CPU default):
 # Adam: exp_avg.lerp_(g) 3, exp_avg_sq.mul_().addcmul_() 2 + 4, denom = (sqrt / c).add_(eps)
 # 2 + 2 + 2, param.addcdiv_(exp_avg, denom) 4 → 19 tensor passes; AdamW adds param.mul_() 2.
+# Adagrad: state_sum.addcmul_(g, g) 3, std = sqrt().add_(eps) 2 + 2, param.addcdiv_(g, std) 4 → 11.
 # SGD: param.add_(g) 3; with momentum buf.mul_().add_(g) 2 + 3 first.
-OPTIMIZER_STEP_TRAFFIC = {"adam": (19, 7), "adamw": (21, 8), "sgd_momentum": (8, 3), "sgd": (3, 1), "none": (0, 0)}
+OPTIMIZER_STEP_TRAFFIC = {
+    "adam": (19, 7), "adamw": (21, 8), "adagrad": (11, 4), "sgd_momentum": (8, 3), "sgd": (3, 1), "none": (0, 0),
+}
+
+
+# The optimizers whose step over a sparse gradient (an ``nn.Embedding(sparse=True)`` table's)
+# touches only its rows: the step's passes over the gradient's bytes (values with their indices),
+# its ops, and its temporaries in units of the gradient, counted from torch's sparse branches.
+# Adagrad coalesces the gradient 2, squares it 2, adds it into state_sum's rows 3, reads those rows
+# back (sparse_mask) 2, sqrt_ 2, add_(eps) 2, divides the gradient by them 3 and adds the result
+# into the parameter's rows 3 → 19, holding the coalesced gradient, its squares, the rows read back
+# and the quotient; SGD adds the gradient into the parameter's rows, 3. Adam and AdamW refuse
+# sparse gradients; SGD with momentum takes them, but its buffer gathers every row ever touched
+# and is costed dense.
+OPTIMIZER_SPARSE_STEP = {"adagrad": (19, 8, 4), "sgd": (3, 1, 0), "none": (0, 0, 0)}
+SPARSE_REFUSED = ("adam", "adamw")
+"""Optimizers torch refuses sparse gradients to (``RuntimeError`` in their step)."""
 
 
 OVERRIDE_KEYS = ("fwd", "bwd", "saved_bytes")

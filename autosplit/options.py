@@ -35,7 +35,7 @@ __all__ = ["AUTO", "AUTO_MOST_STAGES_PER_RANK",
            "PlanOptions", "SolverLimits", "ProfileOptions", "SCHEDULES", "OBJECTIVES", "OPTIMIZERS", "CAPTURE_METHODS", "CostsLike",
            "ScheduleName", "Objective", "Optimizer", "CaptureMethod", "Precision", "PRECISIONS", "Checkpointing", "CHECKPOINTINGS"]
 
-Optimizer: TypeAlias = Literal["adam", "adamw", "sgd_momentum", "sgd", "none"]
+Optimizer: TypeAlias = Literal["adam", "adamw", "adagrad", "sgd_momentum", "sgd", "none"]
 OPTIMIZERS = tuple(OPTIMIZER_STATE_BYTES)
 """Optimizers whose state and step temporaries the memory model counts (the names of :data:`Optimizer`)."""
 CaptureMethod: TypeAlias = Literal["auto", "symbolic_trace", "export"]

@@ -256,12 +256,13 @@ class GNMT(nn.Module):
 # -- BigLSTM ------------------------------------------------------------------------------
 class _LSTMBody(nn.Module):
     """BigLSTM's embedding and 2 projected LSTM layers (2048-512 in the paper), without a softmax;
-    ``chunks`` as :class:`GNMT`'s."""
+    ``chunks`` as :class:`GNMT`'s; ``sparse``: the tables looked up with ``sparse=True``, their
+    gradients the rows looked up, as the paper's AdaGrad updated them."""
 
-    def __init__(self, vocab: int, embed: int, hidden: int, proj: int, chunks: int):
+    def __init__(self, vocab: int, embed: int, hidden: int, proj: int, chunks: int, sparse: bool = False):
         super().__init__()
         self.chunks = chunks
-        self.emb = nn.Embedding(vocab, embed)
+        self.emb = nn.Embedding(vocab, embed, sparse=sparse)
         self.lstm1 = nn.LSTM(embed, hidden, proj_size=proj, batch_first=True)
         self.lstm2 = nn.LSTM(proj, hidden, proj_size=proj, batch_first=True)
 
@@ -275,8 +276,8 @@ class BigLSTM(_LSTMBody):
     :class:`GNMT`'s (the released lm_1b graph keeps its softmax in 8)."""
 
     def __init__(self, vocab: int = 793471, embed: int = 512, hidden: int = 8192, proj: int = 1024, chunks: int = 1,
-                 shards: int = 1):
-        super().__init__(vocab, embed, hidden, proj, chunks)
+                 shards: int = 1, sparse: bool = False):
+        super().__init__(vocab, embed, hidden, proj, chunks, sparse)
         self.softmax = nn.Linear(proj, vocab) if shards == 1 else Sharded(proj, vocab, shards)
 
     def forward(self, tokens):
@@ -293,10 +294,11 @@ class SampledBigLSTM(_LSTMBody):
     The sampler's log-probability correction and the removal of accidental hits are left out
     (elementwise on these logits: they change neither the shapes nor the cost to speak of)."""
 
-    def __init__(self, vocab: int = 793471, embed: int = 512, hidden: int = 8192, proj: int = 1024, chunks: int = 1):
-        super().__init__(vocab, embed, hidden, proj, chunks)
-        self.softmax_w = nn.Embedding(vocab, proj)
-        self.softmax_b = nn.Embedding(vocab, 1)
+    def __init__(self, vocab: int = 793471, embed: int = 512, hidden: int = 8192, proj: int = 1024, chunks: int = 1,
+                 sparse: bool = False):
+        super().__init__(vocab, embed, hidden, proj, chunks, sparse)
+        self.softmax_w = nn.Embedding(vocab, proj, sparse=sparse)
+        self.softmax_b = nn.Embedding(vocab, 1, sparse=sparse)
 
     def forward(self, tokens, targets, candidates):
         ids = torch.cat([targets.flatten(), candidates.flatten()])  # one lookup of every row the step touches

@@ -154,6 +154,8 @@ def _optimizer(name: str, params: list[torch.Tensor]) -> torch.optim.Optimizer:
         return torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.0)
     if name in ("adam", "adamw"):
         return (torch.optim.Adam if name == "adam" else torch.optim.AdamW)(params, lr=1e-4)
+    if name == "adagrad":
+        return torch.optim.Adagrad(params, lr=1e-4)
     return torch.optim.SGD(params, lr=1e-4, momentum=0.9 if name == "sgd_momentum" else 0.0)
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from autosplit.devices import PRESETS, DeviceSpec
@@ -17,8 +17,7 @@ from autosplit.plans import Plan, StageReport
 from autosplit.solver.hybrid import (
     examples_factor,
     exposed_allreduce,
-    hierarchical_allgather,
-    hierarchical_allreduce,
+    hierarchical_phases,
     ring_allgather,
     ring_allreduce,
     time_to_target,
@@ -41,6 +40,9 @@ class Cluster:
     inter_latency: float
     source: str = ""
     """Where the figures come from."""
+    nic_bandwidth: float | None = None
+    """The most one device moves to the network, bytes/s one direction (its NIC's, shared with the
+    devices on the same NIC); ``None``: its even share of the node's, ``inter_bandwidth / per_node``."""
 
     def __post_init__(self) -> None:
         def refuse(field: str, value: object, rule: str, fix: str) -> ConstraintError:
@@ -61,6 +63,10 @@ class Cluster:
         for field, value in (("intra[0] (bandwidth)", self.intra[0]), ("inter_bandwidth", self.inter_bandwidth)):
             if not (is_real(value) and value > 0):
                 raise refuse(field, value, "is not a positive number of bytes/s", "pass the link's bandwidth, e.g. 25e9")
+        share = self.inter_bandwidth / self.per_node
+        if self.nic_bandwidth is not None and not (is_real(self.nic_bandwidth) and share <= self.nic_bandwidth <= self.inter_bandwidth):
+            raise refuse("nic_bandwidth", self.nic_bandwidth, f"is not between the even share ({share:.3g}) and the node's "
+                         f"network ({self.inter_bandwidth:.3g} bytes/s)", "pass one NIC's bandwidth, or None for the even share")
         for field, value in (("intra[1] (latency)", self.intra[1]), ("inter_latency", self.inter_latency)):
             if not (is_real(value) and 0 <= value < math.inf):
                 raise refuse(field, value, "is not a finite number of seconds ≥ 0", "pass the link's latency, e.g. 5e-6")
@@ -82,37 +88,61 @@ class Cluster:
     def allreduce(self, nbytes: float, k: int, replicas: int, *, gather: bool = False) -> float:
         """Seconds to all-reduce one stage's gradients (``nbytes``) over its ``replicas`` copies,
         worker r's copy on device ``r·k + s`` — or, ``gather``, to all-gather ``nbytes`` from each
-        copy (a row-sparse gradient). Every device of a node exchanges at once (each stage its own
-        gradients), so a device gets 1/per_node of the node's network."""
+        copy (a row-sparse gradient) — each device on its even share of its node's network."""
+        return sum(self._phases(nbytes, k, replicas, gather=gather))
+
+    def _phases(self, nbytes: float, k: int, replicas: int, *, gather: bool = False) -> tuple[float, float]:
+        """(inside the nodes, across them) seconds of :meth:`allreduce`."""
         share = (self.inter_bandwidth / self.per_node, self.inter_latency)
         if replicas <= 1:
-            return 0.0
+            return 0.0, 0.0
         if k <= self.per_node and self.per_node % k == 0:
             local = min(replicas, self.per_node // k)
-            hierarchical = hierarchical_allgather if gather else hierarchical_allreduce
-            return hierarchical(nbytes, local=local, nodes=math.ceil(replicas / local), intra=self.intra, inter=share)
-        return (ring_allgather if gather else ring_allreduce)(nbytes, replicas, *share)  # each copy on its own node
+            return hierarchical_phases(nbytes, local=local, nodes=math.ceil(replicas / local), intra=self.intra, inter=share, gather=gather)
+        return 0.0, (ring_allgather if gather else ring_allreduce)(nbytes, replicas, *share)  # each copy on its own node
 
-    def gradient_sync(self, stage: StageReport, k: int, replicas: int) -> float:
-        """Seconds to sum one stage's gradients over its ``replicas`` copies: the dense ones
-        all-reduced; its embedding tables' all-gathered as the rows each copy looked up
+    def _sync_phases(self, stage: StageReport, k: int, replicas: int) -> tuple[float, float]:
+        """(inside, across) seconds to sum one stage's gradients over its ``replicas`` copies: the
+        dense ones all-reduced; its embedding tables' all-gathered as the rows each copy looked up
         (:attr:`StageReport.row_grad_bytes`) where that moves less time than all-reducing them whole."""
-        dense = self.allreduce(stage.param_bytes - stage.sparse_param_bytes, k, replicas)
+        dense = self._phases(stage.param_bytes - stage.sparse_param_bytes, k, replicas)
         if not stage.sparse_param_bytes:
             return dense
-        return dense + min(self.allreduce(stage.sparse_param_bytes, k, replicas),
-                           self.allreduce(stage.row_grad_bytes, k, replicas, gather=True))
+        tables = min(self._phases(stage.sparse_param_bytes, k, replicas),
+                     self._phases(stage.row_grad_bytes, k, replicas, gather=True), key=sum)
+        return dense[0] + tables[0], dense[1] + tables[1]
+
+    def gradient_sync(self, stage: StageReport, k: int, replicas: int) -> float:
+        """Seconds to sum one stage's gradients over its ``replicas`` copies (:meth:`_sync_phases`),
+        every device of a node exchanging as much at once, on its even share of the node's network."""
+        return sum(self._sync_phases(stage, k, replicas))
+
+    def gradient_syncs(self, stages: Sequence[StageReport], k: int, replicas: int) -> list[float]:
+        """Seconds each of a worker's ``stages`` takes to sum its gradients, all of them at once.
+
+        A node's devices share its network: where each worker's k stages lie side by side on a
+        node (k divides ``per_node``), the node's part across the nodes ends when it has moved all
+        its devices' bytes at its full bandwidth — no device faster than its NIC
+        (:attr:`nic_bandwidth`), none slower than on its even share (:meth:`gradient_sync`). A
+        worker whose stages move unequal bytes (a large table on one device) then leaves the
+        lighter devices' shares to the heavier ones. Otherwise each device keeps its even share."""
+        phases = [self._sync_phases(st, k, replicas) for st in stages]
+        if not (k <= self.per_node and self.per_node % k == 0 and self.nic_bandwidth):
+            return [sum(p) for p in phases]
+        node = sum(across for _, across in phases) / k  # per_node / k copies of each stage, at the node's full bandwidth
+        faster = self.nic_bandwidth / (self.inter_bandwidth / self.per_node)
+        return [inside + min(across, max(node, across / faster)) for inside, across in phases]
 
     # Presets. Figures: NVIDIA's system architecture white papers; one direction per device.
     @classmethod
     def dgx1(cls, nodes: int = 1, gpu_memory_gb: int = 16) -> Cluster:
         """DGX-1 with V100: 8 × V100-SXM2 (16 GB; 32 GB from 2018), NVLink 2.0 hybrid cube-mesh
-        (6 links × 25 GB/s = 150 GB/s per GPU), 4 × 100 Gb/s EDR InfiniBand per node (50 GB/s);
-        NVIDIA WP-08437-002 (2017)."""
+        (6 links × 25 GB/s = 150 GB/s per GPU), 4 × 100 Gb/s EDR InfiniBand per node (50 GB/s), one
+        NIC per pair of GPUs on a PCIe switch (12.5 GB/s); NVIDIA WP-08437-002 (2017)."""
         if gpu_memory_gb not in (16, 32):
             raise ConstraintError(advice(f"gpu_memory_gb={gpu_memory_gb}", "a DGX-1's V100s have 16 or 32 GB", "pass 16 or 32"))
         return cls(f"DGX-1 (V100-{gpu_memory_gb}GB)", PRESETS[f"V100-{gpu_memory_gb}GB"], nodes, 8, (150e9, 5e-6),
-                   4 * 12.5e9, 5e-6, "NVIDIA DGX-1 with Tesla V100 System Architecture, WP-08437-002 (2017)")
+                   4 * 12.5e9, 5e-6, "NVIDIA DGX-1 with Tesla V100 System Architecture, WP-08437-002 (2017)", 12.5e9)
 
     @classmethod
     def dgx_a100(cls, nodes: int = 1) -> Cluster:
@@ -327,7 +357,8 @@ def _rows(
             rows.append(HybridRow(k, R, b, B, 0, math.inf, 0.0, 0.0, factor, math.inf, 0, cluster.device.memory, None, error))
             continue
         exposed = max(
-            (exposed_allreduce(cluster.gradient_sync(st, k, R), st.backward, plan.micro_batches) for st in plan.stages),
+            (exposed_allreduce(sync, st.backward, plan.micro_batches)
+             for st, sync in zip(plan.stages, cluster.gradient_syncs(plan.stages, k, R))),
             default=0.0,
         )
         step = plan.step_time + exposed

@@ -26,7 +26,7 @@ import contextlib
 import dataclasses
 import logging
 import math
-from collections.abc import Collection
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -60,7 +60,7 @@ RNN_FLOPS = {aten.mkldnn_rnn_layer: _rnn_layer_flops, aten.mkldnn_rnn_layer_back
 LSTM with projections runs decomposed into matmuls, which it counts): without these, analytic
 costs would see no LSTM compute at all."""
 
-__all__ = ["LOW_PRECISION", "NodeInfo", "annotate", "node_info", "fresh", "precision_context"]
+__all__ = ["LOW_PRECISION", "NodeInfo", "annotate", "node_info", "fresh", "precision_context", "sparse_gradient_tables"]
 
 log = logging.getLogger(__name__)
 
@@ -111,6 +111,13 @@ class NodeInfo:
     ``F.embedding``, ``aten.embedding``; not a table tied to an output layer): bytes of the rows the
     batch looks up, with a 64-bit index each, at most the whole table — the non-zero part of its
     gradient, which a sparse all-gather moves instead of the dense table (:func:`_row_sparse`)."""
+    sparse_table_bytes: int = 0
+    """Of those tables, the bytes of the ones every lookup reads with ``sparse=True``: torch makes
+    their gradient a sparse tensor and never the dense one."""
+    sparse_grad_bytes: int = 0
+    """Bytes of that sparse gradient for the whole batch: a row and a 64-bit index per lookup,
+    repeats included (torch's sparse embedding backward keeps each lookup's row, and accumulating
+    micro-batches concatenates them), not capped at the table."""
 
 
 class _Measured(NamedTuple):
@@ -584,31 +591,26 @@ def annotate(captured: Captured, inputs: list[Any], *, precision: str = "fp32", 
     return captured.gm
 
 
-_LOOKUPS = {torch.nn.functional.embedding: 1, torch.embedding: 0, aten.embedding.default: 0}
-"""Embedding functions → the position of the table among their arguments."""
+_LOOKUPS = {torch.nn.functional.embedding: (1, 6), torch.embedding: (0, 4), aten.embedding.default: (0, 4)}
+"""Embedding functions → the positions of the table and of the ``sparse`` flag among their arguments."""
 
 
-def _row_sparse(gm: fx.GraphModule) -> None:
-    """Set :attr:`NodeInfo.row_grad_bytes` on the owners of tables that every reader only looks up.
+def _sparse_lookup(node: fx.Node, at: int) -> bool:
+    """Whether the lookup ``node`` asks for a sparse gradient (``sparse=True``, positional or by name)."""
+    return bool(node.args[at] if len(node.args) > at else node.kwargs.get("sparse", False))
 
-    A parameter's readers are the ``call_module`` nodes of modules holding it and the users of
-    ``get_attr`` nodes fetching it. Each lookup adds the rows its output holds (output elements /
-    row width); any other reader (a tied output layer) makes the gradient dense, and the table is
-    left out."""
-    rows: dict[int, int] = {}  # id(table) → rows looked up
-    dense: set[int] = set()
 
-    def read(p: torch.Tensor, lookup: fx.Node | None) -> None:
-        if lookup is None or p.dim() != 2:
-            dense.add(id(p))
-        else:
-            rows[id(p)] = rows.get(id(p), 0) + math.prod(lookup.meta["autosplit"].output_shapes[0]) // p.shape[-1]
-
+def _table_reads(gm: fx.GraphModule) -> Iterator[tuple[torch.Tensor, fx.Node | None, bool]]:
+    """Every read of a parameter in ``gm``'s graph: (parameter, the lookup node reading it as an
+    embedding table or ``None`` for any other reader, whether that lookup asks for a sparse
+    gradient). A parameter's readers are the ``call_module`` nodes of modules holding it and the
+    users of ``get_attr`` nodes fetching it."""
     for n in gm.graph.nodes:
         if n.op == "call_module":
             mod = gm.get_submodule(str(n.target))
             for p in mod.parameters():
-                read(p, n if isinstance(mod, torch.nn.Embedding) and p is mod.weight else None)
+                lookup = isinstance(mod, torch.nn.Embedding) and p is mod.weight
+                yield p, n if lookup else None, bool(lookup and mod.sparse)
         elif n.op == "get_attr":
             try:
                 p = gm.get_parameter(str(n.target))
@@ -616,7 +618,43 @@ def _row_sparse(gm: fx.GraphModule) -> None:
                 continue
             for user in n.users:
                 at = _LOOKUPS.get(user.target)
-                read(p, user if at is not None and len(user.args) > at and user.args[at] is n else None)
+                if at is not None and len(user.args) > at[0] and user.args[at[0]] is n:
+                    yield p, user, _sparse_lookup(user, at[1])
+                else:
+                    yield p, None, False
+
+
+def sparse_gradient_tables(module: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """The parameters of the graph modules in ``module`` whose gradient torch makes sparse: read
+    only by embedding lookups that pass ``sparse=True`` (what a replicated stage must reduce apart:
+    FSDP2's collectives take dense gradients only)."""
+    sparse: dict[int, torch.nn.Parameter] = {}
+    dense: set[int] = set()
+    for gm in module.modules():
+        if isinstance(gm, fx.GraphModule):
+            for p, lookup, is_sparse in _table_reads(gm):
+                if lookup is not None and is_sparse and isinstance(p, torch.nn.Parameter):
+                    sparse[id(p)] = p
+                else:
+                    dense.add(id(p))
+    return [p for key, p in sparse.items() if key not in dense]
+
+
+def _row_sparse(gm: fx.GraphModule) -> None:
+    """Set :attr:`NodeInfo.row_grad_bytes` on the owners of tables that every reader only looks up
+    (:func:`_table_reads`; any other reader, a tied output layer, makes the gradient dense and the
+    table is left out), and :attr:`NodeInfo.sparse_grad_bytes` where every lookup asks for a sparse
+    gradient. Each lookup adds the rows its output holds (output elements / row width)."""
+    rows: dict[int, int] = {}  # id(table) → rows looked up
+    dense: set[int] = set()
+    dense_lookup: set[int] = set()  # tables some lookup reads with sparse=False
+    for p, lookup, sparse_lookup in _table_reads(gm):
+        if lookup is None or p.dim() != 2:
+            dense.add(id(p))
+        else:
+            rows[id(p)] = rows.get(id(p), 0) + math.prod(lookup.meta["autosplit"].output_shapes[0]) // p.shape[-1]
+            if not sparse_lookup:
+                dense_lookup.add(id(p))
     sparse = {key: count for key, count in rows.items() if key not in dense}
     if not sparse:
         return
@@ -627,4 +665,8 @@ def _row_sparse(gm: fx.GraphModule) -> None:
         if owned:
             element = info.param_bytes / info.param_count  # as the node's state is counted (bf16: 2)
             total = sum(min(sparse[id(t)], t.shape[0]) * (round(t.shape[-1] * element) + 8) for t in owned)
-            n.meta["autosplit"] = dataclasses.replace(info, row_grad_bytes=total)
+            made_sparse = [t for t in owned if id(t) not in dense_lookup]
+            n.meta["autosplit"] = dataclasses.replace(
+                info, row_grad_bytes=total, sparse_table_bytes=sum(round(t.numel() * element) for t in made_sparse),
+                sparse_grad_bytes=sum(sparse[id(t)] * (round(t.shape[-1] * element) + 8) for t in made_sparse),
+            )

@@ -48,7 +48,15 @@ import torch
 import torch.fx as fx
 from networkx.utils import UnionFind
 
-from autosplit.costtable import OPTIMIZER_STATE_BYTES, OPTIMIZER_STEP_TRAFFIC, OPTIMIZER_TEMP_FACTOR, OVERRIDE_KEYS, CostTable
+from autosplit.costtable import (
+    OPTIMIZER_SPARSE_STEP,
+    OPTIMIZER_STATE_BYTES,
+    OPTIMIZER_STEP_TRAFFIC,
+    OPTIMIZER_TEMP_FACTOR,
+    OVERRIDE_KEYS,
+    SPARSE_REFUSED,
+    CostTable,
+)
 from autosplit.devices import DeviceSpec
 from autosplit.errors import CostModelError, advice
 from autosplit.passes.annotate import NodeInfo, node_info
@@ -56,7 +64,7 @@ from autosplit.passes.profile import Profile
 from autosplit.plans import PartialRecompute
 
 __all__ = [
-    "CostTable", "estimate", "roofline", "link_time", "optimizer_step_time", "OPTIMIZER_STATE_BYTES", "OVERRIDE_KEYS",
+    "CostTable", "estimate", "roofline", "link_time", "optimizer_step_time", "node_step_time", "OPTIMIZER_STATE_BYTES", "OVERRIDE_KEYS",
     "with_overrides",
 ]
 
@@ -91,6 +99,17 @@ def optimizer_step_time(param_bytes: float, param_tensors: int, optimizer: str, 
     passes, ops = OPTIMIZER_STEP_TRAFFIC[optimizer]
     bandwidth = spec.memory_bandwidth * (spec.memory_efficiency or spec.efficiency)
     return passes * param_bytes / bandwidth + ops * param_tensors * spec.launch_overhead
+
+
+def node_step_time(info: NodeInfo, optimizer: str, spec: DeviceSpec) -> float:
+    """Seconds of one optimizer step over the parameters a node owns: tables whose gradient is
+    sparse (:attr:`NodeInfo.sparse_table_bytes`) over the rows of that gradient where the optimizer
+    steps them sparsely (:data:`OPTIMIZER_SPARSE_STEP`), the rest over their whole bytes."""
+    if not (info.sparse_table_bytes and optimizer in OPTIMIZER_SPARSE_STEP):
+        return optimizer_step_time(info.param_bytes, len(info.params), optimizer, spec)
+    passes, ops, _ = OPTIMIZER_SPARSE_STEP[optimizer]
+    sparse = passes * info.sparse_grad_bytes / (spec.memory_bandwidth * (spec.memory_efficiency or spec.efficiency))
+    return sparse + ops * spec.launch_overhead + optimizer_step_time(info.param_bytes - info.sparse_table_bytes, 0, optimizer, spec)
 
 
 def link_time(nbytes: float, a: DeviceSpec, b: DeviceSpec) -> float:
@@ -204,11 +223,12 @@ def _optimizer_times(
 ) -> tuple[tuple[float, ...], ...]:
     """[node][device] seconds of the optimizer step over the node's parameters: the analytic
     model (:func:`optimizer_step_time`), scaled on a profiled device so that the whole model's
-    step takes what the profile measured (cache-resident state steps faster than DRAM bandwidth says)."""
-    analytic = [tuple(optimizer_step_time(info.param_bytes, len(info.params), optimizer, d) for d in kinds) for info in infos]
+    step takes what the profile measured (cache-resident state steps faster than DRAM bandwidth says).
+    The profile steps dense gradients, so its scale is taken against the dense model of the step."""
+    analytic = [tuple(node_step_time(info, optimizer, d) for d in kinds) for info in infos]
     scale = [1.0] * len(kind_of)
     for d, prof in enumerate(profiles):
-        total = sum(row[kind_of[d]] for row in analytic)
+        total = sum(optimizer_step_time(info.param_bytes, len(info.params), optimizer, kinds[kind_of[d]]) for info in infos)
         if prof is not None and prof.optimizer_step > 0 and total > 0:
             scale[d] = prof.optimizer_step / total
     if all(x == 1.0 for x in scale):
@@ -268,8 +288,24 @@ def _activation_bytes(
             if n.name in measured.nodes:
                 own_saved[i] = measured.nodes[n.name].saved_bytes * micro_batches
                 transient[i] = measured.nodes[n.name].peak_bytes
-    peaks = [int(max(round(t), OPTIMIZER_TEMP_FACTOR[optimizer] * info.largest_param_bytes)) for t, info in zip(transient, infos)]
+    peaks = [int(max(round(t), _step_temporaries(info, optimizer))) for t, info in zip(transient, infos)]
     return own_saved, peaks
+
+
+def _step_temporaries(info: NodeInfo, optimizer: str) -> int:
+    """Bytes the optimizer step allocates while it updates the node's parameters: a dense step's
+    temporaries scale with the largest parameter; a node holding only sparse-gradient tables that
+    the optimizer steps sparsely allocates in units of their gradient."""
+    if info.sparse_table_bytes == info.param_bytes > 0 and optimizer in OPTIMIZER_SPARSE_STEP:
+        return OPTIMIZER_SPARSE_STEP[optimizer][2] * info.sparse_grad_bytes
+    return OPTIMIZER_TEMP_FACTOR[optimizer] * info.largest_param_bytes
+
+
+def _state_bytes(info: NodeInfo, optimizer: str) -> int:
+    """Parameters, gradients, optimizer state and buffers of a node; a sparse-gradient table's
+    gradient is its rows (:attr:`NodeInfo.sparse_grad_bytes`), not the table."""
+    gradients = info.param_bytes - info.sparse_table_bytes + info.sparse_grad_bytes
+    return info.param_bytes + gradients + OPTIMIZER_STATE_BYTES[optimizer] * info.param_bytes // 4 + info.buffer_bytes
 
 
 def _split_costs(nodes: list[fx.Node], profiles: list[Profile | None], micro_batches: int) -> tuple[tuple[float, ...], ...]:
@@ -401,6 +437,15 @@ def estimate(
     nodes = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
     index = {n: i for i, n in enumerate(nodes)}
     infos = [node_info(n) for n in nodes]
+    sparse = [(n.name, info) for n, info in zip(nodes, infos) if info.sparse_table_bytes]
+    if sparse and optimizer in SPARSE_REFUSED:
+        name, info = sparse[0]
+        raise CostModelError(advice(
+            f"node {name!r} looks up a table of {info.sparse_table_bytes / 2**20:.1f} MiB with sparse=True "
+            f"({len(sparse)} such node(s)), and optimizer={optimizer!r}",
+            f"torch's {optimizer} refuses sparse gradients, so the step this plan would be costed for cannot run",
+            "plan with optimizer='adagrad' or 'sgd' (they step sparse gradients row by row), or look the table up with sparse=False",
+        ))
     # Identical devices (the common case: 64 of one kind) are costed once.
     kinds = list(dict.fromkeys(devices))
     kind_of = [kinds.index(d) for d in devices]
@@ -445,10 +490,7 @@ def estimate(
         transient = [t + math.ceil(again / micro_batches) if i in recomputed else t for i, t in enumerate(transient)]
         bwd = [per_device(tuple(b + f * again_share[i] for b, f in zip(bwd[i], fwd[i]))) if i in recomputed else bwd[i]
                for i in range(len(nodes))]
-    state = [
-        2 * info.param_bytes + OPTIMIZER_STATE_BYTES[optimizer] * info.param_bytes // 4 + info.buffer_bytes
-        for info in infos
-    ]
+    state = [_state_bytes(info, optimizer) for info in infos]
     return CostTable(
         devices=tuple(devices),
         nodes=tuple(n.name for n in nodes),

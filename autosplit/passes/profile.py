@@ -501,6 +501,7 @@ def _in_context(
 _OPTIMIZERS: dict[str, Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]] = {
     "adam": lambda ps: torch.optim.Adam(ps),
     "adamw": lambda ps: torch.optim.AdamW(ps),
+    "adagrad": lambda ps: torch.optim.Adagrad(ps),
     "sgd_momentum": lambda ps: torch.optim.SGD(ps, lr=0.01, momentum=0.9),
     "sgd": lambda ps: torch.optim.SGD(ps, lr=0.01),
 }

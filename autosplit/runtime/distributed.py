@@ -67,7 +67,7 @@ from autosplit.plans import Plan
 from autosplit.runtime.batches import check_batches, code_change, describe, digest, shapes
 from autosplit.runtime.checkpoint import StageState
 from autosplit.runtime.materialise import StageNames
-from autosplit.runtime.placement import Layout, replicate_stage
+from autosplit.runtime.placement import Layout, reduce_sparse_gradients, replicate_stage
 from autosplit.runtime.precision import LossScaler, autocast, cast_inputs, hold
 from autosplit.runtime.stage import Span
 
@@ -124,9 +124,12 @@ class DistributedModel(StageState):
             hold(stage_module, plan.precision)
         self.scaler = LossScaler(device) if plan.precision == "fp16-mixed" else None
         """The fp16 loss scaler :meth:`step` uses (``"fp16-mixed"`` only; its ``state_dict`` is GradScaler's)."""
+        self._sparse_tables: list[torch.nn.Parameter] = []
+        """Tables replicated apart from FSDP2, their sparse gradients averaged after each step."""
+        self._dp_mesh = dp_mesh
         if layout.replicas > 1:
             for stage_module in modules.values():
-                replicate_stage(stage_module, replication, dp_mesh)
+                self._sparse_tables += replicate_stage(stage_module, replication, dp_mesh)
         self._pp_group = pp_group
         # static metadata: no dry-run forward (it would touch BatchNorm statistics)
         self._stages = self._new_stages(chain.inputs_meta, chain.outputs_meta)
@@ -263,6 +266,8 @@ class DistributedModel(StageState):
                     "look for the first rank that failed (its error names the node); run the model unsplit on one batch to reproduce",
                 )
             ) from e
+        if self._sparse_tables:
+            reduce_sparse_gradients(self._sparse_tables, self._dp_mesh)
         if self.scaler is not None:
             self._sum_tied_gradients()
             if self.scaler.unscale_and_update(self.module.parameters()):

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from autosplit.errors import DistributedError, advice
+from autosplit.passes.annotate import sparse_gradient_tables
 from autosplit.passes.codegen import Chain
 from autosplit.plans import Plan
 
@@ -129,19 +130,44 @@ def make_mesh(device: torch.device, stages: int, replicas: int) -> Any:
     return init_device_mesh(device.type, (stages, replicas), mesh_dim_names=("pp", "dp"))
 
 
-def replicate_stage(module: torch.nn.Module, mode: str, dp_mesh: Any) -> None:
+def replicate_stage(module: torch.nn.Module, mode: str, dp_mesh: Any) -> list[torch.nn.Parameter]:
     """Keep ``module``'s replicas in step over ``dp_mesh`` with FSDP2's composable APIs, which the
     pipelining stage drives itself: gradient sync is switched off for all but the last
     micro-batch's backward. ``mode``: ``"ddp"`` (whole parameters, gradients all-reduced:
     ``replicate``) or ``"fsdp"`` (parameters and optimizer state sharded: ``fully_shard``).
     Classic DDP cannot be used here: its reducer is prepared by every forward, but pipelining only
-    wraps the backwards in ``no_sync``, and DDP's bucket rebuild then sees each parameter M times."""
+    wraps the backwards in ``no_sync``, and DDP's bucket rebuild then sees each parameter M times.
+
+    FSDP2 reduces dense gradients only: the tables looked up with ``sparse=True``
+    (:func:`~autosplit.passes.annotate.sparse_gradient_tables`) are left out of it, whole on every
+    replica, and returned; :func:`reduce_sparse_gradients` averages theirs after each step."""
+    tables = sparse_gradient_tables(module)
     if mode == "fsdp":
         from torch.distributed.fsdp import fully_shard
 
-        fully_shard(module, mesh=dp_mesh)
+        fully_shard(module, mesh=dp_mesh, ignored_params=set(tables))
     else:
         from torch.distributed._composable.replicate_with_fsdp import replicate
 
-        replicate(module, mesh=dp_mesh)
+        replicate(module, mesh=dp_mesh, ignored_params=set(tables))
     _quiet_fsdp_view_warning(module)
+    return tables
+
+
+def reduce_sparse_gradients(tables: list[torch.nn.Parameter], dp_mesh: Any) -> None:
+    """Average the sparse gradients of ``tables`` over the replicas of ``dp_mesh``, as FSDP2
+    averages the dense ones: gloo's sparse all-reduce gathers every replica's rows. A table
+    without a gradient this step contributes an empty one, so that every replica joins each call."""
+    group, replicas = dp_mesh.get_group(), dp_mesh.size()
+    for p in tables:
+        grad = p.grad if p.grad is not None else torch.sparse_coo_tensor(
+            torch.empty(1, 0, dtype=torch.long, device=p.device), p.new_empty(0, *p.shape[1:]), p.shape)
+        if not grad.is_sparse:
+            raise DistributedError(advice(
+                f"the table {tuple(p.shape)} was planned with a sparse gradient and has a dense one",
+                "it was replicated apart from FSDP2, which averages dense gradients only",
+                "look it up with sparse=True in every forward, or with sparse=False everywhere",
+            ))
+        grad = grad.coalesce()
+        dist.all_reduce(grad, group=group)
+        p.grad = grad / replicas

@@ -29,8 +29,8 @@ from collections.abc import Mapping
 from autosplit.errors import ConstraintError, advice
 
 __all__ = [
-    "ring_allreduce", "ring_allgather", "hierarchical_allreduce", "hierarchical_allgather", "examples_factor", "efficiency_points",
-    "time_to_target",
+    "ring_allreduce", "ring_allgather", "hierarchical_allreduce", "hierarchical_allgather", "hierarchical_phases",
+    "examples_factor", "efficiency_points", "time_to_target",
 ]
 
 
@@ -57,6 +57,16 @@ def exposed_allreduce(allreduce: float, backward: float, micro_batches: int) -> 
     return max(0.0, allreduce - backward / micro_batches)
 
 
+def hierarchical_phases(
+    nbytes: float, *, local: int, nodes: int, intra: tuple[float, float], inter: tuple[float, float], gather: bool = False
+) -> tuple[float, float]:
+    """(inside the nodes, across them) seconds of :func:`hierarchical_allreduce` — or, ``gather``,
+    of :func:`hierarchical_allgather` — over ``local × nodes`` peers, ``local`` on each node."""
+    if gather:
+        return ring_allgather(nodes * nbytes, local, *intra), ring_allgather(nbytes, nodes, *inter)
+    return ring_allreduce(nbytes, local, *intra), ring_allreduce(nbytes / max(local, 1), nodes, *inter)
+
+
 def hierarchical_allreduce(
     nbytes: float, *, local: int, nodes: int, intra: tuple[float, float], inter: tuple[float, float]
 ) -> float:
@@ -64,9 +74,7 @@ def hierarchical_allreduce(
     reduce-scatter inside each node (``intra`` = (bandwidth, latency)), all-reduce of each
     1/local shard across the nodes (``inter``, every local peer on its own share of the node's
     network), all-gather inside each node — NCCL's tree/ring hierarchy, modelled as rings."""
-    inside = ring_allreduce(nbytes, local, *intra)  # reduce-scatter + all-gather inside the node
-    across = ring_allreduce(nbytes / max(local, 1), nodes, *inter)
-    return inside + across
+    return sum(hierarchical_phases(nbytes, local=local, nodes=nodes, intra=intra, inter=inter))
 
 
 def hierarchical_allgather(
@@ -75,7 +83,7 @@ def hierarchical_allgather(
     """Seconds for ``local × nodes`` peers to gather every peer's ``nbytes``: each peer first with
     its counterparts on the other nodes (``inter``, on its share of the node's network), then
     inside each node, now ``nodes × nbytes`` each (``intra``)."""
-    return ring_allgather(nbytes, nodes, *inter) + ring_allgather(nodes * nbytes, local, *intra)
+    return sum(hierarchical_phases(nbytes, local=local, nodes=nodes, intra=intra, inter=inter, gather=True))
 
 
 def examples_factor(batch: float, noise_scale: float | None = None, table: Mapping[float, float] | None = None) -> float:

@@ -243,7 +243,7 @@ def test_an_embeddings_gradient_is_synced_as_the_rows_looked_up_and_a_shared_inp
         assert table.sparse_param_bytes == 50_000 * 64 * 4
         # Each position's row and the 16 shared ones (not resized with the batch), with a 64-bit index each.
         assert table.row_grad_bytes == (r.worker_batch * 4 + 16) * (64 * 4 + 8)
-        synced = [cluster.gradient_sync(st, r.k, r.replicas) for st in r.plan.stages]
+        synced = cluster.gradient_syncs(r.plan.stages, r.k, r.replicas)
         assert r.allreduce == pytest.approx(max(exposed_allreduce(t, st.backward, r.micro_batches) for t, st in zip(synced, r.plan.stages)))
         if r.replicas > 1:
             assert cluster.gradient_sync(table, r.k, r.replicas) < cluster.allreduce(table.param_bytes, r.k, r.replicas)

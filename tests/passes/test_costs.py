@@ -100,3 +100,49 @@ def test_an_embedding_table_read_only_by_lookups_records_the_rows_its_gradient_h
             assert next(iter(rows.values())) == 8 * (16 * 4 + 8)
         else:
             assert sorted(rows.values()) == [8 * (16 * 4 + 8), 32 * (16 * 4 + 8)], rows  # 8 positions, 4 × 8 tokens
+
+
+class _SparseTables(nn.Module):
+    """A module table of 20 rows and a functional one of 200,000, both looked up with sparse=True, and a dense layer."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(20, 16, sparse=True)
+        self.out_w = nn.Parameter(torch.randn(200_000, 16) * 0.1)
+        self.mix = nn.Linear(16, 16)
+
+    def forward(self, tokens, candidates):
+        h = self.mix(self.emb(tokens))                                    # (batch, seq, 16)
+        w = torch.nn.functional.embedding(candidates, self.out_w, sparse=True)  # (1, samples, 16)
+        return h @ w[0].t()
+
+
+@pytest.mark.parametrize("capture_with", ["symbolic_trace", "export"])
+def test_sparse_lookups_are_costed_on_their_rows(capture_with):
+    """sparse=True tables: their gradient is one row and index per lookup (repeats kept, more rows
+    than the table's 20 for its 32 lookups; the all-gather's estimate stays capped at the table),
+    Adagrad's and SGD's steps read those rows instead of the table, and Adam, which refuses sparse
+    gradients, is refused at plan time."""
+    from autosplit.passes.annotate import annotate
+    from autosplit.passes.costs import estimate, optimizer_step_time
+
+    model = _SparseTables()
+    tokens, candidates = torch.randint(0, 20, (4, 8)), torch.randint(0, 200_000, (1, 64))
+    captured = capture(model, (tokens, candidates), method=capture_with)
+    gm = annotate(captured, flat_inputs(captured, (tokens, candidates), {}))
+    row = 16 * 4 + 8
+    infos = {n.name: n.meta["autosplit"] for n in gm.graph.nodes if n.meta["autosplit"].sparse_table_bytes}
+    assert sorted((i.sparse_table_bytes, i.sparse_grad_bytes, i.row_grad_bytes) for i in infos.values()) == [
+        (20 * 16 * 4, 32 * row, 20 * row), (200_000 * 16 * 4, 64 * row, 64 * row)]
+
+    devices = resolve_devices(["V100-32GB"])
+    for opt in ("adagrad", "sgd"):
+        table = estimate(gm, devices, optimizer=opt)
+        for name, info in infos.items():  # parameters whole, gradients as rows, Adagrad's state_sum whole
+            at = table.nodes.index(name)
+            assert table.state_bytes[at] == info.sparse_table_bytes * (2 if opt == "adagrad" else 1) + info.sparse_grad_bytes
+        big = table.nodes.index(next(name for name, info in infos.items() if info.sparse_table_bytes == 200_000 * 16 * 4))
+        dense = optimizer_step_time(200_000 * 16 * 4, 1, opt, devices[0])  # the step over the whole table
+        assert table.optimizer_time[big][0] < 0.3 * dense, (opt, table.optimizer_time[big][0], dense)
+    with pytest.raises(CostModelError, match=r"sparse=True .* optimizer='adam'.*refuses sparse gradients.*optimizer='adagrad'"):
+        estimate(gm, devices, optimizer="adam")

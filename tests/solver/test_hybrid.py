@@ -64,6 +64,28 @@ def test_an_embedding_tables_gradient_is_gathered_as_rows_only_where_that_is_fas
     assert dgx.gradient_sync(plain, 1, 128) == dgx.allreduce(table + 4000, 1, 128)
 
 
+def test_a_workers_stages_share_their_nodes_network_up_to_each_nic():
+    """k = 2 on DGX-1s: a 4 GB stage beside a 0.4 GB one. Each alone on its even share (1/8 of the
+    node's 50 GB/s) takes its `gradient_sync`; syncing at once, the node moves both at its full
+    bandwidth, the heavy stage at most at its NIC's 12.5 GB/s (2 shares): by hand below."""
+    dgx = Cluster.dgx1(nodes=16)
+    heavy, light = (StageReport("gpu", 1, 0, (), 0.0, 0.0, 0.0, 0, 0, 0, 0, 0, param_bytes=n) for n in (4_000_000_000, 400_000_000))
+    share = (dgx.inter_bandwidth / 8, dgx.inter_latency)
+    across = [ring_allreduce(n / 4, 16, *share) for n in (4e9, 4e8)]  # 4 copies of each stage per node, 16 nodes
+    inside = [ring_allreduce(n, 4, *dgx.intra) for n in (4e9, 4e8)]
+    assert [dgx.gradient_sync(st, 2, 64) for st in (heavy, light)] == pytest.approx([i + a for i, a in zip(inside, across)])
+    node = (across[0] + across[1]) / 2  # the node's 8 devices' bytes at 8 shares
+    expected = [inside[0] + max(node, across[0] / 2), inside[1] + across[1]]  # the light stage cannot beat its own share's time
+    assert dgx.gradient_syncs([heavy, light], 2, 64) == pytest.approx(expected)
+    assert expected[0] < 0.65 * dgx.gradient_sync(heavy, 2, 64)  # its part across the nodes halved
+    # data parallelism alone (k = 1), or a NIC per device: every device on its even share, as before
+    assert dgx.gradient_syncs([heavy], 1, 128) == [dgx.gradient_sync(heavy, 1, 128)]
+    even = dataclasses.replace(dgx, nic_bandwidth=None)
+    assert even.gradient_syncs([heavy, light], 2, 64) == [even.gradient_sync(st, 2, 64) for st in (heavy, light)]
+    with pytest.raises(ConstraintError, match=r"nic_bandwidth=1000000000.0 is not between the even share"):
+        dataclasses.replace(dgx, nic_bandwidth=1e9)
+
+
 def test_statistical_efficiency():
     assert examples_factor(1024, None) == 1 and examples_factor(1024, math.inf) == 1
     assert examples_factor(1024, 512.0) == pytest.approx(3.0)
