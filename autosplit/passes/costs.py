@@ -109,7 +109,8 @@ def node_step_time(info: NodeInfo, optimizer: str, spec: DeviceSpec) -> float:
         return optimizer_step_time(info.param_bytes, len(info.params), optimizer, spec)
     passes, ops, _ = OPTIMIZER_SPARSE_STEP[optimizer]
     sparse = passes * info.sparse_grad_bytes / (spec.memory_bandwidth * (spec.memory_efficiency or spec.efficiency))
-    return sparse + ops * spec.launch_overhead + optimizer_step_time(info.param_bytes - info.sparse_table_bytes, 0, optimizer, spec)
+    dense = info.param_bytes - info.sparse_table_bytes  # its launches counted per tensor, the tables' too (a few launches high)
+    return sparse + ops * spec.launch_overhead + (optimizer_step_time(dense, len(info.params), optimizer, spec) if dense else 0.0)
 
 
 def link_time(nbytes: float, a: DeviceSpec, b: DeviceSpec) -> float:
