@@ -7,16 +7,17 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import itertools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from autosplit import schedules
 from autosplit.devices import PRESETS, DeviceSpec
 from autosplit.errors import ConstraintError, InfeasiblePlanError, advice
 from autosplit.plans import Plan, StageReport
 from autosplit.solver.hybrid import (
     examples_factor,
-    exposed_allreduce,
     hierarchical_phases,
     ring_allgather,
     ring_allreduce,
@@ -341,6 +342,30 @@ def divisors(n: int) -> list[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
 
 
+def sync_windows(plan: Plan) -> list[float]:
+    """[stage] seconds of the step its gradient sync runs hidden in, from when the stage's
+    reductions start (DDP's buckets, as its last backward produces them) to the end of the step: a
+    stage done with its backward keeps syncing while the others compute. On one device: its backward.
+
+    - A makespan worker's device (:attr:`Plan.tasks`): from its first backward task to the end of
+      the step, less its optimizer step, which waits for the sync.
+    - A pipeline with one stage per rank in a line, flushed and with whole backwards (GPipe, 1F1B):
+      stage s's last micro-batch's backward, then those of the stages before it, one after the
+      other down the line (the transfers between them left out).
+    - Any other schedule: the stage's last micro-batch's backward alone."""
+    if plan.objective != "makespan":
+        own = [st.backward / plan.micro_batches for st in plan.stages]
+        entry = schedules.lookup(plan.schedule)
+        down_the_line = entry.flushes and entry.placement == "linear" and not entry.split_backward and entry.order != "torch"
+        return list(itertools.accumulate(own)) if down_the_line and plan.stages_per_rank == 1 else own
+    first: dict[int, float] = {}
+    for t in plan.tasks:
+        if t.kind == "backward":
+            first[t.device] = min(first.get(t.device, math.inf), t.start)
+    return [max(0.0, plan.step_time - first.get(d, plan.step_time) - (st.compute - st.forward - st.backward))
+            for d, st in zip(plan.stage_devices, plan.stages)]
+
+
 def _rows(
     cluster: Cluster, plans: Mapping[tuple[int, int], tuple[Plan | None, str | None]], n: int,
     noise_scale: float | None, efficiency_table: Mapping[float, float] | None, min_examples: float | None,
@@ -356,11 +381,8 @@ def _rows(
         if plan is None:
             rows.append(HybridRow(k, R, b, B, 0, math.inf, 0.0, 0.0, factor, math.inf, 0, cluster.device.memory, None, error))
             continue
-        exposed = max(
-            (exposed_allreduce(sync, st.backward, plan.micro_batches)
-             for st, sync in zip(plan.stages, cluster.gradient_syncs(plan.stages, k, R))),
-            default=0.0,
-        )
+        syncs = cluster.gradient_syncs(plan.stages, k, R)
+        exposed = max((max(0.0, sync - hidden) for sync, hidden in zip(syncs, sync_windows(plan))), default=0.0)
         step = plan.step_time + exposed
         rows.append(HybridRow(
             k, R, b, B, plan.micro_batches, step, exposed, B / step, factor,

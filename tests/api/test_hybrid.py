@@ -14,9 +14,8 @@ import torch.nn as nn
 
 import autosplit
 from autosplit.api.hybrid import measure_noise_scale, plan_hybrid
-from autosplit.compiler.hybrid import Cluster
+from autosplit.compiler.hybrid import Cluster, sync_windows
 from autosplit.errors import CaptureError, ConstraintError
-from autosplit.solver.hybrid import exposed_allreduce
 from tests.helpers import says
 
 
@@ -140,6 +139,48 @@ def test_workers_may_be_planned_for_the_makespan():
     assert hp.choice.k == 1
 
 
+class _Towers(nn.Module):
+    """Two unequal towers side by side: a makespan worker runs them on two devices at once."""
+
+    def __init__(self):
+        super().__init__()
+        self.big = nn.Sequential(*[nn.Linear(512, 512) for _ in range(4)])
+        self.small = nn.Linear(512, 512)
+
+    def forward(self, x):
+        return self.big(x) + self.small(x)
+
+
+def test_a_makespan_workers_device_syncs_until_the_whole_worker_is_done():
+    """The window a device's gradient sync hides in runs from its first backward task to the end
+    of the worker's step, less its optimizer step: at least its own backward, exactly that on one
+    device, and longer for the device with the small tower, which finishes first."""
+    hp = plan_hybrid(_Towers(), _cluster(300e9, 1e9), example_inputs=(torch.zeros(64, 512),), per_device_batch=64,
+                     objective="makespan", replica_sizes=[1, 2], time_limit=2)
+    for r in hp.rows:
+        windows = sync_windows(r.plan)
+        assert all(w >= st.backward * (1 - 1e-9) for w, st in zip(windows, r.plan.stages))
+        syncs = hp.cluster.gradient_syncs(r.plan.stages, r.k, r.replicas)
+        assert r.allreduce == pytest.approx(max(max(0.0, t - w) for t, w in zip(syncs, windows)))
+        if r.k == 1:
+            assert windows == pytest.approx([r.plan.stages[0].backward], rel=1e-4)  # tasks are timed in whole nanoseconds
+    split = next(r for r in hp.rows if r.k == 2 and len(r.plan.stages) == 2)
+    assert max(w - st.backward for w, st in zip(sync_windows(split.plan), split.plan.stages)) > 0.2 * split.plan.step_time
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved1f1b"])
+def test_a_pipeline_stages_sync_hides_behind_the_last_backwards_down_the_line(schedule):
+    """GPipe and 1F1B end on the last micro-batch's backward running from the last stage to the
+    first: stage s syncs behind its own and those of the stages before it. An interleaved loop
+    keeps each stage's own."""
+    model, inputs = _mlp()
+    hp = plan_hybrid(model, _cluster(300e9, 1e9), example_inputs=inputs, per_device_batch=64, replica_sizes=[2],
+                     schedule=schedule, micro_batches=4, time_limit=2, **({"stages_per_rank": 2} if schedule == "interleaved1f1b" else {}))
+    plan = hp.rows[0].plan
+    own = [st.backward / plan.micro_batches for st in plan.stages]
+    assert sync_windows(plan) == pytest.approx(own if schedule == "interleaved1f1b" else [own[0], own[0] + own[1]])
+
+
 def _mlp64(device: str | None = None) -> nn.Module:
     return nn.Sequential(*[m for _ in range(4) for m in (nn.Linear(64, 64, device=device), nn.ReLU())])
 
@@ -244,6 +285,6 @@ def test_an_embeddings_gradient_is_synced_as_the_rows_looked_up_and_a_shared_inp
         # Each position's row and the 16 shared ones (not resized with the batch), with a 64-bit index each.
         assert table.row_grad_bytes == (r.worker_batch * 4 + 16) * (64 * 4 + 8)
         synced = cluster.gradient_syncs(r.plan.stages, r.k, r.replicas)
-        assert r.allreduce == pytest.approx(max(exposed_allreduce(t, st.backward, r.micro_batches) for t, st in zip(synced, r.plan.stages)))
+        assert r.allreduce == pytest.approx(max(max(0.0, t - w) for t, w in zip(synced, sync_windows(r.plan))))
         if r.replicas > 1:
             assert cluster.gradient_sync(table, r.k, r.replicas) < cluster.allreduce(table.param_bytes, r.k, r.replicas)
