@@ -643,29 +643,27 @@ def sparse_gradient_tables(module: torch.nn.Module) -> list[torch.nn.Parameter]:
 def _row_sparse(gm: fx.GraphModule) -> None:
     """Set :attr:`NodeInfo.row_grad_bytes` on the owners of tables that every reader only looks up
     (:func:`_table_reads`; any other reader, a tied output layer, makes the gradient dense and the
-    table is left out), and :attr:`NodeInfo.sparse_grad_bytes` where every lookup asks for a sparse
-    gradient. Each lookup adds the rows its output holds (output elements / row width)."""
+    table is left out), and :attr:`NodeInfo.sparse_grad_bytes` on those of
+    :func:`sparse_gradient_tables`. Each lookup adds the rows its output holds (output elements / row width)."""
     rows: dict[int, int] = {}  # id(table) → rows looked up
     dense: set[int] = set()
-    dense_lookup: set[int] = set()  # tables some lookup reads with sparse=False
-    for p, lookup, sparse_lookup in _table_reads(gm):
+    for p, lookup, _ in _table_reads(gm):
         if lookup is None or p.dim() != 2:
             dense.add(id(p))
         else:
             rows[id(p)] = rows.get(id(p), 0) + math.prod(lookup.meta["autosplit"].output_shapes[0]) // p.shape[-1]
-            if not sparse_lookup:
-                dense_lookup.add(id(p))
     sparse = {key: count for key, count in rows.items() if key not in dense}
     if not sparse:
         return
     tables: dict[str, torch.Tensor] = {name: p for name, p in gm.named_parameters(remove_duplicate=False) if id(p) in sparse}
+    sparse_gradient = {id(p) for p in sparse_gradient_tables(gm)}
     for n in gm.graph.nodes:
         info = n.meta.get("autosplit")
         owned = [tables[name] for name in (info.params if info else ()) if name in tables]
         if owned:
             element = info.param_bytes / info.param_count  # as the node's state is counted (bf16: 2)
             total = sum(min(sparse[id(t)], t.shape[0]) * (round(t.shape[-1] * element) + 8) for t in owned)
-            made_sparse = [t for t in owned if id(t) not in dense_lookup]
+            made_sparse = [t for t in owned if id(t) in sparse_gradient]
             n.meta["autosplit"] = dataclasses.replace(
                 info, row_grad_bytes=total, sparse_table_bytes=sum(round(t.numel() * element) for t in made_sparse),
                 sparse_grad_bytes=sum(sparse[id(t)] * (round(t.shape[-1] * element) + 8) for t in made_sparse),
