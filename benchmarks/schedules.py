@@ -465,6 +465,8 @@ def verdicts(records: list[dict], block: int) -> dict:
                 beside = rec["auto_beside"]
                 auto[rec["model"]].update(ratio=beside["ratio"], ratio_of_medians=beside.get("ratio_of_medians"),
                                           ratio_in_groups=auto[rec["model"]]["ratio"])
+            elif "failed" in rec.get("auto_beside", {}):  # judged on the configurations' own runs, and said so
+                auto[rec["model"]]["beside_failed"] = True
     failed = [f"{r['kind']}: {r['model']} {r['schedule']} v={r['stages_per_rank']} M={r['micro_batches']}"
               for rec in records for r in rec["rows"] if r["kind"] in ("failed", "skipped")]
     return {
