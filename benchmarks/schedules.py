@@ -22,9 +22,8 @@ interleaved blocks as ``pipeline_runtime.py`` does; the figure is the median of 
 steps (min, max and each pair's median beside it). A plan's two pairs' medians differ by 4.2%
 (median over rows) and up to 34% (``results/schedules_pooled_1.json``), more than the 1–4% that
 separates autosplit's split from torchtitan's in some configurations: one pair alone cannot order
-them. (c) runs once more
-beside the fastest (b) of every configuration, on pairs of their own (``auto_beside``: the (c)
-target is judged on that side-by-side run). ``--processes model`` puts all of a model's plans in
+them. (c) runs once more beside the fastest (b) of every configuration, on pairs of their own
+(``auto_beside``: the (c) target is judged on that side-by-side run). ``--processes model`` puts all of a model's plans in
 one pair, as runs before 2026-11-25 did: there a plan runs slower than alone, and by how much
 depends on its configuration (``crowding.py`` measures it), which no user running one plan sees.
 Predictions (step: torch's action lists replayed; peak memory per rank) use per-node costs
@@ -519,6 +518,14 @@ def report(record: dict) -> None:
               f"(best (b) / auto, round by round {x['ratio']:.3f}, of the medians {x['ratio_of_medians']:.3f})")
 
 
+def write_json(path: Path, data: dict) -> None:
+    """``data`` as JSON at ``path``, through a temporary file renamed over it: a results file that
+    holds earlier measurements is never left half written."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(data, indent=1))
+    os.replace(tmp, path)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="gpt,llama")
@@ -546,7 +553,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.summarise:
         results = json.loads(Path(args.summarise).read_text())
         results["summary"] = verdicts(results["models"], results.get("block", args.block))
-        Path(args.summarise).write_text(json.dumps(results, indent=1))
+        write_json(Path(args.summarise), results)
         print(json.dumps(results["summary"], indent=1))
         return 0
     if args.quick:
@@ -564,13 +571,13 @@ def main(argv: list[str] | None = None) -> int:
         records.append(run_model(name, args, spec))
         report(records[-1])
         summary = verdicts(records, args.block)
-        out.write_text(json.dumps({
+        write_json(out, {
             "machine": machine(), "seconds": time.time() - start, "argv": sys.argv[1:], "steps": args.steps,
             "warmup": args.warmup, "block": args.block, "pairs": args.pairs, "processes": args.processes,
             "profiled_beside": args.beside, "time_limit": args.time_limit,
             "auto_micro_batches": "auto", "loss_costed": args.cost_loss, "runtime": runtime.to_dict(), "summary": summary,
             "models": records,
-        }, indent=1))
+        })
     print(json.dumps(verdicts(records, args.block), indent=1))
     print(f"wrote {out} in {time.time() - start:.0f}s")
     return 0
