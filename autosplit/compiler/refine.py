@@ -88,7 +88,9 @@ def _cheap_cuts(problem: Problem, topo: Sequence[int]) -> list[int]:
     last = list(range(N))
     for u, v in problem.edges:
         last[pos[u]] = max(last[pos[u]], pos[v])
-    sends = [min(row, default=0) for row in problem.transfer]
+    # The dearest boundary's, not the cheapest's: a V schedule's middle boundary joins two stages
+    # of one rank and sends nothing, which would make every cut look cheap.
+    sends = [max(row, default=0) for row in problem.transfer]
     change = [0] * (N + 1)
     for i, n in enumerate(topo):  # node i's output crosses cuts i + 1 … last[i]
         change[i + 1] += sends[n]

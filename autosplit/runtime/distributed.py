@@ -178,13 +178,16 @@ class DistributedModel(StageState):
         return self.layout.stages - 1 in self.layout.held
 
     def _new_stages(self, inputs_meta: Sequence[Sequence[torch.Tensor]], outputs_meta: Sequence[Sequence[torch.Tensor]]) -> list[Any]:
-        """This rank's ``PipelineStage`` of each stage it runs. GPipe and 1F1B post their receives
-        early (:class:`~autosplit.runtime.stage.EarlyReceivingStage`); torch's multi-stage runtime
-        orders its own receives, passes tensors between a rank's stages in memory, and may split the
-        backward (:class:`~autosplit.runtime.stage.ContiguousGradStage`)."""
+        """This rank's ``PipelineStage`` of each stage it runs, posting a step's receives when it
+        begins (:class:`~autosplit.runtime.stage.EarlyReceivingStage`). Under torch's multi-stage
+        runtime, which passes tensors between a rank's stages in memory, a neighbour rank sends
+        several streams (one stage's activations, another's gradients): posted early, their
+        receives are matched by tag, which gloo honours and NCCL does not, so on NCCL the runtime
+        posts them in its own order (:class:`~autosplit.runtime.stage.ContiguousGradStage`)."""
         from autosplit.runtime.stage import ContiguousGradStage, EarlyReceivingStage
 
-        kind = ContiguousGradStage if self._entry.order == "torch" else EarlyReceivingStage
+        tagged = dist.get_backend(self._pp_group) == "gloo"
+        kind = ContiguousGradStage if self._entry.order == "torch" and not tagged else EarlyReceivingStage
         return [
             kind(module, s, self.layout.stages, self.device, input_args=tuple(inputs_meta[s]),
                  output_args=tuple(outputs_meta[s]), group=self._pp_group, precision=(self.precision, self.device.type))

@@ -101,54 +101,6 @@ class _PolicyStage(PipelineStage):
         return out
 
 
-class EarlyReceivingStage(_PolicyStage):
-    """:class:`~torch.distributed.pipelining.PipelineStage` with a step's receives posted at its start."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._posted: dict[tuple[str, int], list[dist.Work]] = {}
-
-    def _post(self, ops: list[dist.P2POp]) -> list[dist.Work]:
-        works = (dist.irecv(op.tensor, group=op.group, tag=op.tag, group_src=op.group_peer) for op in ops)
-        return [w for w in works if w is not None]
-
-    def _post_step(self) -> None:
-        if self._posted:
-            raise DistributedError(advice(
-                f"stage {self.stage_index}: a step began with {len(self._posted)} receives of the last one pending "
-                f"(first: {sorted(self._posted)[0]})",
-                "the last step ended before every micro-batch's forward and backward ran",
-                "start a new DistributedModel after a failed step",
-            ))
-        chunks = self.chunks or 0
-        for i in range(chunks):
-            self._posted["forward", i] = self._post(super().get_fwd_recv_ops(i))
-        if self.has_backward:
-            for i in range(chunks):
-                self._posted["backward", i] = self._post(super().get_bwd_recv_ops(i))
-
-    def get_fwd_recv_ops(self, fwd_chunk_id: int) -> list[dist.P2POp]:
-        if fwd_chunk_id == 0:
-            self._post_step()
-        return []
-
-    def get_bwd_recv_ops(self, bwd_chunk_id: int) -> list[dist.P2POp]:
-        return []
-
-    def wait_received(self, kind: str, chunk: int) -> None:
-        """Block until micro-batch ``chunk``'s ``"forward"`` inputs or ``"backward"`` gradients are in."""
-        for work in self._posted.pop((kind, chunk), []):
-            work.wait()
-
-    def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
-        self.wait_received("forward", fwd_chunk_id)
-        return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
-
-    def backward_one_chunk(self, bwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
-        self.wait_received("backward", bwd_chunk_id)
-        return super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
-
-
 class ContiguousGradStage(_PolicyStage):
     """:class:`~torch.distributed.pipelining.PipelineStage` that sends contiguous input gradients.
 
@@ -163,3 +115,87 @@ class ContiguousGradStage(_PolicyStage):
         if grads is not None:
             self.bwd_cache[bwd_chunk_id] = tuple(g.contiguous() if isinstance(g, torch.Tensor) else g for g in grads)
         return out
+
+
+class EarlyReceivingStage(ContiguousGradStage):
+    """:class:`~torch.distributed.pipelining.PipelineStage` with a step's receives posted at its start.
+
+    Every message carries a tag naming its receiving stage, direction, micro-batch and place
+    among that micro-batch's tensors (:func:`message_tag`), so a receive posted early matches its
+    own message whatever order the sender sends in: with several stages per rank, one neighbour
+    sends a rank activations for one stage and gradients for another. Receives from a stage on
+    the same rank are not posted (torch's runtime hands those tensors over in memory)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._posted: dict[tuple[str, int], list[dist.Work]] = {}
+        self._opened = False  # micro-batch 0's forward receive opened this step's receives
+
+    def _remote(self, stage: int) -> bool:
+        return self.stage_index_to_group_rank[stage] != self.group_rank
+
+    def _tagged(self, ops: list[dist.P2POp], stage: int, kind: str, chunk: int) -> list[dist.P2POp]:
+        return [dist.P2POp(op.op, op.tensor, group=op.group, tag=message_tag(stage, kind, chunk, i), group_peer=op.group_peer)
+                for i, op in enumerate(ops)]
+
+    def _post(self, ops: list[dist.P2POp]) -> list[dist.Work]:
+        works = (dist.irecv(op.tensor, group=op.group, tag=op.tag, group_src=op.group_peer) for op in ops)
+        return [w for w in works if w is not None]
+
+    def _post_step(self) -> None:
+        if self._posted:
+            raise DistributedError(advice(
+                f"stage {self.stage_index}: a step began with {len(self._posted)} receives of the last one pending "
+                f"(first: {sorted(self._posted)[0]})",
+                "the last step ended before every micro-batch's forward and backward ran",
+                "start a new DistributedModel after a failed step",
+            ))
+        chunks = self.chunks or 0
+        if not self.is_first and self._remote(self.stage_index - 1):
+            for i in range(chunks):
+                ops = super().get_fwd_recv_ops(i)
+                self._posted["forward", i] = self._post(self._tagged(ops, self.stage_index, "forward", i))
+        if self.has_backward and not self.is_last and self._remote(self.stage_index + 1):
+            for i in range(chunks):
+                ops = super().get_bwd_recv_ops(i)
+                self._posted["backward", i] = self._post(self._tagged(ops, self.stage_index, "backward", i))
+
+    def get_fwd_recv_ops(self, fwd_chunk_id: int) -> list[dist.P2POp]:
+        if fwd_chunk_id == 0:
+            self._post_step()
+            self._opened = True
+        return []
+
+    def get_bwd_recv_ops(self, bwd_chunk_id: int) -> list[dist.P2POp]:
+        return []
+
+    def get_fwd_send_ops(self, fwd_chunk_id: int) -> list[dist.P2POp]:
+        return self._tagged(super().get_fwd_send_ops(fwd_chunk_id), self.stage_index + 1, "forward", fwd_chunk_id)
+
+    def get_bwd_send_ops(self, bwd_chunk_id: int) -> list[dist.P2POp]:
+        return self._tagged(super().get_bwd_send_ops(bwd_chunk_id), self.stage_index - 1, "backward", bwd_chunk_id)
+
+    def wait_received(self, kind: str, chunk: int) -> None:
+        """Block until micro-batch ``chunk``'s ``"forward"`` inputs or ``"backward"`` gradients are in."""
+        for work in self._posted.pop((kind, chunk), []):
+            work.wait()
+
+    def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+        if fwd_chunk_id == 0:  # a first stage, or one fed in memory, is asked for no receive: its step opens here
+            if not self._opened:
+                self._post_step()
+            self._opened = False
+        self.wait_received("forward", fwd_chunk_id)
+        return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+
+    def backward_one_chunk(self, bwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+        self.wait_received("backward", bwd_chunk_id)
+        return super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
+
+
+def message_tag(stage: int, kind: str, chunk: int, index: int) -> int:
+    """The tag of the ``index``-th tensor micro-batch ``chunk`` sends to ``stage``: its
+    activations (``kind="forward"``) or gradients (``"backward"``). Unique within a step for up
+    to 256 stages, 4096 micro-batches and 1024 tensors each (a 31-bit tag); gloo matches a receive to the message of its tag,
+    NCCL ignores tags (its messages between two ranks arrive in the order they were sent)."""
+    return ((2 * stage + (kind == "backward")) << 22) + (chunk << 10) + index
