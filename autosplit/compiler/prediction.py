@@ -124,8 +124,10 @@ def _stage_work(
 ) -> tuple[list[StageWork], list[float]]:
     """Per stage, one micro-batch's forward, input-gradient and weight-gradient seconds under
     ``entry``'s schedule (its transfers charged half to the forward, half to the backward, as the
-    closed form charges them; with ``overhead``, the runtime's per-micro-batch overhead too, the
-    same way); and per stage the optimizer step's seconds."""
+    closed form charges them; with ``overhead``, the runtime's cost per action too: half the
+    per-micro-batch overhead on each forward and backward, and on each weight pass where the
+    backward is split, which the runtime runs as an action of its own); and per stage the
+    optimizer step's seconds."""
     S, M = problem.num_stages, problem.micro_batches
     ev = evaluate(problem, stage_of)
     opt_rows = table.optimizer_time or tuple((0.0,) * len(table.devices) for _ in table.nodes)
@@ -136,8 +138,9 @@ def _stage_work(
         opt[s] += opt_rows[n][d]
     work = []
     for s, (i, w) in enumerate(backward_passes(table, stage_of, order, entry)):
-        extra = ev.transfer[s] / NS / 2 + (table.devices[order[s]].microbatch_overhead * M / 2 if overhead else 0.0)
-        work.append(StageWork((fwd[s] + extra) / M, (i + extra) / M, w / M))
+        action = table.devices[order[s]].microbatch_overhead * M / 2 if overhead else 0.0
+        extra = ev.transfer[s] / NS / 2 + action
+        work.append(StageWork((fwd[s] + extra) / M, (i + extra) / M, (w + (action if entry.split_backward else 0.0)) / M))
     return work, opt
 
 
@@ -203,7 +206,8 @@ def step_bound(table: CostTable, ranks: int, micro_batches: int, schedule: str, 
     work = sum(min(f + b - (split[n][d] if split else 0.0) for d, (f, b) in enumerate(zip(fr, br)))
                for n, (fr, br) in enumerate(zip(table.fwd_time, table.bwd_time)))
     optimizer = sum(min(row) for row in table.optimizer_time) if table.optimizer_time else 0.0
-    overhead = stages_per_rank * micro_batches * min(d.microbatch_overhead for d in table.devices)
+    actions = 1.5 if entry.split_backward else 1.0  # a weight pass is a third action, at half the per-micro-batch overhead
+    overhead = actions * stages_per_rank * micro_batches * min(d.microbatch_overhead for d in table.devices)
     return max((work + optimizer) / ranks, work / ranks + overhead)
 
 
