@@ -198,4 +198,10 @@ def message_tag(stage: int, kind: str, chunk: int, index: int) -> int:
     activations (``kind="forward"``) or gradients (``"backward"``). Unique within a step for up
     to 256 stages, 4096 micro-batches and 1024 tensors each (a 31-bit tag); gloo matches a receive to the message of its tag,
     NCCL ignores tags (its messages between two ranks arrive in the order they were sent)."""
+    if not (0 <= stage < 256 and 0 <= chunk < 4096 and 0 <= index < 1024):
+        raise DistributedError(advice(
+            f"stage {stage} cannot tag micro-batch {chunk}'s tensor {index}: tags hold 256 stages, 4096 micro-batches "
+            "and 1024 tensors a micro-batch", "two messages would share a tag and a receive could take the wrong one",
+            "run fewer stages or micro-batches, or merge the crossing tensors",
+        ))
     return ((2 * stage + (kind == "backward")) << 22) + (chunk << 10) + index

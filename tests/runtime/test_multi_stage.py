@@ -10,6 +10,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from autosplit.errors import DistributedError
+from autosplit.runtime.stage import EarlyReceivingStage, message_tag
 from tests.helpers import as_float64, full_tensor, gpt_case, padding_mask, reference_step, spawn_cases, where
 
 STEPS = 3
@@ -49,6 +51,8 @@ def _run_case(name: str, schedule: str, dp: int, micro: int, v: int, rank: int, 
         data_parallel=dp, schedule=schedule, stages_per_rank=v, micro_batches=micro, time_limit=2,
     )
     assert pipe.plan.stages_per_rank == v and len(pipe.layout.held) == v
+    # On gloo every stage posts its step's receives at the start, matched by tag (several streams per neighbour).
+    assert all(isinstance(st, EarlyReceivingStage) for st in pipe._stages), where(f"{name} {schedule}")
     opt = torch.optim.Adam(pipe.parameters(), lr=1e-2)
     ref_opt = torch.optim.Adam(reference.parameters(), lr=1e-2)
     ref_params = dict(reference.named_parameters())
@@ -134,3 +138,14 @@ def test_tracing_records_each_action_as_the_schedule_orders_it(tmp_path):
     """``DistributedModel.tracing()``: every rank's spans follow its schedule's action list, the loss once per
     micro-batch on the last stage's rank, and the replay of their durations is a lower bound on the step."""
     spawn_cases(tmp_path, 2, _trace_case, [("1f1b", 1, 4), ("zbvzerobubble", 2, 4)])
+
+
+def test_message_tags_are_unique_and_fit_in_31_bits():
+    """Every message of a step (receiving stage, direction, micro-batch, place) has a tag of its own."""
+    corners = [(st, kind, mb, i) for st in (0, 1, 2, 255) for kind in ("forward", "backward")
+               for mb in (0, 1, 4095) for i in (0, 1, 1023)]
+    tags = [message_tag(*c) for c in corners]
+    assert len(set(tags)) == len(tags)
+    assert 0 <= min(tags) and max(tags) < 2**31
+    with pytest.raises(DistributedError, match="4096 micro-batches"):
+        message_tag(0, "forward", 4096, 0)
