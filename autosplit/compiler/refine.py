@@ -5,7 +5,8 @@ exact for GPipe and for equal stages; torch's interleaved and zero-bubble schedu
 action lists say, reward other cuts (a rank's two stages need not be equal when one of them waits
 anyway). The replay is the judge. Candidates, in a topological order in which a split is contiguous:
 the solver's split; the split of equal compute per stage at *cheap cuts* (layer boundaries, where
-little crosses); and, when there are few cheap cuts, every split at them. From each, a descent moves
+little crosses); and, when there are few cheap cuts, every split at them, and when there are few
+repeated layers, every split between them (torchtitan's cuts). From each, a descent moves
 one cut, or one stage, to the next cheap cut or by ``±width`` nodes while the replayed step drops and
 no rule breaks (memory, colocation, data flowing forward), the width halving down to one node, within
 a budget of replays. The result is never slower, by the replay, than the split given.
@@ -66,8 +67,11 @@ def refine(
     if len(even) == S - 1:
         seeds.append(even)
     best_plan, best = tuple(stage_of), step(tuple(stage_of))
-    if math.comb(len(cheap), S - 1) <= replays // 2:  # few layer boundaries: every split at them is replayed
-        for chosen in itertools.combinations(cheap, S - 1):
+    # Few cheap cuts, or few boundaries between repeated layers: every split at them is replayed.
+    for cuts in (cheap, _layer_cuts(table.module_paths, topo)):
+        if not math.comb(len(cuts), S - 1) <= replays // 2:
+            continue
+        for chosen in itertools.combinations(cuts, S - 1):
             plan = split(chosen)
             cost = step(plan)
             if cost < best * (1 - 1e-9):
@@ -99,6 +103,26 @@ def _cheap_cuts(problem: Problem, topo: Sequence[int]) -> list[int]:
     inner = sorted(c for c in crossing[1:N] if c > 0)
     low = inner[len(inner) // 5] if inner else 0  # the 20th percentile: a layer boundary, not the ends' few bytes
     return [p for p in range(1, N) if crossing[p] <= 1.5 * low]
+
+
+def _layer_cuts(module_paths: Sequence[str], topo: Sequence[int]) -> list[int]:
+    """Positions of ``topo`` where the repeated layer changes, torchtitan's cuts: a node's layer is
+    its module path up to its first numbered part (``model.layers.3``, ``blocks.3``); a node of a
+    module outside every layer (``lm_head``) leaves the layers, and one of no module changes nothing."""
+    def layer(path: str) -> str:
+        parts = path.split(".")
+        numbered = next((i for i, part in enumerate(parts) if part.isdigit()), None)
+        return "" if numbered is None else ".".join(parts[: numbered + 1])
+
+    cuts, current = set(), ""
+    for p, n in enumerate(topo):
+        if not module_paths[n]:
+            continue
+        here = layer(module_paths[n])
+        if here != current and (here or current):
+            cuts.add(p)
+            current = here
+    return sorted(c for c in cuts if 0 < c < len(topo))
 
 
 def _nearest(cheap: Sequence[int], p: int) -> int:

@@ -177,3 +177,12 @@ def test_a_tied_weight_is_all_reduced_between_ranks_with_the_measured_all_reduce
     (tied,) = v.shared_params
     assert tied.stages == (0, 3) and v.stage_devices[0] == v.stage_devices[3] == 0
     assert tied.replicate == 0.0 and tied.policy == "replicate" and v.terms.tied_sync == 0.0
+
+
+def test_layer_cuts_are_where_the_repeated_layer_changes():
+    """torchtitan's cuts: into the first layer, between layers, out into the head; helper nodes of no module change nothing."""
+    from autosplit.compiler.refine import _layer_cuts
+
+    paths = ["", "wte", "wpe", "blocks.0.ln", "blocks.0.attn", "", "blocks.1.ln", "blocks.1.mlp.fc", "ln_f", "", "head"]
+    assert _layer_cuts(paths, list(range(len(paths)))) == [3, 6, 8]
+    assert _layer_cuts(["a", "b.c", ""], [0, 1, 2]) == []  # no numbered layers: none
