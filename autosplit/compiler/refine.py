@@ -69,7 +69,7 @@ def refine(
     best_plan, best = tuple(stage_of), step(tuple(stage_of))
     # Few cheap cuts, or few boundaries between repeated layers: every split at them is replayed.
     for cuts in (cheap, _layer_cuts(table.module_paths, topo)):
-        if not math.comb(len(cuts), S - 1) <= replays // 2:
+        if math.comb(len(cuts), S - 1) > replays // 2:
             continue
         for chosen in itertools.combinations(cuts, S - 1):
             plan = split(chosen)
