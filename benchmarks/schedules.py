@@ -97,8 +97,8 @@ TT_WEIGHTS = {"tt 1/1": (1, 1), "tt 0/0": (0, 0)}
 ERROR_MEDIAN, ERROR_WORST, RATIO = 0.10, 0.20, 0.98
 LOOPED = ("interleaved1f1b", "loopedbfs", "interleavedzerobubble")
 """torch's multi-stage classes with one stage per rank: run with --include-v1-loop (they hung when
-these stages posted their receives early without tags; not timed since the receives are tagged,
-though tests train interleaved 1F1B and interleaved zero-bubble at v = 1)."""
+an earlier version of these stages posted their receives early; not timed with the tagged early
+receives, though tests train interleaved 1F1B and interleaved zero-bubble at v = 1)."""
 
 
 def workload(name: str):

@@ -7,11 +7,13 @@ leaves its neighbour's data, and its neighbour's send, waiting: on GNMT at M = 8
 idled for milliseconds per micro-batch in a profiler trace. Every micro-batch has its own receive buffers in a stage, so nothing stops
 posting them all at once.
 
-:class:`EarlyReceivingStage` does that when micro-batch 0's forward receive is asked for (the
-first thing every schedule does in a step), hands the schedule no receive ops of its own, and
-waits for a micro-batch's data in :meth:`EarlyReceivingStage.wait_received` at the start of its
-forward or backward chunk, which is after every send the schedule issued before it, so no
-schedule can deadlock on it. Sends are unchanged.
+:class:`EarlyReceivingStage` does that when micro-batch 0's forward receive is asked for, or
+when micro-batch 0's forward runs on a stage that is asked for none (a first stage, or a V's
+stage fed in memory by its neighbour on the same rank), hands the schedule no receive ops of its
+own, and waits for a micro-batch's data in :meth:`EarlyReceivingStage.wait_received` at the start
+of its forward or backward chunk, which is after every send the schedule issued before it, so no
+schedule can deadlock on it. Sends keep their order and carry a tag (:func:`message_tag`) that
+the early receive matches.
 
 Both stage classes record when each of their actions ran (:class:`Span`) while their
 ``timeline`` is a list (:meth:`~autosplit.runtime.distributed.DistributedModel.tracing`), and run
