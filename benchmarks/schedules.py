@@ -96,9 +96,10 @@ REPEATED = {"gpt": "blocks", "llama": "model.layers"}
 TT_WEIGHTS = {"tt 1/1": (1, 1), "tt 0/0": (0, 0)}
 ERROR_MEDIAN, ERROR_WORST, RATIO = 0.10, 0.20, 0.98
 LOOPED = ("interleaved1f1b", "loopedbfs", "interleavedzerobubble")
-"""torch's multi-stage classes with one stage per rank: run with --include-v1-loop (they hung when
-an earlier version of these stages posted their receives early; not timed with the tagged early
-receives, though tests train interleaved 1F1B and interleaved zero-bubble at v = 1)."""
+"""torch's multi-stage classes with one stage per rank: outside the issue's grid, and timed only with
+--include-v1-loop (they hung when an earlier version of these stages posted their receives early;
+tests train interleaved 1F1B and interleaved zero-bubble at v = 1 with the tagged early receives).
+``auto``'s choice is timed whatever it is."""
 
 
 def workload(name: str):
@@ -254,9 +255,9 @@ def plan_all(name: str, args, spec, tmp: str) -> tuple[list[dict], list[str]]:
     for schedule, v, M in configurations(args.schedules, args.micro):
         t0 = time.time()
         if v == 1 and schedule in LOOPED and not args.include_v1_loop:
-            print(f"  SKIPPED {name} {schedule} v=1 M={M}: distribute hangs (see LOOPED)", flush=True)
+            print(f"  SKIPPED {name} {schedule} v=1 M={M}: outside the grid (see LOOPED)", flush=True)
             rows.append({"model": name, "schedule": schedule, "stages_per_rank": v, "micro_batches": M,
-                         "kind": "skipped", "error": "distribute hangs with one stage per rank on a multi-stage class"})
+                         "kind": "skipped", "error": "one stage per rank on a multi-stage class: --include-v1-loop"})
             continue
         try:
             plans = candidates(model, inputs, loss, spec, (schedule, v, M), args, costs)
@@ -277,8 +278,6 @@ def plan_all(name: str, args, spec, tmp: str) -> tuple[list[dict], list[str]]:
             rows.append({"model": name, "schedule": "auto", "stages_per_rank": "auto", "micro_batches": "auto",
                          "kind": "failed", "error": traceback.format_exc()})
             return rows, paths
-        if chosen.stages_per_rank == 1 and chosen.schedule in LOOPED and not args.include_v1_loop:
-            raise SystemExit(f"auto chose {chosen.schedule} v=1, which hangs in distribute (see LOOPED)")
         add("c", "auto", chosen, chosen.schedule, chosen.stages_per_rank, chosen.micro_batches)
         rows[-1]["alternatives"] = [vars(a) for a in chosen.alternatives]
         print(f"  planned {name} auto in {time.time() - t0:.0f}s: {chosen.schedule} v={chosen.stages_per_rank} "

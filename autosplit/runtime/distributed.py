@@ -49,9 +49,12 @@ Usage (``torchrun --nproc-per-node 2 train.py``)::
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import gc
 import logging
 import time
+import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -85,6 +88,20 @@ class _Run:
     micro_batches: int
     stages: list[Any]
     started: bool = False
+
+
+_open: weakref.WeakSet[DistributedModel] = weakref.WeakSet()
+"""The pipelines of this process not yet closed."""
+
+
+@atexit.register
+def _close_all() -> None:
+    """Close every open pipeline, and collect those already dropped, before the interpreter tears
+    itself down (atexit runs first): a process group that outlives it can abort the process in
+    gloo's teardown (:meth:`DistributedModel.close`)."""
+    for pipe in list(_open):
+        pipe.close()
+    gc.collect()
 
 
 class DistributedModel(StageState):
@@ -165,6 +182,35 @@ class DistributedModel(StageState):
         self.asynchronous = asynchronous
         """The plan's schedule when it is asynchronous (``"xpipe"``, ``"async"``, ``"pipedream"``:
         trained with :meth:`train`); None for :meth:`step`."""
+        self._closed = False
+        _open.add(self)
+
+    def close(self) -> None:
+        """Let go of this rank's stages, schedules and the process groups they run on; the modules,
+        parameters and state dicts stay. Afterwards :meth:`step` and :meth:`train` refuse.
+
+        The stages sit in reference cycles (their fx graphs), so dropping the pipeline leaves its
+        process groups, and gloo's threads, alive until a garbage collection: a process that exits
+        with a gloo process group never destructed can abort in its teardown ("terminate called
+        without an active exception", pytorch/pytorch#65513), after ``destroy_process_group()``
+        too. ``close()`` collects them at once; every pipeline still open is closed when the
+        interpreter begins to exit."""
+        if self._closed:
+            return
+        self._closed = True
+        _open.discard(self)
+        self._runs.clear()
+        self._stages = []
+        self._pp_group = self._dp_mesh = None
+        self._tied = []
+        gc.collect()
+
+    def _usable(self) -> None:
+        if self._closed:
+            raise DistributedError(advice(
+                "this pipeline was closed", "close() let go of its stages and process groups",
+                "make a new one with autosplit.distribute (its weights: pipe.state_dict())",
+            ))
 
     # -- training ------------------------------------------------------------------------------
     @property
@@ -225,6 +271,7 @@ class DistributedModel(StageState):
         a batch no stage can run, raises :class:`DistributedError` on every rank before any
         stage computes, and the pipeline stays usable.
         """
+        self._usable()
         if self.asynchronous is not None:
             raise DistributedError(advice(
                 f"step() runs one flushed step, and this pipeline runs the asynchronous {self.asynchronous!r} schedule",
@@ -437,6 +484,7 @@ class DistributedModel(StageState):
         on the last stage's rank, ``None`` elsewhere; :attr:`last_run` says what the run kept."""
         from autosplit.runtime.asynchronous import check_optimizer, run_asynchronous
 
+        self._usable()
         if self.asynchronous is None:
             raise DistributedError(advice(
                 "train() runs asynchronous schedules, and this pipeline flushes every step",

@@ -88,6 +88,43 @@ def test_checkpoints_move_between_the_distributed_and_the_unsplit_model(tmp_path
     assert not torch.equal(expected["blocks.0.fc.weight"], _model()[0].blocks[0].fc.weight), "the step changed it"
 
 
+def _gloo_threads() -> int:
+    """Threads of this process that gloo started (a process group's I/O loop and workers)."""
+    names = (Path(task, "comm").read_text() for task in Path("/proc/self/task").iterdir())
+    return sum("gloo" in name for name in names)
+
+
+def _close_worker(rank: int, world: int, init: str, tmp: str) -> None:
+    from autosplit.runtime.distributed import _close_all
+
+    _init(rank, world, init)
+    model, tokens, targets = _model()
+
+    def pipeline():
+        pipe = autosplit.distribute(model, ["cpu"] * 2, example_inputs=(tokens,), loss_fn=_loss, micro_batches=2, time_limit=2)
+        pipe.step(tokens, target=targets)
+        return pipe
+
+    closed, dropped, kept = pipeline(), pipeline(), pipeline()
+    del dropped  # its stages' reference cycles hold its process groups until a garbage collection
+    closed.close()
+    with pytest.raises(autosplit.errors.DistributedError, match="this pipeline was closed"):
+        closed.step(tokens, target=targets)
+    assert set(closed.state_dict()) == set(kept.state_dict()), "the weights stay with a closed pipeline"
+    dist.destroy_process_group()
+    _close_all()  # what runs at exit: closes `kept`, collects `dropped`
+    assert _gloo_threads() == 0, f"rank {rank}: {_gloo_threads()} gloo threads outlive the process groups"
+    Path(tmp, f"rank{rank}.ok").write_text("ok")
+
+
+def test_closed_and_dropped_pipelines_let_their_process_groups_go_before_exit(tmp_path):
+    """A gloo process group destructed only during interpreter teardown can abort the process
+    (SIGABRT, "terminate called without an active exception", pytorch/pytorch#65513): close() and
+    the exit hook leave none alive once destroy_process_group() has run."""
+    mp.spawn(_close_worker, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
+    assert (tmp_path / "rank0.ok").exists() and (tmp_path / "rank1.ok").exists()
+
+
 def _faults_worker(rank: int, world: int, init: str, tmp: str, other_plan: str) -> None:
     _init(rank, world, init)
     try:
