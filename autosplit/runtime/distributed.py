@@ -36,6 +36,9 @@ outer dimension (as in torchtitan), so rank ``r`` runs stage ``r // data_paralle
    carry the dtypes autocast gives the crossings), or bf16 parameters and inputs for ``"bf16"``;
    ``"fp16-mixed"`` scales the loss and skips, on every rank, a step with an inf or NaN gradient
    (:attr:`DistributedModel.scaler`).
+8. :meth:`DistributedModel.close` lets go of the stages and the process groups they run on, which
+   reference cycles would otherwise keep (with gloo's threads) past ``destroy_process_group()``;
+   every pipeline still open is closed when the interpreter begins to exit.
 
 Usage (``torchrun --nproc-per-node 2 train.py``)::
 
