@@ -306,11 +306,17 @@ _ARTEFACT = re.compile(r"(^|\.)(_guards_fn|submod_\d+)(\.|$)")
 """Modules torch.export adds (its shape guards, higher-order ops' bodies): not the user's."""
 
 
-def _unit(path: str) -> str:
-    """The module a report names for ``path``: down to the first numbered layer (``model.layers.3``), else two levels."""
-    parts = path.split(".") if path else []
+def numbered_layer(path: str) -> str | None:
+    """The repeated layer a module ``path`` is in: the path down to its first numbered part
+    (``model.layers.3``), or None outside every numbered layer."""
+    parts = path.split(".")
     numbered = next((i for i, part in enumerate(parts) if part.isdigit()), None)
-    return ".".join(parts[: numbered + 1 if numbered is not None else 2]) or "(root)"
+    return None if numbered is None else ".".join(parts[: numbered + 1])
+
+
+def _unit(path: str) -> str:
+    """The module a report names for ``path``: its numbered layer (:func:`numbered_layer`), else two levels."""
+    return numbered_layer(path) or ".".join(path.split(".")[:2]) or "(root)"
 
 
 def _ranges(names: Sequence[str]) -> list[str]:

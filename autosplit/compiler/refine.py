@@ -106,23 +106,21 @@ def _cheap_cuts(problem: Problem, topo: Sequence[int]) -> list[int]:
 
 
 def _layer_cuts(module_paths: Sequence[str], topo: Sequence[int]) -> list[int]:
-    """Positions of ``topo`` where the repeated layer changes, torchtitan's cuts: a node's layer is
-    its module path up to its first numbered part (``model.layers.3``, ``blocks.3``); a node of a
-    module outside every layer (``lm_head``) leaves the layers, and one of no module changes nothing."""
-    def layer(path: str) -> str:
-        parts = path.split(".")
-        numbered = next((i for i, part in enumerate(parts) if part.isdigit()), None)
-        return "" if numbered is None else ".".join(parts[: numbered + 1])
+    """Positions of ``topo`` where the repeated layer changes (:func:`~autosplit.compiler.prediction.numbered_layer`),
+    torchtitan's cuts: a node of a module outside every layer (``lm_head``) leaves the layers, and
+    one of no module changes nothing."""
+    from autosplit.compiler.prediction import numbered_layer
 
-    cuts, current = set(), ""
+    cuts, current = [], ""
     for p, n in enumerate(topo):
         if not module_paths[n]:
             continue
-        here = layer(module_paths[n])
-        if here != current and (here or current):
-            cuts.add(p)
+        here = numbered_layer(module_paths[n]) or ""
+        if here != current:
+            if p > 0:
+                cuts.append(p)
             current = here
-    return sorted(c for c in cuts if 0 < c < len(topo))
+    return cuts
 
 
 def _nearest(cheap: Sequence[int], p: int) -> int:

@@ -103,7 +103,7 @@ def _close_all() -> None:
     itself down (atexit runs first): a process group that outlives it can abort the process in
     gloo's teardown (:meth:`DistributedModel.close`)."""
     for pipe in list(_open):
-        pipe.close()
+        pipe._release()
     gc.collect()
 
 
@@ -198,15 +198,17 @@ class DistributedModel(StageState):
         without an active exception", pytorch/pytorch#65513), after ``destroy_process_group()``
         too. ``close()`` collects them at once; every pipeline still open is closed when the
         interpreter begins to exit."""
-        if self._closed:
-            return
+        if not self._closed:
+            self._release()
+            gc.collect()
+
+    def _release(self) -> None:
         self._closed = True
         _open.discard(self)
         self._runs.clear()
         self._stages = []
         self._pp_group = self._dp_mesh = None
         self._tied = []
-        gc.collect()
 
     def _usable(self) -> None:
         if self._closed:
