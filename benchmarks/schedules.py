@@ -94,6 +94,9 @@ RESULTS = ROOT / "benchmarks" / "results"
 SCHEDULES = ["gpipe", "1f1b", "interleaved1f1b", "loopedbfs", "interleavedzerobubble", "zbvzerobubble", "dualpipev"]
 REPEATED = {"gpt": "blocks", "llama": "model.layers"}
 TT_WEIGHTS = {"tt 1/1": (1, 1), "tt 0/0": (0, 0)}
+HEAP_RESERVE = 1 << 30
+"""Bytes of heap every process faults in before it plans or times (:func:`~autosplit.timers.steady_allocator`):
+without it, a rank's heap grew now and then in a timed step, tens of milliseconds of page faults."""
 ERROR_MEDIAN, ERROR_WORST, RATIO = 0.10, 0.20, 0.98
 LOOPED = ("interleaved1f1b", "loopedbfs", "interleavedzerobubble")
 """torch's multi-stage classes, which also run one stage per rank: in the grid at v = 1 too, unless
@@ -148,7 +151,7 @@ def probe(rounds: int = 5) -> float:
 def _worker(rank: int, init: str, name: str, plans: list[str], steps: int, warmup: int, block: int, out: str) -> None:
     torch.set_num_threads(1)
     os.sched_setaffinity(0, {rank})
-    steady_allocator()
+    steady_allocator(reserve=HEAP_RESERVE)
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=2, timeout=timedelta(minutes=5))
     try:
         model, inputs, target, loss_fn = workload(name)
@@ -562,7 +565,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out or RESULTS / ("schedules_quick.json" if args.quick else "schedules.json"))
 
     start = time.time()
-    steady_allocator()
+    steady_allocator(reserve=HEAP_RESERVE)  # the unsplit model's steps and the profiles alike
     runtime, spec = measured_cpu()
     records: list[dict] = []
     out.parent.mkdir(parents=True, exist_ok=True)
