@@ -119,10 +119,10 @@ def steady_allocator(trim_threshold: int = 1 << 30, mmap_threshold: int = 32 << 
     not move the training thread to an arena of its own, which glibc would unmap as it empties.
 
     Kept memory is not all: a heap that fragments still grows now and then, and every page it
-    grows by faults in on first touch. Rank 0 of a Llama pipeline (zero-bubble V, M = 4) faulted
-    5,648 pages in one step and 11,529 in another of 20 (none in the others), all in its last
-    stage's input pass: tens of milliseconds, in a step where the planner's splits differ by
-    1–3%. ``reserve`` grows the heap by that much now, in pieces below the mmap threshold,
+    grows by faults in on first touch. Rank 0 of a Llama pipeline (zero-bubble V, M = 4, two
+    plans run by turns) faulted 32,078 pages in 11 of 20 steps of one plan, all in its last
+    stage's input pass (``benchmarks/heap_faults.py``), in steps where the planner's splits
+    differ by 1–3%; none with a reserve. ``reserve`` grows the heap by that much now, in pieces below the mmap threshold,
     writes it and frees it: glibc keeps it at the top of the heap (the trim threshold is raised
     above it), and the steps' growth up to it faults nothing. The process holds it from then on.
 

@@ -96,7 +96,8 @@ REPEATED = {"gpt": "blocks", "llama": "model.layers"}
 TT_WEIGHTS = {"tt 1/1": (1, 1), "tt 0/0": (0, 0)}
 HEAP_RESERVE = 1 << 30
 """Bytes of heap every process faults in before it plans or times (:func:`~autosplit.timers.steady_allocator`):
-without it, a rank's heap grew now and then in a timed step, tens of milliseconds of page faults."""
+without it, a rank's heap grew now and then in a timed step and faulted its new pages in there
+(``heap_faults.py``; runs 1–7 had none)."""
 ERROR_MEDIAN, ERROR_WORST, RATIO = 0.10, 0.20, 0.98
 LOOPED = ("interleaved1f1b", "loopedbfs", "interleavedzerobubble")
 """torch's multi-stage classes, which also run one stage per rank: in the grid at v = 1 too, unless

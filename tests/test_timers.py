@@ -11,7 +11,6 @@ import textwrap
 import pytest
 import torch
 
-import autosplit
 from autosplit.timers import MemoryTracker
 
 
