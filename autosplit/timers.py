@@ -108,50 +108,49 @@ class MemoryTracker(TorchDispatchMode):
 
 def steady_allocator(trim_threshold: int = 1 << 30, mmap_threshold: int = 32 << 20, reserve: int = 0) -> bool:
     """Keep freed memory in this process instead of handing it back to the kernel (glibc's
-    ``mallopt``; the same as starting with ``MALLOC_TRIM_THRESHOLD_``, ``MALLOC_MMAP_THRESHOLD_``
-    and ``MALLOC_ARENA_MAX=1``), and with ``reserve`` bytes fault in that much heap now.
+    ``mallopt``; the same as starting with ``MALLOC_TRIM_THRESHOLD_`` and ``MALLOC_MMAP_THRESHOLD_``),
+    and with ``reserve`` bytes fault in that much heap now.
 
     A CPU training step frees and reallocates the same large tensors every micro-batch. By
     default glibc returns memory above 128 KiB to the kernel when it is freed and faults it in
     again on the next use, which on this project's 2-core VM made a process that had planned
     first run its training steps measurably slower (``benchmarks/pipeline_runtime.py`` calls
-    this for every process it times). All threads share one arena, so that gloo's threads do
-    not move the training thread to an arena of its own, which glibc would unmap as it empties.
+    this for every process it times).
 
     Kept memory is not all: a heap that fragments still grows now and then, and every page it
     grows by faults in on first touch. Rank 0 of a Llama pipeline (zero-bubble V, M = 4, two
-    plans run by turns) faulted 32,078 pages in 11 of 20 steps of one plan, all in its last
-    stage's input pass (``benchmarks/heap_faults.py``), in steps where the planner's splits
-    differ by 1–3%; none with a reserve. ``reserve`` grows the heap by that much now, in pieces below the mmap threshold,
-    writes it and frees it: glibc keeps it at the top of the heap (the trim threshold is raised
-    above it), and the steps' growth up to it faults nothing. The process holds it from then on.
+    plans run by turns) faulted 10,255 pages in 9 of 20 steps of one plan and 20,806 in 8 of 20
+    of the other, all in its last stage's input pass (``benchmarks/heap_faults.py``): which
+    plan's steps pay, and how much, is chance, where the planner's splits differ by 1–3%. With a
+    reserve, none did. ``reserve`` grows the heap by that much now, in pieces
+    below the mmap threshold, writes it and frees it: glibc keeps it at the top of the heap (the
+    trim threshold is raised above it), and the steps' growth up to it faults nothing. The
+    process holds it from then on.
 
-    Process-wide, and best called before any thread starts, so it is the caller's choice;
-    returns ``False`` where there is no glibc ``mallopt``.
+    Process-wide, so it is the caller's choice; returns ``False`` where there is no glibc ``mallopt``.
     """
     try:
         libc = ctypes.CDLL("libc.so.6")
         mallopt = libc.mallopt
     except (OSError, AttributeError):
         return False
-    m_trim_threshold, m_mmap_threshold, m_arena_max = -1, -3, -8  # <malloc.h>
+    m_trim_threshold, m_mmap_threshold = -1, -3  # <malloc.h>
     trim_threshold = max(trim_threshold, 2 * reserve)
-    ok = all(mallopt(option, value) == 1 for option, value in
-             ((m_trim_threshold, trim_threshold), (m_mmap_threshold, mmap_threshold), (m_arena_max, 1)))
-    if ok and reserve > 0:
-        libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
-        libc.free.argtypes = [ctypes.c_void_p]
-        piece = max(1 << 20, min(16 << 20, mmap_threshold // 2))  # on the heap, not mmap()ed apart
-        held = []
-        for _ in range(-(-reserve // piece)):
-            address = libc.malloc(piece)
-            if not address:
-                break
-            ctypes.memset(address, 0, piece)  # a write faults each page in
-            held.append(address)
-        for address in reversed(held):
-            libc.free(address)
-    return ok
+    if not (mallopt(m_trim_threshold, trim_threshold) and mallopt(m_mmap_threshold, mmap_threshold)):
+        return False
+    libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+    libc.free.argtypes = [ctypes.c_void_p]
+    piece = max(1 << 20, min(16 << 20, mmap_threshold // 2))  # on the heap, not mmap()ed apart
+    held = []
+    for _ in range(-(-reserve // piece)):
+        address = libc.malloc(piece)
+        if not address:
+            break
+        ctypes.memset(address, 0, piece)  # a write faults each page in
+        held.append(address)
+    for address in reversed(held):
+        libc.free(address)
+    return True
 
 
 @contextlib.contextmanager
