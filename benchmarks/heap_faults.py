@@ -52,7 +52,9 @@ def _minflt() -> int:
 
 
 def _count_faults_per_action(into: collections.Counter) -> None:
-    """Count each stage action's page faults into ``into[(stage, kind)]`` (this process only)."""
+    """Count each stage action's page faults into ``into`` under ``"I3"``-style keys (the action as
+    ``DistributedModel.tracing`` names it, then the stage), wrapping the stages' three chunk methods
+    in this process."""
     for method, kind in (("forward_one_chunk", "F"), ("backward_one_chunk", "I"), ("backward_weight_one_chunk", "W")):
         original = getattr(_PolicyStage, method)
 
