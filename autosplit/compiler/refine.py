@@ -9,7 +9,10 @@ little crosses); and, when there are few cheap cuts, every split at them, and wh
 repeated layers, every split between them (torchtitan's cuts). From each, a descent moves
 one cut, or one stage, to the next cheap cut or by ``±width`` nodes while the replayed step drops and
 no rule breaks (memory, colocation, data flowing forward), the width halving down to one node, within
-a budget of replays. The result is never slower, by the replay, than the split given.
+a budget of replays. The result is never slower, by the replay, than the split given, except
+that the fastest split at layer boundaries (enumerated when few, else descended to along them) is
+kept over a faster one that cuts inside a layer unless that one gains more than
+:attr:`~autosplit.options.PlanOptions.cut_margin`: the replay resolves parts of layers less well.
 
 Usage::
 
@@ -19,7 +22,9 @@ Usage::
 from __future__ import annotations
 
 import bisect
+import functools
 import itertools
+import logging
 import math
 from collections.abc import Callable, Sequence
 
@@ -30,6 +35,8 @@ from autosplit.solver.problem import Problem
 from autosplit.solver.validate import violations
 
 __all__ = ["refine", "REPLAYS"]
+
+log = logging.getLogger(__name__)
 
 REPLAYS = 400
 """Most replays one refinement spends (each costs about the schedule's action count)."""
@@ -42,7 +49,8 @@ def refine(
     """The fastest, by the replay, of ``stage_of``, the split of equal compute per stage and (when
     they are few) every split at cheap cuts — the layer boundaries — each with its cuts then moved
     while the replayed step improves (a split not contiguous in the problem's topological order is
-    not moved)."""
+    not moved); the fastest split at layer boundaries instead, when the best is inside
+    ``options.cut_margin`` of it."""
     from autosplit.compiler.prediction import predict_step  # prediction imports nothing from here
 
     topo = topological_order(problem)
@@ -55,20 +63,27 @@ def refine(
                 out[topo[p]] = s
         return tuple(out)
 
+    @functools.cache  # the layer-aligned splits are replayed twice
     def step(plan: tuple[int, ...]) -> float:
         return math.inf if violations(problem, plan) else predict_step(problem, table, plan, order, options)[0].total
 
-    along = [stage_of[n] for n in topo]
-    seeds: list[list[int]] = [] if any(b < a for a, b in itertools.pairwise(along)) else [
-        [p for p in range(1, N) if along[p] != along[p - 1]]]
+    def cuts_of(plan: Sequence[int]) -> list[int] | None:
+        """Where ``plan``'s stages change along ``topo``; None when its stages are not contiguous there."""
+        along = [plan[n] for n in topo]
+        return None if any(b < a for a, b in itertools.pairwise(along)) else [
+            p for p in range(1, N) if along[p] != along[p - 1]]
+
+    given = cuts_of(stage_of)
+    seeds: list[list[int]] = [] if given is None else [given]
     cheap = _cheap_cuts(problem, topo)
+    layers = _layer_cuts(table.module_paths, topo)
     work = list(itertools.accumulate(problem.fastest[n] for n in topo))  # equal compute per stage, at cheap cuts
     even = sorted({_nearest(cheap, bisect.bisect_left(work, work[-1] * s / S)) for s in range(1, S)})
     if len(even) == S - 1:
         seeds.append(even)
     best_plan, best = tuple(stage_of), step(tuple(stage_of))
     # Few cheap cuts, or few boundaries between repeated layers: every split at them is replayed.
-    for cuts in (cheap, _layer_cuts(table.module_paths, topo)):
+    for cuts in (cheap, layers):
         if math.comb(len(cuts), S - 1) > replays // 2:
             continue
         for chosen in itertools.combinations(cuts, S - 1):
@@ -76,12 +91,36 @@ def refine(
             cost = step(plan)
             if cost < best * (1 - 1e-9):
                 best_plan, best = plan, cost
-        seeds.append([p for p in range(1, N) if best_plan[topo[p]] != best_plan[topo[p - 1]]])
+        if (found := cuts_of(best_plan)) is not None:
+            seeds.append(found)
     for cuts in seeds:
         plan, cost = _descend(cuts, cheap, split, step, N, max(1, replays // len(seeds)))
         if cost < best * (1 - 1e-9):
             best_plan, best = plan, cost
+    cuts = cuts_of(best_plan)
+    if cuts is None or set(cuts) <= set(layers) or len(layers) < S - 1:
+        return best_plan
+    aligned_plan, aligned = _fastest_at(layers, S, split, step, work, replays)
+    if aligned < math.inf and aligned <= best * (1 + options.cut_margin):
+        log.info("refine: kept the fastest split at layer boundaries (%.4g s by the replay) over one %.2f %% faster "
+                 "(%.4g s) that cuts inside a layer, within cut_margin = %g", aligned, 100 * (aligned / best - 1), best,
+                 options.cut_margin)
+        return aligned_plan
     return best_plan
+
+
+def _fastest_at(
+    cuts: Sequence[int], S: int, split: Callable[[Sequence[int]], tuple[int, ...]],
+    step: Callable[[tuple[int, ...]], float], work: Sequence[float], replays: int,
+) -> tuple[tuple[int, ...], float]:
+    """The fastest split with every cut at one of ``cuts``: all of them replayed when few, else
+    descended to along ``cuts`` from the split of equal work (``work``: cumulative, in cut order)."""
+    if math.comb(len(cuts), S - 1) <= replays // 2:
+        return min(((p, step(p)) for p in map(split, itertools.combinations(cuts, S - 1))), key=lambda pc: pc[1])
+    even = sorted({_nearest(cuts, bisect.bisect_left(work, work[-1] * s / S)) for s in range(1, S)})
+    if len(even) < S - 1:
+        return split(even), math.inf
+    return _descend(even, cuts, split, step, len(work), replays // 4, shifts=False)
 
 
 def _cheap_cuts(problem: Problem, topo: Sequence[int]) -> list[int]:
@@ -146,17 +185,17 @@ def _moved(cuts: Sequence[int], k: int, span: int, how: str, delta: int, cheap: 
 
 def _descend(
     cuts: list[int], cheap: Sequence[int], split: Callable[[Sequence[int]], tuple[int, ...]],
-    step: Callable[[tuple[int, ...]], float], N: int, replays: int,
+    step: Callable[[tuple[int, ...]], float], N: int, replays: int, *, shifts: bool = True,
 ) -> tuple[tuple[int, ...], float]:
-    """Move one cut, or a stage (two cuts together), to the next cheap cut either way or by
-    ``±width`` nodes while the step improves; halve the width when nothing helps, down to one node;
-    at most ``replays`` steps evaluated."""
+    """Move one cut, or a stage (two cuts together), to the next cheap cut either way or (with
+    ``shifts``) by ``±width`` nodes while the step improves; halve the width when nothing helps,
+    down to one node; at most ``replays`` steps evaluated."""
     plan = split(cuts)
     best, spent = step(plan), 1
-    width = max(1, N // (4 * (len(cuts) + 1)))
+    width = max(1, N // (4 * (len(cuts) + 1))) if shifts else 1
     while width >= 1 and spent < replays:
         moved = False
-        tries = [("jump", -1), ("jump", 1), ("shift", -width), ("shift", width)]
+        tries = [("jump", -1), ("jump", 1)] + ([("shift", -width), ("shift", width)] if shifts else [])
         for k, span, (how, delta) in itertools.product(range(len(cuts)), (1, 2), tries):
             trial = _moved(cuts, k, span, how, delta, cheap)
             if trial == cuts or any(b <= a for a, b in itertools.pairwise([0, *trial, N])):

@@ -4,6 +4,7 @@ the replay's refinement of the solver's cuts, the ``"auto"`` search, and their p
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import random
 
 import pytest
@@ -79,18 +80,60 @@ def test_one_stage_per_rank_memory_is_each_stages(schedule):
     assert plan.rank_memory == pytest.approx([st.memory for st in plan.stages], abs=2048)
 
 
-@pytest.mark.parametrize("schedule", ["interleaved1f1b", "interleavedzerobubble", "zbvzerobubble"])
-def test_refining_by_the_replay_never_makes_the_step_slower(schedule):
-    planner = _planner(schedule=schedule, stages_per_rank=2, micro_batches=4)
+def _refining(schedule: str):
+    """(problem, table, the DP's split, device order, options with cut_margin=0, the replayed step of a split)."""
+    planner = _planner(schedule=schedule, stages_per_rank=2, micro_batches=4, cut_margin=0)
     _, M, table, _, rules = estimated(planner.traced, planner.specs(), planner.options)
     order, problem = stage_problem(table, 2, planner.options, M, rules)
     seed, _, _ = dp_plan(problem, topological_order(problem))
-    refined = refine(problem, table, seed, order, planner.options)
 
     def step(plan):
         return predict_step(problem, table, plan, order, planner.options)[0].total
 
-    assert step(refined) <= step(seed) + 1e-12
+    return problem, table, seed, order, planner.options, step
+
+
+@pytest.mark.parametrize("schedule", ["interleaved1f1b", "interleavedzerobubble", "zbvzerobubble"])
+def test_refining_by_the_replay_never_makes_the_step_slower(schedule):
+    problem, table, seed, order, options, step = _refining(schedule)
+    assert step(refine(problem, table, seed, order, options)) <= step(seed) + 1e-12
+    kept = refine(problem, table, seed, order, options.replace(cut_margin=0.03))
+    assert step(kept) <= step(seed) * 1.03 + 1e-12, "slower only for layer cuts, and by at most the margin"
+
+
+@pytest.mark.parametrize("schedule, planted", [("loopedbfs", "faster"), ("zbvzerobubble", "tied")])
+def test_a_split_inside_a_layer_must_beat_the_layer_cuts_by_the_margin(schedule, planted):
+    """Planted: the tiny GPT's fastest split by the replay cuts inside a layer (loopedbfs), or ties,
+    to rounding, with one at layer boundaries (ZBV). It is chosen only with a margin below its gain
+    over every split at layer boundaries (all replayed here); within the margin, refine returns the
+    fastest of those — also when they are too many to replay and it descends along them."""
+    from autosplit.compiler.refine import _layer_cuts
+
+    problem, table, seed, order, options, step = _refining(schedule)
+    topo = topological_order(problem)
+    layers = _layer_cuts(table.module_paths, topo)
+
+    def cuts(plan):
+        return {p for p in range(1, len(topo)) if plan[topo[p]] != plan[topo[p - 1]]}
+
+    def split(chosen):
+        out = [0] * len(topo)
+        for s, (a, b) in enumerate(zip([0, *chosen], [*chosen, len(topo)])):
+            for u in topo[a:b]:
+                out[u] = s
+        return tuple(out)
+
+    aligned = min(step(split(c)) for c in itertools.combinations(layers, 3))
+    free = refine(problem, table, seed, order, options)
+    gain = aligned / step(free) - 1
+    assert not cuts(free) <= set(layers), "the planted optimum cuts inside a layer"
+    assert gain > 1e-3 if planted == "faster" else 0 <= gain < 1e-12
+    if planted == "faster":
+        assert refine(problem, table, seed, order, options.replace(cut_margin=gain * 0.99)) == free
+    gain = max(gain, 1e-9)
+    for replays in (400, 8):  # 10 splits at layer cuts: replayed all, or (8 replays) descended along
+        kept = refine(problem, table, seed, order, options.replace(cut_margin=gain * 1.01), replays=replays)
+        assert cuts(kept) <= set(layers) and step(kept) == pytest.approx(aligned)
 
 
 @pytest.mark.parametrize("schedule", ["interleaved1f1b", "zbvzerobubble", "dualpipev"])
