@@ -12,7 +12,8 @@ no rule breaks (memory, colocation, data flowing forward), the width halving dow
 a budget of replays. The result is never slower, by the replay, than the split given, except
 that the fastest split at layer boundaries (enumerated when few, else descended to along them) is
 kept over a faster one that cuts inside a layer unless that one gains more than
-:attr:`~autosplit.options.PlanOptions.cut_margin`: the replay resolves parts of layers less well.
+:attr:`~autosplit.options.PlanOptions.cut_margin`: the fastest of hundreds of splits is predicted
+further ahead than it is, and torchtitan's layouts, which users compare with, cut at layers.
 
 Usage::
 
