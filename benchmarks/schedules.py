@@ -22,8 +22,9 @@ interleaved blocks as ``pipeline_runtime.py`` does; the figure is the median of 
 steps (min, max and each pair's median beside it). A plan's two pairs' medians differ by 4.2%
 (median over rows) and up to 34% (``results/schedules_pooled_1.json``), more than the 1–4% that
 separates autosplit's split from torchtitan's in some configurations: one pair alone cannot order
-them. (c) runs once more beside the fastest (b) of every configuration, on pairs of their own
-(``auto_beside``: the (c) target is judged on that side-by-side run). ``--processes model`` puts all of a model's plans in
+them. (c) runs once more beside the fastest (b) of every configuration, on ``--auto-pairs`` (4)
+pairs of their own (``auto_beside``: the (c) target is judged on that side-by-side run; ``auto``
+often ties with torchtitan's best, and two pairs ordered a tie at 0.979 in run 10). ``--processes model`` puts all of a model's plans in
 one pair, as runs before 2026-11-25 did: there a plan runs slower than alone, and by how much
 depends on its configuration (``crowding.py`` measures it), which no user running one plan sees.
 Predictions (step: torch's action lists replayed; peak memory per rank) use per-node costs
@@ -299,13 +300,13 @@ def groups(timed: list[dict], processes: str) -> list[list[int]]:
     return list(by.values())
 
 
-def time_plans(name: str, paths: list[str], args, tmp: str) -> list[list[tuple[list[float], list[float], list]]]:
+def time_plans(name: str, paths: list[str], args, tmp: str, pairs: int | None = None) -> list[list[tuple[list[float], list[float], list]]]:
     """Per rank, per plan, (the timed steps, the probe's times on rank 0, each timed step's (start,
-    spans)) of ``paths`` run together on ``args.pairs`` fresh pairs of processes, one after the
+    spans)) of ``paths`` run together on ``pairs`` (default ``args.pairs``) fresh pairs of processes, one after the
     other, every other pair with the plans in reverse order; each plan's lists are those of every
     pair, pair after pair (``args.steps`` steps from each)."""
     pooled: list[list[tuple[list[float], list[float], list]]] = [[([], [], []) for _ in paths] for _ in range(2)]
-    for pair in range(args.pairs):
+    for pair in range(pairs or args.pairs):
         order = list(range(len(paths)))[:: -1 if pair % 2 else 1]
         where = os.path.join(tmp, f"pair-{pair}")
         os.makedirs(where)
@@ -372,7 +373,7 @@ def auto_beside(name: str, auto: dict, best: dict, paths: list[str], args, tmp: 
     """(c) timed again beside the fastest (b) of the configurations' runs, on fresh pairs of their
     own, in interleaved blocks: the ratio the (c) target is judged on, both measured side by side
     and compared round by round (:func:`paired_ratio`; the ratio of their medians beside it)."""
-    got = time_plans(name, paths, args, tmp)
+    got = time_plans(name, paths, args, tmp, pairs=args.auto_pairs)
     c_steps, b_steps = ([max(x, y) for x, y in zip(r0[0], r1[0])] for r0, r1 in zip(*got))
     c_time, b_time = statistics.median(c_steps), statistics.median(b_steps)
     return {"best_b": f"{best['plan']} {best['schedule']} v={best['stages_per_rank']} M={best['micro_batches']}",
@@ -539,6 +540,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--block", type=int, default=2, help="consecutive timed steps of one plan")
     parser.add_argument("--pairs", type=int, default=2,
                         help="fresh pairs of processes per group of plans, --steps timed steps of each plan in each")
+    parser.add_argument("--auto-pairs", type=int, default=4,
+                        help="fresh pairs for (c) beside the best (b): one comparison per model decides a target, "
+                             "and plans predicted tied need more than --pairs to order within 2%%")
     parser.add_argument("--time-limit", type=float, default=10, help="solver seconds per plan")
     parser.add_argument("--no-auto", dest="auto", action="store_false", help="skip (c), the schedule search")
     parser.add_argument("--no-v1-loop", action="store_true", help="leave out the looped schedules at v=1 (LOOPED)")
@@ -576,7 +580,7 @@ def main(argv: list[str] | None = None) -> int:
         summary = verdicts(records, args.block)
         write_json(out, {
             "machine": machine(), "seconds": time.time() - start, "argv": sys.argv[1:], "steps": args.steps,
-            "warmup": args.warmup, "block": args.block, "pairs": args.pairs, "processes": args.processes,
+            "warmup": args.warmup, "block": args.block, "pairs": args.pairs, "auto_pairs": args.auto_pairs, "processes": args.processes,
             "profiled_beside": args.beside, "time_limit": args.time_limit,
             "auto_micro_batches": "auto", "loss_costed": args.cost_loss, "runtime": runtime.to_dict(), "summary": summary,
             "models": records,

@@ -14,6 +14,7 @@ that the fastest split at layer boundaries (enumerated when few, else descended 
 kept over a faster one that cuts inside a layer unless that one gains more than
 :attr:`~autosplit.options.PlanOptions.cut_margin`: the fastest of hundreds of splits is predicted
 further ahead than it is, and torchtitan's layouts, which users compare with, cut at layers.
+Splits the replay ties go to the one whose slowest stage computes least.
 
 Usage::
 
@@ -35,12 +36,15 @@ from autosplit.solver.pipeline.dp import topological_order
 from autosplit.solver.problem import Problem
 from autosplit.solver.validate import violations
 
-__all__ = ["refine", "REPLAYS"]
+__all__ = ["refine", "REPLAYS", "TIE"]
 
 log = logging.getLogger(__name__)
 
 REPLAYS = 400
 """Most replays one refinement spends (each costs about the schedule's action count)."""
+TIE = 1e-6
+"""Weight of the slowest stage's share of the compute beside the replayed step: it orders only splits
+whose steps agree within about a millionth."""
 
 
 def refine(
@@ -66,7 +70,15 @@ def refine(
 
     @functools.cache  # the layer-aligned splits are replayed twice
     def step(plan: tuple[int, ...]) -> float:
-        return math.inf if violations(problem, plan) else predict_step(problem, table, plan, order, options)[0].total
+        """The replayed step, × (1 + :data:`TIE` × the slowest stage's share of the compute): splits
+        the replay cannot tell apart (a V's rank holds the same layers in two stages either way) go
+        to the evener."""
+        if violations(problem, plan):
+            return math.inf
+        load = [0] * S
+        for n, s in enumerate(plan):
+            load[s] += problem.fastest[n]
+        return predict_step(problem, table, plan, order, options)[0].total * (1 + TIE * max(load) / max(1, sum(load)))
 
     def cuts_of(plan: Sequence[int]) -> list[int] | None:
         """Where ``plan``'s stages change along ``topo``; None when its stages are not contiguous there."""

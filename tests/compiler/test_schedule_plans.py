@@ -27,9 +27,9 @@ from autosplit.solver.pipeline.strategy import dp_plan
 TORCH_RUN = {"gpipe", "1f1b", "interleaved1f1b", "loopedbfs", "interleavedzerobubble", "zbvzerobubble", "dualpipev"}
 
 
-def _planner(**options) -> autosplit.Planner:
+def _planner(n_layers: int = 4, **options) -> autosplit.Planner:
     torch.manual_seed(0)
-    model = GPT(vocab=128, d_model=32, n_layers=4, n_heads=2, max_len=16)
+    model = GPT(vocab=128, d_model=32, n_layers=n_layers, n_heads=2, max_len=16)
     return autosplit.Planner(model, ["cpu"] * 2, example_inputs=(torch.randint(0, 128, (8, 16)),), time_limit=2, **options)
 
 
@@ -80,9 +80,9 @@ def test_one_stage_per_rank_memory_is_each_stages(schedule):
     assert plan.rank_memory == pytest.approx([st.memory for st in plan.stages], abs=2048)
 
 
-def _refining(schedule: str):
+def _refining(schedule: str, n_layers: int = 4):
     """(problem, table, the DP's split, device order, options with cut_margin=0, the replayed step of a split)."""
-    planner = _planner(schedule=schedule, stages_per_rank=2, micro_batches=4, cut_margin=0)
+    planner = _planner(schedule=schedule, stages_per_rank=2, micro_batches=4, cut_margin=0, n_layers=n_layers)
     _, M, table, _, rules = estimated(planner.traced, planner.specs(), planner.options)
     order, problem = stage_problem(table, 2, planner.options, M, rules)
     seed, _, _ = dp_plan(problem, topological_order(problem))
@@ -134,6 +134,33 @@ def test_a_split_inside_a_layer_must_beat_the_layer_cuts_by_the_margin(schedule,
     for replays in (400, 8):  # 10 splits at layer cuts: replayed all, or (8 replays) descended along
         kept = refine(problem, table, seed, order, options.replace(cut_margin=gain * 1.01), replays=replays)
         assert cuts(kept) <= set(layers) and step(kept) == pytest.approx(aligned)
+
+
+def test_splits_the_replay_ties_go_to_the_evener():
+    """Planted: on an 8-layer GPT under ZBV, rank 1's two stages hold layers 2–5 as [2][3–5] or
+    [2–3][4–5], which the replay ties; refine returns the one whose slowest stage computes least."""
+    from autosplit.compiler.refine import _layer_cuts
+
+    problem, table, seed, order, options, step = _refining("zbvzerobubble", n_layers=8)
+    topo = topological_order(problem)
+
+    def split(chosen):
+        out = [0] * len(topo)
+        for s, (a, b) in enumerate(zip([0, *chosen], [*chosen, len(topo)])):
+            for u in topo[a:b]:
+                out[u] = s
+        return tuple(out)
+
+    def slowest(plan):
+        return max(sum(problem.fastest[n] for n, s in enumerate(plan) if s == stage) for stage in range(4))
+
+    splits = [split(c) for c in itertools.combinations(_layer_cuts(table.module_paths, topo), 3)]
+    best = min(map(step, splits))
+    ties = [p for p in splits if step(p) <= best * (1 + 1e-9)]
+    assert len({slowest(p) for p in ties}) > 1, "planted: tied splits of unequal stages"
+    for given in ties:
+        kept = refine(problem, table, given, order, options)
+        assert step(kept) == pytest.approx(best, rel=1e-6) and slowest(kept) == min(map(slowest, ties))
 
 
 @pytest.mark.parametrize("schedule", ["interleaved1f1b", "zbvzerobubble", "dualpipev"])
