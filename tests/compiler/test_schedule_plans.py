@@ -13,7 +13,7 @@ import torch
 import autosplit
 from autosplit.compiler.costs import estimated
 from autosplit.compiler.prediction import predict_step
-from autosplit.compiler.refine import refine
+from autosplit.compiler.refine import _layer_cuts, refine
 from autosplit.compiler.search import stage_problem
 from autosplit.devices import resolve_devices
 from autosplit.examples import GPT
@@ -93,6 +93,21 @@ def _refining(schedule: str, n_layers: int = 4):
     return problem, table, seed, order, planner.options, step
 
 
+def _layer_splits(problem, table):
+    """(the layer boundaries along the problem's topological order, every split into 4 stages at them)."""
+    topo = topological_order(problem)
+    layers = _layer_cuts(table.module_paths, topo)
+
+    def split(chosen):
+        out = [0] * len(topo)
+        for s, (a, b) in enumerate(zip([0, *chosen], [*chosen, len(topo)])):
+            for u in topo[a:b]:
+                out[u] = s
+        return tuple(out)
+
+    return layers, [split(c) for c in itertools.combinations(layers, 3)]
+
+
 @pytest.mark.parametrize("schedule", ["interleaved1f1b", "interleavedzerobubble", "zbvzerobubble"])
 def test_refining_by_the_replay_never_makes_the_step_slower(schedule):
     problem, table, seed, order, options, step = _refining(schedule)
@@ -107,23 +122,14 @@ def test_a_split_inside_a_layer_must_beat_the_layer_cuts_by_the_margin(schedule,
     to rounding, with one at layer boundaries (ZBV). It is chosen only with a margin below its gain
     over every split at layer boundaries (all replayed here); within the margin, refine returns the
     fastest of those — also when they are too many to replay and it descends along them."""
-    from autosplit.compiler.refine import _layer_cuts
-
     problem, table, seed, order, options, step = _refining(schedule)
     topo = topological_order(problem)
-    layers = _layer_cuts(table.module_paths, topo)
+    layers, splits = _layer_splits(problem, table)
 
     def cuts(plan):
         return {p for p in range(1, len(topo)) if plan[topo[p]] != plan[topo[p - 1]]}
 
-    def split(chosen):
-        out = [0] * len(topo)
-        for s, (a, b) in enumerate(zip([0, *chosen], [*chosen, len(topo)])):
-            for u in topo[a:b]:
-                out[u] = s
-        return tuple(out)
-
-    aligned = min(step(split(c)) for c in itertools.combinations(layers, 3))
+    aligned = min(map(step, splits))
     free = refine(problem, table, seed, order, options)
     gain = aligned / step(free) - 1
     assert not cuts(free) <= set(layers), "the planted optimum cuts inside a layer"
@@ -139,22 +145,12 @@ def test_a_split_inside_a_layer_must_beat_the_layer_cuts_by_the_margin(schedule,
 def test_splits_the_replay_ties_go_to_the_evener():
     """Planted: on an 8-layer GPT under ZBV, rank 1's two stages hold layers 2–5 as [2][3–5] or
     [2–3][4–5], which the replay ties; refine returns the one whose slowest stage computes least."""
-    from autosplit.compiler.refine import _layer_cuts
-
     problem, table, seed, order, options, step = _refining("zbvzerobubble", n_layers=8)
-    topo = topological_order(problem)
-
-    def split(chosen):
-        out = [0] * len(topo)
-        for s, (a, b) in enumerate(zip([0, *chosen], [*chosen, len(topo)])):
-            for u in topo[a:b]:
-                out[u] = s
-        return tuple(out)
+    _, splits = _layer_splits(problem, table)
 
     def slowest(plan):
         return max(sum(problem.fastest[n] for n, s in enumerate(plan) if s == stage) for stage in range(4))
 
-    splits = [split(c) for c in itertools.combinations(_layer_cuts(table.module_paths, topo), 3)]
     best = min(map(step, splits))
     ties = [p for p in splits if step(p) <= best * (1 + 1e-9)]
     assert len({slowest(p) for p in ties}) > 1, "planted: tied splits of unequal stages"
@@ -251,7 +247,6 @@ def test_a_tied_weight_is_all_reduced_between_ranks_with_the_measured_all_reduce
 
 def test_layer_cuts_are_where_the_repeated_layer_changes():
     """torchtitan's cuts: into the first layer, between layers, out into the head; helper nodes of no module change nothing."""
-    from autosplit.compiler.refine import _layer_cuts
 
     paths = ["", "wte", "wpe", "blocks.0.ln", "blocks.0.attn", "", "blocks.1.ln", "blocks.1.mlp.fc", "ln_f", "", "head"]
     assert _layer_cuts(paths, list(range(len(paths)))) == [3, 6, 8]
