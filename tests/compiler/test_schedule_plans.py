@@ -247,7 +247,6 @@ def test_a_tied_weight_is_all_reduced_between_ranks_with_the_measured_all_reduce
 
 def test_layer_cuts_are_where_the_repeated_layer_changes():
     """torchtitan's cuts: into the first layer, between layers, out into the head; helper nodes of no module change nothing."""
-
     paths = ["", "wte", "wpe", "blocks.0.ln", "blocks.0.attn", "", "blocks.1.ln", "blocks.1.mlp.fc", "ln_f", "", "head"]
     assert _layer_cuts(paths, list(range(len(paths)))) == [3, 6, 8]
     assert _layer_cuts(["a", "b.c", ""], [0, 1, 2]) == []  # no numbered layers: none
