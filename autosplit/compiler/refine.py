@@ -110,8 +110,8 @@ def refine(
         plan, cost = _descend(cuts, cheap, split, step, N, max(1, replays // len(seeds)))
         if cost < best * (1 - 1e-9):
             best_plan, best = plan, cost
-    cuts = cuts_of(best_plan)
-    if cuts is None or set(cuts) <= set(layers) or len(layers) < S - 1:
+    found = cuts_of(best_plan)
+    if found is None or set(found) <= set(layers) or len(layers) < S - 1:
         return best_plan
     aligned_plan, aligned = _fastest_at(layers, S, split, step, work, replays)
     if aligned < math.inf and aligned <= best * (1 + options.cut_margin):

@@ -145,7 +145,7 @@ def test_a_split_inside_a_layer_must_beat_the_layer_cuts_by_the_margin(schedule,
 def test_splits_the_replay_ties_go_to_the_evener():
     """Planted: on an 8-layer GPT under ZBV, rank 1's two stages hold layers 2–5 as [2][3–5] or
     [2–3][4–5], which the replay ties; refine returns the one whose slowest stage computes least."""
-    problem, table, seed, order, options, step = _refining("zbvzerobubble", n_layers=8)
+    problem, table, _, order, options, step = _refining("zbvzerobubble", n_layers=8)
     _, splits = _layer_splits(problem, table)
 
     def slowest(plan):
