@@ -178,10 +178,11 @@ class PlanOptions:
     cut_margin: float = 0.03
     """How much faster, by the replay, a split that cuts inside a repeated layer must be than the
     fastest split at layer boundaries for the refine step to choose it (0.03: 3 %). A split chosen
-    as the fastest of many is predicted further ahead than it is: over the 82 replayed
+    as the fastest of many is predicted further ahead than it is: over the 92 replayed
     configurations of ``benchmarks/schedules.py``'s runs 6 to 9 (two CPU processes), the replay
-    overstated autosplit's advantage over torchtitan's layer-aligned splits by 1.0 % on average and
-    by 2.9 % at the 90th percentile. ``0``: the fastest split by the replay, wherever it cuts."""
+    overstated autosplit's advantage over torchtitan's layer-aligned splits by 1.1 % on average and
+    by 2.9 % at the 90th percentile (``schedules.py --overstatement``, ``results/overstatement.json``).
+    ``0``: the fastest split by the replay, wherever it cuts."""
     data_parallel: int = 1
     """Replicas of the split model (hybrid data × pipeline parallelism): the predicted step adds
     the part of each stage's gradient all-reduce over them that backward does not hide."""

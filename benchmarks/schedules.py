@@ -57,6 +57,7 @@ Usage::
 
     .venv/bin/python benchmarks/schedules.py                       # everything, about 35 min
     .venv/bin/python benchmarks/schedules.py --quick --models gpt --schedules interleaved1f1b,zbvzerobubble --micro 4
+    .venv/bin/python benchmarks/schedules.py --overstatement benchmarks/results/schedules_run{6,6_llama,7,8,9}.json
 """
 
 from __future__ import annotations
@@ -442,7 +443,7 @@ def verdicts(records: list[dict], block: int) -> dict:
     corrected = [abs(r["drift_corrected_error"]) for r in rows if "drift_corrected_error" in r]
     over = [f"{r['model']} {r['plan']} {r['schedule']} v={r['stages_per_rank']} M={r['micro_batches']}: {r['error']:+.1%}"
             for r in rows if abs(r["error"]) > ERROR_WORST]
-    a_vs_b, medians, auto = {}, {}, {}
+    a_vs_b, medians, predicted, auto = {}, {}, {}, {}
     for rec in records:
         by: dict[tuple, dict[str, dict]] = {}
         for r in rec["rows"]:
@@ -453,6 +454,7 @@ def verdicts(records: list[dict], block: int) -> dict:
             if "autosplit" in plans and b:
                 key = f"{rec['model']} {schedule} v={v} M={M}"
                 medians[key] = min(b) / plans["autosplit"]["measured"]["median"]
+                predicted[key] = min(p["predicted"] for label, p in plans.items() if label != "autosplit") / plans["autosplit"]["predicted"]
                 a_vs_b[key] = paired_ratio([p["measured"]["steps"] for label, p in plans.items() if label != "autosplit"],
                                            plans["autosplit"]["measured"]["steps"], block)
         c = [r for r in rec["rows"] if r["kind"] == "c"]
@@ -476,6 +478,8 @@ def verdicts(records: list[dict], block: int) -> dict:
         "median_abs_error": statistics.median(errors) if errors else None,
         "worst_abs_error": max(errors) if errors else None,
         "median_error_met": bool(errors) and statistics.median(errors) <= ERROR_MEDIAN,
+        "per_model_error": {rec["model"]: {"median": statistics.median(e), "worst": max(e)} for rec in records
+                            if (e := [abs(r["error"]) for r in rec["rows"] if r["kind"] in ("a", "b", "c")])},
         "every_row_error_met": bool(errors) and not over,
         "rows_over_20pct": over,
         "decomposed": {  # medians over rows: measured compute / predicted, and what the replay of measured durations misses
@@ -491,12 +495,39 @@ def verdicts(records: list[dict], block: int) -> dict:
         "auto_met": all(x["ratio"] >= RATIO for x in auto.values()) if auto else None,
         "b_over_a": a_vs_b,
         "b_over_a_of_medians": medians,
+        "b_over_a_predicted": predicted,
         "a_vs_b_met_on_medians": bool(medians) and min(medians.values()) >= RATIO,
         "b_over_a_min": min(a_vs_b.values()) if a_vs_b else None,
         "a_vs_b_met": bool(a_vs_b) and min(a_vs_b.values()) >= RATIO,
         "a_vs_b_missed": {k: x for k, x in a_vs_b.items() if x < RATIO},
         "failed_or_skipped": failed,
     }
+
+
+def overstatement(paths: list[Path]) -> dict:
+    """How far the replay overstates autosplit's lead, over the replayed configurations (several
+    stages per rank, or a split backward) of the results files ``paths``: per configuration, the
+    predicted (b) / (a) over the measured one, round by round, less 1 (> 0: autosplit measured less
+    ahead than predicted). ``PlanOptions.cut_margin``'s default is its 90th percentile over runs 6–9."""
+    from autosplit import schedules as registry
+
+    by: dict[str, list[float]] = {}
+    for path in paths:
+        results = json.loads(path.read_text())
+        summary = verdicts(results["models"], results.get("block", 2))
+        for key, measured in summary["b_over_a"].items():
+            _, schedule, v, _ = key.split()
+            entry = registry.lookup(schedule)
+            if entry.replayed(int(v.removeprefix("v="))):
+                by.setdefault(entry.placement, []).append(summary["b_over_a_predicted"][key] / measured - 1)
+
+    def stats(xs: list[float]) -> dict:
+        ranked = sorted(xs)
+        return {"configurations": len(xs), "mean": statistics.mean(xs),
+                **{f"p{q}": ranked[math.ceil(q / 100 * len(ranked)) - 1] for q in (50, 75, 90, 95)}, "max": ranked[-1]}
+
+    return {"files": [p.name for p in paths], "all": stats([x for xs in by.values() for x in xs]),
+            **{placement: stats(xs) for placement, xs in by.items()}}
 
 
 def report(record: dict) -> None:
@@ -554,9 +585,20 @@ def main(argv: list[str] | None = None) -> int:
                         help="a fresh pair of processes per configuration (default), or one pair for all of a model's plans")
     parser.add_argument("--quick", action="store_true", help="4 timed steps, no warm-up round, 3 s solves")
     parser.add_argument("--out", default=None, help="default: results/schedules.json (schedules_quick.json with --quick)")
+    parser.add_argument("--overstatement", metavar="RESULTS", nargs="+", default=None,
+                        help="measure nothing: how far the replay overstated autosplit's lead in these results files "
+                             "(written to results/overstatement.json)")
     parser.add_argument("--summarise", metavar="RESULTS", default=None,
                         help="measure nothing: judge the rows of a results file with this code's verdicts, written back into it")
     args = parser.parse_args(argv)
+    if args.overstatement:
+        found = overstatement([Path(p) for p in args.overstatement])
+        write_json(RESULTS / "overstatement.json", found)
+        for name, x in found.items():
+            if name != "files":
+                print(f"{name:6s} {x['configurations']:3d} configurations: mean {x['mean']:+.1%}, median {x['p50']:+.1%}, "
+                      f"75th {x['p75']:+.1%}, 90th {x['p90']:+.1%}, 95th {x['p95']:+.1%}, max {x['max']:+.1%}")
+        return 0
     if args.summarise:
         results = json.loads(Path(args.summarise).read_text())
         results["summary"] = verdicts(results["models"], results.get("block", args.block))

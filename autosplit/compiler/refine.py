@@ -90,8 +90,8 @@ def refine(
     seeds: list[list[int]] = [] if given is None else [given]
     cheap = _cheap_cuts(problem, topo)
     layers = _layer_cuts(table.module_paths, topo)
-    work = list(itertools.accumulate(problem.fastest[n] for n in topo))  # equal compute per stage, at cheap cuts
-    even = sorted({_nearest(cheap, bisect.bisect_left(work, work[-1] * s / S)) for s in range(1, S)})
+    work = list(itertools.accumulate(problem.fastest[n] for n in topo))
+    even = _even(cheap, work, S)
     if len(even) == S - 1:
         seeds.append(even)
     best_plan, best = tuple(stage_of), step(tuple(stage_of))
@@ -130,10 +130,16 @@ def _fastest_at(
     descended to along ``cuts`` from the split of equal work (``work``: cumulative, in cut order)."""
     if math.comb(len(cuts), S - 1) <= replays // 2:
         return min(((p, step(p)) for p in map(split, itertools.combinations(cuts, S - 1))), key=lambda pc: pc[1])
-    even = sorted({_nearest(cuts, bisect.bisect_left(work, work[-1] * s / S)) for s in range(1, S)})
+    even = _even(cuts, work, S)
     if len(even) < S - 1:
         return split(even), math.inf
     return _descend(even, cuts, split, step, len(work), replays // 4, shifts=False)
+
+
+def _even(cuts: Sequence[int], work: Sequence[float], S: int) -> list[int]:
+    """The split of equal compute per stage (``work``: cumulative along the order), each cut moved to
+    the nearest of ``cuts``; fewer than ``S − 1`` cuts where two land on one."""
+    return sorted({_nearest(cuts, bisect.bisect_left(work, work[-1] * s / S)) for s in range(1, S)})
 
 
 def _cheap_cuts(problem: Problem, topo: Sequence[int]) -> list[int]:
