@@ -90,7 +90,7 @@ class Schedule:
     flushes: bool
     """Every step drains the pipeline before the optimizer step (synchronous training)."""
     asynchronous: bool
-    """No flush between mini-batches; trained by ``DistributedModel.train``, predicted as the steady state."""
+    """No flush between mini-batches; trained by ``DistributedModel.run``, predicted as the steady state."""
     weights: Weights
     """The weights a forward reads: ``"current"``, ``"predicted"`` for the update its gradient meets
     (XPipe: the current ones kept aside meanwhile, one copy), or ``"stashed"`` (PipeDream: the

@@ -120,7 +120,7 @@ def _worker(rank: int, init: str, schedule: str, seed: int, args: argparse.Names
                 opt.step()
                 opt.zero_grad()
         else:
-            pipe.train(batches, optimizer=opt)
+            pipe.run(batches, optimizer=opt)
         dist.barrier()
         seconds = time.perf_counter() - t0
         state = pipe.full_state_dict()

@@ -81,7 +81,7 @@ def distribute(
     (parameters and optimizer state sharded: ``fully_shard``). ``options``: any :class:`~autosplit.options.PlanOptions` field
     (``micro_batches``, ``schedule`` — ``"gpipe"`` or ``"1f1b"``, trained by
     :meth:`~DistributedModel.step`; or the asynchronous ``"xpipe"``, ``"async"``, ``"pipedream"``,
-    trained by :meth:`~DistributedModel.train` — ``time_limit``, ...).
+    trained by :meth:`~DistributedModel.run` — ``time_limit``, ...).
 
     A model built on the meta device (``with torch.device("meta"): model = Model(...)``) is planned
     without allocating its weights, and each rank materialises only its stage: ``weights`` is a

@@ -102,7 +102,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
         batch = (work["example_inputs"], work["example_kwargs"], work["target"])
         dist.barrier()
         t0 = time.perf_counter()
-        losses = pipe.train([batch] * args.steps, optimizer=opt)
+        losses = pipe.run([batch] * args.steps, optimizer=opt)
         # A mini-batch's time is the interval between the updates that end it and the one before,
         # on the slowest rank; the first interval holds the pipeline's fill (start-up) and is left
         # out of the median.

@@ -31,7 +31,7 @@ Usage (every rank, under ``torchrun``)::
     pipe = autosplit.distribute(model, ["cpu"] * 2, example_inputs=(x,), loss_fn=loss_fn,
                                 schedule="xpipe", micro_batches=4)
     opt = torch.optim.Adam(pipe.parameters(), lr=1e-3)
-    losses = pipe.train(batches, optimizer=opt)   # [(inputs, target), ...]; losses on the last stage
+    losses = pipe.run(batches, optimizer=opt)   # [(inputs, target), ...]; losses on the last stage
 """
 
 from __future__ import annotations

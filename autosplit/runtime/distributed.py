@@ -66,12 +66,14 @@ import torch
 import torch.distributed as dist
 
 from autosplit import schedules
+from autosplit.compat import forward_only_order, forward_only_step, replicate_chunk_spec
 from autosplit.errors import AutosplitError, DistributedError, advice
 from autosplit.microbatch import batch_size, is_batched
 from autosplit.passes.codegen import Chain
 from autosplit.plans import Plan
 from autosplit.runtime.batches import check_batches, code_change, describe, digest, shapes
 from autosplit.runtime.checkpoint import StageState
+from autosplit.runtime.loop import TrainingLoop
 from autosplit.runtime.materialise import StageNames
 from autosplit.runtime.placement import Layout, reduce_sparse_gradients, replicate_stage
 from autosplit.runtime.precision import LossScaler, autocast, cast_inputs, hold
@@ -91,6 +93,7 @@ class _Run:
     micro_batches: int
     stages: list[Any]
     started: bool = False
+    forward_only: bool = False
 
 
 _open: weakref.WeakSet[DistributedModel] = weakref.WeakSet()
@@ -107,7 +110,7 @@ def _close_all() -> None:
     gc.collect()
 
 
-class DistributedModel(StageState):
+class DistributedModel(StageState, TrainingLoop):
     """This rank's stage of a pipelined, data-parallel model. Made by :func:`distribute`."""
 
     def __init__(
@@ -158,7 +161,8 @@ class DistributedModel(StageState):
         self._batched = [is_batched(v, self._rows) for v in example]
         self._shapes = shapes(example)
         self._chain_at = chain_at
-        self._runs: dict[int | None, _Run] = {}
+        self._runs: dict[tuple[int | None, bool], _Run] = {}
+        """(batch rows, forward only) → the schedule that runs such batches."""
         self._unrunnable: dict[int, str] = {}
         """Micro-batch rows the stages cannot run → why."""
 
@@ -167,13 +171,20 @@ class DistributedModel(StageState):
             with autocast(plan.precision, device.type):  # the loss too, as PyTorch's autocast recipe has it
                 value = loss_fn(chain.output(out if isinstance(out, (tuple, list)) else (out,)), target)
             if self._timeline is not None:  # torch's schedules compute the micro-batches' losses in order
-                self._timeline.append(Span("L", self.layout.stages - 1, self._losses_in_step, start, time.perf_counter()))
-            self._losses_in_step += 1
-            return value if self.scaler is None else self.scaler.scale(value)
+                self._timeline.append(Span("L", self.layout.stages - 1, len(self._step_losses), start, time.perf_counter()))
+            self._step_losses.append(value.detach())
+            if not torch.is_grad_enabled():  # a forward-only run: nothing flows back
+                return value
+            # Each micro-batch's share of the batch's mean loss: its backward adds exactly this step's
+            # part to .grad, as backward() of the batch's mean would, and the schedules never rescale
+            # .grad (scale_grads=False), which would divide what earlier steps accumulated too.
+            share = value / self._step_micro_batches
+            return share if self.scaler is None else self.scaler.scale(share)
 
         self._loss = loss
         self._timeline: list[Span] | None = None
-        self._losses_in_step = 0
+        self._step_losses: list[torch.Tensor] = []
+        self._step_micro_batches = micro_batches
         self._loss_of_output = loss_fn
         self.last_run: dict[str, Any] = {}
         torch_class = self._entry.torch_class
@@ -184,13 +195,15 @@ class DistributedModel(StageState):
         self._failed: str | None = None
         self.asynchronous = asynchronous
         """The plan's schedule when it is asynchronous (``"xpipe"``, ``"async"``, ``"pipedream"``:
-        trained with :meth:`train`); None for :meth:`step`."""
+        trained with :meth:`run`); None for :meth:`step`."""
+        self.training = all(m.training for m in modules.values())
+        """Whether the stages are in training mode (:meth:`train`, :meth:`eval`)."""
         self._closed = False
         _open.add(self)
 
     def close(self) -> None:
         """Let go of this rank's stages, schedules and the process groups they run on; the modules,
-        parameters and state dicts stay. Afterwards :meth:`step` and :meth:`train` refuse.
+        parameters and state dicts stay. Afterwards :meth:`step` and :meth:`run` refuse.
 
         The stages sit in reference cycles (their fx graphs), so dropping the pipeline leaves its
         process groups, and gloo's threads, alive until a garbage collection: a process that exits
@@ -245,22 +258,31 @@ class DistributedModel(StageState):
             for s, module in self.stage_modules.items()
         ]
 
-    def _make_schedule(self, stages: list[Any], micro_batches: int) -> Any:
+    def _make_schedule(self, stages: list[Any], micro_batches: int, kind: str = "train") -> Any:
+        """The torch schedule over ``stages``: the plan's class (``ScheduleGPipe`` for the forward-only
+        runs of an asynchronous plan), with the loss unless ``kind`` is ``"output"`` (forward only)."""
+        from torch.distributed import pipelining
+        from torch.distributed.pipelining.microbatch import TensorChunkSpec
+
         # Inputs are cut as the example was (runtime/microbatch.py's rule, applied to the example,
         # so an unbatched input is never cut because its dimension 0 happens to match a batch's
-        # rows); the rest are given whole to every micro-batch. pipelining names that spec only
-        # privately (_Replicate).
-        from torch.distributed.pipelining.microbatch import TensorChunkSpec, _Replicate
-
-        specs = {k: TensorChunkSpec(0) if cut else _Replicate() for k, cut in zip(self._input_names, self._batched)}
+        # rows); the rest are given whole to every micro-batch.
+        specs = {k: TensorChunkSpec(0) if cut else replicate_chunk_spec() for k, cut in zip(self._input_names, self._batched)}
+        cls = self._schedule_cls or pipelining.ScheduleGPipe
         given = stages if self._entry.order == "torch" else stages[0]  # torch's multi-stage classes take a list
-        if self._schedule_cls.__name__ == "ScheduleLoopedBFS":
+        loss = None if kind == "output" else self._loss
+        if cls.__name__ == "ScheduleLoopedBFS":
             # Its constructor takes no chunk specs (torch 2.13) and would cut every input tensor on
             # dimension 0; the base class keeps them in this attribute, so the specs go there.
-            schedule = self._schedule_cls(given, n_microbatches=micro_batches, loss_fn=self._loss, scale_grads=True)
+            schedule = cls(given, n_microbatches=micro_batches, loss_fn=loss, scale_grads=False)
             schedule._kwargs_chunk_spec = specs
-            return schedule
-        return self._schedule_cls(given, n_microbatches=micro_batches, loss_fn=self._loss, kwargs_chunk_spec=specs, scale_grads=True)
+        else:
+            schedule = cls(given, n_microbatches=micro_batches, loss_fn=loss, kwargs_chunk_spec=specs, scale_grads=False)
+        if kind != "train" and self._entry.order == "torch":
+            layout = self.layout
+            ranks = {s: self._entry.rank_of(s, layout.stages, layout.pp) for s in range(layout.stages)}
+            forward_only_order(schedule, ranks, micro_batches)
+        return schedule
 
     def step(self, *inputs: Any, target: Any = None, **kwargs: Any) -> torch.Tensor | None:
         """One training step (forward and backward of every micro-batch) on this replica's batch.
@@ -281,61 +303,80 @@ class DistributedModel(StageState):
             raise DistributedError(advice(
                 f"step() runs one flushed step, and this pipeline runs the asynchronous {self.asynchronous!r} schedule",
                 "an asynchronous pipeline overlaps mini-batches, so it takes them all at once",
-                "call pipe.train(batches, optimizer=opt), or distribute with schedule='gpipe' or '1f1b'",
+                "call pipe.run(batches, optimizer=opt), or distribute with schedule='gpipe' or '1f1b'",
             ))
-        if self._failed is not None:
-            raise DistributedError(
-                advice(
-                    f"this pipeline failed in an earlier step ({self._failed})",
-                    "a failed step leaves the stages and the process group in an unknown state",
-                    "re-create it with autosplit.distribute after fixing the cause (and a new process group if it was torn down)",
-                )
-            )
-        flat = self._to_flat(inputs, kwargs)
-        rows = self._agree_on_batch(flat, target)
-        run = self._run_for(rows, flat)
-        if self.scaler is not None:  # only this step's gradients are scaled, so earlier ones wait aside
-            kept = self._set_aside_gradients()
-            scale = self.scaler.get_scale()
-        else:
-            kept = [] if run.started else self._gradients_a_new_schedule_clears()
+        flat, run = self._begin(inputs, kwargs, target, "train")
+        kept = self._set_aside_gradients(run)
         run.started = True
-        self._losses_in_step = 0
-        for stage in run.stages:
-            stage.timeline = self._timeline
-        losses: list[torch.Tensor] = []
-        try:
+        with self._failing("a pipelined step"):
             run.schedule.step(  # the last stage's outputs are not returned: kept, they would hold M of them to the end
-                target=target if self.is_last else None, losses=losses if self.is_last else None, return_outputs=False,
+                target=target if self.is_last else None, return_outputs=False,
                 **dict(zip(self._input_names, cast_inputs(flat, self.precision))),
             )
+        if self._sparse_tables:
+            reduce_sparse_gradients(self._sparse_tables, self._dp_mesh)
+        self._sum_tied_gradients()
+        if self.scaler is not None and self.scaler.unscale_and_update(self.module.parameters()):
+            kept = []  # the optimizer's step is skipped, as GradScaler.step skips it
+        with torch.no_grad():
+            for p, earlier in kept:
+                p.grad = earlier if p.grad is None else p.grad + earlier
+        if not self.is_last:
+            return None
+        return torch.stack(self._step_losses).mean()
+
+    def _begin(self, inputs: Sequence[Any], kwargs: Mapping[str, Any], target: Any, kind: str) -> tuple[list[Any], _Run]:
+        """A step's inputs, flat, and the run of ``kind`` for their rows, once every rank agrees on them."""
+        self._usable()
+        if self._failed is not None:
+            raise DistributedError(advice(
+                f"this pipeline failed in an earlier step ({self._failed})",
+                "a failed step leaves the stages and the process group in an unknown state",
+                "re-create it with autosplit.distribute after fixing the cause (and a new process group if it was torn down)",
+            ))
+        flat = self._to_flat(tuple(inputs), dict(kwargs))
+        rows = self._agree_on_batch(flat, target, targeted=kind != "output")
+        run = self._run_for(rows, flat, kind)
+        self._step_losses = []
+        self._step_micro_batches = run.micro_batches
+        for stage in run.stages:
+            stage.timeline = self._timeline
+        return flat, run
+
+    @contextlib.contextmanager
+    def _failing(self, what: str) -> Iterator[None]:
+        """Any error inside as a :class:`DistributedError` naming this rank; the pipeline is failed."""
+        try:
+            yield
         except Exception as e:
             # A peer blocked on this rank fails when this process exits (gloo: "connection closed
             # by peer", at once) or at the process group's timeout, whichever comes first.
             self._failed = _causes(e)
-            raise DistributedError(
-                advice(
-                    f"rank {self._rank} ({self._held_text()} of {self.layout.stages}, replica {self.layout.replica}) "
-                    f"failed during a pipelined step: {_causes(e)}",
-                    "an error in this stage's forward/backward, or a peer rank that failed or exited",
-                    "look for the first rank that failed (its error names the node); run the model unsplit on one batch to reproduce",
+            raise DistributedError(advice(
+                f"rank {self._rank} ({self._held_text()} of {self.layout.stages}, replica {self.layout.replica}) "
+                f"failed during {what}: {_causes(e)}",
+                "an error in this stage's forward/backward, or a peer rank that failed or exited",
+                "look for the first rank that failed (its error names the node); run the model unsplit on one batch to reproduce",
+            )) from e
+
+    def _forward_only(self, inputs: Sequence[Any], kwargs: Mapping[str, Any], *, target: Any) -> Any:
+        """Run the batch forward only (torch's ``eval`` of the schedule, under ``no_grad``), with the
+        loss when ``target`` is given; returns the last stage's merged outputs (``target`` None) on
+        the last stage's ranks. Every ``.grad`` is put back as it was (torch's pipelining clears
+        FSDP2's gradients when it first prepares a schedule's stages)."""
+        flat, run = self._begin(inputs, kwargs, target, "output" if target is None else "loss")
+        grads = [(p, p.grad) for p in self.module.parameters()]
+        try:
+            with torch.no_grad(), self._failing("a forward-only step"):
+                out = forward_only_step(
+                    run.schedule, return_outputs=target is None, target=target if self.is_last else None,
+                    **dict(zip(self._input_names, cast_inputs(flat, self.precision))),
                 )
-            ) from e
-        if self._sparse_tables:
-            reduce_sparse_gradients(self._sparse_tables, self._dp_mesh)
-        if self.scaler is not None:
-            self._sum_tied_gradients()
-            if self.scaler.unscale_and_update(self.module.parameters()):
-                kept = []  # the optimizer's step is skipped, as GradScaler.step skips it
-        with torch.no_grad():
-            for p, earlier in kept:
-                p.grad = earlier if p.grad is None else p.grad + earlier
-        if self.scaler is None:
-            self._sum_tied_gradients()
-        if not self.is_last:
-            return None
-        mean = torch.stack([loss.detach() for loss in losses]).mean()
-        return mean if self.scaler is None else mean / scale
+        finally:
+            for p, g in grads:
+                p.grad = g
+        run.started = True
+        return out if self.is_last else None
 
     @contextlib.contextmanager
     def tracing(self) -> Iterator[list[Span]]:
@@ -378,9 +419,10 @@ class DistributedModel(StageState):
                 g.copy_(total)
 
     # -- batches of another size -----------------------------------------------------------------
-    def _agree_on_batch(self, flat: Sequence[Any], target: Any) -> int | None:
+    def _agree_on_batch(self, flat: Sequence[Any], target: Any, *, targeted: bool = True) -> int | None:
         """This batch's rows, once every rank has seen every rank's rows and shape digests (one
-        ``all_gather`` of four int64 per rank); raises the same error on every rank unless they agree."""
+        ``all_gather`` of four int64 per rank); raises the same error on every rank unless they agree
+        (on a target of the batch's rows on the last stage's ranks too, when ``targeted``)."""
         rows = batch_size(flat)
         cut = isinstance(target, torch.Tensor) and target.dim() > 0
         mine = torch.tensor(
@@ -398,13 +440,14 @@ class DistributedModel(StageState):
                 "a peer rank failed, exited, or did not call step() (the process group's timeout)",
                 "look for the first rank that failed; call step() on every rank with a batch of the same shape",
             )) from e
-        last = [self.layout.rank(self.layout.stages - 1, r) for r in range(self.layout.replicas)]
+        last = [self.layout.rank(self.layout.stages - 1, r) for r in range(self.layout.replicas)] if targeted else []
         check_batches(torch.stack(table).tolist(), last)
         return rows
 
-    def _run_for(self, rows: int | None, flat: Sequence[Any]) -> _Run:
+    def _run_for(self, rows: int | None, flat: Sequence[Any], kind: str = "train") -> _Run:
         """The schedule for a batch of ``rows`` rows (every rank has the same, so every rank finds
-        the same, or raises the same error)."""
+        the same, or raises the same error): ``kind`` ``"train"``, or forward only with the loss
+        (``"loss"``) or the output (``"output"``), on stages of their own."""
         expected = [((rows, *sig[0][1:]), sig[1]) if cut else sig for sig, cut in zip(self._shapes, self._batched)]
         got = shapes(flat)
         if got != expected:
@@ -417,14 +460,15 @@ class DistributedModel(StageState):
                 "(dimension 0 of the batched inputs): sequence lengths, features and dtypes are fixed",
                 "pad inputs to the example's shape (masking the padding), or distribute with an example of this shape",
             ))
-        if rows not in self._runs:
-            self._runs[rows] = self._new_run(rows)
-        return self._runs[rows]
+        if (rows, kind) not in self._runs:
+            self._runs[rows, kind] = self._new_run(rows, kind)
+        return self._runs[rows, kind]
 
-    def _new_run(self, rows: int | None) -> _Run:
+    def _new_run(self, rows: int | None, kind: str) -> _Run:
         M = self.micro_batches
         if rows is None or self._rows is None or rows == self._rows:
-            return _Run(self._make_schedule(self._stages, M), M, self._stages)
+            stages = self._stages if kind == "train" else self._new_stages(self.chain.inputs_meta, self.chain.outputs_meta)
+            return _Run(self._make_schedule(stages, M, kind), M, stages)
         layout = self.layout
         fewest = self._entry.fewest_micro_batches(layout.stages, layout.pp)
         counts = [m for m in range(M, fewest - 1, -1)
@@ -435,7 +479,7 @@ class DistributedModel(StageState):
                 log.info("a batch of %d rows runs as %d micro-batches of %d rows (planned: %d of %d)",
                          rows, m, rows // m, M, self._rows // M)
                 stages = self._new_stages(*metadata)
-                return _Run(self._make_schedule(stages, m), m, stages)
+                return _Run(self._make_schedule(stages, m, kind), m, stages)
         why = "; ".join(f"micro-batches of {rows // m} rows: {self._unrunnable[rows // m]}" for m in counts)
         raise DistributedError(advice(
             f"a batch of {rows} rows cannot run on this pipeline (planned: {self._rows} rows in {M} micro-batches); "
@@ -464,23 +508,36 @@ class DistributedModel(StageState):
                 self._unrunnable[micro] = changed or "other values cross the stages at this shape"
         return None
 
-    def _set_aside_gradients(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Every parameter's gradient so far, taken out (the parameter's ``grad`` set to None) to add back after the step."""
-        kept: list[tuple[torch.Tensor, torch.Tensor]] = [(p, p.grad) for p in self.module.parameters() if p.grad is not None]
-        for p, _ in kept:
-            p.grad = None
+    def _set_aside_gradients(self, run: _Run) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The gradients earlier steps left that this step's own handling would touch, taken out
+        (``grad`` set to None) to add back after the step, so that several steps add up as several
+        ``backward()`` calls do:
+
+        - every gradient under fp16 loss scaling (only this step's are scaled, checked and unscaled);
+        - the copies of a replicated tied weight (this step's parts are summed across the copies);
+        - FSDP2-managed gradients when a schedule first prepares its stages, which torch's pipelining
+          sets to None then (``_post_metadata_inference_cleanup``): a new batch size, a first step."""
+        if self.scaler is not None:
+            params = list(self.module.parameters())
+        else:
+            params = self._tied_copies() + ([] if run.started else self._fsdp_parameters())
+        kept: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for p in {id(p): p for p in params}.values():
+            if p.grad is not None:
+                kept.append((p, p.grad))
+                p.grad = None
         return kept
 
-    def _gradients_a_new_schedule_clears(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Gradients of FSDP2-managed parameters, which torch's pipelining sets to None when a
-        schedule first prepares its stage (``_post_metadata_inference_cleanup``): kept, to add
-        back after the step, so gradients accumulated over earlier steps survive a new batch size."""
+    def _tied_copies(self) -> list[torch.Tensor]:
+        own = dict(self.module.named_parameters(remove_duplicate=False))
+        return [own[n] for name, _ in self._tied for n in (name, *self._aliases.get(name, ()))]
+
+    def _fsdp_parameters(self) -> list[torch.Tensor]:
         from torch.distributed.fsdp import FSDPModule
 
-        params = {id(p): p for m in self.module.modules() if isinstance(m, FSDPModule) for p in m.parameters()}
-        return [(p, p.grad) for p in params.values() if p.grad is not None]
+        return [p for m in self.module.modules() if isinstance(m, FSDPModule) for p in m.parameters()]
 
-    def train(self, batches: Sequence[Any], *, optimizer: torch.optim.Optimizer) -> list[torch.Tensor | None]:
+    def run(self, batches: Sequence[Any], *, optimizer: torch.optim.Optimizer) -> list[torch.Tensor | None]:
         """Train on ``batches`` — each ``(inputs, target)`` or ``(inputs, kwargs, target)``, one
         mini-batch of the example's shape — with this pipeline's asynchronous schedule (no flush
         between mini-batches; see :mod:`autosplit.runtime.asynchronous`). Call it on every rank
@@ -492,7 +549,7 @@ class DistributedModel(StageState):
         self._usable()
         if self.asynchronous is None:
             raise DistributedError(advice(
-                "train() runs asynchronous schedules, and this pipeline flushes every step",
+                "run() trains with asynchronous schedules, and this pipeline flushes every step",
                 f"its plan's schedule is {self.plan.schedule!r}",
                 "call step() per batch, or distribute with schedule='xpipe', 'async' or 'pipedream'",
             ))
@@ -512,7 +569,7 @@ class DistributedModel(StageState):
                     f"example has {want} and {self._rows} rows",
                     "an asynchronous pipeline runs every mini-batch with the example's shapes: its receive "
                     "buffers and its simulated schedule are fixed when it starts",
-                    "give train() mini-batches of the example's shape (DataLoader(drop_last=True)); train a last "
+                    "give run() mini-batches of the example's shape (DataLoader(drop_last=True)); train a last "
                     "partial batch with a flushed pipeline (schedule='gpipe' or '1f1b'), or drop it",
                 ))
             flat_batches.append((flat, target))

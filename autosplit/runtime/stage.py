@@ -152,15 +152,17 @@ class EarlyReceivingStage(ContiguousGradStage):
                 "the last step ended before every micro-batch's forward and backward ran",
                 "start a new DistributedModel after a failed step",
             ))
-        chunks = self.chunks or 0
-        if not self.is_first and self._remote(self.stage_index - 1):
-            for i in range(chunks):
+        if self._receives_forward():
+            for i in range(len(self.args_recv_info)):  # one per micro-batch (forward-only steps set no `chunks`)
                 ops = super().get_fwd_recv_ops(i)
                 self._posted["forward", i] = self._post(self._tagged(ops, self.stage_index, "forward", i))
         if self.has_backward and not self.is_last and self._remote(self.stage_index + 1):
-            for i in range(chunks):
+            for i in range(self.chunks or 0):
                 ops = super().get_bwd_recv_ops(i)
                 self._posted["backward", i] = self._post(self._tagged(ops, self.stage_index, "backward", i))
+
+    def _receives_forward(self) -> bool:
+        return not self.is_first and self._remote(self.stage_index - 1)
 
     def get_fwd_recv_ops(self, fwd_chunk_id: int) -> list[dist.P2POp]:
         if fwd_chunk_id == 0:
@@ -187,6 +189,13 @@ class EarlyReceivingStage(ContiguousGradStage):
             if not self._opened:
                 self._post_step()
             self._opened = False
+        if self._receives_forward() and ("forward", fwd_chunk_id) not in self._posted:
+            raise DistributedError(advice(
+                f"stage {self.stage_index} was about to compute micro-batch {fwd_chunk_id} with no receive posted for "
+                f"its inputs ({len(self.args_recv_info)} micro-batches prepared)",
+                "the schedule ran a micro-batch this stage did not prepare for",
+                "report this with the schedule and micro-batch count; the stage would otherwise read an empty buffer",
+            ))
         self.wait_received("forward", fwd_chunk_id)
         return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
 

@@ -45,7 +45,7 @@ def _worker(rank, init, schedule, n, out):
         pipe = autosplit.distribute(model, ["cpu"] * 2, example_inputs=(batches[0][0],), loss_fn=F.mse_loss,
                                     schedule=schedule, micro_batches=MICRO, time_limit=2, pin={"0": 0, "6": 1})
         opt = torch.optim.Adam(pipe.parameters(), lr=LR)
-        losses = pipe.train(batches, optimizer=opt)
+        losses = pipe.run(batches, optimizer=opt)
         names, runs = [None, None], [None, None]
         dist.all_gather_object(names, [name for name, _ in pipe.named_parameters()])
         dist.all_gather_object(runs, pipe.last_run)
@@ -161,13 +161,13 @@ def _refusals(rank, init):
         with pytest.raises(ConstraintError, match="without momentum"):
             xpipe = autosplit.distribute(copy.deepcopy(model), ["cpu"] * 2, example_inputs=(batches[0][0],),
                                          loss_fn=F.mse_loss, schedule="xpipe", micro_batches=MICRO, time_limit=2)
-            xpipe.train(batches, optimizer=torch.optim.SGD(xpipe.parameters(), lr=0.1))
+            xpipe.run(batches, optimizer=torch.optim.SGD(xpipe.parameters(), lr=0.1))
         with pytest.raises(DistributedError, match="one replica so far"):
             autosplit.distribute(copy.deepcopy(model), ["cpu"], example_inputs=(batches[0][0],), loss_fn=F.mse_loss,
                                  schedule="async", micro_batches=MICRO, data_parallel=2, time_limit=2)
         sync = autosplit.distribute(copy.deepcopy(model), ["cpu"] * 2, example_inputs=(batches[0][0],), loss_fn=F.mse_loss,
                                     micro_batches=MICRO, time_limit=2)
         with pytest.raises(DistributedError, match=r"train\(\) runs asynchronous schedules"):
-            sync.train(batches, optimizer=torch.optim.Adam(sync.parameters()))
+            sync.run(batches, optimizer=torch.optim.Adam(sync.parameters()))
     finally:
         dist.destroy_process_group()

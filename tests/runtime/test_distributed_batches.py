@@ -224,7 +224,7 @@ def _disagree_worker(rank: int, world: int, init: str, tmp: str) -> None:
                                           micro_batches=MICRO, time_limit=2)
         before = {name: p.detach().clone() for name, p in async_pipe.named_parameters()}
         with pytest.raises(DistributedError, match=r"mini-batch 1 of 2 has inputs .*\[6, 6\].* where the example has .*\[8, 6\]"):
-            async_pipe.train([(x, y), (x[:6], y[:6])], optimizer=torch.optim.SGD(async_pipe.parameters(), lr=0.1))
+            async_pipe.run([(x, y), (x[:6], y[:6])], optimizer=torch.optim.SGD(async_pipe.parameters(), lr=0.1))
         for name, p in async_pipe.named_parameters():
             torch.testing.assert_close(p, before[name], rtol=0, atol=0, msg=name)
         Path(tmp, f"rank{rank}.ok").write_text("ok")
