@@ -86,7 +86,8 @@ class TrainingLoop:
                 "train() sets the mode, as on nn.Module; asynchronous training has its own verb",
                 "call pipe.run(batches, optimizer=opt) to train an asynchronous pipeline",
             ))
-        fixed = {s: mode_fixed_nodes(m, mode) for s, m in self.stage_modules.items()}
+        # Every stage's graph (the chain holds them all on every rank), so every rank refuses alike.
+        fixed = {s: mode_fixed_nodes(m, mode) for s, m in enumerate(self.chain.stages)}
         fixed = {s: nodes for s, nodes in fixed.items() if nodes}
         if fixed:
             s, nodes = next(iter(fixed.items()))

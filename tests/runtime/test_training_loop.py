@@ -54,10 +54,11 @@ def _setup(name: str, rank: int, dp: int):
 def _pipe(model, args, kwargs, loss_fn, mine, *, world: int, dp: int, schedule: str, **options):
     import autosplit
 
+    options = {"stages_per_rank": SCHEDULES.get(schedule), "micro_batches": 4 // dp, "time_limit": 2, **options}
     return autosplit.distribute(
         model, ["cpu"] * (world // dp), example_inputs=tuple(a[mine] for a in args),
         example_kwargs={k: v[mine] for k, v in kwargs.items()}, loss_fn=loss_fn, data_parallel=dp,
-        schedule=schedule, stages_per_rank=SCHEDULES[schedule], micro_batches=4 // dp, time_limit=2, **options,
+        schedule=schedule, **options,
     )
 
 
@@ -77,14 +78,15 @@ def _grads_equal(pipe, reference, label: str) -> None:
         torch.testing.assert_close(full_tensor(p.grad), ref[name].grad, msg=where(f"{label} grad {name}"))
 
 
-def _accumulate_and_clip(schedule: str, dp: int, precision: str, rank: int, world: int) -> None:
+def _accumulate_and_clip(schedule: str, dp: int, precision: str, replicate: str = "ddp", *, rank: int, world: int) -> None:
     """Two steps, then clipping by the global norm, then the optimizer, twice over: the unsplit model
     runs two ``backward()`` calls and torch's ``clip_grad_norm_``."""
     model, args, kwargs, target, loss_fn, mine = _setup("gpt", rank, dp)
     reference = copy.deepcopy(model)
-    pipe = _pipe(model, args, kwargs, loss_fn, mine, world=world, dp=dp, schedule=schedule, precision=precision)
+    pipe = _pipe(model, args, kwargs, loss_fn, mine, world=world, dp=dp, schedule=schedule, precision=precision,
+                 replicate=replicate)
     opt, ref_opt = torch.optim.SGD(pipe.parameters(), lr=0.5), torch.optim.SGD(reference.parameters(), lr=0.5)
-    label = f"{schedule} dp {dp} {precision} rank {rank}"
+    label = f"{schedule} dp {dp} ({replicate}) {precision} rank {rank}"
     batches = _batches(args, kwargs, target, 4)
     for round, norm_type in enumerate((2.0, math.inf)):
         for a, k, t in batches[2 * round: 2 * round + 2]:
@@ -105,7 +107,7 @@ def _accumulate_and_clip(schedule: str, dp: int, precision: str, rank: int, worl
             torch.testing.assert_close(full_tensor(p), ref[name], msg=where(f"{label} {name} after 2 optimizer steps"))
 
 
-def _forward_only(schedule: str, dp: int, rank: int, world: int) -> None:
+def _forward_only(schedule: str, dp: int, *, rank: int, world: int) -> None:
     """``pipe(...)`` and ``eval_step`` equal the unsplit model's output and loss, touch no gradient,
     and leave training as it was; accumulated gradients survive them."""
     model, args, kwargs, target, loss_fn, mine = _setup("gpt", rank, dp)
@@ -136,7 +138,7 @@ def _forward_only(schedule: str, dp: int, rank: int, world: int) -> None:
     _grads_equal(pipe, reference, f"{label} a step after evaluating")
 
 
-def _modes(rank: int, world: int) -> None:
+def _modes(*, rank: int, world: int) -> None:
     """``train()``/``eval()`` return the pipeline and switch dropout on every stage of the rank: the
     eval loss equals ``model.eval()``'s; in train mode dropout is on."""
     model, args, kwargs, target, loss_fn, mine = _setup("dropout", rank, 1)
@@ -159,20 +161,55 @@ def _modes(rank: int, world: int) -> None:
     assert pipe.train(False) is pipe and not pipe.training
 
 
+def _asynchronous(*, rank: int, world: int) -> None:
+    """An asynchronous pipeline evaluates between its runs: the output and loss of the weights it has
+    then (the unsplit model given its full state dict), and runs on afterwards."""
+    model, args, kwargs, target, loss_fn, mine = _setup("gpt", rank, 1)
+    pipe = _pipe(model, args, kwargs, loss_fn, mine, world=world, dp=1, schedule="xpipe", stages_per_rank=1)
+    opt = torch.optim.SGD(pipe.parameters(), lr=0.1, momentum=0.9)
+    batches = [((a[0],), k, t) for a, k, t in _batches(args, kwargs, target, 2)]
+    pipe.run(batches, optimizer=opt)
+    reference = copy.deepcopy(model)
+    reference.load_state_dict(pipe.full_state_dict())
+    with torch.no_grad():
+        expected_out = reference(*args, **kwargs)
+        expected_loss = loss_fn(expected_out, target)
+    out, loss = pipe(*args, **kwargs), pipe.eval_step(*args, target=target, **kwargs)
+    if pipe.is_last:
+        torch.testing.assert_close(out, expected_out, msg=where("xpipe output between runs"))
+        torch.testing.assert_close(loss, expected_loss, msg=where("xpipe eval loss between runs"))
+    assert len(pipe.run(batches, optimizer=opt)) == 2
+
+
+def _fixed_mode(*, rank: int, world: int) -> None:
+    """A graph that torch.export captured with dropout as an ATen op cannot leave training mode: eval()
+    refuses on every rank, naming the node, rather than evaluate with dropout on."""
+    from autosplit.errors import DistributedError
+
+    model, args, kwargs, target, loss_fn, mine = _setup("dropout", rank, 1)
+    pipe = _pipe(model, args, kwargs, loss_fn, mine, world=world, dp=1, schedule="gpipe", capture="export")
+    with pytest.raises(DistributedError, match=r"cannot switch to evaluation mode.*dropout"):
+        pipe.eval()
+    assert pipe.training and pipe.train() is pipe
+
+
 def _run_case(kind: str, *case, rank: int, world: int) -> None:
-    {"accumulate": _accumulate_and_clip, "forward": _forward_only, "modes": _modes}[kind](*case, rank=rank, world=world)
+    cases = {"accumulate": _accumulate_and_clip, "forward": _forward_only, "modes": _modes, "async": _asynchronous,
+             "fixed": _fixed_mode}
+    cases[kind](*case, rank=rank, world=world)
 
 
 def test_two_processes_accumulate_clip_and_evaluate_like_the_unsplit_model(tmp_path):
     cases = [("accumulate", schedule, 1, "fp32") for schedule in SCHEDULES]
     cases += [("accumulate", "1f1b", 1, "fp16-mixed")]
     cases += [("forward", schedule, 1) for schedule in ("gpipe", "1f1b", "interleaved1f1b", "zbvzerobubble")]
-    cases += [("modes",)]
+    cases += [("modes",), ("async",), ("fixed",)]
     spawn_cases(tmp_path, 2, _run_case, cases)
 
 
 def test_two_stages_by_two_replicas_accumulate_clip_and_evaluate(tmp_path):
-    spawn_cases(tmp_path, 4, _run_case, [("accumulate", "1f1b", 2, "fp32"), ("forward", "gpipe", 2)])
+    cases = [("accumulate", "1f1b", 2, "fp32", replicate) for replicate in ("ddp", "fsdp")]
+    spawn_cases(tmp_path, 4, _run_case, [*cases, ("forward", "gpipe", 2)])
 
 
 @pytest.mark.parametrize("bad", [0.0, -1.0, float("nan")])
