@@ -4,8 +4,11 @@ Symbolic tracing comes first: it keeps the user's Python-level ops and module ca
 is cheap. Models it cannot follow (data-dependent control flow, most ``transformers``
 models) fall back to ``torch.export`` in non-strict mode, whose graph holds ATen ops; so do
 models whose trace would drop meaning — grad-mode and autocast regions, hooks, in-place
-updates of weights inside ``forward`` (:mod:`autosplit.passes.fidelity`). A capture is
-faithful or it is refused; the user's model is never changed by it.
+updates of weights inside ``forward`` (:mod:`autosplit.passes.fidelity`). A model whose first
+call registers hooks (``transformers``' output recording: router logits, hidden states) is
+exported twice and kept when they are observers installed once
+(:func:`~autosplit.passes.fidelity.installed_once`). A capture is faithful or it is refused; the
+user's model is never changed by it.
 
 Tied parameters (one ``Parameter`` owned by two modules, e.g. GPT's input embedding and
 output projection) must be visible as *one* graph node, or codegen would place two
@@ -39,7 +42,7 @@ from torch.fx.graph import _PyTreeCodeGen
 from torch.utils import _pytree as pytree
 
 from autosplit.errors import CaptureError, advice
-from autosplit.passes.fidelity import ModelSnapshot, RefuseStateWrites, Watch, functions_applied, hook_kinds, keep_functions
+from autosplit.passes.fidelity import ModelSnapshot, RefuseStateWrites, Watch, functions_applied, hook_kinds, installed_once, keep_functions
 
 __all__ = ["Captured", "capture", "flat_inputs", "fingerprint", "with_defaults"]
 
@@ -284,8 +287,10 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, *, 
     snapshot = ModelSnapshot.of(model)
     try:
         gm, used, output_type, reasons = _capture(model, tuple(args), kwargs, method)
+        if snapshot.added_hooks(model):
+            gm, used, output_type = _hooked_on_first_call(model, tuple(args), kwargs, method, snapshot, gm if used == "export" else None)
     finally:
-        snapshot.restore_attributes(model)
+        snapshot.restore(model)
     changed = snapshot.changes(model)
     if changed:
         raise CaptureError(advice(
@@ -301,6 +306,42 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, *, 
         gm=gm, method=used, module_paths=paths, fixed_kwargs=fixed, signature=inspect.signature(model.forward),
         output_type=output_type,
     )
+
+
+def _hooked_on_first_call(
+    model: torch.nn.Module, args: tuple, kwargs: dict, method: str, snapshot: ModelSnapshot, first: fx.GraphModule | None,
+) -> tuple[fx.GraphModule, str, None]:
+    """The graph of a model whose first call registered hooks (``transformers`` installs its
+    output-recording hooks so): both calls exported, and the second accepted by
+    :func:`~autosplit.passes.fidelity.installed_once` when it equals the first
+    (:mod:`autosplit.passes.fidelity` says why that is safe)."""
+    name = type(model).__name__
+    hooked = ", ".join(q or "the root" for q in list(snapshot.added_hooks(model))[:4])
+    if method == "symbolic_trace":
+        raise CaptureError(advice(
+            f"{name}'s forward registered hooks on {hooked} while it was traced",
+            "symbolic tracing does not run hooks, so what they record for the output is lost",
+            "pass capture='auto' or capture='export' (torch.export runs them)",
+        ))
+    if first is None:  # symbolically traced: the hooks did not run; export the first call again
+        snapshot.restore(model)
+        first = _export(model, args, kwargs)
+    second = installed_once(model, snapshot, lambda: _export(model, args, kwargs))
+    if _structure(first) != _structure(second):
+        raise CaptureError(advice(
+            f"{name}'s first call computes another graph than its second ({len(first.graph.nodes)} vs "
+            f"{len(second.graph.nodes)} nodes), after it registered hooks on {hooked}",
+            "hooks installed during the first call act from the second call on only",
+            "call the model once before planning, so that its hooks are in place from the start",
+        ))
+    log.info("%s registered observing hooks on %s on its first call, once; captured with them", name, hooked)
+    return second, "export", None
+
+
+def _structure(gm: fx.GraphModule) -> tuple[str, str]:
+    """The graph's :func:`fingerprint` and the structure of its output."""
+    codegen = gm.graph._codegen
+    return fingerprint(gm), str(codegen.pytree_info.out_spec if isinstance(codegen, _PyTreeCodeGen) else None)
 
 
 def _capture(model: torch.nn.Module, args: tuple, kwargs: dict, method: str) -> tuple[fx.GraphModule, str, type | None, list[str]]:

@@ -24,14 +24,38 @@ backward runs; ``torch.export`` traces through it, so it is refused there
 
 :class:`ModelSnapshot` is the contract that planning never changes the user's model:
 parameters, buffers (identity, version, ``requires_grad``), hooks and attributes, compared
-before and after.
+before and after; what forward does to a module's Python state while it is traced (attributes
+added or rebound, hooks registered) is undone by :meth:`ModelSnapshot.restore`.
+
+**Hooks a library installs on the first call.** ``transformers`` registers forward hooks on a
+model's layers, attention and MoE routers the first time an output it records is asked for
+(``output_router_logits=True``, ``output_hidden_states`` …), and marks the model so it never
+installs them again; each hook appends a module's output to a collector the model's outer
+``forward`` returns (the router logits). Such a model's state changes once, then never. Hooks
+registered *while capturing* are accepted by :func:`installed_once` only when all of these hold:
+
+1. captured **again** from the state the first call left, the model's hooks and attributes do
+   not change (the state is a fixed point of forward: every later call runs from the same
+   state, so it traces the same graph; a forward that registers a hook per call is refused);
+2. in that second call every such hook **returns** ``None``: it observes, and neither replaces a
+   module's inputs nor its output (a hook that changes values is refused, whoever installs it);
+3. both calls are captured with ``torch.export`` — which calls every module with its hooks, so
+   what an observer feeds into the output (the recorded router logits) is in the graph, where
+   symbolic tracing would lose it — and the two graphs are the same (the caller compares them):
+   the first call is no exception, hooks that start acting only from the second call are refused.
+
+Planning then leaves the model **exactly as it was**: the hooks and the library's mark are both
+removed (:meth:`ModelSnapshot.restore`), so the model's next call installs them once, as its
+first call would have; after planning and one call the model is as after one call. Removing
+the hooks without the mark would make the library install a second set and record every
+output twice.
 
 Usage::
 
     snapshot = ModelSnapshot.of(model)
     with RefuseStateWrites(model) as guard, keep_functions(tracer):
         graph = tracer.trace(model)
-    snapshot.restore_attributes(model)
+    snapshot.restore(model)
     assert not snapshot.changes(model)
 """
 
@@ -39,9 +63,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Iterator
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 import torch
 import torch.fx as fx
@@ -51,10 +75,16 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from autosplit.errors import CaptureError, advice
 
-__all__ = ["ModelSnapshot", "RefuseStateWrites", "Watch", "functions_applied", "hook_kinds", "keep_functions"]
+__all__ = ["ModelSnapshot", "RefuseStateWrites", "Watch", "functions_applied", "hook_kinds", "installed_once", "keep_functions"]
 
 _DEVICE_TYPES = ("cpu", "cuda")
 _HOOKS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
+_FORWARD_HOOKS = _HOOKS[:2]
+_HOOK_FLAGS = ("_forward_pre_hooks_with_kwargs", "_forward_hooks_with_kwargs", "_forward_hooks_always_called")
+"""Per-hook flags, keyed by the same handle id as the hook."""
+_MODULE_INTERNALS = frozenset(vars(torch.nn.Module()))
+"""``training``, the parameter, buffer, submodule and hook dicts: compared by :meth:`ModelSnapshot.changes`, not rebound."""
+_T = TypeVar("_T")
 
 
 def _global_state() -> tuple:
@@ -256,6 +286,8 @@ class ModelSnapshot:
     """Each tensor's version counter: bumped by every in-place write (a write undone still counts)."""
     hooks: dict[str, tuple]
     training: dict[str, bool]
+    values: dict[str, dict[str, Any]] = field(default_factory=dict, compare=False, repr=False)
+    """Each module's own attributes (not torch's internals), by object: :meth:`restore` rebinds them."""
 
     @classmethod
     def of(cls, model: torch.nn.Module) -> ModelSnapshot:
@@ -267,14 +299,36 @@ class ModelSnapshot:
             versions={name: t._version for name, t in state},
             hooks={q: tuple(tuple(getattr(m, h, {}).items()) for h in _HOOKS) for q, m in modules.items()},
             training={q: m.training for q, m in modules.items()},
+            values={q: {k: v for k, v in vars(m).items() if k not in _MODULE_INTERNALS} for q, m in modules.items()},
         )
 
-    def restore_attributes(self, model: torch.nn.Module) -> None:
-        """Remove attributes added since the snapshot (``torch.fx`` stores traced tensor constants
-        on the root as ``_tensor_constant0`` …)."""
-        for q, m in model.named_modules(remove_duplicate=False):
+    def added_hooks(self, model: torch.nn.Module) -> dict[str, list[tuple[str, int]]]:
+        """Hooks registered since the snapshot: module path → ``(hook dict, handle id)`` (empty: none)."""
+        added: dict[str, list[tuple[str, int]]] = {}
+        for q, m in model.named_modules():  # a shared module once: its hook dicts are one
+            before = self.hooks.get(q, ((),) * len(_HOOKS))
+            new = [(h, key) for h, old in zip(_HOOKS, before) for key in getattr(m, h, {}) if key not in dict(old)]
+            if new:
+                added[q] = new
+        return added
+
+    def restore(self, model: torch.nn.Module) -> None:
+        """Undo what a traced ``forward`` did to the modules' Python state: attributes added since
+        the snapshot removed (``torch.fx`` stores traced tensor constants on the root as
+        ``_tensor_constant0`` …; ``transformers`` marks a model whose hooks it installed), attributes
+        rebound put back, hooks added removed. Parameters, buffers, training flags and hooks removed
+        are left as they are, for :meth:`changes` to report."""
+        modules = dict(model.named_modules(remove_duplicate=False))
+        for q, entries in self.added_hooks(model).items():
+            for h, key in entries:
+                for name in (h, *_HOOK_FLAGS):
+                    getattr(modules[q], name, {}).pop(key, None)
+        for q, m in modules.items():
             for name in set(vars(m)) - self.attributes.get(q, frozenset()):
                 delattr(m, name)
+            for name, value in self.values.get(q, {}).items():
+                if name in vars(m) and vars(m)[name] is not value:
+                    m.__dict__[name] = value
 
     def changes(self, model: torch.nn.Module, *, versions: bool = True) -> list[str]:
         """What differs from the snapshot, one line each (empty: untouched). ``versions=False``
@@ -298,3 +352,61 @@ class ModelSnapshot:
         out += [f"hooks of {q or 'the root'} changed" for q in self.hooks if self.hooks[q] != now.hooks.get(q)]
         out += [f"training flag of {q or 'the root'} changed" for q in self.training if self.training[q] != now.training.get(q)]
         return out
+
+
+def installed_once(model: torch.nn.Module, before: ModelSnapshot, again: Callable[[], _T]) -> _T:
+    """``again()`` — the model captured a second time — where the hooks registered since ``before``
+    (by the first capture) are shown to be observers installed once: during the second call no
+    hook or attribute is added or removed, and each of those hooks returns ``None`` (rules 1 and 2
+    of the module docstring; the caller compares the two graphs). Raises :class:`CaptureError`
+    otherwise.
+
+    Usage: ``graph = installed_once(model, snapshot, lambda: export(model))``
+    """
+    name = type(model).__name__
+    modules = dict(model.named_modules())
+    after_first = ModelSnapshot.of(model)
+    returned: list[str] = []
+    wrapped = []
+    for q, entries in before.added_hooks(model).items():
+        for h, key in entries:
+            if h in _FORWARD_HOOKS:
+                hooks = getattr(modules[q], h)
+                wrapped.append((hooks, key, hooks[key]))
+                hooks[key] = _observed(hooks[key], f"a {h.strip('_').replace('_', ' ')[:-1]} on {q or 'the root'}", returned)
+    try:
+        result = again()
+    finally:
+        for hooks, key, hook in wrapped:
+            if key in hooks:
+                hooks[key] = hook
+    if returned:
+        raise CaptureError(advice(
+            f"{name}'s forward installed hooks that change values: {', '.join(returned[:4])} returned a value",
+            "a hook that returns a value replaces the module's inputs or output; autosplit accepts hooks a forward "
+            "installs only when they observe (return None), as the output-recording hooks of transformers do",
+            "apply the hook's effect in forward, or register the hook before planning and keep it for training",
+        ))
+    changed = after_first.changes(model, versions=False)
+    if changed:
+        raise CaptureError(advice(
+            f"{name}'s forward changes the model on every call, not only the first: {'; '.join(changed[:4])} "
+            "on its second call",
+            "hooks a library installs once are accepted; a forward that keeps registering hooks or attributes "
+            "computes something else on each call",
+            "register the hooks once, outside forward (or behind a flag forward sets), then plan again",
+        ))
+    return result
+
+
+def _observed(hook: Callable[..., Any], name: str, returned: list[str]) -> Callable[..., Any]:
+    """``hook``, noting ``name`` in ``returned`` when it returns a value."""
+
+    @functools.wraps(hook)
+    def observed(*args: Any, **kwargs: Any) -> Any:
+        result = hook(*args, **kwargs)
+        if result is not None and name not in returned:
+            returned.append(name)
+        return result
+
+    return observed
