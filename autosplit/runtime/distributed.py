@@ -161,8 +161,8 @@ class DistributedModel(StageState, TrainingLoop):
         self._batched = [is_batched(v, self._rows) for v in example]
         self._shapes = shapes(example)
         self._chain_at = chain_at
-        self._runs: dict[tuple[int | None, bool], _Run] = {}
-        """(batch rows, forward only) → the schedule that runs such batches."""
+        self._runs: dict[tuple[int | None, str], _Run] = {}
+        """(batch rows, kind: "train", "loss" or "output") → the schedule that runs such batches."""
         self._unrunnable: dict[int, str] = {}
         """Micro-batch rows the stages cannot run → why."""
 
@@ -268,7 +268,7 @@ class DistributedModel(StageState, TrainingLoop):
         # so an unbatched input is never cut because its dimension 0 happens to match a batch's
         # rows); the rest are given whole to every micro-batch.
         specs = {k: TensorChunkSpec(0) if cut else replicate_chunk_spec() for k, cut in zip(self._input_names, self._batched)}
-        cls = self._schedule_cls or pipelining.ScheduleGPipe
+        cls: Any = self._schedule_cls or pipelining.ScheduleGPipe
         given = stages if self._entry.order == "torch" else stages[0]  # torch's multi-stage classes take a list
         loss = None if kind == "output" else self._loss
         if cls.__name__ == "ScheduleLoopedBFS":
@@ -518,7 +518,7 @@ class DistributedModel(StageState, TrainingLoop):
         - FSDP2-managed gradients when a schedule first prepares its stages, which torch's pipelining
           sets to None then (``_post_metadata_inference_cleanup``): a new batch size, a first step."""
         if self.scaler is not None:
-            params = list(self.module.parameters())
+            params: list[torch.Tensor] = list(self.module.parameters())
         else:
             params = self._tied_copies() + ([] if run.started else self._fsdp_parameters())
         kept: list[tuple[torch.Tensor, torch.Tensor]] = []

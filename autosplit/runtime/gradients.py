@@ -41,9 +41,11 @@ def counted_here(grad: torch.Tensor, *, replica: int) -> torch.Tensor | None:
 
     A DTensor counts its local tensor where, on every mesh dimension it is replicated over, this
     rank is at coordinate 0; a plain tensor (held whole by every replica) on replica 0 only."""
-    placements = getattr(grad, "placements", None)
-    if placements is None:
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(grad, DTensor):
         return grad if replica == 0 else None
+    placements = grad.placements
     coordinate = grad.device_mesh.get_coordinate()
     if coordinate is None:  # this rank is not in the gradient's mesh
         return None
@@ -96,6 +98,6 @@ def clip_by_global_norm(
             "find the step whose loss is not finite, lower the learning rate, or pass error_if_nonfinite=False "
             "(the gradients are then scaled by a NaN factor, as torch does)",
         ))
-    with_grads = [p for p in params if p.grad is not None]
-    if with_grads:
-        torch.nn.utils.clip_grads_with_norm_(with_grads, max_norm, total.to(with_grads[0].grad.dtype), foreach=False)
+    grads = [p.grad for p in params if p.grad is not None]
+    if grads:
+        torch.nn.utils.clip_grads_with_norm_(grads, max_norm, total.to(grads[0].dtype), foreach=False)

@@ -25,7 +25,8 @@ Usage (every rank)::
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -73,8 +74,22 @@ class TrainingLoop:
     chain: Any
     device: torch.device
     training: bool
+    micro_batches: int
+    _rows: int | None
+    _step_losses: list[torch.Tensor]
     _param_names: dict[str, str]
     _tied: list[tuple[str, Any]]
+
+    if TYPE_CHECKING:  # DistributedModel's
+
+        @property
+        def is_last(self) -> bool: ...
+
+        def _usable(self) -> None: ...
+
+        def _forward_only(self, inputs: Sequence[Any], kwargs: Mapping[str, Any], *, target: Any) -> Any: ...
+
+        def parameters(self) -> Iterator[torch.nn.Parameter]: ...
 
     # -- modes -------------------------------------------------------------------------------------
     def train(self, mode: bool = True) -> Any:

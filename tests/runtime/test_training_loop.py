@@ -186,7 +186,7 @@ def _fixed_mode(*, rank: int, world: int) -> None:
     refuses on every rank, naming the node, rather than evaluate with dropout on."""
     from autosplit.errors import DistributedError
 
-    model, args, kwargs, target, loss_fn, mine = _setup("dropout", rank, 1)
+    model, args, kwargs, _, loss_fn, mine = _setup("dropout", rank, 1)
     pipe = _pipe(model, args, kwargs, loss_fn, mine, world=world, dp=1, schedule="gpipe", capture="export")
     with pytest.raises(DistributedError, match=r"cannot switch to evaluation mode.*dropout"):
         pipe.eval()
