@@ -219,3 +219,23 @@ def test_clip_refuses_a_norm_type_that_is_not_a_norm(bad):
 
     with pytest.raises(DistributedError, match="norm_type"):
         global_grad_norm([torch.ones(3)], norm_type=bad, device=torch.device("cpu"))
+
+
+def test_a_split_module_accumulates_clips_and_evaluates_with_torch_own_functions():
+    """One process: ``SplitModule`` holds the model's own parameters, so two backward() calls,
+    ``torch.nn.utils.clip_grad_norm_`` and ``eval()`` are the unsplit model's."""
+    import autosplit
+
+    model, args, kwargs, target, loss_fn, _ = _setup("gpt", 0, 1)
+    reference = copy.deepcopy(model)
+    split = autosplit.autosplit(model, ["cpu"] * 2, example_inputs=args, example_kwargs=kwargs, time_limit=2)
+    for a, k, t in _batches(args, kwargs, target, 2):
+        loss_fn(split(*a, **k), t).backward()
+        loss_fn(reference(*a, **k), t).backward()
+    for norm_type in (2.0, math.inf):
+        norm = torch.nn.utils.clip_grad_norm_(split.parameters(), 0.05, norm_type=norm_type)
+        torch.testing.assert_close(norm, torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.05, norm_type=norm_type))
+    _grads_equal(split, reference, "split module")
+    assert split.eval() is split and not split.training
+    with torch.no_grad():
+        torch.testing.assert_close(split(*args, **kwargs), reference.eval()(*args, **kwargs))
