@@ -98,6 +98,7 @@ def clip_by_global_norm(
             "find the step whose loss is not finite, lower the learning rate, or pass error_if_nonfinite=False "
             "(the gradients are then scaled by a NaN factor, as torch does)",
         ))
-    grads = [p.grad for p in params if p.grad is not None]
-    if grads:
-        torch.nn.utils.clip_grads_with_norm_(grads, max_norm, total.to(grads[0].dtype), foreach=False)
+    with_grads = [p for p in params if p.grad is not None]
+    if with_grads:  # torch's function reads each parameter's .grad
+        dtype = with_grads[0].grad.dtype  # type: ignore[union-attr]
+        torch.nn.utils.clip_grads_with_norm_(with_grads, max_norm, total.to(dtype), foreach=False)

@@ -132,6 +132,13 @@ def _forward_only(schedule: str, dp: int, *, rank: int, world: int) -> None:
             torch.testing.assert_close(loss, expected_loss, msg=where(f"{label} {mode} eval loss"))
         for name, p in pipe.named_parameters():
             torch.testing.assert_close(full_tensor(p.grad), before[name], msg=where(f"{label} {mode} left grad {name}"))
+    half = slice(0, my_args[0].shape[0] // 2)  # a batch of other rows, as step() takes it
+    loss = pipe.eval_step(*(a[half] for a in my_args), target=target[mine][half], **{k: v[half] for k, v in my_kwargs.items()})
+    if pipe.is_last:
+        with torch.no_grad():
+            expected = loss_fn(reference(*(a[half] for a in my_args), **{k: v[half] for k, v in my_kwargs.items()}),
+                               target[mine][half])
+        torch.testing.assert_close(loss, expected, msg=where(f"{label} eval loss of half a batch"))
     pipe.train()
     pipe.step(*my_args, target=target[mine], **my_kwargs)  # training after evaluation: still accumulates
     loss_fn(reference(*args, **kwargs), target).backward()
