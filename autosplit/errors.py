@@ -14,6 +14,7 @@ __all__ = [
     "AutosplitError",
     "CaptureError",
     "CodegenError",
+    "CompileError",
     "ConstraintError",
     "CostModelError",
     "DeviceError",
@@ -79,6 +80,11 @@ class PlanMismatchError(AutosplitError):
 
 class CodegenError(AutosplitError):
     """A stage module could not be generated from a plan."""
+
+
+class CompileError(AutosplitError):
+    """A stage cannot be compiled with ``torch.compile``: no C++ compiler or triton for inductor, an unknown
+    backend, or an operation the backend refuses (``compile=True``; see :mod:`autosplit.runtime.compiled`)."""
 
 
 class DistributedError(AutosplitError):

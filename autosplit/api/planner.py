@@ -15,6 +15,7 @@ Usage::
     plan = autosplit.plan(model, ["A100-80GB"] * 8, example_inputs=(x,))      # plan only
     split = autosplit.autosplit(model, ["cpu"] * 4, example_inputs=(x,))      # plan + build
     split = autosplit.autosplit(model, None, example_inputs=(x,), plan="plan.json")
+    split = autosplit.autosplit(model, ["cpu"] * 2, example_inputs=(x,), compile=True)  # stages torch.compile'd
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from autosplit.options import PlanOptions
 from autosplit.passes.loss import Loss
 from autosplit.plans import Plan
 from autosplit.report.text import plan_report
+from autosplit.runtime.compiled import CompileOptions, compile_options
 from autosplit.runtime.local import SplitModule
 from autosplit.runtime.makespan import MakespanRunner
 from autosplit.shapes import as_tensors, is_meta
@@ -134,9 +136,12 @@ class Planner:
             )
         return compile_plan(self.traced, specs, options, given=saved)
 
-    def build(self, plan: Plan | str | Path | None = None) -> SplitModule | MakespanRunner:
+    def build(self, plan: Plan | str | Path | None = None, *, compile: bool | CompileOptions = False) -> SplitModule | MakespanRunner:
         """The :class:`SplitModule` of ``plan`` (default: :meth:`plan`), in this process; for a
-        makespan plan, its :class:`~autosplit.runtime.makespan.MakespanRunner`."""
+        makespan plan, its :class:`~autosplit.runtime.makespan.MakespanRunner`. ``compile``: ``True`` or
+        :class:`~autosplit.runtime.compiled.CompileOptions` compiles every stage with ``torch.compile``
+        (:func:`~autosplit.runtime.compiled.compile_stages`)."""
+        compiling = compile_options(compile)
         made = self.plan() if plan is None else self.plan(plan)
         if is_meta(self.model):
             raise ConstraintError(advice(
@@ -151,9 +156,16 @@ class Planner:
                     "the makespan runtime runs the model in its own dtypes so far",
                     "plan with precision='fp32', or with objective='pipeline'",
                 ))
+            if compiling is not None:
+                raise ConstraintError(advice(
+                    "compile=True with a makespan plan (objective='makespan')",
+                    "the makespan runtime runs each device's nodes as segments of its own, not as stage modules to compile",
+                    "pass compile=False, or plan with objective='pipeline'",
+                ))
             return MakespanRunner(self.model, self.traced.captured, made)
         program, timings = codegen(self.traced, made)
-        return SplitModule(self.model, self.traced.captured, program, dataclasses.replace(made, timings={**made.timings, **timings}))
+        made = dataclasses.replace(made, timings={**made.timings, **timings})
+        return SplitModule(self.model, self.traced.captured, program, made, compile=compiling)
 
     def manual(self, split: Any, *, name: str | None = None) -> Plan:
         """A split you would write by hand, as a checked plan costed like :meth:`plan`'s: module
@@ -208,7 +220,8 @@ def plan(
 
 def autosplit(
     model: torch.nn.Module, devices: Sequence[DeviceLike] | None, *, example_inputs: Any,
-    example_kwargs: Mapping[str, Any] | None = None, plan: Plan | str | Path | None = None, **options: Any,
+    example_kwargs: Mapping[str, Any] | None = None, plan: Plan | str | Path | None = None,
+    compile: bool | CompileOptions = False, **options: Any,
 ) -> SplitModule | MakespanRunner:
     """Partition ``model`` over ``devices`` and return a module that trains exactly like it.
 
@@ -216,7 +229,10 @@ def autosplit(
     devices in place; with ``precision="bf16"`` also converted to bfloat16 in place, as
     ``model.to(torch.bfloat16)`` would) and carries the plan as ``.plan``. Pass ``plan`` (a :class:`Plan`
     or a JSON path) to rebuild a saved split without solving; ``devices=None`` then
-    takes the plan's devices. ``options``: see :func:`plan`.
+    takes the plan's devices. ``compile=True`` (or a :class:`~autosplit.runtime.compiled.CompileOptions`)
+    compiles each stage with ``torch.compile`` in place; where that cannot run, a
+    :class:`~autosplit.errors.CompileError` says why (or, with ``CompileOptions(fallback=True)``, a logged warning and
+    an eager stage). ``options``: see :func:`plan`.
     """
     planner = Planner(model, devices, example_inputs=example_inputs, example_kwargs=example_kwargs, **options)
-    return planner.build(plan)
+    return planner.build(plan, compile=compile)

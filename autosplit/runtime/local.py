@@ -29,6 +29,7 @@ Usage::
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -37,19 +38,27 @@ import torch.fx as fx
 from autosplit.passes.capture import Captured, flat_inputs
 from autosplit.passes.codegen import Program
 from autosplit.plans import Plan
+from autosplit.runtime.compiled import CompileOptions, compile_stages
 from autosplit.runtime.precision import AutocastStage, cast_inputs, hold, is_mixed
 
 __all__ = ["SplitModule"]
 
 
 class SplitModule(torch.nn.Module):
-    """A model partitioned over devices by a :class:`Plan`."""
+    """A model partitioned over devices by a :class:`Plan`.
+
+    With ``compile`` (:class:`~autosplit.runtime.compiled.CompileOptions`), every stage module is
+    compiled in place with ``torch.compile`` (:func:`~autosplit.runtime.compiled.compile_stages`);
+    ``.compiled`` then holds each stage's status (``"compiled"`` or ``"eager: <cause>"``).
+    """
 
     _program: Program
     _captured: Captured
     plan: Plan
 
-    def __init__(self, model: torch.nn.Module, captured: Captured, program: Program, plan: Plan):
+    def __init__(
+        self, model: torch.nn.Module, captured: Captured, program: Program, plan: Plan, *, compile: CompileOptions | None = None,
+    ):
         super().__init__()
         # Every name, aliases included (one module or parameter under two names), as the model has them.
         for name, child in model._modules.items():
@@ -64,6 +73,9 @@ class SplitModule(torch.nn.Module):
         object.__setattr__(self, "plan", plan)
         self.training = model.training
         hold(self, plan.precision)
+        # Each stage compiled in place (before the autocast wrapper, which then calls the compiled stage).
+        self.compiled: dict[int, str] = {} if compile is None else compile_stages(
+            dict(enumerate(program.stages)), **dataclasses.asdict(compile))
         if is_mixed(plan.precision):  # the program calls each stage through its autocast
             for s, device in enumerate(program.devices):
                 setattr(program.program, f"stage{s}", AutocastStage(program.stages[s], plan.precision, torch.device(device).type))
