@@ -27,6 +27,7 @@ from autosplit.passes.capture import flat_inputs
 from autosplit.passes.codegen import generate_chain, retarget
 from autosplit.plans import Plan
 from autosplit.runtime.batches import ChainsByRows, keep_only, meta_copy
+from autosplit.runtime.compiled import CompileOptions, compile_options
 from autosplit.runtime.distributed import DistributedModel
 from autosplit.runtime.materialise import StageNames, WeightsLike, agree_by_name, materialise
 from autosplit.runtime.placement import Layout, agree, keep_unread, make_mesh, place, rank_device
@@ -66,6 +67,7 @@ def distribute(
     plan: Plan | str | Path | None = None,
     weights: WeightsLike = None,
     example_target: Any = None,
+    compile: bool | CompileOptions = False,
     **options: Any,
 ) -> DistributedModel:
     """Run ``model`` as pipeline stages across the ranks of the initialised process group.
@@ -90,6 +92,11 @@ def distribute(
     each module's own init (``reset_parameters``, or a transformers model's ``_init_weights``),
     seeded by its name. A real model's stage uses the model's own tensors (with ``precision="bf16"``,
     converted to bfloat16 in place, as ``autosplit.autosplit`` does).
+
+    ``compile=True`` (or a :class:`~autosplit.runtime.compiled.CompileOptions`) compiles each of this
+    rank's stage modules with ``torch.compile`` before FSDP2 wraps them (torchtitan's order), or says
+    why it cannot (:func:`~autosplit.runtime.compiled.compile_stages`); ``pipe.compiled`` holds each
+    stage's status.
     """
     given = load_plan(plan)
     stages = len(given.devices) if devices is None and given is not None else len(devices or ())
@@ -100,7 +107,7 @@ def distribute(
     made = _agreed_plan(planner, given, data_parallel)
     layout = Layout.of(dist.get_rank(), len(made.stage_devices), data_parallel,
                        stage_ranks=made.stage_devices if made.stages_per_rank > 1 else ())
-    return _build(model, planner, made, given, layout, replicate, loss_fn, weights)
+    return _build(model, planner, made, given, layout, replicate, loss_fn, weights, compile_options(compile))
 
 
 def _runnable() -> tuple[list[str], str]:
@@ -198,7 +205,7 @@ def _agreed_plan(planner: Planner, given: Plan | None, data_parallel: int) -> Pl
 
 def _build(
     model: torch.nn.Module, planner: Planner, made: Plan, given: Plan | None, layout: Layout, replicate: str,
-    loss_fn: Callable[[Any, Any], torch.Tensor], weights: WeightsLike,
+    loss_fn: Callable[[Any, Any], torch.Tensor], weights: WeightsLike, compiled: CompileOptions | None,
 ) -> DistributedModel:
     """This rank's stage of the agreed plan, and nothing else of the model: the chain (at the
     micro-batch's shape) is cut from the model's own capture, keeping only this stage's tensors
@@ -270,6 +277,7 @@ def _build(
         pp_group=the_mesh["pp"].get_group(), dp_mesh=the_mesh["dp"],
         replication=replicate, input_names=chain.input_names, to_flat=to_flat, micro_batches=made.micro_batches,
         example=to_flat(*example), chain_at=chains, tied_groups=tied_groups, asynchronous=entry.name if entry.asynchronous else None,
+        compiled=compiled,
     )
 
 

@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import dataclasses
 import gc
 import logging
 import time
@@ -73,6 +74,7 @@ from autosplit.passes.codegen import Chain
 from autosplit.plans import Plan
 from autosplit.runtime.batches import check_batches, code_change, describe, digest, shapes
 from autosplit.runtime.checkpoint import StageState
+from autosplit.runtime.compiled import CompileOptions, compile_stages
 from autosplit.runtime.loop import TrainingLoop
 from autosplit.runtime.materialise import StageNames
 from autosplit.runtime.placement import Layout, reduce_sparse_gradients, replicate_stage
@@ -119,6 +121,7 @@ class DistributedModel(StageState, TrainingLoop):
         pp_group: Any, dp_mesh: Any, replication: str, input_names: Sequence[str], to_flat: Callable[..., list[Any]],
         micro_batches: int, example: Sequence[Any], chain_at: Callable[[int], Chain],
         tied_groups: Sequence[tuple[str, Any]] = (), asynchronous: str | None = None, aliases: Mapping[str, Sequence[str]] = {},
+        compiled: CompileOptions | None = None,
     ) -> None:
         from torch.distributed import pipelining
 
@@ -150,6 +153,11 @@ class DistributedModel(StageState, TrainingLoop):
         self._sparse_tables: list[torch.nn.Parameter] = []
         """Tables replicated apart from FSDP2, their sparse gradients averaged after each step."""
         self._dp_mesh = dp_mesh
+        self.compiled: dict[int, str] = {}
+        """Stage → ``"compiled"`` or ``"eager: <cause>"`` under ``compile=``; empty when eager."""
+        if compiled is not None:  # before FSDP2 wraps the stages, as torchtitan orders them
+            options = {f.name: getattr(compiled, f.name) for f in dataclasses.fields(compiled)}
+            self.compiled = compile_stages(modules, **options, device_types={device.type})
         if layout.replicas > 1:
             for stage_module in modules.values():
                 self._sparse_tables += replicate_stage(stage_module, replication, dp_mesh)

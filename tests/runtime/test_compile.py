@@ -190,3 +190,36 @@ def test_the_models_own_error_is_raised_as_itself_not_as_a_compile_error():
     assert not isinstance(e.value, (CompileError, compat.DynamoError))  # eager's own error
     assert split.compiled == {0: "compiled", 1: "compiled"} and compat.compiled_call(split.stages[0]) is not None
     split(*args, **kwargs)  # and the right input still runs compiled
+
+
+def _pipeline_case(rank: int, world: int) -> None:
+    """Two pipelines of one model on the same plan, eager and compiled: the same losses, gradients,
+    forward-only outputs; the compiled one reports its stage compiled."""
+    from tests.helpers import where
+
+    torch.manual_seed(0)
+    model, args, kwargs, target, loss_fn = gpt_case()
+    eager = autosplit.distribute(copy.deepcopy(model), ["cpu"] * world, example_inputs=args, example_kwargs=kwargs,
+                                 loss_fn=loss_fn, schedule="1f1b", micro_batches=4, time_limit=2)
+    compiled = autosplit.distribute(copy.deepcopy(model), None, example_inputs=args, example_kwargs=kwargs, loss_fn=loss_fn,
+                                    plan=eager.plan, compile=True)
+    assert compiled.compiled == dict.fromkeys(compiled.layout.held, "compiled") and eager.compiled == {}
+    for step in range(2):
+        losses = [pipe.step(*args, target=target, **kwargs) for pipe in (eager, compiled)]
+        if eager.is_last:
+            torch.testing.assert_close(losses[1], losses[0], rtol=1e-4, atol=1e-5, msg=where(f"step {step} loss"))
+        grads = dict(eager.named_parameters())
+        for name, p in compiled.named_parameters():
+            torch.testing.assert_close(p.grad, grads[name].grad, rtol=1e-4, atol=1e-5, msg=where(f"step {step} grad {name}"))
+        for pipe in (eager, compiled):
+            for p in pipe.parameters():
+                p.grad = None
+    outputs = [pipe(*args, **kwargs) for pipe in (eager, compiled)]
+    if eager.is_last:
+        torch.testing.assert_close(outputs[1], outputs[0], rtol=1e-4, atol=1e-5, msg=where("forward-only output"))
+
+
+def test_a_compiled_pipeline_trains_like_the_eager_one_on_two_processes(tmp_path):
+    from tests.helpers import spawn_cases
+
+    spawn_cases(tmp_path, 2, _pipeline_case, [()])
