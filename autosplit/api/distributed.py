@@ -283,8 +283,9 @@ def _build(
 
 def _untie(modules: Mapping[int, torch.nn.Module]) -> None:
     """A tensor two of this rank's stages hold (a tied weight on both arms of a V) becomes a copy of
-    its own in the later stage: each stage scales its own gradients by the micro-batches, so a
-    shared tensor would be scaled twice; the copies' gradients are summed after each step instead."""
+    its own in the later stage: each stage is a module of its own to torch's pipelining (its own
+    backward and weight passes) and to FSDP2 (which wraps each stage apart and cannot share a
+    parameter between two wrapped modules); the copies' gradients are summed after each step."""
     seen: set[int] = set()
     for module in modules.values():
         held = [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]
