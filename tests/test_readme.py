@@ -12,8 +12,9 @@ string:
 - ``python skip-gpu``: needs CUDA, skipped without it. Any other marker fails, so a snippet
   is never left out silently.
 
-The scripts run one after another on a background thread while the in-process snippets run
-(the planner leaves the second core mostly idle), and each script's test waits for its result.
+The scripts run one after another on a background thread while the in-process snippets run on
+one intra-op thread (the planner leaves the second core mostly idle), and each script's test waits
+for its result.
 """
 
 from __future__ import annotations
@@ -134,6 +135,9 @@ def session(tmp_path_factory):
     os.chdir(folder)  # the snippets write plan.json, compare.html
     os.environ["AUTOSPLIT_CACHE"] = str(folder / "cache")
     threads = torch.get_num_threads()
+    # One intra-op thread for the in-process snippets: the scripts' processes run beside them, and
+    # threads that oversubscribe the cores spin (a measured compare ran about 10x slower on two).
+    torch.set_num_threads(1)
     pool = ThreadPoolExecutor(max_workers=1)
     scripts = {
         s.name: pool.submit(_run_script, s, folder / f"script-{s.page.replace('/', '-')}-{s.line}")
