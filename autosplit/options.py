@@ -181,7 +181,7 @@ class PlanOptions:
     as the fastest of many is predicted further ahead than it is: over the 92 replayed
     configurations of ``benchmarks/schedules.py``'s runs 6 to 9 (two CPU processes), the replay
     overstated autosplit's advantage over torchtitan's layer-aligned splits by 1.1 % on average and
-    by 2.9 % at the 90th percentile (``schedules.py --overstatement``, ``results/overstatement.json``).
+    by 2.9 % at the 90th percentile (``benchmarks/investigations/schedules_analysis.py overstatement``).
     ``0``: the fastest split by the replay, wherever it cuts."""
     data_parallel: int = 1
     """Replicas of the split model (hybrid data × pipeline parallelism): the predicted step adds

@@ -120,7 +120,7 @@ def steady_allocator(trim_threshold: int = 1 << 30, mmap_threshold: int = 32 << 
     Kept memory is not all: a heap that fragments still grows now and then, and every page it
     grows by faults in on first touch. Rank 0 of a Llama pipeline (zero-bubble V, M = 4, two
     plans run by turns) faulted 10,255 pages in 9 of 20 steps of one plan and 20,806 in 8 of 20
-    of the other, all in its last stage's input pass (``benchmarks/heap_faults.py``): which
+    of the other, all in its last stage's input pass (``benchmarks/investigations/heap_faults.py``): which
     plan's steps pay, and how much, is chance, where the planner's splits differ by 1–3%. With a
     reserve, none did. ``reserve`` grows the heap by that much now, in pieces
     below the mmap threshold, writes it and frees it: glibc keeps it at the top of the heap (the

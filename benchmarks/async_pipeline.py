@@ -21,10 +21,11 @@ verdict compares each asynchronous schedule's gap to GPipe with GPipe's spread o
 
 Usage::
 
-    .venv/bin/python benchmarks/async_pipeline.py                 # 4 schedules × 3 seeds, a few minutes
-    .venv/bin/python benchmarks/async_pipeline.py --stages 4      # results/async_pipeline_depth4.json, about 15 min
-    .venv/bin/python benchmarks/async_pipeline.py --stages 4 --micro 2 --out benchmarks/results/async_pipeline_depth4_m2.json
-    .venv/bin/python benchmarks/async_pipeline.py --steps 50 --seeds 1
+    .venv/bin/python benchmarks/async_pipeline.py                 # 4 schedules × 3 seeds, about 6 min
+    .venv/bin/python benchmarks/async_pipeline.py --stages 4 --micro 2 --out /tmp/depth4.json   # about 10 min
+    .venv/bin/python benchmarks/async_pipeline.py --steps 50 --seeds 1 --out /tmp/quick.json
+
+Writes ``benchmarks/results/async_pipeline.json`` (``--out``), the file ``docs/schedules.md`` reads.
 """
 
 from __future__ import annotations
@@ -195,9 +196,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--chars", type=int, default=2_000_000)
     parser.add_argument("--stages", type=int, default=2, help="pipeline depth: one process per stage")
-    parser.add_argument("--out", default=None, help="default: results/async_pipeline.json (async_pipeline_depth4.json at 4 stages)")
+    parser.add_argument("--out", default=str(RESULTS), help="default: results/async_pipeline.json, the file the docs read")
     args = parser.parse_args(argv)
-    args.out = args.out or str(RESULTS if args.stages == 2 else RESULTS.with_name(f"async_pipeline_depth{args.stages}.json"))
     timed = args.stages <= len(os.sched_getaffinity(0))  # a core per process: throughput measured, else predicted
 
     start = time.time()

@@ -59,8 +59,8 @@ from autosplit.options import ProfileOptions
 from autosplit.passes.annotate import annotate, node_info
 from autosplit.passes.capture import capture, flat_inputs
 from autosplit.timers import pinned
-from benchmarks.models import GPT, WORKLOADS, make
 from benchmarks.plan_time import machine
+from benchmarks.workloads.models import GPT, WORKLOADS, make
 
 CORE = (0,)
 MICRO_BATCHES = 4

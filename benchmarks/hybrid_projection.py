@@ -55,8 +55,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import autosplit
 import autosplit.api
 import autosplit.compiler.hybrid
-from benchmarks.models import GNMT, BigLSTM, InceptionV3, SampledBigLSTM, make
 from benchmarks.plan_time import machine
+from benchmarks.workloads.models import GNMT, BigLSTM, InceptionV3, SampledBigLSTM, make
 
 RESULTS = Path(__file__).resolve().parent / "results" / "hybrid_projection.json"
 ASSUMED = (10, 100)
@@ -191,12 +191,12 @@ EFFICIENCY = {
 SAMPLES = 8192
 """Jozefowicz et al. 2016, §3: the softmax is sampled, 8,192 words per step."""
 PIECES = {"gnmt": 10, "biglstm": 20}
-"""Time pieces the recurrences run on (``benchmarks.models.recur``): GNMT's 50 steps in 10 of 5
+"""Time pieces the recurrences run on (``benchmarks.workloads.models.recur``): GNMT's 50 steps in 10 of 5
 steps, BigLSTM's 20 one by one (its graph was unrolled so). A stack of LSTMs placed layer by
 layer runs as a wavefront over them, as GNMT's model parallelism does (Wu et al. 2016, §3.3);
 one node per layer would leave each device idle until the layer below has read the sequence."""
 SHARDS = 8
-"""Vocabulary slices of a full softmax (``benchmarks.models.Sharded``): GNMT partitions its
+"""Vocabulary slices of a full softmax (``benchmarks.workloads.models.Sharded``): GNMT partitions its
 softmax over its GPUs (§3.3) and the released lm_1b graph keeps it in 8; one node of 32k or
 793k outputs would sit on one device of a worker."""
 

@@ -1,6 +1,6 @@
 """The makespan objective (DLPlacer) against the pipeline objective and one device, on 2 CPU workers.
 
-For a two-tower retrieval model (``benchmarks.models.TwoTower``: two independent MLP towers,
+For a two-tower retrieval model (``benchmarks.workloads.models.TwoTower``: two independent MLP towers,
 joined by the in-batch score matrix) and Inception-V3 (parallel towers inside each block), at
 bench size, measured in one run:
 

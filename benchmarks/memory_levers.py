@@ -21,13 +21,14 @@ Beside the pipelines: the unsplit model's step on 1 thread and on 2 threads.
 Targets (issue 25): "auto" fits where "none" does not; measured peak within 15% of the predicted on
 every rank; "auto" faster than "full" (ratio < 1).
 
-Prints a table and writes ``benchmarks/results/memory_levers.json``.
+Prints a table and writes ``benchmarks/results/memory_levers.json`` (``--out``), the file
+``docs/precision-and-recomputation.md`` reads.
 
 Usage::
 
     python benchmarks/memory_levers.py               # GPT and Llama, ~2 min on 2 cores
-    python benchmarks/memory_levers.py --schedule gpipe   # results/memory_levers_gpipe.json
-    python benchmarks/memory_levers.py --models gpt --steps 4
+    python benchmarks/memory_levers.py --schedule gpipe --out /tmp/gpipe.json   # every stage holding all M
+    python benchmarks/memory_levers.py --models gpt --steps 4 --out /tmp/quick.json
 """
 
 from __future__ import annotations
@@ -228,9 +229,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--models", nargs="+", default=["gpt", "llama"], choices=["gpt", "llama"])
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe"])
-    parser.add_argument("--out", default=None, help="default: results/memory_levers.json (1f1b), memory_levers_gpipe.json")
+    parser.add_argument("--out", default=str(RESULTS / "memory_levers.json"),
+                        help="default: results/memory_levers.json, the file the docs read")
     args = parser.parse_args(argv)
-    args.out = args.out or str(RESULTS / ("memory_levers.json" if args.schedule == "1f1b" else f"memory_levers_{args.schedule}.json"))
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.models:

@@ -60,8 +60,8 @@ from autosplit.timers import pinned, steady_allocator
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.models import GPT, make  # noqa: E402
 from benchmarks.plan_time import machine  # noqa: E402
+from benchmarks.workloads.models import GPT, make  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "pipeline_runtime.json"
 REPEATED = {"gpt": "blocks", "inception_v3": "blocks", "biglstm": None, "gnmt": None}

@@ -1,4 +1,4 @@
-"""Planning real LLM sizes on the meta device, from shapes alone (run by ``plan_time.py --llms``).
+"""Planning real LLM sizes on the meta device, from shapes alone.
 
 Each model is built by transformers from its published configuration under
 ``torch.device("meta")`` (no weights are allocated) and planned with ``autosplit.Spec`` inputs
@@ -17,10 +17,19 @@ the dtypes it traces, so autosplit refuses to convert an exported graph itself).
 the same model, memory caps not enforced (its memory per device says by how much it misses).
 These are planned for GPUs this machine does not have: the figures are the cost model's (H100
 presets), not measurements.
+
+Prints a table and writes ``benchmarks/results/plan_llms.json`` (``--out``), the file
+``docs/big-models.md`` reads.
+
+Usage::
+
+    .venv/bin/python benchmarks/plan_llms.py                          # bf16-mixed, checkpointing="auto"; about 5 min
+    .venv/bin/python benchmarks/plan_llms.py --precision fp32 --checkpointing none --out /tmp/fp32.json
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import re
 import resource
@@ -136,5 +145,24 @@ def run(
     return rows
 
 
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=8192)
+    parser.add_argument("--schedules", nargs="+", default=["gpipe", "1f1b"])
+    parser.add_argument("--time-limit", type=float, default=10.0, help="solver limit (the library default)")
+    parser.add_argument("--precision", default="bf16-mixed", help="fp32, bf16-mixed, bf16 (the meta model converted first), ...")
+    parser.add_argument("--checkpointing", default="auto", help="none, full or auto")
+    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results" / "plan_llms.json")
+    args = parser.parse_args(argv)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from benchmarks.plan_time import machine
+
+    rows = run(args.batch, args.seq, args.schedules, args.time_limit, args.precision, args.checkpointing)
+    args.out.write_text(json.dumps({"benchmark": "plan_llms", "machine": machine(), "rows": rows}, indent=1))
+    print(f"wrote {args.out}")
+    return 0
+
+
 if __name__ == "__main__":
-    print(json.dumps(run(8, 8192, ["gpipe", "1f1b"], 10.0), indent=1))
+    raise SystemExit(main())

@@ -9,7 +9,6 @@ Usage::
 
     python benchmarks/plan_time.py                     # the real size, ~1-2 minutes
     python benchmarks/plan_time.py --layers 4 --width 64 --vocab 512 --seq 64   # a quick look
-    python benchmarks/plan_time.py --llms      # Llama-3-8B/70B, Mixtral-8x7B on meta, from shapes (plan_llms.py)
 """
 
 from __future__ import annotations
@@ -53,21 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--devices", type=int, nargs="+", default=[4, 8])
     parser.add_argument("--time-limit", type=float, default=10.0, help="solver limit (the library default)")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "plan_time.json"))
-    parser.add_argument("--llms", action="store_true", help="plan Llama-3-8B/70B and Mixtral-8x7B on meta instead (plan_llms.py)")
-    parser.add_argument("--precision", default="fp32", help="with --llms: the plans' precision (e.g. bf16-mixed)")
-    parser.add_argument("--checkpointing", default="none", help="with --llms: none, full or auto")
     args = parser.parse_args(argv)
-    if args.llms:
-        from benchmarks.plan_llms import run
-
-        rows = run(args.batch, 8192, ["gpipe", "1f1b"], args.time_limit, args.precision, args.checkpointing)
-        name = "plan_time_llms.json" if args.precision == "fp32" and args.checkpointing == "none" else (
-            f"plan_time_llms_{args.precision}_{args.checkpointing}.json")
-        out = Path(args.out).with_name(name)
-        out.write_text(json.dumps({"benchmark": "plan_time --llms", "machine": machine(), "rows": rows}, indent=1))
-        print(f"wrote {out}")
-        return 0
-
     torch.manual_seed(0)
     warm = GPT(vocab=64, d_model=16, n_layers=1, n_heads=2, max_len=8)
     autosplit.plan(warm, ["cpu"] * 2, example_inputs=(torch.randint(0, 64, (2, 8)),), time_limit=1)

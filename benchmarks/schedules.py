@@ -19,14 +19,13 @@ is forward + backward of every micro-batch and an Adam step, the slower rank's t
 configuration's plans run together on ``--pairs`` fresh pairs of processes, one after the other
 (every other pair with the plans in reverse order), each timing ``--steps`` steps of every plan in
 interleaved blocks as ``pipeline_runtime.py`` does; the figure is the median of all of a plan's
-steps (min, max and each pair's median beside it). A plan's two pairs' medians differ by 4.2%
-(median over rows) and up to 34% (``results/schedules_pooled_1.json``), more than the 1–4% that
-separates autosplit's split from torchtitan's in some configurations: one pair alone cannot order
-them. (c) runs once more beside the fastest (b) of every configuration, on ``--auto-pairs`` (4)
-pairs of their own (``auto_beside``: the (c) target is judged on that side-by-side run; ``auto``
-often ties with torchtitan's best, and two pairs ordered a tie at 0.979 in run 10). ``--processes model`` puts all of a model's plans in
-one pair, as runs before 2026-11-25 did: there a plan runs slower than alone, and by how much
-depends on its configuration (``crowding.py`` measures it), which no user running one plan sees.
+steps (min, max and each pair's median beside it). One pair of processes alone cannot order plans
+1–4% apart: a plan's medians on two pairs can differ by more than that. (c) runs once more beside
+the fastest (b) of every configuration, on ``--auto-pairs`` (4) pairs of their own (``auto_beside``:
+the (c) target is judged on that side-by-side run; ``auto`` often ties with torchtitan's best).
+``--processes model`` puts all of a model's plans in one pair: there a plan runs slower than alone,
+and by how much depends on its configuration (``investigations/crowding.py`` measures it), which no
+user running one plan sees.
 Predictions (step: torch's action lists replayed; peak memory per rank) use per-node costs
 measured in this run on one pinned core with one thread (``--beside``: while the other core runs
 the same passes, ``ProfileOptions.beside``) (the zero-bubble
@@ -36,8 +35,8 @@ core, and the link and runtime overhead measured first by ``autosplit.calibratio
 The machine's own speed is measured beside them: a fixed reference workload (:func:`probe`, an
 MLP's forward and backward) timed on core 0 with one thread, alone, before and after the plans are
 profiled and, in the timing processes, before every block of timed steps (rank 1 waiting). This
-VM runs the same work at speeds that drift by more than the error being measured (the drift runs of
-``results/schedules_drift_*.json``); each row also reports its error with the prediction scaled by
+VM runs the same work at speeds that drift by more than the error being measured; each row also
+reports its error with the prediction scaled by
 the probe's time at its measurement over its time at profiling (``drift_corrected_error``), beside
 the raw error, which the targets are judged on.
 
@@ -55,9 +54,12 @@ faster of its variants).
 
 Usage::
 
-    .venv/bin/python benchmarks/schedules.py                       # everything, about 35 min
-    .venv/bin/python benchmarks/schedules.py --quick --models gpt --schedules interleaved1f1b,zbvzerobubble --micro 4
-    .venv/bin/python benchmarks/schedules.py --overstatement benchmarks/results/schedules_run{6,6_llama,7,8,9}.json
+    .venv/bin/python benchmarks/schedules.py                       # everything, about 48 min
+    .venv/bin/python benchmarks/schedules.py --quick --models gpt --schedules interleaved1f1b,zbvzerobubble --micro 4 \
+        --out /tmp/quick.json                                      # a quick look, kept out of results/
+
+Writes ``benchmarks/results/schedules.json`` (``--out``), the file ``docs/schedules.md`` reads.
+Analyses of results files that measure nothing are in ``investigations/schedules_analysis.py``.
 """
 
 from __future__ import annotations
@@ -99,12 +101,11 @@ TT_WEIGHTS = {"tt 1/1": (1, 1), "tt 0/0": (0, 0)}
 HEAP_RESERVE = 1 << 30
 """Bytes of heap every process faults in before it plans or times (:func:`~autosplit.timers.steady_allocator`):
 without it, a rank's heap grew now and then in a timed step and faulted its new pages in there
-(``heap_faults.py``; runs 1–7 had none)."""
+(``investigations/heap_faults.py``)."""
 ERROR_MEDIAN, ERROR_WORST, RATIO = 0.10, 0.20, 0.98
 LOOPED = ("interleaved1f1b", "loopedbfs", "interleavedzerobubble")
 """torch's multi-stage classes, which also run one stage per rank: in the grid at v = 1 too, unless
---no-v1-loop (runs before 2026-11-26 left them out: they hung when an earlier version of these
-stages posted their receives early)."""
+--no-v1-loop."""
 
 
 def workload(name: str):
@@ -504,32 +505,6 @@ def verdicts(records: list[dict], block: int) -> dict:
     }
 
 
-def overstatement(paths: list[Path]) -> dict:
-    """How far the replay overstates autosplit's lead, over the replayed configurations (several
-    stages per rank, or a split backward) of the results files ``paths``: per configuration, the
-    predicted (b) / (a) over the measured one, round by round, less 1 (> 0: autosplit measured less
-    ahead than predicted). ``PlanOptions.cut_margin``'s default is its 90th percentile over runs 6–9."""
-    from autosplit import schedules as registry
-
-    by: dict[str, list[float]] = {}
-    for path in paths:
-        results = json.loads(path.read_text())
-        summary = verdicts(results["models"], results.get("block", 2))
-        for key, measured in summary["b_over_a"].items():
-            _, schedule, v, _ = key.split()
-            entry = registry.lookup(schedule)
-            if entry.replayed(int(v.removeprefix("v="))):
-                by.setdefault(entry.placement, []).append(summary["b_over_a_predicted"][key] / measured - 1)
-
-    def stats(xs: list[float]) -> dict:
-        ranked = sorted(xs)
-        return {"configurations": len(xs), "mean": statistics.mean(xs),
-                **{f"p{q}": ranked[math.ceil(q / 100 * len(ranked)) - 1] for q in (50, 75, 90, 95)}, "max": ranked[-1]}
-
-    return {"files": [p.name for p in paths], "all": stats([x for xs in by.values() for x in xs]),
-            **{placement: stats(xs) for placement, xs in by.items()}}
-
-
 def report(record: dict) -> None:
     u = record["unsplit"]
     print(f"\n{record['model']}: unsplit {u['1 thread']['median'] * 1e3:.0f} ms (1 thread), "
@@ -584,32 +559,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--processes", choices=("configuration", "model"), default="configuration",
                         help="a fresh pair of processes per configuration (default), or one pair for all of a model's plans")
     parser.add_argument("--quick", action="store_true", help="4 timed steps, no warm-up round, 3 s solves")
-    parser.add_argument("--out", default=None, help="default: results/schedules.json (schedules_quick.json with --quick)")
-    parser.add_argument("--overstatement", metavar="RESULTS", nargs="+", default=None,
-                        help="measure nothing: how far the replay overstated autosplit's lead in these results files "
-                             "(written to results/overstatement.json)")
-    parser.add_argument("--summarise", metavar="RESULTS", default=None,
-                        help="measure nothing: judge the rows of a results file with this code's verdicts, written back into it")
+    parser.add_argument("--out", type=Path, default=RESULTS / "schedules.json",
+                        help="default: results/schedules.json, the file the docs read (a partial run replaces it too)")
     args = parser.parse_args(argv)
-    if args.overstatement:
-        found = overstatement([Path(p) for p in args.overstatement])
-        write_json(RESULTS / "overstatement.json", found)
-        for name, x in found.items():
-            if name != "files":
-                print(f"{name:6s} {x['configurations']:3d} configurations: mean {x['mean']:+.1%}, median {x['p50']:+.1%}, "
-                      f"75th {x['p75']:+.1%}, 90th {x['p90']:+.1%}, 95th {x['p95']:+.1%}, max {x['max']:+.1%}")
-        return 0
-    if args.summarise:
-        results = json.loads(Path(args.summarise).read_text())
-        results["summary"] = verdicts(results["models"], results.get("block", args.block))
-        write_json(Path(args.summarise), results)
-        print(json.dumps(results["summary"], indent=1))
-        return 0
     if args.quick:
         args.steps, args.warmup, args.time_limit = 4, 0, 3
     args.micro = [int(m) for m in args.micro.split(",")]
     args.schedules = args.schedules.split(",")
-    out = Path(args.out or RESULTS / ("schedules_quick.json" if args.quick else "schedules.json"))
+    out = args.out
 
     start = time.time()
     steady_allocator(reserve=HEAP_RESERVE)  # the unsplit model's steps and the profiles alike

@@ -13,7 +13,8 @@ side by side under the same cost model, the predicted step time of:
   model would exceed ``--node-vars`` stage booleans);
 - ``uniform``: layers split evenly by count, the embeddings with the first and the head with the last.
 
-Writes ``benchmarks/results/solver_scaling.json``.
+Writes ``benchmarks/results/solver_scaling.json`` (``--out``); the file kept there, which
+``docs/options.md`` reads, is the run of the seven shapes below.
 
 The summary checks issue #9's targets on every shape: a gap ≤ 1% at ≥ 3,000 nodes onto 8
 devices and ≤ 2% at ≥ 10,000 nodes onto 64, planned end to end (capture + annotate +
@@ -23,8 +24,7 @@ Usage::
 
     python benchmarks/solver_scaling.py                                  # 12…260 layers × 4…64 devices
     python benchmarks/solver_scaling.py --layers 12 96 --devices 8 64    # a subset
-    python benchmarks/solver_scaling.py --shapes all --pairs 80x8 260x64 --node-vars 0 \
-        --out benchmarks/results/solver_scaling_shapes.json              # issue #9's targets
+    python benchmarks/solver_scaling.py --shapes all --pairs 80x8 260x64 --node-vars 0   # issue #9's targets
 """
 
 from __future__ import annotations

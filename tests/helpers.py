@@ -30,8 +30,8 @@ from autosplit.examples import GPT
 from autosplit.microbatch import split_batch
 from autosplit.solver.problem import Problem, evaluate
 from autosplit.solver.validate import violations
-from benchmarks.models import GNMT, MLP, ConvBN, InceptionA, InceptionE, ResNet
-from benchmarks.vision import make as make_vision
+from benchmarks.workloads.models import GNMT, MLP, ConvBN, InceptionA, InceptionE, ResNet
+from benchmarks.workloads.vision import make as make_vision
 
 ROOT = Path(__file__).resolve().parents[1]
 """The repository: autosplit/, benchmarks/, examples/, tests/."""
@@ -305,7 +305,7 @@ ZOO: dict[str, Callable[[], tuple]] = {
     "lstm": lambda: (LSTMTagger(), (torch.randint(0, 50, (3, 5)),), {}),
     "gnmt": lambda: (GNMT(vocab=30, hidden=8, layers=3), (torch.randint(0, 30, (2, 5)), torch.randint(0, 30, (2, 4))), {}),
     "dict_tuple_output": lambda: (MultiHead(), (torch.randn(4, 8),), {"scale": 0.5}),
-    # torchvision-style CNNs (benchmarks/vision.py): in-place ReLU/ReLU6/SiLU, `out += identity`,
+    # torchvision-style CNNs (benchmarks/workloads/vision.py): in-place ReLU/ReLU6/SiLU, `out += identity`,
     # depthwise convolutions, squeeze-and-excitation, dense concatenation.
     **{name: _vision(name) for name in ("resnet50", "mobilenet_v2", "densenet121", "efficientnet_b0", "vgg11")},
 }

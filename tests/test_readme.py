@@ -1,17 +1,20 @@
-"""Every ```python snippet of README.md runs as written on the CPU quick-start machine.
+"""Every ```python snippet of README.md and of the pages under docs/ runs as written on the CPU
+quick-start machine, and the docs name exactly the results files kept under benchmarks/results/.
 
-The snippets are read from README.md when the tests run (never copied here), by the fence's
-info string:
+The snippets are read from the pages when the tests run (never copied here), by the fence's info
+string:
 
-- ``python``: run in this process, in document order, in one namespace (the first snippet of
-  "Use" defines the model, ``x``, ``y`` and ``loss_fn`` the others use), in a scratch folder;
+- ``python``: run in this process, in page order, in one namespace per page (README.md's first
+  snippet of "Use" defines the model, ``x``, ``y`` and ``loss_fn`` its others use; a docs page
+  defines what its own snippets use), in a scratch folder;
 - ``python torchrun``: a complete script, run under ``torchrun --nproc-per-node 2`` (gloo);
 - ``python script``: a complete script, run with the interpreter as ``python file.py``;
 - ``python skip-gpu``: needs CUDA, skipped without it. Any other marker fails, so a snippet
   is never left out silently.
 
-The scripts run one after another on a background thread while the in-process snippets run
-(the planner leaves the second core mostly idle), and each script's test waits for its result.
+The scripts run one after another on a background thread while the in-process snippets run on
+one intra-op thread (the planner leaves the second core mostly idle), and each script's test waits
+for its result.
 """
 
 from __future__ import annotations
@@ -30,35 +33,41 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
+PAGES = [README, *sorted((ROOT / "docs").glob("*.md"))]
+"""README.md first, then the docs pages by name: the order the snippets run in."""
+RESULTS = ROOT / "benchmarks" / "results"
 KINDS = {"": "in-process", "torchrun": "torchrun", "script": "script", "skip-gpu": "needs CUDA"}
 FENCE = re.compile(r"^```python(?P<info>[^\n]*)\n(?P<code>.*?)^```[ \t]*$", re.S | re.M)
 
 
 @dataclass(frozen=True)
 class Snippet:
+    page: str
+    """The page's path from the repository root (``README.md``, ``docs/schedules.md``)."""
     line: int
-    """Line of the opening fence in README.md."""
+    """Line of the opening fence in the page."""
     kind: str
     code: str
     section: str
 
     @property
     def name(self) -> str:
-        return f"README.md:{self.line}"
+        return f"{self.page}:{self.line}"
 
 
 def snippets() -> list[Snippet]:
-    text = README.read_text()
     out = []
-    for m in FENCE.finditer(text):
-        line = text.count("\n", 0, m.start()) + 1
-        headings = re.findall(r"^#+ (.+)$", text[: m.start()], re.M)
-        out.append(Snippet(line, m["info"].strip(), m["code"], headings[-1] if headings else ""))
+    for path in PAGES:
+        text, page = path.read_text(), path.relative_to(ROOT).as_posix()
+        for m in FENCE.finditer(text):
+            line = text.count("\n", 0, m.start()) + 1
+            headings = re.findall(r"^#+ (.+)$", text[: m.start()], re.M)
+            out.append(Snippet(page, line, m["info"].strip(), m["code"], headings[-1] if headings else ""))
     return out
 
 
 SNIPPETS = snippets()
-IDS = [f"{s.line}-{s.kind or 'python'}" for s in SNIPPETS]
+IDS = [f"{s.page}:{s.line}-{s.kind or 'python'}" for s in SNIPPETS]
 
 
 def _env(tmp: Path) -> dict[str, str]:
@@ -69,12 +78,29 @@ def _env(tmp: Path) -> dict[str, str]:
 
 
 def test_readme_has_snippets_of_known_kinds_only():
-    assert len(SNIPPETS) >= 10, f"found {len(SNIPPETS)} python snippets in README.md"
+    assert len(SNIPPETS) >= 10, f"found {len(SNIPPETS)} python snippets in README.md and docs/"
     unknown = [f"{s.name}: ```python {s.kind}" for s in SNIPPETS if s.kind not in KINDS]
     assert not unknown, f"snippets with a marker the README test does not know: {unknown}"
-    assert sum(s.kind == "" for s in SNIPPETS) >= 6 and any(s.kind == "torchrun" for s in SNIPPETS)
+    readme = [s for s in SNIPPETS if s.page == "README.md"]
+    assert sum(s.kind == "" for s in readme) >= 3 and [s.kind for s in readme].count("torchrun") == 1, (
+        "README.md shows the two API tiers in process and one torchrun script")
     skipped = [s.name for s in SNIPPETS if s.kind == "skip-gpu"]
     assert len(skipped) <= 1, f"skipping is for the rare snippet that needs a GPU: {skipped}"
+
+
+def test_the_docs_read_every_results_file_kept_and_only_those():
+    """benchmarks/results/ keeps one file per benchmark, the one the docs read their figures from."""
+    named = {m for page in PAGES for m in re.findall(r"benchmarks/results/([\w.-]+\.json)", page.read_text())}
+    kept = {p.name for p in RESULTS.glob("*.json")}
+    assert named <= kept, f"the docs read results files that are not kept: {sorted(named - kept)}"
+    assert kept <= named, f"results files no page reads (move or delete them): {sorted(kept - named)}"
+
+
+def test_relative_links_of_the_pages_resolve():
+    broken = [f"{page.relative_to(ROOT)}: {link}" for page in PAGES
+              for link in re.findall(r"\]\(([^)#:]+)(?:#[^)]*)?\)", page.read_text())
+              if not (page.parent / link).exists()]
+    assert not broken, f"links to files that do not exist: {broken}"
 
 
 def _command(snippet: Snippet, path: Path) -> list[str]:
@@ -91,12 +117,14 @@ def _run_script(snippet: Snippet, folder: Path) -> subprocess.CompletedProcess:
 
 
 class _Session:
-    """The namespace the in-process snippets share, whether one of them failed, and the scripts running beside them."""
+    """The namespaces the in-process snippets share (one per page), which failed, and the scripts running beside them."""
 
-    def __init__(self, folder: Path, scripts: dict[int, Future]) -> None:
+    def __init__(self, folder: Path, scripts: dict[str, Future]) -> None:
         self.folder = folder
-        self.namespace: dict[str, Any] = {"__name__": "__main__"}
-        self.failed: str | None = None
+        self.namespaces: dict[str, dict[str, Any]] = {}
+        """Per page: the namespace its in-process snippets share."""
+        self.failed: dict[str, str] = {}
+        """Per page: the first of its in-process snippets that failed."""
         self.scripts = scripts
 
 
@@ -107,9 +135,13 @@ def session(tmp_path_factory):
     os.chdir(folder)  # the snippets write plan.json, compare.html
     os.environ["AUTOSPLIT_CACHE"] = str(folder / "cache")
     threads = torch.get_num_threads()
+    # One intra-op thread for the in-process snippets: the scripts' processes run beside them, and
+    # threads that oversubscribe the cores spin (a measured compare ran about 10x slower on two).
+    torch.set_num_threads(1)
     pool = ThreadPoolExecutor(max_workers=1)
     scripts = {
-        s.line: pool.submit(_run_script, s, folder / f"script-{s.line}") for s in SNIPPETS if s.kind in ("torchrun", "script")
+        s.name: pool.submit(_run_script, s, folder / f"script-{s.page.replace('/', '-')}-{s.line}")
+        for s in SNIPPETS if s.kind in ("torchrun", "script")
     }
     try:
         yield _Session(folder, scripts)
@@ -128,17 +160,18 @@ def test_readme_snippet_runs_as_written(snippet: Snippet, session: _Session):
     if snippet.kind == "skip-gpu" and not torch.cuda.is_available():
         pytest.skip(f"{snippet.name} needs CUDA")
     if snippet.kind in ("", "skip-gpu"):
-        if session.failed:
-            pytest.fail(f"{snippet.name} continues from {session.failed}, which failed")
+        if snippet.page in session.failed:
+            pytest.fail(f"{snippet.name} continues from {session.failed[snippet.page]}, which failed")
+        namespace = session.namespaces.setdefault(snippet.page, {"__name__": "__main__"})
         try:
-            exec(compile(snippet.code, snippet.name, "exec"), session.namespace)
+            exec(compile(snippet.code, snippet.name, "exec"), namespace)
         except BaseException:
-            session.failed = snippet.name
+            session.failed[snippet.page] = snippet.name
             raise
         return
-    if snippet.line not in session.scripts:
+    if snippet.name not in session.scripts:
         pytest.fail(f"{snippet.name}: unknown marker ```python {snippet.kind}")
-    done = session.scripts[snippet.line].result()
+    done = session.scripts[snippet.name].result()
     how = " ".join(_command(snippet, Path("snippet.py")))
     assert done.returncode == 0, (
         f"{snippet.name} ({snippet.section}), run as `{how}`, failed:\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}"
@@ -153,8 +186,8 @@ def test_readme_split_json_and_every_manual_form_it_names_run_with_the_cli(tmp_p
 
     from autosplit.cli import main
 
-    blocks = re.findall(r"^```json split\.json\n(.*?)^```", README.read_text(), re.S | re.M)
-    assert len(blocks) == 1, "README.md shows the --manual NAME=@split.json file once"
+    blocks = re.findall(r"^```json split\.json\n(.*?)^```", (ROOT / "docs" / "cli.md").read_text(), re.S | re.M)
+    assert len(blocks) == 1, "docs/cli.md shows the --manual NAME=@split.json file once"
     split = tmp_path / "split.json"
     split.write_text(blocks[0])
     forms = {"even": f"@{split}", "balance": "[6, 6]", "cut": '{"blocks.4": "beginning"}', "points": '["blocks.4"]',

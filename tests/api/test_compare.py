@@ -73,7 +73,7 @@ def test_compare_measures_each_split_locally_beside_its_prediction():
 
 
 def test_compare_shows_both_objectives_and_measures_the_makespan_runtime(tmp_path):
-    from benchmarks.models import make
+    from benchmarks.workloads.models import make
 
     torch.manual_seed(0)
     model, (q, i) = make("two_tower", "tiny")

@@ -15,7 +15,7 @@ from autosplit.plans import Plan
 from autosplit.report.html import write_html
 from autosplit.report.timeline import timeline
 from autosplit.runtime.makespan import MakespanRunner
-from benchmarks.models import BigLSTM
+from benchmarks.workloads.models import BigLSTM
 from tests.helpers import TwoTowers
 
 
@@ -53,7 +53,7 @@ def test_a_makespan_plan_puts_the_towers_side_by_side_and_round_trips(tmp_path):
 
 
 def test_lstm_layers_in_time_pieces_run_as_a_wavefront():
-    """A stack of LSTMs over time pieces (``benchmarks.models.recur``) computes what one call per
+    """A stack of LSTMs over time pieces (``benchmarks.workloads.models.recur``) computes what one call per
     layer does; its makespan plan on two GPUs puts the layers on different devices, overlapping
     piece by piece, where one call per layer gains next to nothing from the second device."""
     torch.manual_seed(0)

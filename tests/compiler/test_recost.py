@@ -11,7 +11,7 @@ import torch
 import autosplit
 from autosplit.examples import GPT
 from autosplit.report.text import plan_report
-from benchmarks.models import MLP
+from benchmarks.workloads.models import MLP
 from tests.helpers import small_gpt
 
 

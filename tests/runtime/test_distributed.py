@@ -38,7 +38,7 @@ def _inception():
 
 
 def _gnmt():
-    from benchmarks.models import GNMT
+    from benchmarks.workloads.models import GNMT
 
     src, tgt = torch.randint(0, 30, (8, 5)), torch.randint(0, 30, (8, 4))
     return GNMT(vocab=30, hidden=8, layers=3), (src, tgt), {}, torch.randint(0, 30, (8, 4)), lambda out, t: F.cross_entropy(

@@ -15,7 +15,7 @@ from tests.helpers import TwoTowers
 
 
 def _inception():
-    from benchmarks.models import InceptionA
+    from benchmarks.workloads.models import InceptionA
 
     return InceptionA(8, 4, 0.125), torch.randn(4, 8, 9, 9), {"b1": 0, "b3": 1}
 

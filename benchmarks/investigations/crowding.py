@@ -5,11 +5,11 @@ held all of a model's ~40 plans; a user runs one. This benchmark times a few of 
 (``schedules.py``'s workload and profile) alone, each on a fresh pair, and then all together with
 the others of a crowd (every multi-stage schedule at v = 2 and M ∈ {4, 8}, twice over) on one pair,
 as that run did: median step, alone and in the crowd, beside the prediction
-(``results/crowding.json``).
+(``benchmarks/investigations/results/crowding.json``).
 
 Usage::
 
-    .venv/bin/python benchmarks/crowding.py      # about 9 min
+    .venv/bin/python benchmarks/investigations/crowding.py      # about 9 min
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 import autosplit  # noqa: E402
@@ -32,7 +32,7 @@ from autosplit.options import ProfileOptions  # noqa: E402
 from autosplit.timers import pinned, steady_allocator  # noqa: E402
 from benchmarks.pipeline_runtime import measured_cpu  # noqa: E402
 from benchmarks.plan_time import machine  # noqa: E402
-from benchmarks.schedules import RESULTS, time_plans, workload  # noqa: E402
+from benchmarks.schedules import time_plans, workload  # noqa: E402
 
 WATCHED = [("interleavedzerobubble", 2), ("zbvzerobubble", 4), ("interleavedzerobubble", 8)]
 """The plans timed alone: interleaved zero-bubble at M = 2 (``auto``'s choice for the GPT in some
@@ -43,7 +43,7 @@ CROWD = [(s, m) for s in ("interleaved1f1b", "loopedbfs", "interleavedzerobubble
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--out", default=str(RESULTS / "crowding.json"))
+    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "investigations" / "results" / "crowding.json"))
     args = parser.parse_args(argv)
     args.warmup, args.block = 1, 2
     start = time.time()

@@ -13,11 +13,11 @@ costs measured in this run (one pinned core, one thread), for each schedule:
 - beside them, the plan's predicted forward and backward of that stage (the last stage's with the
   loss: the planner is given ``loss_fn`` and ``example_target``) and its predicted step.
 
-Prints a table and writes ``benchmarks/results/stage_context.json``.
+Prints a table and writes ``benchmarks/investigations/results/stage_context.json``.
 
 Usage::
 
-    .venv/bin/python benchmarks/stage_context.py                 # gpipe and 1f1b, about 3 min
+    .venv/bin/python benchmarks/investigations/stage_context.py                 # gpipe and 1f1b, about 3 min
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 import autosplit  # noqa: E402
@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--idle", dest="beside", action="store_false",
                         help="profile on an idle host (by default core 1 runs the same passes meanwhile, as rank 1 will)")
-    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "stage_context.json"))
+    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "investigations" / "results" / "stage_context.json"))
     args = parser.parse_args(argv)
     _, spec = pipeline_runtime.measured_cpu()
     model, inputs, target, loss_fn = pipeline_runtime.workload("gpt")
@@ -192,6 +192,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{i['forward'] * 1e3:7.1f} {p['backward'] * 1e3:7.1f} {a['backward'] * 1e3:6.1f}/{b['backward'] * 1e3:6.1f} "
               f"{i['backward'] * 1e3:7.1f} {a['faults']:8.0f}/{b['faults']:8.0f} {i['faults']:7.0f} {p['step'] * 1e3:9.1f} "
               f"{max(x['inside']['step'] for x in rows if x['schedule'] == r['schedule']) * 1e3:8.1f}")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"benchmark": "stage_context", "machine": machine(), "rows": rows}, indent=1))
     print(f"wrote {args.out}")
     return 0

@@ -13,7 +13,7 @@ rank 0 of autosplit's plan had such steps, torchtitan's none, in the profile tha
 
 Usage::
 
-    .venv/bin/python benchmarks/heap_faults.py            # about 4 min; results/heap_faults.json
+    .venv/bin/python benchmarks/investigations/heap_faults.py    # about 4 min; writes results/heap_faults.json here
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--micro", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=10, help="blocks of 2 timed steps per plan")
     parser.add_argument("--time-limit", type=float, default=10, help="solver seconds per plan")
-    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "heap_faults.json"))
+    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "investigations" / "results" / "heap_faults.json"))
     args = parser.parse_args(argv)
     start = time.time()
     steady_allocator(reserve=HEAP_RESERVE)
@@ -150,6 +150,7 @@ def main(argv: list[str] | None = None) -> int:
         cells = [f"{sum(f):>8} ({sum(x > 0 for x in f):>2} of {len(f)})" for f in r["faults_per_step"]]
         actions = {k: v for k, v in sorted(r["faults_by_action"][0].items()) if v}
         print(f"{r['reserve'] >> 20:>6} MiB {r['plan']:>10} {r['median_step'] * 1e3:>10.1f} {cells[0]:>31} {cells[1]:>16}  {actions}")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     write_json(Path(args.out), {
         "machine": schedules.machine(), "argv": sys.argv[1:], "model": args.model, "schedule": args.schedule,
         "stages_per_rank": v, "micro_batches": args.micro, "rounds": args.rounds, "rows": records,

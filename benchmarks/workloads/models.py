@@ -1,4 +1,4 @@
-"""Benchmark workloads: small but faithful versions of the seed papers' models (DESIGN §6).
+"""The seed papers' models and the other workloads, small but faithful (DESIGN §6).
 
 No downloads, no torchvision. Every model has size knobs, so tests use tiny instances
 and benchmarks real ones (``bench``: a training step in about a second on one CPU core,

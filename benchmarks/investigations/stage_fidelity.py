@@ -8,7 +8,7 @@ than its nodes replayed one micro-batch at a time, which the per-node profile ca
 
 Usage::
 
-    .venv/bin/python benchmarks/stage_fidelity.py [--models inception_v3,gpt] [--micro 4]
+    .venv/bin/python benchmarks/investigations/stage_fidelity.py [--models inception_v3,gpt] [--micro 4]
 """
 
 from __future__ import annotations
@@ -23,13 +23,13 @@ import autosplit.calibration
 from autosplit.microbatch import split_batch
 from autosplit.options import ProfileOptions
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.pipeline_runtime import workload  # noqa: E402
 from benchmarks.plan_time import machine  # noqa: E402
 
-RESULTS = ROOT / "benchmarks" / "results" / "stage_fidelity.json"
+RESULTS = ROOT / "benchmarks" / "investigations" / "results" / "stage_fidelity.json"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -54,6 +54,7 @@ def main(argv: list[str] | None = None) -> int:
             rows.append({"model": name, "stage": s, "predicted": stage.compute, "measured": got.time, "error": error,
                          "modules": list(stage.modules)})
             print(f"{name:13s} {s:>5d} {stage.compute * 1e3:13.1f} {got.time * 1e3:18.1f} {error:+7.1%}")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"machine": machine(), "micro_batches": args.micro, "rows": rows}, indent=1))
     print(f"wrote {args.out}")
     return 0
