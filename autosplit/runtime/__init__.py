@@ -4,6 +4,9 @@
 - :mod:`.distributed` — :class:`DistributedModel`, a ``torch.distributed.pipelining`` stage per
   process, replicated over a ``("pp", "dp")`` device mesh (built by :func:`autosplit.distribute`);
 - :mod:`.batches` — batches of other sizes than the example's, checked on every rank;
+- :mod:`.loop` — the training loop's verbs on a pipeline: ``train()``/``eval()``, forward-only
+  ``pipe(...)`` and ``eval_step``, ``clip_grad_norm_``; :mod:`.gradients` the norm over every rank;
+- :mod:`.compiled` — ``compile=True``: each stage compiled with ``torch.compile``, or told why not;
 - :mod:`.stage` — the pipelining stage that posts a step's receives early;
 - :mod:`.asynchronous` — XPipe / PipeDream's asynchronous loop; :mod:`.prediction` its weight prediction;
 - :mod:`.makespan` — :class:`MakespanRunner`, a makespan plan's tasks in one process.
