@@ -97,9 +97,10 @@ def main() -> None:
         start, log = state["step"], state["log"]
 
     for step in range(start, args.steps):
-        losses = []
+        losses: list[float | None] = []
         for k in range(args.accumulate):  # gradients add up over the batches, as backward() adds them
             tokens, targets = batch(args.seed, step, k)
+            loss: torch.Tensor | None
             if pipe is None:
                 loss = loss_fn(model(tokens), targets)
                 loss.backward()
@@ -110,12 +111,14 @@ def main() -> None:
             norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_norm)
         else:
             norm = pipe.clip_grad_norm_(args.max_norm)  # the whole model's norm, the same on every rank
+        known = [x for x in losses if x is not None]  # the loss is known on the last stage's ranks
         entry = {"step": step, "lr": scheduler.get_last_lr()[0], "norm": norm.item(),
-                 "loss": None if None in losses else sum(losses) / len(losses)}
+                 "loss": sum(known) / len(known) if len(known) == len(losses) else None}
         opt.step()
         scheduler.step()
         opt.zero_grad()
         if (step + 1) % args.eval_every == 0:
+            val: torch.Tensor | None
             if pipe is None:
                 model.eval()
                 with torch.no_grad():

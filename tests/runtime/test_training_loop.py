@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import math
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -198,8 +199,9 @@ def _fixed_mode(*, rank: int, world: int) -> None:
 
 
 def _run_case(kind: str, *case, rank: int, world: int) -> None:
-    cases = {"accumulate": _accumulate_and_clip, "forward": _forward_only, "modes": _modes, "async": _asynchronous,
-             "fixed": _fixed_mode}
+    cases: dict[str, Callable[..., None]] = {
+        "accumulate": _accumulate_and_clip, "forward": _forward_only, "modes": _modes, "async": _asynchronous, "fixed": _fixed_mode,
+    }
     cases[kind](*case, rank=rank, world=world)
 
 
