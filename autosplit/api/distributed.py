@@ -24,7 +24,7 @@ from autosplit.devices import DeviceLike
 from autosplit.errors import AutosplitError, ConstraintError, DistributedError, PlanMismatchError, advice
 from autosplit.microbatch import batch_size
 from autosplit.passes.capture import flat_inputs
-from autosplit.passes.codegen import generate_chain, retarget
+from autosplit.passes.chain import generate_chain, retarget
 from autosplit.plans import Plan
 from autosplit.runtime.batches import ChainsByRows, keep_only, meta_copy
 from autosplit.runtime.compiled import CompileOptions, compile_options

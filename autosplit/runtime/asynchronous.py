@@ -46,7 +46,7 @@ import torch.distributed as dist
 
 from autosplit import schedules
 from autosplit.microbatch import split_batch
-from autosplit.passes.codegen import Chain
+from autosplit.passes.chain import Chain
 from autosplit.runtime.prediction import predicted, update_direction
 from autosplit.solver.asynchronous import Simulation, simulate
 

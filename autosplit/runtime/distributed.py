@@ -10,7 +10,7 @@ outer dimension (as in torchtitan), so rank ``r`` runs stage ``r // data_paralle
 1. Every rank captures and annotates the model; rank 0 solves (or every rank loads the plan
    file) and the plan is broadcast; every rank checks the graph fingerprint against its own
    capture, so all ranks run the same split of the same model.
-2. Codegen's chain form (:func:`~autosplit.passes.codegen.generate_chain`) gives each stage
+2. Codegen's chain form (:func:`~autosplit.passes.chain.generate_chain`) gives each stage
    a module that receives only from its predecessor and sends only to its successor, tensors
    only, contiguous, with static per-micro-batch metadata — so ``PipelineStage`` needs no
    shape-inference round trip. Each stage posts all of a step's receives when the step begins
@@ -70,7 +70,7 @@ from autosplit import schedules
 from autosplit.compat import forward_only_order, forward_only_step, replicate_chunk_spec
 from autosplit.errors import AutosplitError, DistributedError, advice
 from autosplit.microbatch import batch_size, is_batched
-from autosplit.passes.codegen import Chain
+from autosplit.passes.chain import Chain
 from autosplit.plans import Plan
 from autosplit.runtime.batches import check_batches, code_change, describe, digest, shapes
 from autosplit.runtime.checkpoint import StageState

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from autosplit.errors import DistributedError, advice
 from autosplit.passes.annotate import sparse_gradient_tables
-from autosplit.passes.codegen import Chain
+from autosplit.passes.chain import Chain
 from autosplit.plans import Plan
 
 
