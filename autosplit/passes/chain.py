@@ -29,6 +29,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils import _pytree as pytree
 
 from autosplit.errors import CodegenError, advice
+from autosplit.passes.autocast_policy import LOW_PRECISION
 from autosplit.passes.capture import Captured
 from autosplit.passes.codegen import placed
 from autosplit.passes.recompute_regions import Regions, attach_regions
@@ -88,8 +89,6 @@ class _MicroValues(fx.Interpreter):
     ``device=meta`` argument of its graph's ops becomes that device)."""
 
     def __init__(self, gm: fx.GraphModule, precision: tuple[str, str] = ("fp32", "cpu")):
-        from autosplit.passes.annotate import LOW_PRECISION
-
         super().__init__(gm, garbage_collect_values=False)
         self.mode = FakeTensorMode(allow_non_fake_inputs=True)
         self._fakes: dict[int, torch.Tensor] = {}

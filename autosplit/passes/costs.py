@@ -59,7 +59,7 @@ from autosplit.costtable import (
 )
 from autosplit.devices import DeviceSpec
 from autosplit.errors import CostModelError, advice
-from autosplit.passes.annotate import NodeInfo, node_info
+from autosplit.passes.annotations import NodeInfo, node_info
 from autosplit.passes.profile import Profile
 from autosplit.plans import PartialRecompute
 

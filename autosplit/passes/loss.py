@@ -33,7 +33,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from autosplit.devices import DeviceSpec
 from autosplit.errors import CostModelError, advice
 from autosplit.microbatch import split_batch
-from autosplit.passes.annotate import precision_context
+from autosplit.passes.autocast_policy import precision_context
 from autosplit.passes.capture import Captured
 from autosplit.passes.costs import LossCost, roofline
 from autosplit.passes.profile import _flat
