@@ -35,8 +35,9 @@ from autosplit.errors import CostModelError, advice
 from autosplit.microbatch import split_batch
 from autosplit.passes.autocast_policy import precision_context
 from autosplit.passes.capture import Captured
-from autosplit.passes.costs import LossCost, roofline
+from autosplit.passes.costs import LossCost
 from autosplit.passes.in_context import flat
+from autosplit.passes.time_model import roofline
 from autosplit.timers import timed
 
 __all__ = ["Loss", "LossCost", "cost_loss", "output_like"]

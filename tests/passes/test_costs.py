@@ -126,7 +126,8 @@ def test_sparse_lookups_are_costed_on_their_rows(capture_with):
     Adagrad's and SGD's steps read those rows instead of the table, and Adam, which refuses sparse
     gradients, is refused at plan time."""
     from autosplit.passes.annotate import annotate
-    from autosplit.passes.costs import estimate, optimizer_step_time
+    from autosplit.passes.costs import estimate
+    from autosplit.passes.time_model import optimizer_step_time
 
     model = _SparseTables()
     tokens, candidates = torch.randint(0, 20, (4, 8)), torch.randint(0, 200_000, (1, 64))
