@@ -36,8 +36,9 @@ from autosplit.options import PlanOptions
 from autosplit.passes.codegen import Program, generate
 from autosplit.plans import Alternative, PartialRecompute, Plan, SolverInfo
 from autosplit.solver import validate
+from autosplit.solver.evaluation import evaluate
 from autosplit.solver.pipeline.strategy import solve
-from autosplit.solver.problem import NS, evaluate
+from autosplit.solver.problem import NS
 
 
 def compile_plan(

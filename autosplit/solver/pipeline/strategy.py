@@ -35,10 +35,11 @@ from dataclasses import dataclass
 from autosplit.errors import InfeasiblePlanError, SolverError, advice
 from autosplit.options import SolverLimits
 from autosplit.solver.coarsen import Coarsening, coarse_problem, coarsen, repeated_layers
+from autosplit.solver.evaluation import evaluate
 from autosplit.solver.pipeline.bounds import lower_bound, memory_chain_floor, memory_floor
 from autosplit.solver.pipeline.cpsat import PROVEN_GAP, cpsat, explain_infeasible, precheck
 from autosplit.solver.pipeline.dp import Prefix, prefix_sums, split_dp, topological_order
-from autosplit.solver.problem import KIB, Problem, evaluate
+from autosplit.solver.problem import KIB, Problem
 from autosplit.solver.validate import violations
 from autosplit.units import format_bytes
 
