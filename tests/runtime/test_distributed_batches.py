@@ -126,9 +126,9 @@ def _sizes_worker(rank: int, world: int, init: str, tmp: str) -> None:
                     torch.testing.assert_close(loss, expected, msg=where(f"{schedule} step {step} loss"))
                 _same_parameters(pipe, reference, f"{schedule} after step {step} ({rows} rows)")
                 if step == 1:
-                    six = pipe._runs[6]
-            assert pipe._runs[6] is six, "the repeated size reuses its stage and schedule"
-            micro = {rows: run.micro_batches for rows, run in pipe._runs.items()}
+                    six = pipe._runs[6, "train"]
+            assert pipe._runs[6, "train"] is six, "the repeated size reuses its stage and schedule"
+            micro = {rows: run.micro_batches for (rows, kind), run in pipe._runs.items() if kind == "train"}
             assert micro == ({8: 2, 6: 2, 4: 2, 5: 1} if schedule == "gpipe" else {8: 2, 6: 2, 4: 2}), micro
             if schedule == "1f1b":
                 # 5 rows: no count from 2 (stages) to 2 (M) divides it. Refused on every rank before compute.
@@ -161,7 +161,7 @@ def _sizes_worker(rank: int, world: int, init: str, tmp: str) -> None:
         if pipe.is_last:
             torch.testing.assert_close(loss, expected)
         _same_parameters(pipe, reference, "export, after 4 rows in one micro-batch")
-        assert pipe._runs[4].micro_batches == 1
+        assert pipe._runs[4, "train"].micro_batches == 1
         Path(tmp, f"rank{rank}.ok").write_text("ok")
     finally:
         dist.destroy_process_group()
