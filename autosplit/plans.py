@@ -20,14 +20,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import json
 import math
 import os
 import reprlib
 import secrets
 import shutil
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -221,46 +220,45 @@ class Plan:
 
     def _check_fields(self, source: str) -> None:
         """Each field of a loaded plan within its range; a :class:`PlanFileError` naming the first that is not."""
-        bad = functools.partial(_bad, source)
-        self._check_placement(bad)
-        self._check_run(bad)
-        self._check_sharing(bad)
+        self._check_placement(source)
+        self._check_run(source)
+        self._check_sharing(source)
 
-    def _check_placement(self, bad: Callable[[str, object, str], PlanFileError]) -> None:
+    def _check_placement(self, source: str) -> None:
         """Devices, stages and the assignment: every node on a stage some device runs."""
         D = len(self.devices)
         if D == 0:
-            raise bad("devices", [], "is empty: a plan places nodes on at least one device")
+            raise _bad(source, "devices", [], "is empty: a plan places nodes on at least one device")
         for i, spec in enumerate(self.devices):
             if not spec.memory > 0:
-                raise bad(f"devices[{i}].memory", spec.memory, "is not a positive number of bytes")
+                raise _bad(source, f"devices[{i}].memory", spec.memory, "is not a positive number of bytes")
         v = self.stages_per_rank
         if not (isinstance(v, int) and v >= 1):
-            raise bad("stages_per_rank", v, "is not an integer ≥ 1")
+            raise _bad(source, "stages_per_rank", v, "is not an integer ≥ 1")
         seen: set[int] = set()
         for s, index in enumerate(self.stage_devices):
             if not 0 <= index < D or (index in seen and v == 1):
-                raise bad(f"stage_devices[{s}]", index, f"is not a distinct device index in 0..{D - 1}")
+                raise _bad(source, f"stage_devices[{s}]", index, f"is not a distinct device index in 0..{D - 1}")
             seen.add(index)
         if not self.stage_devices:
-            raise bad("stage_devices", [], "is empty: a plan has at least one stage")
+            raise _bad(source, "stage_devices", [], "is empty: a plan has at least one stage")
         if v > 1 and any(self.stage_devices.count(d) != v for d in seen):
-            raise bad("stage_devices", list(self.stage_devices), f"does not run {v} stages on each of its devices")
+            raise _bad(source, "stage_devices", list(self.stage_devices), f"does not run {v} stages on each of its devices")
         if len(self.stages) != len(self.stage_devices):
-            raise bad("stages", f"{len(self.stages)} rows", f"does not match the {len(self.stage_devices)} stage devices")
+            raise _bad(source, "stages", f"{len(self.stages)} rows", f"does not match the {len(self.stage_devices)} stage devices")
         if not self.assignment:
-            raise bad("assignment", {}, "is empty: a plan places every graph node")
+            raise _bad(source, "assignment", {}, "is empty: a plan places every graph node")
         targets = set(range(len(self.stage_devices))) if v > 1 else seen
         for node, index in self.assignment.items():
             if not node:
-                raise bad("assignment", node, "has an empty node name")
+                raise _bad(source, "assignment", node, "has an empty node name")
             if index not in targets:
                 if v > 1:
-                    raise bad(f"assignment[{node!r}]", index, f"is not a stage in 0..{len(self.stage_devices) - 1}")
+                    raise _bad(source, f"assignment[{node!r}]", index, f"is not a stage in 0..{len(self.stage_devices) - 1}")
                 rule = f"is not one of the plan's {D} devices" if not 0 <= index < D else "is a device no stage runs on"
-                raise bad(f"assignment[{node!r}]", index, f"{rule} (stage devices: {list(self.stage_devices)})")
+                raise _bad(source, f"assignment[{node!r}]", index, f"{rule} (stage devices: {list(self.stage_devices)})")
 
-    def _check_run(self, bad: Callable[[str, object, str], PlanFileError]) -> None:
+    def _check_run(self, source: str) -> None:
         """How the plan runs: step, micro-batches, objective, schedule, tasks, replicas, precision, recompute."""
         from autosplit import schedules
         from autosplit.errors import ConstraintError
@@ -268,48 +266,49 @@ class Plan:
 
         v = self.stages_per_rank
         if not 0 <= self.step_time < math.inf:
-            raise bad("step_time", self.step_time, "is not a finite number of seconds ≥ 0")
+            raise _bad(source, "step_time", self.step_time, "is not a finite number of seconds ≥ 0")
         if self.micro_batches < 1:
-            raise bad("micro_batches", self.micro_batches, "is not an integer ≥ 1")
+            raise _bad(source, "micro_batches", self.micro_batches, "is not an integer ≥ 1")
         if self.objective not in schedules.OBJECTIVES:
-            raise bad("objective", self.objective, f"is not one of {schedules.OBJECTIVES}")
+            raise _bad(source, "objective", self.objective, f"is not one of {schedules.OBJECTIVES}")
         if not (self.objective == "makespan" and self.schedule == "makespan"):  # a makespan plan writes "makespan"
             try:
                 schedules.runnable(self.schedule)
             except ConstraintError as e:
-                raise bad("schedule", self.schedule, f"is not one of {schedules.SCHEDULES}"
+                raise _bad(source, "schedule", self.schedule, f"is not one of {schedules.SCHEDULES}"
                           + " or 'makespan'" * (self.objective == "makespan") + f": {e}") from e
             low, high = schedules.lookup(self.schedule).stages_per_rank
             if v < low or (high is not None and v > high):
-                raise bad("stages_per_rank", v, f"is outside what schedule {self.schedule!r} runs ({low} to {high or 'any'})")
+                raise _bad(source, "stages_per_rank", v, f"is outside what schedule {self.schedule!r} runs ({low} to {high or 'any'})")
         for t in self.tasks:
             if t.node not in self.assignment or t.device != self.assignment[t.node] or t.kind not in ("forward", "backward"):
-                raise bad("tasks", t, "does not match the assignment (a node's device) or is not a forward or backward")
+                raise _bad(source, "tasks", t, "does not match the assignment (a node's device) or is not a forward or backward")
         if self.data_parallel < 1:
-            raise bad("data_parallel", self.data_parallel, "is not an integer ≥ 1")
+            raise _bad(source, "data_parallel", self.data_parallel, "is not an integer ≥ 1")
         if self.precision not in PRECISIONS:
-            raise bad("precision", self.precision, f"is not one of {PRECISIONS}")
+            raise _bad(source, "precision", self.precision, f"is not one of {PRECISIONS}")
         if len(set(self.recompute)) != len(self.recompute) or not all(isinstance(b, str) and b for b in self.recompute):
-            raise bad("recompute", list(self.recompute), "does not name distinct blocks (module paths)")
+            raise _bad(source, "recompute", list(self.recompute), "does not name distinct blocks (module paths)")
         for some in self.recompute_partial:
             if some.block not in self.recompute or not 0 < some.keep < some.window:
-                raise bad("recompute_partial", some, "names a block not in recompute, or does not keep 1 to window − 1 micro-batches")
+                raise _bad(source, "recompute_partial", some,
+                           "names a block not in recompute, or does not keep 1 to window − 1 micro-batches")
 
-    def _check_sharing(self, bad: Callable[[str, object, str], PlanFileError]) -> None:
+    def _check_sharing(self, source: str) -> None:
         """What names the graph: its fingerprint, the crossings' nodes, the shared parameters' stages."""
         if not self.fingerprint:
-            raise bad("fingerprint", self.fingerprint, "is empty")
+            raise _bad(source, "fingerprint", self.fingerprint, "is empty")
         if self.crossings and len(self.crossings) != len(self.stage_devices) - 1:
-            raise bad("crossings", f"{len(self.crossings)} boundaries", f"does not match {len(self.stage_devices)} stages")
+            raise _bad(source, "crossings", f"{len(self.crossings)} boundaries", f"does not match {len(self.stage_devices)} stages")
         for k, names in enumerate(self.crossings):
             for name in names:
                 if name not in self.assignment and name.rsplit(".", 1)[0] not in self.assignment:
-                    raise bad(f"crossings[{k}]", name, "names no node of the plan")
+                    raise _bad(source, f"crossings[{k}]", name, "names no node of the plan")
         for p in self.shared_params:
             if any(not 0 <= s < len(self.stage_devices) for s in p.stages):
-                raise bad(f"shared_params[{p.name!r}].stages", list(p.stages), "names a stage the plan does not have")
+                raise _bad(source, f"shared_params[{p.name!r}].stages", list(p.stages), "names a stage the plan does not have")
             if p.policy not in ("replicate", "send"):
-                raise bad(f"shared_params[{p.name!r}].policy", p.policy, "is not 'replicate' or 'send'")
+                raise _bad(source, f"shared_params[{p.name!r}].policy", p.policy, "is not 'replicate' or 'send'")
 
     @classmethod
     def load(cls, path: str | Path) -> Plan:
