@@ -15,6 +15,11 @@ from pathlib import Path
 from autosplit.devices import DeviceSpec
 from autosplit.errors import CostModelError, advice
 
+__all__ = [
+    "OPTIMIZER_SPARSE_STEP", "OPTIMIZER_STATE_BYTES", "OPTIMIZER_STEP_TRAFFIC", "OPTIMIZER_TEMP_FACTOR",
+    "OVERRIDE_KEYS", "SPARSE_REFUSED", "CostTable",
+]
+
 # Optimizer state bytes per fp32 parameter; torch.optim keeps the moments in the parameter's dtype
 # (``zeros_like(param)``), so a bf16 parameter's state is half this.
 OPTIMIZER_STATE_BYTES = {"adam": 8, "adamw": 8, "adagrad": 4, "sgd_momentum": 4, "sgd": 0, "none": 0}

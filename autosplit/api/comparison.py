@@ -40,6 +40,8 @@ from autosplit.report.compare import Comparison
 from autosplit.runtime.makespan import DeviceOptimizers, MakespanRunner
 from autosplit.units import format_bytes
 
+__all__ = ["compare"]
+
 log = logging.getLogger(__name__)
 
 

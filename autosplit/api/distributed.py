@@ -34,6 +34,8 @@ from autosplit.runtime.placement import Layout, agree, keep_unread, make_mesh, p
 from autosplit.runtime.precision import stage_device_type
 from autosplit.shapes import is_meta
 
+__all__ = ["distribute"]
+
 log = logging.getLogger(__name__)
 
 

@@ -28,6 +28,8 @@ from autosplit.calibration.pair import free_ports, run_pair
 from autosplit.schedules import Action
 from autosplit.solver.replay import measured_durations, replay
 
+__all__ = ["fit_overhead", "link_and_pipeline", "measure_runtime", "RuntimeMeasurement", "tiny_pipeline"]
+
 _log = logging.getLogger(__name__)
 
 

@@ -18,6 +18,8 @@ from autosplit.solver.makespan import solve_makespan
 from autosplit.solver.makespan.schedule import memory_of, run_key, schedule_of
 from autosplit.solver.problem import KIB, NS, UserConstraint
 
+__all__ = ["compile_makespan"]
+
 
 def compile_makespan(
     traced: Traced, specs: tuple[DeviceSpec, ...], options: PlanOptions, table: CostTable, source: str,

@@ -18,6 +18,11 @@ from autosplit.solver.hybrid import exposed_allreduce, ring_allreduce
 from autosplit.solver.problem import KIB, NS, Problem
 from autosplit.solver.replay import Replay, StageWork, peaks, replay
 
+__all__ = [
+    "backward_passes", "module_stages", "numbered_layer", "predict_step", "rank_peaks", "replayed_step",
+    "sharing_problem", "stage_modules", "stage_reports", "step_bound",
+]
+
 
 def predict_step(
     problem: Problem, table: CostTable, stage_of: Sequence[int], order: Sequence[int], options: PlanOptions

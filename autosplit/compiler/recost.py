@@ -23,6 +23,8 @@ from autosplit.solver.build import build_problem
 from autosplit.solver.evaluation import evaluate
 from autosplit.solver.problem import NS
 
+__all__ = ["recost"]
+
 
 def recost(traced: Traced, specs: tuple[DeviceSpec, ...], options: PlanOptions, given: Plan, *, check_memory: bool = True) -> Plan:
     """``given`` validated (every node placed once, caps unless ``check_memory=False``, data flowing

@@ -40,6 +40,8 @@ from autosplit.solver.evaluation import evaluate
 from autosplit.solver.pipeline.strategy import solve
 from autosplit.solver.problem import NS
 
+__all__ = ["codegen", "compile_plan"]
+
 
 def compile_plan(
     traced: Traced, specs: tuple[DeviceSpec, ...], options: PlanOptions, *, given: Plan | None = None, check_memory: bool = True

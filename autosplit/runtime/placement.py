@@ -19,6 +19,11 @@ from autosplit.passes.chain import Chain
 from autosplit.passes.sparse_tables import sparse_gradient_tables
 from autosplit.plans import Plan
 
+__all__ = [
+    "agree", "keep_unread", "Layout", "make_mesh", "place", "rank_device", "reduce_sparse_gradients",
+    "replicate_stage",
+]
+
 
 @dataclass(frozen=True)
 class Layout:
