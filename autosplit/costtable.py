@@ -93,7 +93,7 @@ class CostTable:
     """[node] bytes of the parameters it owns (what its gradient all-reduce and optimizer step touch)."""
     row_grad_bytes: tuple[int, ...] = ()
     """[node] for an embedding table it owns, bytes of the rows the batch looks up (with their
-    indices): its gradient's non-zero part (:attr:`NodeInfo.row_grad_bytes`); else 0. Empty: none."""
+    indices): its gradient's non-zero part (:attr:`~autosplit.passes.annotations.NodeInfo.row_grad_bytes`); else 0. Empty: none."""
     param_reads: tuple[str, ...] = ()
     """[node] the qualified name of the parameter the node reads by name (``get_attr``), else ``""``:
     such an output is the same for every

@@ -129,7 +129,7 @@ class PlanOptions:
     """``"gpipe"`` (all forwards, then all backwards), ``"1f1b"`` (PipeDream-Flush: each stage
     holds at most S − s micro-batches), ``"sequential"`` (one batch, stages in turn), or an
     asynchronous schedule that never flushes — ``"xpipe"`` (weight prediction), ``"async"``,
-    ``"pipedream"`` (weight stashing) — run by :meth:`DistributedModel.run`. Any case, and torch's
+    ``"pipedream"`` (weight stashing) — run by :meth:`~autosplit.runtime.distributed.DistributedModel.run`. Any case, and torch's
     class names (``"Schedule1F1B"``), are read as autosplit's name (:mod:`autosplit.schedules`);
     torch's multi-stage schedules (``"interleaved1f1b"``, ``"loopedbfs"``, ``"interleavedzerobubble"``,
     ``"zbvzerobubble"``, ``"dualpipev"``) with :attr:`stages_per_rank`; ``"auto"``: the planner tries

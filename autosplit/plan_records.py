@@ -124,7 +124,7 @@ class SolverInfo:
     step_bound: float | None = None
     """Where the step is replayed from torch's action lists (several stages per rank, or a split
     backward), :attr:`objective` and :attr:`bound` are the schedule's closed form, a surrogate; this
-    is a proven lower bound on :attr:`Plan.step_time` itself over every split of the plan's schedule,
+    is a proven lower bound on :attr:`~autosplit.plans.Plan.step_time` itself over every split of the plan's schedule,
     micro-batches and stages per rank (``autosplit.compiler.prediction.step_bound``: all the work
     spread evenly over the ranks). ``None`` where :attr:`bound` bounds the step's own model."""
 
@@ -147,7 +147,7 @@ class SharedParam:
 
 @dataclass(frozen=True)
 class StepTerms:
-    """What the predicted step is made of (seconds); :attr:`Plan.step_time` is their sum."""
+    """What the predicted step is made of (seconds); :attr:`~autosplit.plans.Plan.step_time` is their sum."""
 
     pipeline: float
     """The schedule over stage times, compute and transfers: ``Σ_s τ_s + (M − 1)·max_s τ_s`` (GPipe)."""

@@ -95,13 +95,13 @@ class Plan:
     """Makespan plans (``objective="makespan"``): every node's forward and backward task, timed;
     each device runs its tasks in start order, as soon as their inputs arrive."""
     stages_per_rank: int = 1
-    """Stages each device runs (:attr:`PlanOptions.stages_per_rank`); its stages' ranks are :attr:`stage_devices`."""
+    """Stages each device runs (:attr:`~autosplit.options.PlanOptions.stages_per_rank`); its stages' ranks are :attr:`stage_devices`."""
     rank_memory: tuple[int, ...] = ()
     """[device] peak bytes of its stages together, from the replayed schedule (empty: the stage rows')."""
     alternatives: tuple[Alternative, ...] = ()
     """The configurations a search tried (options left ``"auto"``), fastest first; empty without a search."""
     precision: str = "fp32"
-    """The precision the plan was costed for and its stages run in (:attr:`PlanOptions.precision`)."""
+    """The precision the plan was costed for and its stages run in (:attr:`~autosplit.options.PlanOptions.precision`)."""
     recompute: tuple[str, ...] = ()
     """Blocks (module paths) whose activations the stages recompute in the backward instead of keeping."""
     recompute_partial: tuple[PartialRecompute, ...] = ()

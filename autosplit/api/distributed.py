@@ -82,10 +82,14 @@ def distribute(
     ``example_target`` of the batch, the plan costs it on the stage that returns the output.
     ``replicate``: how each stage's data-parallel replicas keep in step — ``"ddp"`` (whole
     parameters on every replica, gradients all-reduced: FSDP2's ``replicate``) or ``"fsdp"``
-    (parameters and optimizer state sharded: ``fully_shard``). ``options``: any :class:`~autosplit.options.PlanOptions` field
-    (``micro_batches``, ``schedule`` — ``"gpipe"`` or ``"1f1b"``, trained by
-    :meth:`~DistributedModel.step`; or the asynchronous ``"xpipe"``, ``"async"``, ``"pipedream"``,
-    trained by :meth:`~DistributedModel.run` — ``time_limit``, ...).
+    (parameters and optimizer state sharded: ``fully_shard``). ``options``: any
+    :class:`~autosplit.options.PlanOptions` field (``micro_batches``, ``schedule`` — a flushed
+    schedule torch runs, trained by :meth:`~DistributedModel.step`: ``"gpipe"``, ``"1f1b"``, or with
+    ``stages_per_rank`` the multi-stage ``"interleaved1f1b"``, ``"loopedbfs"``,
+    ``"interleavedzerobubble"``, ``"zbvzerobubble"``, ``"dualpipev"``; or the asynchronous
+    ``"xpipe"``, ``"async"``, ``"pipedream"``, trained by :meth:`~DistributedModel.run` —
+    ``stages_per_rank``, ``time_limit``, ...; the schedules it runs: the registry's
+    ``distributed`` ones, :mod:`autosplit.schedules`).
 
     A model built on the meta device (``with torch.device("meta"): model = Model(...)``) is planned
     without allocating its weights, and each rank materialises only its stage: ``weights`` is a

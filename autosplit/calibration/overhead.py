@@ -158,7 +158,7 @@ def link_and_pipeline(
 def measure_runtime(
     *, backend: str = "gloo", cache: bool = True, cache_dir: str | None = None, pin_cores: bool = True
 ) -> RuntimeMeasurement:
-    """Measure the link (:func:`measure_link`), the backend's all-reduce (:func:`fit_allreduce`) and
+    """Measure the link (:func:`~autosplit.calibration.link.measure_link`), the backend's all-reduce (:func:`fit_allreduce`) and
     the pipeline runtime's fixed cost per micro-batch.
 
     Two processes (one thread each, pinned to their own cores) run a two-stage GPipe pipeline of

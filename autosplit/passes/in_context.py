@@ -284,7 +284,7 @@ def in_context(
 @contextlib.contextmanager
 def beside(gm: fx.GraphModule, inputs: Sequence[Any], cores: Sequence[int], threads: int | None) -> Iterator[None]:
     """Run the block while a forked copy of this process on each of ``cores`` runs ``gm``'s forward
-    and backward on ``inputs`` over and over (:attr:`ProfileOptions.beside`). A fork shares the
+    and backward on ``inputs`` over and over (:attr:`~autosplit.options.ProfileOptions.beside`). A fork shares the
     graph without pickling it, and its gradients and state stay its own; it exits when killed or
     when this process is gone. A copy that stopped on an error is refused afterwards: the profile
     would have been taken on an idle core, not beside a busy one."""

@@ -4,7 +4,7 @@ A table read only by embedding lookups (``nn.Embedding``, ``F.embedding``, ``ate
 not one tied to an output layer) has a gradient whose non-zero part is the rows looked up, which
 a sparse all-gather moves instead of the dense table; one every lookup reads with
 ``sparse=True`` gets a sparse gradient tensor from torch, which FSDP2's collectives do not take.
-:func:`row_sparse` writes both sizes into the annotate pass's :class:`NodeInfo` records;
+:func:`row_sparse` writes both sizes into the annotate pass's :class:`~autosplit.passes.annotations.NodeInfo` records;
 :func:`sparse_gradient_tables` finds the tables a replicated stage reduces apart.
 
 Usage::

@@ -243,7 +243,8 @@ def check_optimizer(schedule: str, optimizer: torch.optim.Optimizer) -> None:
 
 
 class AsynchronousRun:
-    """:meth:`run`, the asynchronous training of :class:`~autosplit.runtime.distributed.DistributedModel`."""
+    """The asynchronous training of :class:`~autosplit.runtime.distributed.DistributedModel`: its
+    :meth:`run` over this module's loop."""
 
     plan: Any
     chain: Chain
@@ -269,9 +270,10 @@ class AsynchronousRun:
         """Train on ``batches`` — each ``(inputs, target)`` or ``(inputs, kwargs, target)``, one
         mini-batch of the example's shape — with this pipeline's asynchronous schedule (no flush
         between mini-batches; see :mod:`autosplit.runtime.asynchronous`). Call it on every rank
-        with the same batches. The runtime steps ``optimizer`` (over :meth:`parameters`) after
-        each mini-batch's last backward and zeroes its gradients. Returns each mini-batch's loss
-        on the last stage's rank, ``None`` elsewhere; :attr:`last_run` says what the run kept."""
+        with the same batches. The runtime steps ``optimizer`` (over
+        :meth:`~autosplit.runtime.distributed.DistributedModel.parameters`) after each mini-batch's
+        last backward and zeroes its gradients. Returns each mini-batch's loss on the last stage's
+        rank, ``None`` elsewhere; :attr:`last_run` says what the run kept."""
         self._usable()
         if self.asynchronous is None:
             raise DistributedError(advice(

@@ -2,7 +2,7 @@
 process, replicated data-parallel over a ``("pp", "dp")`` device mesh (Pal et al.'s hybrid:
 each data-parallel worker is a group of devices across which the model is split).
 
-Every rank of an initialised process group calls :func:`distribute` with the same model,
+Every rank of an initialised process group calls :func:`~autosplit.api.distributed.distribute` with the same model,
 example batch and options. World size = ``data_parallel × stages``; on the mesh, ``pp`` is the
 outer dimension (as in torchtitan), so rank ``r`` runs stage ``r // data_parallel`` of replica
 ``r % data_parallel``.
@@ -103,7 +103,7 @@ def _close_all() -> None:
 
 
 class DistributedModel(StageState, TrainingLoop, FlushedStep, AsynchronousRun):
-    """This rank's stage of a pipelined, data-parallel model. Made by :func:`distribute`.
+    """This rank's stage of a pipelined, data-parallel model. Made by :func:`~autosplit.api.distributed.distribute`.
 
     Its parts: the flushed step (:mod:`autosplit.runtime.flushed`), the runs per batch size
     (:mod:`autosplit.runtime.runs`), asynchronous training (:mod:`autosplit.runtime.asynchronous`),

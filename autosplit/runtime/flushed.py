@@ -64,7 +64,7 @@ class FlushedStep(BatchRuns):
 
         Call it on every rank with the same batch arguments as the model's ``forward`` takes
         (each stage reads the inputs it uses; ``target`` is read by the last stage). Gradients
-        accumulate into :meth:`parameters`, averaged over micro-batches as the full batch's
+        accumulate into :meth:`~autosplit.runtime.distributed.DistributedModel.parameters`, averaged over micro-batches as the full batch's
         mean loss would give; then step your optimizer. Returns the batch's loss (the mean of
         the micro-batch losses) on the last stage's ranks, ``None`` elsewhere.
 

@@ -84,7 +84,7 @@ class BatchRuns:
         from torch.distributed import pipelining
         from torch.distributed.pipelining.microbatch import TensorChunkSpec
 
-        # Inputs are cut as the example was (runtime/microbatch.py's rule, applied to the example,
+        # Inputs are cut as the example was (autosplit/microbatch.py's rule, applied to the example,
         # so an unbatched input is never cut because its dimension 0 happens to match a batch's
         # rows); the rest are given whole to every micro-batch.
         specs = {k: TensorChunkSpec(0) if cut else replicate_chunk_spec() for k, cut in zip(self._input_names, self._batched)}

@@ -233,7 +233,7 @@ class Problem:
 
     @cached_property
     def arrays(self) -> Arrays:
-        """The tables as int64 arrays, made once (the DP and :func:`evaluate` read them many times)."""
+        """The tables as int64 arrays, made once (the DP and :func:`~autosplit.solver.evaluation.evaluate` read them many times)."""
         N, S = len(self.nodes), self.num_stages
 
         def table(rows: Sequence[Sequence[int]], width: int) -> np.ndarray:

@@ -147,7 +147,7 @@ def solve(
     With blocks to recompute (:attr:`Problem.recompute`), the DP splits the model recomputing the
     fewest and the most blocks allowed, then CP-SAT chooses split and blocks together from the better
     of the two, and for each block on a stage that holds several micro-batches at once
-    (:attr:`Recompute.in_flight`) how many of them keep their activations; each DP plan's ranks keep
+    (:attr:`~autosplit.solver.problem.Recompute.in_flight`) how many of them keep their activations; each DP plan's ranks keep
     the blocks, and the micro-batches, their memory holds after all. The bound is the time bound
     with the fewest (recomputing only adds time) or CP-SAT's on the nodes, and the plan the best
     found, judged on the nodes."""
