@@ -156,7 +156,7 @@ def _refusals(rank, init):
         model, batches = _model(), _batches(1)
         pipe = autosplit.distribute(copy.deepcopy(model), ["cpu"] * 2, example_inputs=(batches[0][0],), loss_fn=F.mse_loss,
                                     schedule="pipedream", micro_batches=MICRO, time_limit=2)
-        with pytest.raises(DistributedError, match=r"call pipe\.train"):
+        with pytest.raises(DistributedError, match=r"call pipe\.run"):
             pipe.step(batches[0][0], target=batches[0][1])
         with pytest.raises(ConstraintError, match="without momentum"):
             xpipe = autosplit.distribute(copy.deepcopy(model), ["cpu"] * 2, example_inputs=(batches[0][0],),
@@ -167,7 +167,7 @@ def _refusals(rank, init):
                                  schedule="async", micro_batches=MICRO, data_parallel=2, time_limit=2)
         sync = autosplit.distribute(copy.deepcopy(model), ["cpu"] * 2, example_inputs=(batches[0][0],), loss_fn=F.mse_loss,
                                     micro_batches=MICRO, time_limit=2)
-        with pytest.raises(DistributedError, match=r"train\(\) runs asynchronous schedules"):
+        with pytest.raises(DistributedError, match=r"run\(\) trains with asynchronous schedules"):
             sync.run(batches, optimizer=torch.optim.Adam(sync.parameters()))
     finally:
         dist.destroy_process_group()
