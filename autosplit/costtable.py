@@ -15,6 +15,11 @@ from pathlib import Path
 from autosplit.devices import DeviceSpec
 from autosplit.errors import CostModelError, advice
 
+__all__ = [
+    "OPTIMIZER_SPARSE_STEP", "OPTIMIZER_STATE_BYTES", "OPTIMIZER_STEP_TRAFFIC", "OPTIMIZER_TEMP_FACTOR",
+    "OVERRIDE_KEYS", "SPARSE_REFUSED", "CostTable",
+]
+
 # Optimizer state bytes per fp32 parameter; torch.optim keeps the moments in the parameter's dtype
 # (``zeros_like(param)``), so a bf16 parameter's state is half this.
 OPTIMIZER_STATE_BYTES = {"adam": 8, "adamw": 8, "adagrad": 4, "sgd_momentum": 4, "sgd": 0, "none": 0}
@@ -88,7 +93,7 @@ class CostTable:
     """[node] bytes of the parameters it owns (what its gradient all-reduce and optimizer step touch)."""
     row_grad_bytes: tuple[int, ...] = ()
     """[node] for an embedding table it owns, bytes of the rows the batch looks up (with their
-    indices): its gradient's non-zero part (:attr:`NodeInfo.row_grad_bytes`); else 0. Empty: none."""
+    indices): its gradient's non-zero part (:attr:`~autosplit.passes.annotations.NodeInfo.row_grad_bytes`); else 0. Empty: none."""
     param_reads: tuple[str, ...] = ()
     """[node] the qualified name of the parameter the node reads by name (``get_attr``), else ``""``:
     such an output is the same for every

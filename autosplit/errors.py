@@ -25,6 +25,7 @@ __all__ = [
     "PlanValidationError",
     "SolverError",
     "advice",
+    "causes",
 ]
 
 
@@ -36,6 +37,16 @@ def advice(what: str, why: str | None = None, fix: str | None = None) -> str:
     if fix:
         parts.append(f"Try: {fix.rstrip('. ')}")
     return ". ".join(parts) + "."
+
+
+def causes(e: BaseException | None) -> str:
+    """The first line of each exception in the chain: ``RuntimeError: … ← ValueError: …``."""
+    lines: list[str] = []
+    while e is not None and len(lines) < 4:
+        text = next((line.strip() for line in str(e).splitlines() if line.strip()), "")
+        lines.append(f"{type(e).__name__}: {text[:300]}")
+        e = e.__cause__ or e.__context__
+    return " ← ".join(lines)
 
 
 class AutosplitError(Exception):

@@ -129,7 +129,7 @@ class PlanOptions:
     """``"gpipe"`` (all forwards, then all backwards), ``"1f1b"`` (PipeDream-Flush: each stage
     holds at most S − s micro-batches), ``"sequential"`` (one batch, stages in turn), or an
     asynchronous schedule that never flushes — ``"xpipe"`` (weight prediction), ``"async"``,
-    ``"pipedream"`` (weight stashing) — run by :meth:`DistributedModel.run`. Any case, and torch's
+    ``"pipedream"`` (weight stashing) — run by :meth:`~autosplit.runtime.distributed.DistributedModel.run`. Any case, and torch's
     class names (``"Schedule1F1B"``), are read as autosplit's name (:mod:`autosplit.schedules`);
     torch's multi-stage schedules (``"interleaved1f1b"``, ``"loopedbfs"``, ``"interleavedzerobubble"``,
     ``"zbvzerobubble"``, ``"dualpipev"``) with :attr:`stages_per_rank`; ``"auto"``: the planner tries
@@ -151,7 +151,7 @@ class PlanOptions:
     """``"auto"`` (fx symbolic trace, torch.export when that fails), ``"symbolic_trace"`` or ``"export"``."""
     costs: CostsLike = "analytic"
     """``"analytic"`` (roofline), ``"measured"`` (profile every node, cached on disk), a
-    :class:`~autosplit.passes.profile.ProfileOptions`, a :class:`~autosplit.passes.costs.CostTable`
+    :class:`ProfileOptions`, a :class:`~autosplit.costtable.CostTable`
     or the path of a saved one."""
     cost_overrides: Mapping[str, Mapping[str, float]] | None = None
     """A node's or module's cost in seconds for the whole batch: ``{"blocks.3": {"fwd": 2e-3, "bwd": 4e-3}}``."""
@@ -189,19 +189,19 @@ class PlanOptions:
     limits: SolverLimits = SolverLimits()
     """How much work the solver may do beyond ``time_limit``: the graph sizes past which it
     coarsens, skips CP-SAT or narrows its bound, e.g. ``SolverLimits(cpsat_vars=40_000)``; each
-    field and its default: :class:`~autosplit.solver.limits.SolverLimits`."""
+    field and its default: :class:`~autosplit.options.SolverLimits`."""
 
     def __post_init__(self) -> None:
-        def bad(name: str, value: Any, legal: str) -> ConstraintError:
-            return ConstraintError(advice(
-                f"option {name}={value!r} is out of range", f"{name} must be {legal}", f"pass {name} = {legal}"
-            ))
+        entry = self._check_schedule()
+        self._check_values()
+        self._check_checkpointing(entry)
+        self._check_costs_and_mappings()
 
-        def is_int(x: Any) -> bool:
-            return isinstance(x, int) and not isinstance(x, bool)
-
-        if self.micro_batches not in (None, AUTO) and not (is_int(self.micro_batches) and int(self.micro_batches) >= 1):
-            raise bad("micro_batches", self.micro_batches, "an integer ≥ 1, 'auto', or None (≤ 4 × stages, dividing the batch)")
+    def _check_schedule(self) -> Any:
+        """``micro_batches``, ``schedule`` (read as autosplit's name) and ``stages_per_rank``; returns
+        the schedule's registry entry, None for ``"auto"``."""
+        if self.micro_batches not in (None, AUTO) and not (_is_int(self.micro_batches) and int(self.micro_batches) >= 1):
+            raise _bad("micro_batches", self.micro_batches, "an integer ≥ 1, 'auto', or None (≤ 4 × stages, dividing the batch)")
         if isinstance(self.schedule, str) and self.schedule.lower() == AUTO:
             object.__setattr__(self, "schedule", AUTO)
             entry = None
@@ -209,36 +209,44 @@ class PlanOptions:
             try:
                 entry = schedules.lookup(self.schedule)
             except ConstraintError as e:
-                raise bad("schedule", self.schedule, f"one of {SCHEDULES} or 'auto'") from e
+                raise _bad("schedule", self.schedule, f"one of {SCHEDULES} or 'auto'") from e
             entry.require_runnable(f"option schedule={self.schedule!r}")
             object.__setattr__(self, "schedule", entry.name)  # "Schedule1F1B", "1F1B" → "1f1b"
         low, high = entry.stages_per_rank if entry is not None else (1, None)
         v = self.stages_per_rank
-        if v not in (None, AUTO) and not (is_int(v) and low <= int(v) <= (high or int(v))):
+        if v not in (None, AUTO) and not (_is_int(v) and low <= int(v) <= (high or int(v))):
             allowed = f"{low}" if low == high else f"an integer ≥ {low}" if high is None else f"{low} to {high}"
-            raise bad("stages_per_rank", v, f"{allowed} for schedule {self.schedule!r}, or 'auto' or None")
+            raise _bad("stages_per_rank", v, f"{allowed} for schedule {self.schedule!r}, or 'auto' or None")
+        return entry
+
+    def _check_values(self) -> None:
+        """The options with one legal value or range each: objective, optimizer, time limit, seed, margins,
+        replicas, limits, precision, checkpointing, recompute."""
         if self.objective not in OBJECTIVES:
-            raise bad("objective", self.objective, f"one of {OBJECTIVES}")
+            raise _bad("objective", self.objective, f"one of {OBJECTIVES}")
         if self.optimizer not in OPTIMIZERS:
-            raise bad("optimizer", self.optimizer, f"one of {OPTIMIZERS}")
+            raise _bad("optimizer", self.optimizer, f"one of {OPTIMIZERS}")
         if not isinstance(self.time_limit, (int, float)) or isinstance(self.time_limit, bool) or not 0 < self.time_limit < math.inf:
-            raise bad("time_limit", self.time_limit, "a finite number of seconds > 0")
-        if not is_int(self.seed):
-            raise bad("seed", self.seed, "an integer")
+            raise _bad("time_limit", self.time_limit, "a finite number of seconds > 0")
+        if not _is_int(self.seed):
+            raise _bad("seed", self.seed, "an integer")
         if not isinstance(self.cut_margin, (int, float)) or isinstance(self.cut_margin, bool) or not 0 <= self.cut_margin < 1:
-            raise bad("cut_margin", self.cut_margin, "a fraction ≥ 0 and < 1, e.g. 0.03")
-        if not is_int(self.data_parallel) or self.data_parallel < 1:
-            raise bad("data_parallel", self.data_parallel, "an integer ≥ 1")
+            raise _bad("cut_margin", self.cut_margin, "a fraction ≥ 0 and < 1, e.g. 0.03")
+        if not _is_int(self.data_parallel) or self.data_parallel < 1:
+            raise _bad("data_parallel", self.data_parallel, "an integer ≥ 1")
         if not isinstance(self.limits, SolverLimits):
-            raise bad("limits", self.limits, "a SolverLimits(...), e.g. SolverLimits(cpsat_vars=40_000)")
+            raise _bad("limits", self.limits, "a SolverLimits(...), e.g. SolverLimits(cpsat_vars=40_000)")
         if self.precision not in PRECISIONS:
-            raise bad("precision", self.precision, f"one of {PRECISIONS}")
+            raise _bad("precision", self.precision, f"one of {PRECISIONS}")
         if self.checkpointing not in CHECKPOINTINGS:
-            raise bad("checkpointing", self.checkpointing, f"one of {CHECKPOINTINGS}")
+            raise _bad("checkpointing", self.checkpointing, f"one of {CHECKPOINTINGS}")
         if self.recompute is not None and not (
             isinstance(self.recompute, Mapping) and all(isinstance(k, str) and isinstance(v, bool) for k, v in self.recompute.items())
         ):
-            raise bad("recompute", self.recompute, "a mapping of module path to True (recompute) or False (keep)")
+            raise _bad("recompute", self.recompute, "a mapping of module path to True (recompute) or False (keep)")
+
+    def _check_checkpointing(self, entry: Any) -> None:
+        """Recomputation planned only where it runs: pipeline stages with a whole backward."""
         if self.checkpoints and self.objective == "makespan":
             raise ConstraintError(advice(
                 f"option checkpointing={self.checkpointing!r} (or recompute=) is planned for pipeline stages, and "
@@ -252,36 +260,40 @@ class PlanOptions:
                 "backward is not tested here, and a split that trains differently is worse than none",
                 "use a schedule with a whole backward (gpipe, 1f1b, interleaved1f1b, loopedbfs), or checkpointing='none'",
             ))
+
+    def _check_costs_and_mappings(self) -> None:
+        """The capture method and the costs' source; memory caps, pins, avoids, overrides and groups,
+        keyed and valued as each one reads."""
         if self.capture not in CAPTURE_METHODS:
-            raise bad("capture", self.capture, f"one of {CAPTURE_METHODS}")
+            raise _bad("capture", self.capture, f"one of {CAPTURE_METHODS}")
         named = isinstance(self.costs, str) and self.costs in ("analytic", "measured")
         given = isinstance(self.costs, (ProfileOptions, CostTable)) or (
             isinstance(self.costs, (str, Path)) and Path(self.costs).is_file()
         )
         if not (named or given):
-            raise bad("costs", self.costs, "'analytic', 'measured', ProfileOptions(...), a CostTable or a saved table's path")
+            raise _bad("costs", self.costs, "'analytic', 'measured', ProfileOptions(...), a CostTable or a saved table's path")
         if self.memory is not None:
             if not isinstance(self.memory, Mapping):
-                raise bad("memory", self.memory, "a mapping of device index or name to a size, e.g. {0: '8GiB'}")
+                raise _bad("memory", self.memory, "a mapping of device index or name to a size, e.g. {0: '8GiB'}")
             for key, cap in self.memory.items():
-                if not isinstance(key, str) and not (is_int(key) and int(key) >= 0):
-                    raise bad("memory", self.memory, "keyed by device index (an integer ≥ 0) or device name")
+                if not isinstance(key, str) and not (_is_int(key) and int(key) >= 0):
+                    raise _bad("memory", self.memory, "keyed by device index (an integer ≥ 0) or device name")
                 parse_bytes(cap)  # raises a DeviceError naming the size it cannot read
         for name in ("pin", "avoid", "cost_overrides"):
             value = getattr(self, name)
             if value is not None and not (isinstance(value, Mapping) and all(isinstance(k, str) for k in value)):
-                raise bad(name, value, "a mapping keyed by module or node name")
+                raise _bad(name, value, "a mapping keyed by module or node name")
         for name, value in (("pin", self.pin), ("avoid", self.avoid)):
             for module, where in (value or {}).items():
                 targets = [where] if name == "pin" or isinstance(where, (int, str)) else where
-                if not isinstance(targets, Sequence) or not all(is_int(t) or isinstance(t, str) for t in targets):
-                    raise bad(name, {module: where}, "device indices or names per module")
+                if not isinstance(targets, Sequence) or not all(_is_int(t) or isinstance(t, str) for t in targets):
+                    raise _bad(name, {module: where}, "device indices or names per module")
         if self.together is not None and (
             isinstance(self.together, str)
             or not all(not isinstance(g, str) and isinstance(g, Sequence) and all(isinstance(m, str) for m in g)
                        for g in self.together)
         ):
-            raise bad("together", self.together, "a list of groups of module names, e.g. [('wte', 'head')]")
+            raise _bad("together", self.together, "a list of groups of module names, e.g. [('wte', 'head')]")
 
     def replace(self, **changes: Any) -> PlanOptions:
         """These options with ``changes`` (checked like new ones)."""
@@ -348,3 +360,14 @@ class PlanOptions:
                 "a larger batch, fewer devices, or another schedule (gpipe runs any count)",
             ))
         return max(runs or counts)
+
+
+def _bad(name: str, value: Any, legal: str) -> ConstraintError:
+    """The error for option ``name`` set to ``value`` outside ``legal``."""
+    return ConstraintError(advice(
+        f"option {name}={value!r} is out of range", f"{name} must be {legal}", f"pass {name} = {legal}"
+    ))
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)

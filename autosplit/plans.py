@@ -4,7 +4,9 @@ Plans are small versioned JSON (never pickle): schema version, library versions,
 fingerprint, devices, assignment, per-stage predictions and solver provenance. A manual
 split is a plan too, so comparing the two is comparing two files. ``save`` is atomic (a
 temporary file in the same folder, renamed over the target); ``load`` reads every field as its
-annotated type, then checks its range, and names the first field that is wrong.
+annotated type (:mod:`autosplit.plan_json`), then checks its range, and names the first field that
+is wrong. The records a plan holds (stage reports, solver provenance, step terms, tasks) are
+defined in :mod:`autosplit.plan_records` and imported from here.
 
 Usage::
 
@@ -13,199 +15,42 @@ Usage::
     plan = Plan.load("plan.json")
 """
 
+
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import json
 import math
 import os
 import reprlib
 import secrets
 import shutil
-import types
-import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from autosplit.devices import DeviceSpec
 from autosplit.errors import PlanFileError, PlanMismatchError, advice
+from autosplit.plan_json import JSON_KINDS, read_record
+from autosplit.plan_records import (
+    Alternative,
+    PartialRecompute,
+    PlannedTask,
+    SharedParam,
+    SolverInfo,
+    StageReport,
+    StepTerms,
+)
 from autosplit.units import format_ms as _ms
 
-__all__ = ["Plan", "StageReport", "SolverInfo", "SharedParam", "StepTerms", "PartialRecompute", "SCHEMA_VERSION"]
+__all__ = [
+    "SCHEMA_VERSION", "Alternative", "PartialRecompute", "Plan", "PlannedTask", "SharedParam", "SolverInfo", "StageReport",
+    "StepTerms",
+]
 
 SCHEMA_VERSION = 3
 """Version 3 added :attr:`Plan.objective`; a version-2 file is read with it derived from its schedule."""
-
-
-@dataclass(frozen=True)
-class PartialRecompute:
-    """A recomputed block that keeps the activations of some of its stage's micro-batches.
-
-    A flushed schedule runs each stage's forwards and backwards in micro-batch order, so the
-    micro-batches a stage holds at once are consecutive, at most ``window`` of them (its in-flight
-    count at the peak). Micro-batch ``i`` keeps its activations iff ``i mod window < keep``: any
-    ``window`` consecutive micro-batches hold exactly ``keep`` kept, and the rest recompute — the
-    "partial activation checkpointing" of NeMo and torchtitan, chosen by the plan."""
-
-    block: str
-    keep: int
-    window: int
-
-    def recomputes(self, micro_batch: int) -> bool:
-        """Whether micro-batch ``micro_batch`` of a step recomputes the block in its backward."""
-        return micro_batch % self.window >= self.keep
-
-    def recomputed(self, micro_batches: int) -> int:
-        """How many of a step's ``micro_batches`` recompute the block."""
-        return sum(self.recomputes(i) for i in range(micro_batches))
-
-
-@dataclass(frozen=True)
-class StageReport:
-    """Predicted figures of one stage (seconds, bytes)."""
-
-    device: str
-    nodes: int
-    params: int
-    modules: tuple[str, ...]
-    """Modules (two levels deep, e.g. ``blocks.3``) whose parameters the stage holds, in order."""
-    compute: float
-    """Forward + backward seconds for the whole batch, and the optimizer step of the stage's parameters."""
-    transfer: float
-    """Seconds spent at the stage's boundaries (activations forward, gradients back)."""
-    time: float
-    memory_state: int
-    """Parameters + gradients + optimizer state + buffers."""
-    memory_activations: int
-    memory_received: int
-    memory_transient: int
-    """Room kept for the largest tensor one op produces."""
-    capacity: int
-    memory_sent: int = 0
-    """Outputs sent to later stages, held until their gradients return."""
-    memory_buffers: int = 0
-    """Buffers torch's stage keeps all step for the gradients of the outputs it sends, one per micro-batch
-    (:attr:`memory_received` holds the receiving side's: a buffer per micro-batch and its gradient)."""
-    forward: float = 0.0
-    """Forward seconds of the whole batch (part of :attr:`compute`)."""
-    backward: float = 0.0
-    """Backward seconds of the whole batch (part of :attr:`compute`; the rest is the optimizer step)."""
-    backward_weight: float = 0.0
-    """Of :attr:`backward`, the seconds of the gradient to the weights (W, which zero-bubble schedules run apart)."""
-    param_bytes: int = 0
-    """Bytes of the parameters the stage owns (what its gradient all-reduce moves)."""
-    sparse_param_bytes: int = 0
-    """Of :attr:`param_bytes`, embedding tables whose gradient is non-zero only in the rows looked up."""
-    row_grad_bytes: int = 0
-    """Bytes of those rows (with their indices) per step: what each replica contributes when the
-    tables' gradients are all-gathered as rows instead of all-reduced whole."""
-    recompute: tuple[str, ...] = ()
-    """Blocks (module paths) the stage recomputes in its backward (part of :attr:`backward`)."""
-    recompute_saves: int = 0
-    """Bytes of activations the stage does not hold because it recomputes :attr:`recompute`."""
-
-    @property
-    def memory(self) -> int:
-        return (
-            self.memory_state + self.memory_activations + self.memory_received + self.memory_sent + self.memory_buffers
-            + self.memory_transient
-        )
-
-
-@dataclass(frozen=True)
-class PlannedTask:
-    """One task of a makespan plan (DLPlacer): a node's forward or backward on a device, timed."""
-
-    node: str
-    kind: str
-    """``"forward"`` or ``"backward"`` (with the node's share of the optimizer step)."""
-    device: int
-    start: float
-    end: float
-
-
-@dataclass(frozen=True)
-class SolverInfo:
-    name: str
-    status: str
-    objective: float
-    """The plan's value under the solver's model (the schedule over stage times, each stage's
-    optimizer step inside its compute), seconds: what :attr:`bound` bounds."""
-    bound: float
-    """Proven lower bound on the step time of any plan, seconds."""
-    gap: float
-    wall_time: float
-    time_limit: float
-    seed: int
-    baseline: float | None = None
-    """Predicted step time of the dynamic program's plan (contiguous split of one order), seconds."""
-    units: int = 0
-    """Units the solver placed: graph nodes, or blocks after coarsening."""
-    step_bound: float | None = None
-    """Where the step is replayed from torch's action lists (several stages per rank, or a split
-    backward), :attr:`objective` and :attr:`bound` are the schedule's closed form, a surrogate; this
-    is a proven lower bound on :attr:`Plan.step_time` itself over every split of the plan's schedule,
-    micro-batches and stages per rank (``autosplit.compiler.prediction.step_bound``: all the work
-    spread evenly over the ranks). ``None`` where :attr:`bound` bounds the step's own model."""
-
-
-@dataclass(frozen=True)
-class SharedParam:
-    """A parameter read on several stages (a tied weight) and how the runtime shares it."""
-
-    name: str
-    """Its qualified name, e.g. ``wte.weight``."""
-    stages: tuple[int, ...]
-    """The stages that read it (the first one owns it in the cost table)."""
-    policy: str
-    """``"replicate"`` (a copy per stage, gradients summed once per step) or ``"send"`` (with every micro-batch)."""
-    send: float
-    """Seconds per step it would cost sent with every micro-batch (and its gradient back)."""
-    replicate: float
-    """Seconds per step it would cost replicated (one all-reduce of its gradient)."""
-
-
-@dataclass(frozen=True)
-class StepTerms:
-    """What the predicted step is made of (seconds); :attr:`Plan.step_time` is their sum."""
-
-    pipeline: float
-    """The schedule over stage times, compute and transfers: ``Σ_s τ_s + (M − 1)·max_s τ_s`` (GPipe)."""
-    overhead: float = 0.0
-    """The runtime's fixed cost per micro-batch and stage, over the ``S + M − 1`` slots of the schedule."""
-    optimizer: float = 0.0
-    """The slowest stage's optimizer step (stages step in parallel after the last backward)."""
-    tied_sync: float = 0.0
-    """All-reduce of replicated tied parameters' gradients."""
-    data_parallel: float = 0.0
-    """The part of each stage's gradient all-reduce over the replicas not hidden behind the last backward."""
-
-    @property
-    def total(self) -> float:
-        return self.pipeline + self.overhead + self.optimizer + self.tied_sync + self.data_parallel
-
-
-@dataclass(frozen=True)
-class Alternative:
-    """One configuration the planner's search tried (``schedule="auto"`` and the like), split by the DP."""
-
-    schedule: str
-    stages_per_rank: int
-    micro_batches: int
-    step_time: float
-    """Predicted (replayed) seconds per step; infinite when no split fits."""
-    rank_memory: tuple[int, ...] = ()
-    """[device] peak bytes of its stages together."""
-    note: str = ""
-    """Why no split fits, when none does."""
-
-    @property
-    def fits(self) -> bool:
-        return math.isfinite(self.step_time)
 
 
 @dataclass(frozen=True)
@@ -250,13 +95,13 @@ class Plan:
     """Makespan plans (``objective="makespan"``): every node's forward and backward task, timed;
     each device runs its tasks in start order, as soon as their inputs arrive."""
     stages_per_rank: int = 1
-    """Stages each device runs (:attr:`PlanOptions.stages_per_rank`); its stages' ranks are :attr:`stage_devices`."""
+    """Stages each device runs (:attr:`~autosplit.options.PlanOptions.stages_per_rank`); its stages' ranks are :attr:`stage_devices`."""
     rank_memory: tuple[int, ...] = ()
     """[device] peak bytes of its stages together, from the replayed schedule (empty: the stage rows')."""
     alternatives: tuple[Alternative, ...] = ()
     """The configurations a search tried (options left ``"auto"``), fastest first; empty without a search."""
     precision: str = "fp32"
-    """The precision the plan was costed for and its stages run in (:attr:`PlanOptions.precision`)."""
+    """The precision the plan was costed for and its stages run in (:attr:`~autosplit.options.PlanOptions.precision`)."""
     recompute: tuple[str, ...] = ()
     """Blocks (module paths) whose activations the stages recompute in the backward instead of keeping."""
     recompute_partial: tuple[PartialRecompute, ...] = ()
@@ -354,7 +199,7 @@ class Plan:
         """A plan from its :meth:`to_dict` form, every field checked for its type, then for its range."""
         if not isinstance(data, Mapping):
             raise PlanFileError(advice(
-                f"{source}: the plan is {_JSON_KINDS.get(type(data), type(data).__name__)} ({reprlib.repr(data)}), expected an object",
+                f"{source}: the plan is {JSON_KINDS.get(type(data), type(data).__name__)} ({reprlib.repr(data)}), expected an object",
                 "the file holds other JSON than a saved plan", "load a file written by Plan.save, or re-plan the model",
             ))
         version = data.get("schema_version")
@@ -369,93 +214,101 @@ class Plan:
                     "re-plan the model with this version",
                 )
             )
-        plan = _record(cls, data, "", source)
+        plan = read_record(cls, data, "", source)
         plan._check_fields(source)
         return plan
 
     def _check_fields(self, source: str) -> None:
         """Each field of a loaded plan within its range; a :class:`PlanFileError` naming the first that is not."""
+        self._check_placement(source)
+        self._check_run(source)
+        self._check_sharing(source)
+
+    def _check_placement(self, source: str) -> None:
+        """Devices, stages and the assignment: every node on a stage some device runs."""
+        D = len(self.devices)
+        if D == 0:
+            raise _bad(source, "devices", [], "is empty: a plan places nodes on at least one device")
+        for i, spec in enumerate(self.devices):
+            if not spec.memory > 0:
+                raise _bad(source, f"devices[{i}].memory", spec.memory, "is not a positive number of bytes")
+        v = self.stages_per_rank
+        if not (isinstance(v, int) and v >= 1):
+            raise _bad(source, "stages_per_rank", v, "is not an integer ≥ 1")
+        seen: set[int] = set()
+        for s, index in enumerate(self.stage_devices):
+            if not 0 <= index < D or (index in seen and v == 1):
+                raise _bad(source, f"stage_devices[{s}]", index, f"is not a distinct device index in 0..{D - 1}")
+            seen.add(index)
+        if not self.stage_devices:
+            raise _bad(source, "stage_devices", [], "is empty: a plan has at least one stage")
+        if v > 1 and any(self.stage_devices.count(d) != v for d in seen):
+            raise _bad(source, "stage_devices", list(self.stage_devices), f"does not run {v} stages on each of its devices")
+        if len(self.stages) != len(self.stage_devices):
+            raise _bad(source, "stages", f"{len(self.stages)} rows", f"does not match the {len(self.stage_devices)} stage devices")
+        if not self.assignment:
+            raise _bad(source, "assignment", {}, "is empty: a plan places every graph node")
+        targets = set(range(len(self.stage_devices))) if v > 1 else seen
+        for node, index in self.assignment.items():
+            if not node:
+                raise _bad(source, "assignment", node, "has an empty node name")
+            if index not in targets:
+                if v > 1:
+                    raise _bad(source, f"assignment[{node!r}]", index, f"is not a stage in 0..{len(self.stage_devices) - 1}")
+                rule = f"is not one of the plan's {D} devices" if not 0 <= index < D else "is a device no stage runs on"
+                raise _bad(source, f"assignment[{node!r}]", index, f"{rule} (stage devices: {list(self.stage_devices)})")
+
+    def _check_run(self, source: str) -> None:
+        """How the plan runs: step, micro-batches, objective, schedule, tasks, replicas, precision, recompute."""
         from autosplit import schedules
         from autosplit.errors import ConstraintError
         from autosplit.options import PRECISIONS
 
-        def bad(name: str, value: object, rule: str) -> PlanFileError:
-            return PlanFileError(advice(
-                f"{source}: field {name} = {value!r} {rule}", "the file was edited, or written by hand",
-                "re-plan the model, or restore the file from where it was saved",
-            ))
-
-        D = len(self.devices)
-        if D == 0:
-            raise bad("devices", [], "is empty: a plan places nodes on at least one device")
-        for i, spec in enumerate(self.devices):
-            if not spec.memory > 0:
-                raise bad(f"devices[{i}].memory", spec.memory, "is not a positive number of bytes")
         v = self.stages_per_rank
-        if not (isinstance(v, int) and v >= 1):
-            raise bad("stages_per_rank", v, "is not an integer ≥ 1")
-        seen: set[int] = set()
-        for s, index in enumerate(self.stage_devices):
-            if not 0 <= index < D or (index in seen and v == 1):
-                raise bad(f"stage_devices[{s}]", index, f"is not a distinct device index in 0..{D - 1}")
-            seen.add(index)
-        if not self.stage_devices:
-            raise bad("stage_devices", [], "is empty: a plan has at least one stage")
-        if v > 1 and any(self.stage_devices.count(d) != v for d in seen):
-            raise bad("stage_devices", list(self.stage_devices), f"does not run {v} stages on each of its devices")
-        if len(self.stages) != len(self.stage_devices):
-            raise bad("stages", f"{len(self.stages)} rows", f"does not match the {len(self.stage_devices)} stage devices")
-        if not self.assignment:
-            raise bad("assignment", {}, "is empty: a plan places every graph node")
-        targets = set(range(len(self.stage_devices))) if v > 1 else seen
-        for node, index in self.assignment.items():
-            if not node:
-                raise bad("assignment", node, "has an empty node name")
-            if index not in targets:
-                if v > 1:
-                    raise bad(f"assignment[{node!r}]", index, f"is not a stage in 0..{len(self.stage_devices) - 1}")
-                rule = f"is not one of the plan's {D} devices" if not 0 <= index < D else "is a device no stage runs on"
-                raise bad(f"assignment[{node!r}]", index, f"{rule} (stage devices: {list(self.stage_devices)})")
         if not 0 <= self.step_time < math.inf:
-            raise bad("step_time", self.step_time, "is not a finite number of seconds ≥ 0")
+            raise _bad(source, "step_time", self.step_time, "is not a finite number of seconds ≥ 0")
         if self.micro_batches < 1:
-            raise bad("micro_batches", self.micro_batches, "is not an integer ≥ 1")
+            raise _bad(source, "micro_batches", self.micro_batches, "is not an integer ≥ 1")
         if self.objective not in schedules.OBJECTIVES:
-            raise bad("objective", self.objective, f"is not one of {schedules.OBJECTIVES}")
+            raise _bad(source, "objective", self.objective, f"is not one of {schedules.OBJECTIVES}")
         if not (self.objective == "makespan" and self.schedule == "makespan"):  # a makespan plan writes "makespan"
             try:
                 schedules.runnable(self.schedule)
             except ConstraintError as e:
-                raise bad("schedule", self.schedule, f"is not one of {schedules.SCHEDULES}"
+                raise _bad(source, "schedule", self.schedule, f"is not one of {schedules.SCHEDULES}"
                           + " or 'makespan'" * (self.objective == "makespan") + f": {e}") from e
             low, high = schedules.lookup(self.schedule).stages_per_rank
             if v < low or (high is not None and v > high):
-                raise bad("stages_per_rank", v, f"is outside what schedule {self.schedule!r} runs ({low} to {high or 'any'})")
+                raise _bad(source, "stages_per_rank", v, f"is outside what schedule {self.schedule!r} runs ({low} to {high or 'any'})")
         for t in self.tasks:
             if t.node not in self.assignment or t.device != self.assignment[t.node] or t.kind not in ("forward", "backward"):
-                raise bad("tasks", t, "does not match the assignment (a node's device) or is not a forward or backward")
+                raise _bad(source, "tasks", t, "does not match the assignment (a node's device) or is not a forward or backward")
         if self.data_parallel < 1:
-            raise bad("data_parallel", self.data_parallel, "is not an integer ≥ 1")
+            raise _bad(source, "data_parallel", self.data_parallel, "is not an integer ≥ 1")
         if self.precision not in PRECISIONS:
-            raise bad("precision", self.precision, f"is not one of {PRECISIONS}")
+            raise _bad(source, "precision", self.precision, f"is not one of {PRECISIONS}")
         if len(set(self.recompute)) != len(self.recompute) or not all(isinstance(b, str) and b for b in self.recompute):
-            raise bad("recompute", list(self.recompute), "does not name distinct blocks (module paths)")
+            raise _bad(source, "recompute", list(self.recompute), "does not name distinct blocks (module paths)")
         for some in self.recompute_partial:
             if some.block not in self.recompute or not 0 < some.keep < some.window:
-                raise bad("recompute_partial", some, "names a block not in recompute, or does not keep 1 to window − 1 micro-batches")
+                raise _bad(source, "recompute_partial", some,
+                           "names a block not in recompute, or does not keep 1 to window − 1 micro-batches")
+
+    def _check_sharing(self, source: str) -> None:
+        """What names the graph: its fingerprint, the crossings' nodes, the shared parameters' stages."""
         if not self.fingerprint:
-            raise bad("fingerprint", self.fingerprint, "is empty")
+            raise _bad(source, "fingerprint", self.fingerprint, "is empty")
         if self.crossings and len(self.crossings) != len(self.stage_devices) - 1:
-            raise bad("crossings", f"{len(self.crossings)} boundaries", f"does not match {len(self.stage_devices)} stages")
+            raise _bad(source, "crossings", f"{len(self.crossings)} boundaries", f"does not match {len(self.stage_devices)} stages")
         for k, names in enumerate(self.crossings):
             for name in names:
                 if name not in self.assignment and name.rsplit(".", 1)[0] not in self.assignment:
-                    raise bad(f"crossings[{k}]", name, "names no node of the plan")
+                    raise _bad(source, f"crossings[{k}]", name, "names no node of the plan")
         for p in self.shared_params:
             if any(not 0 <= s < len(self.stage_devices) for s in p.stages):
-                raise bad(f"shared_params[{p.name!r}].stages", list(p.stages), "names a stage the plan does not have")
+                raise _bad(source, f"shared_params[{p.name!r}].stages", list(p.stages), "names a stage the plan does not have")
             if p.policy not in ("replicate", "send"):
-                raise bad(f"shared_params[{p.name!r}].policy", p.policy, "is not 'replicate' or 'send'")
+                raise _bad(source, f"shared_params[{p.name!r}].policy", p.policy, "is not 'replicate' or 'send'")
 
     @classmethod
     def load(cls, path: str | Path) -> Plan:
@@ -477,74 +330,10 @@ class Plan:
         )
 
 
-# -- reading plan files: each field as its annotated type -------------------------------------------
-_JSON_KINDS = {type(None): "null", bool: "a boolean", int: "an integer", float: "a number", str: "a string",
-               list: "a list", tuple: "a list", dict: "an object"}
 
-
-@functools.cache
-def _hints(cls: type) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
-
-
-def _wrong_type(source: str, path: str, value: object, expected: str) -> PlanFileError:
-    found = f"a list of {len(value)}" if isinstance(value, (list, tuple)) else _JSON_KINDS.get(type(value), type(value).__name__)
+def _bad(source: str, name: str, value: object, rule: str) -> PlanFileError:
+    """The error for field ``name`` of a loaded plan, whose ``value`` breaks ``rule``."""
     return PlanFileError(advice(
-        f"{source}: field {path} = {reprlib.repr(value)} is {found}, expected {expected}",
-        "the file was edited, or written by hand", "re-plan the model, or restore the file from where it was saved",
+        f"{source}: field {name} = {value!r} {rule}", "the file was edited, or written by hand",
+        "re-plan the model, or restore the file from where it was saved",
     ))
-
-
-def _expected(hint: Any) -> str:
-    """What a field of type ``hint`` looks like in JSON, in words."""
-    origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if origin in (types.UnionType, typing.Union):
-        return " or ".join(_expected(a) for a in args)
-    if origin is tuple:
-        return "a list" if args[-1] is Ellipsis else f"a list of {len(args)}"
-    return "an object" if origin is Mapping or dataclasses.is_dataclass(hint) else _JSON_KINDS[hint]
-
-
-def _field(value: Any, hint: Any, path: str, source: str, expected: str | None = None) -> Any:
-    """``value`` read as a field of type ``hint``, or a :class:`PlanFileError` naming ``path``, the type and the value."""
-    origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if origin in (types.UnionType, typing.Union):  # X | None
-        if value is None:
-            return None
-        return _field(value, next(a for a in args if a is not type(None)), path, source, _expected(hint))
-    if dataclasses.is_dataclass(hint) and isinstance(value, Mapping):
-        return _record(typing.cast(type, hint), value, path, source)
-    if origin is tuple and isinstance(value, (list, tuple)):
-        items = args[:1] * len(value) if args[-1] is Ellipsis else args
-        if len(items) == len(value):
-            return tuple(_field(v, h, f"{path}[{i}]", source) for i, (v, h) in enumerate(zip(value, items)))
-    elif origin is Mapping and isinstance(value, Mapping):
-        return {_field(k, args[0], f"{path} key", source): _field(v, args[1], f"{path}[{k!r}]", source) for k, v in value.items()}
-    elif isinstance(value, bool):
-        if hint is bool:
-            return value
-    elif hint is float and isinstance(value, (int, float)):
-        return float(value)
-    elif hint is int and (isinstance(value, int) or (isinstance(value, float) and value.is_integer())):
-        return int(value)  # a count written as 8.0 is still 8
-    elif hint is str and isinstance(value, str):
-        return value
-    raise _wrong_type(source, path, value, expected or _expected(hint))
-
-
-def _record(cls: type, data: Mapping, path: str, source: str) -> Any:
-    """An instance of the dataclass ``cls`` from the JSON object ``data``: no unknown fields, no required field missing."""
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    where = f"{path}." if path else ""
-    unknown = sorted(str(k) for k in data if k not in fields)
-    missing = [n for n, f in fields.items()
-               if n not in data and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
-    if unknown or missing:
-        what = f"unknown field {where + unknown[0]!r}" if unknown else f"required field {where + missing[0]!r} is missing"
-        raise PlanFileError(advice(
-            f"{source}: {what} ({cls.__name__} has fields {list(fields)})",
-            "the file was edited, truncated or written by hand",
-            "re-plan the model, or restore the file from where it was saved",
-        ))
-    hints = _hints(cls)
-    return cls(**{name: _field(value, hints[name], f"{where}{name}", source) for name, value in data.items()})

@@ -33,6 +33,8 @@ import torch
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
+__all__ = ["MemoryTracker", "pinned", "steady_allocator", "timed"]
+
 
 def timed(
     fn: Callable[..., Any], *, device: str = "cpu", warmup: int = 2, repeats: int = 5,

@@ -56,7 +56,8 @@ import autosplit.calibration
 from autosplit.compiler.manual import partition
 from autosplit.microbatch import split_batch
 from autosplit.options import ProfileOptions
-from autosplit.passes.annotate import annotate, node_info
+from autosplit.passes.annotate import annotate
+from autosplit.passes.annotations import node_info
 from autosplit.passes.capture import capture, flat_inputs
 from autosplit.timers import pinned
 from benchmarks.plan_time import machine

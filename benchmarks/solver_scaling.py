@@ -48,9 +48,10 @@ from autosplit.options import PlanOptions
 from autosplit.passes.annotate import annotate
 from autosplit.passes.capture import capture, flat_inputs
 from autosplit.passes.costs import estimate
+from autosplit.solver.build import build_problem
+from autosplit.solver.evaluation import evaluate
 from autosplit.solver.pipeline.cpsat import cpsat
 from autosplit.solver.pipeline.strategy import solve
-from autosplit.solver.problem import build_problem, evaluate
 from autosplit.solver.validate import violations
 from benchmarks.plan_time import machine
 

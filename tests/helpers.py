@@ -28,7 +28,8 @@ from torch.distributed.pipelining import pipe_split
 import autosplit
 from autosplit.examples import GPT
 from autosplit.microbatch import split_batch
-from autosplit.solver.problem import Problem, evaluate
+from autosplit.solver.evaluation import evaluate
+from autosplit.solver.problem import Problem
 from autosplit.solver.validate import violations
 from benchmarks.workloads.models import GNMT, MLP, ConvBN, InceptionA, InceptionE, ResNet
 from benchmarks.workloads.vision import make as make_vision

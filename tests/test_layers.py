@@ -19,9 +19,12 @@ import networkx as nx
 
 PACKAGE = Path(__file__).resolve().parents[1] / "autosplit"
 GROUND = {f"autosplit.{m}" for m in (
-    "errors", "units", "schedules", "progress", "debug", "devices", "costtable", "options", "plans", "candidates", "microbatch", "timers",
+    "errors", "units", "schedules", "progress", "debug", "devices", "costtable", "options", "plans", "plan_records", "plan_json",
+    "candidates", "microbatch", "timers",
 )}
-TORCH_FREE = {f"autosplit.{m}" for m in ("errors", "units", "schedules", "progress", "debug", "devices", "costtable", "options", "plans")}
+TORCH_FREE = {f"autosplit.{m}" for m in (
+    "errors", "units", "schedules", "progress", "debug", "devices", "costtable", "options", "plans", "plan_records", "plan_json",
+)}
 
 
 def _modules() -> dict[str, Path]:

@@ -18,7 +18,7 @@ from autosplit.errors import ConstraintError, PlanFileError
 from autosplit.options import PlanOptions
 from autosplit.plans import SCHEMA_VERSION, Plan
 from autosplit.report.timeline import stage_order
-from autosplit.solver.problem import in_flight, weight_copies
+from autosplit.solver.build import in_flight, weight_copies
 from tests.helpers import GOLDEN, ROOT, LinearStack
 
 ONE_PER_RANK = ("sequential", "gpipe", "1f1b", "xpipe", "async", "pipedream")

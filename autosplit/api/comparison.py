@@ -40,6 +40,8 @@ from autosplit.report.compare import Comparison
 from autosplit.runtime.makespan import DeviceOptimizers, MakespanRunner
 from autosplit.units import format_bytes
 
+__all__ = ["compare"]
+
 log = logging.getLogger(__name__)
 
 
@@ -144,7 +146,7 @@ def _round_robin(
 
 
 def _measure_local(model, plans, inputs, kwargs, loss_fn, target, steps, warmup) -> list[Measured]:
-    """Each plan as a :class:`SplitModule` in this process, measured round-robin."""
+    """Each plan as a :class:`~autosplit.runtime.local.SplitModule` in this process, measured round-robin."""
     from autosplit.api.planner import Planner
 
     runs: list[tuple[Callable[[], Any], torch.optim.Optimizer | DeviceOptimizers, list[float]]] = []

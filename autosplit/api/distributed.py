@@ -24,7 +24,7 @@ from autosplit.devices import DeviceLike
 from autosplit.errors import AutosplitError, ConstraintError, DistributedError, PlanMismatchError, advice
 from autosplit.microbatch import batch_size
 from autosplit.passes.capture import flat_inputs
-from autosplit.passes.codegen import generate_chain, retarget
+from autosplit.passes.chain import generate_chain, retarget
 from autosplit.plans import Plan
 from autosplit.runtime.batches import ChainsByRows, keep_only, meta_copy
 from autosplit.runtime.compiled import CompileOptions, compile_options
@@ -33,6 +33,8 @@ from autosplit.runtime.materialise import StageNames, WeightsLike, agree_by_name
 from autosplit.runtime.placement import Layout, agree, keep_unread, make_mesh, place, rank_device
 from autosplit.runtime.precision import stage_device_type
 from autosplit.shapes import is_meta
+
+__all__ = ["distribute"]
 
 log = logging.getLogger(__name__)
 
@@ -80,10 +82,14 @@ def distribute(
     ``example_target`` of the batch, the plan costs it on the stage that returns the output.
     ``replicate``: how each stage's data-parallel replicas keep in step — ``"ddp"`` (whole
     parameters on every replica, gradients all-reduced: FSDP2's ``replicate``) or ``"fsdp"``
-    (parameters and optimizer state sharded: ``fully_shard``). ``options``: any :class:`~autosplit.options.PlanOptions` field
-    (``micro_batches``, ``schedule`` — ``"gpipe"`` or ``"1f1b"``, trained by
-    :meth:`~DistributedModel.step`; or the asynchronous ``"xpipe"``, ``"async"``, ``"pipedream"``,
-    trained by :meth:`~DistributedModel.run` — ``time_limit``, ...).
+    (parameters and optimizer state sharded: ``fully_shard``). ``options``: any
+    :class:`~autosplit.options.PlanOptions` field (``micro_batches``, ``schedule`` — a flushed
+    schedule torch runs, trained by :meth:`~DistributedModel.step`: ``"gpipe"``, ``"1f1b"``, or with
+    ``stages_per_rank`` the multi-stage ``"interleaved1f1b"``, ``"loopedbfs"``,
+    ``"interleavedzerobubble"``, ``"zbvzerobubble"``, ``"dualpipev"``; or the asynchronous
+    ``"xpipe"``, ``"async"``, ``"pipedream"``, trained by :meth:`~DistributedModel.run` —
+    ``stages_per_rank``, ``time_limit``, ...; the schedules it runs: the registry's
+    ``distributed`` ones, :mod:`autosplit.schedules`).
 
     A model built on the meta device (``with torch.device("meta"): model = Model(...)``) is planned
     without allocating its weights, and each rank materialises only its stage: ``weights`` is a

@@ -39,6 +39,8 @@ from autosplit.plans import Plan
 from autosplit.shapes import as_tensors
 from autosplit.solver.hybrid import examples_factor
 
+__all__ = ["measure_noise_scale", "NoiseScale", "plan_hybrid"]
+
 log = logging.getLogger(__name__)
 
 

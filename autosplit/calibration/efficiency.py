@@ -36,7 +36,8 @@ import torch
 from autosplit.devices import DeviceLike, DeviceSpec, resolve_devices
 from autosplit.errors import CostModelError, advice
 from autosplit.options import ProfileOptions
-from autosplit.passes.annotate import annotate, node_info
+from autosplit.passes.annotate import annotate
+from autosplit.passes.annotations import node_info
 from autosplit.passes.capture import capture, fingerprint, flat_inputs
 from autosplit.passes.profile import Profile, profile
 

@@ -21,6 +21,8 @@ import torch
 from autosplit.calibration.pair import free_port, run_pair
 from autosplit.errors import CostModelError, advice
 
+__all__ = ["fit_allreduce", "fit_link", "LinkMeasurement", "measure_link", "ping_pong"]
+
 
 @dataclass(frozen=True)
 class LinkMeasurement:

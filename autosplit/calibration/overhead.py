@@ -28,6 +28,8 @@ from autosplit.calibration.pair import free_ports, run_pair
 from autosplit.schedules import Action
 from autosplit.solver.replay import measured_durations, replay
 
+__all__ = ["fit_overhead", "link_and_pipeline", "measure_runtime", "RuntimeMeasurement", "tiny_pipeline"]
+
 _log = logging.getLogger(__name__)
 
 
@@ -156,7 +158,7 @@ def link_and_pipeline(
 def measure_runtime(
     *, backend: str = "gloo", cache: bool = True, cache_dir: str | None = None, pin_cores: bool = True
 ) -> RuntimeMeasurement:
-    """Measure the link (:func:`measure_link`), the backend's all-reduce (:func:`fit_allreduce`) and
+    """Measure the link (:func:`~autosplit.calibration.link.measure_link`), the backend's all-reduce (:func:`fit_allreduce`) and
     the pipeline runtime's fixed cost per micro-batch.
 
     Two processes (one thread each, pinned to their own cores) run a two-stage GPipe pipeline of

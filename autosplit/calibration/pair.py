@@ -23,6 +23,8 @@ from typing import Any
 
 from autosplit.errors import CostModelError, advice
 
+__all__ = ["free_port", "free_ports", "run_pair", "worker_main"]
+
 _log = logging.getLogger(__name__)
 
 

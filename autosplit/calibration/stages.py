@@ -21,6 +21,8 @@ from torch.utils import _pytree as pytree
 from autosplit.errors import ConstraintError, advice
 from autosplit.timers import MemoryTracker, pinned
 
+__all__ = ["measure_stages", "StageMeasurement"]
+
 
 @dataclass(frozen=True)
 class StageMeasurement:

@@ -11,6 +11,8 @@ import time
 
 from autosplit.cli import inputs, processes
 
+__all__ = ["compare", "demo", "plan", "run", "show"]
+
 
 # -- commands ----------------------------------------------------------------------------------
 def plan(args: argparse.Namespace, argv: list[str]) -> int:

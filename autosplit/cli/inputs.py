@@ -9,6 +9,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+__all__ = ["devices", "manual", "one_line", "options", "workload"]
+
 
 # -- workloads, devices, manual splits ---------------------------------------------------------
 def one_line(e: BaseException) -> str:

@@ -13,6 +13,8 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+__all__ = ["REPORTS", "bars", "emit", "first_to_report", "init_process_group", "launch", "rank"]
+
 
 # -- progress bars and ranks -------------------------------------------------------------------
 def rank() -> int:

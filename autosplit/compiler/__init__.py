@@ -11,3 +11,5 @@
 - :mod:`.manual` — the splits users write by hand, as plans;
 - :mod:`.hybrid` — the hybrid planner's rows from worker plans.
 """
+
+__all__ = []

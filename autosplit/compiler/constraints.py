@@ -12,6 +12,8 @@ from autosplit.errors import ConstraintError, advice
 from autosplit.options import PlanOptions
 from autosplit.solver.problem import UserConstraint
 
+__all__ = ["user_constraints"]
+
 
 def _device_index(ref: int | str, specs: Sequence[DeviceSpec]) -> int:
     if isinstance(ref, int) and 0 <= ref < len(specs):

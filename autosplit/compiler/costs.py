@@ -24,6 +24,8 @@ from autosplit.shapes import is_meta
 from autosplit.solver.problem import UserConstraint
 from autosplit.timers import pinned
 
+__all__ = ["cost_table", "estimated"]
+
 
 def cost_table(
     traced: Traced, specs: tuple[DeviceSpec, ...], options: PlanOptions, *, micro_batches: int, recompute: tuple[str, ...] = (),

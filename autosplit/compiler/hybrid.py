@@ -25,6 +25,11 @@ from autosplit.solver.hybrid import (
 )
 from autosplit.units import format_bytes
 
+__all__ = [
+    "assemble", "Cluster", "default_micro_batches", "divisors", "first_sentence", "HybridPlan", "HybridRow",
+    "is_count", "is_real", "ScalingPoint", "sync_windows",
+]
+
 
 @dataclass(frozen=True)
 class Cluster:

@@ -13,9 +13,12 @@ from autosplit.costtable import CostTable
 from autosplit.devices import DeviceSpec
 from autosplit.options import PlanOptions
 from autosplit.plans import Plan, PlannedTask, SolverInfo, StageReport, StepTerms
+from autosplit.solver.build import build_problem
 from autosplit.solver.makespan import solve_makespan
 from autosplit.solver.makespan.schedule import memory_of, run_key, schedule_of
-from autosplit.solver.problem import KIB, NS, UserConstraint, build_problem
+from autosplit.solver.problem import KIB, NS, UserConstraint
+
+__all__ = ["compile_makespan"]
 
 
 def compile_makespan(

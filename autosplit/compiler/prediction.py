@@ -12,9 +12,16 @@ from autosplit import schedules
 from autosplit.costtable import CostTable
 from autosplit.options import PlanOptions
 from autosplit.plans import SharedParam, StageReport, StepTerms
+from autosplit.solver.build import tied_costs
+from autosplit.solver.evaluation import evaluate
 from autosplit.solver.hybrid import exposed_allreduce, ring_allreduce
-from autosplit.solver.problem import KIB, NS, Problem, evaluate, tied_costs
+from autosplit.solver.problem import KIB, NS, Problem
 from autosplit.solver.replay import Replay, StageWork, peaks, replay
+
+__all__ = [
+    "backward_passes", "module_stages", "numbered_layer", "predict_step", "rank_peaks", "replayed_step",
+    "sharing_problem", "stage_modules", "stage_reports", "step_bound",
+]
 
 
 def predict_step(

@@ -21,9 +21,9 @@ from collections.abc import Collection
 from autosplit.costtable import CostTable
 from autosplit.errors import ConstraintError, advice
 from autosplit.options import PlanOptions
+from autosplit.solver.build import build_problem
 from autosplit.solver.coarsen import repeated_layers
 from autosplit.solver.pipeline.dp import topological_order
-from autosplit.solver.problem import build_problem
 
 __all__ = ["candidate_blocks", "offered"]
 

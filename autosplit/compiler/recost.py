@@ -19,7 +19,11 @@ from autosplit.devices import DeviceSpec
 from autosplit.options import PlanOptions
 from autosplit.plans import Plan
 from autosplit.solver import validate
-from autosplit.solver.problem import NS, build_problem, evaluate
+from autosplit.solver.build import build_problem
+from autosplit.solver.evaluation import evaluate
+from autosplit.solver.problem import NS
+
+__all__ = ["recost"]
 
 
 def recost(traced: Traced, specs: tuple[DeviceSpec, ...], options: PlanOptions, given: Plan, *, check_memory: bool = True) -> Plan:

@@ -28,10 +28,11 @@ from autosplit.devices import DeviceSpec
 from autosplit.errors import AutosplitError, InfeasiblePlanError, advice
 from autosplit.options import AUTO, AUTO_MOST_STAGES_PER_RANK, PlanOptions
 from autosplit.plans import Alternative, PartialRecompute
+from autosplit.solver.build import build_problem
 from autosplit.solver.pipeline.dp import topological_order
 from autosplit.solver.pipeline.order import choose_order
 from autosplit.solver.pipeline.strategy import dp_plan
-from autosplit.solver.problem import Problem, UserConstraint, build_problem
+from autosplit.solver.problem import Problem, UserConstraint
 from autosplit.solver.validate import violations
 
 __all__ = ["configurations", "search", "stage_problem"]

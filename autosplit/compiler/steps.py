@@ -3,7 +3,7 @@
 Three functions, each a sequence of named, timed steps (``AUTOSPLIT_DEBUG=1`` logs them, ``2`` each
 plan's report, ``3`` each stage's code: :mod:`autosplit.debug`):
 
-- :func:`trace` — capture the model as an fx graph and annotate every node (done once per
+- :func:`~autosplit.compiler.trace.trace` — capture the model as an fx graph and annotate every node (done once per
   model and input shape; :class:`~autosplit.api.planner.Planner` keeps the result);
 - :func:`compile_plan` — estimate costs, choose the device order, build the solver's
   :class:`~autosplit.solver.Problem`, solve it and validate the assignment; or, given a
@@ -36,8 +36,11 @@ from autosplit.options import PlanOptions
 from autosplit.passes.codegen import Program, generate
 from autosplit.plans import Alternative, PartialRecompute, Plan, SolverInfo
 from autosplit.solver import validate
+from autosplit.solver.evaluation import evaluate
 from autosplit.solver.pipeline.strategy import solve
-from autosplit.solver.problem import NS, evaluate
+from autosplit.solver.problem import NS
+
+__all__ = ["codegen", "compile_plan"]
 
 
 def compile_plan(

@@ -21,6 +21,8 @@ from autosplit.passes.annotate import annotate
 from autosplit.passes.capture import Captured, capture, fingerprint, flat_inputs
 from autosplit.passes.loss import Loss
 
+__all__ = ["trace", "Traced", "versions"]
+
 
 @dataclass(frozen=True)
 class Traced:

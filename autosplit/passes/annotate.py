@@ -9,10 +9,12 @@ compute node it replays the op on fresh inputs that require grad, under
   (parameters and views of them excluded: they are counted once, as model state), and
 - the inputs' version counters for what it writes in place (``ReLU(inplace=True)``, ``x += y``).
 
-Results land in ``node.meta["autosplit"]`` as a :class:`NodeInfo`. Replays are memoised by
-the node's signature (op, module config, input shapes, strides, dtypes and grad flags), so
-the layers of a deep model are measured once; every later node of a known signature is not
-run at all: its output is made from the recorded metadata.
+Results land in ``node.meta["autosplit"]`` as a :class:`~autosplit.passes.annotations.NodeInfo`.
+Replays are memoised by the node's signature (op, module config, input shapes, strides, dtypes
+and grad flags), so the layers of a deep model are measured once; every later node of a known
+signature is not run at all: its output is made from the recorded metadata. A mixed precision is
+annotated under autocast's policy (:mod:`autosplit.passes.autocast_policy`); embedding tables
+looked up by rows get their gradient's sparse size afterwards (:mod:`autosplit.passes.sparse_tables`).
 
 Usage::
 
@@ -22,11 +24,8 @@ Usage::
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import logging
 import math
-from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -37,7 +36,10 @@ from torch.utils import _pytree as pytree
 from torch.utils.flop_counter import FlopCounterMode
 
 from autosplit.errors import CostModelError, advice
+from autosplit.passes.annotations import NodeInfo
+from autosplit.passes.autocast_policy import HALF, LOW_PRECISION, precision_context
 from autosplit.passes.capture import Captured
+from autosplit.passes.sparse_tables import row_sparse
 
 F = torch.nn.functional
 
@@ -60,64 +62,9 @@ RNN_FLOPS = {aten.mkldnn_rnn_layer: _rnn_layer_flops, aten.mkldnn_rnn_layer_back
 LSTM with projections runs decomposed into matmuls, which it counts): without these, analytic
 costs would see no LSTM compute at all."""
 
-__all__ = ["LOW_PRECISION", "NodeInfo", "annotate", "node_info", "fresh", "precision_context", "sparse_gradient_tables"]
+__all__ = ["RNN_FLOPS", "annotate", "fresh"]
 
 log = logging.getLogger(__name__)
-
-_HALF = (torch.float16, torch.bfloat16)
-
-
-@dataclass(frozen=True)
-class NodeInfo:
-    """What one node computes and keeps, for one example batch."""
-
-    module_path: str
-    output_shapes: tuple[tuple[int, ...], ...]
-    output_bytes: int
-    """Bytes of every tensor the node outputs (what a transfer moves forward)."""
-    input_bytes: int
-    fwd_flops: int
-    bwd_flops: int
-    saved_bytes: int
-    """Bytes of tensors the node makes that autograd keeps until backward (its output when
-    saved, internal buffers); parameters and the node's inputs are not counted here."""
-    saved_inputs: tuple[str, ...]
-    """Nodes whose output this node saves for backward (each storage is counted once, at
-    its producer, by the cost table)."""
-    saves_output: bool
-    """The node's own output is among what it saves (already in ``saved_bytes``)."""
-    params: tuple[str, ...]
-    """Qualified names of the parameters this node owns (first use only; each counted once)."""
-    param_bytes: int
-    param_count: int
-    largest_param_bytes: int
-    """Bytes of the largest parameter tensor it owns (the optimizer's temporaries scale with it)."""
-    buffer_bytes: int
-    half: bool
-    """Computes in fp16/bf16 (tensor-core peak applies)."""
-    mutates: tuple[str, ...] = ()
-    """Input nodes whose value this node writes in place (``relu_``, ``x += y``, a leaf module
-    writing its argument), seen from the tensors' version counters when it ran."""
-    wgrad_share: float = 0.0
-    """The share of the backward that is the gradient to parameters (the weight-gradient pass W of
-    a split backward; the rest is the input-gradient pass I): by flops, or 1 when parameters are
-    all that needs a gradient (an embedding)."""
-    weight_copy_bytes: int = 0
-    """Of :attr:`saved_bytes`, the low-precision copies of parameters autocast makes for this node and
-    it saves: autocast casts a weight again in every forward it runs, so each micro-batch in flight
-    holds its own copy (the bytes here are one copy's; the cost table scales them by the micro-batches)."""
-    row_grad_bytes: int = 0
-    """For the node that owns an embedding table read only by lookups (``nn.Embedding``,
-    ``F.embedding``, ``aten.embedding``; not a table tied to an output layer): bytes of the rows the
-    batch looks up, with a 64-bit index each, at most the whole table — the non-zero part of its
-    gradient, which a sparse all-gather moves instead of the dense table (:func:`_row_sparse`)."""
-    sparse_table_bytes: int = 0
-    """Of those tables, the bytes of the ones every lookup reads with ``sparse=True``: torch makes
-    their gradient a sparse tensor and never the dense one."""
-    sparse_grad_bytes: int = 0
-    """Bytes of that sparse gradient for the whole batch: a row and a 64-bit index per lookup,
-    repeats included (torch's sparse embedding backward keeps each lookup's row, and accumulating
-    micro-batches concatenates them), not capped at the table."""
 
 
 class _Measured(NamedTuple):
@@ -202,16 +149,6 @@ def _make(x: Any, mode: FakeTensorMode) -> Any:
     return FakeTensor(mode, meta, x.device).requires_grad_(x.requires_grad)
 
 
-def node_info(node: fx.Node) -> NodeInfo:
-    try:
-        return node.meta["autosplit"]
-    except KeyError:
-        raise CostModelError(advice(
-            f"node {node.format_node()} has no annotation", "the cost model ran before the annotate pass",
-            "run passes.annotate on the captured graph first",
-        )) from None
-
-
 def fresh(x: Any, state: set[int]) -> Any:
     """An input cut from the graph for replaying one node (``state``: ids of parameters, kept).
 
@@ -231,101 +168,7 @@ def _cut(value: Any) -> Any:
     return pytree.tree_map(lambda t: t.detach().requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor) else t, value)
 
 
-LOW_PRECISION = {"bf16": torch.bfloat16, "bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}
-"""The low-precision dtype of each precision (:attr:`autosplit.options.PlanOptions.precision`) but fp32."""
-
-
 _ATTENTION = frozenset({F.scaled_dot_product_attention, aten.scaled_dot_product_attention.default})
-
-
-def _ops(*names: str) -> frozenset:
-    """The torch functions, Tensor methods and aten op packets of these names (those that exist)."""
-    found: set = set()
-    for name in names:
-        for space in (torch, torch.Tensor, F, torch.linalg):
-            if hasattr(space, name):
-                found.add(getattr(space, name))
-        if hasattr(aten, name):
-            found.add(getattr(aten, name))
-    return frozenset(found)
-
-
-# torch.autocast's op lists (aten/src/ATen/autocast_mode.cpp, torch 2.13): ops that run in the low
-# precision, and ops each device type runs in fp32 whatever their inputs. Autocast itself acts only
-# on CPU and CUDA tensors, while annotation runs on fakes — of a meta-device model too (whose
-# exported graph names the meta device and reads meta buffers inside higher-order ops), and for a
-# GPU target on a machine without one — so the policy is applied here, at the function level.
-_LOW = _ops(
-    "linear", "matmul", "__matmul__", "__rmatmul__", "mm", "bmm", "addmm", "baddbmm", "addbmm", "addmv", "addr", "mv", "einsum",
-    "chain_matmul", "multi_dot", "vecdot", "conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d",
-    "conv_transpose3d", "convolution", "_convolution", "conv_tbc", "prelu", "scaled_dot_product_attention",
-    "_scaled_dot_product_flash_attention", "lstm_cell", "gru_cell", "rnn_tanh_cell", "rnn_relu_cell",
-)
-_LOSSES = (
-    "cross_entropy", "cross_entropy_loss", "nll_loss", "nll_loss2d", "mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss",
-    "kl_div", "binary_cross_entropy", "binary_cross_entropy_with_logits", "poisson_nll_loss", "hinge_embedding_loss",
-    "cosine_embedding_loss", "margin_ranking_loss", "soft_margin_loss", "triplet_margin_loss", "multi_margin_loss",
-    "multilabel_margin_loss", "ctc_loss",
-)
-_FP32 = {
-    "cuda": _ops(
-        *_LOSSES, "acos", "asin", "cosh", "erfinv", "exp", "expm1", "log", "log10", "log2", "log1p", "reciprocal", "rsqrt",
-        "sinh", "tan", "pow", "__pow__", "softplus", "layer_norm", "native_layer_norm", "group_norm", "native_group_norm",
-        "frobenius_norm", "nuclear_norm", "cosine_similarity", "dist", "pdist", "cdist", "renorm", "logsumexp", "softmax",
-        "_softmax", "log_softmax", "_log_softmax", "cumprod", "cumsum", "prod", "sum", "norm", "vector_norm", "matrix_norm",
-    ),
-    "cpu": _ops(
-        *_LOSSES, "avg_pool3d", "grid_sampler", "polar", "prod", "quantile", "nanquantile", "stft", "cdist", "trace",
-        "view_as_complex", "cholesky", "inverse", "pinverse", "max_pool3d", "adaptive_avg_pool3d", "reflection_pad1d",
-        "reflection_pad2d", "replication_pad1d", "replication_pad2d", "replication_pad3d",
-    ),
-}
-
-
-class _Autocast(torch.overrides.TorchFunctionMode):
-    """torch.autocast's policy for ``device_type`` at ``dtype``, on any tensors (see :data:`_LOW`):
-    floating fp32 inputs of a low-precision op are cast down (a weight's cast copy is what the op
-    saves, as under autocast), and low-precision inputs of the device's fp32 ops are cast up. A
-    region the model itself runs with autocast disabled (a rotary embedding's tables) is cast too."""
-
-    def __init__(self, device_type: str, dtype: torch.dtype, params: Collection[int] = ()):
-        super().__init__()
-        self.fp32, self.dtype = _FP32["cpu" if device_type == "cpu" else "cuda"], dtype
-        self.params = params
-        self.copies: dict[int, torch.Tensor] = {}
-        """The cast copies of the tensors whose ids are in ``params`` (the model's parameters), by id."""
-
-    def _down(self, x: Any) -> Any:
-        if not isinstance(x, torch.Tensor) or x.dtype != torch.float32:
-            return x
-        y = x.to(self.dtype)
-        if id(x) in self.params:
-            self.copies[id(y)] = y
-        return y
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        key = getattr(func, "overloadpacket", func)
-        if key is aten._assert_tensor_metadata:  # export's checks of the dtypes it traced, which the policy changes
-            return None
-        if key in _LOW:
-            cast = self._down
-        elif key in self.fp32:
-            cast = lambda x: x.float() if isinstance(x, torch.Tensor) and x.dtype in _HALF else x  # noqa: E731
-        else:
-            return func(*args, **kwargs)
-        args, kwargs = pytree.tree_map(cast, (args, kwargs))
-        return func(*args, **kwargs)
-
-
-def precision_context(precision: str, device_type: str, params: Collection[int] = ()) -> contextlib.AbstractContextManager:
-    """The forward's dtype policy for annotating ``precision`` on a ``device_type`` (``"cpu"``,
-    ``"cuda"``) target: autocast's for the mixed precisions (recording the copies it makes of the
-    tensors whose ids are in ``params``); nothing for fp32 and bf16 (a bf16 model is annotated with
-    bf16 state and inputs instead)."""
-    if not precision.endswith("-mixed"):
-        return contextlib.nullcontext()
-    return _Autocast(device_type, LOW_PRECISION[precision], params)
 
 
 class _Annotator(fx.Interpreter):
@@ -446,7 +289,7 @@ class _Annotator(fx.Interpreter):
             param_count=pcount,
             largest_param_bytes=largest,
             buffer_bytes=bbytes,
-            half=any(t.dtype in _HALF for t in (*inputs, *outputs)),
+            half=any(t.dtype in HALF for t in (*inputs, *outputs)),
             mutates=self._producers(n, flat, measured.written_at),
             wgrad_share=measured.wgrad_share,
             weight_copy_bytes=measured.copies,
@@ -587,84 +430,5 @@ def annotate(captured: Captured, inputs: list[Any], *, precision: str = "fp32", 
     fake_inputs = [annotator.fake(x) if isinstance(x, torch.Tensor) else x for x in inputs]
     annotator._state_read = True
     annotator.run(*fake_inputs)
-    _row_sparse(captured.gm)
+    row_sparse(captured.gm)
     return captured.gm
-
-
-_LOOKUPS = {torch.nn.functional.embedding: (1, 6), torch.embedding: (0, 4), aten.embedding.default: (0, 4)}
-"""Embedding functions → the positions of the table and of the ``sparse`` flag among their arguments."""
-
-
-def _sparse_lookup(node: fx.Node, at: int) -> bool:
-    """Whether the lookup ``node`` asks for a sparse gradient (``sparse=True``, positional or by name)."""
-    return bool(node.args[at] if len(node.args) > at else node.kwargs.get("sparse", False))
-
-
-def _table_reads(gm: fx.GraphModule) -> Iterator[tuple[torch.Tensor, fx.Node | None, bool]]:
-    """Every read of a parameter in ``gm``'s graph: (parameter, the lookup node reading it as an
-    embedding table or ``None`` for any other reader, whether that lookup asks for a sparse
-    gradient). A parameter's readers are the ``call_module`` nodes of modules holding it and the
-    users of ``get_attr`` nodes fetching it."""
-    for n in gm.graph.nodes:
-        if n.op == "call_module":
-            mod = gm.get_submodule(str(n.target))
-            for p in mod.parameters():
-                lookup = isinstance(mod, torch.nn.Embedding) and p is mod.weight
-                yield p, n if lookup else None, bool(lookup and mod.sparse)
-        elif n.op == "get_attr":
-            try:
-                p = gm.get_parameter(str(n.target))
-            except AttributeError:
-                continue
-            for user in n.users:
-                at = _LOOKUPS.get(user.target)
-                if at is not None and len(user.args) > at[0] and user.args[at[0]] is n:
-                    yield p, user, _sparse_lookup(user, at[1])
-                else:
-                    yield p, None, False
-
-
-def sparse_gradient_tables(module: torch.nn.Module) -> list[torch.nn.Parameter]:
-    """The parameters of the graph modules in ``module`` whose gradient torch makes sparse: read
-    only by embedding lookups that pass ``sparse=True`` (what a replicated stage must reduce apart:
-    FSDP2's collectives take dense gradients only)."""
-    sparse: dict[int, torch.nn.Parameter] = {}
-    dense: set[int] = set()
-    for gm in module.modules():
-        if isinstance(gm, fx.GraphModule):
-            for p, lookup, is_sparse in _table_reads(gm):
-                if lookup is not None and is_sparse and isinstance(p, torch.nn.Parameter):
-                    sparse[id(p)] = p
-                else:
-                    dense.add(id(p))
-    return [p for key, p in sparse.items() if key not in dense]
-
-
-def _row_sparse(gm: fx.GraphModule) -> None:
-    """Set :attr:`NodeInfo.row_grad_bytes` on the owners of tables that every reader only looks up
-    (:func:`_table_reads`; any other reader, a tied output layer, makes the gradient dense and the
-    table is left out), and :attr:`NodeInfo.sparse_grad_bytes` on those of
-    :func:`sparse_gradient_tables`. Each lookup adds the rows its output holds (output elements / row width)."""
-    rows: dict[int, int] = {}  # id(table) → rows looked up
-    dense: set[int] = set()
-    for p, lookup, _ in _table_reads(gm):
-        if lookup is None or p.dim() != 2:
-            dense.add(id(p))
-        else:
-            rows[id(p)] = rows.get(id(p), 0) + math.prod(lookup.meta["autosplit"].output_shapes[0]) // p.shape[-1]
-    sparse = {key: count for key, count in rows.items() if key not in dense}
-    if not sparse:
-        return
-    tables: dict[str, torch.Tensor] = {name: p for name, p in gm.named_parameters(remove_duplicate=False) if id(p) in sparse}
-    sparse_gradient = {id(p) for p in sparse_gradient_tables(gm)}
-    for n in gm.graph.nodes:
-        info = n.meta.get("autosplit")
-        owned = [tables[name] for name in (info.params if info else ()) if name in tables]
-        if owned:
-            element = info.param_bytes / info.param_count  # as the node's state is counted (bf16: 2)
-            total = sum(min(sparse[id(t)], t.shape[0]) * (round(t.shape[-1] * element) + 8) for t in owned)
-            made_sparse = [t for t in owned if id(t) in sparse_gradient]
-            n.meta["autosplit"] = dataclasses.replace(
-                info, row_grad_bytes=total, sparse_table_bytes=sum(round(t.numel() * element) for t in made_sparse),
-                sparse_grad_bytes=sum(sparse[id(t)] * (round(t.shape[-1] * element) + 8) for t in made_sparse),
-            )

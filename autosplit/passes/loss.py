@@ -33,10 +33,11 @@ from torch.utils.flop_counter import FlopCounterMode
 from autosplit.devices import DeviceSpec
 from autosplit.errors import CostModelError, advice
 from autosplit.microbatch import split_batch
-from autosplit.passes.annotate import precision_context
+from autosplit.passes.autocast_policy import precision_context
 from autosplit.passes.capture import Captured
-from autosplit.passes.costs import LossCost, roofline
-from autosplit.passes.profile import _flat
+from autosplit.passes.costs import LossCost
+from autosplit.passes.in_context import flat
+from autosplit.passes.time_model import roofline
 from autosplit.timers import timed
 
 __all__ = ["Loss", "LossCost", "cost_loss", "output_like"]
@@ -76,7 +77,7 @@ def output_like(captured: Captured, inputs: Sequence[Any], precision: str = "fp3
         fake = [mode.from_tensor(x.to("meta") if meta else x) if isinstance(x, torch.Tensor) else x for x in inputs]
         # fake copies of the weights too: a forward that writes its own state (an EMA teacher) writes those
         fake_state: dict[str, torch.Tensor] = {name: mode.from_tensor(t) for name, t in state.items()}
-        out = torch.func.functional_call(_flat(gm), fake_state, tuple(fake))
+        out = torch.func.functional_call(flat(gm), fake_state, tuple(fake))
     codegen = gm.graph._codegen
     if isinstance(codegen, _PyTreeCodeGen) and codegen.pytree_info.out_spec is not None:  # exported: the flat outputs, restructured
         out = pytree.tree_unflatten(list(out), codegen.pytree_info.out_spec)

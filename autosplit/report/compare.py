@@ -17,6 +17,8 @@ from autosplit.report.html import render
 from autosplit.units import format_bytes
 from autosplit.units import format_ms as _ms
 
+__all__ = ["Comparison"]
+
 log = logging.getLogger(__name__)
 
 

@@ -16,6 +16,8 @@ from autosplit.plans import Plan
 from autosplit.units import format_bytes
 from autosplit.units import format_ms as _ms
 
+__all__ = ["plan_report"]
+
 
 def plan_report(plan: Plan, width: int = 140) -> str:
     """The partition report as text: one row per device, then the solver's provenance."""

@@ -23,7 +23,7 @@ the update its gradient is applied to (the version difference, read off the simu
 
 All three agree where no update falls between a micro-batch's forward and its backward (the
 last stage, always). Backwards read the weights of their time through saved-tensor hooks that
-keep the parameters themselves rather than a checked snapshot; ``tests/test_async_pipeline.py``
+keep the parameters themselves rather than a checked snapshot; ``tests/runtime/test_async_pipeline.py``
 checks each schedule against these rules applied to the unsplit model in one process.
 
 Usage (every rank, under ``torchrun``)::
@@ -39,18 +39,20 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
 from autosplit import schedules
+from autosplit.errors import AutosplitError, DistributedError, advice, causes
 from autosplit.microbatch import split_batch
-from autosplit.passes.codegen import Chain
+from autosplit.passes.chain import Chain
+from autosplit.runtime.batches import describe, shapes
 from autosplit.runtime.prediction import predicted, update_direction
 from autosplit.solver.asynchronous import Simulation, simulate
 
-__all__ = ["run_asynchronous", "check_optimizer"]
+__all__ = ["AsynchronousRun", "check_optimizer", "run_asynchronous"]
 
 
 
@@ -238,3 +240,82 @@ def check_optimizer(schedule: str, optimizer: torch.optim.Optimizer) -> None:
         for group in optimizer.param_groups:
             for p in group["params"][:1]:
                 update_direction(optimizer, p)
+
+
+class AsynchronousRun:
+    """The asynchronous training of :class:`~autosplit.runtime.distributed.DistributedModel`: its
+    :meth:`run` over this module's loop."""
+
+    plan: Any
+    chain: Chain
+    layout: Any
+    module: torch.nn.Module
+    device: torch.device
+    micro_batches: int
+    asynchronous: str | None
+    last_run: dict[str, Any]
+    _to_flat: Callable[..., list[Any]]
+    _input_names: tuple[str, ...]
+    _shapes: Any
+    _rows: int | None
+    _loss_of_output: Callable[[Any, Any], torch.Tensor]
+    _failed: str | None
+    _rank: int
+
+    if TYPE_CHECKING:  # DistributedModel's
+
+        def _usable(self) -> None: ...
+
+    def run(self, batches: Sequence[Any], *, optimizer: torch.optim.Optimizer) -> list[torch.Tensor | None]:
+        """Train on ``batches`` — each ``(inputs, target)`` or ``(inputs, kwargs, target)``, one
+        mini-batch of the example's shape — with this pipeline's asynchronous schedule (no flush
+        between mini-batches; see :mod:`autosplit.runtime.asynchronous`). Call it on every rank
+        with the same batches. The runtime steps ``optimizer`` (over
+        :meth:`~autosplit.runtime.distributed.DistributedModel.parameters`) after each mini-batch's
+        last backward and zeroes its gradients. Returns each mini-batch's loss on the last stage's
+        rank, ``None`` elsewhere; :attr:`last_run` says what the run kept."""
+        self._usable()
+        if self.asynchronous is None:
+            raise DistributedError(advice(
+                "run() trains with asynchronous schedules, and this pipeline flushes every step",
+                f"its plan's schedule is {self.plan.schedule!r}",
+                "call step() per batch, or distribute with schedule='xpipe', 'async' or 'pipedream'",
+            ))
+        check_optimizer(self.asynchronous, optimizer)
+        flat_batches = []
+        for i, item in enumerate(batches):
+            inputs, kwargs, target = item if len(item) == 3 else (item[0], {}, item[1])
+            inputs = inputs if isinstance(inputs, tuple) else (inputs,)
+            flat = self._to_flat(inputs, dict(kwargs))
+            # Every rank is given the same batches, so every rank refuses the same one, before any compute.
+            rows = int(target.shape[0]) if isinstance(target, torch.Tensor) and target.dim() > 0 else None
+            if shapes(flat) != self._shapes or (self._rows is not None and rows != self._rows):
+                got = [f"{n}: {describe(v)}" for n, v in zip(self._input_names, shapes(flat))]
+                want = [f"{n}: {describe(v)}" for n, v in zip(self._input_names, self._shapes)]
+                raise DistributedError(advice(
+                    f"mini-batch {i} of {len(batches)} has inputs {got} and a target of {rows} rows, where the "
+                    f"example has {want} and {self._rows} rows",
+                    "an asynchronous pipeline runs every mini-batch with the example's shapes: its receive "
+                    "buffers and its simulated schedule are fixed when it starts",
+                    "give run() mini-batches of the example's shape (DataLoader(drop_last=True)); train a last "
+                    "partial batch with a flushed pipeline (schedule='gpipe' or '1f1b'), or drop it",
+                ))
+            flat_batches.append((flat, target))
+        stage, stages = self.layout.stage, self.layout.stages
+        peers = (self.layout.rank(stage - 1) if stage > 0 else None, self.layout.rank(stage + 1) if stage < stages - 1 else None)
+        try:
+            losses, self.last_run = run_asynchronous(
+                schedule=self.asynchronous, chain=self.chain, stage=stage, stages=stages, module=self.module,
+                device=self.device, batches=flat_batches, micro_batches=self.micro_batches, optimizer=optimizer,
+                loss_fn=self._loss_of_output, peers=peers,
+            )
+        except AutosplitError:
+            raise
+        except Exception as e:
+            self._failed = causes(e)
+            raise DistributedError(advice(
+                f"rank {self._rank} (stage {stage} of {stages}) failed during asynchronous training: {causes(e)}",
+                "an error in this stage's forward/backward, or a peer rank that failed or exited",
+                "look for the first rank that failed; run the model unsplit on one batch to reproduce",
+            )) from e
+        return losses

@@ -21,7 +21,7 @@ from autosplit import schedules
 from autosplit.errors import DistributedError, advice
 from autosplit.microbatch import batch_size, is_batched
 from autosplit.passes.capture import Captured, capture, fingerprint, flat_inputs, with_defaults
-from autosplit.passes.codegen import Chain, generate_chain
+from autosplit.passes.chain import Chain, generate_chain
 from autosplit.plans import Plan
 from autosplit.runtime.precision import stage_device_type
 

@@ -94,7 +94,8 @@ class TrainingLoop:
     # -- modes -------------------------------------------------------------------------------------
     def train(self, mode: bool = True) -> Any:
         """Set every stage module of this rank to training (``mode=True``) or evaluation mode, as
-        ``nn.Module.train`` does; returns the pipeline. Asynchronous training is :meth:`run`."""
+        ``nn.Module.train`` does; returns the pipeline. Asynchronous training is
+        :meth:`~autosplit.runtime.distributed.DistributedModel.run`."""
         if not isinstance(mode, bool):
             raise DistributedError(advice(
                 f"train(mode) takes True or False, not {type(mode).__name__}",
@@ -133,8 +134,9 @@ class TrainingLoop:
         return self.chain.output(list(merged) if isinstance(merged, (tuple, list)) else [merged])
 
     def eval_step(self, *inputs: Any, target: Any = None, **kwargs: Any) -> torch.Tensor | None:
-        """The batch's mean loss, forward only (the mean of the micro-batches' losses, as :meth:`step`
-        returns it) on the last stage's ranks, ``None`` elsewhere; no gradient is touched."""
+        """The batch's mean loss, forward only (the mean of the micro-batches' losses, as
+        :meth:`~autosplit.runtime.distributed.DistributedModel.step` returns it) on the last stage's
+        ranks, ``None`` elsewhere; no gradient is touched."""
         if target is None:
             raise DistributedError(advice(
                 "eval_step() was given no target", "the loss is loss_fn(output, target)",
@@ -165,7 +167,7 @@ class TrainingLoop:
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False) -> torch.Tensor:
         """Clip the gradients of every stage, replica and shard by their total norm (tied weights
         counted once) and return that norm, the same on every rank: ``torch.nn.utils.clip_grad_norm_``
-        of the unsplit model. Call it on every rank after :meth:`step`."""
+        of the unsplit model. Call it on every rank after :meth:`~autosplit.runtime.distributed.DistributedModel.step`."""
         self._usable()
         own = dict(self.module.named_parameters(remove_duplicate=False))
         tied = dict(self._tied)

@@ -44,7 +44,7 @@ import torch.fx as fx
 from torch.utils import _pytree as pytree
 
 from autosplit.errors import CodegenError, DistributedError, advice
-from autosplit.passes.annotate import node_info
+from autosplit.passes.annotations import node_info
 from autosplit.passes.capture import Captured, flat_inputs
 from autosplit.plans import Plan
 from autosplit.solver.makespan.schedule import run_key

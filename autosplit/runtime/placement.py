@@ -15,9 +15,14 @@ import torch
 import torch.distributed as dist
 
 from autosplit.errors import DistributedError, advice
-from autosplit.passes.annotate import sparse_gradient_tables
-from autosplit.passes.codegen import Chain
+from autosplit.passes.chain import Chain
+from autosplit.passes.sparse_tables import sparse_gradient_tables
 from autosplit.plans import Plan
+
+__all__ = [
+    "agree", "keep_unread", "Layout", "make_mesh", "place", "rank_device", "reduce_sparse_gradients",
+    "replicate_stage",
+]
 
 
 @dataclass(frozen=True)
@@ -139,7 +144,7 @@ def replicate_stage(module: torch.nn.Module, mode: str, dp_mesh: Any) -> list[to
     wraps the backwards in ``no_sync``, and DDP's bucket rebuild then sees each parameter M times.
 
     FSDP2 reduces dense gradients only: the tables looked up with ``sparse=True``
-    (:func:`~autosplit.passes.annotate.sparse_gradient_tables`) are left out of it, whole on every
+    (:func:`~autosplit.passes.sparse_tables.sparse_gradient_tables`) are left out of it, whole on every
     replica, and returned; :func:`reduce_sparse_gradients` averages theirs after each step."""
     tables = sparse_gradient_tables(module)
     if mode == "fsdp":

@@ -33,7 +33,7 @@ import torch.distributed as dist
 from torch.utils import _pytree as pytree
 
 from autosplit.errors import DistributedError, advice
-from autosplit.passes.annotate import LOW_PRECISION
+from autosplit.passes.autocast_policy import LOW_PRECISION
 from autosplit.plans import Plan
 
 __all__ = ["AutocastStage", "LossScaler", "autocast", "cast_inputs", "hold", "is_mixed", "stage_device_type"]

@@ -18,7 +18,7 @@ the early receive matches.
 Both stage classes record when each of their actions ran (:class:`Span`) while their
 ``timeline`` is a list (:meth:`~autosplit.runtime.distributed.DistributedModel.tracing`), and run
 their forward in the plan's precision (autocast for the mixed ones, the
-backward outside it), as the micro-batch it is (:func:`~autosplit.passes.codegen.micro_batch`, read by
+backward outside it), as the micro-batch it is (:func:`~autosplit.passes.recompute_regions.micro_batch`, read by
 blocks that keep some micro-batches' activations), and refuse to send a tensor whose dtype is not the one the next stage's
 receive buffer was made with.
 """
@@ -33,7 +33,7 @@ import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage
 
 from autosplit.errors import DistributedError, advice
-from autosplit.passes.codegen import micro_batch
+from autosplit.passes.recompute_regions import micro_batch
 from autosplit.runtime.precision import autocast
 
 __all__ = ["EarlyReceivingStage", "ContiguousGradStage", "Span"]

@@ -13,7 +13,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from autosplit.errors import PlanValidationError, advice
-from autosplit.solver.problem import KIB, Problem, evaluate
+from autosplit.solver.evaluation import evaluate
+from autosplit.solver.problem import KIB, Problem
 from autosplit.units import format_bytes
 
 __all__ = ["violations", "validate"]

@@ -16,7 +16,7 @@ from autosplit.calibration.overhead import fit_overhead
 from autosplit.calibration.stages import measure_stages
 from autosplit.devices import resolve_devices
 from autosplit.errors import CostModelError
-from autosplit.passes.costs import roofline
+from autosplit.passes.time_model import roofline
 from autosplit.solver.hybrid import ring_allreduce
 from autosplit.solver.replay import StageWork, replay
 from tests.helpers import FAST_PROFILE, ProfiledNet

@@ -15,7 +15,7 @@ from autosplit.compiler.trace import trace
 from autosplit.devices import resolve_devices
 from autosplit.errors import ConstraintError, CostModelError, PlanFileError
 from autosplit.examples import gpt
-from autosplit.passes.annotate import node_info
+from autosplit.passes.annotations import node_info
 from autosplit.passes.costs import estimate
 from tests.helpers import says
 

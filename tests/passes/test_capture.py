@@ -11,7 +11,8 @@ import torch.nn as nn
 import autosplit
 from autosplit.devices import resolve_devices
 from autosplit.examples import GPT
-from autosplit.passes.annotate import annotate, node_info
+from autosplit.passes.annotate import annotate
+from autosplit.passes.annotations import node_info
 from autosplit.passes.capture import capture, flat_inputs
 from autosplit.passes.costs import estimate
 from tests.helpers import assert_trains_like

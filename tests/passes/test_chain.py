@@ -14,7 +14,7 @@ import torch
 import autosplit
 from autosplit.examples import GPT
 from autosplit.microbatch import split_batch
-from autosplit.passes.codegen import generate_chain
+from autosplit.passes.chain import generate_chain
 from tests.helpers import ZOO, assert_same_step, padding_mask
 
 

@@ -49,7 +49,8 @@ class _InPlaceBlock(nn.Module):
 
 
 def test_in_place_writes_are_seen_from_version_counters():
-    from autosplit.passes.annotate import annotate, node_info
+    from autosplit.passes.annotate import annotate
+    from autosplit.passes.annotations import node_info
 
     model = nn.Sequential(_InPlaceBlock(), _InPlaceBlock())
     x = torch.randn(2, 4, 8, 8)
@@ -63,7 +64,8 @@ def test_in_place_writes_are_seen_from_version_counters():
 
 
 def test_analytic_costs_count_the_fused_lstm_kernel():
-    from autosplit.passes.annotate import annotate, node_info
+    from autosplit.passes.annotate import annotate
+    from autosplit.passes.annotations import node_info
 
     class Recurrent(nn.Module):
         def __init__(self):
@@ -124,7 +126,8 @@ def test_sparse_lookups_are_costed_on_their_rows(capture_with):
     Adagrad's and SGD's steps read those rows instead of the table, and Adam, which refuses sparse
     gradients, is refused at plan time."""
     from autosplit.passes.annotate import annotate
-    from autosplit.passes.costs import estimate, optimizer_step_time
+    from autosplit.passes.costs import estimate
+    from autosplit.passes.time_model import optimizer_step_time
 
     model = _SparseTables()
     tokens, candidates = torch.randint(0, 20, (4, 8)), torch.randint(0, 200_000, (1, 64))

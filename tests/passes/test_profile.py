@@ -18,6 +18,8 @@ from autosplit.passes import profile as profile_module
 from autosplit.passes.annotate import annotate
 from autosplit.passes.capture import capture, flat_inputs
 from autosplit.passes.costs import estimate
+from autosplit.passes.in_context import beside, flat
+from autosplit.passes.split_backward import cut_at_frontier, split_backward
 from autosplit.timers import pinned, timed
 from tests.helpers import FAST_PROFILE, ProfiledNet
 
@@ -128,7 +130,7 @@ def test_a_profile_whose_passes_beside_it_failed_is_refused():
     gm = torch.fx.symbolic_trace(_ForkFails())
     x = torch.randn(4, 4, requires_grad=True)
     with pytest.raises(CostModelError, match=r"stopped on an error on cores \[\d+\]"):
-        with profile_module._beside(gm, [x], (sorted(os.sched_getaffinity(0))[1],), 1):
+        with beside(gm, [x], (sorted(os.sched_getaffinity(0))[1],), 1):
             time.sleep(0.5)
 
 
@@ -184,15 +186,15 @@ def test_a_split_backward_profile_runs_torchs_input_and_weight_passes_to_the_sam
     model, tokens = Lookup(), torch.randint(0, 4000, (16, 16))
     captured = capture(model, (tokens,))
     inputs = flat_inputs(captured, (tokens,), {})
-    cut = profile_module._cut_at_frontier(profile_module._flat(captured.gm), inputs)
+    cut = cut_at_frontier(flat(captured.gm), inputs)
     assert cut is not None
     params = list(captured.gm.parameters())
     out, values, leaves = cut(*inputs)
     assert [v.grad_fn.name() for v in values] == ["EmbeddingBackward0"] and all(leaf.is_leaf for leaf in leaves)
-    profile_module._split_backward([out], values, leaves, params)
+    split_backward([out], values, leaves, params)
     split = [p.grad.clone() for p in params]
     captured.gm.zero_grad(set_to_none=True)
-    plain = profile_module._flat(captured.gm)(*inputs)
+    plain = flat(captured.gm)(*inputs)
     plain.backward(torch.ones_like(plain))
     for p, g in zip(params, split):
         torch.testing.assert_close(g, p.grad)

@@ -16,7 +16,9 @@ import torch.nn as nn
 import autosplit
 from autosplit.errors import CodegenError
 from autosplit.microbatch import split_batch
-from autosplit.passes.codegen import generate, generate_chain, micro_batch
+from autosplit.passes.chain import generate_chain
+from autosplit.passes.codegen import generate
+from autosplit.passes.recompute_regions import micro_batch
 from autosplit.plans import PartialRecompute
 from tests.helpers import (
     ExampleCode,

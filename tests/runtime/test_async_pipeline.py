@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from autosplit.runtime.prediction import update_direction
 from autosplit.solver.asynchronous import simulate
-from autosplit.solver.problem import weight_copies
+from autosplit.solver.build import weight_copies
 from tests.helpers import ROOT
 
 MICRO, LR = 2, 0.05

@@ -86,7 +86,7 @@ def test_bad_counts_are_typed_errors():
 
 
 def test_weight_copies_and_in_flight_of_the_asynchronous_schedules():
-    from autosplit.solver.problem import in_flight, weight_copies
+    from autosplit.solver.build import in_flight, weight_copies
 
     S = 4
     assert weight_copies("pipedream", S, 1) == (3, 2, 1, 0), "PipeDream stashes one version per mini-batch in flight"

@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 
 from autosplit.errors import InfeasiblePlanError, SolverError
 from autosplit.solver import solve
-from autosplit.solver.problem import Recompute, evaluate
+from autosplit.solver.evaluation import evaluate
+from autosplit.solver.problem import Recompute
 from autosplit.solver.validate import violations
 from tests.helpers import chain, make_problem
 

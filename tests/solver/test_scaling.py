@@ -17,10 +17,11 @@ from autosplit.options import SolverLimits
 from autosplit.passes.annotate import annotate
 from autosplit.passes.capture import capture, flat_inputs
 from autosplit.passes.costs import estimate
+from autosplit.solver.build import build_problem, in_flight
 from autosplit.solver.coarsen import coarse_problem, coarsen, repeated_layers
+from autosplit.solver.evaluation import evaluate
 from autosplit.solver.pipeline.dp import split_dp, topological_order
 from autosplit.solver.pipeline.strategy import solve
-from autosplit.solver.problem import build_problem, evaluate, in_flight
 from autosplit.solver.validate import violations
 from tests.helpers import brute_force, chain, make_problem, random_problems
 

@@ -15,8 +15,8 @@ from autosplit.errors import InfeasiblePlanError, PlanValidationError
 from autosplit.options import SolverLimits
 from autosplit.passes.capture import capture, flat_inputs
 from autosplit.solver import validate
+from autosplit.solver.evaluation import evaluate
 from autosplit.solver.pipeline.strategy import solve
-from autosplit.solver.problem import evaluate
 from autosplit.solver.validate import violations
 from tests.helpers import brute_force, chain, make_problem, random_problems
 
@@ -272,7 +272,8 @@ def test_build_problem_caches_the_arrays_its_tuples_hold():
     from autosplit.examples import GPT
     from autosplit.passes.annotate import annotate
     from autosplit.passes.costs import estimate
-    from autosplit.solver.problem import Problem, build_problem
+    from autosplit.solver.build import build_problem
+    from autosplit.solver.problem import Problem
 
     model, ids = GPT(vocab=50, d_model=16, n_layers=2, n_heads=2, max_len=8), torch.randint(0, 50, (2, 8))
     captured = capture(model, (ids,))

@@ -6,7 +6,7 @@ start times so that parallel branches run at the same time; minimise one step's 
 - :mod:`.cpsat` — the CP-SAT model (its mathematics in the module docstring);
 - :func:`solve_makespan` — how they combine: HEFT, its pinned search (a quarter of the time
   limit), coarsening of a large graph
-  (:attr:`~autosplit.solver.limits.SolverLimits.makespan_units`), CP-SAT with the better of
+  (:attr:`~autosplit.options.SolverLimits.makespan_units`), CP-SAT with the better of
   the two as hint, the best schedule timed on the nodes, and a bound.
 
 Usage::

@@ -122,8 +122,8 @@ class _Model:
         a recomputed block's members share a stage. A stage's time grows by the blocks it recomputes,
         its memory shrinks by what they save, and every stage's reserve grows by the largest recomputed
         block's (see :meth:`Problem.fixed`). A block the solver chooses that can keep some of its
-        stage's in-flight micro-batches (:attr:`Recompute.in_flight`) gets k[u, s], the micro-batches
-        it keeps there (0 unless z[u, s]): the time and memory of :meth:`Recompute.partly`, as tables."""
+        stage's in-flight micro-batches (:attr:`~autosplit.solver.problem.Recompute.in_flight`) gets k[u, s], the micro-batches
+        it keeps there (0 unless z[u, s]): the time and memory of :meth:`~autosplit.solver.problem.Recompute.partly`, as tables."""
         p, S = self.p, self.p.num_stages
         self.r: list[Any] = []
         self.k: dict[tuple[int, int], Any] = {}

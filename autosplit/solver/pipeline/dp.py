@@ -36,7 +36,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from autosplit.solver.problem import Problem, evaluate
+from autosplit.solver.evaluation import evaluate
+from autosplit.solver.problem import Problem
 from autosplit.solver.validate import violations
 
 __all__ = ["topological_order", "split_dp", "forbidden_cuts", "prefix_sums", "Prefix"]

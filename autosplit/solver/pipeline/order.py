@@ -26,9 +26,11 @@ import time
 from collections.abc import Sequence
 
 from autosplit.options import SolverLimits
+from autosplit.solver.build import build_problem
+from autosplit.solver.evaluation import evaluate
 from autosplit.solver.pipeline.dp import topological_order
 from autosplit.solver.pipeline.strategy import dp_plan
-from autosplit.solver.problem import UserConstraint, build_problem, evaluate
+from autosplit.solver.problem import UserConstraint
 
 __all__ = ["choose_order"]
 

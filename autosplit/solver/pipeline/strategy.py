@@ -35,10 +35,11 @@ from dataclasses import dataclass
 from autosplit.errors import InfeasiblePlanError, SolverError, advice
 from autosplit.options import SolverLimits
 from autosplit.solver.coarsen import Coarsening, coarse_problem, coarsen, repeated_layers
+from autosplit.solver.evaluation import evaluate
 from autosplit.solver.pipeline.bounds import lower_bound, memory_chain_floor, memory_floor
 from autosplit.solver.pipeline.cpsat import PROVEN_GAP, cpsat, explain_infeasible, precheck
 from autosplit.solver.pipeline.dp import Prefix, prefix_sums, split_dp, topological_order
-from autosplit.solver.problem import KIB, Problem, evaluate
+from autosplit.solver.problem import KIB, Problem
 from autosplit.solver.validate import violations
 from autosplit.units import format_bytes
 
@@ -146,7 +147,7 @@ def solve(
     With blocks to recompute (:attr:`Problem.recompute`), the DP splits the model recomputing the
     fewest and the most blocks allowed, then CP-SAT chooses split and blocks together from the better
     of the two, and for each block on a stage that holds several micro-batches at once
-    (:attr:`Recompute.in_flight`) how many of them keep their activations; each DP plan's ranks keep
+    (:attr:`~autosplit.solver.problem.Recompute.in_flight`) how many of them keep their activations; each DP plan's ranks keep
     the blocks, and the micro-batches, their memory holds after all. The bound is the time bound
     with the fewest (recomputing only adds time) or CP-SAT's on the nodes, and the plan the best
     found, judged on the nodes."""

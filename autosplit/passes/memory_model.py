@@ -1,0 +1,145 @@
+"""The memory model of the estimate pass (DESIGN §4.2): bytes per node, and what recomputing saves.
+
+Per node: model state = parameters + gradients + optimizer state (Adam: two fp32 moments per
+parameter) + buffers; activations = the bytes autograd saves, each storage charged once, at its
+producer; outputs sent to another stage are held until their gradient returns; the transient
+peak is at least the optimizer step's temporaries. A block a plan may recompute (activation
+checkpointing) saves what its members stop holding, less what the checkpoint keeps of its inputs.
+
+Usage::
+
+    own, peaks = activation_bytes(nodes, infos, profiles, micro_batches, "adam")
+    saved, sent = saved_bytes(gm, nodes, infos, own)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+
+import torch
+import torch.fx as fx
+
+from autosplit.costtable import OPTIMIZER_SPARSE_STEP, OPTIMIZER_STATE_BYTES, OPTIMIZER_TEMP_FACTOR
+from autosplit.passes.annotations import NodeInfo, node_info
+from autosplit.passes.profile import Profile
+
+__all__ = ["activation_bytes", "describe_blocks", "saved_bytes", "state_bytes"]
+
+
+def saved_bytes(
+    gm: fx.GraphModule, nodes: list[fx.Node], infos: list[NodeInfo], own: list[int], recomputed: Collection[int] = frozenset()
+) -> tuple[list[int], list[int]]:
+    """(activation bytes, bytes held when sent to another stage) per node; each storage once.
+
+    A tensor that several consumers save for backward (the input of q, k and v
+    projections) is alive once: it is charged to its producer, on top of what the
+    producer itself saves. A saved graph input is charged to its first saver. The
+    model's outputs stay alive until the loss has used them: they count as saved.
+
+    Nodes in ``recomputed`` (the blocks a plan checkpoints) save nothing of their own: the
+    checkpoint keeps every tensor they read from outside the blocks instead, and recomputes the rest
+    in the backward.
+    """
+    index = {n.name: i for i, n in enumerate(nodes)}
+    placeholders = {n.name: n for n in gm.graph.find_nodes(op="placeholder")}
+    saved = [0 if i in recomputed else b for i, b in enumerate(own)]
+    charged: set[str] = set()
+
+    def kept(i: int) -> Sequence[str]:  # what node i keeps alive for its backward
+        if i not in recomputed:
+            return infos[i].saved_inputs
+        return [u.name for u in nodes[i].all_input_nodes if index.get(u.name) not in recomputed]
+
+    for i in range(len(infos)):
+        for name in kept(i):
+            if name in charged:
+                continue
+            charged.add(name)
+            if name in index:
+                p = index[name]
+                if (not infos[p].saves_output or p in recomputed) and nodes[p].op != "get_attr":  # parameters are model state
+                    saved[p] += infos[p].output_bytes
+            elif name in placeholders:
+                saved[i] += node_info(placeholders[name]).output_bytes
+    held = {nodes[i].name for i, info in enumerate(infos) if info.saves_output and i not in recomputed} | charged
+    output = next(iter(gm.graph.find_nodes(op="output")))
+    for u in output.all_input_nodes:
+        if u.name in index and u.name not in held:
+            saved[index[u.name]] += infos[index[u.name]].output_bytes
+            held.add(u.name)
+    sent = [0 if n.name in held or n.op == "get_attr" else info.output_bytes for n, info in zip(nodes, infos)]
+    return saved, sent
+
+
+def activation_bytes(
+    nodes: list[fx.Node], infos: list[NodeInfo], profiles: list[Profile | None], micro_batches: int, optimizer: str
+) -> tuple[list[int], list[int]]:
+    """(bytes each node saves for backward, its transient peak) per node: annotated, or measured
+    by the first profile. The transient peak is at least the temporaries the optimizer step
+    allocates while it updates the node's largest parameter (:data:`OPTIMIZER_TEMP_FACTOR`). The
+    whole batch's saved bytes hold a weight copy autocast makes once per micro-batch: every
+    micro-batch in flight keeps its own (``NodeInfo.weight_copy_bytes``)."""
+    transient = [info.output_bytes / micro_batches for info in infos]
+    own_saved = [info.saved_bytes + (micro_batches - 1) * info.weight_copy_bytes for info in infos]
+    measured = next((p for p in profiles if p is not None), None)
+    if measured is not None:  # memory does not depend on which device of a kind measured it
+        for i, n in enumerate(nodes):
+            if n.name in measured.nodes:
+                own_saved[i] = measured.nodes[n.name].saved_bytes * micro_batches
+                transient[i] = measured.nodes[n.name].peak_bytes
+    peaks = [int(max(round(t), _step_temporaries(info, optimizer))) for t, info in zip(transient, infos)]
+    return own_saved, peaks
+
+
+def _step_temporaries(info: NodeInfo, optimizer: str) -> int:
+    """Bytes the optimizer step allocates while it updates the node's parameters: a dense step's
+    temporaries scale with the largest parameter; a node holding only sparse-gradient tables that
+    the optimizer steps sparsely allocates in units of their gradient."""
+    if info.sparse_table_bytes == info.param_bytes > 0 and optimizer in OPTIMIZER_SPARSE_STEP:
+        return OPTIMIZER_SPARSE_STEP[optimizer][2] * info.sparse_grad_bytes
+    return OPTIMIZER_TEMP_FACTOR[optimizer] * info.largest_param_bytes
+
+
+def state_bytes(info: NodeInfo, optimizer: str) -> int:
+    """Parameters, gradients, optimizer state and buffers of a node; a sparse-gradient table's
+    gradient is its rows (:attr:`NodeInfo.sparse_grad_bytes`), not the table."""
+    gradients = info.param_bytes - info.sparse_table_bytes + info.sparse_grad_bytes
+    return info.param_bytes + gradients + OPTIMIZER_STATE_BYTES[optimizer] * info.param_bytes // 4 + info.buffer_bytes
+
+
+def describe_blocks(
+    gm: fx.GraphModule, nodes: list[fx.Node], infos: list[NodeInfo], own: list[int], saved: list[int],
+    blocks: Sequence[tuple[str, Collection[str]]], micro_batches: int,
+) -> dict[str, tuple]:
+    """The cost table's fields that describe ``blocks`` (label, member node names) as a plan may
+    recompute them: members, the bytes recomputing each alone saves (what its members stop holding,
+    less what the checkpoint keeps of its inputs), the bytes its backward holds again while it
+    recomputes, and why a block cannot be recomputed."""
+    index = {n.name: i for i, n in enumerate(nodes)}
+    members = [tuple(sorted(index[m] for m in names if m in index)) for _, names in blocks]
+    saves, held, why = [], [], []
+    for block in members:
+        alone, _ = saved_bytes(gm, nodes, infos, own, frozenset(block))
+        saves.append(sum(saved) - sum(alone))
+        held.append(sum(saved[i] for i in block))
+        why.append(_not_recomputable(gm, [nodes[i] for i in block], [infos[i] for i in block]))
+    return dict(blocks=tuple(label for label, _ in blocks), block_members=tuple(members), block_saves=tuple(saves),
+                block_activations=tuple(held), block_refusal=tuple(why))
+
+
+def _not_recomputable(gm: fx.GraphModule, members: Sequence[fx.Node], infos: Sequence[NodeInfo]) -> str:
+    """Why recomputing these nodes in the backward would train differently ("" when it would not):
+    a write in place into a value from outside them (recomputing would read the written value), or
+    a module whose buffers training updates (BatchNorm's running statistics would move twice)."""
+    inside = {n.name for n in members}
+    for n, info in zip(members, infos):
+        outside = [name for name in info.mutates if name not in inside]
+        if outside:
+            return f"node {n.name} writes {outside[0]} in place"
+        if n.op == "call_module":
+            mod = gm.get_submodule(str(n.target))
+            if mod.training and any(True for _ in mod.buffers()) and getattr(mod, "track_running_stats", True) and isinstance(
+                mod, torch.nn.modules.batchnorm._NormBase
+            ):
+                return f"module {n.target} ({type(mod).__name__}) updates its running statistics in training"
+    return ""
