@@ -74,6 +74,8 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("run", help="train the workload pipelined across processes (starts torchrun)")
     planning(p, devices="cpu*2")
     p.add_argument("--dp", type=int, default=1, help="data-parallel replicas (world size = dp × devices)")
+    p.add_argument("--replicate", default="replicate",
+                   help="how replicas keep in step, torch's names: replicate (FSDP2's replicate, default) or fully_shard")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--plan", help="a saved plan to run instead of solving")
