@@ -124,6 +124,7 @@ def _says(excinfo, *names):
         ("seed", "0"), ("data_parallel", 0), ("memory", {0: "lots"}), ("memory", {-1: "8GiB"}),
         ("pin", ["layers.0"]), ("avoid", {"head": [1.5]}), ("together", "head"), ("cost_overrides", {1: {}}),
         ("limits", {"dp_work": 1}), ("cut_margin", -0.01), ("cut_margin", 1.0), ("cut_margin", True),
+        ("gap", -0.01), ("gap", 1.0), ("gap", True), ("gap", "1%"),
     ],
 )
 def test_bad_options_are_refused_up_front(option, value):

@@ -46,6 +46,8 @@ def _parser() -> argparse.ArgumentParser:
                        help="pipeline (default) or makespan (DLPlacer: parallel branches at once; compare shows both)")
         p.add_argument("--micro-batches", type=int, default=None, help="default 4 × stages")
         p.add_argument("--time-limit", type=float, default=10.0, help="solver time limit, seconds (default 10)")
+        p.add_argument("--gap", type=float, default=None,
+                       help="the certified gap to settle for: a plan proven within this fraction of optimal (default 0.01)")
         p.add_argument("--seed", type=int, default=0)
         p.add_argument("--costs", default="analytic", help="analytic (default), measured, or a cost table JSON")
         p.add_argument("--json", action="store_true", help="print JSON instead of the report")
