@@ -52,11 +52,10 @@ from typing import Any
 import torch
 import torch.fx as fx
 import torch.utils.checkpoint
-from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.fx.graph_module import _copy_attr  # fx's own copy of an attribute into a GraphModule, containers and all
-from torch.utils import _pytree as pytree
 
 from autosplit import debug
+from autosplit.compat import FakeTensorMode, NormBase, OpOverload, graph_codegen, pytree, set_graph_codegen
+from autosplit.compat import copy_attr as _copy_attr  # fx's own copy of an attribute into a GraphModule, containers and all
 from autosplit.errors import CodegenError, advice
 from autosplit.passes.capture import Captured
 from autosplit.plans import PartialRecompute
@@ -196,7 +195,7 @@ def _written(gm: fx.GraphModule, node: fx.Node) -> list[fx.Node]:
     mutates = getattr(node.meta.get("autosplit"), "mutates", None)
     if mutates is not None:
         return [u for u in node.all_input_nodes if u.name in mutates]
-    if isinstance(node.target, torch._ops.OpOverload):
+    if isinstance(node.target, OpOverload):
         written: list[fx.Node] = []
         for i, arg in enumerate(node.target._schema.arguments):
             if arg.alias_info is not None and arg.alias_info.is_write:
@@ -216,7 +215,7 @@ def _aliases(gm: fx.GraphModule, node: fx.Node) -> list[fx.Node]:
     chain = [node]
     while True:
         n = chain[-1]
-        if isinstance(n.target, torch._ops.OpOverload):
+        if isinstance(n.target, OpOverload):
             aliasing = any(r.alias_info is not None for r in n.target._schema.returns)
         else:
             aliasing = _op_name(n) in _VIEWS or _inplace(gm, n)
@@ -317,7 +316,7 @@ class _Regions:
             if n.op != "call_module":
                 continue
             for name, m in self.gm.get_submodule(str(n.target)).named_modules(prefix=str(n.target)):
-                if isinstance(m, torch.nn.modules.batchnorm._NormBase) and m.track_running_stats and m.training:
+                if isinstance(m, NormBase) and m.track_running_stats and m.training:
                     raise CodegenError(advice(
                         f"block {block!r} cannot be recomputed: it holds {name} ({type(m).__name__}), whose running "
                         "statistics update in training",
@@ -409,7 +408,7 @@ def generate(
     exported = set(output.all_input_nodes)
 
     program = fx.Graph()
-    program._codegen = copy.deepcopy(gm.graph._codegen)
+    set_graph_codegen(program, copy.deepcopy(graph_codegen(gm.graph)))
     env: dict[fx.Node, fx.Node] = {}
     for ph in gm.graph.find_nodes(op="placeholder"):
         env[ph] = program.node_copy(ph)
@@ -512,7 +511,7 @@ class _MicroValues(fx.Interpreter):
             if not bf16 and (self._home is None or t.device.type == self._home.type):
                 fake = self.mode.from_tensor(t)
             else:  # remade as the stages hold it: in bf16, or on the stages' device type
-                from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
+                from autosplit.compat import FakeTensor, unset_fake_temporarily
 
                 with unset_fake_temporarily():
                     meta = torch.empty_strided(tuple(t.shape), t.stride(), dtype=self._low if bf16 else t.dtype, device="meta")
@@ -753,7 +752,7 @@ def generate_chain(
         inputs_meta=tuple(inputs_meta),
         outputs_meta=tuple(outputs_meta),
         input_names=tuple(ph.name for ph in placeholders),
-        _output=(output.args[0], tuple(out_slots), gm.graph._codegen, captured),
+        _output=(output.args[0], tuple(out_slots), graph_codegen(gm.graph), captured),
     )
 
 

@@ -48,6 +48,7 @@ import torch
 import torch.fx as fx
 from networkx.utils import UnionFind
 
+from autosplit.compat import NormBase
 from autosplit.costtable import (
     OPTIMIZER_SPARSE_STEP,
     OPTIMIZER_STATE_BYTES,
@@ -400,7 +401,7 @@ def _not_recomputable(gm: fx.GraphModule, members: Sequence[fx.Node], infos: Seq
         if n.op == "call_module":
             mod = gm.get_submodule(str(n.target))
             if mod.training and any(True for _ in mod.buffers()) and getattr(mod, "track_running_stats", True) and isinstance(
-                mod, torch.nn.modules.batchnorm._NormBase
+                mod, NormBase
             ):
                 return f"module {n.target} ({type(mod).__name__}) updates its running statistics in training"
     return ""

@@ -51,8 +51,9 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-from torch.utils import _pytree as pytree
 
+from autosplit import compat
+from autosplit.compat import pytree
 from autosplit.errors import CostModelError, advice
 from autosplit.options import ProfileOptions
 from autosplit.passes.annotate import fresh
@@ -320,7 +321,7 @@ def _flat(gm: fx.GraphModule) -> fx.GraphModule:
     """``gm`` called with its placeholders' values in order, as the profiler holds them: an
     exported graph's own ``forward`` rebuilds the model's (args, kwargs) first, which a flat call
     does not match. Shares ``gm``'s modules and tensors."""
-    if type(gm.graph._codegen) is fx.graph.CodeGen:
+    if type(compat.graph_codegen(gm.graph)) is fx.graph.CodeGen:
         return gm
     graph = fx.Graph()  # the same nodes, the plain code generator
     graph.output(graph.graph_copy(gm.graph, {}))
@@ -386,7 +387,7 @@ def _split_backward(
     backward included)."""
     # torch's own functions, as its stages call them (imported here: `import autosplit` leaves
     # torch.distributed.pipelining for first use)
-    from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+    stage_backward_input, stage_backward_weight = compat.stage_backward()
 
     outs = [o.clone() if o._is_view() else o for o in outs]  # torch detaches them in place, which a view refuses
     t0 = time.perf_counter()

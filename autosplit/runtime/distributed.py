@@ -67,7 +67,7 @@ import torch
 import torch.distributed as dist
 
 from autosplit import schedules
-from autosplit.compat import forward_only_order, forward_only_step, replicate_chunk_spec
+from autosplit.compat import forward_only_order, forward_only_step, replicate_chunk_spec, set_kwargs_chunk_spec
 from autosplit.errors import AutosplitError, DistributedError, advice
 from autosplit.microbatch import batch_size, is_batched
 from autosplit.passes.codegen import Chain
@@ -283,7 +283,7 @@ class DistributedModel(StageState, TrainingLoop):
             # Its constructor takes no chunk specs (torch 2.13) and would cut every input tensor on
             # dimension 0; the base class keeps them in this attribute, so the specs go there.
             schedule = cls(given, n_microbatches=micro_batches, loss_fn=loss, scale_grads=False)
-            schedule._kwargs_chunk_spec = specs
+            set_kwargs_chunk_spec(schedule, specs)
         else:
             schedule = cls(given, n_microbatches=micro_batches, loss_fn=loss, kwargs_chunk_spec=specs, scale_grads=False)
         if kind != "train" and self._entry.order == "torch":

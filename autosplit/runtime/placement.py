@@ -14,6 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from autosplit.compat import fsdp_replicate
 from autosplit.errors import DistributedError, advice
 from autosplit.passes.annotate import sparse_gradient_tables
 from autosplit.passes.codegen import Chain
@@ -153,9 +154,7 @@ def replicate_stage(module: torch.nn.Module, mode: str, dp_mesh: Any) -> list[to
 
         fully_shard(module, mesh=dp_mesh, ignored_params=set(tables))
     else:
-        from torch.distributed._composable.replicate_with_fsdp import replicate
-
-        replicate(module, mesh=dp_mesh, ignored_params=set(tables))
+        fsdp_replicate()(module, mesh=dp_mesh, ignored_params=set(tables))
     _quiet_fsdp_view_warning(module)
     return tables
 
