@@ -186,7 +186,7 @@ def solve(
     value = {name: evaluate(problem.fixed(*chosen), plan).objective for name, (chosen, plan) in found.items()}
     baseline = value.get("dp")
     best = min(value.values(), default=None)
-    bound = lower_bound(fewest, upper=slowest, enough=None if best is None else best * (1 - gap), limits=limits)
+    bound = lower_bound(fewest, upper=slowest, limits=limits)
     remaining = time_limit - (time.perf_counter() - start)
     certified = best is not None and best - bound <= gap * best
     if certified:
@@ -316,7 +316,9 @@ def _split(
     baseline = dp_eval.objective if dp_eval else None
 
     units = N if coarse is None else coarse.num_blocks
-    enough = None if baseline is None else baseline * (1 - gap)  # a bound that certifies the DP's plan
+    # The bound stops once it proves the DP's plan within 0.1% (or the gap asked for, if smaller): past the
+    # gap asked for, a tighter bound costs little (0.1 s on 345 nodes) and reports a truer gap.
+    enough = None if baseline is None else baseline * (1 - min(gap, PROVEN_GAP))
     bound = lower_bound(problem, upper=max(dp_eval.time) if dp_eval else math.inf, enough=enough, limits=limits)
     remaining = time_limit - (time.perf_counter() - start)
     target: Problem | None = None
