@@ -1,18 +1,43 @@
-"""The private torch APIs autosplit needs (:mod:`autosplit.runtime.compiled`, the pipelining
-runtime), reached in one place, written against torch 2.13.
+r"""Every private torch API autosplit uses, reached in one place.
 
-``torch.compile`` has public entry points (``torch.compile``, ``nn.Module.compile``,
-``torch.compiler.list_backends``) but none that says *before* compiling whether compilation can
-run, and none that swaps a module's compiled call. Those live in ``torch._dynamo``,
-``torch._inductor``, ``torch._functorch`` and ``nn.Module._compiled_call_impl``; they move between
-torch releases, so each is wrapped here once, tolerating its absence where it can (older modules
-of the library still import ``torch._subclasses.fake_tensor`` and ``torch._ops`` directly).
+No module of the library names a private torch module or function itself (``torch._…``,
+``torch.….\_…``, an underscore name imported from torch): it takes it from here, so a torch
+release that moves one breaks one line, and ``scripts/check_torch.sh VERSION`` says which.
+Each entry says what it is for and the torch versions it was checked on — **2.13.0** (the CPU
+build the project develops on, ``scripts/setup.sh``) and **2.14.1** (the newest the registry
+serves, its CUDA build on CPU, ``scripts/check_torch.sh 2.14.1``) unless it says otherwise;
+``pyproject.toml`` declares that range.
+
+- ``torch.compile`` has public entry points (``torch.compile``, ``nn.Module.compile``,
+  ``torch.compiler.list_backends``) but none that says *before* compiling whether compilation
+  can run, and none that swaps a module's compiled call: those live in ``torch._dynamo``,
+  ``torch._inductor``, ``torch._functorch`` and ``nn.Module._compiled_call_impl``.
+- Capture and annotation run on fx's and fake tensors' internals: :data:`pytree`
+  (``torch.utils._pytree``), :class:`FakeTensor` / :class:`FakeTensorMode` /
+  :func:`unset_fake_temporarily` (``torch._subclasses.fake_tensor``), :class:`TorchDispatchMode`
+  (``torch.utils._python_dispatch``), :class:`OpOverload` (``torch._ops``), :class:`PyTreeCodeGen`
+  and :func:`graph_codegen` (``torch.fx.graph._PyTreeCodeGen``, ``Graph._codegen``),
+  :func:`make_graph_module` (``torch.fx._lazy_graph_module``), :func:`copy_attr`
+  (``torch.fx.graph_module._copy_attr``), :data:`TENSOR_DATA` (``torch._C.TensorBase.data``).
+- Normalisation layers: :data:`NormBase` and :data:`BatchNorm` (``torch.nn.modules.batchnorm``'s
+  ``_NormBase``, ``_BatchNorm``: every layer with running statistics).
+- Training: :func:`amp_unscale_` and :func:`amp_update_scale_` (``torch._amp_…``, GradScaler's
+  kernels), :func:`fsdp_replicate` (``torch.distributed._composable.replicate_with_fsdp``),
+  :func:`stage_backward` (``torch.distributed.pipelining._backward``), and the pipelining
+  schedules' private members below.
+
+Attributes of public classes that every torch release since 1.x has kept are read in place and
+not wrapped: ``nn.Module._modules`` / ``_parameters`` / ``_buffers`` /
+``_non_persistent_buffers_set``, ``Tensor._version`` / ``_base`` / ``_is_view()``, and an
+:class:`OpOverload`'s ``_schema`` (its arguments' and returns' alias information, as torch's own
+passes read it) — checked on the same two versions.
 
 Usage::
 
     from autosplit import compat
     if compat.cpp_compiler() is None:        # inductor's CPU code cannot be built here
         ...
+    leaves = compat.pytree.tree_leaves(batch)
 """
 
 from __future__ import annotations
@@ -22,8 +47,33 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
+from torch._ops import OpOverload  # the class of an aten op's overload (``aten.mm.default``)
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
+from torch.fx.graph import _PyTreeCodeGen as PyTreeCodeGen  # an exported graph's codegen: pytree in and out
+from torch.utils import _pytree as pytree  # torch's own flatten/unflatten, with its registered containers
+from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = [
+    "TORCH_CHECKED",
+    "pytree",
+    "FakeTensor",
+    "FakeTensorMode",
+    "unset_fake_temporarily",
+    "TorchDispatchMode",
+    "OpOverload",
+    "PyTreeCodeGen",
+    "graph_codegen",
+    "set_graph_codegen",
+    "make_graph_module",
+    "copy_attr",
+    "TENSOR_DATA",
+    "NormBase",
+    "BatchNorm",
+    "amp_unscale_",
+    "amp_update_scale_",
+    "fsdp_replicate",
+    "stage_backward",
+    "set_kwargs_chunk_spec",
     "DynamoError",
     "forward_only_order",
     "forward_only_step",
@@ -36,6 +86,88 @@ __all__ = [
     "has_triton",
     "set_compiled_call",
 ]
+
+TORCH_CHECKED = ("2.13.0", "2.14.1")
+"""The torch versions every entry of this module was checked on (``pyproject.toml``'s range)."""
+
+# -- fx, fake tensors, dispatch ---------------------------------------------------------------------
+
+TENSOR_DATA = torch._C.TensorBase.__dict__["data"]
+"""The ``Tensor.data`` descriptor itself (its setter is what ``p.data = ...`` calls)."""
+
+NormBase: type[torch.nn.Module] = torch.nn.modules.batchnorm._NormBase
+"""Every batch or instance norm with running statistics (``torch.nn.modules.batchnorm._NormBase``)."""
+BatchNorm: type[torch.nn.Module] = torch.nn.modules.batchnorm._BatchNorm
+"""``BatchNorm1d/2d/3d`` and ``SyncBatchNorm``'s base (``torch.nn.modules.batchnorm._BatchNorm``)."""
+
+
+def graph_codegen(graph: torch.fx.Graph) -> Any:
+    """The graph's code generator (``Graph._codegen``): ``fx.graph.CodeGen``, or a
+    :class:`PyTreeCodeGen` for an exported graph; set it with :func:`set_graph_codegen`."""
+    return graph._codegen
+
+
+def set_graph_codegen(graph: torch.fx.Graph, codegen: Any) -> None:
+    """Give ``graph`` the code generator ``codegen`` (fx's public ``Graph.set_codegen``)."""
+    graph.set_codegen(codegen)
+
+
+def make_graph_module(root: Any, graph: torch.fx.Graph, name: str) -> torch.fx.GraphModule:
+    """A ``GraphModule`` whose code is generated now, not at its first call (fx's lazy graph
+    modules off: ``torch.fx._lazy_graph_module``), as ``symbolic_trace`` builds it."""
+    from torch.fx._lazy_graph_module import _make_graph_module, _use_lazy_graph_module
+
+    with _use_lazy_graph_module(True):
+        return _make_graph_module(root, graph, name)
+
+
+def copy_attr(source: torch.nn.Module, target: torch.nn.Module, qualname: str) -> None:
+    """Copy the attribute ``qualname`` of ``source`` into ``target``, its parent modules and
+    containers too (fx's own ``torch.fx.graph_module._copy_attr``)."""
+    from torch.fx.graph_module import _copy_attr
+
+    _copy_attr(source, target, qualname)
+
+
+# -- training --------------------------------------------------------------------------------------
+
+
+def amp_unscale_(grads: list[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor) -> None:
+    """Multiply ``grads`` by ``inv_scale`` in place, setting ``found_inf`` where one is not finite
+    (GradScaler's kernel ``torch._amp_foreach_non_finite_check_and_unscale_``)."""
+    torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)
+
+
+def amp_update_scale_(
+    scale: torch.Tensor, growth_tracker: torch.Tensor, found_inf: torch.Tensor, growth: float, backoff: float, interval: int
+) -> None:
+    """Grow or back off the loss scale in place (GradScaler's kernel ``torch._amp_update_scale_``)."""
+    torch._amp_update_scale_(scale, growth_tracker, found_inf, growth, backoff, interval)
+
+
+def fsdp_replicate() -> Callable[..., Any]:
+    """FSDP2's ``replicate`` (whole parameters, gradients all-reduced), which pipelining drives:
+    ``torch.distributed._composable.replicate_with_fsdp.replicate`` (``fully_shard`` is public)."""
+    from torch.distributed._composable.replicate_with_fsdp import replicate
+
+    return replicate
+
+
+def stage_backward() -> tuple[Callable[..., Any], Callable[..., Any]]:
+    """Pipelining's split backward, ``(stage_backward_input, stage_backward_weight)``
+    (``torch.distributed.pipelining._backward``), as the zero-bubble schedules run it."""
+    from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+
+    return stage_backward_input, stage_backward_weight
+
+
+def set_kwargs_chunk_spec(schedule: Any, specs: Any) -> None:
+    """How a single-stage schedule cuts each keyword input into micro-batches: the base class keeps
+    it in ``_kwargs_chunk_spec``, which its constructor does not take."""
+    schedule._kwargs_chunk_spec = specs
+
+
+# -- torch.compile ---------------------------------------------------------------------------------
 
 try:  # the root of what dynamo raises when it cannot trace or its backend cannot compile
     from torch._dynamo.exc import TorchDynamoException as DynamoError

@@ -19,8 +19,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
-from torch.utils import _pytree as pytree
 
+from autosplit.compat import pytree
 from autosplit.errors import ConstraintError, advice
 
 __all__ = ["batch_size", "is_batched", "split_batch"]

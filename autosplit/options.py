@@ -145,6 +145,14 @@ class PlanOptions:
     """Memory caps by device index or name, e.g. ``{"cuda:0": "20GiB", 3: 8 * 2**30}``."""
     time_limit: float = 10.0
     """Seconds the solver may search (the exact DP always finishes; CP-SAT stops here)."""
+    gap: float = 0.01
+    """The certified gap the planner settles for (pipeline objective): a plan proven within this
+    fraction of the optimum — ``(objective − bound) / objective ≤ gap`` against a proven lower
+    bound — is returned at once. The dynamic program's plan is returned without any CP-SAT search
+    when the bound certifies it (``autosplit demo``, a 345-node GPT onto 4 CPUs: 0.52%, solved in
+    0.1 s instead of 5.5 s proving the same plan optimal), and CP-SAT, when it runs, stops once it
+    certifies its own. The report shows the gap reached. ``0``: search until the plan is proven
+    optimal or ``time_limit`` ends."""
     seed: int = 0
     """Solver seed: the same model, devices, options and seed give the same plan on every rank."""
     capture: CaptureMethod = "auto"
@@ -228,6 +236,8 @@ class PlanOptions:
             raise _bad("optimizer", self.optimizer, f"one of {OPTIMIZERS}")
         if not isinstance(self.time_limit, (int, float)) or isinstance(self.time_limit, bool) or not 0 < self.time_limit < math.inf:
             raise _bad("time_limit", self.time_limit, "a finite number of seconds > 0")
+        if not isinstance(self.gap, (int, float)) or isinstance(self.gap, bool) or not 0 <= self.gap < 1:
+            raise _bad("gap", self.gap, "a fraction ≥ 0 and < 1, e.g. 0.01")
         if not _is_int(self.seed):
             raise _bad("seed", self.seed, "an integer")
         if not isinstance(self.cut_margin, (int, float)) or isinstance(self.cut_margin, bool) or not 0 <= self.cut_margin < 1:

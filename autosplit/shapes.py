@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.utils import _pytree as pytree
+
+from autosplit.compat import pytree
 
 __all__ = ["Spec", "as_tensors", "is_meta"]
 

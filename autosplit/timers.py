@@ -30,8 +30,8 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
-from torch.utils import _pytree as pytree
-from torch.utils._python_dispatch import TorchDispatchMode
+
+from autosplit.compat import TorchDispatchMode, pytree
 
 __all__ = ["MemoryTracker", "pinned", "steady_allocator", "timed"]
 

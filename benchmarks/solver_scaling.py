@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     shapes = sorted(SHAPES) if args.shapes == ["all"] else args.shapes
-    limits = PlanOptions().limits  # the planner's defaults: what these numbers measure
+    limits, gap = PlanOptions().limits, PlanOptions().gap  # the planner's defaults: what these numbers measure
     if args.pairs:
         pairs = [tuple(int(x) for x in p.split("x")) for p in args.pairs]
     else:
@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
             t_build = time.perf_counter() - t0
             t0 = time.perf_counter()
             try:
-                sol = solve(problem, time_limit=args.time_limit, seed=0, limits=limits)
+                sol = solve(problem, time_limit=args.time_limit, seed=0, limits=limits, gap=gap)
             except AutosplitError as e:  # e.g. the model does not fit on so few devices
                 rows.append({"shape": shape, "layers": layers, "nodes": len(problem.nodes), "devices": S,
                              "error": f"{type(e).__name__}: {e}"})
@@ -179,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{c['seconds']:.1f} s (≤ {c['seconds_target']:.0f} s): {'met' if c['met'] else 'NOT MET'}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"benchmark": "solver_scaling", "args": vars(args), "limits": dataclasses.asdict(limits),
+    out.write_text(json.dumps({"benchmark": "solver_scaling", "args": vars(args), "limits": dataclasses.asdict(limits), "gap": gap,
                                "machine": machine(), "rows": rows, "targets": checks}, indent=1))
     print(f"wrote {out}")
     return 0

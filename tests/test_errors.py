@@ -124,6 +124,7 @@ def _says(excinfo, *names):
         ("seed", "0"), ("data_parallel", 0), ("memory", {0: "lots"}), ("memory", {-1: "8GiB"}),
         ("pin", ["layers.0"]), ("avoid", {"head": [1.5]}), ("together", "head"), ("cost_overrides", {1: {}}),
         ("limits", {"dp_work": 1}), ("cut_margin", -0.01), ("cut_margin", 1.0), ("cut_margin", True),
+        ("gap", -0.01), ("gap", 1.0), ("gap", True), ("gap", "1%"),
     ],
 )
 def test_bad_options_are_refused_up_front(option, value):
@@ -246,3 +247,20 @@ def test_too_few_parts_for_the_devices_is_not_blamed_on_memory():
         autosplit.plan(SharedTwice(), ["cpu"] * 3, example_inputs=(x,), example_kwargs=kwargs, time_limit=2.0)
     _says(e, "3 devices cannot each get a non-empty stage", "fewer devices")
     assert "memory caps" not in str(e.value)
+
+
+@pytest.mark.parametrize("former, new", [("ddp", "replicate"), ("fsdp", "fully_shard"), ("DDP", "replicate")])
+def test_former_replicate_names_are_refused_naming_torchs(former, new):
+    """``distribute(replicate=...)`` takes torch's names; ``"ddp"`` / ``"fsdp"`` are refused before any
+    work (no process group needed), naming the one that replaced each."""
+    with pytest.raises(errors.ConstraintError) as e:
+        autosplit.distribute(Net(), ["cpu"] * 2, example_inputs=(torch.randn(4, 8),), loss_fn=torch.nn.functional.mse_loss,
+                             replicate=former)
+    _says(e, f"replicate={former!r}", repr(new))
+
+
+def test_an_unknown_replicate_names_both_of_torchs():
+    with pytest.raises(errors.ConstraintError) as e:
+        autosplit.distribute(Net(), ["cpu"] * 2, example_inputs=(torch.randn(4, 8),), loss_fn=torch.nn.functional.mse_loss,
+                             replicate="zero3")
+    _says(e, "zero3", "'replicate'", "'fully_shard'")

@@ -65,7 +65,7 @@ def distribute(
     loss_fn: Callable[[Any, Any], torch.Tensor],
     example_kwargs: Mapping[str, Any] | None = None,
     data_parallel: int = 1,
-    replicate: Literal["ddp", "fsdp"] = "ddp",
+    replicate: Literal["replicate", "fully_shard"] = "replicate",
     plan: Plan | str | Path | None = None,
     weights: WeightsLike = None,
     example_target: Any = None,
@@ -80,10 +80,11 @@ def distribute(
     takes. ``loss_fn(output, target)`` is called on each micro-batch's output (the model's
     own output structure) and should average over its rows (e.g. ``CrossEntropyLoss()``); with an
     ``example_target`` of the batch, the plan costs it on the stage that returns the output.
-    ``replicate``: how each stage's data-parallel replicas keep in step — ``"ddp"`` (whole
-    parameters on every replica, gradients all-reduced: FSDP2's ``replicate``) or ``"fsdp"``
-    (parameters and optimizer state sharded: ``fully_shard``). ``options``: any
-    :class:`~autosplit.options.PlanOptions` field (``micro_batches``, ``schedule`` — a flushed
+    ``replicate``: how each stage's data-parallel replicas keep in step, named as torch names what
+    runs — ``"replicate"`` (FSDP2's ``replicate``: whole parameters on every replica, gradients
+    all-reduced) or ``"fully_shard"`` (FSDP2's ``fully_shard``: parameters, gradients and optimizer
+    state sharded); the former names ``"ddp"`` and ``"fsdp"`` are refused, naming these.
+    ``options``: any :class:`~autosplit.options.PlanOptions` field (``micro_batches``, ``schedule`` — a flushed
     schedule torch runs, trained by :meth:`~DistributedModel.step`: ``"gpipe"``, ``"1f1b"``, or with
     ``stages_per_rank`` the multi-stage ``"interleaved1f1b"``, ``"loopedbfs"``,
     ``"interleavedzerobubble"``, ``"zbvzerobubble"``, ``"dualpipev"``; or the asynchronous
@@ -104,6 +105,7 @@ def distribute(
     why it cannot (:func:`~autosplit.runtime.compiled.compile_stages`); ``pipe.compiled`` holds each
     stage's status.
     """
+    check_replicate(replicate)
     given = load_plan(plan)
     stages = len(given.devices) if devices is None and given is not None else len(devices or ())
     _check_arguments(replicate, data_parallel, stages, None if given is not None else options.get("schedule", "gpipe"))
@@ -122,6 +124,30 @@ def _runnable() -> tuple[list[str], str]:
     return runnable, " and ".join(name for name in runnable if schedules.REGISTRY[name].torch_class is not None)
 
 
+REPLICATE = ("replicate", "fully_shard")
+"""``distribute(replicate=...)``'s values: torch's names for the FSDP2 API that keeps the replicas in step."""
+_FORMER = {"ddp": "replicate", "fsdp": "fully_shard"}
+
+
+def check_replicate(replicate: Any) -> None:
+    """Refuse a ``replicate=`` that is not one of torch's names (:data:`REPLICATE`): the former
+    ``"ddp"`` / ``"fsdp"`` with the name that replaced each, anything else with both."""
+    if replicate in REPLICATE:
+        return
+    if isinstance(replicate, str) and replicate.lower() in _FORMER:
+        new = _FORMER[replicate.lower()]
+        raise ConstraintError(advice(
+            f"replicate={replicate!r} is a former name",
+            f"distribute takes torch's names for what runs: {new!r} (FSDP2's {new}) replaced {replicate!r}",
+            f"pass replicate={new!r} (the values are {' and '.join(map(repr, REPLICATE))})",
+        ))
+    raise ConstraintError(advice(
+        f"replicate={replicate!r} is not supported",
+        "replicas are kept in step by FSDP2's replicate (whole parameters, gradients all-reduced) or fully_shard (sharded)",
+        f"pass replicate={REPLICATE[0]!r} or {REPLICATE[1]!r}",
+    ))
+
+
 def _check_arguments(replicate: str, data_parallel: Any, stages: int, schedule: str | None) -> None:
     """Refuse, before any work, a process group that cannot run the split and arguments out of range
     (``schedule``: the one asked for when no plan is given)."""
@@ -130,12 +156,7 @@ def _check_arguments(replicate: str, data_parallel: Any, stages: int, schedule: 
             advice("autosplit.distribute needs an initialised process group", "torch.distributed is not initialised in this process",
                    "call torch.distributed.init_process_group('gloo' or 'nccl') first, e.g. under torchrun")
         )
-    if replicate not in ("ddp", "fsdp"):
-        raise ConstraintError(advice(
-            f"replicate={replicate!r} is not supported",
-            "replicas are kept in step by FSDP2's replicate or fully_shard",
-            "pass 'ddp' or 'fsdp'",
-        ))
+    check_replicate(replicate)
     if not isinstance(data_parallel, int) or data_parallel < 1:
         raise ConstraintError(advice(
             f"data_parallel={data_parallel!r} is out of range",

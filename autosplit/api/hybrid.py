@@ -29,9 +29,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.utils import _pytree as pytree
 
 from autosplit.api.planner import Planner
+from autosplit.compat import BatchNorm, pytree
 from autosplit.compiler.hybrid import Cluster, HybridPlan, assemble, default_micro_batches, divisors, first_sentence, is_count, is_real
 from autosplit.errors import AutosplitError, ConstraintError, InfeasiblePlanError, advice
 from autosplit.options import PlanOptions
@@ -210,7 +210,7 @@ def measure_noise_scale(
             "pass small_batch=8 (for example), with big batches a multiple (≥ 2×) of it",
         ))
     params = [p for p in model.parameters() if p.requires_grad]
-    coupled = [m for m in model.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and m.training]
+    coupled = [m for m in model.modules() if isinstance(m, BatchNorm) and m.training]
     for m in coupled:
         m.eval()
     try:

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.utils import _pytree as pytree
 
+from autosplit.compat import pytree
 from autosplit.errors import ConstraintError, advice
 from autosplit.timers import MemoryTracker, pinned
 

@@ -46,6 +46,8 @@ def _parser() -> argparse.ArgumentParser:
                        help="pipeline (default) or makespan (DLPlacer: parallel branches at once; compare shows both)")
         p.add_argument("--micro-batches", type=int, default=None, help="default 4 × stages")
         p.add_argument("--time-limit", type=float, default=10.0, help="solver time limit, seconds (default 10)")
+        p.add_argument("--gap", type=float, default=None,
+                       help="the certified gap to settle for: a plan proven within this fraction of optimal (default 0.01)")
         p.add_argument("--seed", type=int, default=0)
         p.add_argument("--costs", default="analytic", help="analytic (default), measured, or a cost table JSON")
         p.add_argument("--json", action="store_true", help="print JSON instead of the report")
@@ -74,6 +76,8 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("run", help="train the workload pipelined across processes (starts torchrun)")
     planning(p, devices="cpu*2")
     p.add_argument("--dp", type=int, default=1, help="data-parallel replicas (world size = dp × devices)")
+    p.add_argument("--replicate", default="replicate",
+                   help="how replicas keep in step, torch's names: replicate (FSDP2's replicate, default) or fully_shard")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--plan", help="a saved plan to run instead of solving")

@@ -77,8 +77,9 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     import torch
     import torch.distributed as dist
 
-    from autosplit.api.distributed import distribute
+    from autosplit.api.distributed import check_replicate, distribute
 
+    check_replicate(args.replicate)  # before any process starts
     devices = inputs.devices(args.devices)
     launched = processes.launch(argv, args.nproc_per_node or len(devices) * args.dp)
     if launched is not None:
@@ -95,7 +96,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     with processes.bars():
         pipe = distribute(work["model"], None if args.plan else devices, example_inputs=work["example_inputs"],
                           example_kwargs=work["example_kwargs"], loss_fn=work["loss_fn"], example_target=work["target"],
-                          data_parallel=args.dp, plan=args.plan, **inputs.options(args))
+                          data_parallel=args.dp, replicate=args.replicate, plan=args.plan, **inputs.options(args))
     if args.out and processes.rank() == 0:
         pipe.plan.save(args.out)
     opt = torch.optim.Adam(pipe.parameters(), lr=args.lr)

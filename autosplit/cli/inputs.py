@@ -121,4 +121,6 @@ def options(args: argparse.Namespace) -> dict[str, Any]:
            "objective": args.objective}
     if args.micro_batches is not None:
         out["micro_batches"] = args.micro_batches
+    if getattr(args, "gap", None) is not None:
+        out["gap"] = args.gap
     return out

@@ -65,7 +65,7 @@ def compile_plan(
     with progress.timed_pass("build", timings):  # the device order (one stage per rank) and the solver's problem
         order, problem = stage_problem(table, len(specs), options, M, rules)
     with progress.timed_pass("solve", timings, limit=options.time_limit):
-        solution = solve(problem, time_limit=options.time_limit, seed=options.seed, limits=options.limits)
+        solution = solve(problem, time_limit=options.time_limit, seed=options.seed, limits=options.limits, gap=options.gap)
     # On the table before any recompute: recomputing only adds work, so it bounds those splits too.
     bound = step_bound(table, problem.ranks, M, options.schedule, v)
     recomputed = tuple(problem.recompute[u].label for u in solution.recompute)

@@ -12,9 +12,9 @@ from importlib import metadata
 from typing import Any
 
 import torch
-from torch.utils import _pytree as pytree
 
 from autosplit import progress
+from autosplit.compat import pytree
 from autosplit.errors import CaptureError, CodegenError, ConstraintError, advice
 from autosplit.microbatch import batch_size, split_batch
 from autosplit.passes.annotate import annotate

@@ -31,10 +31,9 @@ from typing import Any, NamedTuple
 
 import torch
 import torch.fx as fx
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
-from torch.utils import _pytree as pytree
 from torch.utils.flop_counter import FlopCounterMode
 
+from autosplit.compat import FakeTensor, FakeTensorMode, pytree, unset_fake_temporarily
 from autosplit.errors import CostModelError, advice
 from autosplit.passes.annotations import NodeInfo
 from autosplit.passes.autocast_policy import HALF, LOW_PRECISION, precision_context

@@ -19,7 +19,8 @@ from collections.abc import Collection
 from typing import Any
 
 import torch
-from torch.utils import _pytree as pytree
+
+from autosplit.compat import pytree
 
 __all__ = ["HALF", "LOW_PRECISION", "precision_context"]
 

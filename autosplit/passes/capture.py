@@ -37,10 +37,9 @@ from typing import Any
 import torch
 import torch.fx as fx
 import torch.fx.config
-from torch.fx._lazy_graph_module import _make_graph_module, _use_lazy_graph_module
-from torch.fx.graph import _PyTreeCodeGen
-from torch.utils import _pytree as pytree
 
+from autosplit.compat import PyTreeCodeGen as _PyTreeCodeGen
+from autosplit.compat import graph_codegen, make_graph_module, pytree
 from autosplit.errors import CaptureError, advice
 from autosplit.passes.fidelity import ModelSnapshot, RefuseStateWrites, Watch, functions_applied, hook_kinds, installed_once, keep_functions
 
@@ -220,8 +219,7 @@ def _symbolic_trace(model: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[
     name = model.__class__.__name__
     # Generating the module's Python code waits until something calls it or reads it: the
     # passes only interpret the graph, and for 10k nodes the code takes about a second.
-    with _use_lazy_graph_module(True):
-        return _make_graph_module(tracer.root, graph, name), tracer.output_type, []
+    return make_graph_module(tracer.root, graph, name), tracer.output_type, []
 
 
 @contextlib.contextmanager
@@ -340,7 +338,7 @@ def _hooked_on_first_call(
 
 def _structure(gm: fx.GraphModule) -> tuple[str, str]:
     """The graph's :func:`fingerprint` and the structure of its output."""
-    codegen = gm.graph._codegen
+    codegen = graph_codegen(gm.graph)
     return fingerprint(gm), str(codegen.pytree_info.out_spec if isinstance(codegen, _PyTreeCodeGen) else None)
 
 
@@ -395,7 +393,7 @@ def _capture(model: torch.nn.Module, args: tuple, kwargs: dict, method: str) -> 
 def flat_inputs(captured: Captured, args: tuple, kwargs: Mapping[str, Any] | None) -> list[Any]:
     """The values of the graph's placeholders, in order, for a call ``model(*args, **kwargs)``."""
     kwargs = {**captured.fixed_kwargs, **(kwargs or {})}
-    if isinstance(captured.gm.graph._codegen, _PyTreeCodeGen) or captured.signature is None:
+    if isinstance(graph_codegen(captured.gm.graph), _PyTreeCodeGen) or captured.signature is None:
         return list(pytree.tree_leaves((tuple(args), kwargs)))
     # Symbolic tracing makes one placeholder per forward parameter, in signature order
     # (concrete_args may rename them, so match by position, not by name).

@@ -25,9 +25,8 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.utils import _pytree as pytree
 
+from autosplit.compat import FakeTensorMode, graph_codegen, pytree
 from autosplit.errors import CodegenError, advice
 from autosplit.passes.autocast_policy import LOW_PRECISION
 from autosplit.passes.capture import Captured
@@ -109,7 +108,7 @@ class _MicroValues(fx.Interpreter):
             if not bf16 and (self._home is None or t.device.type == self._home.type):
                 fake = self.mode.from_tensor(t)
             else:  # remade as the stages hold it: in bf16, or on the stages' device type
-                from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
+                from autosplit.compat import FakeTensor, unset_fake_temporarily
 
                 with unset_fake_temporarily():
                     meta = torch.empty_strided(tuple(t.shape), t.stride(), dtype=self._low if bf16 else t.dtype, device="meta")
@@ -350,7 +349,7 @@ def generate_chain(
         inputs_meta=tuple(inputs_meta),
         outputs_meta=tuple(outputs_meta),
         input_names=tuple(ph.name for ph in placeholders),
-        _output=(output.args[0], tuple(out_slots), gm.graph._codegen, captured),
+        _output=(output.args[0], tuple(out_slots), graph_codegen(gm.graph), captured),
     )
 
 

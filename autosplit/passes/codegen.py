@@ -35,8 +35,8 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-from torch.utils import _pytree as pytree
 
+from autosplit.compat import graph_codegen, pytree, set_graph_codegen
 from autosplit.errors import CodegenError, advice
 from autosplit.passes.capture import Captured
 from autosplit.passes.recompute_regions import Regions, attach_regions
@@ -125,7 +125,7 @@ def generate(
     exported = set(output.all_input_nodes)
 
     program = fx.Graph()
-    program._codegen = copy.deepcopy(gm.graph._codegen)
+    set_graph_codegen(program, copy.deepcopy(graph_codegen(gm.graph)))
     env: dict[fx.Node, fx.Node] = {}
     for ph in gm.graph.find_nodes(op="placeholder"):
         env[ph] = program.node_copy(ph)

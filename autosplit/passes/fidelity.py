@@ -70,9 +70,8 @@ from typing import Any, TypeVar
 import torch
 import torch.fx as fx
 from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils import _pytree as pytree
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from autosplit.compat import TENSOR_DATA, TorchDispatchMode, pytree
 from autosplit.errors import CaptureError, advice
 
 __all__ = ["ModelSnapshot", "RefuseStateWrites", "Watch", "functions_applied", "hook_kinds", "installed_once", "keep_functions"]
@@ -152,7 +151,7 @@ def hook_kinds(module: torch.nn.Module) -> list[str]:
     return own + global_
 
 
-_TENSOR_DATA = torch._C.TensorBase.__dict__["data"]
+_TENSOR_DATA = TENSOR_DATA
 
 
 class RefuseStateWrites(TorchDispatchMode):

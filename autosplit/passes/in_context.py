@@ -29,8 +29,8 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-from torch.utils import _pytree as pytree
 
+from autosplit.compat import graph_codegen, pytree
 from autosplit.errors import CostModelError, advice
 from autosplit.passes.split_backward import cut_at_frontier, split_backward
 
@@ -140,7 +140,7 @@ def flat(gm: fx.GraphModule) -> fx.GraphModule:
     """``gm`` called with its placeholders' values in order, as the profiler holds them: an
     exported graph's own ``forward`` rebuilds the model's (args, kwargs) first, which a flat call
     does not match. Shares ``gm``'s modules and tensors."""
-    if type(gm.graph._codegen) is fx.graph.CodeGen:
+    if type(graph_codegen(gm.graph)) is fx.graph.CodeGen:
         return gm
     graph = fx.Graph()  # the same nodes, the plain code generator
     graph.output(graph.graph_copy(gm.graph, {}))

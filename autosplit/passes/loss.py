@@ -24,12 +24,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.fx.graph import _PyTreeCodeGen
-from torch.utils import _pytree as pytree
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
+from autosplit.compat import FakeTensorMode, TorchDispatchMode, graph_codegen, pytree
+from autosplit.compat import PyTreeCodeGen as _PyTreeCodeGen
 from autosplit.devices import DeviceSpec
 from autosplit.errors import CostModelError, advice
 from autosplit.microbatch import split_batch
@@ -78,7 +76,7 @@ def output_like(captured: Captured, inputs: Sequence[Any], precision: str = "fp3
         # fake copies of the weights too: a forward that writes its own state (an EMA teacher) writes those
         fake_state: dict[str, torch.Tensor] = {name: mode.from_tensor(t) for name, t in state.items()}
         out = torch.func.functional_call(flat(gm), fake_state, tuple(fake))
-    codegen = gm.graph._codegen
+    codegen = graph_codegen(gm.graph)
     if isinstance(codegen, _PyTreeCodeGen) and codegen.pytree_info.out_spec is not None:  # exported: the flat outputs, restructured
         out = pytree.tree_unflatten(list(out), codegen.pytree_info.out_spec)
     return pytree.tree_map(lambda t: torch.empty(t.shape, dtype=t.dtype, device="meta") if isinstance(t, torch.Tensor) else t, out)

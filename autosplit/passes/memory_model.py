@@ -16,9 +16,9 @@ from __future__ import annotations
 
 from collections.abc import Collection, Sequence
 
-import torch
 import torch.fx as fx
 
+from autosplit.compat import NormBase
 from autosplit.costtable import OPTIMIZER_SPARSE_STEP, OPTIMIZER_STATE_BYTES, OPTIMIZER_TEMP_FACTOR
 from autosplit.passes.annotations import NodeInfo, node_info
 from autosplit.passes.profile import Profile
@@ -139,7 +139,7 @@ def _not_recomputable(gm: fx.GraphModule, members: Sequence[fx.Node], infos: Seq
         if n.op == "call_module":
             mod = gm.get_submodule(str(n.target))
             if mod.training and any(True for _ in mod.buffers()) and getattr(mod, "track_running_stats", True) and isinstance(
-                mod, torch.nn.modules.batchnorm._NormBase
+                mod, NormBase
             ):
                 return f"module {n.target} ({type(mod).__name__}) updates its running statistics in training"
     return ""

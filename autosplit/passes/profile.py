@@ -43,8 +43,8 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-from torch.utils import _pytree as pytree
 
+from autosplit.compat import pytree
 from autosplit.errors import CostModelError, advice
 from autosplit.options import ProfileOptions
 from autosplit.passes import profile_cache

@@ -25,8 +25,8 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
-from torch.utils import _pytree as pytree
 
+from autosplit.compat import pytree
 from autosplit.options import ProfileOptions
 from autosplit.passes.capture import Captured
 

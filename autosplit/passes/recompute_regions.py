@@ -43,9 +43,10 @@ from typing import Any
 import torch
 import torch.fx as fx
 import torch.utils.checkpoint
-from torch.fx.graph_module import _copy_attr  # fx's own copy of an attribute into a GraphModule, containers and all
 
 from autosplit import debug
+from autosplit.compat import NormBase, OpOverload
+from autosplit.compat import copy_attr as _copy_attr  # fx's own copy of an attribute into a GraphModule, containers and all
 from autosplit.errors import CodegenError, advice
 from autosplit.passes.capture import Captured
 from autosplit.plans import PartialRecompute
@@ -118,7 +119,7 @@ def _written(gm: fx.GraphModule, node: fx.Node) -> list[fx.Node]:
     mutates = getattr(node.meta.get("autosplit"), "mutates", None)
     if mutates is not None:
         return [u for u in node.all_input_nodes if u.name in mutates]
-    if isinstance(node.target, torch._ops.OpOverload):
+    if isinstance(node.target, OpOverload):
         written: list[fx.Node] = []
         for i, arg in enumerate(node.target._schema.arguments):
             if arg.alias_info is not None and arg.alias_info.is_write:
@@ -138,7 +139,7 @@ def _aliases(gm: fx.GraphModule, node: fx.Node) -> list[fx.Node]:
     chain = [node]
     while True:
         n = chain[-1]
-        if isinstance(n.target, torch._ops.OpOverload):
+        if isinstance(n.target, OpOverload):
             aliasing = any(r.alias_info is not None for r in n.target._schema.returns)
         else:
             aliasing = _op_name(n) in _VIEWS or _inplace(gm, n)
@@ -239,7 +240,7 @@ class Regions:
             if n.op != "call_module":
                 continue
             for name, m in self.gm.get_submodule(str(n.target)).named_modules(prefix=str(n.target)):
-                if isinstance(m, torch.nn.modules.batchnorm._NormBase) and m.track_running_stats and m.training:
+                if isinstance(m, NormBase) and m.track_running_stats and m.training:
                     raise CodegenError(advice(
                         f"block {block!r} cannot be recomputed: it holds {name} ({type(m).__name__}), whose running "
                         "statistics update in training",

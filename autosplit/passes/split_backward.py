@@ -21,7 +21,9 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-from torch.utils import _pytree as pytree
+
+from autosplit import compat
+from autosplit.compat import pytree
 
 __all__ = ["cut_at_frontier", "split_backward"]
 
@@ -85,7 +87,7 @@ def split_backward(
     backward included)."""
     # torch's own functions, as its stages call them (imported here: `import autosplit` leaves
     # torch.distributed.pipelining for first use)
-    from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+    stage_backward_input, stage_backward_weight = compat.stage_backward()
 
     outs = [o.clone() if o._is_view() else o for o in outs]  # torch detaches them in place, which a view refuses
     t0 = time.perf_counter()

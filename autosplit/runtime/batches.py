@@ -15,9 +15,9 @@ from collections.abc import Collection, Mapping, Sequence
 from typing import Any, TypeVar
 
 import torch
-from torch.utils import _pytree as pytree
 
 from autosplit import schedules
+from autosplit.compat import pytree
 from autosplit.errors import DistributedError, advice
 from autosplit.microbatch import batch_size, is_batched
 from autosplit.passes.capture import Captured, capture, fingerprint, flat_inputs, with_defaults

@@ -15,8 +15,9 @@ outer dimension (as in torchtitan), so rank ``r`` runs stage ``r // data_paralle
    only, contiguous, with static per-micro-batch metadata — so ``PipelineStage`` needs no
    shape-inference round trip. Each stage posts all of a step's receives when the step begins
    (:class:`~autosplit.runtime.stage.EarlyReceivingStage`).
-3. With ``data_parallel > 1`` each stage's module is wrapped in DDP (or FSDP2's
-   ``fully_shard``) over the mesh's ``dp`` group; the pipelining schedule synchronises
+3. With ``data_parallel > 1`` each stage's module is wrapped in FSDP2's ``replicate`` (or
+   ``fully_shard``), as ``distribute(replicate=...)`` names it, over the mesh's ``dp`` group; the
+   pipelining schedule synchronises
    gradients once per step, on the last micro-batch's backward.
 4. A tied parameter read by several stages (GPT's embedding and head) is either sent with the
    activations every micro-batch, or replicated on each stage that reads it with its

@@ -41,8 +41,8 @@ from typing import Any
 import networkx as nx
 import torch
 import torch.fx as fx
-from torch.utils import _pytree as pytree
 
+from autosplit.compat import pytree
 from autosplit.errors import CodegenError, DistributedError, advice
 from autosplit.passes.annotations import node_info
 from autosplit.passes.capture import Captured, flat_inputs

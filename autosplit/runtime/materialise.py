@@ -34,9 +34,8 @@ from typing import Any
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils import _pytree as pytree
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from autosplit.compat import TorchDispatchMode, pytree
 from autosplit.errors import ConstraintError, DistributedError, advice
 from autosplit.runtime.checkpoint import open_dcp, read_into
 from autosplit.shapes import is_meta

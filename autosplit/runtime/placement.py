@@ -14,6 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from autosplit.compat import fsdp_replicate
 from autosplit.errors import DistributedError, advice
 from autosplit.passes.chain import Chain
 from autosplit.passes.sparse_tables import sparse_gradient_tables
@@ -138,8 +139,8 @@ def make_mesh(device: torch.device, stages: int, replicas: int) -> Any:
 def replicate_stage(module: torch.nn.Module, mode: str, dp_mesh: Any) -> list[torch.nn.Parameter]:
     """Keep ``module``'s replicas in step over ``dp_mesh`` with FSDP2's composable APIs, which the
     pipelining stage drives itself: gradient sync is switched off for all but the last
-    micro-batch's backward. ``mode``: ``"ddp"`` (whole parameters, gradients all-reduced:
-    ``replicate``) or ``"fsdp"`` (parameters and optimizer state sharded: ``fully_shard``).
+    micro-batch's backward. ``mode`` is the FSDP2 API's name: ``"replicate"`` (whole parameters,
+    gradients all-reduced) or ``"fully_shard"`` (parameters, gradients and optimizer state sharded).
     Classic DDP cannot be used here: its reducer is prepared by every forward, but pipelining only
     wraps the backwards in ``no_sync``, and DDP's bucket rebuild then sees each parameter M times.
 
@@ -147,14 +148,18 @@ def replicate_stage(module: torch.nn.Module, mode: str, dp_mesh: Any) -> list[to
     (:func:`~autosplit.passes.sparse_tables.sparse_gradient_tables`) are left out of it, whole on every
     replica, and returned; :func:`reduce_sparse_gradients` averages theirs after each step."""
     tables = sparse_gradient_tables(module)
-    if mode == "fsdp":
+    if mode not in ("replicate", "fully_shard"):
+        raise DistributedError(advice(
+            f"replicate={mode!r} names no FSDP2 API",
+            "the stages' replicas are kept in step by FSDP2's replicate or fully_shard, under torch's names",
+            "pass 'replicate' or 'fully_shard'",
+        ))
+    if mode == "fully_shard":
         from torch.distributed.fsdp import fully_shard
 
         fully_shard(module, mesh=dp_mesh, ignored_params=set(tables))
     else:
-        from torch.distributed._composable.replicate_with_fsdp import replicate
-
-        replicate(module, mesh=dp_mesh, ignored_params=set(tables))
+        fsdp_replicate()(module, mesh=dp_mesh, ignored_params=set(tables))
     _quiet_fsdp_view_warning(module)
     return tables
 

@@ -30,8 +30,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.utils import _pytree as pytree
 
+from autosplit import compat
+from autosplit.compat import pytree
 from autosplit.errors import DistributedError, advice
 from autosplit.passes.autocast_policy import LOW_PRECISION
 from autosplit.plans import Plan
@@ -153,7 +154,7 @@ class LossScaler:
                 by_kind.setdefault((g.device, g.dtype), []).append(g)
         for (device, _), grads in by_kind.items():
             here = torch.zeros(1, dtype=torch.float32, device=device)
-            torch._amp_foreach_non_finite_check_and_unscale_(grads, here, inv_scale.to(device))
+            compat.amp_unscale_(grads, here, inv_scale.to(device))
             found += here.to(self.device)
         if dist.is_available() and dist.is_initialized():
             dist.all_reduce(found, op=dist.ReduceOp.MAX, group=group)
@@ -163,7 +164,7 @@ class LossScaler:
                 p.grad = None
             self.skipped += 1
             log.info("fp16 loss scale %g gave an inf or NaN gradient: step skipped on every rank", self.get_scale())
-        torch._amp_update_scale_(self._scale, self._growth_tracker, found, self.growth_factor, self.backoff_factor, self.growth_interval)
+        compat.amp_update_scale_(self._scale, self._growth_tracker, found, self.growth_factor, self.backoff_factor, self.growth_interval)
         return skipped
 
     def state_dict(self) -> dict[str, Any]:

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from autosplit.compat import forward_only_order, replicate_chunk_spec
+from autosplit.compat import forward_only_order, replicate_chunk_spec, set_kwargs_chunk_spec
 from autosplit.errors import DistributedError, advice, causes
 from autosplit.microbatch import batch_size
 from autosplit.runtime.batches import check_batches, code_change, describe, digest, shapes
@@ -95,7 +95,7 @@ class BatchRuns:
             # Its constructor takes no chunk specs (torch 2.13) and would cut every input tensor on
             # dimension 0; the base class keeps them in this attribute, so the specs go there.
             schedule = cls(given, n_microbatches=micro_batches, loss_fn=loss, scale_grads=False)
-            schedule._kwargs_chunk_spec = specs
+            set_kwargs_chunk_spec(schedule, specs)
         else:
             schedule = cls(given, n_microbatches=micro_batches, loss_fn=loss, kwargs_chunk_spec=specs, scale_grads=False)
         if kind != "train" and self._entry.order == "torch":

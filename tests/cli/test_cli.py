@@ -66,6 +66,8 @@ def test_bad_command_line_input_exits_2_with_a_typed_error(capsys):
     assert "DeviceError: --devices item 'cpu*two'" in capsys.readouterr().err
     assert main(["compare", *GPT_ARGS, "--devices", "cpu*2", "--manual", "nameless"]) == 2
     assert "is not NAME=SPLIT" in capsys.readouterr().err
+    assert main(["run", *GPT_ARGS, "--devices", "cpu*2", "--dp", "2", "--replicate", "fsdp"]) == 2  # before torchrun starts
+    assert "ConstraintError: replicate='fsdp' is a former name" in (err := capsys.readouterr().err) and "'fully_shard'" in err
 
 
 def _cli(*args: str, timeout: int = 240) -> subprocess.CompletedProcess:

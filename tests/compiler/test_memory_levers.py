@@ -115,7 +115,7 @@ def test_auto_checkpointing_fits_where_keeping_does_not(example):
     common = dict(example_inputs=x, schedule="1f1b", memory={0: "5MiB", 1: "5MiB"}, time_limit=5)
     with pytest.raises(autosplit.errors.InfeasiblePlanError):
         autosplit.plan(model, ["cpu"] * 2, checkpointing="none", **common)
-    auto = autosplit.plan(model, ["cpu"] * 2, checkpointing="auto", **common)
+    auto = autosplit.plan(model, ["cpu"] * 2, checkpointing="auto", gap=0.0, **common)  # proven, not only certified within 1%
     full = autosplit.plan(model, ["cpu"] * 2, checkpointing="full", **common)
     assert 0 < len(auto.recompute) < len(full.recompute) == 8
     assert auto.solver.status == "OPTIMAL"

@@ -57,7 +57,7 @@ def _mismatch(key: str, stored, value) -> Callable[[str], str]:
     return lambda message: f"{key}: {stored} vs {value}: {message}"
 
 
-def _run_case(name: str, schedule: str, dp: int, replicate: Literal["ddp", "fsdp"], rank: int, world: int) -> None:
+def _run_case(name: str, schedule: str, dp: int, replicate: Literal["replicate", "fully_shard"], rank: int, world: int) -> None:
     import autosplit
 
     torch.manual_seed(0)
@@ -111,9 +111,9 @@ def _spawn(tmp_path, world: int, cases) -> None:
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_pipelined_training_equals_unsplit_training_on_two_processes(tmp_path, schedule):
     pytest.importorskip("transformers")
-    _spawn(tmp_path, 2, [(name, schedule, 1, "ddp") for name in MODELS])
+    _spawn(tmp_path, 2, [(name, schedule, 1, "replicate") for name in MODELS])
 
 
-@pytest.mark.parametrize("replicate", ["ddp", "fsdp"])
+@pytest.mark.parametrize("replicate", ["replicate", "fully_shard"])
 def test_hybrid_two_stages_by_two_replicas_equals_unsplit_training(tmp_path, replicate):
     _spawn(tmp_path, 4, [("gpt", "1f1b", 2, replicate), ("inception", "gpipe", 2, replicate)])

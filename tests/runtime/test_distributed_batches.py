@@ -304,7 +304,7 @@ def _replicas_worker(rank: int, world: int, init: str, tmp: str) -> None:
 
     _init(rank, world, init)
     try:
-        for replicate in ("fsdp", "ddp"):
+        for replicate in ("fully_shard", "replicate"):
             # One stage, two replicas (each its half of the rows). torch's pipelining clears FSDP2
             # gradients when a schedule first prepares its stage; the runtime adds them back.
             model = _gpt()

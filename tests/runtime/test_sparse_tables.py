@@ -37,7 +37,7 @@ def _loss(logits, target):
     return F.cross_entropy(logits.flatten(0, 1), target.flatten())
 
 
-def _run_case(replicate: Literal["ddp", "fsdp"], rank: int, world: int) -> None:
+def _run_case(replicate: Literal["replicate", "fully_shard"], rank: int, world: int) -> None:
     import autosplit
 
     torch.manual_seed(0)
@@ -75,4 +75,4 @@ def _run_case(replicate: Literal["ddp", "fsdp"], rank: int, world: int) -> None:
 
 @pytest.mark.filterwarnings("ignore:Sparse invariant checks")
 def test_sparse_tables_train_like_the_unsplit_model_across_replicas(tmp_path):
-    spawn_cases(tmp_path, 4, _run_case, [("ddp",), ("fsdp",)])
+    spawn_cases(tmp_path, 4, _run_case, [("replicate",), ("fully_shard",)])

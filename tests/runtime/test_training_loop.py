@@ -79,7 +79,7 @@ def _grads_equal(pipe, reference, label: str) -> None:
         torch.testing.assert_close(full_tensor(p.grad), ref[name].grad, msg=where(f"{label} grad {name}"))
 
 
-def _accumulate_and_clip(schedule: str, dp: int, precision: str, replicate: str = "ddp", *, rank: int, world: int) -> None:
+def _accumulate_and_clip(schedule: str, dp: int, precision: str, replicate: str = "replicate", *, rank: int, world: int) -> None:
     """Two steps, then clipping by the global norm, then the optimizer, twice over: the unsplit model
     runs two ``backward()`` calls and torch's ``clip_grad_norm_``."""
     model, args, kwargs, target, loss_fn, mine = _setup("gpt", rank, dp)
@@ -214,7 +214,7 @@ def test_two_processes_accumulate_clip_and_evaluate_like_the_unsplit_model(tmp_p
 
 
 def test_two_stages_by_two_replicas_accumulate_clip_and_evaluate(tmp_path):
-    cases = [("accumulate", "1f1b", 2, "fp32", replicate) for replicate in ("ddp", "fsdp")]
+    cases = [("accumulate", "1f1b", 2, "fp32", replicate) for replicate in ("replicate", "fully_shard")]
     spawn_cases(tmp_path, 4, _run_case, [*cases, ("forward", "gpipe", 2)])
 
 

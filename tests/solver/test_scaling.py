@@ -133,3 +133,31 @@ def test_stages_do_not_hop_between_islands_more_than_needed():
     islands = [devices[d].island for d in plan.stage_devices]
     hops = sum(a != b for a, b in itertools.pairwise(islands))
     assert hops == 1, f"stage islands {islands}: one crossing of the slow network is enough"
+
+
+def test_a_plan_the_bound_certifies_within_the_gap_returns_without_a_cp_sat_search(monkeypatch):
+    """GPT with an attention mask on 2 A100s: the DP's plan is optimal, but the bound proves it only
+    to about 2.4%. Within ``gap`` of the bound, it is the answer and CP-SAT never runs; with ``gap=0``
+    CP-SAT runs and proves it."""
+    from autosplit.solver.pipeline import strategy
+    from autosplit.solver.pipeline.bounds import lower_bound
+
+    model = GPT(vocab=128, d_model=32, n_layers=2, n_heads=2, max_len=16)
+    x = torch.randint(0, 128, (8, 16))
+    kwargs = {"attention_mask": torch.ones_like(x)}
+    captured = capture(model, (x,), kwargs)
+    annotate(captured, flat_inputs(captured, (x,), kwargs))
+    problem = build_problem(estimate(captured.gm, resolve_devices(["A100-80GB"] * 2)), micro_batches=8)
+    dp = split_dp(problem, topological_order(problem))
+    found = evaluate(problem, dp)
+    certified = (found.objective - lower_bound(problem, upper=max(found.time))) / found.objective
+    assert 0.001 < certified < 0.05  # the case this test is about: neither proven nor far off
+
+    calls = []
+    search = strategy.cpsat
+    monkeypatch.setattr(strategy, "cpsat", lambda *a, **k: calls.append(k["gap"]) or search(*a, **k))
+    settled = solve(problem, time_limit=5, gap=0.05)
+    assert calls == [] and settled.solver == "dp" and settled.stage_of == dp
+    assert settled.status == "FEASIBLE" and 0 < settled.gap <= 0.05
+    proven = solve(problem, time_limit=5, gap=0.0)
+    assert calls == [0.0] and proven.status == "OPTIMAL" and proven.objective == found.objective

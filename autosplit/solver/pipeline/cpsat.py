@@ -39,6 +39,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import time
 from collections.abc import Collection, Sequence
 from typing import Any
 
@@ -252,20 +253,26 @@ class _Model:
         return tuple(sum(solver.value(self.b[n][k]) for k in range(1, S)) for n in range(len(self.p.nodes)))
 
 
-def cp_solver(time_limit: float, seed: int, workers: int | None, deterministic: bool = True) -> cp_model.CpSolver:
+def cp_solver(
+    time_limit: float, seed: int, workers: int | None, deterministic: bool = True, gap: float = PROVEN_GAP,
+    wall: float | None = None,
+) -> cp_model.CpSolver:
     """A seeded solver whose answer does not depend on timing: workers run interleaved and stop
     at a deterministic-time limit (half the wall-clock one, which on this kind of machine ends
-    first), or once the plan is proven within 0.1% of optimal (the report shows the gap).
-    The wall-clock limit is the hard stop users asked for. ``deterministic=False`` runs the
-    workers in parallel instead: stronger without a hint, but timing decides the answer."""
+    first), or once the plan is proven within ``gap`` of optimal (by default :data:`PROVEN_GAP`,
+    0.1%; the planner passes :attr:`PlanOptions.gap`; the report shows the gap).
+    The wall-clock limit is the hard stop users asked for (``wall``: what building the model left of
+    it; the deterministic limit stays a function of ``time_limit`` alone, so every rank stops at the
+    same point). ``deterministic=False`` runs the workers in parallel instead: stronger without a
+    hint, but timing decides the answer."""
     solver = cp_model.CpSolver()
     solver.parameters.random_seed = int(seed)
     solver.parameters.num_workers = workers or min(8, max(2, os.cpu_count() or 1))
     if deterministic:
         solver.parameters.interleave_search = True
         solver.parameters.max_deterministic_time = float(time_limit) / 2
-    solver.parameters.max_time_in_seconds = float(time_limit)
-    solver.parameters.relative_gap_limit = PROVEN_GAP
+    solver.parameters.max_time_in_seconds = float(time_limit if wall is None else max(0.01, min(wall, time_limit)))
+    solver.parameters.relative_gap_limit = float(gap)
     return solver
 
 
@@ -383,6 +390,7 @@ def cpsat(
     recomputed: list[int] | None = None,
     kept: dict[int, tuple[int, int]] | None = None,
     partial: bool = True,
+    gap: float = PROVEN_GAP,
 ) -> tuple[str, tuple[int, ...] | None, float, list[int | str]]:
     """Run the model: (status, assignment or None, best bound, the infeasibility core).
 
@@ -390,14 +398,16 @@ def cpsat(
     :attr:`Problem.recompute` blocks, ``hint_recompute`` are the hinted ones, the blocks the plan
     recomputes are appended to ``recomputed`` and those that keep some micro-batches put in ``kept``
     (block → (stage, micro-batches kept)); ``partial=False`` leaves that choice out of the model
-    (its bound then holds only for blocks recomputed whole).
+    (its bound then holds only for blocks recomputed whole). ``gap``: stop once the plan is proven
+    within this fraction of optimal (:func:`cp_solver`).
     """
+    started = time.perf_counter()
     model = _Model(problem, partial)
     guarded = model.add_assumptions()
     if hint is not None:
         model.hint(tuple(hint), hint_recompute)
     model.m.minimize(model.objective)
-    solver = cp_solver(time_limit, seed, workers, deterministic)
+    solver = cp_solver(time_limit, seed, workers, deterministic, gap, wall=time_limit - (time.perf_counter() - started))
     status = solver.solve(model.m)
     name = solver.status_name(status)
     log.info("cp-sat: %s in %.2fs, %d nodes x %d stages, bound %s", name, solver.wall_time,
