@@ -260,7 +260,7 @@ def cp_solver(
     """A seeded solver whose answer does not depend on timing: workers run interleaved and stop
     at a deterministic-time limit (half the wall-clock one, which on this kind of machine ends
     first), or once the plan is proven within ``gap`` of optimal (by default :data:`PROVEN_GAP`,
-    0.1%; the planner passes :attr:`PlanOptions.gap`; the report shows the gap).
+    0.1%; the planner passes :attr:`~autosplit.options.PlanOptions.gap`; the report shows the gap).
     The wall-clock limit is the hard stop users asked for (``wall``: what building the model left of
     it; the deterministic limit stays a function of ``time_limit`` alone, so every rank stops at the
     same point). ``deterministic=False`` runs the workers in parallel instead: stronger without a
