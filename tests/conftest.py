@@ -15,3 +15,22 @@ os.environ.setdefault("PYTHONFAULTHANDLER", "1")
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+@pytest.fixture(scope="module")
+def gloo():
+    """``gloo(world)``: this test file's group of ``world`` gloo processes (:class:`tests.helpers.Gloo`),
+    started on first use and kept for the file's other tests; ``timeout``: the process group's, in seconds."""
+    from tests.helpers import Gloo
+
+    groups: dict[tuple[int, float], Gloo] = {}
+
+    def group(world: int, *, timeout: float = 60) -> Gloo:
+        key = (world, timeout)
+        if key not in groups or groups[key].closed:
+            groups[key] = Gloo(world, timeout=timeout)
+        return groups[key]
+
+    yield group
+    for made in groups.values():
+        made.close()

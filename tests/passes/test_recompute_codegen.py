@@ -27,7 +27,6 @@ from tests.helpers import (
     reference_step,
     says,
     seeded_gpt,
-    spawn_cases,
     where,
 )
 
@@ -308,5 +307,5 @@ def _run_case(schedule: str, partial: bool = False, *, rank: int, world: int) ->
         torch.testing.assert_close(p, ref_params[name], msg=where(f"{schedule} {name} after {STEPS} steps"))
 
 
-def test_recomputing_pipeline_trains_like_the_unsplit_model_on_two_processes(tmp_path):
-    spawn_cases(tmp_path, 2, _run_case, [("gpipe",), ("1f1b",), ("1f1b", True)])
+def test_recomputing_pipeline_trains_like_the_unsplit_model_on_two_processes(gloo):
+    gloo(2).run(_run_case, [("gpipe",), ("1f1b",), ("1f1b", True)])

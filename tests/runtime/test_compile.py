@@ -219,7 +219,5 @@ def _pipeline_case(rank: int, world: int) -> None:
         torch.testing.assert_close(outputs[1], outputs[0], rtol=1e-4, atol=1e-5, msg=where("forward-only output"))
 
 
-def test_a_compiled_pipeline_trains_like_the_eager_one_on_two_processes(tmp_path):
-    from tests.helpers import spawn_cases
-
-    spawn_cases(tmp_path, 2, _pipeline_case, [()])
+def test_a_compiled_pipeline_trains_like_the_eager_one_on_two_processes(gloo):
+    gloo(2).run(_pipeline_case, [()])

@@ -28,7 +28,7 @@ import autosplit
 from autosplit.errors import ConstraintError
 from autosplit.microbatch import split_batch
 from autosplit.runtime.batches import capture_chain, meta_copy
-from tests.helpers import gpt_case, spawn_cases, where
+from tests.helpers import gpt_case, where
 
 LOW = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16, "bf16": torch.bfloat16}
 TOL: dict[str, dict[str, Any]] = {
@@ -242,9 +242,9 @@ def _overflowing_step_is_skipped_everywhere(pipe, opt, args, kwargs, target, ran
         shutil.rmtree(folder[0])
 
 
-def test_pipelined_training_in_mixed_and_bf16_precision_equals_unsplit_training(tmp_path):
+def test_pipelined_training_in_mixed_and_bf16_precision_equals_unsplit_training(gloo):
     """bf16-mixed and fp16-mixed GPT (GPipe and 1F1B), a bf16-mixed MLP built on the meta device, a bf16 MLP, on 2 processes."""
-    spawn_cases(tmp_path, 2, _run_case, [
+    gloo(2).run(_run_case, [
         ("gpt", "bf16-mixed", "gpipe", "real"), ("gpt", "fp16-mixed", "1f1b", "real"), ("mlp", "bf16-mixed", "1f1b", "meta"),
         ("mlp", "bf16", "gpipe", "real"),
     ])

@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from tests.helpers import full_tensor, reference_step, spawn_cases, where
+from tests.helpers import full_tensor, reference_step, where
 
 VOCAB, BATCH, SEQ, STEPS = 300, 8, 6, 3
 
@@ -74,5 +74,5 @@ def _run_case(replicate: Literal["ddp", "fsdp"], rank: int, world: int) -> None:
 
 
 @pytest.mark.filterwarnings("ignore:Sparse invariant checks")
-def test_sparse_tables_train_like_the_unsplit_model_across_replicas(tmp_path):
-    spawn_cases(tmp_path, 4, _run_case, [("ddp",), ("fsdp",)])
+def test_sparse_tables_train_like_the_unsplit_model_across_replicas(gloo):
+    gloo(4).run(_run_case, [("ddp",), ("fsdp",)])

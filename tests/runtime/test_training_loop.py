@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from tests.helpers import as_float64, full_tensor, gpt_case, spawn_cases, where
+from tests.helpers import as_float64, full_tensor, gpt_case, where
 
 SCHEDULES = {  # schedule → stages per rank
     "gpipe": 1, "1f1b": 1, "interleaved1f1b": 2, "loopedbfs": 2, "interleavedzerobubble": 2, "zbvzerobubble": 2,
@@ -206,17 +206,17 @@ def _run_case(kind: str, *case, rank: int, world: int) -> None:
     cases[kind](*case, rank=rank, world=world)
 
 
-def test_two_processes_accumulate_clip_and_evaluate_like_the_unsplit_model(tmp_path):
+def test_two_processes_accumulate_clip_and_evaluate_like_the_unsplit_model(gloo):
     cases = [("accumulate", schedule, 1, "fp32") for schedule in SCHEDULES]
     cases += [("accumulate", "1f1b", 1, "fp16-mixed")]
     cases += [("forward", schedule, 1) for schedule in ("gpipe", "1f1b", "interleaved1f1b", "zbvzerobubble")]
     cases += [("modes",), ("async",), ("fixed",)]
-    spawn_cases(tmp_path, 2, _run_case, cases)
+    gloo(2).run(_run_case, cases)
 
 
-def test_two_stages_by_two_replicas_accumulate_clip_and_evaluate(tmp_path):
+def test_two_stages_by_two_replicas_accumulate_clip_and_evaluate(gloo):
     cases = [("accumulate", "1f1b", 2, "fp32", replicate) for replicate in ("ddp", "fsdp")]
-    spawn_cases(tmp_path, 4, _run_case, [*cases, ("forward", "gpipe", 2)])
+    gloo(4).run(_run_case, [*cases, ("forward", "gpipe", 2)])
 
 
 @pytest.mark.parametrize("bad", [0.0, -1.0, float("nan")])
