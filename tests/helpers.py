@@ -28,6 +28,7 @@ from torch.distributed.pipelining import pipe_split
 import autosplit
 from autosplit.examples import GPT
 from autosplit.microbatch import split_batch
+from autosplit.options import SolverLimits
 from autosplit.solver.problem import Problem, evaluate
 from autosplit.solver.validate import violations
 from benchmarks.models import GNMT, MLP, ConvBN, InceptionA, InceptionE, ResNet
@@ -86,8 +87,15 @@ def assert_same_step(out, expected, named_params, ref_params) -> None:
         torch.testing.assert_close(p.grad, q.grad, msg=where(f"gradient of {name}"))
 
 
+NO_SEARCH = {"limits": SolverLimits(cpsat_vars=1)}
+"""Plan options for tests of what a split computes, not of which split the planner finds: the plan is
+the split DP's (exact over one topological order, found in milliseconds, the same on every run),
+without CP-SAT's search from it, which on these small models runs to its time limit (1–2 s a plan)."""
+
+
 def assert_trains_like(model, devices, inputs, kwargs=None, *, steps: int = 3, **options):
-    """Split ``model`` and check outputs, gradients, parameters and buffers after ``steps`` Adam steps.
+    """Split ``model`` (the split DP's plan, :data:`NO_SEARCH`, unless ``options`` say otherwise) and check
+    outputs, gradients, parameters and buffers after ``steps`` Adam steps.
 
     Runs in float64, so the split and the original agree to rounding (they sum gradients
     in a different order) and default tolerances apply.
@@ -98,7 +106,7 @@ def assert_trains_like(model, devices, inputs, kwargs=None, *, steps: int = 3, *
     inputs = tuple(as64(t) for t in inputs)
     kwargs = {k: as64(v) for k, v in kwargs.items()}
     reference = copy.deepcopy(model)
-    split = autosplit.autosplit(model, devices, example_inputs=inputs, example_kwargs=kwargs, time_limit=2.0, **options)
+    split = autosplit.autosplit(model, devices, example_inputs=inputs, example_kwargs=kwargs, **{**NO_SEARCH, **options})
     assert isinstance(split, autosplit.SplitModule)
     assert len(set(split.plan.assignment.values())) == len(devices), "every device gets a stage"
 

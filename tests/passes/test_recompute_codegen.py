@@ -19,6 +19,7 @@ from autosplit.microbatch import split_batch
 from autosplit.passes.codegen import generate, generate_chain, micro_batch
 from autosplit.plans import PartialRecompute
 from tests.helpers import (
+    NO_SEARCH,
     ExampleCode,
     as_float64,
     assert_same_step,
@@ -34,7 +35,7 @@ STEPS = 3
 
 
 def _planner(model, inputs, devices: int = 2, **options):
-    return autosplit.Planner(model, ["cpu"] * devices, example_inputs=inputs, time_limit=2, **options)
+    return autosplit.Planner(model, ["cpu"] * devices, example_inputs=inputs, **NO_SEARCH, **options)
 
 
 def _recomputing(planner, *blocks: str):
@@ -285,7 +286,7 @@ def _run_case(schedule: str, partial: bool = False, *, rank: int, world: int) ->
     args, kwargs = tuple(as_float64(a) for a in args), {k: as_float64(v) for k, v in kwargs.items()}
     reference = copy.deepcopy(model)
     planner = autosplit.Planner(model, ["cpu"] * world, example_inputs=args, example_kwargs=kwargs, micro_batches=2,
-                                schedule=schedule, time_limit=2)
+                                schedule=schedule, **NO_SEARCH)
     some = tuple(PartialRecompute(b, 1, 2) for b in _blocks(model)) if partial else ()  # micro-batch 0 keeps, 1 recomputes
     plan = dataclasses.replace(planner.plan(), recompute=_blocks(model), recompute_partial=some)
     pipe = autosplit.distribute(model, None, example_inputs=args, example_kwargs=kwargs, loss_fn=loss_fn, plan=plan)

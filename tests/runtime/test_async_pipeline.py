@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from autosplit.runtime.prediction import update_direction
 from autosplit.solver.asynchronous import simulate
 from autosplit.solver.problem import weight_copies
+from tests.helpers import NO_SEARCH
 
 MICRO, LR = 2, 0.05
 
@@ -36,7 +37,7 @@ def _pipeline_case(schedule, n, *, rank, world):
 
     model, batches = _model(), _batches(n)
     pipe = autosplit.distribute(model, ["cpu"] * 2, example_inputs=(batches[0][0],), loss_fn=F.mse_loss,
-                                schedule=schedule, micro_batches=MICRO, time_limit=2, pin={"0": 0, "6": 1})
+                                schedule=schedule, micro_batches=MICRO, **NO_SEARCH, pin={"0": 0, "6": 1})
     opt = torch.optim.Adam(pipe.parameters(), lr=LR)
     losses = pipe.run(batches, optimizer=opt)
     names, runs = [None, None], [None, None]
@@ -142,17 +143,17 @@ def _refusals(*, rank, world):
 
     model, batches = _model(), _batches(1)
     pipe = autosplit.distribute(copy.deepcopy(model), ["cpu"] * 2, example_inputs=(batches[0][0],), loss_fn=F.mse_loss,
-                                schedule="pipedream", micro_batches=MICRO, time_limit=2)
+                                schedule="pipedream", micro_batches=MICRO, **NO_SEARCH)
     with pytest.raises(DistributedError, match=r"call pipe\.run"):
         pipe.step(batches[0][0], target=batches[0][1])
     with pytest.raises(ConstraintError, match="without momentum"):
         xpipe = autosplit.distribute(copy.deepcopy(model), ["cpu"] * 2, example_inputs=(batches[0][0],),
-                                     loss_fn=F.mse_loss, schedule="xpipe", micro_batches=MICRO, time_limit=2)
+                                     loss_fn=F.mse_loss, schedule="xpipe", micro_batches=MICRO, **NO_SEARCH)
         xpipe.run(batches, optimizer=torch.optim.SGD(xpipe.parameters(), lr=0.1))
     with pytest.raises(DistributedError, match="one replica so far"):
         autosplit.distribute(copy.deepcopy(model), ["cpu"], example_inputs=(batches[0][0],), loss_fn=F.mse_loss,
-                             schedule="async", micro_batches=MICRO, data_parallel=2, time_limit=2)
+                             schedule="async", micro_batches=MICRO, data_parallel=2, **NO_SEARCH)
     sync = autosplit.distribute(copy.deepcopy(model), ["cpu"] * 2, example_inputs=(batches[0][0],), loss_fn=F.mse_loss,
-                                micro_batches=MICRO, time_limit=2)
+                                micro_batches=MICRO, **NO_SEARCH)
     with pytest.raises(DistributedError, match=r"run\(\) trains with asynchronous schedules"):
         sync.run(batches, optimizer=torch.optim.Adam(sync.parameters()))

@@ -10,6 +10,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import autosplit
 from autosplit.examples import GPT
+from tests.helpers import NO_SEARCH
 
 BATCH, SEQ, VOCAB = 4, 8, 40
 
@@ -22,7 +23,7 @@ def _ddp_case(*, rank: int, world: int) -> int:
     targets = torch.randint(0, VOCAB, (BATCH, SEQ))
     shard = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
 
-    split = autosplit.autosplit(model, ["cpu"] * 2, example_inputs=(tokens[shard],), time_limit=2, seed=0)
+    split = autosplit.autosplit(model, ["cpu"] * 2, example_inputs=(tokens[shard],), **NO_SEARCH, seed=0)
     ddp = DistributedDataParallel(split, device_ids=None)
     loss_fn = torch.nn.CrossEntropyLoss()
     loss_fn(ddp(tokens[shard]).flatten(0, 1), targets[shard].flatten()).backward()

@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.helpers import InceptionNet, as_float64, full_tensor, gpt2_lm, gpt_case, reference_step, where
+from tests.helpers import NO_SEARCH, InceptionNet, as_float64, full_tensor, gpt2_lm, gpt_case, reference_step, where
 
 MICRO = 2
 
@@ -71,7 +71,7 @@ def _run_case(name: str, schedule: str, dp: int, replicate: Literal["ddp", "fsdp
     my_kwargs = {k: v[mine] for k, v in kwargs.items()}
     pipe = autosplit.distribute(
         model, ["cpu"] * (world // dp), example_inputs=my_args, example_kwargs=my_kwargs, loss_fn=loss_fn,
-        data_parallel=dp, replicate=replicate, schedule=schedule, micro_batches=MICRO, time_limit=2,
+        data_parallel=dp, replicate=replicate, schedule=schedule, micro_batches=MICRO, **NO_SEARCH,
     )
     assert len(set(pipe.plan.assignment.values())) == world // dp
     opt = torch.optim.Adam(pipe.parameters(), lr=1e-2)

@@ -19,7 +19,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from tests.helpers import where
+from tests.helpers import NO_SEARCH, where
 
 TIMEOUT = 60
 ROWS, MICRO, SEQ, VOCAB = 8, 2, 8, 40
@@ -93,7 +93,7 @@ def _sizes_case(*, rank: int, world: int) -> None:
         reference = copy.deepcopy(model)
         tokens, mask, target = _batch(ROWS, 0)
         pipe = autosplit.distribute(model, ["cpu"] * 2, example_inputs=(tokens,), example_kwargs={"attention_mask": mask},
-                                    loss_fn=_loss, schedule=schedule, micro_batches=MICRO, time_limit=2)
+                                    loss_fn=_loss, schedule=schedule, micro_batches=MICRO, **NO_SEARCH)
         opt = torch.optim.Adam(pipe.parameters(), lr=1e-2)
         ref_opt = torch.optim.Adam(reference.parameters(), lr=1e-2)
         # A planned batch, two partial ones that divide into M = 2, a repeat (cached), and
@@ -129,7 +129,7 @@ def _sizes_case(*, rank: int, world: int) -> None:
     reference = copy.deepcopy(model)
     tokens, mask, target = _batch(ROWS, 0)
     pipe = autosplit.distribute(model, ["cpu"] * 2, example_inputs=(tokens,), example_kwargs={"attention_mask": mask},
-                                loss_fn=_loss, micro_batches=MICRO, time_limit=2, capture="export")
+                                loss_fn=_loss, micro_batches=MICRO, **NO_SEARCH, capture="export")
     sgd = torch.optim.SGD(pipe.parameters(), lr=0.1)
     ref_sgd = torch.optim.SGD(reference.parameters(), lr=0.1)
     tokens, mask, target = _batch(6, 1)
@@ -162,7 +162,7 @@ def _disagree_case(*, rank: int, world: int) -> None:
     reference = copy.deepcopy(model)
     tokens, mask, target = _batch(4, 0)
     pipe = autosplit.distribute(model, ["cpu"] * 2, example_inputs=(tokens,), example_kwargs={"attention_mask": mask},
-                                loss_fn=_loss, micro_batches=MICRO, time_limit=2)
+                                loss_fn=_loss, micro_batches=MICRO, **NO_SEARCH)
     before = {name: p.detach().clone() for name, p in pipe.named_parameters()}
     start = time.monotonic()
     rows = 4 if rank == 0 else 2  # a DataLoader whose last batch reached one rank only
@@ -199,7 +199,7 @@ def _disagree_case(*, rank: int, world: int) -> None:
     mlp = nn.Sequential(nn.Linear(6, 12), nn.Tanh(), nn.Linear(12, 3)).double()
     x, y = torch.randn(8, 6, dtype=torch.float64), torch.randn(8, 3, dtype=torch.float64)
     async_pipe = autosplit.distribute(mlp, ["cpu"] * 2, example_inputs=(x,), loss_fn=F.mse_loss, schedule="pipedream",
-                                      micro_batches=MICRO, time_limit=2)
+                                      micro_batches=MICRO, **NO_SEARCH)
     before = {name: p.detach().clone() for name, p in async_pipe.named_parameters()}
     with pytest.raises(DistributedError, match=r"mini-batch 1 of 2 has inputs .*\[6, 6\].* where the example has .*\[8, 6\]"):
         async_pipe.run([(x, y), (x[:6], y[:6])], optimizer=torch.optim.SGD(async_pipe.parameters(), lr=0.1))
@@ -222,7 +222,7 @@ def _state_case(*, rank: int, world: int) -> None:
     reference = copy.deepcopy(model)
     x = torch.randn(ROWS, 8, dtype=torch.float64)
     pipe = autosplit.distribute(model, ["cpu"] * 2, example_inputs=(x,), loss_fn=F.mse_loss, micro_batches=MICRO,
-                                time_limit=2)
+                                **NO_SEARCH)
     own = pipe.state_dict()
     assert ("mm_param2" in own) == (pipe.stage_index == 0), sorted(own)
     names = [name for name, _ in pipe.named_parameters()]
@@ -280,7 +280,7 @@ def _replicas_case(*, rank: int, world: int) -> None:
         tokens, mask, _ = _batch(ROWS, 0)
         mine = slice(rank * ROWS // 2, (rank + 1) * ROWS // 2)
         pipe = autosplit.distribute(model, ["cpu"], example_inputs=(tokens[mine],), example_kwargs={"attention_mask": mask[mine]},
-                                    loss_fn=_loss, micro_batches=MICRO, data_parallel=2, replicate=replicate, time_limit=2)
+                                    loss_fn=_loss, micro_batches=MICRO, data_parallel=2, replicate=replicate, **NO_SEARCH)
         for step, rows in enumerate([8, 4]):  # no zero_grad between: the gradients accumulate
             tokens, mask, target = _batch(rows, step + 1)
             half = slice(rank * rows // 2, (rank + 1) * rows // 2)

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 import autosplit
 from autosplit.examples import GPT
+from tests.helpers import NO_SEARCH
 
 TIMEOUT = 10
 
@@ -31,7 +32,7 @@ def _loss(out, target):
 
 def _checkpoint_case(tmp: str, *, rank: int, world: int) -> None:
     model, tokens, targets = _model()
-    pipe = autosplit.distribute(model, ["cpu"] * 2, example_inputs=(tokens,), loss_fn=_loss, micro_batches=2, time_limit=2)
+    pipe = autosplit.distribute(model, ["cpu"] * 2, example_inputs=(tokens,), loss_fn=_loss, micro_batches=2, **NO_SEARCH)
     opt = torch.optim.Adam(pipe.parameters(), lr=1e-2)
     pipe.step(tokens, target=targets)
     opt.step()
@@ -84,7 +85,7 @@ def _close_case(*, rank: int, world: int) -> None:
     model, tokens, targets = _model()
 
     def pipeline():
-        pipe = autosplit.distribute(model, ["cpu"] * 2, example_inputs=(tokens,), loss_fn=_loss, micro_batches=2, time_limit=2)
+        pipe = autosplit.distribute(model, ["cpu"] * 2, example_inputs=(tokens,), loss_fn=_loss, micro_batches=2, **NO_SEARCH)
         pipe.step(tokens, target=targets)
         return pipe
 
@@ -112,7 +113,7 @@ def _faults_case(tmp: str, other_plan: str, *, rank: int, world: int) -> float:
         autosplit.distribute(model, ["cpu"] * 3, example_inputs=(tokens,), loss_fn=_loss)
     with pytest.raises(autosplit.errors.PlanMismatchError, match="made for graph"):
         autosplit.distribute(model, None, example_inputs=(tokens,), loss_fn=_loss, plan=other_plan)
-    pipe = autosplit.distribute(model, ["cpu"] * 2, example_inputs=(tokens,), loss_fn=_loss, micro_batches=2, time_limit=2)
+    pipe = autosplit.distribute(model, ["cpu"] * 2, example_inputs=(tokens,), loss_fn=_loss, micro_batches=2, **NO_SEARCH)
     bad = torch.zeros(4, 8, 3, dtype=torch.long) if pipe.is_last else targets  # the last stage's loss raises
     start = time.monotonic()
     with pytest.raises(autosplit.errors.DistributedError, match=f"rank {rank} \\(stage {rank} of 2") as err:
@@ -132,7 +133,7 @@ def _faults_case(tmp: str, other_plan: str, *, rank: int, world: int) -> float:
 
 def test_bad_input_and_a_failing_rank_end_in_typed_errors_on_every_rank(gloo, tmp_path):
     other = autosplit.plan(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2)), ["cpu"] * 2,
-                           example_inputs=(torch.randn(4, 8),), time_limit=2)
+                           example_inputs=(torch.randn(4, 8),), **NO_SEARCH)
     other.save(tmp_path / "other.json")
     ((first, last),) = gloo(2, timeout=TIMEOUT).run(_faults_case, [(str(tmp_path), str(tmp_path / "other.json"))])
     assert first <= TIMEOUT + 5 and last <= TIMEOUT + 5
@@ -148,7 +149,7 @@ def _refused_schedules_case(*, rank: int, world: int) -> list[str]:
     for name, options in refused:
         try:
             autosplit.distribute(LinearStack(), ["cpu"], example_inputs=(torch.randn(4, 8),), loss_fn=F.mse_loss,
-                                 schedule=name, time_limit=1, **options)
+                                 schedule=name, **NO_SEARCH, **options)
         except autosplit.errors.ConstraintError as e:
             lines.append(f"{name} {type(e).__name__} {str(e).split('.')[0]}")
         else:

@@ -18,6 +18,7 @@ from autosplit.errors import ConstraintError, DistributedError
 from autosplit.examples import GPT
 from autosplit.runtime.checkpoint import load_checkpoint, save_checkpoint
 from autosplit.runtime.materialise import StageNames, materialise
+from tests.helpers import NO_SEARCH
 
 STEPS = 3
 MICRO = 4
@@ -95,7 +96,7 @@ def _train_case(folder: str, name: str, weights: str, schedule: str, dp: int, *,
     batches = _batches(name)
     pipe = autosplit.distribute(model, ["cpu"] * (world // dp), example_inputs=(batches[0][0],), loss_fn=_loss,
                                 weights=f"{folder}/{weights}", schedule=schedule, micro_batches=MICRO, data_parallel=dp,
-                                time_limit=2)
+                                **NO_SEARCH)
     assert all(not p.is_meta for p in pipe.parameters()) and all(p.is_meta for p in model.parameters())
     opt = torch.optim.Adam(pipe.parameters(), lr=1e-2)
     losses = []
@@ -135,7 +136,7 @@ def _save_under_two_stages(folder: str, *, rank: int, world: int) -> None:
         model = _build("gpt")
     batches = _batches("gpt")
     pipe = autosplit.distribute(model, ["cpu"] * 2, example_inputs=(batches[0][0],), loss_fn=_loss, weights=f"{folder}/gpt.pt",
-                                micro_batches=4, time_limit=2)
+                                micro_batches=4, **NO_SEARCH)
     opt = torch.optim.Adam(pipe.parameters(), lr=1e-2)
     for x, y in batches[:2]:
         pipe.step(x, target=y)
@@ -153,7 +154,7 @@ def _resume(folder: str, stages: int, schedule: str, *, rank: int, world: int) -
         model = _build("gpt")
     batches = _batches("gpt")
     pipe = autosplit.distribute(model, ["cpu"] * stages, example_inputs=(batches[0][0],), loss_fn=_loss, weights=f"{folder}/ckpt",
-                                micro_batches=4, schedule=schedule, data_parallel=world // stages, time_limit=2)
+                                micro_batches=4, schedule=schedule, data_parallel=world // stages, **NO_SEARCH)
     opt = torch.optim.Adam(pipe.parameters(), lr=1e-2)
     pipe.load(f"{folder}/ckpt", optimizer=opt)
     x, y = batches[2]
@@ -232,7 +233,7 @@ def _stage_of(model: nn.Module, stages: int, stage: int):
     from autosplit.runtime.batches import ChainsByRows, meta_copy
 
     tokens = torch.randint(0, 64, (4, 16))
-    planner = autosplit.Planner(model, ["cpu"] * stages, example_inputs=(tokens,), micro_batches=2, time_limit=1)
+    planner = autosplit.Planner(model, ["cpu"] * stages, example_inputs=(tokens,), micro_batches=2, **NO_SEARCH)
     plan = planner.plan()
     meta = meta_copy(model)
     chain, _ = ChainsByRows(meta, planner.traced.captured, ((tokens,), {}), plan, stages, method=planner.traced.captured.method,
@@ -274,7 +275,7 @@ def test_a_tensor_nothing_initialises_or_the_checkpoint_lacks_is_refused_by_name
 
     with torch.device("meta"):
         model = Unfilled()
-    planner = autosplit.Planner(model, ["cpu"], example_inputs=(torch.randn(4, 16),), time_limit=1)
+    planner = autosplit.Planner(model, ["cpu"], example_inputs=(torch.randn(4, 16),), **NO_SEARCH)
     from autosplit.runtime.batches import ChainsByRows, meta_copy
 
     plan = planner.plan()
@@ -303,7 +304,7 @@ def _real_model_kept_only_for_the_stage(*, rank: int, world: int) -> None:
     torch.manual_seed(0)
     model = _build("gpt")
     batches = _batches("gpt")
-    pipe = autosplit.distribute(model, ["cpu"] * 2, example_inputs=(batches[0][0],), loss_fn=_loss, micro_batches=4, time_limit=2)
+    pipe = autosplit.distribute(model, ["cpu"] * 2, example_inputs=(batches[0][0],), loss_fn=_loss, micro_batches=4, **NO_SEARCH)
     mine = {id(p) for p in pipe.parameters()}
     others = [weakref.ref(p) for p in model.parameters() if id(p) not in mine]
     assert others, "each stage holds part of the model"

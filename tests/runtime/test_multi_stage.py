@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from autosplit.errors import DistributedError
 from autosplit.runtime.stage import EarlyReceivingStage, message_tag
-from tests.helpers import as_float64, full_tensor, gpt_case, padding_mask, reference_step, where
+from tests.helpers import NO_SEARCH, as_float64, full_tensor, gpt_case, padding_mask, reference_step, where
 
 STEPS = 3
 MULTI = ["interleaved1f1b", "loopedbfs", "interleavedzerobubble", "zbvzerobubble", "dualpipev"]
@@ -48,7 +48,7 @@ def _run_case(name: str, schedule: str, dp: int, micro: int, v: int, rank: int, 
     my_args, my_kwargs = tuple(a[mine] for a in args), {k: v[mine] for k, v in kwargs.items()}
     pipe = autosplit.distribute(
         model, ["cpu"] * (world // dp), example_inputs=my_args, example_kwargs=my_kwargs, loss_fn=loss_fn,
-        data_parallel=dp, schedule=schedule, stages_per_rank=v, micro_batches=micro, time_limit=2,
+        data_parallel=dp, schedule=schedule, stages_per_rank=v, micro_batches=micro, **NO_SEARCH,
     )
     assert pipe.plan.stages_per_rank == v and len(pipe.layout.held) == v
     # On gloo every stage posts its step's receives at the start, matched by tag (several streams per neighbour).
@@ -98,7 +98,7 @@ def _trace_case(schedule: str, v: int, micro: int, rank: int, world: int) -> Non
     torch.manual_seed(0)
     model, args, kwargs, target, loss_fn = gpt_case()
     pipe = autosplit.distribute(model, ["cpu"] * world, example_inputs=args, example_kwargs=kwargs, loss_fn=loss_fn,
-                                schedule=schedule, stages_per_rank=v, micro_batches=micro, time_limit=2)
+                                schedule=schedule, stages_per_rank=v, micro_batches=micro, **NO_SEARCH)
     pipe.step(*args, target=target, **kwargs)
     dist.barrier()
     start = time.perf_counter()

@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from tests.helpers import as_float64, full_tensor, gpt_case, where
+from tests.helpers import NO_SEARCH, as_float64, full_tensor, gpt_case, where
 
 SCHEDULES = {  # schedule → stages per rank
     "gpipe": 1, "1f1b": 1, "interleaved1f1b": 2, "loopedbfs": 2, "interleavedzerobubble": 2, "zbvzerobubble": 2,
@@ -54,7 +54,7 @@ def _setup(name: str, rank: int, dp: int):
 def _pipe(model, args, kwargs, loss_fn, mine, *, world: int, dp: int, schedule: str, **options):
     import autosplit
 
-    options = {"stages_per_rank": SCHEDULES.get(schedule), "micro_batches": 4 // dp, "time_limit": 2, **options}
+    options = {"stages_per_rank": SCHEDULES.get(schedule), "micro_batches": 4 // dp, **NO_SEARCH, **options}
     return autosplit.distribute(
         model, ["cpu"] * (world // dp), example_inputs=tuple(a[mine] for a in args),
         example_kwargs={k: v[mine] for k, v in kwargs.items()}, loss_fn=loss_fn, data_parallel=dp,
@@ -235,7 +235,7 @@ def test_a_split_module_accumulates_clips_and_evaluates_with_torch_own_functions
 
     model, args, kwargs, target, loss_fn, _ = _setup("gpt", 0, 1)
     reference = copy.deepcopy(model)
-    split = autosplit.autosplit(model, ["cpu"] * 2, example_inputs=args, example_kwargs=kwargs, time_limit=2)
+    split = autosplit.autosplit(model, ["cpu"] * 2, example_inputs=args, example_kwargs=kwargs, **NO_SEARCH)
     for a, k, t in _batches(args, kwargs, target, 2):
         loss_fn(split(*a, **k), t).backward()
         loss_fn(reference(*a, **k), t).backward()
