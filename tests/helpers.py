@@ -705,7 +705,7 @@ def pipelining_inputs(name: str, batch: int = ModelWithKwargs.BATCH, seed: int =
 # -- gloo processes running cases ------------------------------------------------------------------
 
 
-GRACE = 5.0
+GRACE = 3.0
 """Seconds the other ranks have, once one rank's case failed, to report theirs before the group is stopped."""
 
 
