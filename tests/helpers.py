@@ -17,7 +17,7 @@ import itertools
 from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn as nn
@@ -87,7 +87,7 @@ def assert_same_step(out, expected, named_params, ref_params) -> None:
         torch.testing.assert_close(p.grad, q.grad, msg=where(f"gradient of {name}"))
 
 
-NO_SEARCH = {"limits": SolverLimits(cpsat_vars=1)}
+NO_SEARCH: dict[str, Any] = {"limits": SolverLimits(cpsat_vars=1)}
 """Plan options for tests of what a split computes, not of which split the planner finds: the plan is
 the split DP's (exact over one topological order, found in milliseconds, the same on every run),
 without CP-SAT's search from it, which on these small models runs to its time limit (1–2 s a plan)."""
