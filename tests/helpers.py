@@ -17,7 +17,7 @@ import itertools
 from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn as nn
@@ -28,6 +28,7 @@ from torch.distributed.pipelining import pipe_split
 import autosplit
 from autosplit.examples import GPT
 from autosplit.microbatch import split_batch
+from autosplit.options import SolverLimits
 from autosplit.solver.evaluation import evaluate
 from autosplit.solver.problem import Problem
 from autosplit.solver.validate import violations
@@ -87,8 +88,15 @@ def assert_same_step(out, expected, named_params, ref_params) -> None:
         torch.testing.assert_close(p.grad, q.grad, msg=where(f"gradient of {name}"))
 
 
+NO_SEARCH: dict[str, Any] = {"limits": SolverLimits(cpsat_vars=1)}
+"""Plan options for tests of what a split computes, not of which split the planner finds: the plan is
+the split DP's (exact over one topological order, found in milliseconds, the same on every run),
+without CP-SAT's search from it, which on these small models runs to its time limit (1–2 s a plan)."""
+
+
 def assert_trains_like(model, devices, inputs, kwargs=None, *, steps: int = 3, **options):
-    """Split ``model`` and check outputs, gradients, parameters and buffers after ``steps`` Adam steps.
+    """Split ``model`` (the split DP's plan, :data:`NO_SEARCH`, unless ``options`` say otherwise) and check
+    outputs, gradients, parameters and buffers after ``steps`` Adam steps.
 
     Runs in float64, so the split and the original agree to rounding (they sum gradients
     in a different order) and default tolerances apply.
@@ -99,7 +107,7 @@ def assert_trains_like(model, devices, inputs, kwargs=None, *, steps: int = 3, *
     inputs = tuple(as64(t) for t in inputs)
     kwargs = {k: as64(v) for k, v in kwargs.items()}
     reference = copy.deepcopy(model)
-    split = autosplit.autosplit(model, devices, example_inputs=inputs, example_kwargs=kwargs, time_limit=2.0, **options)
+    split = autosplit.autosplit(model, devices, example_inputs=inputs, example_kwargs=kwargs, **{**NO_SEARCH, **options})
     assert isinstance(split, autosplit.SplitModule)
     assert len(set(split.plan.assignment.values())) == len(devices), "every device gets a stage"
 
@@ -698,28 +706,151 @@ def pipelining_inputs(name: str, batch: int = ModelWithKwargs.BATCH, seed: int =
 # -- gloo processes running cases ------------------------------------------------------------------
 
 
-def _case_worker(rank: int, world: int, init: str, run_case: Callable[..., None], cases: list[tuple], out: str) -> None:
+GRACE = 3.0
+"""Seconds the other ranks have, once one rank's case failed, to report theirs before the group is stopped."""
+
+
+class Gloo:
+    """``world`` processes in one gloo process group (one thread each), kept for every case of a test
+    file on that many processes: the ``gloo`` fixture of ``tests/conftest.py`` makes one per file and
+    world size. ``run(run_case, cases)`` runs ``run_case(*case, rank=, world=)`` on every rank, case
+    after case, a barrier after each, and returns each case's values by rank.
+
+    The processes are forked from a server that imported torch, autosplit and these helpers once
+    (``forkserver``), so a group starts in a fraction of a second. A case that fails on any rank (or a
+    rank that dies) fails the test, naming the case and showing each rank's traceback; the group is
+    then stopped, and the next ``run`` starts a fresh one. A case may end the default process group
+    (``dist.destroy_process_group()``): the ranks start another before the next case.
+    """
+
+    def __init__(self, world: int, *, timeout: float = 60) -> None:
+        import multiprocessing
+        import tempfile
+
+        ctx = multiprocessing.get_context("forkserver")
+        ctx.set_forkserver_preload(["torch", "torch.distributed", "autosplit", "tests.helpers"])
+        self.world, self.timeout = world, timeout
+        self._dir = tempfile.mkdtemp(prefix=f"gloo-{world}-")
+        self._results = ctx.Queue()
+        self._tasks = [ctx.SimpleQueue() for _ in range(world)]
+        self._count = 0
+        self._procs = [
+            ctx.Process(target=_gloo_worker, args=(rank, world, f"{self._dir}/init", timeout, self._tasks[rank], self._results),
+                        name=f"gloo rank {rank} of {world}", daemon=True)
+            for rank in range(world)
+        ]
+        for proc in self._procs:
+            proc.start()
+        self.closed = False
+
+    def run(self, run_case: Callable[..., object], cases: list[tuple]) -> list[list[object]]:
+        """``run_case(*case, rank=, world=)`` for every case on every rank; ``[case][rank]``: what it returned."""
+        assert not self.closed, "this group was stopped"
+        try:
+            return [self._run_one(run_case, tuple(case)) for case in cases]
+        except BaseException:
+            self.close(stop=True)  # a failed case, or the test interrupted (timeout): no rank is left waiting
+            raise
+
+    def _run_one(self, run_case: Callable[..., object], case: tuple) -> list[object]:
+        import io
+        import queue
+        import time
+
+        import pytest
+
+        self._count += 1
+        for tasks in self._tasks:
+            tasks.put((self._count, run_case, case))
+        values: dict[int, object] = {}
+        errors: dict[int, str] = {}
+        stop_at = None
+        while len(values) + len(errors) < self.world:
+            try:
+                index, rank, error, value = self._results.get(timeout=0.5)
+            except queue.Empty:
+                for rank, proc in enumerate(self._procs):
+                    if proc.exitcode is not None and rank not in values and rank not in errors:
+                        errors[rank] = f"the process exited with code {proc.exitcode}"
+                        stop_at = stop_at or time.monotonic() + GRACE
+                if stop_at is not None and time.monotonic() > stop_at:
+                    break
+                continue
+            if index != self._count:
+                continue
+            if error is None:
+                values[rank] = torch.load(io.BytesIO(value), weights_only=False)
+            else:
+                errors[rank] = error
+                stop_at = stop_at or time.monotonic() + GRACE
+        if errors:
+            name = f"{getattr(run_case, '__qualname__', run_case)}{case!r}"
+            ranks = [f"-- rank {r}: {errors[r]}" if r in errors else f"-- rank {r}: " + (
+                "passed" if r in values else f"no result within {GRACE:.0f} s of the failure (stopped)") for r in range(self.world)]
+            pytest.fail(f"case {name} failed on {self.world} gloo processes:\n" + "\n".join(ranks), pytrace=False)
+        return [values[r] for r in range(self.world)]
+
+    def close(self, *, stop: bool = False) -> None:
+        """Let every rank leave its process group and exit; ``stop``: end the processes at once."""
+        import shutil
+
+        if self.closed:
+            return
+        self.closed = True
+        if not stop:
+            for tasks in self._tasks:
+                tasks.put(None)
+            for proc in self._procs:
+                proc.join(timeout=30)
+        for proc in self._procs:
+            if proc.exitcode is None:
+                proc.kill()
+            proc.join()
+        self._results.close()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+
+def _gloo_worker(rank: int, world: int, init: str, timeout: float, tasks, results) -> None:
+    import gc
+    import io
+    import os
     import sys
+    import traceback
     from datetime import timedelta
 
     import torch.distributed as dist
 
-    sys.path.insert(0, str(ROOT))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world, timeout=timedelta(seconds=60))
-    try:
-        for case in cases:
-            run_case(*case, rank=rank, world=world)
-            dist.barrier()
-        Path(out, f"rank{rank}.ok").write_text("ok")
-    finally:
+    started = 0
+
+    def start() -> None:
+        nonlocal started
+        started += 1
+        dist.init_process_group("gloo", init_method=f"file://{init}.{started}", rank=rank, world_size=world,
+                                timeout=timedelta(seconds=timeout))
+
+    start()
+    while (task := tasks.get()) is not None:
+        index, run_case, case = task
+        try:
+            if not dist.is_initialized():  # the last case ended it
+                start()
+            torch.manual_seed(0)
+            value = run_case(*case, rank=rank, world=world)
+            if dist.is_initialized():
+                dist.barrier()
+            buffer = io.BytesIO()
+            torch.save(value, buffer)
+            results.put((index, rank, None, buffer.getvalue()))
+        except BaseException:  # noqa: BLE001 -- reported to the test, which fails naming the case
+            results.put((index, rank, traceback.format_exc(), None))
+        gc.collect()  # the case's pipelines, and their process groups, go now
+    if dist.is_initialized():
         dist.destroy_process_group()
-
-
-def spawn_cases(tmp_path: Path, world: int, run_case: Callable[..., None], cases: list[tuple]) -> None:
-    """``run_case(*case, rank=, world=)`` for every case on ``world`` gloo processes (one thread each),
-    a barrier after each; every rank must finish."""
-    import torch.multiprocessing as mp
-
-    mp.spawn(_case_worker, args=(world, str(tmp_path / "init"), run_case, cases, str(tmp_path)), nprocs=world, join=True)
-    assert sorted(p.name for p in tmp_path.glob("*.ok")) == [f"rank{r}.ok" for r in range(world)]
+    results.close()
+    results.join_thread()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Leave at once: a native thread still running at interpreter exit can abort a rank that passed
+    # ("terminate called without an active exception", SIGABRT; pytorch/pytorch#65513).
+    os._exit(0)

@@ -17,7 +17,7 @@ import torch
 
 import autosplit
 from autosplit.passes.fidelity import ModelSnapshot
-from tests.helpers import leaves, where
+from tests.helpers import NO_SEARCH, leaves, where
 
 transformers = pytest.importorskip("transformers")
 
@@ -49,7 +49,7 @@ def test_mixtral_trains_split_like_the_unsplit_model(devices):
     model = mixtral().double()
     reference = copy.deepcopy(model)
     ids = _ids()
-    split = autosplit.autosplit(model, ["cpu"] * devices, example_inputs=(ids,), example_kwargs={"labels": ids}, time_limit=2)
+    split = autosplit.autosplit(model, ["cpu"] * devices, example_inputs=(ids,), example_kwargs={"labels": ids}, **NO_SEARCH)
     assert split.plan.capture == "export"
     assert len(set(split.plan.assignment.values())) == devices
     names = [n for n, _ in reference.named_parameters()]
@@ -80,7 +80,7 @@ def test_planning_leaves_the_model_as_it_was_and_a_call_hooks_it_once():
     model, ids = mixtral().double(), _ids()
     fresh = copy.deepcopy(model)
     snapshot = ModelSnapshot.of(model)
-    autosplit.plan(model, ["cpu"] * 2, example_inputs=(ids,), time_limit=2)
+    autosplit.plan(model, ["cpu"] * 2, example_inputs=(ids,), **NO_SEARCH)
     assert snapshot.changes(model) == []
     assert sum(_hooks(model).values()) == 0
     out, expected = model(ids, use_cache=False), fresh(ids, use_cache=False)
@@ -95,7 +95,7 @@ def test_a_model_called_before_planning_keeps_its_hooks():
     model, ids = mixtral().double(), _ids()
     model(ids, use_cache=False)
     hooks, snapshot = _hooks(model), ModelSnapshot.of(model)
-    split = autosplit.autosplit(model, ["cpu"] * 2, example_inputs=(ids,), time_limit=2)
+    split = autosplit.autosplit(model, ["cpu"] * 2, example_inputs=(ids,), **NO_SEARCH)
     assert snapshot.changes(model) == [] and _hooks(model) == hooks
     torch.testing.assert_close(split(ids).router_logits, model(ids, use_cache=False).router_logits)
 
@@ -103,7 +103,7 @@ def test_a_model_called_before_planning_keeps_its_hooks():
 def test_without_router_outputs_no_hooks_are_installed():
     model, ids = mixtral(router=False).double(), _ids()
     snapshot = ModelSnapshot.of(model)
-    split = autosplit.autosplit(model, ["cpu"] * 2, example_inputs=(ids,), time_limit=2)
+    split = autosplit.autosplit(model, ["cpu"] * 2, example_inputs=(ids,), **NO_SEARCH)
     assert snapshot.changes(model) == [] and sum(_hooks(model).values()) == 0
     out = split(ids)
     assert out.router_logits is None and out.aux_loss is None
@@ -114,7 +114,7 @@ def test_the_default_grouped_mm_experts_kernel_in_float32():
     model, ids = mixtral(experts="grouped_mm"), _ids()
     assert model.config._experts_implementation == "grouped_mm"
     reference = copy.deepcopy(model)
-    split = autosplit.autosplit(model, ["cpu"] * 2, example_inputs=(ids,), example_kwargs={"labels": ids}, time_limit=2)
+    split = autosplit.autosplit(model, ["cpu"] * 2, example_inputs=(ids,), example_kwargs={"labels": ids}, **NO_SEARCH)
     out, expected = split(ids, labels=ids), reference(ids, labels=ids, use_cache=False)
     for key in ("loss", "aux_loss", "logits", "router_logits"):
         for a, b in zip(leaves(out[key]), leaves(expected[key]), strict=True):

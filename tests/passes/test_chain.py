@@ -15,11 +15,11 @@ import autosplit
 from autosplit.examples import GPT
 from autosplit.microbatch import split_batch
 from autosplit.passes.chain import generate_chain
-from tests.helpers import ZOO, assert_same_step, padding_mask
+from tests.helpers import NO_SEARCH, ZOO, assert_same_step, padding_mask
 
 
 def _chain(model, devices, inputs, kwargs, micro_batches=1):
-    planner = autosplit.Planner(model, ["cpu"] * devices, example_inputs=inputs, example_kwargs=kwargs, time_limit=2)
+    planner = autosplit.Planner(model, ["cpu"] * devices, example_inputs=inputs, example_kwargs=kwargs, **NO_SEARCH)
     plan = planner.plan()
     traced = planner.traced
     micro = split_batch(traced.inputs, None, micro_batches)[0][0]

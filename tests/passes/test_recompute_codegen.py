@@ -21,6 +21,7 @@ from autosplit.passes.codegen import generate
 from autosplit.passes.recompute_regions import micro_batch
 from autosplit.plans import PartialRecompute
 from tests.helpers import (
+    NO_SEARCH,
     ExampleCode,
     as_float64,
     assert_same_step,
@@ -29,7 +30,6 @@ from tests.helpers import (
     reference_step,
     says,
     seeded_gpt,
-    spawn_cases,
     where,
 )
 
@@ -37,7 +37,7 @@ STEPS = 3
 
 
 def _planner(model, inputs, devices: int = 2, **options):
-    return autosplit.Planner(model, ["cpu"] * devices, example_inputs=inputs, time_limit=2, **options)
+    return autosplit.Planner(model, ["cpu"] * devices, example_inputs=inputs, **NO_SEARCH, **options)
 
 
 def _recomputing(planner, *blocks: str):
@@ -288,7 +288,7 @@ def _run_case(schedule: str, partial: bool = False, *, rank: int, world: int) ->
     args, kwargs = tuple(as_float64(a) for a in args), {k: as_float64(v) for k, v in kwargs.items()}
     reference = copy.deepcopy(model)
     planner = autosplit.Planner(model, ["cpu"] * world, example_inputs=args, example_kwargs=kwargs, micro_batches=2,
-                                schedule=schedule, time_limit=2)
+                                schedule=schedule, **NO_SEARCH)
     some = tuple(PartialRecompute(b, 1, 2) for b in _blocks(model)) if partial else ()  # micro-batch 0 keeps, 1 recomputes
     plan = dataclasses.replace(planner.plan(), recompute=_blocks(model), recompute_partial=some)
     pipe = autosplit.distribute(model, None, example_inputs=args, example_kwargs=kwargs, loss_fn=loss_fn, plan=plan)
@@ -310,5 +310,5 @@ def _run_case(schedule: str, partial: bool = False, *, rank: int, world: int) ->
         torch.testing.assert_close(p, ref_params[name], msg=where(f"{schedule} {name} after {STEPS} steps"))
 
 
-def test_recomputing_pipeline_trains_like_the_unsplit_model_on_two_processes(tmp_path):
-    spawn_cases(tmp_path, 2, _run_case, [("gpipe",), ("1f1b",), ("1f1b", True)])
+def test_recomputing_pipeline_trains_like_the_unsplit_model_on_two_processes(gloo):
+    gloo(2).run(_run_case, [("gpipe",), ("1f1b",), ("1f1b", True)])

@@ -5,20 +5,17 @@ unsplit model, and against plain training when there is only one mini-batch."""
 from __future__ import annotations
 
 import copy
-import sys
-from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
 
 from autosplit.runtime.prediction import update_direction
 from autosplit.solver.asynchronous import simulate
 from autosplit.solver.build import weight_copies
-from tests.helpers import ROOT
+from tests.helpers import NO_SEARCH
 
 MICRO, LR = 2, 0.05
 
@@ -34,32 +31,26 @@ def _batches(n):
     return [(torch.randn(8, 6, generator=g, dtype=torch.float64), torch.randn(8, 3, generator=g, dtype=torch.float64)) for _ in range(n)]
 
 
-def _worker(rank, init, schedule, n, out):
-    sys.path.insert(0, str(ROOT))
+def _pipeline_case(schedule, n, *, rank, world):
+    """``n`` mini-batches through a 2-stage pipeline; rank 1 returns what the test checks."""
     import autosplit
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=2, timeout=timedelta(seconds=60))
-    try:
-        model, batches = _model(), _batches(n)
-        pipe = autosplit.distribute(model, ["cpu"] * 2, example_inputs=(batches[0][0],), loss_fn=F.mse_loss,
-                                    schedule=schedule, micro_batches=MICRO, time_limit=2, pin={"0": 0, "6": 1})
-        opt = torch.optim.Adam(pipe.parameters(), lr=LR)
-        losses = pipe.run(batches, optimizer=opt)
-        names, runs = [None, None], [None, None]
-        dist.all_gather_object(names, [name for name, _ in pipe.named_parameters()])
-        dist.all_gather_object(runs, pipe.last_run)
-        state = pipe.full_state_dict()
-        if rank == 1:
-            torch.save({"state": state, "losses": losses, "stage0": names[0], "runs": runs, "plan": pipe.plan.schedule}, out)
-    finally:
-        dist.destroy_process_group()
+    model, batches = _model(), _batches(n)
+    pipe = autosplit.distribute(model, ["cpu"] * 2, example_inputs=(batches[0][0],), loss_fn=F.mse_loss,
+                                schedule=schedule, micro_batches=MICRO, **NO_SEARCH, pin={"0": 0, "6": 1})
+    opt = torch.optim.Adam(pipe.parameters(), lr=LR)
+    losses = pipe.run(batches, optimizer=opt)
+    names, runs = [None, None], [None, None]
+    dist.all_gather_object(names, [name for name, _ in pipe.named_parameters()])
+    dist.all_gather_object(runs, pipe.last_run)
+    state = pipe.full_state_dict()
+    if rank == 1:
+        return {"state": state, "losses": losses, "stage0": names[0], "runs": runs, "plan": pipe.plan.schedule}
+    return None
 
 
-def _run(tmp_path, schedule, n):
-    out = tmp_path / f"{schedule}-{n}.pt"
-    mp.spawn(_worker, args=(str(tmp_path / f"init-{schedule}-{n}"), schedule, n, str(out)), nprocs=2, join=True)
-    return torch.load(out, weights_only=False)
+def _run(gloo, schedule, n):
+    return gloo(2).run(_pipeline_case, [(schedule, n)])[0][1]
 
 
 def reference(schedule, n, stage0):
@@ -109,8 +100,8 @@ def reference(schedule, n, stage0):
 
 
 @pytest.mark.parametrize("schedule", ["xpipe", "async", "pipedream"])
-def test_asynchronous_schedules_follow_their_rules(tmp_path, schedule):
-    got = _run(tmp_path, schedule, 4)
+def test_asynchronous_schedules_follow_their_rules(gloo, schedule):
+    got = _run(gloo, schedule, 4)
     assert got["plan"] == schedule, "the plan records the schedule it runs"
     assert got["stage0"] and len(got["stage0"]) < 8, "the model is split across both stages"
     state, losses = reference(schedule, 4, got["stage0"])
@@ -126,14 +117,14 @@ def test_asynchronous_schedules_follow_their_rules(tmp_path, schedule):
     assert (first["stashed_copies"], last["stashed_copies"]) == (copies if schedule == "pipedream" else (0, 0))
 
 
-def test_the_schedules_differ_and_one_mini_batch_is_plain_training(tmp_path):
+def test_the_schedules_differ_and_one_mini_batch_is_plain_training(gloo):
     finals = {}
     for schedule in ("xpipe", "async", "pipedream"):
         finals[schedule] = reference(schedule, 4, ["0.weight", "0.bias", "2.weight", "2.bias"])[0]
     differ = lambda a, b: any(not torch.equal(a[k], b[k]) for k in a)  # noqa: E731
     assert differ(finals["xpipe"], finals["async"]) and differ(finals["async"], finals["pipedream"])
 
-    got = _run(tmp_path, "xpipe", 1)  # no update mid-run: every schedule is plain training
+    got = _run(gloo, "xpipe", 1)  # no update mid-run: every schedule is plain training
     model, ((x, y),) = _model(), _batches(1)
     opt = torch.optim.Adam(model.parameters(), lr=LR)
     F.mse_loss(model(x), y).backward()
@@ -142,32 +133,27 @@ def test_the_schedules_differ_and_one_mini_batch_is_plain_training(tmp_path):
         torch.testing.assert_close(got["state"][k], v, msg=k)
 
 
-def test_step_and_run_refuse_the_other_kind_of_schedule(tmp_path):
-    mp.spawn(_refusals, args=(str(tmp_path / "init"),), nprocs=2, join=True)
+def test_step_and_run_refuse_the_other_kind_of_schedule(gloo):
+    gloo(2).run(_refusals, [()])
 
 
-def _refusals(rank, init):
-    sys.path.insert(0, str(ROOT))
+def _refusals(*, rank, world):
     import autosplit
     from autosplit.errors import ConstraintError, DistributedError
 
-    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=2, timeout=timedelta(seconds=60))
-    try:
-        model, batches = _model(), _batches(1)
-        pipe = autosplit.distribute(copy.deepcopy(model), ["cpu"] * 2, example_inputs=(batches[0][0],), loss_fn=F.mse_loss,
-                                    schedule="pipedream", micro_batches=MICRO, time_limit=2)
-        with pytest.raises(DistributedError, match=r"call pipe\.run"):
-            pipe.step(batches[0][0], target=batches[0][1])
-        with pytest.raises(ConstraintError, match="without momentum"):
-            xpipe = autosplit.distribute(copy.deepcopy(model), ["cpu"] * 2, example_inputs=(batches[0][0],),
-                                         loss_fn=F.mse_loss, schedule="xpipe", micro_batches=MICRO, time_limit=2)
-            xpipe.run(batches, optimizer=torch.optim.SGD(xpipe.parameters(), lr=0.1))
-        with pytest.raises(DistributedError, match="one replica so far"):
-            autosplit.distribute(copy.deepcopy(model), ["cpu"], example_inputs=(batches[0][0],), loss_fn=F.mse_loss,
-                                 schedule="async", micro_batches=MICRO, data_parallel=2, time_limit=2)
-        sync = autosplit.distribute(copy.deepcopy(model), ["cpu"] * 2, example_inputs=(batches[0][0],), loss_fn=F.mse_loss,
-                                    micro_batches=MICRO, time_limit=2)
-        with pytest.raises(DistributedError, match=r"run\(\) trains with asynchronous schedules"):
-            sync.run(batches, optimizer=torch.optim.Adam(sync.parameters()))
-    finally:
-        dist.destroy_process_group()
+    model, batches = _model(), _batches(1)
+    pipe = autosplit.distribute(copy.deepcopy(model), ["cpu"] * 2, example_inputs=(batches[0][0],), loss_fn=F.mse_loss,
+                                schedule="pipedream", micro_batches=MICRO, **NO_SEARCH)
+    with pytest.raises(DistributedError, match=r"call pipe\.run"):
+        pipe.step(batches[0][0], target=batches[0][1])
+    with pytest.raises(ConstraintError, match="without momentum"):
+        xpipe = autosplit.distribute(copy.deepcopy(model), ["cpu"] * 2, example_inputs=(batches[0][0],),
+                                     loss_fn=F.mse_loss, schedule="xpipe", micro_batches=MICRO, **NO_SEARCH)
+        xpipe.run(batches, optimizer=torch.optim.SGD(xpipe.parameters(), lr=0.1))
+    with pytest.raises(DistributedError, match="one replica so far"):
+        autosplit.distribute(copy.deepcopy(model), ["cpu"], example_inputs=(batches[0][0],), loss_fn=F.mse_loss,
+                             schedule="async", micro_batches=MICRO, data_parallel=2, **NO_SEARCH)
+    sync = autosplit.distribute(copy.deepcopy(model), ["cpu"] * 2, example_inputs=(batches[0][0],), loss_fn=F.mse_loss,
+                                micro_batches=MICRO, **NO_SEARCH)
+    with pytest.raises(DistributedError, match=r"run\(\) trains with asynchronous schedules"):
+        sync.run(batches, optimizer=torch.optim.Adam(sync.parameters()))

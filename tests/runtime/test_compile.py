@@ -21,7 +21,7 @@ import autosplit
 from autosplit import compat
 from autosplit.errors import CompileError, ConstraintError
 from autosplit.runtime.compiled import CompileOptions, compile_stages
-from tests.helpers import gpt_case
+from tests.helpers import NO_SEARCH, gpt_case
 
 ROOT = Path(__file__).resolve().parents[2]
 SHAPE = re.compile(r".+\. Likely cause: .+\. Try: .+\.", re.DOTALL)
@@ -30,7 +30,7 @@ NO_CXX = (None, "/nonexistent/bin/g++")  # what CXX=/nonexistent/bin/g++ makes o
 
 def _split(model, compile, **options):
     _, args, kwargs, _, _ = gpt_case()
-    return autosplit.autosplit(model, ["cpu"] * 2, example_inputs=args, example_kwargs=kwargs, time_limit=2,
+    return autosplit.autosplit(model, ["cpu"] * 2, example_inputs=args, example_kwargs=kwargs, **NO_SEARCH,
                                compile=compile, **options)
 
 
@@ -200,7 +200,7 @@ def _pipeline_case(rank: int, world: int) -> None:
     torch.manual_seed(0)
     model, args, kwargs, target, loss_fn = gpt_case()
     eager = autosplit.distribute(copy.deepcopy(model), ["cpu"] * world, example_inputs=args, example_kwargs=kwargs,
-                                 loss_fn=loss_fn, schedule="1f1b", micro_batches=4, time_limit=2)
+                                 loss_fn=loss_fn, schedule="1f1b", micro_batches=4, **NO_SEARCH)
     compiled = autosplit.distribute(copy.deepcopy(model), None, example_inputs=args, example_kwargs=kwargs, loss_fn=loss_fn,
                                     plan=eager.plan, compile=True)
     assert compiled.compiled == dict.fromkeys(compiled.layout.held, "compiled") and eager.compiled == {}
@@ -219,7 +219,5 @@ def _pipeline_case(rank: int, world: int) -> None:
         torch.testing.assert_close(outputs[1], outputs[0], rtol=1e-4, atol=1e-5, msg=where("forward-only output"))
 
 
-def test_a_compiled_pipeline_trains_like_the_eager_one_on_two_processes(tmp_path):
-    from tests.helpers import spawn_cases
-
-    spawn_cases(tmp_path, 2, _pipeline_case, [()])
+def test_a_compiled_pipeline_trains_like_the_eager_one_on_two_processes(gloo):
+    gloo(2).run(_pipeline_case, [()])

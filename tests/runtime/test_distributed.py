@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.helpers import InceptionNet, as_float64, full_tensor, gpt2_lm, gpt_case, reference_step, spawn_cases, where
+from tests.helpers import NO_SEARCH, InceptionNet, as_float64, full_tensor, gpt2_lm, gpt_case, reference_step, where
 
 MICRO = 2
 
@@ -71,7 +71,7 @@ def _run_case(name: str, schedule: str, dp: int, replicate: Literal["replicate",
     my_kwargs = {k: v[mine] for k, v in kwargs.items()}
     pipe = autosplit.distribute(
         model, ["cpu"] * (world // dp), example_inputs=my_args, example_kwargs=my_kwargs, loss_fn=loss_fn,
-        data_parallel=dp, replicate=replicate, schedule=schedule, micro_batches=MICRO, time_limit=2,
+        data_parallel=dp, replicate=replicate, schedule=schedule, micro_batches=MICRO, **NO_SEARCH,
     )
     assert len(set(pipe.plan.assignment.values())) == world // dp
     opt = torch.optim.Adam(pipe.parameters(), lr=1e-2)
@@ -104,16 +104,12 @@ def _run_case(name: str, schedule: str, dp: int, replicate: Literal["replicate",
             torch.testing.assert_close(fresh.state_dict()[key], value, msg=_mismatch(key, full[key], value))
 
 
-def _spawn(tmp_path, world: int, cases) -> None:
-    spawn_cases(tmp_path, world, _run_case, cases)
-
-
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
-def test_pipelined_training_equals_unsplit_training_on_two_processes(tmp_path, schedule):
+def test_pipelined_training_equals_unsplit_training_on_two_processes(gloo, schedule):
     pytest.importorskip("transformers")
-    _spawn(tmp_path, 2, [(name, schedule, 1, "replicate") for name in MODELS])
+    gloo(2).run(_run_case, [(name, schedule, 1, "replicate") for name in MODELS])
 
 
 @pytest.mark.parametrize("replicate", ["replicate", "fully_shard"])
-def test_hybrid_two_stages_by_two_replicas_equals_unsplit_training(tmp_path, replicate):
-    _spawn(tmp_path, 4, [("gpt", "1f1b", 2, replicate), ("inception", "gpipe", 2, replicate)])
+def test_hybrid_two_stages_by_two_replicas_equals_unsplit_training(gloo, replicate):
+    gloo(4).run(_run_case, [("gpt", "1f1b", 2, replicate), ("inception", "gpipe", 2, replicate)])

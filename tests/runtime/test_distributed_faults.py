@@ -4,22 +4,19 @@ never a hang."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import time
-from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 import autosplit
 from autosplit.examples import GPT
-from tests.helpers import ROOT
+from tests.helpers import NO_SEARCH
 
 TIMEOUT = 10
 
@@ -33,38 +30,27 @@ def _loss(out, target):
     return F.cross_entropy(out.flatten(0, 1), target.flatten())
 
 
-def _init(rank: int, world: int, init: str) -> None:
-    sys.path.insert(0, str(ROOT))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world, timeout=timedelta(seconds=TIMEOUT))
+def _checkpoint_case(tmp: str, *, rank: int, world: int) -> None:
+    model, tokens, targets = _model()
+    pipe = autosplit.distribute(model, ["cpu"] * 2, example_inputs=(tokens,), loss_fn=_loss, micro_batches=2, **NO_SEARCH)
+    opt = torch.optim.Adam(pipe.parameters(), lr=1e-2)
+    pipe.step(tokens, target=targets)
+    opt.step()
+    dcp.save(pipe.state_dict(), checkpoint_id=f"{tmp}/from_split")  # each rank writes its stage
+    full = pipe.full_state_dict()  # collective: every rank gathers
+    if rank == 0:
+        torch.save(full, f"{tmp}/expected.pt")
+    dist.barrier()
+    # The other way: a checkpoint of the unsplit model (written by the test) loads into the stages.
+    state = pipe.state_dict()
+    dcp.load(state, checkpoint_id=f"{tmp}/from_unsplit")
+    pipe.load_state_dict(state)
+    unsplit = torch.load(f"{tmp}/unsplit.pt")
+    for name, value in pipe.state_dict().items():
+        torch.testing.assert_close(value, unsplit[name], msg=name)
 
 
-def _checkpoint_worker(rank: int, world: int, init: str, tmp: str) -> None:
-    _init(rank, world, init)
-    try:
-        model, tokens, targets = _model()
-        pipe = autosplit.distribute(model, ["cpu"] * 2, example_inputs=(tokens,), loss_fn=_loss, micro_batches=2, time_limit=2)
-        opt = torch.optim.Adam(pipe.parameters(), lr=1e-2)
-        pipe.step(tokens, target=targets)
-        opt.step()
-        dcp.save(pipe.state_dict(), checkpoint_id=f"{tmp}/from_split")  # each rank writes its stage
-        full = pipe.full_state_dict()  # collective: every rank gathers
-        if rank == 0:
-            torch.save(full, f"{tmp}/expected.pt")
-        dist.barrier()
-        # The other way: a checkpoint of the unsplit model (written by the test) loads into the stages.
-        state = pipe.state_dict()
-        dcp.load(state, checkpoint_id=f"{tmp}/from_unsplit")
-        pipe.load_state_dict(state)
-        unsplit = torch.load(f"{tmp}/unsplit.pt")
-        for name, value in pipe.state_dict().items():
-            torch.testing.assert_close(value, unsplit[name], msg=name)
-        Path(tmp, f"rank{rank}.ok").write_text("ok")
-    finally:
-        dist.destroy_process_group()
-
-
-def test_checkpoints_move_between_the_distributed_and_the_unsplit_model(tmp_path):
+def test_checkpoints_move_between_the_distributed_and_the_unsplit_model(gloo, tmp_path):
     # An unsplit model, trained differently, saved with DCP for the stages to load.
     model, tokens, targets = _model()
     torch.optim.SGD(model.parameters(), lr=0.5).zero_grad()
@@ -73,8 +59,7 @@ def test_checkpoints_move_between_the_distributed_and_the_unsplit_model(tmp_path
     dcp.save(model.state_dict(), checkpoint_id=tmp_path / "from_unsplit", no_dist=True)
     torch.save(model.state_dict(), tmp_path / "unsplit.pt")
 
-    mp.spawn(_checkpoint_worker, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
-    assert (tmp_path / "rank0.ok").exists() and (tmp_path / "rank1.ok").exists()
+    gloo(2, timeout=TIMEOUT).run(_checkpoint_case, [(str(tmp_path),)])
 
     # What the stages saved loads into a fresh unsplit model under the original names.
     fresh, _, _ = _model()
@@ -94,14 +79,13 @@ def _gloo_threads() -> int:
     return sum("gloo" in name for name in names)
 
 
-def _close_worker(rank: int, world: int, init: str, tmp: str) -> None:
+def _close_case(*, rank: int, world: int) -> None:
     from autosplit.runtime.distributed import _close_all
 
-    _init(rank, world, init)
     model, tokens, targets = _model()
 
     def pipeline():
-        pipe = autosplit.distribute(model, ["cpu"] * 2, example_inputs=(tokens,), loss_fn=_loss, micro_batches=2, time_limit=2)
+        pipe = autosplit.distribute(model, ["cpu"] * 2, example_inputs=(tokens,), loss_fn=_loss, micro_batches=2, **NO_SEARCH)
         pipe.step(tokens, target=targets)
         return pipe
 
@@ -114,78 +98,67 @@ def _close_worker(rank: int, world: int, init: str, tmp: str) -> None:
     dist.destroy_process_group()
     _close_all()  # what runs at exit: closes `kept`, collects `dropped`
     assert _gloo_threads() == 0, f"rank {rank}: {_gloo_threads()} gloo threads outlive the process groups"
-    Path(tmp, f"rank{rank}.ok").write_text("ok")
 
 
-def test_closed_and_dropped_pipelines_let_their_process_groups_go_before_exit(tmp_path):
+def test_closed_and_dropped_pipelines_let_their_process_groups_go_before_exit(gloo):
     """A gloo process group destructed only during interpreter teardown can abort the process
     (SIGABRT, "terminate called without an active exception", pytorch/pytorch#65513): close() and
     the exit hook leave none alive once destroy_process_group() has run."""
-    mp.spawn(_close_worker, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
+    gloo(2, timeout=TIMEOUT).run(_close_case, [()])  # the case ends the process group; the ranks start another after it
+
+
+def _faults_case(tmp: str, other_plan: str, *, rank: int, world: int) -> float:
+    model, tokens, targets = _model()
+    with pytest.raises(autosplit.errors.DistributedError, match="process group has 2 ranks, but the plan needs"):
+        autosplit.distribute(model, ["cpu"] * 3, example_inputs=(tokens,), loss_fn=_loss)
+    with pytest.raises(autosplit.errors.PlanMismatchError, match="made for graph"):
+        autosplit.distribute(model, None, example_inputs=(tokens,), loss_fn=_loss, plan=other_plan)
+    pipe = autosplit.distribute(model, ["cpu"] * 2, example_inputs=(tokens,), loss_fn=_loss, micro_batches=2, **NO_SEARCH)
+    bad = torch.zeros(4, 8, 3, dtype=torch.long) if pipe.is_last else targets  # the last stage's loss raises
+    start = time.monotonic()
+    with pytest.raises(autosplit.errors.DistributedError, match=f"rank {rank} \\(stage {rank} of 2") as err:
+        pipe.step(tokens, target=bad)
+    elapsed = time.monotonic() - start
+    assert elapsed < TIMEOUT + 5, f"rank {rank} waited {elapsed:.1f}s"
+    if pipe.is_last:
+        assert "target" in str(err.value)
+        while not Path(tmp, "rank0.ok").exists() and time.monotonic() - start < 3 * TIMEOUT:
+            time.sleep(0.2)  # stay alive: the peer must fail by timeout, not by our exit
+    with pytest.raises(autosplit.errors.DistributedError, match="failed in an earlier step"):
+        pipe.step(tokens, target=targets)
+    Path(tmp, f"rank{rank}.ok").write_text(f"{elapsed:.1f}")
+    dist.destroy_process_group()  # the timed-out step closed its connections; the ranks start another group after this case
+    return elapsed
+
+
+def test_bad_input_and_a_failing_rank_end_in_typed_errors_on_every_rank(gloo, tmp_path):
+    other = autosplit.plan(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2)), ["cpu"] * 2,
+                           example_inputs=(torch.randn(4, 8),), **NO_SEARCH)
+    other.save(tmp_path / "other.json")
+    ((first, last),) = gloo(2, timeout=TIMEOUT).run(_faults_case, [(str(tmp_path), str(tmp_path / "other.json"))])
+    assert first <= TIMEOUT + 5 and last <= TIMEOUT + 5
     assert (tmp_path / "rank0.ok").exists() and (tmp_path / "rank1.ok").exists()
 
 
-def _faults_worker(rank: int, world: int, init: str, tmp: str, other_plan: str) -> None:
-    _init(rank, world, init)
-    try:
-        model, tokens, targets = _model()
-        with pytest.raises(autosplit.errors.DistributedError, match="process group has 2 ranks, but the plan needs"):
-            autosplit.distribute(model, ["cpu"] * 3, example_inputs=(tokens,), loss_fn=_loss)
-        with pytest.raises(autosplit.errors.PlanMismatchError, match="made for graph"):
-            autosplit.distribute(model, None, example_inputs=(tokens,), loss_fn=_loss, plan=other_plan)
-        pipe = autosplit.distribute(model, ["cpu"] * 2, example_inputs=(tokens,), loss_fn=_loss, micro_batches=2, time_limit=2)
-        bad = torch.zeros(4, 8, 3, dtype=torch.long) if pipe.is_last else targets  # the last stage's loss raises
-        start = time.monotonic()
-        with pytest.raises(autosplit.errors.DistributedError, match=f"rank {rank} \\(stage {rank} of 2") as err:
-            pipe.step(tokens, target=bad)
-        elapsed = time.monotonic() - start
-        assert elapsed < TIMEOUT + 5, f"rank {rank} waited {elapsed:.1f}s"
-        if pipe.is_last:
-            assert "target" in str(err.value)
-            while not Path(tmp, "rank0.ok").exists() and time.monotonic() - start < 3 * TIMEOUT:
-                time.sleep(0.2)  # stay alive: the peer must fail by timeout, not by our exit
-        with pytest.raises(autosplit.errors.DistributedError, match="failed in an earlier step"):
-            pipe.step(tokens, target=targets)
-        Path(tmp, f"rank{rank}.ok").write_text(f"{elapsed:.1f}")
-    finally:
-        dist.destroy_process_group()
+def _refused_schedules_case(*, rank: int, world: int) -> list[str]:
+    from tests.helpers import LinearStack
 
-
-def test_bad_input_and_a_failing_rank_end_in_typed_errors_on_every_rank(tmp_path):
-    other = autosplit.plan(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2)), ["cpu"] * 2,
-                           example_inputs=(torch.randn(4, 8),), time_limit=2)
-    other.save(tmp_path / "other.json")
-    mp.spawn(_faults_worker, args=(2, str(tmp_path / "init"), str(tmp_path), str(tmp_path / "other.json")), nprocs=2, join=True)
-    assert float((tmp_path / "rank0.ok").read_text()) <= TIMEOUT + 5
-    assert (tmp_path / "rank1.ok").exists()
-
-
-_DISTRIBUTE = """
-import sys, datetime, torch, torch.distributed as dist
-sys.path.insert(0, {root!r})
-import autosplit
-from tests.helpers import LinearStack
-dist.init_process_group("gloo", init_method="file://" + {init!r}, rank=0, world_size=1, timeout=datetime.timedelta(seconds=30))
-try:
-    for name, options in (("ZBVZeroBubble", dict(stages_per_rank=3)), ("DualPipeV", dict(micro_batches=1)),
-                          ("sequential", {{}}), ("zigzag", {{}})):
+    lines = []
+    refused: list[tuple[str, dict[str, Any]]] = [("ZBVZeroBubble", dict(stages_per_rank=3)), ("DualPipeV", dict(micro_batches=1)),
+                                                 ("sequential", {}), ("zigzag", {})]
+    for name, options in refused:
         try:
-            autosplit.distribute(LinearStack(), ["cpu"], example_inputs=(torch.randn(4, 8),), loss_fn=torch.nn.functional.mse_loss,
-                                 schedule=name, time_limit=1, **options)
+            autosplit.distribute(LinearStack(), ["cpu"], example_inputs=(torch.randn(4, 8),), loss_fn=F.mse_loss,
+                                 schedule=name, **NO_SEARCH, **options)
         except autosplit.errors.ConstraintError as e:
-            print(name, type(e).__name__, str(e).split(".")[0])
+            lines.append(f"{name} {type(e).__name__} {str(e).split('.')[0]}")
         else:
-            raise SystemExit(f"{{name}} was not refused")
-finally:
-    dist.destroy_process_group()
-"""
+            raise AssertionError(f"{name} was not refused")
+    return lines
 
 
-def test_schedules_torch_cannot_run_so_are_refused_by_distribute_without_hanging(tmp_path):
-    code = _DISTRIBUTE.format(root=str(ROOT), init=str(tmp_path / "init"))
-    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stdout + result.stderr
-    lines = result.stdout.splitlines()
+def test_schedules_torch_cannot_run_so_are_refused_by_distribute_without_hanging(gloo):
+    ((lines,),) = gloo(1).run(_refused_schedules_case, [()])  # one rank: a refusal that waited on a peer would hang
     assert lines[0] == "ZBVZeroBubble ConstraintError option stages_per_rank=3 is out of range"
     assert lines[1] == "DualPipeV ConstraintError schedule 'dualpipev' with 2 stages on 1 ranks and 1 micro-batches"
     assert lines[2] == "sequential ConstraintError schedule='sequential' cannot run pipelined"

@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.helpers import full_tensor, reference_step, spawn_cases, where
+from tests.helpers import NO_SEARCH, full_tensor, reference_step, where
 
 MICRO = 2
 STEPS = 3
@@ -43,7 +43,7 @@ def _run_case(rank: int, world: int) -> None:
     reference = copy.deepcopy(model)
     ids, target = torch.randint(0, VOCAB, (4, 8)), torch.randint(0, VOCAB, (4, 8))
     pipe = autosplit.distribute(
-        model, ["cpu"] * world, example_inputs=(ids,), loss_fn=_loss, schedule="gpipe", micro_batches=MICRO, time_limit=2,
+        model, ["cpu"] * world, example_inputs=(ids,), loss_fn=_loss, schedule="gpipe", micro_batches=MICRO, **NO_SEARCH,
     )
     assert pipe.plan.capture == "export" and len(set(pipe.plan.assignment.values())) == world
     opt = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
@@ -62,6 +62,6 @@ def _run_case(rank: int, world: int) -> None:
         torch.testing.assert_close(full_tensor(p), ref_params[name], msg=where(f"{name} after {STEPS} steps"))
 
 
-def test_mixtral_pipelined_over_two_processes_trains_like_the_unsplit_model(tmp_path):
+def test_mixtral_pipelined_over_two_processes_trains_like_the_unsplit_model(gloo):
     pytest.importorskip("transformers")
-    spawn_cases(tmp_path, 2, _run_case, [()])
+    gloo(2).run(_run_case, [()])

@@ -9,16 +9,11 @@ from __future__ import annotations
 import copy
 import dataclasses
 import inspect
-import sys
-from datetime import timedelta
-from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from tests.helpers import PATTERNS, PIPELINING, ROOT, AutocastRegion, D, OptionalMask, pipelining_inputs, where
+from tests.helpers import NO_SEARCH, PATTERNS, PIPELINING, AutocastRegion, D, OptionalMask, pipelining_inputs, where
 
 STEPS = 3
 MICRO = 2
@@ -55,65 +50,52 @@ def _micro_call(model, inputs, rows: slice):
     return model(*cut)
 
 
-def _run(rank: int) -> None:
+def _zoo_case(name: str, *, rank: int, world: int) -> None:
     import autosplit
     from autosplit.passes.fidelity import ModelSnapshot
 
-    for name, factory, inputs, dtype in _cases():
-        torch.manual_seed(0)
-        model = factory().to(dtype)
-        inputs = tuple(x.to(dtype) if isinstance(x, torch.Tensor) else x for x in inputs)
-        target = torch.randn(4, 8, dtype=dtype, generator=torch.Generator().manual_seed(3))
-        reference = copy.deepcopy(model)
-        snapshot = ModelSnapshot.of(model)
-        values = {k: v.clone() for k, v in model.state_dict().items()}
-        pipe = autosplit.distribute(model, ["cpu"] * 2, example_inputs=inputs, loss_fn=_loss, schedule="gpipe",
-                                    micro_batches=MICRO, time_limit=2)
-        assert snapshot.changes(model, versions=False) == [], name
-        assert all(torch.equal(v, values[k]) for k, v in model.state_dict().items()), f"{name}: distribute changed weights"
-        own = list(pipe.parameters())  # a stage may hold only parameter-free ops
-        opt = torch.optim.Adam(own, lr=1e-2) if own else None
-        ref_opt = torch.optim.Adam(reference.parameters(), lr=1e-2)
-        for step in range(STEPS):
-            loss = pipe.step(*inputs, target=target)
-            # The reference runs the pipeline's micro-batches in turn (the EMA teacher updates once per micro-batch).
-            rows = 4 // MICRO
-            expected = torch.stack([
-                _loss(_micro_call(reference, inputs, slice(i * rows, (i + 1) * rows)), target[i * rows:(i + 1) * rows])
-                for i in range(MICRO)
-            ]).mean()
-            expected.backward()
-            if pipe.is_last:
-                torch.testing.assert_close(loss, expected.detach(), msg=where(f"{name} step {step} loss"))
-            for o in filter(None, (opt, ref_opt)):
-                o.step()
-                o.zero_grad()
-        reference_state = reference.state_dict()
-        for pname, p in pipe.named_parameters():
-            torch.testing.assert_close(p, reference_state[pname], msg=where(f"{name} {pname} after {STEPS} steps"))
-        full = pipe.full_state_dict()
-        assert set(full) == set(reference_state), f"{name}: full_state_dict lacks {set(reference_state) - set(full)}"
-        fresh = factory().to(dtype)  # (not a deepcopy: MultiMLPWithDw keeps an activation on the module)
-        fresh.load_state_dict(full)
-        for key, value in reference_state.items():
-            torch.testing.assert_close(fresh.state_dict()[key], value, msg=where(f"{name} {key}"))
-        dist.barrier()
+    factory, inputs, dtype = next(case[1:] for case in _cases() if case[0] == name)
+    torch.manual_seed(0)
+    model = factory().to(dtype)
+    inputs = tuple(x.to(dtype) if isinstance(x, torch.Tensor) else x for x in inputs)
+    target = torch.randn(4, 8, dtype=dtype, generator=torch.Generator().manual_seed(3))
+    reference = copy.deepcopy(model)
+    snapshot = ModelSnapshot.of(model)
+    values = {k: v.clone() for k, v in model.state_dict().items()}
+    pipe = autosplit.distribute(model, ["cpu"] * 2, example_inputs=inputs, loss_fn=_loss, schedule="gpipe",
+                                micro_batches=MICRO, **NO_SEARCH)
+    assert snapshot.changes(model, versions=False) == [], name
+    assert all(torch.equal(v, values[k]) for k, v in model.state_dict().items()), f"{name}: distribute changed weights"
+    own = list(pipe.parameters())  # a stage may hold only parameter-free ops
+    opt = torch.optim.Adam(own, lr=1e-2) if own else None
+    ref_opt = torch.optim.Adam(reference.parameters(), lr=1e-2)
+    for step in range(STEPS):
+        loss = pipe.step(*inputs, target=target)
+        # The reference runs the pipeline's micro-batches in turn (the EMA teacher updates once per micro-batch).
+        rows = 4 // MICRO
+        expected = torch.stack([
+            _loss(_micro_call(reference, inputs, slice(i * rows, (i + 1) * rows)), target[i * rows:(i + 1) * rows])
+            for i in range(MICRO)
+        ]).mean()
+        expected.backward()
+        if pipe.is_last:
+            torch.testing.assert_close(loss, expected.detach(), msg=where(f"{name} step {step} loss"))
+        for o in filter(None, (opt, ref_opt)):
+            o.step()
+            o.zero_grad()
+    reference_state = reference.state_dict()
+    for pname, p in pipe.named_parameters():
+        torch.testing.assert_close(p, reference_state[pname], msg=where(f"{name} {pname} after {STEPS} steps"))
+    full = pipe.full_state_dict()
+    assert set(full) == set(reference_state), f"{name}: full_state_dict lacks {set(reference_state) - set(full)}"
+    fresh = factory().to(dtype)  # (not a deepcopy: MultiMLPWithDw keeps an activation on the module)
+    fresh.load_state_dict(full)
+    for key, value in reference_state.items():
+        torch.testing.assert_close(fresh.state_dict()[key], value, msg=where(f"{name} {key}"))
 
 
-def _worker(rank: int, world: int, init: str, out: str) -> None:
-    sys.path.insert(0, str(ROOT))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world, timeout=timedelta(seconds=60))
-    try:
-        _run(rank)
-        Path(out, f"rank{rank}.ok").write_text("ok")
-    finally:
-        dist.destroy_process_group()
-
-
-def test_zoo_trains_through_distribute_like_the_unsplit_model(tmp_path):
-    mp.spawn(_worker, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
-    assert sorted(p.name for p in tmp_path.glob("*.ok")) == ["rank0.ok", "rank1.ok"]
+def test_zoo_trains_through_distribute_like_the_unsplit_model(gloo):
+    gloo(2).run(_zoo_case, [(name,) for name, *_ in _cases()])
 
 
 if __name__ == "__main__":

@@ -5,13 +5,10 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import autosplit
 from autosplit.api.hybrid import plan_hybrid
@@ -24,44 +21,37 @@ def _cpu_cluster() -> Cluster:
     return Cluster("2 × 2 CPU processes", cpu, 2, 2, (cpu.link_bandwidth, cpu.link_latency), 1e9, 1e-4)
 
 
-def _mesh_worker(rank: int, init: str, out: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=4, timeout=timedelta(seconds=60))
-    try:
-        torch.manual_seed(0)
-        model, args, kwargs, target, loss_fn = gpt_case()  # a global batch of 8
-        model = model.double()
-        reference = copy.deepcopy(model)
-        box: list[Any] = [None]
-        if rank == 0:  # the hybrid planner's choice: 2 workers × 2 stages, each worker 4 of the 8 rows
-            box = [plan_hybrid(model, _cpu_cluster(), example_inputs=tuple(a[:4] for a in args),
-                               example_kwargs={k: v[:4] for k, v in kwargs.items()}, global_batch=8, replica_sizes=[2],
-                               noise_scale=1e3, time_limit=2).choice]
-        dist.broadcast_object_list(box, src=0)
-        choice = box[0]
-        assert (choice.k, choice.replicas, choice.worker_batch) == (2, 2, 4)
-        mine = slice((rank % 2) * 4, (rank % 2 + 1) * 4)
-        my_args, my_kwargs = tuple(a[mine] for a in args), {k: v[mine] for k, v in kwargs.items()}
-        pipe = autosplit.distribute(model, None, example_inputs=my_args, example_kwargs=my_kwargs, loss_fn=loss_fn,
-                                    data_parallel=choice.replicas, plan=choice.plan)
-        opt, ref_opt = torch.optim.Adam(pipe.parameters(), lr=1e-2), torch.optim.Adam(reference.parameters(), lr=1e-2)
-        ref_params = dict(reference.named_parameters())
-        for step in range(3):
-            pipe.step(*my_args, target=target[mine], **my_kwargs)
-            reference_step(reference, tuple(as_float64(a) for a in args), kwargs, target, loss_fn, chunks=1)
-            for name, p in pipe.named_parameters():
-                torch.testing.assert_close(full_tensor(p.grad), ref_params[name].grad, msg=where(f"step {step} {name}"))
-            opt.step()
-            ref_opt.step()
-            opt.zero_grad()
-            ref_opt.zero_grad()
+def _mesh_case(*, rank: int, world: int) -> None:
+    torch.manual_seed(0)
+    model, args, kwargs, target, loss_fn = gpt_case()  # a global batch of 8
+    model = model.double()
+    reference = copy.deepcopy(model)
+    box: list[Any] = [None]
+    if rank == 0:  # the hybrid planner's choice: 2 workers × 2 stages, each worker 4 of the 8 rows
+        box = [plan_hybrid(model, _cpu_cluster(), example_inputs=tuple(a[:4] for a in args),
+                           example_kwargs={k: v[:4] for k, v in kwargs.items()}, global_batch=8, replica_sizes=[2],
+                           noise_scale=1e3, time_limit=2).choice]
+    dist.broadcast_object_list(box, src=0)
+    choice = box[0]
+    assert (choice.k, choice.replicas, choice.worker_batch) == (2, 2, 4)
+    mine = slice((rank % 2) * 4, (rank % 2 + 1) * 4)
+    my_args, my_kwargs = tuple(a[mine] for a in args), {k: v[mine] for k, v in kwargs.items()}
+    pipe = autosplit.distribute(model, None, example_inputs=my_args, example_kwargs=my_kwargs, loss_fn=loss_fn,
+                                data_parallel=choice.replicas, plan=choice.plan)
+    opt, ref_opt = torch.optim.Adam(pipe.parameters(), lr=1e-2), torch.optim.Adam(reference.parameters(), lr=1e-2)
+    ref_params = dict(reference.named_parameters())
+    for step in range(3):
+        pipe.step(*my_args, target=target[mine], **my_kwargs)
+        reference_step(reference, tuple(as_float64(a) for a in args), kwargs, target, loss_fn, chunks=1)
         for name, p in pipe.named_parameters():
-            torch.testing.assert_close(full_tensor(p), ref_params[name])
-        Path(out, f"rank{rank}.ok").write_text("ok")
-    finally:
-        dist.destroy_process_group()
+            torch.testing.assert_close(full_tensor(p.grad), ref_params[name].grad, msg=where(f"step {step} {name}"))
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+    for name, p in pipe.named_parameters():
+        torch.testing.assert_close(full_tensor(p), ref_params[name])
 
 
-def test_the_chosen_hybrid_trains_like_the_unsplit_model_on_a_2x2_mesh(tmp_path):
-    mp.spawn(_mesh_worker, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=4, join=True)
-    assert sorted(p.name for p in tmp_path.glob("*.ok")) == [f"rank{r}.ok" for r in range(4)]
+def test_the_chosen_hybrid_trains_like_the_unsplit_model_on_a_2x2_mesh(gloo):
+    gloo(4).run(_mesh_case, [()])

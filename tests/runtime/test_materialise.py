@@ -5,15 +5,12 @@ between plans and the unsplit model."""
 from __future__ import annotations
 
 import json
-from datetime import timedelta
 from pathlib import Path
 from typing import Any, cast
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -21,6 +18,7 @@ from autosplit.errors import ConstraintError, DistributedError
 from autosplit.examples import GPT
 from autosplit.runtime.checkpoint import load_checkpoint, save_checkpoint
 from autosplit.runtime.materialise import StageNames, materialise
+from tests.helpers import NO_SEARCH
 
 STEPS = 3
 MICRO = 4
@@ -90,114 +88,88 @@ def _write_checkpoints(folder: Path) -> None:
             cast(Any, model).save_pretrained(folder / "llama-hf", max_shard_size="60KB")  # sharded, with an index
 
 
-def _init(rank: int, world: int, init: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world, timeout=timedelta(seconds=60))
-
-
-def _train(rank: int, world: int, init: str, folder: str, cases: list[tuple[str, str, str, int]]) -> None:
+def _train_case(folder: str, name: str, weights: str, schedule: str, dp: int, *, rank: int, world: int) -> None:
     import autosplit
 
-    _init(rank, world, init)
-    try:
-        for name, weights, schedule, dp in cases:
-            with torch.device("meta"):
-                model = _build(name)
-            batches = _batches(name)
-            pipe = autosplit.distribute(model, ["cpu"] * (world // dp), example_inputs=(batches[0][0],), loss_fn=_loss,
-                                        weights=f"{folder}/{weights}", schedule=schedule, micro_batches=MICRO, data_parallel=dp,
-                                        time_limit=2)
-            assert all(not p.is_meta for p in pipe.parameters()) and all(p.is_meta for p in model.parameters())
-            opt = torch.optim.Adam(pipe.parameters(), lr=1e-2)
-            losses = []
-            for x, y in batches[:STEPS]:
-                loss = pipe.step(x, target=y)
-                opt.step()
-                opt.zero_grad()
-                losses.append(None if loss is None else float(loss))
-            torch.manual_seed(0)
-            expected, state = _reference(name, _build(name), STEPS)
-            if pipe.is_last:
-                assert losses == pytest.approx(expected, rel=1e-9, abs=1e-12), (name, weights, losses, expected)
-            full = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in pipe.state_dict().items()}
-            for key, value in full.items():
-                torch.testing.assert_close(value, state[key], msg=f"{name} from {weights}: {key} after {STEPS} steps")
-            dist.barrier()
-        Path(folder, f"train{rank}.ok").write_text("ok")
-    finally:
-        dist.destroy_process_group()
+    with torch.device("meta"):
+        model = _build(name)
+    batches = _batches(name)
+    pipe = autosplit.distribute(model, ["cpu"] * (world // dp), example_inputs=(batches[0][0],), loss_fn=_loss,
+                                weights=f"{folder}/{weights}", schedule=schedule, micro_batches=MICRO, data_parallel=dp,
+                                **NO_SEARCH)
+    assert all(not p.is_meta for p in pipe.parameters()) and all(p.is_meta for p in model.parameters())
+    opt = torch.optim.Adam(pipe.parameters(), lr=1e-2)
+    losses = []
+    for x, y in batches[:STEPS]:
+        loss = pipe.step(x, target=y)
+        opt.step()
+        opt.zero_grad()
+        losses.append(None if loss is None else float(loss))
+    torch.manual_seed(0)
+    expected, state = _reference(name, _build(name), STEPS)
+    if pipe.is_last:
+        assert losses == pytest.approx(expected, rel=1e-9, abs=1e-12), (name, weights, losses, expected)
+    full = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in pipe.state_dict().items()}
+    for key, value in full.items():
+        torch.testing.assert_close(value, state[key], msg=f"{name} from {weights}: {key} after {STEPS} steps")
 
 
-def _spawn(fn, world: int, *args) -> None:
-    mp.spawn(fn, args=(world, *args), nprocs=world, join=True)
-
-
-def test_meta_models_load_their_stage_by_name_and_train_like_the_unsplit_model(tmp_path):
+def test_meta_models_load_their_stage_by_name_and_train_like_the_unsplit_model(gloo, tmp_path):
     pytest.importorskip("transformers")
     _write_checkpoints(tmp_path)
     cases = [("gpt", "gpt.pt", "gpipe", 1), ("gpt", "gpt.dcp", "1f1b", 1), ("llama", "llama-hf", "gpipe", 1), ("cnn", "cnn.dcp", "1f1b", 1)]
-    _spawn(_train, 2, str(tmp_path / "init"), str(tmp_path), cases)
-    assert sorted(p.name for p in tmp_path.glob("train*.ok")) == ["train0.ok", "train1.ok"]
+    gloo(2).run(_train_case, [(str(tmp_path), *case) for case in cases])
 
 
-def test_meta_models_train_like_the_unsplit_model_with_data_parallel_replicas(tmp_path):
+def test_meta_models_train_like_the_unsplit_model_with_data_parallel_replicas(gloo, tmp_path):
     _write_checkpoints(tmp_path)
-    _spawn(_train, 4, str(tmp_path / "init"), str(tmp_path), [("gpt", "gpt.pt", "1f1b", 2)])
-    assert len(list(tmp_path.glob("train*.ok"))) == 4
+    gloo(4).run(_train_case, [(str(tmp_path), "gpt", "gpt.pt", "1f1b", 2)])
 
 
 # -- checkpoints move between plans ---------------------------------------------------------------
 
 
-def _save_under_two_stages(rank: int, world: int, init: str, folder: str) -> None:
+def _save_under_two_stages(folder: str, *, rank: int, world: int) -> None:
     import autosplit
 
-    _init(rank, world, init)
-    try:
-        with torch.device("meta"):
-            model = _build("gpt")
-        batches = _batches("gpt")
-        pipe = autosplit.distribute(model, ["cpu"] * 2, example_inputs=(batches[0][0],), loss_fn=_loss, weights=f"{folder}/gpt.pt",
-                                    micro_batches=4, time_limit=2)
-        opt = torch.optim.Adam(pipe.parameters(), lr=1e-2)
-        for x, y in batches[:2]:
-            pipe.step(x, target=y)
-            opt.step()
-            opt.zero_grad()
-        pipe.save(f"{folder}/ckpt", optimizer=opt)
-        if rank == 0:
-            Path(folder, "plan-a.json").write_text(json.dumps(pipe.plan.stage_of))
-    finally:
-        dist.destroy_process_group()
-
-
-def _resume(rank: int, world: int, init: str, folder: str, stages: int, schedule: str) -> None:
-    import autosplit
-
-    _init(rank, world, init)
-    try:
-        with torch.device("meta"):
-            model = _build("gpt")
-        batches = _batches("gpt")
-        pipe = autosplit.distribute(model, ["cpu"] * stages, example_inputs=(batches[0][0],), loss_fn=_loss, weights=f"{folder}/ckpt",
-                                    micro_batches=4, schedule=schedule, data_parallel=world // stages, time_limit=2)
-        opt = torch.optim.Adam(pipe.parameters(), lr=1e-2)
-        pipe.load(f"{folder}/ckpt", optimizer=opt)
-        x, y = batches[2]
-        loss = pipe.step(x, target=y)
+    with torch.device("meta"):
+        model = _build("gpt")
+    batches = _batches("gpt")
+    pipe = autosplit.distribute(model, ["cpu"] * 2, example_inputs=(batches[0][0],), loss_fn=_loss, weights=f"{folder}/gpt.pt",
+                                micro_batches=4, **NO_SEARCH)
+    opt = torch.optim.Adam(pipe.parameters(), lr=1e-2)
+    for x, y in batches[:2]:
+        pipe.step(x, target=y)
         opt.step()
-        if pipe.is_last and pipe.layout.replica == 0:
-            Path(folder, f"resumed-{world}x{stages}.json").write_text(json.dumps(
-                {"loss": float(cast(torch.Tensor, loss)), "stage_of": pipe.plan.stage_of}))
-    finally:
-        dist.destroy_process_group()
+        opt.zero_grad()
+    pipe.save(f"{folder}/ckpt", optimizer=opt)
+    if rank == 0:
+        Path(folder, "plan-a.json").write_text(json.dumps(pipe.plan.stage_of))
 
 
-def test_a_checkpoint_saved_under_one_plan_resumes_under_others_and_in_the_unsplit_model(tmp_path):
+def _resume(folder: str, stages: int, schedule: str, *, rank: int, world: int) -> None:
+    import autosplit
+
+    with torch.device("meta"):
+        model = _build("gpt")
+    batches = _batches("gpt")
+    pipe = autosplit.distribute(model, ["cpu"] * stages, example_inputs=(batches[0][0],), loss_fn=_loss, weights=f"{folder}/ckpt",
+                                micro_batches=4, schedule=schedule, data_parallel=world // stages, **NO_SEARCH)
+    opt = torch.optim.Adam(pipe.parameters(), lr=1e-2)
+    pipe.load(f"{folder}/ckpt", optimizer=opt)
+    x, y = batches[2]
+    loss = pipe.step(x, target=y)
+    opt.step()
+    if pipe.is_last and pipe.layout.replica == 0:
+        Path(folder, f"resumed-{world}x{stages}.json").write_text(json.dumps(
+            {"loss": float(cast(torch.Tensor, loss)), "stage_of": pipe.plan.stage_of}))
+
+
+def test_a_checkpoint_saved_under_one_plan_resumes_under_others_and_in_the_unsplit_model(gloo, tmp_path):
     _write_checkpoints(tmp_path)
-    _spawn(_save_under_two_stages, 2, str(tmp_path / "init-a"), str(tmp_path))
-    _spawn(_resume, 3, str(tmp_path / "init-b"), str(tmp_path), 3, "1f1b")
-    _spawn(_resume, 4, str(tmp_path / "init-c"), str(tmp_path), 2, "gpipe")
+    gloo(2).run(_save_under_two_stages, [(str(tmp_path),)])
+    gloo(3).run(_resume, [(str(tmp_path), 3, "1f1b")])
+    gloo(4).run(_resume, [(str(tmp_path), 2, "gpipe")])
     torch.manual_seed(0)
     expected, _ = _reference("gpt", _build("gpt"), 3)
     for run in ("3x3", "4x2"):
@@ -261,7 +233,7 @@ def _stage_of(model: nn.Module, stages: int, stage: int):
     from autosplit.runtime.batches import ChainsByRows, meta_copy
 
     tokens = torch.randint(0, 64, (4, 16))
-    planner = autosplit.Planner(model, ["cpu"] * stages, example_inputs=(tokens,), micro_batches=2, time_limit=1)
+    planner = autosplit.Planner(model, ["cpu"] * stages, example_inputs=(tokens,), micro_batches=2, **NO_SEARCH)
     plan = planner.plan()
     meta = meta_copy(model)
     chain, _ = ChainsByRows(meta, planner.traced.captured, ((tokens,), {}), plan, stages, method=planner.traced.captured.method,
@@ -303,7 +275,7 @@ def test_a_tensor_nothing_initialises_or_the_checkpoint_lacks_is_refused_by_name
 
     with torch.device("meta"):
         model = Unfilled()
-    planner = autosplit.Planner(model, ["cpu"], example_inputs=(torch.randn(4, 16),), time_limit=1)
+    planner = autosplit.Planner(model, ["cpu"], example_inputs=(torch.randn(4, 16),), **NO_SEARCH)
     from autosplit.runtime.batches import ChainsByRows, meta_copy
 
     plan = planner.plan()
@@ -323,31 +295,25 @@ def test_a_tensor_nothing_initialises_or_the_checkpoint_lacks_is_refused_by_name
         materialise(stage, names, torch.device("cpu"), model=real, weights={"scale": torch.ones(16)})
 
 
-def _real_model_kept_only_for_the_stage(rank: int, world: int, init: str, folder: str) -> None:
+def _real_model_kept_only_for_the_stage(*, rank: int, world: int) -> None:
     import gc
     import weakref
 
     import autosplit
 
-    _init(rank, world, init)
-    try:
-        torch.manual_seed(0)
-        model = _build("gpt")
-        batches = _batches("gpt")
-        pipe = autosplit.distribute(model, ["cpu"] * 2, example_inputs=(batches[0][0],), loss_fn=_loss, micro_batches=4, time_limit=2)
-        mine = {id(p) for p in pipe.parameters()}
-        others = [weakref.ref(p) for p in model.parameters() if id(p) not in mine]
-        assert others, "each stage holds part of the model"
-        del model
-        gc.collect()
-        assert all(r() is None for r in others), "autosplit kept parameters of other stages alive"
-        x, y = batches[0]
-        pipe.step(x, target=y)
-        Path(folder, f"freed{rank}.ok").write_text("ok")
-    finally:
-        dist.destroy_process_group()
+    torch.manual_seed(0)
+    model = _build("gpt")
+    batches = _batches("gpt")
+    pipe = autosplit.distribute(model, ["cpu"] * 2, example_inputs=(batches[0][0],), loss_fn=_loss, micro_batches=4, **NO_SEARCH)
+    mine = {id(p) for p in pipe.parameters()}
+    others = [weakref.ref(p) for p in model.parameters() if id(p) not in mine]
+    assert others, "each stage holds part of the model"
+    del model
+    gc.collect()
+    assert all(r() is None for r in others), "autosplit kept parameters of other stages alive"
+    x, y = batches[0]
+    pipe.step(x, target=y)
 
 
-def test_a_real_models_other_stages_are_freed_once_the_caller_drops_it(tmp_path):
-    _spawn(_real_model_kept_only_for_the_stage, 2, str(tmp_path / "init"), str(tmp_path))
-    assert len(list(tmp_path.glob("freed*.ok"))) == 2
+def test_a_real_models_other_stages_are_freed_once_the_caller_drops_it(gloo):
+    gloo(2).run(_real_model_kept_only_for_the_stage, [()])

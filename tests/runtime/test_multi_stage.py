@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from autosplit.errors import DistributedError
 from autosplit.runtime.stage import EarlyReceivingStage, message_tag
-from tests.helpers import as_float64, full_tensor, gpt_case, padding_mask, reference_step, spawn_cases, where
+from tests.helpers import NO_SEARCH, as_float64, full_tensor, gpt_case, padding_mask, reference_step, where
 
 STEPS = 3
 MULTI = ["interleaved1f1b", "loopedbfs", "interleavedzerobubble", "zbvzerobubble", "dualpipev"]
@@ -48,7 +48,7 @@ def _run_case(name: str, schedule: str, dp: int, micro: int, v: int, rank: int, 
     my_args, my_kwargs = tuple(a[mine] for a in args), {k: v[mine] for k, v in kwargs.items()}
     pipe = autosplit.distribute(
         model, ["cpu"] * (world // dp), example_inputs=my_args, example_kwargs=my_kwargs, loss_fn=loss_fn,
-        data_parallel=dp, schedule=schedule, stages_per_rank=v, micro_batches=micro, time_limit=2,
+        data_parallel=dp, schedule=schedule, stages_per_rank=v, micro_batches=micro, **NO_SEARCH,
     )
     assert pipe.plan.stages_per_rank == v and len(pipe.layout.held) == v
     # On gloo every stage posts its step's receives at the start, matched by tag (several streams per neighbour).
@@ -74,22 +74,18 @@ def _run_case(name: str, schedule: str, dp: int, micro: int, v: int, rank: int, 
         torch.testing.assert_close(full_tensor(p), ref_params[pname], msg=where(f"{name} {schedule} {pname} after {STEPS} steps"))
 
 
-def _spawn(tmp_path, world: int, cases) -> None:
-    spawn_cases(tmp_path, world, _run_case, cases)
-
-
 @pytest.mark.parametrize("schedule", MULTI)
-def test_two_stages_per_rank_train_like_the_unsplit_model(tmp_path, schedule):
+def test_two_stages_per_rank_train_like_the_unsplit_model(gloo, schedule):
     pytest.importorskip("transformers")
-    _spawn(tmp_path, 2, [(name, schedule, 1, 4, 2) for name in MODELS])
+    gloo(2).run(_run_case, [(name, schedule, 1, 4, 2) for name in MODELS])
 
 
-def test_one_stage_per_rank_on_the_multi_stage_classes_trains_like_the_unsplit_model(tmp_path):
-    _spawn(tmp_path, 2, [("gpt", schedule, 1, 4, 1) for schedule in ("interleaved1f1b", "interleavedzerobubble")])
+def test_one_stage_per_rank_on_the_multi_stage_classes_trains_like_the_unsplit_model(gloo):
+    gloo(2).run(_run_case, [("gpt", schedule, 1, 4, 1) for schedule in ("interleaved1f1b", "interleavedzerobubble")])
 
 
-def test_interleaved_with_data_parallelism_trains_like_the_unsplit_model(tmp_path):
-    _spawn(tmp_path, 4, [("gpt", "interleaved1f1b", 2, 2, 2)])
+def test_interleaved_with_data_parallelism_trains_like_the_unsplit_model(gloo):
+    gloo(4).run(_run_case, [("gpt", "interleaved1f1b", 2, 2, 2)])
 
 
 def _trace_case(schedule: str, v: int, micro: int, rank: int, world: int) -> None:
@@ -102,7 +98,7 @@ def _trace_case(schedule: str, v: int, micro: int, rank: int, world: int) -> Non
     torch.manual_seed(0)
     model, args, kwargs, target, loss_fn = gpt_case()
     pipe = autosplit.distribute(model, ["cpu"] * world, example_inputs=args, example_kwargs=kwargs, loss_fn=loss_fn,
-                                schedule=schedule, stages_per_rank=v, micro_batches=micro, time_limit=2)
+                                schedule=schedule, stages_per_rank=v, micro_batches=micro, **NO_SEARCH)
     pipe.step(*args, target=target, **kwargs)
     dist.barrier()
     start = time.perf_counter()
@@ -134,10 +130,10 @@ def _trace_case(schedule: str, v: int, micro: int, rank: int, world: int) -> Non
     assert 0 < replayed <= measured + 1e-6, where(f"{schedule}: replayed {replayed} > measured {measured}")
 
 
-def test_tracing_records_each_action_as_the_schedule_orders_it(tmp_path):
+def test_tracing_records_each_action_as_the_schedule_orders_it(gloo):
     """``DistributedModel.tracing()``: every rank's spans follow its schedule's action list, the loss once per
     micro-batch on the last stage's rank, and the replay of their durations is a lower bound on the step."""
-    spawn_cases(tmp_path, 2, _trace_case, [("1f1b", 1, 4), ("zbvzerobubble", 2, 4)])
+    gloo(2).run(_trace_case, [("1f1b", 1, 4), ("zbvzerobubble", 2, 4)])
 
 
 def test_message_tags_are_unique_and_fit_in_31_bits():

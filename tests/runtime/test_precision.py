@@ -28,7 +28,7 @@ import autosplit
 from autosplit.errors import ConstraintError
 from autosplit.microbatch import split_batch
 from autosplit.runtime.batches import capture_chain, meta_copy
-from tests.helpers import gpt_case, spawn_cases, where
+from tests.helpers import NO_SEARCH, gpt_case, where
 
 LOW = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16, "bf16": torch.bfloat16}
 TOL: dict[str, dict[str, Any]] = {
@@ -95,7 +95,7 @@ def test_a_split_model_trains_like_the_unsplit_one_in_the_plans_precision(precis
     torch.manual_seed(0)
     model, args, kwargs, target, loss_fn = _mlp_case() if precision == "bf16" else gpt_case()
     reference = _reference(model, precision)
-    split = autosplit.autosplit(model, ["cpu"] * 2, example_inputs=args, example_kwargs=kwargs, precision=precision, time_limit=2)
+    split = autosplit.autosplit(model, ["cpu"] * 2, example_inputs=args, example_kwargs=kwargs, precision=precision, **NO_SEARCH)
     assert split.plan.precision == precision
     held = torch.bfloat16 if precision == "bf16" else torch.float32
     assert {p.dtype for p in split.parameters()} == {held}
@@ -130,7 +130,7 @@ def test_crossing_dtypes_are_what_autocast_gives_for_real_and_meta_models(model_
     dtypes the first stage really returns under autocast; every MLP crossing is bf16."""
     torch.manual_seed(0)
     model, args, kwargs, _, _ = CASES[model_case]()
-    plan = autosplit.plan(model, ["cpu"] * 2, example_inputs=args, example_kwargs=kwargs, precision="bf16-mixed", time_limit=2,
+    plan = autosplit.plan(model, ["cpu"] * 2, example_inputs=args, example_kwargs=kwargs, precision="bf16-mixed", **NO_SEARCH,
                           micro_batches=MICRO)
     micro_args = tuple(a[: a.shape[0] // MICRO] for a in args)
     micro_kwargs = {k: v[: v.shape[0] // MICRO] for k, v in kwargs.items()}
@@ -147,7 +147,7 @@ def test_crossing_dtypes_are_what_autocast_gives_for_real_and_meta_models(model_
     assert [t.dtype for t in sent] == dtypes(real.outputs_meta)[0]
     if model_case == "mlp":
         assert set(dtypes(real.outputs_meta)[0]) == {torch.bfloat16}
-    fp32 = autosplit.plan(model, ["cpu"] * 2, example_inputs=args, example_kwargs=kwargs, time_limit=2, micro_batches=MICRO)
+    fp32 = autosplit.plan(model, ["cpu"] * 2, example_inputs=args, example_kwargs=kwargs, **NO_SEARCH, micro_batches=MICRO)
     plain, _ = capture_chain(model, fp32, 2, micro_args, micro_kwargs, method=method, replicate=set())
     assert {t.dtype for stage in plain.outputs_meta for t in stage} == {torch.float32}
 
@@ -170,7 +170,7 @@ def _run_case(model_case: str, precision: str, schedule: str, build: str, rank: 
     else:
         given = dict(model=model, example_inputs=args)
     pipe = autosplit.distribute(**given, devices=["cpu"] * world, example_kwargs=kwargs, loss_fn=loss_fn,
-                                schedule=schedule, micro_batches=MICRO, time_limit=2, precision=precision)
+                                schedule=schedule, micro_batches=MICRO, **NO_SEARCH, precision=precision)
     assert pipe.plan.precision == precision
     held = torch.bfloat16 if precision == "bf16" else torch.float32
     assert {p.dtype for p in pipe.parameters()} == {held}, f"rank {rank}"
@@ -242,9 +242,9 @@ def _overflowing_step_is_skipped_everywhere(pipe, opt, args, kwargs, target, ran
         shutil.rmtree(folder[0])
 
 
-def test_pipelined_training_in_mixed_and_bf16_precision_equals_unsplit_training(tmp_path):
+def test_pipelined_training_in_mixed_and_bf16_precision_equals_unsplit_training(gloo):
     """bf16-mixed and fp16-mixed GPT (GPipe and 1F1B), a bf16-mixed MLP built on the meta device, a bf16 MLP, on 2 processes."""
-    spawn_cases(tmp_path, 2, _run_case, [
+    gloo(2).run(_run_case, [
         ("gpt", "bf16-mixed", "gpipe", "real"), ("gpt", "fp16-mixed", "1f1b", "real"), ("mlp", "bf16-mixed", "1f1b", "meta"),
         ("mlp", "bf16", "gpipe", "real"),
     ])

@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from tests.helpers import full_tensor, reference_step, spawn_cases, where
+from tests.helpers import NO_SEARCH, full_tensor, reference_step, where
 
 VOCAB, BATCH, SEQ, STEPS = 300, 8, 6, 3
 
@@ -49,7 +49,7 @@ def _run_case(replicate: Literal["replicate", "fully_shard"], rank: int, world: 
     mine = slice(rank % dp * BATCH // dp, (rank % dp + 1) * BATCH // dp)
     pipe = autosplit.distribute(
         model, ["cpu"] * (world // dp), example_inputs=(tokens[mine], candidates), loss_fn=_loss, data_parallel=dp,
-        replicate=replicate, schedule="1f1b", micro_batches=2, time_limit=2, optimizer="adagrad",
+        replicate=replicate, schedule="1f1b", micro_batches=2, **NO_SEARCH, optimizer="adagrad",
     )
     assert len(set(pipe.plan.assignment.values())) == world // dp
     opt = torch.optim.Adagrad(pipe.parameters(), lr=0.1)
@@ -74,5 +74,5 @@ def _run_case(replicate: Literal["replicate", "fully_shard"], rank: int, world: 
 
 
 @pytest.mark.filterwarnings("ignore:Sparse invariant checks")
-def test_sparse_tables_train_like_the_unsplit_model_across_replicas(tmp_path):
-    spawn_cases(tmp_path, 4, _run_case, [("replicate",), ("fully_shard",)])
+def test_sparse_tables_train_like_the_unsplit_model_across_replicas(gloo):
+    gloo(4).run(_run_case, [("replicate",), ("fully_shard",)])

@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from tests.helpers import as_float64, full_tensor, gpt_case, spawn_cases, where
+from tests.helpers import NO_SEARCH, as_float64, full_tensor, gpt_case, where
 
 SCHEDULES = {  # schedule → stages per rank
     "gpipe": 1, "1f1b": 1, "interleaved1f1b": 2, "loopedbfs": 2, "interleavedzerobubble": 2, "zbvzerobubble": 2,
@@ -55,7 +55,7 @@ def _setup(name: str, rank: int, dp: int):
 def _pipe(model, args, kwargs, loss_fn, mine, *, world: int, dp: int, schedule: str, **options):
     import autosplit
 
-    options = {"stages_per_rank": SCHEDULES.get(schedule), "micro_batches": 4 // dp, "time_limit": 2, **options}
+    options = {"stages_per_rank": SCHEDULES.get(schedule), "micro_batches": 4 // dp, **NO_SEARCH, **options}
     return autosplit.distribute(
         model, ["cpu"] * (world // dp), example_inputs=tuple(a[mine] for a in args),
         example_kwargs={k: v[mine] for k, v in kwargs.items()}, loss_fn=loss_fn, data_parallel=dp,
@@ -205,17 +205,17 @@ def _run_case(kind: str, *case, rank: int, world: int) -> None:
     cases[kind](*case, rank=rank, world=world)
 
 
-def test_two_processes_accumulate_clip_and_evaluate_like_the_unsplit_model(tmp_path):
+def test_two_processes_accumulate_clip_and_evaluate_like_the_unsplit_model(gloo):
     cases = [("accumulate", schedule, 1, "fp32") for schedule in SCHEDULES]
     cases += [("accumulate", "1f1b", 1, "fp16-mixed")]
     cases += [("forward", schedule, 1) for schedule in ("gpipe", "1f1b", "interleaved1f1b", "zbvzerobubble")]
     cases += [("modes",), ("async",), ("fixed",)]
-    spawn_cases(tmp_path, 2, _run_case, cases)
+    gloo(2).run(_run_case, cases)
 
 
-def test_two_stages_by_two_replicas_accumulate_clip_and_evaluate(tmp_path):
+def test_two_stages_by_two_replicas_accumulate_clip_and_evaluate(gloo):
     cases = [("accumulate", "1f1b", 2, "fp32", replicate) for replicate in ("replicate", "fully_shard")]
-    spawn_cases(tmp_path, 4, _run_case, [*cases, ("forward", "gpipe", 2)])
+    gloo(4).run(_run_case, [*cases, ("forward", "gpipe", 2)])
 
 
 @pytest.mark.parametrize("bad", [0.0, -1.0, float("nan")])
@@ -234,7 +234,7 @@ def test_a_split_module_accumulates_clips_and_evaluates_with_torch_own_functions
 
     model, args, kwargs, target, loss_fn, _ = _setup("gpt", 0, 1)
     reference = copy.deepcopy(model)
-    split = autosplit.autosplit(model, ["cpu"] * 2, example_inputs=args, example_kwargs=kwargs, time_limit=2)
+    split = autosplit.autosplit(model, ["cpu"] * 2, example_inputs=args, example_kwargs=kwargs, **NO_SEARCH)
     for a, k, t in _batches(args, kwargs, target, 2):
         loss_fn(split(*a, **k), t).backward()
         loss_fn(reference(*a, **k), t).backward()
