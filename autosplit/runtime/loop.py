@@ -30,19 +30,30 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from autosplit.compat import OpOverload
 from autosplit.errors import DistributedError, advice
 from autosplit.runtime.gradients import clip_by_global_norm, counted_here, global_grad_norm
 
 __all__ = ["TrainingLoop", "mode_fixed_nodes"]
 
-# ATen / functional ops whose training flag a capture fixes as a constant (argument index).
+# Ops whose training flag a capture fixes as a constant: name → index of that flag. The ATen ops
+# (torch.export) and torch.nn.functional's (symbolic tracing) put it at the same place.
 _MODE_ARGUMENT = {"dropout": 2, "native_dropout": 2, "feature_dropout": 2, "alpha_dropout": 2, "feature_alpha_dropout": 2,
-                  "batch_norm": 5, "native_batch_norm": 5, "_native_batch_norm_legit": 5, "instance_norm": 5}
+                  "dropout1d": 2, "dropout2d": 2, "dropout3d": 2,
+                  "batch_norm": 5, "native_batch_norm": 5, "_native_batch_norm_legit": 5}
+
+
+def _running_mean(node: torch.fx.Node) -> Any:
+    """A batch norm node's running mean: ATen's ops take it fourth, ``F.batch_norm`` second."""
+    index = 3 if isinstance(node.target, OpOverload) else 1
+    return node.kwargs.get("running_mean", node.args[index] if len(node.args) > index else None)
 
 
 def mode_fixed_nodes(module: torch.nn.Module, training: bool) -> list[str]:
-    """Nodes of a stage graph whose behaviour a capture fixed to the mode other than ``training``
-    (a dropout with a probability above 0, a batch norm with running statistics), as ``name (op)``."""
+    """Nodes of a stage graph whose behaviour a capture fixed to the mode other than ``training``, as
+    ``name (op, training=flag)``: a dropout with a probability above 0, a batch norm with running
+    statistics (without them it normalises by the batch in either mode; an instance norm's
+    ``use_input_stats`` is no mode either)."""
     graph = getattr(module, "graph", None)
     found = []
     for node in graph.nodes if graph is not None else ():
@@ -61,6 +72,8 @@ def mode_fixed_nodes(module: torch.nn.Module, training: bool) -> list[str]:
             p = node.kwargs.get("p", node.args[1] if len(node.args) > 1 else 0.5)
             if isinstance(p, (int, float)) and p == 0:
                 continue
+        elif _running_mean(node) is None:
+            continue
         found.append(f"{node.name} ({name}, training={flag})")
     return found
 

@@ -258,3 +258,21 @@ def test_clip_refuses_a_norm_that_is_not_finite_when_asked():
         clip_by_global_norm([p], total, max_norm=1.0, error_if_nonfinite=True)
     clip_by_global_norm([p], total, max_norm=1.0, error_if_nonfinite=False)  # torch's behaviour: scaled by 0
     assert p.grad.tolist()[0] == 0.0
+
+
+def test_only_ops_a_capture_fixed_to_a_mode_stop_a_mode_switch():
+    """Dropout with p > 0 and batch norm with running statistics, as torch.export writes them, fix the
+    training mode; batch norm without running statistics and instance norm do not (they normalise by the
+    batch in either mode), nor does a module left as a call (symbolic tracing)."""
+    from autosplit.passes.capture import capture
+    from autosplit.runtime.loop import mode_fixed_nodes
+
+    x = torch.randn(4, 3, 5, 5)
+    fixed = nn.Sequential(nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4), nn.Dropout(0.3))
+    free = nn.Sequential(nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4, track_running_stats=False), nn.InstanceNorm2d(4), nn.Dropout(0.0))
+    exported = capture(fixed, (x,), {}, method="export").gm
+    found = mode_fixed_nodes(exported, training=False)
+    assert len(found) == 2 and any("batch_norm" in f for f in found) and any("dropout" in f for f in found), found
+    assert mode_fixed_nodes(exported, training=True) == []
+    assert mode_fixed_nodes(capture(free, (x,), {}, method="export").gm, training=False) == []
+    assert mode_fixed_nodes(capture(fixed, (x,), {}, method="symbolic_trace").gm, training=False) == []
