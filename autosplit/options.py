@@ -33,7 +33,8 @@ AUTO_MOST_STAGES_PER_RANK = 2
 
 __all__ = ["AUTO", "AUTO_MOST_STAGES_PER_RANK",
            "PlanOptions", "SolverLimits", "ProfileOptions", "SCHEDULES", "OBJECTIVES", "OPTIMIZERS", "CAPTURE_METHODS", "CostsLike",
-           "ScheduleName", "Objective", "Optimizer", "CaptureMethod", "Precision", "PRECISIONS", "Checkpointing", "CHECKPOINTINGS"]
+           "ScheduleName", "Objective", "Optimizer", "CaptureMethod", "Precision", "PRECISIONS", "Checkpointing", "CHECKPOINTINGS",
+           "Replicate", "REPLICATES"]
 
 Optimizer: TypeAlias = Literal["adam", "adamw", "adagrad", "sgd_momentum", "sgd", "none"]
 OPTIMIZERS = tuple(OPTIMIZER_STATE_BYTES)
@@ -43,6 +44,8 @@ CAPTURE_METHODS: tuple[str, ...] = get_args(CaptureMethod)
 Precision: TypeAlias = Literal["fp32", "bf16", "fp16-mixed", "bf16-mixed"]
 PRECISIONS: tuple[str, ...] = get_args(Precision)
 Checkpointing: TypeAlias = Literal["none", "full", "auto"]
+Replicate: TypeAlias = Literal["replicate", "fully_shard"]
+REPLICATES: tuple[str, ...] = get_args(Replicate)
 CHECKPOINTINGS: tuple[str, ...] = get_args(Checkpointing)
 
 
@@ -194,6 +197,11 @@ class PlanOptions:
     data_parallel: int = 1
     """Replicas of the split model (hybrid data × pipeline parallelism): the predicted step adds
     the part of each stage's gradient all-reduce over them that backward does not hide."""
+    replicate: Replicate = "replicate"
+    """How the :attr:`data_parallel` copies of each stage keep in step, under torch's names:
+    ``"replicate"`` (FSDP2's ``replicate``: whole parameters on every copy, gradients all-reduced;
+    the mesh's ``dp_replicate``) or ``"fully_shard"`` (FSDP2's ``fully_shard``: parameters,
+    gradients and optimizer state sharded over the copies; the mesh's ``dp_shard``)."""
     limits: SolverLimits = SolverLimits()
     """How much work the solver may do beyond ``time_limit``: the graph sizes past which it
     coarsens, skips CP-SAT or narrows its bound, e.g. ``SolverLimits(cpsat_vars=40_000)``; each
@@ -244,6 +252,8 @@ class PlanOptions:
             raise _bad("cut_margin", self.cut_margin, "a fraction ≥ 0 and < 1, e.g. 0.03")
         if not _is_int(self.data_parallel) or self.data_parallel < 1:
             raise _bad("data_parallel", self.data_parallel, "an integer ≥ 1")
+        if self.replicate not in REPLICATES:
+            raise _bad("replicate", self.replicate, f"one of {REPLICATES}")
         if not isinstance(self.limits, SolverLimits):
             raise _bad("limits", self.limits, "a SolverLimits(...), e.g. SolverLimits(cpsat_vars=40_000)")
         if self.precision not in PRECISIONS:
@@ -322,6 +332,12 @@ class PlanOptions:
     def searches(self) -> bool:
         """Some of schedule, stages per rank and micro-batches are ``"auto"``: the planner chooses them."""
         return AUTO in (self.schedule, self.stages_per_rank, self.micro_batches)
+
+    @property
+    def dp_shard(self) -> int:
+        """The mesh's ``dp_shard`` degree these options give: :attr:`data_parallel` when
+        :attr:`replicate` is ``"fully_shard"``, else 1."""
+        return self.data_parallel if self.replicate == "fully_shard" else 1
 
     @property
     def checkpoints(self) -> bool:

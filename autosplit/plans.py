@@ -85,7 +85,11 @@ class Plan:
     shared_params: tuple[SharedParam, ...] = ()
     """Parameters read on several stages and how each is shared (chosen by cost)."""
     data_parallel: int = 1
-    """Replicas of the split model the prediction counts (hybrid data × pipeline parallelism)."""
+    """Data-parallel copies of the split model the prediction counts (hybrid data × pipeline
+    parallelism): ``dp_replicate × dp_shard`` of :attr:`mesh`."""
+    dp_shard: int = 1
+    """Of :attr:`data_parallel`, the degree over which each stage's parameters, gradients and optimizer
+    state are sharded (FSDP2's ``fully_shard``); the rest (:attr:`dp_replicate`) hold whole copies."""
     crossings: tuple[tuple[str, ...], ...] = ()
     """[boundary k − 1] the tensors stage k − 1 sends stage k, in order (the distributed runtime's
     positional interface; recorded when the plan is run distributed)."""
@@ -116,6 +120,17 @@ class Plan:
         """How far :attr:`step_time` may be above the best split's, at most: (step − :attr:`SolverInfo.step_bound`) / step."""
         bound = self.solver.step_bound
         return None if bound is None or not self.step_time > 0 else max(0.0, (self.step_time - bound) / self.step_time)
+
+    @property
+    def dp_replicate(self) -> int:
+        """Of :attr:`data_parallel`, the degree that holds whole copies (FSDP2's ``replicate``)."""
+        return self.data_parallel // self.dp_shard
+
+    @property
+    def mesh(self) -> dict[str, int]:
+        """The degrees of the device mesh the plan runs on, pp outermost, tp innermost (as torchtitan
+        builds it): ``{"pp": ranks, "dp_replicate": …, "dp_shard": …, "tp": 1}``; world size = their product."""
+        return {"pp": len(self.devices), "dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "tp": 1}
 
     @property
     def stage_of(self) -> dict[str, int]:
@@ -285,6 +300,8 @@ class Plan:
                 raise _bad(source, "tasks", t, "does not match the assignment (a node's device) or is not a forward or backward")
         if self.data_parallel < 1:
             raise _bad(source, "data_parallel", self.data_parallel, "is not an integer ≥ 1")
+        if self.dp_shard < 1 or self.data_parallel % self.dp_shard:
+            raise _bad(source, "dp_shard", self.dp_shard, f"is not an integer ≥ 1 dividing data_parallel={self.data_parallel}")
         if self.precision not in PRECISIONS:
             raise _bad(source, "precision", self.precision, f"is not one of {PRECISIONS}")
         if len(set(self.recompute)) != len(self.recompute) or not all(isinstance(b, str) and b for b in self.recompute):

@@ -109,7 +109,7 @@ def distribute(
     given = load_plan(plan)
     stages = len(given.devices) if devices is None and given is not None else len(devices or ())
     _check_arguments(replicate, data_parallel, stages, None if given is not None else options.get("schedule", "gpipe"))
-    options = {"schedule": "gpipe", **options, "data_parallel": data_parallel}
+    options = {"schedule": "gpipe", **options, "data_parallel": data_parallel, "replicate": replicate}
     planner = Planner(model, devices, example_inputs=example_inputs, example_kwargs=example_kwargs,
                       loss_fn=None if example_target is None else loss_fn, example_target=example_target, **options)
     made = _agreed_plan(planner, given, data_parallel)
