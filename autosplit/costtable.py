@@ -71,7 +71,10 @@ class CostTable:
     """[node][device] forward seconds for the example batch."""
     bwd_time: tuple[tuple[float, ...], ...]
     state_bytes: tuple[int, ...]
-    """Parameters + gradients + optimizer state + buffers each node owns."""
+    """What each node holds for the whole step, whatever the micro-batches: its parameters,
+    gradients, optimizer state and buffers, and the compute copy of its weights a mixed precision
+    makes once per step (:attr:`weight_copy_bytes`) — per device, as the data-parallel layout holds
+    them (:func:`autosplit.passes.sharding.laid_out`)."""
     saved_bytes: tuple[int, ...]
     output_bytes: tuple[int, ...]
     edges: tuple[tuple[int, int], ...]
@@ -91,6 +94,11 @@ class CostTable:
     """[node][device] seconds of the optimizer step over the parameters the node owns (once per step)."""
     param_bytes: tuple[int, ...] = ()
     """[node] bytes of the parameters it owns (what its gradient all-reduce and optimizer step touch)."""
+    weight_copy_bytes: tuple[int, ...] = ()
+    """[node] of :attr:`state_bytes`, the low-precision copy of its weights autocast makes, once per step
+    (empty: none)."""
+    buffer_bytes: tuple[int, ...] = ()
+    """[node] of :attr:`state_bytes`, its buffers (never sharded; empty: none)."""
     row_grad_bytes: tuple[int, ...] = ()
     """[node] for an embedding table it owns, bytes of the rows the batch looks up (with their
     indices): its gradient's non-zero part (:attr:`~autosplit.passes.annotations.NodeInfo.row_grad_bytes`); else 0. Empty: none."""

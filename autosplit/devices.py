@@ -54,6 +54,9 @@ class DeviceSpec:
     island: str | None = None
     """Devices with the same island (e.g. one NVLink domain, ``"node0"``) talk over ``link_*``;
     devices on different islands over ``network_*``."""
+    island_size: int | None = None
+    """Devices per island (a node's GPUs), where known: a data-parallel group of the mesh (consecutive
+    ranks) larger than this leaves the island (:func:`autosplit.passes.sharding.group_time`)."""
     network_bandwidth: float = 25e9
     """Bandwidth between islands, bytes/s (25e9 = one 200 Gb/s InfiniBand port)."""
     network_latency: float = 5e-6

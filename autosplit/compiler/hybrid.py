@@ -87,9 +87,17 @@ class Cluster:
         share = self.inter_bandwidth / self.per_node
         return [
             dataclasses.replace(self.device, link_bandwidth=self.intra[0], link_latency=self.intra[1],
-                                island=f"node{d // self.per_node}", network_bandwidth=share, network_latency=self.inter_latency)
+                                island=f"node{d // self.per_node}", island_size=self.per_node, network_bandwidth=share,
+                                network_latency=self.inter_latency)
             for d in range(k)
         ]
+
+    def mesh_devices(self, pp: int, dp: int) -> list[DeviceSpec]:
+        """The device of each of ``pp`` pipeline ranks when ``pp × dp`` ranks fill the cluster as
+        torchtitan's mesh does (pp outermost): stage s on rank ``s·dp``, its ``dp`` copies the
+        ranks after it — one island while ``dp`` fits a node, and consecutive stages on other nodes."""
+        one = self.replica_devices(1)[0]
+        return [dataclasses.replace(one, island=f"node{s * dp // self.per_node}") for s in range(pp)]
 
     def allreduce(self, nbytes: float, k: int, replicas: int, *, gather: bool = False) -> float:
         """Seconds to all-reduce one stage's gradients (``nbytes``) over its ``replicas`` copies,

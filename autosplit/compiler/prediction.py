@@ -10,11 +10,13 @@ from collections.abc import Sequence
 
 from autosplit import schedules
 from autosplit.costtable import CostTable
+from autosplit.devices import DeviceSpec
 from autosplit.options import PlanOptions
+from autosplit.passes.sharding import data_parallel_time
 from autosplit.plans import SharedParam, StageReport, StepTerms
 from autosplit.solver.build import tied_costs
 from autosplit.solver.evaluation import evaluate
-from autosplit.solver.hybrid import exposed_allreduce, ring_allreduce
+from autosplit.solver.hybrid import ring_allreduce
 from autosplit.solver.problem import KIB, NS, Problem
 from autosplit.solver.replay import Replay, StageWork, peaks, replay
 
@@ -86,16 +88,33 @@ def predict_step(
         total, pipeline = step(sharing), step(dataclasses.replace(sharing, compute=without))
         overhead = M * max(overheads) if asynchronous else sum(overheads) + (M - 1) * max(overheads)
         optimizer = total - pipeline
-    data_parallel = 0.0
-    R = options.data_parallel
-    if R > 1:
-        bwd = [0.0] * S
-        for n, s in enumerate(stage_of):
-            bwd[s] += table.bwd_time[n][order[s]]
-        data_parallel = max(exposed_allreduce(ring_allreduce(param_bytes[s], R, *d.allreduce_link(d)), bwd[s], M)
-                            for s, d in enumerate(devices))
+    data_parallel = _data_parallel(table, stage_of, order, param_bytes, devices, options, M)
     terms = StepTerms(pipeline, overhead, optimizer, tied_sync, data_parallel)
     return terms, tuple(shared)
+
+
+def _data_parallel(
+    table: CostTable, stage_of: Sequence[int], order: Sequence[int], param_bytes: Sequence[float],
+    devices: Sequence[DeviceSpec], options: PlanOptions, M: int,
+) -> float:
+    """Seconds the data-parallel collectives add to the step (:func:`~autosplit.passes.sharding.data_parallel_time`):
+    a stage's all-gather hides while it waits for its first input, its gradients' reduction while
+    the stages before it finish their last backward (whole copies: while its own last backward runs,
+    DDP's bucketed overlap)."""
+    if options.data_parallel <= 1:
+        return 0.0
+    S = len(devices)
+    fwd, bwd = [0.0] * S, [0.0] * S
+    for n, s in enumerate(stage_of):
+        fwd[s] += table.fwd_time[n][order[s]] / M
+        bwd[s] += table.bwd_time[n][order[s]] / M
+    entry = schedules.lookup(options.schedule)
+    in_line = entry.flushes and entry.placement == "linear" and S == len(set(order))
+    waits = list(itertools.accumulate([0.0, *fwd[:-1]])) if in_line else [0.0] * S
+    shards = options.dp_shard
+    drains = bwd if shards == 1 else list(itertools.accumulate([0.0, *bwd[:-1]])) if in_line else [0.0] * S
+    return data_parallel_time(param_bytes, devices, replicas=options.data_parallel // shards, shards=shards,
+                              precision=options.precision, waits=waits, drains=drains)
 
 
 def sharing_problem(problem: Problem, table: CostTable, order: Sequence[int], shared: Sequence[SharedParam]) -> Problem:

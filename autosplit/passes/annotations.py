@@ -58,8 +58,8 @@ class NodeInfo:
     all that needs a gradient (an embedding)."""
     weight_copy_bytes: int = 0
     """Of :attr:`saved_bytes`, the low-precision copies of parameters autocast makes for this node and
-    it saves: autocast casts a weight again in every forward it runs, so each micro-batch in flight
-    holds its own copy (the bytes here are one copy's; the cost table scales them by the micro-batches)."""
+    it saves: one copy, which the runtime makes once per step and every micro-batch shares (the cost
+    table holds it with the model state)."""
     row_grad_bytes: int = 0
     """For the node that owns an embedding table read only by lookups (``nn.Embedding``,
     ``F.embedding``, ``aten.embedding``; not a table tied to an output layer): bytes of the rows the

@@ -281,6 +281,8 @@ def estimate(
         transient_bytes=tuple(int(t) for t in transient),
         optimizer_time=optimizer_times(infos, kinds, kind_of, profiles, optimizer, per_device),
         param_bytes=tuple(info.param_bytes for info in infos),
+        weight_copy_bytes=tuple(info.weight_copy_bytes for info in infos) if any(i.weight_copy_bytes for i in infos) else (),
+        buffer_bytes=tuple(info.buffer_bytes for info in infos) if any(i.buffer_bytes for i in infos) else (),
         row_grad_bytes=tuple(info.row_grad_bytes for info in infos) if any(info.row_grad_bytes for info in infos) else (),
         param_reads=_param_reads(gm, nodes),
         wgrad_share=tuple(wgrad_share),

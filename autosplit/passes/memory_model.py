@@ -77,15 +77,16 @@ def activation_bytes(
     """(bytes each node saves for backward, its transient peak) per node: annotated, or measured
     by the first profile. The transient peak is at least the temporaries the optimizer step
     allocates while it updates the node's largest parameter (:data:`OPTIMIZER_TEMP_FACTOR`). The
-    whole batch's saved bytes hold a weight copy autocast makes once per micro-batch: every
-    micro-batch in flight keeps its own (``NodeInfo.weight_copy_bytes``)."""
+    low-precision weight copy autocast saves (``NodeInfo.weight_copy_bytes``) is no activation:
+    the runtime casts each weight once per step and every micro-batch shares the copy
+    (:mod:`autosplit.runtime.precision`), so it is held with the model state (:func:`state_bytes`)."""
     transient = [info.output_bytes / micro_batches for info in infos]
-    own_saved = [info.saved_bytes + (micro_batches - 1) * info.weight_copy_bytes for info in infos]
+    own_saved = [info.saved_bytes - info.weight_copy_bytes for info in infos]
     measured = next((p for p in profiles if p is not None), None)
     if measured is not None:  # memory does not depend on which device of a kind measured it
         for i, n in enumerate(nodes):
-            if n.name in measured.nodes:
-                own_saved[i] = measured.nodes[n.name].saved_bytes * micro_batches
+            if n.name in measured.nodes:  # a profiled micro-batch saved one copy of its own
+                own_saved[i] = max(0, measured.nodes[n.name].saved_bytes - infos[i].weight_copy_bytes) * micro_batches
                 transient[i] = measured.nodes[n.name].peak_bytes
     peaks = [int(max(round(t), _step_temporaries(info, optimizer))) for t, info in zip(transient, infos)]
     return own_saved, peaks
@@ -101,10 +102,12 @@ def _step_temporaries(info: NodeInfo, optimizer: str) -> int:
 
 
 def state_bytes(info: NodeInfo, optimizer: str) -> int:
-    """Parameters, gradients, optimizer state and buffers of a node; a sparse-gradient table's
-    gradient is its rows (:attr:`NodeInfo.sparse_grad_bytes`), not the table."""
+    """Parameters, gradients, optimizer state and buffers of a node, and the compute copy of its
+    weights a mixed precision makes once per step; a sparse-gradient table's gradient is its rows
+    (:attr:`NodeInfo.sparse_grad_bytes`), not the table."""
     gradients = info.param_bytes - info.sparse_table_bytes + info.sparse_grad_bytes
-    return info.param_bytes + gradients + OPTIMIZER_STATE_BYTES[optimizer] * info.param_bytes // 4 + info.buffer_bytes
+    optimizer_state = OPTIMIZER_STATE_BYTES[optimizer] * info.param_bytes // 4
+    return info.param_bytes + gradients + optimizer_state + info.buffer_bytes + info.weight_copy_bytes
 
 
 def describe_blocks(
