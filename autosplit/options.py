@@ -194,14 +194,19 @@ class PlanOptions:
     overstated autosplit's advantage over torchtitan's layer-aligned splits by 1.1 % on average and
     by 2.9 % at the 90th percentile (``benchmarks/investigations/schedules_analysis.py overstatement``).
     ``0``: the fastest split by the replay, wherever it cuts."""
-    data_parallel: int = 1
-    """Replicas of the split model (hybrid data × pipeline parallelism): the predicted step adds
-    the part of each stage's gradient all-reduce over them that backward does not hide."""
-    replicate: Replicate = "replicate"
+    data_parallel: int | Literal["auto"] = 1
+    """Data-parallel copies of the split model (hybrid data × pipeline parallelism); the predicted
+    step adds the data-parallel collectives backward does not hide. With an integer the devices and
+    the example batch are one copy's. ``"auto"``: the devices are the whole mesh and the example
+    batch the global one, and the planner chooses the degree with the split —
+    ``pp × data_parallel = len(devices)`` (:mod:`autosplit.compiler.mesh`); the plan lists every
+    configuration it tried."""
+    replicate: Replicate | Literal["auto"] = "replicate"
     """How the :attr:`data_parallel` copies of each stage keep in step, under torch's names:
     ``"replicate"`` (FSDP2's ``replicate``: whole parameters on every copy, gradients all-reduced;
     the mesh's ``dp_replicate``) or ``"fully_shard"`` (FSDP2's ``fully_shard``: parameters,
-    gradients and optimizer state sharded over the copies; the mesh's ``dp_shard``)."""
+    gradients and optimizer state sharded over the copies; the mesh's ``dp_shard``); ``"auto"``:
+    the planner chooses, over the whole mesh as ``data_parallel="auto"`` does."""
     limits: SolverLimits = SolverLimits()
     """How much work the solver may do beyond ``time_limit``: the graph sizes past which it
     coarsens, skips CP-SAT or narrows its bound, e.g. ``SolverLimits(cpsat_vars=40_000)``; each
@@ -250,10 +255,10 @@ class PlanOptions:
             raise _bad("seed", self.seed, "an integer")
         if not isinstance(self.cut_margin, (int, float)) or isinstance(self.cut_margin, bool) or not 0 <= self.cut_margin < 1:
             raise _bad("cut_margin", self.cut_margin, "a fraction ≥ 0 and < 1, e.g. 0.03")
-        if not _is_int(self.data_parallel) or self.data_parallel < 1:
-            raise _bad("data_parallel", self.data_parallel, "an integer ≥ 1")
-        if self.replicate not in REPLICATES:
-            raise _bad("replicate", self.replicate, f"one of {REPLICATES}")
+        if not (self.data_parallel == AUTO or (_is_int(self.data_parallel) and int(self.data_parallel) >= 1)):
+            raise _bad("data_parallel", self.data_parallel, "an integer ≥ 1 or 'auto'")
+        if self.replicate not in (*REPLICATES, AUTO):
+            raise _bad("replicate", self.replicate, f"one of {REPLICATES} or 'auto'")
         if not isinstance(self.limits, SolverLimits):
             raise _bad("limits", self.limits, "a SolverLimits(...), e.g. SolverLimits(cpsat_vars=40_000)")
         if self.precision not in PRECISIONS:
@@ -334,10 +339,21 @@ class PlanOptions:
         return AUTO in (self.schedule, self.stages_per_rank, self.micro_batches)
 
     @property
+    def meshes(self) -> bool:
+        """The planner chooses the data-parallel degrees over the whole mesh (:attr:`data_parallel` or
+        :attr:`replicate` is ``"auto"``)."""
+        return AUTO in (self.data_parallel, self.replicate)
+
+    @property
+    def replicas(self) -> int:
+        """:attr:`data_parallel` as a count (1 while it is ``"auto"``: not chosen yet)."""
+        return 1 if isinstance(self.data_parallel, str) else self.data_parallel
+
+    @property
     def dp_shard(self) -> int:
-        """The mesh's ``dp_shard`` degree these options give: :attr:`data_parallel` when
+        """The mesh's ``dp_shard`` degree these options give: :attr:`replicas` when
         :attr:`replicate` is ``"fully_shard"``, else 1."""
-        return self.data_parallel if self.replicate == "fully_shard" else 1
+        return self.replicas if self.replicate == "fully_shard" else 1
 
     @property
     def checkpoints(self) -> bool:

@@ -178,6 +178,10 @@ class Alternative:
     """[device] peak bytes of its stages together."""
     note: str = ""
     """Why no split fits, when none does."""
+    data_parallel: int = 1
+    """Data-parallel copies of the configuration (:attr:`Plan.data_parallel`)."""
+    dp_shard: int = 1
+    """Of them, the degree that shards (:attr:`Plan.dp_shard`)."""
 
     @property
     def fits(self) -> bool:

@@ -30,7 +30,9 @@ from typing import Any
 import torch
 
 from autosplit import debug
+from autosplit.compiler.hybrid import Cluster
 from autosplit.compiler.manual import manual_plan
+from autosplit.compiler.mesh import mesh_plan
 from autosplit.compiler.steps import codegen, compile_plan
 from autosplit.compiler.trace import Traced, trace
 from autosplit.devices import DeviceLike, DeviceSpec, resolve_devices
@@ -70,7 +72,7 @@ class Planner:
     def __init__(
         self,
         model: torch.nn.Module,
-        devices: Sequence[DeviceLike] | None,
+        devices: Sequence[DeviceLike] | Cluster | None,
         *,
         example_inputs: Any,
         example_kwargs: Mapping[str, Any] | None = None,
@@ -80,13 +82,16 @@ class Planner:
         **fields: Any,
     ) -> None:
         self.model = model
+        if isinstance(devices, Cluster):  # the whole mesh: the planner chooses the degrees unless pinned
+            fields = {"data_parallel": "auto", "replicate": "auto", **fields}
+            devices = devices.replica_devices(devices.size)
         self.loss = _loss(loss_fn, example_target)
         self.example_inputs = as_tensors(example_inputs if isinstance(example_inputs, tuple) else (example_inputs,))
         self.example_kwargs = as_tensors(dict(example_kwargs or {}))
         self.options = make_options(options, **fields)
         self.devices = None if devices is None else tuple(devices)
         # refuses a count the batch does not divide, or (devices known) that the schedule cannot run
-        ranks = len(self.devices) if self.devices is not None and self.options.data_parallel == 1 else None
+        ranks = len(self.devices) if self.devices is not None and self.options.data_parallel == 1 and not self.options.meshes else None
         self.options.micro_batches_for(ranks, batch_size(self.example_inputs, self.example_kwargs))
         self._traced: Traced | None = None
 
@@ -118,7 +123,7 @@ class Planner:
     def _plan(self, given: Plan | str | Path | None) -> Plan:
         saved = load_plan(given)
         if saved is None:
-            return compile_plan(self.traced, self.specs(), self.options)
+            return self._solve(self.specs(), self.options)
         # A saved plan fixes the schedule and precision it was made for, and (unless devices are given) the devices.
         options = (
             self.options.replace(objective="makespan", precision=saved.precision) if saved.objective == "makespan"
@@ -189,7 +194,11 @@ class Planner:
         """The plan under other devices or options, reusing the captured graph:
         ``planner.what_if(devices=["cpu"] * 8, schedule="1f1b")``."""
         options = self.options.replace(**changes)
-        return compile_plan(self.traced, self.specs(devices, options), options)
+        return self._solve(self.specs(devices, options), options)
+
+    def _solve(self, specs: tuple[DeviceSpec, ...], options: PlanOptions) -> Plan:
+        """One plan of ``specs``; over the whole mesh, the data-parallel degrees chosen with it."""
+        return mesh_plan(self.traced, specs, options) if options.meshes else compile_plan(self.traced, specs, options)
 
 
 def _loss(loss_fn: Callable[[Any, Any], torch.Tensor] | None, example_target: Any) -> Loss | None:
@@ -204,7 +213,7 @@ def _loss(loss_fn: Callable[[Any, Any], torch.Tensor] | None, example_target: An
 
 
 def plan(
-    model: torch.nn.Module, devices: Sequence[DeviceLike], *, example_inputs: Any,
+    model: torch.nn.Module, devices: Sequence[DeviceLike] | Cluster, *, example_inputs: Any,
     example_kwargs: Mapping[str, Any] | None = None, **options: Any,
 ) -> Plan:
     """Plan ``model`` onto ``devices`` without building modules (devices may be hardware you lack).
@@ -213,7 +222,10 @@ def plan(
     ``checkpointing``, ``recompute``, ``optimizer``, ``memory``, ``time_limit``, ``seed``, ``capture``,
     ``costs``, ``cost_overrides``, ``pin``, ``avoid``, ``together``; or ``loss_fn`` and ``example_target``
     (see :class:`Planner`). A set of constraints that cannot hold is explained in the
-    user's terms (:class:`~autosplit.errors.InfeasiblePlanError`).
+    user's terms (:class:`~autosplit.errors.InfeasiblePlanError`). ``devices`` a
+    :class:`~autosplit.Cluster` (or ``data_parallel="auto"`` / ``replicate="auto"``): the devices
+    are the whole mesh, the example batch the global one, and the data-parallel degrees are
+    chosen with the split (:mod:`autosplit.compiler.mesh`).
     """
     return Planner(model, devices, example_inputs=example_inputs, example_kwargs=example_kwargs, **options).plan()
 

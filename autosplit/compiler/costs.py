@@ -67,7 +67,7 @@ def cost_table(
         table = with_overrides(table, options.cost_overrides)
         source += f" + {n} override{'s' * (n > 1)}"
     if options.dp_shard > 1:
-        table = laid_out(table, precision=options.precision, dp_shard=options.dp_shard)
+        table = laid_out(table, dp_shard=options.dp_shard)
         source += f"; sharded over dp_shard {options.dp_shard}"
     return table, source
 

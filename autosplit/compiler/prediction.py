@@ -101,7 +101,7 @@ def _data_parallel(
     a stage's all-gather hides while it waits for its first input, its gradients' reduction while
     the stages before it finish their last backward (whole copies: while its own last backward runs,
     DDP's bucketed overlap)."""
-    if options.data_parallel <= 1:
+    if options.replicas <= 1:
         return 0.0
     S = len(devices)
     fwd, bwd = [0.0] * S, [0.0] * S
@@ -113,8 +113,7 @@ def _data_parallel(
     waits = list(itertools.accumulate([0.0, *fwd[:-1]])) if in_line else [0.0] * S
     shards = options.dp_shard
     drains = bwd if shards == 1 else list(itertools.accumulate([0.0, *bwd[:-1]])) if in_line else [0.0] * S
-    return data_parallel_time(param_bytes, devices, replicas=options.data_parallel // shards, shards=shards,
-                              precision=options.precision, waits=waits, drains=drains)
+    return data_parallel_time(param_bytes, devices, replicas=options.replicas // shards, shards=shards, waits=waits, drains=drains)
 
 
 def sharing_problem(problem: Problem, table: CostTable, order: Sequence[int], shared: Sequence[SharedParam]) -> Problem:

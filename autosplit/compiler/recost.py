@@ -55,6 +55,7 @@ def recost(traced: Traced, specs: tuple[DeviceSpec, ...], options: PlanOptions, 
         given, solver=solver, stages=reports, rank_memory=rank_peaks(problem, options.schedule, reports), costs=source,
         step_time=terms.total,
         module_stages=module_stages(table, stage_of),
-        terms=terms, shared_params=shared, data_parallel=options.data_parallel, dp_shard=options.dp_shard, timings=timings, precision=options.precision,
+        terms=terms, shared_params=shared, data_parallel=options.replicas, dp_shard=options.dp_shard, timings=timings,
+        precision=options.precision,
         made_with=given.made_with or (given.costs, given.step_time),
     )

@@ -96,7 +96,7 @@ def compile_plan(
         step_time=terms.total,
         terms=terms,
         shared_params=shared,
-        data_parallel=options.data_parallel, dp_shard=options.dp_shard,
+        data_parallel=options.replicas, dp_shard=options.dp_shard,
         micro_batches=M,
         schedule=options.schedule,
         stages_per_rank=v,

@@ -40,6 +40,7 @@ class Traced:
     """The training loss the plans are costed with (None: not costed)."""
     _micro: dict[int, Captured] = field(default_factory=dict, compare=False, repr=False)
     _precisions: dict[tuple[str, str], torch.fx.GraphModule] = field(default_factory=dict, compare=False, repr=False)
+    _shares: dict[int, Traced] = field(default_factory=dict, compare=False, repr=False)
     _losses: dict[tuple, Any] = field(default_factory=dict, compare=False, repr=False)
     """The loss's cost per (micro-batches, precision, devices, profiling): costed once per plan search."""
 
@@ -59,18 +60,36 @@ class Traced:
                 "precision='fp32' (the model's own dtype), or use precision='bf16-mixed'",
             ))
         if key not in self._precisions:
-            graph = torch.fx.Graph()
-            graph.output(graph.graph_copy(self.captured.gm.graph, {}))
-            copy = torch.fx.GraphModule(self.captured.gm, graph)
-            names = [n.name for n in copy.graph.nodes]
-            if names != [n.name for n in self.captured.gm.graph.nodes]:
-                raise CodegenError(advice(
-                    "copying the captured graph to annotate it in another precision renamed its nodes",
-                    "an fx graph whose node names collide with its own namespace", "plan with precision='fp32'",
-                ))
+            copy = _graph_copy(self.captured.gm, "annotate it in another precision", "plan with precision='fp32'")
             annotate(dataclasses.replace(self.captured, gm=copy), list(self.inputs), precision=precision, device_type=key[1])
             self._precisions[key] = copy
         return self._precisions[key]
+
+    def at_batch(self, parts: int) -> Traced:
+        """This trace at ``1/parts`` of its batch — a data-parallel copy's share of the global batch —
+        annotated anew (the same nodes; an exported graph, specialised to its shapes, captured again at
+        the share's, as each copy will capture it), made once and kept. ``parts = 1``: itself."""
+        if parts == 1:
+            return self
+        if parts not in self._shares:
+            args, kwargs = split_batch(self.example[0], self.example[1], parts)[0]
+            if self.captured.method == "export":  # specialised to its shapes: captured at the share's, as each copy runs it
+                if self.model is None:
+                    raise CodegenError(advice(
+                        f"this exported graph is specialised to its batch and cannot be planned at 1/{parts} of it",
+                        "the trace was made without its model", "trace with autosplit.compiler.trace.trace(model, ...)",
+                    ))
+                captured = capture(self.model, args, dict(kwargs), method="export")
+                inputs = flat_inputs(captured, args, kwargs)
+            else:
+                inputs = list(split_batch(self.inputs, None, parts)[0][0])
+                captured = dataclasses.replace(self.captured, gm=_graph_copy(
+                    self.captured.gm, "annotate it at a data-parallel share of the batch", "plan with data_parallel=1"))
+            annotate(captured, list(inputs))
+            loss = None if self.loss is None else Loss(self.loss.fn, split_batch((self.loss.target,), None, parts)[0][0][0])
+            self._shares[parts] = Traced(captured, tuple(inputs), fingerprint(captured.gm), dict(self.timings), model=self.model,
+                                         example=(args, kwargs), loss=loss)
+        return self._shares[parts]
 
     @property
     def node_names(self) -> set[str]:
@@ -109,6 +128,19 @@ class Traced:
             self._micro[micro_batches] = captured
         captured = self._micro[micro_batches]
         return captured, flat_inputs(captured, args, kwargs)
+
+
+def _graph_copy(gm: torch.fx.GraphModule, purpose: str, fix: str) -> torch.fx.GraphModule:
+    """A copy of ``gm`` (same nodes and names, same module) to annotate anew."""
+    graph = torch.fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    copy = torch.fx.GraphModule(gm, graph)
+    if [n.name for n in copy.graph.nodes] != [n.name for n in gm.graph.nodes]:
+        raise CodegenError(advice(
+            f"copying the captured graph to {purpose} renamed its nodes",
+            "an fx graph whose node names collide with its own namespace", fix,
+        ))
+    return copy
 
 
 def trace(

@@ -8,17 +8,18 @@ Memory (:func:`laid_out`), per node and device:
   the weights autocast casts, made once per step and shared by every micro-batch.
 - ``dp_shard = D > 1`` (FSDP2's ``fully_shard``, one unit per stage, ``reshard_after_forward=False``
   as torchtitan runs it under a pipeline): parameters, gradients and optimizer state ÷ D; buffers
-  whole; and for the whole step the stage's unsharded parameters in the compute dtype (FSDP2's
-  ``MixedPrecisionPolicy(param_dtype=…)`` under a mixed precision: half the fp32 bytes) with their
-  unsharded gradients (accumulated over the micro-batches before the one reduce-scatter). The
-  optimizer steps its shard only: its time ÷ D.
+  whole; and for the whole step the stage's unsharded parameters with their unsharded gradients
+  (accumulated over the micro-batches before the one reduce-scatter), as held (fp32 master
+  weights under a mixed precision), and autocast's one compute copy per step — the runtime casts
+  as autocast does rather than with FSDP2's ``MixedPrecisionPolicy``, which would round every
+  weight (norms and embeddings too) to bf16 and train differently from the autocast reference
+  (:func:`autosplit.runtime.precision.cast_once`). The optimizer steps its shard only: its time ÷ D.
 
 Time (:func:`data_parallel_time`), per step and stage with parameters of ``P`` bytes:
 
 - whole copies over R: one ring all-reduce of the gradients (``2(R−1)/R · P/bw``), the part the
   stage's last backward does not hide exposed (DDP's bucketed overlap);
-- sharded over D: one all-gather of the parameters in the compute dtype before the stage's first
-  forward and one reduce-scatter of the gradients (fp32) after its last backward, each
+- sharded over D: one all-gather of the parameters as held before the stage's first forward and one reduce-scatter of the gradients (fp32) after its last backward, each
   ``(D−1)/D · bytes/bw``, and over dp_replicate the all-reduce of the shard. The all-gather hides
   behind the stage's wait for its first input (the stages before it filling the pipeline); the
   reduce-scatter behind the drain (the stages before it finishing their last backward).
@@ -30,7 +31,7 @@ device's network share (:func:`~autosplit.solver.hybrid.hierarchical_phases`).
 
 Usage::
 
-    table = laid_out(table, precision="bf16-mixed", dp_shard=8)
+    table = laid_out(table, dp_shard=8)
     seconds = data_parallel_time(stage_param_bytes, device, replicas=1, shards=8, ...)
 """
 
@@ -44,28 +45,22 @@ from autosplit.costtable import CostTable
 from autosplit.devices import DeviceSpec
 from autosplit.solver.hybrid import hierarchical_phases, ring_allreduce
 
-__all__ = ["compute_share", "data_parallel_time", "group_time", "laid_out"]
+__all__ = ["data_parallel_time", "group_time", "laid_out"]
 
 
-def compute_share(precision: str) -> float:
-    """Bytes of a weight in the compute dtype per byte as held: ½ under a mixed precision (fp32
-    master weights computed in bf16 / fp16), 1 otherwise."""
-    return 0.5 if precision.endswith("-mixed") else 1.0
-
-
-def laid_out(table: CostTable, *, precision: str, dp_shard: int) -> CostTable:
+def laid_out(table: CostTable, *, dp_shard: int) -> CostTable:
     """``table`` with each node's :attr:`~CostTable.state_bytes` and optimizer time as one device
     holds and spends them with its stage sharded over ``dp_shard`` devices (the module docstring);
     ``table`` itself for ``dp_shard = 1``."""
     if dp_shard <= 1 or not table.param_bytes:
         return table
-    r, n = compute_share(precision), len(table.nodes)
+    n = len(table.nodes)
     copies = table.weight_copy_bytes or (0,) * n
     buffers = table.buffer_bytes or (0,) * n
     state = []
     for whole, params, copy, buffer in zip(table.state_bytes, table.param_bytes, copies, buffers):
         model_state = whole - copy - buffer  # parameters, gradients, optimizer state
-        state.append(math.ceil(model_state / dp_shard) + buffer + round(2 * r * params))
+        state.append(math.ceil(model_state / dp_shard) + buffer + 2 * params + copy)
     optimizer = tuple(tuple(t / dp_shard for t in row) for row in table.optimizer_time)
     return dataclasses.replace(table, state_bytes=tuple(state), optimizer_time=optimizer)
 
@@ -87,7 +82,7 @@ def group_time(nbytes: float, size: int, device: DeviceSpec, *, allreduce: bool)
 
 
 def data_parallel_time(
-    param_bytes: Sequence[float], devices: Sequence[DeviceSpec], *, replicas: int, shards: int, precision: str,
+    param_bytes: Sequence[float], devices: Sequence[DeviceSpec], *, replicas: int, shards: int,
     waits: Sequence[float], drains: Sequence[float],
 ) -> float:
     """Seconds per step the data-parallel collectives add to the pipeline's step (the module
@@ -99,8 +94,7 @@ def data_parallel_time(
     if shards == 1:
         return max(max(0.0, group_time(p, replicas, d, allreduce=True) - drain)
                    for p, d, drain in zip(param_bytes, devices, drains))
-    r = compute_share(precision)
-    gather = max(max(0.0, group_time(r * p, shards, d, allreduce=False) - wait) for p, d, wait in zip(param_bytes, devices, waits))
+    gather = max(max(0.0, group_time(p, shards, d, allreduce=False) - wait) for p, d, wait in zip(param_bytes, devices, waits))
     reduce = max(
         max(0.0, group_time(p, shards, d, allreduce=False) + _across_replicas(p / shards, replicas, d) - drain)
         for p, d, drain in zip(param_bytes, devices, drains)

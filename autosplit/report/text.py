@@ -59,8 +59,8 @@ def plan_report(plan: Plan, width: int = 140) -> str:
         t = plan.terms
         console.print(
             f"step = pipeline {_ms(t.pipeline)} + runtime overhead {_ms(t.overhead)} + optimizer {_ms(t.optimizer)} "
-            f"+ tied-weight sync {_ms(t.tied_sync)} + data-parallel all-reduce {_ms(t.data_parallel)} "
-            f"(exposed, {plan.data_parallel} replica{'s' * (plan.data_parallel > 1)})"
+            f"+ tied-weight sync {_ms(t.tied_sync)} + data-parallel collectives {_ms(t.data_parallel)} "
+            f"(exposed; mesh {' × '.join(f'{k} {v}' for k, v in plan.mesh.items())})"
         )
     for p in plan.shared_params:
         console.print(
@@ -93,9 +93,17 @@ def plan_report(plan: Plan, width: int = 140) -> str:
         console.print(f"configurations tried ({len(plan.alternatives)}, fastest first; split by the DP, replayed):")
         for a in plan.alternatives[:12]:
             peak = max(a.rank_memory, default=0)
-            console.print(f"  {a.schedule} × {a.stages_per_rank} stage(s) per device × {a.micro_batches} micro-batches: "
-                          + (f"{_ms(a.step_time)}, peak {format_bytes(peak)}" if a.fits else a.note))
+            mesh = _mesh(a.data_parallel, a.dp_shard)
+            console.print(f"  {f'pp {len(a.rank_memory)} × {mesh}: ' if mesh and a.rank_memory else mesh + ': ' if mesh else ''}" + (
+                f"{a.schedule} × {a.stages_per_rank} stage(s) per device × {a.micro_batches} micro-batches: "
+                f"{_ms(a.step_time)}, peak {format_bytes(peak)}" if a.fits else a.note))
     return out.getvalue().rstrip()
+
+
+def _mesh(data_parallel: int, dp_shard: int) -> str:
+    """``"dp_shard 8"``, ``"dp_replicate 4"``, ``"dp_replicate 2 × dp_shard 4"``; ``""`` without data parallelism."""
+    parts = [f"{name} {n}" for name, n in (("dp_replicate", data_parallel // dp_shard), ("dp_shard", dp_shard)) if n > 1]
+    return " × ".join(parts)
 
 
 def _span(modules: tuple[str, ...]) -> str:

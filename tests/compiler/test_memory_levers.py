@@ -4,7 +4,6 @@ model, the plans they give, and the errors that refuse what would train differen
 from __future__ import annotations
 
 import contextlib
-
 import json
 
 import pytest

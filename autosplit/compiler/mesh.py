@@ -1,0 +1,181 @@
+"""Step *mesh*: the data-parallel degrees chosen with the split (DESIGN §4.9).
+
+``world`` devices form the mesh ``pp × dp_replicate × dp_shard × tp`` (pp outermost, tp innermost,
+as torchtitan builds it; tp = 1 until tensor parallelism is planned). For every data-parallel
+degree ``dp`` that divides the devices and the global batch (or the one the user pinned,
+``data_parallel=``), and every way its copies keep in step (``replicate="replicate"``: whole copies,
+the mesh's dp_replicate; ``"fully_shard"``: sharded, its dp_shard; or the one pinned), one
+pipeline of ``pp = world / dp`` stages is planned for ``1/dp`` of the batch by the whole planner —
+split, schedule, stages per rank, micro-batches, recomputation, precision — with the layout in
+its costs (:mod:`autosplit.passes.sharding`). The global batch is fixed, so the fastest step is
+the fastest training; the plan returned lists every configuration tried
+(:attr:`~autosplit.plans.Plan.alternatives`), and its bound is the least any configuration can
+reach, so its gap covers the degrees too.
+
+Stage ``s`` of a configuration runs on rank ``s · dp`` (its copies the ranks after it), so a
+data-parallel group stays inside a node while ``dp`` fits one, and the pipeline crosses nodes.
+
+Usage::
+
+    plan = mesh_plan(traced, specs, options.replace(data_parallel="auto", replicate="auto"))
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from collections.abc import Sequence
+
+from autosplit import progress
+from autosplit.compiler.costs import cost_table
+from autosplit.compiler.steps import compile_plan
+from autosplit.compiler.trace import Traced
+from autosplit.costtable import CostTable
+from autosplit.devices import DeviceSpec
+from autosplit.errors import AutosplitError, ConstraintError, InfeasiblePlanError, SolverError, advice
+from autosplit.options import AUTO, REPLICATES, PlanOptions
+from autosplit.passes.sharding import laid_out
+from autosplit.plans import Alternative, Plan
+from autosplit.units import format_bytes
+
+__all__ = ["Degrees", "degrees_to_try", "mesh_plan"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class Degrees:
+    """One configuration of the mesh: ``pp`` pipeline ranks × ``data_parallel`` copies kept in step as ``replicate`` says."""
+
+    pp: int
+    data_parallel: int
+    replicate: str
+
+    def __str__(self) -> str:
+        dim = "dp_shard" if self.replicate == "fully_shard" else "dp_replicate"
+        return f"pp {self.pp} × {dim} {self.data_parallel}" if self.data_parallel > 1 else f"pp {self.pp}"
+
+
+def degrees_to_try(world: int, batch: int | None, options: PlanOptions) -> list[Degrees]:
+    """Every configuration of ``world`` devices the options leave open, for a global batch of ``batch``
+    rows; refuses a pinned degree that does not divide the devices or the batch."""
+    pinned = None if options.data_parallel == AUTO else options.replicas
+    if pinned is not None and (world % pinned or (batch is not None and batch % pinned)):
+        raise ConstraintError(advice(
+            f"data_parallel={pinned} does not divide the {world} devices" if world % pinned else
+            f"data_parallel={pinned} does not divide the global batch of {batch} rows",
+            "world size = pp × dp_replicate × dp_shard × tp, and every data-parallel copy takes an equal share of the batch",
+            f"pass data_parallel= one of {[d for d in range(1, world + 1) if world % d == 0 and (batch or d) % d == 0]}, "
+            "or 'auto'",
+        ))
+    degrees = [pinned] if pinned is not None else [d for d in range(1, world + 1) if world % d == 0 and (batch is None or batch % d == 0)]
+    layouts = REPLICATES if options.replicate == AUTO else (options.replicate,)
+    return [Degrees(world // d, d, layout) for d in degrees for layout in (layouts if d > 1 else REPLICATES[:1])]
+
+
+def mesh_plan(traced: Traced, specs: Sequence[DeviceSpec], options: PlanOptions) -> Plan:
+    """The fastest plan over every configuration of ``specs`` (the mesh's ranks in order) that
+    :func:`degrees_to_try` gives, each planned by :func:`compile_plan`; an
+    :class:`InfeasiblePlanError` naming every configuration's reason when none fits."""
+    timings: dict[str, float] = {}
+    with progress.timed_pass("mesh", timings):
+        tried = _search(traced, specs, options)
+    plans = [(d, p) for d, p in tried if isinstance(p, Plan)]
+    if not plans:
+        error = InfeasiblePlanError if all(isinstance(e, (InfeasiblePlanError, ConstraintError)) for _, e in tried) else SolverError
+        raise error(advice(
+            f"no configuration of the mesh over {len(specs)} devices gives a plan",
+            "; ".join(f"{d}: {_first_sentence(e)}" for d, e in tried if isinstance(e, AutosplitError)),
+            "pin data_parallel= and replicate='fully_shard' to shard the model state, allow checkpointing='auto', "
+            "use precision='bf16-mixed', or more devices",
+        ))
+    _, best = min(plans, key=lambda dp: dp[1].step_time)
+    return dataclasses.replace(
+        best, alternatives=_alternatives(tried), solver=dataclasses.replace(best.solver, step_bound=_bound(tried)),
+        timings={**best.timings, **timings},
+    )
+
+
+def _search(traced: Traced, specs: Sequence[DeviceSpec], options: PlanOptions) -> list[tuple[Degrees, Plan | AutosplitError]]:
+    """Every configuration's plan, in two rounds: first the split DP's plan of each (exact over one
+    order, in milliseconds; CP-SAT left out), then the whole solver for each configuration whose
+    bound leaves room below the best step found (beyond the options' gap) — the others cannot win."""
+    first = options.replace(limits=dataclasses.replace(options.limits, cpsat_vars=1))
+    plain = options.replace(data_parallel=1, replicate="replicate", checkpointing="none", recompute=None, cost_overrides=None,
+                            costs="analytic")
+    whole, _ = cost_table(traced, tuple(specs[:1]), plain, micro_batches=1)  # the model state, whatever the batch
+    tried: dict[Degrees, Plan | AutosplitError] = {}
+    for degrees in degrees_to_try(len(specs), traced.batch, options):
+        tried[degrees] = _attempt(traced, specs, first, degrees, whole)
+    best = min((p.step_time for p in tried.values() if isinstance(p, Plan)), default=math.inf)
+    for degrees, p in sorted(tried.items(), key=lambda dp: _bound_of(dp[1])):
+        room = isinstance(p, SolverError) or (isinstance(p, Plan) and _bound_of(p) < best * (1 - options.gap))
+        if room and options.limits.cpsat_vars > 1:
+            again = _attempt(traced, specs, options, degrees, whole)
+            if isinstance(again, Plan) and (not isinstance(p, Plan) or again.step_time < p.step_time):
+                tried[degrees] = again
+                best = min(best, again.step_time)
+    return list(tried.items())
+
+
+def _bound_of(p: Plan | AutosplitError) -> float:
+    """The least step a configuration's splits can reach: its replay's bound, or where the solver's
+    closed form is the replay, the solver's (neither counts the data-parallel collectives, which
+    only add); 0 where unknown (no plan, not proven infeasible), ∞ where there is none."""
+    if isinstance(p, Plan):
+        return p.solver.step_bound if p.solver.step_bound is not None else p.solver.bound
+    return 0.0 if isinstance(p, SolverError) else math.inf
+
+
+def _attempt(
+    traced: Traced, specs: Sequence[DeviceSpec], options: PlanOptions, degrees: Degrees, whole: CostTable,
+) -> Plan | AutosplitError:
+    """One configuration's plan — the first rank of each stage's group, ``1/dp`` of the batch — or why there is none."""
+    ranks = tuple(specs[s * degrees.data_parallel] for s in range(degrees.pp))
+    chosen = options.replace(data_parallel=degrees.data_parallel, replicate=degrees.replicate)
+    try:
+        _state_fits(laid_out(whole, dp_shard=chosen.dp_shard), ranks, degrees)
+        share = traced.at_batch(degrees.data_parallel)
+        chosen.micro_batches_for(None if chosen.searches else degrees.pp, share.batch)
+        return compile_plan(share, ranks, chosen)
+    except AutosplitError as e:
+        log.info("%s: %s", degrees, e)
+        return e
+
+
+def _state_fits(table: CostTable, ranks: tuple[DeviceSpec, ...], degrees: Degrees) -> None:
+    """Refuse, before capturing at the share's batch, a configuration whose model state alone
+    (``table``'s, laid out as the configuration holds it; it does not depend on the batch) spread
+    perfectly over its pp devices exceeds their memory."""
+    need, cap = sum(table.state_bytes) / degrees.pp, sum(d.memory for d in ranks) / degrees.pp
+    if need > cap:
+        raise InfeasiblePlanError(advice(
+            f"{degrees}: the model state alone needs {format_bytes(need)} per device spread perfectly over {degrees.pp} "
+            f"(proven), more than the {format_bytes(cap)} each holds",
+            "parameters, gradients and optimizer state do not shrink with the batch",
+            "more pipeline stages, replicate='fully_shard', or a precision that holds less",
+        ))
+
+
+def _first_sentence(error: AutosplitError) -> str:
+    return f"{type(error).__name__}: {str(error).split('. ')[0]}"
+
+
+def _alternatives(tried: Sequence[tuple[Degrees, Plan | AutosplitError]]) -> tuple[Alternative, ...]:
+    rows = []
+    for d, p in tried:
+        shard = d.data_parallel if d.replicate == "fully_shard" else 1
+        rows.append(
+            Alternative(p.schedule, p.stages_per_rank, p.micro_batches, p.step_time, p.rank_memory or tuple(s.memory for s in p.stages),
+                        data_parallel=d.data_parallel, dp_shard=shard) if isinstance(p, Plan)
+            else Alternative("", 1, 0, math.inf, note=_first_sentence(p), data_parallel=d.data_parallel, dp_shard=shard)
+        )
+    return tuple(sorted(rows, key=lambda a: a.step_time))
+
+
+def _bound(tried: Sequence[tuple[Degrees, Plan | AutosplitError]]) -> float | None:
+    """The least step any configuration can reach: each plan's bound; a configuration proven
+    infeasible (or that cannot run) reaches none; one that ended unproven leaves it unknown (None)."""
+    bounds = [_bound_of(p) for _, p in tried]
+    return None if 0.0 in bounds else min(bounds)

@@ -1,0 +1,111 @@
+"""The mesh's data-parallel degrees chosen with the split: the sharded memory and the collectives
+of one layer by hand, the degree search on planted problems, and the refusals."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn as nn
+
+import autosplit
+from autosplit.compiler.costs import cost_table
+from autosplit.compiler.mesh import degrees_to_try
+from autosplit.costtable import OPTIMIZER_STATE_BYTES
+from autosplit.devices import PRESETS
+from autosplit.errors import ConstraintError
+from autosplit.options import PlanOptions
+from autosplit.passes.sharding import data_parallel_time, group_time
+from tests.helpers import NO_SEARCH, says
+
+H100 = PRESETS["H100-80GB"]
+WIDTH = 512
+
+
+def _mlp(layers: int = 4, width: int = WIDTH) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.ReLU()) for _ in range(layers)])
+
+
+def _table(precision: str, dp_shard: int, batch: int = 8):
+    planner = autosplit.Planner(_mlp(2), [H100], example_inputs=(torch.randn(batch, WIDTH),), precision=precision)
+    options = planner.options.replace(data_parallel=dp_shard, replicate="fully_shard")
+    return cost_table(planner.traced, (H100,), options, micro_batches=1)[0]
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16-mixed"])
+def test_one_layer_sharded_memory_by_hand(precision):
+    """A Linear of P bytes of fp32 weights under Adam: whole, P + P + 2P (+ a bf16 copy of the weight
+    under bf16-mixed, once per step); sharded over 4, (4P)/4 plus its unsharded parameters and
+    gradients (P each, fp32 master weights) and the same copy, and a quarter of the optimizer step."""
+    whole, sharded = _table(precision, 1), _table(precision, 4)
+    n = max(i for i, b in enumerate(whole.param_bytes) if b)  # the second layer: its input needs a gradient, so its weight is saved
+    P = (WIDTH * WIDTH + WIDTH) * 4
+    copy = WIDTH * WIDTH * 2 if precision == "bf16-mixed" else 0  # autocast casts the weight, not the bias
+    assert whole.param_bytes[n] == P
+    assert whole.state_bytes[n] == 2 * P + OPTIMIZER_STATE_BYTES["adam"] * P // 4 + copy
+    assert sharded.state_bytes[n] == 4 * P // 4 + 2 * P + copy
+    assert sharded.optimizer_time[n][0] == pytest.approx(whole.optimizer_time[n][0] / 4)
+
+
+def test_collectives_by_hand():
+    """A ring inside a node: (D−1)/D · bytes/bw + (D−1)·latency for an all-gather or a reduce-scatter,
+    twice that for an all-reduce; beyond the node's 8 devices, inside the node then across nodes."""
+    bw, lat = H100.link_bandwidth, H100.link_latency
+    gib = float(2**30)
+    assert group_time(gib, 8, H100, allreduce=False) == pytest.approx(7 / 8 * gib / bw + 7 * lat)
+    assert group_time(gib, 8, H100, allreduce=True) == pytest.approx(2 * (7 / 8 * gib / bw + 7 * lat))
+    node = dataclasses.replace(H100, island_size=8, network_bandwidth=50e9, network_latency=5e-6)
+    inside = 7 / 8 * gib / bw + 7 * lat
+    across = 1 / 2 * gib / 8 / 50e9 + 1 * 5e-6
+    assert group_time(gib, 16, node, allreduce=False) == pytest.approx(inside + across)
+    # Sharded over 8: the first stage's all-gather and reduce-scatter are exposed; the second's hide behind its
+    # wait for the first input and the drain, each shorter than they are.
+    step = data_parallel_time([gib, gib], [H100, H100], replicas=1, shards=8, waits=[0.0, 1e-3], drains=[0.0, 2e-3])
+    assert step == pytest.approx(2 * group_time(gib, 8, H100, allreduce=False))
+    # Whole copies: the all-reduce hides behind the stage's last backward where it can.
+    assert data_parallel_time([gib], [H100], replicas=4, shards=1, waits=[0.0], drains=[1.0]) == 0.0
+
+
+def test_fsdp_alone_is_chosen_where_it_is_fastest():
+    """Wide layers, little compute, a fast link and a cap the whole model state does not fit: whole copies
+    do not fit, a pipeline idles in its bubble, and one stage sharded over every device wins."""
+    state = 4 * 16 * (WIDTH * WIDTH + WIDTH)  # four layers: parameters, gradients and Adam state
+    cap = dataclasses.replace(H100, memory=int(state * 0.95))
+    plan = autosplit.plan(_mlp(), [cap] * 4, example_inputs=(torch.randn(16, WIDTH),), data_parallel="auto",
+                          replicate="auto", **NO_SEARCH)
+    assert plan.mesh == {"pp": 1, "dp_replicate": 1, "dp_shard": 4, "tp": 1}
+    fits = [a for a in plan.alternatives if a.fits]
+    assert plan.step_time == min(a.step_time for a in fits)
+    assert not any(a.data_parallel == 4 and a.dp_shard == 1 and a.fits for a in plan.alternatives)  # whole copies: no room
+    assert len(plan.alternatives) == 5  # pp 4; pp 2 × (replicate | shard) 2; pp 1 × (replicate | shard) 4
+    assert "dp_shard 4" in autosplit.report.text.plan_report(plan)
+
+
+def test_a_pipeline_is_chosen_where_the_weights_are_too_heavy_to_move():
+    """Huge weights, a small batch and a slow link: moving activations between stages costs far less than
+    all-gathering and reducing the weights, so the plan is a pipeline without data parallelism."""
+    slow = dataclasses.replace(H100, link_bandwidth=1e9, network_bandwidth=1e9)
+    plan = autosplit.plan(_mlp(4, 2048), [slow] * 4, example_inputs=(torch.randn(4, 2048),), data_parallel="auto",
+                          replicate="auto", **NO_SEARCH)
+    assert plan.mesh == {"pp": 4, "dp_replicate": 1, "dp_shard": 1, "tp": 1}
+    assert plan.step_time == min(a.step_time for a in plan.alternatives if a.fits)
+
+
+def test_degrees_to_try_and_refusals():
+    options = PlanOptions(data_parallel="auto", replicate="auto")
+    assert [(d.pp, d.data_parallel, d.replicate) for d in degrees_to_try(4, 8, options)] == [
+        (4, 1, "replicate"), (2, 2, "replicate"), (2, 2, "fully_shard"), (1, 4, "replicate"), (1, 4, "fully_shard")]
+    assert sorted({d.data_parallel for d in degrees_to_try(8, 6, options)}) == [1, 2]  # 4 and 8 do not divide the batch
+    pinned = PlanOptions(data_parallel=2, replicate="fully_shard")
+    assert [(d.pp, d.data_parallel, d.replicate) for d in degrees_to_try(8, 8, pinned)] == [(4, 2, "fully_shard")]
+    with pytest.raises(ConstraintError) as e:
+        degrees_to_try(8, 8, PlanOptions(data_parallel=3, replicate="auto"))
+    says(e, "data_parallel=3", "8 devices", "pp × dp_replicate × dp_shard × tp")
+    with pytest.raises(ConstraintError) as e:
+        degrees_to_try(8, 6, PlanOptions(data_parallel=4, replicate="auto"))
+    says(e, "data_parallel=4", "global batch of 6")
+    with pytest.raises(ConstraintError) as e:
+        PlanOptions(replicate="zero3")
+    says(e, "replicate")
