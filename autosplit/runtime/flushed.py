@@ -6,10 +6,10 @@ handling would touch is set aside first (:meth:`FlushedStep._set_aside_gradients
 after; replicated tied weights' copies are summed once per step, sparse-gradient tables averaged
 over the replicas apart from FSDP2, and under ``"fp16-mixed"`` the loss scaler unscales and may skip
 the step. Under a mixed precision each weight is cast once per step, the copy shared by every
-micro-batch (:func:`~autosplit.runtime.precision.cast_once`), in training and forward-only runs. Forward-only runs (``pipe(...)``, ``eval_step``) go through the same begin: every rank
-agrees on the batch, then finds the run for its rows (:mod:`autosplit.runtime.runs`). Any error
-inside a step is a :class:`~autosplit.errors.DistributedError` naming the rank, and fails the
-pipeline.
+micro-batch (:func:`~autosplit.runtime.precision.cast_once`), in training and forward-only runs.
+Forward-only runs (``pipe(...)``, ``eval_step``) go through the same begin: every rank agrees on
+the batch, then finds the run for its rows (:mod:`autosplit.runtime.runs`). Any error inside a step
+is a :class:`~autosplit.errors.DistributedError` naming the rank, and fails the pipeline.
 
 Usage (every rank)::
 
