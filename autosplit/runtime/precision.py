@@ -90,7 +90,9 @@ def cast_once(precision: str, device_type: str, *, ambient: bool = False) -> con
     and on a 2-layer GPT (M = 4, 3 AdamW steps) the gradients differ from autocast's by up to 2.2e-3
     and the weights by 4.2e-3, outside the mixed precisions' tolerance (rtol 1e-3, atol 1e-4;
     ``benchmarks/investigations/cast_once.py``). Stages compiled with ``compile=`` cast inside their
-    graph, where the cache does not reach: they still make one copy per micro-batch.
+    graph, where the cache does not reach: they still make one copy per micro-batch. The cache is the
+    thread's: on CUDA, where autograd runs the backward on its device thread, a block recomputed in
+    the backward casts again there (a transient copy, freed with the block's backward, as before).
 
     Usage::
 
