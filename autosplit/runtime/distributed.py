@@ -35,9 +35,10 @@ outer dimension (as in torchtitan), so rank ``r`` runs stage ``r // data_paralle
    whole model.
 7. Every rank runs its stages in the plan's precision (:mod:`autosplit.runtime.precision`): each
    stage's forward and the loss under ``torch.autocast`` for the mixed ones (the static metadata
-   carry the dtypes autocast gives the crossings), or bf16 parameters and inputs for ``"bf16"``;
-   ``"fp16-mixed"`` scales the loss and skips, on every rank, a step with an inf or NaN gradient
-   (:attr:`DistributedModel.scaler`).
+   carry the dtypes autocast gives the crossings; each weight cast once per step, the copy shared
+   by every micro-batch: :func:`~autosplit.runtime.precision.cast_once`), or bf16 parameters and
+   inputs for ``"bf16"``; ``"fp16-mixed"`` scales the loss and skips, on every rank, a step with
+   an inf or NaN gradient (:attr:`DistributedModel.scaler`).
 8. :meth:`DistributedModel.close` lets go of the stages and the process groups they run on, which
    reference cycles would otherwise keep (with gloo's threads) past ``destroy_process_group()``;
    every pipeline still open is closed when the interpreter begins to exit.

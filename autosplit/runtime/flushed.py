@@ -5,10 +5,11 @@ A step's gradients add up as ``backward()`` calls do: what earlier steps left th
 handling would touch is set aside first (:meth:`FlushedStep._set_aside_gradients`) and added back
 after; replicated tied weights' copies are summed once per step, sparse-gradient tables averaged
 over the replicas apart from FSDP2, and under ``"fp16-mixed"`` the loss scaler unscales and may skip
-the step. Forward-only runs (``pipe(...)``, ``eval_step``) go through the same begin: every rank
-agrees on the batch, then finds the run for its rows (:mod:`autosplit.runtime.runs`). Any error
-inside a step is a :class:`~autosplit.errors.DistributedError` naming the rank, and fails the
-pipeline.
+the step. Under a mixed precision each weight is cast once per step, the copy shared by every
+micro-batch (:func:`~autosplit.runtime.precision.cast_once`), in training and forward-only runs.
+Forward-only runs (``pipe(...)``, ``eval_step``) go through the same begin: every rank agrees on
+the batch, then finds the run for its rows (:mod:`autosplit.runtime.runs`). Any error inside a step
+is a :class:`~autosplit.errors.DistributedError` naming the rank, and fails the pipeline.
 
 Usage (every rank)::
 
@@ -27,7 +28,7 @@ import torch.distributed as dist
 from autosplit.compat import forward_only_step
 from autosplit.errors import DistributedError, advice, causes
 from autosplit.runtime.placement import reduce_sparse_gradients
-from autosplit.runtime.precision import cast_inputs
+from autosplit.runtime.precision import cast_inputs, cast_once
 from autosplit.runtime.runs import BatchRuns, Run
 from autosplit.runtime.stage import Span
 
@@ -38,6 +39,7 @@ class FlushedStep(BatchRuns):
     """The flushed step and forward-only runs of :class:`~autosplit.runtime.distributed.DistributedModel`."""
 
     module: torch.nn.Module
+    device: torch.device
     asynchronous: str | None
     precision: str
     scaler: Any
@@ -83,7 +85,8 @@ class FlushedStep(BatchRuns):
         flat, run = self._begin(inputs, kwargs, target, "train")
         kept = self._set_aside_gradients(run)
         run.started = True
-        with self._failing("a pipelined step"):
+        # One outer autocast scope for the whole step: each weight is cast once, every micro-batch shares the copy.
+        with self._failing("a pipelined step"), cast_once(self.precision, self.device.type):
             run.schedule.step(  # the last stage's outputs are not returned: kept, they would hold M of them to the end
                 target=target if self.is_last else None, return_outputs=False,
                 **dict(zip(self._input_names, cast_inputs(flat, self.precision))),
@@ -142,7 +145,7 @@ class FlushedStep(BatchRuns):
         flat, run = self._begin(inputs, kwargs, target, "output" if target is None else "loss")
         grads = [(p, p.grad) for p in self.module.parameters()]
         try:
-            with torch.no_grad(), self._failing("a forward-only step"):
+            with torch.no_grad(), self._failing("a forward-only step"), cast_once(self.precision, self.device.type):
                 out = forward_only_step(
                     run.schedule, return_outputs=target is None, target=target if self.is_last else None,
                     **dict(zip(self._input_names, cast_inputs(flat, self.precision))),

@@ -10,7 +10,11 @@ kept out of the module tree, so nothing is listed twice. ``DistributedDataParall
 Each stage runs in the plan's precision (:mod:`autosplit.runtime.precision`): ``"bf16-mixed"`` /
 ``"fp16-mixed"`` run every stage's forward under ``torch.autocast`` on its device type (parameters
 stay fp32; compute the loss under the same autocast, and for fp16 scale it with
-``torch.amp.GradScaler`` as for any model). ``"bf16"`` holds the model in bfloat16: building the
+``torch.amp.GradScaler`` as for any model). The local runtime does not cut the batch into
+micro-batches: a call is one forward, in which each weight is cast once and the copy shared by
+every stage that reads it (:func:`~autosplit.runtime.precision.cast_once`); a user who accumulates
+several calls before the optimizer step gets one copy per call, as with the unsplit model.
+``"bf16"`` holds the model in bfloat16: building the
 split converts its floating parameters and buffers in place, as ``model.to(torch.bfloat16)`` would
 (the split shares them, as it shares their device), and floating inputs are cast where they enter.
 
@@ -39,7 +43,7 @@ from autosplit.passes.capture import Captured, flat_inputs
 from autosplit.passes.codegen import Program
 from autosplit.plans import Plan
 from autosplit.runtime.compiled import CompileOptions, compile_stages
-from autosplit.runtime.precision import AutocastStage, cast_inputs, hold, is_mixed
+from autosplit.runtime.precision import AutocastStage, cast_inputs, cast_once, hold, is_mixed
 
 __all__ = ["SplitModule"]
 
@@ -100,10 +104,12 @@ class SplitModule(torch.nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         captured = self._captured
         args, kwargs = cast_inputs((args, kwargs), self.plan.precision)
-        if captured.method == "export":  # the program flattens (args, kwargs) by the exported spec itself
-            out = self._program.program(*args, **{**captured.fixed_kwargs, **kwargs})
-        else:
-            out = self._program.program(*flat_inputs(captured, args, kwargs))
+        # One cast of each weight per call, shared by every stage that reads it (the caller's autocast state kept).
+        with cast_once(self.plan.precision, torch.device(self.devices[0]).type, ambient=True):
+            if captured.method == "export":  # the program flattens (args, kwargs) by the exported spec itself
+                out = self._program.program(*args, **{**captured.fixed_kwargs, **kwargs})
+            else:
+                out = self._program.program(*flat_inputs(captured, args, kwargs))
         return captured.restore_output(out)
 
     def extra_repr(self) -> str:

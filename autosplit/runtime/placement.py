@@ -146,7 +146,11 @@ def replicate_stage(module: torch.nn.Module, mode: str, dp_mesh: Any) -> list[to
 
     FSDP2 reduces dense gradients only: the tables looked up with ``sparse=True``
     (:func:`~autosplit.passes.sparse_tables.sparse_gradient_tables`) are left out of it, whole on every
-    replica, and returned; :func:`reduce_sparse_gradients` averages theirs after each step."""
+    replica, and returned; :func:`reduce_sparse_gradients` averages theirs after each step.
+
+    Under a mixed precision no ``MixedPrecisionPolicy`` is given: autocast's cache already makes one
+    compute copy per step of FSDP2's unsharded parameters, and the policy would not train as autocast
+    does (:func:`~autosplit.runtime.precision.cast_once` says why)."""
     tables = sparse_gradient_tables(module)
     if mode not in ("replicate", "fully_shard"):
         raise DistributedError(advice(

@@ -10,6 +10,13 @@
   weights), gradients and optimizer state stay fp32, and the backward runs outside autocast, as
   PyTorch recommends. The tensors crossing stages have the dtype autocast gives them (a ``Linear``'s
   output is bf16), and the distributed stages' static metadata say so.
+- One compute copy of each weight per step (:func:`cast_once`): autocast keeps the low-precision
+  copy of every fp32 leaf parameter it casts until the outermost autocast context closes, so a step
+  (the distributed ``step``, ``eval_step`` and ``pipe(...)``: every micro-batch, forward and
+  backward; a ``SplitModule`` call) is run inside one outer context that casts nothing itself: every
+  micro-batch's forward shares one copy per weight, instead of casting again and saving its own
+  copy for backward, and the copies are dropped when the step ends, before the optimizer changes
+  the weights they were made from.
 - ``"fp16-mixed"`` in :meth:`~autosplit.runtime.distributed.DistributedModel.step`: a
   :class:`LossScaler` scales each micro-batch's loss, unscales the gradients after the step and
   skips the step on every rank when any rank found an inf or NaN. Locally (a ``SplitModule``) the
@@ -17,8 +24,11 @@
 
 Usage::
 
-    with autocast(plan.precision, "cuda"):
-        out = stage(*received)
+    with cast_once(plan.precision, "cuda"):
+        for received in micro_batches:
+            with autocast(plan.precision, "cuda"):
+                outs.append(stage(*received))
+        ...                                   # the backwards, outside autocast
 """
 
 from __future__ import annotations
@@ -37,7 +47,9 @@ from autosplit.errors import DistributedError, advice
 from autosplit.passes.autocast_policy import LOW_PRECISION
 from autosplit.plans import Plan
 
-__all__ = ["AutocastStage", "LossScaler", "autocast", "cast_inputs", "hold", "is_mixed", "stage_device_type"]
+__all__ = [
+    "AutocastStage", "LossScaler", "autocast", "cast_inputs", "cast_once", "hold", "is_mixed", "stage_device_type",
+]
 
 log = logging.getLogger(__name__)
 
@@ -48,10 +60,51 @@ def is_mixed(precision: str) -> bool:
 
 
 def autocast(precision: str, device_type: str) -> contextlib.AbstractContextManager:
-    """``torch.autocast(device_type, dtype)`` for a mixed precision; a null context otherwise."""
+    """``torch.autocast(device_type, dtype)`` for a mixed precision, its cache of weight casts on
+    (:func:`cast_once`); a null context otherwise."""
     if not is_mixed(precision):
         return contextlib.nullcontext()
-    return torch.autocast(device_type, dtype=LOW_PRECISION[precision])
+    return torch.autocast(device_type, dtype=LOW_PRECISION[precision], cache_enabled=True)
+
+
+def cast_once(precision: str, device_type: str, *, ambient: bool = False) -> contextlib.AbstractContextManager:
+    """The scope of one step for a mixed precision: each weight is cast to the low dtype once inside
+    it, and that copy is shared by every :func:`autocast` region entered inside (every micro-batch's
+    forward, recomputations in the backward included); a null context for other precisions.
+
+    How: autocast caches the casts of fp32 leaf tensors that require grad (parameters) for as long
+    as any autocast context is open, and clears the cache when the outermost one closes. This is an
+    outer ``torch.autocast`` context that casts nothing: disabled (the backwards inside run outside
+    autocast, as PyTorch recommends), or with ``ambient`` the caller's autocast state left as it is
+    (a ``SplitModule`` called under the user's own autocast). Why it is exact: a cached copy is the
+    same ``.to(dtype)`` autocast would make again, it is made with its autograd history (even under
+    ``no_grad``), its ``ToCopyBackward`` saves no tensor, so every micro-batch's backward passes
+    through it, and the step ends (the cache cleared) before the optimizer updates the fp32 weights
+    in place. ``tests/runtime/test_cast_once.py`` counts the copies and compares the gradients.
+
+    Under FSDP2 (:func:`~autosplit.runtime.placement.replicate_stage`) the parameters autocast sees are
+    FSDP2's unsharded ones, leaves kept for the step, so the cache applies as it does without it.
+    FSDP2's own ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` would also cast once, but
+    rounds every parameter (norms, embeddings, biases) to bf16, not only the matmuls' operands: the
+    tensors crossing stages change dtype from what the static metadata, traced under autocast, say,
+    and on a 2-layer GPT (M = 4, 3 AdamW steps) the gradients differ from autocast's by up to 2.2e-3
+    and the weights by 4.2e-3, outside the mixed precisions' tolerance (rtol 1e-3, atol 1e-4;
+    ``benchmarks/investigations/cast_once.py``). Stages compiled with ``compile=`` cast inside their
+    graph, where the cache does not reach: they still make one copy per micro-batch. The cache is the
+    thread's: on CUDA, where autograd runs the backward on its device thread, a block recomputed in
+    the backward casts again there (a transient copy, freed with the block's backward, as before).
+
+    Usage::
+
+        with cast_once("bf16-mixed", "cuda"):
+            pipe_schedule.step(...)
+    """
+    if not is_mixed(precision):
+        return contextlib.nullcontext()
+    if ambient:
+        return torch.autocast(device_type, dtype=torch.get_autocast_dtype(device_type),
+                              enabled=torch.is_autocast_enabled(device_type), cache_enabled=True)
+    return torch.autocast(device_type, enabled=False, cache_enabled=True)
 
 
 def hold(module: torch.nn.Module, precision: str) -> int:
@@ -95,7 +148,8 @@ def stage_device_type(plan: Plan) -> str:
 
 class AutocastStage(torch.nn.Module):
     """``stage`` run under ``torch.autocast(device_type, dtype)`` of a mixed ``precision`` (the local
-    runtime's per-stage policy; the distributed stages enter it in their ``forward_one_chunk``)."""
+    runtime's per-stage policy, inside the :func:`cast_once` of the whole call; the distributed stages
+    enter it in their ``forward_one_chunk``)."""
 
     def __init__(self, stage: torch.nn.Module, precision: str, device_type: str):
         super().__init__()

@@ -55,9 +55,10 @@ class Span(NamedTuple):
 
 class _PolicyStage(PipelineStage):
     """A stage whose forward runs under the plan's precision (``precision``: the plan's, and the
-    stage's device type; :func:`~autosplit.runtime.precision.autocast`), the backward outside it; a
-    tensor it sends whose dtype is not the one its neighbour's receive buffer was made with is a
-    typed error before the send, never a silent cast or a mismatched message."""
+    stage's device type; :func:`~autosplit.runtime.precision.autocast`, inside the step's
+    :func:`~autosplit.runtime.precision.cast_once`, so the micro-batches share each weight's copy),
+    the backward outside it; a tensor it sends whose dtype is not the one its neighbour's receive
+    buffer was made with is a typed error before the send, never a silent cast or a mismatched message."""
 
     def __init__(self, *args: Any, precision: tuple[str, str] = ("fp32", "cpu"), **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
