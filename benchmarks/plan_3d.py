@@ -1,0 +1,134 @@
+"""Published parallelism recipes as plans, beside autosplit's own plan of the same model, cluster and batch.
+
+Simulated: the models are built by transformers on the meta device and planned onto H100 presets
+(``Cluster.dgx_h100``); every figure is the cost model's, not a measurement. Each row is planned
+in a fresh process (its peak RSS is the planning process's own):
+
+- **recipe**: torchtitan's Llama-3-8B on 8 H100s — FSDP 8 alone (one pipeline stage, dp_shard 8),
+  local batch 1 × 8192, bf16 with full activation checkpointing — as autosplit's runtime would run
+  it (its one forced split, ``data_parallel=8, replicate="fully_shard"``), its predicted
+  tokens/s/GPU beside the published 5,762 (torchtitan's docs/performance.md, H100, bf16);
+- **autosplit**: ``autosplit.plan(model, Cluster.dgx_h100(nodes=1), ...)`` at the same global batch
+  (8 × 8192), bf16-mixed, ``checkpointing="auto"``: the degrees, split, schedule, micro-batches and
+  recomputation chosen together;
+- **recipe:lifted**: the same with the memory caps lifted: its predicted time alone, compared with
+  the published figure (autosplit's runtime shards each stage as one FSDP unit, where torchtitan
+  wraps each block: the recipe's memory is what differs);
+- **memory**: the pipeline-only plan of Llama-3-8B on 8 H100s (8 stages, GPipe, 8 micro-batches, no
+  recomputation, caps lifted) in fp32 and in bf16-mixed: the fullest stage's activation memory
+  (with the weights cast once per step, bf16-mixed holds less).
+
+Prints a table and writes ``benchmarks/results/plan_3d.json`` (``--out``).
+
+Usage::
+
+    .venv/bin/python benchmarks/plan_3d.py          # about 5 min on 2 cores
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+PUBLISHED_8B_FSDP8 = 5762.0
+"""torchtitan Llama-3-8B, 8 × H100, FSDP 8, bf16, local batch 1 × 8192: tokens/s/GPU (docs/performance.md)."""
+SEQ = 8192
+
+
+def _plan_row(kind: str, time_limit: float) -> dict[str, Any]:
+    """One row, planned in this process."""
+    import torch
+
+    import autosplit
+    from benchmarks.plan_llms import _model
+
+    model = _model("llama3-8b")
+    tokens = autosplit.Spec((8, SEQ), torch.long)
+    start = time.perf_counter()
+    row: dict[str, Any] = {"kind": kind}
+    try:
+        if kind.startswith("recipe"):  # "recipe:lifted": its memory caps lifted, to cost its time alone
+            one = autosplit.Spec((1, SEQ), torch.long)  # each of the 8 copies' share
+            plan = autosplit.plan(model, ["H100-80GB"], example_inputs=(one,), data_parallel=8, replicate="fully_shard",
+                                  precision="bf16-mixed", checkpointing="full", micro_batches=1, time_limit=time_limit,
+                                  memory={0: "1TiB"} if kind.endswith("lifted") else None)
+        elif kind == "autosplit":
+            plan = autosplit.plan(model, autosplit.Cluster.dgx_h100(nodes=1), example_inputs=(tokens,), precision="bf16-mixed",
+                                  checkpointing="auto", time_limit=time_limit)
+        else:  # no recomputation and room for everything: the activations as each precision holds them
+            plan = autosplit.plan(model, ["H100-80GB"] * 8, example_inputs=(tokens,), precision=kind.split(":")[1],
+                                  schedule="gpipe", micro_batches=8, time_limit=time_limit, memory={d: "1TiB" for d in range(8)})
+        devices = plan.mesh["pp"] * plan.data_parallel
+        row.update(
+            outcome="planned", mesh=plan.mesh, step_s=plan.step_time, gap=plan.step_gap, schedule=plan.schedule,
+            micro_batches=plan.micro_batches, tokens_per_s_per_gpu=8 * SEQ / plan.step_time / devices if not kind.startswith("recipe")
+            else SEQ / plan.step_time, memory_state_gib=[s.memory_state / 2**30 for s in plan.stages], memory_gib=[s.memory / 2**30 for s in plan.stages],
+            activations_gib=[s.memory_activations / 2**30 for s in plan.stages], terms=plan.terms.__dict__ if plan.terms else None,
+            alternatives=[{"data_parallel": a.data_parallel, "dp_shard": a.dp_shard, "pp": len(a.rank_memory), "step_s": a.step_time,
+                           "note": a.note} for a in plan.alternatives],
+        )
+    except autosplit.AutosplitError as e:
+        row.update(outcome=type(e).__name__, message=str(e).split(". Likely cause")[0])
+    row["total_s"] = time.perf_counter() - start
+    row["peak_rss_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9
+    return row
+
+
+def run(time_limit: float) -> list[dict[str, Any]]:
+    rows = []
+    for kind in ("recipe", "recipe:lifted", "autosplit", "memory:fp32", "memory:bf16-mixed"):
+        code = ("import json, sys; sys.path.insert(0, sys.argv[1]); from benchmarks.plan_3d import _plan_row; "
+                "print('ROW' + json.dumps(_plan_row(sys.argv[2], float(sys.argv[3]))))")
+        out = subprocess.run([sys.executable, "-c", code, str(Path(__file__).resolve().parents[1]), kind, str(time_limit)],
+                             capture_output=True, text=True, timeout=1200)
+        line = next((x for x in out.stdout.splitlines() if x.startswith("ROW")), None)
+        row = json.loads(line[3:]) if line else {"kind": kind, "outcome": "crashed", "stderr": out.stderr[-2000:]}
+        rows.append(row)
+        print(_line(row), flush=True)
+    return rows
+
+
+def _line(row: dict[str, Any]) -> str:
+    if row["outcome"] != "planned":
+        return f"{row['kind']:>18}  {row['outcome']}: {row.get('message', row.get('stderr', ''))[:300]}"
+    mesh = " × ".join(f"{k} {v}" for k, v in row["mesh"].items() if v > 1) or "one device"
+    gap = f"{row['gap']:.1%}" if row["gap"] is not None else "unknown"
+    return (f"{row['kind']:>18}  {mesh:<22} step {row['step_s']:7.3f} s  {row['tokens_per_s_per_gpu']:8,.0f} tokens/s/GPU  "
+            f"gap {gap:>7}  fullest {max(row['memory_gib']):5.1f} GiB (activations {max(row['activations_gib']):5.1f})  "
+            f"planned in {row['total_s']:5.1f} s, {row['peak_rss_gb']:.2f} GB RSS")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--time-limit", type=float, default=10.0, help="solver limit per configuration")
+    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results" / "plan_3d.json")
+    args = parser.parse_args(argv)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from benchmarks.plan_time import machine
+
+    print("simulated: H100 presets, the cost model's figures (not measured)")
+    rows = run(args.time_limit)
+    recipe = next(r for r in rows if r["kind"] == "recipe:lifted")
+    summary: dict[str, Any] = {"published_tokens_per_s_per_gpu": PUBLISHED_8B_FSDP8,
+                               "published_source": "torchtitan docs/performance.md: Llama-3-8B, 8 x H100, FSDP 8, bf16"}
+    if recipe["outcome"] == "planned":
+        summary["recipe_over_published"] = recipe["tokens_per_s_per_gpu"] / PUBLISHED_8B_FSDP8
+        print(f"recipe predicted / published: {summary['recipe_over_published']:.2f}")
+    ours = next(r for r in rows if r["kind"] == "autosplit")
+    if ours["outcome"] == "planned" and recipe["outcome"] == "planned":
+        summary["autosplit_over_recipe"] = ours["tokens_per_s_per_gpu"] / recipe["tokens_per_s_per_gpu"]
+        print(f"autosplit / recipe (predicted): {summary['autosplit_over_recipe']:.2f}")
+    args.out.write_text(json.dumps({"benchmark": "plan_3d", "simulated": True, "machine": machine(), "summary": summary,
+                                    "rows": rows}, indent=1))
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
