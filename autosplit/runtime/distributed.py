@@ -179,8 +179,8 @@ class DistributedModel(StageState, TrainingLoop, FlushedStep, AsynchronousRun):
     def _prepare_stages(
         self, modules: Mapping[int, torch.nn.Module], compiled: CompileOptions | None, replication: str, dp_mesh: Any,
     ) -> None:
-        """Each stage module held in the plan's precision, compiled under ``compile=`` and replicated
-        over the ``dp`` mesh dimension: torchtitan's order (compile before FSDP2 wraps them)."""
+        """Each stage module held in the plan's precision, compiled under ``compile=`` and kept in step
+        over the mesh's data-parallel sub-mesh (``dp_mesh``): torchtitan's order (compile before FSDP2 wraps them)."""
         device, layout = self.device, self.layout
         for stage_module in modules.values():
             hold(stage_module, self.precision)
@@ -194,9 +194,9 @@ class DistributedModel(StageState, TrainingLoop, FlushedStep, AsynchronousRun):
         if compiled is not None:  # before FSDP2 wraps the stages, as torchtitan orders them
             options = {f.name: getattr(compiled, f.name) for f in dataclasses.fields(compiled)}
             self.compiled = compile_stages(modules, **options, device_types={device.type})
-        if layout.replicas > 1:
+        if layout.replicas > 1:  # torchtitan keeps the gathered parameters from forward to backward under pipelining
             for stage_module in modules.values():
-                self._sparse_tables += replicate_stage(stage_module, replication, dp_mesh)
+                self._sparse_tables += replicate_stage(stage_module, replication, dp_mesh, reshard_after_forward=layout.stages == 1)
 
     def _micro_batch_loss(self, out: Any, target: Any) -> torch.Tensor:
         """The loss torch's schedules call on the last stage's output of one micro-batch: its share of
