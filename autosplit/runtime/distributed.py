@@ -118,7 +118,7 @@ class DistributedModel(StageState, TrainingLoop, FlushedStep, AsynchronousRun):
         pp_group: Any, dp_mesh: Any, replication: str, input_names: Sequence[str], to_flat: Callable[..., list[Any]],
         micro_batches: int, example: Sequence[Any], chain_at: Callable[[int], Chain],
         tied_groups: Sequence[tuple[str, Any]] = (), asynchronous: str | None = None, aliases: Mapping[str, Sequence[str]] = {},
-        compiled: CompileOptions | None = None,
+        compiled: CompileOptions | None = None, mesh: Any = None,
     ) -> None:
         from torch.distributed import pipelining
 
@@ -141,6 +141,9 @@ class DistributedModel(StageState, TrainingLoop, FlushedStep, AsynchronousRun):
         self._state_names = dict(names.state)
         self._param_names = dict(names.params)
         self._aliases = {local: tuple(copies) for local, copies in aliases.items()}
+        self.mesh = mesh
+        """The ``("pp", "dp_replicate", "dp_shard", "tp")`` device mesh the ranks run on
+        (:func:`~autosplit.runtime.placement.make_mesh`; degrees: the plan's :attr:`~autosplit.plans.Plan.mesh`)."""
         self.precision = plan.precision
         """The plan's precision, which every stage of every rank runs in (:mod:`autosplit.runtime.precision`)."""
         self._prepare_stages(modules, compiled, replication, dp_mesh)
@@ -234,7 +237,7 @@ class DistributedModel(StageState, TrainingLoop, FlushedStep, AsynchronousRun):
         _open.discard(self)
         self._runs.clear()
         self._stages = []
-        self._pp_group = self._dp_mesh = None
+        self._pp_group = self._dp_mesh = self.mesh = None
         self._tied = []
 
     def _usable(self) -> None:

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 import autosplit
 from autosplit.errors import ConstraintError, DistributedError
 from autosplit.runtime.checkpoint import load_checkpoint
+from autosplit.runtime.placement import MESH_DIMS
 from tests.helpers import NO_SEARCH, full_tensor, gpt_case, says, where
 
 STEPS = 3
@@ -71,7 +72,7 @@ def _distribute(model, args, kwargs, loss_fn, stages: int, copies: int, **option
     return autosplit.distribute(
         model, None if "plan" in options else ["cpu"] * stages, example_inputs=tuple(a[:rows] for a in args),
         example_kwargs={k: v[:rows] for k, v in kwargs.items()}, loss_fn=loss_fn, data_parallel=copies,
-        replicate="fully_shard", schedule="1f1b", micro_batches=MICRO, **NO_SEARCH, **options,
+        replicate="fully_shard", **{"schedule": "1f1b", "micro_batches": MICRO, **NO_SEARCH, **options},
     )
 
 
@@ -81,8 +82,14 @@ def _train_case(name: str, stages: int, precision: str, *, rank: int, world: int
     reference, copies = copy.deepcopy(model), world // stages
     pipe = _distribute(model, args, kwargs, loss_fn, stages, copies, precision=precision)
     assert pipe.plan.mesh == {"pp": stages, "dp_replicate": 1, "dp_shard": copies, "tp": 1}
+    assert pipe.mesh.mesh_dim_names == MESH_DIMS and tuple(pipe.mesh.shape) == (stages, 1, copies, 1)
+    place = pipe.layout.place(pipe.stage_index)  # rank = ((pp · dp_replicate + r) · dp_shard + s) · tp + t
+    assert rank == place * copies + pipe.layout.replica
     for pname, p in pipe.named_parameters():  # sharded by FSDP2 over the mesh's dp_shard dimension
         assert p.device_mesh.mesh_dim_names == ("dp_shard",) and p.placements[0].is_shard(), pname
+        assert p.device_mesh.mesh.tolist() == [place * copies + s for s in range(copies)], pname
+    # torchtitan's choice: under pipelining the gathered parameters stay from forward to backward
+    assert pipe.module._get_fsdp_state()._fsdp_param_group._reshard_after_forward == (stages == 1)
     mine = slice(pipe.layout.replica * ROWS // copies, (pipe.layout.replica + 1) * ROWS // copies)
     opt = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
@@ -160,7 +167,7 @@ def _resume_case(folder: str, stages: int, shard: int, *, rank: int, world: int)
     torch.manual_seed(7)  # other initial weights and optimizer: everything comes from the checkpoint
     model = type(reference)(vocab=40, d_model=16, n_layers=2, n_heads=2, max_len=8).double()
     copies = world // stages
-    options: dict[str, Any] = {}
+    options: dict[str, Any] = {"schedule": "gpipe"} if stages > MICRO else {}  # 1F1B needs a micro-batch per stage
     if shard != copies:  # HSDP: only a given plan asks for both degrees
         made = autosplit.plan(model, ["cpu"] * stages, example_inputs=tuple(a[:ROWS // copies] for a in args),
                               example_kwargs={k: v[:ROWS // copies] for k, v in kwargs.items()}, data_parallel=copies,
@@ -168,6 +175,8 @@ def _resume_case(folder: str, stages: int, shard: int, *, rank: int, world: int)
         options["plan"] = dataclasses.replace(made, dp_shard=shard)
     pipe = _distribute(model, args, kwargs, loss_fn, stages, copies, **options)
     assert pipe.plan.mesh == {"pp": stages, "dp_replicate": copies // shard, "dp_shard": shard, "tp": 1}
+    dims = ("dp_replicate", "dp_shard") if 1 < shard < copies else ("dp_shard",) if shard > 1 else None
+    assert all(full_tensor(p) is p if dims is None else p.device_mesh.mesh_dim_names == dims for p in pipe.parameters())
     opt = torch.optim.AdamW(pipe.parameters(), lr=5.0)
     pipe.load(f"{folder}/ckpt", optimizer=opt)
     what = f"resumed under {pipe.plan.mesh}"
