@@ -324,9 +324,9 @@ def _build(
     return DistributedModel(
         modules=modules, names=names, aliases=aliases, plan=made, chain=chain, layout=layout, device=device, loss_fn=loss_fn,
         pp_group=the_mesh["pp"].get_group(), dp_mesh=data_parallel_mesh(the_mesh),
-        replication="fully_shard" if made.dp_shard > 1 else "replicate", input_names=chain.input_names, to_flat=to_flat, micro_batches=made.micro_batches,
-        example=to_flat(*example), chain_at=chains, tied_groups=tied_groups, asynchronous=entry.name if entry.asynchronous else None,
-        compiled=compiled, mesh=the_mesh,
+        replication="fully_shard" if made.dp_shard > 1 else "replicate", input_names=chain.input_names, to_flat=to_flat,
+        micro_batches=made.micro_batches, example=to_flat(*example), chain_at=chains, tied_groups=tied_groups,
+        asynchronous=entry.name if entry.asynchronous else None, compiled=compiled, mesh=the_mesh,
     )
 
 

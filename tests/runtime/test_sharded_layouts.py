@@ -44,8 +44,9 @@ def _lm_loss(out: Any, target: torch.Tensor) -> torch.Tensor:
 def _llama_case() -> tuple[torch.nn.Module, tuple, dict, torch.Tensor, Any]:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, max_position_embeddings=16, attn_implementation="eager")
+    shape: dict[str, Any] = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                 num_key_value_heads=2, max_position_embeddings=16, attn_implementation="eager")
+    config = LlamaConfig(**shape)
     tokens = torch.randint(0, 128, (ROWS, 8))
     return LlamaForCausalLM(config), (tokens,), {}, torch.randint(0, 128, (ROWS, 8)), _lm_loss
 
@@ -219,13 +220,13 @@ def _refusal_case(plan_path: str, *, rank: int, world: int) -> None:
     with pytest.raises(DistributedError) as e:  # a plan for the 4-rank mesh, on 2
         autosplit.distribute(model, None, **example, data_parallel=2, replicate="fully_shard", plan=plan_path)
     says(e, "2 ranks", "= 4", "another plan")
-    with pytest.raises(ConstraintError) as e:  # the plan's degrees, other than the arguments'
+    with pytest.raises(ConstraintError) as refused:  # the plan's degrees, other than the arguments'
         autosplit.distribute(model, None, **example, data_parallel=1, plan=plan_path)
-    says(e, "'dp_shard': 2", "data_parallel=2", "replicate='fully_shard'")
+    says(refused, "'dp_shard': 2", "data_parallel=2", "replicate='fully_shard'")
 
 
 def test_a_mesh_the_process_group_cannot_hold_is_refused_by_name(gloo, tmp_path):
-    model, args, kwargs, _, loss_fn = gpt_case()
+    model, args, kwargs, _, _ = gpt_case()
     made = autosplit.plan(model, ["cpu"] * 2, example_inputs=tuple(a[:4] for a in args),
                           example_kwargs={k: v[:4] for k, v in kwargs.items()}, data_parallel=2, replicate="fully_shard", **NO_SEARCH)
     assert made.mesh == {"pp": 2, "dp_replicate": 1, "dp_shard": 2, "tp": 1}
