@@ -1,11 +1,13 @@
 """The distributed runtime: a plan's stages as ``torch.distributed.pipelining`` stages, one per
-process, replicated data-parallel over a ``("pp", "dp")`` device mesh (Pal et al.'s hybrid:
-each data-parallel worker is a group of devices across which the model is split).
+process, with data-parallel copies on a ``("pp", "dp_replicate", "dp_shard", "tp")`` device mesh
+(torchtitan's; Pal et al.'s hybrid: each data-parallel worker is a group of devices across which the
+model is split).
 
 Every rank of an initialised process group calls :func:`~autosplit.api.distributed.distribute` with the same model,
-example batch and options. World size = ``data_parallel × stages``; on the mesh, ``pp`` is the
-outer dimension (as in torchtitan), so rank ``r`` runs stage ``r // data_parallel`` of replica
-``r % data_parallel``.
+example batch and options. World size = pp × dp_replicate × dp_shard × tp (the plan's
+:attr:`~autosplit.plans.Plan.mesh`; ``data_parallel × stages`` while tp is 1); pp is the outermost
+dimension and tp the innermost, so rank ``r`` runs stage ``r // data_parallel`` of the copy
+``r % data_parallel`` (:mod:`autosplit.runtime.placement`).
 
 1. Every rank captures and annotates the model; rank 0 solves (or every rank loads the plan
    file) and the plan is broadcast; every rank checks the graph fingerprint against its own
@@ -15,10 +17,12 @@ outer dimension (as in torchtitan), so rank ``r`` runs stage ``r // data_paralle
    only, contiguous, with static per-micro-batch metadata — so ``PipelineStage`` needs no
    shape-inference round trip. Each stage posts all of a step's receives when the step begins
    (:class:`~autosplit.runtime.stage.EarlyReceivingStage`).
-3. With ``data_parallel > 1`` each stage's module is wrapped in FSDP2's ``replicate`` (or
-   ``fully_shard``), as ``distribute(replicate=...)`` names it, over the mesh's ``dp`` group; the
-   pipelining schedule synchronises
-   gradients once per step, on the last micro-batch's backward.
+3. With ``data_parallel > 1`` each stage's module is wrapped in FSDP2's ``replicate`` over the
+   mesh's ``dp_replicate`` dimension or ``fully_shard`` over its ``dp_shard`` one (HSDP over both, from
+   a given plan), as ``distribute(replicate=...)`` names it; under pipelining without resharding after
+   forward (torchtitan's choice: one all-gather per stage and step), a single stage with it. The
+   pipelining schedule synchronises gradients once per step, on the last micro-batch's backward. One
+   stage (``distribute(model, ["cpu"], data_parallel=N, replicate="fully_shard")``) is a pipeline too.
 4. A tied parameter read by several stages (GPT's embedding and head) is either sent with the
    activations every micro-batch, or replicated on each stage that reads it with its
    gradient summed across them once per step (DeepSpeed's TiedLayerSpec) — whichever the
