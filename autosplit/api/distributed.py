@@ -77,16 +77,17 @@ def distribute(
 
     ``devices`` are one replica's stage devices (``["cpu"] * 2``; ``None`` with a ``plan``);
     world size must be ``data_parallel × len(devices)``: the ranks of the ``("pp", "dp_replicate",
-    "dp_shard", "tp")`` mesh (:attr:`~autosplit.plans.Plan.mesh`, :mod:`autosplit.runtime.placement`). A
-    given ``plan`` made for data-parallel copies runs only with the degrees it was made for. ``example_inputs`` /
-    ``example_kwargs`` are one replica's batch, the shape every :meth:`~DistributedModel.step`
-    takes. ``loss_fn(output, target)`` is called on each micro-batch's output (the model's
+    "dp_shard", "tp")`` mesh (:attr:`~autosplit.plans.Plan.mesh`, :mod:`autosplit.runtime.placement`);
+    a given ``plan`` made for data-parallel copies runs only with the degrees it was made for.
+    ``example_inputs`` / ``example_kwargs`` are one replica's batch, the shape every
+    :meth:`~DistributedModel.step` takes. ``loss_fn(output, target)`` is called on each micro-batch's output (the model's
     own output structure) and should average over its rows (e.g. ``CrossEntropyLoss()``); with an
     ``example_target`` of the batch, the plan costs it on the stage that returns the output.
     ``replicate``: how each stage's data-parallel replicas keep in step, named as torch names what
     runs — ``"replicate"`` (FSDP2's ``replicate`` over the mesh's ``dp_replicate``: whole parameters on
     every replica, gradients all-reduced) or ``"fully_shard"`` (FSDP2's ``fully_shard`` over its
-    ``dp_shard``: parameters, gradients and optimizer state sharded); the former names ``"ddp"`` and ``"fsdp"`` are refused, naming these.
+    ``dp_shard``: parameters, gradients and optimizer state sharded); the former names ``"ddp"`` and
+    ``"fsdp"`` are refused, naming these.
     ``options``: any :class:`~autosplit.options.PlanOptions` field (``micro_batches``, ``schedule`` — a flushed
     schedule torch runs, trained by :meth:`~DistributedModel.step`: ``"gpipe"``, ``"1f1b"``, or with
     ``stages_per_rank`` the multi-stage ``"interleaved1f1b"``, ``"loopedbfs"``,
