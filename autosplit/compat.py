@@ -71,6 +71,7 @@ __all__ = [
     "BatchNorm",
     "amp_unscale_",
     "amp_update_scale_",
+    "flatten_mesh",
     "fsdp_replicate",
     "stage_backward",
     "set_kwargs_chunk_spec",
@@ -151,6 +152,13 @@ def fsdp_replicate() -> Callable[..., Any]:
     from torch.distributed._composable.replicate_with_fsdp import replicate
 
     return replicate
+
+
+def flatten_mesh(mesh: Any, name: str) -> Any:
+    """``mesh`` (a sub-mesh of several dimensions) as one dimension called ``name`` of its root mesh
+    (``DeviceMesh._flatten``, as torchtitan makes its ``dp`` of ``dp_replicate × dp_shard``);
+    collective on its first call, then the root mesh's own: ``root[name]``."""
+    return mesh._flatten(name)
 
 
 def stage_backward() -> tuple[Callable[..., Any], Callable[..., Any]]:

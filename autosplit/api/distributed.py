@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
@@ -30,7 +31,7 @@ from autosplit.runtime.batches import ChainsByRows, keep_only, meta_copy
 from autosplit.runtime.compiled import CompileOptions, compile_options
 from autosplit.runtime.distributed import DistributedModel
 from autosplit.runtime.materialise import StageNames, WeightsLike, agree_by_name, materialise
-from autosplit.runtime.placement import Layout, agree, keep_unread, make_mesh, place, rank_device
+from autosplit.runtime.placement import Layout, agree, data_parallel_mesh, keep_unread, make_mesh, place, rank_device
 from autosplit.runtime.precision import stage_device_type
 from autosplit.shapes import is_meta
 
@@ -75,15 +76,18 @@ def distribute(
     """Run ``model`` as pipeline stages across the ranks of the initialised process group.
 
     ``devices`` are one replica's stage devices (``["cpu"] * 2``; ``None`` with a ``plan``);
-    world size must be ``data_parallel × len(devices)``. ``example_inputs`` /
-    ``example_kwargs`` are one replica's batch, the shape every :meth:`~DistributedModel.step`
-    takes. ``loss_fn(output, target)`` is called on each micro-batch's output (the model's
+    world size must be ``data_parallel × len(devices)``: the ranks of the ``("pp", "dp_replicate",
+    "dp_shard", "tp")`` mesh (:attr:`~autosplit.plans.Plan.mesh`, :mod:`autosplit.runtime.placement`);
+    a given ``plan`` made for data-parallel copies runs only with the degrees it was made for.
+    ``example_inputs`` / ``example_kwargs`` are one replica's batch, the shape every
+    :meth:`~DistributedModel.step` takes. ``loss_fn(output, target)`` is called on each micro-batch's output (the model's
     own output structure) and should average over its rows (e.g. ``CrossEntropyLoss()``); with an
     ``example_target`` of the batch, the plan costs it on the stage that returns the output.
     ``replicate``: how each stage's data-parallel replicas keep in step, named as torch names what
-    runs — ``"replicate"`` (FSDP2's ``replicate``: whole parameters on every replica, gradients
-    all-reduced) or ``"fully_shard"`` (FSDP2's ``fully_shard``: parameters, gradients and optimizer
-    state sharded); the former names ``"ddp"`` and ``"fsdp"`` are refused, naming these.
+    runs — ``"replicate"`` (FSDP2's ``replicate`` over the mesh's ``dp_replicate``: whole parameters on
+    every replica, gradients all-reduced) or ``"fully_shard"`` (FSDP2's ``fully_shard`` over its
+    ``dp_shard``: parameters, gradients and optimizer state sharded); the former names ``"ddp"`` and
+    ``"fsdp"`` are refused, naming these.
     ``options``: any :class:`~autosplit.options.PlanOptions` field (``micro_batches``, ``schedule`` — a flushed
     schedule torch runs, trained by :meth:`~DistributedModel.step`: ``"gpipe"``, ``"1f1b"``, or with
     ``stages_per_rank`` the multi-stage ``"interleaved1f1b"``, ``"loopedbfs"``,
@@ -109,13 +113,14 @@ def distribute(
     given = load_plan(plan)
     stages = len(given.devices) if devices is None and given is not None else len(devices or ())
     _check_arguments(replicate, data_parallel, stages, None if given is not None else options.get("schedule", "gpipe"))
+    shard = _check_mesh(given, stages, data_parallel, replicate)
     options = {"schedule": "gpipe", **options, "data_parallel": data_parallel, "replicate": replicate}
     planner = Planner(model, devices, example_inputs=example_inputs, example_kwargs=example_kwargs,
                       loss_fn=None if example_target is None else loss_fn, example_target=example_target, **options)
-    made = _agreed_plan(planner, given, data_parallel)
+    made = dataclasses.replace(_agreed_plan(planner, given, data_parallel), data_parallel=data_parallel, dp_shard=shard)
     layout = Layout.of(dist.get_rank(), len(made.stage_devices), data_parallel,
                        stage_ranks=made.stage_devices if made.stages_per_rank > 1 else ())
-    return _build(model, planner, made, given, layout, replicate, loss_fn, weights, compile_options(compile))
+    return _build(model, planner, made, given, layout, loss_fn, weights, compile_options(compile))
 
 
 def _runnable() -> tuple[list[str], str]:
@@ -163,17 +168,6 @@ def _check_arguments(replicate: str, data_parallel: Any, stages: int, schedule: 
             "it counts replicas of the pipeline",
             "pass an integer ≥ 1",
         ))
-    world = dist.get_world_size()
-    if world != stages * data_parallel:
-        raise DistributedError(
-            advice(
-                f"the process group has {world} ranks, but the plan needs data_parallel × stages = "
-                f"{data_parallel} × {stages} = {stages * data_parallel}",
-                "each rank runs one stage of one replica",
-                f"launch {stages * data_parallel} processes (torchrun --nproc-per-node {stages * data_parallel}), "
-                f"or pass data_parallel={world // stages if stages and world % stages == 0 else '…'} / other devices",
-            )
-        )
     if schedule is None:
         return
     try:
@@ -189,6 +183,37 @@ def _check_arguments(replicate: str, data_parallel: Any, stages: int, schedule: 
             f"torch.distributed.pipelining runs {on_torch}, and autosplit's own loop the asynchronous ones",
             f"pass one of {runnable}",
         ))
+
+
+def _check_mesh(given: Plan | None, stages: int, data_parallel: int, replicate: str) -> int:
+    """The ``dp_shard`` degree of the mesh to run (:attr:`~autosplit.plans.Plan.mesh`: ``stages`` along
+    pp, then ``data_parallel`` as ``replicate`` says); refused on every rank alike, before any work,
+    unless the process group has its ranks (:class:`DistributedError`) and a ``given`` plan made for
+    data-parallel copies was made for these (:class:`ConstraintError`); a plan made for one copy runs
+    under the arguments' degrees. HSDP (both degrees above 1) comes from a given plan only."""
+    shard = data_parallel if replicate == "fully_shard" else 1
+    if given is not None and given.data_parallel > 1:
+        if given.data_parallel != data_parallel or (given.dp_shard > 1) != (replicate == "fully_shard" and data_parallel > 1):
+            made_for = "fully_shard" if given.dp_shard > 1 else "replicate"
+            raise ConstraintError(advice(
+                f"the plan was made for the mesh {given.mesh} (data_parallel={given.data_parallel}, replicate={made_for!r}), "
+                f"but distribute was given data_parallel={data_parallel}, replicate={replicate!r}",
+                "a plan records the data-parallel degrees it was costed for",
+                f"pass data_parallel={given.data_parallel}, replicate={made_for!r}, or re-plan for these degrees",
+            ))
+        shard = given.dp_shard
+    mesh = {"pp": stages, "dp_replicate": data_parallel // shard, "dp_shard": shard, "tp": 1}
+    world, needed = dist.get_world_size(), math.prod(mesh.values())
+    if world != needed:
+        raise DistributedError(advice(
+            f"the process group has {world} ranks, but the plan needs pp × dp_replicate × dp_shard × tp = "
+            f"{' × '.join(str(d) for d in mesh.values())} = {needed} (data_parallel × stages = {data_parallel} × {stages})",
+            "each rank runs one stage of one data-parallel copy, at one place of the mesh ('pp', 'dp_replicate', 'dp_shard', 'tp')",
+            f"launch {needed} processes (torchrun --nproc-per-node {needed}), or pass "
+            f"data_parallel={world // stages if stages and world % stages == 0 else '…'} / other devices"
+            + (" / another plan" if given is not None else ""),
+        ))
+    return shard
 
 
 def _agreed_plan(planner: Planner, given: Plan | None, data_parallel: int) -> Plan:
@@ -231,7 +256,7 @@ def _agreed_plan(planner: Planner, given: Plan | None, data_parallel: int) -> Pl
 
 
 def _build(
-    model: torch.nn.Module, planner: Planner, made: Plan, given: Plan | None, layout: Layout, replicate: str,
+    model: torch.nn.Module, planner: Planner, made: Plan, given: Plan | None, layout: Layout,
     loss_fn: Callable[[Any, Any], torch.Tensor], weights: WeightsLike, compiled: CompileOptions | None,
 ) -> DistributedModel:
     """This rank's stage of the agreed plan, and nothing else of the model: the chain (at the
@@ -286,7 +311,7 @@ def _build(
     container = modules[held[0]] if len(held) == 1 else torch.nn.ModuleDict({str(s): m for s, m in modules.items()})
     _equal_copies(container, aliases)
     agree_by_name(container, names)
-    the_mesh = make_mesh(device, layout.pp, layout.replicas)
+    the_mesh = make_mesh(device, {**made.mesh, "pp": layout.pp})
     tied_groups = []
     for p in tied:  # new_group is collective: every rank creates every group, in one order
         for replica in range(layout.replicas):
@@ -301,10 +326,10 @@ def _build(
     entry = schedules.lookup(made.schedule)
     return DistributedModel(
         modules=modules, names=names, aliases=aliases, plan=made, chain=chain, layout=layout, device=device, loss_fn=loss_fn,
-        pp_group=the_mesh["pp"].get_group(), dp_mesh=the_mesh["dp"],
-        replication=replicate, input_names=chain.input_names, to_flat=to_flat, micro_batches=made.micro_batches,
-        example=to_flat(*example), chain_at=chains, tied_groups=tied_groups, asynchronous=entry.name if entry.asynchronous else None,
-        compiled=compiled,
+        pp_group=the_mesh["pp"].get_group(), dp_mesh=data_parallel_mesh(the_mesh),
+        replication="fully_shard" if made.dp_shard > 1 else "replicate", input_names=chain.input_names, to_flat=to_flat,
+        micro_batches=made.micro_batches, example=to_flat(*example), chain_at=chains, tied_groups=tied_groups,
+        asynchronous=entry.name if entry.asynchronous else None, compiled=compiled, mesh=the_mesh,
     )
 
 

@@ -2,9 +2,9 @@
 
 - :mod:`.local` — :class:`~.local.SplitModule`, every stage in this process, one after another;
 - :mod:`.distributed` — :class:`~.distributed.DistributedModel`, a ``torch.distributed.pipelining``
-  stage per process, replicated over a ``("pp", "dp")`` device mesh (built by
-  :func:`autosplit.distribute`); its flushed step in :mod:`.flushed`, its schedule per batch size in
-  :mod:`.runs`;
+  stage per process on a ``("pp", "dp_replicate", "dp_shard", "tp")`` device mesh (built by
+  :func:`autosplit.distribute`; :mod:`.placement`), its copies kept in step by FSDP2; its flushed
+  step in :mod:`.flushed`, its schedule per batch size in :mod:`.runs`;
 - :mod:`.batches` — batches of other sizes than the example's, checked on every rank;
 - :mod:`.loop` — the training loop's verbs on a pipeline: ``train()``/``eval()``, forward-only
   ``pipe(...)`` and ``eval_step``, ``clip_grad_norm_``; :mod:`.gradients` the norm over every rank;

@@ -1,11 +1,13 @@
 """The distributed runtime: a plan's stages as ``torch.distributed.pipelining`` stages, one per
-process, replicated data-parallel over a ``("pp", "dp")`` device mesh (Pal et al.'s hybrid:
-each data-parallel worker is a group of devices across which the model is split).
+process, with data-parallel copies on a ``("pp", "dp_replicate", "dp_shard", "tp")`` device mesh
+(torchtitan's; Pal et al.'s hybrid: each data-parallel worker is a group of devices across which the
+model is split).
 
 Every rank of an initialised process group calls :func:`~autosplit.api.distributed.distribute` with the same model,
-example batch and options. World size = ``data_parallel × stages``; on the mesh, ``pp`` is the
-outer dimension (as in torchtitan), so rank ``r`` runs stage ``r // data_parallel`` of replica
-``r % data_parallel``.
+example batch and options. World size = pp × dp_replicate × dp_shard × tp (the plan's
+:attr:`~autosplit.plans.Plan.mesh`; ``data_parallel × stages`` while tp is 1); pp is the outermost
+dimension and tp the innermost, so rank ``r`` runs stage ``r // data_parallel`` of the copy
+``r % data_parallel`` (:mod:`autosplit.runtime.placement`).
 
 1. Every rank captures and annotates the model; rank 0 solves (or every rank loads the plan
    file) and the plan is broadcast; every rank checks the graph fingerprint against its own
@@ -15,10 +17,12 @@ outer dimension (as in torchtitan), so rank ``r`` runs stage ``r // data_paralle
    only, contiguous, with static per-micro-batch metadata — so ``PipelineStage`` needs no
    shape-inference round trip. Each stage posts all of a step's receives when the step begins
    (:class:`~autosplit.runtime.stage.EarlyReceivingStage`).
-3. With ``data_parallel > 1`` each stage's module is wrapped in FSDP2's ``replicate`` (or
-   ``fully_shard``), as ``distribute(replicate=...)`` names it, over the mesh's ``dp`` group; the
-   pipelining schedule synchronises
-   gradients once per step, on the last micro-batch's backward.
+3. With ``data_parallel > 1`` each stage's module is wrapped in FSDP2's ``replicate`` over the
+   mesh's ``dp_replicate`` dimension or ``fully_shard`` over its ``dp_shard`` one (HSDP over both, from
+   a given plan), as ``distribute(replicate=...)`` names it; under pipelining without resharding after
+   forward (torchtitan's choice: one all-gather per stage and step), a single stage with it. The
+   pipelining schedule synchronises gradients once per step, on the last micro-batch's backward. One
+   stage (``distribute(model, ["cpu"], data_parallel=N, replicate="fully_shard")``) is a pipeline too.
 4. A tied parameter read by several stages (GPT's embedding and head) is either sent with the
    activations every micro-batch, or replicated on each stage that reads it with its
    gradient summed across them once per step (DeepSpeed's TiedLayerSpec) — whichever the
@@ -119,7 +123,7 @@ class DistributedModel(StageState, TrainingLoop, FlushedStep, AsynchronousRun):
         pp_group: Any, dp_mesh: Any, replication: str, input_names: Sequence[str], to_flat: Callable[..., list[Any]],
         micro_batches: int, example: Sequence[Any], chain_at: Callable[[int], Chain],
         tied_groups: Sequence[tuple[str, Any]] = (), asynchronous: str | None = None, aliases: Mapping[str, Sequence[str]] = {},
-        compiled: CompileOptions | None = None,
+        compiled: CompileOptions | None = None, mesh: Any = None,
     ) -> None:
         from torch.distributed import pipelining
 
@@ -142,6 +146,9 @@ class DistributedModel(StageState, TrainingLoop, FlushedStep, AsynchronousRun):
         self._state_names = dict(names.state)
         self._param_names = dict(names.params)
         self._aliases = {local: tuple(copies) for local, copies in aliases.items()}
+        self.mesh = mesh
+        """The ``("pp", "dp_replicate", "dp_shard", "tp")`` device mesh the ranks run on
+        (:func:`~autosplit.runtime.placement.make_mesh`; degrees: the plan's :attr:`~autosplit.plans.Plan.mesh`)."""
         self.precision = plan.precision
         """The plan's precision, which every stage of every rank runs in (:mod:`autosplit.runtime.precision`)."""
         self._prepare_stages(modules, compiled, replication, dp_mesh)
@@ -180,8 +187,8 @@ class DistributedModel(StageState, TrainingLoop, FlushedStep, AsynchronousRun):
     def _prepare_stages(
         self, modules: Mapping[int, torch.nn.Module], compiled: CompileOptions | None, replication: str, dp_mesh: Any,
     ) -> None:
-        """Each stage module held in the plan's precision, compiled under ``compile=`` and replicated
-        over the ``dp`` mesh dimension: torchtitan's order (compile before FSDP2 wraps them)."""
+        """Each stage module held in the plan's precision, compiled under ``compile=`` and kept in step
+        over the mesh's data-parallel sub-mesh (``dp_mesh``): torchtitan's order (compile before FSDP2 wraps them)."""
         device, layout = self.device, self.layout
         for stage_module in modules.values():
             hold(stage_module, self.precision)
@@ -195,9 +202,9 @@ class DistributedModel(StageState, TrainingLoop, FlushedStep, AsynchronousRun):
         if compiled is not None:  # before FSDP2 wraps the stages, as torchtitan orders them
             options = {f.name: getattr(compiled, f.name) for f in dataclasses.fields(compiled)}
             self.compiled = compile_stages(modules, **options, device_types={device.type})
-        if layout.replicas > 1:
+        if layout.replicas > 1:  # torchtitan keeps the gathered parameters from forward to backward under pipelining
             for stage_module in modules.values():
-                self._sparse_tables += replicate_stage(stage_module, replication, dp_mesh)
+                self._sparse_tables += replicate_stage(stage_module, replication, dp_mesh, reshard_after_forward=layout.stages == 1)
 
     def _micro_batch_loss(self, out: Any, target: Any) -> torch.Tensor:
         """The loss torch's schedules call on the last stage's output of one micro-batch: its share of
@@ -235,7 +242,7 @@ class DistributedModel(StageState, TrainingLoop, FlushedStep, AsynchronousRun):
         _open.discard(self)
         self._runs.clear()
         self._stages = []
-        self._pp_group = self._dp_mesh = None
+        self._pp_group = self._dp_mesh = self.mesh = None
         self._tied = []
 
     def _usable(self) -> None:

@@ -1,34 +1,46 @@
-"""Where this rank's stage lives: its place on the ``("pp", "dp")`` mesh, its device, the
-data-parallel wrapping of its module, and the model's state no stage reads.
+"""Where this rank's stage lives: its place on the device mesh, its device, the data-parallel
+wrapping of its module, and the model's state no stage reads.
 
-On the mesh ``pp`` is the outer dimension (as in torchtitan): rank ``r`` runs stage
-``r // replicas`` of replica ``r % replicas``.
+The mesh is torchtitan's ``("pp", "dp_replicate", "dp_shard", "tp")`` (:func:`make_mesh`), pp
+outermost and tp innermost (tp is 1 so far), with the degrees the plan records
+(:attr:`~autosplit.plans.Plan.mesh`): rank ``((p · dp_replicate + r) · dp_shard + s) · tp + t``
+sits at ``(p, r, s, t)``. Every rank along ``pp`` runs its stages of one data-parallel copy:
+:class:`Layout`'s replica is ``r · dp_shard + s``, so rank ``q`` runs stage (place) ``q // dp`` of
+replica ``q % dp`` with ``dp = dp_replicate × dp_shard``. FSDP2 keeps the copies in step on the
+data-parallel sub-mesh (:func:`data_parallel_mesh`): ``fully_shard`` over ``dp_shard`` (HSDP, over
+``("dp_replicate", "dp_shard")``, when both are above 1), ``replicate`` over ``dp_replicate``.
 """
 
 from __future__ import annotations
 
+import math
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from autosplit.compat import fsdp_replicate
+from autosplit.compat import flatten_mesh, fsdp_replicate
 from autosplit.errors import DistributedError, advice
 from autosplit.passes.chain import Chain
 from autosplit.passes.sparse_tables import sparse_gradient_tables
 from autosplit.plans import Plan
 
 __all__ = [
-    "agree", "keep_unread", "Layout", "make_mesh", "place", "rank_device", "reduce_sparse_gradients",
-    "replicate_stage",
+    "MESH_DIMS", "agree", "data_parallel_mesh", "keep_unread", "Layout", "make_mesh", "place", "rank_device",
+    "reduce_sparse_gradients", "replicate_stage",
 ]
+
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
+"""The device mesh's dimensions, outermost first (torchtitan's order)."""
 
 
 @dataclass(frozen=True)
 class Layout:
-    """Where this rank sits on the ``("pp", "dp")`` mesh, and the stages it runs."""
+    """Where this rank sits on the mesh — its place along ``pp`` and its data-parallel copy (``replica``:
+    ``r · dp_shard + s`` of the mesh's ``dp_replicate`` and ``dp_shard`` coordinates) — and the stages it runs."""
 
     stages: int
     replicas: int
@@ -130,17 +142,48 @@ def _quiet_fsdp_view_warning(stage: torch.nn.Module) -> None:
     )
 
 
-def make_mesh(device: torch.device, stages: int, replicas: int) -> Any:
+def make_mesh(device: torch.device, degrees: Mapping[str, int]) -> Any:
+    """The ``("pp", "dp_replicate", "dp_shard", "tp")`` device mesh of ``degrees`` (a plan's
+    :attr:`~autosplit.plans.Plan.mesh`), pp outermost (module docstring); with both data-parallel
+    degrees above 1, also their flattened ``"dp"`` (collective: every rank calls it)."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    return init_device_mesh(device.type, (stages, replicas), mesh_dim_names=("pp", "dp"))
+    shape = tuple(int(degrees[name]) for name in MESH_DIMS)
+    if math.prod(shape) != dist.get_world_size():
+        raise DistributedError(advice(
+            f"the mesh {dict(zip(MESH_DIMS, shape))} has {math.prod(shape)} ranks, the process group {dist.get_world_size()}",
+            "world size = pp × dp_replicate × dp_shard × tp", "launch as many processes as the mesh has ranks",
+        ))
+    mesh = init_device_mesh(device.type, shape, mesh_dim_names=MESH_DIMS)
+    if degrees["dp_replicate"] > 1 and degrees["dp_shard"] > 1:
+        flatten_mesh(mesh["dp_replicate", "dp_shard"], "dp")
+    return mesh
 
 
-def replicate_stage(module: torch.nn.Module, mode: str, dp_mesh: Any) -> list[torch.nn.Parameter]:
+def data_parallel_mesh(mesh: Any) -> Any:
+    """The sub-mesh of :func:`make_mesh`'s ``mesh`` that FSDP2 keeps the stages' copies in step on:
+    ``("dp_replicate", "dp_shard")`` (HSDP) when both degrees are above 1, else ``"dp_shard"`` when it
+    is, else ``"dp_replicate"``."""
+    replicas, shards = mesh["dp_replicate"].size(), mesh["dp_shard"].size()
+    if replicas > 1 and shards > 1:
+        return mesh["dp_replicate", "dp_shard"]
+    return mesh["dp_shard"] if shards > 1 else mesh["dp_replicate"]
+
+
+def _flat(dp_mesh: Any) -> Any:
+    """``dp_mesh`` as one dimension (the ``"dp"`` :func:`make_mesh` flattened, for HSDP's two)."""
+    return dp_mesh if dp_mesh.ndim == 1 else flatten_mesh(dp_mesh, "dp")
+
+
+def replicate_stage(
+    module: torch.nn.Module, mode: str, dp_mesh: Any, *, reshard_after_forward: bool = True,
+) -> list[torch.nn.Parameter]:
     """Keep ``module``'s replicas in step over ``dp_mesh`` with FSDP2's composable APIs, which the
     pipelining stage drives itself: gradient sync is switched off for all but the last
     micro-batch's backward. ``mode`` is the FSDP2 API's name: ``"replicate"`` (whole parameters,
     gradients all-reduced) or ``"fully_shard"`` (parameters, gradients and optimizer state sharded).
+    ``reshard_after_forward`` (``fully_shard`` only): False under pipelining, as torchtitan runs it, so a
+    step gathers each stage's parameters once rather than once per micro-batch; True for one stage.
     Classic DDP cannot be used here: its reducer is prepared by every forward, but pipelining only
     wraps the backwards in ``no_sync``, and DDP's bucket rebuild then sees each parameter M times.
 
@@ -161,7 +204,7 @@ def replicate_stage(module: torch.nn.Module, mode: str, dp_mesh: Any) -> list[to
     if mode == "fully_shard":
         from torch.distributed.fsdp import fully_shard
 
-        fully_shard(module, mesh=dp_mesh, ignored_params=set(tables))
+        fully_shard(module, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, ignored_params=set(tables))
     else:
         fsdp_replicate()(module, mesh=dp_mesh, ignored_params=set(tables))
     _quiet_fsdp_view_warning(module)
@@ -172,7 +215,8 @@ def reduce_sparse_gradients(tables: list[torch.nn.Parameter], dp_mesh: Any) -> N
     """Average the sparse gradients of ``tables`` over the replicas of ``dp_mesh``, as FSDP2
     averages the dense ones: gloo's sparse all-reduce gathers every replica's rows. A table
     without a gradient this step contributes an empty one, so that every replica joins each call."""
-    group, replicas = dp_mesh.get_group(), dp_mesh.size()
+    flat = _flat(dp_mesh)
+    group, replicas = flat.get_group(), flat.size()
     for p in tables:
         grad = p.grad if p.grad is not None else torch.sparse_coo_tensor(
             torch.empty(1, 0, dtype=torch.long, device=p.device), p.new_empty(0, *p.shape[1:]), p.shape)

@@ -1,0 +1,234 @@
+"""Sharded layouts on the ``("pp", "dp_replicate", "dp_shard", "tp")`` mesh train like the unsplit model.
+
+Each rank builds its part of a fixed plan (:data:`~tests.helpers.NO_SEARCH`: the planner is not
+under test) with FSDP2's ``fully_shard`` over the mesh's ``dp_shard`` dimension, and trains on its
+data-parallel copy's slice of a global batch of 8 rows; beside it, in the same process, the unsplit
+model trains on the whole global batch, its gradient the mean loss's over all of it. In float64 the
+losses of every step, every gradient and the parameters after 3 AdamW steps agree to rounding:
+2 stages × ``dp_shard`` 2 on 4 processes and 1 stage × ``dp_shard`` 2 on 2, for a GPT with tied
+embeddings and a small transformers Llama; in ``"bf16-mixed"`` against the unsplit model under
+``torch.autocast`` run micro-batch by micro-batch. A model and optimizer checkpoint saved under
+2 stages × ``dp_shard`` 2 resumes under 1 stage × ``dp_shard`` 4, under 1 stage × ``dp_replicate``
+2 × ``dp_shard`` 2 (HSDP), under 4 stages and in the unsplit model, and the next step is the
+unsplit model's.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import autosplit
+from autosplit.errors import ConstraintError, DistributedError
+from autosplit.runtime.checkpoint import load_checkpoint
+from autosplit.runtime.placement import MESH_DIMS
+from tests.helpers import NO_SEARCH, full_tensor, gpt_case, says, where
+
+STEPS = 3
+MICRO = 2
+ROWS = 8
+TOL: dict[str, dict[str, Any]] = {"fp32": {}, "bf16-mixed": {"rtol": 1e-3, "atol": 1e-4}}
+"""float64 runs agree to rounding (default tolerances); bf16-mixed at tests/runtime/test_precision.py's."""
+
+
+def _lm_loss(out: Any, target: torch.Tensor) -> torch.Tensor:
+    logits = out["logits"] if isinstance(out, dict) else out
+    return F.cross_entropy(logits.flatten(0, 1), target.flatten())
+
+
+def _llama_case() -> tuple[torch.nn.Module, tuple, dict, torch.Tensor, Any]:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    shape: dict[str, Any] = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                 num_key_value_heads=2, max_position_embeddings=16, attn_implementation="eager")
+    config = LlamaConfig(**shape)
+    tokens = torch.randint(0, 128, (ROWS, 8))
+    return LlamaForCausalLM(config), (tokens,), {}, torch.randint(0, 128, (ROWS, 8)), _lm_loss
+
+
+CASES = {"gpt": gpt_case, "llama": _llama_case}
+
+
+def _reference_step(model, args, kwargs, target, loss_fn, copies: int, precision: str) -> list[torch.Tensor]:
+    """The unsplit model on the global batch, copy by copy (micro-batch by micro-batch under autocast):
+    gradients of the global batch's mean loss; returns each data-parallel copy's mean loss."""
+    chunks = MICRO if precision != "fp32" else 1
+    losses = []
+    for c in range(copies * chunks):
+        rows = slice(c * ROWS // (copies * chunks), (c + 1) * ROWS // (copies * chunks))
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16-mixed"):
+            loss = loss_fn(model(*(a[rows] for a in args), **{k: v[rows] for k, v in kwargs.items()}), target[rows])
+        (loss / (copies * chunks)).backward()
+        losses.append(loss.detach())
+    return [torch.stack(losses[c * chunks:(c + 1) * chunks]).mean() for c in range(copies)]
+
+
+def _distribute(model, args, kwargs, loss_fn, stages: int, copies: int, **options: Any) -> Any:
+    rows = ROWS // copies
+    return autosplit.distribute(
+        model, None if "plan" in options else ["cpu"] * stages, example_inputs=tuple(a[:rows] for a in args),
+        example_kwargs={k: v[:rows] for k, v in kwargs.items()}, loss_fn=loss_fn, data_parallel=copies,
+        replicate="fully_shard", **{"schedule": "1f1b", "micro_batches": MICRO, **NO_SEARCH, **options},
+    )
+
+
+def _train_case(name: str, stages: int, precision: str, *, rank: int, world: int) -> None:
+    model, args, kwargs, target, loss_fn = CASES[name]()
+    model = model.double() if precision == "fp32" else model
+    reference, copies = copy.deepcopy(model), world // stages
+    pipe = _distribute(model, args, kwargs, loss_fn, stages, copies, precision=precision)
+    assert pipe.plan.mesh == {"pp": stages, "dp_replicate": 1, "dp_shard": copies, "tp": 1}
+    assert pipe.mesh.mesh_dim_names == MESH_DIMS and tuple(pipe.mesh.shape) == (stages, 1, copies, 1)
+    place = pipe.layout.place(pipe.stage_index)  # rank = ((pp · dp_replicate + r) · dp_shard + s) · tp + t
+    assert rank == place * copies + pipe.layout.replica
+    for pname, p in pipe.named_parameters():  # sharded by FSDP2 over the mesh's dp_shard dimension
+        assert p.device_mesh.mesh_dim_names == ("dp_shard",) and p.placements[0].is_shard(), pname
+        assert p.device_mesh.mesh.tolist() == [place * copies + s for s in range(copies)], pname
+    # torchtitan's choice: under pipelining the gathered parameters stay from forward to backward
+    assert pipe.module._get_fsdp_state()._fsdp_param_group._reshard_after_forward == (stages == 1)
+    mine = slice(pipe.layout.replica * ROWS // copies, (pipe.layout.replica + 1) * ROWS // copies)
+    opt = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    ref_params, tol = dict(reference.named_parameters()), TOL[precision]
+    for step in range(STEPS):
+        loss = pipe.step(*(a[mine] for a in args), target=target[mine], **{k: v[mine] for k, v in kwargs.items()})
+        expected = _reference_step(reference, args, kwargs, target, loss_fn, copies, precision)
+        if pipe.is_last:
+            torch.testing.assert_close(loss, expected[pipe.layout.replica], **tol, msg=where(f"{name} step {step} loss"))
+        for pname, p in pipe.named_parameters():
+            torch.testing.assert_close(full_tensor(p.grad), ref_params[pname].grad, **tol,
+                                       msg=where(f"{name} {precision} rank {rank} step {step} grad {pname}"))
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+    for pname, p in pipe.named_parameters():
+        torch.testing.assert_close(full_tensor(p), ref_params[pname], **tol, msg=where(f"{name} {pname} after {STEPS} steps"))
+    pipe.close()
+
+
+def test_two_stages_by_dp_shard_two_train_like_the_unsplit_model(gloo):
+    pytest.importorskip("transformers")
+    gloo(4).run(_train_case, [("gpt", 2, "fp32"), ("llama", 2, "fp32"), ("gpt", 2, "bf16-mixed")])
+
+
+def test_one_stage_by_dp_shard_two_trains_like_the_unsplit_model(gloo):
+    pytest.importorskip("transformers")
+    gloo(2).run(_train_case, [("gpt", 1, "fp32"), ("llama", 1, "fp32")])
+
+
+# -- a checkpoint moves between layouts -------------------------------------------------------------
+
+
+def _trained_reference(steps: int) -> tuple[Any, torch.optim.Optimizer, tuple]:
+    """The unsplit GPT (seed 0, float64) after ``steps`` AdamW steps on the global batch, its optimizer, and the case."""
+    torch.manual_seed(0)
+    model, args, kwargs, target, loss_fn = gpt_case()
+    model = model.double()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for _ in range(steps):
+        _reference_step(model, args, kwargs, target, loss_fn, 1, "fp32")
+        opt.step()
+        opt.zero_grad()
+    return model, opt, (args, kwargs, target, loss_fn)
+
+
+def _save_case(folder: str, *, rank: int, world: int) -> None:
+    model, args, kwargs, target, loss_fn = gpt_case()
+    pipe = _distribute(model.double(), args, kwargs, loss_fn, 2, 2)
+    mine = slice(pipe.layout.replica * ROWS // 2, (pipe.layout.replica + 1) * ROWS // 2)
+    opt = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
+    for _ in range(STEPS):
+        pipe.step(*(a[mine] for a in args), target=target[mine], **{k: v[mine] for k, v in kwargs.items()})
+        opt.step()
+        opt.zero_grad()
+    pipe.save(f"{folder}/ckpt", optimizer=opt)
+    pipe.close()
+
+
+def _assert_resumed(named: dict[str, torch.Tensor], opt: torch.optim.Optimizer, reference: Any, ref_opt: Any, what: str) -> None:
+    """Parameters and every AdamW state entry (and the learning rate) equal the reference's."""
+    ref_params = dict(reference.named_parameters())
+    assert opt.param_groups[0]["lr"] == 1e-2, what
+    for pname, p in named.items():
+        torch.testing.assert_close(full_tensor(p), ref_params[pname], msg=where(f"{what}: {pname}"))
+        state, ref_state = opt.state[p], ref_opt.state[ref_params[pname]]
+        assert set(state) == set(ref_state), (what, pname, set(state))
+        for key, value in ref_state.items():
+            torch.testing.assert_close(full_tensor(state[key]), value, msg=where(f"{what}: {pname} optimizer {key}"))
+
+
+def _resume_case(folder: str, stages: int, shard: int, *, rank: int, world: int) -> None:
+    reference, ref_opt, (args, kwargs, target, loss_fn) = _trained_reference(STEPS)
+    torch.manual_seed(7)  # other initial weights and optimizer: everything comes from the checkpoint
+    model = type(reference)(vocab=40, d_model=16, n_layers=2, n_heads=2, max_len=8).double()
+    copies = world // stages
+    options: dict[str, Any] = {"schedule": "gpipe"} if stages > MICRO else {}  # 1F1B needs a micro-batch per stage
+    if shard != copies:  # HSDP: only a given plan asks for both degrees
+        made = autosplit.plan(model, ["cpu"] * stages, example_inputs=tuple(a[:ROWS // copies] for a in args),
+                              example_kwargs={k: v[:ROWS // copies] for k, v in kwargs.items()}, data_parallel=copies,
+                              replicate="fully_shard", schedule="1f1b", micro_batches=MICRO, **NO_SEARCH)
+        options["plan"] = dataclasses.replace(made, dp_shard=shard)
+    pipe = _distribute(model, args, kwargs, loss_fn, stages, copies, **options)
+    assert pipe.plan.mesh == {"pp": stages, "dp_replicate": copies // shard, "dp_shard": shard, "tp": 1}
+    dims = ("dp_replicate", "dp_shard") if 1 < shard < copies else ("dp_shard",) if shard > 1 else None
+    assert all(full_tensor(p) is p if dims is None else p.device_mesh.mesh_dim_names == dims for p in pipe.parameters())
+    opt = torch.optim.AdamW(pipe.parameters(), lr=5.0)
+    pipe.load(f"{folder}/ckpt", optimizer=opt)
+    what = f"resumed under {pipe.plan.mesh}"
+    _assert_resumed(dict(pipe.named_parameters()), opt, reference, ref_opt, what)
+    mine = slice(pipe.layout.replica * ROWS // copies, (pipe.layout.replica + 1) * ROWS // copies)
+    loss = pipe.step(*(a[mine] for a in args), target=target[mine], **{k: v[mine] for k, v in kwargs.items()})
+    expected = _reference_step(reference, args, kwargs, target, loss_fn, copies, "fp32")
+    if pipe.is_last:
+        torch.testing.assert_close(loss, expected[pipe.layout.replica], msg=where(f"{what}: loss"))
+    opt.step()
+    ref_opt.step()
+    _assert_resumed(dict(pipe.named_parameters()), opt, reference, ref_opt, f"{what}, one step on")
+    pipe.close()
+
+
+def test_a_checkpoint_saved_under_pp2_by_dp_shard2_resumes_under_other_layouts_and_unsplit(gloo, tmp_path):
+    gloo(4).run(_save_case, [(str(tmp_path),)])
+    gloo(4).run(_resume_case, [(str(tmp_path), 1, 4), (str(tmp_path), 1, 2), (str(tmp_path), 4, 1)])
+    reference, ref_opt, (args, kwargs, target, loss_fn) = _trained_reference(STEPS)
+    torch.manual_seed(7)
+    unsplit = type(reference)(vocab=40, d_model=16, n_layers=2, n_heads=2, max_len=8).double()
+    opt = torch.optim.AdamW(unsplit.parameters(), lr=5.0)
+    load_checkpoint(tmp_path / "ckpt", unsplit, opt)
+    _assert_resumed(dict(unsplit.named_parameters()), opt, reference, ref_opt, "the unsplit model")
+    for model, optimizer in ((unsplit, opt), (reference, ref_opt)):
+        _reference_step(model, args, kwargs, target, loss_fn, 1, "fp32")
+        optimizer.step()
+    _assert_resumed(dict(unsplit.named_parameters()), opt, reference, ref_opt, "the unsplit model, one step on")
+
+
+# -- refusals ---------------------------------------------------------------------------------------
+
+
+def _refusal_case(plan_path: str, *, rank: int, world: int) -> None:
+    model, args, kwargs, _, loss_fn = gpt_case()
+    example = dict(example_inputs=tuple(a[:4] for a in args), example_kwargs={k: v[:4] for k, v in kwargs.items()}, loss_fn=loss_fn)
+    with pytest.raises(DistributedError) as e:  # 2 stages × dp_shard 2 need 4 ranks
+        autosplit.distribute(model, ["cpu"] * 2, **example, data_parallel=2, replicate="fully_shard", **NO_SEARCH)
+    says(e, "2 ranks", "pp × dp_replicate × dp_shard × tp = 2 × 1 × 2 × 1 = 4")
+    with pytest.raises(DistributedError) as e:  # a plan for the 4-rank mesh, on 2
+        autosplit.distribute(model, None, **example, data_parallel=2, replicate="fully_shard", plan=plan_path)
+    says(e, "2 ranks", "= 4", "another plan")
+    with pytest.raises(ConstraintError) as refused:  # the plan's degrees, other than the arguments'
+        autosplit.distribute(model, None, **example, data_parallel=1, plan=plan_path)
+    says(refused, "'dp_shard': 2", "data_parallel=2", "replicate='fully_shard'")
+
+
+def test_a_mesh_the_process_group_cannot_hold_is_refused_by_name(gloo, tmp_path):
+    model, args, kwargs, _, _ = gpt_case()
+    made = autosplit.plan(model, ["cpu"] * 2, example_inputs=tuple(a[:4] for a in args),
+                          example_kwargs={k: v[:4] for k, v in kwargs.items()}, data_parallel=2, replicate="fully_shard", **NO_SEARCH)
+    assert made.mesh == {"pp": 2, "dp_replicate": 1, "dp_shard": 2, "tp": 1}
+    made.save(tmp_path / "plan.json")
+    gloo(2).run(_refusal_case, [(str(tmp_path / "plan.json"),)])
