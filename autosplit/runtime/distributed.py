@@ -19,8 +19,8 @@ dimension and tp the innermost, so rank ``r`` runs stage ``r // data_parallel`` 
    (:class:`~autosplit.runtime.stage.EarlyReceivingStage`).
 3. With ``data_parallel > 1`` each stage's module is wrapped in FSDP2's ``replicate`` over the
    mesh's ``dp_replicate`` dimension or ``fully_shard`` over its ``dp_shard`` one (HSDP over both, from
-   a given plan), as ``distribute(replicate=...)`` names it; under pipelining without resharding after
-   forward (torchtitan's choice: one all-gather per stage and step), a single stage with it. The
+   a given plan), as ``distribute(replicate=...)`` names it, without resharding after forward
+   (torchtitan's choice under pipelining: one all-gather per stage and step; each stage is one unit). The
    pipelining schedule synchronises gradients once per step, on the last micro-batch's backward. One
    stage (``distribute(model, ["cpu"], data_parallel=N, replicate="fully_shard")``) is a pipeline too.
 4. A tied parameter read by several stages (GPT's embedding and head) is either sent with the
@@ -202,9 +202,9 @@ class DistributedModel(StageState, TrainingLoop, FlushedStep, AsynchronousRun):
         if compiled is not None:  # before FSDP2 wraps the stages, as torchtitan orders them
             options = {f.name: getattr(compiled, f.name) for f in dataclasses.fields(compiled)}
             self.compiled = compile_stages(modules, **options, device_types={device.type})
-        if layout.replicas > 1:  # torchtitan keeps the gathered parameters from forward to backward under pipelining
+        if layout.replicas > 1:  # the gathered parameters kept from forward to backward (passes/sharding costs it so)
             for stage_module in modules.values():
-                self._sparse_tables += replicate_stage(stage_module, replication, dp_mesh, reshard_after_forward=layout.stages == 1)
+                self._sparse_tables += replicate_stage(stage_module, replication, dp_mesh, reshard_after_forward=False)
 
     def _micro_batch_loss(self, out: Any, target: Any) -> torch.Tensor:
         """The loss torch's schedules call on the last stage's output of one micro-batch: its share of

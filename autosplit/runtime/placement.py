@@ -182,8 +182,10 @@ def replicate_stage(
     pipelining stage drives itself: gradient sync is switched off for all but the last
     micro-batch's backward. ``mode`` is the FSDP2 API's name: ``"replicate"`` (whole parameters,
     gradients all-reduced) or ``"fully_shard"`` (parameters, gradients and optimizer state sharded).
-    ``reshard_after_forward`` (``fully_shard`` only): False under pipelining, as torchtitan runs it, so a
-    step gathers each stage's parameters once rather than once per micro-batch; True for one stage.
+    ``reshard_after_forward`` (``fully_shard`` only): the runtime passes False, as torchtitan does under
+    pipelining, so a step gathers each stage's parameters once rather than once per micro-batch; with one
+    stage too, since each stage is one FSDP unit: resharding after forward would gather the whole stage
+    again for its backward, at the same peak (:mod:`autosplit.passes.sharding` costs one gather per step).
     Classic DDP cannot be used here: its reducer is prepared by every forward, but pipelining only
     wraps the backwards in ``no_sync``, and DDP's bucket rebuild then sees each parameter M times.
 
