@@ -99,6 +99,9 @@ class CostTable:
     (empty: none)."""
     buffer_bytes: tuple[int, ...] = ()
     """[node] of :attr:`state_bytes`, its buffers (never sharded; empty: none)."""
+    unit_params: tuple[bool, ...] = ()
+    """[node] its parameters can be an FSDP unit of their own, gathered only while it runs
+    (:func:`autosplit.passes.sharding.unit_targets`; empty: none can)."""
     row_grad_bytes: tuple[int, ...] = ()
     """[node] for an embedding table it owns, bytes of the rows the batch looks up (with their
     indices): its gradient's non-zero part (:attr:`~autosplit.passes.annotations.NodeInfo.row_grad_bytes`); else 0. Empty: none."""

@@ -19,7 +19,7 @@ from autosplit.options import PlanOptions, ProfileOptions
 from autosplit.passes.costs import LossCost, estimate, with_overrides
 from autosplit.passes.loss import cost_loss, output_like
 from autosplit.passes.profile import Profile, profile
-from autosplit.passes.sharding import laid_out
+from autosplit.passes.sharding import laid_out, sharded_alone
 from autosplit.plans import PartialRecompute
 from autosplit.shapes import is_meta
 from autosplit.solver.problem import UserConstraint
@@ -67,7 +67,7 @@ def cost_table(
         table = with_overrides(table, options.cost_overrides)
         source += f" + {n} override{'s' * (n > 1)}"
     if options.dp_shard > 1:
-        table = laid_out(table, dp_shard=options.dp_shard)
+        table = laid_out(table, dp_shard=options.dp_shard, alone=sharded_alone(len(specs), micro_batches, options.dp_shard))
         source += f"; sharded over dp_shard {options.dp_shard}"
     return table, source
 

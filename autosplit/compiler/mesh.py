@@ -135,7 +135,8 @@ def _attempt(
     ranks = tuple(specs[s * degrees.data_parallel] for s in range(degrees.pp))
     chosen = options.replace(data_parallel=degrees.data_parallel, replicate=degrees.replicate)
     try:
-        _state_fits(laid_out(whole, dp_shard=chosen.dp_shard), ranks, degrees)
+        # the least state the configuration can hold: one stage may shard unit by unit (FSDP alone)
+        _state_fits(laid_out(whole, dp_shard=chosen.dp_shard, alone=degrees.pp == 1), ranks, degrees)
         share = traced.at_batch(degrees.data_parallel)
         chosen.micro_batches_for(None if chosen.searches else degrees.pp, share.batch)
         return compile_plan(share, ranks, chosen)

@@ -12,7 +12,7 @@ from autosplit import schedules
 from autosplit.costtable import CostTable
 from autosplit.devices import DeviceSpec
 from autosplit.options import PlanOptions
-from autosplit.passes.sharding import data_parallel_time
+from autosplit.passes.sharding import data_parallel_time, sharded_alone
 from autosplit.plans import SharedParam, StageReport, StepTerms
 from autosplit.solver.build import tied_costs
 from autosplit.solver.evaluation import evaluate
@@ -113,7 +113,12 @@ def _data_parallel(
     waits = list(itertools.accumulate([0.0, *fwd[:-1]])) if in_line else [0.0] * S
     shards = options.dp_shard
     drains = bwd if shards == 1 else list(itertools.accumulate([0.0, *bwd[:-1]])) if in_line else [0.0] * S
-    return data_parallel_time(param_bytes, devices, replicas=options.replicas // shards, shards=shards, waits=waits, drains=drains)
+    units = [0.0] * S
+    if sharded_alone(S, M, shards) and table.unit_params:
+        for n, s in enumerate(stage_of):
+            units[s] += table.param_bytes[n] if table.unit_params[n] else 0
+    return data_parallel_time(param_bytes, devices, replicas=options.replicas // shards, shards=shards, waits=waits, drains=drains,
+                              units=units, compute=[M * (f + b) for f, b in zip(fwd, bwd)])
 
 
 def sharing_problem(problem: Problem, table: CostTable, order: Sequence[int], shared: Sequence[SharedParam]) -> Problem:

@@ -50,6 +50,7 @@ from autosplit.errors import CostModelError, advice
 from autosplit.passes.annotations import NodeInfo, node_info
 from autosplit.passes.memory_model import activation_bytes, describe_blocks, saved_bytes, state_bytes
 from autosplit.passes.profile import Profile
+from autosplit.passes.sharding import unit_targets
 from autosplit.passes.time_model import node_times, optimizer_times, row_sharer, split_costs, wgrad_shares
 from autosplit.plans import PartialRecompute
 
@@ -148,6 +149,13 @@ def _param_reads(gm: fx.GraphModule, nodes: list[fx.Node]) -> tuple[str, ...]:
         for n in nodes
     )
 
+
+
+def _unit_params(gm: fx.GraphModule, nodes: list[fx.Node]) -> tuple[bool, ...]:
+    """[node] it calls a module FSDP can shard as a unit of its own (:func:`unit_targets`); empty: none."""
+    units = set(unit_targets(gm))
+    flags = tuple(n.op == "call_module" and str(n.target) in units for n in nodes)
+    return flags if any(flags) else ()
 
 
 def _refuse_sparse(optimizer: str, nodes: list[fx.Node], infos: list[NodeInfo]) -> None:
@@ -283,6 +291,7 @@ def estimate(
         param_bytes=tuple(info.param_bytes for info in infos),
         weight_copy_bytes=tuple(info.weight_copy_bytes for info in infos) if any(i.weight_copy_bytes for i in infos) else (),
         buffer_bytes=tuple(info.buffer_bytes for info in infos) if any(i.buffer_bytes for i in infos) else (),
+        unit_params=_unit_params(gm, nodes),
         row_grad_bytes=tuple(info.row_grad_bytes for info in infos) if any(info.row_grad_bytes for info in infos) else (),
         param_reads=_param_reads(gm, nodes),
         wgrad_share=tuple(wgrad_share),

@@ -51,7 +51,7 @@ from autosplit.errors import CodegenError, advice
 from autosplit.passes.capture import Captured
 from autosplit.plans import PartialRecompute
 
-__all__ = ["Regions", "attach_regions", "micro_batch", "recompute_unless_kept"]
+__all__ = ["Regions", "attach_regions", "micro_batch", "recompute_unless_kept", "written_inputs"]
 
 log = logging.getLogger(__name__)
 
@@ -112,7 +112,7 @@ def _inplace(gm: fx.GraphModule, node: fx.Node) -> bool:
     )
 
 
-def _written(gm: fx.GraphModule, node: fx.Node) -> list[fx.Node]:
+def written_inputs(gm: fx.GraphModule, node: fx.Node) -> list[fx.Node]:
     """The input nodes ``node`` writes in place: as the annotate pass measured them (version
     counters), else read from the code, conservatively (:func:`_inplace`, an ATen op whose schema
     writes, batch norm's running statistics in training)."""
@@ -193,7 +193,7 @@ class Regions:
             ))
         self.order = {n: i for i, n in enumerate(self.gm.graph.nodes)} if self.block_of else {}
         if self.block_of:  # (node, what it writes in place), for _check
-            self.writes = [(n, w) for n in nodes for w in _written(self.gm, n)]
+            self.writes = [(n, w) for n in nodes for w in written_inputs(self.gm, n)]
 
     def copy_nodes(self, graph: fx.Graph, members: Sequence[fx.Node], env: dict[fx.Node, Any]) -> list[_Pending]:
         """Copy ``members`` (a stage's nodes, in order) into ``graph``; each maximal run of one

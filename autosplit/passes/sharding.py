@@ -6,23 +6,30 @@ Memory (:func:`laid_out`), per node and device:
 - ``dp_shard = 1`` (whole copies, FSDP2's ``replicate``, or no data parallelism): parameters,
   gradients, optimizer state and buffers whole, and under a mixed precision one compute copy of
   the weights autocast casts, made once per step and shared by every micro-batch.
-- ``dp_shard = D > 1`` (FSDP2's ``fully_shard``, one unit per stage, ``reshard_after_forward=False``
-  as torchtitan runs it under a pipeline): parameters, gradients and optimizer state ÷ D; buffers
-  whole; and for the whole step the stage's unsharded parameters with their unsharded gradients
-  (accumulated over the micro-batches before the one reduce-scatter), as held (fp32 master
-  weights under a mixed precision), and autocast's one compute copy per step — the runtime casts
-  as autocast does rather than with FSDP2's ``MixedPrecisionPolicy``, which would round every
-  weight (norms and embeddings too) to bf16 and train differently from the autocast reference
-  (:func:`autosplit.runtime.precision.cast_once`). The optimizer steps its shard only: its time ÷ D.
+- ``dp_shard = D > 1`` (FSDP2's ``fully_shard``): parameters, gradients and optimizer state ÷ D;
+  buffers and the compute copy whole; the optimizer steps its shard only (its time ÷ D). The
+  gathered parameters, as held (fp32 master weights under a mixed precision: the runtime casts as
+  autocast does rather than with FSDP2's ``MixedPrecisionPolicy``, which would round every weight,
+  norms and embeddings too, and train differently — :func:`autosplit.runtime.precision.cast_once`):
+  - under a pipeline, or with several micro-batches, each stage is one unit, gathered for the whole
+    step (``reshard_after_forward=False``, torchtitan's choice under pipelining: every micro-batch's
+    backward would gather it again), its gradients accumulated whole: + parameters + gradients;
+  - FSDP alone in one pass (:func:`sharded_alone`): each leaf module the graph calls and that
+    owns its parameters is a unit of its own (:func:`unit_targets`; torchtitan wraps each block),
+    whole only while it runs — its transient: its parameters and gradients, and the next unit's
+    parameters gathered ahead; the rest are the stage's own unit, as above.
 
 Time (:func:`data_parallel_time`), per step and stage with parameters of ``P`` bytes:
 
 - whole copies over R: one ring all-reduce of the gradients (``2(R−1)/R · P/bw``), the part the
   stage's last backward does not hide exposed (DDP's bucketed overlap);
-- sharded over D: one all-gather of the parameters as held before the stage's first forward and one reduce-scatter of the gradients (fp32) after its last backward, each
-  ``(D−1)/D · bytes/bw``, and over dp_replicate the all-reduce of the shard. The all-gather hides
-  behind the stage's wait for its first input (the stages before it filling the pipeline); the
-  reduce-scatter behind the drain (the stages before it finishing their last backward).
+- sharded over D, a stage's own unit: one all-gather before its first forward and one
+  reduce-scatter after its last backward, each ``(D−1)/D · P/bw``, and over dp_replicate the
+  all-reduce of the shard. The all-gather hides behind the stage's wait for its first input (the
+  stages before it filling the pipeline); the reduce-scatter behind the drain (the stages before it
+  finishing their last backward);
+- units of their own: gathered for the forward and again for the backward, reduced after it —
+  three collectives of their bytes, behind the stage's compute where FSDP2's prefetching hides them.
 
 A data-parallel group is D (or R) consecutive ranks of the mesh (pp outermost): inside one island
 (a node's NVLink domain) up to :attr:`~autosplit.devices.DeviceSpec.island_size` devices, ring at
@@ -41,28 +48,46 @@ import dataclasses
 import math
 from collections.abc import Sequence
 
+import torch
+
 from autosplit.costtable import CostTable
 from autosplit.devices import DeviceSpec
 from autosplit.solver.hybrid import hierarchical_phases, ring_allreduce
 
-__all__ = ["data_parallel_time", "group_time", "laid_out"]
+__all__ = ["data_parallel_time", "group_time", "laid_out", "sharded_alone", "unit_modules", "unit_targets"]
 
 
-def laid_out(table: CostTable, *, dp_shard: int) -> CostTable:
+def sharded_alone(stages: int, micro_batches: int, dp_shard: int) -> bool:
+    """FSDP alone in one pass — one stage, one micro-batch, sharded: the runtime then makes each
+    leaf module it can a unit of its own, resharded after its forward
+    (:func:`~autosplit.runtime.placement.replicate_stage`); otherwise each stage is one unit, gathered
+    for the whole step (every micro-batch's backward would gather it again)."""
+    return stages == 1 and micro_batches == 1 and dp_shard > 1
+
+
+def laid_out(table: CostTable, *, dp_shard: int, alone: bool = False) -> CostTable:
     """``table`` with each node's :attr:`~CostTable.state_bytes` and optimizer time as one device
     holds and spends them with its stage sharded over ``dp_shard`` devices (the module docstring);
-    ``table`` itself for ``dp_shard = 1``."""
+    ``table`` itself for ``dp_shard = 1``. ``alone`` (one stage, one micro-batch: FSDP alone): a node
+    whose module is a unit of its own (:attr:`~CostTable.unit_params`) holds its parameters and
+    gradients whole only while it runs — its transient: them, and the next unit's parameters FSDP2
+    gathers ahead."""
     if dp_shard <= 1 or not table.param_bytes:
         return table
     n = len(table.nodes)
     copies = table.weight_copy_bytes or (0,) * n
     buffers = table.buffer_bytes or (0,) * n
+    units = table.unit_params if alone and table.unit_params else (False,) * n
+    transient = list(table.transient_bytes or (0,) * n)
     state = []
-    for whole, params, copy, buffer in zip(table.state_bytes, table.param_bytes, copies, buffers):
+    for i, (whole, params, copy, buffer) in enumerate(zip(table.state_bytes, table.param_bytes, copies, buffers)):
         model_state = whole - copy - buffer  # parameters, gradients, optimizer state
-        state.append(math.ceil(model_state / dp_shard) + buffer + 2 * params + copy)
+        state.append(math.ceil(model_state / dp_shard) + buffer + copy + (0 if units[i] else 2 * params))
+        if units[i]:
+            transient[i] = max(transient[i], 3 * params)
     optimizer = tuple(tuple(t / dp_shard for t in row) for row in table.optimizer_time)
-    return dataclasses.replace(table, state_bytes=tuple(state), optimizer_time=optimizer)
+    return dataclasses.replace(table, state_bytes=tuple(state), optimizer_time=optimizer,
+                               transient_bytes=tuple(transient) if table.transient_bytes or any(units) else ())
 
 
 def group_time(nbytes: float, size: int, device: DeviceSpec, *, allreduce: bool) -> float:
@@ -83,23 +108,29 @@ def group_time(nbytes: float, size: int, device: DeviceSpec, *, allreduce: bool)
 
 def data_parallel_time(
     param_bytes: Sequence[float], devices: Sequence[DeviceSpec], *, replicas: int, shards: int,
-    waits: Sequence[float], drains: Sequence[float],
+    waits: Sequence[float], drains: Sequence[float], units: Sequence[float] = (), compute: Sequence[float] = (),
 ) -> float:
     """Seconds per step the data-parallel collectives add to the pipeline's step (the module
     docstring): ``param_bytes[s]`` the parameters of stage ``s`` as held, ``waits[s]`` the seconds
     stage ``s`` waits for its first input, ``drains[s]`` the seconds after its last backward that
-    the step goes on without it."""
+    the step goes on without it. ``units[s]``: of its parameters, those in units of their own (FSDP
+    alone), each gathered for its forward and again for its backward and reduced after it, all of it
+    behind the stage's ``compute[s]`` where FSDP2's prefetching can hide it."""
     if replicas * shards <= 1:
         return 0.0
     if shards == 1:
         return max(max(0.0, group_time(p, replicas, d, allreduce=True) - drain)
                    for p, d, drain in zip(param_bytes, devices, drains))
-    gather = max(max(0.0, group_time(p, shards, d, allreduce=False) - wait) for p, d, wait in zip(param_bytes, devices, waits))
+    units = units or [0.0] * len(param_bytes)
+    rest = [p - u for p, u in zip(param_bytes, units)]
+    gather = max(max(0.0, group_time(p, shards, d, allreduce=False) - wait) for p, d, wait in zip(rest, devices, waits))
     reduce = max(
         max(0.0, group_time(p, shards, d, allreduce=False) + _across_replicas(p / shards, replicas, d) - drain)
-        for p, d, drain in zip(param_bytes, devices, drains)
+        for p, d, drain in zip(rest, devices, drains)
     )
-    return gather + reduce
+    overlapped = max((max(0.0, 3 * group_time(u, shards, d, allreduce=False) + _across_replicas(u / shards, replicas, d) - c)
+                      for u, d, c in zip(units, devices, compute or [0.0] * len(units)) if u), default=0.0)
+    return gather + reduce + overlapped
 
 
 def _across_replicas(nbytes: float, replicas: int, device: DeviceSpec) -> float:
@@ -108,3 +139,70 @@ def _across_replicas(nbytes: float, replicas: int, device: DeviceSpec) -> float:
     if replicas <= 1:
         return 0.0
     return ring_allreduce(nbytes, replicas, device.network_bandwidth, device.network_latency)
+
+
+def unit_modules(module: torch.nn.Module, tables: Sequence[torch.nn.Parameter] = ()) -> list[torch.nn.Module]:
+    """The modules :func:`unit_targets` names."""
+    return [module.get_submodule(name) for name in unit_targets(module, tables)]
+
+
+def unit_targets(module: torch.nn.Module, tables: Sequence[torch.nn.Parameter] = ()) -> list[str]:
+    """The modules of a graph that can be FSDP units of their own, by target: the leaves it calls
+    (``call_module``: FSDP2's hooks run around their forward) that own parameters no other module
+    holds and the graph reads nowhere else (``get_attr``: a tied weight read by name is gathered with
+    the stage's own unit), nor a sparse-gradient table (``tables``). Empty for a module that is not an
+    fx graph, and for an exported one (it reads every parameter by name)."""
+    if not isinstance(module, torch.fx.GraphModule):
+        return []
+    called = {str(n.target) for n in module.graph.nodes if n.op == "call_module"}
+    read = {str(n.target) for n in module.graph.nodes if n.op == "get_attr"}
+    owners: dict[int, int] = {}
+    for _, sub in module.named_modules(remove_duplicate=False):
+        for p in sub.parameters(recurse=False):
+            owners[id(p)] = owners.get(id(p), 0) + 1
+    apart = {id(t) for t in tables}
+    for name in read:
+        try:
+            apart.add(id(module.get_parameter(name)))
+        except AttributeError:  # a buffer or a constant
+            continue
+    written = _written_views(module)
+    units = []
+    for name in sorted(called):
+        sub = module.get_submodule(name)
+        own = list(sub.parameters())
+        if own and name not in written and not any(owners.get(id(p), 0) > 1 or id(p) in apart for p in own):
+            units.append(name)
+    return units
+
+
+_VIEWS = frozenset({
+    "view", "reshape", "transpose", "permute", "unsqueeze", "squeeze", "flatten", "unflatten", "expand", "expand_as",
+    "contiguous", "t", "narrow", "select", "split", "chunk", "unbind", "view_as", "getitem", "movedim", "as_strided",
+    "detach", "type_as", "to", "float", "half", "bfloat16", "double", "swapaxes", "diagonal", "real", "imag", "split_with_sizes",
+})
+
+
+def _written_views(gm: torch.fx.GraphModule) -> set[str]:
+    """The targets of the modules whose output (or a view of it) some node writes in place: FSDP2
+    hooks a unit's output for its backward, and a write in place into it drops the hook (the unit
+    would not be gathered for its backward), so such a module is no unit of its own."""
+    from autosplit.passes.recompute_regions import written_inputs
+
+    def is_view(n: torch.fx.Node) -> bool:
+        name = n.target if isinstance(n.target, str) else getattr(n.target, "__name__", str(n.target))
+        return str(name).split(".")[0] in _VIEWS
+
+    hit: set[str] = set()
+    for n in gm.graph.nodes:
+        if n.op != "call_module":
+            continue
+        aliases, todo = {n}, [n]
+        while todo:
+            for user in todo.pop().users:
+                if user not in aliases and user.op in ("call_method", "call_function") and is_view(user):
+                    aliases.add(user)
+                    todo.append(user)
+        if any(set(written_inputs(gm, user)) & aliases for a in aliases for user in a.users):
+            hit.add(str(n.target))
+    return hit

@@ -76,6 +76,7 @@ from autosplit import schedules
 from autosplit.errors import DistributedError, advice
 from autosplit.microbatch import batch_size, is_batched
 from autosplit.passes.chain import Chain
+from autosplit.passes.sharding import sharded_alone
 from autosplit.plans import Plan
 from autosplit.runtime.asynchronous import AsynchronousRun
 from autosplit.runtime.batches import shapes
@@ -202,9 +203,10 @@ class DistributedModel(StageState, TrainingLoop, FlushedStep, AsynchronousRun):
         if compiled is not None:  # before FSDP2 wraps the stages, as torchtitan orders them
             options = {f.name: getattr(compiled, f.name) for f in dataclasses.fields(compiled)}
             self.compiled = compile_stages(modules, **options, device_types={device.type})
-        if layout.replicas > 1:  # the gathered parameters kept from forward to backward (passes/sharding costs it so)
+        if layout.replicas > 1:  # FSDP alone in one pass: units per leaf, resharded; else gathered for the step
+            alone = len(modules) == 1 and sharded_alone(layout.stages, self.plan.micro_batches, self.plan.dp_shard)
             for stage_module in modules.values():
-                self._sparse_tables += replicate_stage(stage_module, replication, dp_mesh, reshard_after_forward=False)
+                self._sparse_tables += replicate_stage(stage_module, replication, dp_mesh, reshard_after_forward=alone)
 
     def _micro_batch_loss(self, out: Any, target: Any) -> torch.Tensor:
         """The loss torch's schedules call on the last stage's output of one micro-batch: its share of

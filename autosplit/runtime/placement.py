@@ -25,6 +25,7 @@ import torch.distributed as dist
 from autosplit.compat import flatten_mesh, fsdp_replicate
 from autosplit.errors import DistributedError, advice
 from autosplit.passes.chain import Chain
+from autosplit.passes.sharding import unit_modules
 from autosplit.passes.sparse_tables import sparse_gradient_tables
 from autosplit.plans import Plan
 
@@ -182,10 +183,12 @@ def replicate_stage(
     pipelining stage drives itself: gradient sync is switched off for all but the last
     micro-batch's backward. ``mode`` is the FSDP2 API's name: ``"replicate"`` (whole parameters,
     gradients all-reduced) or ``"fully_shard"`` (parameters, gradients and optimizer state sharded).
-    ``reshard_after_forward`` (``fully_shard`` only): the runtime passes False, as torchtitan does under
-    pipelining, so a step gathers each stage's parameters once rather than once per micro-batch; with one
-    stage too, since each stage is one FSDP unit: resharding after forward would gather the whole stage
-    again for its backward, at the same peak (:mod:`autosplit.passes.sharding` costs one gather per step).
+    ``reshard_after_forward`` (``fully_shard`` only): False keeps the stage one FSDP unit whose
+    parameters stay gathered from the first forward to the last backward — torchtitan's choice under
+    pipelining, where every micro-batch's backward would gather them again: one all-gather per stage
+    and step. True (one stage, one micro-batch: FSDP alone) makes each leaf the graph calls a unit of its
+    own (:func:`unit_modules`; torchtitan wraps each block), gathered for its forward and again for its
+    backward, so only the units at work are whole (:mod:`autosplit.passes.sharding` costs both).
     Classic DDP cannot be used here: its reducer is prepared by every forward, but pipelining only
     wraps the backwards in ``no_sync``, and DDP's bucket rebuild then sees each parameter M times.
 
@@ -206,6 +209,9 @@ def replicate_stage(
     if mode == "fully_shard":
         from torch.distributed.fsdp import fully_shard
 
+        for unit in unit_modules(module, tables) if reshard_after_forward else ():  # no write in place into their outputs
+            fully_shard(unit, mesh=dp_mesh, reshard_after_forward=True)
+            _quiet_fsdp_view_warning(unit)
         fully_shard(module, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, ignored_params=set(tables))
     else:
         fsdp_replicate()(module, mesh=dp_mesh, ignored_params=set(tables))

@@ -28,24 +28,28 @@ def _mlp(layers: int = 4, width: int = WIDTH) -> nn.Module:
     return nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.ReLU()) for _ in range(layers)])
 
 
-def _table(precision: str, dp_shard: int, batch: int = 8):
-    planner = autosplit.Planner(_mlp(2), [H100], example_inputs=(torch.randn(batch, WIDTH),), precision=precision)
+def _table(precision: str, dp_shard: int, micro_batches: int = 2):
+    planner = autosplit.Planner(_mlp(2), [H100], example_inputs=(torch.randn(8, WIDTH),), precision=precision)
     options = planner.options.replace(data_parallel=dp_shard, replicate="fully_shard")
-    return cost_table(planner.traced, (H100,), options, micro_batches=1)[0]
+    return cost_table(planner.traced, (H100,), options, micro_batches=micro_batches)[0]
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16-mixed"])
 def test_one_layer_sharded_memory_by_hand(precision):
     """A Linear of P bytes of fp32 weights under Adam: whole, P + P + 2P (+ a bf16 copy of the weight
-    under bf16-mixed, once per step); sharded over 4, (4P)/4 plus its unsharded parameters and
-    gradients (P each, fp32 master weights) and the same copy, and a quarter of the optimizer step."""
-    whole, sharded = _table(precision, 1), _table(precision, 4)
+    under bf16-mixed, once per step); sharded over 4 as one unit gathered for the step (two
+    micro-batches), (4P)/4 plus its unsharded parameters and gradients (P each, fp32 master weights)
+    and the same copy, and a quarter of the optimizer step; FSDP alone in one pass (one micro-batch),
+    a unit of its own: (4P)/4 and the copy, with its whole parameters, gradients and the next
+    unit's parameters as its transient."""
+    whole, sharded, alone = _table(precision, 1), _table(precision, 4), _table(precision, 4, micro_batches=1)
     n = max(i for i, b in enumerate(whole.param_bytes) if b)  # the second layer: its input needs a gradient, so its weight is saved
     P = (WIDTH * WIDTH + WIDTH) * 4
     copy = WIDTH * WIDTH * 2 if precision == "bf16-mixed" else 0  # autocast casts the weight, not the bias
     assert whole.param_bytes[n] == P
     assert whole.state_bytes[n] == 2 * P + OPTIMIZER_STATE_BYTES["adam"] * P // 4 + copy
     assert sharded.state_bytes[n] == 4 * P // 4 + 2 * P + copy
+    assert sharded.unit_params[n] and alone.state_bytes[n] == 4 * P // 4 + copy and alone.transient_bytes[n] >= 3 * P
     assert sharded.optimizer_time[n][0] == pytest.approx(whole.optimizer_time[n][0] / 4)
 
 

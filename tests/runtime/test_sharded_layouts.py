@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.distributed.fsdp import FSDPModule
 
 import autosplit
 from autosplit.errors import ConstraintError, DistributedError
@@ -77,11 +78,11 @@ def _distribute(model, args, kwargs, loss_fn, stages: int, copies: int, **option
     )
 
 
-def _train_case(name: str, stages: int, precision: str, *, rank: int, world: int) -> None:
+def _train_case(name: str, stages: int, precision: str, micro: int = MICRO, *, rank: int, world: int) -> None:
     model, args, kwargs, target, loss_fn = CASES[name]()
     model = model.double() if precision == "fp32" else model
     reference, copies = copy.deepcopy(model), world // stages
-    pipe = _distribute(model, args, kwargs, loss_fn, stages, copies, precision=precision)
+    pipe = _distribute(model, args, kwargs, loss_fn, stages, copies, precision=precision, micro_batches=micro)
     assert pipe.plan.mesh == {"pp": stages, "dp_replicate": 1, "dp_shard": copies, "tp": 1}
     assert pipe.mesh.mesh_dim_names == MESH_DIMS and tuple(pipe.mesh.shape) == (stages, 1, copies, 1)
     place = pipe.layout.place(pipe.stage_index)  # rank = ((pp · dp_replicate + r) · dp_shard + s) · tp + t
@@ -89,8 +90,13 @@ def _train_case(name: str, stages: int, precision: str, *, rank: int, world: int
     for pname, p in pipe.named_parameters():  # sharded by FSDP2 over the mesh's dp_shard dimension
         assert p.device_mesh.mesh_dim_names == ("dp_shard",) and p.placements[0].is_shard(), pname
         assert p.device_mesh.mesh.tolist() == [place * copies + s for s in range(copies)], pname
-    # torchtitan's choice: under pipelining the gathered parameters stay from forward to backward
-    assert pipe.module._get_fsdp_state()._fsdp_param_group._reshard_after_forward is False
+    # torchtitan's choice: under pipelining (or several micro-batches) the gathered parameters stay from forward
+    # to backward; FSDP alone in one pass shards each leaf as a unit of its own and reshards it after forward
+    alone = stages == 1 and micro == 1
+    assert pipe.module._get_fsdp_state()._fsdp_param_group._reshard_after_forward is alone
+    units = [m for m in pipe.module.modules() if m is not pipe.module and isinstance(m, FSDPModule)]
+    assert bool(units) is (alone and pipe.plan.capture != "export"), (name, micro)  # exported: parameters read by name
+    assert all(getattr(m._get_fsdp_state()._fsdp_param_group, "_reshard_after_forward", False) for m in units), name
     mine = slice(pipe.layout.replica * ROWS // copies, (pipe.layout.replica + 1) * ROWS // copies)
     opt = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
@@ -119,7 +125,7 @@ def test_two_stages_by_dp_shard_two_train_like_the_unsplit_model(gloo):
 
 def test_one_stage_by_dp_shard_two_trains_like_the_unsplit_model(gloo):
     pytest.importorskip("transformers")
-    gloo(2).run(_train_case, [("gpt", 1, "fp32"), ("llama", 1, "fp32")])
+    gloo(2).run(_train_case, [("gpt", 1, "fp32"), ("llama", 1, "fp32"), ("gpt", 1, "fp32", 1), ("llama", 1, "fp32", 1)])
 
 
 # -- a checkpoint moves between layouts -------------------------------------------------------------
