@@ -179,9 +179,9 @@ class Alternative:
     note: str = ""
     """Why no split fits, when none does."""
     data_parallel: int = 1
-    """Data-parallel copies of the configuration (:attr:`Plan.data_parallel`)."""
+    """Data-parallel copies of the configuration (:attr:`~autosplit.plans.Plan.data_parallel`)."""
     dp_shard: int = 1
-    """Of them, the degree that shards (:attr:`Plan.dp_shard`)."""
+    """Of them, the degree that shards (:attr:`~autosplit.plans.Plan.dp_shard`)."""
 
     @property
     def fits(self) -> bool:

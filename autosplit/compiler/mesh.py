@@ -83,13 +83,7 @@ def mesh_plan(traced: Traced, specs: Sequence[DeviceSpec], options: PlanOptions)
         tried = _search(traced, specs, options)
     plans = [(d, p) for d, p in tried if isinstance(p, Plan)]
     if not plans:
-        error = InfeasiblePlanError if all(isinstance(e, (InfeasiblePlanError, ConstraintError)) for _, e in tried) else SolverError
-        raise error(advice(
-            f"no configuration of the mesh over {len(specs)} devices gives a plan",
-            "; ".join(f"{d}: {_first_sentence(e)}" for d, e in tried if isinstance(e, AutosplitError)),
-            "pin data_parallel= and replicate='fully_shard' to shard the model state, allow checkpointing='auto', "
-            "use precision='bf16-mixed', or more devices",
-        ))
+        raise _none_fits(len(specs), tried)
     _, best = min(plans, key=lambda dp: dp[1].step_time)
     return dataclasses.replace(
         best, alternatives=_alternatives(tried), solver=dataclasses.replace(best.solver, step_bound=_bound(tried)),
@@ -157,6 +151,23 @@ def _state_fits(table: CostTable, ranks: tuple[DeviceSpec, ...], degrees: Degree
             "parameters, gradients and optimizer state do not shrink with the batch",
             "more pipeline stages, replicate='fully_shard', or a precision that holds less",
         ))
+
+
+def _none_fits(world: int, tried: Sequence[tuple[Degrees, Plan | AutosplitError]]) -> AutosplitError:
+    """No configuration gives a plan: an :class:`InfeasiblePlanError` where each is proven not to fit
+    (or cannot run), a :class:`SolverError` where some ended without a plan or a proof."""
+    if all(isinstance(e, (InfeasiblePlanError, ConstraintError)) for _, e in tried):
+        return InfeasiblePlanError(_none_fits_message(world, tried))
+    return SolverError(_none_fits_message(world, tried))
+
+
+def _none_fits_message(world: int, tried: Sequence[tuple[Degrees, Plan | AutosplitError]]) -> str:
+    return advice(
+        f"no configuration of the mesh over {world} devices gives a plan",
+        "; ".join(f"{d}: {_first_sentence(e)}" for d, e in tried if isinstance(e, AutosplitError)),
+        "pin data_parallel= and replicate='fully_shard' to shard the model state, allow checkpointing='auto', "
+        "use precision='bf16-mixed', or more devices",
+    )
 
 
 def _first_sentence(error: AutosplitError) -> str:

@@ -151,11 +151,15 @@ def _param_reads(gm: fx.GraphModule, nodes: list[fx.Node]) -> tuple[str, ...]:
 
 
 
-def _unit_params(gm: fx.GraphModule, nodes: list[fx.Node]) -> tuple[bool, ...]:
-    """[node] it calls a module FSDP can shard as a unit of its own (:func:`unit_targets`); empty: none."""
+def _state_parts(gm: fx.GraphModule, nodes: list[fx.Node], infos: list[NodeInfo]) -> dict[str, tuple]:
+    """The parts of each node's state a data-parallel layout treats apart (:func:`~autosplit.passes.sharding.laid_out`):
+    the weight copy, the buffers, and whether it calls a module FSDP can shard as a unit of its own
+    (:func:`unit_targets`); each empty where no node has any."""
     units = set(unit_targets(gm))
     flags = tuple(n.op == "call_module" and str(n.target) in units for n in nodes)
-    return flags if any(flags) else ()
+    copies, buffers = tuple(i.weight_copy_bytes for i in infos), tuple(i.buffer_bytes for i in infos)
+    return dict(weight_copy_bytes=copies if any(copies) else (), buffer_bytes=buffers if any(buffers) else (),
+                unit_params=flags if any(flags) else ())
 
 
 def _refuse_sparse(optimizer: str, nodes: list[fx.Node], infos: list[NodeInfo]) -> None:
@@ -289,9 +293,7 @@ def estimate(
         transient_bytes=tuple(int(t) for t in transient),
         optimizer_time=optimizer_times(infos, kinds, kind_of, profiles, optimizer, per_device),
         param_bytes=tuple(info.param_bytes for info in infos),
-        weight_copy_bytes=tuple(info.weight_copy_bytes for info in infos) if any(i.weight_copy_bytes for i in infos) else (),
-        buffer_bytes=tuple(info.buffer_bytes for info in infos) if any(i.buffer_bytes for i in infos) else (),
-        unit_params=_unit_params(gm, nodes),
+        **_state_parts(gm, nodes, infos),
         row_grad_bytes=tuple(info.row_grad_bytes for info in infos) if any(info.row_grad_bytes for info in infos) else (),
         param_reads=_param_reads(gm, nodes),
         wgrad_share=tuple(wgrad_share),
