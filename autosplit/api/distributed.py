@@ -65,8 +65,8 @@ def distribute(
     example_inputs: Any,
     loss_fn: Callable[[Any, Any], torch.Tensor],
     example_kwargs: Mapping[str, Any] | None = None,
-    data_parallel: int = 1,
-    replicate: Literal["replicate", "fully_shard"] = "replicate",
+    data_parallel: int | None = None,
+    replicate: Literal["replicate", "fully_shard"] | None = None,
     plan: Plan | str | Path | None = None,
     weights: WeightsLike = None,
     example_target: Any = None,
@@ -78,7 +78,9 @@ def distribute(
     ``devices`` are one replica's stage devices (``["cpu"] * 2``; ``None`` with a ``plan``);
     world size must be ``data_parallel × len(devices)``: the ranks of the ``("pp", "dp_replicate",
     "dp_shard", "tp")`` mesh (:attr:`~autosplit.plans.Plan.mesh`, :mod:`autosplit.runtime.placement`);
-    a given ``plan`` made for data-parallel copies runs only with the degrees it was made for.
+    a given ``plan`` made for data-parallel copies (``autosplit.plan(model, cluster, ...)`` chooses
+    them) runs with the degrees it was made for, which ``data_parallel`` and ``replicate`` default
+    to (else 1 and ``"replicate"``); other degrees are refused.
     ``example_inputs`` / ``example_kwargs`` are one replica's batch, the shape every
     :meth:`~DistributedModel.step` takes. ``loss_fn(output, target)`` is called on each micro-batch's output (the model's
     own output structure) and should average over its rows (e.g. ``CrossEntropyLoss()``); with an
@@ -109,8 +111,9 @@ def distribute(
     why it cannot (:func:`~autosplit.runtime.compiled.compile_stages`); ``pipe.compiled`` holds each
     stage's status.
     """
-    check_replicate(replicate)
     given = load_plan(plan)
+    data_parallel, replicate = _degrees(given, data_parallel, replicate)
+    check_replicate(replicate)
     stages = len(given.devices) if devices is None and given is not None else len(devices or ())
     _check_arguments(replicate, data_parallel, stages, None if given is not None else options.get("schedule", "gpipe"))
     shard = _check_mesh(given, stages, data_parallel, replicate)
@@ -121,6 +124,15 @@ def distribute(
     layout = Layout.of(dist.get_rank(), len(made.stage_devices), data_parallel,
                        stage_ranks=made.stage_devices if made.stages_per_rank > 1 else ())
     return _build(model, planner, made, given, layout, loss_fn, weights, compile_options(compile))
+
+
+def _degrees(given: Plan | None, data_parallel: int | None, replicate: str | None) -> tuple[Any, Any]:
+    """``data_parallel`` and ``replicate``, where not given, from a given plan made for data-parallel
+    copies (its mesh), else 1 and ``"replicate"``."""
+    if given is not None and given.data_parallel > 1:
+        data_parallel = given.data_parallel if data_parallel is None else data_parallel
+        replicate = ("fully_shard" if given.dp_shard > 1 else "replicate") if replicate is None else replicate
+    return (1 if data_parallel is None else data_parallel), ("replicate" if replicate is None else replicate)
 
 
 def _runnable() -> tuple[list[str], str]:

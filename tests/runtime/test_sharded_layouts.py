@@ -16,6 +16,7 @@ unsplit model's.
 from __future__ import annotations
 
 import copy
+import math
 import dataclasses
 from typing import Any
 
@@ -238,3 +239,36 @@ def test_a_mesh_the_process_group_cannot_hold_is_refused_by_name(gloo, tmp_path)
     assert made.mesh == {"pp": 2, "dp_replicate": 1, "dp_shard": 2, "tp": 1}
     made.save(tmp_path / "plan.json")
     gloo(2).run(_refusal_case, [(str(tmp_path / "plan.json"),)])
+
+
+# -- a plan whose degrees the planner chose runs as it was made -------------------------------------
+
+
+def _mesh_plan_case(plan_path: str, *, rank: int, world: int) -> None:
+    model, args, kwargs, target, loss_fn = gpt_case()
+    model = model.double()
+    reference = copy.deepcopy(model)
+    made = autosplit.Plan.load(plan_path)
+    share = ROWS // made.data_parallel
+    mine = slice(rank * share, (rank + 1) * share)
+    pipe = autosplit.distribute(model, None, example_inputs=tuple(a[mine] for a in args), loss_fn=loss_fn, plan=plan_path,
+                                example_kwargs={k: v[mine] for k, v in kwargs.items()})
+    assert pipe.plan.mesh == made.mesh and math.prod(made.mesh.values()) == world  # the degrees the planner chose
+    loss = pipe.step(*(a[mine] for a in args), target=target[mine], **{k: v[mine] for k, v in kwargs.items()})
+    expected = _reference_step(reference, args, kwargs, target, loss_fn, made.data_parallel, "fp32")
+    torch.testing.assert_close(loss, expected[rank], msg=where("loss"))
+    ref_params = dict(reference.named_parameters())
+    for pname, p in pipe.named_parameters():
+        torch.testing.assert_close(full_tensor(p.grad), ref_params[pname].grad, msg=where(f"grad {pname}"))
+    pipe.close()
+
+
+def test_a_plan_with_the_degrees_chosen_runs_as_it_was_made(gloo, tmp_path):
+    """``plan(..., data_parallel=2, replicate="auto")`` chooses how the two copies keep in step with the
+    split, over the global batch; ``distribute(plan=...)`` runs it with those degrees without being told."""
+    model, args, kwargs, _, _ = gpt_case()
+    made = autosplit.plan(model.double(), ["cpu"] * 2, example_inputs=args, example_kwargs=kwargs, data_parallel=2, replicate="auto",
+                          **NO_SEARCH)
+    assert made.mesh["pp"] == 1 and made.data_parallel == 2 and len(made.alternatives) == 2
+    made.save(tmp_path / "plan.json")
+    gloo(2).run(_mesh_plan_case, [(str(tmp_path / "plan.json"),)])
