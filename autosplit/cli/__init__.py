@@ -54,6 +54,11 @@ def _parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("plan", help="plan a model onto devices; print the report")
     planning(p)
+    p.add_argument("--data-parallel", default=None, metavar="N|auto",
+                   help="data-parallel copies; 'auto': the devices are the whole mesh, the batch the global one, and the "
+                        "degrees are chosen with the split")
+    p.add_argument("--replicate", default=None, choices=["replicate", "fully_shard", "auto"],
+                   help="how the copies keep in step (FSDP2's names); 'auto': chosen with the split")
     p.add_argument("--out", help="write the plan JSON here")
     p.add_argument("--html", help="write the HTML report here")
     p.set_defaults(run=commands.plan)

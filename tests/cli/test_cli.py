@@ -163,3 +163,14 @@ def test_plan_out_into_a_missing_folder_exits_2(tmp_path, monkeypatch, capsys):
     out = tmp_path / "no" / "plan.json"
     assert main(["plan", "cli_workloads:tiny", "--devices", "cpu", "--out", str(out)]) == 2
     assert f"PlanFileError: cannot save the plan to {out}" in _one_line_error(capsys)
+
+
+def test_plan_chooses_the_mesh_degrees_and_refuses_a_bad_degree(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    assert main(["plan", *GPT_ARGS, "--devices", "A100-80GB*2", "--data-parallel", "auto", "--replicate", "auto",
+                 "--time-limit", "1", "--out", str(out)]) == 0
+    assert "configurations tried" in capsys.readouterr().out
+    made = autosplit.Plan.load(out)
+    assert made.mesh["pp"] * made.data_parallel == 2
+    assert main(["plan", *GPT_ARGS, "--devices", "A100-80GB*2", "--data-parallel", "two"]) == 2
+    assert "data_parallel" in capsys.readouterr().err
