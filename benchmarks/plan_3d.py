@@ -68,7 +68,8 @@ def _plan_row(kind: str, time_limit: float) -> dict[str, Any]:
         row.update(
             outcome="planned", mesh=plan.mesh, step_s=plan.step_time, gap=plan.step_gap, schedule=plan.schedule,
             micro_batches=plan.micro_batches, tokens_per_s_per_gpu=8 * SEQ / plan.step_time / devices if not kind.startswith("recipe")
-            else SEQ / plan.step_time, memory_state_gib=[s.memory_state / 2**30 for s in plan.stages], memory_gib=[s.memory / 2**30 for s in plan.stages],
+            else SEQ / plan.step_time, memory_state_gib=[s.memory_state / 2**30 for s in plan.stages],
+            memory_gib=[s.memory / 2**30 for s in plan.stages],
             activations_gib=[s.memory_activations / 2**30 for s in plan.stages], terms=plan.terms.__dict__ if plan.terms else None,
             alternatives=[{"data_parallel": a.data_parallel, "dp_shard": a.dp_shard, "pp": len(a.rank_memory), "step_s": a.step_time,
                            "note": a.note} for a in plan.alternatives],
