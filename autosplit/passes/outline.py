@@ -53,6 +53,7 @@ import torch
 import torch.fx as fx
 
 from autosplit.errors import CodegenError, advice
+from autosplit.passes.capture import module_path
 from autosplit.passes.recompute_regions import REGION_BLOCK
 
 __all__ = ["block_path", "node_path", "outlinable_blocks", "outline_blocks", "refused_blocks"]
@@ -71,16 +72,12 @@ def block_path(path: str) -> str:
 
 
 def node_path(gm: fx.GraphModule, node: fx.Node) -> str:
-    """The module path of ``node``: a recompute region's block, the module a ``get_attr`` reads from,
-    a ``call_module``'s target, else the path annotate recorded (``""`` for nodes codegen made)."""
+    """The module path of ``node``: a recompute region's block, else the path annotate recorded, else
+    capture's (:func:`~autosplit.passes.capture.module_path`; ``""`` for nodes codegen made)."""
     if REGION_BLOCK in node.meta:
         return str(node.meta[REGION_BLOCK])
-    if node.op == "call_module":
-        return str(node.target)
-    if node.op == "get_attr":
-        return str(node.target).rpartition(".")[0]
     info = node.meta.get("autosplit")
-    return str(getattr(info, "module_path", "") or "")
+    return str(info.module_path) if info is not None else module_path(node)
 
 
 def _members(gm: fx.GraphModule) -> dict[str, list[fx.Node]]:
@@ -241,7 +238,7 @@ def _outline(gm: fx.GraphModule, block: str, members: Sequence[fx.Node]) -> None
     for i, n in enumerate(outputs):
         with gm.graph.inserting_after(previous):
             previous = gm.graph.call_function(operator.getitem, (call, i))
-        previous.meta = dict(n.meta)
+        previous.meta = {k: v for k, v in n.meta.items() if k not in ("autosplit", "nn_module_stack", REGION_BLOCK)}  # the call's
         n.replace_all_uses_with(previous, delete_user_cb=lambda user: user not in inside)
     for n in reversed(members):
         gm.graph.erase_node(n)

@@ -20,7 +20,8 @@ dimension and tp the innermost, so rank ``r`` runs stage ``r // data_parallel`` 
 3. With ``data_parallel > 1`` each stage's module is wrapped in FSDP2's ``replicate`` over the
    mesh's ``dp_replicate`` dimension or ``fully_shard`` over its ``dp_shard`` one (HSDP over both, from
    a given plan), as ``distribute(replicate=...)`` names it, without resharding after forward
-   (torchtitan's choice under pipelining: one all-gather per stage and step; each stage is one unit). The
+   (torchtitan's choice under pipelining: one all-gather per stage and step; each stage is one unit; FSDP
+   alone in one pass: each repeated block outlined as a module of its own and resharded after forward). The
    pipelining schedule synchronises gradients once per step, on the last micro-batch's backward. One
    stage (``distribute(model, ["cpu"], data_parallel=N, replicate="fully_shard")``) is a pipeline too.
 4. A tied parameter read by several stages (GPT's embedding and head) is either sent with the
