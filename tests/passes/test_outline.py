@@ -127,4 +127,24 @@ def test_a_tied_read_or_an_unread_parameter_keeps_the_block_in_its_stage(method)
     assert outline_blocks(gm) == ["blocks.0"]
     assert [(q, id(p)) for q, p in gm.named_parameters()] == named
     assert isinstance(gm.get_submodule("blocks.0"), fx.GraphModule) and not isinstance(gm.get_submodule("blocks.1"), fx.GraphModule)
-    torch.testing.assert_close(gm(x) if method == "symbolic_trace" else gm(x), model(x))
+    torch.testing.assert_close(gm(x), model(x))
+
+
+class _Written(nn.Module):
+    """Block 0's output is written in place after it (``h.mul_(2)``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(_Block() for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.blocks[0](x)
+        h.mul_(2)
+        return self.blocks[1](h)
+
+
+@pytest.mark.parametrize("method", ["export", "symbolic_trace"])
+def test_a_block_whose_output_is_written_in_place_after_it_stays_in_its_stage(method):
+    gm = capture(_Written(), (torch.randn(2, 8),), method=method).gm
+    assert "writes in place into its output" in refused_blocks(gm)["blocks.0"]
+    assert list(outlinable_blocks(gm)) == ["blocks.1"]
