@@ -226,7 +226,13 @@ def _outline(gm: fx.GraphModule, block: str, members: Sequence[fx.Node]) -> None
     root = {t[len(prefix):]: operator.attrgetter(t)(gm) for t in _targets(gm, members) if t.startswith(prefix)}
     root.update({t: operator.attrgetter(t)(gm) for t in moved})
     unit = fx.GraphModule(root, sub, class_name="Block" + "".join(p.title() for p in block.replace("_", ".").split(".")))
-    _same_state(gm.get_submodule(block), unit, block)
+    container = gm.get_submodule(block)
+    _same_state(container, unit, block)
+    kept = set(container.state_dict(keep_vars=True))
+    for name, t in container.named_buffers():  # a non-persistent buffer stays out of the state dict
+        if name not in kept:
+            owner, _, leaf = name.rpartition(".")
+            unit.get_submodule(owner).register_buffer(leaf, t, persistent=False)
     parent, _, leaf = block.rpartition(".")
     setattr(gm.get_submodule(parent), leaf, unit)
     for t in moved:
