@@ -244,7 +244,7 @@ def _outline(gm: fx.GraphModule, block: str, members: Sequence[fx.Node]) -> None
     for i, n in enumerate(outputs):
         with gm.graph.inserting_after(previous):
             previous = gm.graph.call_function(operator.getitem, (call, i))
-        previous.meta = {k: v for k, v in n.meta.items() if k not in ("autosplit", "nn_module_stack", REGION_BLOCK)}  # the call's
+        previous.meta = {k: v for k, v in n.meta.items() if k not in ("autosplit", "nn_module_stack", REGION_BLOCK)}
         n.replace_all_uses_with(previous, delete_user_cb=lambda user: user not in inside)
     for n in reversed(members):
         gm.graph.erase_node(n)
