@@ -19,8 +19,9 @@ stage's own unit, a block:
 - whose nodes read a tensor outside it by name, or whose tensors a node outside reads (a tied weight);
 - whose outputs, or views of them, a node outside writes in place (FSDP2's pre-backward hook on
   them would be dropped: :func:`autosplit.passes.sharding.written_views`);
-- whose container holds a parameter or buffer its nodes do not read, or one the graph holds under
-  another name too (it would vanish from, or be doubled in, the state dict);
+- whose container holds a parameter or buffer its nodes do not read (an exported graph's read that
+  nothing uses counts: the unit holds it), or one the graph holds under another name too (it would
+  vanish from, or be doubled in, the state dict);
 - whose nodes (attribute reads aside, which have no inputs and may sit anywhere) are not one
   contiguous run of the graph: a contiguous run is an acyclic partition (a path out of it and back in
   would pass a node between its ends).
@@ -81,11 +82,12 @@ def node_path(gm: fx.GraphModule, node: fx.Node) -> str:
 
 
 def _members(gm: fx.GraphModule) -> dict[str, list[fx.Node]]:
-    """Each block's nodes, in graph order (an attribute read nothing uses left out: torch.export keeps
-    one per alias of a tied weight, and codegen drops it)."""
+    """Each block's nodes, in graph order. An attribute read nothing uses is one too: torch.export keeps
+    one per parameter, used or not, and the unit holds it (a stage, whose code never has one, holds
+    such a tensor apart, at its root: :func:`~autosplit.runtime.placement.keep_unread`)."""
     members: dict[str, list[fx.Node]] = {}
     for n in gm.graph.nodes:
-        if n.op in ("placeholder", "output") or (n.op == "get_attr" and not n.users):
+        if n.op in ("placeholder", "output"):
             continue
         block = block_path(node_path(gm, n))
         if block:
@@ -235,8 +237,8 @@ def _outline(gm: fx.GraphModule, block: str, members: Sequence[fx.Node]) -> None
             unit.get_submodule(owner).register_buffer(leaf, t, persistent=False)
     parent, _, leaf = block.rpartition(".")
     setattr(gm.get_submodule(parent), leaf, unit)
-    for t in moved:
-        delattr(gm, t)
+    for target in moved:
+        delattr(gm, target)
     last = next(n for n in reversed(members) if n.op != "get_attr")  # members are in graph order
     with gm.graph.inserting_after(last):
         call = gm.graph.call_module(block, tuple(inputs))

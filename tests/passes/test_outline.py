@@ -148,3 +148,26 @@ def test_a_block_whose_output_is_written_in_place_after_it_stays_in_its_stage(me
     gm = capture(_Written(), (torch.randn(2, 8),), method=method).gm
     assert "writes in place into its output" in refused_blocks(gm)["blocks.0"]
     assert list(outlinable_blocks(gm)) == ["blocks.1"]
+
+
+class _Unused(nn.Module):
+    """Each block holds a parameter its forward never uses."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(_Block() for _ in range(2))
+        for block in self.blocks:
+            block.register_parameter("unused", nn.Parameter(torch.ones(3)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.blocks[1](self.blocks[0](x))
+
+
+def test_an_exported_blocks_unused_parameter_goes_into_its_unit_under_its_name():
+    """torch.export reads every parameter, used or not: the unit holds it (the cost model and the runtime agree)."""
+    model, x = _Unused(), torch.randn(2, 8)
+    gm = capture(model, (x,), method="export").gm
+    named = [(q, id(p)) for q, p in gm.named_parameters()]
+    assert outline_blocks(gm) == ["blocks.0", "blocks.1"]
+    assert [(q, id(p)) for q, p in gm.named_parameters()] == named and "blocks.1.unused" in dict(named)
+    torch.testing.assert_close(gm(x), model(x))
