@@ -43,7 +43,7 @@ from autosplit.compat import graph_codegen, make_graph_module, pytree
 from autosplit.errors import CaptureError, advice
 from autosplit.passes.fidelity import ModelSnapshot, RefuseStateWrites, Watch, functions_applied, hook_kinds, installed_once, keep_functions
 
-__all__ = ["Captured", "capture", "flat_inputs", "fingerprint", "with_defaults"]
+__all__ = ["Captured", "capture", "flat_inputs", "fingerprint", "module_path", "with_defaults"]
 
 log = logging.getLogger(__name__)
 
@@ -147,7 +147,9 @@ class _Tracer(fx.Tracer):
         return parameter_proxy_cache[name]
 
 
-def _module_path(node: fx.Node) -> str:
+def module_path(node: fx.Node) -> str:
+    """The module path of a captured node: a ``call_module``'s target, the module a ``get_attr`` reads from,
+    else the innermost module of its ``nn_module_stack`` (``""``: the root's own code)."""
     if node.op == "call_module":
         return str(node.target)
     if node.op == "get_attr":
@@ -298,7 +300,7 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, *, 
         ))
     if reasons:
         log.info("symbolic tracing would drop %s; captured with torch.export", "; ".join(reasons))
-    paths = {n.name: _module_path(n) for n in gm.graph.nodes}
+    paths = {n.name: module_path(n) for n in gm.graph.nodes}
     log.debug("captured %s with %s: %d nodes", type(model).__name__, used, len(gm.graph.nodes))
     return Captured(
         gm=gm, method=used, module_paths=paths, fixed_kwargs=fixed, signature=inspect.signature(model.forward),

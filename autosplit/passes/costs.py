@@ -49,6 +49,7 @@ from autosplit.devices import DeviceSpec
 from autosplit.errors import CostModelError, advice
 from autosplit.passes.annotations import NodeInfo, node_info
 from autosplit.passes.memory_model import activation_bytes, describe_blocks, saved_bytes, state_bytes
+from autosplit.passes.outline import outlinable_blocks
 from autosplit.passes.profile import Profile
 from autosplit.passes.sharding import unit_targets
 from autosplit.passes.time_model import node_times, optimizer_times, row_sharer, split_costs, wgrad_shares
@@ -153,10 +154,13 @@ def _param_reads(gm: fx.GraphModule, nodes: list[fx.Node]) -> tuple[str, ...]:
 
 def _state_parts(gm: fx.GraphModule, nodes: list[fx.Node], infos: list[NodeInfo]) -> dict[str, tuple]:
     """The parts of each node's state a data-parallel layout treats apart (:func:`~autosplit.passes.sharding.laid_out`):
-    the weight copy, the buffers, and whether it calls a module FSDP can shard as a unit of its own
-    (:func:`unit_targets`); each empty where no node has any."""
+    the weight copy, the buffers, and whether its parameters are in an FSDP unit of their own when FSDP
+    runs alone: a node of a block the runtime outlines (:func:`outlinable_blocks`, the predicate it
+    uses: an exported graph's ``get_attr`` of the block's parameters among them), or one calling a
+    module the graph calls that FSDP can shard alone (:func:`unit_targets`); each empty where no node has any."""
     units = set(unit_targets(gm))
-    flags = tuple(n.op == "call_module" and str(n.target) in units for n in nodes)
+    outlined = {n for members in outlinable_blocks(gm).values() for n in members}
+    flags = tuple(n in outlined or (n.op == "call_module" and str(n.target) in units) for n in nodes)
     copies, buffers = tuple(i.weight_copy_bytes for i in infos), tuple(i.buffer_bytes for i in infos)
     return dict(weight_copy_bytes=copies if any(copies) else (), buffer_bytes=buffers if any(buffers) else (),
                 unit_params=flags if any(flags) else ())

@@ -51,7 +51,11 @@ from autosplit.errors import CodegenError, advice
 from autosplit.passes.capture import Captured
 from autosplit.plans import PartialRecompute
 
-__all__ = ["Regions", "attach_regions", "micro_batch", "recompute_unless_kept", "written_inputs"]
+__all__ = ["REGION_BLOCK", "Regions", "attach_regions", "micro_batch", "recompute_unless_kept", "written_inputs"]
+
+REGION_BLOCK = "autosplit_region"
+"""``node.meta`` key: the block (module path) whose region a stage's node calls or names — the region's
+``get_attr``, its ``checkpoint`` call and their ``getitem`` s (:mod:`autosplit.passes.outline` reads it)."""
 
 log = logging.getLogger(__name__)
 
@@ -225,8 +229,10 @@ class Regions:
             target, kwargs = ((recompute_unless_kept, dict[str, Any](keep=some.keep, window=some.window)) if some else
                               (torch.utils.checkpoint.checkpoint, dict[str, Any](use_reentrant=False)))
             call = graph.create_node("call_function", target, args, kwargs, name=f"checkpoint_{block}")
+            call.meta[REGION_BLOCK] = block
             for i, n in enumerate(outputs):
                 env[n] = graph.create_node("call_function", operator.getitem, (call, i), name=n.name)
+                env[n].meta[REGION_BLOCK] = block
             pending.append(_Pending(block, sub, call))
         return pending
 
@@ -284,7 +290,9 @@ def attach_regions(stage: fx.GraphModule, pending: Sequence[_Pending], gm: fx.Gr
         region = _Region(p.graph, stage, name)
         stage.add_module(name, region)
         with stage.graph.inserting_before(p.call):
-            p.call.update_arg(0, stage.graph.get_attr(name))
+            read = stage.graph.get_attr(name)
+            read.meta[REGION_BLOCK] = p.block
+            p.call.update_arg(0, read)
         log.debug("%s: block %s recomputed in the backward as %s (%d values in, %d out)", type(stage).__name__, p.block, name,
                   len(p.call.args) - 1, len(p.call.users))
         if debug.stage_code.isEnabledFor(logging.DEBUG):

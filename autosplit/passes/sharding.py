@@ -14,10 +14,12 @@ Memory (:func:`laid_out`), per node and device:
   - under a pipeline, or with several micro-batches, each stage is one unit, gathered for the whole
     step (``reshard_after_forward=False``, torchtitan's choice under pipelining: every micro-batch's
     backward would gather it again), its gradients accumulated whole: + parameters + gradients;
-  - FSDP alone in one pass (:func:`sharded_alone`): each leaf module the graph calls and that
-    owns its parameters is a unit of its own (:func:`unit_targets`; torchtitan wraps each block),
-    whole only while it runs — its transient: its parameters and gradients, and the next unit's
-    parameters gathered ahead; the rest are the stage's own unit, as above.
+  - FSDP alone in one pass (:func:`sharded_alone`): each repeated block the runtime outlines as a
+    module of its own (:func:`~autosplit.passes.outline.outlinable_blocks`: a decoder layer, whether
+    the graph was traced or exported; torchtitan wraps each block), and each other leaf module the
+    graph calls and that owns its parameters (:func:`unit_targets`), is a unit of its own, whole only
+    while it runs — its transient: its parameters and gradients, and the next unit's parameters
+    gathered ahead (:func:`unit_totals`); the rest are the stage's own unit, as above.
 
 Time (:func:`data_parallel_time`), per step and stage with parameters of ``P`` bytes:
 
@@ -54,12 +56,14 @@ from autosplit.costtable import CostTable
 from autosplit.devices import DeviceSpec
 from autosplit.solver.hybrid import hierarchical_phases, ring_allreduce
 
-__all__ = ["data_parallel_time", "group_time", "laid_out", "sharded_alone", "unit_modules", "unit_targets"]
+__all__ = [
+    "data_parallel_time", "group_time", "laid_out", "sharded_alone", "unit_modules", "unit_targets", "unit_totals", "written_views",
+]
 
 
 def sharded_alone(stages: int, micro_batches: int, dp_shard: int) -> bool:
     """FSDP alone in one pass — one stage, one micro-batch, sharded: the runtime then makes each
-    leaf module it can a unit of its own, resharded after its forward
+    block it can outline, and each other leaf module it can, a unit of its own, resharded after its forward
     (:func:`~autosplit.runtime.placement.replicate_stage`); otherwise each stage is one unit, gathered
     for the whole step (every micro-batch's backward would gather it again)."""
     return stages == 1 and micro_batches == 1 and dp_shard > 1
@@ -78,16 +82,32 @@ def laid_out(table: CostTable, *, dp_shard: int, alone: bool = False) -> CostTab
     copies = table.weight_copy_bytes or (0,) * n
     buffers = table.buffer_bytes or (0,) * n
     units = table.unit_params if alone and table.unit_params else (False,) * n
+    totals = unit_totals(table) if any(units) else [0] * n
     transient = list(table.transient_bytes or (0,) * n)
     state = []
     for i, (whole, params, copy, buffer) in enumerate(zip(table.state_bytes, table.param_bytes, copies, buffers)):
         model_state = whole - copy - buffer  # parameters, gradients, optimizer state
         state.append(math.ceil(model_state / dp_shard) + buffer + copy + (0 if units[i] else 2 * params))
         if units[i]:
-            transient[i] = max(transient[i], 3 * params)
+            transient[i] = max(transient[i], 3 * totals[i])
     optimizer = tuple(tuple(t / dp_shard for t in row) for row in table.optimizer_time)
     return dataclasses.replace(table, state_bytes=tuple(state), optimizer_time=optimizer,
                                transient_bytes=tuple(transient) if table.transient_bytes or any(units) else ())
+
+
+def unit_totals(table: CostTable) -> list[int]:
+    """[node] the parameter bytes of the FSDP unit its parameters are in when it is a unit of its own
+    (:attr:`~CostTable.unit_params`), else 0: a block's (its nodes by module path,
+    :func:`~autosplit.passes.outline.block_path`: one outlined unit), or the node's own (a leaf module)."""
+    from autosplit.passes.outline import block_path
+
+    flags = table.unit_params or (False,) * len(table.nodes)
+    keys = [(block_path(path) or i) if flag else None for i, (path, flag) in enumerate(zip(table.module_paths, flags))]
+    sums: dict[object, int] = {}
+    for key, params in zip(keys, table.param_bytes):
+        if key is not None:
+            sums[key] = sums.get(key, 0) + params
+    return [sums[key] if key is not None else 0 for key in keys]
 
 
 def group_time(nbytes: float, size: int, device: DeviceSpec, *, allreduce: bool) -> float:
@@ -147,11 +167,12 @@ def unit_modules(module: torch.nn.Module, tables: Sequence[torch.nn.Parameter] =
 
 
 def unit_targets(module: torch.nn.Module, tables: Sequence[torch.nn.Parameter] = ()) -> list[str]:
-    """The modules of a graph that can be FSDP units of their own, by target: the leaves it calls
-    (``call_module``: FSDP2's hooks run around their forward) that own parameters no other module
-    holds and the graph reads nowhere else (``get_attr``: a tied weight read by name is gathered with
-    the stage's own unit), nor a sparse-gradient table (``tables``). Empty for a module that is not an
-    fx graph, and for an exported one (it reads every parameter by name)."""
+    """The modules of a graph that can be FSDP units of their own, by target: the modules it calls
+    (``call_module``: FSDP2's hooks run around their forward; a block
+    :func:`~autosplit.passes.outline.outline_blocks` made a module is one) that own parameters no other
+    module holds and the graph reads nowhere else (``get_attr``: a tied weight read by name is gathered
+    with the stage's own unit), nor a sparse-gradient table (``tables``). Empty for a module that is not
+    an fx graph, and for an exported one not outlined (it reads every parameter by name)."""
     if not isinstance(module, torch.fx.GraphModule):
         return []
     called = {str(n.target) for n in module.graph.nodes if n.op == "call_module"}
@@ -183,20 +204,19 @@ _VIEWS = frozenset({
 })
 
 
-def _written_views(gm: torch.fx.GraphModule) -> set[str]:
-    """The targets of the modules whose output (or a view of it) some node writes in place: FSDP2
-    hooks a unit's output for its backward, and a write in place into it drops the hook (the unit
-    would not be gathered for its backward), so such a module is no unit of its own."""
+def written_views(gm: torch.fx.GraphModule, producers: Sequence[torch.fx.Node]) -> list[torch.fx.Node]:
+    """The nodes of ``producers`` (a module's call, or an outlined block's outputs) whose output, or a
+    view of it, some node writes in place: FSDP2 hooks a unit's output for its backward, and a write in
+    place into it drops the hook (the unit would not be gathered for its backward), so such a module is
+    no unit of its own."""
     from autosplit.passes.recompute_regions import written_inputs
 
     def is_view(n: torch.fx.Node) -> bool:
         name = n.target if isinstance(n.target, str) else getattr(n.target, "__name__", str(n.target))
         return str(name).split(".")[0] in _VIEWS
 
-    hit: set[str] = set()
-    for n in gm.graph.nodes:
-        if n.op != "call_module":
-            continue
+    hit = []
+    for n in producers:
         aliases, todo = {n}, [n]
         while todo:
             for user in todo.pop().users:
@@ -204,5 +224,10 @@ def _written_views(gm: torch.fx.GraphModule) -> set[str]:
                     aliases.add(user)
                     todo.append(user)
         if any(set(written_inputs(gm, user)) & aliases for a in aliases for user in a.users):
-            hit.add(str(n.target))
+            hit.append(n)
     return hit
+
+
+def _written_views(gm: torch.fx.GraphModule) -> set[str]:
+    """The targets of the modules the graph calls whose output some node writes in place (:func:`written_views`)."""
+    return {str(n.target) for n in written_views(gm, [n for n in gm.graph.nodes if n.op == "call_module"])}

@@ -20,7 +20,8 @@ dimension and tp the innermost, so rank ``r`` runs stage ``r // data_parallel`` 
 3. With ``data_parallel > 1`` each stage's module is wrapped in FSDP2's ``replicate`` over the
    mesh's ``dp_replicate`` dimension or ``fully_shard`` over its ``dp_shard`` one (HSDP over both, from
    a given plan), as ``distribute(replicate=...)`` names it, without resharding after forward
-   (torchtitan's choice under pipelining: one all-gather per stage and step; each stage is one unit). The
+   (torchtitan's choice under pipelining: one all-gather per stage and step; each stage is one unit; FSDP
+   alone in one pass: each repeated block outlined as a module of its own and resharded after forward). The
    pipelining schedule synchronises gradients once per step, on the last micro-batch's backward. One
    stage (``distribute(model, ["cpu"], data_parallel=N, replicate="fully_shard")``) is a pipeline too.
 4. A tied parameter read by several stages (GPT's embedding and head) is either sent with the
@@ -76,6 +77,7 @@ from autosplit import schedules
 from autosplit.errors import DistributedError, advice
 from autosplit.microbatch import batch_size, is_batched
 from autosplit.passes.chain import Chain
+from autosplit.passes.outline import outline_blocks
 from autosplit.passes.sharding import sharded_alone
 from autosplit.plans import Plan
 from autosplit.runtime.asynchronous import AsynchronousRun
@@ -200,11 +202,16 @@ class DistributedModel(StageState, TrainingLoop, FlushedStep, AsynchronousRun):
         self._dp_mesh = dp_mesh
         self.compiled: dict[int, str] = {}
         """Stage → ``"compiled"`` or ``"eager: <cause>"`` under ``compile=``; empty when eager."""
+        # FSDP alone in one pass: a unit per block and per leaf, resharded after forward; else gathered for the step
+        alone = (layout.replicas > 1 and len(modules) == 1 and replication == "fully_shard"
+                 and sharded_alone(layout.stages, self.plan.micro_batches, self.plan.dp_shard))
+        for stage_module in modules.values() if alone else ():  # each block a module of its own, FSDP2's hooks around it
+            if isinstance(stage_module, torch.fx.GraphModule):  # before compile, as torchtitan wraps blocks (AC → compile → FSDP)
+                log.debug("blocks outlined as FSDP units: %s", outline_blocks(stage_module))
         if compiled is not None:  # before FSDP2 wraps the stages, as torchtitan orders them
             options = {f.name: getattr(compiled, f.name) for f in dataclasses.fields(compiled)}
             self.compiled = compile_stages(modules, **options, device_types={device.type})
-        if layout.replicas > 1:  # FSDP alone in one pass: units per leaf, resharded; else gathered for the step
-            alone = len(modules) == 1 and sharded_alone(layout.stages, self.plan.micro_batches, self.plan.dp_shard)
+        if layout.replicas > 1:
             for stage_module in modules.values():
                 self._sparse_tables += replicate_stage(stage_module, replication, dp_mesh, reshard_after_forward=alone)
 

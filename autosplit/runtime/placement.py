@@ -186,9 +186,12 @@ def replicate_stage(
     ``reshard_after_forward`` (``fully_shard`` only): False keeps the stage one FSDP unit whose
     parameters stay gathered from the first forward to the last backward — torchtitan's choice under
     pipelining, where every micro-batch's backward would gather them again: one all-gather per stage
-    and step. True (one stage, one micro-batch: FSDP alone) makes each leaf the graph calls a unit of its
-    own (:func:`unit_modules`; torchtitan wraps each block), gathered for its forward and again for its
-    backward, so only the units at work are whole (:mod:`autosplit.passes.sharding` costs both).
+    and step. True (one stage, one micro-batch: FSDP alone) makes each module the graph calls that can be
+    a unit of its own (:func:`unit_modules`) one, before the stage's own: its repeated blocks, which the
+    runtime outlined as modules at their own paths beforehand
+    (:func:`~autosplit.passes.outline.outline_blocks`: torchtitan wraps each block), and its other leaves,
+    each gathered for its forward and again for its backward, so only the units at work are whole
+    (:mod:`autosplit.passes.sharding` costs both).
     Classic DDP cannot be used here: its reducer is prepared by every forward, but pipelining only
     wraps the backwards in ``no_sync``, and DDP's bucket rebuild then sees each parameter M times.
 

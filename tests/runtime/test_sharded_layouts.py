@@ -6,7 +6,9 @@ data-parallel copy's slice of a global batch of 8 rows; beside it, in the same p
 model trains on the whole global batch, its gradient the mean loss's over all of it. In float64 the
 losses of every step, every gradient and the parameters after 3 AdamW steps agree to rounding:
 2 stages × ``dp_shard`` 2 on 4 processes and 1 stage × ``dp_shard`` 2 on 2, for a GPT with tied
-embeddings and a small transformers Llama; in ``"bf16-mixed"`` against the unsplit model under
+embeddings and a small transformers Llama (captured by ``torch.export``: in one pass, each decoder layer
+outlined as an FSDP unit of its own, its checkpointed region inside under ``checkpointing="full"``);
+in ``"bf16-mixed"`` against the unsplit model under
 ``torch.autocast`` run micro-batch by micro-batch. A model and optimizer checkpoint saved under
 2 stages × ``dp_shard`` 2 resumes under 1 stage × ``dp_shard`` 4, under 1 stage × ``dp_replicate``
 2 × ``dp_shard`` 2 (HSDP), under 4 stages and in the unsplit model, and the next step is the
@@ -27,6 +29,8 @@ from torch.distributed.fsdp import FSDPModule
 
 import autosplit
 from autosplit.errors import ConstraintError, DistributedError
+from autosplit.passes.capture import capture
+from autosplit.passes.outline import outlinable_blocks
 from autosplit.runtime.checkpoint import load_checkpoint
 from autosplit.runtime.placement import MESH_DIMS
 from tests.helpers import NO_SEARCH, full_tensor, gpt_case, says, where
@@ -79,11 +83,15 @@ def _distribute(model, args, kwargs, loss_fn, stages: int, copies: int, **option
     )
 
 
-def _train_case(name: str, stages: int, precision: str, micro: int = MICRO, *, rank: int, world: int) -> None:
+def _train_case(
+    name: str, stages: int, precision: str, micro: int = MICRO, checkpointing: str = "none", *, rank: int, world: int,
+) -> None:
     model, args, kwargs, target, loss_fn = CASES[name]()
     model = model.double() if precision == "fp32" else model
     reference, copies = copy.deepcopy(model), world // stages
-    pipe = _distribute(model, args, kwargs, loss_fn, stages, copies, precision=precision, micro_batches=micro)
+    pipe = _distribute(model, args, kwargs, loss_fn, stages, copies, precision=precision, micro_batches=micro,
+                       checkpointing=checkpointing)
+    assert bool(pipe.plan.recompute) is (checkpointing == "full"), pipe.plan.recompute
     assert pipe.plan.mesh == {"pp": stages, "dp_replicate": 1, "dp_shard": copies, "tp": 1}
     assert pipe.mesh.mesh_dim_names == MESH_DIMS and tuple(pipe.mesh.shape) == (stages, 1, copies, 1)
     place = pipe.layout.place(pipe.stage_index)  # rank = ((pp · dp_replicate + r) · dp_shard + s) · tp + t
@@ -92,12 +100,17 @@ def _train_case(name: str, stages: int, precision: str, micro: int = MICRO, *, r
         assert p.device_mesh.mesh_dim_names == ("dp_shard",) and p.placements[0].is_shard(), pname
         assert p.device_mesh.mesh.tolist() == [place * copies + s for s in range(copies)], pname
     # torchtitan's choice: under pipelining (or several micro-batches) the gathered parameters stay from forward
-    # to backward; FSDP alone in one pass shards each leaf as a unit of its own and reshards it after forward
+    # to backward; FSDP alone in one pass shards each block the runtime can outline (traced or exported: the
+    # predicate the cost model shares) and each other leaf as a unit of its own, and reshards it after forward
     alone = stages == 1 and micro == 1
     assert pipe.module._get_fsdp_state()._fsdp_param_group._reshard_after_forward is alone
-    units = [m for m in pipe.module.modules() if m is not pipe.module and isinstance(m, FSDPModule)]
-    assert bool(units) is (alone and pipe.plan.capture != "export"), (name, micro)  # exported: parameters read by name
-    assert all(getattr(m._get_fsdp_state()._fsdp_param_group, "_reshard_after_forward", False) for m in units), name
+    units = {q: m for q, m in pipe.module.named_modules() if m is not pipe.module and isinstance(m, FSDPModule)}
+    rows = ROWS // copies
+    blocks = set(outlinable_blocks(capture(reference, tuple(a[:rows] for a in args), {k: v[:rows] for k, v in kwargs.items()},
+                                           method=pipe.plan.capture).gm)) if alone else set()
+    assert bool(units) is alone and blocks <= set(units), (name, micro, sorted(units), sorted(blocks))
+    assert name != "llama" or not alone or blocks == {"model.layers.0", "model.layers.1"}, blocks
+    assert all(getattr(m._get_fsdp_state()._fsdp_param_group, "_reshard_after_forward", False) for m in units.values()), name
     mine = slice(pipe.layout.replica * ROWS // copies, (pipe.layout.replica + 1) * ROWS // copies)
     opt = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
@@ -126,7 +139,8 @@ def test_two_stages_by_dp_shard_two_train_like_the_unsplit_model(gloo):
 
 def test_one_stage_by_dp_shard_two_trains_like_the_unsplit_model(gloo):
     pytest.importorskip("transformers")
-    gloo(2).run(_train_case, [("gpt", 1, "fp32"), ("llama", 1, "fp32"), ("gpt", 1, "fp32", 1), ("llama", 1, "fp32", 1)])
+    gloo(2).run(_train_case, [("gpt", 1, "fp32"), ("llama", 1, "fp32"), ("gpt", 1, "fp32", 1), ("llama", 1, "fp32", 1),
+                              ("llama", 1, "fp32", 1, "full")])  # the blocks' units wrap their checkpointed regions
 
 
 # -- a checkpoint moves between layouts -------------------------------------------------------------
