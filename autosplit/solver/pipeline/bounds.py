@@ -46,7 +46,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from autosplit.options import SolverLimits
-from autosplit.solver.pipeline.chain import Chain, chain_of, chain_reach, heaviest_chain
+from autosplit.solver.pipeline.chain import Chain, chain_of
+from autosplit.solver.pipeline.memory import memory_chain_floor, memory_floor, memory_units
 from autosplit.solver.problem import Problem
 
 __all__ = [
@@ -229,102 +230,3 @@ def lower_bound(
     if enough is not None and coupled >= enough:
         return coupled  # proves the known plan already
     return max(coupled, math.floor(traded_bound(problem, total, min(x for _, x in crossings) / 2, slowest, c)))
-
-
-def memory_units(problem: Problem) -> list[tuple[tuple[int, ...], int]]:
-    """Each unit that cannot be split (a colocated group, or a lone node) with the KiB it needs
-    on any device: its state, its least activations, and the transient reserve."""
-    need = [problem.state_mem[n] + min(problem.act_mem[n]) for n in range(len(problem.nodes))]
-    groups = [*problem.colocate, *((n,) for n in range(len(problem.nodes)))]
-    return [(tuple(g), problem.transient_mem + sum(need[n] for n in g)) for g in groups]
-
-
-def memory_chain_floor(problem: Problem) -> int:
-    """KiB that any plan puts on its fullest device, at least, seen along the chain of most memory.
-
-    As for :func:`chain_bound`: the chain's nodes fall into S consecutive segments in stage
-    order, and off-chain units pinned between two chain nodes lie in the segments between. So
-    stage s holds at least its segment's state and activations (at stage s's in-flight count)
-    plus the pinned units, plus the transient reserve; the least over splits of the fullest
-    stage is a bottleneck DP. Unlike :func:`memory_floor` it knows that layers do not split.
-
-    Units, not nodes: a colocated group (a parameter read through ``get_attr`` and its first reader)
-    sits in one stage, so a group that meets the chain adds its other members to its chain node's
-    stage. A unit that need not follow any chain node (a mixture of experts' weights, transposed
-    before the layer reads them) may sit in any stage up to its reader's, so no one stage must hold
-    it; but stages 0…s hold all of it when stage s ends at chain position b past its reader, so
-    their fullest holds at least a (s + 1)-th of everything that must lie before b (each unit at its
-    least over those stages): :func:`_averaged` adds that, and the same from the end.
-    """
-    S = problem.num_stages
-    mem = np.asarray(problem.state_mem, dtype=np.float64)[:, None] + np.asarray(problem.act_mem, dtype=np.float64)  # [n, s]
-    chain = heaviest_chain(problem, mem.min(axis=1).tolist())
-    L = len(chain)
-    before, after = chain_reach(problem, chain)
-    on_chain, pinned, early, late = _memory_along(problem, chain, mem, before, after)
-    prefix = np.vstack([np.zeros((1, S)), np.cumsum(on_chain, axis=0)])  # [p, s]
-    F, G = np.cumsum(pinned[0], axis=0)[: L + 1], np.cumsum(pinned[1], axis=0)[: L + 1]
-    first, last = _averaged(on_chain, early, late)
-    a, b = np.arange(L + 1)[None, :], np.arange(L + 1)[:, None]  # segment (a, b], b ≥ a
-    val = np.where(np.arange(L + 1) == 0, 0.0, np.inf)
-    for s in range(S):
-        segment = prefix[b, s] - prefix[a, s] + np.maximum(0.0, F[b, s] - G[a, s])
-        segment = np.maximum(segment, np.maximum(first[b, s], last[a, s]))
-        segment = np.where(a <= b, segment, np.inf)
-        val = np.maximum(val[None, :], segment).min(axis=1)
-    return int(problem.transient_mem + val[L])
-
-
-def _memory_along(
-    problem: Problem, chain: list[int], mem: np.ndarray, before: list[int], after: list[int]
-) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray], np.ndarray, np.ndarray]:
-    """[p, s] memory of chain node p and the rest of its colocated group; (F, G) difference arrays
-    [position, s] of the units pinned between two chain nodes (by their last, first position); and
-    every off-chain unit's memory by the chain position it must precede (``early``, L + 1: none) and
-    the one it must follow (``late``, 0: none)."""
-    N, S, L = len(problem.nodes), problem.num_stages, len(chain)
-    position = {h: p for p, h in enumerate(chain)}
-    on_chain = mem[chain].copy()
-    forced_end, forced_start = np.zeros((L + 2, S)), np.zeros((L + 2, S))
-    early, late = np.zeros((L + 2, S)), np.zeros((L + 2, S))
-    members = {n for g in problem.colocate for n in g}
-    for g in [*problem.colocate, *((n,) for n in range(N) if n not in members)]:
-        held = [position[n] for n in g if n in position]
-        rest = [n for n in g if n not in position]
-        if not rest:
-            continue
-        need = mem[rest].sum(axis=0)
-        if held:
-            on_chain[held[0]] += need
-            continue
-        first, last = max(after[n] for n in g), min(before[n] for n in g)
-        early[last] += need
-        late[first] += need
-        if first >= 1 and last <= L:
-            forced_end[last] += need
-            forced_start[first] += need
-    return on_chain, (forced_end, forced_start), early, late
-
-
-def _averaged(on_chain: np.ndarray, early: np.ndarray, late: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """([b, s] the least the fullest of stages 0…s holds when stage s ends at chain position b,
-    [a, s] the least the fullest of stages s…S−1 holds when stage s starts after position a):
-    what must lie there, each unit at its least over those stages, spread evenly."""
-    L, S = on_chain.shape
-    stages = np.arange(1, S + 1, dtype=np.float64)
-    low_before = np.minimum.accumulate(np.vstack([on_chain, early]), axis=1)  # each row's least over stages 0…s
-    low_after = np.minimum.accumulate(np.vstack([on_chain, late])[:, ::-1], axis=1)[:, ::-1]  # … over stages s…S−1
-    chain_before, units_before = low_before[:L], low_before[L:]
-    chain_after, units_after = low_after[:L], low_after[L:]
-    held = np.vstack([np.zeros((1, S)), np.cumsum(chain_before, axis=0)]) + np.cumsum(units_before, axis=0)[: L + 1]
-    rest = np.vstack([np.cumsum(chain_after[::-1], axis=0)[::-1], np.zeros((1, S))])  # chain positions after a
-    rest += np.cumsum(units_after[::-1], axis=0)[::-1][1: L + 2]  # units that must follow a position after a
-    return held / stages, rest / stages[::-1]
-
-
-def memory_floor(problem: Problem) -> int:
-    """KiB that any plan puts on its fullest device, at least: perfect spreading of state and
-    activations, and no less than the largest unit that cannot be split."""
-    total = sum(problem.state_mem[n] + min(problem.act_mem[n]) for n in range(len(problem.nodes)))
-    largest_unit = max(need for _, need in memory_units(problem))
-    return max(problem.transient_mem + math.ceil(total / problem.ranks), largest_unit)  # a rank holds all its stages

@@ -44,7 +44,8 @@ from autosplit.errors import InfeasiblePlanError, SolverError, advice
 from autosplit.options import SolverLimits
 from autosplit.solver.coarsen import Coarsening, coarse_problem, coarsen, repeated_layers
 from autosplit.solver.evaluation import evaluate
-from autosplit.solver.pipeline.bounds import lower_bound, memory_chain_floor, memory_floor
+from autosplit.solver.pipeline.bounds import lower_bound
+from autosplit.solver.pipeline.memory import memory_chain_floor, memory_floor, memory_proof
 from autosplit.solver.pipeline.cpsat import PROVEN_GAP, cpsat, explain_infeasible, precheck
 from autosplit.solver.pipeline.dp import Prefix, prefix_sums, split_dp, topological_order
 from autosplit.solver.problem import KIB, Problem
@@ -218,16 +219,20 @@ def solve(
                     name, baseline, units, tuple(chosen), tuple((u, s, k) for u, (s, k) in sorted(partial.items())))
 
 
-def _refuse_over_caps(problem: Problem, spread: int, along_chain: int = 0) -> None:
+def _refuse_over_caps(problem: Problem, spread: int, along_chain: int = 0, together: int = 0) -> None:
     """Raise :class:`InfeasiblePlanError` where the memory floors (:func:`memory_floor`, spread
-    perfectly; :func:`memory_chain_floor`, layers whole along the heaviest chain) exceed every cap."""
-    floor, largest = max(spread, along_chain), max(problem.capacity)
+    perfectly; :func:`memory_chain_floor`, layers whole along the heaviest chain; ``together``:
+    :func:`memory_proof`'s, stages before each chain position holding what must lie there) exceed every cap."""
+    floor, largest = max(spread, along_chain, together), max(problem.capacity)
     if floor > largest:
+        how = ("state and activations spread perfectly" if spread >= max(along_chain, together) else
+               "layers kept whole along the model's heaviest chain of layers, split at the best places"
+               if along_chain >= together else
+               "layers kept whole along the model's heaviest chain, the stages before each cut holding, together, "
+               "everything that must come before it")
         raise InfeasiblePlanError(advice(
             f"no plan fits the memory caps: any plan needs at least {format_bytes(floor * KIB)} on its fullest "
-            f"device, but the largest cap is {format_bytes(largest * KIB)} (proven: "
-            + ("state and activations spread perfectly" if spread >= along_chain else "layers kept whole along the model's "
-               "heaviest chain of layers, split at the best places") + f" over {problem.ranks} devices)",
+            f"device, but the largest cap is {format_bytes(largest * KIB)} (proven: {how} over {problem.ranks} devices)",
             "model state and activations exceed the caps",
             "more devices or devices with more memory, schedule='1f1b' (fewer micro-batches in flight), a smaller "
             "batch, or optimizer='sgd'",
@@ -348,7 +353,7 @@ def _split(
             everything = [*range(S), *(c.text for c in problem.constraints)]
             raise InfeasiblePlanError(explain_infeasible(problem, everything, time_limit, seed))
         spread, along_chain = memory_floor(problem), memory_chain_floor(problem)
-        _refuse_over_caps(problem, spread, along_chain)
+        _refuse_over_caps(problem, spread, along_chain, memory_proof(problem))
         floor, largest = max(spread, along_chain), max(problem.capacity)
         raise SolverError(advice(
             f"no plan found for {N} nodes on {S} devices within {time_limit:.1f}s; not proven infeasible: any plan needs "
