@@ -14,7 +14,7 @@ from autosplit.solver.evaluation import evaluate
 from autosplit.solver.pipeline.memory import fits_under, memory_chain_floor, memory_floor, memory_proof
 from autosplit.solver.pipeline.strategy import solve
 from autosplit.solver.validate import violations
-from tests.helpers import chain, make_problem
+from tests.helpers import make_problem
 
 KEPT = ("runs backwards", "empty", "sharing parameters")
 """The rules every plan keeps that memory does not decide."""

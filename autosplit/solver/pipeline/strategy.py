@@ -45,9 +45,9 @@ from autosplit.options import SolverLimits
 from autosplit.solver.coarsen import Coarsening, coarse_problem, coarsen, repeated_layers
 from autosplit.solver.evaluation import evaluate
 from autosplit.solver.pipeline.bounds import lower_bound
-from autosplit.solver.pipeline.memory import memory_chain_floor, memory_floor, memory_proof
 from autosplit.solver.pipeline.cpsat import PROVEN_GAP, cpsat, explain_infeasible, precheck
 from autosplit.solver.pipeline.dp import Prefix, prefix_sums, split_dp, topological_order
+from autosplit.solver.pipeline.memory import memory_chain_floor, memory_floor, memory_proof
 from autosplit.solver.problem import KIB, Problem
 from autosplit.solver.validate import violations
 from autosplit.units import format_bytes
