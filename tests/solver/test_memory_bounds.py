@@ -80,11 +80,11 @@ def test_no_floor_exceeds_the_least_fullest_stage_and_the_least_fits(problem):
 def test_a_weight_free_before_its_layer_counts_on_the_stage_that_receives_it():
     # Chain n0 → n2 → n3; n1, a weight of 8 KiB whose output takes 5 KiB to receive, is read by n2 and
     # follows nothing: n2's stage holds it, or receives it, so at least 5 of it.
-    from autosplit.solver.pipeline.memory import _along
+    from autosplit.solver.pipeline.memory import along_chain
 
     problem = make_problem([1] * 4, [(0, 2), (1, 2), (2, 3)], stages=2, state=[9, 8, 1, 1], recv=[0, 5, 0, 0],
                            capacity=[100, 100])
-    along = _along(problem)
+    along = along_chain(problem)
     assert along.read[:, 0].tolist() == [0, 9, 15, 16]  # h_1 = n0 (9), h_2 = n2 (1 + 5), h_3 = n3 (1)
     assert along.chain[:, 0].tolist() == [0, 9, 10, 11]
     assert memory_chain_floor(problem) <= _least_fullest(problem) == 10

@@ -26,7 +26,7 @@ import numpy as np
 from autosplit.solver.pipeline.chain import chain_reach, heaviest_chain
 from autosplit.solver.problem import Problem
 
-__all__ = ["fits_under", "memory_chain_floor", "memory_floor", "memory_proof", "memory_units"]
+__all__ = ["along_chain", "fits_under", "memory_chain_floor", "memory_floor", "memory_proof", "memory_units"]
 
 PROOF_STEPS = 6
 """Bisection steps :func:`memory_proof` spends on the number it reports, once it has proven the cap."""
@@ -85,10 +85,11 @@ class _Along:
         return a, np.where(valid & (held <= room), held, np.inf), own
 
 
-def _along(problem: Problem) -> _Along:
+def along_chain(problem: Problem, chain: list[int] | None = None) -> _Along:
+    """What every plan holds along ``chain`` (by default the chain of most memory), as arrays over chain positions."""
     S = problem.num_stages
     mem = np.asarray(problem.state_mem, dtype=np.float64)[:, None] + np.asarray(problem.act_mem, dtype=np.float64)  # [n, s]
-    chain = heaviest_chain(problem, mem.min(axis=1).tolist())
+    chain = heaviest_chain(problem, mem.min(axis=1).tolist()) if chain is None else chain
     L = len(chain)
     before, after = chain_reach(problem, chain)
     on_chain, read, pinned, early, late = _memory_along(problem, chain, mem, before, after)
@@ -127,7 +128,7 @@ def memory_chain_floor(problem: Problem, upper: float | None = None) -> int:
     dynamic program a band); by default twice the largest cap.
     """
     upper = 2 * max(problem.capacity) if upper is None else upper
-    along = _along(problem)
+    along = along_chain(problem)
     L = len(along.chain) - 1
     val = np.where(np.arange(L + 1) == 0, 0.0, np.inf)
     for s in range(problem.num_stages):
@@ -144,7 +145,7 @@ def fits_under(problem: Problem, cap: float, along: _Along | None = None) -> boo
 
     A dynamic program over (stage, end position) keeping the least that stages 0…s hold: the less
     they hold, the more room the rest has, so the least is the one to keep."""
-    along = along or _along(problem)
+    along = along or along_chain(problem)
     L = len(along.chain) - 1
     room = cap - problem.transient_mem
     held = np.where(np.arange(L + 1) == 0, 0.0, np.inf)
@@ -159,7 +160,7 @@ def memory_proof(problem: Problem) -> int:
     """The least KiB any plan puts on its fullest device, as proven here: :func:`memory_floor` and
     :func:`memory_chain_floor`, and when both stay within the largest cap but :func:`fits_under`
     refuses it, the largest cap it refuses (bisected over :data:`PROOF_STEPS` steps up to twice the cap)."""
-    along = _along(problem)
+    along = along_chain(problem)
     cap = max(problem.capacity)
     floor = max(memory_floor(problem), memory_chain_floor(problem))
     if floor > cap or fits_under(problem, cap, along):
