@@ -67,6 +67,11 @@ class _Along:
     early: np.ndarray
     """[b, s] off-chain units free before the chain that must come no later than h_b, each at its
     least over stages 0…s (the pinned ones count in the segment that holds them)."""
+    loose: np.ndarray
+    """[b] free units that need not come before h_b and whose first reader need not come after it
+    (at their most over stages): they may lie before a stage that ends at b without crossing its boundary."""
+    ratio: float
+    """The least share of a free unit's memory that a stage receiving its output holds (received ÷ held)."""
 
     def segments(self, s: int, room: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Stage s's chain segments (a, b] that may hold at most ``room``: starts a [b, j], the least
@@ -93,7 +98,7 @@ def along_chain(problem: Problem, chain: list[int] | None = None) -> _Along:
     L = len(chain)
     before, after = chain_reach(problem, chain)
     on_chain, read, pinned, early, late = _memory_along(problem, chain, mem, before, after)
-    early, free = early
+    early, free, loose, ratio = early
     F, G = (np.cumsum(pinned[0], axis=1)[:, : L + 1], np.cumsum(pinned[1], axis=1)[:, : L + 1])
     stages = np.arange(1, S + 1, dtype=np.float64)
     low_before = np.minimum.accumulate(np.vstack([on_chain, early]), axis=1)  # each row's least over stages 0…s
@@ -105,7 +110,7 @@ def along_chain(problem: Problem, chain: list[int] | None = None) -> _Along:
     zero = np.zeros((1, S))
     free = np.minimum.accumulate(free, axis=1).cumsum(axis=0)[: L + 1]
     return _Along(np.vstack([zero, np.cumsum(on_chain, axis=0)]), np.vstack([zero, np.cumsum(on_chain + read, axis=0)]),
-                  F, G, held / stages, rest / stages[::-1], free)
+                  F, G, held / stages, rest / stages[::-1], free, np.cumsum(loose)[: L + 1], ratio)
 
 
 def memory_chain_floor(problem: Problem, upper: float | None = None) -> int:
@@ -143,17 +148,30 @@ def fits_under(problem: Problem, cap: float, along: _Along | None = None) -> boo
     hold at each one's own in-flight count, plus every off-chain unit that must lie before stage s ends
     (at its least over them). False proves that no plan fits under ``cap``.
 
-    A dynamic program over (stage, end position) keeping the least that stages 0…s hold: the less
-    they hold, the more room the rest has, so the least is the one to keep."""
+    Free units (a mixture of experts' weights) may lie in any stage before their reader's, but one that
+    lies before a boundary its reader is past crosses it: the next stage holds its received output, at
+    least :attr:`_Along.ratio` of it. A dynamic program over (stage, end position) keeping the most of
+    the free units stages 0…s can hold (their room less their chain segments, and no more than what
+    must or may lie there plus what the next stage can receive): the more, the better for the rest."""
     along = along or along_chain(problem)
-    L = len(along.chain) - 1
+    L, S = len(along.chain) - 1, problem.num_stages
     room = cap - problem.transient_mem
-    held = np.where(np.arange(L + 1) == 0, 0.0, np.inf)
-    for s in range(problem.num_stages):
+    placed = np.where(np.arange(L + 1) == 0, 0.0, -np.inf)  # the most of the free units stages 0…s can hold
+    ratio = along.ratio if math.isfinite(along.ratio) else 0.0
+    before = np.zeros(L + 1)  # what stages 0…s − 1 hold of the free units without crossing to stage s
+    for s in range(S):
         starts, floor, own = along.segments(s, room)
-        step = np.where(np.isfinite(floor), held[starts] + own, np.inf).min(axis=1)
-        held = np.where(step + along.early[:, s] <= (s + 1) * room, step, np.inf)
-    return bool(np.isfinite(held[L]))
+        free_room = room - own
+        carried, ahead = placed[starts], before[starts]
+        if ratio >= 1:  # carrying more across costs stage s more than it brings: carry nothing extra
+            carried = np.minimum(carried, ahead)
+        elif ratio > 0:  # past what need not cross, the rest crosses into stage s: it holds ratio of it
+            carried = np.minimum(carried, ahead + np.maximum(0.0, free_room) / ratio)
+            free_room = np.where(free_room >= 0, np.maximum(0.0, free_room - ratio * np.maximum(0.0, carried - ahead)), free_room)
+        more = np.where(np.isfinite(floor) & (free_room >= 0), carried + free_room, -np.inf).max(axis=1)
+        placed = np.where(more >= along.early[:, s], more, -np.inf)
+        before = along.early[:, s] + along.loose
+    return bool(np.isfinite(placed[L]))
 
 
 def memory_proof(problem: Problem) -> int:
@@ -189,6 +207,7 @@ def _memory_along(
     on_chain, read = mem[chain].copy(), np.zeros((L, S))
     forced_end, forced_start = np.zeros((2, L + 2, S)), np.zeros((2, L + 2, S))
     early, free, late = np.zeros((L + 2, S)), np.zeros((L + 2, S)), np.zeros((L + 2, S))
+    loose, ratio = np.zeros(L + 2), math.inf
     members = {n for g in problem.colocate for n in g}
     consumers, recv = problem.consumers(), problem.arrays.recv
     for g in [*problem.colocate, *((n,) for n in range(N) if n not in members)]:
@@ -209,17 +228,22 @@ def _memory_along(
                 forced_start[k, first] += need
         elif first < 1:
             free[last] += need
-            if (found := _first_reader(g, consumers)) is None:
+            found = _first_reader(g, consumers)
+            # Before a boundary its first reader must follow, it crosses that boundary; else it need not.
+            loose[after[found[0]] if found else 0] += need.max()
+            loose[last] -= need.max()
+            if found is None:
                 continue
             # Free before the chain: on its reader's stage, or earlier, and the reader's stage receives it.
             reader, u = found
+            ratio = min(ratio, float(recv[u].min()) / max(1.0, float(need.max())))
             share = np.minimum(need, recv[u])
             if reader in position:
                 read[position[reader]] += share
             elif after[reader] >= 1 and before[reader] <= L:
                 forced_end[0, before[reader]] += share
                 forced_start[0, after[reader]] += share
-    return on_chain, read, (forced_end, forced_start), (early, free), late
+    return on_chain, read, (forced_end, forced_start), (early, free, loose, ratio), late
 
 
 def _first_reader(group: Sequence[int], consumers: list[list[int]]) -> tuple[int, int] | None:
