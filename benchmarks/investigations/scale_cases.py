@@ -3,8 +3,9 @@
 Each case runs in a fresh interpreter (its peak RSS, by ``resource.getrusage``, is the planning
 process's own); a transformers model built on the meta device, H100-80GB presets (simulated):
 
-- ``hybrid-70b``: ``plan_hybrid`` of Llama-3-70B on ``Cluster.dgx_h100(nodes=32)``, replica sizes 16…128,
-  ``time_limit=20``: which replica sizes end without a plan, and why;
+- ``hybrid-70b``: ``plan_hybrid`` of Llama-3-70B on ``Cluster.dgx_h100(nodes=32)`` (bf16-mixed, ``checkpointing="auto"``,
+  1F1B, one sequence of 4096 per device), replica sizes 16…128, ``time_limit=20``: which replica sizes end without a plan,
+  and why (about 25 min; ``hybrid-70b-ends``: replica sizes 16 and 128 only);
 - ``fp32-70b`` / ``fp32-mixtral``: fp32, 1F1B, no checkpointing, Llama-3-70B on 32 (32 × 4096),
   Mixtral-8x7B on 16 (16 × 4096): a plan or a proven ``InfeasiblePlanError``;
 - ``mixed-70b``: bf16-mixed, ``checkpointing="auto"``, 1F1B, Llama-3-70B on 32 (32 × 4096): time, gap,
@@ -38,7 +39,10 @@ CASES: dict[str, dict[str, Any]] = {
     "mixed-8b-1f1b": dict(model="llama3-8b", devices=8, batch=8, seq=8192, precision="bf16-mixed", checkpointing="auto"),
     "mixed-8b-gpipe": dict(model="llama3-8b", devices=8, batch=8, seq=8192, precision="bf16-mixed", checkpointing="auto",
                            schedule="gpipe"),
-    "hybrid-70b": dict(model="llama3-70b", hybrid=True, batch=1, seq=4096, precision="bf16-mixed", checkpointing="auto"),
+    "hybrid-70b": dict(model="llama3-70b", hybrid=True, batch=1, seq=4096, precision="bf16-mixed", checkpointing="auto",
+                       replica_sizes=[16, 32, 64, 128]),
+    "hybrid-70b-ends": dict(model="llama3-70b", hybrid=True, batch=1, seq=4096, precision="bf16-mixed", checkpointing="auto",
+                            replica_sizes=[16, 128]),
 }
 
 
@@ -75,7 +79,7 @@ def _hybrid(case: dict[str, Any]) -> dict[str, Any]:
     model = _model(case["model"])
     spec = autosplit.Spec((case["batch"], case["seq"]), torch.long)
     hp = autosplit.plan_hybrid(model, autosplit.Cluster.dgx_h100(nodes=32), example_inputs=(spec,), per_device_batch=case["batch"],
-                               replica_sizes=[16, 32, 64, 128], time_limit=20, schedule="1f1b", precision=case["precision"],
+                               replica_sizes=case["replica_sizes"], time_limit=20, schedule="1f1b", precision=case["precision"],
                                checkpointing=case["checkpointing"])
     rows = [{"k": r.k, "worker_batch": r.worker_batch, "planned": r.feasible, "error": (r.error or "")[:300]} for r in hp.rows]
     return {"outcome": "done", "rows": rows, "wall_s": time.perf_counter() - start}
@@ -92,7 +96,7 @@ def one(name: str) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("cases", nargs="*", default=[c for c in CASES if c != "hybrid-70b"])
+    parser.add_argument("cases", nargs="*", default=[c for c in CASES if not c.startswith("hybrid")])
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results" / "scale_cases.json")
     args = parser.parse_args(argv)
     rows = []

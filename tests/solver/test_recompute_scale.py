@@ -8,6 +8,7 @@ import dataclasses
 
 import pytest
 from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from autosplit.errors import SolverError
 from autosplit.options import SolverLimits
@@ -53,8 +54,18 @@ def test_layers_that_differ_are_left_to_the_other_searches():
     assert layer_split(dataclasses.replace(problem, recompute=blocks), topological_order(problem)) is None
 
 
-@settings(max_examples=40, deadline=None, derandomize=True)
-@given(problems_with_blocks())
+@st.composite
+def with_buffers(draw):
+    """:func:`problems_with_blocks` whose tensors also take memory to receive and to send on."""
+    problem = draw(problems_with_blocks())
+    N, S = len(problem.nodes), problem.num_stages
+    recv = tuple((draw(st.integers(0, 3)),) * S for _ in range(N))
+    send = tuple((draw(st.integers(0, 2)),) * S for _ in range(N))
+    return dataclasses.replace(problem, recv_mem=recv, send_mem=send)
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(with_buffers())
 def test_the_recompute_bound_never_exceeds_the_optimum(problem):
     best = brute_force(problem)
     if best is None or problem.num_stages == 1:

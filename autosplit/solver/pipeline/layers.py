@@ -43,18 +43,28 @@ CAPS = 64
 """Most caps on the slowest stage the sum pass is run under (evenly spread past the least bottleneck)."""
 
 
-def _units(problem: Problem, order: Sequence[int]) -> np.ndarray | None:
-    """Cut positions along ``order`` at every recomputable block's ends (None when a block is not a run of it)."""
+def _units(problem: Problem, order: Sequence[int], pre: Prefix) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """(cut positions along ``order``: every recomputable block's ends and, inside each, the position
+    where a boundary carries least; per cut, how many blocks end at or before it, and how many start
+    before it), or None when a block is not a run of ``order``. A stage holds whole the blocks between
+    its cuts; one cut through, it keeps (both halves keep their activations)."""
     pos = np.empty(len(order), dtype=np.int64)
     pos[np.asarray(order)] = np.arange(len(order))
-    cuts = {0, len(order)}
+    cuts, spans = {0, len(order)}, []
+    carried = pre.X[:, 0] if pre.X.shape[1] else np.zeros(len(order) + 1)
     for block in problem.recompute:
         p = np.sort(pos[list(block.members)])
         if p[-1] - p[0] + 1 != len(p):
             return None
-        cuts |= {int(p[0]), int(p[-1]) + 1}
-    cuts_arr = np.asarray(sorted(cuts))
-    return cuts_arr[~forbidden_cuts(problem, order)[cuts_arr]]
+        start, end = int(p[0]), int(p[-1]) + 1
+        spans.append((start, end))
+        cuts |= {start, end}
+        if end - start > 1:
+            cuts.add(start + 1 + int(np.argmin(carried[start + 1: end])))
+    arr = np.asarray(sorted(cuts))
+    arr = arr[~forbidden_cuts(problem, order)[arr]]
+    starts, ends = np.sort([a for a, _ in spans]), np.sort([b for _, b in spans])
+    return arr, np.searchsorted(ends, arr, side="right"), np.searchsorted(starts, arr, side="left")
 
 
 def _menu(problem: Problem, s: int) -> np.ndarray:
@@ -81,7 +91,7 @@ def _frontier(problem: Problem, s: int, n: int, menu: np.ndarray) -> tuple[np.nd
     return saved, np.minimum.accumulate(taken[::-1])[::-1]
 
 
-def _stage_times(problem: Problem, pre: Prefix, cuts: np.ndarray, counts: np.ndarray, s: int) -> np.ndarray:
+def _stage_times(problem: Problem, pre: Prefix, cuts: np.ndarray, counts: tuple[np.ndarray, np.ndarray], s: int) -> np.ndarray:
     """[j, i] stage s's time holding units (i, j] with the least recomputation that fits (∞: none does)."""
     S = problem.num_stages
     a, b = cuts[None, :], cuts[:, None]
@@ -91,7 +101,7 @@ def _stage_times(problem: Problem, pre: Prefix, cuts: np.ndarray, counts: np.nda
         t, mem = t + pre.X[a, s - 1], mem + pre.R[a, s]
     if s < S - 1:
         t, mem = t + pre.X[b, s], mem + pre.H[b, s]
-    n = counts[:, None] - counts[None, :]
+    n = np.maximum(0, counts[0][:, None] - counts[1][None, :])  # blocks whole inside (i, j]
     excess = mem - problem.capacity[s] // problem.stages_per_rank
     extra = np.full(t.shape, np.inf)
     extra[excess <= 0] = 0.0
@@ -110,21 +120,17 @@ def layer_split(problem: Problem, order: Sequence[int]) -> tuple[int, ...] | Non
     """The best split at unit boundaries (node → stage) by the costs above, or None (blocks that differ
     or are not runs of ``order``, several stages per rank, or no split fits)."""
     blocks, S = problem.recompute, problem.num_stages
-    _, may = problem.forced
-    if not blocks or any(b.forced is not None for b in blocks) or len(may) < S or problem.stages_per_rank > 1 or problem.steady:
+    if not blocks or any(b.forced is not None for b in blocks) or problem.stages_per_rank > 1 or problem.steady:
         return None
     if any((b.compute, b.saves, b.reserve, b.in_flight) != (blocks[0].compute, blocks[0].saves, blocks[0].reserve,
                                                               blocks[0].in_flight) for b in blocks):
         return None
-    cuts = _units(problem, order)
-    if cuts is None or len(cuts) - 1 < S:
-        return None
-    pos = np.empty(len(order), dtype=np.int64)
-    pos[np.asarray(order)] = np.arange(len(order))
-    first = np.sort([int(pos[list(b.members)].min()) for b in blocks])
-    counts = np.searchsorted(first, cuts, side="left")  # blocks that start before each cut
     pre = prefix_sums(problem, order)
-    times = np.stack([_stage_times(problem, pre, cuts, counts, s) for s in range(S)])  # [s, j, i]
+    units = _units(problem, order, pre)
+    if units is None or len(units[0]) - 1 < S:
+        return None
+    cuts, ends, starts = units
+    times = np.stack([_stage_times(problem, pre, cuts, (ends, starts), s) for s in range(S)])  # [s, j, i]
     back = _best(times, problem.micro_batches)
     if back is None:
         return None

@@ -72,6 +72,9 @@ class _Along:
     (at their most over stages): they may lie before a stage that ends at b without crossing its boundary."""
     ratio: float
     """The least share of a free unit's memory that a stage receiving its output holds (received ÷ held)."""
+    crossing: np.ndarray
+    """[2, p, s] what a stage holds of the tensors that must cross a boundary at chain position p:
+    received ([0], the stage after it) and held to send ([1], the stage before it)."""
 
     def segments(self, s: int, room: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Stage s's chain segments (a, b] that may hold at most ``room``: starts a [b, j], the least
@@ -85,6 +88,10 @@ class _Along:
         valid = (starts >= lo[:, None]) & (starts >= 0)
         a, b = np.clip(starts, 0, L), ends[:, None]
         held = self.read[b, s] - self.read[a, s] + np.maximum(0.0, self.F[0][b, s] - self.G[0][a, s])
+        if s > 0:
+            held = held + self.crossing[0][a, s]
+        if s < self.chain.shape[1] - 1:
+            held = held + self.crossing[1][b, s]
         held = np.maximum(held, np.maximum(self.first[b, s], self.last[a, s]))
         own = self.chain[b, s] - self.chain[a, s] + np.maximum(0.0, self.F[1][b, s] - self.G[1][a, s])
         return a, np.where(valid & (held <= room), held, np.inf), own
@@ -110,7 +117,23 @@ def along_chain(problem: Problem, chain: list[int] | None = None) -> _Along:
     zero = np.zeros((1, S))
     free = np.minimum.accumulate(free, axis=1).cumsum(axis=0)[: L + 1]
     return _Along(np.vstack([zero, np.cumsum(on_chain, axis=0)]), np.vstack([zero, np.cumsum(on_chain + read, axis=0)]),
-                  F, G, held / stages, rest / stages[::-1], free, np.cumsum(loose)[: L + 1], ratio)
+                  F, G, held / stages, rest / stages[::-1], free, np.cumsum(loose)[: L + 1], ratio,
+                  _crossing(problem, L, before, after))
+
+
+def _crossing(problem: Problem, L: int, before: list[int], after: list[int]) -> np.ndarray:
+    """[2, p, s] received and sent memory of the tensors that cross every boundary at chain position p:
+    u's output, made no later than h_before[u], read no earlier than h_last[u], crosses p for
+    before[u] ≤ p < last[u] (relayed through every stage between)."""
+    change = np.zeros((2, L + 2, problem.num_stages))
+    arrays = problem.arrays
+    for u, readers in enumerate(problem.consumers()):
+        last = max((after[v] for v in readers), default=0)
+        if before[u] < last:
+            for k, table in enumerate((arrays.recv, arrays.send)):
+                change[k, before[u]] += table[u]
+                change[k, last] -= table[u]
+    return np.cumsum(change, axis=1)[:, : L + 1]
 
 
 def memory_chain_floor(problem: Problem, upper: float | None = None) -> int:

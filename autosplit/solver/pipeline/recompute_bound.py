@@ -77,6 +77,9 @@ def recompute_bound(problem: Problem, fewest: Problem, *, upper: float, limits: 
     slowest = _bottleneck(problem, fewest, c, along, rates, upper)
     reach = upper + max(0.0, upper - slowest)  # plans slower than this pay (M − 1)·reach already
     paid = _least_paid(problem, fewest, c, along, rates, reach)
+    if slowest + paid / (M - 1) > reach:  # reach far enough that slower plans pay more than the bound below
+        reach = slowest + paid / (M - 1)
+        paid = _least_paid(problem, fewest, c, along, rates, reach)
     within = total + crossing + paid + (M - 1) * slowest
     return math.floor(min(within, total + crossing + (M - 1) * reach))
 
@@ -101,16 +104,51 @@ def _savable(problem: Problem, chain: list[int]) -> tuple[np.ndarray, np.ndarray
     return np.cumsum(ends)[: L + 1], np.cumsum(starts)[: L + 1], free
 
 
+def _envelope(problem: Problem, s: int) -> tuple[np.ndarray, np.ndarray] | None:
+    """The lower convex envelope (KiB saved → least ns) of the ways one block recomputes on stage s
+    (whole, or keeping k of its in-flight micro-batches), from (0, 0); None unless every block the
+    problem may recompute is the same there. n such blocks save E in no less than n·g(E/n) (g convex)."""
+    must, may = problem.forced
+    blocks = [problem.recompute[u] for u in sorted(set(may) - set(must))]
+    first = blocks[0] if blocks else None
+    if first is None or any((b.compute[s], b.saves[s], b.in_flight[s] if b.in_flight else 1) !=
+                            (first.compute[s], first.saves[s], first.in_flight[s] if first.in_flight else 1) for b in blocks):
+        return None
+    window = first.in_flight[s] if first.in_flight else 1
+    ways = [(first.saves[s], first.compute[s])]
+    ways += [(w.saves[s], w.compute[s]) for w in (first.partly(s, keep, problem.micro_batches) for keep in range(1, window))]
+    hull = [(0.0, 0.0)]
+    for x, y in sorted((float(x), float(y)) for x, y in ways if x > 0):
+        while len(hull) >= 2 and (hull[-1][1] - hull[-2][1]) * (x - hull[-2][0]) >= (y - hull[-2][1]) * (hull[-1][0] - hull[-2][0]):
+            hull.pop()  # the last point lies on or above the chord: not on the lower envelope
+        if x > hull[-1][0]:
+            hull.append((x, y))
+    xs, ys = (np.array(v) for v in zip(*hull))
+    return xs, ys
+
+
 def _penalties(problem: Problem, fewest: Problem, along, seg: _Segments, rates: list[float], savable, s: int) -> np.ndarray:
     """[b, j] the least time stage s spends recomputing with the chain segment (starts[b, j], b] (∞
-    where even every block inside it recomputed whole does not save enough)."""
+    where even every block inside it recomputed whole does not save enough): n blocks inside it save
+    the excess E in no less than n·g(E/n) (:func:`_envelope`), or, where the blocks differ, at the
+    least rate any of them saves at."""
     b, a = np.arange(seg.starts.shape[0])[:, None], seg.starts
     held = along.read[b, s] - along.read[a, s] + np.maximum(0.0, along.F[0][b, s] - along.G[0][a, s])
-    excess = np.maximum(0.0, held - (fewest.capacity[s] - fewest.transient_mem))
+    held = held + (along.crossing[0][a, s] if s > 0 else 0.0) + (along.crossing[1][b, s] if s < fewest.num_stages - 1 else 0.0)
+    room = fewest.capacity[s] - fewest.transient_mem
+    # A stage over its room recomputes, and keeps room for a recomputed block's backward (its reserve).
+    reserve = min((problem.recompute[u].reserve for u in set(problem.forced[1]) - set(problem.forced[0])), default=0)
+    excess = np.where(held > room, held + reserve - room, 0.0)
     ends, begins, free = savable
     most = max((block.saves[s] for block in problem.recompute), default=0)
-    room = np.maximum(0.0, ends[b] - begins[a]) * most + free[s]
-    return np.where(excess <= room, 0.0 if math.isinf(rates[s]) else rates[s] * excess, np.inf)
+    inside = np.maximum(0.0, ends[b] - begins[a])
+    savable = inside * most + free[s]
+    linear = 0.0 if math.isinf(rates[s]) else rates[s] * excess
+    hull = _envelope(problem, s) if not free[s] else None
+    if hull is not None:
+        each = np.where(inside > 0, excess / np.maximum(inside, 1.0), 0.0)
+        linear = np.where(inside > 0, inside * np.interp(np.minimum(each, hull[0][-1]), *hull), linear)
+    return np.where(excess <= savable, linear, np.inf)
 
 
 def _bottleneck(problem: Problem, fewest: Problem, c, along, rates: list[float], upper: float) -> float:

@@ -342,6 +342,9 @@ def _split(
     candidates = {"dp": dp} if dp else {}
     dp_eval = evaluate(problem, dp) if dp else None
     baseline = dp_eval.objective if dp_eval else None
+    if (dp is None or violations(problem, dp)) and N * (S - 1) > limits.cpsat_vars:
+        # No split of the DP's order fits, and CP-SAT cannot explain why: the memory floors may prove it first.
+        _refuse_over_caps(problem, memory_floor(problem), memory_chain_floor(problem), memory_proof(problem))
 
     units = N if coarse is None else coarse.num_blocks
     # The bound stops once it proves the DP's plan within 0.1% (or the gap asked for, if smaller): past the
