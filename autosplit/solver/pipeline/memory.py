@@ -104,8 +104,8 @@ def along_chain(problem: Problem, chain: list[int] | None = None) -> _Along:
     chain = heaviest_chain(problem, mem.min(axis=1).tolist()) if chain is None else chain
     L = len(chain)
     before, after = chain_reach(problem, chain)
-    on_chain, read, pinned, early, late = _memory_along(problem, chain, mem, before, after)
-    early, free, loose, ratio = early
+    on_chain, read, pinned, free_units, late = _memory_along(problem, chain, mem, before, after)
+    early, free, loose, ratio = free_units
     F, G = (np.cumsum(pinned[0], axis=1)[:, : L + 1], np.cumsum(pinned[1], axis=1)[:, : L + 1])
     stages = np.arange(1, S + 1, dtype=np.float64)
     low_before = np.minimum.accumulate(np.vstack([on_chain, early]), axis=1)  # each row's least over stages 0…s
@@ -218,7 +218,7 @@ def memory_proof(problem: Problem) -> int:
 
 def _memory_along(
     problem: Problem, chain: list[int], mem: np.ndarray, before: list[int], after: list[int]
-) -> tuple[np.ndarray, np.ndarray, tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray], np.ndarray]:
+) -> tuple[np.ndarray, np.ndarray, tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray, np.ndarray, float], np.ndarray]:
     """[p, s] memory of chain node p with the rest of its colocated group; [p, s] the least the units
     free before the chain that it reads leave on its stage; (F, G) difference arrays [2, position, s]
     of the units pinned between two chain nodes by their last and first position ([0] with the share
