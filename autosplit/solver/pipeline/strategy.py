@@ -5,7 +5,11 @@
    (:attr:`SolverLimits.dp_work`); otherwise the block boundaries of :func:`coarsen`, then, round by
    round, every position near the chosen cuts (*refinement*). It is exact over the cuts it
    may use, runs in seconds, and is the baseline the report shows.
-3. The bound: the analytic and chain bounds of :mod:`~autosplit.solver.pipeline.bounds`. When
+   With blocks to recompute, a third: :func:`~autosplit.solver.pipeline.layers.layer_split`, at layer
+   boundaries, each stage's recomputation costed (identical layers: fewer where more micro-batches
+   are in flight).
+3. The bound: the analytic and chain bounds of :mod:`~autosplit.solver.pipeline.bounds` (and, with
+   blocks to recompute, :func:`~autosplit.solver.pipeline.recompute_bound.recompute_bound`). When
    it certifies the DP's plan within ``gap`` (:attr:`~autosplit.options.PlanOptions.gap`: the
    planner's 1%; the solver's own default :data:`PROVEN_GAP`, 0.1%), that plan is the answer
    and no CP-SAT search runs.
@@ -17,7 +21,9 @@
    when it ran on the nodes).
 
 ``time_limit`` bounds every path: CP-SAT gets what the DP and the bound left of it (a quarter of it
-on blocks), and none when they used it all.
+on blocks), and none when they used it all (the fallback split of a problem with blocks to recompute
+counts the time the searches before it spent). Where no split is found and CP-SAT cannot explain why,
+the memory floors (:mod:`~autosplit.solver.pipeline.memory`) prove it when they can.
 
 Deterministic: the same problem, seed and limits (``time_limit`` and :class:`SolverLimits`) give
 the same plan (CP-SAT runs its workers interleaved under a deterministic time limit), so every
