@@ -104,5 +104,5 @@ def test_stages_that_must_hold_everything_before_them_prove_what_one_stage_canno
     assert fits_under(problem, 16) and not fits_under(problem, 15)
     assert memory_proof(problem) == 16
     with pytest.raises(InfeasiblePlanError, match=r"any plan needs at least 16\.00 KiB on its fullest device, but the largest cap is "
-                                                  r"15\.00 KiB \(proven: .*stages before each"):
+                                                  r"15\.00 KiB \(proven over 2 devices: .*stages before each"):
         solve(problem, time_limit=1, limits=SolverLimits(cpsat_vars=1, dp_work=1))

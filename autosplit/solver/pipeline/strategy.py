@@ -259,7 +259,7 @@ def _refuse_over_caps(problem: Problem, spread: int, along_chain: int = 0, toget
                "everything that must come before it")
         raise InfeasiblePlanError(advice(
             f"no plan fits the memory caps: any plan needs at least {format_bytes(floor * KIB)} on its fullest "
-            f"device, but the largest cap is {format_bytes(largest * KIB)} (proven: {how} over {problem.ranks} devices)",
+            f"device, but the largest cap is {format_bytes(largest * KIB)} (proven over {problem.ranks} devices: {how})",
             "model state and activations exceed the caps",
             "more devices or devices with more memory, schedule='1f1b' (fewer micro-batches in flight), a smaller "
             "batch, or optimizer='sgd'",
