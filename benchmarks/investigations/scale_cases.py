@@ -78,10 +78,13 @@ def _hybrid(case: dict[str, Any]) -> dict[str, Any]:
     start = time.perf_counter()
     model = _model(case["model"])
     spec = autosplit.Spec((case["batch"], case["seq"]), torch.long)
-    hp = autosplit.plan_hybrid(model, autosplit.Cluster.dgx_h100(nodes=32), example_inputs=(spec,), per_device_batch=case["batch"],
-                               replica_sizes=case["replica_sizes"], time_limit=20, schedule="1f1b", precision=case["precision"],
-                               checkpointing=case["checkpointing"])
-    rows = [{"k": r.k, "worker_batch": r.worker_batch, "planned": r.feasible, "error": (r.error or "")[:300]} for r in hp.rows]
+    try:
+        hp = autosplit.plan_hybrid(model, autosplit.Cluster.dgx_h100(nodes=32), example_inputs=(spec,), per_device_batch=case["batch"],
+                                   replica_sizes=case["replica_sizes"], time_limit=20, schedule="1f1b", precision=case["precision"],
+                                   checkpointing=case["checkpointing"])
+    except autosplit.AutosplitError as e:  # no replica size planned: the message lists each one's cause
+        return {"outcome": type(e).__name__, "message": str(e)[:3000], "wall_s": time.perf_counter() - start}
+    rows = [{"k": r.k, "worker_batch": r.worker_batch, "planned": r.feasible, "error": (r.error or "")[:500]} for r in hp.rows]
     return {"outcome": "done", "rows": rows, "wall_s": time.perf_counter() - start}
 
 
