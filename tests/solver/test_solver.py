@@ -255,7 +255,8 @@ def test_layers_kept_whole_prove_a_model_infeasible_that_spreads_into_the_caps()
 
     assert memory_floor(problem) == 9 and memory_chain_floor(problem) == 12
     no_cpsat = SolverLimits(cpsat_vars=1)  # the DP finds nothing; no CP-SAT to explain it
-    with pytest.raises(InfeasiblePlanError, match=r"needs at least 12.00 KiB on its fullest device.*proven over 2 devices: layers kept whole"):
+    with pytest.raises(InfeasiblePlanError,
+                       match=r"needs at least 12.00 KiB on its fullest device.*proven over 2 devices: layers kept whole"):
         solve(problem, time_limit=1, limits=no_cpsat)
 
 
