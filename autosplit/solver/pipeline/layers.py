@@ -42,6 +42,8 @@ __all__ = ["layer_split"]
 
 CAPS = 64
 """Most caps on the slowest stage the sum pass is run under (evenly spread past the least bottleneck)."""
+MOST_CELLS = 4 * 10**7
+"""The most [stage, end, start] stage times the program tabulates (Llama-3-70B on 32 stages: 0.9 million)."""
 
 
 def _units(problem: Problem, order: Sequence[int], pre: Prefix) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
@@ -131,6 +133,8 @@ def layer_split(problem: Problem, order: Sequence[int]) -> tuple[int, ...] | Non
     if units is None or len(units[0]) - 1 < S:
         return None
     cuts, ends, starts = units
+    if len(cuts) ** 2 * S > MOST_CELLS:
+        return None
     times = np.stack([_stage_times(problem, pre, cuts, (ends, starts), s) for s in range(S)])  # [s, j, i]
     back = _best(times, problem.micro_batches)
     if back is None:
