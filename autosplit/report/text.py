@@ -8,6 +8,7 @@ Usage::
 from __future__ import annotations
 
 import io
+import re
 
 from rich.console import Console
 from rich.table import Table
@@ -16,7 +17,10 @@ from autosplit.plans import Plan
 from autosplit.units import format_bytes
 from autosplit.units import format_ms as _ms
 
-__all__ = ["plan_report"]
+__all__ = ["layerless_notes", "plan_report"]
+
+_LAYERS = re.compile(r"^(.*\.)?(\d+)(?:–(\d+))?$")
+"""A stage's module name that is a numbered layer or a run of them (``model.layers.3``, ``model.layers.0–4``)."""
 
 
 def plan_report(plan: Plan, width: int = 140) -> str:
@@ -89,6 +93,8 @@ def plan_report(plan: Plan, width: int = 140) -> str:
             mine = [s for s, d in enumerate(plan.stage_devices) if d == r]
             console.print(f"  device {r} (stages {mine}) peak {format_bytes(peak)} of {format_bytes(plan.stages[mine[0]].capacity)}, "
                           f"replayed in the {plan.schedule} order")
+    for note in layerless_notes(plan):
+        console.print(note)
     if plan.alternatives:
         console.print(f"configurations tried ({len(plan.alternatives)}, fastest first; split by the DP, replayed):")
         for a in plan.alternatives[:12]:
@@ -110,3 +116,41 @@ def _span(modules: tuple[str, ...]) -> str:
     if len(modules) <= 3:
         return ", ".join(modules)
     return f"{modules[0]} … {modules[-1]} ({len(modules)})"
+
+
+def _layer_count(modules: tuple[str, ...]) -> int:
+    """How many numbered layers (``model.layers.3``, runs ``model.layers.0–4``) a stage's modules name."""
+    count = 0
+    for name in modules:
+        found = _LAYERS.match(name)
+        if found and found.group(1):
+            count += 1 + (int(found.group(3)) - int(found.group(2)) if found.group(3) else 0)
+    return count
+
+
+def layerless_notes(plan: Plan) -> list[str]:
+    """Why each stage that holds none of the model's repeated layers, where others do, holds what it
+    holds: its compute in layers (at the least per layer of the stages that hold only layers), beside
+    the slowest stage's. The solver chose the split as the fastest it found by its own model, so the
+    note says what the split trades: a stage of no layers (the head alone) costs as much as the layers
+    it would otherwise take, or nothing the slowest stage would not dictate anyway."""
+    counts = [_layer_count(st.modules) for st in plan.stages]
+    if not any(counts) or all(counts):
+        return []
+    per_layer = min((st.compute / n for st, n in zip(plan.stages, counts) if n and len(st.modules) == 1), default=None)
+    per_layer = per_layer or min(st.compute / n for st, n in zip(plan.stages, counts) if n)
+    slowest = plan.stages[plan.bottleneck]
+    notes = []
+    for s, (st, n) in enumerate(zip(plan.stages, counts)):
+        if n:
+            continue
+        weight = st.compute / per_layer if per_layer else 0.0
+        notes.append(
+            f"stage {s} holds no repeated layer, only {_span(st.modules)}: its compute {_ms(st.compute)} weighs as much as "
+            f"{weight:.1f} layer(s) ({_ms(per_layer)} each); the slowest stage, {plan.bottleneck}, holds "
+            f"{counts[plan.bottleneck]} layer(s) and takes {_ms(slowest.time)}"
+            + (" (a split by hand)" if plan.solver.status == "MANUAL" else
+               f", and the split was the fastest the solver found by its model ({sum(counts)} layers on "
+               f"{sum(1 for c in counts if c)} of {len(counts)} stages)")
+        )
+    return notes

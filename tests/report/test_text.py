@@ -33,3 +33,19 @@ def test_the_report_says_when_predictions_are_uncalibrated_and_when_a_split_was_
     by_hand = plan_report(manual_plan(planner, [["wte", "wpe", "blocks.0"], ["blocks.1", "ln_f", "head"]]))
     assert "split by hand (manual), no solver ran" in by_hand
     assert "bound" not in by_hand and "found no split" not in by_hand
+
+
+def test_a_stage_without_a_repeated_layer_is_explained_in_layers():
+    # Three layers and the head by hand on two devices: the head's stage holds no layer, and the report says what it weighs.
+    from autosplit.report.text import layerless_notes
+
+    model, inputs = small_gpt()
+    planner = autosplit.Planner(model, ["cpu"] * 2, example_inputs=inputs, time_limit=2)
+    from autosplit.compiler.manual import manual_plan
+
+    plan = manual_plan(planner, [["wte", "wpe", "blocks.0", "blocks.1", "blocks.2"], ["ln_f", "head"]])
+    notes = layerless_notes(plan)
+    assert len(notes) == 1 and notes[0].startswith("stage 1 holds no repeated layer, only ln_f: its compute")
+    assert "the slowest stage, 0, holds 3 layer(s)" in notes[0] and "(a split by hand)" in notes[0]
+    assert "weighs as much as" in notes[0] and "stage 1 holds no repeated layer" in plan_report(plan)
+    assert layerless_notes(autosplit.plan(model, ["cpu"], example_inputs=inputs, time_limit=2)) == []

@@ -235,17 +235,17 @@ def test_bounds_hold_on_branches_beside_the_chain(problem):
 @settings(max_examples=60, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(random_problems())
 def test_memory_floors_never_exceed_the_least_fullest_stage(problem):
-    from autosplit.solver.pipeline.bounds import memory_chain_floor, memory_floor
+    from autosplit.solver.pipeline.memory import memory_chain_floor, memory_floor, memory_proof
 
-    fullest = [
-        max(s + a for s, a in zip(ev.state_mem, ev.act_mem)) + problem.transient_mem
-        for ev in (evaluate(problem, so) for so in itertools.product(range(problem.num_stages), repeat=len(problem.nodes)))
-    ]
-    orderly = [f for f, so in zip(fullest, itertools.product(range(problem.num_stages), repeat=len(problem.nodes)))
-               if not any("runs backwards" in v or "empty" in v for v in violations(problem, so))]
+    # Every plan that keeps the rules memory does not decide: edges forward, no empty stage, colocated
+    # nodes together (a parameter stays with its reader); its fullest stage as the model charges it.
+    kept = ("runs backwards", "empty", "sharing parameters")
+    plans = list(itertools.product(range(problem.num_stages), repeat=len(problem.nodes)))
+    orderly = [max(evaluate(problem, so).memory) for so in plans if not any(k in v for v in violations(problem, so) for k in kept)]
     if orderly:
         assert memory_floor(problem) <= min(orderly)
         assert memory_chain_floor(problem) <= min(orderly)
+        assert memory_proof(problem) <= min(orderly)
 
 
 def test_layers_kept_whole_prove_a_model_infeasible_that_spreads_into_the_caps():
@@ -255,7 +255,8 @@ def test_layers_kept_whole_prove_a_model_infeasible_that_spreads_into_the_caps()
 
     assert memory_floor(problem) == 9 and memory_chain_floor(problem) == 12
     no_cpsat = SolverLimits(cpsat_vars=1)  # the DP finds nothing; no CP-SAT to explain it
-    with pytest.raises(InfeasiblePlanError, match=r"needs at least 12.00 KiB on its fullest device.*proven: layers kept whole"):
+    with pytest.raises(InfeasiblePlanError,
+                       match=r"needs at least 12.00 KiB on its fullest device.*proven over 2 devices: layers kept whole"):
         solve(problem, time_limit=1, limits=no_cpsat)
 
 

@@ -46,7 +46,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from autosplit.options import SolverLimits
-from autosplit.solver.pipeline.chain import Chain, chain_of, chain_reach, heaviest_chain
+from autosplit.solver.pipeline.chain import Chain, chain_of
+from autosplit.solver.pipeline.memory import memory_chain_floor, memory_floor, memory_units
 from autosplit.solver.problem import Problem
 
 __all__ = [
@@ -229,50 +230,3 @@ def lower_bound(
     if enough is not None and coupled >= enough:
         return coupled  # proves the known plan already
     return max(coupled, math.floor(traded_bound(problem, total, min(x for _, x in crossings) / 2, slowest, c)))
-
-
-def memory_units(problem: Problem) -> list[tuple[tuple[int, ...], int]]:
-    """Each unit that cannot be split (a colocated group, or a lone node) with the KiB it needs
-    on any device: its state, its least activations, and the transient reserve."""
-    need = [problem.state_mem[n] + min(problem.act_mem[n]) for n in range(len(problem.nodes))]
-    groups = [*problem.colocate, *((n,) for n in range(len(problem.nodes)))]
-    return [(tuple(g), problem.transient_mem + sum(need[n] for n in g)) for g in groups]
-
-
-def memory_chain_floor(problem: Problem) -> int:
-    """KiB that any plan puts on its fullest device, at least, seen along the chain of most memory.
-
-    As for :func:`chain_bound`: the chain's nodes fall into S consecutive segments in stage
-    order, and off-chain nodes pinned between two chain nodes lie in the segments between. So
-    stage s holds at least its segment's state and activations (at stage s's in-flight count)
-    plus the pinned nodes, plus the transient reserve; the least over splits of the fullest
-    stage is a bottleneck DP. Unlike :func:`memory_floor` it knows that layers do not split.
-    """
-    N, S = len(problem.nodes), problem.num_stages
-    mem = np.asarray(problem.state_mem, dtype=np.float64)[:, None] + np.asarray(problem.act_mem, dtype=np.float64)  # [n, s]
-    chain = heaviest_chain(problem, mem.min(axis=1).tolist())
-    L = len(chain)
-    before, after = chain_reach(problem, chain)
-    on_chain = set(chain)
-    forced_end, forced_start = np.zeros((L + 2, S)), np.zeros((L + 2, S))
-    for u in range(N):
-        if u not in on_chain and after[u] >= 1 and before[u] <= L:
-            forced_end[before[u]] += mem[u]
-            forced_start[after[u]] += mem[u]
-    prefix = np.vstack([np.zeros((1, S)), np.cumsum(mem[chain], axis=0)])  # [p, s]
-    F, G = np.cumsum(forced_end, axis=0)[: L + 1], np.cumsum(forced_start, axis=0)[: L + 1]
-    a, b = np.arange(L + 1)[None, :], np.arange(L + 1)[:, None]  # segment (a, b], b ≥ a
-    val = np.where(np.arange(L + 1) == 0, 0.0, np.inf)
-    for s in range(S):
-        segment = prefix[b, s] - prefix[a, s] + np.maximum(0.0, F[b, s] - G[a, s])
-        segment = np.where(a <= b, segment, np.inf)
-        val = np.maximum(val[None, :], segment).min(axis=1)
-    return int(problem.transient_mem + val[L])
-
-
-def memory_floor(problem: Problem) -> int:
-    """KiB that any plan puts on its fullest device, at least: perfect spreading of state and
-    activations, and no less than the largest unit that cannot be split."""
-    total = sum(problem.state_mem[n] + min(problem.act_mem[n]) for n in range(len(problem.nodes)))
-    largest_unit = max(need for _, need in memory_units(problem))
-    return max(problem.transient_mem + math.ceil(total / problem.ranks), largest_unit)  # a rank holds all its stages

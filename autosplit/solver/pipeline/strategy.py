@@ -5,7 +5,11 @@
    (:attr:`SolverLimits.dp_work`); otherwise the block boundaries of :func:`coarsen`, then, round by
    round, every position near the chosen cuts (*refinement*). It is exact over the cuts it
    may use, runs in seconds, and is the baseline the report shows.
-3. The bound: the analytic and chain bounds of :mod:`~autosplit.solver.pipeline.bounds`. When
+   With blocks to recompute, a third: :func:`~autosplit.solver.pipeline.layers.layer_split`, at layer
+   boundaries, each stage's recomputation costed (identical layers: fewer where more micro-batches
+   are in flight).
+3. The bound: the analytic and chain bounds of :mod:`~autosplit.solver.pipeline.bounds` (and, with
+   blocks to recompute, :func:`~autosplit.solver.pipeline.recompute_bound.recompute_bound`). When
    it certifies the DP's plan within ``gap`` (:attr:`~autosplit.options.PlanOptions.gap`: the
    planner's 1%; the solver's own default :data:`PROVEN_GAP`, 0.1%), that plan is the answer
    and no CP-SAT search runs.
@@ -17,7 +21,9 @@
    when it ran on the nodes).
 
 ``time_limit`` bounds every path: CP-SAT gets what the DP and the bound left of it (a quarter of it
-on blocks), and none when they used it all.
+on blocks), and none when they used it all (the fallback split of a problem with blocks to recompute
+counts the time the searches before it spent). Where no split is found and CP-SAT cannot explain why,
+the memory floors (:mod:`~autosplit.solver.pipeline.memory`) prove it when they can.
 
 Deterministic: the same problem, seed and limits (``time_limit`` and :class:`SolverLimits`) give
 the same plan (CP-SAT runs its workers interleaved under a deterministic time limit), so every
@@ -44,9 +50,12 @@ from autosplit.errors import InfeasiblePlanError, SolverError, advice
 from autosplit.options import SolverLimits
 from autosplit.solver.coarsen import Coarsening, coarse_problem, coarsen, repeated_layers
 from autosplit.solver.evaluation import evaluate
-from autosplit.solver.pipeline.bounds import lower_bound, memory_chain_floor, memory_floor
+from autosplit.solver.pipeline.bounds import lower_bound
 from autosplit.solver.pipeline.cpsat import PROVEN_GAP, cpsat, explain_infeasible, precheck
 from autosplit.solver.pipeline.dp import Prefix, prefix_sums, split_dp, topological_order
+from autosplit.solver.pipeline.layers import layer_split
+from autosplit.solver.pipeline.memory import memory_chain_floor, memory_floor, memory_proof
+from autosplit.solver.pipeline.recompute_bound import recompute_bound
 from autosplit.solver.problem import KIB, Problem
 from autosplit.solver.validate import violations
 from autosplit.units import format_bytes
@@ -171,23 +180,15 @@ def solve(
     fewest, most = problem.fixed(must), problem.fixed(may)
     least = dataclasses.replace(most, colocate=problem.colocate, transient_mem=problem.transient_mem)
     _refuse_over_caps(problem, memory_floor(least))
-    found: dict[str, tuple[_Choice, tuple[int, ...]]] = {}  # method → ((blocks, partial), plan)
-    units = len(problem.nodes)
-    slowest = math.inf  # of any split found, recomputing the fewest blocks, memory aside: narrows the time bound's DP
-    runs = {"dp": (must, fewest), **({"dp (recompute)": (may, most)} if may != must else {})}
-    for name, (chosen, fixed) in runs.items():
-        if chosen != may and memory_floor(fixed) > max(problem.capacity):
-            continue  # no plan recomputing so few fits (Llama-3-70B: its DP alone takes seconds)
-        plan, coarse, _ = dp_plan(fixed, topological_order(fixed), limits=limits)
-        units = units if coarse is None else coarse.num_blocks
-        if plan is not None:
-            slowest = min(slowest, max(evaluate(fewest, plan).time))
-        if plan is not None and not violations(fixed, plan):
-            found.setdefault(name, (_keep_what_fits(problem, plan, chosen), plan))
+    found, units, slowest = _dp_candidates(problem, fewest, most, limits)
     value = {name: evaluate(problem.fixed(*chosen), plan).objective for name, (chosen, plan) in found.items()}
     baseline = value.get("dp")
     best = min(value.values(), default=None)
     bound = lower_bound(fewest, upper=slowest, limits=limits)
+    if best is not None:  # what the caps force every plan to recompute, bounded along the chain
+        name = min(found, key=value.__getitem__)
+        known = max(evaluate(problem.fixed(*found[name][0]), found[name][1]).time)
+        bound = max(bound, recompute_bound(problem, fewest, upper=known, limits=limits))
     remaining = time_limit - (time.perf_counter() - start)
     certified = best is not None and best - bound <= gap * best
     if certified:
@@ -206,8 +207,7 @@ def solve(
                 value["cp-sat"] = evaluate(problem.fixed(*found["cp-sat"][0]), plan).objective
             bound = max(bound, joint_bound)
     if not found:  # recomputing every block allowed, as a plain split: its plan, or its own error saying why none fits
-        alone = _split(most, time_limit=max(1.0, time_limit - (time.perf_counter() - start)), seed=seed,
-                       workers=workers, limits=limits, gap=gap)
+        alone = _split(most, time_limit=time_limit, seed=seed, workers=workers, limits=limits, gap=gap, started=start)
         found[alone.solver] = ((may, {}), alone.stage_of)
         value[alone.solver] = alone.objective
     name = min(found, key=lambda k: (value[k], k))
@@ -218,16 +218,48 @@ def solve(
                     name, baseline, units, tuple(chosen), tuple((u, s, k) for u, (s, k) in sorted(partial.items())))
 
 
-def _refuse_over_caps(problem: Problem, spread: int, along_chain: int = 0) -> None:
+def _dp_candidates(
+    problem: Problem, fewest: Problem, most: Problem, limits: SolverLimits
+) -> tuple[dict[str, tuple[_Choice, tuple[int, ...]]], int, float]:
+    """The dynamic programs' plans that fit, by method → ((blocks, partial), plan): the split recomputing
+    the fewest blocks, the most (each rank then keeping what fits), and :func:`layer_split`'s at layer
+    boundaries with each stage's recomputation costed; the units the first two placed; and the slowest
+    stage of any split found, recomputing the fewest, memory aside (it narrows the time bound's DP)."""
+    must, may = problem.forced
+    found: dict[str, tuple[_Choice, tuple[int, ...]]] = {}
+    units, slowest = len(problem.nodes), math.inf
+    runs = {"dp": (must, fewest), **({"dp (recompute)": (may, most)} if may != must else {})}
+    for name, (chosen, fixed) in runs.items():
+        if chosen != may and memory_floor(fixed) > max(problem.capacity):
+            continue  # no plan recomputing so few fits (Llama-3-70B: its DP alone takes seconds)
+        plan, coarse, _ = dp_plan(fixed, topological_order(fixed), limits=limits)
+        units = units if coarse is None else coarse.num_blocks
+        if plan is not None:
+            slowest = min(slowest, max(evaluate(fewest, plan).time))
+        if plan is not None and not violations(fixed, plan):
+            found.setdefault(name, (_keep_what_fits(problem, plan, chosen), plan))
+    layered = layer_split(problem, topological_order(problem)) if may != must else None
+    if layered is not None and not violations(most, layered):
+        choice = _keep_what_fits(problem, layered, may)
+        if not violations(problem.fixed(*choice), layered):
+            found["dp (layers)"] = (choice, layered)
+    return found, units, slowest
+
+
+def _refuse_over_caps(problem: Problem, spread: int, along_chain: int = 0, together: int = 0) -> None:
     """Raise :class:`InfeasiblePlanError` where the memory floors (:func:`memory_floor`, spread
-    perfectly; :func:`memory_chain_floor`, layers whole along the heaviest chain) exceed every cap."""
-    floor, largest = max(spread, along_chain), max(problem.capacity)
+    perfectly; :func:`memory_chain_floor`, layers whole along the heaviest chain; ``together``:
+    :func:`memory_proof`'s, stages before each chain position holding what must lie there) exceed every cap."""
+    floor, largest = max(spread, along_chain, together), max(problem.capacity)
     if floor > largest:
+        how = ("state and activations spread perfectly" if spread >= max(along_chain, together) else
+               "layers kept whole along the model's heaviest chain of layers, split at the best places"
+               if along_chain >= together else
+               "layers kept whole along the model's heaviest chain, the stages before each cut holding, together, "
+               "everything that must come before it")
         raise InfeasiblePlanError(advice(
             f"no plan fits the memory caps: any plan needs at least {format_bytes(floor * KIB)} on its fullest "
-            f"device, but the largest cap is {format_bytes(largest * KIB)} (proven: "
-            + ("state and activations spread perfectly" if spread >= along_chain else "layers kept whole along the model's "
-               "heaviest chain of layers, split at the best places") + f" over {problem.ranks} devices)",
+            f"device, but the largest cap is {format_bytes(largest * KIB)} (proven over {problem.ranks} devices: {how})",
             "model state and activations exceed the caps",
             "more devices or devices with more memory, schedule='1f1b' (fewer micro-batches in flight), a smaller "
             "batch, or optimizer='sgd'",
@@ -303,10 +335,11 @@ def _joint(
 
 def _split(
     problem: Problem, *, time_limit: float = 10.0, seed: int = 0, workers: int | None = None, limits: SolverLimits = SolverLimits(),
-    gap: float = PROVEN_GAP,
+    gap: float = PROVEN_GAP, started: float | None = None,
 ) -> Solution:
-    """:func:`solve` for a problem with nothing to recompute: the split alone."""
-    start = time.perf_counter()
+    """:func:`solve` for a problem with nothing to recompute: the split alone. ``started``: the
+    :func:`time.perf_counter` at which ``time_limit`` began (the caller's search counts against it)."""
+    start = time.perf_counter() if started is None else started
     precheck(problem)
     N, S = len(problem.nodes), problem.num_stages
     order = topological_order(problem)
@@ -315,6 +348,9 @@ def _split(
     candidates = {"dp": dp} if dp else {}
     dp_eval = evaluate(problem, dp) if dp else None
     baseline = dp_eval.objective if dp_eval else None
+    if (dp is None or violations(problem, dp)) and N * (S - 1) > limits.cpsat_vars:
+        # No split of the DP's order fits, and CP-SAT cannot explain why: the memory floors may prove it first.
+        _refuse_over_caps(problem, memory_floor(problem), memory_chain_floor(problem), memory_proof(problem))
 
     units = N if coarse is None else coarse.num_blocks
     # The bound stops once it proves the DP's plan within 0.1% (or the gap asked for, if smaller): past the
@@ -347,15 +383,17 @@ def _split(
         if N * (S - 1) <= limits.cpsat_vars:
             everything = [*range(S), *(c.text for c in problem.constraints)]
             raise InfeasiblePlanError(explain_infeasible(problem, everything, time_limit, seed))
-        spread, along_chain = memory_floor(problem), memory_chain_floor(problem)
-        _refuse_over_caps(problem, spread, along_chain)
-        floor, largest = max(spread, along_chain), max(problem.capacity)
+        spread, along_chain, together = memory_floor(problem), memory_chain_floor(problem), memory_proof(problem)
+        _refuse_over_caps(problem, spread, along_chain, together)
+        floor, largest = max(spread, along_chain, together), max(problem.capacity)
+        searched = (f"CP-SAT found none in the {time.perf_counter() - start:.1f}s of time_limit={time_limit:g}s spent"
+                    if target is not None else f"CP-SAT was not run ({units} units × {S - 1} boundaries exceed "
+                    f"SolverLimits.cpsat_vars={limits.cpsat_vars}, or no time was left of time_limit={time_limit:g}s)")
         raise SolverError(advice(
-            f"no plan found for {N} nodes on {S} devices within {time_limit:.1f}s; not proven infeasible: any plan needs "
-            f"at least {format_bytes(floor * KIB)} on its fullest device (cap {format_bytes(largest * KIB)})",
-            "the dynamic program found no contiguous split that fits memory and the constraints, and CP-SAT "
-            "found none in time",
-            "a longer time_limit, looser memory caps or constraints, or more devices",
+            f"no plan found for {N} nodes on {S} devices; not proven infeasible: any plan needs at least "
+            f"{format_bytes(floor * KIB)} on its fullest device (cap {format_bytes(largest * KIB)})",
+            f"the dynamic program found no contiguous split that fits memory and the constraints, and {searched}",
+            "a longer time_limit, a larger SolverLimits(cpsat_vars=...), looser memory caps or constraints, or more devices",
         ))
     method, stage_of = min(valid.items(), key=lambda kv: (evaluate(problem, kv[1]).objective, kv[0] != "dp"))
     objective = evaluate(problem, stage_of).objective
