@@ -10,7 +10,9 @@ process's own); a transformers model built on the meta device, H100-80GB presets
   Mixtral-8x7B on 16 (16 × 4096): a plan or a proven ``InfeasiblePlanError``;
 - ``mixed-70b``: bf16-mixed, ``checkpointing="auto"``, 1F1B, Llama-3-70B on 32 (32 × 4096): time, gap,
   stages without a decoder layer;
-- ``mixed-8b-gpipe`` / ``mixed-8b-1f1b``: Llama-3-8B on 8 (8 × 8192) as ``benchmarks/plan_llms.py`` plans it.
+- ``mixed-8b-gpipe`` / ``mixed-8b-1f1b``: Llama-3-8B on 8 (8 × 8192) as ``benchmarks/plan_llms.py`` plans it;
+- ``mesh-…``: the same cases planned on ``Cluster.dgx_h100`` (the data-parallel degrees chosen with the
+  split, ``autosplit.compiler.mesh``): the mesh chosen, the gap over every configuration, each configuration's outcome.
 
 Usage::
 
@@ -39,6 +41,12 @@ CASES: dict[str, dict[str, Any]] = {
     "mixed-8b-1f1b": dict(model="llama3-8b", devices=8, batch=8, seq=8192, precision="bf16-mixed", checkpointing="auto"),
     "mixed-8b-gpipe": dict(model="llama3-8b", devices=8, batch=8, seq=8192, precision="bf16-mixed", checkpointing="auto",
                            schedule="gpipe"),
+    **{f"mesh-{name}": {**case, "mesh": True} for name, case in (
+        ("fp32-70b", dict(model="llama3-70b", devices=32, batch=32, seq=4096, precision="fp32", checkpointing="none")),
+        ("fp32-mixtral", dict(model="mixtral-8x7b", devices=16, batch=16, seq=4096, precision="fp32", checkpointing="none")),
+        ("mixed-70b", dict(model="llama3-70b", devices=32, batch=32, seq=4096, precision="bf16-mixed", checkpointing="auto")),
+        ("mixed-8b", dict(model="llama3-8b", devices=8, batch=8, seq=8192, precision="bf16-mixed", checkpointing="auto")),
+    )},
     "hybrid-70b": dict(model="llama3-70b", hybrid=True, batch=1, seq=4096, precision="bf16-mixed", checkpointing="auto",
                        replica_sizes=[16, 32, 64, 128]),
     "hybrid-70b-ends": dict(model="llama3-70b", hybrid=True, batch=1, seq=4096, precision="bf16-mixed", checkpointing="auto",
@@ -57,9 +65,14 @@ def _plan(case: dict[str, Any]) -> dict[str, Any]:
     spec = autosplit.Spec((case["batch"], case["seq"]), torch.long)
     row: dict[str, Any] = {}
     try:
-        plan = autosplit.plan(model, ["H100-80GB"] * case["devices"], example_inputs=(spec,), schedule=case.get("schedule", "1f1b"),
+        devices = autosplit.Cluster.dgx_h100(nodes=case["devices"] // 8) if case.get("mesh") else ["H100-80GB"] * case["devices"]
+        plan = autosplit.plan(model, devices, example_inputs=(spec,), schedule=case.get("schedule", "1f1b"),
                               precision=case["precision"], checkpointing=case["checkpointing"], time_limit=case.get("time_limit", 10.0))
         layerless = [s for s, st in enumerate(plan.stages) if not any(re.search(r"layers\.\d+", m) for m in st.modules)]
+        if case.get("mesh"):  # the degrees chosen with the split: the mesh, and what each configuration gave
+            row.update(mesh=plan.mesh, step_gap=plan.step_gap, configurations=[
+                {"pp": len(a.rank_memory) or None, "data_parallel": a.data_parallel, "dp_shard": a.dp_shard, "step_s": a.step_time,
+                 "note": a.note[:200]} for a in plan.alternatives])
         row.update(outcome="planned", step_s=plan.step_time, gap=plan.solver.gap, solver=plan.solver.name,
                    status=plan.solver.status, layerless=layerless, timings={k: round(v, 2) for k, v in plan.timings.items()},
                    max_memory_gib=max(st.memory for st in plan.stages) / 2**30)

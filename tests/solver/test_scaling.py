@@ -161,3 +161,21 @@ def test_a_plan_the_bound_certifies_within_the_gap_returns_without_a_cp_sat_sear
     assert settled.status == "FEASIBLE" and 0 < settled.gap <= 0.05
     proven = solve(problem, time_limit=5, gap=0.0)
     assert calls == [0.0] and proven.status == "OPTIMAL" and proven.objective == found.objective
+
+
+def test_a_clusters_nodes_in_order_keep_the_given_order_without_a_search():
+    """Devices alike but for their node, listed node after node: the given order already crosses
+    between nodes the fewest times, so it is kept without scoring any other; listed out of order,
+    the search regroups them."""
+    from autosplit.compiler.costs import cost_table
+    from autosplit.solver.pipeline.order import choose_order
+
+    devices = autosplit.Cluster.dgx_a100(nodes=2).replica_devices(16)[4:12]  # nodes of 4 listed in order
+    model, x = GPT(vocab=64, d_model=32, n_layers=8, n_heads=2, max_len=16), torch.randint(0, 64, (8, 16))
+    planner = autosplit.Planner(model, devices, example_inputs=(x,))
+    table, _ = cost_table(planner.traced, tuple(devices), planner.options, micro_batches=8)
+    assert choose_order(table, micro_batches=8, schedule="gpipe", max_evaluations=0) == tuple(range(8))
+    mixed = tuple(devices[i] for i in (0, 4, 1, 5, 2, 6, 3, 7))
+    table, _ = cost_table(planner.traced, mixed, planner.options, micro_batches=8)
+    order = choose_order(table, micro_batches=8, schedule="gpipe")
+    assert sum(a.island != b.island for a, b in itertools.pairwise(mixed[d] for d in order)) == 1

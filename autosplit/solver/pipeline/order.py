@@ -6,6 +6,8 @@ between two NVLink islands, a module pinned to device 3 that runs before one pin
 device 1 needs device 3 earlier in the pipeline. The space is S! orders, so this is a local search, scored by
 the dynamic program (exact over split points for each order):
 
+0. devices alike but for their island, the islands listed one after the other in one size (a
+   cluster's nodes): the given order, which crosses between islands the fewest times;
 1. candidates: the given order; devices grouped by island; sorted by speed either way;
 2. from the best, swap two devices of different kinds while a swap lowers the DP's
    predicted step time, up to a fixed number of evaluations (first improvement, fixed
@@ -20,6 +22,7 @@ Usage::
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import math
 import time
@@ -46,6 +49,17 @@ def _kinds(specs, constraints: Sequence[UserConstraint]) -> list[object]:
     ]
 
 
+def _islands_in_order(specs, constraints: Sequence[UserConstraint]) -> bool:
+    """Devices alike but for their island, in islands of one size listed one after the other (a
+    cluster's nodes): the given order already crosses the slow links between islands the fewest
+    times, at the same places as any order that does, so no swap can make it better."""
+    alike = _kinds([dataclasses.replace(spec, island=None) for spec in specs], constraints)
+    if any(k != alike[0] for k in alike):
+        return False
+    runs = [len(list(group)) for _, group in itertools.groupby(spec.island for spec in specs)]
+    return len(runs) == len({spec.island for spec in specs}) and len(set(runs[:-1])) <= 1 and runs[-1] <= runs[0]
+
+
 def choose_order(
     table,
     *,
@@ -65,7 +79,7 @@ def choose_order(
     S = len(specs)
     identity = tuple(range(S))
     kinds = _kinds(specs, constraints)
-    if all(k == kinds[0] for k in kinds):
+    if all(k == kinds[0] for k in kinds) or _islands_in_order(specs, constraints):
         return identity
     start = time.perf_counter()
     topo = None
