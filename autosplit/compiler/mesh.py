@@ -180,7 +180,7 @@ def _alternatives(tried: Sequence[tuple[Degrees, Plan | AutosplitError]]) -> tup
         shard = d.data_parallel if d.replicate == "fully_shard" else 1
         rows.append(
             Alternative(p.schedule, p.stages_per_rank, p.micro_batches, p.step_time, p.rank_memory or tuple(s.memory for s in p.stages),
-                        data_parallel=d.data_parallel, dp_shard=shard) if isinstance(p, Plan)
+                        data_parallel=d.data_parallel, dp_shard=shard, bound=_bound_of(p)) if isinstance(p, Plan)
             else Alternative("", 1, 0, math.inf, note=_first_sentence(p), data_parallel=d.data_parallel, dp_shard=shard)
         )
     return tuple(sorted(rows, key=lambda a: a.step_time))

@@ -72,7 +72,7 @@ def _plan(case: dict[str, Any]) -> dict[str, Any]:
         if case.get("mesh"):  # the degrees chosen with the split: the mesh, and what each configuration gave
             row.update(mesh=plan.mesh, step_gap=plan.step_gap, configurations=[
                 {"pp": len(a.rank_memory) or None, "data_parallel": a.data_parallel, "dp_shard": a.dp_shard, "step_s": a.step_time,
-                 "note": a.note[:200]} for a in plan.alternatives])
+                 "bound_s": a.bound, "note": a.note[:200]} for a in plan.alternatives])
         row.update(outcome="planned", step_s=plan.step_time, gap=plan.solver.gap, solver=plan.solver.name,
                    status=plan.solver.status, layerless=layerless, timings={k: round(v, 2) for k, v in plan.timings.items()},
                    max_memory_gib=max(st.memory for st in plan.stages) / 2**30)
