@@ -114,11 +114,11 @@ def _search(traced: Traced, specs: Sequence[DeviceSpec], options: PlanOptions) -
 
 
 def _bound_of(p: Plan | AutosplitError) -> float:
-    """The least step a configuration's splits can reach: its replay's bound, or where the solver's
-    closed form is the replay, the solver's (neither counts the data-parallel collectives, which
-    only add); 0 where unknown (no plan, not proven infeasible), ∞ where there is none."""
+    """The least step a configuration's splits can reach: its replay's bound; where the solver's
+    closed form stands for the replay (one stage per rank, a whole backward), its step less the
+    solver's gap; 0 where unknown (no plan, not proven infeasible), ∞ where there is none."""
     if isinstance(p, Plan):
-        return p.solver.step_bound if p.solver.step_bound is not None else p.solver.bound
+        return p.solver.step_bound if p.solver.step_bound is not None else p.step_time * (1 - p.solver.gap)
     return 0.0 if isinstance(p, SolverError) else math.inf
 
 
