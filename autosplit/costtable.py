@@ -102,7 +102,7 @@ class CostTable:
     unit_params: tuple[bool, ...] = ()
     """[node] its parameters are in an FSDP unit of their own when FSDP runs alone, gathered only while
     the unit runs: a node of a block the runtime outlines (:func:`autosplit.passes.outline.outlinable_blocks`),
-    or one calling a module that is a unit (:func:`autosplit.passes.sharding.unit_targets`); empty: none."""
+    or one calling a module that is a unit (:func:`autosplit.passes.outline.unit_targets`); empty: none."""
     row_grad_bytes: tuple[int, ...] = ()
     """[node] for an embedding table it owns, bytes of the rows the batch looks up (with their
     indices): its gradient's non-zero part (:attr:`~autosplit.passes.annotations.NodeInfo.row_grad_bytes`); else 0. Empty: none."""

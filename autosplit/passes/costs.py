@@ -49,9 +49,8 @@ from autosplit.devices import DeviceSpec
 from autosplit.errors import CostModelError, advice
 from autosplit.passes.annotations import NodeInfo, node_info
 from autosplit.passes.memory_model import activation_bytes, describe_blocks, saved_bytes, state_bytes
-from autosplit.passes.outline import outlinable_blocks
+from autosplit.passes.outline import outlinable_blocks, unit_targets
 from autosplit.passes.profile import Profile
-from autosplit.passes.sharding import unit_targets
 from autosplit.passes.time_model import node_times, optimizer_times, row_sharer, split_costs, wgrad_shares
 from autosplit.plans import PartialRecompute
 

@@ -18,7 +18,7 @@ stage's own unit, a block:
 
 - whose nodes read a tensor outside it by name, or whose tensors a node outside reads (a tied weight);
 - whose outputs, or views of them, a node outside writes in place (FSDP2's pre-backward hook on
-  them would be dropped: :func:`autosplit.passes.sharding.written_views`);
+  them would be dropped: :func:`autosplit.passes.outline.written_views`);
 - whose container holds a parameter or buffer its nodes do not read (an exported graph's read that
   nothing uses counts: the unit holds it), or one the graph holds under another name too (it would
   vanish from, or be doubled in, the state dict);
@@ -27,7 +27,7 @@ stage's own unit, a block:
   would pass a node between its ends).
 
 A block already a single module the graph calls (a symbolically traced leaf) is left as it is: it is
-a unit candidate as it stands (:func:`autosplit.passes.sharding.unit_targets`).
+a unit candidate as it stands (:func:`autosplit.passes.outline.unit_targets`).
 
 Recomputed blocks (activation checkpointing, :mod:`autosplit.passes.recompute_regions`): a region is
 its stage's ``get_attr`` of the region module, one ``checkpoint`` call and a ``getitem`` per output,
@@ -55,9 +55,11 @@ import torch.fx as fx
 
 from autosplit.errors import CodegenError, advice
 from autosplit.passes.capture import module_path
-from autosplit.passes.recompute_regions import REGION_BLOCK
+from autosplit.passes.recompute_regions import REGION_BLOCK, written_inputs
 
-__all__ = ["block_path", "node_path", "outlinable_blocks", "outline_blocks", "refused_blocks"]
+__all__ = [
+    "block_path", "node_path", "outlinable_blocks", "outline_blocks", "refused_blocks", "unit_modules", "unit_targets", "written_views",
+]
 
 log = logging.getLogger(__name__)
 
@@ -141,8 +143,6 @@ def _refusal(
     gm: fx.GraphModule, block: str, members: Sequence[fx.Node], place: Mapping[fx.Node, int], names: Mapping[int, list[str]],
 ) -> str:
     """Why ``block`` cannot be outlined, ``""`` if it can (the module docstring's rules)."""
-    from autosplit.passes.sharding import written_views
-
     inside = set(members)
     runs = [place[n] for n in members if n.op != "get_attr"]
     if not runs:
@@ -261,3 +261,73 @@ def _same_state(container: torch.nn.Module, unit: torch.nn.Module, block: str) -
             f"outlining block {block!r} would change its tensors: {sorted(n for n, _ in before ^ after)[:4]}",
             "the block's nodes read other tensors than its module holds", "report this graph to autosplit",
         ))
+
+
+def unit_modules(module: torch.nn.Module, tables: Sequence[torch.nn.Parameter] = ()) -> list[torch.nn.Module]:
+    """The modules :func:`unit_targets` names."""
+    return [module.get_submodule(name) for name in unit_targets(module, tables)]
+
+
+def unit_targets(module: torch.nn.Module, tables: Sequence[torch.nn.Parameter] = ()) -> list[str]:
+    """The modules of a graph that can be FSDP units of their own, by target: the modules it calls
+    (``call_module``: FSDP2's hooks run around their forward; a block
+    :func:`~autosplit.passes.outline.outline_blocks` made a module is one) that own parameters no other
+    module holds and the graph reads nowhere else (``get_attr``: a tied weight read by name is gathered
+    with the stage's own unit), nor a sparse-gradient table (``tables``). Empty for a module that is not
+    an fx graph, and for an exported one not outlined (it reads every parameter by name)."""
+    if not isinstance(module, fx.GraphModule):
+        return []
+    called = {str(n.target) for n in module.graph.nodes if n.op == "call_module"}
+    read = {str(n.target) for n in module.graph.nodes if n.op == "get_attr"}
+    owners: dict[int, int] = {}
+    for _, sub in module.named_modules(remove_duplicate=False):
+        for p in sub.parameters(recurse=False):
+            owners[id(p)] = owners.get(id(p), 0) + 1
+    apart = {id(t) for t in tables}
+    for name in read:
+        try:
+            apart.add(id(module.get_parameter(name)))
+        except AttributeError:  # a buffer or a constant
+            continue
+    written = _written_views(module)
+    units = []
+    for name in sorted(called):
+        sub = module.get_submodule(name)
+        own = list(sub.parameters())
+        if own and name not in written and not any(owners.get(id(p), 0) > 1 or id(p) in apart for p in own):
+            units.append(name)
+    return units
+
+
+_VIEWS = frozenset({
+    "view", "reshape", "transpose", "permute", "unsqueeze", "squeeze", "flatten", "unflatten", "expand", "expand_as",
+    "contiguous", "t", "narrow", "select", "split", "chunk", "unbind", "view_as", "getitem", "movedim", "as_strided",
+    "detach", "type_as", "to", "float", "half", "bfloat16", "double", "swapaxes", "diagonal", "real", "imag", "split_with_sizes",
+})
+
+
+def written_views(gm: fx.GraphModule, producers: Sequence[fx.Node]) -> list[fx.Node]:
+    """The nodes of ``producers`` (a module's call, or an outlined block's outputs) whose output, or a
+    view of it, some node writes in place: FSDP2 hooks a unit's output for its backward, and a write in
+    place into it drops the hook (the unit would not be gathered for its backward), so such a module is
+    no unit of its own."""
+    def is_view(n: fx.Node) -> bool:
+        name = n.target if isinstance(n.target, str) else getattr(n.target, "__name__", str(n.target))
+        return str(name).split(".")[0] in _VIEWS
+
+    hit = []
+    for n in producers:
+        aliases, todo = {n}, [n]
+        while todo:
+            for user in todo.pop().users:
+                if user not in aliases and user.op in ("call_method", "call_function") and is_view(user):
+                    aliases.add(user)
+                    todo.append(user)
+        if any(set(written_inputs(gm, user)) & aliases for a in aliases for user in a.users):
+            hit.append(n)
+    return hit
+
+
+def _written_views(gm: fx.GraphModule) -> set[str]:
+    """The targets of the modules the graph calls whose output some node writes in place (:func:`written_views`)."""
+    return {str(n.target) for n in written_views(gm, [n for n in gm.graph.nodes if n.op == "call_module"])}

@@ -17,7 +17,7 @@ Memory (:func:`laid_out`), per node and device:
   - FSDP alone in one pass (:func:`sharded_alone`): each repeated block the runtime outlines as a
     module of its own (:func:`~autosplit.passes.outline.outlinable_blocks`: a decoder layer, whether
     the graph was traced or exported; torchtitan wraps each block), and each other leaf module the
-    graph calls and that owns its parameters (:func:`unit_targets`), is a unit of its own, whole only
+    graph calls and that owns its parameters (:func:`~autosplit.passes.outline.unit_targets`), is a unit of its own, whole only
     while it runs — its transient: its parameters and gradients, and the next unit's parameters
     gathered ahead (:func:`unit_totals`); the rest are the stage's own unit, as above.
 
@@ -50,14 +50,13 @@ import dataclasses
 import math
 from collections.abc import Sequence
 
-import torch
-
 from autosplit.costtable import CostTable
 from autosplit.devices import DeviceSpec
+from autosplit.passes.outline import block_path
 from autosplit.solver.hybrid import hierarchical_phases, ring_allreduce
 
 __all__ = [
-    "data_parallel_time", "group_time", "laid_out", "sharded_alone", "unit_modules", "unit_targets", "unit_totals", "written_views",
+    "data_parallel_time", "group_time", "laid_out", "sharded_alone", "unit_totals",
 ]
 
 
@@ -99,8 +98,6 @@ def unit_totals(table: CostTable) -> list[int]:
     """[node] the parameter bytes of the FSDP unit its parameters are in when it is a unit of its own
     (:attr:`~CostTable.unit_params`), else 0: a block's (its nodes by module path,
     :func:`~autosplit.passes.outline.block_path`: one outlined unit), or the node's own (a leaf module)."""
-    from autosplit.passes.outline import block_path
-
     flags = table.unit_params or (False,) * len(table.nodes)
     keys = [(block_path(path) or i) if flag else None for i, (path, flag) in enumerate(zip(table.module_paths, flags))]
     sums: dict[object, int] = {}
@@ -159,75 +156,3 @@ def _across_replicas(nbytes: float, replicas: int, device: DeviceSpec) -> float:
     if replicas <= 1:
         return 0.0
     return ring_allreduce(nbytes, replicas, device.network_bandwidth, device.network_latency)
-
-
-def unit_modules(module: torch.nn.Module, tables: Sequence[torch.nn.Parameter] = ()) -> list[torch.nn.Module]:
-    """The modules :func:`unit_targets` names."""
-    return [module.get_submodule(name) for name in unit_targets(module, tables)]
-
-
-def unit_targets(module: torch.nn.Module, tables: Sequence[torch.nn.Parameter] = ()) -> list[str]:
-    """The modules of a graph that can be FSDP units of their own, by target: the modules it calls
-    (``call_module``: FSDP2's hooks run around their forward; a block
-    :func:`~autosplit.passes.outline.outline_blocks` made a module is one) that own parameters no other
-    module holds and the graph reads nowhere else (``get_attr``: a tied weight read by name is gathered
-    with the stage's own unit), nor a sparse-gradient table (``tables``). Empty for a module that is not
-    an fx graph, and for an exported one not outlined (it reads every parameter by name)."""
-    if not isinstance(module, torch.fx.GraphModule):
-        return []
-    called = {str(n.target) for n in module.graph.nodes if n.op == "call_module"}
-    read = {str(n.target) for n in module.graph.nodes if n.op == "get_attr"}
-    owners: dict[int, int] = {}
-    for _, sub in module.named_modules(remove_duplicate=False):
-        for p in sub.parameters(recurse=False):
-            owners[id(p)] = owners.get(id(p), 0) + 1
-    apart = {id(t) for t in tables}
-    for name in read:
-        try:
-            apart.add(id(module.get_parameter(name)))
-        except AttributeError:  # a buffer or a constant
-            continue
-    written = _written_views(module)
-    units = []
-    for name in sorted(called):
-        sub = module.get_submodule(name)
-        own = list(sub.parameters())
-        if own and name not in written and not any(owners.get(id(p), 0) > 1 or id(p) in apart for p in own):
-            units.append(name)
-    return units
-
-
-_VIEWS = frozenset({
-    "view", "reshape", "transpose", "permute", "unsqueeze", "squeeze", "flatten", "unflatten", "expand", "expand_as",
-    "contiguous", "t", "narrow", "select", "split", "chunk", "unbind", "view_as", "getitem", "movedim", "as_strided",
-    "detach", "type_as", "to", "float", "half", "bfloat16", "double", "swapaxes", "diagonal", "real", "imag", "split_with_sizes",
-})
-
-
-def written_views(gm: torch.fx.GraphModule, producers: Sequence[torch.fx.Node]) -> list[torch.fx.Node]:
-    """The nodes of ``producers`` (a module's call, or an outlined block's outputs) whose output, or a
-    view of it, some node writes in place: FSDP2 hooks a unit's output for its backward, and a write in
-    place into it drops the hook (the unit would not be gathered for its backward), so such a module is
-    no unit of its own."""
-    from autosplit.passes.recompute_regions import written_inputs
-
-    def is_view(n: torch.fx.Node) -> bool:
-        name = n.target if isinstance(n.target, str) else getattr(n.target, "__name__", str(n.target))
-        return str(name).split(".")[0] in _VIEWS
-
-    hit = []
-    for n in producers:
-        aliases, todo = {n}, [n]
-        while todo:
-            for user in todo.pop().users:
-                if user not in aliases and user.op in ("call_method", "call_function") and is_view(user):
-                    aliases.add(user)
-                    todo.append(user)
-        if any(set(written_inputs(gm, user)) & aliases for a in aliases for user in a.users):
-            hit.append(n)
-    return hit
-
-
-def _written_views(gm: torch.fx.GraphModule) -> set[str]:
-    """The targets of the modules the graph calls whose output some node writes in place (:func:`written_views`)."""
-    return {str(n.target) for n in written_views(gm, [n for n in gm.graph.nodes if n.op == "call_module"])}

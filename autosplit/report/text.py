@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import io
 import re
+from typing import Any
 
 from rich.console import Console
 from rich.table import Table
@@ -96,14 +97,19 @@ def plan_report(plan: Plan, width: int = 140) -> str:
     for note in layerless_notes(plan):
         console.print(note)
     if plan.alternatives:
-        console.print(f"configurations tried ({len(plan.alternatives)}, fastest first; split by the DP, replayed):")
-        for a in plan.alternatives[:12]:
-            peak = max(a.rank_memory, default=0)
-            mesh = _mesh(a.data_parallel, a.dp_shard)
-            console.print(f"  {f'pp {len(a.rank_memory)} × {mesh}: ' if mesh and a.rank_memory else mesh + ': ' if mesh else ''}" + (
-                f"{a.schedule} × {a.stages_per_rank} stage(s) per device × {a.micro_batches} micro-batches: "
-                f"{_ms(a.step_time)}, peak {format_bytes(peak)}" if a.fits else a.note))
+        _print_alternatives(console, plan)
     return out.getvalue().rstrip()
+
+
+def _print_alternatives(console: Any, plan: Plan) -> None:
+    """The configurations a search tried, fastest first: each one's mesh, schedule, step and peak."""
+    console.print(f"configurations tried ({len(plan.alternatives)}, fastest first; split by the DP, replayed):")
+    for a in plan.alternatives[:12]:
+        peak = max(a.rank_memory, default=0)
+        mesh = _mesh(a.data_parallel, a.dp_shard)
+        console.print(f"  {f'pp {len(a.rank_memory)} × {mesh}: ' if mesh and a.rank_memory else mesh + ': ' if mesh else ''}" + (
+            f"{a.schedule} × {a.stages_per_rank} stage(s) per device × {a.micro_batches} micro-batches: "
+            f"{_ms(a.step_time)}, peak {format_bytes(peak)}" if a.fits else a.note))
 
 
 def _mesh(data_parallel: int, dp_shard: int) -> str:

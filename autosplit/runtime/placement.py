@@ -25,7 +25,7 @@ import torch.distributed as dist
 from autosplit.compat import flatten_mesh, fsdp_replicate
 from autosplit.errors import DistributedError, advice
 from autosplit.passes.chain import Chain
-from autosplit.passes.sharding import unit_modules
+from autosplit.passes.outline import unit_modules
 from autosplit.passes.sparse_tables import sparse_gradient_tables
 from autosplit.plans import Plan
 
