@@ -18,8 +18,8 @@ unsplit model's.
 from __future__ import annotations
 
 import copy
-import math
 import dataclasses
+import math
 from typing import Any
 
 import pytest
