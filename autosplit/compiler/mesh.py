@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import time
 from collections.abc import Sequence
 
 from autosplit import progress
@@ -93,8 +94,10 @@ def mesh_plan(traced: Traced, specs: Sequence[DeviceSpec], options: PlanOptions)
 
 def _search(traced: Traced, specs: Sequence[DeviceSpec], options: PlanOptions) -> list[tuple[Degrees, Plan | AutosplitError]]:
     """Every configuration's plan, in two rounds: first the split DP's plan of each (exact over one
-    order, in milliseconds; CP-SAT left out), then the whole solver for each configuration whose
-    bound leaves room below the best step found (beyond the options' gap) — the others cannot win."""
+    order, in milliseconds; CP-SAT left out), then — while the search has used less than the options'
+    ``time_limit`` — the whole solver for each configuration whose bound leaves room below the best
+    step found (beyond the options' gap), most room first: the others cannot win."""
+    start = time.perf_counter()
     first = options.replace(limits=dataclasses.replace(options.limits, cpsat_vars=1))
     plain = options.replace(data_parallel=1, replicate="replicate", checkpointing="none", recompute=None, cost_overrides=None,
                             costs="analytic")
@@ -105,6 +108,9 @@ def _search(traced: Traced, specs: Sequence[DeviceSpec], options: PlanOptions) -
     best = min((p.step_time for p in tried.values() if isinstance(p, Plan)), default=math.inf)
     for degrees, p in sorted(tried.items(), key=lambda dp: _bound_of(dp[1])):
         room = isinstance(p, SolverError) or (isinstance(p, Plan) and _bound_of(p) < best * (1 - options.gap))
+        if room and time.perf_counter() - start >= options.time_limit:
+            log.info("the mesh search used its time_limit of %gs: %s keeps its first round's plan", options.time_limit, degrees)
+            continue
         if room and options.limits.cpsat_vars > 1:
             again = _attempt(traced, specs, options, degrees, whole)
             if isinstance(again, Plan) and (not isinstance(p, Plan) or again.step_time < p.step_time):
