@@ -92,13 +92,6 @@ class Cluster:
             for d in range(k)
         ]
 
-    def mesh_devices(self, pp: int, dp: int) -> list[DeviceSpec]:
-        """The device of each of ``pp`` pipeline ranks when ``pp × dp`` ranks fill the cluster as
-        torchtitan's mesh does (pp outermost): stage s on rank ``s·dp``, its ``dp`` copies the
-        ranks after it — one island while ``dp`` fits a node, and consecutive stages on other nodes."""
-        one = self.replica_devices(1)[0]
-        return [dataclasses.replace(one, island=f"node{s * dp // self.per_node}") for s in range(pp)]
-
     def allreduce(self, nbytes: float, k: int, replicas: int, *, gather: bool = False) -> float:
         """Seconds to all-reduce one stage's gradients (``nbytes``) over its ``replicas`` copies,
         worker r's copy on device ``r·k + s`` — or, ``gather``, to all-gather ``nbytes`` from each

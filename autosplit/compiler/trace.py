@@ -82,7 +82,7 @@ class Traced:
                 captured = capture(self.model, args, dict(kwargs), method="export")
                 inputs = flat_inputs(captured, args, kwargs)
             else:
-                inputs = list(split_batch(self.inputs, None, parts)[0][0])
+                _, inputs = self.at_micro_batch(parts)  # a traced graph runs any batch: the share of its inputs
                 captured = dataclasses.replace(self.captured, gm=_graph_copy(
                     self.captured.gm, "annotate it at a data-parallel share of the batch", "plan with data_parallel=1"))
             annotate(captured, list(inputs))
