@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import json
 import resource
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -82,14 +81,11 @@ def _plan_row(kind: str, time_limit: float) -> dict[str, Any]:
 
 
 def run(time_limit: float) -> list[dict[str, Any]]:
+    from benchmarks.fresh import in_fresh_process
+
     rows = []
     for kind in ("recipe", "recipe:lifted", "autosplit", "memory:fp32", "memory:bf16-mixed"):
-        code = ("import json, sys; sys.path.insert(0, sys.argv[1]); from benchmarks.plan_3d import _plan_row; "
-                "print('ROW' + json.dumps(_plan_row(sys.argv[2], float(sys.argv[3]))))")
-        out = subprocess.run([sys.executable, "-c", code, str(Path(__file__).resolve().parents[1]), kind, str(time_limit)],
-                             capture_output=True, text=True, timeout=1200)
-        line = next((x for x in out.stdout.splitlines() if x.startswith("ROW")), None)
-        row = json.loads(line[3:]) if line else {"kind": kind, "outcome": "crashed", "stderr": out.stderr[-2000:]}
+        row = {"kind": kind, **in_fresh_process("benchmarks.plan_3d:_plan_row", kind, time_limit, timeout=1200)}
         rows.append(row)
         print(_line(row), flush=True)
     return rows

@@ -33,7 +33,6 @@ import argparse
 import json
 import re
 import resource
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -117,23 +116,19 @@ def run(
     batch: int, seq: int, schedules: list[str], time_limit: float, precision: str = "fp32", checkpointing: str = "none",
 ) -> list[dict[str, Any]]:
     """Every case, each planned in a fresh interpreter; prints a table row as each finishes."""
+    from benchmarks.fresh import in_fresh_process
+
     rows = []
     print(f"{'model':>13} {'devices':>7} {'schedule':>8} {'capture':>8} {'annotate':>8} {'estimate':>8} {'solve':>6} {'total s':>7} "
           f"{'RSS GB':>6}  outcome")
     for name, devices in CASES:
         for schedule in schedules:
-            code = ("import json, sys; sys.path.insert(0, sys.argv[1]); from benchmarks.plan_llms import plan_one; "
-                    "print('ROW' + json.dumps(plan_one(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), sys.argv[6], "
-                    "float(sys.argv[7]), sys.argv[8], sys.argv[9])))")
-            out = subprocess.run([sys.executable, "-c", code, str(Path(__file__).resolve().parents[1]), name, str(devices), str(batch),
-                                  str(seq), schedule, str(time_limit), precision, checkpointing],
-                                 capture_output=True, text=True, timeout=900)
-            line = next((x for x in out.stdout.splitlines() if x.startswith("ROW")), None)
-            if line is None:
-                print(f"{name:>13} {devices:>7} {schedule:>8} failed: {out.stderr.strip().splitlines()[-1:]}")
-                rows.append({"model": name, "devices": devices, "schedule": schedule, "outcome": "crashed", "stderr": out.stderr[-2000:]})
+            row = in_fresh_process("benchmarks.plan_llms:plan_one", name, devices, batch, seq, schedule, time_limit, precision,
+                                   checkpointing, timeout=900)
+            if row["outcome"] == "crashed":
+                print(f"{name:>13} {devices:>7} {schedule:>8} failed: {row['stderr'].strip().splitlines()[-1:]}")
+                rows.append({"model": name, "devices": devices, "schedule": schedule, **row})
                 continue
-            row = json.loads(line[3:])
             rows.append(row)
             p = row.get("passes_s", {})
             outcome = (f"step {row['step_s']:.2f} s, max memory {max(s['memory_gib'] for s in row['stages']):.1f} GiB"

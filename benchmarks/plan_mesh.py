@@ -21,21 +21,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 CASES = ("mesh-mixed-8b", "mesh-fp32-70b", "mesh-mixed-70b", "mesh-fp32-mixtral")
-
-
-def _row(name: str) -> dict[str, Any]:
-    code = ("import json, sys; sys.path.insert(0, sys.argv[1]); from benchmarks.investigations.scale_cases import one; "
-            "print('ROW' + json.dumps(one(sys.argv[2])))")
-    out = subprocess.run([sys.executable, "-c", code, str(ROOT), name], capture_output=True, text=True, timeout=1800)
-    line = next((x for x in out.stdout.splitlines() if x.startswith("ROW")), None)
-    return json.loads(line[3:]) if line else {"case": name, "outcome": "crashed", "stderr": out.stderr[-2000:]}
 
 
 def _line(row: dict[str, Any]) -> str:
@@ -53,13 +44,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "plan_mesh.json")
     args = parser.parse_args(argv)
     sys.path.insert(0, str(ROOT))
+    from benchmarks.fresh import in_fresh_process
     from benchmarks.plan_time import machine
 
     print("simulated: H100 presets, the cost model's figures (not measured)")
     print(f"{'case':>18} {'planned in':>9} {'RSS':>9}  outcome")
     rows = []
     for name in CASES:
-        rows.append(_row(name))
+        rows.append({"case": name, **in_fresh_process("benchmarks.investigations.scale_cases:one", name)})
         print(_line(rows[-1]), flush=True)
     args.out.write_text(json.dumps({"benchmark": "plan_mesh", "simulated": True, "machine": machine(), "rows": rows}, indent=1))
     print(f"wrote {args.out}")

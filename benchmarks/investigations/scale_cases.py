@@ -27,7 +27,6 @@ import json
 import logging
 import re
 import resource
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -115,13 +114,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("cases", nargs="*", default=[c for c in CASES if not c.startswith("hybrid")])
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results" / "scale_cases.json")
     args = parser.parse_args(argv)
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.fresh import in_fresh_process
+
     rows = []
     for name in args.cases:
-        code = ("import json, sys; sys.path.insert(0, sys.argv[1]); from benchmarks.investigations.scale_cases import one; "
-                "print('ROW' + json.dumps(one(sys.argv[2])))")
-        out = subprocess.run([sys.executable, "-c", code, str(ROOT), name], capture_output=True, text=True, timeout=1800)
-        line = next((x for x in out.stdout.splitlines() if x.startswith("ROW")), None)
-        row = json.loads(line[3:]) if line else {"case": name, "outcome": "crashed", "stderr": out.stderr[-2000:]}
+        row = {"case": name, **in_fresh_process("benchmarks.investigations.scale_cases:one", name)}
         rows.append(row)
         logging.warning("%s", json.dumps(row))
     args.out.parent.mkdir(parents=True, exist_ok=True)
