@@ -29,6 +29,7 @@ from autosplit.devices import DeviceSpec
 from autosplit.errors import AutosplitError
 from autosplit.options import PlanOptions
 from autosplit.plans import Plan
+from autosplit.recipes import Recipe
 from autosplit.runtime.distributed import DistributedModel
 from autosplit.runtime.local import SplitModule
 from autosplit.runtime.makespan import MakespanRunner
@@ -36,7 +37,7 @@ from autosplit.shapes import Spec
 
 __all__ = [
     "autosplit", "plan", "distribute", "compare", "plan_hybrid", "calibrate",
-    "Planner", "PlanOptions", "Plan", "Cluster", "DeviceSpec", "Spec",
+    "Planner", "PlanOptions", "Plan", "Recipe", "Cluster", "DeviceSpec", "Spec",
     "SplitModule", "DistributedModel", "MakespanRunner",
     "AutosplitError",
 ]

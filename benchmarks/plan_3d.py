@@ -5,15 +5,14 @@ Simulated: the models are built by transformers on the meta device and planned o
 in a fresh process (its peak RSS is the planning process's own):
 
 - **recipe**: torchtitan's Llama-3-8B on 8 H100s — FSDP 8 alone (one pipeline stage, dp_shard 8),
-  local batch 1 × 8192, bf16 with full activation checkpointing — as autosplit's runtime would run
-  it (its one forced split, ``data_parallel=8, replicate="fully_shard"``), its predicted
-  tokens/s/GPU beside the published 5,762 (torchtitan's docs/performance.md, H100, bf16);
+  local batch 1 × 8192, bf16 with full activation checkpointing — written as an
+  ``autosplit.Recipe(data_parallel=8, replicate="fully_shard", options=...)`` over
+  ``Cluster.dgx_h100(nodes=1)`` and the global batch, costed by ``Planner.manual`` (what
+  ``autosplit.compare`` puts beside autosplit's plan); its predicted tokens/s/GPU beside the
+  published 5,762 (torchtitan's docs/performance.md, H100, bf16);
 - **autosplit**: ``autosplit.plan(model, Cluster.dgx_h100(nodes=1), ...)`` at the same global batch
   (8 × 8192), bf16-mixed, ``checkpointing="auto"``: the degrees, split, schedule, micro-batches and
   recomputation chosen together;
-- **recipe:lifted**: the same with the memory caps lifted: its predicted time alone, compared with
-  the published figure (autosplit's runtime shards each stage as one FSDP unit, where torchtitan
-  wraps each block: the recipe's memory is what differs);
 - **memory**: the pipeline-only plan of Llama-3-8B on 8 H100s (8 stages, GPipe, 8 micro-batches, no
   recomputation, caps lifted) in fp32 and in bf16-mixed: the fullest stage's activation memory
   (with the weights cast once per step, bf16-mixed holds less).
@@ -52,11 +51,10 @@ def _plan_row(kind: str, time_limit: float) -> dict[str, Any]:
     start = time.perf_counter()
     row: dict[str, Any] = {"kind": kind}
     try:
-        if kind.startswith("recipe"):  # "recipe:lifted": its memory caps lifted, to cost its time alone
-            one = autosplit.Spec((1, SEQ), torch.long)  # each of the 8 copies' share
-            plan = autosplit.plan(model, ["H100-80GB"], example_inputs=(one,), data_parallel=8, replicate="fully_shard",
-                                  precision="bf16-mixed", checkpointing="full", micro_batches=1, time_limit=time_limit,
-                                  memory={0: "1TiB"} if kind.endswith("lifted") else None)
+        if kind == "recipe":
+            recipe = autosplit.Recipe(data_parallel=8, replicate="fully_shard",
+                                      options={"precision": "bf16-mixed", "checkpointing": "full", "micro_batches": 1})
+            plan = autosplit.Planner(model, autosplit.Cluster.dgx_h100(nodes=1), example_inputs=(tokens,)).manual(recipe)
         elif kind == "autosplit":
             plan = autosplit.plan(model, autosplit.Cluster.dgx_h100(nodes=1), example_inputs=(tokens,), precision="bf16-mixed",
                                   checkpointing="auto", time_limit=time_limit)
@@ -64,7 +62,7 @@ def _plan_row(kind: str, time_limit: float) -> dict[str, Any]:
             plan = autosplit.plan(model, ["H100-80GB"] * 8, example_inputs=(tokens,), precision=kind.split(":")[1],
                                   schedule="gpipe", micro_batches=8, time_limit=time_limit, memory={d: "1TiB" for d in range(8)})
         devices = plan.mesh["pp"] * plan.data_parallel
-        tokens_per_gpu = SEQ / plan.step_time if kind.startswith("recipe") else 8 * SEQ / plan.step_time / devices
+        tokens_per_gpu = 8 * SEQ / plan.step_time / devices
         row.update(
             outcome="planned", mesh=plan.mesh, step_s=plan.step_time, gap=plan.step_gap, schedule=plan.schedule,
             micro_batches=plan.micro_batches, tokens_per_s_per_gpu=tokens_per_gpu,
@@ -84,7 +82,7 @@ def run(time_limit: float) -> list[dict[str, Any]]:
     from benchmarks.fresh import in_fresh_process
 
     rows = []
-    for kind in ("recipe", "recipe:lifted", "autosplit", "memory:fp32", "memory:bf16-mixed"):
+    for kind in ("recipe", "autosplit", "memory:fp32", "memory:bf16-mixed"):
         row = {"kind": kind, **in_fresh_process("benchmarks.plan_3d:_plan_row", kind, time_limit, timeout=1200)}
         rows.append(row)
         print(_line(row), flush=True)
@@ -111,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
 
     print("simulated: H100 presets, the cost model's figures (not measured)")
     rows = run(args.time_limit)
-    recipe = next(r for r in rows if r["kind"] == "recipe:lifted")
+    recipe = next(r for r in rows if r["kind"] == "recipe")
     summary: dict[str, Any] = {"published_tokens_per_s_per_gpu": PUBLISHED_8B_FSDP8,
                                "published_source": "torchtitan docs/performance.md: Llama-3-8B, 8 x H100, FSDP 8, bf16"}
     if recipe["outcome"] == "planned":

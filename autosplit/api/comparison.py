@@ -34,8 +34,9 @@ from typing import Any
 import torch
 
 from autosplit.candidates import Candidate, Measured
-from autosplit.compiler.manual import ManualSplit, manual_plan
+from autosplit.compiler.manual import ManualSplit
 from autosplit.errors import AutosplitError, ConstraintError, advice
+from autosplit.recipes import Recipe
 from autosplit.report.compare import Comparison
 from autosplit.runtime.makespan import DeviceOptimizers, MakespanRunner
 from autosplit.units import format_bytes
@@ -51,7 +52,7 @@ def compare(
     *,
     example_inputs: Any,
     example_kwargs: Mapping[str, Any] | None = None,
-    manual: Mapping[str, ManualSplit] | None = None,
+    manual: Mapping[str, ManualSplit | Recipe] | None = None,
     measure: bool = False,
     loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
     target: Any = None,
@@ -60,7 +61,8 @@ def compare(
     **options: Any,
 ) -> Comparison:
     """autosplit's plan and each ``manual`` split (name → any form :func:`~autosplit.compiler.manual.manual_plan`
-    reads), costed alike; with ``measure=True``, each feasible one also trained ``warmup + steps``
+    reads, or a :class:`~autosplit.recipes.Recipe` with its data-parallel degree over ``devices`` as the
+    whole mesh), costed alike; with ``measure=True``, each feasible one also trained ``warmup + steps``
     steps (``loss_fn(output, target)``) and timed; given both, every plan costs the loss.
     ``options``: any :class:`~autosplit.PlanOptions` field.
 
@@ -111,9 +113,9 @@ def compare(
     return Comparison(tuple(candidates))
 
 
-def _manual(planner: Any, name: str, split: ManualSplit) -> Candidate:
+def _manual(planner: Any, name: str, split: ManualSplit | Recipe) -> Candidate:
     try:
-        plan = manual_plan(planner, split, name=name, check_memory=False)
+        plan = planner.manual(split, name=name, check_memory=False)
     except AutosplitError as e:
         log.info("manual split %s: %s", name, e)
         return Candidate(name, None, error=f"{type(e).__name__}: {e}")

@@ -32,7 +32,7 @@ import torch
 from autosplit import debug
 from autosplit.compiler.hybrid import Cluster
 from autosplit.compiler.manual import manual_plan
-from autosplit.compiler.mesh import mesh_plan
+from autosplit.compiler.mesh import degrees_to_try, mesh_plan
 from autosplit.compiler.steps import codegen, compile_plan
 from autosplit.compiler.trace import Traced, trace
 from autosplit.devices import DeviceLike, DeviceSpec, resolve_devices
@@ -41,6 +41,7 @@ from autosplit.microbatch import batch_size
 from autosplit.options import PlanOptions
 from autosplit.passes.loss import Loss
 from autosplit.plans import Plan
+from autosplit.recipes import Recipe
 from autosplit.report.text import plan_report
 from autosplit.runtime.compiled import CompileOptions, compile_options
 from autosplit.runtime.local import SplitModule
@@ -172,16 +173,34 @@ class Planner:
         made = dataclasses.replace(made, timings={**made.timings, **timings})
         return SplitModule(self.model, self.traced.captured, program, made, compile=compiling)
 
-    def manual(self, split: Any, *, name: str | None = None) -> Plan:
+    def manual(self, split: Any, *, name: str | None = None, check_memory: bool = True) -> Plan:
         """A split you would write by hand, as a checked plan costed like :meth:`plan`'s: module
         names per stage (torchtitan), ``torch.distributed.pipelining`` split points
         (``{"blocks.4": SplitPoint.BEGINNING}``), a DeepSpeed ``partition_method``
         (``"parameters"``, ``"uniform"``, ``"type:REGEX"``) or a torchgpipe balance (``[3, 2]``);
-        see :func:`autosplit.compiler.manual.manual_plan`."""
+        see :func:`autosplit.compiler.manual.manual_plan`. A :class:`~autosplit.recipes.Recipe`
+        spreads its split over this planner's devices as the whole mesh and the example batch as the
+        global one. ``check_memory=False`` returns a plan over a cap instead of raising."""
+        if isinstance(split, Recipe):
+            return manual_plan(self._copy_of(split), {} if split.split is None else split.split, name=name or "recipe",
+                               check_memory=check_memory)
         if name is None:
             name = (f"deepspeed {split}" if isinstance(split, str) else "split points" if isinstance(split, Mapping)
                     else "balance" if split and all(isinstance(x, int) for x in split) else "manual")
-        return manual_plan(self, split, name=name)
+        return manual_plan(self, split, name=name, check_memory=check_memory)
+
+    def _copy_of(self, recipe: Recipe) -> Planner:
+        """This planner as one data-parallel copy of ``recipe`` sees the model: the first device of each
+        stage's group (stage ``s`` on rank ``s · data_parallel``, as the mesh search lays them out), the
+        copy's share of the batch, and the recipe's options."""
+        specs = self.specs()
+        layout = self.options.replace(data_parallel=recipe.data_parallel, replicate=recipe.replicate, **recipe.options)
+        (degrees,) = degrees_to_try(len(specs), self.traced.batch, layout)  # refuses a degree the devices or batch do not divide
+        copy_ = copy.copy(self)
+        copy_.options = layout
+        copy_.devices = tuple(specs[s * degrees.data_parallel] for s in range(degrees.pp))
+        copy_._traced = self.traced.at_batch(degrees.data_parallel)
+        return copy_
 
     def with_options(self, **changes: Any) -> Planner:
         """A planner of the same model and capture under other options (nothing is captured again)."""

@@ -136,7 +136,8 @@ def _attempt(
     chosen = options.replace(data_parallel=degrees.data_parallel, replicate=degrees.replicate)
     try:
         # the least state the configuration can hold: one stage may shard unit by unit (FSDP alone)
-        _state_fits(laid_out(whole, dp_shard=chosen.dp_shard, alone=degrees.pp == 1), ranks, degrees)
+        row = 0.0 if options.checkpoints else sum(whole.saved_bytes) / (traced.batch or math.inf)
+        _state_fits(laid_out(whole, dp_shard=chosen.dp_shard, alone=degrees.pp == 1), ranks, degrees, row)
         share = traced.at_batch(degrees.data_parallel)
         chosen.micro_batches_for(None if chosen.searches else degrees.pp, share.batch)
         return compile_plan(share, ranks, chosen)
@@ -145,17 +146,23 @@ def _attempt(
         return e
 
 
-def _state_fits(table: CostTable, ranks: tuple[DeviceSpec, ...], degrees: Degrees) -> None:
-    """Refuse, before capturing at the share's batch, a configuration whose model state alone
-    (``table``'s, laid out as the configuration holds it; it does not depend on the batch) spread
-    perfectly over its pp devices exceeds their memory."""
-    need, cap = sum(table.state_bytes) / degrees.pp, sum(d.memory for d in ranks) / degrees.pp
+def _state_fits(table: CostTable, ranks: tuple[DeviceSpec, ...], degrees: Degrees, row: float = 0.0) -> None:
+    """Refuse, before capturing at the share's batch, a configuration whose model state (``table``'s,
+    laid out as the configuration holds it; it does not depend on the batch) and ``row`` bytes of
+    activations, spread perfectly over its pp devices, exceed their memory.
+
+    ``row``: one row's saved activations where nothing recomputes — the global batch's over its rows.
+    Every stage holds at least one micro-batch of at least one row at its peak, and a tensor's bytes
+    grow at most in proportion to the batch (``a · rows + c``, ``c ≥ 0``), so this bounds any share."""
+    need, cap = (sum(table.state_bytes) + row) / degrees.pp, sum(d.memory for d in ranks) / degrees.pp
     if need > cap:
+        what = "the model state alone needs" if not row else "the model state and one row's saved activations need"
         raise InfeasiblePlanError(advice(
-            f"{degrees}: the model state alone needs {format_bytes(need)} per device spread perfectly over {degrees.pp} "
+            f"{degrees}: {what} {format_bytes(need)} per device spread perfectly over {degrees.pp} "
             f"(proven), more than the {format_bytes(cap)} each holds",
-            "parameters, gradients and optimizer state do not shrink with the batch",
-            "more pipeline stages, replicate='fully_shard', or a precision that holds less",
+            "parameters, gradients and optimizer state do not shrink with the batch" + ("" if not row else
+            ", and without recomputation every stage holds at least one row's activations"),
+            "more pipeline stages, replicate='fully_shard', checkpointing='auto', or a precision that holds less",
         ))
 
 

@@ -8,6 +8,7 @@ import dataclasses
 import io
 import json
 import logging
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,13 +47,13 @@ class Comparison:
 
         measured = any(c.measured for c in self.candidates)
         auto = self.autosplit
-        table = Table(title=f"autosplit vs manual splits on {len(auto.devices)} devices")
-        columns = ["split", "feasible", "schedule", "predicted step", "vs autosplit", "objective", "bottleneck stage",
+        table = Table(title=f"autosplit vs manual splits on {math.prod(auto.mesh.values())} devices")
+        columns = ["split", "feasible", "mesh", "schedule", "predicted step", "vs autosplit", "objective", "bottleneck stage",
                    "stage times (ms)", "memory / cap"]
         if measured:
             columns += ["measured", "min–max (ms)", "runtime", "its prediction", "error"]
         for col in columns:
-            left = col in ("split", "feasible", "schedule", "stage times (ms)", "memory / cap", "runtime")
+            left = col in ("split", "feasible", "mesh", "schedule", "stage times (ms)", "memory / cap", "runtime")
             table.add_column(col, justify="left" if left else "right", no_wrap=True)
         for c in self.candidates:
             if c.plan is None:
@@ -60,7 +61,8 @@ class Comparison:
                 continue
             p = c.plan
             row = [
-                c.name, "yes" if c.feasible else "no: over a cap", _schedule(p), _ms(p.step_time), f"{p.step_time / auto.step_time:.3f}×",
+                c.name, "yes" if c.feasible else "no: over a cap", _mesh(p), _schedule(p), _ms(p.step_time),
+                f"{p.step_time / auto.step_time:.3f}×",
                 _ms(p.solver.objective), str(p.bottleneck), " ".join(f"{st.time * 1e3:.2f}" for st in p.stages),
                 ", ".join(f"{format_bytes(st.memory)}/{format_bytes(st.capacity)}" for st in p.stages),
             ]
@@ -122,6 +124,11 @@ class Comparison:
 
 def _objective(plan: Plan) -> str:
     return plan.objective
+
+
+def _mesh(plan: Plan) -> str:
+    """The mesh's degrees above 1, pp always: ``pp 2 × dp_shard 4``."""
+    return " × ".join(f"{dim} {n}" for dim, n in plan.mesh.items() if n > 1 or dim == "pp")
 
 
 def _schedule(plan: Plan) -> str:

@@ -56,6 +56,36 @@ def test_a_manual_split_over_the_memory_cap_is_costed_and_marked():
         autosplit.compiler.manual.manual_plan(autosplit.Planner(model, ["cpu"] * 2, example_inputs=inputs, memory={0: cap, 1: cap}), heavy)
 
 
+def test_a_recipe_with_data_parallel_degrees_is_costed_like_the_mesh_searchs_configuration():
+    """A recipe spreads over the devices as the whole mesh: FSDP 4 alone is costed exactly as the mesh
+    search costed that configuration (one split, the same micro-batches), a pipeline × data parallel
+    recipe as its split on one copy's share; a degree the devices do not divide, and options that
+    restate the recipe's own fields, are refused by name."""
+    model, inputs = seeded_gpt()
+    H100 = autosplit.devices.PRESETS["H100-80GB"]
+    cmp = compare(model, [H100] * 4, example_inputs=inputs, data_parallel="auto", replicate="auto", micro_batches=1,
+                  schedule="gpipe", limits=autosplit.options.SolverLimits(cpsat_vars=1), manual={
+                      "fsdp 4": autosplit.Recipe(data_parallel=4, replicate="fully_shard"),
+                      "pp 2 × dp 2": autosplit.Recipe([["wte", "wpe", "blocks.0", "blocks.1"], ["blocks.2", "blocks.3", "ln_f", "head"]],
+                                                      data_parallel=2, options={"micro_batches": 2}),
+                      "dp 3": autosplit.Recipe(data_parallel=3),
+                  })
+    auto, fsdp, pp, bad = cmp.candidates
+    searched = next(a for a in auto.plan.alternatives if a.data_parallel == 4 and a.dp_shard == 4)
+    assert fsdp.plan.mesh == {"pp": 1, "dp_replicate": 1, "dp_shard": 4, "tp": 1}
+    assert fsdp.plan.step_time == pytest.approx(searched.step_time, rel=1e-12)
+    assert pp.plan.mesh == {"pp": 2, "dp_replicate": 2, "dp_shard": 1, "tp": 1} and pp.plan.micro_batches == 2
+    assert pp.plan.stages[1].modules[0].startswith("blocks.2") and len(pp.plan.devices) == 2
+    assert bad.plan is None and "data_parallel=3 does not divide the 4 devices" in bad.error
+    assert "pp 1 × dp_shard 4" in str(cmp) and "on 4 devices" in str(cmp)
+    with pytest.raises(autosplit.errors.ConstraintError, match="data_parallel"):
+        autosplit.Recipe(options={"data_parallel": 2})
+    with pytest.raises(autosplit.errors.ConstraintError, match="zero3"):
+        autosplit.Recipe(data_parallel=2, replicate="zero3")
+    with pytest.raises(autosplit.errors.ConstraintError, match="shedule"):
+        autosplit.Recipe(options={"shedule": "1f1b"})
+
+
 def test_compare_measures_each_split_locally_beside_its_prediction():
     model, inputs = seeded_gpt()
     target = torch.randint(0, 64, (4, 8))

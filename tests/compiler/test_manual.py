@@ -121,3 +121,17 @@ def test_a_split_inside_a_module_the_capture_keeps_whole_says_so():
         planner.manual([["enc"], ["haed"]])
     with pytest.raises(autosplit.errors.ConstraintError, match="at the start of the graph"):
         planner.manual({"enc": SplitPoint.BEGINNING})
+
+
+def test_a_manual_split_recomputes_what_the_options_decide():
+    """``checkpointing="full"`` (torchtitan's mode, a recipe's usual setting) recomputes every block of a
+    hand-made split too — costed, so it holds fewer activations and computes more; ``recompute=``
+    keeps the blocks it names; ``"none"`` recomputes nothing."""
+    model, inputs = seeded_gpt()
+    split = [["wte", "wpe", "blocks.0", "blocks.1"], ["blocks.2", "blocks.3", "ln_f", "head"]]
+    plans = {c: autosplit.Planner(model, ["cpu"] * 2, example_inputs=inputs, checkpointing=c).manual(split) for c in ("none", "full")}
+    assert plans["none"].recompute == () and plans["full"].recompute == tuple(f"blocks.{i}" for i in range(4))
+    for kept, full in zip(plans["none"].stages, plans["full"].stages):
+        assert full.memory_activations < kept.memory_activations and full.compute > kept.compute
+    some = autosplit.Planner(model, ["cpu"] * 2, example_inputs=inputs, checkpointing="full", recompute={"blocks.0": False}).manual(split)
+    assert some.recompute == ("blocks.1", "blocks.2", "blocks.3")

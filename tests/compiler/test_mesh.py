@@ -14,9 +14,9 @@ from autosplit.compiler.costs import cost_table
 from autosplit.compiler.mesh import degrees_to_try
 from autosplit.costtable import OPTIMIZER_STATE_BYTES
 from autosplit.devices import PRESETS
-from autosplit.errors import ConstraintError
+from autosplit.errors import ConstraintError, InfeasiblePlanError
 from autosplit.options import PlanOptions
-from autosplit.passes.sharding import data_parallel_time, group_time
+from autosplit.passes.sharding import data_parallel_time, group_time, laid_out
 from tests.helpers import NO_SEARCH, says
 
 H100 = PRESETS["H100-80GB"]
@@ -113,3 +113,23 @@ def test_degrees_to_try_and_refusals():
     with pytest.raises(ConstraintError) as e:
         PlanOptions(replicate="zero3")
     says(e, "replicate")
+
+
+def test_one_rows_activations_refuse_a_configuration_before_it_is_captured():
+    """Without recomputation every stage holds at least one row's saved activations: the global batch's
+    over its rows bounds what the planner's own memory model gives the configuration (planned alone,
+    caps lifted), and a cap below that bound, though above the sharded state, refuses FSDP alone unplanned."""
+    model, x = _mlp(2, 64), torch.randn(4, 1024, 64)  # rows of 1024 positions: activations outweigh the state
+    alone = autosplit.plan(model, [H100], example_inputs=(x[:1],), data_parallel=4, replicate="fully_shard", **NO_SEARCH)
+    planner = autosplit.Planner(model, [H100], example_inputs=(x,))
+    whole = cost_table(planner.traced, (H100,), planner.options, micro_batches=1)[0]
+    state = sum(laid_out(whole, dp_shard=4, alone=True).state_bytes)
+    bound = state + sum(whole.saved_bytes) / 4
+    assert state < bound <= alone.stages[0].memory
+    cap = dataclasses.replace(H100, memory=int((state + bound) / 2))
+    try:
+        notes = " ".join(a.note for a in autosplit.plan(
+            model, [cap] * 4, example_inputs=(x,), data_parallel="auto", replicate="fully_shard", **NO_SEARCH).alternatives)
+    except InfeasiblePlanError as e:  # no configuration fits: the error lists each one's reason
+        notes = str(e)
+    assert "pp 1 × dp_shard 4: the model state and one row's saved activations need" in notes

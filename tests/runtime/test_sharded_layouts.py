@@ -285,4 +285,10 @@ def test_a_plan_with_the_degrees_chosen_runs_as_it_was_made(gloo, tmp_path):
                           **NO_SEARCH)
     assert made.mesh["pp"] == 1 and made.data_parallel == 2 and len(made.alternatives) == 2
     made.save(tmp_path / "plan.json")
-    gloo(2).run(_mesh_plan_case, [(str(tmp_path / "plan.json"),)])
+    # a recipe with the layout the planner did not choose is a plan distribute runs just the same
+    other = "replicate" if made.dp_shard > 1 else "fully_shard"
+    recipe = autosplit.Planner(model.double(), ["cpu"] * 2, example_inputs=args, example_kwargs=kwargs, **NO_SEARCH).manual(
+        autosplit.Recipe(data_parallel=2, replicate=other))
+    assert recipe.mesh["pp"] == 1 and recipe.data_parallel == 2 and recipe.dp_shard != made.dp_shard
+    recipe.save(tmp_path / "recipe.json")
+    gloo(2).run(_mesh_plan_case, [(str(tmp_path / "plan.json"),), (str(tmp_path / "recipe.json"),)])
