@@ -90,6 +90,18 @@ class Plan:
     dp_shard: int = 1
     """Of :attr:`data_parallel`, the degree over which each stage's parameters, gradients and optimizer
     state are sharded (FSDP2's ``fully_shard``); the rest (:attr:`dp_replicate`) hold whole copies."""
+    tensor_parallel: int = 1
+    """Devices each stage's tensors are split over: the mesh's ``tp`` (innermost, inside a node)."""
+    tp_shards: Mapping[str, int] = field(default_factory=dict)
+    """Parameter name → the dimension its tensor is split along over the :attr:`tensor_parallel`
+    devices, as torch's tensor parallelism splits it: 0 for a column-parallel ``Linear``'s weight and
+    bias and a vocabulary-parallel embedding (``ColwiseParallel``, ``RowwiseParallel`` of an
+    ``Embedding``), 1 for a row-parallel ``Linear``'s weight (``RowwiseParallel``). A parameter not
+    named is replicated over them."""
+    sequence_parallel: bool = False
+    """Under :attr:`tensor_parallel`, the activations between the split layers (norms, residuals) are
+    split along the sequence (torch's ``SequenceParallel``): reduce-scatter and all-gather where
+    otherwise an all-reduce."""
     crossings: tuple[tuple[str, ...], ...] = ()
     """[boundary k − 1] the tensors stage k − 1 sends stage k, in order (the distributed runtime's
     positional interface; recorded when the plan is run distributed)."""
@@ -129,8 +141,8 @@ class Plan:
     @property
     def mesh(self) -> dict[str, int]:
         """The degrees of the device mesh the plan runs on, pp outermost, tp innermost (as torchtitan
-        builds it): ``{"pp": ranks, "dp_replicate": …, "dp_shard": …, "tp": 1}``; world size = their product."""
-        return {"pp": len(self.devices), "dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "tp": 1}
+        builds it): ``{"pp": ranks, "dp_replicate": …, "dp_shard": …, "tp": …}``; world size = their product."""
+        return {"pp": len(self.devices), "dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "tp": self.tensor_parallel}
 
     @property
     def stage_of(self) -> dict[str, int]:
@@ -302,6 +314,10 @@ class Plan:
             raise _bad(source, "data_parallel", self.data_parallel, "is not an integer ≥ 1")
         if self.dp_shard < 1 or self.data_parallel % self.dp_shard:
             raise _bad(source, "dp_shard", self.dp_shard, f"is not an integer ≥ 1 dividing data_parallel={self.data_parallel}")
+        if self.tensor_parallel < 1 or (self.tensor_parallel == 1 and (self.tp_shards or self.sequence_parallel)):
+            raise _bad(source, "tensor_parallel", self.tensor_parallel, "is not an integer ≥ 1, or is 1 with tp_shards or sequence_parallel")
+        if any(d not in (0, 1) for d in self.tp_shards.values()):
+            raise _bad(source, "tp_shards", dict(self.tp_shards), "splits a parameter along a dimension other than 0 or 1")
         if self.precision not in PRECISIONS:
             raise _bad(source, "precision", self.precision, f"is not one of {PRECISIONS}")
         if len(set(self.recompute)) != len(self.recompute) or not all(isinstance(b, str) and b for b in self.recompute):

@@ -204,6 +204,12 @@ def _check_mesh(given: Plan | None, stages: int, data_parallel: int, replicate: 
     data-parallel copies was made for these (:class:`ConstraintError`); a plan made for one copy runs
     under the arguments' degrees. HSDP (both degrees above 1) comes from a given plan only."""
     shard = data_parallel if replicate == "fully_shard" else 1
+    if given is not None and given.tensor_parallel > 1:
+        raise ConstraintError(advice(
+            f"the plan splits tensors over tp {given.tensor_parallel} (the mesh {given.mesh})",
+            "tensor parallelism is planned and costed, and the runtime does not run it yet",
+            "plan with tensor_parallel=1 to train this model now",
+        ))
     if given is not None and given.data_parallel > 1:
         if given.data_parallel != data_parallel or (given.dp_shard > 1) != (replicate == "fully_shard" and data_parallel > 1):
             made_for = "fully_shard" if given.dp_shard > 1 else "replicate"
