@@ -194,7 +194,8 @@ class Planner:
         stage's group (stage ``s`` on rank ``s · data_parallel``, as the mesh search lays them out), the
         copy's share of the batch, and the recipe's options."""
         specs = self.specs()
-        layout = self.options.replace(data_parallel=recipe.data_parallel, replicate=recipe.replicate, **recipe.options)
+        # the devices as resolved (their caps applied): the memory option's indices are the whole mesh's
+        layout = self.options.replace(data_parallel=recipe.data_parallel, replicate=recipe.replicate, memory=None, **recipe.options)
         (degrees,) = degrees_to_try(len(specs), self.traced.batch, layout)  # refuses a degree the devices or batch do not divide
         copy_ = copy.copy(self)
         copy_.options = layout

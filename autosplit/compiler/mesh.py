@@ -133,7 +133,9 @@ def _attempt(
 ) -> Plan | AutosplitError:
     """One configuration's plan — the first rank of each stage's group, ``1/dp`` of the batch — or why there is none."""
     ranks = tuple(specs[s * degrees.data_parallel] for s in range(degrees.pp))
-    chosen = options.replace(data_parallel=degrees.data_parallel, replicate=degrees.replicate)
+    chosen = options.replace(data_parallel=degrees.data_parallel, replicate=degrees.replicate,
+                             # the micro-batches chosen with the degrees unless the user fixed them
+                             micro_batches="auto" if options.micro_batches is None else options.micro_batches)
     try:
         # the least state the configuration can hold: one stage may shard unit by unit (FSDP alone)
         row = 0.0 if options.checkpoints else sum(whole.saved_bytes) / (traced.batch or math.inf)

@@ -22,7 +22,7 @@ from autosplit.solver.replay import Replay, StageWork, peaks, replay
 
 __all__ = [
     "backward_passes", "module_stages", "numbered_layer", "predict_step", "rank_peaks", "replayed_step",
-    "sharing_problem", "stage_modules", "stage_reports", "step_bound",
+    "sharing_problem", "stage_modules", "stage_reports", "step_bound", "work_bound",
 ]
 
 
@@ -229,9 +229,15 @@ def step_bound(table: CostTable, ranks: int, micro_batches: int, schedule: str, 
     overhead per micro-batch and stage (on the cheapest device) does not depend on the split, but
     its replay may hide some of it in the schedule's idle time where the optimizer's does not, so
     it counts in a second bound, without the optimizer's share."""
-    entry = schedules.lookup(schedule)
-    if not entry.replayed(stages_per_rank):
+    if not schedules.lookup(schedule).replayed(stages_per_rank):
         return None
+    return work_bound(table, ranks, micro_batches, schedule, stages_per_rank)
+
+
+def work_bound(table: CostTable, ranks: int, micro_batches: int, schedule: str, stages_per_rank: int) -> float:
+    """The bound of :func:`step_bound` for any schedule: no rank finishes its work, nor the optimizer
+    step after it, before its share of all of it (every rank runs its actions one after another)."""
+    entry = schedules.lookup(schedule)
     split = table.split_cost if table.split_cost and entry.backward_in_weight_pass(0) else None
     work = sum(min(f + b - (split[n][d] if split else 0.0) for d, (f, b) in enumerate(zip(fr, br)))
                for n, (fr, br) in enumerate(zip(table.fwd_time, table.bwd_time)))

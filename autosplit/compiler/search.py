@@ -20,18 +20,18 @@ import math
 
 from autosplit import schedules
 from autosplit.compiler.costs import cost_table, estimated
-from autosplit.compiler.prediction import predict_step, rank_peaks, stage_reports
+from autosplit.compiler.prediction import predict_step, rank_peaks, stage_reports, work_bound
 from autosplit.compiler.recompute import offered
 from autosplit.compiler.trace import Traced
 from autosplit.costtable import CostTable
 from autosplit.devices import DeviceSpec
-from autosplit.errors import AutosplitError, InfeasiblePlanError, advice
+from autosplit.errors import AutosplitError, InfeasiblePlanError, SolverError, advice
 from autosplit.options import AUTO, AUTO_MOST_STAGES_PER_RANK, PlanOptions
 from autosplit.plans import Alternative, PartialRecompute
 from autosplit.solver.build import build_problem
 from autosplit.solver.pipeline.dp import topological_order
 from autosplit.solver.pipeline.order import choose_order
-from autosplit.solver.pipeline.strategy import dp_plan
+from autosplit.solver.pipeline.strategy import dp_plan, prove_over_caps
 from autosplit.solver.problem import Problem, UserConstraint
 from autosplit.solver.validate import violations
 
@@ -113,6 +113,7 @@ def _judge(traced: Traced, specs: tuple[DeviceSpec, ...], options: PlanOptions) 
 
 def _split_and_replay(traced: Traced, specs: tuple[DeviceSpec, ...], options: PlanOptions) -> Alternative:
     _, M, table, _, rules = estimated(traced, specs, options)
+    bound = work_bound(table, len(specs), M, options.schedule, options.rank_stages)  # before recompute, which only adds work
     order, problem = stage_problem(table, len(specs), options, M, rules)
     stage_of, labels = None, tuple[str, ...]()
     for chosen in dict.fromkeys(problem.forced):  # the fewest and the most blocks recomputed, when there are any
@@ -125,9 +126,16 @@ def _split_and_replay(traced: Traced, specs: tuple[DeviceSpec, ...], options: Pl
         table, _, problem = recomputing(traced, specs, options, M, rules, order, labels)
     elif stage_of is None:
         stage_of, _, _ = dp_plan(problem, topological_order(problem), limits=options.limits)
-    why = "no contiguous split fits" if stage_of is None else "; ".join(violations(problem, stage_of))
-    row = Alternative(options.schedule, options.rank_stages, M, math.inf, (), why)
+    why = "; ".join(violations(problem, stage_of)) if stage_of is not None else ""
     if stage_of is None or why:
+        try:  # the memory floors may prove that no split fits: then the configuration reaches no step at all
+            prove_over_caps(problem)
+        except InfeasiblePlanError as e:
+            return Alternative(options.schedule, options.rank_stages, M, math.inf, (), f"proven: {e}".split(". Likely cause")[0],
+                               bound=math.inf)
+        why = f"the DP's split does not fit ({why or 'no contiguous split'}); not proven infeasible"
+    row = Alternative(options.schedule, options.rank_stages, M, math.inf, (), why, bound=bound)
+    if why or stage_of is None:
         return row
     terms, shared = predict_step(problem, table, stage_of, order, options)
     reports = stage_reports(problem, table, stage_of, order, shared, options.schedule)
@@ -136,14 +144,17 @@ def _split_and_replay(traced: Traced, specs: tuple[DeviceSpec, ...], options: Pl
 
 def search(traced: Traced, specs: tuple[DeviceSpec, ...], options: PlanOptions) -> tuple[PlanOptions, tuple[Alternative, ...]]:
     """The fastest configuration that fits memory among those ``options`` leave open, and every
-    one tried (fastest first); an :class:`InfeasiblePlanError` naming them when none fits."""
+    one tried (fastest first); when none fits, an :class:`InfeasiblePlanError` naming them where the
+    memory floors prove each, else a :class:`SolverError` (the DP's splits over one order do not fit:
+    no proof)."""
     tried = [(concrete, _judge(traced, specs, concrete)) for concrete in configurations(options, len(specs), traced.batch)]
     tried.sort(key=lambda pair: (pair[1].step_time, pair[1].schedule, pair[1].stages_per_rank, pair[1].micro_batches))
     for _, row in tried:
         log.info("search: %s × %d stage(s) per rank × %d micro-batches: %s", row.schedule, row.stages_per_rank,
                  row.micro_batches, f"{row.step_time * 1e3:.3f} ms" if row.fits else row.note)
     if not tried or not tried[0][1].fits:
-        raise InfeasiblePlanError(advice(
+        proven = all(row.bound == math.inf for _, row in tried)  # each configuration proven not to fit
+        raise (InfeasiblePlanError if proven else SolverError)(advice(
             f"none of the {len(tried)} configurations tried fits: "
             + "; ".join(f"{r.schedule} × {r.stages_per_rank} × M={r.micro_batches}: {r.note}" for _, r in tried[:6]),
             "every schedule, stages per rank and micro-batch count the options allow was split by the DP",

@@ -57,7 +57,8 @@ def compile_plan(
         with progress.timed_pass("search", searched):
             options, alternatives = search(traced, specs, options)
         plan = compile_plan(traced, specs, options)
-        return dataclasses.replace(plan, alternatives=alternatives, timings={**plan.timings, **searched})
+        return dataclasses.replace(plan, alternatives=alternatives, timings={**plan.timings, **searched},
+                                   solver=dataclasses.replace(plan.solver, step_bound=_searched_bound(plan, alternatives)))
     timings, M, table, source, rules = estimated(traced, specs, options)
     if options.objective == "makespan":
         return compile_makespan(traced, specs, options, table, source, rules, timings)
@@ -123,6 +124,17 @@ def compile_plan(
         versions=versions(),
         timings=timings,
     )
+
+
+def _searched_bound(plan: Plan, alternatives: tuple[Alternative, ...]) -> float:
+    """The least step any configuration the search tried can reach: the chosen one's proven bound (its
+    replay's, or its step less the solver's gap where the closed form is the replay), and each other's
+    :func:`~autosplit.compiler.prediction.work_bound` — so the plan's gap covers the schedules,
+    stages per rank and micro-batches too."""
+    own = plan.solver.step_bound if plan.solver.step_bound is not None else plan.step_time * (1 - plan.solver.gap)
+    chosen = (plan.schedule, plan.stages_per_rank, plan.micro_batches)
+    return min([own, *(a.bound for a in alternatives
+                       if a.bound is not None and (a.schedule, a.stages_per_rank, a.micro_batches) != chosen)])
 
 
 def codegen(traced: Traced, plan: Plan) -> tuple[Program, dict[str, float]]:

@@ -73,11 +73,12 @@ def test_collectives_by_hand():
 
 
 def test_fsdp_alone_is_chosen_where_it_is_fastest():
-    """Wide layers, little compute, a fast link and a cap the whole model state does not fit: whole copies
-    do not fit, a pipeline idles in its bubble, and one stage sharded over every device wins."""
+    """A batch whose compute outweighs the weights' collectives, a fast link and a cap the whole model
+    state does not fit: whole copies do not fit, a pipeline idles in its bubble (at its best micro-batch
+    count, searched with the degrees), and one stage sharded over every device wins."""
     state = 4 * 16 * (WIDTH * WIDTH + WIDTH)  # four layers: parameters, gradients and Adam state
     cap = dataclasses.replace(H100, memory=int(state * 0.95))
-    plan = autosplit.plan(_mlp(), [cap] * 4, example_inputs=(torch.randn(16, WIDTH),), data_parallel="auto",
+    plan = autosplit.plan(_mlp(), [cap] * 4, example_inputs=(torch.randn(1024, WIDTH),), data_parallel="auto",
                           replicate="auto", **NO_SEARCH)
     assert plan.mesh == {"pp": 1, "dp_replicate": 1, "dp_shard": 4, "tp": 1}
     fits = [a for a in plan.alternatives if a.fits]

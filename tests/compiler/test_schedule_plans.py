@@ -16,6 +16,7 @@ from autosplit.compiler.prediction import predict_step
 from autosplit.compiler.refine import _layer_cuts, refine
 from autosplit.compiler.search import stage_problem
 from autosplit.devices import resolve_devices
+from autosplit.errors import InfeasiblePlanError
 from autosplit.examples import GPT
 from autosplit.plans import Plan
 from autosplit.report import plan_report
@@ -201,6 +202,9 @@ def test_auto_returns_the_fastest_configuration_that_fits_and_the_others():
     assert (plan.schedule, plan.stages_per_rank, plan.micro_batches) == (best.schedule, best.stages_per_rank, best.micro_batches)
     assert all(r.micro_batches % 1 == 0 and 8 % r.micro_batches == 0 for r in rows)
     assert "configurations tried" in plan_report(plan) and "search" in plan.timings
+    # the gap covers every configuration: each row's bound holds for it, and the plan's bound for all of them
+    assert all(r.bound is not None and r.bound <= r.step_time * (1 + 1e-9) for r in rows)
+    assert plan.solver.step_bound <= min(r.step_time for r in rows) * (1 + 1e-9) and plan.step_gap is not None
 
 
 def test_auto_respects_a_memory_cap_that_rules_out_gpipe():
@@ -212,6 +216,8 @@ def test_auto_respects_a_memory_cap_that_rules_out_gpipe():
     capped = _planner(schedule="auto", micro_batches=8, memory={0: cap, 1: cap}).plan()
     assert capped.schedule != "gpipe" and max(capped.rank_memory) <= cap
     assert not next(r for r in capped.alternatives if r.schedule == "gpipe").fits
+    with pytest.raises(InfeasiblePlanError, match="proven"):  # a cap no split fits: each configuration proven over it
+        _planner(schedule="auto", micro_batches=8, memory={0: 1024, 1: 1024}).plan()
 
 
 def test_a_multi_stage_plan_file_round_trips_and_recosts(tmp_path):

@@ -60,7 +60,7 @@ from autosplit.solver.problem import KIB, Problem
 from autosplit.solver.validate import violations
 from autosplit.units import format_bytes
 
-__all__ = ["Solution", "solve"]
+__all__ = ["Solution", "prove_over_caps", "solve"]
 
 log = logging.getLogger(__name__)
 
@@ -244,6 +244,16 @@ def _dp_candidates(
         if not violations(problem.fixed(*choice), layered):
             found["dp (layers)"] = (choice, layered)
     return found, units, slowest
+
+
+def prove_over_caps(problem: Problem) -> None:
+    """Raise :class:`InfeasiblePlanError` where the memory floors prove that no split of ``problem``
+    fits its caps, recomputing every block it may (no plan holds less), as :func:`solve` proves it;
+    return where they do not."""
+    if problem.recompute:
+        problem = problem.fixed(problem.forced[1])
+    precheck(problem)
+    _refuse_over_caps(problem, memory_floor(problem), memory_chain_floor(problem), memory_proof(problem))
 
 
 def _refuse_over_caps(problem: Problem, spread: int, along_chain: int = 0, together: int = 0) -> None:
