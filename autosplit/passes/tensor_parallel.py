@@ -1,40 +1,31 @@
 """Tensor-parallel rules read from the captured graph, not from module names (DESIGN §4.9).
 
-Megatron-LM's intra-layer split (Shoeybi et al., 2019, "Megatron-LM: Training Multi-Billion
-Parameter Language Models Using Model Parallelism"), as torch's ``ColwiseParallel`` and
-``RowwiseParallel`` apply it, found by following how each linear's output is used:
+Megatron-LM's intra-layer split (Shoeybi et al., 2019, "Megatron-LM: Training Multi-Billion Parameter
+Language Models Using Model Parallelism"), as torch's ``ColwiseParallel``/``RowwiseParallel`` apply it,
+found by following each linear's output through its readers (both graph flavours: a traced graph's
+modules and ``torch`` functions, an exported graph's ATen ops; shapes and bytes from the annotate pass):
 
-1. Every linear whose weight is a parameter (``nn.Linear``, ``F.linear``, ``aten.linear``) that
-   reads a whole (replicated) tensor starts a *group* as column-parallel: its output is split along
-   its last (feature) dimension.
-2. The split follows its readers: elementwise ops with scalars or operands broadcast across the
-   split dimension, activations and dropout, reshapes that keep the split dimension outermost in
-   its group (features → (heads, head_dim): the split moves to the heads, whose count must divide
-   tp; heads merged back → features), transposes and permutes, slices along other dimensions,
-   attention (``matmul`` of two tensors split along the same batch dimension, ``softmax`` and masks
-   over others, ``scaled_dot_product_attention``), rotary arithmetic and grouped-query ``expand``.
-3. A linear that reads a tensor split along its input features is row-parallel: its output is a
-   partial sum, all-reduced in the forward. Groups that meet (q, k, v at the attention's matmul)
-   merge; a group with a row-parallel linear is a valid pair (attention q/k/v → o, MLP gate/up → down).
-4. Any other reader of a split tensor — a split along the split dimension (a fused qkv), a reduction
-   or norm over it, the model's output when the group has a row-parallel linear — leaves the whole
-   group replicated, and the linears it started are tried again as the start of new groups.
-5. A group with no row-parallel linear whose split output reaches only the model's output is an LM
-   head, column-parallel over the vocabulary (its output all-gathered, or read by ``loss_parallel``);
-   an embedding looked up by the model's input ids is vocabulary-parallel (its output all-reduced).
-   A parameter split along two dimensions, or split in one use and read whole in another, stays
-   replicated and so do its users. Norms stay replicated (sequence parallelism is the cost model's).
-
-Weights: a column-parallel linear's weight and bias along dim 0, a row-parallel one's weight along
-dim 1 (its bias replicated), a vocabulary-parallel table along dim 0. Reads shapes and bytes from
-the annotate pass (:class:`~autosplit.passes.annotations.NodeInfo`), for both graph flavours
-(``symbolic_trace``: modules and ``torch`` functions; ``export``: ATen ops).
+1. A linear whose weight is a parameter (``nn.Linear``, ``F.linear``, ``aten.linear``) reading a whole
+   tensor starts a *group*, column-parallel: its output is split along its last (feature) dimension.
+2. The split follows its readers: elementwise ops with scalars or operands broadcast across it,
+   activations, dropout, reshapes keeping it outermost in its group (features → (heads, head_dim): on
+   the heads, whose count tp must divide; merged back: on the features), transposes, slices of other
+   dimensions, attention (``matmul`` of two tensors split along one batch dimension, ``softmax`` and
+   masks over others, ``scaled_dot_product_attention``), rotary arithmetic, grouped-query ``expand``.
+3. A linear reading a tensor split along its input features is row-parallel: its output, a partial
+   sum, is all-reduced. Groups that meet merge (q, k and v at the attention's ``matmul``).
+4. Any other reader of a split tensor — a ``split`` along it (a fused qkv), a reduction or norm over
+   it, the model's output after a row-parallel linear — leaves the group's linears whole (each tried
+   again as the start of a group: rounds until none fails).
+5. A group without a row-parallel linear whose split reaches only the model's output is an LM head,
+   over the vocabulary (all-gathered, or ``loss_parallel``); a lookup of the model's input ids is
+   vocabulary-parallel (all-reduced). A parameter split two ways, or split once and read whole
+   elsewhere, stays whole with its readers. Norms stay whole (sequence parallelism: the cost model's).
 
 Usage::
 
     rules = tensor_parallel_rules(traced.captured, getattr(model, "config", None))
     check_degree(rules, 4)      # ConstraintError: "num_key_value_heads 2 is not divisible by tp 4"
-    rules.shards                # {"model.layers.0.self_attn.q_proj.weight": 0, ...}
 """
 
 from __future__ import annotations
@@ -141,13 +132,12 @@ class _Unsplittable(Exception):
 
 @dataclass(eq=False)
 class _Group:
-    """Linears and the nodes between them that one split joins."""
+    """Linears and the nodes between them that one split joins; ``ends``: split nodes the output reads."""
 
     cols: list[fx.Node] = field(default_factory=list)
     rows: list[fx.Node] = field(default_factory=list)
     members: list[fx.Node] = field(default_factory=list)
     ends: list[fx.Node] = field(default_factory=list)
-    """Split nodes the graph's output reads."""
     heads: list[tuple[fx.Node, int]] = field(default_factory=list)
     bad: str | None = None
 
@@ -164,8 +154,7 @@ class _Walk:
         self.split: dict[fx.Node, int] = {}
         self.tuples: set[fx.Node] = set()
         self.owner: dict[fx.Node, _Group] = {}
-        self.lookups: dict[fx.Node, str] = {}
-        """Vocabulary-parallel lookups → their table."""
+        self.lookups: dict[fx.Node, str] = {}  # vocabulary-parallel lookup → its table
         for node in self.gm.graph.nodes:
             self._visit(node)
 
@@ -175,44 +164,40 @@ class _Walk:
     def where(self, node: fx.Node) -> str:
         return f"{node.name} ({self.path(node) or 'the root'})"
 
-    def groups(self) -> list[_Group]:
-        return list({id(g): g for g in self.owner.values()}.values())
-
     def valid(self) -> list[_Group]:
-        return [g for g in self.groups() if g.bad is None and (g.is_head or (g.rows and not g.ends))]
+        groups = {id(g): g for g in self.owner.values()}.values()
+        return [g for g in groups if g.bad is None and (g.is_head or (g.rows and not g.ends))]
 
     def failed(self) -> dict[str, str]:
-        """Column-parallel linears of the groups that are no valid pair nor an LM head → why."""
+        """Column-parallel linears of the groups that are neither a pair nor an LM head → why."""
         out = {}
-        for g in self.groups():
+        for g in {id(g): g for g in self.owner.values()}.values():
             why = g.bad
             if why is None and g.rows and g.ends:
                 why = f"{', '.join(self.where(n) for n in g.ends)} reaches the model's output still split"
             elif why is None and not g.rows and not g.ends:
-                why = f"its split output ends at {', '.join(self.where(n) for n in g.members[-1:])}"
-            if why is not None:
-                out.update({n.name: f"{_NO_PARTNER}: {why}" for n in g.cols})
+                why = f"its split output ends at {self.where(g.members[-1])}"
+            out.update({n.name: f"{_NO_PARTNER}: {why}" for n in g.cols if why is not None})
         return out
 
     def _merge(self, nodes: Iterable[fx.Node]) -> _Group:
-        groups = list({id(self.owner[n]): self.owner[n] for n in nodes}.values())
-        first = groups[0]
-        for g in groups[1:]:
+        first, *others = {id(self.owner[n]): self.owner[n] for n in nodes}.values()
+        for g in others:
             for name in ("cols", "rows", "members", "ends", "heads"):
                 getattr(first, name).extend(getattr(g, name))
             first.bad = first.bad or g.bad
-            for n in g.members:
-                self.owner[n] = first
+            self.owner.update(dict.fromkeys(g.members, first))
         return first
 
     def _visit(self, node: fx.Node) -> None:
         readers = [a for a in node.all_input_nodes if a in self.split]
-        if _linear(self.gm, node) is not None:
-            self._linear(node, readers)
-            return
         lookup = _lookup(self.gm, node)
         if lookup is not None and node.name not in self.disabled and getattr(lookup[1], "op", None) == "placeholder":
             self.lookups[node] = lookup[0]
+        if _linear(self.gm, node) is not None and node.args[0] not in self.split:
+            if node.name not in self.disabled:  # column-parallel: a new group
+                self.split[node], self.owner[node] = len(_shape(node)) - 1, _Group(cols=[node], members=[node])
+            return
         if not readers:
             return
         group = self._merge(readers)
@@ -228,22 +213,21 @@ class _Walk:
             self.split[node], self.owner[node] = dim, group
             group.members.append(node)
 
-    def _linear(self, node: fx.Node, readers: list[fx.Node]) -> None:
-        x = node.args[0]
-        if readers and x in self.split:
-            group = self._merge(readers)
-            why = self.disabled.get(node.name)
-            if why is None and self.split[x] != len(_shape(x)) - 1:
-                why = f"reads it split along dimension {self.split[x]}, not its input features"
-            if why is not None:
-                group.bad = group.bad or f"{self.where(node)}: {why}"
-                return
-            group.rows.append(node)
-            group.members.append(node)
-            self.owner[node] = group
-        elif node.name not in self.disabled:
-            group = _Group(cols=[node], members=[node])
-            self.split[node], self.owner[node] = len(_shape(node)) - 1, group
+
+def _row(w: _Walk, node: fx.Node) -> None:
+    """A linear reading a split tensor: row-parallel when it is split along its input features."""
+    x = node.args[0]
+    why = w.disabled.get(node.name)
+    if _linear(w.gm, node) is None or x not in w.split:
+        raise _Unsplittable("reads it as a linear's weight or bias")
+    if why is None and w.split[x] != len(_shape(x)) - 1:
+        why = f"reads it split along dimension {w.split[x]}, not its input features"
+    if why is not None:
+        raise _Unsplittable(f"(a linear): {why}")
+    w.owner[x].rows.append(node)
+    w.owner[x].members.append(node)
+    w.owner[node] = w.owner[x]
+    return None
 
 
 def _shape(node: Any) -> tuple[int, ...]:
@@ -274,20 +258,19 @@ def _linear(gm: fx.GraphModule, node: fx.Node) -> tuple[str, str | None] | None:
         if isinstance(mod, nn.Linear):
             return f"{node.target}.weight", (f"{node.target}.bias" if mod.bias is not None else None)
     elif node.op == "call_function" and node.target in _LINEARS:
-        weight = _param(gm, node.args[1] if len(node.args) > 1 else node.kwargs.get("weight"))
-        bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
-        if weight is not None and (bias is None or _param(gm, bias) is not None):
-            return weight, _param(gm, bias)
+        weight, bias = _arg(node, 1, "weight"), _arg(node, 2, "bias")
+        if _param(gm, weight) is not None and (bias is None or _param(gm, bias) is not None):
+            return _param(gm, weight), _param(gm, bias)  # type: ignore[return-value]
     return None
 
 
 def _lookup(gm: fx.GraphModule, node: fx.Node) -> tuple[str, fx.Node] | None:
     """(table, indices) of an embedding lookup whose table is a parameter."""
     if node.op == "call_module" and isinstance(gm.get_submodule(str(node.target)), nn.Embedding):
-        return f"{node.target}.weight", node.args[0]
+        return f"{node.target}.weight", node.args[0]  # type: ignore[return-value]
     at = _LOOKUPS.get(node.target) if node.op == "call_function" else None  # type: ignore[call-overload]
     table = _param(gm, node.args[at[0]]) if at else None
-    return (table, node.args[at[1]]) if at and table else None
+    return (table, node.args[at[1]]) if at and table else None  # type: ignore[return-value]
 
 
 def _op(gm: fx.GraphModule, node: fx.Node) -> str:
@@ -321,7 +304,7 @@ def _rule(w: _Walk, node: fx.Node) -> int | None:
 
 def _aligned(w: _Walk, node: fx.Node, operands: list[fx.Node], upto: int | None = None) -> int:
     """The output dimension the split operands (right-aligned, as broadcasting aligns them) agree
-    on; replicated operands must not span it (size 1 or absent) where it is below ``upto``."""
+    on; whole operands must not span it (size 1 or absent) where it is below ``upto``."""
     nd = len(_shape(node))
     dims = {w.split[a] + nd - len(_shape(a)) for a in operands if a in w.split}
     if len(dims) != 1:
@@ -342,57 +325,50 @@ def _elementwise(w: _Walk, node: fx.Node) -> int:
 def _matmul(w: _Walk, node: fx.Node) -> int:
     a, b = node.args[:2]
     na, nb = len(_shape(a)), len(_shape(b))
-    if min(na, nb) < 2 or w.split.get(a) == na - 1 or w.split.get(b) == nb - 2:  # type: ignore[arg-type]
+    if min(na, nb) < 2 or w.split.get(a) == na - 1 or w.split.get(b) == nb - 2:  # type: ignore[call-overload]
         raise _Unsplittable("contracts over the split dimension (a product of two activations)")
     return _aligned(w, node, _tensors((a, b)), upto=len(_shape(node)) - 2)
 
 
 def _attention(w: _Walk, node: fx.Node) -> int:
-    operands = _tensors((*node.args[:3], _arg(node, 3, "attn_mask")))
-    dim = _aligned(w, node, operands)
+    dim = _aligned(w, node, _tensors((*node.args[:3], _arg(node, 3, "attn_mask"))))
     if dim >= len(_shape(node)) - 2:
         raise _Unsplittable("attends along the split dimension")
     return dim
 
 
 def _reshape_dim(src: tuple[int, ...], dst: tuple[int, ...], dim: int) -> int | None:
-    """Where a reshape ``src`` → ``dst`` puts dimension ``dim``, kept whole-sliced: the outermost
-    (non-1) dimension of its group of ``src`` dimensions becomes the outermost of ``dst``'s."""
+    """Where a reshape ``src`` → ``dst`` puts dimension ``dim`` when it is the outermost (non-1) of
+    its group of ``src`` dimensions: the outermost of the group's ``dst`` dimensions; else ``None``."""
     i = j = 0
     while i < len(src) and j < len(dst):
         i0, j0, pi, pj = i, j, src[i], dst[j]
         i, j = i + 1, j + 1
-        while pi != pj and (i < len(src) or j < len(dst)):
+        while pi != pj:
             if pi < pj and i < len(src):
                 pi, i = pi * src[i], i + 1
-            elif j < len(dst):
+            elif pj < pi and j < len(dst):
                 pj, j = pj * dst[j], j + 1
             else:
                 return None
         if i0 <= dim < i:
-            lead_src = [k for k in range(i0, i) if src[k] != 1]
-            lead_dst = [k for k in range(j0, j) if dst[k] != 1]
+            lead_src, lead_dst = [k for k in range(i0, i) if src[k] != 1], [k for k in range(j0, j) if dst[k] != 1]
             return lead_dst[0] if lead_src[:1] == [dim] and lead_dst else None
     return None
 
 
 def _reshape(w: _Walk, node: fx.Node) -> int:
     x = node.args[0]
-    src, dst = _shape(x), _shape(node)
-    new = _reshape_dim(src, dst, w.split[x])
+    src, dst, dim = _shape(x), _shape(node), w.split[x]
+    if _op(w.gm, node) in ("expand", "expand_as"):
+        new: int | None = dim + len(dst) - len(src)
+        new = new if dst[new] == src[dim] else None  # type: ignore[index]
+    else:
+        new = _reshape_dim(src, dst, dim)
     if new is None:
         raise _Unsplittable(f"reshapes {src} into {dst}, where the split dimension is not outermost")
-    if dst[new] < src[w.split[x]]:  # features into (heads, head_dim): tp must divide the heads
+    if dst[new] < src[dim]:  # features into (heads, head_dim): tp must divide the heads
         w.owner[x].heads.append((node, dst[new]))
-    return new
-
-
-def _expand(w: _Walk, node: fx.Node) -> int:
-    x = node.args[0]
-    src, dst = _shape(x), _shape(node)
-    new = w.split[x] + len(dst) - len(src)
-    if dst[new] != src[w.split[x]]:
-        raise _Unsplittable("expands the split dimension")
     return new
 
 
@@ -406,35 +382,33 @@ def _transpose(w: _Walk, node: fx.Node) -> int:
     return b if dim == a else a if dim == b else dim
 
 
-def _softmax(w: _Walk, node: fx.Node) -> int:
-    x = node.args[0]
-    given = _arg(node, 1, "dim")
-    if given is None or _norm(given, len(_shape(x))) == w.split[x]:
-        raise _Unsplittable("normalises over the split dimension")
-    return w.split[x]
+def _along(w: _Walk, node: fx.Node) -> int:
+    """An op along one dimension (softmax, select, split, chunk): any but the split one."""
+    x, op = node.args[0], _op(w.gm, node)
+    at = 2 if op in _CHUNKS else 1
+    given, dim = _arg(node, at, "dim", 0 if op in _CHUNKS else None), w.split[x]
+    if given is None or _norm(given, len(_shape(x))) == dim:
+        raise _Unsplittable(f"{'splits it' if op in _CHUNKS else f'reads it with {op}'} along the split dimension {dim}"
+                            + (" (a fused projection)" if op in _CHUNKS else ""))
+    if op in _CHUNKS:
+        w.tuples.add(node)
+    return dim - (op == "select" and _norm(given, len(_shape(x))) < dim)
 
 
 def _reduction(w: _Walk, node: fx.Node) -> int:
     x = node.args[0]
     given, keep = _arg(node, 1, "dim"), _arg(node, 2, "keepdim", False)
-    if given is None:
-        raise _Unsplittable("reduces over every dimension, the split one too")
-    dims = [_norm(d, len(_shape(x))) for d in (given if isinstance(given, (list, tuple)) else [given])]
+    dims = [] if given is None else [_norm(d, len(_shape(x))) for d in (given if isinstance(given, (list, tuple)) else [given])]
     dim = w.split[x]
-    if dim in dims:
+    if not dims or dim in dims:
         raise _Unsplittable("reduces over the split dimension")
     return dim if keep is True else dim - sum(d < dim for d in dims)
 
 
 def _slice(w: _Walk, node: fx.Node) -> int:
     x = node.args[0]
-    dim, src = w.split[x], _shape(x)
-    if _op(w.gm, node) == "select":
-        at = _norm(node.args[1], len(src))
-        if at == dim:
-            raise _Unsplittable("selects along the split dimension")
-        return dim - (at < dim)
-    if _shape(node)[dim] != src[dim]:
+    dim = w.split[x]
+    if _shape(node)[dim] != _shape(x)[dim]:
         raise _Unsplittable("slices the split dimension")
     return dim
 
@@ -442,8 +416,8 @@ def _slice(w: _Walk, node: fx.Node) -> int:
 def _getitem(w: _Walk, node: fx.Node) -> int:
     x, index = node.args[:2]
     if x in w.tuples:
-        return w.split[x]
-    src, dst, dim = _shape(x), _shape(node), w.split[x]
+        return w.split[x]  # type: ignore[index]
+    src, dst, dim = _shape(x), _shape(node), w.split[x]  # type: ignore[index]
     items = list(index) if isinstance(index, tuple) else [index]
     if any(not (i is None or i is Ellipsis or isinstance(i, (int, slice))) for i in items):
         raise _Unsplittable("indexes it with a tensor")
@@ -461,31 +435,22 @@ def _getitem(w: _Walk, node: fx.Node) -> int:
 
 
 def _cat(w: _Walk, node: fx.Node) -> int:
-    parts = list(node.args[0])
-    dims = {w.split.get(t) for t in parts}
+    dims = {w.split.get(t) for t in node.args[0]}  # type: ignore[union-attr]
     if None in dims or len(dims) != 1 or _norm(_arg(node, 1, "dim", 0), len(_shape(node))) in dims:
         raise _Unsplittable("concatenates it with a whole tensor or along the split dimension")
     return dims.pop()  # type: ignore[return-value]
 
 
-def _chunks(w: _Walk, node: fx.Node) -> int:
-    x = node.args[0]
-    if _norm(_arg(node, 2, "dim", 0), len(_shape(x))) == w.split[x]:
-        raise _Unsplittable(f"splits it along the sharded dimension {w.split[x]} (a fused projection)")
-    w.tuples.add(node)
-    return w.split[x]
-
-
+_CHUNKS = ("split", "chunk", "split_with_sizes")
 _RULES = {
-    **dict.fromkeys("view reshape unsafe_view flatten unflatten unsqueeze squeeze view_as reshape_as".split(), _reshape),
-    **dict.fromkeys(("expand", "expand_as"), _expand),
+    **dict.fromkeys("view reshape unsafe_view flatten unflatten unsqueeze squeeze view_as reshape_as expand expand_as".split(), _reshape),
     **dict.fromkeys(("transpose", "permute", "t"), _transpose),
     **dict.fromkeys(("matmul", "bmm"), _matmul),
-    **dict.fromkeys(("softmax", "log_softmax"), _softmax),
-    **dict.fromkeys(("slice", "narrow", "select"), _slice),
-    **dict.fromkeys(("split", "chunk", "split_with_sizes"), _chunks),
-    "scaled_dot_product_attention": _attention, "getitem": _getitem, "cat": _cat,
+    **dict.fromkeys(("softmax", "log_softmax", "select", *_CHUNKS), _along),
+    **dict.fromkeys(("slice", "narrow"), _slice),
+    **dict.fromkeys(("linear", "getitem", "cat", "scaled_dot_product_attention"), None),
 }
+_RULES.update(linear=_row, getitem=_getitem, cat=_cat, scaled_dot_product_attention=_attention)
 
 
 def _reads(gm: fx.GraphModule, node: fx.Node) -> list[tuple[str, str]]:
@@ -530,20 +495,17 @@ def _collect(walk: _Walk, config: Any) -> TensorParallelRules:
     """The rules of a walk that left no group invalid."""
     shards = {p: d for p, uses in _uses(walk).items() if len(set(uses.values())) == 1 and (d := next(iter(uses.values()))) is not None}
     split, forward, backward = set(walk.lookups), {n.name: _size(n) for n in walk.lookups}, {}
-    names = _Names(config)
+    found: list[tuple[str, int, str]] = []  # (kind, count, module path) in the order found
     for g in walk.valid():
         split.update(g.members)
         forward.update({n.name: _size(n) for n in (g.ends if g.is_head else g.rows)})
         backward.update({c.args[0].name: _size(c.args[0]) for c in g.cols})  # type: ignore[union-attr]
-        for node, heads in g.heads:
-            names.add("heads", heads, walk.path(node))
-        for col in g.cols:
-            names.add("vocab" if g.is_head else "features", _shape(col)[-1], walk.path(col))
-    for node, table in walk.lookups.items():
-        names.add("vocab", walk.gm.get_parameter(table).shape[0], walk.path(node))
+        found += [("heads", heads, walk.path(node)) for node, heads in g.heads]
+        found += [("vocab" if g.is_head else "features", _shape(col)[-1], walk.path(col)) for col in g.cols]
+    found += [("vocab", walk.gm.get_parameter(table).shape[0], walk.path(node)) for node, table in walk.lookups.items()]
     return TensorParallelRules(
         shards=shards, split_nodes=frozenset(n.name for n in split), forward_collectives=forward,
-        backward_collectives=backward, divisors=tuple(names.found.items()), replicated=_replicated(walk, shards),
+        backward_collectives=backward, divisors=_divisors(found, config), replicated=_replicated(walk, shards),
     )
 
 
@@ -563,37 +525,36 @@ def _replicated(walk: _Walk, shards: Mapping[str, int]) -> dict[str, str]:
             out[path] = _NO_PARTNER
         elif _lookup(walk.gm, node) is not None:
             out[path] = "an embedding looked up by computed indices, not the model's input ids"
-        elif any(p not in shards for p, _ in reads):
+        else:
             out[path] = f"its parameters are read whole by {_op(walk.gm, node)} ({node.name}); norms stay replicated"
     return out
 
 
-class _Names:
-    """Divisors in the order found, each named by the config attribute of that count when one fits."""
+_SAY = {"heads": "the {} heads of {}", "features": "the {} output features of {}", "vocab": "the vocabulary of {} ({})"}
+_PREFER = ("num_attention_heads", "n_head", "num_heads", "intermediate_size", "ffn_dim", "n_inner", "hidden_size")
 
-    _PREFER = ("num_attention_heads", "n_head", "num_heads", "intermediate_size", "ffn_dim", "n_inner", "hidden_size", "vocab_size")
 
-    def __init__(self, config: Any):
-        values = config.to_dict() if hasattr(config, "to_dict") else vars(config) if config is not None else {}
-        self.ints = {k: v for k, v in values.items() if isinstance(v, int) and not isinstance(v, bool)}
-        self.found: dict[str, int] = {}
-        self._described: set[tuple[str, int]] = set()
-
-    _SAY = {"heads": "the {} heads of {}", "features": "the {} output features of {}", "vocab": "the vocabulary of {} ({})"}
-
-    def add(self, kind: str, count: int, path: str) -> None:
-        fits = [k for k, v in self.ints.items() if v == count and self._kind(k) == kind]
+def _divisors(found: list[tuple[str, int, str]], config: Any) -> tuple[tuple[str, int], ...]:
+    """Each (kind, count, path) once, named by the config's integer attribute of that count and kind
+    (``num_key_value_heads``, ``intermediate_size``, ``vocab_size``), else described by the module."""
+    values = config.to_dict() if hasattr(config, "to_dict") else vars(config) if config is not None else {}
+    ints = {k: v for k, v in values.items() if type(v) is int}
+    out: dict[str, int] = {}
+    described: set[tuple[str, int]] = set()
+    for kind, count, path in found:
+        fits = sorted((_PREFER.index(k) if k in _PREFER else len(_PREFER), k) for k, v in ints.items() if v == count and _kind(k) == kind)
         if fits:
-            name = min(fits, key=lambda k: (self._PREFER.index(k) if k in self._PREFER else len(self._PREFER), k))
-            self.found.setdefault(name, count)
-        elif (kind, count) not in self._described:
-            self._described.add((kind, count))
-            self.found.setdefault(self._SAY[kind].format(count, path or "the root"), count)
+            out.setdefault(fits[0][1], count)
+        elif (kind, count) not in described:
+            described.add((kind, count))
+            out.setdefault(_SAY[kind].format(count, path or "the root"), count)
+    return tuple(out.items())
 
-    @staticmethod
-    def _kind(attr: str) -> str:
-        if "vocab" in attr:
-            return "vocab"
-        if "head" in attr:
-            return "heads" if "dim" not in attr and "size" not in attr else ""
-        return "features" if any(w in attr for w in ("size", "dim", "inner", "embd", "model")) and "max" not in attr else ""
+
+def _kind(attr: str) -> str:
+    """What a config attribute counts, by its name: ``heads``, ``vocab``, ``features`` or nothing."""
+    if "vocab" in attr:
+        return "vocab"
+    if "head" in attr:
+        return "" if "dim" in attr or "size" in attr else "heads"
+    return "features" if any(w in attr for w in ("size", "dim", "inner", "embd", "model")) and "max" not in attr else ""
