@@ -2,25 +2,22 @@
 
 Megatron-LM's intra-layer split (Shoeybi et al., 2019, "Megatron-LM: Training Multi-Billion Parameter
 Language Models Using Model Parallelism"), as torch's ``ColwiseParallel``/``RowwiseParallel`` apply it,
-found by following each linear's output through its readers (both graph flavours: a traced graph's
-modules and ``torch`` functions, an exported graph's ATen ops; shapes and bytes from the annotate pass):
+found by following each linear's output through its readers (traced or exported graphs; annotated shapes):
 
-1. A linear whose weight is a parameter (``nn.Linear``, ``F.linear``, ``aten.linear``) reading a whole
-   tensor starts a *group*, column-parallel: its output is split along its last (feature) dimension.
-2. The split follows its readers: elementwise ops with scalars or operands broadcast across it,
-   activations, dropout, reshapes keeping it outermost in its group (features → (heads, head_dim): on
-   the heads, whose count tp must divide; merged back: on the features), transposes, slices of other
-   dimensions, attention (``matmul`` of two tensors split along one batch dimension, ``softmax`` and
-   masks over others, ``scaled_dot_product_attention``), rotary arithmetic, grouped-query ``expand``.
-3. A linear reading a tensor split along its input features is row-parallel: its output, a partial
-   sum, is all-reduced. Groups that meet merge (q, k and v at the attention's ``matmul``).
-4. Any other reader of a split tensor — a ``split`` along it (a fused qkv), a reduction or norm over
-   it, the model's output after a row-parallel linear — leaves the group's linears whole (each tried
-   again as the start of a group: rounds until none fails).
-5. A group without a row-parallel linear whose split reaches only the model's output is an LM head,
-   over the vocabulary (all-gathered, or ``loss_parallel``); a lookup of the model's input ids is
-   vocabulary-parallel (all-reduced). A parameter split two ways, or split once and read whole
-   elsewhere, stays whole with its readers. Norms stay whole (sequence parallelism: the cost model's).
+1. A linear with a parameter weight reading a whole tensor starts a group, column-parallel: its output
+   is split along its last (feature) dimension.
+2. The split follows elementwise ops with operands broadcast across it, activations, reshapes keeping
+   it outermost (features → (heads, head_dim): on the heads, a count tp must divide), transposes,
+   slices of other dimensions, attention (``matmul`` along one batch dimension, ``softmax`` and masks
+   over others, ``scaled_dot_product_attention``), rotary arithmetic and grouped-query ``expand``.
+3. A linear reading it split along its input features is row-parallel (its output all-reduced).
+   Groups that meet merge (q, k and v at the attention's ``matmul``).
+4. Any other reader (a ``split`` along it: a fused qkv; a norm or reduction over it; the output after a
+   row-parallel linear) leaves the group's linears whole, each tried again as a group's start.
+5. A group with no row-parallel linear whose split reaches only the output is an LM head over the
+   vocabulary (all-gathered, or ``loss_parallel``); a lookup of the input ids is vocabulary-parallel
+   (all-reduced). A parameter split two ways, or split once and read whole elsewhere, stays whole.
+   Norms stay whole (sequence parallelism is the cost model's choice).
 
 Usage::
 
@@ -30,6 +27,7 @@ Usage::
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 from collections.abc import Iterable, Mapping
@@ -53,13 +51,14 @@ _LINEARS = {nn.functional.linear, aten.linear.default, torch._C._nn.linear}
 _LOOKUPS = {nn.functional.embedding: (1, 0), torch.embedding: (0, 1), aten.embedding.default: (0, 1)}
 """Embedding functions → the positions of the table and of the indices among their arguments."""
 _ELEMENTWISE = frozenset((
-    "add add_ iadd sub isub rsub mul imul div truediv itruediv floordiv pow neg exp log abs sqrt rsqrt square "
-    "reciprocal sin cos erf relu gelu silu sigmoid tanh softplus mish elu leakyrelu leaky_relu hardtanh dropout "
-    "identity to to_copy type float half bfloat16 double contiguous clone detach alias lift_fresh_copy where "
-    "masked_fill maximum minimum clamp eq ne lt le gt ge and or"
+    "add sub rsub mul div truediv floordiv pow neg exp log abs sqrt rsqrt square reciprocal sin cos erf "
+    "relu gelu silu sigmoid tanh softplus mish elu leakyrelu leaky_relu hardtanh dropout identity to to_copy "
+    "type float half bfloat16 double contiguous clone detach alias lift_fresh_copy where masked_fill maximum "
+    "minimum clamp eq ne lt le gt ge and or iadd isub imul itruediv"
 ).split())
 _SHAPE_ONLY = frozenset("size sym_size sym_numel numel dim assert_tensor_metadata".split())
 _REDUCTIONS = frozenset("sum mean amax amin var std logsumexp".split())
+_CHUNKS = ("split", "chunk", "split_with_sizes")
 _PLACES = {("col", "weight"): 0, ("col", "bias"): 0, ("row", "weight"): 1, ("table", "table"): 0}
 """(a node's role, the slot a parameter takes in it) → the dimension the parameter is split along."""
 _NO_PARTNER = "a Linear not followed by a row-parallel partner"
@@ -70,22 +69,19 @@ class TensorParallelRules:
     """Which parameters and nodes a tp-way tensor-parallel split divides, and what it moves."""
 
     shards: Mapping[str, int]
-    """Parameter name (as ``model.named_parameters()`` names it) → the dimension it is split along:
-    0 for a column-parallel linear's weight and bias and a vocabulary-parallel table, 1 for a
-    row-parallel linear's weight (its bias stays replicated)."""
+    """Parameter (``model.named_parameters()`` name) → its split dimension: 0 for a column-parallel linear's
+    weight and bias and a vocabulary table, 1 for a row-parallel linear's weight (its bias stays whole)."""
     split_nodes: frozenset[str]
-    """Nodes whose compute and outputs are divided over the tp ranks: the column-parallel linears,
-    every node between them and their row-parallel partner, the partner (its output partial until the
-    all-reduce), the LM head and the vocabulary-parallel lookups."""
+    """Nodes whose compute and outputs tp divides: column-parallel linears, the nodes up to and
+    including their row-parallel partner (partial until the all-reduce), LM heads, vocabulary lookups."""
     forward_collectives: Mapping[str, int]
-    """Node → bytes of its whole output, reduced after it in the forward: all-reduced after each
-    row-parallel linear and vocabulary-parallel lookup, all-gathered after an LM head."""
+    """Node → bytes of its whole output: all-reduced after a row-parallel linear or a vocabulary lookup,
+    all-gathered after an LM head, in the forward."""
     backward_collectives: Mapping[str, int]
-    """Node → bytes of the gradient of its output, all-reduced in the backward: the input of each
-    column-parallel group, once per distinct tensor (q, k and v reading one normed state: once)."""
+    """Node → bytes of its output's gradient, all-reduced in the backward: the input of each group,
+    once per tensor (q, k and v reading one normed state: once)."""
     divisors: tuple[tuple[str, int], ...]
-    """(name, count) pairs every tp degree must divide: head counts, split feature sizes, vocabulary
-    sizes; named by the model's config attribute of that value where one is given."""
+    """(name, count) every tp degree must divide: heads, split features, vocabularies (config names)."""
     replicated: Mapping[str, str]
     """Module path → why its parameters stay whole on every tp rank."""
 
@@ -97,32 +93,28 @@ def check_degree(rules: TensorParallelRules, tp: int) -> None:
     bad = [f"{name} {count} is not divisible by tp {tp}" for name, count in rules.divisors if count % tp]
     if bad:
         common = math.gcd(*(count for _, count in rules.divisors))
-        fits = [d for d in range(1, common + 1) if common % d == 0]
         raise ConstraintError(advice(
             "; ".join(bad), "tensor parallelism gives each rank an equal share of the heads, split features and vocabulary",
-            f"choose tp among {fits}",
+            f"choose tp among {[d for d in range(1, common + 1) if common % d == 0]}",
         ))
 
 
 def tensor_parallel_rules(captured: Captured, config: Any = None) -> TensorParallelRules:
-    """The tensor-parallel split of an annotated captured graph (module docstring: the rules).
+    """The tensor-parallel split of an annotated captured graph (the module docstring's rules).
 
-    ``config``: the model's configuration (a ``transformers`` ``PretrainedConfig``, any object), whose
-    integer attributes name the divisors (``num_key_value_heads``); ``None``: described by module.
+    ``config``: the model's configuration (a ``transformers`` ``PretrainedConfig``, any object) whose
+    integer attributes name the divisors (``num_key_value_heads``); without it, described by module.
     """
     disabled: dict[str, str] = {}
-    while True:  # each round leaves ≥ 1 more linear or lookup replicated, so it ends
+    while True:  # each round leaves ≥ 1 more linear or lookup whole, so the rounds end
         walk = _Walk(captured, disabled)
-        failed = walk.failed()
-        if not failed:
-            failed = {k: v for k, v in _conflicts(walk).items() if k not in disabled}
+        failed = walk.failed() or {k: v for k, v in walk.conflicts().items() if k not in disabled}
         if not failed:
             break
-        log.debug("tensor parallel: %d left replicated this round: %s", len(failed), failed)
+        log.debug("tensor parallel: left whole this round: %s", failed)
         disabled.update(failed)
-    rules = _collect(walk, config)
-    log.info("tensor parallel: %d parameters split, %d forward and %d backward collectives, divisors %s",
-             len(rules.shards), len(rules.forward_collectives), len(rules.backward_collectives), rules.divisors)
+    rules = walk.rules(config)
+    log.info("tensor parallel: %d parameters split; divisors %s", len(rules.shards), rules.divisors)
     return rules
 
 
@@ -141,13 +133,10 @@ class _Group:
     heads: list[tuple[fx.Node, int]] = field(default_factory=list)
     bad: str | None = None
 
-    @property
-    def is_head(self) -> bool:
-        return not self.rows and bool(self.ends) and self.bad is None
-
 
 class _Walk:
-    """One pass over the graph in order: which nodes are split along which dimension, by group."""
+    """One pass over the graph in order: which nodes are split along which dimension, by group; the
+    rule for each op is the method ``_RULES`` names (it raises :class:`_Unsplittable` when none fits)."""
 
     def __init__(self, captured: Captured, disabled: Mapping[str, str]):
         self.gm, self.paths, self.disabled = captured.gm, captured.module_paths, disabled
@@ -156,7 +145,7 @@ class _Walk:
         self.owner: dict[fx.Node, _Group] = {}
         self.lookups: dict[fx.Node, str] = {}  # vocabulary-parallel lookup → its table
         for node in self.gm.graph.nodes:
-            self._visit(node)
+            self.visit(node)
 
     def path(self, node: fx.Node) -> str:
         return str(node.target) if node.op == "call_module" else self.paths.get(node.name, "")
@@ -164,23 +153,18 @@ class _Walk:
     def where(self, node: fx.Node) -> str:
         return f"{node.name} ({self.path(node) or 'the root'})"
 
-    def valid(self) -> list[_Group]:
-        groups = {id(g): g for g in self.owner.values()}.values()
-        return [g for g in groups if g.bad is None and (g.is_head or (g.rows and not g.ends))]
-
-    def failed(self) -> dict[str, str]:
-        """Column-parallel linears of the groups that are neither a pair nor an LM head → why."""
-        out = {}
+    def verdicts(self) -> list[tuple[_Group, str | None]]:
+        """Each group → why it is neither a pair nor an LM head (``None``: it is one)."""
+        out = []
         for g in {id(g): g for g in self.owner.values()}.values():
-            why = g.bad
-            if why is None and g.rows and g.ends:
-                why = f"{', '.join(self.where(n) for n in g.ends)} reaches the model's output still split"
-            elif why is None and not g.rows and not g.ends:
-                why = f"its split output ends at {self.where(g.members[-1])}"
-            out.update({n.name: f"{_NO_PARTNER}: {why}" for n in g.cols if why is not None})
+            leaks = f"{', '.join(self.where(n) for n in g.ends)} reaches the model's output still split" if g.rows and g.ends else None
+            out.append((g, g.bad or leaks or (None if g.rows or g.ends else f"its split output ends at {self.where(g.members[-1])}")))
         return out
 
-    def _merge(self, nodes: Iterable[fx.Node]) -> _Group:
+    def failed(self) -> dict[str, str]:
+        return {n.name: f"{_NO_PARTNER}: {why}" for g, why in self.verdicts() if why is not None for n in g.cols}
+
+    def merge(self, nodes: Iterable[fx.Node]) -> _Group:
         first, *others = {id(self.owner[n]): self.owner[n] for n in nodes}.values()
         for g in others:
             for name in ("cols", "rows", "members", "ends", "heads"):
@@ -189,23 +173,75 @@ class _Walk:
             self.owner.update(dict.fromkeys(g.members, first))
         return first
 
-    def _visit(self, node: fx.Node) -> None:
+    def param(self, node: Any) -> str | None:
+        """The name of the parameter ``node`` reads whole (a ``get_attr``), else ``None``."""
+        if isinstance(node, fx.Node) and node.op == "get_attr":
+            with contextlib.suppress(AttributeError):
+                return str(node.target) if self.gm.get_parameter(str(node.target)) is not None else None
+        return None
+
+    def linear(self, node: fx.Node) -> tuple[str, str | None] | None:
+        """(weight, bias) of a linear whose weight (and bias, if any) are parameters."""
+        if node.op == "call_module":
+            mod = self.gm.get_submodule(str(node.target))
+            if isinstance(mod, nn.Linear):
+                return f"{node.target}.weight", (f"{node.target}.bias" if mod.bias is not None else None)
+        elif node.op == "call_function" and node.target in _LINEARS:
+            weight, bias = self.param(_arg(node, 1, "weight")), _arg(node, 2, "bias")
+            if weight is not None and (bias is None or self.param(bias) is not None):
+                return weight, self.param(bias)
+        return None
+
+    def lookup(self, node: fx.Node) -> tuple[str, fx.Node] | None:
+        """(table, indices) of an embedding lookup whose table is a parameter."""
+        if node.op == "call_module" and isinstance(self.gm.get_submodule(str(node.target)), nn.Embedding):
+            return f"{node.target}.weight", node.args[0]  # type: ignore[return-value]
+        at = _LOOKUPS.get(node.target) if node.op == "call_function" else None  # type: ignore[call-overload]
+        table = self.param(node.args[at[0]]) if at else None
+        return (table, node.args[at[1]]) if at and table else None  # type: ignore[return-value]
+
+    def op(self, node: fx.Node) -> str:
+        """The op's plain name, the same for a module, a method, a ``torch`` function and an ATen op."""
+        if node.op == "call_module":
+            return type(self.gm.get_submodule(str(node.target))).__name__.lower()
+        if node.op == "call_method":
+            return str(node.target).strip("_")
+        packet = getattr(node.target, "_overloadpacket", None)
+        return str(getattr(packet or node.target, "__name__", node.target)).strip("_")
+
+    def reads(self, node: fx.Node) -> list[tuple[str, str]]:
+        """(parameter, slot) for each parameter ``node`` reads; slot ``weight``, ``bias``, ``table`` or ``other``."""
+        if node.op == "call_module":
+            mod = self.gm.get_submodule(str(node.target))
+            slot = {nn.Linear: {"weight": "weight", "bias": "bias"}, nn.Embedding: {"weight": "table"}}.get(type(mod), {})
+            return [(f"{node.target}.{n}", slot.get(n, "other")) for n, _ in mod.named_parameters()]
+        linear, lookup = self.linear(node), self.lookup(node)
+        slots = {linear[0]: "weight", linear[1]: "bias"} if linear else {lookup[0]: "table"} if lookup else {}
+        return [(p, slots.get(p, "other")) for a in node.all_input_nodes if (p := self.param(a)) is not None]
+
+    def visit(self, node: fx.Node) -> None:
         readers = [a for a in node.all_input_nodes if a in self.split]
-        lookup = _lookup(self.gm, node)
+        lookup = self.lookup(node)
         if lookup is not None and node.name not in self.disabled and getattr(lookup[1], "op", None) == "placeholder":
             self.lookups[node] = lookup[0]
-        if _linear(self.gm, node) is not None and node.args[0] not in self.split:
+        if self.linear(node) is not None and node.args[0] not in self.split:
             if node.name not in self.disabled:  # column-parallel: a new group
                 self.split[node], self.owner[node] = len(_shape(node)) - 1, _Group(cols=[node], members=[node])
             return
         if not readers:
             return
-        group = self._merge(readers)
+        group = self.merge(readers)
         if node.op == "output":
             group.ends.extend(readers)
             return
+        op = self.op(node)
+        if op in _SHAPE_ONLY or (op == "getattr" and node.args[1] in ("shape", "device", "dtype", "ndim")):
+            return
+        rule = _RULES.get(op) or ("broadcast" if op in _ELEMENTWISE else "reduction" if op in _REDUCTIONS else None)
         try:
-            dim = _rule(self, node)
+            if rule is None:
+                raise _Unsplittable(f"reads it with {op}, which does not keep a split")
+            dim = getattr(self, rule)(node, op)
         except _Unsplittable as e:
             group.bad = group.bad or f"{self.where(node)} {e}"
             return
@@ -213,21 +249,189 @@ class _Walk:
             self.split[node], self.owner[node] = dim, group
             group.members.append(node)
 
+    def row(self, node: fx.Node, op: str) -> None:
+        """A linear reading a split tensor: row-parallel when it is split along the input features."""
+        x = node.args[0]
+        if self.linear(node) is None or x not in self.split:
+            raise _Unsplittable("reads it as a linear's weight or bias")
+        why = self.disabled.get(node.name)
+        if why is None and self.split[x] != len(_shape(x)) - 1:
+            why = f"reads it split along dimension {self.split[x]}, not its input features"
+        if why is not None:
+            raise _Unsplittable(f"(a linear): {why}")
+        group = self.owner[node] = self.owner[x]
+        group.rows.append(node)
+        group.members.append(node)
 
-def _row(w: _Walk, node: fx.Node) -> None:
-    """A linear reading a split tensor: row-parallel when it is split along its input features."""
-    x = node.args[0]
-    why = w.disabled.get(node.name)
-    if _linear(w.gm, node) is None or x not in w.split:
-        raise _Unsplittable("reads it as a linear's weight or bias")
-    if why is None and w.split[x] != len(_shape(x)) - 1:
-        why = f"reads it split along dimension {w.split[x]}, not its input features"
-    if why is not None:
-        raise _Unsplittable(f"(a linear): {why}")
-    w.owner[x].rows.append(node)
-    w.owner[x].members.append(node)
-    w.owner[node] = w.owner[x]
-    return None
+    def aligned(self, node: fx.Node, operands: list[fx.Node], upto: int | None = None) -> int:
+        """The output dimension the split operands (right-aligned, as broadcasting aligns them) agree
+        on; whole operands must not span it (size 1 or absent) where it is below ``upto``."""
+        operands, nd = [a for a in operands if _shape(a)], len(_shape(node))
+        dims = {self.split[a] + nd - len(_shape(a)) for a in operands if a in self.split}
+        if len(dims) != 1:
+            raise _Unsplittable("combines tensors split along different dimensions")
+        dim = dims.pop()
+        for a in operands:
+            s = _shape(a)
+            k = dim - nd + len(s)
+            if a not in self.split and (upto is None or dim < upto) and k >= 0 and s[k] != 1:
+                raise _Unsplittable(f"combines it with {a.name}, whole along the split dimension ({s[k]} entries)")
+        return dim
+
+    def broadcast(self, node: fx.Node, op: str) -> int:
+        """Elementwise ops; ``matmul`` (split along a batch dimension, or a's rows, or b's columns) and
+        attention (along a batch dimension: the heads)."""
+        if op == "scaled_dot_product_attention":
+            dim = self.aligned(node, [*node.args[:3], _arg(node, 3, "attn_mask")])
+            if dim >= len(_shape(node)) - 2:
+                raise _Unsplittable("attends along the split dimension")
+            return dim
+        if op not in ("matmul", "bmm"):
+            return self.aligned(node, node.all_input_nodes)
+        a, b = node.args[:2]
+        na, nb = len(_shape(a)), len(_shape(b))
+        if min(na, nb) < 2 or self.split.get(a) == na - 1 or self.split.get(b) == nb - 2:  # type: ignore[call-overload]
+            raise _Unsplittable("contracts over the split dimension (a product of two activations)")
+        return self.aligned(node, [a, b], upto=len(_shape(node)) - 2)
+
+    def reshape(self, node: fx.Node, op: str) -> int:
+        x = node.args[0]
+        src, dst, dim = _shape(x), _shape(node), self.split[x]  # type: ignore[index]
+        if op in ("expand", "expand_as"):
+            new: int | None = dim + len(dst) - len(src)
+            new = new if dst[new] == src[dim] else None  # type: ignore[index]
+        else:
+            new = _reshape_dim(src, dst, dim)
+        if new is None:
+            raise _Unsplittable(f"reshapes {src} into {dst}, where the split dimension is not outermost")
+        if dst[new] < src[dim]:  # features into (heads, head_dim): tp must divide the heads
+            self.owner[x].heads.append((node, dst[new]))  # type: ignore[index]
+        return new
+
+    def transpose(self, node: fx.Node, op: str) -> int:
+        x = node.args[0]
+        n, dim = len(_shape(x)), self.split[x]  # type: ignore[index]
+        if op == "permute":
+            order = node.args[1] if isinstance(node.args[1], (list, tuple)) else node.args[1:]
+            return [d % n for d in order].index(dim)
+        a, b = (0, 1) if op == "t" else (_arg(node, 1, "dim0") % n, _arg(node, 2, "dim1") % n)
+        return b if dim == a else a if dim == b else dim
+
+    def along(self, node: fx.Node, op: str) -> int:
+        """An op along one dimension (softmax, select, split, slice): any but the split one, or a slice
+        that keeps it whole."""
+        x = node.args[0]
+        given, dim, n = _arg(node, 2 if op in _CHUNKS else 1, "dim", None if "softmax" in op else 0), self.split[x], len(_shape(x))  # type: ignore[index]
+        if op in ("slice", "narrow") and _shape(node)[dim] == _shape(x)[dim]:
+            return dim
+        if given is None or given % n == dim:
+            raise _Unsplittable(f"splits it along the split dimension {dim} (a fused projection)" if op in _CHUNKS
+                                else f"reads it with {op} along the split dimension {dim}")
+        self.tuples.update([node] if op in _CHUNKS else [])
+        return dim - (op == "select" and given % n < dim)
+
+    def reduction(self, node: fx.Node, op: str) -> int:
+        x = node.args[0]
+        given, keep, dim = _arg(node, 1, "dim"), _arg(node, 2, "keepdim", False), self.split[x]  # type: ignore[index]
+        dims = [] if given is None else [d % len(_shape(x)) for d in (given if isinstance(given, (list, tuple)) else [given])]
+        if not dims or dim in dims:
+            raise _Unsplittable("reduces over the split dimension")
+        return dim if keep is True else dim - sum(d < dim for d in dims)
+
+    def getitem(self, node: fx.Node, op: str) -> int:
+        x, index = node.args[:2]
+        if x in self.tuples:
+            return self.split[x]  # type: ignore[index]
+        src, dst, dim = _shape(x), _shape(node), self.split[x]  # type: ignore[index]
+        items = list(index) if isinstance(index, tuple) else [index]
+        if any(not (i is None or i is Ellipsis or isinstance(i, (int, slice))) for i in items):
+            raise _Unsplittable("indexes it with a tensor")
+        if any(i is Ellipsis for i in items):
+            at = next(k for k, i in enumerate(items) if i is Ellipsis)
+            items[at:at + 1] = [slice(None)] * (len(src) - sum(i is not None for i in items) + 1)
+        i = j = 0
+        for item in items:
+            if item is not None and i == dim:
+                if isinstance(item, int) or src[i] != dst[j]:
+                    raise _Unsplittable("indexes into the split dimension")
+                return j
+            i, j = i + (item is not None), j + (not isinstance(item, int))
+        return j + dim - i
+
+    def cat(self, node: fx.Node, op: str) -> int:
+        dims = {self.split.get(t) for t in node.args[0]}  # type: ignore[union-attr]
+        if None in dims or len(dims) != 1 or _arg(node, 1, "dim", 0) % len(_shape(node)) in dims:
+            raise _Unsplittable("concatenates it with a whole tensor or along the split dimension")
+        return dims.pop()  # type: ignore[return-value]
+
+    def valid(self) -> list[_Group]:
+        return [g for g, why in self.verdicts() if why is None]
+
+    def uses(self) -> dict[str, dict[fx.Node, int | None]]:
+        """Parameter → each node reading it → the dimension that read splits it along (``None``: whole)."""
+        role = {n: "table" for n in self.lookups}
+        for g in self.valid():
+            role.update({**dict.fromkeys(g.cols, "col"), **dict.fromkeys(g.rows, "row")})
+        uses: dict[str, dict[fx.Node, int | None]] = {}
+        for node in self.gm.graph.nodes:
+            for param, slot in self.reads(node):
+                uses.setdefault(param, {})[node] = _PLACES.get((role.get(node, ""), slot))
+        return uses
+
+    def conflicts(self) -> dict[str, str]:
+        """Nodes that would split a parameter another read splits otherwise or reads whole → why."""
+        out = {}
+        for param, uses in self.uses().items():
+            if len(set(uses.values())) > 1:
+                seen = "; ".join(f"{self.where(n)}: {'whole' if d is None else f'dim {d}'}" for n, d in uses.items())
+                out.update({n.name: f"its parameter {param} would be split inconsistently ({seen})"
+                            for n, d in uses.items() if d is not None})
+        return out
+
+    def rules(self, config: Any) -> TensorParallelRules:
+        """The rules of a walk that left no group invalid and no parameter split two ways."""
+        shards = {p: d for p, uses in self.uses().items() if (d := next(iter(uses.values()))) is not None}
+        size = {n: node_info(n).output_bytes for n in self.gm.graph.nodes}
+        split, forward, backward = set(self.lookups), {n.name: size[n] for n in self.lookups}, {}
+        found: list[tuple[str, int, str]] = []  # (kind, count, module path) in the order found
+        for g in self.valid():
+            split.update(g.members)
+            forward.update({n.name: size[n] for n in (g.rows or g.ends)})
+            backward.update({c.args[0].name: size[c.args[0]] for c in g.cols})  # type: ignore[union-attr,index]
+            found += [("heads", heads, self.path(node)) for node, heads in g.heads]
+            found += [("features" if g.rows else "vocab", _shape(col)[-1], self.path(col)) for col in g.cols]
+        found += [("vocab", self.gm.get_parameter(t).shape[0], self.path(n)) for n, t in self.lookups.items()]
+        return TensorParallelRules(
+            shards=shards, split_nodes=frozenset(n.name for n in split), forward_collectives=forward,
+            backward_collectives=backward, divisors=_divisors(found, config), replicated=self.replicated(shards),
+        )
+
+    def replicated(self, shards: Mapping[str, int]) -> dict[str, str]:
+        """Module path → why it stays whole: the round's reason for a linear or lookup left out, else
+        the op that reads its parameters whole."""
+        out: dict[str, str] = {}
+        for node in self.gm.graph.nodes:
+            reads = self.reads(node)
+            path = self.path(node) or (reads[0][0].rpartition(".")[0] if reads else "")
+            if not reads or path in out or any(p in shards for p, _ in reads):
+                continue
+            if node.name in self.disabled:
+                out[path] = self.disabled[node.name]
+            elif self.lookup(node) is not None:
+                out[path] = "an embedding looked up by computed indices, not the model's input ids"
+            else:
+                out[path] = f"its parameters are read whole by {self.op(node)} ({node.name}); norms stay replicated"
+        return out
+
+
+_RULES = {
+    **dict.fromkeys("view reshape unsafe_view flatten unflatten unsqueeze squeeze view_as reshape_as expand expand_as".split(), "reshape"),
+    **dict.fromkeys(("transpose", "permute", "t"), "transpose"),
+    **dict.fromkeys(("matmul", "bmm", "scaled_dot_product_attention"), "broadcast"),
+    **dict.fromkeys(("softmax", "log_softmax", "select", "slice", "narrow", *_CHUNKS), "along"),
+    "linear": "row", "getitem": "getitem", "cat": "cat",
+}
+"""Op → the :class:`_Walk` method that says where it puts a split input."""
 
 
 def _shape(node: Any) -> tuple[int, ...]:
@@ -236,105 +440,8 @@ def _shape(node: Any) -> tuple[int, ...]:
     return tuple(shapes[0]) if len(shapes) == 1 else ()
 
 
-def _tensors(nodes: Iterable[Any]) -> list[fx.Node]:
-    return [n for n in nodes if isinstance(n, fx.Node) and len(node_info(n).output_shapes) == 1]
-
-
-def _param(gm: fx.GraphModule, node: Any) -> str | None:
-    """The name of the parameter ``node`` reads whole (a ``get_attr``), else ``None``."""
-    if not (isinstance(node, fx.Node) and node.op == "get_attr"):
-        return None
-    try:
-        gm.get_parameter(str(node.target))
-    except AttributeError:
-        return None
-    return str(node.target)
-
-
-def _linear(gm: fx.GraphModule, node: fx.Node) -> tuple[str, str | None] | None:
-    """(weight, bias) of a linear whose weight (and bias, if any) are parameters."""
-    if node.op == "call_module":
-        mod = gm.get_submodule(str(node.target))
-        if isinstance(mod, nn.Linear):
-            return f"{node.target}.weight", (f"{node.target}.bias" if mod.bias is not None else None)
-    elif node.op == "call_function" and node.target in _LINEARS:
-        weight, bias = _arg(node, 1, "weight"), _arg(node, 2, "bias")
-        if _param(gm, weight) is not None and (bias is None or _param(gm, bias) is not None):
-            return _param(gm, weight), _param(gm, bias)  # type: ignore[return-value]
-    return None
-
-
-def _lookup(gm: fx.GraphModule, node: fx.Node) -> tuple[str, fx.Node] | None:
-    """(table, indices) of an embedding lookup whose table is a parameter."""
-    if node.op == "call_module" and isinstance(gm.get_submodule(str(node.target)), nn.Embedding):
-        return f"{node.target}.weight", node.args[0]  # type: ignore[return-value]
-    at = _LOOKUPS.get(node.target) if node.op == "call_function" else None  # type: ignore[call-overload]
-    table = _param(gm, node.args[at[0]]) if at else None
-    return (table, node.args[at[1]]) if at and table else None  # type: ignore[return-value]
-
-
-def _op(gm: fx.GraphModule, node: fx.Node) -> str:
-    """The op's plain name, the same for a module, a method, a ``torch`` function and an ATen op."""
-    if node.op == "call_module":
-        return type(gm.get_submodule(str(node.target))).__name__.lower()
-    if node.op == "call_method":
-        return str(node.target).strip("_")
-    packet = getattr(node.target, "_overloadpacket", None)
-    return str(getattr(packet or node.target, "__name__", node.target)).strip("_")
-
-
-def _norm(dim: Any, ndim: int) -> int:
-    return int(dim) % ndim if ndim else 0
-
-
 def _arg(node: fx.Node, at: int, name: str, default: Any = None) -> Any:
     return node.args[at] if len(node.args) > at else node.kwargs.get(name, default)
-
-
-def _rule(w: _Walk, node: fx.Node) -> int | None:
-    """The dimension ``node``'s output is split along, given its inputs'; ``_Unsplittable`` if none."""
-    op = _op(w.gm, node)
-    if op in _SHAPE_ONLY or (op == "getattr" and node.args[1] in ("shape", "device", "dtype", "ndim")):
-        return None
-    rule = _RULES.get(op) or (_elementwise if op in _ELEMENTWISE else _reduction if op in _REDUCTIONS else None)
-    if rule is None:
-        raise _Unsplittable(f"reads it with {op}, which does not keep a split")
-    return rule(w, node)
-
-
-def _aligned(w: _Walk, node: fx.Node, operands: list[fx.Node], upto: int | None = None) -> int:
-    """The output dimension the split operands (right-aligned, as broadcasting aligns them) agree
-    on; whole operands must not span it (size 1 or absent) where it is below ``upto``."""
-    nd = len(_shape(node))
-    dims = {w.split[a] + nd - len(_shape(a)) for a in operands if a in w.split}
-    if len(dims) != 1:
-        raise _Unsplittable("combines tensors split along different dimensions")
-    dim = dims.pop()
-    for a in operands:
-        s = _shape(a)
-        k = dim - nd + len(s)
-        if a not in w.split and (upto is None or dim < upto) and k >= 0 and s[k] != 1:
-            raise _Unsplittable(f"combines it with {a.name}, whole along the split dimension ({s[k]} entries)")
-    return dim
-
-
-def _elementwise(w: _Walk, node: fx.Node) -> int:
-    return _aligned(w, node, _tensors(node.all_input_nodes))
-
-
-def _matmul(w: _Walk, node: fx.Node) -> int:
-    a, b = node.args[:2]
-    na, nb = len(_shape(a)), len(_shape(b))
-    if min(na, nb) < 2 or w.split.get(a) == na - 1 or w.split.get(b) == nb - 2:  # type: ignore[call-overload]
-        raise _Unsplittable("contracts over the split dimension (a product of two activations)")
-    return _aligned(w, node, _tensors((a, b)), upto=len(_shape(node)) - 2)
-
-
-def _attention(w: _Walk, node: fx.Node) -> int:
-    dim = _aligned(w, node, _tensors((*node.args[:3], _arg(node, 3, "attn_mask"))))
-    if dim >= len(_shape(node)) - 2:
-        raise _Unsplittable("attends along the split dimension")
-    return dim
 
 
 def _reshape_dim(src: tuple[int, ...], dst: tuple[int, ...], dim: int) -> int | None:
@@ -357,180 +464,7 @@ def _reshape_dim(src: tuple[int, ...], dst: tuple[int, ...], dim: int) -> int | 
     return None
 
 
-def _reshape(w: _Walk, node: fx.Node) -> int:
-    x = node.args[0]
-    src, dst, dim = _shape(x), _shape(node), w.split[x]
-    if _op(w.gm, node) in ("expand", "expand_as"):
-        new: int | None = dim + len(dst) - len(src)
-        new = new if dst[new] == src[dim] else None  # type: ignore[index]
-    else:
-        new = _reshape_dim(src, dst, dim)
-    if new is None:
-        raise _Unsplittable(f"reshapes {src} into {dst}, where the split dimension is not outermost")
-    if dst[new] < src[dim]:  # features into (heads, head_dim): tp must divide the heads
-        w.owner[x].heads.append((node, dst[new]))
-    return new
-
-
-def _transpose(w: _Walk, node: fx.Node) -> int:
-    x = node.args[0]
-    n, dim = len(_shape(x)), w.split[x]
-    if _op(w.gm, node) == "permute":
-        order = node.args[1] if isinstance(node.args[1], (list, tuple)) else node.args[1:]
-        return [_norm(d, n) for d in order].index(dim)
-    a, b = (0, 1) if _op(w.gm, node) == "t" else (_norm(_arg(node, 1, "dim0"), n), _norm(_arg(node, 2, "dim1"), n))
-    return b if dim == a else a if dim == b else dim
-
-
-def _along(w: _Walk, node: fx.Node) -> int:
-    """An op along one dimension (softmax, select, split, chunk): any but the split one."""
-    x, op = node.args[0], _op(w.gm, node)
-    at = 2 if op in _CHUNKS else 1
-    given, dim = _arg(node, at, "dim", 0 if op in _CHUNKS else None), w.split[x]
-    if given is None or _norm(given, len(_shape(x))) == dim:
-        raise _Unsplittable(f"{'splits it' if op in _CHUNKS else f'reads it with {op}'} along the split dimension {dim}"
-                            + (" (a fused projection)" if op in _CHUNKS else ""))
-    if op in _CHUNKS:
-        w.tuples.add(node)
-    return dim - (op == "select" and _norm(given, len(_shape(x))) < dim)
-
-
-def _reduction(w: _Walk, node: fx.Node) -> int:
-    x = node.args[0]
-    given, keep = _arg(node, 1, "dim"), _arg(node, 2, "keepdim", False)
-    dims = [] if given is None else [_norm(d, len(_shape(x))) for d in (given if isinstance(given, (list, tuple)) else [given])]
-    dim = w.split[x]
-    if not dims or dim in dims:
-        raise _Unsplittable("reduces over the split dimension")
-    return dim if keep is True else dim - sum(d < dim for d in dims)
-
-
-def _slice(w: _Walk, node: fx.Node) -> int:
-    x = node.args[0]
-    dim = w.split[x]
-    if _shape(node)[dim] != _shape(x)[dim]:
-        raise _Unsplittable("slices the split dimension")
-    return dim
-
-
-def _getitem(w: _Walk, node: fx.Node) -> int:
-    x, index = node.args[:2]
-    if x in w.tuples:
-        return w.split[x]  # type: ignore[index]
-    src, dst, dim = _shape(x), _shape(node), w.split[x]  # type: ignore[index]
-    items = list(index) if isinstance(index, tuple) else [index]
-    if any(not (i is None or i is Ellipsis or isinstance(i, (int, slice))) for i in items):
-        raise _Unsplittable("indexes it with a tensor")
-    if any(i is Ellipsis for i in items):
-        at = next(k for k, i in enumerate(items) if i is Ellipsis)
-        items[at:at + 1] = [slice(None)] * (len(src) - sum(i is not None for i in items) + 1)
-    i = j = 0
-    for item in items:
-        if item is not None and i == dim:
-            if isinstance(item, int) or src[i] != dst[j]:
-                raise _Unsplittable("indexes into the split dimension")
-            return j
-        i, j = i + (item is not None), j + (not isinstance(item, int))
-    return j + dim - i
-
-
-def _cat(w: _Walk, node: fx.Node) -> int:
-    dims = {w.split.get(t) for t in node.args[0]}  # type: ignore[union-attr]
-    if None in dims or len(dims) != 1 or _norm(_arg(node, 1, "dim", 0), len(_shape(node))) in dims:
-        raise _Unsplittable("concatenates it with a whole tensor or along the split dimension")
-    return dims.pop()  # type: ignore[return-value]
-
-
-_CHUNKS = ("split", "chunk", "split_with_sizes")
-_RULES = {
-    **dict.fromkeys("view reshape unsafe_view flatten unflatten unsqueeze squeeze view_as reshape_as expand expand_as".split(), _reshape),
-    **dict.fromkeys(("transpose", "permute", "t"), _transpose),
-    **dict.fromkeys(("matmul", "bmm"), _matmul),
-    **dict.fromkeys(("softmax", "log_softmax", "select", *_CHUNKS), _along),
-    **dict.fromkeys(("slice", "narrow"), _slice),
-    **dict.fromkeys(("linear", "getitem", "cat", "scaled_dot_product_attention"), None),
-}
-_RULES.update(linear=_row, getitem=_getitem, cat=_cat, scaled_dot_product_attention=_attention)
-
-
-def _reads(gm: fx.GraphModule, node: fx.Node) -> list[tuple[str, str]]:
-    """(parameter, slot) for each parameter ``node`` reads; slot ``weight``, ``bias``, ``table`` or ``other``."""
-    if node.op == "call_module":
-        mod = gm.get_submodule(str(node.target))
-        slot = {nn.Linear: {"weight": "weight", "bias": "bias"}, nn.Embedding: {"weight": "table"}}.get(type(mod), {})
-        return [(f"{node.target}.{n}", slot.get(n, "other")) for n, _ in mod.named_parameters()]
-    linear, lookup = _linear(gm, node), _lookup(gm, node)
-    slots = {linear[0]: "weight", linear[1]: "bias"} if linear else {lookup[0]: "table"} if lookup else {}
-    return [(p, slots.get(p, "other")) for a in node.all_input_nodes if (p := _param(gm, a)) is not None]
-
-
-def _uses(walk: _Walk) -> dict[str, dict[fx.Node, int | None]]:
-    """Parameter → each node reading it → the dimension that read splits it along (``None``: whole)."""
-    role = {n: "table" for n in walk.lookups}
-    for g in walk.valid():
-        role.update({**dict.fromkeys(g.cols, "col"), **dict.fromkeys(g.rows, "row")})
-    uses: dict[str, dict[fx.Node, int | None]] = {}
-    for node in walk.gm.graph.nodes:
-        for param, slot in _reads(walk.gm, node):
-            uses.setdefault(param, {})[node] = _PLACES.get((role.get(node, ""), slot))
-    return uses
-
-
-def _conflicts(walk: _Walk) -> dict[str, str]:
-    """Nodes that would split a parameter another read splits otherwise or reads whole → why."""
-    out = {}
-    for param, uses in _uses(walk).items():
-        if len(set(uses.values())) > 1:
-            seen = "; ".join(f"{walk.where(n)}: {'whole' if d is None else f'dim {d}'}" for n, d in uses.items())
-            out.update({n.name: f"its parameter {param} would be split inconsistently ({seen})"
-                        for n, d in uses.items() if d is not None})
-    return out
-
-
-def _size(node: Any) -> int:
-    return node_info(node).output_bytes
-
-
-def _collect(walk: _Walk, config: Any) -> TensorParallelRules:
-    """The rules of a walk that left no group invalid."""
-    shards = {p: d for p, uses in _uses(walk).items() if len(set(uses.values())) == 1 and (d := next(iter(uses.values()))) is not None}
-    split, forward, backward = set(walk.lookups), {n.name: _size(n) for n in walk.lookups}, {}
-    found: list[tuple[str, int, str]] = []  # (kind, count, module path) in the order found
-    for g in walk.valid():
-        split.update(g.members)
-        forward.update({n.name: _size(n) for n in (g.ends if g.is_head else g.rows)})
-        backward.update({c.args[0].name: _size(c.args[0]) for c in g.cols})  # type: ignore[union-attr]
-        found += [("heads", heads, walk.path(node)) for node, heads in g.heads]
-        found += [("vocab" if g.is_head else "features", _shape(col)[-1], walk.path(col)) for col in g.cols]
-    found += [("vocab", walk.gm.get_parameter(table).shape[0], walk.path(node)) for node, table in walk.lookups.items()]
-    return TensorParallelRules(
-        shards=shards, split_nodes=frozenset(n.name for n in split), forward_collectives=forward,
-        backward_collectives=backward, divisors=_divisors(found, config), replicated=_replicated(walk, shards),
-    )
-
-
-def _replicated(walk: _Walk, shards: Mapping[str, int]) -> dict[str, str]:
-    """Module path → why it stays whole: a linear or lookup left out (the round's reason), else the
-    op that reads its parameters whole."""
-    out: dict[str, str] = {}
-    split_owners = {p.rpartition(".")[0] for p in shards}
-    for node in walk.gm.graph.nodes:
-        reads = _reads(walk.gm, node)
-        path = walk.path(node) or (reads[0][0].rpartition(".")[0] if reads else "")
-        if not reads or path in split_owners or path in out or any(p in shards for p, _ in reads):
-            continue
-        if node.name in walk.disabled:
-            out[path] = walk.disabled[node.name]
-        elif _linear(walk.gm, node) is not None:
-            out[path] = _NO_PARTNER
-        elif _lookup(walk.gm, node) is not None:
-            out[path] = "an embedding looked up by computed indices, not the model's input ids"
-        else:
-            out[path] = f"its parameters are read whole by {_op(walk.gm, node)} ({node.name}); norms stay replicated"
-    return out
-
-
-_SAY = {"heads": "the {} heads of {}", "features": "the {} output features of {}", "vocab": "the vocabulary of {} ({})"}
+_SAY = {"heads": "the {} heads of {}", "features": "the {} output features of {}", "vocab": "the {}-row vocabulary of {}"}
 _PREFER = ("num_attention_heads", "n_head", "num_heads", "intermediate_size", "ffn_dim", "n_inner", "hidden_size")
 
 
@@ -540,14 +474,11 @@ def _divisors(found: list[tuple[str, int, str]], config: Any) -> tuple[tuple[str
     values = config.to_dict() if hasattr(config, "to_dict") else vars(config) if config is not None else {}
     ints = {k: v for k, v in values.items() if type(v) is int}
     out: dict[str, int] = {}
-    described: set[tuple[str, int]] = set()
     for kind, count, path in found:
         fits = sorted((_PREFER.index(k) if k in _PREFER else len(_PREFER), k) for k, v in ints.items() if v == count and _kind(k) == kind)
-        if fits:
-            out.setdefault(fits[0][1], count)
-        elif (kind, count) not in described:
-            described.add((kind, count))
-            out.setdefault(_SAY[kind].format(count, path or "the root"), count)
+        said = _SAY[kind].format(count, path or "the root")
+        if fits or not any(name.startswith(said.split(" of ")[0] + " of ") for name in out):
+            out.setdefault(fits[0][1] if fits else said, count)
     return tuple(out.items())
 
 

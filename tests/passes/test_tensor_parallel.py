@@ -104,7 +104,7 @@ def test_gpt_fused_qkv_stays_replicated_and_its_mlp_shards():
     # wte is tied: looked up (vocabulary-parallel) and read by the head (column-parallel): dim 0 in both
     assert rules.shards["wte.weight"] == 0 and "wpe" in rules.replicated and "ln_f" in rules.replicated
     assert {"embedding", "linear"} <= set(rules.forward_collectives)
-    assert dict(rules.divisors) == {"the 64 output features of blocks.0.fc": 64, "the vocabulary of 64 (head)": 64}
+    assert dict(rules.divisors) == {"the 64 output features of blocks.0.fc": 64, "the 64-row vocabulary of head": 64}
 
 
 def _shard(model: nn.Module, rules: TensorParallelRules, tp: int, rank: int) -> dict[str, torch.Tensor]:
