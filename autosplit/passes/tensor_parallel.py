@@ -5,16 +5,15 @@ Language Models Using Model Parallelism"), as torch's ``ColwiseParallel``/``Roww
 found by following each linear's output through its readers (traced or exported graphs; annotated shapes):
 
 1. A linear with a parameter weight reading a whole tensor starts a group, column-parallel: its output
-   is split along its last (feature) dimension.
-2. The split follows elementwise ops with operands broadcast across it, activations, reshapes keeping
-   it outermost (features → (heads, head_dim): on the heads, a count tp must divide), transposes,
-   slices of other dimensions, attention (``matmul`` along one batch dimension, ``softmax`` and masks
-   over others, ``scaled_dot_product_attention``), rotary arithmetic and grouped-query ``expand``.
-3. A linear reading it split along its input features is row-parallel (its output all-reduced).
+   is split along its features. The split follows elementwise ops with operands broadcast across it,
+   reshapes (features → (heads, head_dim): on the heads, a count tp must divide), transposes, slices
+   of other dimensions, attention (``matmul`` along a batch dimension, ``softmax`` and masks over
+   others, ``scaled_dot_product_attention``), rotary arithmetic and grouped-query ``expand``.
+2. A linear reading it split along its input features is row-parallel (its output all-reduced).
    Groups that meet merge (q, k and v at the attention's ``matmul``).
-4. Any other reader (a ``split`` along it: a fused qkv; a norm or reduction over it; the output after a
+3. Any other reader (a ``split`` along it: a fused qkv; a norm or reduction over it; the output after a
    row-parallel linear) leaves the group's linears whole, each tried again as a group's start.
-5. A group with no row-parallel linear whose split reaches only the output is an LM head over the
+4. A group with no row-parallel linear whose split reaches only the output is an LM head over the
    vocabulary (all-gathered, or ``loss_parallel``); a lookup of the input ids is vocabulary-parallel
    (all-reduced). A parameter split two ways, or split once and read whole elsewhere, stays whole.
    Norms stay whole (sequence parallelism is the cost model's choice).
@@ -27,7 +26,6 @@ Usage::
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 from collections.abc import Iterable, Mapping
@@ -48,8 +46,7 @@ log = logging.getLogger(__name__)
 aten = torch.ops.aten
 
 _LINEARS = {nn.functional.linear, aten.linear.default, torch._C._nn.linear}
-_LOOKUPS = {nn.functional.embedding: (1, 0), torch.embedding: (0, 1), aten.embedding.default: (0, 1)}
-"""Embedding functions → the positions of the table and of the indices among their arguments."""
+_LOOKUPS = {nn.functional.embedding: (1, 0), torch.embedding: (0, 1), aten.embedding.default: (0, 1)}  # → (table, indices) at
 _ELEMENTWISE = frozenset((
     "add sub rsub mul div truediv floordiv pow neg exp log abs sqrt rsqrt square reciprocal sin cos erf "
     "relu gelu silu sigmoid tanh softplus mish elu leakyrelu leaky_relu hardtanh dropout identity to to_copy "
@@ -59,9 +56,7 @@ _ELEMENTWISE = frozenset((
 _SHAPE_ONLY = frozenset("size sym_size sym_numel numel dim assert_tensor_metadata".split())
 _REDUCTIONS = frozenset("sum mean amax amin var std logsumexp".split())
 _CHUNKS = ("split", "chunk", "split_with_sizes")
-_PLACES = {("col", "weight"): 0, ("col", "bias"): 0, ("row", "weight"): 1, ("table", "table"): 0}
-"""(a node's role, the slot a parameter takes in it) → the dimension the parameter is split along."""
-_NO_PARTNER = "a Linear not followed by a row-parallel partner"
+_PLACES = {("col", "weight"): 0, ("col", "bias"): 0, ("row", "weight"): 1, ("table", "table"): 0}  # (role, slot) → dim
 
 
 @dataclass(frozen=True)
@@ -72,14 +67,12 @@ class TensorParallelRules:
     """Parameter (``model.named_parameters()`` name) → its split dimension: 0 for a column-parallel linear's
     weight and bias and a vocabulary table, 1 for a row-parallel linear's weight (its bias stays whole)."""
     split_nodes: frozenset[str]
-    """Nodes whose compute and outputs tp divides: column-parallel linears, the nodes up to and
-    including their row-parallel partner (partial until the all-reduce), LM heads, vocabulary lookups."""
+    """Nodes whose compute and outputs tp divides: column-parallel linears up to their row-parallel partner."""
     forward_collectives: Mapping[str, int]
     """Node → bytes of its whole output: all-reduced after a row-parallel linear or a vocabulary lookup,
     all-gathered after an LM head, in the forward."""
     backward_collectives: Mapping[str, int]
-    """Node → bytes of its output's gradient, all-reduced in the backward: the input of each group,
-    once per tensor (q, k and v reading one normed state: once)."""
+    """Node → bytes of its gradient, all-reduced in the backward: each group's input (q, k, v's: once)."""
     divisors: tuple[tuple[str, int], ...]
     """(name, count) every tp degree must divide: heads, split features, vocabularies (config names)."""
     replicated: Mapping[str, str]
@@ -100,15 +93,14 @@ def check_degree(rules: TensorParallelRules, tp: int) -> None:
 
 
 def tensor_parallel_rules(captured: Captured, config: Any = None) -> TensorParallelRules:
-    """The tensor-parallel split of an annotated captured graph (the module docstring's rules).
-
-    ``config``: the model's configuration (a ``transformers`` ``PretrainedConfig``, any object) whose
-    integer attributes name the divisors (``num_key_value_heads``); without it, described by module.
-    """
+    """The tensor-parallel split of an annotated captured graph; ``config`` (the model's, any object):
+    its integer attributes name the divisors (``num_key_value_heads``)."""
     disabled: dict[str, str] = {}
     while True:  # each round leaves ≥ 1 more linear or lookup whole, so the rounds end
         walk = _Walk(captured, disabled)
-        failed = walk.failed() or {k: v for k, v in walk.conflicts().items() if k not in disabled}
+        failed = {n.name: f"a Linear not followed by a row-parallel partner: {why}"
+                  for g, why in walk.verdicts() if why is not None for n in g.cols}
+        failed = failed or {k: v for k, v in walk.conflicts().items() if k not in disabled}
         if not failed:
             break
         log.debug("tensor parallel: left whole this round: %s", failed)
@@ -140,12 +132,14 @@ class _Walk:
 
     def __init__(self, captured: Captured, disabled: Mapping[str, str]):
         self.gm, self.paths, self.disabled = captured.gm, captured.module_paths, disabled
+        self.params = {name for name, _ in self.gm.named_parameters(remove_duplicate=False)}
         self.split: dict[fx.Node, int] = {}
         self.tuples: set[fx.Node] = set()
         self.owner: dict[fx.Node, _Group] = {}
-        self.lookups: dict[fx.Node, str] = {}  # vocabulary-parallel lookup → its table
         for node in self.gm.graph.nodes:
             self.visit(node)
+        self.lookups = {n: lk[0] for n in self.gm.graph.nodes  # vocabulary-parallel lookups → their table
+                        if n.name not in disabled and (lk := self.lookup(n)) and getattr(lk[1], "op", None) == "placeholder"}
 
     def path(self, node: fx.Node) -> str:
         return str(node.target) if node.op == "call_module" else self.paths.get(node.name, "")
@@ -161,9 +155,6 @@ class _Walk:
             out.append((g, g.bad or leaks or (None if g.rows or g.ends else f"its split output ends at {self.where(g.members[-1])}")))
         return out
 
-    def failed(self) -> dict[str, str]:
-        return {n.name: f"{_NO_PARTNER}: {why}" for g, why in self.verdicts() if why is not None for n in g.cols}
-
     def merge(self, nodes: Iterable[fx.Node]) -> _Group:
         first, *others = {id(self.owner[n]): self.owner[n] for n in nodes}.values()
         for g in others:
@@ -175,10 +166,7 @@ class _Walk:
 
     def param(self, node: Any) -> str | None:
         """The name of the parameter ``node`` reads whole (a ``get_attr``), else ``None``."""
-        if isinstance(node, fx.Node) and node.op == "get_attr":
-            with contextlib.suppress(AttributeError):
-                return str(node.target) if self.gm.get_parameter(str(node.target)) is not None else None
-        return None
+        return str(node.target) if isinstance(node, fx.Node) and node.op == "get_attr" and node.target in self.params else None
 
     def linear(self, node: fx.Node) -> tuple[str, str | None] | None:
         """(weight, bias) of a linear whose weight (and bias, if any) are parameters."""
@@ -195,10 +183,10 @@ class _Walk:
     def lookup(self, node: fx.Node) -> tuple[str, fx.Node] | None:
         """(table, indices) of an embedding lookup whose table is a parameter."""
         if node.op == "call_module" and isinstance(self.gm.get_submodule(str(node.target)), nn.Embedding):
-            return f"{node.target}.weight", node.args[0]  # type: ignore[return-value]
-        at = _LOOKUPS.get(node.target) if node.op == "call_function" else None  # type: ignore[call-overload]
-        table = self.param(node.args[at[0]]) if at else None
-        return (table, node.args[at[1]]) if at and table else None  # type: ignore[return-value]
+            return f"{node.target}.weight", _arg(node, 0)
+        at = _LOOKUPS.get(node.target) if node.op == "call_function" else None
+        table = self.param(_arg(node, at[0])) if at else None
+        return (table, _arg(node, at[1])) if at and table else None
 
     def op(self, node: fx.Node) -> str:
         """The op's plain name, the same for a module, a method, a ``torch`` function and an ATen op."""
@@ -221,10 +209,7 @@ class _Walk:
 
     def visit(self, node: fx.Node) -> None:
         readers = [a for a in node.all_input_nodes if a in self.split]
-        lookup = self.lookup(node)
-        if lookup is not None and node.name not in self.disabled and getattr(lookup[1], "op", None) == "placeholder":
-            self.lookups[node] = lookup[0]
-        if self.linear(node) is not None and node.args[0] not in self.split:
+        if self.linear(node) is not None and _arg(node, 0) not in self.split:
             if node.name not in self.disabled:  # column-parallel: a new group
                 self.split[node], self.owner[node] = len(_shape(node)) - 1, _Group(cols=[node], members=[node])
             return
@@ -235,7 +220,7 @@ class _Walk:
             group.ends.extend(readers)
             return
         op = self.op(node)
-        if op in _SHAPE_ONLY or (op == "getattr" and node.args[1] in ("shape", "device", "dtype", "ndim")):
+        if op in _SHAPE_ONLY or (op == "getattr" and _arg(node, 1) in ("shape", "device", "dtype", "ndim")):
             return
         rule = _RULES.get(op) or ("broadcast" if op in _ELEMENTWISE else "reduction" if op in _REDUCTIONS else None)
         try:
@@ -251,19 +236,17 @@ class _Walk:
 
     def row(self, node: fx.Node, op: str) -> None:
         """A linear reading a split tensor: row-parallel when it is split along the input features."""
-        x = node.args[0]
-        if self.linear(node) is None or x not in self.split:
-            raise _Unsplittable("reads it as a linear's weight or bias")
-        why = self.disabled.get(node.name)
-        if why is None and self.split[x] != len(_shape(x)) - 1:
-            why = f"reads it split along dimension {self.split[x]}, not its input features"
+        x = _arg(node, 0)
+        why = self.disabled.get(node.name) or ("its weight is not a parameter" if self.linear(node) is None else None)
+        if why is None and self.split.get(x) != len(_shape(x)) - 1:
+            why = f"reads it split along dimension {self.split.get(x)}, not its input features"
         if why is not None:
             raise _Unsplittable(f"(a linear): {why}")
         group = self.owner[node] = self.owner[x]
         group.rows.append(node)
         group.members.append(node)
 
-    def aligned(self, node: fx.Node, operands: list[fx.Node], upto: int | None = None) -> int:
+    def aligned(self, node: fx.Node, operands: Iterable[Any], upto: int | None = None) -> int:
         """The output dimension the split operands (right-aligned, as broadcasting aligns them) agree
         on; whole operands must not span it (size 1 or absent) where it is below ``upto``."""
         operands, nd = [a for a in operands if _shape(a)], len(_shape(node))
@@ -272,8 +255,7 @@ class _Walk:
             raise _Unsplittable("combines tensors split along different dimensions")
         dim = dims.pop()
         for a in operands:
-            s = _shape(a)
-            k = dim - nd + len(s)
+            s, k = _shape(a), dim - nd + len(_shape(a))
             if a not in self.split and (upto is None or dim < upto) and k >= 0 and s[k] != 1:
                 raise _Unsplittable(f"combines it with {a.name}, whole along the split dimension ({s[k]} entries)")
         return dim
@@ -281,38 +263,34 @@ class _Walk:
     def broadcast(self, node: fx.Node, op: str) -> int:
         """Elementwise ops; ``matmul`` (split along a batch dimension, or a's rows, or b's columns) and
         attention (along a batch dimension: the heads)."""
-        if op == "scaled_dot_product_attention":
-            dim = self.aligned(node, [*node.args[:3], _arg(node, 3, "attn_mask")])
-            if dim >= len(_shape(node)) - 2:
-                raise _Unsplittable("attends along the split dimension")
-            return dim
-        if op not in ("matmul", "bmm"):
-            return self.aligned(node, node.all_input_nodes)
-        a, b = node.args[:2]
-        na, nb = len(_shape(a)), len(_shape(b))
-        if min(na, nb) < 2 or self.split.get(a) == na - 1 or self.split.get(b) == nb - 2:  # type: ignore[call-overload]
-            raise _Unsplittable("contracts over the split dimension (a product of two activations)")
-        return self.aligned(node, [a, b], upto=len(_shape(node)) - 2)
+        if op in ("matmul", "bmm"):
+            a, b = _arg(node, 0), _arg(node, 1)
+            na, nb = len(_shape(a)), len(_shape(b))
+            if min(na, nb) < 2 or self.split.get(a) == na - 1 or self.split.get(b) == nb - 2:
+                raise _Unsplittable("contracts over the split dimension (a product of two activations)")
+            return self.aligned(node, [a, b], upto=len(_shape(node)) - 2)
+        sdpa = op == "scaled_dot_product_attention"
+        dim = self.aligned(node, [*(_arg(node, i) for i in range(3)), _arg(node, 3, "attn_mask")] if sdpa else node.all_input_nodes)
+        if sdpa and dim >= len(_shape(node)) - 2:
+            raise _Unsplittable("attends along the split dimension")
+        return dim
 
     def reshape(self, node: fx.Node, op: str) -> int:
-        x = node.args[0]
-        src, dst, dim = _shape(x), _shape(node), self.split[x]  # type: ignore[index]
-        if op in ("expand", "expand_as"):
-            new: int | None = dim + len(dst) - len(src)
-            new = new if dst[new] == src[dim] else None  # type: ignore[index]
-        else:
-            new = _reshape_dim(src, dst, dim)
+        x = _arg(node, 0)
+        src, dst, dim = _shape(x), _shape(node), self.split[x]
+        shift = len(dst) - len(src)  # expand: the same dimensions, leading ones added
+        new = _reshape_dim(src, dst, dim) if "expand" not in op else dim + shift if dst[dim + shift] == src[dim] else None
         if new is None:
             raise _Unsplittable(f"reshapes {src} into {dst}, where the split dimension is not outermost")
         if dst[new] < src[dim]:  # features into (heads, head_dim): tp must divide the heads
-            self.owner[x].heads.append((node, dst[new]))  # type: ignore[index]
+            self.owner[x].heads.append((node, dst[new]))
         return new
 
     def transpose(self, node: fx.Node, op: str) -> int:
-        x = node.args[0]
-        n, dim = len(_shape(x)), self.split[x]  # type: ignore[index]
+        x = _arg(node, 0)
+        n, dim = len(_shape(x)), self.split[x]
         if op == "permute":
-            order = node.args[1] if isinstance(node.args[1], (list, tuple)) else node.args[1:]
+            order = _arg(node, 1) if isinstance(_arg(node, 1), (list, tuple)) else [_arg(node, i) for i in range(1, len(node.args))]
             return [d % n for d in order].index(dim)
         a, b = (0, 1) if op == "t" else (_arg(node, 1, "dim0") % n, _arg(node, 2, "dim1") % n)
         return b if dim == a else a if dim == b else dim
@@ -320,8 +298,8 @@ class _Walk:
     def along(self, node: fx.Node, op: str) -> int:
         """An op along one dimension (softmax, select, split, slice): any but the split one, or a slice
         that keeps it whole."""
-        x = node.args[0]
-        given, dim, n = _arg(node, 2 if op in _CHUNKS else 1, "dim", None if "softmax" in op else 0), self.split[x], len(_shape(x))  # type: ignore[index]
+        x = _arg(node, 0)
+        given, dim, n = _arg(node, 2 if op in _CHUNKS else 1, "dim", None if "softmax" in op else 0), self.split[x], len(_shape(x))
         if op in ("slice", "narrow") and _shape(node)[dim] == _shape(x)[dim]:
             return dim
         if given is None or given % n == dim:
@@ -331,23 +309,23 @@ class _Walk:
         return dim - (op == "select" and given % n < dim)
 
     def reduction(self, node: fx.Node, op: str) -> int:
-        x = node.args[0]
-        given, keep, dim = _arg(node, 1, "dim"), _arg(node, 2, "keepdim", False), self.split[x]  # type: ignore[index]
+        x = _arg(node, 0)
+        given, keep, dim = _arg(node, 1, "dim"), _arg(node, 2, "keepdim", False), self.split[x]
         dims = [] if given is None else [d % len(_shape(x)) for d in (given if isinstance(given, (list, tuple)) else [given])]
         if not dims or dim in dims:
             raise _Unsplittable("reduces over the split dimension")
         return dim if keep is True else dim - sum(d < dim for d in dims)
 
     def getitem(self, node: fx.Node, op: str) -> int:
-        x, index = node.args[:2]
+        x, index = _arg(node, 0), _arg(node, 1)
         if x in self.tuples:
-            return self.split[x]  # type: ignore[index]
-        src, dst, dim = _shape(x), _shape(node), self.split[x]  # type: ignore[index]
+            return self.split[x]
+        src, dst, dim = _shape(x), _shape(node), self.split[x]
         items = list(index) if isinstance(index, tuple) else [index]
         if any(not (i is None or i is Ellipsis or isinstance(i, (int, slice))) for i in items):
             raise _Unsplittable("indexes it with a tensor")
-        if any(i is Ellipsis for i in items):
-            at = next(k for k, i in enumerate(items) if i is Ellipsis)
+        if Ellipsis in items:
+            at = items.index(Ellipsis)
             items[at:at + 1] = [slice(None)] * (len(src) - sum(i is not None for i in items) + 1)
         i = j = 0
         for item in items:
@@ -359,18 +337,15 @@ class _Walk:
         return j + dim - i
 
     def cat(self, node: fx.Node, op: str) -> int:
-        dims = {self.split.get(t) for t in node.args[0]}  # type: ignore[union-attr]
+        dims = {self.split.get(t) for t in _arg(node, 0)}
         if None in dims or len(dims) != 1 or _arg(node, 1, "dim", 0) % len(_shape(node)) in dims:
             raise _Unsplittable("concatenates it with a whole tensor or along the split dimension")
         return dims.pop()  # type: ignore[return-value]
 
-    def valid(self) -> list[_Group]:
-        return [g for g, why in self.verdicts() if why is None]
-
     def uses(self) -> dict[str, dict[fx.Node, int | None]]:
         """Parameter → each node reading it → the dimension that read splits it along (``None``: whole)."""
         role = {n: "table" for n in self.lookups}
-        for g in self.valid():
+        for g in (g for g, why in self.verdicts() if why is None):
             role.update({**dict.fromkeys(g.cols, "col"), **dict.fromkeys(g.rows, "row")})
         uses: dict[str, dict[fx.Node, int | None]] = {}
         for node in self.gm.graph.nodes:
@@ -394,10 +369,10 @@ class _Walk:
         size = {n: node_info(n).output_bytes for n in self.gm.graph.nodes}
         split, forward, backward = set(self.lookups), {n.name: size[n] for n in self.lookups}, {}
         found: list[tuple[str, int, str]] = []  # (kind, count, module path) in the order found
-        for g in self.valid():
+        for g in (g for g, why in self.verdicts() if why is None):
             split.update(g.members)
             forward.update({n.name: size[n] for n in (g.rows or g.ends)})
-            backward.update({c.args[0].name: size[c.args[0]] for c in g.cols})  # type: ignore[union-attr,index]
+            backward.update({_arg(c, 0).name: size[_arg(c, 0)] for c in g.cols})
             found += [("heads", heads, self.path(node)) for node, heads in g.heads]
             found += [("features" if g.rows else "vocab", _shape(col)[-1], self.path(col)) for col in g.cols]
         found += [("vocab", self.gm.get_parameter(t).shape[0], self.path(n)) for n, t in self.lookups.items()]
@@ -415,23 +390,19 @@ class _Walk:
             path = self.path(node) or (reads[0][0].rpartition(".")[0] if reads else "")
             if not reads or path in out or any(p in shards for p, _ in reads):
                 continue
-            if node.name in self.disabled:
-                out[path] = self.disabled[node.name]
-            elif self.lookup(node) is not None:
-                out[path] = "an embedding looked up by computed indices, not the model's input ids"
-            else:
-                out[path] = f"its parameters are read whole by {self.op(node)} ({node.name}); norms stay replicated"
+            out[path] = self.disabled.get(node.name) or (
+                "an embedding looked up by computed indices, not the model's input ids" if self.lookup(node) is not None
+                else f"its parameters are read whole by {self.op(node)} ({node.name}); norms stay replicated")
         return out
 
 
-_RULES = {
+_RULES = {  # op → the _Walk method that says where it puts a split input
     **dict.fromkeys("view reshape unsafe_view flatten unflatten unsqueeze squeeze view_as reshape_as expand expand_as".split(), "reshape"),
     **dict.fromkeys(("transpose", "permute", "t"), "transpose"),
     **dict.fromkeys(("matmul", "bmm", "scaled_dot_product_attention"), "broadcast"),
     **dict.fromkeys(("softmax", "log_softmax", "select", "slice", "narrow", *_CHUNKS), "along"),
     "linear": "row", "getitem": "getitem", "cat": "cat",
 }
-"""Op → the :class:`_Walk` method that says where it puts a split input."""
 
 
 def _shape(node: Any) -> tuple[int, ...]:
@@ -440,32 +411,20 @@ def _shape(node: Any) -> tuple[int, ...]:
     return tuple(shapes[0]) if len(shapes) == 1 else ()
 
 
-def _arg(node: fx.Node, at: int, name: str, default: Any = None) -> Any:
+def _arg(node: fx.Node, at: int, name: str = "", default: Any = None) -> Any:
     return node.args[at] if len(node.args) > at else node.kwargs.get(name, default)
 
 
+
 def _reshape_dim(src: tuple[int, ...], dst: tuple[int, ...], dim: int) -> int | None:
-    """Where a reshape ``src`` → ``dst`` puts dimension ``dim`` when it is the outermost (non-1) of
-    its group of ``src`` dimensions: the outermost of the group's ``dst`` dimensions; else ``None``."""
-    i = j = 0
-    while i < len(src) and j < len(dst):
-        i0, j0, pi, pj = i, j, src[i], dst[j]
-        i, j = i + 1, j + 1
-        while pi != pj:
-            if pi < pj and i < len(src):
-                pi, i = pi * src[i], i + 1
-            elif pj < pi and j < len(dst):
-                pj, j = pj * dst[j], j + 1
-            else:
-                return None
-        if i0 <= dim < i:
-            lead_src, lead_dst = [k for k in range(i0, i) if src[k] != 1], [k for k in range(j0, j) if dst[k] != 1]
-            return lead_dst[0] if lead_src[:1] == [dim] and lead_dst else None
-    return None
+    """Where a reshape ``src`` → ``dst`` puts dimension ``dim``: the first (non-1) dimension of ``dst``
+    with as many elements before it (split into equal parts, both then select the same contiguous
+    ranges of each outer row), else ``None``."""
+    outer = math.prod(src[:dim])
+    return next((e for e in range(len(dst)) if dst[e] != 1 and math.prod(dst[:e]) == outer), None)
 
 
 _SAY = {"heads": "the {} heads of {}", "features": "the {} output features of {}", "vocab": "the {}-row vocabulary of {}"}
-_PREFER = ("num_attention_heads", "n_head", "num_heads", "intermediate_size", "ffn_dim", "n_inner", "hidden_size")
 
 
 def _divisors(found: list[tuple[str, int, str]], config: Any) -> tuple[tuple[str, int], ...]:
@@ -475,17 +434,15 @@ def _divisors(found: list[tuple[str, int, str]], config: Any) -> tuple[tuple[str
     ints = {k: v for k, v in values.items() if type(v) is int}
     out: dict[str, int] = {}
     for kind, count, path in found:
-        fits = sorted((_PREFER.index(k) if k in _PREFER else len(_PREFER), k) for k, v in ints.items() if v == count and _kind(k) == kind)
+        fits = [k for k, v in ints.items() if v == count and _kind(k) == kind]  # the config's first
         said = _SAY[kind].format(count, path or "the root")
         if fits or not any(name.startswith(said.split(" of ")[0] + " of ") for name in out):
-            out.setdefault(fits[0][1] if fits else said, count)
+            out.setdefault(fits[0] if fits else said, count)
     return tuple(out.items())
 
 
 def _kind(attr: str) -> str:
     """What a config attribute counts, by its name: ``heads``, ``vocab``, ``features`` or nothing."""
-    if "vocab" in attr:
-        return "vocab"
-    if "head" in attr:
-        return "" if "dim" in attr or "size" in attr else "heads"
+    if "vocab" in attr or "head" in attr:
+        return "vocab" if "vocab" in attr else "" if "dim" in attr or "size" in attr else "heads"
     return "features" if any(w in attr for w in ("size", "dim", "inner", "embd", "model")) and "max" not in attr else ""

@@ -53,7 +53,8 @@ def test_llama_pairs_attention_and_mlp_and_splits_the_vocabulary(llama):
         expected.update({f"{at}mlp.{p}_proj.weight": 0 for p in ("gate", "up")})
         expected.update({f"{at}self_attn.o_proj.weight": 1, f"{at}mlp.down_proj.weight": 1})
     assert dict(rules.shards) == expected
-    assert set(rules.replicated) == {"model.norm", *(f"model.layers.{i}.{n}_layernorm" for i in range(2) for n in ("input", "post_attention"))}
+    norms = {f"model.layers.{i}.{n}_layernorm" for i in range(2) for n in ("input", "post_attention")}
+    assert set(rules.replicated) == {"model.norm", *norms}
     split = {captured.module_paths[n] for n in rules.split_nodes}
     assert "model.layers.0.self_attn" in split and not any("layernorm" in p or p == "model.norm" for p in split)
 
@@ -93,7 +94,7 @@ def test_llama_degree_must_divide_the_heads_by_their_config_names(llama):
 
 def test_gpt_fused_qkv_stays_replicated_and_its_mlp_shards():
     model, inputs = seeded_gpt(2)
-    captured, rules = _rules(model, inputs)
+    _, rules = _rules(model, inputs)
     assert "fused projection" in rules.replicated["blocks.0.attn.qkv"]
     assert "row-parallel partner" in rules.replicated["blocks.0.attn.proj"]
     assert not any(".attn." in p for p in rules.shards)
