@@ -132,7 +132,8 @@ class _Walk:
 
     def __init__(self, captured: Captured, disabled: Mapping[str, str]):
         self.gm, self.paths, self.disabled = captured.gm, captured.module_paths, disabled
-        self.params = {name for name, _ in self.gm.named_parameters(remove_duplicate=False)}
+        first: dict[int, str] = {}  # each parameter by its first name, as model.named_parameters() names a tied one
+        self.params = {name: first.setdefault(id(p), name) for name, p in self.gm.named_parameters(remove_duplicate=False)}
         self.split: dict[fx.Node, int] = {}
         self.tuples: set[fx.Node] = set()
         self.owner: dict[fx.Node, _Group] = {}
@@ -166,7 +167,7 @@ class _Walk:
 
     def param(self, node: Any) -> str | None:
         """The name of the parameter ``node`` reads whole (a ``get_attr``), else ``None``."""
-        return str(node.target) if isinstance(node, fx.Node) and node.op == "get_attr" and node.target in self.params else None
+        return self.params.get(str(node.target)) if isinstance(node, fx.Node) and node.op == "get_attr" else None
 
     def linear(self, node: fx.Node) -> tuple[str, str | None] | None:
         """(weight, bias) of a linear whose weight (and bias, if any) are parameters."""
@@ -202,7 +203,7 @@ class _Walk:
         if node.op == "call_module":
             mod = self.gm.get_submodule(str(node.target))
             slot = {nn.Linear: {"weight": "weight", "bias": "bias"}, nn.Embedding: {"weight": "table"}}.get(type(mod), {})
-            return [(f"{node.target}.{n}", slot.get(n, "other")) for n, _ in mod.named_parameters()]
+            return [(self.params[f"{node.target}.{n}"], slot.get(n, "other")) for n, _ in mod.named_parameters()]
         linear, lookup = self.linear(node), self.lookup(node)
         slots = {linear[0]: "weight", linear[1]: "bias"} if linear else {lookup[0]: "table"} if lookup else {}
         return [(p, slots.get(p, "other")) for a in node.all_input_nodes if (p := self.param(a)) is not None]
