@@ -177,3 +177,19 @@ def test_a_parameter_split_two_ways_stays_replicated():
     assert dict(rules.shards) == {} and not rules.split_nodes and not rules.forward_collectives
     assert "inconsistently" in rules.replicated["a"]
     check_degree(rules, 3)  # nothing split: any degree
+
+
+def test_tied_llama_with_fused_attention_names_its_table_as_named_parameters_does():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, attn_implementation="sdpa", tie_word_embeddings=True,
+    )
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config)
+    captured, rules = _rules(model, (torch.randint(0, VOCAB, (BATCH, SEQ)),), model.config)
+    assert any("scaled_dot_product_attention" in str(n.target) for n in captured.gm.graph.nodes)
+    assert set(rules.shards) <= dict(model.named_parameters()).keys()
+    assert rules.shards["model.embed_tokens.weight"] == 0 and rules.shards["model.layers.0.self_attn.o_proj.weight"] == 1
+    assert all(rules.shards[f"model.layers.0.self_attn.{p}_proj.weight"] == 0 for p in "qkv")
+    assert dict(rules.divisors)["num_key_value_heads"] == 2
