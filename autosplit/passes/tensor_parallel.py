@@ -67,7 +67,7 @@ class TensorParallelRules:
     """Parameter (``model.named_parameters()`` name) → its split dimension: 0 for a column-parallel linear's
     weight and bias and a vocabulary table, 1 for a row-parallel linear's weight (its bias stays whole)."""
     split_nodes: frozenset[str]
-    """Nodes whose compute and outputs tp divides: column-parallel linears up to their row-parallel partner."""
+    """Nodes whose compute and outputs tp divides: each group's linears and the nodes between, lookups."""
     forward_collectives: Mapping[str, int]
     """Node → bytes of its whole output: all-reduced after a row-parallel linear or a vocabulary lookup,
     all-gathered after an LM head, in the forward."""
