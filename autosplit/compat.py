@@ -67,6 +67,7 @@ __all__ = [
     "make_graph_module",
     "copy_attr",
     "TENSOR_DATA",
+    "C_LINEAR",
     "NormBase",
     "BatchNorm",
     "amp_unscale_",
@@ -95,6 +96,10 @@ TORCH_CHECKED = ("2.13.0", "2.14.1")
 
 TENSOR_DATA = torch._C.TensorBase.__dict__["data"]
 """The ``Tensor.data`` descriptor itself (its setter is what ``p.data = ...`` calls)."""
+
+C_LINEAR: Any = torch._C._nn.linear
+"""The ATen binding ``F.linear`` is (``torch._C._nn.linear``): the target a symbolic trace records for
+``F.linear`` calls, which the tensor-parallel rules recognise as a linear layer."""
 
 NormBase: type[torch.nn.Module] = torch.nn.modules.batchnorm._NormBase
 """Every batch or instance norm with running statistics (``torch.nn.modules.batchnorm._NormBase``)."""

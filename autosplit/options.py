@@ -207,6 +207,11 @@ class PlanOptions:
     the mesh's ``dp_replicate``) or ``"fully_shard"`` (FSDP2's ``fully_shard``: parameters,
     gradients and optimizer state sharded over the copies; the mesh's ``dp_shard``); ``"auto"``:
     the planner chooses, over the whole mesh as ``data_parallel="auto"`` does."""
+    tensor_parallel: int | Literal["auto"] = 1
+    """Devices each stage's tensors are split over (the mesh's ``tp``, innermost: inside a node), by
+    the rules the graph gives (:mod:`autosplit.passes.tensor_parallel`): column- then row-parallel
+    linear pairs, the vocabulary-parallel embedding and head. With an integer > 1 the devices are the
+    whole mesh, as with ``"auto"``: the planner chooses it with the split and the data-parallel degrees."""
     limits: SolverLimits = SolverLimits()
     """How much work the solver may do beyond ``time_limit``: the graph sizes past which it
     coarsens, skips CP-SAT or narrows its bound, e.g. ``SolverLimits(cpsat_vars=40_000)``; each
@@ -259,6 +264,8 @@ class PlanOptions:
             raise _bad("data_parallel", self.data_parallel, "an integer ≥ 1 or 'auto'")
         if self.replicate not in (*REPLICATES, AUTO):
             raise _bad("replicate", self.replicate, f"one of {REPLICATES} or 'auto'")
+        if not (self.tensor_parallel == AUTO or (_is_int(self.tensor_parallel) and int(self.tensor_parallel) >= 1)):
+            raise _bad("tensor_parallel", self.tensor_parallel, "an integer ≥ 1 or 'auto'")
         if not isinstance(self.limits, SolverLimits):
             raise _bad("limits", self.limits, "a SolverLimits(...), e.g. SolverLimits(cpsat_vars=40_000)")
         if self.precision not in PRECISIONS:
@@ -340,9 +347,14 @@ class PlanOptions:
 
     @property
     def meshes(self) -> bool:
-        """The planner chooses the data-parallel degrees over the whole mesh (:attr:`data_parallel` or
-        :attr:`replicate` is ``"auto"``)."""
-        return AUTO in (self.data_parallel, self.replicate)
+        """The planner chooses the mesh's degrees over the whole of it (:attr:`data_parallel`,
+        :attr:`replicate` or :attr:`tensor_parallel` is ``"auto"``, or tensors are split)."""
+        return AUTO in (self.data_parallel, self.replicate, self.tensor_parallel) or self.tensor_parallel != 1
+
+    @property
+    def tp(self) -> int:
+        """:attr:`tensor_parallel` as a count (1 while it is ``"auto"``: not chosen yet)."""
+        return 1 if isinstance(self.tensor_parallel, str) else int(self.tensor_parallel)
 
     @property
     def replicas(self) -> int:

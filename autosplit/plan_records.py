@@ -182,6 +182,8 @@ class Alternative:
     """Data-parallel copies of the configuration (:attr:`~autosplit.plans.Plan.data_parallel`)."""
     dp_shard: int = 1
     """Of them, the degree that shards (:attr:`~autosplit.plans.Plan.dp_shard`)."""
+    tensor_parallel: int = 1
+    """Devices each stage's tensors are split over (:attr:`~autosplit.plans.Plan.tensor_parallel`)."""
     bound: float | None = None
     """The least step any split of the configuration can reach, where the search proved one (seconds)."""
 

@@ -98,6 +98,9 @@ class Plan:
     bias and a vocabulary-parallel embedding (``ColwiseParallel``, ``RowwiseParallel`` of an
     ``Embedding``), 1 for a row-parallel ``Linear``'s weight (``RowwiseParallel``). A parameter not
     named is replicated over them."""
+    tp_whole: Mapping[str, str] = field(default_factory=dict)
+    """Under :attr:`tensor_parallel`, each module whose parameters stay whole on every tp rank → why
+    (a fused projection split along its output, a norm, a lookup of computed indices)."""
     sequence_parallel: bool = False
     """Under :attr:`tensor_parallel`, the activations between the split layers (norms, residuals) are
     split along the sequence (torch's ``SequenceParallel``): reduce-scatter and all-gather where
@@ -314,7 +317,7 @@ class Plan:
             raise _bad(source, "data_parallel", self.data_parallel, "is not an integer ≥ 1")
         if self.dp_shard < 1 or self.data_parallel % self.dp_shard:
             raise _bad(source, "dp_shard", self.dp_shard, f"is not an integer ≥ 1 dividing data_parallel={self.data_parallel}")
-        if self.tensor_parallel < 1 or (self.tensor_parallel == 1 and (self.tp_shards or self.sequence_parallel)):
+        if self.tensor_parallel < 1 or (self.tensor_parallel == 1 and (self.tp_shards or self.tp_whole or self.sequence_parallel)):
             raise _bad(source, "tensor_parallel", self.tensor_parallel,
                        "is not an integer ≥ 1, or is 1 with tp_shards or sequence_parallel")
         if any(d not in (0, 1) for d in self.tp_shards.values()):

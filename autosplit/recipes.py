@@ -25,14 +25,15 @@ from autosplit.options import REPLICATES, PlanOptions
 
 __all__ = ["Recipe"]
 
-FIXED_BY_RECIPE = ("data_parallel", "replicate")
+FIXED_BY_RECIPE = ("data_parallel", "replicate", "tensor_parallel")
 
 
 @dataclass(frozen=True)
 class Recipe:
-    """One layout over the whole mesh: ``world / data_parallel`` pipeline ranks, each stage's
-    ``data_parallel`` copies kept in step as ``replicate`` says (the mesh's dp_replicate or dp_shard),
-    every copy a ``1/data_parallel`` share of the global batch."""
+    """One layout over the whole mesh: ``world / (data_parallel · tensor_parallel)`` pipeline ranks, each
+    stage's tensors split over ``tensor_parallel`` devices and its ``data_parallel`` copies kept in step as
+    ``replicate`` says (the mesh's dp_replicate or dp_shard), every copy a ``1/data_parallel`` share of the
+    global batch."""
 
     split: Any = None
     """The pipeline's stages, in any form :func:`~autosplit.compiler.manual.manual_plan` reads
@@ -40,16 +41,20 @@ class Recipe:
     data_parallel: int = 1
     replicate: str = "replicate"
     """``"replicate"`` (whole copies) or ``"fully_shard"`` (FSDP2: state sharded over the copies)."""
+    tensor_parallel: int = 1
+    """Devices each stage's tensors are split over (the mesh's tp), by the rules the graph gives."""
     options: Mapping[str, Any] = field(default_factory=dict)
     """The :class:`~autosplit.PlanOptions` the recipe fixes: ``schedule``, ``micro_batches``,
     ``stages_per_rank``, ``checkpointing``, ``precision``, …"""
 
     def __post_init__(self) -> None:
-        if not isinstance(self.data_parallel, int) or isinstance(self.data_parallel, bool) or self.data_parallel < 1:
-            raise ConstraintError(advice(
-                f"Recipe(data_parallel={self.data_parallel!r}) is not a count of copies",
-                "each stage runs on data_parallel devices, each a share of the global batch", "pass an integer ≥ 1",
-            ))
+        for name in ("data_parallel", "tensor_parallel"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConstraintError(advice(
+                    f"Recipe({name}={value!r}) is not a count of devices",
+                    "the mesh's degrees are whole numbers of devices", "pass an integer ≥ 1",
+                ))
         if self.replicate not in REPLICATES:
             raise ConstraintError(advice(
                 f"Recipe(replicate={self.replicate!r}) is not a way copies keep in step",
@@ -59,6 +64,6 @@ class Recipe:
         if fixed:
             raise ConstraintError(advice(
                 f"Recipe(options=...) sets {fixed}", "the recipe's own fields hold its data-parallel layout",
-                "pass them as Recipe(data_parallel=..., replicate=...)",
+                "pass them as Recipe(data_parallel=..., replicate=..., tensor_parallel=...)",
             ))
         PlanOptions().replace(**self.options)  # an unknown or bad option fails here, naming itself

@@ -32,7 +32,7 @@ import torch
 from autosplit import debug
 from autosplit.compiler.hybrid import Cluster
 from autosplit.compiler.manual import manual_plan
-from autosplit.compiler.mesh import degrees_to_try, mesh_plan
+from autosplit.compiler.mesh import degrees_to_try, mesh_plan, stage_ranks
 from autosplit.compiler.steps import codegen, compile_plan
 from autosplit.compiler.trace import Traced, trace
 from autosplit.devices import DeviceLike, DeviceSpec, resolve_devices
@@ -191,15 +191,17 @@ class Planner:
 
     def _copy_of(self, recipe: Recipe) -> Planner:
         """This planner as one data-parallel copy of ``recipe`` sees the model: the first device of each
-        stage's group (stage ``s`` on rank ``s · data_parallel``, as the mesh search lays them out), the
-        copy's share of the batch, and the recipe's options."""
+        stage's group (as the mesh search lays configurations out), the copy's share of the batch, and
+        the recipe's options."""
         specs = self.specs()
         # the devices as resolved (their caps applied): the memory option's indices are the whole mesh's
-        layout = self.options.replace(data_parallel=recipe.data_parallel, replicate=recipe.replicate, memory=None, **recipe.options)
-        (degrees,) = degrees_to_try(len(specs), self.traced.batch, layout)  # refuses a degree the devices or batch do not divide
+        layout = self.options.replace(data_parallel=recipe.data_parallel, replicate=recipe.replicate,
+                                      tensor_parallel=recipe.tensor_parallel, memory=None, **recipe.options)
+        # refuses a degree the devices or batch do not divide, or a tp wider than a node
+        (degrees,) = degrees_to_try(len(specs), self.traced.batch, layout, specs[0].island_size)
         copy_ = copy.copy(self)
         copy_.options = layout
-        copy_.devices = tuple(specs[s * degrees.data_parallel] for s in range(degrees.pp))
+        copy_.devices = stage_ranks(specs, degrees)
         copy_._traced = self.traced.at_batch(degrees.data_parallel)
         return copy_
 

@@ -20,12 +20,14 @@ from autosplit.passes.costs import LossCost, estimate, with_overrides
 from autosplit.passes.loss import cost_loss, output_like
 from autosplit.passes.profile import Profile, profile
 from autosplit.passes.sharding import laid_out, sharded_alone
+from autosplit.passes.tensor_parallel import check_degree
+from autosplit.passes.tp_costs import sequence_parallel, tp_laid_out
 from autosplit.plans import PartialRecompute
 from autosplit.shapes import is_meta
 from autosplit.solver.problem import UserConstraint
 from autosplit.timers import pinned
 
-__all__ = ["cost_table", "estimated"]
+__all__ = ["cost_table", "estimated", "tp_fields"]
 
 
 def cost_table(
@@ -66,10 +68,23 @@ def cost_table(
         n = len(options.cost_overrides)
         table = with_overrides(table, options.cost_overrides)
         source += f" + {n} override{'s' * (n > 1)}"
+    if options.tp > 1:
+        check_degree(traced.tp_rules(), options.tp)
+        table = tp_laid_out(table, gm, traced.tp_rules(), tp=options.tp, micro_batches=micro_batches, numel=traced.param_numel())
+        source += f"; tensors split over tp {options.tp}"
     if options.dp_shard > 1:
         table = laid_out(table, dp_shard=options.dp_shard, alone=sharded_alone(len(specs), micro_batches, options.dp_shard))
         source += f"; sharded over dp_shard {options.dp_shard}"
     return table, source
+
+
+def tp_fields(traced: Traced, options: PlanOptions) -> dict[str, Any]:
+    """The :class:`~autosplit.plans.Plan` fields of the options' tensor parallelism (none for tp 1)."""
+    if options.tp <= 1:
+        return {}
+    rules = traced.tp_rules()
+    return {"tensor_parallel": options.tp, "tp_shards": dict(rules.shards), "tp_whole": dict(rules.replicated),
+            "sequence_parallel": sequence_parallel(rules)}
 
 
 def _loss(traced: Traced, specs: tuple[DeviceSpec, ...], options: PlanOptions, micro_batches: int,

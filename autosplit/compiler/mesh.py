@@ -1,19 +1,22 @@
 """Step *mesh*: the data-parallel degrees chosen with the split (DESIGN §4.9).
 
 ``world`` devices form the mesh ``pp × dp_replicate × dp_shard × tp`` (pp outermost, tp innermost,
-as torchtitan builds it; tp = 1 until tensor parallelism is planned). For every data-parallel
-degree ``dp`` that divides the devices and the global batch (or the one the user pinned,
+as torchtitan builds it). For every tensor-parallel degree ``tp`` that divides the devices and fits
+a node (or the one pinned, ``tensor_parallel=``; the graph's rules refuse one its head counts do not
+allow, :mod:`autosplit.passes.tensor_parallel`), every data-parallel degree ``dp`` that divides the
+rest and the global batch (or the one the user pinned,
 ``data_parallel=``), and every way its copies keep in step (``replicate="replicate"``: whole copies,
 the mesh's dp_replicate; ``"fully_shard"``: sharded, its dp_shard; or the one pinned), one
-pipeline of ``pp = world / dp`` stages is planned for ``1/dp`` of the batch by the whole planner —
+pipeline of ``pp = world / (dp · tp)`` stages is planned for ``1/dp`` of the batch by the whole planner —
 split, schedule, stages per rank, micro-batches, recomputation, precision — with the layout in
 its costs (:mod:`autosplit.passes.sharding`). The global batch is fixed, so the fastest step is
 the fastest training; the plan returned lists every configuration tried
 (:attr:`~autosplit.plans.Plan.alternatives`), and its bound is the least any configuration can
 reach, so its gap covers the degrees too.
 
-Stage ``s`` of a configuration runs on rank ``s · dp`` (its copies the ranks after it), so a
-data-parallel group stays inside a node while ``dp`` fits one, and the pipeline crosses nodes.
+Stage ``s`` of a configuration runs on rank ``s · dp · tp`` (its tp group and copies the ranks after
+it), so a tp group stays inside a node, a data-parallel group too while ``dp · tp`` fits one, and the
+pipeline crosses nodes.
 
 Usage::
 
@@ -37,10 +40,11 @@ from autosplit.devices import DeviceSpec
 from autosplit.errors import AutosplitError, ConstraintError, InfeasiblePlanError, SolverError, advice
 from autosplit.options import AUTO, REPLICATES, PlanOptions
 from autosplit.passes.sharding import laid_out
+from autosplit.passes.tensor_parallel import check_degree
 from autosplit.plans import Alternative, Plan
 from autosplit.units import format_bytes
 
-__all__ = ["Degrees", "degrees_to_try", "mesh_plan"]
+__all__ = ["Degrees", "degrees_to_try", "mesh_plan", "stage_ranks"]
 
 log = logging.getLogger(__name__)
 
@@ -52,27 +56,55 @@ class Degrees:
     pp: int
     data_parallel: int
     replicate: str
+    tp: int = 1
 
     def __str__(self) -> str:
         dim = "dp_shard" if self.replicate == "fully_shard" else "dp_replicate"
-        return f"pp {self.pp} × {dim} {self.data_parallel}" if self.data_parallel > 1 else f"pp {self.pp}"
+        return f"pp {self.pp}" + f" × {dim} {self.data_parallel}" * (self.data_parallel > 1) + f" × tp {self.tp}" * (self.tp > 1)
 
 
-def degrees_to_try(world: int, batch: int | None, options: PlanOptions) -> list[Degrees]:
+def degrees_to_try(world: int, batch: int | None, options: PlanOptions, island: int | None = None) -> list[Degrees]:
     """Every configuration of ``world`` devices the options leave open, for a global batch of ``batch``
-    rows; refuses a pinned degree that does not divide the devices or the batch."""
+    rows, tensor parallelism inside an ``island`` of devices (a node; None: any); refuses a pinned
+    degree that does not divide the devices or the batch, or a tp wider than a node."""
+    tps = _tensor_parallel_degrees(world, island, options)
     pinned = None if options.data_parallel == AUTO else options.replicas
-    if pinned is not None and (world % pinned or (batch is not None and batch % pinned)):
+    room = world // tps[0] if len(tps) == 1 else world
+    if pinned is not None and (room % pinned or (batch is not None and batch % pinned)):
         raise ConstraintError(advice(
-            f"data_parallel={pinned} does not divide the {world} devices" if world % pinned else
-            f"data_parallel={pinned} does not divide the global batch of {batch} rows",
+            f"data_parallel={pinned} does not divide the {room} devices" + f" left by tp {tps[0]}" * (room != world)
+            if room % pinned else f"data_parallel={pinned} does not divide the global batch of {batch} rows",
             "world size = pp × dp_replicate × dp_shard × tp, and every data-parallel copy takes an equal share of the batch",
-            f"pass data_parallel= one of {[d for d in range(1, world + 1) if world % d == 0 and (batch or d) % d == 0]}, "
+            f"pass data_parallel= one of {[d for d in range(1, room + 1) if room % d == 0 and (batch or d) % d == 0]}, "
             "or 'auto'",
         ))
-    degrees = [pinned] if pinned is not None else [d for d in range(1, world + 1) if world % d == 0 and (batch is None or batch % d == 0)]
     layouts = REPLICATES if options.replicate == AUTO else (options.replicate,)
-    return [Degrees(world // d, d, layout) for d in degrees for layout in (layouts if d > 1 else REPLICATES[:1])]
+    return [
+        Degrees(world // (d * tp), d, layout, tp) for tp in tps
+        for d in ([pinned] if pinned is not None else _divisors(world // tp))
+        if (world // tp) % d == 0 and (batch is None or batch % d == 0)
+        for layout in (layouts if d > 1 else REPLICATES[:1])
+    ]
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _tensor_parallel_degrees(world: int, island: int | None, options: PlanOptions) -> list[int]:
+    """The tp degrees to try: the pinned one, or every divisor of the devices that fits a node."""
+    node = island or world
+    if options.tensor_parallel == AUTO:
+        return [t for t in _divisors(world) if t <= node]
+    tp = options.tp
+    if tp > node or world % tp:
+        raise ConstraintError(advice(
+            f"tp {tp} exceeds the {node} GPUs of a node" if tp > node else f"tensor_parallel={tp} does not divide the {world} devices",
+            "a tensor-parallel group exchanges activations at every layer, so it stays inside a node's fast links"
+            if tp > node else "world size = pp × dp_replicate × dp_shard × tp",
+            f"pass tensor_parallel= one of {[t for t in _divisors(world) if t <= node]}, or 'auto'",
+        ))
+    return [tp]
 
 
 def mesh_plan(traced: Traced, specs: Sequence[DeviceSpec], options: PlanOptions) -> Plan:
@@ -99,11 +131,11 @@ def _search(traced: Traced, specs: Sequence[DeviceSpec], options: PlanOptions) -
     step found (beyond the options' gap), most room first: the others cannot win."""
     start = time.perf_counter()
     first = options.replace(limits=dataclasses.replace(options.limits, cpsat_vars=1))
-    plain = options.replace(data_parallel=1, replicate="replicate", checkpointing="none", recompute=None, cost_overrides=None,
-                            costs="analytic")
+    plain = options.replace(data_parallel=1, replicate="replicate", tensor_parallel=1, checkpointing="none", recompute=None,
+                            cost_overrides=None, costs="analytic")
     whole, _ = cost_table(traced, tuple(specs[:1]), plain, micro_batches=1)  # the model state, whatever the batch
     tried: dict[Degrees, Plan | AutosplitError] = {}
-    for degrees in degrees_to_try(len(specs), traced.batch, options):
+    for degrees in degrees_to_try(len(specs), traced.batch, options, specs[0].island_size):
         tried[degrees] = _attempt(traced, specs, first, degrees, whole)
     best = min((p.step_time for p in tried.values() if isinstance(p, Plan)), default=math.inf)
     for degrees, p in sorted(tried.items(), key=lambda dp: _bound_of(dp[1])):
@@ -132,20 +164,33 @@ def _attempt(
     traced: Traced, specs: Sequence[DeviceSpec], options: PlanOptions, degrees: Degrees, whole: CostTable,
 ) -> Plan | AutosplitError:
     """One configuration's plan — the first rank of each stage's group, ``1/dp`` of the batch — or why there is none."""
-    ranks = tuple(specs[s * degrees.data_parallel] for s in range(degrees.pp))
-    chosen = options.replace(data_parallel=degrees.data_parallel, replicate=degrees.replicate,
+    ranks = stage_ranks(specs, degrees)
+    chosen = options.replace(data_parallel=degrees.data_parallel, replicate=degrees.replicate, tensor_parallel=degrees.tp,
                              # the micro-batches chosen with the degrees unless the user fixed them
                              micro_batches="auto" if options.micro_batches is None else options.micro_batches)
     try:
         # the least state the configuration can hold: one stage may shard unit by unit (FSDP alone)
         row = 0.0 if options.checkpoints else sum(whole.saved_bytes) / (traced.batch or math.inf)
         _state_fits(laid_out(whole, dp_shard=chosen.dp_shard, alone=degrees.pp == 1), ranks, degrees, row)
+        if degrees.tp > 1:  # head counts and split sizes the degree must divide, before capturing the share
+            check_degree(traced.tp_rules(), degrees.tp)
         share = traced.at_batch(degrees.data_parallel)
         chosen.micro_batches_for(None if chosen.searches else degrees.pp, share.batch)
         return compile_plan(share, ranks, chosen)
     except AutosplitError as e:
         log.info("%s: %s", degrees, e)
         return e
+
+
+def stage_ranks(specs: Sequence[DeviceSpec], degrees: Degrees) -> tuple[DeviceSpec, ...]:
+    """The device each stage of ``degrees`` is planned on: its first rank, ``s · dp · tp`` (tp innermost,
+    then the data-parallel copies), as it sees its data-parallel peers — an island of ``island_size``
+    devices holds ``island_size / tp`` of each data-parallel group."""
+    group = degrees.data_parallel * degrees.tp
+    ranks = tuple(specs[s * group] for s in range(degrees.pp))
+    if degrees.tp <= 1:
+        return ranks
+    return tuple(dataclasses.replace(d, island_size=max(1, d.island_size // degrees.tp)) if d.island_size else d for d in ranks)
 
 
 def _state_fits(table: CostTable, ranks: tuple[DeviceSpec, ...], degrees: Degrees, row: float = 0.0) -> None:
@@ -155,12 +200,13 @@ def _state_fits(table: CostTable, ranks: tuple[DeviceSpec, ...], degrees: Degree
 
     ``row``: one row's saved activations where nothing recomputes — the global batch's over its rows.
     Every stage holds at least one micro-batch of at least one row at its peak, and a tensor's bytes
-    grow at most in proportion to the batch (``a · rows + c``, ``c ≥ 0``), so this bounds any share."""
-    need, cap = (sum(table.state_bytes) + row) / degrees.pp, sum(d.memory for d in ranks) / degrees.pp
+    grow at most in proportion to the batch (``a · rows + c``, ``c ≥ 0``), so this bounds any share.
+    Tensor parallelism holds no less than ``1/tp`` of either (:mod:`autosplit.passes.tp_costs`)."""
+    need, cap = (sum(table.state_bytes) + row) / (degrees.pp * degrees.tp), sum(d.memory for d in ranks) / degrees.pp
     if need > cap:
         what = "the model state alone needs" if not row else "the model state and one row's saved activations need"
         raise InfeasiblePlanError(advice(
-            f"{degrees}: {what} {format_bytes(need)} per device spread perfectly over {degrees.pp} "
+            f"{degrees}: {what} {format_bytes(need)} per device spread perfectly over {degrees.pp * degrees.tp} "
             f"(proven), more than the {format_bytes(cap)} each holds",
             "parameters, gradients and optimizer state do not shrink with the batch" + ("" if not row else
             ", and without recomputation every stage holds at least one row's activations"),
@@ -195,8 +241,9 @@ def _alternatives(tried: Sequence[tuple[Degrees, Plan | AutosplitError]]) -> tup
         shard = d.data_parallel if d.replicate == "fully_shard" else 1
         rows.append(
             Alternative(p.schedule, p.stages_per_rank, p.micro_batches, p.step_time, p.rank_memory or tuple(s.memory for s in p.stages),
-                        data_parallel=d.data_parallel, dp_shard=shard, bound=_bound_of(p)) if isinstance(p, Plan)
-            else Alternative("", 1, 0, math.inf, note=_first_sentence(p), data_parallel=d.data_parallel, dp_shard=shard)
+                        data_parallel=d.data_parallel, dp_shard=shard, tensor_parallel=d.tp, bound=_bound_of(p)) if isinstance(p, Plan)
+            else Alternative("", 1, 0, math.inf, note=_first_sentence(p), data_parallel=d.data_parallel, dp_shard=shard,
+                             tensor_parallel=d.tp)
         )
     return tuple(sorted(rows, key=lambda a: a.step_time))
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 
 from autosplit import progress
-from autosplit.compiler.costs import cost_table, estimated
+from autosplit.compiler.costs import cost_table, estimated, tp_fields
 from autosplit.compiler.makespan import compile_makespan
 from autosplit.compiler.prediction import module_stages, predict_step, rank_peaks, stage_reports, step_bound
 from autosplit.compiler.trace import Traced
@@ -56,6 +56,7 @@ def recost(traced: Traced, specs: tuple[DeviceSpec, ...], options: PlanOptions, 
         step_time=terms.total,
         module_stages=module_stages(table, stage_of),
         terms=terms, shared_params=shared, data_parallel=options.replicas, dp_shard=options.dp_shard, timings=timings,
+        **tp_fields(traced, options),
         precision=options.precision,
         made_with=given.made_with or (given.costs, given.step_time),
     )

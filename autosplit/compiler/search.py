@@ -25,7 +25,7 @@ from autosplit.compiler.recompute import offered
 from autosplit.compiler.trace import Traced
 from autosplit.costtable import CostTable
 from autosplit.devices import DeviceSpec
-from autosplit.errors import AutosplitError, InfeasiblePlanError, SolverError, advice
+from autosplit.errors import AutosplitError, ConstraintError, InfeasiblePlanError, SolverError, advice
 from autosplit.options import AUTO, AUTO_MOST_STAGES_PER_RANK, PlanOptions
 from autosplit.plans import Alternative, PartialRecompute
 from autosplit.solver.build import build_problem
@@ -89,9 +89,9 @@ def configurations(options: PlanOptions, ranks: int, batch: int | None) -> list[
             if ranks == 1 and v > 1 and entry.placement != "v":
                 continue
             concrete = options.replace(schedule=name, stages_per_rank=v, micro_batches=None)
-            if options.micro_batches == AUTO:
-                counts = [m for m in range(ranks, 4 * ranks * v + 1) if (batch is None or batch % m == 0)
-                          and entry.refusal(ranks=ranks, stages=ranks * v, micro_batches=m) is None]
+            if options.micro_batches == AUTO:  # from one per rank up; fewer only where the batch allows no more
+                counts = [m for m in range(ranks, 4 * ranks * v + 1) if batch is None or batch % m == 0] or [
+                    m for m in range(1, ranks) if batch is None or batch % m == 0]
             else:
                 given = options.micro_batches
                 counts = [given if isinstance(given, int) else concrete.micro_batches_for(ranks, batch)]
@@ -147,7 +147,14 @@ def search(traced: Traced, specs: tuple[DeviceSpec, ...], options: PlanOptions) 
     one tried (fastest first); when none fits, an :class:`InfeasiblePlanError` naming them where the
     memory floors prove each, else a :class:`SolverError` (the DP's splits over one order do not fit:
     no proof)."""
-    tried = [(concrete, _judge(traced, specs, concrete)) for concrete in configurations(options, len(specs), traced.batch)]
+    concretes = configurations(options, len(specs), traced.batch)
+    if not concretes:
+        raise ConstraintError(advice(
+            f"no configuration the options leave open runs on {len(specs)} ranks with a batch of {traced.batch} rows",
+            f"schedule {options.schedule!r} needs a micro-batch count it runs that divides the batch",
+            "another schedule (gpipe runs any count), a larger batch, or fewer devices",
+        ))
+    tried = [(concrete, _judge(traced, specs, concrete)) for concrete in concretes]
     tried.sort(key=lambda pair: (pair[1].step_time, pair[1].schedule, pair[1].stages_per_rank, pair[1].micro_batches))
     for _, row in tried:
         log.info("search: %s × %d stage(s) per rank × %d micro-batches: %s", row.schedule, row.stages_per_rank,

@@ -23,7 +23,7 @@ import dataclasses
 import logging
 
 from autosplit import debug, progress, schedules
-from autosplit.compiler.costs import estimated
+from autosplit.compiler.costs import estimated, tp_fields
 from autosplit.compiler.makespan import compile_makespan
 from autosplit.compiler.prediction import module_stages, predict_step, rank_peaks, stage_reports, step_bound
 from autosplit.compiler.recost import recost
@@ -51,14 +51,8 @@ def compile_plan(
     under ``options.costs`` (``check_memory=False``: a plan over a memory cap is costed, not refused)."""
     if given is not None:
         return recost(traced, specs, options, given, check_memory=check_memory)
-    alternatives: tuple[Alternative, ...] = ()
     if options.searches and options.objective == "pipeline":
-        searched: dict[str, float] = {}
-        with progress.timed_pass("search", searched):
-            options, alternatives = search(traced, specs, options)
-        plan = compile_plan(traced, specs, options)
-        return dataclasses.replace(plan, alternatives=alternatives, timings={**plan.timings, **searched},
-                                   solver=dataclasses.replace(plan.solver, step_bound=_searched_bound(plan, alternatives)))
+        return _searched(traced, specs, options)
     timings, M, table, source, rules = estimated(traced, specs, options)
     if options.objective == "makespan":
         return compile_makespan(traced, specs, options, table, source, rules, timings)
@@ -97,7 +91,7 @@ def compile_plan(
         step_time=terms.total,
         terms=terms,
         shared_params=shared,
-        data_parallel=options.replicas, dp_shard=options.dp_shard,
+        data_parallel=options.replicas, dp_shard=options.dp_shard, **tp_fields(traced, options),
         micro_batches=M,
         schedule=options.schedule,
         stages_per_rank=v,
@@ -124,6 +118,16 @@ def compile_plan(
         versions=versions(),
         timings=timings,
     )
+
+
+def _searched(traced: Traced, specs: tuple[DeviceSpec, ...], options: PlanOptions) -> Plan:
+    """The plan of the fastest configuration the search finds, with every one tried beside it."""
+    searched: dict[str, float] = {}
+    with progress.timed_pass("search", searched):
+        options, alternatives = search(traced, specs, options)
+    plan = compile_plan(traced, specs, options)
+    return dataclasses.replace(plan, alternatives=alternatives, timings={**plan.timings, **searched},
+                               solver=dataclasses.replace(plan.solver, step_bound=_searched_bound(plan, alternatives)))
 
 
 def _searched_bound(plan: Plan, alternatives: tuple[Alternative, ...]) -> float:

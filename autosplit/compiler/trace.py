@@ -20,6 +20,7 @@ from autosplit.microbatch import batch_size, split_batch
 from autosplit.passes.annotate import annotate
 from autosplit.passes.capture import Captured, capture, fingerprint, flat_inputs
 from autosplit.passes.loss import Loss
+from autosplit.passes.tensor_parallel import TensorParallelRules, tensor_parallel_rules
 
 __all__ = ["trace", "Traced", "versions"]
 
@@ -43,6 +44,19 @@ class Traced:
     _shares: dict[int, Traced] = field(default_factory=dict, compare=False, repr=False)
     _losses: dict[tuple, Any] = field(default_factory=dict, compare=False, repr=False)
     """The loss's cost per (micro-batches, precision, devices, profiling): costed once per plan search."""
+    _rules: list[TensorParallelRules] = field(default_factory=list, compare=False, repr=False)
+
+    def tp_rules(self) -> TensorParallelRules:
+        """What tensor parallelism can split in this graph (:func:`~autosplit.passes.tensor_parallel.tensor_parallel_rules`;
+        head counts named by the model's ``config`` where it has one), made once and kept."""
+        if not self._rules:
+            self._rules.append(tensor_parallel_rules(self.captured, getattr(self.model, "config", None)))
+        return self._rules[0]
+
+    def param_numel(self) -> dict[str, int]:
+        """Parameter name (each name of a tied one) → its elements."""
+        module = self.model if self.model is not None else self.captured.gm
+        return {name: p.numel() for name, p in module.named_parameters(remove_duplicate=False)}
 
     def annotated(self, precision: str, device_type: str) -> torch.fx.GraphModule:
         """The graph annotated as ``precision`` runs it on a ``device_type`` target (``"cpu"``,

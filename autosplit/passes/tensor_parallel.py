@@ -1,8 +1,7 @@
 """Tensor-parallel rules read from the captured graph, not from module names (DESIGN §4.9).
 
-Megatron-LM's intra-layer split (Shoeybi et al., 2019, "Megatron-LM: Training Multi-Billion Parameter
-Language Models Using Model Parallelism"), as torch's ``ColwiseParallel``/``RowwiseParallel`` apply it,
-found by following each linear's output through its readers (traced or exported graphs; annotated shapes):
+Megatron-LM's intra-layer split (Shoeybi et al., 2019), as torch's ``ColwiseParallel``/``RowwiseParallel``
+apply it, found by following each linear's output through its readers (traced or exported graphs):
 
 1. A linear with a parameter weight reading a whole tensor starts a group, column-parallel: its output
    is split along its features. The split follows elementwise ops with operands broadcast across it,
@@ -15,8 +14,8 @@ found by following each linear's output through its readers (traced or exported 
    row-parallel linear) leaves the group's linears whole, each tried again as a group's start.
 4. A group with no row-parallel linear whose split reaches only the output is an LM head over the
    vocabulary (all-gathered, or ``loss_parallel``); a lookup of the input ids is vocabulary-parallel
-   (all-reduced). A parameter split two ways, or split once and read whole elsewhere, stays whole.
-   Norms stay whole (sequence parallelism is the cost model's choice).
+   (all-reduced). A parameter split two ways, or split once and read whole elsewhere, stays whole, as
+   norms do (sequence parallelism is the cost model's choice: :mod:`autosplit.passes.tp_costs`).
 
 Usage::
 
@@ -36,6 +35,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
+from autosplit import compat
 from autosplit.errors import ConstraintError, advice
 from autosplit.passes.annotations import node_info
 from autosplit.passes.capture import Captured
@@ -45,7 +45,7 @@ __all__ = ["TensorParallelRules", "check_degree", "tensor_parallel_rules"]
 log = logging.getLogger(__name__)
 aten = torch.ops.aten
 
-_LINEARS = {nn.functional.linear, aten.linear.default, torch._C._nn.linear}
+_LINEARS = {nn.functional.linear, aten.linear.default, compat.C_LINEAR}
 _LOOKUPS = {nn.functional.embedding: (1, 0), torch.embedding: (0, 1), aten.embedding.default: (0, 1)}  # → (table, indices) at
 _ELEMENTWISE = frozenset((
     "add sub rsub mul div truediv floordiv pow neg exp log abs sqrt rsqrt square reciprocal sin cos erf "
@@ -77,12 +77,13 @@ class TensorParallelRules:
     """(name, count) every tp degree must divide: heads, split features, vocabularies (config names)."""
     replicated: Mapping[str, str]
     """Module path → why its parameters stay whole on every tp rank."""
+    whole_linears: frozenset[str] = frozenset()
+    """Of :attr:`replicated`, the linears (whole on every rank: no sequence parallelism around them)."""
 
 
 def check_degree(rules: TensorParallelRules, tp: int) -> None:
-    """Refuse ``tp`` unless it divides every count of :attr:`TensorParallelRules.divisors`."""
-    if tp < 1:
-        raise ConstraintError(advice(f"tp {tp} is not a positive degree", None, "pass tp ≥ 1"))
+    """Refuse ``tp`` (≥ 1: :class:`~autosplit.options.PlanOptions` checks it) unless it divides every count of
+    :attr:`TensorParallelRules.divisors`."""
     bad = [f"{name} {count} is not divisible by tp {tp}" for name, count in rules.divisors if count % tp]
     if bad:
         common = math.gcd(*(count for _, count in rules.divisors))
@@ -380,6 +381,7 @@ class _Walk:
         return TensorParallelRules(
             shards=shards, split_nodes=frozenset(n.name for n in split), forward_collectives=forward,
             backward_collectives=backward, divisors=_divisors(found, config), replicated=self.replicated(shards),
+            whole_linears=frozenset(self.path(n) for n in self.gm.graph.nodes if self.linear(n) and n not in split),
         )
 
     def replicated(self, shards: Mapping[str, int]) -> dict[str, str]:
@@ -414,7 +416,6 @@ def _shape(node: Any) -> tuple[int, ...]:
 
 def _arg(node: fx.Node, at: int, name: str = "", default: Any = None) -> Any:
     return node.args[at] if len(node.args) > at else node.kwargs.get(name, default)
-
 
 
 def _reshape_dim(src: tuple[int, ...], dst: tuple[int, ...], dim: int) -> int | None:

@@ -67,6 +67,8 @@ def plan_report(plan: Plan, width: int = 140) -> str:
             f"+ tied-weight sync {_ms(t.tied_sync)} + data-parallel collectives {_ms(t.data_parallel)} "
             f"(exposed; mesh {' × '.join(f'{k} {v}' for k, v in plan.mesh.items())})"
         )
+    if plan.tensor_parallel > 1:
+        _print_tensor_parallel(console, plan)
     for p in plan.shared_params:
         console.print(
             f"shared parameter {p.name} on stages {list(p.stages)}: {p.policy} "
@@ -101,20 +103,32 @@ def plan_report(plan: Plan, width: int = 140) -> str:
     return out.getvalue().rstrip()
 
 
+def _print_tensor_parallel(console: Any, plan: Plan) -> None:
+    """What tensor parallelism splits, and what stays whole on every tp rank and why."""
+    by_dim = {d: sum(1 for v in plan.tp_shards.values() if v == d) for d in (0, 1)}
+    console.print(f"tensor parallel over tp {plan.tensor_parallel}: {len(plan.tp_shards)} parameters split "
+                  f"({by_dim[0]} along dim 0: column-parallel and vocabulary; {by_dim[1]} along dim 1: row-parallel)"
+                  + ("; sequence parallel between the split layers" if plan.sequence_parallel else ""))
+    for path, why in list(plan.tp_whole.items())[:12]:
+        console.print(f"  whole on every tp rank: {path or 'the root'}: {why}")
+    if len(plan.tp_whole) > 12:
+        console.print(f"  … and {len(plan.tp_whole) - 12} more modules kept whole")
+
+
 def _print_alternatives(console: Any, plan: Plan) -> None:
     """The configurations a search tried, fastest first: each one's mesh, schedule, step and peak."""
     console.print(f"configurations tried ({len(plan.alternatives)}, fastest first; split by the DP, replayed):")
     for a in plan.alternatives[:12]:
         peak = max(a.rank_memory, default=0)
-        mesh = _mesh(a.data_parallel, a.dp_shard)
+        mesh = _mesh(a.data_parallel, a.dp_shard, a.tensor_parallel)
         console.print(f"  {f'pp {len(a.rank_memory)} × {mesh}: ' if mesh and a.rank_memory else mesh + ': ' if mesh else ''}" + (
             f"{a.schedule} × {a.stages_per_rank} stage(s) per device × {a.micro_batches} micro-batches: "
             f"{_ms(a.step_time)}, peak {format_bytes(peak)}" if a.fits else a.note))
 
 
-def _mesh(data_parallel: int, dp_shard: int) -> str:
-    """``"dp_shard 8"``, ``"dp_replicate 4"``, ``"dp_replicate 2 × dp_shard 4"``; ``""`` without data parallelism."""
-    parts = [f"{name} {n}" for name, n in (("dp_replicate", data_parallel // dp_shard), ("dp_shard", dp_shard)) if n > 1]
+def _mesh(data_parallel: int, dp_shard: int, tp: int = 1) -> str:
+    """``"dp_shard 8"``, ``"dp_replicate 4"``, ``"dp_replicate 2 × dp_shard 4 × tp 8"``; ``""`` with neither."""
+    parts = [f"{name} {n}" for name, n in (("dp_replicate", data_parallel // dp_shard), ("dp_shard", dp_shard), ("tp", tp)) if n > 1]
     return " × ".join(parts)
 
 

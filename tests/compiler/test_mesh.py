@@ -134,3 +134,45 @@ def test_one_rows_activations_refuse_a_configuration_before_it_is_captured():
     except InfeasiblePlanError as e:  # no configuration fits: the error lists each one's reason
         notes = str(e)
     assert "pp 1 × dp_shard 4: the model state and one row's saved activations need" in notes
+
+
+def _wide_mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Sequential(nn.LayerNorm(256), nn.Linear(256, 1024), nn.GELU(), nn.Linear(1024, 256)) for _ in range(4)])
+
+
+@pytest.mark.parametrize("rows", [1, 64])
+def test_the_tensor_parallel_degree_is_chosen_with_the_split(rows):
+    """4096 tokens on a node of 4. As one row, data parallelism has no rows to share and a pipeline of one
+    micro-batch idles, so each layer split 4 ways wins (sequence parallel: every linear split). As 64 rows,
+    each copy takes 16 and hides its gradients' collectives behind its backward, where tensor parallelism
+    exposes an all-reduce per layer: data parallelism wins."""
+    node = dataclasses.replace(H100, island_size=4)
+    plan = autosplit.plan(_wide_mlp(), [node] * 4, example_inputs=(torch.randn(rows, 4096 // rows, 256),), tensor_parallel="auto",
+                          data_parallel="auto", replicate="auto", **NO_SEARCH)
+    tried = {(len(a.rank_memory), a.tensor_parallel) for a in plan.alternatives if a.fits}
+    assert {(4, 1), (2, 2), (1, 4)} <= tried and plan.step_time == min(a.step_time for a in plan.alternatives)
+    if rows == 1:
+        assert plan.mesh == {"pp": 1, "dp_replicate": 1, "dp_shard": 1, "tp": 4}
+        assert plan.sequence_parallel and set(plan.tp_shards) == {f"{i}.{j}.{w}" for i in range(4) for j, w in
+                                                                   ((1, "weight"), (1, "bias"), (3, "weight"))}
+        assert "tensor parallel over tp 4" in autosplit.report.text.plan_report(plan)
+    else:
+        assert plan.mesh["tp"] == 1 and plan.data_parallel == 4
+
+
+def test_tensor_parallel_refusals_say_what_in_the_users_terms():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, attn_implementation="eager")
+    llama, tokens = LlamaForCausalLM(config), torch.randint(0, 128, (2, 8))
+    with pytest.raises(ConstraintError) as e:  # pinned wider than a node
+        degrees_to_try(16, 16, PlanOptions(tensor_parallel=16), island=8)
+    says(e, "tp 16 exceeds the 8 GPUs of a node", "[1, 2, 4, 8]")
+    with pytest.raises(InfeasiblePlanError) as refused:  # the only configuration left: 4 kv heads' worth of ranks
+        autosplit.plan(llama, autosplit.Cluster.dgx_h100(), example_inputs=(tokens,), tensor_parallel=4, data_parallel=2)
+    says(refused, "num_key_value_heads 2 is not divisible by tp 4")
+    with pytest.raises(ConstraintError) as e:
+        PlanOptions(tensor_parallel="two")
+    says(e, "tensor_parallel")

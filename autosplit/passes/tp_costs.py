@@ -1,0 +1,109 @@
+"""Tensor parallelism in a plan's costs: what one device of a ``tp`` group computes, holds and moves.
+
+The rules come from the graph (:mod:`autosplit.passes.tensor_parallel`): which parameters are split
+and along which dimension, which nodes compute a ``1/tp`` slice (the column-parallel linears, what
+lies between them and their row-parallel partner, that partner), and which tensors are reduced.
+Per node and device of a group of ``tp`` (:func:`tp_laid_out`):
+
+- **compute** (forward, backward, the split backward's cost) ÷ tp on a split node; whole on a
+  replicated one — or ÷ tp too under sequence parallelism, where every node between the split layers
+  (norms, residuals, the loss) runs on ``1/tp`` of the sequence;
+- **activations** (saved, sent, transient, kept for a split backward) likewise ÷ tp;
+- **parameters**, their gradients, optimizer state and compute copy ÷ tp for the split share of the
+  node's parameters (``f``: the node holds ``1 − f + f/tp`` of them), and the optimizer's step with them;
+- **collectives**: each tensor the rules reduce in the forward (a row-parallel output, the
+  vocabulary-parallel embedding's) and each gradient they reduce in the backward (at a column-parallel
+  group's input): a ring all-reduce over the tp ranks — or, under sequence parallelism, a
+  reduce-scatter and an all-gather, the same bytes on the ring — once per micro-batch, on the node's
+  critical path (torch's tensor parallelism does not overlap them; async TP would).
+
+The tp group is ``tp`` consecutive ranks (tp innermost in the mesh), inside one node's island: the
+intra-node ring, at the all-reduce link's bandwidth.
+
+Sequence parallelism is used where the rules split every linear (only norms and lookups of computed
+indices stay whole), as torchtitan does with its ``SequenceParallel`` norms.
+
+Usage::
+
+    table = tp_laid_out(table, gm, rules, tp=8, micro_batches=4, numel=param_numel)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+
+import torch.fx as fx
+
+from autosplit.costtable import CostTable
+from autosplit.devices import DeviceSpec
+from autosplit.passes.annotations import node_info
+from autosplit.passes.tensor_parallel import TensorParallelRules
+
+__all__ = ["sequence_parallel", "split_shares", "tp_collective_time", "tp_laid_out"]
+
+
+def sequence_parallel(rules: TensorParallelRules) -> bool:
+    """Sequence parallelism fits the rules: every linear is split (none in
+    :attr:`~autosplit.passes.tensor_parallel.TensorParallelRules.whole_linears`)."""
+    return bool(rules.shards) and not rules.whole_linears
+
+
+def split_shares(gm: fx.GraphModule, table: CostTable, shards: Mapping[str, int], numel: Mapping[str, int]) -> list[float]:
+    """[node] the share of the node's parameters (by elements) that tensor parallelism splits."""
+    nodes = {n.name: n for n in gm.graph.nodes}
+    shares = []
+    for name in table.nodes:
+        params = node_info(nodes[name]).params if name in nodes and "autosplit" in nodes[name].meta else ()
+        total = sum(numel.get(p, 0) for p in params)
+        shares.append(sum(numel.get(p, 0) for p in params if p in shards) / total if total else 0.0)
+    return shares
+
+
+def tp_collective_time(nbytes: float, tp: int, device: DeviceSpec, micro_batches: int) -> float:
+    """Seconds to all-reduce ``nbytes`` (the whole batch's) over ``tp`` ranks of one node, one
+    collective per micro-batch: the ring's ``2(tp−1)/tp`` of the bytes at the link's bandwidth, and
+    its ``2(tp−1)`` latencies each time."""
+    if tp <= 1 or nbytes <= 0:
+        return 0.0
+    bandwidth, latency = device.allreduce_link(device)
+    return 2 * (tp - 1) / tp * nbytes / bandwidth + 2 * (tp - 1) * latency * micro_batches
+
+
+def tp_laid_out(
+    table: CostTable, gm: fx.GraphModule, rules: TensorParallelRules, *, tp: int, micro_batches: int, numel: Mapping[str, int],
+) -> CostTable:
+    """``table`` as one device of a tensor-parallel group of ``tp`` computes, holds and moves it (the
+    module docstring); ``table`` itself for ``tp = 1``."""
+    if tp <= 1:
+        return table
+    everywhere = sequence_parallel(rules)
+    cut = [1 / tp if everywhere or name in rules.split_nodes else 1.0 for name in table.nodes]
+    held = [1 - f + f / tp for f in split_shares(gm, table, rules.shards, numel)]
+
+    def scaled(values: Sequence[int], by: Sequence[float]) -> tuple[int, ...]:
+        return tuple(round(v * k) for v, k in zip(values, by)) if values else ()
+
+    def timed(rows: Sequence[Sequence[float]], extra: Mapping[str, int]) -> tuple[tuple[float, ...], ...]:
+        return tuple(
+            tuple(t * k + tp_collective_time(extra.get(name, 0), tp, d, micro_batches) for t, d in zip(row, table.devices))
+            for row, k, name in zip(rows, cut, table.nodes)
+        )
+
+    buffers = table.buffer_bytes or (0,) * len(table.nodes)
+    state = tuple(round((s - b) * k) + b for s, b, k in zip(table.state_bytes, buffers, held))
+    saved = scaled(table.saved_bytes, cut)
+    ratio = [sum(saved[i] for i in m) / max(1, sum(table.saved_bytes[i] for i in m)) for m in table.block_members]
+    return dataclasses.replace(
+        table,
+        fwd_time=timed(table.fwd_time, rules.forward_collectives),
+        bwd_time=timed(table.bwd_time, rules.backward_collectives),
+        split_cost=tuple(tuple(t * k for t in row) for row, k in zip(table.split_cost, cut)),
+        state_bytes=state, saved_bytes=saved, output_bytes=scaled(table.output_bytes, cut),
+        sent_bytes=scaled(table.sent_bytes, cut), transient_bytes=scaled(table.transient_bytes, cut),
+        wgrad_bytes=scaled(table.wgrad_bytes, cut),
+        param_bytes=scaled(table.param_bytes, held), weight_copy_bytes=scaled(table.weight_copy_bytes, held),
+        param_counts=scaled(table.param_counts, held),
+        optimizer_time=tuple(tuple(t * k for t in row) for row, k in zip(table.optimizer_time, held)),
+        block_saves=scaled(table.block_saves, ratio), block_activations=scaled(table.block_activations, ratio),
+    )

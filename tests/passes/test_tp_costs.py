@@ -1,0 +1,51 @@
+"""Tensor parallelism in the costs: one layer's terms by hand (``autosplit.passes.tp_costs``)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn as nn
+
+import autosplit
+from autosplit.compiler.costs import cost_table
+from autosplit.devices import PRESETS
+from autosplit.passes.tp_costs import sequence_parallel, tp_collective_time
+
+H100 = dataclasses.replace(PRESETS["H100-80GB"], island_size=8)
+W, ROWS, SEQ = 64, 4, 32
+
+
+def _tables(tp: int):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.LayerNorm(W), nn.Linear(W, 4 * W), nn.GELU(), nn.Linear(4 * W, W))
+    planner = autosplit.Planner(model, [H100], example_inputs=(torch.randn(ROWS, SEQ, W),))
+    whole = cost_table(planner.traced, (H100,), planner.options, micro_batches=1)[0]
+    split = cost_table(planner.traced, (H100,), planner.options.replace(tensor_parallel=tp), micro_batches=1)[0]
+    return planner.traced.tp_rules(), whole, split
+
+
+def test_one_mlps_tensor_parallel_terms_by_hand():
+    """LayerNorm → Linear(W, 4W) → GELU → Linear(4W, W) over tp 2: the first linear column-parallel
+    (weight and bias split), the second row-parallel (its weight split, its bias whole); every linear
+    split, so sequence parallelism holds and every node computes and saves half. Adam's 16 bytes per
+    element are held for half the split elements; the row-parallel output's forward all-reduce and the
+    norm output's backward all-reduce (the column group's input) are a ring of 2 over the node's link."""
+    rules, whole, split = _tables(2)
+    assert rules.shards == {"1.weight": 0, "1.bias": 0, "3.weight": 1} and sequence_parallel(rules)
+    index = {n: i for i, n in enumerate(whole.nodes)}
+    norm, col, act, row = (index[n] for n in ("_0", "_1", "_2", "_3"))
+    assert whole.state_bytes[col] == 16 * (W * 4 * W + 4 * W) and split.state_bytes[col] == 16 * (W * 4 * W + 4 * W) // 2
+    assert split.state_bytes[row] == 16 * (4 * W * W // 2 + W)  # the row-parallel bias stays whole
+    assert split.state_bytes[norm] == whole.state_bytes[norm]  # norms are never split
+    activation = ROWS * SEQ * W * 4  # fp32 bytes of the hidden state
+    bandwidth, latency = H100.allreduce_link(H100)
+    ring = activation / bandwidth + 2 * latency  # 2·(tp−1)/tp of the bytes, 2·(tp−1) latencies
+    assert tp_collective_time(activation, 2, H100, 1) == pytest.approx(ring)
+    assert split.fwd_time[row][0] == pytest.approx(whole.fwd_time[row][0] / 2 + ring)
+    assert split.bwd_time[norm][0] == pytest.approx(whole.bwd_time[norm][0] / 2 + ring)
+    assert split.fwd_time[act][0] == pytest.approx(whole.fwd_time[act][0] / 2)
+    for i in (norm, col, act, row):
+        assert split.saved_bytes[i] == round(whole.saved_bytes[i] / 2)
+    assert split.optimizer_time[col][0] == pytest.approx(whole.optimizer_time[col][0] / 2)
