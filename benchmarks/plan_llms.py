@@ -45,6 +45,9 @@ LLAMA3_8B: dict[str, Any] = dict(
 LLAMA3_70B: dict[str, Any] = {
     **LLAMA3_8B, "hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80, "num_attention_heads": 64,
 }
+LLAMA3_405B: dict[str, Any] = {
+    **LLAMA3_8B, "hidden_size": 16384, "intermediate_size": 53248, "num_hidden_layers": 126, "num_attention_heads": 128,
+}
 MIXTRAL_8X7B: dict[str, Any] = dict(
     hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
     vocab_size=32000, max_position_embeddings=8192, num_local_experts=8, num_experts_per_tok=2, rope_theta=1e6,
@@ -59,7 +62,7 @@ def _model(name: str) -> Any:
     with torch.device("meta"):
         if name == "mixtral-8x7b":
             return MixtralForCausalLM(MixtralConfig(**MIXTRAL_8X7B))
-        return LlamaForCausalLM(LlamaConfig(**(LLAMA3_8B if name == "llama3-8b" else LLAMA3_70B)))
+        return LlamaForCausalLM(LlamaConfig(**{"llama3-8b": LLAMA3_8B, "llama3-70b": LLAMA3_70B, "llama3-405b": LLAMA3_405B}[name]))
 
 
 def _layers(modules: tuple[str, ...]) -> str:

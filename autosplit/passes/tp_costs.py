@@ -9,8 +9,9 @@ Per node and device of a group of ``tp`` (:func:`tp_laid_out`):
   replicated one — or ÷ tp too under sequence parallelism, where every node between the split layers
   (norms, residuals, the loss) runs on ``1/tp`` of the sequence;
 - **activations** (saved, sent, transient, kept for a split backward) likewise ÷ tp;
-- **parameters**, their gradients, optimizer state and compute copy ÷ tp for the split share of the
-  node's parameters (``f``: the node holds ``1 − f + f/tp`` of them), and the optimizer's step with them;
+- **parameters**, their gradients and optimizer state ÷ tp for the split share of the node's parameters
+  (``f``: the node holds ``1 − f + f/tp`` of them), and the optimizer's step with them; a mixed
+  precision's compute copy of a weight ÷ tp where the node that reads it is split;
 - **collectives**: each tensor the rules reduce in the forward (a row-parallel output, the
   vocabulary-parallel embedding's) and each gradient they reduce in the backward (at a column-parallel
   group's input): a ring all-reduce over the tp ranks — or, under sequence parallelism, a
@@ -90,8 +91,12 @@ def tp_laid_out(
             for row, k, name in zip(rows, cut, table.nodes)
         )
 
+    # a weight's compute copy is saved where autocast casts it, by the linear (or lookup) that reads it,
+    # which need not be the node that owns the parameter: it is split where that reader is
+    copied = [1 / tp if name in rules.split_nodes else 1.0 for name in table.nodes]
     buffers = table.buffer_bytes or (0,) * len(table.nodes)
-    state = tuple(round((s - b) * k) + b for s, b, k in zip(table.state_bytes, buffers, held))
+    copies = table.weight_copy_bytes or (0,) * len(table.nodes)
+    state = tuple(round((s - b - c) * k) + b + round(c * q) for s, b, c, k, q in zip(table.state_bytes, buffers, copies, held, copied))
     saved = scaled(table.saved_bytes, cut)
     ratio = [sum(saved[i] for i in m) / max(1, sum(table.saved_bytes[i] for i in m)) for m in table.block_members]
     return dataclasses.replace(
@@ -102,7 +107,7 @@ def tp_laid_out(
         state_bytes=state, saved_bytes=saved, output_bytes=scaled(table.output_bytes, cut),
         sent_bytes=scaled(table.sent_bytes, cut), transient_bytes=scaled(table.transient_bytes, cut),
         wgrad_bytes=scaled(table.wgrad_bytes, cut),
-        param_bytes=scaled(table.param_bytes, held), weight_copy_bytes=scaled(table.weight_copy_bytes, held),
+        param_bytes=scaled(table.param_bytes, held), weight_copy_bytes=scaled(table.weight_copy_bytes, copied),
         param_counts=scaled(table.param_counts, held),
         optimizer_time=tuple(tuple(t * k for t in row) for row, k in zip(table.optimizer_time, held)),
         block_saves=scaled(table.block_saves, ratio), block_activations=scaled(table.block_activations, ratio),

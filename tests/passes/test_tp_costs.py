@@ -17,10 +17,10 @@ H100 = dataclasses.replace(PRESETS["H100-80GB"], island_size=8)
 W, ROWS, SEQ = 64, 4, 32
 
 
-def _tables(tp: int):
+def _tables(tp: int, precision: str = "fp32"):
     torch.manual_seed(0)
     model = nn.Sequential(nn.LayerNorm(W), nn.Linear(W, 4 * W), nn.GELU(), nn.Linear(4 * W, W))
-    planner = autosplit.Planner(model, [H100], example_inputs=(torch.randn(ROWS, SEQ, W),))
+    planner = autosplit.Planner(model, [H100], example_inputs=(torch.randn(ROWS, SEQ, W),), precision=precision)
     whole = cost_table(planner.traced, (H100,), planner.options, micro_batches=1)[0]
     split = cost_table(planner.traced, (H100,), planner.options.replace(tensor_parallel=tp), micro_batches=1)[0]
     return planner.traced.tp_rules(), whole, split
@@ -49,3 +49,13 @@ def test_one_mlps_tensor_parallel_terms_by_hand():
     for i in (norm, col, act, row):
         assert split.saved_bytes[i] == round(whole.saved_bytes[i] / 2)
     assert split.optimizer_time[col][0] == pytest.approx(whole.optimizer_time[col][0] / 2)
+
+
+def test_a_mixed_precision_weight_copy_is_split_with_its_linear():
+    """Under bf16-mixed each linear's compute copy (its weight in bf16, made once per step) is split with
+    the weight: half on each of 2 ranks; the norm runs in fp32 and holds no copy."""
+    _, whole, split = _tables(2, "bf16-mixed")
+    index = {n: i for i, n in enumerate(whole.nodes)}
+    for name, elements in (("_1", W * 4 * W), ("_3", 4 * W * W)):
+        assert whole.weight_copy_bytes[index[name]] == 2 * elements and split.weight_copy_bytes[index[name]] == elements
+    assert split.state_bytes[index["_1"]] == 16 * (W * 4 * W + 4 * W) // 2 + W * 4 * W
