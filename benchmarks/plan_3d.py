@@ -20,20 +20,32 @@ in a fresh process (its peak RSS is the planning process's own):
   recomputation, caps lifted) in fp32 and in bf16-mixed: the fullest stage's activation memory
   (with the weights cast once per step, bf16-mixed holds less).
 
-Prints a table and writes ``benchmarks/results/plan_3d.json`` (``--out``).
+- **at scale** (:mod:`benchmarks.workloads.recipes`): torchtitan's Llama-3.1-70B on 256 H100s (FSDP 32 ×
+  TP 8), its Llama-3.1-405B on 512 (FSDP 8 × TP 8 × PP 8, Interleaved 1F1B) and Megatron-Bridge's
+  Llama-3-70B on 64 (TP 4 × PP 8 × VP 5): ``NAME:recipe`` costs the recipe in bf16 (``Recipe`` with its
+  degrees, layers per stage, schedule, micro-batches and checkpointing over the whole cluster and global
+  batch); ``NAME:recipe-fp8`` the same with every half-precision matmul at H100's FP8 peak (the published
+  figures ran Float8 linears: the two rows bracket that term); ``NAME:autosplit`` plans the same model,
+  cluster and global batch with every degree chosen (bf16-mixed, ``checkpointing="auto"``, 1F1B).
+
+Prints a table and writes ``benchmarks/results/plan_3d.json`` (``--out``); name rows to plan only those.
 
 Usage::
 
-    .venv/bin/python benchmarks/plan_3d.py          # about 5 min on 2 cores
+    .venv/bin/python benchmarks/plan_3d.py                       # every row
+    .venv/bin/python benchmarks/plan_3d.py titan-70b:recipe      # one row
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import math
 import resource
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +53,8 @@ PUBLISHED_8B_FSDP8 = 5762.0
 """torchtitan Llama-3.1-8B, 8 × H100, FSDP 8, bf16, local batch 2 × 8192, selective activation checkpointing:
 tokens/s/GPU (torchtitan benchmarks/llama3_h100_202412_torchtitan.md, Table 1)."""
 SEQ = 8192
+FP8_PEAK = 1979e12
+"""H100 SXM's dense FP8 tensor-core peak, flop/s (twice its bf16 989e12)."""
 GLOBAL_8B = 16
 """The published run's global batch: local batch 2 × 8 FSDP ranks."""
 
@@ -70,16 +84,7 @@ def _plan_row(kind: str, time_limit: float) -> dict[str, Any]:
         else:  # no recomputation and room for everything: the activations as each precision holds them
             plan = autosplit.plan(model, ["H100-80GB"] * 8, example_inputs=(tokens,), precision=kind.split(":")[1],
                                   schedule="gpipe", micro_batches=8, time_limit=time_limit, memory={d: "1TiB" for d in range(8)})
-        devices = plan.mesh["pp"] * plan.data_parallel
-        tokens_per_gpu = rows * SEQ / plan.step_time / devices
-        row.update(
-            outcome="planned", mesh=plan.mesh, step_s=plan.step_time, gap=plan.step_gap, schedule=plan.schedule,
-            micro_batches=plan.micro_batches, tokens_per_s_per_gpu=tokens_per_gpu,
-            memory_state_gib=[s.memory_state / 2**30 for s in plan.stages], memory_gib=[s.memory / 2**30 for s in plan.stages],
-            activations_gib=[s.memory_activations / 2**30 for s in plan.stages], terms=plan.terms.__dict__ if plan.terms else None,
-            alternatives=[{"data_parallel": a.data_parallel, "dp_shard": a.dp_shard, "pp": len(a.rank_memory), "step_s": a.step_time,
-                           "note": a.note} for a in plan.alternatives],
-        )
+        row.update(_described(plan, rows))
     except autosplit.AutosplitError as e:
         row.update(outcome=type(e).__name__, message=str(e).split(". Likely cause")[0])
     row["total_s"] = time.perf_counter() - start
@@ -87,12 +92,69 @@ def _plan_row(kind: str, time_limit: float) -> dict[str, Any]:
     return row
 
 
-def run(time_limit: float) -> list[dict[str, Any]]:
+def _described(plan: Any, rows: int) -> dict[str, Any]:
+    """A plan's row: its mesh, step, throughput per GPU and memory, and every configuration it tried."""
+    devices = math.prod(plan.mesh.values())
+    return dict(
+        outcome="planned", mesh=plan.mesh, step_s=plan.step_time, gap=plan.step_gap, schedule=plan.schedule,
+        stages_per_rank=plan.stages_per_rank, micro_batches=plan.micro_batches, tokens_per_s_per_gpu=rows * SEQ / plan.step_time / devices,
+        fits=all(st.memory <= st.capacity for st in plan.stages), recompute=len(plan.recompute), sequence_parallel=plan.sequence_parallel,
+        memory_state_gib=[s.memory_state / 2**30 for s in plan.stages], memory_gib=[s.memory / 2**30 for s in plan.stages],
+        activations_gib=[s.memory_activations / 2**30 for s in plan.stages], terms=plan.terms.__dict__ if plan.terms else None,
+        alternatives=[{"data_parallel": a.data_parallel, "dp_shard": a.dp_shard, "tp": a.tensor_parallel, "pp": len(a.rank_memory),
+                       "micro_batches": a.micro_batches, "step_s": a.step_time, "note": a.note[:300]} for a in plan.alternatives],
+    )
+
+
+def _scale_row(kind: str, time_limit: float) -> dict[str, Any]:
+    """One row of a recipe at scale (:mod:`benchmarks.workloads.recipes`), ``"NAME:recipe"`` or
+    ``"NAME:autosplit"`` (the same model, cluster and global batch, every degree chosen), in this process."""
+    import torch
+
+    import autosplit
+    from autosplit.compiler.manual import execution_order, torchtitan_fqns
+    from benchmarks.plan_llms import _model
+    from benchmarks.workloads.recipes import RECIPES
+
+    name, which = kind.split(":")
+    r = RECIPES[name]
+    model = _model(r.model)
+    cluster, tokens = autosplit.Cluster.dgx_h100(nodes=r.nodes), autosplit.Spec((r.rows, SEQ), torch.long)
+    if which == "recipe-fp8":  # every half-precision matmul at H100's dense FP8 peak: a bound on what Float8 linears give
+        cluster = dataclasses.replace(cluster, device=dataclasses.replace(cluster.device, peak_flops_half=FP8_PEAK))
+    start = time.perf_counter()
+    row: dict[str, Any] = {"kind": kind, "published": r.published, "source": r.source}
+    try:
+        if which.startswith("recipe"):
+            planner = autosplit.Planner(model, cluster, example_inputs=(tokens,), precision="bf16-mixed")
+            split = None if r.stages == 1 else torchtitan_fqns(
+                model, r.stages, repeated="model.layers", input_weight=r.input_weight, output_weight=r.output_weight,
+                order=execution_order(planner.traced))
+            plan = planner.manual(autosplit.Recipe(split, data_parallel=r.data_parallel, replicate=r.replicate,
+                                                   tensor_parallel=r.tensor_parallel, options=r.options), check_memory=False)
+        else:
+            plan = autosplit.plan(model, cluster, example_inputs=(tokens,), precision="bf16-mixed", checkpointing="auto",
+                                  schedule="1f1b", tensor_parallel="auto", time_limit=time_limit)
+        row.update(_described(plan, r.rows))
+    except autosplit.AutosplitError as e:
+        row.update(outcome=type(e).__name__, message=str(e).split(". Likely cause")[0][:2000])
+    row["total_s"] = time.perf_counter() - start
+    row["peak_rss_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9
+    return row
+
+
+EIGHT_B = ("recipe:full-ac", "recipe:no-ac", "autosplit", "memory:fp32", "memory:bf16-mixed")
+AT_SCALE = tuple(f"{name}:{which}" for name in ("titan-70b", "titan-405b", "megatron-70b")
+                 for which in ("recipe", "recipe-fp8", "autosplit"))
+
+
+def run(kinds: Sequence[str], time_limit: float) -> list[dict[str, Any]]:
     from benchmarks.fresh import in_fresh_process
 
     rows = []
-    for kind in ("recipe:full-ac", "recipe:no-ac", "autosplit", "memory:fp32", "memory:bf16-mixed"):
-        row = {"kind": kind, **in_fresh_process("benchmarks.plan_3d:_plan_row", kind, time_limit, timeout=1200)}
+    for kind in kinds:
+        function = "_plan_row" if kind in EIGHT_B else "_scale_row"
+        row = {"kind": kind, **in_fresh_process(f"benchmarks.plan_3d:{function}", kind, time_limit, timeout=3600)}
         rows.append(row)
         print(_line(row), flush=True)
     return rows
@@ -100,17 +162,19 @@ def run(time_limit: float) -> list[dict[str, Any]]:
 
 def _line(row: dict[str, Any]) -> str:
     if row["outcome"] != "planned":
-        return f"{row['kind']:>18}  {row['outcome']}: {row.get('message', row.get('stderr', ''))[:300]}"
+        return f"{row['kind']:>22}  {row['outcome']}: {row.get('message', row.get('stderr', ''))[:300]}"
     mesh = " × ".join(f"{k} {v}" for k, v in row["mesh"].items() if v > 1) or "one device"
     gap = f"{row['gap']:.1%}" if row["gap"] is not None else "unknown"
-    return (f"{row['kind']:>18}  {mesh:<22} step {row['step_s']:7.3f} s  {row['tokens_per_s_per_gpu']:8,.0f} tokens/s/GPU  "
+    return (f"{row['kind']:>22}  {mesh:<30} step {row['step_s']:7.3f} s  {row['tokens_per_s_per_gpu']:8,.0f} tokens/s/GPU  "
             f"gap {gap:>7}  fullest {max(row['memory_gib']):5.1f} GiB (activations {max(row['activations_gib']):5.1f})  "
             f"planned in {row['total_s']:5.1f} s, {row['peak_rss_gb']:.2f} GB RSS"
-            + ("  (over the cap)" if row.get("fits") is False else ""))
+            + ("  (over the cap)" if row.get("fits") is False else "")
+            + (f"  published {row['published']:,.0f}" if "published" in row else ""))
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("kinds", nargs="*", default=[*EIGHT_B, *AT_SCALE], help="rows to plan (default: all)")
     parser.add_argument("--time-limit", type=float, default=10.0, help="solver limit per configuration")
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results" / "plan_3d.json")
     args = parser.parse_args(argv)
@@ -118,23 +182,32 @@ def main(argv: list[str] | None = None) -> int:
     from benchmarks.plan_time import machine
 
     print("simulated: H100 presets, the cost model's figures (not measured)")
-    rows = run(args.time_limit)
-    by_kind = {r["kind"]: r for r in rows}
-    summary: dict[str, Any] = {"published_tokens_per_s_per_gpu": PUBLISHED_8B_FSDP8,
-                               "published_source": "torchtitan benchmarks/llama3_h100_202412_torchtitan.md, Table 1: Llama-3.1-8B, "
-                                                   "8 x H100, FSDP 8, local batch 2, selective AC, bf16"}
-    for kind in ("recipe:full-ac", "recipe:no-ac"):
-        if by_kind[kind]["outcome"] == "planned":
-            summary[f"{kind}_over_published"] = by_kind[kind]["tokens_per_s_per_gpu"] / PUBLISHED_8B_FSDP8
-            print(f"{kind} predicted / published: {summary[f'{kind}_over_published']:.2f}")
-    ours, recipe = by_kind["autosplit"], by_kind["recipe:full-ac"]
-    if ours["outcome"] == "planned" and recipe["outcome"] == "planned":
-        summary["autosplit_over_recipe"] = ours["tokens_per_s_per_gpu"] / recipe["tokens_per_s_per_gpu"]
-        print(f"autosplit / recipe:full-ac (predicted): {summary['autosplit_over_recipe']:.2f}")
+    rows = run(args.kinds, args.time_limit)
+    summary = _summary({r["kind"]: r for r in rows})
     args.out.write_text(json.dumps({"benchmark": "plan_3d", "simulated": True, "machine": machine(), "summary": summary,
                                     "rows": rows}, indent=1))
     print(f"wrote {args.out}")
     return 0
+
+
+def _summary(by_kind: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Each recipe's prediction over its published figure, and autosplit's plan over each recipe's prediction."""
+    out: dict[str, Any] = {"8b_published": PUBLISHED_8B_FSDP8, "8b_source": "torchtitan benchmarks/llama3_h100_202412_torchtitan.md, "
+                           "Table 1: Llama-3.1-8B, 8 x H100, FSDP 8, local batch 2, selective AC, bf16"}
+    planned = {k: r for k, r in by_kind.items() if r["outcome"] == "planned"}
+    for kind, r in planned.items():
+        if kind.startswith("recipe:"):
+            out[f"8b_{kind}_over_published"] = r["tokens_per_s_per_gpu"] / PUBLISHED_8B_FSDP8
+        elif kind.endswith((":recipe", ":recipe-fp8")):
+            out[f"{kind}_over_published"] = r["tokens_per_s_per_gpu"] / r["published"]
+    pairs = [("autosplit", "recipe:full-ac"), *((f"{k.split(':')[0]}:autosplit", k) for k in planned if k.endswith(":recipe"))]
+    for ours, theirs in pairs:
+        if ours in planned and theirs in planned:
+            out[f"{ours}_over_{theirs}"] = planned[ours]["tokens_per_s_per_gpu"] / planned[theirs]["tokens_per_s_per_gpu"]
+    for key, value in out.items():
+        if "_over_" in key:
+            print(f"{key}: {value:.2f}")
+    return out
 
 
 if __name__ == "__main__":

@@ -1,0 +1,62 @@
+"""Published 3D-parallel recipes for Llama 3 at scale, as ``autosplit.Recipe`` s (simulated: H100 presets).
+
+Each entry: the model, the cluster (``Cluster.dgx_h100(nodes=...)``), the global batch of 8,192-token
+rows, the recipe (degrees, layers per stage, schedule, micro-batches, recomputation), and the figure its
+authors measured, with its source. Every published figure here ran in FP8 (Float8 linears), with
+``torch.compile`` in torchtitan's; autosplit plans bf16 compute, so its prediction of a recipe is
+expected below the figure by up to the FP8 speed-up of the linears — that term is named, not fitted.
+
+- ``titan-70b``: torchtitan, Llama-3.1-70B on 256 H100s, FSDP 32 × TP 8, local batch 16 (global 512),
+  full activation checkpointing: 829 tokens/s/GPU (876 with async TP) — torchtitan
+  ``benchmarks/llama3_h100_202412_torchtitan.md`` Table 4 (Float8, torch.compile);
+- ``titan-405b``: torchtitan, Llama-3.1-405B on 512 H100s, FSDP 8 × TP 8 × PP 8, Interleaved 1F1B
+  (two stages per rank), local batch 32 (global 256), full checkpointing: 128 tokens/s/GPU (100 with
+  1F1B) — Table 5 (Float8, torch.compile, async TP);
+- ``megatron-70b``: Megatron-Bridge, Llama-3-70B on 64 H100s, TP 4 × PP 8 × VP 5 (DP 2), global batch
+  128, micro-batch 1 (64 per copy): 1,602 tokens/s/GPU — Megatron-Bridge ``docs/performance-summary.md``,
+  25.11 container, DGX-H100 (FP8-CS).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["RECIPES", "ScaleRecipe"]
+
+
+@dataclass(frozen=True)
+class ScaleRecipe:
+    model: str
+    nodes: int
+    rows: int
+    """The global batch, in rows of 8,192 tokens."""
+    published: float
+    """tokens/s/GPU as measured by the recipe's authors."""
+    source: str
+    data_parallel: int
+    replicate: str
+    tensor_parallel: int
+    stages: int = 1
+    """Pipeline stages (ranks × stages per rank), as torchtitan's even split deals the layers out."""
+    options: Any = None
+    input_weight: int = 1
+    output_weight: int = 1
+
+
+RECIPES: dict[str, ScaleRecipe] = {
+    "titan-70b": ScaleRecipe(
+        "llama3-70b", nodes=32, rows=512, published=829.0, data_parallel=32, replicate="fully_shard", tensor_parallel=8,
+        source="torchtitan benchmarks/llama3_h100_202412_torchtitan.md, Table 4 (FSDP 32 x TP 8, Float8, torch.compile)",
+        options={"checkpointing": "full", "micro_batches": 1}),
+    "titan-405b": ScaleRecipe(
+        "llama3-405b", nodes=64, rows=256, published=128.0, data_parallel=8, replicate="fully_shard", tensor_parallel=8, stages=16,
+        source="torchtitan benchmarks/llama3_h100_202412_torchtitan.md, Table 5 (FSDP 8 x TP 8 x PP 8, Interleaved 1F1B, "
+               "Float8, torch.compile, async TP)",
+        options={"checkpointing": "full", "schedule": "interleaved1f1b", "stages_per_rank": 2, "micro_batches": 32}),
+    "megatron-70b": ScaleRecipe(
+        "llama3-70b", nodes=8, rows=128, published=1602.0, data_parallel=2, replicate="replicate", tensor_parallel=4, stages=40,
+        source="Megatron-Bridge docs/performance-summary.md, 25.11, DGX-H100 (TP 4 x PP 8 x VP 5, MBS 1, GBS 128, FP8-CS)",
+        options={"checkpointing": "none", "schedule": "interleaved1f1b", "stages_per_rank": 5, "micro_batches": 64},
+        input_weight=0, output_weight=0),
+}
