@@ -23,8 +23,12 @@ _CODE = ("import importlib, json, sys; sys.path.insert(0, sys.argv[1]); module, 
 
 def in_fresh_process(function: str, *args: Any, timeout: float = 1800) -> dict[str, Any]:
     """``function`` (``"package.module:name"``, returning a JSON-able dict) called with ``args`` (JSON-able)
-    in a new interpreter; ``{"outcome": "crashed", "stderr": ...}`` when it printed no result."""
-    out = subprocess.run([sys.executable, "-c", _CODE, str(ROOT), function, json.dumps(args)],
-                         capture_output=True, text=True, timeout=timeout)
+    in a new interpreter; ``{"outcome": "crashed", "stderr": ...}`` when it printed no result,
+    ``{"outcome": "timed out", "total_s": timeout}`` when it ran past ``timeout`` seconds (then killed)."""
+    try:
+        out = subprocess.run([sys.executable, "-c", _CODE, str(ROOT), function, json.dumps(args)],
+                             capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"outcome": "timed out", "total_s": timeout}
     line = next((x for x in out.stdout.splitlines() if x.startswith("ROW")), None)
     return json.loads(line[3:]) if line else {"outcome": "crashed", "stderr": out.stderr[-2000:]}

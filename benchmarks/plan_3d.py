@@ -148,13 +148,14 @@ AT_SCALE = tuple(f"{name}:{which}" for name in ("titan-70b", "titan-405b", "mega
                  for which in ("recipe", "recipe-fp8", "autosplit"))
 
 
-def run(kinds: Sequence[str], time_limit: float) -> list[dict[str, Any]]:
+def run(kinds: Sequence[str], time_limit: float, budget: float) -> list[dict[str, Any]]:
+    """Each row in a fresh process, killed past ``budget`` seconds (a row then says it timed out)."""
     from benchmarks.fresh import in_fresh_process
 
     rows = []
     for kind in kinds:
         function = "_plan_row" if kind in EIGHT_B else "_scale_row"
-        row = {"kind": kind, **in_fresh_process(f"benchmarks.plan_3d:{function}", kind, time_limit, timeout=3600)}
+        row = {"kind": kind, **in_fresh_process(f"benchmarks.plan_3d:{function}", kind, time_limit, timeout=budget)}
         rows.append(row)
         print(_line(row), flush=True)
     return rows
@@ -162,7 +163,7 @@ def run(kinds: Sequence[str], time_limit: float) -> list[dict[str, Any]]:
 
 def _line(row: dict[str, Any]) -> str:
     if row["outcome"] != "planned":
-        return f"{row['kind']:>22}  {row['outcome']}: {row.get('message', row.get('stderr', ''))[:300]}"
+        return f"{row['kind']:>22}  {row['outcome']} after {row.get('total_s', 0):.0f} s: {row.get('message', row.get('stderr', ''))[:300]}"
     mesh = " × ".join(f"{k} {v}" for k, v in row["mesh"].items() if v > 1) or "one device"
     gap = f"{row['gap']:.1%}" if row["gap"] is not None else "unknown"
     return (f"{row['kind']:>22}  {mesh:<30} step {row['step_s']:7.3f} s  {row['tokens_per_s_per_gpu']:8,.0f} tokens/s/GPU  "
@@ -176,13 +177,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("kinds", nargs="*", default=[*EIGHT_B, *AT_SCALE], help="rows to plan (default: all)")
     parser.add_argument("--time-limit", type=float, default=10.0, help="solver limit per configuration")
+    parser.add_argument("--budget", type=float, default=900.0, help="seconds a row may take before it is killed")
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results" / "plan_3d.json")
     args = parser.parse_args(argv)
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from benchmarks.plan_time import machine
 
     print("simulated: H100 presets, the cost model's figures (not measured)")
-    rows = run(args.kinds, args.time_limit)
+    rows = run(args.kinds, args.time_limit, args.budget)
     summary = _summary({r["kind"]: r for r in rows})
     args.out.write_text(json.dumps({"benchmark": "plan_3d", "simulated": True, "machine": machine(), "summary": summary,
                                     "rows": rows}, indent=1))
