@@ -298,7 +298,7 @@ class StageState:
         the model's names: ``unsplit.load_state_dict(pipe.full_state_dict())`` works."""
         mine = {k: _full(v).detach().cpu() for k, v in self.state_dict().items()}
         gathered: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, mine if self.layout.replica == 0 else None)
+        dist.all_gather_object(gathered, mine if self.layout.replica == 0 and getattr(self.layout, "tp_rank", 0) == 0 else None)
         merged: dict[str, torch.Tensor] = {}
         for part in gathered:
             merged.update(part or {})

@@ -1,0 +1,183 @@
+"""Tensor parallelism on the mesh's ``tp`` dimension trains like the unsplit model.
+
+Each rank builds its part of a fixed plan (the split DP's, :data:`~tests.helpers.NO_SEARCH`), given
+``tensor_parallel=2`` and ``tp_shards`` by hand: for the GPT the MLP pair of each block (``fc`` weight
+and bias along 0, ``out``'s weight along 1); for a small transformers Llama (captured by
+``torch.export``) the attention's q/k/v along 0 and o along 1, the MLP's gate/up along 0 and down along
+1, the embedding and the head along 0 (vocabulary-parallel). Beside it, in the same process, the
+unsplit model trains on the whole global batch. In float64 the losses of every step, every gradient
+(whole, ``full_tensor``) and the parameters after 3 AdamW steps agree to rounding: tp 2 alone (2
+processes), tp 2 × pp 2 (4) and tp 2 × pp 2 × ``dp_shard`` 2 (8, FSDP2 over the tp DTensors). A
+checkpoint saved under tp 2 × pp 2 loads under pp 2 alone, under tp 2 alone and into the unsplit
+model. A world size other than the mesh's and a ``tp_shards`` name the model lacks are refused by name.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import autosplit
+from autosplit.errors import ConstraintError, DistributedError
+from autosplit.runtime.checkpoint import load_checkpoint
+from autosplit.runtime.placement import MESH_DIMS
+from tests.helpers import NO_SEARCH, full_tensor, gpt_case, says, where
+
+STEPS = 3
+MICRO = 2
+ROWS = 8
+
+
+def _lm_loss(out: Any, target: torch.Tensor) -> torch.Tensor:
+    logits = out["logits"] if isinstance(out, dict) else out
+    return F.cross_entropy(logits.flatten(0, 1), target.flatten())
+
+
+def _llama_case() -> tuple[torch.nn.Module, tuple, dict, torch.Tensor, Any]:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, max_position_embeddings=16, attn_implementation="eager")
+    tokens = torch.randint(0, 128, (ROWS, 8))
+    return LlamaForCausalLM(config), (tokens,), {}, torch.randint(0, 128, (ROWS, 8)), _lm_loss
+
+
+CASES = {"gpt": gpt_case, "llama": _llama_case}
+
+
+def _rms_norm_in_its_dtype(self: Any, hidden_states: torch.Tensor) -> torch.Tensor:
+    """transformers' ``LlamaRMSNorm.forward`` without its cast to float32 (and back)."""
+    variance = hidden_states.pow(2).mean(-1, keepdim=True)
+    return self.weight * (hidden_states * torch.rsqrt(variance + self.variance_epsilon))
+
+
+@contextlib.contextmanager
+def _float64_throughout(name: str) -> Iterator[None]:
+    """The Llama in float64 end to end while captured and run: transformers' ``LlamaRMSNorm`` normalises
+    in float32 whatever its input's dtype. Its input sums a row-parallel product (``o_proj``,
+    ``down_proj``) that tp 2 adds in two halves, so the float64 values differ from the unsplit model's
+    in the last bits, and an element now and then rounds to the neighbouring float32: gradients differ
+    at float32's precision (1e-8), and AdamW's normalised step makes that 1e-5 in a parameter whose
+    gradient is near 0. Without the cast both models run float64 through and agree to rounding."""
+    if name != "llama":
+        yield
+        return
+    from transformers.models.llama import modeling_llama
+
+    saved = modeling_llama.LlamaRMSNorm.forward
+    modeling_llama.LlamaRMSNorm.forward = _rms_norm_in_its_dtype
+    try:
+        yield
+    finally:
+        modeling_llama.LlamaRMSNorm.forward = saved
+
+
+def _shards(name: str, model: torch.nn.Module) -> dict[str, int]:
+    """The tp_shards of the module docstring, by the model's own parameter names."""
+    if name == "gpt":
+        return {k: 0 if ".fc." in k else 1 for k in dict(model.named_parameters())
+                if ".fc." in k or k.endswith(".out.weight")}
+    column = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "embed_tokens", "lm_head")
+    row = ("o_proj", "down_proj")
+    return {k: 0 if any(c in k for c in column) else 1 for k in dict(model.named_parameters(remove_duplicate=False))
+            if k.endswith("weight") and any(c in k for c in (*column, *row))}
+
+
+def _plan(name: str, stages: int, copies: int, tp: int, folder: str) -> str:
+    """A fixed plan of ``stages`` × ``dp_shard`` ``copies`` with ``tensor_parallel=tp`` set by hand, saved to a file."""
+    with _float64_throughout(name):
+        return _made_plan(name, stages, copies, tp, folder)
+
+
+def _made_plan(name: str, stages: int, copies: int, tp: int, folder: str) -> str:
+    torch.manual_seed(0)
+    model, args, kwargs, _, _ = CASES[name]()
+    rows = ROWS // copies
+    made = autosplit.plan(model.double(), ["cpu"] * stages, example_inputs=tuple(a[:rows] for a in args),
+                          example_kwargs={k: v[:rows] for k, v in kwargs.items()}, data_parallel=copies,
+                          replicate="fully_shard", schedule="1f1b" if stages <= MICRO else "gpipe", micro_batches=MICRO,
+                          **NO_SEARCH)
+    if tp > 1:
+        made = dataclasses.replace(made, tensor_parallel=tp, tp_shards=_shards(name, model))
+    path = f"{folder}/{name}-pp{stages}-dp{copies}-tp{tp}.json"
+    made.save(path)
+    return path
+
+
+def _reference_step(model, args, kwargs, target, loss_fn, copies: int) -> list[torch.Tensor]:
+    """The unsplit model on the global batch, copy by copy: gradients of the global batch's mean loss;
+    returns each data-parallel copy's mean loss."""
+    losses = []
+    for c in range(copies):
+        rows = slice(c * ROWS // copies, (c + 1) * ROWS // copies)
+        loss = loss_fn(model(*(a[rows] for a in args), **{k: v[rows] for k, v in kwargs.items()}), target[rows])
+        (loss / copies).backward()
+        losses.append(loss.detach())
+    return losses
+
+
+def _distribute(model, args, kwargs, loss_fn, plan_path: str) -> Any:
+    made = autosplit.Plan.load(plan_path)
+    rows = ROWS // made.data_parallel
+    return autosplit.distribute(model, None, example_inputs=tuple(a[:rows] for a in args), plan=plan_path,
+                                example_kwargs={k: v[:rows] for k, v in kwargs.items()}, loss_fn=loss_fn)
+
+
+def _check_placement(pipe: Any, rank: int, shards: dict[str, int]) -> None:
+    """The rank sits where the mesh's row-major order puts it; every parameter is a DTensor on tp (and dp_shard)."""
+    mesh = pipe.plan.mesh
+    assert pipe.mesh.mesh_dim_names == MESH_DIMS and tuple(pipe.mesh.shape) == tuple(mesh.values())
+    place, copy_, t = pipe.layout.place(pipe.stage_index), pipe.layout.replica, pipe.layout.tp_rank
+    assert rank == (place * pipe.layout.replicas + copy_) * mesh["tp"] + t, (rank, place, copy_, t)
+    for pname, p in pipe.named_parameters():
+        assert "tp" in p.device_mesh.mesh_dim_names, pname
+        tp_dim = p.device_mesh.mesh_dim_names.index("tp")
+        placement = p.placements[tp_dim]
+        assert placement.is_shard(shards[pname]) if pname in shards else placement.is_replicate(), (pname, placement)
+
+
+def _train_case(name: str, plan_path: str, *, rank: int, world: int) -> None:
+    with _float64_throughout(name):
+        _train(name, plan_path, rank)
+
+
+def _train(name: str, plan_path: str, rank: int) -> None:
+    torch.manual_seed(0)
+    model, args, kwargs, target, loss_fn = CASES[name]()
+    model = model.double()
+    reference = copy.deepcopy(model)
+    pipe = _distribute(model, args, kwargs, loss_fn, plan_path)
+    copies = pipe.plan.data_parallel
+    _check_placement(pipe, rank, dict(pipe.plan.tp_shards))
+    mine = slice(pipe.layout.replica * ROWS // copies, (pipe.layout.replica + 1) * ROWS // copies)
+    opt = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    ref_params = dict(reference.named_parameters())
+    what = f"{name} {pipe.plan.mesh} rank {rank}"
+    for step in range(STEPS):
+        loss = pipe.step(*(a[mine] for a in args), target=target[mine], **{k: v[mine] for k, v in kwargs.items()})
+        expected = _reference_step(reference, args, kwargs, target, loss_fn, copies)
+        if pipe.is_last:
+            torch.testing.assert_close(loss, expected[pipe.layout.replica], msg=where(f"{what} step {step} loss"))
+        for pname, p in pipe.named_parameters():
+            torch.testing.assert_close(full_tensor(p.grad), ref_params[pname].grad, msg=where(f"{what} step {step} grad {pname}"))
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+    for pname, p in pipe.named_parameters():
+        torch.testing.assert_close(full_tensor(p), ref_params[pname], msg=where(f"{what} {pname} after {STEPS} steps"))
+    pipe.close()
+
+
+def test_tp2_alone_trains_like_the_unsplit_model(gloo, tmp_path):
+    pytest.importorskip("transformers")
+    plans = [("gpt", _plan("gpt", 1, 1, 2, str(tmp_path))), ("llama", _plan("llama", 1, 1, 2, str(tmp_path)))]
+    gloo(2).run(_train_case, plans)
