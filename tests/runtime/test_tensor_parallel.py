@@ -136,10 +136,12 @@ def _check_placement(pipe: Any, rank: int, shards: dict[str, int]) -> None:
     assert pipe.mesh.mesh_dim_names == MESH_DIMS and tuple(pipe.mesh.shape) == tuple(mesh.values())
     place, copy_, t = pipe.layout.place(pipe.stage_index), pipe.layout.replica, pipe.layout.tp_rank
     assert rank == (place * pipe.layout.replicas + copy_) * mesh["tp"] + t, (rank, place, copy_, t)
+    dims = ("dp_shard", "tp") if mesh["dp_shard"] > 1 else ("tp",)  # FSDP2 over dp_shard, outside tp
     for pname, p in pipe.named_parameters():
-        assert "tp" in p.device_mesh.mesh_dim_names, pname
-        tp_dim = p.device_mesh.mesh_dim_names.index("tp")
-        placement = p.placements[tp_dim]
+        assert p.device_mesh.mesh_dim_names == dims, (pname, p.device_mesh)
+        # FSDP2 shards dimension 0 (a _StridedShard over a tp Shard(0): torch's 2-D order)
+        assert dims == ("tp",) or getattr(p.placements[0], "dim", None) == 0, (pname, p.placements)
+        placement = p.placements[-1]
         assert placement.is_shard(shards[pname]) if pname in shards else placement.is_replicate(), (pname, placement)
 
 
@@ -181,3 +183,17 @@ def test_tp2_alone_trains_like_the_unsplit_model(gloo, tmp_path):
     pytest.importorskip("transformers")
     plans = [("gpt", _plan("gpt", 1, 1, 2, str(tmp_path))), ("llama", _plan("llama", 1, 1, 2, str(tmp_path)))]
     gloo(2).run(_train_case, plans)
+
+
+def test_tp2_by_pp2_trains_like_the_unsplit_model(gloo, tmp_path):
+    pytest.importorskip("transformers")
+    plans = [("gpt", _plan("gpt", 2, 1, 2, str(tmp_path))), ("llama", _plan("llama", 2, 1, 2, str(tmp_path)))]
+    gloo(4).run(_train_case, plans)
+
+
+def test_tp2_by_pp2_by_dp_shard2_trains_like_the_unsplit_model(gloo, tmp_path):
+    """FSDP2's ``fully_shard`` over ``dp_shard`` wraps the stages whose parameters are already tp DTensors:
+    each parameter a DTensor on the 2-D ``("dp_shard", "tp")`` mesh."""
+    pytest.importorskip("transformers")
+    plans = [("gpt", _plan("gpt", 2, 2, 2, str(tmp_path))), ("llama", _plan("llama", 2, 2, 2, str(tmp_path)))]
+    gloo(8, timeout=120).run(_train_case, plans)
