@@ -33,7 +33,7 @@ import torch
 
 from autosplit.errors import ConstraintError, advice
 
-__all__ = ["check_tp_shards", "parallelize_stage", "replicate_partial", "stage_shards", "tp_scope"]
+__all__ = ["check_tp_shards", "parallelize_stage", "reduce_partial_gradients", "replicate_partial", "stage_shards", "tp_scope"]
 
 
 def check_tp_shards(model: torch.nn.Module, shards: Mapping[str, int], tp: int) -> None:
@@ -152,6 +152,24 @@ def _reduce_after_lookups(module: torch.nn.Module) -> list[str]:
     if found:
         module.recompile()  # type: ignore[operator]
     return found
+
+
+def reduce_partial_gradients(params: Any) -> int:
+    """Every gradient that DTensor left as a partial sum brought to its parameter's placements (an
+    all-reduce over ``tp`` for a replicated one); returns how many. Called once per step, after the
+    schedule's last backward: a replicated parameter read by a split computation (an RMSNorm's weight
+    times a row-parallel product's partial sum) gets a ``Partial`` gradient from torch's rules, where
+    torchtitan's ``RowwiseParallel`` reduces the product at once. Left partial, the optimizer would
+    reduce it inside each update and :meth:`~autosplit.runtime.loop.TrainingLoop.clip_grad_norm_` refuse it."""
+    from torch.distributed.tensor import DTensor
+
+    reduced = 0
+    for p in params:
+        g = p.grad
+        if isinstance(g, DTensor) and isinstance(p, DTensor) and any(q.is_partial() for q in g.placements):
+            p.grad = g.redistribute(p.device_mesh, p.placements)
+            reduced += 1
+    return reduced
 
 
 def tp_scope(tp: int) -> contextlib.AbstractContextManager[Any]:

@@ -6,7 +6,8 @@ and bias along 0, ``out``'s weight along 1); for a small transformers Llama (cap
 ``torch.export``) the attention's q/k/v along 0 and o along 1, the MLP's gate/up along 0 and down along
 1, the embedding and the head along 0 (vocabulary-parallel). Beside it, in the same process, the
 unsplit model trains on the whole global batch. In float64 the losses of every step, every gradient
-(whole, ``full_tensor``) and the parameters after 3 AdamW steps agree to rounding: tp 2 alone (2
+(whole, ``full_tensor``; the last step's clipped by the whole model's norm, ``pipe.clip_grad_norm_``)
+and the parameters after 3 AdamW steps agree to rounding: tp 2 alone (2
 processes), tp 2 × pp 2 (4) and tp 2 × pp 2 × ``dp_shard`` 2 (8, FSDP2 over the tp DTensors). A
 checkpoint saved under tp 2 × pp 2 loads under pp 2 alone, under tp 2 alone and into the unsplit
 model. A world size other than the mesh's and a ``tp_shards`` name the model lacks are refused by name.
@@ -33,6 +34,8 @@ from tests.helpers import NO_SEARCH, full_tensor, gpt_case, says, where
 STEPS = 3
 MICRO = 2
 ROWS = 8
+CLIP = 0.05
+"""A max norm below the models' gradient norms, so that clipping scales every gradient."""
 
 
 def _lm_loss(out: Any, target: torch.Tensor) -> torch.Tensor:
@@ -168,6 +171,9 @@ def _train(name: str, plan_path: str, rank: int) -> None:
         expected = _reference_step(reference, args, kwargs, target, loss_fn, copies)
         if pipe.is_last:
             torch.testing.assert_close(loss, expected[pipe.layout.replica], msg=where(f"{what} step {step} loss"))
+        if step == STEPS - 1:  # the last step clipped by the whole model's norm (each element counted once)
+            norm = pipe.clip_grad_norm_(CLIP)
+            torch.testing.assert_close(norm, torch.nn.utils.clip_grad_norm_(reference.parameters(), CLIP), msg=where(f"{what} norm"))
         for pname, p in pipe.named_parameters():
             torch.testing.assert_close(full_tensor(p.grad), ref_params[pname].grad, msg=where(f"{what} step {step} grad {pname}"))
         opt.step()
