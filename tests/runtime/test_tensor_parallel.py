@@ -203,3 +203,78 @@ def test_tp2_by_pp2_by_dp_shard2_trains_like_the_unsplit_model(gloo, tmp_path):
     pytest.importorskip("transformers")
     plans = [("gpt", _plan("gpt", 2, 2, 2, str(tmp_path))), ("llama", _plan("llama", 2, 2, 2, str(tmp_path)))]
     gloo(8, timeout=120).run(_train_case, plans)
+
+
+# -- a checkpoint moves between layouts -------------------------------------------------------------
+
+
+def _trained_reference(steps: int) -> tuple[Any, torch.optim.Optimizer, tuple]:
+    """The unsplit GPT (seed 0, float64) after ``steps`` AdamW steps on the global batch, its optimizer, and the case."""
+    torch.manual_seed(0)
+    model, args, kwargs, target, loss_fn = gpt_case()
+    model = model.double()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for _ in range(steps):
+        _reference_step(model, args, kwargs, target, loss_fn, 1)
+        opt.step()
+        opt.zero_grad()
+    return model, opt, (args, kwargs, target, loss_fn)
+
+
+def _save_case(plan_path: str, folder: str, *, rank: int, world: int) -> None:
+    torch.manual_seed(0)
+    model, args, kwargs, target, loss_fn = gpt_case()
+    pipe = _distribute(model.double(), args, kwargs, loss_fn, plan_path)
+    opt = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
+    for _ in range(STEPS):
+        pipe.step(*args, target=target, **kwargs)
+        opt.step()
+        opt.zero_grad()
+    pipe.save(f"{folder}/ckpt", optimizer=opt)
+    pipe.close()
+
+
+def _assert_resumed(named: dict[str, torch.Tensor], opt: torch.optim.Optimizer, reference: Any, ref_opt: Any, what: str) -> None:
+    """Parameters and every AdamW state entry (and the learning rate) equal the reference's."""
+    ref_params = dict(reference.named_parameters())
+    assert opt.param_groups[0]["lr"] == 1e-2, what
+    for pname, p in named.items():
+        torch.testing.assert_close(full_tensor(p), ref_params[pname], msg=where(f"{what}: {pname}"))
+        state, ref_state = opt.state[p], ref_opt.state[ref_params[pname]]
+        assert set(state) == set(ref_state), (what, pname, set(state))
+        for key, value in ref_state.items():
+            torch.testing.assert_close(full_tensor(state[key]), value, msg=where(f"{what}: {pname} optimizer {key}"))
+
+
+def _resume_case(plan_path: str, folder: str, *, rank: int, world: int) -> None:
+    reference, ref_opt, (args, kwargs, target, loss_fn) = _trained_reference(STEPS)
+    torch.manual_seed(7)  # other initial weights and optimizer: everything comes from the checkpoint
+    model = type(reference)(vocab=40, d_model=16, n_layers=2, n_heads=2, max_len=8).double()
+    pipe = _distribute(model, args, kwargs, loss_fn, plan_path)
+    opt = torch.optim.AdamW(pipe.parameters(), lr=5.0)
+    pipe.load(f"{folder}/ckpt", optimizer=opt)
+    what = f"resumed under {pipe.plan.mesh}"
+    _assert_resumed(dict(pipe.named_parameters()), opt, reference, ref_opt, what)
+    whole = pipe.full_state_dict()  # every stage's, gathered on every rank
+    for key, value in reference.state_dict().items():
+        torch.testing.assert_close(whole[key], value, msg=where(f"{what}: full_state_dict {key}"))
+    loss = pipe.step(*args, target=target, **kwargs)
+    expected = _reference_step(reference, args, kwargs, target, loss_fn, 1)
+    if pipe.is_last:
+        torch.testing.assert_close(loss, expected[0], msg=where(f"{what}: loss"))
+    opt.step()
+    ref_opt.step()
+    _assert_resumed(dict(pipe.named_parameters()), opt, reference, ref_opt, f"{what}, one step on")
+    pipe.close()
+
+
+def test_a_checkpoint_saved_under_tp2_by_pp2_loads_under_pp2_under_tp2_and_unsplit(gloo, tmp_path):
+    folder = str(tmp_path)
+    gloo(4).run(_save_case, [(_plan("gpt", 2, 1, 2, folder), folder)])
+    gloo(2).run(_resume_case, [(_plan("gpt", 2, 1, 1, folder), folder), (_plan("gpt", 1, 1, 2, folder), folder)])
+    reference, ref_opt, (args, kwargs, target, loss_fn) = _trained_reference(STEPS)
+    torch.manual_seed(7)
+    unsplit = type(reference)(vocab=40, d_model=16, n_layers=2, n_heads=2, max_len=8).double()
+    opt = torch.optim.AdamW(unsplit.parameters(), lr=5.0)
+    load_checkpoint(tmp_path / "ckpt", unsplit, opt)
+    _assert_resumed(dict(unsplit.named_parameters()), opt, reference, ref_opt, "the unsplit model")
