@@ -278,3 +278,31 @@ def test_a_checkpoint_saved_under_tp2_by_pp2_loads_under_pp2_under_tp2_and_unspl
     opt = torch.optim.AdamW(unsplit.parameters(), lr=5.0)
     load_checkpoint(tmp_path / "ckpt", unsplit, opt)
     _assert_resumed(dict(unsplit.named_parameters()), opt, reference, ref_opt, "the unsplit model")
+
+
+# -- refusals ---------------------------------------------------------------------------------------
+
+
+def _refusal_case(folder: str, *, rank: int, world: int) -> None:
+    model, args, kwargs, _, loss_fn = gpt_case()
+    model = model.double()  # as the plans were made
+    example = dict(example_inputs=args, example_kwargs=kwargs, loss_fn=loss_fn)
+    with pytest.raises(DistributedError) as e:  # tp 2 × pp 2 need 4 ranks
+        autosplit.distribute(model, None, **example, plan=f"{folder}/gpt-pp2-dp1-tp2.json")
+    says(e, "2 ranks", "pp × dp_replicate × dp_shard × tp = 2 × 1 × 1 × 2 = 4", "× 2 × 2)")
+    made = autosplit.Plan.load(f"{folder}/gpt-pp1-dp1-tp2.json")
+    for shards, names in [({"blocks.0.fc.weight": 0, "blocks.0.mlp.weight": 0}, ["'blocks.0.mlp.weight'", "named_parameters"]),
+                          ({"blocks.0.fc.bias": 1}, ["'blocks.0.fc.bias'", "dimension 1"]),
+                          ({"wte.weight": 0, "head.weight": 1}, ["head.weight", "wte.weight", "tied"])]:
+        with pytest.raises(ConstraintError) as e:
+            autosplit.distribute(model, None, **example, plan=dataclasses.replace(made, tp_shards=shards))
+        says(e, *names)
+    with pytest.raises(ConstraintError) as e:
+        autosplit.distribute(model, None, **example, plan=dataclasses.replace(made, sequence_parallel=True))
+    says(e, "sequence_parallel=True")
+
+
+def test_a_mesh_the_process_group_cannot_hold_and_unknown_tp_shards_are_refused_by_name(gloo, tmp_path):
+    _plan("gpt", 2, 1, 2, str(tmp_path))
+    _plan("gpt", 1, 1, 2, str(tmp_path))
+    gloo(2).run(_refusal_case, [(str(tmp_path),)])
