@@ -257,7 +257,7 @@ def _agreed_plan(planner: Planner, given: Plan | None, data_parallel: int) -> Pl
     if entry.asynchronous and (data_parallel != 1 or made.tensor_parallel != 1):
         raise DistributedError(advice(
             f"schedule={entry.name!r} with data_parallel={data_parallel}, tensor_parallel={made.tensor_parallel}",
-            "the asynchronous schedules run one replica of one rank per stage so far",
+            "the asynchronous schedules run one replica so far, each stage on one rank",
             "pass data_parallel=1 and a plan with tensor_parallel=1, or schedule='gpipe' / '1f1b'",
         ))
     if entry.asynchronous and any(p.policy == "replicate" for p in made.shared_params):
