@@ -77,11 +77,14 @@ def distribute(
     """Run ``model`` as pipeline stages across the ranks of the initialised process group.
 
     ``devices`` are one replica's stage devices (``["cpu"] * 2``; ``None`` with a ``plan``);
-    world size must be ``data_parallel × len(devices)``: the ranks of the ``("pp", "dp_replicate",
-    "dp_shard", "tp")`` mesh (:attr:`~autosplit.plans.Plan.mesh`, :mod:`autosplit.runtime.placement`);
+    world size must be ``data_parallel × len(devices) × tensor_parallel``: the ranks of the ``("pp",
+    "dp_replicate", "dp_shard", "tp")`` mesh (:attr:`~autosplit.plans.Plan.mesh`, :mod:`autosplit.runtime.placement`);
     a given ``plan`` made for data-parallel copies (``autosplit.plan(model, cluster, ...)`` chooses
     them) runs with the degrees it was made for, which ``data_parallel`` and ``replicate`` default
-    to (else 1 and ``"replicate"``); other degrees are refused.
+    to (else 1 and ``"replicate"``); other degrees are refused. A given plan's
+    :attr:`~autosplit.plans.Plan.tensor_parallel` runs each stage on that many ranks, its parameters split
+    as :attr:`~autosplit.plans.Plan.tp_shards` says (:mod:`autosplit.runtime.tensor_parallel`; a name that
+    is no parameter of ``model`` is refused).
     ``example_inputs`` / ``example_kwargs`` are one replica's batch, the shape every
     :meth:`~DistributedModel.step` takes. ``loss_fn(output, target)`` is called on each micro-batch's output (the model's
     own output structure) and should average over its rows (e.g. ``CrossEntropyLoss()``); with an

@@ -5,9 +5,11 @@ model is split).
 
 Every rank of an initialised process group calls :func:`~autosplit.api.distributed.distribute` with the same model,
 example batch and options. World size = pp × dp_replicate × dp_shard × tp (the plan's
-:attr:`~autosplit.plans.Plan.mesh`; ``data_parallel × stages`` while tp is 1); pp is the outermost
-dimension and tp the innermost, so rank ``r`` runs stage ``r // data_parallel`` of the copy
-``r % data_parallel`` (:mod:`autosplit.runtime.placement`).
+:attr:`~autosplit.plans.Plan.mesh`: ``data_parallel × stages × tensor_parallel``); pp is the outermost
+dimension and tp the innermost, so rank ``r`` runs stage ``r // (data_parallel · tp)`` of the copy
+``(r // tp) % data_parallel`` at place ``r % tp`` along tp (:mod:`autosplit.runtime.placement`). Under a
+plan's :attr:`~autosplit.plans.Plan.tensor_parallel` each stage's parameters are DTensors on the mesh's
+tp, split as its :attr:`~autosplit.plans.Plan.tp_shards` says (:mod:`autosplit.runtime.tensor_parallel`).
 
 1. Every rank captures and annotates the model; rank 0 solves (or every rank loads the plan
    file) and the plan is broadcast; every rank checks the graph fingerprint against its own
