@@ -100,15 +100,16 @@ def _drop_metadata_asserts(module: torch.nn.Module) -> list[str]:
     strategy for the op (torch 2.13: "Operator aten._assert_tensor_metadata.default does not have a
     sharding strategy registered") and would refuse the forward. The check is the capture's, which
     already held; nothing the stage computes changes. Returns the erased nodes' names."""
-    graph = getattr(module, "graph", None)
-    target = torch.ops.aten._assert_tensor_metadata.default
+    if not isinstance(module, torch.fx.GraphModule):
+        return []
+    graph, target = module.graph, torch.ops.aten._assert_tensor_metadata.default
     erased = []
-    for node in list(graph.nodes) if graph is not None else ():
+    for node in list(graph.nodes):
         if node.op == "call_function" and node.target is target and not node.users:
             erased.append(node.name)
             graph.erase_node(node)
     if erased:
-        module.recompile()  # type: ignore[operator]
+        module.recompile()
     return erased
 
 
@@ -138,19 +139,21 @@ def _reduce_after_lookups(module: torch.nn.Module) -> list[str]:
     ``AssertionError``: the mask it kept is gone). torch's own ``parallelize_module`` reduces there
     (``RowwiseParallel`` on an embedding outputs ``Replicate``); so does this: the same all-reduce,
     one op earlier, and the same values. Returns the names of the lookups."""
-    graph = getattr(module, "graph", None)
+    if not isinstance(module, torch.fx.GraphModule):
+        return []
+    graph = module.graph
     lookups = {torch.ops.aten.embedding.default, torch.nn.functional.embedding, torch.embedding}
     found = []
-    for node in list(graph.nodes) if graph is not None else ():
+    for node in list(graph.nodes):
         leaf = node.op == "call_module" and isinstance(module.get_submodule(node.target), torch.nn.Embedding)
         if not (leaf or (node.op == "call_function" and node.target in lookups)):
             continue
         with graph.inserting_after(node):
             reduced = graph.call_function(replicate_partial, (node,))
-        node.replace_all_uses_with(reduced, delete_user_cb=lambda user: user is not reduced)
+        node.replace_all_uses_with(reduced, delete_user_cb=lambda user, made=reduced: user is not made)
         found.append(node.name)
     if found:
-        module.recompile()  # type: ignore[operator]
+        module.recompile()
     return found
 
 

@@ -46,13 +46,14 @@ def _lm_loss(out: Any, target: torch.Tensor) -> torch.Tensor:
 def _llama_case() -> tuple[torch.nn.Module, tuple, dict, torch.Tensor, Any]:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, max_position_embeddings=16, attn_implementation="eager")
+    shape: dict[str, Any] = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                 num_key_value_heads=2, max_position_embeddings=16, attn_implementation="eager")
+    config = LlamaConfig(**shape)
     tokens = torch.randint(0, 128, (ROWS, 8))
     return LlamaForCausalLM(config), (tokens,), {}, torch.randint(0, 128, (ROWS, 8)), _lm_loss
 
 
-CASES = {"gpt": gpt_case, "llama": _llama_case}
+CASES = {"gpt": gpt_case, "gpt-vocab": gpt_case, "llama": _llama_case}
 
 
 def _rms_norm_in_its_dtype(self: Any, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -75,18 +76,18 @@ def _float64_throughout(name: str) -> Iterator[None]:
     from transformers.models.llama import modeling_llama
 
     saved = modeling_llama.LlamaRMSNorm.forward
-    modeling_llama.LlamaRMSNorm.forward = _rms_norm_in_its_dtype
+    setattr(modeling_llama.LlamaRMSNorm, "forward", _rms_norm_in_its_dtype)  # noqa: B010 -- a method, set for a while
     try:
         yield
     finally:
-        modeling_llama.LlamaRMSNorm.forward = saved
+        setattr(modeling_llama.LlamaRMSNorm, "forward", saved)  # noqa: B010
 
 
 def _shards(name: str, model: torch.nn.Module) -> dict[str, int]:
     """The tp_shards of the module docstring, by the model's own parameter names."""
-    if name == "gpt":
-        return {k: 0 if ".fc." in k else 1 for k in dict(model.named_parameters())
-                if ".fc." in k or k.endswith(".out.weight")}
+    if name.startswith("gpt"):  # "gpt-vocab": its tied embedding and head too, vocabulary-parallel
+        mlp = {k: 0 if ".fc." in k else 1 for k in dict(model.named_parameters()) if ".fc." in k or k.endswith(".out.weight")}
+        return {**mlp, "wte.weight": 0, "head.weight": 0} if name == "gpt-vocab" else mlp
     column = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "embed_tokens", "lm_head")
     row = ("o_proj", "down_proj")
     return {k: 0 if any(c in k for c in column) else 1 for k in dict(model.named_parameters(remove_duplicate=False))
@@ -109,7 +110,7 @@ def _made_plan(name: str, stages: int, copies: int, tp: int, folder: str) -> str
                           **NO_SEARCH)
     if tp > 1:
         made = dataclasses.replace(made, tensor_parallel=tp, tp_shards=_shards(name, model))
-    path = f"{folder}/{name}-pp{stages}-dp{copies}-tp{tp}.json"
+    path = f"{folder}/{name}-pp{stages}-dp{copies}-tp{tp}.json"  # gpt-vocab: the GPT's plan, its tp_shards its own
     made.save(path)
     return path
 
@@ -182,12 +183,18 @@ def _train(name: str, plan_path: str, rank: int) -> None:
         ref_opt.zero_grad()
     for pname, p in pipe.named_parameters():
         torch.testing.assert_close(full_tensor(p), ref_params[pname], msg=where(f"{what} {pname} after {STEPS} steps"))
+    evaluated = pipe.eval_step(*(a[mine] for a in args), target=target[mine], **{k: v[mine] for k, v in kwargs.items()})
+    with torch.no_grad():  # forward only, under the same scope as a step
+        rows = {k: v[mine] for k, v in kwargs.items()}
+        expected_loss = loss_fn(reference(*(a[mine] for a in args), **rows), target[mine])
+    if pipe.is_last:
+        torch.testing.assert_close(evaluated, expected_loss, msg=where(f"{what} eval_step"))
     pipe.close()
 
 
 def test_tp2_alone_trains_like_the_unsplit_model(gloo, tmp_path):
     pytest.importorskip("transformers")
-    plans = [("gpt", _plan("gpt", 1, 1, 2, str(tmp_path))), ("llama", _plan("llama", 1, 1, 2, str(tmp_path)))]
+    plans = [(name, _plan(name, 1, 1, 2, str(tmp_path))) for name in ("gpt", "gpt-vocab", "llama")]
     gloo(2).run(_train_case, plans)
 
 
@@ -278,6 +285,10 @@ def test_a_checkpoint_saved_under_tp2_by_pp2_loads_under_pp2_under_tp2_and_unspl
     opt = torch.optim.AdamW(unsplit.parameters(), lr=5.0)
     load_checkpoint(tmp_path / "ckpt", unsplit, opt)
     _assert_resumed(dict(unsplit.named_parameters()), opt, reference, ref_opt, "the unsplit model")
+    for model, optimizer in ((unsplit, opt), (reference, ref_opt)):
+        _reference_step(model, args, kwargs, target, loss_fn, 1)
+        optimizer.step()
+    _assert_resumed(dict(unsplit.named_parameters()), opt, reference, ref_opt, "the unsplit model, one step on")
 
 
 # -- refusals ---------------------------------------------------------------------------------------
@@ -294,12 +305,12 @@ def _refusal_case(folder: str, *, rank: int, world: int) -> None:
     for shards, names in [({"blocks.0.fc.weight": 0, "blocks.0.mlp.weight": 0}, ["'blocks.0.mlp.weight'", "named_parameters"]),
                           ({"blocks.0.fc.bias": 1}, ["'blocks.0.fc.bias'", "dimension 1"]),
                           ({"wte.weight": 0, "head.weight": 1}, ["head.weight", "wte.weight", "tied"])]:
-        with pytest.raises(ConstraintError) as e:
+        with pytest.raises(ConstraintError) as refused:
             autosplit.distribute(model, None, **example, plan=dataclasses.replace(made, tp_shards=shards))
-        says(e, *names)
-    with pytest.raises(ConstraintError) as e:
+        says(refused, *names)
+    with pytest.raises(ConstraintError) as refused:
         autosplit.distribute(model, None, **example, plan=dataclasses.replace(made, sequence_parallel=True))
-    says(e, "sequence_parallel=True")
+    says(refused, "sequence_parallel=True")
 
 
 def test_a_mesh_the_process_group_cannot_hold_and_unknown_tp_shards_are_refused_by_name(gloo, tmp_path):
