@@ -94,23 +94,24 @@ def _shards(name: str, model: torch.nn.Module) -> dict[str, int]:
             if k.endswith("weight") and any(c in k for c in (*column, *row))}
 
 
-def _plan(name: str, stages: int, copies: int, tp: int, folder: str) -> str:
-    """A fixed plan of ``stages`` × ``dp_shard`` ``copies`` with ``tensor_parallel=tp`` set by hand, saved to a file."""
+def _plan(name: str, stages: int, copies: int, tp: int, folder: str, replicate: str = "fully_shard") -> str:
+    """A fixed plan of ``stages`` × ``copies`` (``dp_shard``, or ``dp_replicate`` under ``replicate="replicate"``)
+    with ``tensor_parallel=tp`` set by hand, saved to a file."""
     with _float64_throughout(name):
-        return _made_plan(name, stages, copies, tp, folder)
+        return _made_plan(name, stages, copies, tp, folder, replicate)
 
 
-def _made_plan(name: str, stages: int, copies: int, tp: int, folder: str) -> str:
+def _made_plan(name: str, stages: int, copies: int, tp: int, folder: str, replicate: str) -> str:
     torch.manual_seed(0)
     model, args, kwargs, _, _ = CASES[name]()
     rows = ROWS // copies
     made = autosplit.plan(model.double(), ["cpu"] * stages, example_inputs=tuple(a[:rows] for a in args),
                           example_kwargs={k: v[:rows] for k, v in kwargs.items()}, data_parallel=copies,
-                          replicate="fully_shard", schedule="1f1b" if stages <= MICRO else "gpipe", micro_batches=MICRO,
+                          replicate=replicate, schedule="1f1b" if stages <= MICRO else "gpipe", micro_batches=MICRO,
                           **NO_SEARCH)
     if tp > 1:
         made = dataclasses.replace(made, tensor_parallel=tp, tp_shards=_shards(name, model))
-    path = f"{folder}/{name}-pp{stages}-dp{copies}-tp{tp}.json"  # gpt-vocab: the GPT's plan, its tp_shards its own
+    path = f"{folder}/{name}-pp{stages}-{replicate}{copies}-tp{tp}.json"  # gpt-vocab: the GPT's plan, its tp_shards its own
     made.save(path)
     return path
 
@@ -140,11 +141,12 @@ def _check_placement(pipe: Any, rank: int, shards: dict[str, int]) -> None:
     assert pipe.mesh.mesh_dim_names == MESH_DIMS and tuple(pipe.mesh.shape) == tuple(mesh.values())
     place, copy_, t = pipe.layout.place(pipe.stage_index), pipe.layout.replica, pipe.layout.tp_rank
     assert rank == (place * pipe.layout.replicas + copy_) * mesh["tp"] + t, (rank, place, copy_, t)
-    dims = ("dp_shard", "tp") if mesh["dp_shard"] > 1 else ("tp",)  # FSDP2 over dp_shard, outside tp
+    dims = (*(d for d in ("dp_replicate", "dp_shard") if mesh[d] > 1), "tp")  # FSDP2 outside tp
     for pname, p in pipe.named_parameters():
         assert p.device_mesh.mesh_dim_names == dims, (pname, p.device_mesh)
-        # FSDP2 shards dimension 0 (a _StridedShard over a tp Shard(0): torch's 2-D order)
-        assert dims == ("tp",) or getattr(p.placements[0], "dim", None) == 0, (pname, p.placements)
+        for dim, placement in zip(dims[:-1], p.placements):
+            # fully_shard shards dimension 0 (a _StridedShard over a tp Shard(0): torch's 2-D order); replicate keeps it whole
+            assert getattr(placement, "dim", None) == 0 if dim == "dp_shard" else placement.is_replicate(), (pname, p.placements)
         placement = p.placements[-1]
         assert placement.is_shard(shards[pname]) if pname in shards else placement.is_replicate(), (pname, placement)
 
@@ -201,6 +203,13 @@ def test_tp2_alone_trains_like_the_unsplit_model(gloo, tmp_path):
 def test_tp2_by_pp2_trains_like_the_unsplit_model(gloo, tmp_path):
     pytest.importorskip("transformers")
     plans = [("gpt", _plan("gpt", 2, 1, 2, str(tmp_path))), ("llama", _plan("llama", 2, 1, 2, str(tmp_path)))]
+    gloo(4).run(_train_case, plans)
+
+
+def test_tp2_by_dp_replicate2_trains_like_the_unsplit_model(gloo, tmp_path):
+    """FSDP2's ``replicate`` over ``dp_replicate`` keeps the tp DTensors' copies in step (one stage)."""
+    pytest.importorskip("transformers")
+    plans = [(name, _plan(name, 1, 2, 2, str(tmp_path), "replicate")) for name in ("gpt", "llama")]
     gloo(4).run(_train_case, plans)
 
 
@@ -299,9 +308,9 @@ def _refusal_case(folder: str, *, rank: int, world: int) -> None:
     model = model.double()  # as the plans were made
     example = dict(example_inputs=args, example_kwargs=kwargs, loss_fn=loss_fn)
     with pytest.raises(DistributedError) as e:  # tp 2 × pp 2 need 4 ranks
-        autosplit.distribute(model, None, **example, plan=f"{folder}/gpt-pp2-dp1-tp2.json")
+        autosplit.distribute(model, None, **example, plan=f"{folder}/gpt-pp2-fully_shard1-tp2.json")
     says(e, "2 ranks", "pp × dp_replicate × dp_shard × tp = 2 × 1 × 1 × 2 = 4", "× 2 × 2)")
-    made = autosplit.Plan.load(f"{folder}/gpt-pp1-dp1-tp2.json")
+    made = autosplit.Plan.load(f"{folder}/gpt-pp1-fully_shard1-tp2.json")
     for shards, names in [({"blocks.0.fc.weight": 0, "blocks.0.mlp.weight": 0}, ["'blocks.0.mlp.weight'", "named_parameters"]),
                           ({"blocks.0.fc.bias": 1}, ["'blocks.0.fc.bias'", "dimension 1"]),
                           ({"wte.weight": 0, "head.weight": 1}, ["head.weight", "wte.weight", "tied"])]:
