@@ -276,6 +276,9 @@ def _resume_case(plan_path: str, folder: str, *, rank: int, world: int) -> None:
     whole = pipe.full_state_dict()  # every stage's, gathered on every rank
     for key, value in reference.state_dict().items():
         torch.testing.assert_close(whole[key], value, msg=where(f"{what}: full_state_dict {key}"))
+    pipe.load_state_dict({k: torch.zeros_like(v) for k, v in whole.items()})  # into this rank's part of each DTensor
+    assert all(not full_tensor(p).any() for p in pipe.parameters()), what
+    pipe.load_state_dict(whole)
     loss = pipe.step(*args, target=target, **kwargs)
     expected = _reference_step(reference, args, kwargs, target, loss_fn, 1)
     if pipe.is_last:
