@@ -31,7 +31,7 @@ from autosplit.runtime.placement import reduce_sparse_gradients
 from autosplit.runtime.precision import cast_inputs, cast_once
 from autosplit.runtime.runs import BatchRuns, Run
 from autosplit.runtime.stage import Span
-from autosplit.runtime.tensor_parallel import reduce_partial_gradients, tp_scope
+from autosplit.runtime.tensor_parallel import place_gradients, tp_scope
 
 __all__ = ["FlushedStep"]
 
@@ -93,7 +93,7 @@ class FlushedStep(BatchRuns):
                 **dict(zip(self._input_names, cast_inputs(flat, self.precision))),
             )
         if self.layout.tp > 1:
-            reduce_partial_gradients(self.module.parameters())
+            place_gradients(self.module.parameters())
         if self._sparse_tables:
             reduce_sparse_gradients(self._sparse_tables, self._dp_mesh)
         self._sum_tied_gradients()

@@ -33,7 +33,7 @@ import torch
 
 from autosplit.errors import ConstraintError, advice
 
-__all__ = ["check_tp_shards", "parallelize_stage", "reduce_partial_gradients", "replicate_partial", "stage_shards", "tp_scope"]
+__all__ = ["check_tp_shards", "parallelize_stage", "place_gradients", "replicate_partial", "stage_shards", "tp_scope"]
 
 
 def check_tp_shards(model: torch.nn.Module, shards: Mapping[str, int], tp: int) -> None:
@@ -157,22 +157,29 @@ def _reduce_after_lookups(module: torch.nn.Module) -> list[str]:
     return found
 
 
-def reduce_partial_gradients(params: Any) -> int:
-    """Every gradient that DTensor left as a partial sum brought to its parameter's placements (an
-    all-reduce over ``tp`` for a replicated one); returns how many. Called once per step, after the
-    schedule's last backward: a replicated parameter read by a split computation (an RMSNorm's weight
-    times a row-parallel product's partial sum) gets a ``Partial`` gradient from torch's rules, where
-    torchtitan's ``RowwiseParallel`` reduces the product at once. Left partial, the optimizer would
-    reduce it inside each update and :meth:`~autosplit.runtime.loop.TrainingLoop.clip_grad_norm_` refuse it."""
+def place_gradients(params: Any) -> int:
+    """Every gradient brought to its parameter's placements where DTensor's rules left it elsewhere;
+    returns how many. Called once per step, after the schedule's last backward:
+
+    - a replicated parameter read by a split computation (an RMSNorm's weight times a row-parallel
+      product's partial sum) gets a ``Partial`` gradient, where torchtitan's ``RowwiseParallel`` reduces
+      the product at once: reduced here (an all-reduce over ``tp``);
+    - a vocabulary-parallel table (``Shard(0)``) can get a ``Replicate`` gradient from the lookup's
+      backward: each rank keeps its rows.
+
+    Left as they were, the optimizer would redistribute inside each update, the tied copies' sum
+    (:meth:`~autosplit.runtime.flushed.FlushedStep._sum_tied_gradients`, on local tensors) would add a
+    whole gradient to a shard, and :meth:`~autosplit.runtime.loop.TrainingLoop.clip_grad_norm_` would
+    refuse a partial one."""
     from torch.distributed.tensor import DTensor
 
-    reduced = 0
+    placed = 0
     for p in params:
         g = p.grad
-        if isinstance(g, DTensor) and isinstance(p, DTensor) and any(q.is_partial() for q in g.placements):
+        if isinstance(g, DTensor) and isinstance(p, DTensor) and tuple(g.placements) != tuple(p.placements):
             p.grad = g.redistribute(p.device_mesh, p.placements)
-            reduced += 1
-    return reduced
+            placed += 1
+    return placed
 
 
 def tp_scope(tp: int) -> contextlib.AbstractContextManager[Any]:
@@ -198,8 +205,8 @@ def _boundary_hooks(module: torch.nn.Module, tp_mesh: Any) -> None:
         return t
 
     def leave(t: Any) -> Any:
-        if isinstance(t, DTensor):
-            return t.redistribute(tp_mesh, [Replicate()]).to_local()
+        if isinstance(t, DTensor):  # to_local() is a view, which the split backward's detach_() refuses: a copy
+            return t.redistribute(tp_mesh, [Replicate()]).to_local().clone()
         return t
 
     def before(_: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:

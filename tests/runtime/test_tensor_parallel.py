@@ -96,24 +96,25 @@ def _shards(name: str, model: torch.nn.Module) -> dict[str, int]:
             if k.endswith("weight") and any(c in k for c in (*column, *row))}
 
 
-def _plan(name: str, stages: int, copies: int, tp: int, folder: str, replicate: str = "fully_shard") -> str:
+def _plan(name: str, stages: int, copies: int, tp: int, folder: str, replicate: str = "fully_shard", **options: Any) -> str:
     """A fixed plan of ``stages`` × ``copies`` (``dp_shard``, or ``dp_replicate`` under ``replicate="replicate"``)
-    with ``tensor_parallel=tp`` set by hand, saved to a file."""
+    with ``tensor_parallel=tp`` set by hand, saved to a file; ``options``: other plan options (a multi-stage schedule)."""
     with _float64_throughout(name):
-        return _made_plan(name, stages, copies, tp, folder, replicate)
+        return _made_plan(name, stages, copies, tp, folder, replicate, options)
 
 
-def _made_plan(name: str, stages: int, copies: int, tp: int, folder: str, replicate: str) -> str:
+def _made_plan(name: str, stages: int, copies: int, tp: int, folder: str, replicate: str, options: dict[str, Any]) -> str:
     torch.manual_seed(0)
     model, args, kwargs, _, _ = CASES[name]()
     rows = ROWS // copies
+    options = {"schedule": "1f1b" if stages <= MICRO else "gpipe", "micro_batches": MICRO, **NO_SEARCH, **options}
     made = autosplit.plan(model.double(), ["cpu"] * stages, example_inputs=tuple(a[:rows] for a in args),
                           example_kwargs={k: v[:rows] for k, v in kwargs.items()}, data_parallel=copies,
-                          replicate=replicate, schedule="1f1b" if stages <= MICRO else "gpipe", micro_batches=MICRO,
-                          **NO_SEARCH)
+                          replicate=replicate, **options)
     if tp > 1:
         made = dataclasses.replace(made, tensor_parallel=tp, tp_shards=_shards(name, model))
-    path = f"{folder}/{name}-pp{stages}-{replicate}{copies}-tp{tp}.json"  # gpt-vocab: the GPT's plan, its tp_shards its own
+    # gpt-vocab: the GPT's plan, its tp_shards its own
+    path = f"{folder}/{name}-pp{stages}-{replicate}{copies}-tp{tp}-{options['schedule']}.json"
     made.save(path)
     return path
 
@@ -205,6 +206,17 @@ def test_tp2_alone_trains_like_the_unsplit_model(gloo, tmp_path):
 def test_tp2_by_pp2_trains_like_the_unsplit_model(gloo, tmp_path):
     pytest.importorskip("transformers")
     plans = [("gpt", _plan("gpt", 2, 1, 2, str(tmp_path))), ("llama", _plan("llama", 2, 1, 2, str(tmp_path)))]
+    gloo(4).run(_train_case, plans)
+
+
+def test_tp2_by_pp2_with_two_stages_per_rank_trains_like_the_unsplit_model(gloo, tmp_path):
+    """torch's multi-stage classes: interleaved 1F1B on the Llama; the zero-bubble V on the GPT with its tied
+    embedding and head vocabulary-parallel (both arms of the V on one rank, a copy each, gradients summed per
+    tp place; the backward split into input and weight passes)."""
+    pytest.importorskip("transformers")
+    multi = {"stages_per_rank": 2, "micro_batches": 4}
+    plans = [("llama", _plan("llama", 2, 1, 2, str(tmp_path), schedule="interleaved1f1b", **multi)),
+             ("gpt-vocab", _plan("gpt-vocab", 2, 1, 2, str(tmp_path), schedule="zbvzerobubble", **multi))]
     gloo(4).run(_train_case, plans)
 
 
@@ -313,9 +325,9 @@ def _refusal_case(folder: str, *, rank: int, world: int) -> None:
     model = model.double()  # as the plans were made
     example = dict(example_inputs=args, example_kwargs=kwargs, loss_fn=loss_fn)
     with pytest.raises(DistributedError) as e:  # tp 2 × pp 2 need 4 ranks
-        autosplit.distribute(model, None, **example, plan=f"{folder}/gpt-pp2-fully_shard1-tp2.json")
+        autosplit.distribute(model, None, **example, plan=f"{folder}/gpt-pp2-fully_shard1-tp2-1f1b.json")
     says(e, "2 ranks", "pp × dp_replicate × dp_shard × tp = 2 × 1 × 1 × 2 = 4", "× 2 × 2)")
-    made = autosplit.Plan.load(f"{folder}/gpt-pp1-fully_shard1-tp2.json")
+    made = autosplit.Plan.load(f"{folder}/gpt-pp1-fully_shard1-tp2-1f1b.json")
     for shards, names in [({"blocks.0.fc.weight": 0, "blocks.0.mlp.weight": 0}, ["'blocks.0.mlp.weight'", "named_parameters"]),
                           ({"blocks.0.fc.bias": 1}, ["'blocks.0.fc.bias'", "dimension 1"]),
                           ({"wte.weight": 0, "head.weight": 1}, ["head.weight", "wte.weight", "tied"])]:
