@@ -9,7 +9,8 @@ unsplit model trains on the whole global batch. In float64 the losses of every s
 (whole, ``full_tensor``; the last step's clipped by the whole model's norm, ``pipe.clip_grad_norm_``)
 and the parameters after 3 AdamW steps agree to rounding, and so does ``eval_step`` after them: tp 2
 alone (2 processes; the GPT also with its tied embedding and head vocabulary-parallel, a traced graph's
-``nn.Embedding`` leaf), tp 2 × pp 2 (4), tp 2 × ``dp_replicate`` 2 (4, FSDP2's ``replicate``) and
+``nn.Embedding`` leaf), tp 2 × pp 2 (4; with two stages per rank too: interleaved 1F1B, the zero-bubble
+V), tp 2 × ``dp_replicate`` 2 (4, FSDP2's ``replicate``) and
 tp 2 × pp 2 × ``dp_shard`` 2 (8, FSDP2's ``fully_shard`` over the tp DTensors). A
 checkpoint saved under tp 2 × pp 2 loads under pp 2 alone, under tp 2 alone and into the unsplit
 model. A world size other than the mesh's and a ``tp_shards`` name the model lacks are refused by name.
