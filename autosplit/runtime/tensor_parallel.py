@@ -89,8 +89,9 @@ def parallelize_stage(module: torch.nn.Module, tp_mesh: Any, shards: Mapping[str
             made[id(p)] = torch.nn.Parameter(distribute_tensor(p.detach(), tp_mesh, [placement]), p.requires_grad)
         owner, _, attr = name.rpartition(".")
         setattr(module.get_submodule(owner), attr, made[id(p)])
-    _drop_metadata_asserts(module)
-    _reduce_after_lookups(module)
+    for graph_module in [m for m in module.modules() if isinstance(m, torch.fx.GraphModule)]:  # outlined blocks too
+        _drop_metadata_asserts(graph_module)
+        _reduce_after_lookups(graph_module)
     _boundary_hooks(module, tp_mesh)
 
 

@@ -11,7 +11,8 @@ and the parameters after 3 AdamW steps agree to rounding, and so does ``eval_ste
 alone (2 processes; the GPT also with its tied embedding and head vocabulary-parallel, a traced graph's
 ``nn.Embedding`` leaf), tp 2 × pp 2 (4; with two stages per rank too: interleaved 1F1B, the zero-bubble
 V), tp 2 × ``dp_replicate`` 2 (4, FSDP2's ``replicate``) and
-tp 2 × pp 2 × ``dp_shard`` 2 (8, FSDP2's ``fully_shard`` over the tp DTensors). A
+tp 2 × pp 2 × ``dp_shard`` 2 (8, FSDP2's ``fully_shard`` over the tp DTensors), one stage under tp 2 × HSDP
+(8). A
 step under ``"bf16-mixed"`` agrees to bf16's precision (tp sums partial products in bfloat16). A
 checkpoint saved under tp 2 × pp 2 loads under pp 2 alone, under tp 2 alone and into the unsplit
 model. A world size other than the mesh's and a ``tp_shards`` name the model lacks are refused by name.
@@ -102,12 +103,14 @@ def _shards(name: str, model: torch.nn.Module) -> dict[str, int]:
 
 def _plan(name: str, stages: int, copies: int, tp: int, folder: str, replicate: str = "fully_shard", **options: Any) -> str:
     """A fixed plan of ``stages`` × ``copies`` (``dp_shard``, or ``dp_replicate`` under ``replicate="replicate"``)
-    with ``tensor_parallel=tp`` set by hand, saved to a file; ``options``: other plan options (a multi-stage schedule)."""
+    with ``tensor_parallel=tp`` set by hand, saved to a file; ``options``: other plan options (a multi-stage
+    schedule), and ``dp_shard`` (below ``copies``: HSDP, set by hand as well)."""
     with _float64_throughout(name):
         return _made_plan(name, stages, copies, tp, folder, replicate, options)
 
 
 def _made_plan(name: str, stages: int, copies: int, tp: int, folder: str, replicate: str, options: dict[str, Any]) -> str:
+    shard = options.pop("dp_shard", None)
     torch.manual_seed(0)
     model, args, kwargs, _, _ = CASES[name]()
     rows = ROWS // copies
@@ -117,8 +120,10 @@ def _made_plan(name: str, stages: int, copies: int, tp: int, folder: str, replic
                           replicate=replicate, **options)
     if tp > 1:
         made = dataclasses.replace(made, tensor_parallel=tp, tp_shards=_shards(name, model))
+    if shard is not None:
+        made = dataclasses.replace(made, dp_shard=shard)
     # gpt-vocab: the GPT's plan, its tp_shards its own
-    path = f"{folder}/{name}-pp{stages}-{replicate}{copies}-tp{tp}-{options['schedule']}.json"
+    path = f"{folder}/{name}-pp{stages}-{replicate}{copies}-shard{made.dp_shard}-tp{tp}-{options['schedule']}.json"
     made.save(path)
     return path
 
@@ -236,6 +241,15 @@ def test_tp2_by_pp2_by_dp_shard2_trains_like_the_unsplit_model(gloo, tmp_path):
     each parameter a DTensor on the 2-D ``("dp_shard", "tp")`` mesh."""
     pytest.importorskip("transformers")
     plans = [("gpt", _plan("gpt", 2, 2, 2, str(tmp_path))), ("llama", _plan("llama", 2, 2, 2, str(tmp_path)))]
+    gloo(8, timeout=120).run(_train_case, plans)
+
+
+def test_tp2_under_hsdp_trains_like_the_unsplit_model(gloo, tmp_path):
+    """One stage on tp 2 × ``dp_replicate`` 2 × ``dp_shard`` 2 (HSDP, from a plan given those degrees): the GPT in
+    2 micro-batches; the Llama in one (one row: FSDP alone, each decoder layer outlined as a unit of its own,
+    its graph a module inside the stage's)."""
+    pytest.importorskip("transformers")
+    plans = [(name, _plan(name, 1, 4, 2, str(tmp_path), dp_shard=2, micro_batches=micro)) for name, micro in (("gpt", 2), ("llama", 1))]
     gloo(8, timeout=120).run(_train_case, plans)
 
 
@@ -365,9 +379,9 @@ def _refusal_case(folder: str, *, rank: int, world: int) -> None:
     model = model.double()  # as the plans were made
     example = dict(example_inputs=args, example_kwargs=kwargs, loss_fn=loss_fn)
     with pytest.raises(DistributedError) as e:  # tp 2 × pp 2 need 4 ranks
-        autosplit.distribute(model, None, **example, plan=f"{folder}/gpt-pp2-fully_shard1-tp2-1f1b.json")
+        autosplit.distribute(model, None, **example, plan=f"{folder}/gpt-pp2-fully_shard1-shard1-tp2-1f1b.json")
     says(e, "2 ranks", "pp × dp_replicate × dp_shard × tp = 2 × 1 × 1 × 2 = 4", "× 2 × 2)")
-    made = autosplit.Plan.load(f"{folder}/gpt-pp1-fully_shard1-tp2-1f1b.json")
+    made = autosplit.Plan.load(f"{folder}/gpt-pp1-fully_shard1-shard1-tp2-1f1b.json")
     for shards, names in [({"blocks.0.fc.weight": 0, "blocks.0.mlp.weight": 0}, ["'blocks.0.mlp.weight'", "named_parameters"]),
                           ({"blocks.0.fc.bias": 1}, ["'blocks.0.fc.bias'", "dimension 1"]),
                           ({"wte.weight": 0, "head.weight": 1}, ["head.weight", "wte.weight", "tied"])]:
