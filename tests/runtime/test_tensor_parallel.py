@@ -7,13 +7,16 @@ and bias along 0, ``out``'s weight along 1); for a small transformers Llama (cap
 1, the embedding and the head along 0 (vocabulary-parallel). Beside it, in the same process, the
 unsplit model trains on the whole global batch. In float64 the losses of every step, every gradient
 (whole, ``full_tensor``; the last step's clipped by the whole model's norm, ``pipe.clip_grad_norm_``)
-and the parameters after 3 AdamW steps agree to rounding, and so does ``eval_step`` after them: tp 2
-alone (2 processes; the GPT also with its tied embedding and head vocabulary-parallel, a traced graph's
-``nn.Embedding`` leaf), tp 2 × pp 2 (4; with two stages per rank too: interleaved 1F1B, the zero-bubble
-V), tp 2 × ``dp_replicate`` 2 (4, FSDP2's ``replicate``) and
-tp 2 × pp 2 × ``dp_shard`` 2 (8, FSDP2's ``fully_shard`` over the tp DTensors), one stage under tp 2 × HSDP
-(8). A
-step under ``"bf16-mixed"`` agrees to bf16's precision (tp sums partial products in bfloat16). A
+and the parameters after 3 AdamW steps agree to rounding, and so does ``eval_step`` after them:
+
+- tp 2 alone (2 processes); the GPT also with its tied embedding and head vocabulary-parallel (a traced
+  graph's ``nn.Embedding`` leaf); both models also under ``checkpointing="full"``;
+- tp 2 × pp 2 (4); with two stages per rank too (interleaved 1F1B, the zero-bubble V);
+- tp 2 × ``dp_replicate`` 2 (4, FSDP2's ``replicate``);
+- tp 2 × pp 2 × ``dp_shard`` 2 (8, FSDP2's ``fully_shard`` over the tp DTensors), and one stage under
+  tp 2 × HSDP (8).
+
+A step under ``"bf16-mixed"`` agrees to bf16's precision (tp sums partial products in bfloat16). A
 checkpoint saved under tp 2 × pp 2 loads under pp 2 alone, under tp 2 alone and into the unsplit
 model. A world size other than the mesh's and a ``tp_shards`` name the model lacks are refused by name.
 """
@@ -123,7 +126,8 @@ def _made_plan(name: str, stages: int, copies: int, tp: int, folder: str, replic
     if shard is not None:
         made = dataclasses.replace(made, dp_shard=shard)
     # gpt-vocab: the GPT's plan, its tp_shards its own
-    path = f"{folder}/{name}-pp{stages}-{replicate}{copies}-shard{made.dp_shard}-tp{tp}-{options['schedule']}.json"
+    path = (f"{folder}/{name}-pp{stages}-{replicate}{copies}-shard{made.dp_shard}-tp{tp}-{options['schedule']}"
+            f"{'-recompute' if made.recompute else ''}.json")
     made.save(path)
     return path
 
@@ -209,6 +213,8 @@ def _train(name: str, plan_path: str, rank: int) -> None:
 def test_tp2_alone_trains_like_the_unsplit_model(gloo, tmp_path):
     pytest.importorskip("transformers")
     plans = [(name, _plan(name, 1, 1, 2, str(tmp_path))) for name in ("gpt", "gpt-vocab", "llama")]
+    # activation checkpointing (the plan's recomputation, in the stage graph) around the DTensor ops
+    plans += [(name, _plan(name, 1, 1, 2, str(tmp_path), checkpointing="full")) for name in ("gpt", "llama")]
     gloo(2).run(_train_case, plans)
 
 
