@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from autosplit.compat import ASSERT_TENSOR_METADATA
 from autosplit.errors import ConstraintError, advice
 
 __all__ = ["check_tp_shards", "parallelize_stage", "place_gradients", "replicate_partial", "stage_shards", "tp_scope"]
@@ -103,7 +104,7 @@ def _drop_metadata_asserts(module: torch.nn.Module) -> list[str]:
     already held; nothing the stage computes changes. Returns the erased nodes' names."""
     if not isinstance(module, torch.fx.GraphModule):
         return []
-    graph, target = module.graph, torch.ops.aten._assert_tensor_metadata.default
+    graph, target = module.graph, ASSERT_TENSOR_METADATA
     erased = []
     for node in list(graph.nodes):
         if node.op == "call_function" and node.target is target and not node.users:
