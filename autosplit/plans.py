@@ -315,7 +315,8 @@ class Plan:
         if self.dp_shard < 1 or self.data_parallel % self.dp_shard:
             raise _bad(source, "dp_shard", self.dp_shard, f"is not an integer ≥ 1 dividing data_parallel={self.data_parallel}")
         if self.tensor_parallel < 1 or (self.tensor_parallel == 1 and (self.tp_shards or self.sequence_parallel)):
-            raise _bad(source, "tensor_parallel", self.tensor_parallel, "is not an integer ≥ 1, or is 1 with tp_shards or sequence_parallel")
+            raise _bad(source, "tensor_parallel", self.tensor_parallel,
+                       "is not an integer ≥ 1, or is 1 with tp_shards or sequence_parallel")
         if any(d not in (0, 1) for d in self.tp_shards.values()):
             raise _bad(source, "tp_shards", dict(self.tp_shards), "splits a parameter along a dimension other than 0 or 1")
         if self.precision not in PRECISIONS:
