@@ -18,7 +18,8 @@ and the parameters after 3 AdamW steps agree to rounding, and so does ``eval_ste
 
 A step under ``"bf16-mixed"`` agrees to bf16's precision (tp sums partial products in bfloat16). A
 checkpoint saved under tp 2 × pp 2 loads under pp 2 alone, under tp 2 alone and into the unsplit
-model. A world size other than the mesh's and a ``tp_shards`` name the model lacks are refused by name.
+model; a model on the meta device takes its weights from one under tp 2 × pp 2. A world size other
+than the mesh's and a ``tp_shards`` name the model lacks are refused by name.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ import torch.nn.functional as F
 
 import autosplit
 from autosplit.errors import ConstraintError, DistributedError
-from autosplit.runtime.checkpoint import load_checkpoint
+from autosplit.runtime.checkpoint import load_checkpoint, save_checkpoint
 from autosplit.runtime.placement import MESH_DIMS
 from tests.helpers import NO_SEARCH, full_tensor, gpt_case, says, where
 
@@ -375,6 +376,34 @@ def test_a_checkpoint_saved_under_tp2_by_pp2_loads_under_pp2_under_tp2_and_unspl
         _reference_step(model, args, kwargs, target, loss_fn, 1)
         optimizer.step()
     _assert_resumed(dict(unsplit.named_parameters()), opt, reference, ref_opt, "the unsplit model, one step on")
+
+
+def _meta_case(plan_path: str, weights: str, *, rank: int, world: int) -> None:
+    torch.manual_seed(0)
+    model, args, kwargs, target, loss_fn = gpt_case()
+    reference = model.double()
+    with torch.device("meta"):
+        meta = type(reference)(vocab=40, d_model=16, n_layers=2, n_heads=2, max_len=8).double()
+    pipe = autosplit.distribute(meta, None, example_inputs=args, example_kwargs=kwargs, loss_fn=loss_fn, plan=plan_path, weights=weights)
+    ref_params = dict(reference.named_parameters())
+    for pname, p in pipe.named_parameters():
+        torch.testing.assert_close(full_tensor(p), ref_params[pname], msg=where(f"materialised {pname}"))
+    loss = pipe.step(*args, target=target, **kwargs)
+    expected = _reference_step(reference, args, kwargs, target, loss_fn, 1)
+    if pipe.is_last:
+        torch.testing.assert_close(loss, expected[0], msg=where("loss"))
+    for pname, p in pipe.named_parameters():
+        torch.testing.assert_close(full_tensor(p.grad), ref_params[pname].grad, msg=where(f"grad {pname}"))
+    pipe.close()
+
+
+def test_a_meta_model_under_tp2_by_pp2_takes_its_weights_from_a_checkpoint(gloo, tmp_path):
+    """Each rank materialises its stage whole from the checkpoint (the unsplit model's, ``save_checkpoint``),
+    then splits it over tp: the GPT with its tied embedding and head vocabulary-parallel."""
+    torch.manual_seed(0)
+    model, *_ = gpt_case()
+    save_checkpoint(tmp_path / "ckpt", model.double())
+    gloo(4).run(_meta_case, [(_plan("gpt-vocab", 2, 1, 2, str(tmp_path)), str(tmp_path / "ckpt"))])
 
 
 # -- refusals ---------------------------------------------------------------------------------------
