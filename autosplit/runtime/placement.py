@@ -6,11 +6,12 @@ outermost and tp innermost, with the degrees the plan records
 (:attr:`~autosplit.plans.Plan.mesh`): rank ``((p · dp_replicate + r) · dp_shard + s) · tp + t``
 sits at ``(p, r, s, t)``. Every rank along ``pp`` runs its stages of one data-parallel copy:
 :class:`Layout`'s replica is ``r · dp_shard + s``, so rank ``q`` runs stage (place) ``q // (dp · tp)`` of
-replica ``(q // tp) % dp`` with ``dp = dp_replicate × dp_shard``, as the ``tp`` ranks ``t`` of that place
-and copy (:mod:`autosplit.runtime.tensor_parallel`): they run the same micro-batches, each with its
-part of the stage's split parameters, and a stage talks to its neighbours at the same ``t``. FSDP2 keeps the copies in step on the
-data-parallel sub-mesh (:func:`data_parallel_mesh`): ``fully_shard`` over ``dp_shard`` (HSDP, over
-``("dp_replicate", "dp_shard")``, when both are above 1), ``replicate`` over ``dp_replicate``.
+replica ``(q // tp) % dp`` with ``dp = dp_replicate × dp_shard``, as one of the ``tp`` ranks of that
+place and copy (:mod:`autosplit.runtime.tensor_parallel`): they run the same micro-batches, each with its
+part of the stage's split parameters, and a stage talks to its neighbours at the same ``t`` (the mesh's
+``pp`` sub-group). FSDP2 keeps the copies in step on the data-parallel sub-mesh
+(:func:`data_parallel_mesh`): ``fully_shard`` over ``dp_shard`` (HSDP, over ``("dp_replicate",
+"dp_shard")``, when both are above 1), ``replicate`` over ``dp_replicate``.
 """
 
 from __future__ import annotations
