@@ -25,6 +25,8 @@ serves, its CUDA build on CPU, ``scripts/check_torch.sh 2.14.1``) unless it says
   kernels), :func:`fsdp_replicate` (``torch.distributed._composable.replicate_with_fsdp``),
   :func:`stage_backward` (``torch.distributed.pipelining._backward``), and the pipelining
   schedules' private members below.
+- Tensor parallelism: :data:`ASSERT_TENSOR_METADATA` (``aten._assert_tensor_metadata``, an op
+  DTensor cannot run; checked on 2.13.0 only).
 
 Attributes of public classes that every torch release since 1.x has kept are read in place and
 not wrapped: ``nn.Module._modules`` / ``_parameters`` / ``_buffers`` /
@@ -68,6 +70,7 @@ __all__ = [
     "copy_attr",
     "TENSOR_DATA",
     "C_LINEAR",
+    "ASSERT_TENSOR_METADATA",
     "NormBase",
     "BatchNorm",
     "amp_unscale_",
@@ -100,6 +103,11 @@ TENSOR_DATA = torch._C.TensorBase.__dict__["data"]
 C_LINEAR: Any = torch._C._nn.linear
 """The ATen binding ``F.linear`` is (``torch._C._nn.linear``): the target a symbolic trace records for
 ``F.linear`` calls, which the tensor-parallel rules recognise as a linear layer."""
+
+ASSERT_TENSOR_METADATA: OpOverload = torch.ops.aten._assert_tensor_metadata.default
+"""The check ``torch.export`` leaves where ``.to(dtype)`` ran (``aten._assert_tensor_metadata``, no output),
+which DTensor has no sharding strategy for: :mod:`autosplit.runtime.tensor_parallel` drops it from tp
+stages. Checked on 2.13.0 only (the tp runtime's first version)."""
 
 NormBase: type[torch.nn.Module] = torch.nn.modules.batchnorm._NormBase
 """Every batch or instance norm with running statistics (``torch.nn.modules.batchnorm._NormBase``)."""

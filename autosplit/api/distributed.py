@@ -33,6 +33,7 @@ from autosplit.runtime.distributed import DistributedModel
 from autosplit.runtime.materialise import StageNames, WeightsLike, agree_by_name, materialise
 from autosplit.runtime.placement import Layout, agree, data_parallel_mesh, keep_unread, make_mesh, place, rank_device
 from autosplit.runtime.precision import stage_device_type
+from autosplit.runtime.tensor_parallel import check_tp_shards, stage_shards
 from autosplit.shapes import is_meta
 
 __all__ = ["distribute"]
@@ -76,11 +77,14 @@ def distribute(
     """Run ``model`` as pipeline stages across the ranks of the initialised process group.
 
     ``devices`` are one replica's stage devices (``["cpu"] * 2``; ``None`` with a ``plan``);
-    world size must be ``data_parallel × len(devices)``: the ranks of the ``("pp", "dp_replicate",
-    "dp_shard", "tp")`` mesh (:attr:`~autosplit.plans.Plan.mesh`, :mod:`autosplit.runtime.placement`);
+    world size must be ``data_parallel × len(devices) × tensor_parallel``: the ranks of the ``("pp",
+    "dp_replicate", "dp_shard", "tp")`` mesh (:attr:`~autosplit.plans.Plan.mesh`, :mod:`autosplit.runtime.placement`);
     a given ``plan`` made for data-parallel copies (``autosplit.plan(model, cluster, ...)`` chooses
     them) runs with the degrees it was made for, which ``data_parallel`` and ``replicate`` default
-    to (else 1 and ``"replicate"``); other degrees are refused.
+    to (else 1 and ``"replicate"``); other degrees are refused. A given plan's
+    :attr:`~autosplit.plans.Plan.tensor_parallel` runs each stage on that many ranks, its parameters split
+    as :attr:`~autosplit.plans.Plan.tp_shards` says (:mod:`autosplit.runtime.tensor_parallel`; a name that
+    is no parameter of ``model`` is refused).
     ``example_inputs`` / ``example_kwargs`` are one replica's batch, the shape every
     :meth:`~DistributedModel.step` takes. ``loss_fn(output, target)`` is called on each micro-batch's output (the model's
     own output structure) and should average over its rows (e.g. ``CrossEntropyLoss()``); with an
@@ -121,8 +125,9 @@ def distribute(
     planner = Planner(model, devices, example_inputs=example_inputs, example_kwargs=example_kwargs,
                       loss_fn=None if example_target is None else loss_fn, example_target=example_target, **options)
     made = dataclasses.replace(_agreed_plan(planner, given, data_parallel), data_parallel=data_parallel, dp_shard=shard)
+    check_tp_shards(model, made.tp_shards, made.tensor_parallel)
     layout = Layout.of(dist.get_rank(), len(made.stage_devices), data_parallel,
-                       stage_ranks=made.stage_devices if made.stages_per_rank > 1 else ())
+                       stage_ranks=made.stage_devices if made.stages_per_rank > 1 else (), tp=made.tensor_parallel)
     return _build(model, planner, made, given, layout, loss_fn, weights, compile_options(compile))
 
 
@@ -204,11 +209,12 @@ def _check_mesh(given: Plan | None, stages: int, data_parallel: int, replicate: 
     data-parallel copies was made for these (:class:`ConstraintError`); a plan made for one copy runs
     under the arguments' degrees. HSDP (both degrees above 1) comes from a given plan only."""
     shard = data_parallel if replicate == "fully_shard" else 1
-    if given is not None and given.tensor_parallel > 1:
+    tp = given.tensor_parallel if given is not None else 1
+    if given is not None and given.sequence_parallel:
         raise ConstraintError(advice(
-            f"the plan splits tensors over tp {given.tensor_parallel} (the mesh {given.mesh})",
-            "tensor parallelism is planned and costed, and the runtime does not run it yet",
-            "plan with tensor_parallel=1 to train this model now",
+            f"the plan runs sequence parallelism over tp {tp} (sequence_parallel=True)",
+            "the runtime runs tensor parallelism with replicated activations between the split layers so far",
+            "plan with sequence_parallel=False",
         ))
     if given is not None and given.data_parallel > 1:
         if given.data_parallel != data_parallel or (given.dp_shard > 1) != (replicate == "fully_shard" and data_parallel > 1):
@@ -220,15 +226,15 @@ def _check_mesh(given: Plan | None, stages: int, data_parallel: int, replicate: 
                 f"pass data_parallel={given.data_parallel}, replicate={made_for!r}, or re-plan for these degrees",
             ))
         shard = given.dp_shard
-    mesh = {"pp": stages, "dp_replicate": data_parallel // shard, "dp_shard": shard, "tp": 1}
+    mesh = {"pp": stages, "dp_replicate": data_parallel // shard, "dp_shard": shard, "tp": tp}
     world, needed = dist.get_world_size(), math.prod(mesh.values())
     if world != needed:
         raise DistributedError(advice(
             f"the process group has {world} ranks, but the plan needs pp × dp_replicate × dp_shard × tp = "
-            f"{' × '.join(str(d) for d in mesh.values())} = {needed} (data_parallel × stages = {data_parallel} × {stages})",
+            f"{' × '.join(str(d) for d in mesh.values())} = {needed} (data_parallel × stages × tp = {data_parallel} × {stages} × {tp})",
             "each rank runs one stage of one data-parallel copy, at one place of the mesh ('pp', 'dp_replicate', 'dp_shard', 'tp')",
             f"launch {needed} processes (torchrun --nproc-per-node {needed}), or pass "
-            f"data_parallel={world // stages if stages and world % stages == 0 else '…'} / other devices"
+            f"data_parallel={world // (stages * tp) if stages and world % (stages * tp) == 0 else '…'} / other devices"
             + (" / another plan" if given is not None else ""),
         ))
     return shard
@@ -251,10 +257,11 @@ def _agreed_plan(planner: Planner, given: Plan | None, data_parallel: int) -> Pl
                 f"re-plan with one of {runnable}",
             )
         )
-    if entry.asynchronous and data_parallel != 1:
+    if entry.asynchronous and (data_parallel != 1 or made.tensor_parallel != 1):
         raise DistributedError(advice(
-            f"schedule={entry.name!r} with data_parallel={data_parallel}",
-            "the asynchronous schedules run one replica so far", "pass data_parallel=1, or schedule='gpipe' / '1f1b'",
+            f"schedule={entry.name!r} with data_parallel={data_parallel}, tensor_parallel={made.tensor_parallel}",
+            "the asynchronous schedules run one replica so far, each stage on one rank",
+            "pass data_parallel=1 and a plan with tensor_parallel=1, or schedule='gpipe' / '1f1b'",
         ))
     if entry.asynchronous and any(p.policy == "replicate" for p in made.shared_params):
         raise DistributedError(advice(
@@ -332,10 +339,10 @@ def _build(
     the_mesh = make_mesh(device, {**made.mesh, "pp": layout.pp})
     tied_groups = []
     for p in tied:  # new_group is collective: every rank creates every group, in one order
-        for replica in range(layout.replicas):
-            ranks = sorted({layout.rank(s, replica) for s in p.stages})
+        for replica, t in ((r, t) for r in range(layout.replicas) for t in range(layout.tp)):  # a group per tp place
+            ranks = sorted({layout.rank(s, replica, t) for s in p.stages})
             group = dist.new_group(ranks) if len(ranks) > 1 else None  # one rank: its copies are summed locally
-            if any(s in held for s in p.stages) and replica == layout.replica:
+            if any(s in held for s in p.stages) and (replica, t) == (layout.replica, layout.tp_rank):
                 tied_groups.append((p.name, group))
 
     def to_flat(args: tuple, kwargs: dict) -> list[Any]:
@@ -348,6 +355,7 @@ def _build(
         replication="fully_shard" if made.dp_shard > 1 else "replicate", input_names=chain.input_names, to_flat=to_flat,
         micro_batches=made.micro_batches, example=to_flat(*example), chain_at=chains, tied_groups=tied_groups,
         asynchronous=entry.name if entry.asynchronous else None, compiled=compiled, mesh=the_mesh,
+        tp_shards={s: stage_shards(made.tp_shards, parts[s].tensors) for s in held},
     )
 
 

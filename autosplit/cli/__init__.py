@@ -87,7 +87,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--plan", help="a saved plan to run instead of solving")
     p.add_argument("--out", help="write the plan it ran here")
-    p.add_argument("--nproc-per-node", type=int, default=None, help="default dp × devices")
+    p.add_argument("--nproc-per-node", type=int, default=None, help="default dp × devices (with --plan: its mesh's ranks)")
     p.set_defaults(run=commands.run)
 
     demo = sub.add_parser("demo", help="plan a built-in GPT onto CPU devices, train it split, write the plan")

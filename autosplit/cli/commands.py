@@ -11,7 +11,7 @@ import time
 
 from autosplit.cli import inputs, processes
 
-__all__ = ["compare", "demo", "plan", "run", "show"]
+__all__ = ["compare", "demo", "plan", "run", "show", "world_size"]
 
 
 # -- commands ----------------------------------------------------------------------------------
@@ -72,6 +72,17 @@ def show(args: argparse.Namespace, argv: list[str]) -> int:
     return 0
 
 
+def world_size(args: argparse.Namespace, devices: list[str]) -> int:
+    """The processes ``run`` starts by default: ``dp × devices``, or with ``--plan`` the ranks of the plan's
+    mesh (pp × data-parallel copies × tp; ``--dp`` for a plan made for one copy)."""
+    if not args.plan:
+        return len(devices) * args.dp
+    from autosplit.plans import Plan
+
+    plan = Plan.load(args.plan)
+    return len(plan.devices) * (plan.data_parallel if plan.data_parallel > 1 else args.dp) * plan.tensor_parallel
+
+
 def run(args: argparse.Namespace, argv: list[str]) -> int:
     """Pipelined (and data-parallel) training of the workload for ``--steps`` steps."""
     import torch
@@ -81,7 +92,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
 
     check_replicate(args.replicate)  # before any process starts
     devices = inputs.devices(args.devices)
-    launched = processes.launch(argv, args.nproc_per_node or len(devices) * args.dp)
+    launched = processes.launch(argv, args.nproc_per_node or world_size(args, devices))
     if launched is not None:
         return launched
     processes.init_process_group()

@@ -294,11 +294,12 @@ class StageState:
         self._copy_to_aliases()
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """The whole model's state (every stage of replica 0) on every rank, in CPU memory, under
-        the model's names: ``unsplit.load_state_dict(pipe.full_state_dict())`` works."""
+        """The whole model's state (every stage of replica 0, each tensor whole: gathered over FSDP2's shards
+        and the tp ranks) on every rank, in CPU memory, under the model's names:
+        ``unsplit.load_state_dict(pipe.full_state_dict())`` works."""
         mine = {k: _full(v).detach().cpu() for k, v in self.state_dict().items()}
         gathered: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, mine if self.layout.replica == 0 else None)
+        dist.all_gather_object(gathered, mine if self.layout.replica == 0 and self.layout.tp_rank == 0 else None)
         merged: dict[str, torch.Tensor] = {}
         for part in gathered:
             merged.update(part or {})

@@ -5,9 +5,11 @@ model is split).
 
 Every rank of an initialised process group calls :func:`~autosplit.api.distributed.distribute` with the same model,
 example batch and options. World size = pp × dp_replicate × dp_shard × tp (the plan's
-:attr:`~autosplit.plans.Plan.mesh`; ``data_parallel × stages`` while tp is 1); pp is the outermost
-dimension and tp the innermost, so rank ``r`` runs stage ``r // data_parallel`` of the copy
-``r % data_parallel`` (:mod:`autosplit.runtime.placement`).
+:attr:`~autosplit.plans.Plan.mesh`: ``data_parallel × stages × tensor_parallel``); pp is the outermost
+dimension and tp the innermost, so rank ``r`` runs stage ``r // (data_parallel · tp)`` of the copy
+``(r // tp) % data_parallel`` at place ``r % tp`` along tp (:mod:`autosplit.runtime.placement`). Under a
+plan's :attr:`~autosplit.plans.Plan.tensor_parallel` each stage's parameters are DTensors on the mesh's
+tp, split as its :attr:`~autosplit.plans.Plan.tp_shards` says (:mod:`autosplit.runtime.tensor_parallel`).
 
 1. Every rank captures and annotates the model; rank 0 solves (or every rank loads the plan
    file) and the plan is broadcast; every rank checks the graph fingerprint against its own
@@ -91,6 +93,7 @@ from autosplit.runtime.placement import Layout, replicate_stage
 from autosplit.runtime.precision import LossScaler, autocast, hold
 from autosplit.runtime.runs import Run
 from autosplit.runtime.stage import Span
+from autosplit.runtime.tensor_parallel import parallelize_stage
 
 __all__ = ["DistributedModel"]
 
@@ -126,7 +129,7 @@ class DistributedModel(StageState, TrainingLoop, FlushedStep, AsynchronousRun):
         pp_group: Any, dp_mesh: Any, replication: str, input_names: Sequence[str], to_flat: Callable[..., list[Any]],
         micro_batches: int, example: Sequence[Any], chain_at: Callable[[int], Chain],
         tied_groups: Sequence[tuple[str, Any]] = (), asynchronous: str | None = None, aliases: Mapping[str, Sequence[str]] = {},
-        compiled: CompileOptions | None = None, mesh: Any = None,
+        compiled: CompileOptions | None = None, mesh: Any = None, tp_shards: Mapping[int, Mapping[str, int]] = {},
     ) -> None:
         from torch.distributed import pipelining
 
@@ -154,7 +157,7 @@ class DistributedModel(StageState, TrainingLoop, FlushedStep, AsynchronousRun):
         (:func:`~autosplit.runtime.placement.make_mesh`; degrees: the plan's :attr:`~autosplit.plans.Plan.mesh`)."""
         self.precision = plan.precision
         """The plan's precision, which every stage of every rank runs in (:mod:`autosplit.runtime.precision`)."""
-        self._prepare_stages(modules, compiled, replication, dp_mesh)
+        self._prepare_stages(modules, compiled, replication, dp_mesh, tp_shards)
         self._pp_group = pp_group
         # static metadata: no dry-run forward (it would touch BatchNorm statistics)
         self._stages = self._new_stages(chain.inputs_meta, chain.outputs_meta)
@@ -189,9 +192,12 @@ class DistributedModel(StageState, TrainingLoop, FlushedStep, AsynchronousRun):
 
     def _prepare_stages(
         self, modules: Mapping[int, torch.nn.Module], compiled: CompileOptions | None, replication: str, dp_mesh: Any,
+        tp_shards: Mapping[int, Mapping[str, int]],
     ) -> None:
-        """Each stage module held in the plan's precision, compiled under ``compile=`` and kept in step
-        over the mesh's data-parallel sub-mesh (``dp_mesh``): torchtitan's order (compile before FSDP2 wraps them)."""
+        """Each stage module held in the plan's precision, its parameters split over the mesh's ``tp``
+        (``tp_shards``: stage → local name → dimension; :mod:`autosplit.runtime.tensor_parallel`), compiled
+        under ``compile=`` and kept in step over the mesh's data-parallel sub-mesh (``dp_mesh``): torchtitan's
+        order (tensor parallelism, then compile, then FSDP2)."""
         device, layout = self.device, self.layout
         for stage_module in modules.values():
             hold(stage_module, self.precision)
@@ -208,6 +214,9 @@ class DistributedModel(StageState, TrainingLoop, FlushedStep, AsynchronousRun):
         for stage_module in modules.values() if alone else ():  # each block a module of its own, FSDP2's hooks around it
             if isinstance(stage_module, torch.fx.GraphModule):  # before compile, as torchtitan wraps blocks (AC → compile → FSDP)
                 log.debug("blocks outlined as FSDP units: %s", outline_blocks(stage_module))
+        if layout.tp > 1:  # before compile and FSDP2, as torchtitan orders them
+            for s, stage_module in modules.items():
+                parallelize_stage(stage_module, self.mesh["tp"], tp_shards.get(s, {}))
         if compiled is not None:  # before FSDP2 wraps the stages, as torchtitan orders them
             options = {f.name: getattr(compiled, f.name) for f in dataclasses.fields(compiled)}
             self.compiled = compile_stages(modules, **options, device_types={device.type})

@@ -31,6 +31,7 @@ from autosplit.runtime.placement import reduce_sparse_gradients
 from autosplit.runtime.precision import cast_inputs, cast_once
 from autosplit.runtime.runs import BatchRuns, Run
 from autosplit.runtime.stage import Span
+from autosplit.runtime.tensor_parallel import place_gradients, tp_scope
 
 __all__ = ["FlushedStep"]
 
@@ -86,11 +87,13 @@ class FlushedStep(BatchRuns):
         kept = self._set_aside_gradients(run)
         run.started = True
         # One outer autocast scope for the whole step: each weight is cast once, every micro-batch shares the copy.
-        with self._failing("a pipelined step"), cast_once(self.precision, self.device.type):
+        with self._failing("a pipelined step"), cast_once(self.precision, self.device.type), tp_scope(self.layout.tp):
             run.schedule.step(  # the last stage's outputs are not returned: kept, they would hold M of them to the end
                 target=target if self.is_last else None, return_outputs=False,
                 **dict(zip(self._input_names, cast_inputs(flat, self.precision))),
             )
+        if self.layout.tp > 1:
+            place_gradients(self.module.parameters())
         if self._sparse_tables:
             reduce_sparse_gradients(self._sparse_tables, self._dp_mesh)
         self._sum_tied_gradients()
@@ -145,7 +148,8 @@ class FlushedStep(BatchRuns):
         flat, run = self._begin(inputs, kwargs, target, "output" if target is None else "loss")
         grads = [(p, p.grad) for p in self.module.parameters()]
         try:
-            with torch.no_grad(), self._failing("a forward-only step"), cast_once(self.precision, self.device.type):
+            with (torch.no_grad(), self._failing("a forward-only step"), cast_once(self.precision, self.device.type),
+                  tp_scope(self.layout.tp)):
                 out = forward_only_step(
                     run.schedule, return_outputs=target is None, target=target if self.is_last else None,
                     **dict(zip(self._input_names, cast_inputs(flat, self.precision))),

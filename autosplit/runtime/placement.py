@@ -2,13 +2,16 @@
 wrapping of its module, and the model's state no stage reads.
 
 The mesh is torchtitan's ``("pp", "dp_replicate", "dp_shard", "tp")`` (:func:`make_mesh`), pp
-outermost and tp innermost (tp is 1 so far), with the degrees the plan records
+outermost and tp innermost, with the degrees the plan records
 (:attr:`~autosplit.plans.Plan.mesh`): rank ``((p · dp_replicate + r) · dp_shard + s) · tp + t``
 sits at ``(p, r, s, t)``. Every rank along ``pp`` runs its stages of one data-parallel copy:
-:class:`Layout`'s replica is ``r · dp_shard + s``, so rank ``q`` runs stage (place) ``q // dp`` of
-replica ``q % dp`` with ``dp = dp_replicate × dp_shard``. FSDP2 keeps the copies in step on the
-data-parallel sub-mesh (:func:`data_parallel_mesh`): ``fully_shard`` over ``dp_shard`` (HSDP, over
-``("dp_replicate", "dp_shard")``, when both are above 1), ``replicate`` over ``dp_replicate``.
+:class:`Layout`'s replica is ``r · dp_shard + s``, so rank ``q`` runs stage (place) ``q // (dp · tp)`` of
+replica ``(q // tp) % dp`` with ``dp = dp_replicate × dp_shard``, as one of the ``tp`` ranks of that
+place and copy (:mod:`autosplit.runtime.tensor_parallel`): they run the same micro-batches, each with its
+part of the stage's split parameters, and a stage talks to its neighbours at the same ``t`` (the mesh's
+``pp`` sub-group). FSDP2 keeps the copies in step on the data-parallel sub-mesh
+(:func:`data_parallel_mesh`): ``fully_shard`` over ``dp_shard`` (HSDP, over ``("dp_replicate",
+"dp_shard")``, when both are above 1), ``replicate`` over ``dp_replicate``.
 """
 
 from __future__ import annotations
@@ -50,10 +53,15 @@ class Layout:
     replica: int
     stage_ranks: tuple[int, ...] = ()
     """[stage] its place along ``pp``, when a rank runs several stages (torch's loop or V); empty: stage s at s."""
+    tp: int = 1
+    """Ranks along ``tp``: each stage of each copy runs on this many ranks, its parameters split among them."""
+    tp_rank: int = 0
+    """This rank's place along ``tp``."""
 
     @classmethod
-    def of(cls, rank: int, stages: int, replicas: int, stage_ranks: tuple[int, ...] = ()) -> Layout:
-        return cls(stages, replicas, rank // replicas, rank % replicas, stage_ranks)
+    def of(cls, rank: int, stages: int, replicas: int, stage_ranks: tuple[int, ...] = (), tp: int = 1) -> Layout:
+        group = rank // tp
+        return cls(stages, replicas, group // replicas, group % replicas, stage_ranks, tp, rank % tp)
 
     @property
     def pp(self) -> int:
@@ -69,9 +77,14 @@ class Layout:
         """Stage ``stage``'s place along ``pp``."""
         return self.stage_ranks[stage] if self.stage_ranks else stage
 
-    def rank(self, stage: int, replica: int | None = None) -> int:
-        """The global rank that runs ``stage`` of ``replica`` (default: this rank's replica)."""
-        return self.place(stage) * self.replicas + (self.replica if replica is None else replica)
+    def rank(self, stage: int, replica: int | None = None, tp_rank: int | None = None) -> int:
+        """The global rank that runs ``stage`` of ``replica`` at ``tp_rank`` along ``tp`` (default: this rank's)."""
+        copy = self.place(stage) * self.replicas + (self.replica if replica is None else replica)
+        return copy * self.tp + (self.tp_rank if tp_rank is None else tp_rank)
+
+    def ranks(self, stage: int, replica: int) -> list[int]:
+        """Every rank that runs ``stage`` of ``replica``: one per place along ``tp``."""
+        return [self.rank(stage, replica, t) for t in range(self.tp)]
 
 
 def agree(value: Any, what: str, group: Any = None) -> None:

@@ -125,7 +125,7 @@ class BatchRuns:
                 "a peer rank failed, exited, or did not call step() (the process group's timeout)",
                 "look for the first rank that failed; call step() on every rank with a batch of the same shape",
             )) from e
-        last = [self.layout.rank(self.layout.stages - 1, r) for r in range(self.layout.replicas)] if targeted else []
+        last = [q for r in range(self.layout.replicas) for q in self.layout.ranks(self.layout.stages - 1, r)] if targeted else []
         check_batches(torch.stack(table).tolist(), last)
         return rows
 

@@ -174,3 +174,19 @@ def test_plan_chooses_the_mesh_degrees_and_refuses_a_bad_degree(tmp_path, capsys
     assert made.mesh["pp"] * made.data_parallel == 2
     assert main(["plan", *GPT_ARGS, "--devices", "A100-80GB*2", "--data-parallel", "two"]) == 2
     assert "data_parallel" in capsys.readouterr().err
+
+
+def test_run_starts_as_many_processes_as_a_given_plans_mesh_has_ranks(tmp_path):
+    """``run --plan`` without ``--nproc-per-node`` starts pp × data-parallel copies × tp processes."""
+    import argparse
+    import dataclasses
+
+    from autosplit.cli.commands import world_size
+    from tests.helpers import GOLDEN
+
+    plan = autosplit.Plan.load(GOLDEN / "gpt_a100x2_gpipe.plan.json")
+    assert plan.mesh == {"pp": 2, "dp_replicate": 1, "dp_shard": 1, "tp": 1}
+    dataclasses.replace(plan, tensor_parallel=2).save(tmp_path / "tp.json")
+    assert world_size(argparse.Namespace(plan=None, dp=2), ["cpu"] * 3) == 6
+    assert world_size(argparse.Namespace(plan=str(tmp_path / "tp.json"), dp=1), ["cpu"] * 3) == 4
+    assert world_size(argparse.Namespace(plan=str(tmp_path / "tp.json"), dp=2), ["cpu"] * 3) == 8
