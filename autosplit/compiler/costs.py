@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +22,7 @@ from autosplit.passes.loss import cost_loss, output_like
 from autosplit.passes.profile import Profile, profile
 from autosplit.passes.sharding import laid_out, sharded_alone
 from autosplit.passes.tensor_parallel import check_degree
-from autosplit.passes.tp_costs import sequence_parallel, tp_laid_out
+from autosplit.passes.tp_costs import tp_laid_out
 from autosplit.plans import PartialRecompute
 from autosplit.shapes import is_meta
 from autosplit.solver.problem import UserConstraint
@@ -83,8 +84,21 @@ def tp_fields(traced: Traced, options: PlanOptions) -> dict[str, Any]:
     if options.tp <= 1:
         return {}
     rules = traced.tp_rules()
-    return {"tensor_parallel": options.tp, "tp_shards": dict(rules.shards), "tp_whole": dict(rules.replicated),
-            "sequence_parallel": sequence_parallel(rules)}
+    return {"tensor_parallel": options.tp, "tp_shards": _every_name(traced, rules.shards), "tp_whole": dict(rules.replicated)}
+
+
+def _every_name(traced: Traced, shards: Mapping[str, int]) -> dict[str, int]:
+    """``shards`` (a tied parameter under its first name) under every name of each tied parameter: the
+    runtime places one tensor whatever name a stage reads it by."""
+    out = dict(shards)
+    names: dict[int, list[str]] = {}
+    for name, p in (traced.model.named_parameters(remove_duplicate=False) if traced.model is not None else ()):
+        names.setdefault(id(p), []).append(name)
+    for group in names.values():
+        split = [shards[n] for n in group if n in shards]
+        if split:
+            out.update(dict.fromkeys(group, split[0]))
+    return out
 
 
 def _loss(traced: Traced, specs: tuple[DeviceSpec, ...], options: PlanOptions, micro_batches: int,

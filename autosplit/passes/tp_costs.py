@@ -6,23 +6,23 @@ lies between them and their row-parallel partner, that partner), and which tenso
 Per node and device of a group of ``tp`` (:func:`tp_laid_out`):
 
 - **compute** (forward, backward, the split backward's cost) ÷ tp on a split node; whole on a
-  replicated one — or ÷ tp too under sequence parallelism, where every node between the split layers
-  (norms, residuals, the loss) runs on ``1/tp`` of the sequence;
+  replicated one (norms, residuals, the loss: every tp rank runs them on the whole activation, as
+  the runtime does, :mod:`autosplit.runtime.tensor_parallel`);
 - **activations** (saved, sent, transient, kept for a split backward) likewise ÷ tp;
 - **parameters**, their gradients and optimizer state ÷ tp for the split share of the node's parameters
   (``f``: the node holds ``1 − f + f/tp`` of them), and the optimizer's step with them; a mixed
   precision's compute copy of a weight ÷ tp where the node that reads it is split;
 - **collectives**: each tensor the rules reduce in the forward (a row-parallel output, the
   vocabulary-parallel embedding's) and each gradient they reduce in the backward (at a column-parallel
-  group's input): a ring all-reduce over the tp ranks — or, under sequence parallelism, a
-  reduce-scatter and an all-gather, the same bytes on the ring — once per micro-batch, on the node's
-  critical path (torch's tensor parallelism does not overlap them; async TP would).
+  group's input): a ring all-reduce over the tp ranks, once per micro-batch, on the node's critical
+  path (torch's tensor parallelism does not overlap them; async TP would).
 
 The tp group is ``tp`` consecutive ranks (tp innermost in the mesh), inside one node's island: the
 intra-node ring, at the all-reduce link's bandwidth.
 
-Sequence parallelism is used where the rules split every linear (only norms and lookups of computed
-indices stay whole), as torchtitan does with its ``SequenceParallel`` norms.
+Sequence parallelism (torchtitan's ``SequenceParallel`` norms: the activations between the split
+layers ÷ tp, each all-reduce a reduce-scatter and an all-gather of the same bytes) is not planned yet:
+the runtime does not run it.
 
 Usage::
 
@@ -41,13 +41,7 @@ from autosplit.devices import DeviceSpec
 from autosplit.passes.annotations import node_info
 from autosplit.passes.tensor_parallel import TensorParallelRules
 
-__all__ = ["sequence_parallel", "split_shares", "tp_collective_time", "tp_laid_out"]
-
-
-def sequence_parallel(rules: TensorParallelRules) -> bool:
-    """Sequence parallelism fits the rules: every linear is split (none in
-    :attr:`~autosplit.passes.tensor_parallel.TensorParallelRules.whole_linears`)."""
-    return bool(rules.shards) and not rules.whole_linears
+__all__ = ["split_shares", "tp_collective_time", "tp_laid_out"]
 
 
 def split_shares(gm: fx.GraphModule, table: CostTable, shards: Mapping[str, int], numel: Mapping[str, int]) -> list[float]:
@@ -78,8 +72,7 @@ def tp_laid_out(
     module docstring); ``table`` itself for ``tp = 1``."""
     if tp <= 1:
         return table
-    everywhere = sequence_parallel(rules)
-    cut = [1 / tp if everywhere or name in rules.split_nodes else 1.0 for name in table.nodes]
+    cut = [1 / tp if name in rules.split_nodes else 1.0 for name in table.nodes]
     held = [1 - f + f / tp for f in split_shares(gm, table, rules.shards, numel)]
 
     def scaled(values: Sequence[int], by: Sequence[float]) -> tuple[int, ...]:
@@ -93,10 +86,9 @@ def tp_laid_out(
 
     # a weight's compute copy is saved where autocast casts it, by the linear (or lookup) that reads it,
     # which need not be the node that owns the parameter: it is split where that reader is
-    copied = [1 / tp if name in rules.split_nodes else 1.0 for name in table.nodes]
     buffers = table.buffer_bytes or (0,) * len(table.nodes)
     copies = table.weight_copy_bytes or (0,) * len(table.nodes)
-    state = tuple(round((s - b - c) * k) + b + round(c * q) for s, b, c, k, q in zip(table.state_bytes, buffers, copies, held, copied))
+    state = tuple(round((s - b - c) * k) + b + round(c * q) for s, b, c, k, q in zip(table.state_bytes, buffers, copies, held, cut))
     saved = scaled(table.saved_bytes, cut)
     ratio = [sum(saved[i] for i in m) / max(1, sum(table.saved_bytes[i] for i in m)) for m in table.block_members]
     return dataclasses.replace(
@@ -107,7 +99,7 @@ def tp_laid_out(
         state_bytes=state, saved_bytes=saved, output_bytes=scaled(table.output_bytes, cut),
         sent_bytes=scaled(table.sent_bytes, cut), transient_bytes=scaled(table.transient_bytes, cut),
         wgrad_bytes=scaled(table.wgrad_bytes, cut),
-        param_bytes=scaled(table.param_bytes, held), weight_copy_bytes=scaled(table.weight_copy_bytes, copied),
+        param_bytes=scaled(table.param_bytes, held), weight_copy_bytes=scaled(table.weight_copy_bytes, cut),
         param_counts=scaled(table.param_counts, held),
         optimizer_time=tuple(tuple(t * k for t in row) for row, k in zip(table.optimizer_time, held)),
         block_saves=scaled(table.block_saves, ratio), block_activations=scaled(table.block_activations, ratio),

@@ -144,7 +144,7 @@ def _wide_mlp() -> nn.Module:
 @pytest.mark.parametrize("rows", [1, 64])
 def test_the_tensor_parallel_degree_is_chosen_with_the_split(rows):
     """4096 tokens on a node of 4. As one row, data parallelism has no rows to share and a pipeline of one
-    micro-batch idles, so each layer split 4 ways wins (sequence parallel: every linear split). As 64 rows,
+    micro-batch idles, so each layer split 4 ways wins. As 64 rows,
     each copy takes 16 and hides its gradients' collectives behind its backward, where tensor parallelism
     exposes an all-reduce per layer: data parallelism wins."""
     node = dataclasses.replace(H100, island_size=4)
@@ -154,7 +154,7 @@ def test_the_tensor_parallel_degree_is_chosen_with_the_split(rows):
     assert {(4, 1), (2, 2), (1, 4)} <= tried and plan.step_time == min(a.step_time for a in plan.alternatives)
     if rows == 1:
         assert plan.mesh == {"pp": 1, "dp_replicate": 1, "dp_shard": 1, "tp": 4}
-        assert plan.sequence_parallel and set(plan.tp_shards) == {f"{i}.{j}.{w}" for i in range(4) for j, w in
+        assert not plan.tp_whole.keys() - {f"{i}.0" for i in range(4)} and set(plan.tp_shards) == {f"{i}.{j}.{w}" for i in range(4) for j, w in
                                                                    ((1, "weight"), (1, "bias"), (3, "weight"))}
         assert "tensor parallel over tp 4" in autosplit.report.text.plan_report(plan)
     else:

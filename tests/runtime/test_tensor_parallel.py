@@ -168,6 +168,24 @@ def _check_placement(pipe: Any, rank: int, shards: dict[str, int]) -> None:
         assert placement.is_shard(shards[pname]) if pname in shards else placement.is_replicate(), (pname, placement)
 
 
+def _planned(name: str, folder: str) -> str:
+    """The planner's own plan of ``name`` with ``tensor_parallel=2`` over two devices (the whole mesh):
+    its tp_shards from the graph's rules (:mod:`autosplit.passes.tensor_parallel`), not by hand."""
+    with _float64_throughout(name):
+        torch.manual_seed(0)
+        model, args, kwargs, _, _ = CASES[name]()
+        made = autosplit.plan(model.double(), ["cpu"] * 2, example_inputs=args, example_kwargs=kwargs, tensor_parallel=2,
+                              data_parallel=1, micro_batches=MICRO, schedule="1f1b", **NO_SEARCH)
+    assert made.mesh == {"pp": 1, "dp_replicate": 1, "dp_shard": 1, "tp": 2}
+    if name == "llama":  # the rules find what a person writes by hand
+        assert dict(made.tp_shards) == _shards(name, model), made.tp_shards
+    else:  # the fused qkv stays whole, and the report's rows say why
+        assert all(k in made.tp_shards for k in _shards(name, model)) and "blocks.0.attn.qkv" in made.tp_whole
+    path = f"{folder}/{name}-planned-tp2.json"
+    made.save(path)
+    return path
+
+
 def _train_case(name: str, plan_path: str, *, rank: int, world: int) -> None:
     with _float64_throughout(name):
         _train(name, plan_path, rank)
@@ -216,6 +234,7 @@ def test_tp2_alone_trains_like_the_unsplit_model(gloo, tmp_path):
     plans = [(name, _plan(name, 1, 1, 2, str(tmp_path))) for name in ("gpt", "gpt-vocab", "llama")]
     # activation checkpointing (the plan's recomputation, in the stage graph) around the DTensor ops
     plans += [(name, _plan(name, 1, 1, 2, str(tmp_path), checkpointing="full")) for name in ("gpt", "llama")]
+    plans += [(name, _planned(name, str(tmp_path))) for name in ("gpt", "llama")]  # tp_shards from the graph
     gloo(2).run(_train_case, plans)
 
 
