@@ -115,6 +115,10 @@ def _split_and_replay(traced: Traced, specs: tuple[DeviceSpec, ...], options: Pl
     _, M, table, _, rules = estimated(traced, specs, options)
     bound = work_bound(table, len(specs), M, options.schedule, options.rank_stages)  # before recompute, which only adds work
     order, problem = stage_problem(table, len(specs), options, M, rules)
+    try:  # the cheap proofs first (more ranks than units, a node over every cap): no DP to run where they hold
+        prove_over_caps(problem, cheap=True)
+    except InfeasiblePlanError as e:
+        return _proven(options, M, e)
     stage_of, labels = None, tuple[str, ...]()
     for chosen in dict.fromkeys(problem.forced):  # the fewest and the most blocks recomputed, when there are any
         fixed = problem.fixed(chosen)
@@ -131,8 +135,7 @@ def _split_and_replay(traced: Traced, specs: tuple[DeviceSpec, ...], options: Pl
         try:  # the memory floors may prove that no split fits: then the configuration reaches no step at all
             prove_over_caps(problem)
         except InfeasiblePlanError as e:
-            return Alternative(options.schedule, options.rank_stages, M, math.inf, (), f"proven: {e}".split(". Likely cause")[0],
-                               bound=math.inf)
+            return _proven(options, M, e)
         why = f"the DP's split does not fit ({why or 'no contiguous split'}); not proven infeasible"
     row = Alternative(options.schedule, options.rank_stages, M, math.inf, (), why, bound=bound)
     if why or stage_of is None:
@@ -140,6 +143,12 @@ def _split_and_replay(traced: Traced, specs: tuple[DeviceSpec, ...], options: Pl
     terms, shared = predict_step(problem, table, stage_of, order, options)
     reports = stage_reports(problem, table, stage_of, order, shared, options.schedule)
     return dataclasses.replace(row, step_time=terms.total, rank_memory=rank_peaks(problem, options.schedule, reports))
+
+
+def _proven(options: PlanOptions, M: int, error: InfeasiblePlanError) -> Alternative:
+    """A configuration proven to fit no split: it reaches no step at all (its bound infinite)."""
+    return Alternative(options.schedule, options.rank_stages, M, math.inf, (), f"proven: {error}".split(". Likely cause")[0],
+                       bound=math.inf)
 
 
 def search(traced: Traced, specs: tuple[DeviceSpec, ...], options: PlanOptions) -> tuple[PlanOptions, tuple[Alternative, ...]]:
@@ -160,11 +169,16 @@ def search(traced: Traced, specs: tuple[DeviceSpec, ...], options: PlanOptions) 
         log.info("search: %s × %d stage(s) per rank × %d micro-batches: %s", row.schedule, row.stages_per_rank,
                  row.micro_batches, f"{row.step_time * 1e3:.3f} ms" if row.fits else row.note)
     if not tried or not tried[0][1].fits:
-        proven = all(row.bound == math.inf for _, row in tried)  # each configuration proven not to fit
-        raise (InfeasiblePlanError if proven else SolverError)(advice(
-            f"none of the {len(tried)} configurations tried fits: "
-            + "; ".join(f"{r.schedule} × {r.stages_per_rank} × M={r.micro_batches}: {r.note}" for _, r in tried[:6]),
-            "every schedule, stages per rank and micro-batch count the options allow was split by the DP",
-            "more devices or memory, a smaller batch, or fix schedule= to search CP-SAT's wider space",
-        ))
+        if all(row.bound == math.inf for _, row in tried):  # each configuration proven not to fit
+            raise InfeasiblePlanError(_none_fits(tried))
+        raise SolverError(_none_fits(tried))
     return tried[0][0], tuple(row for _, row in tried)
+
+
+def _none_fits(tried: list[tuple[PlanOptions, Alternative]]) -> str:
+    return advice(
+        f"none of the {len(tried)} configurations tried fits: "
+        + "; ".join(f"{r.schedule} × {r.stages_per_rank} × M={r.micro_batches}: {r.note}" for _, r in tried[:6]),
+        "every schedule, stages per rank and micro-batch count the options allow was split by the DP",
+        "more devices or memory, a smaller batch, or fix schedule= to search CP-SAT's wider space",
+    )

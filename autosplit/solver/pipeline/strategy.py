@@ -178,8 +178,7 @@ def solve(
     # Before any search: no plan holds less than every block it may recompute recomputed, with no
     # more colocated and no more reserved than the problem itself.
     fewest, most = problem.fixed(must), problem.fixed(may)
-    least = dataclasses.replace(most, colocate=problem.colocate, transient_mem=problem.transient_mem)
-    _refuse_over_caps(problem, memory_floor(least))
+    _refuse_over_caps(problem, memory_floor(_least(problem)))
     found, units, slowest = _dp_candidates(problem, fewest, most, limits)
     value = {name: evaluate(problem.fixed(*chosen), plan).objective for name, (chosen, plan) in found.items()}
     baseline = value.get("dp")
@@ -246,14 +245,24 @@ def _dp_candidates(
     return found, units, slowest
 
 
-def prove_over_caps(problem: Problem) -> None:
+def prove_over_caps(problem: Problem, *, cheap: bool = False) -> None:
     """Raise :class:`InfeasiblePlanError` where the memory floors prove that no split of ``problem``
-    fits its caps, recomputing every block it may (no plan holds less), as :func:`solve` proves it;
-    return where they do not."""
-    if problem.recompute:
-        problem = problem.fixed(problem.forced[1])
-    precheck(problem)
-    _refuse_over_caps(problem, memory_floor(problem), memory_chain_floor(problem), memory_proof(problem))
+    fits its caps, recomputing every block it may (no plan holds less: :func:`_least`), as :func:`solve`
+    proves it; return where they do not. ``cheap``: only the checks that cost nothing (more ranks than
+    units to place, a unit over every cap)."""
+    least = _least(problem)
+    precheck(least)
+    if not cheap:
+        _refuse_over_caps(least, memory_floor(least), memory_chain_floor(least), memory_proof(least))
+
+
+def _least(problem: Problem) -> Problem:
+    """``problem`` holding the least memory any of its plans can: every block it may recompute
+    recomputed, with no more colocated and no more reserved than the problem itself."""
+    if not problem.recompute:
+        return problem
+    most = problem.fixed(problem.forced[1])
+    return dataclasses.replace(most, colocate=problem.colocate, transient_mem=problem.transient_mem)
 
 
 def _refuse_over_caps(problem: Problem, spread: int, along_chain: int = 0, together: int = 0) -> None:
