@@ -9,8 +9,9 @@ unsplit model trains on the whole global batch. In float64 the losses of every s
 (whole, ``full_tensor``; the last step's clipped by the whole model's norm, ``pipe.clip_grad_norm_``)
 and the parameters after 3 AdamW steps agree to rounding, and so does ``eval_step`` after them:
 
-- tp 2 alone (2 processes); the GPT also with its tied embedding and head vocabulary-parallel (a traced
-  graph's ``nn.Embedding`` leaf); both models also under ``checkpointing="full"``;
+- tp 2 alone (2 processes), the planner's own plans (``tensor_parallel=2``: ``tp_shards`` from the graph's
+  rules, the GPT's tied embedding and head vocabulary-parallel, a traced graph's ``nn.Embedding`` leaf);
+  both models also under ``checkpointing="full"``;
 - tp 2 × pp 2 (4); with two stages per rank too (interleaved 1F1B, the zero-bubble V);
 - tp 2 × ``dp_replicate`` 2 (4, FSDP2's ``replicate``);
 - tp 2 × pp 2 × ``dp_shard`` 2 (8, FSDP2's ``fully_shard`` over the tp DTensors), and one stage under
@@ -231,10 +232,10 @@ def _train(name: str, plan_path: str, rank: int) -> None:
 
 def test_tp2_alone_trains_like_the_unsplit_model(gloo, tmp_path):
     pytest.importorskip("transformers")
-    plans = [(name, _plan(name, 1, 1, 2, str(tmp_path))) for name in ("gpt", "gpt-vocab", "llama")]
-    # activation checkpointing (the plan's recomputation, in the stage graph) around the DTensor ops
+    # the planner's own plans (tp_shards from the graph: the GPT's MLPs and its tied table and head, the Llama's
+    # attention, MLP, embedding and head); then activation checkpointing around the DTensor ops, by hand
+    plans = [(name, _planned(name, str(tmp_path))) for name in ("gpt", "llama")]
     plans += [(name, _plan(name, 1, 1, 2, str(tmp_path), checkpointing="full")) for name in ("gpt", "llama")]
-    plans += [(name, _planned(name, str(tmp_path))) for name in ("gpt", "llama")]  # tp_shards from the graph
     gloo(2).run(_train_case, plans)
 
 
