@@ -59,6 +59,8 @@ def _parser() -> argparse.ArgumentParser:
                         "degrees are chosen with the split")
     p.add_argument("--replicate", default=None, choices=["replicate", "fully_shard", "auto"],
                    help="how the copies keep in step (FSDP2's names); 'auto': chosen with the split")
+    p.add_argument("--tensor-parallel", default=None, metavar="N|auto",
+                   help="devices each stage's tensors are split over, inside a node; 'auto': chosen with the split")
     p.add_argument("--out", help="write the plan JSON here")
     p.add_argument("--html", help="write the HTML report here")
     p.set_defaults(run=commands.plan)

@@ -123,9 +123,10 @@ def options(args: argparse.Namespace) -> dict[str, Any]:
         out["micro_batches"] = args.micro_batches
     if getattr(args, "gap", None) is not None:
         out["gap"] = args.gap
-    dp = getattr(args, "data_parallel", None)
-    if dp is not None:
-        out["data_parallel"] = int(dp) if dp.isdigit() else dp  # anything else: PlanOptions says what it takes
+    for name in ("data_parallel", "tensor_parallel"):
+        degree = getattr(args, name, None)
+        if degree is not None:
+            out[name] = int(degree) if degree.isdigit() else degree  # anything else: PlanOptions says what it takes
     if getattr(args, "replicate", None) is not None and args.command == "plan":
         out["replicate"] = args.replicate
     return out

@@ -174,6 +174,9 @@ def test_plan_chooses_the_mesh_degrees_and_refuses_a_bad_degree(tmp_path, capsys
     assert made.mesh["pp"] * made.data_parallel == 2
     assert main(["plan", *GPT_ARGS, "--devices", "A100-80GB*2", "--data-parallel", "two"]) == 2
     assert "data_parallel" in capsys.readouterr().err
+    assert main(["plan", *GPT_ARGS, "--devices", "A100-80GB*2", "--tensor-parallel", "2", "--time-limit", "1", "--out", str(out)]) == 0
+    assert autosplit.Plan.load(out).mesh == {"pp": 1, "dp_replicate": 1, "dp_shard": 1, "tp": 2}
+    assert "tensor parallel over tp 2" in capsys.readouterr().out
 
 
 def test_run_starts_as_many_processes_as_a_given_plans_mesh_has_ranks(tmp_path):
