@@ -7,7 +7,8 @@ Per node and device of a group of ``tp`` (:func:`tp_laid_out`):
 
 - **compute** (forward, backward, the split backward's cost) ÷ tp on a split node; whole on a
   replicated one (norms, residuals, the loss: every tp rank runs them on the whole activation, as
-  the runtime does, :mod:`autosplit.runtime.tensor_parallel`);
+  the runtime does, :mod:`autosplit.runtime.tensor_parallel`) — or ÷ tp too with ``sequence_parallel``,
+  where they run on ``1/tp`` of the sequence (torchtitan's ``SequenceParallel``; costed, not run);
 - **activations** (saved, sent, transient, kept for a split backward) likewise ÷ tp;
 - **parameters**, their gradients and optimizer state ÷ tp for the split share of the node's parameters
   (``f``: the node holds ``1 − f + f/tp`` of them), and the optimizer's step with them; a mixed
@@ -20,9 +21,8 @@ Per node and device of a group of ``tp`` (:func:`tp_laid_out`):
 The tp group is ``tp`` consecutive ranks (tp innermost in the mesh), inside one node's island: the
 intra-node ring, at the all-reduce link's bandwidth.
 
-Sequence parallelism (torchtitan's ``SequenceParallel`` norms: the activations between the split
-layers ÷ tp, each all-reduce a reduce-scatter and an all-gather of the same bytes) is not planned yet:
-the runtime does not run it.
+Under sequence parallelism each all-reduce is a reduce-scatter and an all-gather of the same bytes:
+the same time on the ring.
 
 Usage::
 
@@ -67,12 +67,14 @@ def tp_collective_time(nbytes: float, tp: int, device: DeviceSpec, micro_batches
 
 def tp_laid_out(
     table: CostTable, gm: fx.GraphModule, rules: TensorParallelRules, *, tp: int, micro_batches: int, numel: Mapping[str, int],
+    sequence_parallel: bool = False,
 ) -> CostTable:
     """``table`` as one device of a tensor-parallel group of ``tp`` computes, holds and moves it (the
     module docstring); ``table`` itself for ``tp = 1``."""
     if tp <= 1:
         return table
-    cut = [1 / tp if name in rules.split_nodes else 1.0 for name in table.nodes]
+    split = [1 / tp if name in rules.split_nodes else 1.0 for name in table.nodes]
+    cut = [1 / tp] * len(table.nodes) if sequence_parallel else split
     held = [1 - f + f / tp for f in split_shares(gm, table, rules.shards, numel)]
 
     def scaled(values: Sequence[int], by: Sequence[float]) -> tuple[int, ...]:
@@ -88,7 +90,7 @@ def tp_laid_out(
     # which need not be the node that owns the parameter: it is split where that reader is
     buffers = table.buffer_bytes or (0,) * len(table.nodes)
     copies = table.weight_copy_bytes or (0,) * len(table.nodes)
-    state = tuple(round((s - b - c) * k) + b + round(c * q) for s, b, c, k, q in zip(table.state_bytes, buffers, copies, held, cut))
+    state = tuple(round((s - b - c) * k) + b + round(c * q) for s, b, c, k, q in zip(table.state_bytes, buffers, copies, held, split))
     saved = scaled(table.saved_bytes, cut)
     ratio = [sum(saved[i] for i in m) / max(1, sum(table.saved_bytes[i] for i in m)) for m in table.block_members]
     return dataclasses.replace(
@@ -99,7 +101,7 @@ def tp_laid_out(
         state_bytes=state, saved_bytes=saved, output_bytes=scaled(table.output_bytes, cut),
         sent_bytes=scaled(table.sent_bytes, cut), transient_bytes=scaled(table.transient_bytes, cut),
         wgrad_bytes=scaled(table.wgrad_bytes, cut),
-        param_bytes=scaled(table.param_bytes, held), weight_copy_bytes=scaled(table.weight_copy_bytes, cut),
+        param_bytes=scaled(table.param_bytes, held), weight_copy_bytes=scaled(table.weight_copy_bytes, split),
         param_counts=scaled(table.param_counts, held),
         optimizer_time=tuple(tuple(t * k for t in row) for row, k in zip(table.optimizer_time, held)),
         block_saves=scaled(table.block_saves, ratio), block_activations=scaled(table.block_activations, ratio),

@@ -5,6 +5,9 @@ rows, the recipe (degrees, layers per stage, schedule, micro-batches, recomputat
 authors measured, with its source. Every published figure here ran in FP8 (Float8 linears), with
 ``torch.compile`` in torchtitan's; autosplit plans bf16 compute, so its prediction of a recipe is
 expected below the figure by up to the FP8 speed-up of the linears — that term is named, not fitted.
+Each recipe runs sequence parallelism (torchtitan's ``SequenceParallel`` norms, Megatron's
+``--sequence-parallel``), costed here with ``sequence_parallel=True`` — autosplit's runtime does not
+run it yet, so these recipe plans are costed, not runnable, and autosplit's own plans go without it.
 
 - ``titan-70b``: torchtitan, Llama-3.1-70B on 256 H100s, FSDP 32 × TP 8, local batch 16 (global 512),
   full activation checkpointing: 829 tokens/s/GPU (876 with async TP) — torchtitan
@@ -48,15 +51,17 @@ RECIPES: dict[str, ScaleRecipe] = {
     "titan-70b": ScaleRecipe(
         "llama3-70b", nodes=32, rows=512, published=829.0, data_parallel=32, replicate="fully_shard", tensor_parallel=8,
         source="torchtitan benchmarks/llama3_h100_202412_torchtitan.md, Table 4 (FSDP 32 x TP 8, Float8, torch.compile)",
-        options={"checkpointing": "full", "micro_batches": 1}),
+        options={"checkpointing": "full", "micro_batches": 1, "sequence_parallel": True}),
     "titan-405b": ScaleRecipe(
         "llama3-405b", nodes=64, rows=256, published=128.0, data_parallel=8, replicate="fully_shard", tensor_parallel=8, stages=16,
         source="torchtitan benchmarks/llama3_h100_202412_torchtitan.md, Table 5 (FSDP 8 x TP 8 x PP 8, Interleaved 1F1B, "
                "Float8, torch.compile, async TP)",
-        options={"checkpointing": "full", "schedule": "interleaved1f1b", "stages_per_rank": 2, "micro_batches": 32}),
+        options={"checkpointing": "full", "schedule": "interleaved1f1b", "stages_per_rank": 2, "micro_batches": 32,
+                 "sequence_parallel": True}),
     "megatron-70b": ScaleRecipe(
         "llama3-70b", nodes=8, rows=128, published=1602.0, data_parallel=2, replicate="replicate", tensor_parallel=4, stages=40,
         source="Megatron-Bridge docs/performance-summary.md, 25.11, DGX-H100 (TP 4 x PP 8 x VP 5, MBS 1, GBS 128, FP8-CS)",
-        options={"checkpointing": "none", "schedule": "interleaved1f1b", "stages_per_rank": 5, "micro_batches": 64},
+        options={"checkpointing": "none", "schedule": "interleaved1f1b", "stages_per_rank": 5, "micro_batches": 64,
+                 "sequence_parallel": True},
         input_weight=0, output_weight=0),
 }

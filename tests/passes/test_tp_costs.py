@@ -60,3 +60,22 @@ def test_a_mixed_precision_weight_copy_is_split_with_its_linear():
     for name, elements in (("_1", W * 4 * W), ("_3", 4 * W * W)):
         assert whole.weight_copy_bytes[index[name]] == 2 * elements and split.weight_copy_bytes[index[name]] == elements
     assert split.state_bytes[index["_1"]] == 16 * (W * 4 * W + 4 * W) // 2 + W * 4 * W
+
+
+def test_sequence_parallelism_splits_every_nodes_activations_and_needs_every_linear_split():
+    """``sequence_parallel=True`` (a recipe's, costed): the norm between the split layers computes and
+    saves half on each of 2 ranks too, its all-reduces as before; refused where a linear stays whole
+    (the GPT's fused qkv)."""
+    _, whole, split = _tables(2)
+    planner = autosplit.Planner(nn.Sequential(nn.LayerNorm(W), nn.Linear(W, 4 * W), nn.GELU(), nn.Linear(4 * W, W)), [H100],
+                                example_inputs=(torch.randn(ROWS, SEQ, W),))
+    sp = cost_table(planner.traced, (H100,), planner.options.replace(tensor_parallel=2, sequence_parallel=True), micro_batches=1)[0]
+    index = {n: i for i, n in enumerate(whole.nodes)}
+    norm, row = index["_0"], index["_3"]
+    assert sp.fwd_time[norm][0] == pytest.approx(whole.fwd_time[norm][0] / 2) and sp.saved_bytes[norm] == round(whole.saved_bytes[norm] / 2)
+    assert sp.fwd_time[row][0] == pytest.approx(split.fwd_time[row][0]) and sp.state_bytes == split.state_bytes
+    from tests.helpers import seeded_gpt
+
+    gpt, inputs = seeded_gpt()
+    with pytest.raises(autosplit.AutosplitError, match=r"sequence_parallel=True, and the tensor-parallel rules leave .*blocks\.0\.attn\.qkv"):
+        autosplit.plan(gpt, ["A100-80GB"] * 2, example_inputs=inputs, tensor_parallel=2, sequence_parallel=True)
