@@ -77,5 +77,5 @@ def test_sequence_parallelism_splits_every_nodes_activations_and_needs_every_lin
     from tests.helpers import seeded_gpt
 
     gpt, inputs = seeded_gpt()
-    with pytest.raises(autosplit.AutosplitError, match=r"sequence_parallel=True, and the tensor-parallel rules leave .*blocks\.0\.attn\.qkv"):
+    with pytest.raises(autosplit.AutosplitError, match=r"sequence_parallel=True, and the .* rules leave .*blocks\.0\.attn\.qkv"):
         autosplit.plan(gpt, ["A100-80GB"] * 2, example_inputs=inputs, tensor_parallel=2, sequence_parallel=True)
