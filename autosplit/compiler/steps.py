@@ -28,7 +28,7 @@ from autosplit.compiler.makespan import compile_makespan
 from autosplit.compiler.prediction import module_stages, predict_step, rank_peaks, stage_reports, step_bound
 from autosplit.compiler.recost import recost
 from autosplit.compiler.refine import refine
-from autosplit.compiler.search import recomputing, search, stage_problem
+from autosplit.compiler.search import configurations, recomputing, search, stage_problem
 from autosplit.compiler.trace import Traced, versions
 from autosplit.devices import DeviceSpec
 from autosplit.errors import CodegenError, DeviceError, advice
@@ -121,7 +121,11 @@ def compile_plan(
 
 
 def _searched(traced: Traced, specs: tuple[DeviceSpec, ...], options: PlanOptions) -> Plan:
-    """The plan of the fastest configuration the search finds, with every one tried beside it."""
+    """The plan of the fastest configuration the search finds, with every one tried beside it; the one
+    configuration's own plan where the options leave only one (no search to run)."""
+    only = configurations(options, len(specs), traced.batch)
+    if len(only) == 1:
+        return compile_plan(traced, specs, only[0])
     searched: dict[str, float] = {}
     with progress.timed_pass("search", searched):
         options, alternatives = search(traced, specs, options)
