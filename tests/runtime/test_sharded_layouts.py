@@ -24,7 +24,6 @@ from typing import Any
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch.distributed.fsdp import FSDPModule
 
 import autosplit
@@ -34,44 +33,15 @@ from autosplit.passes.outline import outlinable_blocks
 from autosplit.runtime.checkpoint import load_checkpoint
 from autosplit.runtime.placement import MESH_DIMS
 from tests.helpers import NO_SEARCH, full_tensor, gpt_case, says, where
+from tests.layouts import ROWS, assert_resumed, llama_case, reference_step, trained_reference
 
 STEPS = 3
 MICRO = 2
-ROWS = 8
 TOL: dict[str, dict[str, Any]] = {"fp32": {}, "bf16-mixed": {"rtol": 1e-3, "atol": 1e-4}}
 """float64 runs agree to rounding (default tolerances); bf16-mixed at tests/runtime/test_precision.py's."""
 
 
-def _lm_loss(out: Any, target: torch.Tensor) -> torch.Tensor:
-    logits = out["logits"] if isinstance(out, dict) else out
-    return F.cross_entropy(logits.flatten(0, 1), target.flatten())
-
-
-def _llama_case() -> tuple[torch.nn.Module, tuple, dict, torch.Tensor, Any]:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    shape: dict[str, Any] = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                                 num_key_value_heads=2, max_position_embeddings=16, attn_implementation="eager")
-    config = LlamaConfig(**shape)
-    tokens = torch.randint(0, 128, (ROWS, 8))
-    return LlamaForCausalLM(config), (tokens,), {}, torch.randint(0, 128, (ROWS, 8)), _lm_loss
-
-
-CASES = {"gpt": gpt_case, "llama": _llama_case}
-
-
-def _reference_step(model, args, kwargs, target, loss_fn, copies: int, precision: str) -> list[torch.Tensor]:
-    """The unsplit model on the global batch, copy by copy (micro-batch by micro-batch under autocast):
-    gradients of the global batch's mean loss; returns each data-parallel copy's mean loss."""
-    chunks = MICRO if precision != "fp32" else 1
-    losses = []
-    for c in range(copies * chunks):
-        rows = slice(c * ROWS // (copies * chunks), (c + 1) * ROWS // (copies * chunks))
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16-mixed"):
-            loss = loss_fn(model(*(a[rows] for a in args), **{k: v[rows] for k, v in kwargs.items()}), target[rows])
-        (loss / (copies * chunks)).backward()
-        losses.append(loss.detach())
-    return [torch.stack(losses[c * chunks:(c + 1) * chunks]).mean() for c in range(copies)]
+CASES = {"gpt": gpt_case, "llama": llama_case}
 
 
 def _distribute(model, args, kwargs, loss_fn, stages: int, copies: int, **options: Any) -> Any:
@@ -117,7 +87,7 @@ def _train_case(
     ref_params, tol = dict(reference.named_parameters()), TOL[precision]
     for step in range(STEPS):
         loss = pipe.step(*(a[mine] for a in args), target=target[mine], **{k: v[mine] for k, v in kwargs.items()})
-        expected = _reference_step(reference, args, kwargs, target, loss_fn, copies, precision)
+        expected = reference_step(reference, args, kwargs, target, loss_fn, copies, precision, chunks=MICRO if precision != "fp32" else 1)
         if pipe.is_last:
             torch.testing.assert_close(loss, expected[pipe.layout.replica], **tol, msg=where(f"{name} step {step} loss"))
         for pname, p in pipe.named_parameters():
@@ -146,19 +116,6 @@ def test_one_stage_by_dp_shard_two_trains_like_the_unsplit_model(gloo):
 # -- a checkpoint moves between layouts -------------------------------------------------------------
 
 
-def _trained_reference(steps: int) -> tuple[Any, torch.optim.Optimizer, tuple]:
-    """The unsplit GPT (seed 0, float64) after ``steps`` AdamW steps on the global batch, its optimizer, and the case."""
-    torch.manual_seed(0)
-    model, args, kwargs, target, loss_fn = gpt_case()
-    model = model.double()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    for _ in range(steps):
-        _reference_step(model, args, kwargs, target, loss_fn, 1, "fp32")
-        opt.step()
-        opt.zero_grad()
-    return model, opt, (args, kwargs, target, loss_fn)
-
-
 def _save_case(folder: str, *, rank: int, world: int) -> None:
     model, args, kwargs, target, loss_fn = gpt_case()
     pipe = _distribute(model.double(), args, kwargs, loss_fn, 2, 2)
@@ -172,20 +129,8 @@ def _save_case(folder: str, *, rank: int, world: int) -> None:
     pipe.close()
 
 
-def _assert_resumed(named: dict[str, torch.Tensor], opt: torch.optim.Optimizer, reference: Any, ref_opt: Any, what: str) -> None:
-    """Parameters and every AdamW state entry (and the learning rate) equal the reference's."""
-    ref_params = dict(reference.named_parameters())
-    assert opt.param_groups[0]["lr"] == 1e-2, what
-    for pname, p in named.items():
-        torch.testing.assert_close(full_tensor(p), ref_params[pname], msg=where(f"{what}: {pname}"))
-        state, ref_state = opt.state[p], ref_opt.state[ref_params[pname]]
-        assert set(state) == set(ref_state), (what, pname, set(state))
-        for key, value in ref_state.items():
-            torch.testing.assert_close(full_tensor(state[key]), value, msg=where(f"{what}: {pname} optimizer {key}"))
-
-
 def _resume_case(folder: str, stages: int, shard: int, *, rank: int, world: int) -> None:
-    reference, ref_opt, (args, kwargs, target, loss_fn) = _trained_reference(STEPS)
+    reference, ref_opt, (args, kwargs, target, loss_fn) = trained_reference(STEPS)
     torch.manual_seed(7)  # other initial weights and optimizer: everything comes from the checkpoint
     model = type(reference)(vocab=40, d_model=16, n_layers=2, n_heads=2, max_len=8).double()
     copies = world // stages
@@ -202,31 +147,31 @@ def _resume_case(folder: str, stages: int, shard: int, *, rank: int, world: int)
     opt = torch.optim.AdamW(pipe.parameters(), lr=5.0)
     pipe.load(f"{folder}/ckpt", optimizer=opt)
     what = f"resumed under {pipe.plan.mesh}"
-    _assert_resumed(dict(pipe.named_parameters()), opt, reference, ref_opt, what)
+    assert_resumed(dict(pipe.named_parameters()), opt, reference, ref_opt, what)
     mine = slice(pipe.layout.replica * ROWS // copies, (pipe.layout.replica + 1) * ROWS // copies)
     loss = pipe.step(*(a[mine] for a in args), target=target[mine], **{k: v[mine] for k, v in kwargs.items()})
-    expected = _reference_step(reference, args, kwargs, target, loss_fn, copies, "fp32")
+    expected = reference_step(reference, args, kwargs, target, loss_fn, copies)
     if pipe.is_last:
         torch.testing.assert_close(loss, expected[pipe.layout.replica], msg=where(f"{what}: loss"))
     opt.step()
     ref_opt.step()
-    _assert_resumed(dict(pipe.named_parameters()), opt, reference, ref_opt, f"{what}, one step on")
+    assert_resumed(dict(pipe.named_parameters()), opt, reference, ref_opt, f"{what}, one step on")
     pipe.close()
 
 
 def test_a_checkpoint_saved_under_pp2_by_dp_shard2_resumes_under_other_layouts_and_unsplit(gloo, tmp_path):
     gloo(4).run(_save_case, [(str(tmp_path),)])
     gloo(4).run(_resume_case, [(str(tmp_path), 1, 4), (str(tmp_path), 1, 2), (str(tmp_path), 4, 1)])
-    reference, ref_opt, (args, kwargs, target, loss_fn) = _trained_reference(STEPS)
+    reference, ref_opt, (args, kwargs, target, loss_fn) = trained_reference(STEPS)
     torch.manual_seed(7)
     unsplit = type(reference)(vocab=40, d_model=16, n_layers=2, n_heads=2, max_len=8).double()
     opt = torch.optim.AdamW(unsplit.parameters(), lr=5.0)
     load_checkpoint(tmp_path / "ckpt", unsplit, opt)
-    _assert_resumed(dict(unsplit.named_parameters()), opt, reference, ref_opt, "the unsplit model")
+    assert_resumed(dict(unsplit.named_parameters()), opt, reference, ref_opt, "the unsplit model")
     for model, optimizer in ((unsplit, opt), (reference, ref_opt)):
-        _reference_step(model, args, kwargs, target, loss_fn, 1, "fp32")
+        reference_step(model, args, kwargs, target, loss_fn, 1)
         optimizer.step()
-    _assert_resumed(dict(unsplit.named_parameters()), opt, reference, ref_opt, "the unsplit model, one step on")
+    assert_resumed(dict(unsplit.named_parameters()), opt, reference, ref_opt, "the unsplit model, one step on")
 
 
 # -- refusals ---------------------------------------------------------------------------------------
@@ -269,7 +214,7 @@ def _mesh_plan_case(plan_path: str, *, rank: int, world: int) -> None:
                                 example_kwargs={k: v[mine] for k, v in kwargs.items()})
     assert pipe.plan.mesh == made.mesh and math.prod(made.mesh.values()) == world  # the degrees the planner chose
     loss = pipe.step(*(a[mine] for a in args), target=target[mine], **{k: v[mine] for k, v in kwargs.items()})
-    expected = _reference_step(reference, args, kwargs, target, loss_fn, made.data_parallel, "fp32")
+    expected = reference_step(reference, args, kwargs, target, loss_fn, made.data_parallel)
     torch.testing.assert_close(loss, expected[rank], msg=where("loss"))
     ref_params = dict(reference.named_parameters())
     for pname, p in pipe.named_parameters():

@@ -33,39 +33,23 @@ from typing import Any
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import autosplit
 from autosplit.errors import ConstraintError, DistributedError
 from autosplit.runtime.checkpoint import load_checkpoint, save_checkpoint
 from autosplit.runtime.placement import MESH_DIMS
 from tests.helpers import NO_SEARCH, full_tensor, gpt_case, says, where
+from tests.layouts import ROWS, assert_resumed, llama_case, reference_step, trained_reference
 
 STEPS = 3
 MICRO = 2
-ROWS = 8
 CLIP = 0.05
 """A max norm below the models' gradient norms, so that clipping scales every gradient."""
 BF16_GRADIENT = 0.015
 """Under ``"bf16-mixed"``: the largest error of a gradient, relative to its norm (about 4 × bf16's 2^-8)."""
 
 
-def _lm_loss(out: Any, target: torch.Tensor) -> torch.Tensor:
-    logits = out["logits"] if isinstance(out, dict) else out
-    return F.cross_entropy(logits.flatten(0, 1), target.flatten())
-
-
-def _llama_case() -> tuple[torch.nn.Module, tuple, dict, torch.Tensor, Any]:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    shape: dict[str, Any] = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                                 num_key_value_heads=2, max_position_embeddings=16, attn_implementation="eager")
-    config = LlamaConfig(**shape)
-    tokens = torch.randint(0, 128, (ROWS, 8))
-    return LlamaForCausalLM(config), (tokens,), {}, torch.randint(0, 128, (ROWS, 8)), _lm_loss
-
-
-CASES = {"gpt": gpt_case, "gpt-vocab": gpt_case, "llama": _llama_case}
+CASES = {"gpt": gpt_case, "gpt-vocab": gpt_case, "llama": llama_case}
 
 
 def _rms_norm_in_its_dtype(self: Any, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -134,18 +118,6 @@ def _made_plan(name: str, stages: int, copies: int, tp: int, folder: str, replic
     return path
 
 
-def _reference_step(model, args, kwargs, target, loss_fn, copies: int) -> list[torch.Tensor]:
-    """The unsplit model on the global batch, copy by copy: gradients of the global batch's mean loss;
-    returns each data-parallel copy's mean loss."""
-    losses = []
-    for c in range(copies):
-        rows = slice(c * ROWS // copies, (c + 1) * ROWS // copies)
-        loss = loss_fn(model(*(a[rows] for a in args), **{k: v[rows] for k, v in kwargs.items()}), target[rows])
-        (loss / copies).backward()
-        losses.append(loss.detach())
-    return losses
-
-
 def _distribute(model, args, kwargs, loss_fn, plan_path: str) -> Any:
     made = autosplit.Plan.load(plan_path)
     rows = ROWS // made.data_parallel
@@ -207,7 +179,7 @@ def _train(name: str, plan_path: str, rank: int) -> None:
     what = f"{name} {pipe.plan.mesh} rank {rank}"
     for step in range(STEPS):
         loss = pipe.step(*(a[mine] for a in args), target=target[mine], **{k: v[mine] for k, v in kwargs.items()})
-        expected = _reference_step(reference, args, kwargs, target, loss_fn, copies)
+        expected = reference_step(reference, args, kwargs, target, loss_fn, copies)
         if pipe.is_last:
             torch.testing.assert_close(loss, expected[pipe.layout.replica], msg=where(f"{what} step {step} loss"))
         if step == STEPS - 1:  # the last step clipped by the whole model's norm (each element counted once)
@@ -319,19 +291,6 @@ def test_bf16_mixed_under_tp2_agrees_to_bf16s_precision(gloo, tmp_path):
 # -- a checkpoint moves between layouts -------------------------------------------------------------
 
 
-def _trained_reference(steps: int) -> tuple[Any, torch.optim.Optimizer, tuple]:
-    """The unsplit GPT (seed 0, float64) after ``steps`` AdamW steps on the global batch, its optimizer, and the case."""
-    torch.manual_seed(0)
-    model, args, kwargs, target, loss_fn = gpt_case()
-    model = model.double()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    for _ in range(steps):
-        _reference_step(model, args, kwargs, target, loss_fn, 1)
-        opt.step()
-        opt.zero_grad()
-    return model, opt, (args, kwargs, target, loss_fn)
-
-
 def _save_case(plan_path: str, folder: str, *, rank: int, world: int) -> None:
     torch.manual_seed(0)
     model, args, kwargs, target, loss_fn = gpt_case()
@@ -345,27 +304,15 @@ def _save_case(plan_path: str, folder: str, *, rank: int, world: int) -> None:
     pipe.close()
 
 
-def _assert_resumed(named: dict[str, torch.Tensor], opt: torch.optim.Optimizer, reference: Any, ref_opt: Any, what: str) -> None:
-    """Parameters and every AdamW state entry (and the learning rate) equal the reference's."""
-    ref_params = dict(reference.named_parameters())
-    assert opt.param_groups[0]["lr"] == 1e-2, what
-    for pname, p in named.items():
-        torch.testing.assert_close(full_tensor(p), ref_params[pname], msg=where(f"{what}: {pname}"))
-        state, ref_state = opt.state[p], ref_opt.state[ref_params[pname]]
-        assert set(state) == set(ref_state), (what, pname, set(state))
-        for key, value in ref_state.items():
-            torch.testing.assert_close(full_tensor(state[key]), value, msg=where(f"{what}: {pname} optimizer {key}"))
-
-
 def _resume_case(plan_path: str, folder: str, *, rank: int, world: int) -> None:
-    reference, ref_opt, (args, kwargs, target, loss_fn) = _trained_reference(STEPS)
+    reference, ref_opt, (args, kwargs, target, loss_fn) = trained_reference(STEPS)
     torch.manual_seed(7)  # other initial weights and optimizer: everything comes from the checkpoint
     model = type(reference)(vocab=40, d_model=16, n_layers=2, n_heads=2, max_len=8).double()
     pipe = _distribute(model, args, kwargs, loss_fn, plan_path)
     opt = torch.optim.AdamW(pipe.parameters(), lr=5.0)
     pipe.load(f"{folder}/ckpt", optimizer=opt)
     what = f"resumed under {pipe.plan.mesh}"
-    _assert_resumed(dict(pipe.named_parameters()), opt, reference, ref_opt, what)
+    assert_resumed(dict(pipe.named_parameters()), opt, reference, ref_opt, what)
     whole = pipe.full_state_dict()  # every stage's, gathered on every rank
     for key, value in reference.state_dict().items():
         torch.testing.assert_close(whole[key], value, msg=where(f"{what}: full_state_dict {key}"))
@@ -373,12 +320,12 @@ def _resume_case(plan_path: str, folder: str, *, rank: int, world: int) -> None:
     assert all(not full_tensor(p).any() for p in pipe.parameters()), what
     pipe.load_state_dict(whole)
     loss = pipe.step(*args, target=target, **kwargs)
-    expected = _reference_step(reference, args, kwargs, target, loss_fn, 1)
+    expected = reference_step(reference, args, kwargs, target, loss_fn, 1)
     if pipe.is_last:
         torch.testing.assert_close(loss, expected[0], msg=where(f"{what}: loss"))
     opt.step()
     ref_opt.step()
-    _assert_resumed(dict(pipe.named_parameters()), opt, reference, ref_opt, f"{what}, one step on")
+    assert_resumed(dict(pipe.named_parameters()), opt, reference, ref_opt, f"{what}, one step on")
     pipe.close()
 
 
@@ -386,16 +333,16 @@ def test_a_checkpoint_saved_under_tp2_by_pp2_loads_under_pp2_under_tp2_and_unspl
     folder = str(tmp_path)
     gloo(4).run(_save_case, [(_plan("gpt", 2, 1, 2, folder), folder)])
     gloo(2).run(_resume_case, [(_plan("gpt", 2, 1, 1, folder), folder), (_plan("gpt", 1, 1, 2, folder), folder)])
-    reference, ref_opt, (args, kwargs, target, loss_fn) = _trained_reference(STEPS)
+    reference, ref_opt, (args, kwargs, target, loss_fn) = trained_reference(STEPS)
     torch.manual_seed(7)
     unsplit = type(reference)(vocab=40, d_model=16, n_layers=2, n_heads=2, max_len=8).double()
     opt = torch.optim.AdamW(unsplit.parameters(), lr=5.0)
     load_checkpoint(tmp_path / "ckpt", unsplit, opt)
-    _assert_resumed(dict(unsplit.named_parameters()), opt, reference, ref_opt, "the unsplit model")
+    assert_resumed(dict(unsplit.named_parameters()), opt, reference, ref_opt, "the unsplit model")
     for model, optimizer in ((unsplit, opt), (reference, ref_opt)):
-        _reference_step(model, args, kwargs, target, loss_fn, 1)
+        reference_step(model, args, kwargs, target, loss_fn, 1)
         optimizer.step()
-    _assert_resumed(dict(unsplit.named_parameters()), opt, reference, ref_opt, "the unsplit model, one step on")
+    assert_resumed(dict(unsplit.named_parameters()), opt, reference, ref_opt, "the unsplit model, one step on")
 
 
 def _meta_case(plan_path: str, weights: str, *, rank: int, world: int) -> None:
@@ -409,7 +356,7 @@ def _meta_case(plan_path: str, weights: str, *, rank: int, world: int) -> None:
     for pname, p in pipe.named_parameters():
         torch.testing.assert_close(full_tensor(p), ref_params[pname], msg=where(f"materialised {pname}"))
     loss = pipe.step(*args, target=target, **kwargs)
-    expected = _reference_step(reference, args, kwargs, target, loss_fn, 1)
+    expected = reference_step(reference, args, kwargs, target, loss_fn, 1)
     if pipe.is_last:
         torch.testing.assert_close(loss, expected[0], msg=where("loss"))
     for pname, p in pipe.named_parameters():
