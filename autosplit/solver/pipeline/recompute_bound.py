@@ -154,25 +154,28 @@ def _penalties(problem: Problem, fewest: Problem, along, seg: _Segments, rates: 
 def _bottleneck(problem: Problem, fewest: Problem, c, along, rates: list[float], upper: float) -> float:
     """B_r: the least slowest stage over splits of the chain, each stage's recomputation included
     (stages over ``upper`` left out: the answer is then ``upper``)."""
-    S, L = fewest.num_stages, len(c.nodes)
-    seg = _Segments.of(fewest, c, upper)
-    savable = _savable(problem, c.nodes)
-    val = np.where(np.arange(L + 1) == 0, 0.0, np.inf)
-    for s in range(S):
-        times = seg.first if s == 0 else seg.last if s == S - 1 else seg.middle
-        val = np.maximum(val[seg.starts], times + _penalties(problem, fewest, along, seg, rates, savable, s)).min(axis=1)
-    return float(min(val[L], upper))
+    best = _over_splits(problem, fewest, c, along, rates, upper,
+                        lambda before, times, paid: np.maximum(before, times + paid))
+    return float(min(best, upper))
 
 
 def _least_paid(problem: Problem, fewest: Problem, c, along, rates: list[float], reach: float) -> float:
     """P: the least the stages recompute together over splits of the chain whose every stage takes at
     most ``reach`` (compute, crossings and recomputation)."""
+    paid = _over_splits(problem, fewest, c, along, rates, reach,
+                        lambda before, times, paid: np.where(times + paid <= reach, before + paid, np.inf))
+    return paid if np.isfinite(paid) else 0.0
+
+
+def _over_splits(problem: Problem, fewest: Problem, c, along, rates: list[float], limit: float, step) -> float:
+    """The DP over contiguous splits of the chain into the problem's stages (stages over ``limit`` left
+    out): ``step(value before the stage, the stage's times, its recomputation)`` → the value with it, the
+    least over where the stage starts kept."""
     S, L = fewest.num_stages, len(c.nodes)
-    seg = _Segments.of(fewest, c, reach)
+    seg = _Segments.of(fewest, c, limit)
     savable = _savable(problem, c.nodes)
     val = np.where(np.arange(L + 1) == 0, 0.0, np.inf)
     for s in range(S):
         times = seg.first if s == 0 else seg.last if s == S - 1 else seg.middle
-        paid = _penalties(problem, fewest, along, seg, rates, savable, s)
-        val = np.where(times + paid <= reach, val[seg.starts] + paid, np.inf).min(axis=1)
-    return float(val[L]) if np.isfinite(val[L]) else 0.0
+        val = step(val[seg.starts], times, _penalties(problem, fewest, along, seg, rates, savable, s)).min(axis=1)
+    return float(val[L])
