@@ -28,7 +28,6 @@ import bisect
 import dataclasses
 import difflib
 import itertools
-import logging
 import re
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -36,9 +35,7 @@ from typing import Any
 import torch
 
 from autosplit import schedules
-from autosplit.compiler.costs import cost_table
-from autosplit.compiler.recompute import offered
-from autosplit.compiler.steps import compile_plan
+from autosplit.compiler.recost import recost
 from autosplit.errors import ConstraintError, advice
 from autosplit.plans import Plan, SolverInfo
 
@@ -46,8 +43,6 @@ __all__ = [
     "ManualSplit", "balance_fqns", "deepspeed_fqns", "execution_order", "fqn_stages", "layer_list", "manual_plan",
     "megatron_fqns", "partition", "plan_from_fqns", "split_point_stages", "torchtitan_fqns",
 ]
-
-log = logging.getLogger(__name__)
 
 
 def partition(weights: Sequence[float], stages: int) -> list[tuple[int, int]]:
@@ -365,22 +360,6 @@ def plan_from_fqns(planner: Any, fqns_per_stage: Sequence[Sequence[str]], *, nam
     return manual_plan(planner, [list(fqns) for fqns in fqns_per_stage], name=name)
 
 
-def _recomputed(planner: Any) -> tuple[str, ...]:
-    """The blocks a hand-made split recomputes: those the options decide to (``checkpointing="full"``,
-    ``recompute={...: True}``); a block they leave to the solver (``"auto"``) is kept, as the split
-    was written without it."""
-    options = planner.options
-    if not options.checkpoints:
-        return ()
-    specs = planner.specs()
-    table, _ = cost_table(planner.traced, specs, options, micro_batches=options.micro_batches_for(len(specs), planner.traced.batch))
-    decided = offered(table, options)
-    if None in decided.values():
-        log.info("a manual split keeps the blocks checkpointing='auto' leaves to the solver: %s",
-                 [b for b, c in decided.items() if c is None])
-    return tuple(b for b, c in decided.items() if c)
-
-
 def _costed(
     planner: Any, stage: Mapping[str, int], name: str, check_memory: bool, stage_devices: Sequence[int] | None = None
 ) -> Plan:
@@ -402,7 +381,6 @@ def _costed(
             f"give exactly {S} non-empty stages",
         ))
     given = Plan(
-        recompute=_recomputed(planner),
         assignment={node: s if v > 1 else order[s] for node, s in stage.items()},
         devices=specs,
         stage_devices=order,
@@ -418,4 +396,5 @@ def _costed(
         fingerprint=traced.fingerprint,
         capture=traced.captured.method,
     )
-    return dataclasses.replace(compile_plan(traced, specs, planner.options, given=given, check_memory=check_memory), made_with=None)
+    made = recost(traced, specs, planner.options, given, check_memory=check_memory, decide_recompute=True)
+    return dataclasses.replace(made, made_with=None)

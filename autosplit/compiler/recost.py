@@ -9,11 +9,13 @@ what it was made with (``made_with``) so the report can show both.
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 from autosplit import progress
 from autosplit.compiler.costs import cost_table, estimated, tp_fields
 from autosplit.compiler.makespan import compile_makespan
 from autosplit.compiler.prediction import module_stages, predict_step, rank_peaks, stage_reports, step_bound
+from autosplit.compiler.recompute import offered
 from autosplit.compiler.trace import Traced
 from autosplit.devices import DeviceSpec
 from autosplit.options import PlanOptions
@@ -25,13 +27,27 @@ from autosplit.solver.problem import NS
 
 __all__ = ["recost"]
 
+log = logging.getLogger(__name__)
 
-def recost(traced: Traced, specs: tuple[DeviceSpec, ...], options: PlanOptions, given: Plan, *, check_memory: bool = True) -> Plan:
+
+def recost(
+    traced: Traced, specs: tuple[DeviceSpec, ...], options: PlanOptions, given: Plan, *, check_memory: bool = True,
+    decide_recompute: bool = False,
+) -> Plan:
     """``given`` validated (every node placed once, caps unless ``check_memory=False``, data flowing
     forward) and its predictions refreshed; a hand-made split also gets its value under the
-    solver's model, so that it compares with the solver's bound."""
+    solver's model, so that it compares with the solver's bound. ``decide_recompute`` (a split written
+    by hand): it recomputes the blocks the options decide to (``checkpointing="full"``,
+    ``recompute={...: True}``); a block they leave to the solver (``"auto"``) is kept, as the split was
+    written without it."""
     given.check_fingerprint(traced.fingerprint, traced.node_names)
     timings, M, table, source, rules = estimated(traced, specs, options)
+    if decide_recompute and table.blocks:
+        decided = offered(table, options)
+        if None in decided.values():
+            log.info("a manual split keeps the blocks checkpointing='auto' leaves to the solver: %s",
+                     [b for b, c in decided.items() if c is None])
+        given = dataclasses.replace(given, recompute=tuple(b for b, c in decided.items() if c))
     base = table  # before recompute, which only adds work: the step bound holds for every split
     if given.recompute:  # the costs of the blocks it recomputes
         table, source = cost_table(traced, specs, options, micro_batches=M, recompute=given.recompute, partial=given.recompute_partial)
