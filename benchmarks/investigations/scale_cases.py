@@ -5,7 +5,7 @@ process's own); a transformers model built on the meta device, H100-80GB presets
 
 - ``hybrid-70b``: ``plan_hybrid`` of Llama-3-70B on ``Cluster.dgx_h100(nodes=32)`` (bf16-mixed, ``checkpointing="auto"``,
   1F1B, one sequence of 4096 per device), replica sizes 16…128, ``time_limit=20``: which replica sizes end without a plan,
-  and why (95 s and 2.6 GB RSS on 2026-11-27: 16 and 128 proven infeasible, 32 and 64 planned; it was
+  and why (105 s and 2.6 GB RSS on 2026-11-27: 16 and 128 proven infeasible, 32 and 64 planned; it was
   25 min before the mesh work of issue 47; ``hybrid-70b-ends``: replica sizes 16 and 128 only);
 - ``fp32-70b`` / ``fp32-mixtral``: fp32, 1F1B, no checkpointing, Llama-3-70B on 32 (32 × 4096),
   Mixtral-8x7B on 16 (16 × 4096): a plan or a proven ``InfeasiblePlanError``;
