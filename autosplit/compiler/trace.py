@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from importlib import metadata
@@ -20,9 +21,12 @@ from autosplit.microbatch import batch_size, split_batch
 from autosplit.passes.annotate import annotate
 from autosplit.passes.capture import Captured, capture, fingerprint, flat_inputs
 from autosplit.passes.loss import Loss
+from autosplit.passes.respecialise import respecialised
 from autosplit.passes.tensor_parallel import TensorParallelRules, tensor_parallel_rules
 
 __all__ = ["trace", "Traced", "versions"]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -39,7 +43,8 @@ class Traced:
     """The example call ``(args, kwargs)`` it was captured with."""
     loss: Loss | None = None
     """The training loss the plans are costed with (None: not costed)."""
-    _micro: dict[int, Captured] = field(default_factory=dict, compare=False, repr=False)
+    _exports: dict[int, Captured] = field(default_factory=dict, compare=False, repr=False)
+    """Real captures by rows (torch.export's graphs), shared by a trace and its shares."""
     _precisions: dict[tuple[str, str], torch.fx.GraphModule] = field(default_factory=dict, compare=False, repr=False)
     _shares: dict[int, Traced] = field(default_factory=dict, compare=False, repr=False)
     _losses: dict[tuple, Any] = field(default_factory=dict, compare=False, repr=False)
@@ -81,29 +86,70 @@ class Traced:
 
     def at_batch(self, parts: int) -> Traced:
         """This trace at ``1/parts`` of its batch — a data-parallel copy's share of the global batch —
-        annotated anew (the same nodes; an exported graph, specialised to its shapes, captured again at
-        the share's, as each copy will capture it), made once and kept. ``parts = 1``: itself."""
+        annotated anew (the same nodes; an exported graph, specialised to its shapes, at the share's:
+        :meth:`_planning_capture`), made once and kept. ``parts = 1``: itself."""
         if parts == 1:
             return self
         if parts not in self._shares:
             args, kwargs = split_batch(self.example[0], self.example[1], parts)[0]
-            if self.captured.method == "export":  # specialised to its shapes: captured at the share's, as each copy runs it
-                if self.model is None:
-                    raise CodegenError(advice(
-                        f"this exported graph is specialised to its batch and cannot be planned at 1/{parts} of it",
-                        "the trace was made without its model", "trace with autosplit.compiler.trace.trace(model, ...)",
-                    ))
-                captured = capture(self.model, args, dict(kwargs), method="export")
-                inputs = flat_inputs(captured, args, kwargs)
+            if self.captured.method == "export":  # specialised to its shapes: the share's graph
+                captured, inputs = self._planning_capture(args, kwargs)
             else:
                 _, inputs = self.at_micro_batch(parts)  # a traced graph runs any batch: the share of its inputs
                 captured = dataclasses.replace(self.captured, gm=_graph_copy(
                     self.captured.gm, "annotate it at a data-parallel share of the batch", "plan with data_parallel=1"))
-            annotate(captured, list(inputs))
+                annotate(captured, list(inputs))
             loss = None if self.loss is None else Loss(self.loss.fn, split_batch((self.loss.target,), None, parts)[0][0][0])
             self._shares[parts] = Traced(captured, tuple(inputs), fingerprint(captured.gm), dict(self.timings), model=self.model,
-                                         example=(args, kwargs), loss=loss)
+                                         example=(args, kwargs), loss=loss, _exports=self._kept_exports())
         return self._shares[parts]
+
+    def _planning_capture(self, args: tuple, kwargs: Mapping[str, Any]) -> tuple[Captured, list[Any]]:
+        """The exported graph at this call's rows, annotated, to plan with: once two real captures of
+        at least two rows are kept, the first of them respecialised to these rows
+        (:func:`~autosplit.passes.respecialise.respecialised`: seconds saved per share of a large model),
+        else — or where that graph does not annotate — a real capture."""
+        rows = batch_size(args, kwargs)
+        real = sorted(((c, r) for r, c in self._kept_exports().items() if r >= 2), key=lambda cr: -cr[1])
+        guess = respecialised(*real[0], *real[1], rows) if len(real) >= 2 and rows not in self._exports else None
+        if guess is not None:
+            inputs = flat_inputs(guess, args, kwargs)
+            try:
+                annotate(guess, list(inputs))
+                return guess, inputs
+            except Exception as e:  # noqa: BLE001 — any failure: the real capture decides
+                log.info("the graph respecialised to %d rows does not annotate (%s): capturing it", rows, e)
+        captured = self._exported(args, kwargs)
+        inputs = flat_inputs(captured, args, kwargs)
+        annotate(captured, list(inputs))
+        return captured, inputs
+
+    def _kept_exports(self) -> dict[int, Captured]:
+        """The real captures by rows, this trace's own among them (an exported trace's first)."""
+        if not self._exports and self.captured.method == "export":
+            self._exports[batch_size(*self.example)] = self.captured
+        return self._exports
+
+    def _exported(self, args: tuple, kwargs: Mapping[str, Any]) -> Captured:
+        """The model exported at this call's rows, kept; refused unless it is this trace's graph."""
+        rows = batch_size(args, kwargs)
+        kept = self._kept_exports()
+        if rows not in kept:
+            if self.model is None:
+                raise CodegenError(advice(
+                    f"this exported graph is specialised to its batch and cannot run {rows} rows",
+                    "the trace was made without its model, so it cannot be captured again at another shape",
+                    "trace with autosplit.compiler.trace.trace(model, ...)",
+                ))
+            captured = capture(self.model, args, dict(kwargs), method="export")
+            if fingerprint(captured.gm) != self.fingerprint:
+                raise CodegenError(advice(
+                    f"the model captures as another graph at {rows} rows than at the batch's ({batch_size(*self.example)} rows)",
+                    "Python control flow or torch.export specialisation that depends on the batch size",
+                    "make forward independent of the batch size, or plan with micro_batches=1",
+                ))
+            kept[rows] = captured
+        return kept[rows]
 
     @property
     def node_names(self) -> set[str]:
@@ -118,31 +164,15 @@ class Traced:
         """The capture to run one of ``micro_batches`` micro-batches with, and its placeholder values.
 
         torch.export specialises a graph to its example shapes (guards, view sizes), so an
-        exported model is captured again at the micro-batch's shape — it must give the same
-        graph, or it is refused. A symbolically traced graph runs any batch as it is.
+        exported model is captured again at the micro-batch's shape (a real capture, never a
+        respecialised one: this graph runs) — it must give the same graph, or it is refused. A
+        symbolically traced graph runs any batch as it is.
         """
         if micro_batches == 1 or self.captured.method != "export":  # defaults included, cut like the inputs
             return self.captured, list(split_batch(self.inputs, None, micro_batches)[0][0])
         args, kwargs = split_batch(self.example[0], self.example[1], micro_batches)[0]
-        if micro_batches not in self._micro:
-            if self.model is None:
-                raise CodegenError(advice(
-                    f"this exported graph is specialised to its batch and cannot run {micro_batches} micro-batches",
-                    "the trace was made without its model, so it cannot be captured again at the micro-batch's shape",
-                    "trace with autosplit.compiler.trace.trace(model, ...)",
-                ))
-            captured = capture(self.model, args, dict(kwargs), method="export")
-            if fingerprint(captured.gm) != self.fingerprint:
-                raise CodegenError(advice(
-                    f"the model captures as another graph at the micro-batch's shape ({batch_size(args, kwargs)} rows) "
-                    f"than at the batch's ({batch_size(*self.example)} rows)",
-                    "Python control flow or torch.export specialisation that depends on the batch size",
-                    "make forward independent of the batch size, or plan with micro_batches=1",
-                ))
-            self._micro[micro_batches] = captured
-        captured = self._micro[micro_batches]
+        captured = self._exported(args, kwargs)
         return captured, flat_inputs(captured, args, kwargs)
-
 
 def _graph_copy(gm: torch.fx.GraphModule, purpose: str, fix: str) -> torch.fx.GraphModule:
     """A copy of ``gm`` (same nodes and names, same module) to annotate anew."""
