@@ -33,6 +33,7 @@ from collections.abc import Sequence
 
 from autosplit import progress
 from autosplit.compiler.costs import cost_table
+from autosplit.compiler.mesh_bounds import state_fits, step_floor
 from autosplit.compiler.steps import compile_plan
 from autosplit.compiler.trace import Traced
 from autosplit.costtable import CostTable
@@ -42,7 +43,6 @@ from autosplit.options import AUTO, REPLICATES, PlanOptions
 from autosplit.passes.sharding import laid_out
 from autosplit.passes.tensor_parallel import check_degree
 from autosplit.plans import Alternative, Plan
-from autosplit.units import format_bytes
 
 __all__ = ["Degrees", "degrees_to_try", "mesh_plan", "stage_ranks"]
 
@@ -124,59 +124,104 @@ def mesh_plan(traced: Traced, specs: Sequence[DeviceSpec], options: PlanOptions)
     )
 
 
-def _search(traced: Traced, specs: Sequence[DeviceSpec], options: PlanOptions) -> list[tuple[Degrees, Plan | AutosplitError]]:
-    """Every configuration's plan, in two rounds: first the split DP's plan of each (exact over one
-    order, in milliseconds; CP-SAT left out), then — while the search has used less than the options'
-    ``time_limit`` — the whole solver for each configuration whose bound leaves room below the best
-    step found (beyond the options' gap), most room first: the others cannot win."""
+@dataclasses.dataclass(frozen=True)
+class Unplanned:
+    """A configuration the search did not plan: no plan of it steps in less than ``floor`` seconds."""
+
+    floor: float
+    why: str
+
+
+Outcome = Plan | AutosplitError | Unplanned
+
+
+def _search(traced: Traced, specs: Sequence[DeviceSpec], options: PlanOptions) -> list[tuple[Degrees, Outcome]]:
+    """Every configuration's outcome, in two rounds. First, cheapest floor first
+    (:func:`~autosplit.compiler.mesh_bounds.step_floor`), the split DP's plan of each (exact over one
+    order; CP-SAT left out) — but not of one whose floor leaves no room below the best step found
+    (beyond the options' gap: it cannot win), nor, once a plan is found, of any after the options'
+    ``time_limit``. Then, while the search has used less than ``time_limit``, the whole solver for each
+    configuration whose bound leaves room below the best step, most room first."""
     start = time.perf_counter()
     first = options.replace(limits=dataclasses.replace(options.limits, cpsat_vars=1))
     plain = options.replace(data_parallel=1, replicate="replicate", tensor_parallel=1, checkpointing="none", recompute=None,
                             cost_overrides=None, costs="analytic")
     whole, _ = cost_table(traced, tuple(specs[:1]), plain, micro_batches=1)  # the model state, whatever the batch
-    tried: dict[Degrees, Plan | AutosplitError] = {}
+    tried: dict[Degrees, Outcome] = {}
+    floors: dict[Degrees, float] = {}
     for degrees in degrees_to_try(len(specs), traced.batch, options, specs[0].island_size):
-        tried[degrees] = _attempt(traced, specs, first, degrees, whole)
-    best = min((p.step_time for p in tried.values() if isinstance(p, Plan)), default=math.inf)
+        try:
+            floors[degrees] = _proven(traced, specs, options, degrees, whole)
+        except AutosplitError as e:
+            log.info("%s: %s", degrees, e)
+            tried[degrees] = e
+    best = math.inf
+    for degrees in sorted(floors, key=lambda d: (floors[d], d.replicate != "fully_shard")):  # sharded twins first
+        floor, twin = floors[degrees], tried.get(dataclasses.replace(degrees, replicate="fully_shard"))
+        if degrees.replicate == "replicate" and isinstance(twin, InfeasiblePlanError):
+            tried[degrees] = InfeasiblePlanError(advice(
+                f"{degrees} holds all that {dataclasses.replace(degrees, replicate='fully_shard')} holds and more (whole copies of "
+                "the parameters, gradients and optimizer state), and that is proven not to fit", _first_sentence(twin),
+                "replicate='fully_shard' with more pipeline stages or tp"))
+        elif floor >= best * (1 - options.gap):
+            tried[degrees] = Unplanned(floor, f"not planned: none of its plans steps in less than {floor:.4g} s, "
+                                              f"and the best found takes {best:.4g} s")
+        elif best < math.inf and time.perf_counter() - start >= options.time_limit:
+            tried[degrees] = Unplanned(floor, f"not planned within the time_limit of {options.time_limit:g} s (its floor: {floor:.4g} s)")
+        else:
+            tried[degrees] = made = _attempt(traced, specs, first, degrees)
+            best = min(best, made.step_time if isinstance(made, Plan) else math.inf)
     for degrees, p in sorted(tried.items(), key=lambda dp: _bound_of(dp[1])):
         room = isinstance(p, SolverError) or (isinstance(p, Plan) and _bound_of(p) < best * (1 - options.gap))
         if room and time.perf_counter() - start >= options.time_limit:
             log.info("the mesh search used its time_limit of %gs: %s keeps its first round's plan", options.time_limit, degrees)
             continue
         if room and options.limits.cpsat_vars > 1:
-            again = _attempt(traced, specs, options, degrees, whole)
+            again = _attempt(traced, specs, options, degrees)
             if isinstance(again, Plan) and (not isinstance(p, Plan) or again.step_time < p.step_time):
                 tried[degrees] = again
                 best = min(best, again.step_time)
     return list(tried.items())
 
 
-def _bound_of(p: Plan | AutosplitError) -> float:
+def _bound_of(p: Outcome) -> float:
     """The least step a configuration's splits can reach: its replay's bound; where the solver's
     closed form stands for the replay (one stage per rank, a whole backward), its step less the
-    solver's gap; 0 where unknown (no plan, not proven infeasible), ∞ where there is none."""
+    solver's gap; its floor where it was not planned; 0 where unknown (no plan, not proven
+    infeasible), ∞ where there is none."""
+    if isinstance(p, Unplanned):
+        return p.floor
     if isinstance(p, Plan):
         return p.solver.step_bound if p.solver.step_bound is not None else p.step_time * (1 - p.solver.gap)
     return 0.0 if isinstance(p, SolverError) else math.inf
 
 
-def _attempt(
-    traced: Traced, specs: Sequence[DeviceSpec], options: PlanOptions, degrees: Degrees, whole: CostTable,
-) -> Plan | AutosplitError:
+def _proven(traced: Traced, specs: Sequence[DeviceSpec], options: PlanOptions, degrees: Degrees, whole: CostTable) -> float:
+    """A configuration's floor (:func:`~autosplit.compiler.mesh_bounds.step_floor`), after the refusals
+    that need no capture: a model state that cannot fit, a tp degree the head counts do not allow."""
+    chosen = _chosen(options, degrees)
+    # the least state the configuration can hold: FSDP alone may make every module a unit of its own
+    least = whole if degrees.pp > 1 else dataclasses.replace(whole, unit_params=(True,) * len(whole.nodes))
+    row = 0.0 if options.checkpoints else sum(whole.saved_bytes) / (traced.batch or math.inf)
+    state_fits(laid_out(least, dp_shard=chosen.dp_shard, alone=degrees.pp == 1), stage_ranks(specs, degrees), degrees, row)
+    if degrees.tp > 1:  # head counts and split sizes the degree must divide, before capturing the share
+        check_degree(traced.tp_rules(), degrees.tp)
+    return step_floor(whole, traced, degrees, chosen, specs)
+
+
+def _chosen(options: PlanOptions, degrees: Degrees) -> PlanOptions:
+    return options.replace(data_parallel=degrees.data_parallel, replicate=degrees.replicate, tensor_parallel=degrees.tp,
+                           # the micro-batches chosen with the degrees unless the user fixed them
+                           micro_batches="auto" if options.micro_batches is None else options.micro_batches)
+
+
+def _attempt(traced: Traced, specs: Sequence[DeviceSpec], options: PlanOptions, degrees: Degrees) -> Plan | AutosplitError:
     """One configuration's plan — the first rank of each stage's group, ``1/dp`` of the batch — or why there is none."""
-    ranks = stage_ranks(specs, degrees)
-    chosen = options.replace(data_parallel=degrees.data_parallel, replicate=degrees.replicate, tensor_parallel=degrees.tp,
-                             # the micro-batches chosen with the degrees unless the user fixed them
-                             micro_batches="auto" if options.micro_batches is None else options.micro_batches)
+    chosen = _chosen(options, degrees)
     try:
-        # the least state the configuration can hold: one stage may shard unit by unit (FSDP alone)
-        row = 0.0 if options.checkpoints else sum(whole.saved_bytes) / (traced.batch or math.inf)
-        _state_fits(laid_out(whole, dp_shard=chosen.dp_shard, alone=degrees.pp == 1), ranks, degrees, row)
-        if degrees.tp > 1:  # head counts and split sizes the degree must divide, before capturing the share
-            check_degree(traced.tp_rules(), degrees.tp)
         share = traced.at_batch(degrees.data_parallel)
         chosen.micro_batches_for(None if chosen.searches else degrees.pp, share.batch)
-        return compile_plan(share, ranks, chosen)
+        return compile_plan(share, stage_ranks(specs, degrees), chosen)
     except AutosplitError as e:
         log.info("%s: %s", degrees, e)
         return e
@@ -193,28 +238,7 @@ def stage_ranks(specs: Sequence[DeviceSpec], degrees: Degrees) -> tuple[DeviceSp
     return tuple(dataclasses.replace(d, island_size=max(1, d.island_size // degrees.tp)) if d.island_size else d for d in ranks)
 
 
-def _state_fits(table: CostTable, ranks: tuple[DeviceSpec, ...], degrees: Degrees, row: float = 0.0) -> None:
-    """Refuse, before capturing at the share's batch, a configuration whose model state (``table``'s,
-    laid out as the configuration holds it; it does not depend on the batch) and ``row`` bytes of
-    activations, spread perfectly over its pp devices, exceed their memory.
-
-    ``row``: one row's saved activations where nothing recomputes — the global batch's over its rows.
-    Every stage holds at least one micro-batch of at least one row at its peak, and a tensor's bytes
-    grow at most in proportion to the batch (``a · rows + c``, ``c ≥ 0``), so this bounds any share.
-    Tensor parallelism holds no less than ``1/tp`` of either (:mod:`autosplit.passes.tp_costs`)."""
-    need, cap = (sum(table.state_bytes) + row) / (degrees.pp * degrees.tp), sum(d.memory for d in ranks) / degrees.pp
-    if need > cap:
-        what = "the model state alone needs" if not row else "the model state and one row's saved activations need"
-        raise InfeasiblePlanError(advice(
-            f"{degrees}: {what} {format_bytes(need)} per device spread perfectly over {degrees.pp * degrees.tp} "
-            f"(proven), more than the {format_bytes(cap)} each holds",
-            "parameters, gradients and optimizer state do not shrink with the batch" + ("" if not row else
-            ", and without recomputation every stage holds at least one row's activations"),
-            "more pipeline stages, replicate='fully_shard', checkpointing='auto', or a precision that holds less",
-        ))
-
-
-def _none_fits(world: int, tried: Sequence[tuple[Degrees, Plan | AutosplitError]]) -> AutosplitError:
+def _none_fits(world: int, tried: Sequence[tuple[Degrees, Outcome]]) -> AutosplitError:
     """No configuration gives a plan: an :class:`InfeasiblePlanError` where each is proven not to fit
     (or cannot run), a :class:`SolverError` where some ended without a plan or a proof."""
     if all(isinstance(e, (InfeasiblePlanError, ConstraintError)) for _, e in tried):
@@ -222,7 +246,7 @@ def _none_fits(world: int, tried: Sequence[tuple[Degrees, Plan | AutosplitError]
     return SolverError(_none_fits_message(world, tried))
 
 
-def _none_fits_message(world: int, tried: Sequence[tuple[Degrees, Plan | AutosplitError]]) -> str:
+def _none_fits_message(world: int, tried: Sequence[tuple[Degrees, Outcome]]) -> str:
     return advice(
         f"no configuration of the mesh over {world} devices gives a plan",
         "; ".join(f"{d}: {_first_sentence(e)}" for d, e in tried if isinstance(e, AutosplitError)),
@@ -235,21 +259,23 @@ def _first_sentence(error: AutosplitError) -> str:
     return f"{type(error).__name__}: {str(error).split('. ')[0]}"
 
 
-def _alternatives(tried: Sequence[tuple[Degrees, Plan | AutosplitError]]) -> tuple[Alternative, ...]:
+def _alternatives(tried: Sequence[tuple[Degrees, Outcome]]) -> tuple[Alternative, ...]:
     rows = []
     for d, p in tried:
         shard = d.data_parallel if d.replicate == "fully_shard" else 1
         rows.append(
             Alternative(p.schedule, p.stages_per_rank, p.micro_batches, p.step_time, p.rank_memory or tuple(s.memory for s in p.stages),
                         data_parallel=d.data_parallel, dp_shard=shard, tensor_parallel=d.tp, bound=_bound_of(p)) if isinstance(p, Plan)
-            else Alternative("", 1, 0, math.inf, note=_first_sentence(p), data_parallel=d.data_parallel, dp_shard=shard,
-                             tensor_parallel=d.tp)
+            else Alternative("", 1, 0, math.inf, note=p.why if isinstance(p, Unplanned) else _first_sentence(p),
+                             data_parallel=d.data_parallel, dp_shard=shard, tensor_parallel=d.tp,
+                             bound=p.floor if isinstance(p, Unplanned) else None)
         )
     return tuple(sorted(rows, key=lambda a: a.step_time))
 
 
-def _bound(tried: Sequence[tuple[Degrees, Plan | AutosplitError]]) -> float | None:
+def _bound(tried: Sequence[tuple[Degrees, Outcome]]) -> float | None:
     """The least step any configuration can reach: each plan's bound; a configuration proven
-    infeasible (or that cannot run) reaches none; one that ended unproven leaves it unknown (None)."""
+    infeasible (or that cannot run) reaches none; one not planned, its floor; one that ended unproven
+    leaves it unknown (None)."""
     bounds = [_bound_of(p) for _, p in tried]
     return None if 0.0 in bounds else min(bounds)

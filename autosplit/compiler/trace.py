@@ -109,7 +109,7 @@ class Traced:
         at least two rows are kept, the first of them respecialised to these rows
         (:func:`~autosplit.passes.respecialise.respecialised`: seconds saved per share of a large model),
         else — or where that graph does not annotate — a real capture."""
-        rows = batch_size(args, kwargs)
+        rows = batch_size(args, kwargs) or 0
         real = sorted(((c, r) for r, c in self._kept_exports().items() if r >= 2), key=lambda cr: -cr[1])
         guess = respecialised(*real[0], *real[1], rows) if len(real) >= 2 and rows not in self._exports else None
         if guess is not None:
@@ -127,12 +127,12 @@ class Traced:
     def _kept_exports(self) -> dict[int, Captured]:
         """The real captures by rows, this trace's own among them (an exported trace's first)."""
         if not self._exports and self.captured.method == "export":
-            self._exports[batch_size(*self.example)] = self.captured
+            self._exports[batch_size(*self.example) or 0] = self.captured
         return self._exports
 
     def _exported(self, args: tuple, kwargs: Mapping[str, Any]) -> Captured:
         """The model exported at this call's rows, kept; refused unless it is this trace's graph."""
-        rows = batch_size(args, kwargs)
+        rows = batch_size(args, kwargs) or 0
         kept = self._kept_exports()
         if rows not in kept:
             if self.model is None:

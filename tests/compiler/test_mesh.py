@@ -150,8 +150,11 @@ def test_the_tensor_parallel_degree_is_chosen_with_the_split(rows):
     node = dataclasses.replace(H100, island_size=4)
     plan = autosplit.plan(_wide_mlp(), [node] * 4, example_inputs=(torch.randn(rows, 4096 // rows, 256),), tensor_parallel="auto",
                           data_parallel="auto", replicate="auto", **NO_SEARCH)
-    tried = {(len(a.rank_memory), a.tensor_parallel) for a in plan.alternatives if a.fits}
-    assert {(4, 1), (2, 2), (1, 4)} <= tried and plan.step_time == min(a.step_time for a in plan.alternatives)
+    planned = {(a.data_parallel, a.tensor_parallel) for a in plan.alternatives if a.fits}
+    passed_over = {(a.data_parallel, a.tensor_parallel): a.bound for a in plan.alternatives if a.note.startswith("not planned")}
+    assert planned | passed_over.keys() >= {(1, 1), (1, 2), (1, 4)} and plan.step_time == min(a.step_time for a in plan.alternatives)
+    # a configuration passed over cannot win: its floor is no less than the step chosen (within the gap)
+    assert all(bound >= plan.step_time * (1 - PlanOptions().gap) for bound in passed_over.values())
     if rows == 1:
         assert plan.mesh == {"pp": 1, "dp_replicate": 1, "dp_shard": 1, "tp": 4}
         split = {f"{i}.{j}.{w}" for i in range(4) for j, w in ((1, "weight"), (1, "bias"), (3, "weight"))}
@@ -176,3 +179,33 @@ def test_tensor_parallel_refusals_say_what_in_the_users_terms():
     with pytest.raises(ConstraintError) as e:
         PlanOptions(tensor_parallel="two")
     says(e, "tensor_parallel")
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "auto"])
+def test_every_configurations_floor_is_below_its_plan(schedule):
+    """The floor the mesh search passes configurations over by bounds each one's own plan (as the
+    search plans it): for a transformer with its tensor-parallel rules, every tp and
+    data-parallel degree and layout of 4 devices, 1F1B's fill and drain counted where it is pinned."""
+    from autosplit.compiler import mesh
+    from autosplit.compiler.mesh_bounds import fill_and_drain
+    from autosplit.examples import GPT
+
+    torch.manual_seed(0)
+    model, x = GPT(vocab=256, d_model=64, n_layers=4, max_len=64), torch.randint(0, 256, (8, 64))
+    options = dict(schedule=schedule, time_limit=2, checkpointing="auto")
+    planner = autosplit.Planner(model, [H100] * 4, example_inputs=(x,), tensor_parallel="auto", data_parallel="auto",
+                                replicate="auto", **options)
+    specs, plain = planner.specs(), planner.options.replace(data_parallel=1, replicate="replicate", tensor_parallel=1,
+                                                            checkpointing="none")
+    whole = cost_table(planner.traced, specs[:1], plain, micro_batches=1)[0]
+    checked = 0
+    for degrees in degrees_to_try(4, 8, planner.options, island=None):
+        floor = mesh._proven(planner.traced, specs, planner.options, degrees, whole)
+        made = mesh._attempt(planner.traced, specs, planner.options, degrees)
+        if isinstance(made, autosplit.AutosplitError):
+            continue
+        assert 0 < floor <= made.step_time, degrees
+        checked += 1
+    assert checked >= 6
+    assert fill_and_drain(1.0, 1, 8) == 1.0 and fill_and_drain(1.0, 4, 1) == 1.0  # one stage, or one micro-batch: all of it
+    assert fill_and_drain(1.0, 4, 4) == pytest.approx(1 / (4 * (1 - 0.75**4)))    # between W/4 and 1F1B's balanced (1 + 3/4)/4

@@ -1,0 +1,110 @@
+"""What the mesh search knows of a configuration before planning it: its proofs, from the global batch's table.
+
+The mesh search (:mod:`autosplit.compiler.mesh`) costs the whole model once, at the global batch on one
+device, without recomputation (``whole``). From that table alone, before a configuration's share of the
+batch is captured and split:
+
+- :func:`state_fits` refuses one whose model state cannot fit its devices however it is split;
+- :func:`step_floor` bounds from below the step of every plan of it — the configurations are planned
+  cheapest floor first, and one whose floor leaves no room below the best step found is not planned:
+  it cannot win. Its floor stands in the plan's bound, so the gap still covers it.
+
+The floor is the largest of four, each proven for any split of the share, any recomputation (which
+only adds work) and any micro-batch count the options leave open:
+
+- **work**: every device's share of the forward and backward of its copy's rows (tensor parallelism's
+  compute and collectives as :func:`~autosplit.passes.tp_costs.tp_laid_out` costs them) and of the
+  optimizer step, spread evenly over the ``pp`` ranks;
+- **the heaviest node**: a node runs whole on one rank of each copy, every micro-batch of it;
+- **the pipeline's fill and drain** (one stage per rank, a whole backward: GPipe, 1F1B): rank ``r``
+  starts only when the first micro-batch's forward has passed the stages before it, and the step ends
+  only when the last micro-batch's backward has passed them again, so with ``M`` micro-batches and
+  stage ``s`` doing ``w_s`` in all, the step is at least ``max_r (Σ_{s<r} w_s / M + w_r)`` — over every
+  split, at least ``W / (M (1 − (1 − 1/M)^pp))`` for a copy's work ``W`` (equalising the terms gives
+  it), which tends to ``W / pp`` as ``M`` grows.
+
+A share's table is at least the global one over ``dp`` node by node: the roofline's FLOPs and bytes
+grow no slower than the rows, and each micro-batch pays the launch again. The floor holds for the
+analytic costs of a mesh of one kind of device; otherwise it is 0 (no configuration is passed over).
+
+Usage::
+
+    state_fits(laid_out(whole, dp_shard=4), ranks, degrees)
+    floor = step_floor(whole, traced, degrees, options, specs)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from autosplit import schedules
+from autosplit.compiler.search import configurations
+from autosplit.compiler.trace import Traced
+from autosplit.costtable import CostTable
+from autosplit.devices import DeviceSpec
+from autosplit.errors import InfeasiblePlanError, advice
+from autosplit.options import PlanOptions
+from autosplit.passes.sharding import laid_out
+from autosplit.passes.tp_costs import tp_laid_out
+from autosplit.units import format_bytes
+
+if TYPE_CHECKING:
+    from autosplit.compiler.mesh import Degrees
+
+__all__ = ["fill_and_drain", "state_fits", "step_floor"]
+
+
+def step_floor(whole: CostTable, traced: Traced, degrees: Degrees, options: PlanOptions, specs: Sequence[DeviceSpec]) -> float:
+    """Seconds no plan of ``degrees`` (with ``options`` as the configuration is planned) can step in
+    (the module docstring); 0 where the floor is not proven for these costs or devices."""
+    if options.costs != "analytic" or options.cost_overrides or len({(s.name, s.memory) for s in specs}) > 1:
+        return 0.0
+    table = whole
+    if degrees.tp > 1:
+        table = tp_laid_out(whole, traced.annotated(options.precision, specs[0].device_type), traced.tp_rules(), tp=degrees.tp,
+                            micro_batches=1, numel=traced.param_numel(), sequence_parallel=options.sequence_parallel)
+    if options.dp_shard > 1:
+        table = laid_out(table, dp_shard=options.dp_shard, alone=True)
+    dp, pp = degrees.data_parallel, degrees.pp
+    per_node = [(f + b - (table.split_cost[n][0] if table.split_cost else 0.0)) / dp
+                for n, (f, b) in enumerate(zip((r[0] for r in table.fwd_time), (r[0] for r in table.bwd_time)))]
+    work, optimizer = sum(per_node), sum(row[0] for row in table.optimizer_time) if table.optimizer_time else 0.0
+    rows = (traced.batch or dp) // dp
+    open_ = configurations(options, pp, rows) if options.searches else [options.replace(micro_batches=options.micro_batches_for(pp, rows))]
+    fill = min((fill_and_drain(work, pp, int(c.micro_batches or 1)) if _fills(c) else work / pp for c in open_), default=work / pp)
+    return max((work + optimizer) / pp, max(per_node, default=0.0), fill)
+
+
+def _fills(options: PlanOptions) -> bool:
+    """The schedule has a fill and a drain of a whole backward over one stage per rank (GPipe, 1F1B)."""
+    entry = schedules.lookup(options.schedule)
+    return options.rank_stages == 1 and not entry.split_backward and entry.flushes and entry.micro_batched
+
+
+def fill_and_drain(work: float, pp: int, micro_batches: int) -> float:
+    """The least step of ``pp`` stages of ``work`` seconds in all, in ``micro_batches``, one stage per
+    rank with a whole backward: ``work / (M (1 − (1 − 1/M)^pp))`` (the module docstring)."""
+    m = max(1, micro_batches)
+    return work / (m * (1 - (1 - 1 / m) ** pp)) if m > 1 else work
+
+
+def state_fits(table: CostTable, ranks: tuple[DeviceSpec, ...], degrees: Degrees, row: float = 0.0) -> None:
+    """Refuse, before capturing at the share's batch, a configuration whose model state (``table``'s,
+    laid out as the configuration holds it; it does not depend on the batch) and ``row`` bytes of
+    activations, spread perfectly over its pp devices, exceed their memory.
+
+    ``row``: one row's saved activations where nothing recomputes — the global batch's over its rows.
+    Every stage holds at least one micro-batch of at least one row at its peak, and a tensor's bytes
+    grow at most in proportion to the batch (``a · rows + c``, ``c ≥ 0``), so this bounds any share.
+    Tensor parallelism holds no less than ``1/tp`` of either (:mod:`autosplit.passes.tp_costs`)."""
+    need, cap = (sum(table.state_bytes) + row) / (degrees.pp * degrees.tp), sum(d.memory for d in ranks) / degrees.pp
+    if need > cap:
+        what = "the model state alone needs" if not row else "the model state and one row's saved activations need"
+        raise InfeasiblePlanError(advice(
+            f"{degrees}: {what} {format_bytes(need)} per device spread perfectly over {degrees.pp * degrees.tp} "
+            f"(proven), more than the {format_bytes(cap)} each holds",
+            "parameters, gradients and optimizer state do not shrink with the batch" + ("" if not row else
+            ", and without recomputation every stage holds at least one row's activations"),
+            "more pipeline stages, replicate='fully_shard', checkpointing='auto', or a precision that holds less",
+        ))
