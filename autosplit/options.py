@@ -212,11 +212,12 @@ class PlanOptions:
     the rules the graph gives (:mod:`autosplit.passes.tensor_parallel`): column- then row-parallel
     linear pairs, the vocabulary-parallel embedding and head. With an integer > 1 the devices are the
     whole mesh, as with ``"auto"``: the planner chooses it with the split and the data-parallel degrees."""
-    sequence_parallel: bool = False
-    """Under tensor parallelism, cost the activations between the split layers (norms, residuals, the
-    loss) split along the sequence, as torchtitan's ``SequenceParallel`` runs them (each all-reduce a
-    reduce-scatter and an all-gather of the same bytes): for costing published recipes. The runtime does
-    not run it yet, and refuses such a plan; it needs every linear split by the rules."""
+    sequence_parallel: bool | str = AUTO
+    """Under tensor parallelism, the activations between the split layers (norms, residuals, dropout)
+    split along the tokens, as torchtitan's ``SequenceParallel`` runs them: each all-reduce a
+    reduce-scatter and an all-gather of the same bytes, and the work and memory between them ÷ tp.
+    ``"auto"``: wherever the graph's rules split every linear (it then costs no more, and holds and
+    computes less); ``True``: refused where a linear stays whole; ``False``: never."""
     limits: SolverLimits = SolverLimits()
     """How much work the solver may do beyond ``time_limit``: the graph sizes past which it
     coarsens, skips CP-SAT or narrows its bound, e.g. ``SolverLimits(cpsat_vars=40_000)``; each
@@ -271,8 +272,8 @@ class PlanOptions:
             raise _bad("replicate", self.replicate, f"one of {REPLICATES} or 'auto'")
         if not (self.tensor_parallel == AUTO or (_is_int(self.tensor_parallel) and int(self.tensor_parallel) >= 1)):
             raise _bad("tensor_parallel", self.tensor_parallel, "an integer ≥ 1 or 'auto'")
-        if not isinstance(self.sequence_parallel, bool):
-            raise _bad("sequence_parallel", self.sequence_parallel, "True or False")
+        if not isinstance(self.sequence_parallel, bool) and self.sequence_parallel != AUTO:
+            raise _bad("sequence_parallel", self.sequence_parallel, "True, False or 'auto'")
         if not isinstance(self.limits, SolverLimits):
             raise _bad("limits", self.limits, "a SolverLimits(...), e.g. SolverLimits(cpsat_vars=40_000)")
         if self.precision not in PRECISIONS:

@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from autosplit import schedules
 from autosplit.api.planner import Planner, load_plan
+from autosplit.compiler.trace import Traced
 from autosplit.devices import DeviceLike
 from autosplit.errors import AutosplitError, ConstraintError, DistributedError, PlanMismatchError, advice
 from autosplit.microbatch import batch_size
@@ -33,7 +34,7 @@ from autosplit.runtime.distributed import DistributedModel
 from autosplit.runtime.materialise import StageNames, WeightsLike, agree_by_name, materialise
 from autosplit.runtime.placement import Layout, agree, data_parallel_mesh, keep_unread, make_mesh, place, rank_device
 from autosplit.runtime.precision import stage_device_type
-from autosplit.runtime.tensor_parallel import check_tp_shards, stage_shards
+from autosplit.runtime.tensor_parallel import SequenceSplit, check_tp_shards, stage_shards
 from autosplit.shapes import is_meta
 
 __all__ = ["distribute"]
@@ -210,12 +211,6 @@ def _check_mesh(given: Plan | None, stages: int, data_parallel: int, replicate: 
     under the arguments' degrees. HSDP (both degrees above 1) comes from a given plan only."""
     shard = data_parallel if replicate == "fully_shard" else 1
     tp = given.tensor_parallel if given is not None else 1
-    if given is not None and given.sequence_parallel:
-        raise ConstraintError(advice(
-            f"the plan runs sequence parallelism over tp {tp} (sequence_parallel=True)",
-            "the runtime runs tensor parallelism with replicated activations between the split layers so far",
-            "plan with sequence_parallel=False",
-        ))
     if given is not None and given.data_parallel > 1:
         if given.data_parallel != data_parallel or (given.dp_shard > 1) != (replicate == "fully_shard" and data_parallel > 1):
             made_for = "fully_shard" if given.dp_shard > 1 else "replicate"
@@ -356,7 +351,22 @@ def _build(
         micro_batches=made.micro_batches, example=to_flat(*example), chain_at=chains, tied_groups=tied_groups,
         asynchronous=entry.name if entry.asynchronous else None, compiled=compiled, mesh=the_mesh,
         tp_shards={s: stage_shards(made.tp_shards, parts[s].tensors) for s in held},
+        sequence=_sequence_split(planner.traced) if made.sequence_parallel else None,
     )
+
+
+def _sequence_split(traced: Traced) -> SequenceSplit:
+    """Where the graph's tensor-parallel rules turn the activations under sequence parallelism; refused
+    where a linear stays whole, as the planner refuses it (the plan's costs would not describe the run)."""
+    rules = traced.tp_rules()
+    if rules.whole_linears:
+        raise ConstraintError(advice(
+            f"the plan runs sequence parallelism (sequence_parallel=True), and this graph's tensor-parallel rules leave "
+            f"{len(rules.whole_linears)} linear(s) whole: {sorted(rules.whole_linears)[:3]}",
+            "sequence parallelism splits the activations between split layers, which every linear must then read split",
+            "re-plan with sequence_parallel=False",
+        ))
+    return SequenceSplit(frozenset(rules.forward_collectives), frozenset(rules.backward_collectives))
 
 
 def _untie(modules: Mapping[int, torch.nn.Module]) -> None:

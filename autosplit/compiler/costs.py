@@ -16,7 +16,7 @@ from autosplit.compiler.trace import Traced
 from autosplit.costtable import CostTable
 from autosplit.devices import DeviceSpec, uncalibrated
 from autosplit.errors import ConstraintError, CostModelError, advice
-from autosplit.options import PlanOptions, ProfileOptions
+from autosplit.options import AUTO, PlanOptions, ProfileOptions
 from autosplit.passes.costs import LossCost, estimate, with_overrides
 from autosplit.passes.loss import cost_loss, output_like
 from autosplit.passes.profile import Profile, profile
@@ -28,7 +28,7 @@ from autosplit.shapes import is_meta
 from autosplit.solver.problem import UserConstraint
 from autosplit.timers import pinned
 
-__all__ = ["cost_table", "estimated", "tp_fields"]
+__all__ = ["cost_table", "estimated", "sequence_parallel", "tp_fields"]
 
 
 def cost_table(
@@ -72,7 +72,7 @@ def cost_table(
     if options.tp > 1:
         check_degree(traced.tp_rules(), options.tp)
         table = tp_laid_out(table, gm, traced.tp_rules(), tp=options.tp, micro_batches=micro_batches, numel=traced.param_numel(),
-                            sequence_parallel=_sequence_parallel(traced, options))
+                            sequence_parallel=sequence_parallel(traced, options))
         source += f"; tensors split over tp {options.tp}"
     if options.dp_shard > 1:
         table = laid_out(table, dp_shard=options.dp_shard, alone=sharded_alone(len(specs), micro_batches, options.dp_shard))
@@ -86,20 +86,22 @@ def tp_fields(traced: Traced, options: PlanOptions) -> dict[str, Any]:
         return {}
     rules = traced.tp_rules()
     return {"tensor_parallel": options.tp, "tp_shards": _every_name(traced, rules.shards), "tp_whole": dict(rules.replicated),
-            "sequence_parallel": _sequence_parallel(traced, options)}
+            "sequence_parallel": sequence_parallel(traced, options)}
 
 
-def _sequence_parallel(traced: Traced, options: PlanOptions) -> bool:
-    """``options.sequence_parallel``, refused where a linear stays whole (its input would be split along
-    the sequence and its output not)."""
+def sequence_parallel(traced: Traced, options: PlanOptions) -> bool:
+    """``options.sequence_parallel`` under tp > 1: ``"auto"`` where no linear stays whole; ``True``
+    refused where one does (its input would be split along the sequence and its output not)."""
     whole = sorted(traced.tp_rules().whole_linears)
+    if options.sequence_parallel == AUTO:
+        return options.tp > 1 and not whole
     if options.sequence_parallel and whole:
         raise ConstraintError(advice(
             f"sequence_parallel=True, and the tensor-parallel rules leave {len(whole)} linear(s) whole: {whole[:3]}",
             "sequence parallelism splits the activations between split layers, which every linear must then read split",
             "plan with sequence_parallel=False",
         ))
-    return options.sequence_parallel
+    return bool(options.sequence_parallel)
 
 
 def _every_name(traced: Traced, shards: Mapping[str, int]) -> dict[str, int]:

@@ -39,6 +39,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from autosplit import schedules
+from autosplit.compiler.costs import sequence_parallel
 from autosplit.compiler.search import configurations
 from autosplit.compiler.trace import Traced
 from autosplit.costtable import CostTable
@@ -63,7 +64,8 @@ def step_floor(whole: CostTable, traced: Traced, degrees: Degrees, options: Plan
     table = whole
     if degrees.tp > 1:
         table = tp_laid_out(whole, traced.annotated(options.precision, specs[0].device_type), traced.tp_rules(), tp=degrees.tp,
-                            micro_batches=1, numel=traced.param_numel(), sequence_parallel=options.sequence_parallel)
+                            micro_batches=1, numel=traced.param_numel(),
+                            sequence_parallel=sequence_parallel(traced, options))
     if options.dp_shard > 1:
         table = laid_out(table, dp_shard=options.dp_shard, alone=True)
     dp, pp = degrees.data_parallel, degrees.pp

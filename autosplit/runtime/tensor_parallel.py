@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -34,7 +35,10 @@ import torch
 from autosplit.compat import ASSERT_TENSOR_METADATA
 from autosplit.errors import ConstraintError, advice
 
-__all__ = ["check_tp_shards", "parallelize_stage", "place_gradients", "replicate_partial", "stage_shards", "tp_scope"]
+__all__ = [
+    "SequenceSplit", "check_tp_shards", "parallelize_stage", "place_gradients", "replicate_partial", "stage_shards", "to_token_shards",
+    "to_whole", "tp_scope",
+]
 
 
 def check_tp_shards(model: torch.nn.Module, shards: Mapping[str, int], tp: int) -> None:
@@ -77,10 +81,22 @@ def stage_shards(shards: Mapping[str, int], tensors: Mapping[str, str]) -> dict[
     return {tensors[name]: d for name, d in shards.items() if name in tensors}
 
 
-def parallelize_stage(module: torch.nn.Module, tp_mesh: Any, shards: Mapping[str, int]) -> None:
+@dataclass(frozen=True)
+class SequenceSplit:
+    """Where sequence parallelism turns the activations between the split layers: after ``reduced``
+    (row-parallel outputs and lookups: their partial sums reduce-scattered along the tokens) and after
+    ``gathered`` (each column-parallel group's input: all-gathered whole). Node names of the captured
+    graph (:class:`~autosplit.passes.tensor_parallel.TensorParallelRules`' collectives)."""
+
+    reduced: frozenset[str]
+    gathered: frozenset[str]
+
+
+def parallelize_stage(module: torch.nn.Module, tp_mesh: Any, shards: Mapping[str, int], sequence: SequenceSplit | None = None) -> None:
     """Every parameter of ``module`` (local names; a tensor held under several names replaced once, under
     all of them) a DTensor on ``tp_mesh``: ``Shard(shards[name])`` or ``Replicate()``; and hooks that run
-    its forward on DTensors with plain tensors in and out (module docstring)."""
+    its forward on DTensors with plain tensors in and out (module docstring); with ``sequence``, the
+    activations between the split layers sharded along the tokens (:func:`_split_sequence`)."""
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
     made: dict[int, torch.nn.Parameter] = {}
@@ -93,6 +109,8 @@ def parallelize_stage(module: torch.nn.Module, tp_mesh: Any, shards: Mapping[str
     for graph_module in [m for m in module.modules() if isinstance(m, torch.fx.GraphModule)]:  # outlined blocks too
         _drop_metadata_asserts(graph_module)
         _reduce_after_lookups(graph_module)
+        if sequence is not None:
+            _split_sequence(graph_module, sequence)
     _boundary_hooks(module, tp_mesh)
 
 
@@ -157,6 +175,52 @@ def _reduce_after_lookups(module: torch.nn.Module) -> list[str]:
     if found:
         module.recompile()
     return found
+
+
+def to_token_shards(t: Any) -> Any:
+    """``t`` (a DTensor holding a partial sum or a whole tensor) sharded along its tokens — the dimension
+    before the features — over tp: a reduce-scatter of a row-parallel product (torchtitan's
+    ``RowwiseParallel(output_layouts=Shard(1))``); anything else (a vocabulary-parallel head's logits) as it is."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    if not isinstance(t, DTensor) or t.ndim < 2 or not all(p.is_partial() or p.is_replicate() for p in t.placements):
+        return t
+    return t.redistribute(t.device_mesh, [Shard(t.ndim - 2)] * len(t.placements))
+
+
+def to_whole(t: Any) -> Any:
+    """``t`` whole on every tp rank where it is sharded along its tokens: the all-gather before a
+    column-parallel group (torchtitan's ``ColwiseParallel(input_layouts=Shard(1))``)."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    if not isinstance(t, DTensor) or not any(p.is_shard(t.ndim - 2) for p in t.placements):
+        return t
+    return t.redistribute(t.device_mesh, [Replicate()] * len(t.placements))
+
+
+def _split_sequence(module: torch.fx.GraphModule, sequence: SequenceSplit) -> list[str]:
+    """Sequence parallelism in the stage graph: a call of :func:`to_token_shards` after each node of
+    ``sequence.reduced`` (after the reduction :func:`_reduce_after_lookups` put behind a lookup) and of
+    :func:`to_whole` after each of ``sequence.gathered``, which their users read instead. Between them —
+    norms, residual adds, dropout — DTensor runs each op on ``1/tp`` of the tokens. Returns the nodes turned.
+
+    Every placement DTensor propagates is exact, so where a graph reads a sharded tensor other than as
+    planned, DTensor redistributes it and the values stay the unsplit model's."""
+    graph, turned = module.graph, []
+    for node in list(graph.nodes):
+        turn = to_token_shards if node.name in sequence.reduced else to_whole if node.name in sequence.gathered else None
+        if turn is None:
+            continue
+        after = node
+        if turn is to_token_shards and len(node.users) == 1 and next(iter(node.users)).target is replicate_partial:
+            after = next(iter(node.users))
+        with graph.inserting_after(after):
+            made = graph.call_function(turn, (after,))
+        after.replace_all_uses_with(made, delete_user_cb=lambda user, made=made: user is not made)
+        turned.append(node.name)
+    if turned:
+        module.recompile()
+    return turned
 
 
 def place_gradients(params: Any) -> int:

@@ -22,7 +22,7 @@ def _tables(tp: int, precision: str = "fp32"):
     model = nn.Sequential(nn.LayerNorm(W), nn.Linear(W, 4 * W), nn.GELU(), nn.Linear(4 * W, W))
     planner = autosplit.Planner(model, [H100], example_inputs=(torch.randn(ROWS, SEQ, W),), precision=precision)
     whole = cost_table(planner.traced, (H100,), planner.options, micro_batches=1)[0]
-    split = cost_table(planner.traced, (H100,), planner.options.replace(tensor_parallel=tp), micro_batches=1)[0]
+    split = cost_table(planner.traced, (H100,), planner.options.replace(tensor_parallel=tp, sequence_parallel=False), micro_batches=1)[0]
     return planner.traced.tp_rules(), whole, split
 
 
@@ -63,7 +63,7 @@ def test_a_mixed_precision_weight_copy_is_split_with_its_linear():
 
 
 def test_sequence_parallelism_splits_every_nodes_activations_and_needs_every_linear_split():
-    """``sequence_parallel=True`` (a recipe's, costed): the norm between the split layers computes and
+    """``sequence_parallel=True`` (and ``"auto"``, where every linear is split): the norm between the split layers computes and
     saves half on each of 2 ranks too, its all-reduces as before; refused where a linear stays whole
     (the GPT's fused qkv)."""
     _, whole, split = _tables(2)
@@ -74,6 +74,7 @@ def test_sequence_parallelism_splits_every_nodes_activations_and_needs_every_lin
     norm, row = index["_0"], index["_3"]
     assert sp.fwd_time[norm][0] == pytest.approx(whole.fwd_time[norm][0] / 2) and sp.saved_bytes[norm] == round(whole.saved_bytes[norm] / 2)
     assert sp.fwd_time[row][0] == pytest.approx(split.fwd_time[row][0]) and sp.state_bytes == split.state_bytes
+    assert cost_table(planner.traced, (H100,), planner.options.replace(tensor_parallel=2), micro_batches=1)[0] == sp  # "auto"
     from tests.helpers import seeded_gpt
 
     gpt, inputs = seeded_gpt()

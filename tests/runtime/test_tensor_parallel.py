@@ -172,6 +172,9 @@ def _train(name: str, plan_path: str, rank: int) -> None:
     pipe = _distribute(model, args, kwargs, loss_fn, plan_path)
     copies = pipe.plan.data_parallel
     _check_placement(pipe, rank, dict(pipe.plan.tp_shards))
+    if pipe.plan.sequence_parallel:  # the activations between the split layers turned as planned
+        code = "".join(m.code for m in pipe.module.modules() if isinstance(m, torch.fx.GraphModule))
+        assert "to_token_shards" in code and "to_whole" in code, code[:2000]
     mine = slice(pipe.layout.replica * ROWS // copies, (pipe.layout.replica + 1) * ROWS // copies)
     opt = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
@@ -209,6 +212,28 @@ def test_tp2_alone_trains_like_the_unsplit_model(gloo, tmp_path):
     plans = [(name, _planned(name, str(tmp_path))) for name in ("gpt", "llama")]
     plans += [(name, _plan(name, 1, 1, 2, str(tmp_path), checkpointing="full")) for name in ("gpt", "llama")]
     gloo(2).run(_train_case, plans)
+
+
+def _sequence_parallel(folder: str, stages: int) -> str:
+    """The planner's own plan of the Llama with sequence parallelism over tp 2 (and ``stages`` along pp)."""
+    with _float64_throughout("llama"):
+        torch.manual_seed(0)
+        model, args, kwargs, _, _ = CASES["llama"]()
+        made = autosplit.plan(model.double(), ["cpu"] * 2 * stages, example_inputs=args, example_kwargs=kwargs, tensor_parallel=2,
+                              data_parallel=1, sequence_parallel=True, micro_batches=MICRO, schedule="1f1b", **NO_SEARCH)
+    assert made.sequence_parallel and made.mesh == {"pp": stages, "dp_replicate": 1, "dp_shard": 1, "tp": 2}
+    path = f"{folder}/llama-sp-pp{stages}.json"
+    made.save(path)
+    return path
+
+
+def test_sequence_parallel_trains_like_the_unsplit_model(gloo, tmp_path):
+    """The norms and residuals between the split layers on half the tokens each (reduce-scatter after each
+    row-parallel product and the lookup, all-gather before each column-parallel group): tp 2 alone and
+    tp 2 × pp 2, the Llama (grouped-query attention), against the unsplit model in float64."""
+    pytest.importorskip("transformers")
+    gloo(2).run(_train_case, [("llama", _sequence_parallel(str(tmp_path), 1))])
+    gloo(4).run(_train_case, [("llama", _sequence_parallel(str(tmp_path), 2))])
 
 
 def test_tp2_by_pp2_trains_like_the_unsplit_model(gloo, tmp_path):
