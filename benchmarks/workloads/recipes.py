@@ -6,8 +6,7 @@ authors measured, with its source. Every published figure here ran in FP8 (Float
 ``torch.compile`` in torchtitan's; autosplit plans bf16 compute, so its prediction of a recipe is
 expected below the figure by up to the FP8 speed-up of the linears — that term is named, not fitted.
 Each recipe runs sequence parallelism (torchtitan's ``SequenceParallel`` norms, Megatron's
-``--sequence-parallel``), costed here with ``sequence_parallel=True`` — autosplit's runtime does not
-run it yet, so these recipe plans are costed, not runnable, and autosplit's own plans go without it.
+``--sequence-parallel``), costed here with ``sequence_parallel=True``, as autosplit's runtime runs it.
 
 - ``titan-70b``: torchtitan, Llama-3.1-70B on 256 H100s, FSDP 32 × TP 8, local batch 16 (global 512),
   full activation checkpointing: 829 tokens/s/GPU (876 with async TP) — torchtitan
