@@ -33,7 +33,7 @@ from collections.abc import Sequence
 
 from autosplit import progress
 from autosplit.compiler.costs import cost_table
-from autosplit.compiler.mesh_bounds import state_fits, step_floor
+from autosplit.compiler.mesh_bounds import Degrees, state_fits, step_floor
 from autosplit.compiler.steps import compile_plan
 from autosplit.compiler.trace import Traced
 from autosplit.costtable import CostTable
@@ -47,20 +47,6 @@ from autosplit.plans import Alternative, Plan
 __all__ = ["Degrees", "degrees_to_try", "mesh_plan", "stage_ranks"]
 
 log = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass(frozen=True)
-class Degrees:
-    """One configuration of the mesh: ``pp`` pipeline ranks × ``data_parallel`` copies kept in step as ``replicate`` says."""
-
-    pp: int
-    data_parallel: int
-    replicate: str
-    tp: int = 1
-
-    def __str__(self) -> str:
-        dim = "dp_shard" if self.replicate == "fully_shard" else "dp_replicate"
-        return f"pp {self.pp}" + f" × {dim} {self.data_parallel}" * (self.data_parallel > 1) + f" × tp {self.tp}" * (self.tp > 1)
 
 
 def degrees_to_try(world: int, batch: int | None, options: PlanOptions, island: int | None = None) -> list[Degrees]:

@@ -35,8 +35,8 @@ Usage::
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 from autosplit import schedules
 from autosplit.compiler.costs import sequence_parallel
@@ -50,10 +50,21 @@ from autosplit.passes.sharding import laid_out
 from autosplit.passes.tp_costs import tp_laid_out
 from autosplit.units import format_bytes
 
-if TYPE_CHECKING:
-    from autosplit.compiler.mesh import Degrees
+__all__ = ["Degrees", "fill_and_drain", "state_fits", "step_floor"]
 
-__all__ = ["fill_and_drain", "state_fits", "step_floor"]
+
+@dataclasses.dataclass(frozen=True)
+class Degrees:
+    """One configuration of the mesh: ``pp`` pipeline ranks × ``data_parallel`` copies kept in step as ``replicate`` says."""
+
+    pp: int
+    data_parallel: int
+    replicate: str
+    tp: int = 1
+
+    def __str__(self) -> str:
+        dim = "dp_shard" if self.replicate == "fully_shard" else "dp_replicate"
+        return f"pp {self.pp}" + f" × {dim} {self.data_parallel}" * (self.data_parallel > 1) + f" × tp {self.tp}" * (self.tp > 1)
 
 
 def step_floor(whole: CostTable, traced: Traced, degrees: Degrees, options: PlanOptions, specs: Sequence[DeviceSpec]) -> float:
