@@ -106,11 +106,13 @@ class Traced:
 
     def _planning_capture(self, args: tuple, kwargs: Mapping[str, Any]) -> tuple[Captured, list[Any]]:
         """The exported graph at this call's rows, annotated, to plan with: once two real captures of
-        at least two rows are kept, the first of them respecialised to these rows
-        (:func:`~autosplit.passes.respecialise.respecialised`: seconds saved per share of a large model),
-        else — or where that graph does not annotate — a real capture."""
+        this graph at two batches of at least two rows are kept, the first of them respecialised to these
+        rows (:func:`~autosplit.passes.respecialise.respecialised`: seconds saved per share of a large
+        model), else — or where that graph does not annotate — a real capture (at one row, torch.export
+        may specialise another graph: the share's own, as each copy will capture it)."""
         rows = batch_size(args, kwargs) or 0
-        real = sorted(((c, r) for r, c in self._kept_exports().items() if r >= 2), key=lambda cr: -cr[1])
+        real = sorted(((c, r) for r, c in self._kept_exports().items() if r >= 2 and fingerprint(c.gm) == self.fingerprint),
+                      key=lambda cr: -cr[1])
         guess = respecialised(*real[0], *real[1], rows) if len(real) >= 2 and rows not in self._exports else None
         if guess is not None:
             inputs = flat_inputs(guess, args, kwargs)
@@ -131,7 +133,7 @@ class Traced:
         return self._exports
 
     def _exported(self, args: tuple, kwargs: Mapping[str, Any]) -> Captured:
-        """The model exported at this call's rows, kept; refused unless it is this trace's graph."""
+        """The model exported at this call's rows, kept (whatever graph it gives: the caller compares)."""
         rows = batch_size(args, kwargs) or 0
         kept = self._kept_exports()
         if rows not in kept:
@@ -141,14 +143,7 @@ class Traced:
                     "the trace was made without its model, so it cannot be captured again at another shape",
                     "trace with autosplit.compiler.trace.trace(model, ...)",
                 ))
-            captured = capture(self.model, args, dict(kwargs), method="export")
-            if fingerprint(captured.gm) != self.fingerprint:
-                raise CodegenError(advice(
-                    f"the model captures as another graph at {rows} rows than at the batch's ({batch_size(*self.example)} rows)",
-                    "Python control flow or torch.export specialisation that depends on the batch size",
-                    "make forward independent of the batch size, or plan with micro_batches=1",
-                ))
-            kept[rows] = captured
+            kept[rows] = capture(self.model, args, dict(kwargs), method="export")
         return kept[rows]
 
     @property
@@ -172,6 +167,13 @@ class Traced:
             return self.captured, list(split_batch(self.inputs, None, micro_batches)[0][0])
         args, kwargs = split_batch(self.example[0], self.example[1], micro_batches)[0]
         captured = self._exported(args, kwargs)
+        if fingerprint(captured.gm) != self.fingerprint:
+            raise CodegenError(advice(
+                f"the model captures as another graph at the micro-batch's shape ({batch_size(args, kwargs)} rows) "
+                f"than at the batch's ({batch_size(*self.example)} rows)",
+                "Python control flow or torch.export specialisation that depends on the batch size",
+                "make forward independent of the batch size, or plan with micro_batches=1",
+            ))
         return captured, flat_inputs(captured, args, kwargs)
 
 def _graph_copy(gm: torch.fx.GraphModule, purpose: str, fix: str) -> torch.fx.GraphModule:

@@ -59,3 +59,5 @@ def test_shares_plan_on_respecialised_graphs_with_real_costs(llama: LlamaForCaus
     assert infos and {n.name: node_info(n) for n in share.captured.gm.graph.nodes if "autosplit" in n.meta} == infos
     run, _ = share.at_micro_batch(2)  # a graph that runs is a real capture (2 rows), kept
     assert sorted(traced._exports) == [2, 8, 16] and run is traced._exports[2]
+    one = traced.at_batch(16)  # one row: captured for real, the share's own graph whatever export specialises there
+    assert one.batch == 1 and one.captured is traced._exports[1]
