@@ -127,6 +127,8 @@ def distribute(
                       loss_fn=None if example_target is None else loss_fn, example_target=example_target, **options)
     made = dataclasses.replace(_agreed_plan(planner, given, data_parallel), data_parallel=data_parallel, dp_shard=shard)
     check_tp_shards(model, made.tp_shards, made.tensor_parallel)
+    if made.tensor_parallel > 1:
+        _check_tp_attention(planner.traced, rank_device(made, 0).type)
     layout = Layout.of(dist.get_rank(), len(made.stage_devices), data_parallel,
                        stage_ranks=made.stage_devices if made.stages_per_rank > 1 else (), tp=made.tensor_parallel)
     return _build(model, planner, made, given, layout, loss_fn, weights, compile_options(compile))
@@ -353,6 +355,22 @@ def _build(
         tp_shards={s: stage_shards(made.tp_shards, parts[s].tensors) for s in held},
         sequence=_sequence_split(planner.traced) if made.sequence_parallel else None,
     )
+
+
+def _check_tp_attention(traced: Traced, device_type: str) -> None:
+    """Refuse, on every rank before any work, a CPU run that splits ``scaled_dot_product_attention``
+    over tp: torch 2.13's DTensor has no sharding strategy for its CPU backward
+    (``aten._scaled_dot_product_flash_attention_for_cpu_backward``), and its forward returns local
+    strides the exported graph's ``reshape`` cannot view."""
+    split = sorted(n.name for n in traced.captured.gm.graph.nodes
+                   if n.target is torch.ops.aten.scaled_dot_product_attention.default and n.name in traced.tp_rules().split_nodes)
+    if split and device_type == "cpu":
+        raise ConstraintError(advice(
+            f"the plan splits scaled_dot_product_attention over tp on CPU ({len(split)} node(s): {split[:2]})",
+            "torch 2.13's DTensor cannot run its CPU backward split (no sharding strategy for "
+            "aten._scaled_dot_product_flash_attention_for_cpu_backward)",
+            "build the model with its eager attention (transformers: attn_implementation='eager'), or run on CUDA",
+        ))
 
 
 def _sequence_split(traced: Traced) -> SequenceSplit:

@@ -39,7 +39,7 @@ from autosplit.errors import ConstraintError, DistributedError
 from autosplit.runtime.checkpoint import load_checkpoint, save_checkpoint
 from autosplit.runtime.placement import MESH_DIMS
 from tests.helpers import NO_SEARCH, full_tensor, gpt_case, says, where
-from tests.layouts import ROWS, assert_resumed, llama_case, reference_step, trained_reference
+from tests.layouts import ROWS, assert_resumed, llama_case, lm_loss, reference_step, trained_reference
 
 STEPS = 3
 MICRO = 2
@@ -418,6 +418,17 @@ def _refusal_case(folder: str, *, rank: int, world: int) -> None:
     with pytest.raises(ConstraintError) as refused:
         autosplit.distribute(model, None, **example, plan=dataclasses.replace(made, sequence_parallel=True))
     says(refused, "sequence_parallel=True")
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)  # the Llama with torch's fused attention: DTensor cannot split its CPU backward
+    llama = LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                         num_attention_heads=4, num_key_value_heads=2, attn_implementation="sdpa"))
+    tokens = torch.randint(0, 128, (4, 8))
+    fused = autosplit.plan(llama, ["cpu"] * 2, example_inputs=(tokens,), tensor_parallel=2, data_parallel=1, micro_batches=1,
+                           schedule="1f1b", time_limit=1)
+    with pytest.raises(ConstraintError) as refused:
+        autosplit.distribute(llama, None, example_inputs=(tokens,), loss_fn=lm_loss, plan=fused)
+    says(refused, "scaled_dot_product_attention over tp on CPU", "attn_implementation='eager'")
 
 
 def test_a_mesh_the_process_group_cannot_hold_and_unknown_tp_shards_are_refused_by_name(gloo, tmp_path):
