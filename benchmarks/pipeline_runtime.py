@@ -73,15 +73,6 @@ def workload(name: str):
     model: torch.nn.Module
     if name == "gpt":
         model, inputs = GPT(vocab=8000, d_model=256, n_layers=8, n_heads=4, max_len=128), (torch.randint(0, 8000, (8, 128)),)
-    elif name == "llama":  # transformers' Llama (grouped-query attention, captured by torch.export)
-        from transformers import LlamaConfig, LlamaForCausalLM
-
-        model = LlamaForCausalLM(LlamaConfig(vocab_size=8000, hidden_size=512, intermediate_size=1376, num_hidden_layers=4,
-                                             num_attention_heads=8, num_key_value_heads=4,
-                                             attn_implementation="eager"))  # DTensor splits eager attention on CPU
-        inputs = (torch.randint(0, 8000, (8, 128)),)
-        torch.manual_seed(1)
-        return model, inputs, torch.randint(0, 8000, (8, 128)), _lm_loss
     else:
         model, inputs = make(name, "bench")
     out = model(*inputs)
@@ -92,11 +83,6 @@ def workload(name: str):
         target = torch.randint(0, out.shape[-1], out.shape[:2])
         return model, inputs, target, lambda o, t: F.cross_entropy(o.flatten(0, 1), t.flatten())
     return model, inputs, torch.randint(0, out.shape[-1], out.shape[:1]), F.cross_entropy
-
-
-def _lm_loss(out: Any, target: torch.Tensor) -> torch.Tensor:
-    logits = out["logits"] if isinstance(out, dict) else out
-    return F.cross_entropy(logits.flatten(0, 1), target.flatten())
 
 
 def unsplit_step(name: str, threads: int, steps: int, warmup: int) -> list[float]:
