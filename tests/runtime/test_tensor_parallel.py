@@ -421,8 +421,9 @@ def _refusal_case(folder: str, *, rank: int, world: int) -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)  # the Llama with torch's fused attention: DTensor cannot split its CPU backward
-    llama = LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-                                         num_attention_heads=4, num_key_value_heads=2, attn_implementation="sdpa"))
+    shape: dict[str, Any] = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+                                 num_key_value_heads=2, attn_implementation="sdpa")
+    llama = LlamaForCausalLM(LlamaConfig(**shape))
     tokens = torch.randint(0, 128, (4, 8))
     fused = autosplit.plan(llama, ["cpu"] * 2, example_inputs=(tokens,), tensor_parallel=2, data_parallel=1, micro_batches=1,
                            schedule="1f1b", time_limit=1)
