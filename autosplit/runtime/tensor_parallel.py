@@ -168,9 +168,7 @@ def _reduce_after_lookups(module: torch.nn.Module) -> list[str]:
         leaf = node.op == "call_module" and isinstance(module.get_submodule(node.target), torch.nn.Embedding)
         if not (leaf or (node.op == "call_function" and node.target in lookups)):
             continue
-        with graph.inserting_after(node):
-            reduced = graph.call_function(replicate_partial, (node,))
-        node.replace_all_uses_with(reduced, delete_user_cb=lambda user, made=reduced: user is not made)
+        _call_after(graph, node, replicate_partial)
         found.append(node.name)
     if found:
         module.recompile()
@@ -214,13 +212,19 @@ def _split_sequence(module: torch.fx.GraphModule, sequence: SequenceSplit) -> li
         after = node
         if turn is to_token_shards and len(node.users) == 1 and next(iter(node.users)).target is replicate_partial:
             after = next(iter(node.users))
-        with graph.inserting_after(after):
-            made = graph.call_function(turn, (after,))
-        after.replace_all_uses_with(made, delete_user_cb=lambda user, made=made: user is not made)
+        _call_after(graph, after, turn)
         turned.append(node.name)
     if turned:
         module.recompile()
     return turned
+
+
+def _call_after(graph: torch.fx.Graph, node: torch.fx.Node, function: Any) -> torch.fx.Node:
+    """A call ``function(node)`` inserted after ``node``, which every other user of ``node`` reads instead."""
+    with graph.inserting_after(node):
+        made = graph.call_function(function, (node,))
+    node.replace_all_uses_with(made, delete_user_cb=lambda user: user is not made)
+    return made
 
 
 def place_gradients(params: Any) -> int:
