@@ -147,7 +147,9 @@ class PlanOptions:
     memory: Mapping[int | str, int | str] | None = None
     """Memory caps by device index or name, e.g. ``{"cuda:0": "20GiB", 3: 8 * 2**30}``."""
     time_limit: float = 10.0
-    """Seconds the solver may search (the exact DP always finishes; CP-SAT stops here)."""
+    """Seconds the solver may search (the exact DP always finishes; CP-SAT stops here); over a whole
+    mesh, also the search's budget: once a plan is found, configurations left after it are passed over
+    (:mod:`autosplit.compiler.mesh`)."""
     gap: float = 0.01
     """The certified gap the planner settles for (pipeline objective): a plan proven within this
     fraction of the optimum — ``(objective − bound) / objective ≤ gap`` against a proven lower

@@ -151,9 +151,9 @@ def test_the_tensor_parallel_degree_is_chosen_with_the_split(rows):
     plan = autosplit.plan(_wide_mlp(), [node] * 4, example_inputs=(torch.randn(rows, 4096 // rows, 256),), tensor_parallel="auto",
                           data_parallel="auto", replicate="auto", **NO_SEARCH)
     planned = {(a.data_parallel, a.tensor_parallel) for a in plan.alternatives if a.fits}
-    passed_over = {(a.data_parallel, a.tensor_parallel): a.bound for a in plan.alternatives if a.note.startswith("not planned")}
+    passed_over = {(a.data_parallel, a.tensor_parallel): a.bound for a in plan.alternatives if a.note.startswith("not planned: none")}
     assert planned | passed_over.keys() >= {(1, 1), (1, 2), (1, 4)} and plan.step_time == min(a.step_time for a in plan.alternatives)
-    # a configuration passed over cannot win: its floor is no less than the step chosen (within the gap)
+    # a configuration passed over by its floor cannot win: the floor is no less than the step chosen (within the gap)
     assert all(bound >= plan.step_time * (1 - PlanOptions().gap) for bound in passed_over.values())
     if rows == 1:
         assert plan.mesh == {"pp": 1, "dp_replicate": 1, "dp_shard": 1, "tp": 4}
