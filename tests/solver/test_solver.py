@@ -3,6 +3,7 @@ built from a cost table caches."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import pytest
@@ -16,6 +17,7 @@ from autosplit.options import SolverLimits
 from autosplit.passes.capture import capture, flat_inputs
 from autosplit.solver import validate
 from autosplit.solver.evaluation import evaluate
+from autosplit.solver.pipeline.dp import split_dp, topological_order
 from autosplit.solver.pipeline.strategy import solve
 from autosplit.solver.validate import violations
 from tests.helpers import brute_force, chain, make_problem, random_problems
@@ -283,3 +285,16 @@ def test_build_problem_caches_the_arrays_its_tuples_hold():
     derived = Problem.arrays.func(problem)  # from the tuples, as a Problem made by hand gets them
     for field in ("compute", "transfer", "state", "act", "recv", "send", "producer", "consumer"):
         assert np.array_equal(getattr(problem.arrays, field), getattr(derived, field)), field
+
+
+def test_interleaved_stages_share_their_ranks_cap_as_an_even_split_needs():
+    """Two ranks, two stages each (a loop): the early stages hold three micro-batches in flight, the
+    late ones one, and a rank keeps one transient reserve. Splitting each rank's cap equally between
+    its stages (each paying the reserve) leaves room for 6 of the 8 layers; rooms in proportion to
+    what an even split costs each stage find the even split, which fits both ranks."""
+    problem = dataclasses.replace(
+        make_problem([1] * 8, chain(8), stages=4, state=[1] * 8, act=[[3, 3, 1, 1]] * 8, capacity=[16] * 4, micro_batches=4),
+        transient_mem=4, rank_of=(0, 1, 0, 1))
+    stage_of = split_dp(problem, topological_order(problem))
+    assert stage_of == (0, 0, 1, 1, 2, 2, 3, 3)
+    assert not violations(problem, stage_of) and evaluate(problem, stage_of).rank_memory == (16, 16)

@@ -44,6 +44,8 @@ __all__ = ["topological_order", "split_dp", "forbidden_cuts", "prefix_sums", "Pr
 
 _INF = np.inf
 _EXACT_FREE_SUM = 5 * 10**7  # K² · S up to which the unconstrained least sum is computed exactly
+ROOM_REPAIRS = 3
+"""Times the DP runs again with less room for the stages of a rank its split holds over its cap (several stages per rank)."""
 
 
 def topological_order(problem: Problem) -> list[int]:
@@ -195,6 +197,12 @@ class _StageDP:
         self.problem, self.order, self.cuts, self.pre = problem, order, cuts, pre
         self.ends = np.arange(len(cuts))
         self._bands: dict[tuple[int, float], tuple[np.ndarray, np.ndarray]] = {}
+        self.room = stage_room(problem, pre, cuts)
+
+    def shrink(self, over: np.ndarray) -> None:
+        """Each stage of a rank ``over[r]`` KiB over its cap gets that much less room (bands made again)."""
+        self.room = self.room - np.asarray([over[self.problem.rank(s)] for s in range(self.problem.num_stages)]) - 1.0
+        self._bands.clear()
 
     def band(self, s: int, cap: float) -> tuple[np.ndarray, np.ndarray]:
         """Stages of one kind have the same band: it is computed once per kind and cap."""
@@ -230,9 +238,7 @@ class _StageDP:
         if s < S - 1:
             t = t + X[b, s]
             mem = mem + H[b, s]
-        # A rank's stages share its cap: each gets its share here (the DP is a warm start then;
-        # CP-SAT holds the rank's sum to the cap).
-        ok = valid & (mem <= problem.capacity[s] // problem.stages_per_rank) & ((F[b, s] - F[a, s]) == 0) & (t <= cap)
+        ok = valid & (mem <= self.room[s]) & ((F[b, s] - F[a, s]) == 0) & (t <= cap)
         return starts, np.where(ok, t, _INF)
 
     def run(
@@ -264,6 +270,27 @@ class _StageDP:
                 stage_of[order[p]] = s
             b = a
         return tuple(stage_of)
+
+
+def stage_room(problem: Problem, pre: Prefix, cuts: np.ndarray) -> np.ndarray:
+    """[stage] KiB the DP lets each stage hold, transient reserve included: its device's cap with one
+    stage per rank. A rank's stages share its cap, and the DP sees one stage at a time (it is a warm
+    start then; CP-SAT holds each rank's sum to its cap). Each stage gets its typical pipeline buffers
+    (the median over the cuts of what it receives and holds to send) and, of the rest of its rank's cap
+    less the one reserve the rank keeps, the share an even split of the model costs it: the state, and
+    the activations at its in-flight count (interleaved schedules hold more micro-batches on a rank's
+    earlier stages)."""
+    capacity = np.asarray(problem.capacity, dtype=np.float64)
+    S = problem.num_stages
+    if problem.stages_per_rank == 1:
+        return capacity
+    arrays = problem.arrays
+    even = float(arrays.state.sum()) + arrays.act.sum(axis=0).astype(np.float64)  # [s] the whole model at stage s's in-flight
+    buffers = np.asarray([(np.median(pre.R[cuts, s]) if s > 0 else 0.0) + (np.median(pre.H[cuts, s]) if s < S - 1 else 0.0)
+                          for s in range(S)])
+    ranks = np.asarray([problem.rank(s) for s in range(S)])
+    shared = capacity - problem.transient_mem - np.bincount(ranks, weights=buffers)[ranks]
+    return problem.transient_mem + buffers + np.maximum(0.0, shared) * even / np.maximum(np.bincount(ranks, weights=even)[ranks], 1e-9)
 
 
 def _least_bottleneck(problem: Problem, order: Sequence[int], dp: _StageDP) -> float:
@@ -319,6 +346,27 @@ def split_dp(
     if problem.num_stages > len(order):
         return None
     dp = _StageDP(problem, order, _allowed_cuts(problem, order, allowed), prefix or prefix_sums(problem, order))
+    found = _split(problem, order, dp, max_candidates)
+    for _ in range(ROOM_REPAIRS if problem.stages_per_rank > 1 else 0):
+        # The stages' rooms are a guess at how a rank's cap divides: where a rank's stages together hold
+        # more, each of them gets that much less room, and the DP runs again.
+        over = _over_rank_caps(problem, found) if found else None
+        if over is None or not over.any():
+            break
+        dp.shrink(over)
+        found = _split(problem, order, dp, max_candidates)
+    return found
+
+
+def _over_rank_caps(problem: Problem, stage_of: Sequence[int]) -> np.ndarray:
+    """[rank] KiB its stages hold together over its cap under ``stage_of`` (0 where within)."""
+    caps = np.zeros(problem.ranks)
+    for s in range(problem.num_stages):
+        caps[problem.rank(s)] = problem.capacity[s]
+    return np.maximum(0.0, np.asarray(evaluate(problem, stage_of).rank_memory) - caps)
+
+
+def _split(problem: Problem, order: Sequence[int], dp: _StageDP, max_candidates: int) -> tuple[int, ...] | None:
     if problem.micro_batches == 1 and problem.stages_per_rank == 1:  # no pipelining: only the sum counts
         free_sum, free_back, _ = dp.run(np.add, _INF)
         return dp.walk(free_back) if np.isfinite(free_sum) else None

@@ -26,7 +26,7 @@ import numpy as np
 from autosplit.solver.pipeline.chain import chain_reach, heaviest_chain
 from autosplit.solver.problem import Problem
 
-__all__ = ["along_chain", "fits_under", "memory_chain_floor", "memory_floor", "memory_proof", "memory_units"]
+__all__ = ["along_chain", "fits_under", "memory_chain_floor", "memory_floor", "memory_floors", "memory_proof", "memory_units"]
 
 PROOF_STEPS = 6
 """Bisection steps :func:`memory_proof` spends on the number it reports, once it has proven the cap."""
@@ -136,7 +136,7 @@ def _crossing(problem: Problem, L: int, before: list[int], after: list[int]) -> 
     return np.cumsum(change, axis=1)[:, : L + 1]
 
 
-def memory_chain_floor(problem: Problem, upper: float | None = None) -> int:
+def memory_chain_floor(problem: Problem, upper: float | None = None, along: _Along | None = None) -> int:
     """KiB that any plan puts on its fullest device, at least, seen along the chain of most memory.
 
     As for :func:`~autosplit.solver.pipeline.bounds.chain_bound`: the chain's nodes fall into S
@@ -153,10 +153,10 @@ def memory_chain_floor(problem: Problem, upper: float | None = None) -> int:
     ends at chain position b past its reader, so their fullest holds at least a (s + 1)-th of
     everything that must lie before b (each unit at its least over those stages); the same from the end.
     ``upper``: KiB past which a stage is not looked at (the answer is then at most ``upper``, and the
-    dynamic program a band); by default twice the largest cap.
+    dynamic program a band); by default twice the largest cap. ``along``: :func:`along_chain`'s, when the caller has it.
     """
     upper = 2 * max(problem.capacity) if upper is None else upper
-    along = along_chain(problem)
+    along = along or along_chain(problem)
     L = len(along.chain) - 1
     val = np.where(np.arange(L + 1) == 0, 0.0, np.inf)
     for s in range(problem.num_stages):
@@ -197,13 +197,13 @@ def fits_under(problem: Problem, cap: float, along: _Along | None = None) -> boo
     return bool(np.isfinite(placed[L]))
 
 
-def memory_proof(problem: Problem) -> int:
+def memory_proof(problem: Problem, along: _Along | None = None, floor: int | None = None) -> int:
     """The least KiB any plan puts on its fullest device, as proven here: :func:`memory_floor` and
-    :func:`memory_chain_floor`, and when both stay within the largest cap but :func:`fits_under`
-    refuses it, the largest cap it refuses (bisected over :data:`PROOF_STEPS` steps up to twice the cap)."""
-    along = along_chain(problem)
+    :func:`memory_chain_floor` (``floor``, when the caller has it), and when both stay within the largest cap but
+    :func:`fits_under` refuses it, the largest cap it refuses (bisected over :data:`PROOF_STEPS` steps up to twice the cap)."""
+    along = along or along_chain(problem)
     cap = max(problem.capacity)
-    floor = max(memory_floor(problem), memory_chain_floor(problem))
+    floor = max(memory_floor(problem), memory_chain_floor(problem, along=along)) if floor is None else floor
     if floor > cap or fits_under(problem, cap, along):
         return floor
     low, high = cap, 2 * cap  # refused at low
@@ -214,6 +214,21 @@ def memory_proof(problem: Problem) -> int:
         else:
             low = middle
     return low + 1
+
+
+def memory_floors(problem: Problem) -> tuple[int, int, int]:
+    """KiB of :func:`memory_floor`, :func:`memory_chain_floor` and :func:`memory_proof`, cheapest
+    first: each is computed only where those before it stay within the largest cap (0 where not
+    computed), the chain's once for both of the last two."""
+    largest = max(problem.capacity)
+    spread = memory_floor(problem)
+    if spread > largest:
+        return spread, 0, 0
+    along = along_chain(problem)
+    chain = memory_chain_floor(problem, along=along)
+    if chain > largest:
+        return spread, chain, 0
+    return spread, chain, memory_proof(problem, along, max(spread, chain))
 
 
 def _memory_along(

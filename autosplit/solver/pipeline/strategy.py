@@ -54,7 +54,7 @@ from autosplit.solver.pipeline.bounds import lower_bound
 from autosplit.solver.pipeline.cpsat import PROVEN_GAP, cpsat, explain_infeasible, precheck
 from autosplit.solver.pipeline.dp import Prefix, prefix_sums, split_dp, topological_order
 from autosplit.solver.pipeline.layers import layer_split
-from autosplit.solver.pipeline.memory import memory_chain_floor, memory_floor, memory_proof
+from autosplit.solver.pipeline.memory import memory_floor, memory_floors
 from autosplit.solver.pipeline.recompute_bound import recompute_bound
 from autosplit.solver.problem import KIB, Problem
 from autosplit.solver.validate import violations
@@ -253,7 +253,8 @@ def prove_over_caps(problem: Problem, *, cheap: bool = False) -> None:
     least = _least(problem)
     precheck(least)
     if not cheap:
-        _refuse_over_caps(least, memory_floor(least), memory_chain_floor(least), memory_proof(least))
+        _refuse_over_caps(least, *memory_floors(least))
+
 
 
 def _least(problem: Problem) -> Problem:
@@ -369,7 +370,7 @@ def _split(
     baseline = dp_eval.objective if dp_eval else None
     if (dp is None or violations(problem, dp)) and N * (S - 1) > limits.cpsat_vars:
         # No split of the DP's order fits, and CP-SAT cannot explain why: the memory floors may prove it first.
-        _refuse_over_caps(problem, memory_floor(problem), memory_chain_floor(problem), memory_proof(problem))
+        _refuse_over_caps(problem, *memory_floors(problem))
 
     units = N if coarse is None else coarse.num_blocks
     # The bound stops once it proves the DP's plan within 0.1% (or the gap asked for, if smaller): past the
@@ -402,9 +403,9 @@ def _split(
         if N * (S - 1) <= limits.cpsat_vars:
             everything = [*range(S), *(c.text for c in problem.constraints)]
             raise InfeasiblePlanError(explain_infeasible(problem, everything, time_limit, seed))
-        spread, along_chain, together = memory_floor(problem), memory_chain_floor(problem), memory_proof(problem)
-        _refuse_over_caps(problem, spread, along_chain, together)
-        floor, largest = max(spread, along_chain, together), max(problem.capacity)
+        floors = memory_floors(problem)
+        _refuse_over_caps(problem, *floors)
+        floor, largest = max(floors), max(problem.capacity)
         searched = (f"CP-SAT found none in the {time.perf_counter() - start:.1f}s of time_limit={time_limit:g}s spent"
                     if target is not None else f"CP-SAT was not run ({units} units × {S - 1} boundaries exceed "
                     f"SolverLimits.cpsat_vars={limits.cpsat_vars}, or no time was left of time_limit={time_limit:g}s)")
