@@ -77,7 +77,6 @@ def _plan_row(kind: str, time_limit: float) -> dict[str, Any]:
                 "precision": "bf16-mixed", "checkpointing": "full" if kind == "recipe:full-ac" else "none", "micro_batches": 1})
             plan = autosplit.Planner(model, autosplit.Cluster.dgx_h100(nodes=1), example_inputs=(tokens,)).manual(
                 recipe, check_memory=False)
-            row["fits"] = all(st.memory <= st.capacity for st in plan.stages)
         elif kind == "autosplit":
             plan = autosplit.plan(model, autosplit.Cluster.dgx_h100(nodes=1), example_inputs=(tokens,), precision="bf16-mixed",
                                   checkpointing="auto", time_limit=time_limit)
@@ -95,11 +94,15 @@ def _plan_row(kind: str, time_limit: float) -> dict[str, Any]:
 def _described(plan: Any, rows: int) -> dict[str, Any]:
     """A plan's row: its mesh, step, throughput per GPU and memory, and every configuration it tried."""
     devices = math.prod(plan.mesh.values())
+    # what each device holds: its stages together where a schedule puts several on one rank
+    held = plan.rank_memory or tuple(st.memory for st in plan.stages)
+    caps = {plan.stage_devices[s]: st.capacity for s, st in enumerate(plan.stages)} if plan.rank_memory else None
+    fits = all(m <= (caps[r] if caps else plan.stages[r].capacity) for r, m in enumerate(held))
     return dict(
         outcome="planned", mesh=plan.mesh, step_s=plan.step_time, gap=plan.step_gap, schedule=plan.schedule,
         stages_per_rank=plan.stages_per_rank, micro_batches=plan.micro_batches, tokens_per_s_per_gpu=rows * SEQ / plan.step_time / devices,
-        fits=all(st.memory <= st.capacity for st in plan.stages), recompute=len(plan.recompute), sequence_parallel=plan.sequence_parallel,
-        memory_state_gib=[s.memory_state / 2**30 for s in plan.stages], memory_gib=[s.memory / 2**30 for s in plan.stages],
+        fits=fits, recompute=len(plan.recompute), sequence_parallel=plan.sequence_parallel,
+        memory_state_gib=[s.memory_state / 2**30 for s in plan.stages], memory_gib=[m / 2**30 for m in held],
         activations_gib=[s.memory_activations / 2**30 for s in plan.stages], terms=plan.terms.__dict__ if plan.terms else None,
         alternatives=[{"data_parallel": a.data_parallel, "dp_shard": a.dp_shard, "tp": a.tensor_parallel, "pp": len(a.rank_memory),
                        "micro_batches": a.micro_batches, "step_s": a.step_time, "note": a.note[:300]} for a in plan.alternatives],

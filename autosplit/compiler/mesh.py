@@ -33,7 +33,7 @@ from collections.abc import Sequence
 
 from autosplit import progress
 from autosplit.compiler.costs import cost_table
-from autosplit.compiler.mesh_bounds import Degrees, state_fits, step_floor
+from autosplit.compiler.mesh_bounds import Degrees, memory_proven, state_fits, step_floor
 from autosplit.compiler.steps import compile_plan
 from autosplit.compiler.trace import Traced
 from autosplit.costtable import CostTable
@@ -130,9 +130,9 @@ def _search(traced: Traced, specs: Sequence[DeviceSpec], options: PlanOptions) -
     configuration whose bound leaves room below the best step, most room first."""
     start = time.perf_counter()
     first = options.replace(limits=dataclasses.replace(options.limits, cpsat_vars=1))
-    plain = options.replace(data_parallel=1, replicate="replicate", tensor_parallel=1, checkpointing="none", recompute=None,
-                            cost_overrides=None, costs="analytic")
-    whole, _ = cost_table(traced, tuple(specs[:1]), plain, micro_batches=1)  # the model state, whatever the batch
+    plain = options.replace(data_parallel=1, replicate="replicate", tensor_parallel=1, cost_overrides=None, costs="analytic")
+    # the model state, whatever the batch; the global batch's costs and the blocks a plan may recompute
+    whole, _ = cost_table(traced, tuple(specs[:1]), plain, micro_batches=1)
     tried: dict[Degrees, Outcome] = {}
     floors: dict[Degrees, float] = {}
     for degrees in degrees_to_try(len(specs), traced.batch, options, specs[0].island_size):
@@ -149,13 +149,17 @@ def _search(traced: Traced, specs: Sequence[DeviceSpec], options: PlanOptions) -
                 f"{degrees} holds all that {dataclasses.replace(degrees, replicate='fully_shard')} holds and more (whole copies of "
                 "the parameters, gradients and optimizer state), and that is proven not to fit", _first_sentence(twin),
                 "replicate='fully_shard' with more pipeline stages or tp"))
+        elif degrees.replicate == "replicate" and isinstance(twin, SolverError):  # not proven: no split of it found either
+            tried[degrees] = SolverError(advice(
+                f"not planned: {degrees} holds all that {dataclasses.replace(degrees, replicate='fully_shard')} holds and more, "
+                "and no split of that was found that fits", _first_sentence(twin), "replicate='fully_shard' with more pipeline stages or tp"))
         elif floor >= best * (1 - options.gap):
             tried[degrees] = Unplanned(floor, f"not planned: none of its plans steps in less than {floor:.4g} s, "
                                               f"and the best found takes {best:.4g} s")
         elif best < math.inf and time.perf_counter() - start >= options.time_limit:
             tried[degrees] = Unplanned(floor, f"not planned within the time_limit of {options.time_limit:g} s (its floor: {floor:.4g} s)")
         else:
-            tried[degrees] = made = _attempt(traced, specs, first, degrees)
+            tried[degrees] = made = _attempt(traced, specs, first, degrees, whole)
             best = min(best, made.step_time if isinstance(made, Plan) else math.inf)
     for degrees, p in sorted(tried.items(), key=lambda dp: _bound_of(dp[1])):
         room = isinstance(p, SolverError) or (isinstance(p, Plan) and _bound_of(p) < best * (1 - options.gap))
@@ -201,10 +205,15 @@ def _chosen(options: PlanOptions, degrees: Degrees) -> PlanOptions:
                            micro_batches="auto" if options.micro_batches is None else options.micro_batches)
 
 
-def _attempt(traced: Traced, specs: Sequence[DeviceSpec], options: PlanOptions, degrees: Degrees) -> Plan | AutosplitError:
-    """One configuration's plan — the first rank of each stage's group, ``1/dp`` of the batch — or why there is none."""
+def _attempt(
+    traced: Traced, specs: Sequence[DeviceSpec], options: PlanOptions, degrees: Degrees, whole: CostTable | None = None,
+) -> Plan | AutosplitError:
+    """One configuration's plan — the first rank of each stage's group, ``1/dp`` of the batch — or why there
+    is none; with ``whole``, its memory proven over the caps first where it is (no share captured)."""
     chosen = _chosen(options, degrees)
     try:
+        if whole is not None:
+            memory_proven(whole, traced, degrees, chosen, stage_ranks(specs, degrees))
         share = traced.at_batch(degrees.data_parallel)
         chosen.micro_batches_for(None if chosen.searches else degrees.pp, share.batch)
         return compile_plan(share, stage_ranks(specs, degrees), chosen)

@@ -40,17 +40,18 @@ from collections.abc import Sequence
 
 from autosplit import schedules
 from autosplit.compiler.costs import sequence_parallel
-from autosplit.compiler.search import configurations
+from autosplit.compiler.search import configurations, stage_problem
 from autosplit.compiler.trace import Traced
 from autosplit.costtable import CostTable
 from autosplit.devices import DeviceSpec
 from autosplit.errors import InfeasiblePlanError, advice
+from autosplit.solver.pipeline.strategy import prove_over_caps
 from autosplit.options import PlanOptions
-from autosplit.passes.sharding import laid_out
+from autosplit.passes.sharding import laid_out, sharded_alone
 from autosplit.passes.tp_costs import tp_laid_out
 from autosplit.units import format_bytes
 
-__all__ = ["Degrees", "fill_and_drain", "state_fits", "step_floor"]
+__all__ = ["Degrees", "fill_and_drain", "memory_proven", "state_fits", "step_floor"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,3 +122,49 @@ def state_fits(table: CostTable, ranks: tuple[DeviceSpec, ...], degrees: Degrees
             ", and without recomputation every stage holds at least one row's activations"),
             "more pipeline stages, replicate='fully_shard', checkpointing='auto', or a precision that holds less",
         ))
+
+
+BATCH_BYTES = ("saved_bytes", "output_bytes", "sent_bytes", "wgrad_bytes", "block_saves", "block_activations")
+"""The :class:`~autosplit.costtable.CostTable` fields of bytes that grow with the batch, over the whole batch
+(:attr:`~autosplit.costtable.CostTable.transient_bytes` grows with it too, over one micro-batch)."""
+
+
+def memory_proven(whole: CostTable, traced: Traced, degrees: Degrees, options: PlanOptions, ranks: Sequence[DeviceSpec]) -> None:
+    """Refuse, before its share of the batch is captured, a configuration that no split fits under
+    any schedule, stages per rank and micro-batch count the options leave open, each proven over the
+    caps by the memory floors (:func:`~autosplit.solver.pipeline.strategy.prove_over_caps`, every block
+    the options allow recomputed) on a table that holds no more than the share's: ``whole`` (the global
+    batch's, describing the blocks a plan may recompute) with every byte that grows with the batch over
+    ``dp`` — a tensor's bytes grow at most in proportion to the rows (:func:`state_fits`), and the state
+    not at all — laid out over tp and dp_shard as the share's table is. The largest micro-batch count
+    first: it holds the least in flight, so the first count not proven ends the proof soonest.
+
+    Proven for the analytic costs of a mesh of one kind of device (otherwise nothing is refused), and
+    without the user's constraints (which only take splits away)."""
+    if options.costs != "analytic" or options.cost_overrides or len({(d.name, d.memory) for d in ranks}) > 1:
+        return
+    dp, pp = degrees.data_parallel, degrees.pp
+    share = dataclasses.replace(whole, devices=tuple(ranks), **{f: tuple(v // dp for v in getattr(whole, f)) for f in (*BATCH_BYTES, "transient_bytes")},
+                                **{f: tuple(row * pp for row in getattr(whole, f)) for f in ("fwd_time", "bwd_time", "optimizer_time", "split_cost")})
+    if degrees.tp > 1:
+        share = tp_laid_out(share, traced.annotated(options.precision, ranks[0].device_type), traced.tp_rules(), tp=degrees.tp,
+                            micro_batches=1, numel=traced.param_numel(), sequence_parallel=sequence_parallel(traced, options))
+    rows = (traced.batch or dp) // dp
+    open_ = configurations(options, pp, rows) if options.searches else [options.replace(micro_batches=options.micro_batches_for(pp, rows))]
+    proofs = []
+    for c in sorted(open_, key=lambda c: -int(c.micro_batches or 1)):
+        M = int(c.micro_batches or 1)
+        table = laid_out(dataclasses.replace(share, transient_bytes=tuple(v // M for v in share.transient_bytes)),
+                         dp_shard=c.dp_shard, alone=sharded_alone(pp, M, c.dp_shard))
+        try:
+            prove_over_caps(stage_problem(table, pp, c, M, [])[1])
+        except InfeasiblePlanError as e:
+            proofs.append(f"{c.schedule} × {c.rank_stages} × M={M}: {str(e).split('. Likely cause')[0]}")
+            continue
+        return
+    raise InfeasiblePlanError(advice(
+        f"{degrees}: no split fits the memory caps under any of the {len(proofs)} schedule(s) and micro-batch counts the options "
+        f"leave open (proven before capturing its share, on a table holding no more than the share's): {proofs[0] if proofs else ''}",
+        "model state and the activations in flight exceed the caps, recomputing every block the options allow",
+        "more pipeline stages or tp, replicate='fully_shard', checkpointing='auto', or a precision that holds less",
+    ))

@@ -209,3 +209,32 @@ def test_every_configurations_floor_is_below_its_plan(schedule):
     assert checked >= 6
     assert fill_and_drain(1.0, 1, 8) == 1.0 and fill_and_drain(1.0, 4, 1) == 1.0  # one stage, or one micro-batch: all of it
     assert fill_and_drain(1.0, 4, 4) == pytest.approx(1 / (4 * (1 - 0.75**4)))    # between W/4 and 1F1B's balanced (1 + 3/4)/4
+
+
+def test_memory_proven_before_capture_refuses_only_configurations_with_no_plan():
+    """The memory proof the mesh search runs before capturing a share (on the global batch's table over
+    dp) refuses a configuration only where planning it finds none: a transformer under caps that leave
+    some of the 9 configurations of 4 devices room and others none, every schedule open."""
+    from autosplit.compiler import mesh
+    from autosplit.compiler.mesh_bounds import memory_proven
+    from autosplit.examples import GPT
+
+    torch.manual_seed(0)
+    model, x = GPT(vocab=256, d_model=64, n_layers=4, max_len=64), torch.randint(0, 256, (8, 64))
+    planner = autosplit.Planner(model, [H100] * 4, example_inputs=(x,), tensor_parallel="auto", data_parallel="auto",
+                                replicate="auto", schedule="auto", time_limit=2, checkpointing="auto",
+                                memory={d: "2MiB" for d in range(4)})
+    specs = planner.specs()
+    plain = planner.options.replace(data_parallel=1, replicate="replicate", tensor_parallel=1)
+    whole = cost_table(planner.traced, specs[:1], plain, micro_batches=1)[0]
+    refused, planned = 0, 0
+    for degrees in degrees_to_try(4, 8, planner.options, island=None):
+        made = mesh._attempt(planner.traced, specs, planner.options, degrees)
+        planned += isinstance(made, autosplit.Plan)
+        try:
+            memory_proven(whole, planner.traced, degrees, mesh._chosen(planner.options, degrees), mesh.stage_ranks(specs, degrees))
+        except InfeasiblePlanError as e:
+            refused += 1
+            assert not isinstance(made, autosplit.Plan), (degrees, made.step_time)
+            assert str(degrees) in str(e) and "proven before capturing its share" in str(e)
+    assert refused >= 4 and planned >= 2
