@@ -152,7 +152,8 @@ def _search(traced: Traced, specs: Sequence[DeviceSpec], options: PlanOptions) -
         elif degrees.replicate == "replicate" and isinstance(twin, SolverError):  # not proven: no split of it found either
             tried[degrees] = SolverError(advice(
                 f"not planned: {degrees} holds all that {dataclasses.replace(degrees, replicate='fully_shard')} holds and more, "
-                "and no split of that was found that fits", _first_sentence(twin), "replicate='fully_shard' with more pipeline stages or tp"))
+                "and no split of that was found that fits", _first_sentence(twin),
+                "replicate='fully_shard' with more pipeline stages or tp"))
         elif floor >= best * (1 - options.gap):
             tried[degrees] = Unplanned(floor, f"not planned: none of its plans steps in less than {floor:.4g} s, "
                                               f"and the best found takes {best:.4g} s")

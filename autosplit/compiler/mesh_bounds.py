@@ -45,10 +45,10 @@ from autosplit.compiler.trace import Traced
 from autosplit.costtable import CostTable
 from autosplit.devices import DeviceSpec
 from autosplit.errors import InfeasiblePlanError, advice
-from autosplit.solver.pipeline.strategy import prove_over_caps
 from autosplit.options import PlanOptions
 from autosplit.passes.sharding import laid_out, sharded_alone
 from autosplit.passes.tp_costs import tp_laid_out
+from autosplit.solver.pipeline.strategy import prove_over_caps
 from autosplit.units import format_bytes
 
 __all__ = ["Degrees", "fill_and_drain", "memory_proven", "state_fits", "step_floor"]
@@ -144,8 +144,9 @@ def memory_proven(whole: CostTable, traced: Traced, degrees: Degrees, options: P
     if options.costs != "analytic" or options.cost_overrides or len({(d.name, d.memory) for d in ranks}) > 1:
         return
     dp, pp = degrees.data_parallel, degrees.pp
-    share = dataclasses.replace(whole, devices=tuple(ranks), **{f: tuple(v // dp for v in getattr(whole, f)) for f in (*BATCH_BYTES, "transient_bytes")},
-                                **{f: tuple(row * pp for row in getattr(whole, f)) for f in ("fwd_time", "bwd_time", "optimizer_time", "split_cost")})
+    over_dp = {f: tuple(v // dp for v in getattr(whole, f)) for f in (*BATCH_BYTES, "transient_bytes")}
+    on_ranks = {f: tuple(row * pp for row in getattr(whole, f)) for f in ("fwd_time", "bwd_time", "optimizer_time", "split_cost")}
+    share = dataclasses.replace(whole, devices=tuple(ranks), **over_dp, **on_ranks)
     if degrees.tp > 1:
         share = tp_laid_out(share, traced.annotated(options.precision, ranks[0].device_type), traced.tp_rules(), tp=degrees.tp,
                             micro_batches=1, numel=traced.param_numel(), sequence_parallel=sequence_parallel(traced, options))
