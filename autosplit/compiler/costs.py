@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -60,11 +61,17 @@ def cost_table(
         loss = _loss(traced, specs, options, micro_batches, profiling)
         if loss is not None:
             source += "; loss costed on the output's stage"
-        table = estimate(gm, specs, optimizer=options.optimizer, micro_batches=micro_batches, profiles=profiles, loss=loss)
-        blocks = candidate_blocks(table, options, recompute)
-        if blocks:
-            table = estimate(gm, specs, optimizer=options.optimizer, micro_batches=micro_batches, profiles=profiles,
-                             blocks=blocks, recompute=recompute, partial=partial, loss=loss)
+        estimated = functools.partial(estimate, gm, specs, optimizer=options.optimizer, micro_batches=micro_batches,
+                                      profiles=profiles, loss=loss)
+        # the blocks depend on the graph and the devices, not the batch: decided once, on the first table
+        # (measured layers need not time alike: there each table decides)
+        key = (traced.fingerprint, options.precision, specs, options.checkpointing, tuple(options.recompute or ()), tuple(recompute))
+        first = None
+        if key not in traced._blocks or profiling is not None:
+            first = estimated()
+            traced._blocks[key] = candidate_blocks(first, options, recompute)
+        blocks = traced._blocks[key]
+        table = estimated(blocks=blocks, recompute=recompute, partial=partial) if blocks or first is None else first
     if options.cost_overrides:
         n = len(options.cost_overrides)
         table = with_overrides(table, options.cost_overrides)

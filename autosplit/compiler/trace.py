@@ -50,6 +50,9 @@ class Traced:
     _losses: dict[tuple, Any] = field(default_factory=dict, compare=False, repr=False)
     """The loss's cost per (micro-batches, precision, devices, profiling): costed once per plan search."""
     _rules: list[TensorParallelRules] = field(default_factory=list, compare=False, repr=False)
+    _blocks: dict[tuple, tuple] = field(default_factory=dict, compare=False, repr=False)
+    """The blocks a plan may recompute, by what decides them (:func:`~autosplit.compiler.costs.cost_table`),
+    shared by a trace and its shares (the same nodes)."""
 
     def tp_rules(self) -> TensorParallelRules:
         """What tensor parallelism can split in this graph (:func:`~autosplit.passes.tensor_parallel.tensor_parallel_rules`;
@@ -101,7 +104,8 @@ class Traced:
                 annotate(captured, list(inputs))
             loss = None if self.loss is None else Loss(self.loss.fn, split_batch((self.loss.target,), None, parts)[0][0][0])
             self._shares[parts] = Traced(captured, tuple(inputs), fingerprint(captured.gm), dict(self.timings), model=self.model,
-                                         example=(args, kwargs), loss=loss, _exports=self._kept_exports())
+                                         example=(args, kwargs), loss=loss, _exports=self._kept_exports(),
+                                         _blocks=self._blocks)
         return self._shares[parts]
 
     def _planning_capture(self, args: tuple, kwargs: Mapping[str, Any]) -> tuple[Captured, list[Any]]:

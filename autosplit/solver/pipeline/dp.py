@@ -31,6 +31,7 @@ Usage::
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -196,7 +197,7 @@ class _StageDP:
     def __init__(self, problem: Problem, order: Sequence[int], cuts: np.ndarray, pre: Prefix) -> None:
         self.problem, self.order, self.cuts, self.pre = problem, order, cuts, pre
         self.ends = np.arange(len(cuts))
-        self._bands: dict[tuple[int, float], tuple[np.ndarray, np.ndarray]] = {}
+        self._bands: dict[tuple[int, float], tuple[float, np.ndarray, np.ndarray]] = {}
         self.room = stage_room(problem, pre, cuts)
 
     def shrink(self, over: np.ndarray) -> None:
@@ -205,14 +206,15 @@ class _StageDP:
         self._bands.clear()
 
     def band(self, s: int, cap: float) -> tuple[np.ndarray, np.ndarray]:
-        """Stages of one kind have the same band: it is computed once per kind and cap."""
-        bands = self._bands
-        key = (self.pre.kind[s], cap)
-        if key not in bands:
-            if bands and next(iter(bands))[1] != cap:  # one cap per pass: keep only its bands
-                bands.clear()
-            bands[key] = self._segments(s, cap)
-        return bands[key]
+        """Stages of one kind (and room) have the same band: it is computed once per kind, and a band made under a
+        larger finite cap serves a smaller one, its segments over the cap masked (each segment's time is
+        at least its compute, which alone decides the band's width)."""
+        kind, bands = (self.pre.kind[s], float(self.room[s])), self._bands  # a rank's stages of one kind may get different rooms
+        made = bands.get(kind)
+        if made is None or made[0] < cap or (math.isinf(made[0]) and math.isfinite(cap)):
+            made = bands[kind] = (cap, *self._segments(s, cap))
+        made_cap, starts, t = made
+        return (starts, t) if made_cap == cap else (starts, np.where(t <= cap, t, _INF))
 
     def _segments(self, s: int, cap: float) -> tuple[np.ndarray, np.ndarray]:
         """Stage s ending at each cut b: candidate starts a (K, W) and their times (+inf if invalid).

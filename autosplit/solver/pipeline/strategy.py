@@ -268,8 +268,9 @@ def _least(problem: Problem) -> Problem:
 
 def _refuse_over_caps(problem: Problem, spread: int, along_chain: int = 0, together: int = 0) -> None:
     """Raise :class:`InfeasiblePlanError` where the memory floors (:func:`memory_floor`, spread
-    perfectly; :func:`memory_chain_floor`, layers whole along the heaviest chain; ``together``:
-    :func:`memory_proof`'s, stages before each chain position holding what must lie there) exceed every cap."""
+    perfectly; :func:`~autosplit.solver.pipeline.memory.memory_chain_floor`, layers whole along the
+    heaviest chain; ``together``: :func:`~autosplit.solver.pipeline.memory.memory_proof`'s, stages before
+    each chain position holding what must lie there) exceed every cap; 0: not computed."""
     floor, largest = max(spread, along_chain, together), max(problem.capacity)
     if floor > largest:
         how = ("state and activations spread perfectly" if spread >= max(along_chain, together) else
