@@ -28,6 +28,8 @@ from autosplit.solver.problem import Problem
 
 __all__ = ["along_chain", "fits_under", "memory_chain_floor", "memory_floor", "memory_floors", "memory_proof", "memory_units"]
 
+CHAIN_UPPER = 1.25
+"""How far past the largest cap :func:`memory_floors` looks along the chain (its figure is then at least this)."""
 PROOF_STEPS = 6
 """Bisection steps :func:`memory_proof` spends on the number it reports, once it has proven the cap."""
 
@@ -219,13 +221,14 @@ def memory_proof(problem: Problem, along: _Along | None = None, floor: int | Non
 def memory_floors(problem: Problem) -> tuple[int, int, int]:
     """KiB of :func:`memory_floor`, :func:`memory_chain_floor` and :func:`memory_proof`, cheapest
     first: each is computed only where those before it stay within the largest cap (0 where not
-    computed), the chain's once for both of the last two."""
+    computed), the chain's once for both of the last two, and only up to :data:`CHAIN_UPPER` times the
+    cap (past it, the proof holds: the narrower band costs less)."""
     largest = max(problem.capacity)
     spread = memory_floor(problem)
     if spread > largest:
         return spread, 0, 0
     along = along_chain(problem)
-    chain = memory_chain_floor(problem, along=along)
+    chain = memory_chain_floor(problem, CHAIN_UPPER * largest, along)
     if chain > largest:
         return spread, chain, 0
     return spread, chain, memory_proof(problem, along, max(spread, chain))
