@@ -32,6 +32,10 @@ from autosplit.timers import pinned
 __all__ = ["cost_table", "estimated", "sequence_parallel", "tp_fields"]
 
 
+KEPT_TABLES = 8
+"""Analytic cost tables a trace keeps (the last made): a search costs a configuration, then plans it."""
+
+
 def cost_table(
     traced: Traced, specs: tuple[DeviceSpec, ...], options: PlanOptions, *, micro_batches: int, recompute: tuple[str, ...] = (),
     partial: tuple[PartialRecompute, ...] = (),
@@ -39,7 +43,23 @@ def cost_table(
     """The cost table ``options.costs`` asks for (with overrides), and a line saying where it came from.
     It describes the blocks a plan may recompute (``options.checkpointing``, ``options.recompute``),
     and its costs are those of recomputing the blocks labelled in ``recompute`` (of them, ``partial``
-    keep some micro-batches)."""
+    keep some micro-batches). Analytic tables are kept on ``traced`` by all that decides them."""
+    if options.costs != "analytic" or options.cost_overrides:
+        return _cost_table(traced, specs, options, micro_batches=micro_batches, recompute=recompute, partial=partial)
+    key = (specs, micro_batches, tuple(recompute), tuple(partial), options.precision, options.optimizer, options.checkpointing,
+           tuple(options.recompute or ()), options.tp, options.sequence_parallel, options.dp_shard)
+    kept = traced._tables
+    if key not in kept:
+        kept[key] = _cost_table(traced, specs, options, micro_batches=micro_batches, recompute=recompute, partial=partial)
+        while len(kept) > KEPT_TABLES:
+            kept.pop(next(iter(kept)))
+    return kept[key]
+
+
+def _cost_table(
+    traced: Traced, specs: tuple[DeviceSpec, ...], options: PlanOptions, *, micro_batches: int, recompute: tuple[str, ...],
+    partial: tuple[PartialRecompute, ...],
+) -> tuple[CostTable, str]:
     costs, gm = options.costs, traced.annotated(options.precision, specs[0].device_type)
     if isinstance(costs, (CostTable, Path)) or (isinstance(costs, str) and costs not in ("analytic", "measured")):
         table = _given_table(traced, specs, costs)

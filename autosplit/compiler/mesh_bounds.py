@@ -38,8 +38,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from autosplit import schedules
 from autosplit.compiler.costs import sequence_parallel
+from autosplit.compiler.prediction import fill_and_drain, fills
 from autosplit.compiler.search import configurations, stage_problem
 from autosplit.compiler.trace import Traced
 from autosplit.costtable import CostTable
@@ -86,21 +86,9 @@ def step_floor(whole: CostTable, traced: Traced, degrees: Degrees, options: Plan
     work, optimizer = sum(per_node), sum(row[0] for row in table.optimizer_time) if table.optimizer_time else 0.0
     rows = (traced.batch or dp) // dp
     open_ = configurations(options, pp, rows) if options.searches else [options.replace(micro_batches=options.micro_batches_for(pp, rows))]
-    fill = min((fill_and_drain(work, pp, int(c.micro_batches or 1)) if _fills(c) else work / pp for c in open_), default=work / pp)
+    fill = min((fill_and_drain(work, pp, int(c.micro_batches or 1)) if fills(c.schedule, c.rank_stages) else work / pp
+                for c in open_), default=work / pp)
     return max((work + optimizer) / pp, max(per_node, default=0.0), fill)
-
-
-def _fills(options: PlanOptions) -> bool:
-    """The schedule has a fill and a drain of a whole backward over one stage per rank (GPipe, 1F1B)."""
-    entry = schedules.lookup(options.schedule)
-    return options.rank_stages == 1 and not entry.split_backward and entry.flushes and entry.micro_batched
-
-
-def fill_and_drain(work: float, pp: int, micro_batches: int) -> float:
-    """The least step of ``pp`` stages of ``work`` seconds in all, in ``micro_batches``, one stage per
-    rank with a whole backward: ``work / (M (1 − (1 − 1/M)^pp))`` (the module docstring)."""
-    m = max(1, micro_batches)
-    return work / (m * (1 - (1 - 1 / m) ** pp)) if m > 1 else work
 
 
 def state_fits(table: CostTable, ranks: tuple[DeviceSpec, ...], degrees: Degrees, row: float = 0.0) -> None:

@@ -21,8 +21,8 @@ from autosplit.solver.problem import KIB, NS, Problem
 from autosplit.solver.replay import Replay, StageWork, peaks, replay
 
 __all__ = [
-    "backward_passes", "module_stages", "numbered_layer", "predict_step", "rank_peaks", "replayed_step",
-    "sharing_problem", "stage_modules", "stage_reports", "step_bound", "work_bound",
+    "backward_passes", "fill_and_drain", "fills", "module_stages", "numbered_layer", "predict_step", "rank_peaks",
+    "replayed_step", "sharing_problem", "stage_modules", "stage_reports", "step_bound", "work_bound",
 ]
 
 
@@ -244,7 +244,25 @@ def work_bound(table: CostTable, ranks: int, micro_batches: int, schedule: str, 
     optimizer = sum(min(row) for row in table.optimizer_time) if table.optimizer_time else 0.0
     actions = 1.5 if entry.split_backward else 1.0  # a weight pass is a third action, at half the per-micro-batch overhead
     overhead = actions * stages_per_rank * micro_batches * min(d.microbatch_overhead for d in table.devices)
-    return max((work + optimizer) / ranks, work / ranks + overhead)
+    fill = fill_and_drain(work, ranks, micro_batches) if fills(schedule, stages_per_rank) else 0.0
+    return max((work + optimizer) / ranks, work / ranks + overhead, fill)
+
+
+def fills(schedule: str, stages_per_rank: int) -> bool:
+    """The schedule has a fill and a drain of a whole backward over one stage per rank (GPipe, 1F1B)."""
+    entry = schedules.lookup(schedule)
+    return stages_per_rank == 1 and not entry.split_backward and entry.flushes and entry.micro_batched
+
+
+def fill_and_drain(work: float, pp: int, micro_batches: int) -> float:
+    """The least step of ``pp`` stages of ``work`` seconds in all (every micro-batch's forward and
+    backward), in ``micro_batches``, one stage per rank with a whole backward (:func:`fills`): rank r
+    starts only once the first micro-batch's forward has passed the stages before it, and the step ends
+    only once the last one's backward has passed them again, so with stage s doing ``w_s`` in all it is
+    at least ``max_r (Σ_{s<r} w_s / M + w_r)``; over every split, at least ``work / (M (1 − (1 − 1/M)^pp))``
+    (equalising the terms gives it), which tends to ``work / pp`` as ``M`` grows."""
+    m = max(1, micro_batches)
+    return work / (m * (1 - (1 - 1 / m) ** pp)) if m > 1 else work
 
 
 def rank_peaks(problem: Problem, schedule: str, reports: Sequence[StageReport]) -> tuple[int, ...]:

@@ -100,20 +100,25 @@ def configurations(options: PlanOptions, ranks: int, batch: int | None) -> list[
     return out
 
 
-def _judge(traced: Traced, specs: tuple[DeviceSpec, ...], options: PlanOptions) -> Alternative:
-    """One configuration, split by the DP and replayed; one that cannot be costed (an exported
-    graph that changes at its micro-batch's shape) is a row that does not fit, saying why."""
+def _judge(traced: Traced, specs: tuple[DeviceSpec, ...], options: PlanOptions, best: float = math.inf) -> Alternative:
+    """One configuration, split by the DP and replayed — unless its bound leaves no room below ``best``,
+    the fastest step found so far; one that cannot be costed (an exported graph that changes at its
+    micro-batch's shape) is a row that does not fit, saying why."""
     try:
-        return _split_and_replay(traced, specs, options)
+        return _split_and_replay(traced, specs, options, best)
     except AutosplitError as e:
         first = str(e).split(". Likely cause")[0]
         log.info("search: %s × %s × M=%s cannot be costed: %s", options.schedule, options.rank_stages, options.micro_batches, first)
         return Alternative(options.schedule, options.rank_stages, int(options.micro_batches or 0), math.inf, (), first)
 
 
-def _split_and_replay(traced: Traced, specs: tuple[DeviceSpec, ...], options: PlanOptions) -> Alternative:
+def _split_and_replay(traced: Traced, specs: tuple[DeviceSpec, ...], options: PlanOptions, best: float) -> Alternative:
     _, M, table, _, rules = estimated(traced, specs, options)
     bound = work_bound(table, len(specs), M, options.schedule, options.rank_stages)  # before recompute, which only adds work
+    if bound >= best:
+        return Alternative(options.schedule, options.rank_stages, M, math.inf, (),
+                           f"not split: none of its plans steps in less than {bound:.4g} s, and the best found takes {best:.4g} s",
+                           bound=bound)
     order, problem = stage_problem(table, len(specs), options, M, rules)
     try:  # the cheap proofs first (more ranks than units, a node over every cap): no DP to run where they hold
         prove_over_caps(problem, cheap=True)
@@ -163,7 +168,9 @@ def search(traced: Traced, specs: tuple[DeviceSpec, ...], options: PlanOptions) 
             f"schedule {options.schedule!r} needs a micro-batch count it runs that divides the batch",
             "another schedule (gpipe runs any count), a larger batch, or fewer devices",
         ))
-    tried = [(concrete, _judge(traced, specs, concrete)) for concrete in concretes]
+    tried: list[tuple[PlanOptions, Alternative]] = []
+    for concrete in sorted(concretes, key=lambda c: -int(c.micro_batches or 1)):  # the most micro-batches: the least bubble
+        tried.append((concrete, _judge(traced, specs, concrete, min((row.step_time for _, row in tried), default=math.inf))))
     tried.sort(key=lambda pair: (pair[1].step_time, pair[1].schedule, pair[1].stages_per_rank, pair[1].micro_batches))
     for _, row in tried:
         log.info("search: %s × %d stage(s) per rank × %d micro-batches: %s", row.schedule, row.stages_per_rank,

@@ -50,6 +50,8 @@ class Traced:
     _losses: dict[tuple, Any] = field(default_factory=dict, compare=False, repr=False)
     """The loss's cost per (micro-batches, precision, devices, profiling): costed once per plan search."""
     _rules: list[TensorParallelRules] = field(default_factory=list, compare=False, repr=False)
+    _tables: dict[tuple, Any] = field(default_factory=dict, compare=False, repr=False)
+    """Analytic cost tables made for this trace, by what decides them (:func:`~autosplit.compiler.costs.cost_table`)."""
     _blocks: dict[tuple, tuple] = field(default_factory=dict, compare=False, repr=False)
     """The blocks a plan may recompute, by what decides them (:func:`~autosplit.compiler.costs.cost_table`),
     shared by a trace and its shares (the same nodes)."""

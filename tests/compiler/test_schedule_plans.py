@@ -207,6 +207,28 @@ def test_auto_returns_the_fastest_configuration_that_fits_and_the_others():
     assert plan.solver.step_bound <= min(r.step_time for r in rows) * (1 + 1e-9) and plan.step_gap is not None
 
 
+def test_auto_passes_over_only_configurations_that_cannot_beat_the_best_and_chooses_as_judging_all_would():
+    """The search splits the most micro-batches first and passes over a configuration whose bound
+    (with 1F1B's and GPipe's fill and drain) is no less than the fastest step found: the one it chooses
+    is the one splitting every configuration chooses."""
+    from autosplit.compiler.search import _judge, configurations, search
+
+    torch.manual_seed(0)
+    model = GPT(vocab=128, d_model=128, n_layers=4, n_heads=2, max_len=64)
+    planner = autosplit.Planner(model, ["cpu"] * 2, example_inputs=(torch.randint(0, 128, (8, 64)),), time_limit=2,
+                                schedule="auto", stages_per_rank="auto", micro_batches="auto")
+    specs = planner.specs()
+    chosen, rows = search(planner.traced, specs, planner.options)
+    every = {(r.schedule, r.stages_per_rank, r.micro_batches): r for r in (
+        _judge(planner.traced, specs, c) for c in configurations(planner.options, 2, 8))}
+    fastest = min(every.values(), key=lambda r: r.step_time)
+    assert (chosen.schedule, chosen.rank_stages, chosen.micro_batches) == (fastest.schedule, fastest.stages_per_rank,
+                                                                           fastest.micro_batches)
+    passed = [r for r in rows if r.note.startswith("not split")]
+    assert passed, "this GPT's search passes some over"
+    assert all(r.bound >= fastest.step_time for r in passed)
+
+
 def test_auto_respects_a_memory_cap_that_rules_out_gpipe():
     free = _planner(schedule="auto", micro_batches=8).plan()
     gpipe = next(r for r in free.alternatives if r.schedule == "gpipe")
