@@ -4,8 +4,10 @@ the planner (``"auto"``), and the solver's problem for one such configuration.
 Every configuration the options allow — each flushed schedule torch runs, each number of stages per
 rank it takes (up to :data:`~autosplit.options.AUTO_MOST_STAGES_PER_RANK`), each micro-batch count
 that divides the batch and that its class accepts — is split by the exact DP (no CP-SAT: a search
-runs dozens) and judged by its replayed step and per-rank peak memory. The fastest that fits memory
-is planned in full; the others come back as :class:`~autosplit.plans.Alternative` rows for the report.
+runs dozens) and judged by its replayed step and per-rank peak memory, the most micro-batches first;
+one whose bound (:func:`~autosplit.compiler.prediction.work_bound`) is no less than the fastest step
+found is not split (it cannot win). The fastest that fits memory is planned in full; the others come
+back as :class:`~autosplit.plans.Alternative` rows for the report.
 
 Usage::
 
