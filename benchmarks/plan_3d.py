@@ -94,15 +94,14 @@ def _plan_row(kind: str, time_limit: float) -> dict[str, Any]:
 def _described(plan: Any, rows: int) -> dict[str, Any]:
     """A plan's row: its mesh, step, throughput per GPU and memory, and every configuration it tried."""
     devices = math.prod(plan.mesh.values())
-    # what each device holds: its stages together where a schedule puts several on one rank
-    held = plan.rank_memory or tuple(st.memory for st in plan.stages)
-    caps = {plan.stage_devices[s]: st.capacity for s, st in enumerate(plan.stages)} if plan.rank_memory else None
-    fits = all(m <= (caps[r] if caps else plan.stages[r].capacity) for r, m in enumerate(held))
+    # (bytes, cap) of each device: its stages together where a schedule puts several on one rank, as the report counts them
+    held = ([(m, plan.stages[plan.stage_devices.index(r)].capacity) for r, m in enumerate(plan.rank_memory)]
+            if plan.stages_per_rank > 1 else [(st.memory, st.capacity) for st in plan.stages])
     return dict(
         outcome="planned", mesh=plan.mesh, step_s=plan.step_time, gap=plan.step_gap, schedule=plan.schedule,
         stages_per_rank=plan.stages_per_rank, micro_batches=plan.micro_batches, tokens_per_s_per_gpu=rows * SEQ / plan.step_time / devices,
-        fits=fits, recompute=len(plan.recompute), sequence_parallel=plan.sequence_parallel,
-        memory_state_gib=[s.memory_state / 2**30 for s in plan.stages], memory_gib=[m / 2**30 for m in held],
+        fits=all(m <= cap for m, cap in held), recompute=len(plan.recompute), sequence_parallel=plan.sequence_parallel,
+        memory_state_gib=[s.memory_state / 2**30 for s in plan.stages], memory_gib=[m / 2**30 for m, _ in held],
         activations_gib=[s.memory_activations / 2**30 for s in plan.stages], terms=plan.terms.__dict__ if plan.terms else None,
         alternatives=[{"data_parallel": a.data_parallel, "dp_shard": a.dp_shard, "tp": a.tensor_parallel, "pp": len(a.rank_memory),
                        "micro_batches": a.micro_batches, "step_s": a.step_time, "note": a.note[:300]} for a in plan.alternatives],
