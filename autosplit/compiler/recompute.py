@@ -64,10 +64,15 @@ def candidate_blocks(
                 f"name the block it is in ({next(la for la in layers if _inside(key, la))!r})",
             ))
         layers.append(key)
-    return tuple(
-        (layer, tuple(table.nodes[i] for i, p in enumerate(paths) if _inside(p, layer))) for layer in sorted(
-            layers, key=lambda la: next(i for i, p in enumerate(paths) if _inside(p, la)))
-    )
+    members: dict[str, list[str]] = {layer: [] for layer in layers}
+    for name, path in zip(table.nodes, paths):  # every block a node's module is (in): its path's dotted prefixes
+        parts = path.split(".") if path else []
+        for k in range(1, len(parts) + 1):
+            block = members.get(".".join(parts[:k]))
+            if block is not None:
+                block.append(name)
+    first = {name: i for i, name in enumerate(table.nodes)}
+    return tuple((layer, tuple(members[layer])) for layer in sorted(layers, key=lambda la: first[members[la][0]]))
 
 
 def offered(table: CostTable, options: PlanOptions) -> dict[str, bool | None]:

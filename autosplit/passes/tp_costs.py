@@ -34,6 +34,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping, Sequence
 
+import numpy as np
 import torch.fx as fx
 
 from autosplit.costtable import CostTable
@@ -81,10 +82,11 @@ def tp_laid_out(
         return tuple(round(v * k) for v, k in zip(values, by)) if values else ()
 
     def timed(rows: Sequence[Sequence[float]], extra: Mapping[str, int]) -> tuple[tuple[float, ...], ...]:
-        return tuple(
-            tuple(t * k + tp_collective_time(extra.get(name, 0), tp, d, micro_batches) for t, d in zip(row, table.devices))
-            for row, k, name in zip(rows, cut, table.nodes)
-        )
+        times = np.asarray(rows, dtype=np.float64).reshape(len(rows), len(table.devices)) * np.asarray(cut)[:, None]
+        for i, name in enumerate(table.nodes):
+            if extra.get(name, 0):
+                times[i] += [tp_collective_time(extra[name], tp, d, micro_batches) for d in table.devices]
+        return tuple(map(tuple, times.tolist()))
 
     # a weight's compute copy is saved where autocast casts it, by the linear (or lookup) that reads it,
     # which need not be the node that owns the parameter: it is split where that reader is

@@ -231,16 +231,17 @@ class _StageDP:
         starts = ends[:, None] - np.arange(1, width + 1)[None, :]
         valid = (starts >= lo[:, None]) & (starts >= 0)
         starts = np.clip(starts, 0, K - 1)
-        a, b = cuts[starts], cuts[:, None]
-        t = C[b, s] - C[a, s]
-        mem = Mst[b] - Mst[a] + A[b, s] - A[a, s] + problem.transient_mem
+        a, b = cuts[starts], cuts
+        # each term a column over the cuts: those of b broadcast, those of a gathered once (the sums in the same order)
+        t = C[b, s][:, None] - C[:, s][a]
+        mem = Mst[b][:, None] - Mst[a] + A[b, s][:, None] - A[:, s][a] + problem.transient_mem
         if s > 0:
-            t = t + X[a, s - 1]
-            mem = mem + R[a, s]
+            t = t + X[:, s - 1][a]
+            mem = mem + R[:, s][a]
         if s < S - 1:
-            t = t + X[b, s]
-            mem = mem + H[b, s]
-        ok = valid & (mem <= self.room[s]) & ((F[b, s] - F[a, s]) == 0) & (t <= cap)
+            t = t + X[b, s][:, None]
+            mem = mem + H[b, s][:, None]
+        ok = valid & (mem <= self.room[s]) & (F[b, s][:, None] == F[:, s][a]) & (t <= cap)
         return starts, np.where(ok, t, _INF)
 
     def run(

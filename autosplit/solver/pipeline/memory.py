@@ -78,25 +78,31 @@ class _Along:
     """[2, p, s] what a stage holds of the tensors that must cross a boundary at chain position p:
     received ([0], the stage after it) and held to send ([1], the stage before it)."""
 
-    def segments(self, s: int, room: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Stage s's chain segments (a, b] that may hold at most ``room``: starts a [b, j], the least
-        stage s holds with each (∞ past ``room``), and its chain nodes' share of that. A band: past
-        ``room`` of chain memory, no earlier start can do."""
-        L = len(self.chain) - 1
+    def segments(self, s: int, room: float) -> tuple[np.ndarray, np.ndarray]:
+        """Stage s's chain segments (a, b] that may hold at most ``room``: starts a [b, j] and the least
+        stage s holds with each (∞ past ``room``). A band: past ``room`` of chain memory, no earlier
+        start can do. The terms of b are columns, those of a gathered once each (at 405B the chain is
+        4,000 nodes long and the band hundreds wide)."""
+        L, S = len(self.chain) - 1, self.chain.shape[1]
         ends = np.arange(L + 1)
         column = self.chain[:, s]
         lo = np.searchsorted(column, column - room, side="left") if math.isfinite(room) else np.zeros(L + 1, dtype=int)
         starts = ends[:, None] - np.arange(int((ends - lo).max()) + 1)[None, :]
         valid = (starts >= lo[:, None]) & (starts >= 0)
-        a, b = np.clip(starts, 0, L), ends[:, None]
-        held = self.read[b, s] - self.read[a, s] + np.maximum(0.0, self.F[0][b, s] - self.G[0][a, s])
-        if s > 0:
-            held = held + self.crossing[0][a, s]
-        if s < self.chain.shape[1] - 1:
-            held = held + self.crossing[1][b, s]
-        held = np.maximum(held, np.maximum(self.first[b, s], self.last[a, s]))
-        own = self.chain[b, s] - self.chain[a, s] + np.maximum(0.0, self.F[1][b, s] - self.G[1][a, s])
-        return a, np.where(valid & (held <= room), held, np.inf), own
+        a = np.clip(starts, 0, L)
+        at_b, at_a = self.read[:, s].copy(), self.read[:, s].copy()
+        if s > 0:  # what crosses into the stage at its start, and out of it at its end
+            at_a -= self.crossing[0][:, s]
+        if s < S - 1:
+            at_b += self.crossing[1][:, s]
+        held = at_b[:, None] - at_a[a] + np.maximum(0.0, self.F[0][:, s][:, None] - self.G[0][:, s][a])
+        held = np.maximum(held, np.maximum(self.first[:, s][:, None], self.last[:, s][a]))
+        return a, np.where(valid & (held <= room), held, np.inf)
+
+    def own(self, s: int, a: np.ndarray) -> np.ndarray:
+        """[b, j] the share of :meth:`segments`' figures that stage s's chain nodes (with the units pinned among them) hold."""
+        column = self.chain[:, s]
+        return column[:, None] - column[a] + np.maximum(0.0, self.F[1][:, s][:, None] - self.G[1][:, s][a])
 
 
 def along_chain(problem: Problem, chain: list[int] | None = None) -> _Along:
@@ -162,7 +168,7 @@ def memory_chain_floor(problem: Problem, upper: float | None = None, along: _Alo
     L = len(along.chain) - 1
     val = np.where(np.arange(L + 1) == 0, 0.0, np.inf)
     for s in range(problem.num_stages):
-        starts, held, _ = along.segments(s, upper - problem.transient_mem)
+        starts, held = along.segments(s, upper - problem.transient_mem)
         val = np.maximum(val[starts], held).min(axis=1)
     return int(problem.transient_mem + min(val[L], upper))
 
@@ -185,7 +191,8 @@ def fits_under(problem: Problem, cap: float, along: _Along | None = None) -> boo
     ratio = along.ratio if math.isfinite(along.ratio) else 0.0
     before = np.zeros(L + 1)  # what stages 0…s − 1 hold of the free units without crossing to stage s
     for s in range(S):
-        starts, floor, own = along.segments(s, room)
+        starts, floor = along.segments(s, room)
+        own = along.own(s, starts)
         free_room = room - own
         carried, ahead = placed[starts], before[starts]
         if ratio >= 1:  # carrying more across costs stage s more than it brings: carry nothing extra
