@@ -19,6 +19,7 @@ __all__ = [
     "CostModelError",
     "DeviceError",
     "DistributedError",
+    "ExportError",
     "InfeasiblePlanError",
     "PlanFileError",
     "PlanMismatchError",
@@ -96,6 +97,11 @@ class CodegenError(AutosplitError):
 class CompileError(AutosplitError):
     """A stage cannot be compiled with ``torch.compile``: no C++ compiler or triton for inductor, an unknown
     backend, or an operation the backend refuses (``compile=True``; see :mod:`autosplit.runtime.compiled`)."""
+
+
+class ExportError(AutosplitError, ValueError):
+    """A plan cannot be written in an engine's terms: a cut inside a layer, parameters the name map
+    does not place, a schedule or recomputation the engine does not run."""
 
 
 class DistributedError(AutosplitError):

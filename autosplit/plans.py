@@ -29,6 +29,7 @@ import shutil
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from autosplit.devices import DeviceSpec
 from autosplit.errors import PlanFileError, PlanMismatchError, advice
@@ -43,6 +44,9 @@ from autosplit.plan_records import (
     StepTerms,
 )
 from autosplit.units import format_ms as _ms
+
+if TYPE_CHECKING:
+    from autosplit.plan_export import Names
 
 __all__ = [
     "SCHEMA_VERSION", "Alternative", "PartialRecompute", "Plan", "PlannedTask", "SharedParam", "SolverInfo", "StageReport",
@@ -128,6 +132,8 @@ class Plan:
     all of theirs)."""
     made_with: tuple[str, float] | None = None
     """For a saved plan re-costed on load: (the costs it was made with, the step it predicted then)."""
+    batch: int = 0
+    """Rows of the global batch the plan steps on (all data-parallel copies together); 0: not recorded."""
     schema_version: int = SCHEMA_VERSION
 
     @property
@@ -183,6 +189,15 @@ class Plan:
             "the plan belongs to another model or another version of it",
             "re-plan with autosplit.plan(model, devices, ...), or load the plan made for this model",
         ))
+
+    def export(self, engine: str, *, names: Names | Mapping[str, str] | None = None, form: str = "toml") -> str:
+        """This plan as ``engine`` reads it: ``"torchtitan"`` (its job config: ``form`` ``"toml"`` or
+        ``"python"``) or ``"megatron"`` (Megatron-LM's flags, the layout among them); ``names``: where
+        torchtitan's llama3 modules are in the model (:class:`~autosplit.plan_export.Names`), found by
+        itself for a transformers Llama and for torchtitan's own. See :mod:`autosplit.plan_export`."""
+        from autosplit.plan_export import export
+
+        return export(self, engine, names=names, form=form)
 
     # -- files ----------------------------------------------------------------------------
     def to_dict(self) -> dict:

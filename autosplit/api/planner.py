@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from autosplit import debug
+from autosplit.compiler.engine_plans import ENGINE_PREFIXES, engine_recipe
 from autosplit.compiler.hybrid import Cluster
 from autosplit.compiler.manual import manual_plan
 from autosplit.compiler.mesh import degrees_to_try, mesh_plan, stage_ranks
@@ -116,7 +117,7 @@ class Planner:
     def plan(self, given: Plan | str | Path | None = None) -> Plan:
         """Solve for the best plan; or, with ``given`` (a :class:`Plan` or a JSON path), check it
         against this model and refresh its predictions without solving."""
-        made = self._plan(given)
+        made = dataclasses.replace(self._plan(given), batch=self.traced.batch or 0)
         if debug.plans.isEnabledFor(logging.DEBUG):
             debug.plans.debug("%s", plan_report(made))
         return made
@@ -173,21 +174,29 @@ class Planner:
         made = dataclasses.replace(made, timings={**made.timings, **timings})
         return SplitModule(self.model, self.traced.captured, program, made, compile=compiling)
 
-    def manual(self, split: Any, *, name: str | None = None, check_memory: bool = True) -> Plan:
+    def manual(self, split: Any, *, name: str | None = None, check_memory: bool = True, names: Any = None) -> Plan:
         """A split you would write by hand, as a checked plan costed like :meth:`plan`'s: module
         names per stage (torchtitan), ``torch.distributed.pipelining`` split points
         (``{"blocks.4": SplitPoint.BEGINNING}``), a DeepSpeed ``partition_method``
         (``"parameters"``, ``"uniform"``, ``"type:REGEX"``) or a torchgpipe balance (``[3, 2]``);
         see :func:`autosplit.compiler.manual.manual_plan`. A :class:`~autosplit.recipes.Recipe`
         spreads its split over this planner's devices as the whole mesh and the example batch as the
-        global one. ``check_memory=False`` returns a plan over a cap instead of raising."""
+        global one; an engine's configuration — ``"megatron:LAYOUT"`` (or Megatron's flags after the colon),
+        ``"torchtitan:FILE.toml"`` — is read as such a recipe in the model's own module names (``names``:
+        where torchtitan's llama3 modules are, found by itself for a transformers Llama;
+        :mod:`autosplit.compiler.engine_plans`). ``check_memory=False`` returns a plan over a cap instead of raising."""
+        if isinstance(split, str) and split.startswith(ENGINE_PREFIXES):
+            name = name or split.partition(":")[0]
+            split = engine_recipe(split, set(self.traced.captured.module_paths.values()), len(self.specs()), names=names)
         if isinstance(split, Recipe):
-            return manual_plan(self._copy_of(split), {} if split.split is None else split.split, name=name or "recipe",
+            made = manual_plan(self._copy_of(split), {} if split.split is None else split.split, name=name or "recipe",
                                check_memory=check_memory)
-        if name is None:
-            name = (f"deepspeed {split}" if isinstance(split, str) else "split points" if isinstance(split, Mapping)
-                    else "balance" if split and all(isinstance(x, int) for x in split) else "manual")
-        return manual_plan(self, split, name=name, check_memory=check_memory)
+        else:
+            if name is None:
+                name = (f"deepspeed {split}" if isinstance(split, str) else "split points" if isinstance(split, Mapping)
+                        else "balance" if split and all(isinstance(x, int) for x in split) else "manual")
+            made = manual_plan(self, split, name=name, check_memory=check_memory)
+        return dataclasses.replace(made, batch=self.traced.batch or 0)
 
     def _copy_of(self, recipe: Recipe) -> Planner:
         """This planner as one data-parallel copy of ``recipe`` sees the model: the first device of each

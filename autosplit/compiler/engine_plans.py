@@ -1,0 +1,159 @@
+"""The engines' configurations read back as recipes: a Megatron-LM layout (or its flags) and a torchtitan job config.
+
+:func:`engine_recipe` turns ``"megatron:LAYOUT"``, ``"megatron:--flag value …"`` (the flags
+:meth:`~autosplit.plans.Plan.export` writes), ``"torchtitan:FILE.toml"`` or a torchtitan config
+mapping into a :class:`~autosplit.recipes.Recipe` over the planner's whole mesh, in the model's own
+module names (:class:`~autosplit.plan_export.Names`), so that :meth:`autosplit.Planner.manual`
+costs it, :func:`autosplit.compare` sets it beside autosplit's plan and :func:`autosplit.distribute`
+runs it. What autosplit's runtime cannot run the way the engine would (torchtitan's per-op
+selective checkpointing, HSDP in one recipe) is refused by name, not approximated.
+
+Usage::
+
+    plan = planner.manual("megatron:Et*2|(t*2|)*34,t*3|(t*2|)*3,tL")
+    plan = planner.manual("torchtitan:llama3_70b.toml")
+"""
+
+from __future__ import annotations
+
+import shlex
+from collections.abc import Collection, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import tomllib
+
+from autosplit import schedules
+from autosplit.errors import ConstraintError, advice
+from autosplit.megatron_layout import check, parse
+from autosplit.plan_export import Names, names_for
+from autosplit.recipes import Recipe
+
+__all__ = ["ENGINE_PREFIXES", "engine_recipe", "megatron_recipe", "torchtitan_recipe"]
+
+ENGINE_PREFIXES = ("megatron:", "torchtitan:")
+
+_SCHEDULE_OF = {entry.torch_class.removeprefix("Schedule").lower(): name for name, entry in schedules.REGISTRY.items()
+                if entry.torch_class}
+"""torchtitan's schedule names (torch's classes, read as torch reads them: any case) → autosplit's."""
+
+
+def engine_recipe(text: str | Mapping[str, Any], paths: Collection[str], world: int, *, names: Names | Mapping[str, str] | None = None,
+                  ) -> Recipe:
+    """The recipe of an engine's configuration over ``world`` devices of a model with module ``paths``
+    (its nodes' paths: every level of them counts)."""
+    resolved = names_for({".".join(p.split(".")[:k]) for p in paths for k in range(1, p.count(".") + 2)}, names)
+    if isinstance(text, Mapping):
+        return torchtitan_recipe(text, resolved)
+    engine, _, body = text.partition(":")
+    if engine == "megatron":
+        return megatron_recipe(body, resolved, world)
+    if engine == "torchtitan":
+        try:
+            config = tomllib.loads(Path(body).read_text())
+        except (OSError, tomllib.TOMLDecodeError) as e:
+            raise ConstraintError(advice(f"cannot read torchtitan config {body!r}: {e}", "the file is missing or not TOML",
+                                         "pass torchtitan:PATH to a v0.2 job config, or the config as a mapping")) from e
+        return torchtitan_recipe(config, resolved)
+    raise ConstraintError(advice(f"no engine {engine!r} in {text[:40]!r}", "autosplit reads Megatron-LM and torchtitan configurations",
+                                 f"start it with one of {ENGINE_PREFIXES}"))
+
+
+def _stage_modules(titan: Sequence[Sequence[str]], names: Names) -> list[list[str]]:
+    """torchtitan's names per stage (``output`` or ``lm_head``) as the model's."""
+    return [[names.model_path("output" if f == "lm_head" else f) for f in stage] for stage in titan]
+
+
+def megatron_recipe(body: str, names: Names, world: int) -> Recipe:
+    """A Megatron layout, alone (pipeline size: every device) or with the flags around it."""
+    flags = _megatron_flags(body) if body.lstrip().startswith("--") else {"pipeline-model-parallel-layout": body}
+    layout = flags.get("pipeline-model-parallel-layout")
+    if layout is None:
+        raise ConstraintError(advice("the Megatron flags give no --pipeline-model-parallel-layout",
+                                     "autosplit reads a Megatron split from its layout", "add the layout"))
+    tp = int(flags.get("tensor-model-parallel-size", 1))
+    pp = int(flags.get("pipeline-model-parallel-size", world // tp))
+    stages = parse(layout)
+    layers = sum(c == "t" for stage in stages for c in stage)
+    vp = check(stages, num_layers=layers, pipeline=pp)
+    if "m" in "".join("".join(s) for s in stages):
+        raise ConstraintError(advice(f"layout {layout!r} holds multi-token prediction layers m", "the model has none",
+                                     "write the layout of this model's layers"))
+    if world % (tp * pp):
+        raise ConstraintError(advice(f"tp {tp} × pp {pp} does not divide the {world} devices", "Megatron's data-parallel size "
+                                     "is the devices over tp × pp", "give sizes whose product divides the devices"))
+    titan, layer = [], 0
+    for stage in stages:
+        part = ["tok_embeddings"] if "E" in stage else []
+        part += [f"layers.{i}" for i in range(layer, layer + stage.count("t"))]
+        layer += stage.count("t")
+        titan.append(part + (["norm", "output"] if "L" in stage else []))
+    options: dict[str, Any] = {"schedule": "interleaved1f1b" if vp > 1 else "1f1b", "stages_per_rank": vp}
+    if "recompute-granularity" in flags:
+        options.update(_megatron_checkpointing(flags, titan, names))
+    if "sequence-parallel" in flags:
+        options["sequence_parallel"] = True
+    return Recipe(split=_stage_modules(titan, names), data_parallel=world // (tp * pp), tensor_parallel=tp, options=options,
+                  replicate="fully_shard" if "use-distributed-optimizer" in flags else "replicate")
+
+
+def _megatron_flags(body: str) -> dict[str, str]:
+    out: dict[str, str] = {}
+    words = shlex.split(body.replace("\\\n", " "))
+    for k, word in enumerate(words):
+        if word.startswith("--"):
+            value = words[k + 1] if k + 1 < len(words) and not words[k + 1].startswith("--") else ""
+            out[word[2:]] = value
+    return out
+
+
+def _megatron_checkpointing(flags: Mapping[str, str], titan: Sequence[Sequence[str]], names: Names) -> dict[str, Any]:
+    """Megatron's full recomputation as autosplit's options: every layer (``uniform`` 1), or each stage's first N (``block`` N)."""
+    method, n = flags.get("recompute-method", "uniform"), int(flags.get("recompute-num-layers", 1) or 1)
+    if flags.get("recompute-granularity") != "full" or method not in ("uniform", "block") or (method == "uniform" and n != 1):
+        raise ConstraintError(advice(
+            f"Megatron recompute {dict(flags)}", "autosplit recomputes whole layers: Megatron's full granularity, uniform over "
+            "single layers or block over each stage's first layers", "use --recompute-granularity full with uniform 1 or block N",
+        ))
+    if method == "uniform":
+        return {"checkpointing": "full"}
+    first = [p for stage in titan for p in [q for q in stage if q.startswith("layers.")][:n]]
+    return {"checkpointing": "none", "recompute": {names.model_path(p): True for p in first}}
+
+
+def torchtitan_recipe(config: Mapping[str, Any], names: Names) -> Recipe:
+    """A torchtitan job config (v0.2 TOML tables, or the same fields as one mapping per table)."""
+    par, ac, training = (dict(config.get(k, {})) for k in ("parallelism", "activation_checkpoint", "training"))
+    replicate, shard = int(par.get("data_parallel_replicate_degree", 1)), int(par.get("data_parallel_shard_degree", 1))
+    if replicate > 1 and shard > 1:
+        raise ConstraintError(advice(
+            f"torchtitan config replicates over {replicate} and shards over {shard} (HSDP)",
+            "a recipe holds one data-parallel layout", "read it with one of the two, or let autosplit plan the mesh",
+        ))
+    fqns = par.get("module_fqns_per_model_part")
+    pp = int(par.get("pipeline_parallel_degree", 1))
+    if pp > 1 and not fqns:
+        raise ConstraintError(advice("the torchtitan config pipelines without module_fqns_per_model_part",
+                                     "autosplit reads torchtitan's stages from their module lists", "give the lists"))
+    schedule = str(par.get("pipeline_parallel_schedule", "1F1B")).lower()
+    if schedule not in _SCHEDULE_OF:
+        raise ConstraintError(advice(f"torchtitan schedule {schedule!r}", "autosplit runs torch's schedules",
+                                     f"use one of {sorted(_SCHEDULE_OF)}"))
+    options: dict[str, Any] = {"schedule": _SCHEDULE_OF[schedule] if pp > 1 else "gpipe",
+                               "stages_per_rank": len(fqns) // pp if fqns else 1}
+    mode = (ac.get("mode") or "none") if ac else "none"
+    if mode not in ("none", "full"):
+        raise ConstraintError(advice(
+            f"torchtitan activation_checkpoint mode {mode!r}", "autosplit recomputes whole layers (or chooses which)",
+            "use mode 'full' or 'none', or plan with checkpointing='auto'",
+        ))
+    options["checkpointing"] = mode
+    if "num_pp_microbatches" in par:
+        options["micro_batches"] = int(par["num_pp_microbatches"])
+    elif "local_batch_size" in training and "pipeline_parallel_microbatch_size" in par:
+        options["micro_batches"] = int(training["local_batch_size"]) // int(par["pipeline_parallel_microbatch_size"])
+    tp = int(par.get("tensor_parallel_degree", 1))
+    if tp > 1:
+        options["sequence_parallel"] = bool(par.get("enable_sequence_parallel", True))
+    return Recipe(split=_stage_modules(fqns, names) if fqns else None, data_parallel=max(replicate, shard), tensor_parallel=tp,
+                  replicate="fully_shard" if shard > 1 else "replicate", options=options)
