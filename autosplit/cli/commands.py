@@ -26,11 +26,17 @@ def plan(args: argparse.Namespace, argv: list[str]) -> int:
                       example_kwargs=work["example_kwargs"], **loss, **inputs.options(args))
     with processes.bars():
         plan = planner.plan()
-    if args.out:
+    if args.export:
+        snippet = plan.export(args.export)  # refused (a cut inside a layer …) before any file is written
+        if args.out:
+            inputs.write_text(args.out, snippet)
+        print(snippet, end="")
+    elif args.out:
         plan.save(args.out)
     if args.html:
         write_html(args.html, plan)
-    processes.emit(args, plan_report(plan), plan.to_dict())
+    if not args.export:
+        processes.emit(args, plan_report(plan), plan.to_dict())
     return 0
 
 

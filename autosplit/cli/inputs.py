@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-__all__ = ["devices", "manual", "one_line", "options", "workload"]
+__all__ = ["devices", "manual", "one_line", "options", "workload", "write_text"]
 
 
 # -- workloads, devices, manual splits ---------------------------------------------------------
@@ -88,12 +88,17 @@ def manual(items: list[str]) -> dict[str, Any]:
     splits: dict[str, Any] = {}
     for item in items:
         name, sep, spec = item.partition("=")
+        if item.startswith(("megatron:", "torchtitan:")):  # an engine's configuration, named after the engine
+            name, sep, spec = item.partition(":")[0], ":", item
         if not sep or not name:
             raise ConstraintError(advice(
                 f"--manual {item!r} is not NAME=SPLIT", "each manual split needs a name for the table",
                 "e.g. --manual ds=parameters or --manual even=@split.json",
             ))
         where = f"--manual {name}"
+        if spec.startswith(("megatron:", "torchtitan:")):
+            splits[name] = spec  # read by Planner.manual (autosplit.compiler.engine_plans)
+            continue
         if spec.startswith("@"):
             where += f" (file {spec[1:]})"
             try:
@@ -130,3 +135,11 @@ def options(args: argparse.Namespace) -> dict[str, Any]:
     if getattr(args, "replicate", None) is not None and args.command == "plan":
         out["replicate"] = args.replicate
     return out
+
+
+def write_text(path: str, text: str) -> None:
+    """Write ``text`` to ``path`` atomically: a temporary file beside it, renamed over it once whole."""
+    target = Path(path)
+    tmp = target.with_name(f".{target.name}.tmp")
+    tmp.write_text(text)
+    tmp.replace(target)

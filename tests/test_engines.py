@@ -1,0 +1,160 @@
+"""Plans in the engines' terms: Megatron layouts, torchtitan configs, export and import (issue 49)."""
+
+from __future__ import annotations
+
+import json
+import re
+import tomllib
+
+import pytest
+import torch
+
+import autosplit
+from autosplit.errors import ConstraintError, ExportError
+from autosplit.megatron_layout import check, format_layout, parse
+from autosplit.plan_export import TORCHTITAN_LLAMA3, TRANSFORMERS_LLAMA, stage_parts
+
+PUBLISHED = [  # (layout, pipeline size, decoder layers, virtual stages per rank): Megatron-Bridge perf recipes
+    ("Et*2|(t*2|)*34,t*3|(t*2|)*3,tL", 8, 80, 5),  # Llama-3-70B, TP 4 × PP 8 × VP 5 (llama/h100/llama3.py)
+    ("Et|(tt|)*30mL", 8, 61, 4),  # DeepSeek-V3 on H100, PP 8 × VP 4
+    ("Et*4|(t*4|)*14tmL", 4, 61, 4),  # DeepSeek-V3 on GB300, PP 4 × VP 4
+]
+
+
+def _spacing(layout: str) -> str:
+    """A layout up to what Megatron ignores: commas, spaces, and how a letter run is written (``tt`` or ``t*2``)."""
+    return re.sub(r"([A-Za-z])\*(\d+)", lambda m: m[1] * int(m[2]), re.sub(r"[,\s]", "", layout))
+
+
+@pytest.mark.parametrize(("layout", "pp", "layers", "vp"), PUBLISHED)
+def test_published_layouts_parse_check_and_come_back_as_written(layout, pp, layers, vp):
+    stages = parse(layout)
+    assert len(stages) == pp * vp and check(stages, num_layers=layers, pipeline=pp) == vp
+    assert parse(format_layout(stages)) == stages and _spacing(format_layout(stages)) == _spacing(layout)
+    if layout.startswith("Et*2|"):
+        assert format_layout(stages) == layout  # written in the recipe's own style, character for character
+        assert stages[0] == ("E", "t", "t") and stages[35] == ("t", "t", "t") and stages[-1] == ("t", "L")
+
+
+@pytest.mark.parametrize(("layout", "words"), [
+    ("Et*2|(t*2|)*34,t*3|(t*2|)*3,t", "loss L must come once, last"),
+    ("t*2|(t*2|)*38,tL", "embedding E must come once, first"),
+    ("Et*2|(t*2|)*34,t*3|(t*2|)*3,ttL", "81 transformer layers"),
+    ("Et*2|(t*2|)*35,tL", "do not divide over pipeline size 8"),
+    ("Et*2|x*3|L", "no layer letters"),
+    ("((t)*2)*2", "no layer letters"),
+    ("  ", "is empty"),
+])
+def test_layouts_megatron_refuses_are_refused_naming_the_rule(layout, words):
+    with pytest.raises(ConstraintError, match=re.escape(words)):
+        check(parse(layout), num_layers=80, pipeline=8)
+
+
+def _llama(layers: int):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
+                         num_key_value_heads=2, max_position_embeddings=16, attn_implementation="eager")
+    return LlamaForCausalLM(config), (torch.randint(0, 128, (8, 8)),)
+
+
+def _same(a: autosplit.Plan, b: autosplit.Plan) -> None:
+    assert stage_parts(a, TRANSFORMERS_LLAMA) == stage_parts(b, TRANSFORMERS_LLAMA)
+    assert (a.schedule, a.stages_per_rank, a.micro_batches, a.mesh, a.batch) == (b.schedule, b.stages_per_rank, b.micro_batches, b.mesh, b.batch)
+
+
+def test_a_plan_exported_to_either_engine_reads_back_as_the_same_plan(tmp_path):
+    """autosplit's own plan of a 2-layer Llama, and an interleaved one of a 4-layer Llama (two stages
+    per rank), written as Megatron flags and as torchtitan TOML and Python, and read back."""
+    model, args = _llama(2)
+    planner = autosplit.Planner(model, ["cpu"] * 2, example_inputs=args, micro_batches=2, schedule="1f1b")
+    solved = planner.plan()
+    model4, args4 = _llama(4)
+    looped = autosplit.Planner(model4, ["cpu"] * 2, example_inputs=args4, micro_batches=4, schedule="interleaved1f1b",
+                               stages_per_rank=2)
+    interleaved = looped.manual("megatron:Et|t|t|tL")
+    assert stage_parts(interleaved, TRANSFORMERS_LLAMA) == (("tok_embeddings", "layers.0"), ("layers.1",), ("layers.2",),
+                                                            ("layers.3", "norm", "output"))
+    for plan, source in ((solved, planner), (interleaved, looped)):
+        flags = plan.export("megatron")
+        assert f"--pipeline-model-parallel-size 2" in flags and "--micro-batch-size" in flags
+        _same(plan, source.manual("megatron:" + flags))
+        toml = plan.export("torchtitan")
+        config = tomllib.loads(toml)
+        fqns = [f for stage in config["parallelism"]["module_fqns_per_model_part"] for f in stage]
+        assert all(f in ("tok_embeddings", "norm", "output") or re.fullmatch(r"layers\.\d+", f) for f in fqns)
+        assert config["parallelism"]["pipeline_parallel_schedule"] == {"1f1b": "1F1B", "interleaved1f1b": "Interleaved1F1B"}[plan.schedule]
+        (tmp_path / "job.toml").write_text(toml)
+        _same(plan, source.manual(f"torchtitan:{tmp_path / 'job.toml'}"))
+        python = plan.export("torchtitan", form="python")
+        assert "config.parallelism.num_pp_microbatches" in python and "'lm_head'" in python
+        compile(python, "exported", "exec")
+
+
+@pytest.mark.parametrize(("name", "devices", "layout"), [
+    ("llama3-8b", 4, "Et*4|(t*4|)*6,t*4L"),
+    ("llama3-70b", 8, "Et*2|(t*2|)*34,t*3|(t*2|)*3,tL"),  # Megatron-Bridge's own, 40 stages
+])
+def test_the_8b_and_70b_shapes_on_the_meta_device_round_trip_through_megatron_and_torchtitan(name, devices, layout, tmp_path):
+    from benchmarks.plan_llms import _model
+
+    planner = autosplit.Planner(_model(name), ["H100-80GB"] * devices, example_inputs=(autosplit.Spec((16, 8192), torch.long),),
+                                precision="bf16-mixed", schedule="interleaved1f1b", micro_batches=16,
+                                stages_per_rank=len(parse(layout)) // devices)
+    plan = planner.manual(f"megatron:{layout}", check_memory=False)
+    flags = plan.export("megatron")
+    assert f"--pipeline-model-parallel-layout '{layout}'" in flags and "--micro-batch-size 1" in flags
+    (tmp_path / "job.toml").write_text(plan.export("torchtitan"))
+    for back in (planner.manual("megatron:" + flags, check_memory=False), planner.manual(f"torchtitan:{tmp_path / 'job.toml'}",
+                                                                                          check_memory=False)):
+        _same(plan, back)
+        assert back.step_time == pytest.approx(plan.step_time)
+
+
+def test_what_an_engine_cannot_express_is_refused_by_name():
+    model, args = _llama(2)
+    planner = autosplit.Planner(model, ["cpu"] * 2, example_inputs=args, micro_batches=2, schedule="1f1b")
+    inside = planner.manual([["model.embed_tokens", "model.layers.0.input_layernorm", "model.layers.0.self_attn"],  # a cut inside layer 0
+                             ["model.layers.0.post_attention_layernorm", "model.layers.0.mlp", "model.layers.1", "model.norm", "lm_head"]])
+    with pytest.raises(ExportError, match=r"cuts inside 'model.layers.0'.*together=\[\['model.layers.0'\]\]"):
+        inside.export("torchtitan")
+    gpipe = planner.with_options(schedule="gpipe").manual([["model.embed_tokens", "model.layers.0"], ["model.layers.1", "model.norm", "lm_head"]])
+    with pytest.raises(ExportError, match="megatron does not run the 'gpipe' schedule"):
+        gpipe.export("megatron")
+    assert "GPipe" in gpipe.export("torchtitan")
+    from tests.layouts import gpt_case
+
+    gpt, gpt_args, *_ = gpt_case()
+    plan = autosplit.plan(gpt, ["cpu"] * 2, example_inputs=gpt_args, micro_batches=2, schedule="1f1b")
+    with pytest.raises(ExportError, match="not named as a transformers Llama"):
+        plan.export("megatron")
+    with pytest.raises(ExportError, match=r"parameters of \['wpe'\]"):  # the learned positions: no llama3 module holds them
+        plan.export("torchtitan", names={"tok_embeddings": "wte", "layers": "blocks", "norm": "ln_f", "output": "head"})
+    with pytest.raises(ExportError, match="no exporter for engine 'deepspeed'"):
+        plan.export("deepspeed")
+    assert TORCHTITAN_LLAMA3.model_path("layers.3") == "layers.3" and TRANSFORMERS_LLAMA.model_path("layers.3") == "model.layers.3"
+
+
+def llama_workload(batch: int = 8) -> dict:
+    """A 2-layer transformers Llama for the command line (``tests.test_engines:llama_workload``)."""
+    model, args = _llama(2)
+    return {"model": model, "example_inputs": args, "example_kwargs": {}}
+
+
+def test_the_command_line_exports_a_plan_and_compares_the_engines_configurations(tmp_path, capsys):
+    from autosplit.cli import main
+
+    flags, toml = tmp_path / "megatron.txt", tmp_path / "job.toml"
+    common = ["tests.test_engines:llama_workload", "--devices", "cpu*2", "--schedule", "1f1b", "--micro-batches", "2"]
+    assert main(["plan", *common, "--export", "megatron", "--out", str(flags)]) == 0
+    printed = capsys.readouterr().out
+    assert printed == flags.read_text() and "--pipeline-model-parallel-layout 'Et|tL'" in printed
+    assert main(["plan", *common, "--export", "torchtitan", "--out", str(toml)]) == 0
+    assert tomllib.loads(toml.read_text())["parallelism"]["module_fqns_per_model_part"] == [["tok_embeddings", "layers.0"],
+                                                                                           ["layers.1", "norm", "output"]]
+    capsys.readouterr()
+    assert main(["compare", *common, "--manual", "megatron:Et|tL", "--manual", f"torchtitan:{toml}", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["candidates"]
+    assert [r["name"] for r in rows] == ["autosplit", "megatron", "torchtitan"] and all(r["feasible"] for r in rows)
+    assert rows[1]["plan"]["step_time"] == pytest.approx(rows[2]["plan"]["step_time"])
