@@ -174,6 +174,9 @@ class PlanOptions:
     """Module → devices it must not run on: ``{"head": ["cuda:0"]}``."""
     together: Sequence[Sequence[str]] | None = None
     """Groups of modules that must share a device: ``[("wte", "head")]``."""
+    expressible_in: str | None = None
+    """``"torchtitan"`` or ``"megatron"``: plan only splits that engine runs — whole layers, and for
+    Megatron the final norm with the output (:mod:`autosplit.plan_export`); the report says what it costs."""
     precision: Precision = "fp32"
     """What the stages compute and keep in: ``"fp32"`` (the model's own dtype), ``"bf16"`` (parameters,
     gradients, optimizer state and activations in bfloat16), ``"bf16-mixed"`` / ``"fp16-mixed"``
@@ -282,6 +285,8 @@ class PlanOptions:
             raise _bad("precision", self.precision, f"one of {PRECISIONS}")
         if self.checkpointing not in CHECKPOINTINGS:
             raise _bad("checkpointing", self.checkpointing, f"one of {CHECKPOINTINGS}")
+        if self.expressible_in not in (None, "torchtitan", "megatron"):
+            raise _bad("expressible_in", self.expressible_in, "None, 'torchtitan' or 'megatron'")
         if self.recompute is not None and not (
             isinstance(self.recompute, Mapping) and all(isinstance(k, str) and isinstance(v, bool) for k, v in self.recompute.items())
         ):

@@ -8,7 +8,8 @@ transformers Llama, Qwen or Mistral, is found by itself, as is a model named as 
 :func:`stage_parts` gives each stage's layers, or an :class:`~autosplit.errors.ExportError` where
 the plan cuts inside a layer, holds parameters the map does not name, or runs a schedule the engine
 does not. Nothing here costs: a plan that cuts inside a layer is refused with the option that keeps
-the layer whole (``together=[[layer]]``), under which the planner finds the best plan an engine runs.
+layers whole (``expressible_in=``, :func:`~autosplit.compiler.constraints.engine_groups`), under which
+the planner finds the best plan an engine runs and the report gives what that costs.
 
 The batch figures come from :attr:`~autosplit.plans.Plan.batch` (rows of the global batch): the
 micro-batch size is ``batch / (data_parallel · micro_batches)``.
@@ -126,8 +127,8 @@ def stage_parts(plan: Plan, names: Names) -> tuple[tuple[str, ...], ...]:
             raise ExportError(advice(
                 f"the plan cuts inside {path!r} (torchtitan's {titan}): its nodes run on stages {list(found)}",
                 "torchtitan's module lists and Megatron's layouts place whole layers only",
-                f"plan again with together=[[{path!r}]] (each layer it cuts kept whole), and compare its predicted step "
-                f"with this plan's {plan.step_time:.4g} s",
+                "plan with expressible_in='torchtitan' or 'megatron' (every layer kept whole; the report gives the step it costs "
+                f"against this plan's {plan.step_time:.4g} s), or with together=[[{path!r}]]",
             ))
         parts[found[0]].append(titan)
     return tuple(tuple(p) for p in parts)

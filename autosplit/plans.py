@@ -134,6 +134,8 @@ class Plan:
     """For a saved plan re-costed on load: (the costs it was made with, the step it predicted then)."""
     batch: int = 0
     """Rows of the global batch the plan steps on (all data-parallel copies together); 0: not recorded."""
+    engine_gap: tuple[str, float] | None = None
+    """Planned ``expressible_in`` an engine: (the engine, the predicted step of the best plan without that restriction)."""
     schema_version: int = SCHEMA_VERSION
 
     @property

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import json
 import re
-import tomllib
+from typing import Any
 
 import pytest
+import tomllib
 import torch
 
 import autosplit
@@ -54,14 +55,17 @@ def _llama(layers: int):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
-                         num_key_value_heads=2, max_position_embeddings=16, attn_implementation="eager")
-    return LlamaForCausalLM(config), (torch.randint(0, 128, (8, 8)),)
+    shape: dict[str, Any] = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
+                                 num_key_value_heads=2, max_position_embeddings=16, attn_implementation="eager")
+    return LlamaForCausalLM(LlamaConfig(**shape)), (torch.randint(0, 128, (8, 8)),)
 
 
 def _same(a: autosplit.Plan, b: autosplit.Plan) -> None:
     assert stage_parts(a, TRANSFORMERS_LLAMA) == stage_parts(b, TRANSFORMERS_LLAMA)
-    assert (a.schedule, a.stages_per_rank, a.micro_batches, a.mesh, a.batch) == (b.schedule, b.stages_per_rank, b.micro_batches, b.mesh, b.batch)
+    def run(p: autosplit.Plan) -> tuple:
+        return p.schedule, p.stages_per_rank, p.micro_batches, p.mesh, p.batch
+
+    assert run(a) == run(b)
 
 
 def test_a_plan_exported_to_either_engine_reads_back_as_the_same_plan(tmp_path):
@@ -78,7 +82,7 @@ def test_a_plan_exported_to_either_engine_reads_back_as_the_same_plan(tmp_path):
                                                             ("layers.3", "norm", "output"))
     for plan, source in ((solved, planner), (interleaved, looped)):
         flags = plan.export("megatron")
-        assert f"--pipeline-model-parallel-size 2" in flags and "--micro-batch-size" in flags
+        assert "--pipeline-model-parallel-size 2" in flags and "--micro-batch-size" in flags
         _same(plan, source.manual("megatron:" + flags))
         toml = plan.export("torchtitan")
         config = tomllib.loads(toml)
@@ -117,9 +121,10 @@ def test_what_an_engine_cannot_express_is_refused_by_name():
     planner = autosplit.Planner(model, ["cpu"] * 2, example_inputs=args, micro_batches=2, schedule="1f1b")
     inside = planner.manual([["model.embed_tokens", "model.layers.0.input_layernorm", "model.layers.0.self_attn"],  # a cut inside layer 0
                              ["model.layers.0.post_attention_layernorm", "model.layers.0.mlp", "model.layers.1", "model.norm", "lm_head"]])
-    with pytest.raises(ExportError, match=r"cuts inside 'model.layers.0'.*together=\[\['model.layers.0'\]\]"):
+    with pytest.raises(ExportError, match=r"cuts inside 'model.layers.0'.*expressible_in=.*together=\[\['model.layers.0'\]\]"):
         inside.export("torchtitan")
-    gpipe = planner.with_options(schedule="gpipe").manual([["model.embed_tokens", "model.layers.0"], ["model.layers.1", "model.norm", "lm_head"]])
+    gpipe = planner.with_options(schedule="gpipe").manual([["model.embed_tokens", "model.layers.0"],
+                                                           ["model.layers.1", "model.norm", "lm_head"]])
     with pytest.raises(ExportError, match="megatron does not run the 'gpipe' schedule"):
         gpipe.export("megatron")
     assert "GPipe" in gpipe.export("torchtitan")
@@ -158,3 +163,27 @@ def test_the_command_line_exports_a_plan_and_compares_the_engines_configurations
     rows = json.loads(capsys.readouterr().out)["candidates"]
     assert [r["name"] for r in rows] == ["autosplit", "megatron", "torchtitan"] and all(r["feasible"] for r in rows)
     assert rows[1]["plan"]["step_time"] == pytest.approx(rows[2]["plan"]["step_time"])
+
+
+def test_expressible_in_plans_only_what_the_engine_runs_and_says_what_that_costs():
+    """One wide Llama layer on two devices: the best split cuts inside it (attention | MLP), which no
+    engine can write; planned expressible in Megatron, the layer stays whole, the plan exports, and
+    the report gives the free plan's step beside it."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from autosplit.report.text import plan_report
+
+    torch.manual_seed(0)
+    shape: dict[str, Any] = dict(vocab_size=64, hidden_size=64, intermediate_size=1024, num_hidden_layers=1, num_attention_heads=4,
+                                 num_key_value_heads=2, max_position_embeddings=64, attn_implementation="eager")
+    model, tokens = LlamaForCausalLM(LlamaConfig(**shape)), torch.randint(0, 64, (8, 64))
+    planner = autosplit.Planner(model, ["A100-80GB"] * 2, example_inputs=(tokens,), schedule="1f1b", micro_batches=4)
+    free = planner.plan()
+    with pytest.raises(ExportError, match="cuts inside 'model.layers.0'"):
+        free.export("megatron")
+    whole = planner.with_options(expressible_in="megatron").plan()
+    assert "--pipeline-model-parallel-layout" in whole.export("megatron") and "tok_embeddings" in whole.export("torchtitan")
+    assert whole.engine_gap == ("megatron", pytest.approx(free.step_time)) and whole.step_time > free.step_time
+    assert "planned as megatron runs it (whole layers)" in plan_report(whole)
+    with pytest.raises(ConstraintError, match="expressible_in"):
+        planner.with_options(expressible_in="deepspeed")

@@ -118,6 +118,9 @@ class Planner:
         """Solve for the best plan; or, with ``given`` (a :class:`Plan` or a JSON path), check it
         against this model and refresh its predictions without solving."""
         made = dataclasses.replace(self._plan(given), batch=self.traced.batch or 0)
+        if given is None and self.options.expressible_in:  # what keeping to the engine's terms costs: the best plan without it
+            free = self._solve(self.specs(), self.options.replace(expressible_in=None))
+            made = dataclasses.replace(made, engine_gap=(self.options.expressible_in, free.step_time))
         if debug.plans.isEnabledFor(logging.DEBUG):
             debug.plans.debug("%s", plan_report(made))
         return made

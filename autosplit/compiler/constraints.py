@@ -4,15 +4,17 @@
 from __future__ import annotations
 
 import difflib
+import re
 from collections.abc import Sequence
 
 from autosplit.costtable import CostTable
 from autosplit.devices import DeviceSpec
 from autosplit.errors import ConstraintError, advice
 from autosplit.options import PlanOptions
+from autosplit.plan_export import names_for
 from autosplit.solver.problem import UserConstraint
 
-__all__ = ["user_constraints"]
+__all__ = ["engine_groups", "user_constraints"]
 
 
 def _device_index(ref: int | str, specs: Sequence[DeviceSpec]) -> int:
@@ -62,4 +64,18 @@ def user_constraints(table: CostTable, options: PlanOptions) -> list[UserConstra
     for modules in options.together or ():
         nodes = tuple(sorted({n for m in modules for n in _module_nodes(m, table)}))
         out.append(UserConstraint(f"keep {list(modules)} together", (), nodes))
+    if options.expressible_in:
+        for modules in engine_groups(table, options.expressible_in):
+            nodes = tuple(sorted({n for m in modules for n in _module_nodes(m, table)}))
+            out.append(UserConstraint(f"keep {list(modules)} on one stage, as {options.expressible_in} places them", (), nodes))
     return out
+
+
+def engine_groups(table: CostTable, engine: str) -> list[tuple[str, ...]]:
+    """The modules ``engine`` places only together (:mod:`autosplit.plan_export`): each layer of the
+    repeated blocks, and for Megatron the final norm with the output (its loss stage ``L``)."""
+    paths = {".".join(p.split(".")[:k]) for p in table.module_paths if p for k in range(1, p.count(".") + 2)}
+    names = names_for(paths)
+    layer = re.compile(re.escape(names.layers) + r"\.(\d+)")
+    groups: list[tuple[str, ...]] = [(p,) for p in sorted((p for p in paths if layer.fullmatch(p)), key=lambda p: int(p.rsplit(".", 1)[1]))]
+    return groups + ([(names.norm, names.output)] if engine == "megatron" else [])

@@ -55,6 +55,10 @@ def plan_report(plan: Plan, width: int = 140) -> str:
         f"predicted step time {_ms(plan.step_time)} ({plan.schedule}, {plan.micro_batches} micro-batches, {plan.precision}); "
         f"{provenance}; costs {plan.costs}; captured by {plan.capture}, graph {plan.fingerprint}"
     )
+    if plan.engine_gap is not None:
+        engine, free = plan.engine_gap
+        console.print(f"planned as {engine} runs it (whole layers): {_ms(plan.step_time)}; the best plan without that restriction "
+                      f"{_ms(free)} ({plan.step_time / free - 1:+.1%})")
     if "uncalibrated" in plan.costs:
         console.print(
             "the predicted times are a roofline estimate nobody fitted to these devices: calibrate them "
