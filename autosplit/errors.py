@@ -21,6 +21,7 @@ __all__ = [
     "DistributedError",
     "ExportError",
     "InfeasiblePlanError",
+    "LayerCutError",
     "PlanFileError",
     "PlanMismatchError",
     "PlanValidationError",
@@ -102,6 +103,13 @@ class CompileError(AutosplitError):
 class ExportError(AutosplitError, ValueError):
     """A plan cannot be written in an engine's terms: a cut inside a layer, parameters the name map
     does not place, a schedule or recomputation the engine does not run."""
+
+
+class LayerCutError(ExportError):
+    """An export refused because the plan cuts inside a layer; ``nearest`` holds, where the planner made
+    it (:meth:`autosplit.Planner.export`), the nearest plan that keeps every layer whole."""
+
+    nearest: object = None
 
 
 class DistributedError(AutosplitError):

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from autosplit import schedules
-from autosplit.errors import ExportError, advice
+from autosplit.errors import ExportError, LayerCutError, advice
 from autosplit.megatron_layout import check, format_layout
 
 Plan = Any
@@ -124,7 +124,7 @@ def stage_parts(plan: Plan, names: Names) -> tuple[tuple[str, ...], ...]:
             raise ExportError(advice(f"the plan runs no node of {path!r} ({titan})", "the name map points at a module the model "
                                      "does not call", "pass names= with the model's own paths"))
         if len(found) > 1:
-            raise ExportError(advice(
+            raise LayerCutError(advice(
                 f"the plan cuts inside {path!r} (torchtitan's {titan}): its nodes run on stages {list(found)}",
                 "torchtitan's module lists and Megatron's layouts place whole layers only",
                 "plan with expressible_in='torchtitan' or 'megatron' (every layer kept whole; the report gives the step it costs "
@@ -237,7 +237,9 @@ def megatron_flags(plan: Plan, names: Names) -> str:
     flags += ["--use-distributed-optimizer"] if plan.dp_shard > 1 else []
     flags += ["--bf16"] if plan.precision in ("bf16", "bf16-mixed") else ["--fp16"] if plan.precision == "fp16-mixed" else []
     flags += _megatron_recompute(plan, parts, names)
-    return " \\\n  ".join(flags) + "\n"
+    vp = plan.stages_per_rank
+    return " \\\n  ".join(flags) + f"\n# virtual pipeline size {vp}: Megatron derives it from the layout ({len(parts)} stages over pp {pp});" \
+        " its own virtual-pipeline flags may not be given with a layout\n"
 
 
 def _megatron_recompute(plan: Plan, parts: Sequence[Sequence[str]], names: Names) -> list[str]:

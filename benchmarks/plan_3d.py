@@ -127,7 +127,10 @@ def _scale_row(kind: str, time_limit: float) -> dict[str, Any]:
     start = time.perf_counter()
     row: dict[str, Any] = {"kind": kind, "published": r.published, "source": r.source}
     try:
-        if which.startswith("recipe"):
+        if which.startswith("recipe") and r.megatron:  # the published layout, read as Megatron reads it
+            planner = autosplit.Planner(model, cluster, example_inputs=(tokens,), precision="bf16-mixed")
+            plan = planner.manual(f"megatron:{r.megatron}", check_memory=False)
+        elif which.startswith("recipe"):
             planner = autosplit.Planner(model, cluster, example_inputs=(tokens,), precision="bf16-mixed")
             split = None if r.stages == 1 else torchtitan_fqns(
                 model, r.stages, repeated="model.layers", input_weight=r.input_weight, output_weight=r.output_weight,

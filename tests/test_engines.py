@@ -11,7 +11,7 @@ import tomllib
 import torch
 
 import autosplit
-from autosplit.errors import ConstraintError, ExportError
+from autosplit.errors import ConstraintError, ExportError, LayerCutError
 from autosplit.megatron_layout import check, format_layout, parse
 from autosplit.plan_export import TORCHTITAN_LLAMA3, TRANSFORMERS_LLAMA, stage_parts
 
@@ -181,9 +181,26 @@ def test_expressible_in_plans_only_what_the_engine_runs_and_says_what_that_costs
     free = planner.plan()
     with pytest.raises(ExportError, match=re.escape("cuts inside 'model.layers.0'")):
         free.export("megatron")
+    with pytest.raises(LayerCutError, match=r"the nearest plan that keeps every layer whole .* predicted step") as cut:
+        planner.export("megatron", free)
+    nearest = cut.value.nearest
+    assert isinstance(nearest, autosplit.Plan) and nearest.step_time > free.step_time
+    assert "--pipeline-model-parallel-layout" in nearest.export("megatron")
     whole = planner.with_options(expressible_in="megatron").plan()
     assert "--pipeline-model-parallel-layout" in whole.export("megatron") and "tok_embeddings" in whole.export("torchtitan")
     assert whole.engine_gap == ("megatron", pytest.approx(free.step_time)) and whole.step_time > free.step_time
     assert "planned as megatron runs it (whole layers)" in plan_report(whole)
     with pytest.raises(ConstraintError, match="expressible_in"):
         planner.with_options(expressible_in="deepspeed")
+
+
+def test_a_bare_layout_takes_as_many_pipeline_ranks_as_its_stages_and_the_devices_allow():
+    """Megatron-Bridge's 70B layout has 40 stages: on 64 devices at tp 4 that is pp 8 × vp 5 and
+    data-parallel 2, as the recipe runs; here, 2 stages on 4 devices: pp 2, two copies. Megatron's
+    flags give micro-batches as sizes: global 8 rows, 1 per micro-batch, over 2 copies is 4 each."""
+    model, args = _llama(2)
+    planner = autosplit.Planner(model, ["cpu"] * 4, example_inputs=args)
+    bare = planner.manual("megatron:Et|tL")
+    assert bare.mesh == {"pp": 2, "dp_replicate": 2, "dp_shard": 1, "tp": 1} and bare.schedule == "1f1b"
+    flagged = planner.manual("megatron:--pipeline-model-parallel-layout 'Et|tL' --micro-batch-size 1 --global-batch-size 8")
+    assert flagged.micro_batches == 4 and flagged.mesh == bare.mesh

@@ -30,14 +30,14 @@ from typing import Any
 import torch
 
 from autosplit import debug
-from autosplit.compiler.engine_plans import ENGINE_PREFIXES, engine_recipe
+from autosplit.compiler.engine_plans import ENGINE_PREFIXES, engine_recipe, nearest_layer_plan
 from autosplit.compiler.hybrid import Cluster
 from autosplit.compiler.manual import manual_plan
 from autosplit.compiler.mesh import degrees_to_try, mesh_plan, stage_ranks
 from autosplit.compiler.steps import codegen, compile_plan
 from autosplit.compiler.trace import Traced, trace
 from autosplit.devices import DeviceLike, DeviceSpec, resolve_devices
-from autosplit.errors import ConstraintError, DeviceError, advice
+from autosplit.errors import ConstraintError, DeviceError, LayerCutError, advice
 from autosplit.microbatch import batch_size
 from autosplit.options import PlanOptions
 from autosplit.passes.loss import Loss
@@ -190,7 +190,9 @@ class Planner:
         :mod:`autosplit.compiler.engine_plans`). ``check_memory=False`` returns a plan over a cap instead of raising."""
         if isinstance(split, str) and split.startswith(ENGINE_PREFIXES):
             name = name or split.partition(":")[0]
-            split = engine_recipe(split, set(self.traced.captured.module_paths.values()), len(self.specs()), names=names)
+            tp = self.options.tensor_parallel if isinstance(self.options.tensor_parallel, int) else 1
+            split = engine_recipe(split, set(self.traced.captured.module_paths.values()), len(self.specs()), names=names,
+                                  tensor_parallel=tp)
         if isinstance(split, Recipe):
             made = manual_plan(self._copy_of(split), {} if split.split is None else split.split, name=name or "recipe",
                                check_memory=check_memory)
@@ -200,6 +202,25 @@ class Planner:
                         else "balance" if split and all(isinstance(x, int) for x in split) else "manual")
             made = manual_plan(self, split, name=name, check_memory=check_memory)
         return dataclasses.replace(made, batch=self.traced.batch or 0)
+
+    def export(self, engine: str, plan: Plan | None = None, *, names: Any = None, form: str = "toml") -> str:
+        """``plan`` (default: :meth:`plan`) as ``engine`` reads it (:meth:`autosplit.Plan.export`). Where the plan
+        cuts inside a layer, the :class:`~autosplit.errors.LayerCutError` carries the nearest plan that keeps
+        layers whole, costed by this planner (``.nearest``), and says its predicted step."""
+        made = self.plan() if plan is None else plan
+        try:
+            return made.export(engine, names=names, form=form)
+        except LayerCutError as e:
+            nearest = nearest_layer_plan(self, made, names)
+            error = LayerCutError(advice(
+                f"{str(e).split('. Likely cause')[0]}; the nearest plan that keeps every layer whole moves the cut to a layer "
+                f"boundary ({' | '.join(', '.join(st.modules) for st in nearest.stages)}): predicted step "
+                f"{nearest.step_time:.4g} s against this plan's {made.step_time:.4g} s ({nearest.step_time / made.step_time - 1:+.1%})",
+                "torchtitan's module lists and Megatron's layouts place whole layers only",
+                "export the nearest plan (this error's .nearest), or plan with expressible_in= the engine for the best one",
+            ))
+            error.nearest = nearest
+            raise error from e
 
     def _copy_of(self, recipe: Recipe) -> Planner:
         """This planner as one data-parallel copy of ``recipe`` sees the model: the first device of each

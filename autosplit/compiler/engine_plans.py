@@ -16,6 +16,7 @@ Usage::
 
 from __future__ import annotations
 
+import math
 import shlex
 from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
@@ -27,9 +28,10 @@ from autosplit import schedules
 from autosplit.errors import ConstraintError, advice
 from autosplit.megatron_layout import check, parse
 from autosplit.plan_export import Names, names_for
+from autosplit.plans import Plan
 from autosplit.recipes import Recipe
 
-__all__ = ["ENGINE_PREFIXES", "engine_recipe", "megatron_recipe", "torchtitan_recipe"]
+__all__ = ["ENGINE_PREFIXES", "engine_recipe", "megatron_recipe", "nearest_layer_plan", "torchtitan_recipe"]
 
 ENGINE_PREFIXES = ("megatron:", "torchtitan:")
 
@@ -39,15 +41,15 @@ _SCHEDULE_OF = {entry.torch_class.removeprefix("Schedule").lower(): name for nam
 
 
 def engine_recipe(text: str | Mapping[str, Any], paths: Collection[str], world: int, *, names: Names | Mapping[str, str] | None = None,
-                  ) -> Recipe:
+                  tensor_parallel: int = 1) -> Recipe:
     """The recipe of an engine's configuration over ``world`` devices of a model with module ``paths``
-    (its nodes' paths: every level of them counts)."""
+    (its nodes' paths: every level of them counts); ``tensor_parallel``: the tp a bare Megatron layout runs at."""
     resolved = names_for({".".join(p.split(".")[:k]) for p in paths for k in range(1, p.count(".") + 2)}, names)
     if isinstance(text, Mapping):
         return torchtitan_recipe(text, resolved)
     engine, _, body = text.partition(":")
     if engine == "megatron":
-        return megatron_recipe(body, resolved, world)
+        return megatron_recipe(body, resolved, world, tensor_parallel)
     if engine == "torchtitan":
         try:
             config = tomllib.loads(Path(body).read_text())
@@ -64,16 +66,19 @@ def _stage_modules(titan: Sequence[Sequence[str]], names: Names) -> list[list[st
     return [[names.model_path("output" if f == "lm_head" else f) for f in stage] for stage in titan]
 
 
-def megatron_recipe(body: str, names: Names, world: int) -> Recipe:
-    """A Megatron layout, alone (pipeline size: every device) or with the flags around it."""
+def megatron_recipe(body: str, names: Names, world: int, tensor_parallel: int = 1) -> Recipe:
+    """A Megatron layout with the flags around it, or alone: then at ``tensor_parallel``, on as many
+    pipeline ranks as both its stages and the devices over tp allow (the greatest common divisor; 40
+    stages on 64 devices at tp 4 are pp 8 × vp 5, data-parallel 2: Megatron-Bridge's Llama-3-70B), the
+    rest of the devices data-parallel."""
     flags = _megatron_flags(body) if body.lstrip().startswith("--") else {"pipeline-model-parallel-layout": body}
     layout = flags.get("pipeline-model-parallel-layout")
     if layout is None:
         raise ConstraintError(advice("the Megatron flags give no --pipeline-model-parallel-layout",
                                      "autosplit reads a Megatron split from its layout", "add the layout"))
-    tp = int(flags.get("tensor-model-parallel-size", 1))
-    pp = int(flags.get("pipeline-model-parallel-size", world // tp))
     stages = parse(layout)
+    tp = int(flags.get("tensor-model-parallel-size", tensor_parallel))
+    pp = int(flags.get("pipeline-model-parallel-size", math.gcd(len(stages), max(1, world // tp))))
     layers = sum(c == "t" for stage in stages for c in stage)
     vp = check(stages, num_layers=layers, pipeline=pp)
     if "m" in "".join("".join(s) for s in stages):
@@ -88,12 +93,15 @@ def megatron_recipe(body: str, names: Names, world: int) -> Recipe:
         part += [f"layers.{i}" for i in range(layer, layer + stage.count("t"))]
         layer += stage.count("t")
         titan.append(part + (["norm", "output"] if "L" in stage else []))
-    options: dict[str, Any] = {"schedule": "interleaved1f1b" if vp > 1 else "1f1b", "stages_per_rank": vp}
+    dp = world // (tp * pp)
+    options: dict[str, Any] = {"schedule": "interleaved1f1b" if vp > 1 else "1f1b", "stages_per_rank": vp, "checkpointing": "none"}
+    if "micro-batch-size" in flags and "global-batch-size" in flags:  # Megatron's micro-batches per step and copy
+        options["micro_batches"] = int(flags["global-batch-size"]) // (int(flags["micro-batch-size"]) * dp)
     if "recompute-granularity" in flags:
         options.update(_megatron_checkpointing(flags, titan, names))
     if "sequence-parallel" in flags:
         options["sequence_parallel"] = True
-    return Recipe(split=_stage_modules(titan, names), data_parallel=world // (tp * pp), tensor_parallel=tp, options=options,
+    return Recipe(split=_stage_modules(titan, names), data_parallel=dp, tensor_parallel=tp, options=options,
                   replicate="fully_shard" if "use-distributed-optimizer" in flags else "replicate")
 
 
@@ -157,3 +165,30 @@ def torchtitan_recipe(config: Mapping[str, Any], names: Names) -> Recipe:
         options["sequence_parallel"] = bool(par.get("enable_sequence_parallel", True))
     return Recipe(split=_stage_modules(fqns, names) if fqns else None, data_parallel=max(replicate, shard), tensor_parallel=tp,
                   replicate="fully_shard" if shard > 1 else "replicate", options=options)
+
+
+def nearest_layer_plan(planner: Any, plan: Plan, names: Names | Mapping[str, str] | None = None) -> Plan:
+    """The plan nearest ``plan`` that keeps every module an engine places whole (the embedding, each
+    layer, the final norm, the output): each goes to the stage that runs most of its nodes (never before
+    the module ahead of it), costed by ``planner`` as a recipe of the same mesh, schedule and micro-batches."""
+    paths = planner.traced.captured.module_paths
+    prefixes = {".".join(p.split(".")[:k]) for p in paths.values() if p for k in range(1, p.count(".") + 2)}
+    resolved = names_for(prefixes, names)
+    layers = sorted((p for p in prefixes if p.startswith(resolved.layers + ".") and p[len(resolved.layers) + 1:].isdigit()),
+                    key=lambda p: int(p.rsplit(".", 1)[1]))
+    units = [resolved.tok_embeddings, *layers, resolved.norm, resolved.output]
+    stage_of, floor = plan.stage_of, 0
+    lists: list[list[str]] = [[] for _ in plan.stages]
+    for unit in units:
+        counts: dict[int, int] = {}
+        for node, path in paths.items():
+            if node in stage_of and (path == unit or path.startswith(unit + ".")):
+                counts[stage_of[node]] = counts.get(stage_of[node], 0) + 1
+        if counts:  # a module the graph never runs (none here for a Llama) has no stage to keep
+            floor = max(floor, max(counts, key=lambda s: (counts[s], -s)))
+            lists[floor].append(unit)
+    recipe = Recipe(split=lists, data_parallel=plan.data_parallel, tensor_parallel=plan.tensor_parallel,
+                    replicate="fully_shard" if plan.dp_shard > 1 else "replicate",
+                    options={"schedule": plan.schedule, "stages_per_rank": plan.stages_per_rank, "micro_batches": plan.micro_batches,
+                             "precision": plan.precision})
+    return planner.manual(recipe, name="nearest whole layers", check_memory=False)

@@ -24,6 +24,12 @@ _LAYERS = re.compile(r"^(.*\.)?(\d+)(?:–(\d+))?$")
 """A stage's module name that is a numbered layer or a run of them (``model.layers.3``, ``model.layers.0–4``)."""
 
 
+def _engine_gap(plan: Plan) -> str:
+    engine, free = plan.engine_gap or ("", plan.step_time)
+    return (f"planned as {engine} runs it (whole layers): {_ms(plan.step_time)}; the best plan without that restriction "
+            f"{_ms(free)} ({plan.step_time / free - 1:+.1%})")
+
+
 def plan_report(plan: Plan, width: int = 140) -> str:
     """The partition report as text: one row per device, then the solver's provenance."""
     table = Table(title=f"autosplit plan: {len(plan.assignment)} nodes on {len(plan.devices)} devices")
@@ -56,9 +62,7 @@ def plan_report(plan: Plan, width: int = 140) -> str:
         f"{provenance}; costs {plan.costs}; captured by {plan.capture}, graph {plan.fingerprint}"
     )
     if plan.engine_gap is not None:
-        engine, free = plan.engine_gap
-        console.print(f"planned as {engine} runs it (whole layers): {_ms(plan.step_time)}; the best plan without that restriction "
-                      f"{_ms(free)} ({plan.step_time / free - 1:+.1%})")
+        console.print(_engine_gap(plan))
     if "uncalibrated" in plan.costs:
         console.print(
             "the predicted times are a roofline estimate nobody fitted to these devices: calibrate them "

@@ -44,6 +44,8 @@ class ScaleRecipe:
     options: Any = None
     input_weight: int = 1
     output_weight: int = 1
+    megatron: str | None = None
+    """Megatron-LM's flags, layout included, read by ``Planner.manual("megatron:…")`` instead of the fields above."""
 
 
 RECIPES: dict[str, ScaleRecipe] = {
@@ -62,5 +64,8 @@ RECIPES: dict[str, ScaleRecipe] = {
         source="Megatron-Bridge docs/performance-summary.md, 25.11, DGX-H100 (TP 4 x PP 8 x VP 5, MBS 1, GBS 128, FP8-CS)",
         options={"checkpointing": "none", "schedule": "interleaved1f1b", "stages_per_rank": 5, "micro_batches": 64,
                  "sequence_parallel": True},
-        input_weight=0, output_weight=0),
+        input_weight=0, output_weight=0,
+        # the layout of Megatron-Bridge's perf recipe llama3_70b_pretrain_64gpu_h100_fp8cs_config (perf_recipes/llama/h100/llama3.py)
+        megatron="--tensor-model-parallel-size 4 --pipeline-model-parallel-size 8 --pipeline-model-parallel-layout "
+                 "'Et*2|(t*2|)*34,t*3|(t*2|)*3,tL' --micro-batch-size 1 --global-batch-size 128 --sequence-parallel --bf16"),
 }
