@@ -237,9 +237,9 @@ def megatron_flags(plan: Plan, names: Names) -> str:
     flags += ["--use-distributed-optimizer"] if plan.dp_shard > 1 else []
     flags += ["--bf16"] if plan.precision in ("bf16", "bf16-mixed") else ["--fp16"] if plan.precision == "fp16-mixed" else []
     flags += _megatron_recompute(plan, parts, names)
-    vp = plan.stages_per_rank
-    return " \\\n  ".join(flags) + f"\n# virtual pipeline size {vp}: Megatron derives it from the layout ({len(parts)} stages over pp {pp});" \
-        " its own virtual-pipeline flags may not be given with a layout\n"
+    note = (f"# virtual pipeline size {plan.stages_per_rank}: Megatron derives it from the layout ({len(parts)} stages over pp {pp}); "
+            "its own virtual-pipeline flags may not be given with a layout")
+    return " \\\n  ".join(flags) + f"\n{note}\n"
 
 
 def _megatron_recompute(plan: Plan, parts: Sequence[Sequence[str]], names: Names) -> list[str]:
