@@ -204,3 +204,54 @@ def test_a_bare_layout_takes_as_many_pipeline_ranks_as_its_stages_and_the_device
     assert bare.mesh == {"pp": 2, "dp_replicate": 2, "dp_shard": 1, "tp": 1} and bare.schedule == "1f1b"
     flagged = planner.manual("megatron:--pipeline-model-parallel-layout 'Et|tL' --micro-batch-size 1 --global-batch-size 8")
     assert flagged.micro_batches == 4 and flagged.mesh == bare.mesh
+
+
+def _imported_trains_like_the_model(rank: int, world: int) -> None:
+    """A Megatron layout and its flags read as a plan, run by ``distribute`` on 2 gloo processes in
+    float64: the loss at every step and every gradient equal the unsplit model's on the same batch."""
+    import copy
+
+    from tests.helpers import full_tensor, where
+    from tests.layouts import llama_case, reference_step
+
+    torch.manual_seed(0)
+    model, args, kwargs, target, loss_fn = llama_case()
+    model = model.double()
+    reference = copy.deepcopy(model)
+    plan = autosplit.Planner(model, ["cpu"] * 2, example_inputs=args).manual(
+        "megatron:--pipeline-model-parallel-layout 'Et|tL' --micro-batch-size 2 --global-batch-size 8")
+    assert plan.micro_batches == 4 and plan.schedule == "1f1b"
+    pipe = autosplit.distribute(model, None, example_inputs=args, loss_fn=loss_fn, plan=plan)
+    opt, ref_opt = torch.optim.AdamW(pipe.parameters(), lr=1e-2), torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    ref_params = dict(reference.named_parameters())
+    for step in range(2):
+        loss = pipe.step(*args, target=target)
+        (expected,) = reference_step(reference, args, kwargs, target, loss_fn, copies=1)
+        if pipe.is_last:
+            torch.testing.assert_close(loss, expected, msg=where(f"step {step} loss"))
+        for name, p in pipe.named_parameters():
+            torch.testing.assert_close(full_tensor(p.grad), ref_params[name].grad, msg=where(f"rank {rank} step {step} grad {name}"))
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+
+
+def test_an_imported_megatron_layout_trains_as_the_unsplit_model_under_distribute(gloo):
+    gloo(2).run(_imported_trains_like_the_model, [()])
+
+
+@pytest.mark.parametrize("family", ["Qwen2", "Mistral"])
+def test_qwen_and_mistral_are_read_under_the_transformers_llama_names(family):
+    import transformers
+
+    torch.manual_seed(0)
+    shape: dict[str, Any] = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                 num_key_value_heads=2, max_position_embeddings=16)
+    model = getattr(transformers, f"{family}ForCausalLM")(getattr(transformers, f"{family}Config")(**shape))
+    planner = autosplit.Planner(model, ["cpu"] * 2, example_inputs=(torch.randint(0, 128, (8, 8)),), schedule="1f1b",
+                                micro_batches=2, expressible_in="torchtitan")
+    plan = planner.plan()
+    fqns = tomllib.loads(plan.export("torchtitan"))["parallelism"]["module_fqns_per_model_part"]
+    assert [f for stage in fqns for f in stage] == ["tok_embeddings", "layers.0", "layers.1", "norm", "output"]
+    _same(plan, planner.manual("megatron:" + plan.export("megatron")))
