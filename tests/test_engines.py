@@ -204,6 +204,10 @@ def test_a_bare_layout_takes_as_many_pipeline_ranks_as_its_stages_and_the_device
     assert bare.mesh == {"pp": 2, "dp_replicate": 2, "dp_shard": 1, "tp": 1} and bare.schedule == "1f1b"
     flagged = planner.manual("megatron:--pipeline-model-parallel-layout 'Et|tL' --micro-batch-size 1 --global-batch-size 8")
     assert flagged.micro_batches == 4 and flagged.mesh == bare.mesh
+    parallelism = tomllib.loads(flagged.export("torchtitan"))["parallelism"]
+    assert (parallelism["data_parallel_replicate_degree"], parallelism["pipeline_parallel_degree"]) == (2, 2)
+    assert parallelism["pipeline_parallel_microbatch_size"] == 1
+    _same(flagged, planner.manual("megatron:" + flagged.export("megatron")))
 
 
 def _imported_trains_like_the_model(rank: int, world: int) -> None:

@@ -27,7 +27,7 @@ def plan(args: argparse.Namespace, argv: list[str]) -> int:
     with processes.bars():
         plan = planner.plan()
     if args.export:
-        snippet = plan.export(args.export)  # refused (a cut inside a layer …) before any file is written
+        snippet = planner.export(args.export, plan)  # refused (a cut inside a layer: with the nearest plan) before any file is written
         if args.out:
             inputs.write_text(args.out, snippet)
         print(snippet, end="")
