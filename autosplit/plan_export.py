@@ -201,7 +201,9 @@ def torchtitan_config(plan: Plan, names: Names, *, form: str = "toml") -> str:
     tables: dict[str, dict[str, object]] = {
         "parallelism": {**common, "pipeline_parallel_microbatch_size": micro, "module_fqns_per_model_part": [list(p) for p in parts]},
         "activation_checkpoint": {"mode": mode},
-        "training": {"local_batch_size": plan.batch // plan.data_parallel, "global_batch_size": plan.batch},
+        # without a pipeline, torchtitan accumulates gradients over global / (local · dp) steps: the micro-batches
+        "training": {"local_batch_size": plan.batch // plan.data_parallel if common["pipeline_parallel_degree"] > 1 else micro,
+                     "global_batch_size": plan.batch},
     }
     return "\n".join(f"[{table}]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in fields.items()) for table, fields in tables.items())
 

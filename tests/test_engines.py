@@ -259,3 +259,14 @@ def test_qwen_and_mistral_are_read_under_the_transformers_llama_names(family):
     fqns = tomllib.loads(plan.export("torchtitan"))["parallelism"]["module_fqns_per_model_part"]
     assert [f for stage in fqns for f in stage] == ["tok_embeddings", "layers.0", "layers.1", "norm", "output"]
     _same(plan, planner.manual("megatron:" + plan.export("megatron")))
+
+
+def test_without_a_pipeline_the_micro_batches_are_torchtitans_gradient_accumulation(tmp_path):
+    model, args = _llama(2)
+    plan = autosplit.Planner(model, ["cpu"], example_inputs=args, data_parallel=2, replicate="fully_shard", micro_batches=2).plan()
+    assert plan.mesh == {"pp": 1, "dp_replicate": 1, "dp_shard": 2, "tp": 1} and plan.micro_batches == 2
+    config = tomllib.loads(plan.export("torchtitan"))
+    assert config["training"] == {"local_batch_size": 2, "global_batch_size": 8}  # 8 rows / (2 per step · 2 copies): 2 steps
+    (tmp_path / "job.toml").write_text(plan.export("torchtitan"))
+    mesh = autosplit.Planner(model, ["cpu"] * 2, example_inputs=args)  # a recipe's devices are the whole mesh
+    _same(plan, mesh.manual(f"torchtitan:{tmp_path / 'job.toml'}"))

@@ -158,8 +158,10 @@ def torchtitan_recipe(config: Mapping[str, Any], names: Names) -> Recipe:
     options["checkpointing"] = mode
     if "num_pp_microbatches" in par:
         options["micro_batches"] = int(par["num_pp_microbatches"])
-    elif "local_batch_size" in training and "pipeline_parallel_microbatch_size" in par:
+    elif pp > 1 and "local_batch_size" in training and "pipeline_parallel_microbatch_size" in par:
         options["micro_batches"] = int(training["local_batch_size"]) // int(par["pipeline_parallel_microbatch_size"])
+    elif pp == 1 and "local_batch_size" in training and int(training.get("global_batch_size", -1)) > 0:  # gradient accumulation
+        options["micro_batches"] = int(training["global_batch_size"]) // (int(training["local_batch_size"]) * max(replicate, shard))
     tp = int(par.get("tensor_parallel_degree", 1))
     if tp > 1:
         options["sequence_parallel"] = bool(par.get("enable_sequence_parallel", True))
