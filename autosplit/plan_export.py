@@ -215,8 +215,8 @@ def megatron_flags(plan: Plan, names: Names) -> str:
     _engine_schedule(plan, "megatron")
     if plan.dp_shard > 1 and plan.dp_replicate > 1:
         raise ExportError(advice(
-            f"the plan shards over {plan.dp_shard} copies and replicates over {plan.dp_replicate}", "Megatron's distributed "
-            "optimizer shards the optimizer state over every data-parallel copy, not over a part of them", "plan with "
+            f"the plan shards over {plan.dp_shard} copies and replicates over {plan.dp_replicate}", "the Megatron-FSDP flags "
+            "autosplit writes shard over every data-parallel copy, not over a part of them", "plan with "
             "replicate='fully_shard' over all copies, or 'replicate'",
         ))
     letters = [tuple("E" if p == "tok_embeddings" else "L" if p == "output" else "t" for p in part if p != "norm") for part in parts]
@@ -236,7 +236,8 @@ def megatron_flags(plan: Plan, names: Names) -> str:
         f"--global-batch-size {plan.batch}",
     ]
     flags += ["--sequence-parallel"] if plan.sequence_parallel and plan.tensor_parallel > 1 else []
-    flags += ["--use-distributed-optimizer"] if plan.dp_shard > 1 else []
+    # FSDP2's fully_shard is Megatron-FSDP's optim_grads_params: parameters, gradients and optimizer state sharded
+    flags += ["--use-megatron-fsdp", "--data-parallel-sharding-strategy optim_grads_params"] if plan.dp_shard > 1 else []
     flags += ["--bf16"] if plan.precision in ("bf16", "bf16-mixed") else ["--fp16"] if plan.precision == "fp16-mixed" else []
     flags += _megatron_recompute(plan, parts, names)
     note = (f"# virtual pipeline size {plan.stages_per_rank}: Megatron derives it from the layout ({len(parts)} stages over pp {pp}); "

@@ -270,3 +270,16 @@ def test_without_a_pipeline_the_micro_batches_are_torchtitans_gradient_accumulat
     (tmp_path / "job.toml").write_text(plan.export("torchtitan"))
     mesh = autosplit.Planner(model, ["cpu"] * 2, example_inputs=args)  # a recipe's devices are the whole mesh
     _same(plan, mesh.manual(f"torchtitan:{tmp_path / 'job.toml'}"))
+    flags = plan.export("megatron")  # sharded: Megatron-FSDP over parameters, gradients and optimizer state, as fully_shard
+    assert "--use-megatron-fsdp \\\n  --data-parallel-sharding-strategy optim_grads_params" in flags and "'Et*2L'" in flags
+    _same(plan, mesh.manual("megatron:" + flags))
+
+
+def test_megatrons_distributed_optimizer_is_costed_with_its_state_whole_and_said(caplog):
+    model, args = _llama(2)
+    planner = autosplit.Planner(model, ["cpu"] * 2, example_inputs=args)
+    with caplog.at_level("WARNING", logger="autosplit.compiler.engine_plans"):
+        plan = planner.manual("megatron:--pipeline-model-parallel-size 1 --pipeline-model-parallel-layout EttL --use-distributed-optimizer")
+    assert plan.mesh == {"pp": 1, "dp_replicate": 2, "dp_shard": 1, "tp": 1} and "upper bound" in caplog.text
+    with pytest.raises(ConstraintError, match="optim_grads_params"):
+        planner.manual("megatron:--pipeline-model-parallel-layout EttL --use-megatron-fsdp --data-parallel-sharding-strategy optim")

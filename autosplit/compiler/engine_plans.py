@@ -16,6 +16,7 @@ Usage::
 
 from __future__ import annotations
 
+import logging
 import math
 import shlex
 from collections.abc import Collection, Mapping, Sequence
@@ -34,6 +35,7 @@ from autosplit.recipes import Recipe
 __all__ = ["ENGINE_PREFIXES", "engine_recipe", "megatron_recipe", "nearest_layer_plan", "torchtitan_recipe"]
 
 ENGINE_PREFIXES = ("megatron:", "torchtitan:")
+log = logging.getLogger(__name__)
 
 _SCHEDULE_OF = {entry.torch_class.removeprefix("Schedule").lower(): name for name, entry in schedules.REGISTRY.items()
                 if entry.torch_class}
@@ -94,7 +96,8 @@ def megatron_recipe(body: str, names: Names, world: int, tensor_parallel: int = 
         layer += stage.count("t")
         titan.append(part + (["norm", "output"] if "L" in stage else []))
     dp = world // (tp * pp)
-    options: dict[str, Any] = {"schedule": "interleaved1f1b" if vp > 1 else "1f1b", "stages_per_rank": vp, "checkpointing": "none"}
+    schedule = "gpipe" if len(stages) == 1 else "interleaved1f1b" if vp > 1 else "1f1b"  # one stage: no pipeline to schedule
+    options: dict[str, Any] = {"schedule": schedule, "stages_per_rank": vp, "checkpointing": "none"}
     if "micro-batch-size" in flags and "global-batch-size" in flags:  # Megatron's micro-batches per step and copy
         options["micro_batches"] = int(flags["global-batch-size"]) // (int(flags["micro-batch-size"]) * dp)
     if "recompute-granularity" in flags:
@@ -102,7 +105,27 @@ def megatron_recipe(body: str, names: Names, world: int, tensor_parallel: int = 
     if "sequence-parallel" in flags:
         options["sequence_parallel"] = True
     return Recipe(split=_stage_modules(titan, names), data_parallel=dp, tensor_parallel=tp, options=options,
-                  replicate="fully_shard" if "use-distributed-optimizer" in flags else "replicate")
+                  replicate=_megatron_replicate(flags))
+
+
+def _megatron_replicate(flags: Mapping[str, str]) -> str:
+    """FSDP2's name for Megatron's data parallelism: Megatron-FSDP sharding parameters, gradients and optimizer
+    state is ``fully_shard``; plain data parallelism ``replicate``. Megatron's distributed optimizer shards the
+    optimizer state alone, which FSDP2 has no name for: it is costed as ``replicate``, holding that state whole
+    (more memory than Megatron needs, never less), and said so in the log."""
+    if "use-megatron-fsdp" in flags:
+        strategy = flags.get("data-parallel-sharding-strategy", "")
+        if strategy != "optim_grads_params":
+            raise ConstraintError(advice(
+                f"Megatron-FSDP with --data-parallel-sharding-strategy {strategy or '(its default)'}",
+                "FSDP2 shards parameters, gradients and optimizer state together (Megatron's optim_grads_params)",
+                "give --data-parallel-sharding-strategy optim_grads_params",
+            ))
+        return "fully_shard"
+    if "use-distributed-optimizer" in flags:
+        log.warning("Megatron's distributed optimizer shards only the optimizer state; the recipe is costed with it whole "
+                    "(replicate): its memory is an upper bound")
+    return "replicate"
 
 
 def _megatron_flags(body: str) -> dict[str, str]:
