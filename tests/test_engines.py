@@ -91,6 +91,7 @@ def test_a_plan_exported_to_either_engine_reads_back_as_the_same_plan(tmp_path):
         assert config["parallelism"]["pipeline_parallel_schedule"] == {"1f1b": "1F1B", "interleaved1f1b": "Interleaved1F1B"}[plan.schedule]
         (tmp_path / "job.toml").write_text(toml)
         _same(plan, source.manual(f"torchtitan:{tmp_path / 'job.toml'}"))
+        _same(plan, source.manual(config))  # the same tables as a mapping
         python = plan.export("torchtitan", form="python")
         assert "config.parallelism.num_pp_microbatches" in python and "'lm_head'" in python
         compile(python, "exported", "exec")

@@ -185,11 +185,11 @@ class Planner:
         see :func:`autosplit.compiler.manual.manual_plan`. A :class:`~autosplit.recipes.Recipe`
         spreads its split over this planner's devices as the whole mesh and the example batch as the
         global one; an engine's configuration — ``"megatron:LAYOUT"`` (or Megatron's flags after the colon),
-        ``"torchtitan:FILE.toml"`` — is read as such a recipe in the model's own module names (``names``:
-        where torchtitan's llama3 modules are, found by itself for a transformers Llama;
+        ``"torchtitan:FILE.toml"`` or torchtitan's tables as a mapping — is read as such a recipe in the
+        model's own module names (``names``: where torchtitan's llama3 modules are, found by itself for a transformers Llama;
         :mod:`autosplit.compiler.engine_plans`). ``check_memory=False`` returns a plan over a cap instead of raising."""
-        if isinstance(split, str) and split.startswith(ENGINE_PREFIXES):
-            name = name or split.partition(":")[0]
+        if (isinstance(split, str) and split.startswith(ENGINE_PREFIXES)) or (isinstance(split, Mapping) and "parallelism" in split):
+            name = name or (split.partition(":")[0] if isinstance(split, str) else "torchtitan")
             tp = self.options.tensor_parallel if isinstance(self.options.tensor_parallel, int) else 1
             split = engine_recipe(split, set(self.traced.captured.module_paths.values()), len(self.specs()), names=names,
                                   tensor_parallel=tp)

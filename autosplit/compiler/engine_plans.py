@@ -48,7 +48,7 @@ def engine_recipe(text: str | Mapping[str, Any], paths: Collection[str], world: 
     (its nodes' paths: every level of them counts); ``tensor_parallel``: the tp a bare Megatron layout runs at."""
     resolved = names_for({".".join(p.split(".")[:k]) for p in paths for k in range(1, p.count(".") + 2)}, names)
     if isinstance(text, Mapping):
-        return torchtitan_recipe(text, resolved)
+        return torchtitan_recipe(text, resolved, world)
     engine, _, body = text.partition(":")
     if engine == "megatron":
         return megatron_recipe(body, resolved, world, tensor_parallel)
@@ -58,7 +58,7 @@ def engine_recipe(text: str | Mapping[str, Any], paths: Collection[str], world: 
         except (OSError, tomllib.TOMLDecodeError) as e:
             raise ConstraintError(advice(f"cannot read torchtitan config {body!r}: {e}", "the file is missing or not TOML",
                                          "pass torchtitan:PATH to a v0.2 job config, or the config as a mapping")) from e
-        return torchtitan_recipe(config, resolved)
+        return torchtitan_recipe(config, resolved, world)
     raise ConstraintError(advice(f"no engine {engine!r} in {text[:40]!r}", "autosplit reads Megatron-LM and torchtitan configurations",
                                  f"start it with one of {ENGINE_PREFIXES}"))
 
@@ -152,10 +152,13 @@ def _megatron_checkpointing(flags: Mapping[str, str], titan: Sequence[Sequence[s
     return {"checkpointing": "none", "recompute": {names.model_path(p): True for p in first}}
 
 
-def torchtitan_recipe(config: Mapping[str, Any], names: Names) -> Recipe:
-    """A torchtitan job config (v0.2 TOML tables, or the same fields as one mapping per table)."""
+def torchtitan_recipe(config: Mapping[str, Any], names: Names, world: int) -> Recipe:
+    """A torchtitan job config over ``world`` devices (v0.2 TOML tables, or the same fields as one mapping
+    per table); a shard degree of -1 is torchtitan's "the devices left over"."""
     par, ac, training = (dict(config.get(k, {})) for k in ("parallelism", "activation_checkpoint", "training"))
-    replicate, shard = int(par.get("data_parallel_replicate_degree", 1)), int(par.get("data_parallel_shard_degree", 1))
+    replicate, shard = int(par.get("data_parallel_replicate_degree", 1)), int(par.get("data_parallel_shard_degree", -1))
+    if shard == -1:
+        shard = world // (replicate * int(par.get("tensor_parallel_degree", 1)) * int(par.get("pipeline_parallel_degree", 1)))
     if replicate > 1 and shard > 1:
         raise ConstraintError(advice(
             f"torchtitan config replicates over {replicate} and shards over {shard} (HSDP)",
@@ -163,9 +166,12 @@ def torchtitan_recipe(config: Mapping[str, Any], names: Names) -> Recipe:
         ))
     fqns = par.get("module_fqns_per_model_part")
     pp = int(par.get("pipeline_parallel_degree", 1))
-    if pp > 1 and not fqns:
-        raise ConstraintError(advice("the torchtitan config pipelines without module_fqns_per_model_part",
-                                     "autosplit reads torchtitan's stages from their module lists", "give the lists"))
+    if (pp > 1 and not fqns) or (fqns and len(fqns) % pp):
+        raise ConstraintError(advice(
+            f"the torchtitan config has pipeline degree {pp} and {len(fqns or [])} module lists",
+            "autosplit reads torchtitan's stages from module_fqns_per_model_part, the same number per pipeline rank",
+            "give a list per stage, a multiple of the pipeline degree",
+        ))
     schedule = str(par.get("pipeline_parallel_schedule", "1F1B")).lower()
     if schedule not in _SCHEDULE_OF:
         raise ConstraintError(advice(f"torchtitan schedule {schedule!r}", "autosplit runs torch's schedules",
