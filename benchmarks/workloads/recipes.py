@@ -36,16 +36,17 @@ class ScaleRecipe:
     published: float
     """tokens/s/GPU as measured by the recipe's authors."""
     source: str
-    data_parallel: int
-    replicate: str
-    tensor_parallel: int
+    data_parallel: int = 1
+    replicate: str = "replicate"
+    tensor_parallel: int = 1
     stages: int = 1
     """Pipeline stages (ranks × stages per rank), as torchtitan's even split deals the layers out."""
     options: Any = None
     input_weight: int = 1
     output_weight: int = 1
     megatron: str | None = None
-    """Megatron-LM's flags, layout included, read by ``Planner.manual("megatron:…")`` instead of the fields above."""
+    """Megatron-LM's flags, layout included, read by ``Planner.manual("megatron:…")``: the whole recipe
+    (degrees, layout, micro-batches), in place of the fields above."""
 
 
 RECIPES: dict[str, ScaleRecipe] = {
@@ -60,12 +61,10 @@ RECIPES: dict[str, ScaleRecipe] = {
         options={"checkpointing": "full", "schedule": "interleaved1f1b", "stages_per_rank": 2, "micro_batches": 32,
                  "sequence_parallel": True}),
     "megatron-70b": ScaleRecipe(
-        "llama3-70b", nodes=8, rows=128, published=1602.0, data_parallel=2, replicate="replicate", tensor_parallel=4, stages=40,
+        "llama3-70b", nodes=8, rows=128, published=1602.0,
         source="Megatron-Bridge docs/performance-summary.md, 25.11, DGX-H100 (TP 4 x PP 8 x VP 5, MBS 1, GBS 128, FP8-CS)",
-        options={"checkpointing": "none", "schedule": "interleaved1f1b", "stages_per_rank": 5, "micro_batches": 64,
-                 "sequence_parallel": True},
-        input_weight=0, output_weight=0,
-        # the layout of Megatron-Bridge's perf recipe llama3_70b_pretrain_64gpu_h100_fp8cs_config (perf_recipes/llama/h100/llama3.py)
+        # the layout of Megatron-Bridge's perf recipe llama3_70b_pretrain_64gpu_h100_fp8cs_config (perf_recipes/llama/h100/llama3.py);
+        # no recompute flags: Megatron recomputes nothing; DP 2 = 64 GPUs / (TP 4 × PP 8); 64 micro-batches per copy
         megatron="--tensor-model-parallel-size 4 --pipeline-model-parallel-size 8 --pipeline-model-parallel-layout "
                  "'Et*2|(t*2|)*34,t*3|(t*2|)*3,tL' --micro-batch-size 1 --global-batch-size 128 --sequence-parallel --bf16"),
 }
