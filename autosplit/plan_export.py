@@ -35,8 +35,8 @@ from autosplit.megatron_layout import check, format_layout
 Plan = Any
 """A :class:`~autosplit.plans.Plan` (not imported: the plan imports this module for :meth:`~autosplit.plans.Plan.export`)."""
 
-__all__ = ["ENGINES", "TORCHTITAN_LLAMA3", "TRANSFORMERS_LLAMA", "Names", "export", "megatron_flags", "names_for", "stage_parts",
-           "torchtitan_config"]
+__all__ = ["ENGINES", "TORCHTITAN_LLAMA3", "TRANSFORMERS_LLAMA", "Names", "export", "layer_paths", "megatron_flags", "module_prefixes",
+           "names_for", "stage_parts", "torchtitan_config"]
 
 ENGINES = ("torchtitan", "megatron")
 
@@ -65,6 +65,17 @@ TORCHTITAN_LLAMA3 = Names("tok_embeddings", "layers", "norm", "output")
 _TORCHTITAN_SCHEDULES = {name: entry.torch_class.removeprefix("Schedule") for name, entry in schedules.REGISTRY.items()
                          if entry.torch_class}
 """autosplit's schedule → torchtitan's ``pipeline_parallel_schedule`` (torch's class without its prefix)."""
+
+
+def module_prefixes(paths: Collection[str]) -> set[str]:
+    """Every module path at every level of ``paths`` (a graph's nodes name their innermost module only)."""
+    return {".".join(p.split(".")[:k]) for p in paths if p for k in range(1, p.count(".") + 2)}
+
+
+def layer_paths(paths: Collection[str], names: Names) -> list[str]:
+    """The repeated layers among module ``paths`` (``model.layers.N``, by ``names``), in layer order."""
+    layer = re.compile(re.escape(names.layers) + r"\.(\d+)")
+    return sorted((p for p in paths if layer.fullmatch(p)), key=lambda p: int(p.rsplit(".", 1)[1]))
 
 
 def names_for(paths: Collection[str], names: Names | Mapping[str, str] | None = None) -> Names:
@@ -104,8 +115,8 @@ def _holders(plan: Plan) -> list[str]:
 def stage_parts(plan: Plan, names: Names) -> tuple[tuple[str, ...], ...]:
     """Each stage's modules in torchtitan's names, in order (``tok_embeddings``, ``layers.N`` …,
     ``norm``, ``output``), or an :class:`ExportError` naming what an engine cannot place."""
-    layers = sorted(int(p.rsplit(".", 1)[1]) for p in plan.module_stages if re.fullmatch(re.escape(names.layers) + r"\.\d+", p))
-    units = [("tok_embeddings", names.tok_embeddings), *((f"layers.{i}", f"{names.layers}.{i}") for i in layers),
+    layers = layer_paths(plan.module_stages.keys(), names)
+    units = [("tok_embeddings", names.tok_embeddings), *((f"layers.{path.rsplit('.', 1)[1]}", path) for path in layers),
              ("norm", names.norm), ("output", names.output)]
     mapped = [path for _, path in units]
     stray = [h for h in _holders(plan) if h != "(root)" and not any(h == p or h.startswith(p + ".") or p.startswith(h + ".")

@@ -284,3 +284,15 @@ def test_megatrons_distributed_optimizer_is_costed_with_its_state_whole_and_said
     assert plan.mesh == {"pp": 1, "dp_replicate": 2, "dp_shard": 1, "tp": 1} and "upper bound" in caplog.text
     with pytest.raises(ConstraintError, match="optim_grads_params"):
         planner.manual("megatron:--pipeline-model-parallel-layout EttL --use-megatron-fsdp --data-parallel-sharding-strategy optim")
+
+
+def test_a_configuration_that_would_leave_a_layer_out_is_refused():
+    """Megatron refuses a layout whose ``t`` count is not the model's layers; torchtitan keeps only the
+    modules its lists name, so lists that leave one out would train without it: both are refused."""
+    model, args = _llama(2)
+    planner = autosplit.Planner(model, ["cpu"] * 2, example_inputs=args)
+    with pytest.raises(ConstraintError, match="it holds 1 transformer layers t, the model 2"):
+        planner.manual("megatron:Et|L")
+    lists = [["tok_embeddings", "layers.0"], ["norm", "output"]]
+    with pytest.raises(ConstraintError, match=re.escape("leaves out ['layers.1']")):
+        planner.manual({"parallelism": {"pipeline_parallel_degree": 2, "module_fqns_per_model_part": lists}})

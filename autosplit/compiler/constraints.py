@@ -4,14 +4,13 @@
 from __future__ import annotations
 
 import difflib
-import re
 from collections.abc import Sequence
 
 from autosplit.costtable import CostTable
 from autosplit.devices import DeviceSpec
 from autosplit.errors import ConstraintError, advice
 from autosplit.options import PlanOptions
-from autosplit.plan_export import names_for
+from autosplit.plan_export import layer_paths, module_prefixes, names_for
 from autosplit.solver.problem import UserConstraint
 
 __all__ = ["engine_groups", "user_constraints"]
@@ -74,8 +73,7 @@ def user_constraints(table: CostTable, options: PlanOptions) -> list[UserConstra
 def engine_groups(table: CostTable, engine: str) -> list[tuple[str, ...]]:
     """The modules ``engine`` places only together (:mod:`autosplit.plan_export`): each layer of the
     repeated blocks, and for Megatron the final norm with the output (its loss stage ``L``)."""
-    paths = {".".join(p.split(".")[:k]) for p in table.module_paths if p for k in range(1, p.count(".") + 2)}
+    paths = module_prefixes(table.module_paths)
     names = names_for(paths)
-    layer = re.compile(re.escape(names.layers) + r"\.(\d+)")
-    groups: list[tuple[str, ...]] = [(p,) for p in sorted((p for p in paths if layer.fullmatch(p)), key=lambda p: int(p.rsplit(".", 1)[1]))]
+    groups: list[tuple[str, ...]] = [(p,) for p in layer_paths(paths, names)]
     return groups + ([(names.norm, names.output)] if engine == "megatron" else [])

@@ -28,7 +28,7 @@ import tomllib
 from autosplit import schedules
 from autosplit.errors import ConstraintError, advice
 from autosplit.megatron_layout import check, parse
-from autosplit.plan_export import Names, names_for
+from autosplit.plan_export import Names, layer_paths, module_prefixes, names_for
 from autosplit.plans import Plan
 from autosplit.recipes import Recipe
 
@@ -46,19 +46,21 @@ def engine_recipe(text: str | Mapping[str, Any], paths: Collection[str], world: 
                   tensor_parallel: int = 1) -> Recipe:
     """The recipe of an engine's configuration over ``world`` devices of a model with module ``paths``
     (its nodes' paths: every level of them counts); ``tensor_parallel``: the tp a bare Megatron layout runs at."""
-    resolved = names_for({".".join(p.split(".")[:k]) for p in paths for k in range(1, p.count(".") + 2)}, names)
+    prefixes = module_prefixes(paths)
+    resolved = names_for(prefixes, names)
+    layers = len(layer_paths(prefixes, resolved))
     if isinstance(text, Mapping):
-        return torchtitan_recipe(text, resolved, world)
+        return torchtitan_recipe(text, resolved, world, layers)
     engine, _, body = text.partition(":")
     if engine == "megatron":
-        return megatron_recipe(body, resolved, world, tensor_parallel)
+        return megatron_recipe(body, resolved, world, layers, tensor_parallel)
     if engine == "torchtitan":
         try:
             config = tomllib.loads(Path(body).read_text())
         except (OSError, tomllib.TOMLDecodeError) as e:
             raise ConstraintError(advice(f"cannot read torchtitan config {body!r}: {e}", "the file is missing or not TOML",
                                          "pass torchtitan:PATH to a v0.2 job config, or the config as a mapping")) from e
-        return torchtitan_recipe(config, resolved, world)
+        return torchtitan_recipe(config, resolved, world, layers)
     raise ConstraintError(advice(f"no engine {engine!r} in {text[:40]!r}", "autosplit reads Megatron-LM and torchtitan configurations",
                                  f"start it with one of {ENGINE_PREFIXES}"))
 
@@ -68,11 +70,11 @@ def _stage_modules(titan: Sequence[Sequence[str]], names: Names) -> list[list[st
     return [[names.model_path("output" if f == "lm_head" else f) for f in stage] for stage in titan]
 
 
-def megatron_recipe(body: str, names: Names, world: int, tensor_parallel: int = 1) -> Recipe:
+def megatron_recipe(body: str, names: Names, world: int, num_layers: int, tensor_parallel: int = 1) -> Recipe:
     """A Megatron layout with the flags around it, or alone: then at ``tensor_parallel``, on as many
     pipeline ranks as both its stages and the devices over tp allow (the greatest common divisor; 40
     stages on 64 devices at tp 4 are pp 8 × vp 5, data-parallel 2: Megatron-Bridge's Llama-3-70B), the
-    rest of the devices data-parallel."""
+    rest of the devices data-parallel. Checked as Megatron checks it against the model's ``num_layers``."""
     flags = _megatron_flags(body) if body.lstrip().startswith("--") else {"pipeline-model-parallel-layout": body}
     layout = flags.get("pipeline-model-parallel-layout")
     if layout is None:
@@ -81,8 +83,7 @@ def megatron_recipe(body: str, names: Names, world: int, tensor_parallel: int = 
     stages = parse(layout)
     tp = int(flags.get("tensor-model-parallel-size", tensor_parallel))
     pp = int(flags.get("pipeline-model-parallel-size", math.gcd(len(stages), max(1, world // tp))))
-    layers = sum(c == "t" for stage in stages for c in stage)
-    vp = check(stages, num_layers=layers, pipeline=pp)
+    vp = check(stages, num_layers=num_layers, pipeline=pp)
     if "m" in "".join("".join(s) for s in stages):
         raise ConstraintError(advice(f"layout {layout!r} holds multi-token prediction layers m", "the model has none",
                                      "write the layout of this model's layers"))
@@ -152,9 +153,10 @@ def _megatron_checkpointing(flags: Mapping[str, str], titan: Sequence[Sequence[s
     return {"checkpointing": "none", "recompute": {names.model_path(p): True for p in first}}
 
 
-def torchtitan_recipe(config: Mapping[str, Any], names: Names, world: int) -> Recipe:
-    """A torchtitan job config over ``world`` devices (v0.2 TOML tables, or the same fields as one mapping
-    per table); a shard degree of -1 is torchtitan's "the devices left over"."""
+def torchtitan_recipe(config: Mapping[str, Any], names: Names, world: int, num_layers: int) -> Recipe:
+    """A torchtitan job config over ``world`` devices of a model of ``num_layers`` layers (v0.2 TOML tables,
+    or the same fields as one mapping per table); a shard degree of -1 is torchtitan's "the devices left
+    over". Module lists that leave out a module are refused: torchtitan's split would drop it."""
     par, ac, training = (dict(config.get(k, {})) for k in ("parallelism", "activation_checkpoint", "training"))
     replicate, shard = int(par.get("data_parallel_replicate_degree", 1)), int(par.get("data_parallel_shard_degree", -1))
     if shard == -1:
@@ -171,6 +173,13 @@ def torchtitan_recipe(config: Mapping[str, Any], names: Names, world: int) -> Re
             f"the torchtitan config has pipeline degree {pp} and {len(fqns or [])} module lists",
             "autosplit reads torchtitan's stages from module_fqns_per_model_part, the same number per pipeline rank",
             "give a list per stage, a multiple of the pipeline degree",
+        ))
+    listed = {"output" if f == "lm_head" else f for stage in fqns or () for f in stage}
+    missing = sorted({"tok_embeddings", "norm", "output", *(f"layers.{i}" for i in range(num_layers))} - listed) if fqns else []
+    if missing:
+        raise ConstraintError(advice(
+            f"the torchtitan config's module_fqns_per_model_part leaves out {missing[:6]}",
+            "torchtitan keeps only the modules its lists name: those would not be trained", "list every module once",
         ))
     schedule = str(par.get("pipeline_parallel_schedule", "1F1B")).lower()
     if schedule not in _SCHEDULE_OF:
@@ -203,11 +212,9 @@ def nearest_layer_plan(planner: Any, plan: Plan, names: Names | Mapping[str, str
     layer, the final norm, the output): each goes to the stage that runs most of its nodes (never before
     the module ahead of it), costed by ``planner`` as a recipe of the same mesh, schedule and micro-batches."""
     paths = planner.traced.captured.module_paths
-    prefixes = {".".join(p.split(".")[:k]) for p in paths.values() if p for k in range(1, p.count(".") + 2)}
+    prefixes = module_prefixes(paths.values())
     resolved = names_for(prefixes, names)
-    layers = sorted((p for p in prefixes if p.startswith(resolved.layers + ".") and p[len(resolved.layers) + 1:].isdigit()),
-                    key=lambda p: int(p.rsplit(".", 1)[1]))
-    units = [resolved.tok_embeddings, *layers, resolved.norm, resolved.output]
+    units = [resolved.tok_embeddings, *layer_paths(prefixes, resolved), resolved.norm, resolved.output]
     stage_of, floor = plan.stage_of, 0
     lists: list[list[str]] = [[] for _ in plan.stages]
     for unit in units:
