@@ -51,7 +51,7 @@ from autosplit.passes.tp_costs import tp_laid_out
 from autosplit.solver.pipeline.strategy import prove_over_caps
 from autosplit.units import format_bytes
 
-__all__ = ["Degrees", "fill_and_drain", "memory_proven", "state_fits", "step_floor"]
+__all__ = ["Degrees", "memory_proven", "state_fits", "step_floor"]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -187,7 +187,7 @@ def test_every_configurations_floor_is_below_its_plan(schedule):
     search plans it): for a transformer with its tensor-parallel rules, every tp and
     data-parallel degree and layout of 4 devices, 1F1B's fill and drain counted where it is pinned."""
     from autosplit.compiler import mesh
-    from autosplit.compiler.mesh_bounds import fill_and_drain
+    from autosplit.compiler.prediction import fill_and_drain
     from autosplit.examples import GPT
 
     torch.manual_seed(0)

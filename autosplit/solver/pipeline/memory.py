@@ -90,12 +90,11 @@ class _Along:
         starts = ends[:, None] - np.arange(int((ends - lo).max()) + 1)[None, :]
         valid = (starts >= lo[:, None]) & (starts >= 0)
         a = np.clip(starts, 0, L)
-        at_b, at_a = self.read[:, s].copy(), self.read[:, s].copy()
-        if s > 0:  # what crosses into the stage at its start, and out of it at its end
-            at_a -= self.crossing[0][:, s]
+        held = self.read[:, s][:, None] - self.read[:, s][a] + np.maximum(0.0, self.F[0][:, s][:, None] - self.G[0][:, s][a])
+        if s > 0:  # what crosses into the stage at its start, and out of it at its end (the sums in the order of the [b, s] form)
+            held = held + self.crossing[0][:, s][a]
         if s < S - 1:
-            at_b += self.crossing[1][:, s]
-        held = at_b[:, None] - at_a[a] + np.maximum(0.0, self.F[0][:, s][:, None] - self.G[0][:, s][a])
+            held = held + self.crossing[1][:, s][:, None]
         held = np.maximum(held, np.maximum(self.first[:, s][:, None], self.last[:, s][a]))
         return a, np.where(valid & (held <= room), held, np.inf)
 
