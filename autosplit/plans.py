@@ -50,7 +50,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "SCHEMA_VERSION", "Alternative", "PartialRecompute", "Plan", "PlannedTask", "SharedParam", "SolverInfo", "StageReport",
-    "StepTerms",
+    "StepTerms", "write_atomically",
 ]
 
 SCHEMA_VERSION = 3
@@ -209,37 +209,9 @@ class Plan:
         return data
 
     def save(self, path: str | Path) -> None:
-        """Write the plan as JSON, atomically: a temporary file in the same folder, flushed to disk,
-        then renamed over ``path``, so a failure part-way leaves the old file as it was."""
-        target = Path(path)
+        """Write the plan as JSON, atomically (:func:`write_atomically`): a failure part-way leaves the old file as it was."""
         text = json.dumps(self.to_dict(), indent=1, sort_keys=False)  # a plan that cannot be encoded touches no file
-        name, tmp = target.with_name(f".{target.name}.{secrets.token_hex(4)}.tmp"), None
-        try:
-            fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
-            tmp = name
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                f.write(text)
-                f.flush()
-                os.fsync(f.fileno())
-            if target.is_file():
-                shutil.copymode(target, tmp)  # a replaced file keeps its permissions
-            os.replace(tmp, target)
-            tmp = None
-        except OSError as e:
-            folder = target.parent
-            if not folder.is_dir():
-                why, fix = f"the folder {folder} does not exist", f"create it first (mkdir -p {folder}), or save elsewhere"
-            elif target.is_dir():
-                why, fix = f"{target} is a folder", f"name a file in it, e.g. {target / 'plan.json'}"
-            elif isinstance(e, PermissionError):
-                why, fix = f"this user may not write {target} in {folder}", "save to a writable path, or change the permissions"
-            else:
-                why, fix = "the file system refused the write (a full disk?)", "free some space, or save elsewhere"
-            raise PlanFileError(advice(f"cannot save the plan to {target}: {type(e).__name__}: {e.strerror or e}", why, fix)) from e
-        finally:
-            if tmp is not None:
-                with contextlib.suppress(OSError):
-                    tmp.unlink()
+        write_atomically(path, text, "the plan")
 
     @classmethod
     def from_dict(cls, data: Mapping, *, source: str = "plan data") -> Plan:
@@ -383,6 +355,41 @@ class Plan:
             f"solver {self.solver.name} {self.solver.status})"
         )
 
+
+
+
+def write_atomically(path: str | Path, text: str, what: str) -> None:
+    """Write ``text`` to ``path`` atomically: a temporary file in the same folder, flushed to disk, then
+    renamed over ``path``, so a failure part-way leaves the old file as it was; ``what`` names the
+    contents in the error (a :class:`~autosplit.errors.PlanFileError` saying why and what to try)."""
+    target = Path(path)
+    name, tmp = target.with_name(f".{target.name}.{secrets.token_hex(4)}.tmp"), None
+    try:
+        fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+        tmp = name
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        if target.is_file():
+            shutil.copymode(target, tmp)  # a replaced file keeps its permissions
+        os.replace(tmp, target)
+        tmp = None
+    except OSError as e:
+        folder = target.parent
+        if not folder.is_dir():
+            why, fix = f"the folder {folder} does not exist", f"create it first (mkdir -p {folder}), or save elsewhere"
+        elif target.is_dir():
+            why, fix = f"{target} is a folder", f"name a file in it, e.g. {target / 'plan.json'}"
+        elif isinstance(e, PermissionError):
+            why, fix = f"this user may not write {target} in {folder}", "save to a writable path, or change the permissions"
+        else:
+            why, fix = "the file system refused the write (a full disk?)", "free some space, or save elsewhere"
+        raise PlanFileError(advice(f"cannot save {what} to {target}: {type(e).__name__}: {e.strerror or e}", why, fix)) from e
+    finally:
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
 
 
 def _bad(source: str, name: str, value: object, rule: str) -> PlanFileError:

@@ -17,6 +17,7 @@ __all__ = ["compare", "demo", "plan", "run", "show", "world_size"]
 # -- commands ----------------------------------------------------------------------------------
 def plan(args: argparse.Namespace, argv: list[str]) -> int:
     from autosplit.api.planner import Planner
+    from autosplit.plans import write_atomically
     from autosplit.report.html import write_html
     from autosplit.report.text import plan_report
 
@@ -29,7 +30,7 @@ def plan(args: argparse.Namespace, argv: list[str]) -> int:
     if args.export:
         snippet = planner.export(args.export, plan)  # refused (a cut inside a layer: with the nearest plan) before any file is written
         if args.out:
-            inputs.write_text(args.out, snippet)
+            write_atomically(args.out, snippet, f"the {args.export} configuration")
         print(snippet, end="")
     elif args.out:
         plan.save(args.out)

@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-__all__ = ["devices", "manual", "one_line", "options", "workload", "write_text"]
+__all__ = ["devices", "manual", "one_line", "options", "workload"]
 
 
 # -- workloads, devices, manual splits ---------------------------------------------------------
@@ -136,10 +136,3 @@ def options(args: argparse.Namespace) -> dict[str, Any]:
         out["replicate"] = args.replicate
     return out
 
-
-def write_text(path: str, text: str) -> None:
-    """Write ``text`` to ``path`` atomically: a temporary file beside it, renamed over it once whole."""
-    target = Path(path)
-    tmp = target.with_name(f".{target.name}.tmp")
-    tmp.write_text(text)
-    tmp.replace(target)
