@@ -293,6 +293,8 @@ def test_a_configuration_that_would_leave_a_layer_out_is_refused():
     planner = autosplit.Planner(model, ["cpu"] * 2, example_inputs=args)
     with pytest.raises(ConstraintError, match="it holds 1 transformer layers t, the model 2"):
         planner.manual("megatron:Et|L")
+    with pytest.raises(ConstraintError, match="do not split as a shell would"):
+        planner.manual("megatron:--pipeline-model-parallel-layout 'Et|tL")
     lists = [["tok_embeddings", "layers.0"], ["norm", "output"]]
     with pytest.raises(ConstraintError, match=re.escape("leaves out ['layers.1']")):
         planner.manual({"parallelism": {"pipeline_parallel_degree": 2, "module_fqns_per_model_part": lists}})

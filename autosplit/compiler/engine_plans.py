@@ -131,7 +131,11 @@ def _megatron_replicate(flags: Mapping[str, str]) -> str:
 
 def _megatron_flags(body: str) -> dict[str, str]:
     out: dict[str, str] = {}
-    words = shlex.split(body.replace("\\\n", " "))
+    try:
+        words = shlex.split(body.replace("\\\n", " "))
+    except ValueError as e:  # an unclosed quote
+        raise ConstraintError(advice(f"the Megatron flags {body[:60]!r}… do not split as a shell would: {e}",
+                                     "they are read as a command line", "close the quotes")) from e
     for k, word in enumerate(words):
         if word.startswith("--"):
             value = words[k + 1] if k + 1 < len(words) and not words[k + 1].startswith("--") else ""
