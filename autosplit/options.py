@@ -41,7 +41,7 @@ OPTIMIZERS = tuple(OPTIMIZER_STATE_BYTES)
 """Optimizers whose state and step temporaries the memory model counts (the names of :data:`Optimizer`)."""
 CaptureMethod: TypeAlias = Literal["auto", "symbolic_trace", "export"]
 CAPTURE_METHODS: tuple[str, ...] = get_args(CaptureMethod)
-Precision: TypeAlias = Literal["fp32", "bf16", "fp16-mixed", "bf16-mixed"]
+Precision: TypeAlias = Literal["fp32", "bf16", "fp16-mixed", "bf16-mixed", "bf16-fsdp"]
 PRECISIONS: tuple[str, ...] = get_args(Precision)
 Checkpointing: TypeAlias = Literal["none", "full", "auto"]
 Replicate: TypeAlias = Literal["replicate", "fully_shard"]
@@ -181,7 +181,10 @@ class PlanOptions:
     """What the stages compute and keep in: ``"fp32"`` (the model's own dtype), ``"bf16"`` (parameters,
     gradients, optimizer state and activations in bfloat16), ``"bf16-mixed"`` / ``"fp16-mixed"``
     (``torch.autocast`` around every stage's forward, fp32 master weights and optimizer state; fp16
-    with a loss scaler). Costs charge each op at the device's peak for the dtype it computes in."""
+    with a loss scaler), ``"bf16-fsdp"`` (FSDP2's ``MixedPrecisionPolicy(param_dtype=bf16,
+    reduce_dtype=fp32)``, torchtitan's default: every parameter cast to bf16 once per step, so the
+    activations are bf16 too; fp32 master weights, gradients reduced and accumulated in fp32, fp32
+    optimizer state; distributed runs only). Costs charge each op at the device's peak for the dtype it computes in."""
     checkpointing: Checkpointing = "none"
     """Activation checkpointing per block (a repeated layer: the units coarsening finds): ``"none"``
     (keep every activation), ``"full"`` (recompute every block in the backward, as torchtitan's

@@ -31,16 +31,34 @@ def llama_case() -> tuple[torch.nn.Module, tuple, dict, torch.Tensor, Any]:
     return LlamaForCausalLM(LlamaConfig(**shape)), (tokens,), {}, torch.randint(0, 128, (ROWS, 8)), lm_loss
 
 
-def reference_step(model, args, kwargs, target, loss_fn, copies: int, precision: str = "fp32", chunks: int = 1) -> list[torch.Tensor]:
-    """The unsplit model on the global batch, copy by copy (and ``chunks`` micro-batches each, under
-    autocast where ``precision`` is bf16-mixed): gradients of the global batch's mean loss; returns each
+def forward_in(model: torch.nn.Module, precision: str, args: tuple, kwargs: dict, *, tied_apart: bool = False) -> Any:
+    """``model``'s forward as ``precision`` runs it unsplit: under autocast for bf16-mixed; for
+    bf16-fsdp, FSDP2's ``MixedPrecisionPolicy`` by its definition — every floating parameter cast to
+    bf16, floating inputs too, the gradients flowing back to the fp32 parameters through the casts.
+    ``tied_apart``: each name of a tied parameter cast apart, as the stages that each hold a copy of it
+    cast their own (their gradients then meet in fp32, not in bf16: one rounding apart)."""
+    if precision != "bf16-fsdp":
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16-mixed"):
+            return model(*args, **kwargs)
+    low = lambda t: t.to(torch.bfloat16) if t.is_floating_point() else t  # noqa: E731
+    cast = {name: low(p) for name, p in model.named_parameters(remove_duplicate=not tied_apart)}
+    return torch.func.functional_call(model, cast, tuple(low(a) for a in args), {k: low(v) for k, v in kwargs.items()},
+                                      tie_weights=not tied_apart)
+
+
+def reference_step(
+    model, args, kwargs, target, loss_fn, copies: int, precision: str = "fp32", chunks: int = 1, *, tied_apart: bool = False,
+) -> list[torch.Tensor]:
+    """The unsplit model on the global batch, copy by copy (and ``chunks`` micro-batches each, as
+    ``precision`` runs it: :func:`forward_in`): gradients of the global batch's mean loss; returns each
     data-parallel copy's mean loss."""
     parts = copies * chunks
     losses = []
     for c in range(parts):
         rows = slice(c * ROWS // parts, (c + 1) * ROWS // parts)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16-mixed"):
-            loss = loss_fn(model(*(a[rows] for a in args), **{k: v[rows] for k, v in kwargs.items()}), target[rows])
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16-mixed"):  # the loss too
+            out = forward_in(model, precision, tuple(a[rows] for a in args), {k: v[rows] for k, v in kwargs.items()}, tied_apart=tied_apart)
+            loss = loss_fn(out, target[rows])
         (loss / parts).backward()
         losses.append(loss.detach())
     return [torch.stack(losses[c * chunks:(c + 1) * chunks]).mean() for c in range(copies)]

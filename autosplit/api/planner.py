@@ -41,6 +41,7 @@ from autosplit.errors import ConstraintError, DeviceError, LayerCutError, advice
 from autosplit.microbatch import batch_size
 from autosplit.options import PlanOptions
 from autosplit.passes.loss import Loss
+from autosplit.passes.param_dtype import PARAM_CAST
 from autosplit.plans import Plan
 from autosplit.recipes import Recipe
 from autosplit.report.text import plan_report
@@ -101,7 +102,8 @@ class Planner:
     def traced(self) -> Traced:
         """The captured, annotated graph (made on first use, then kept)."""
         if self._traced is None:
-            self._traced = trace(self.model, self.example_inputs, self.example_kwargs, method=self.options.capture, loss=self.loss)
+            self._traced = trace(self.model, self.example_inputs, self.example_kwargs, method=self.options.capture, loss=self.loss,
+                                 precision=self.options.precision)
         return self._traced
 
     def specs(self, devices: Sequence[DeviceLike] | None = None, options: PlanOptions | None = None) -> tuple[DeviceSpec, ...]:
@@ -158,6 +160,12 @@ class Planner:
                 "autosplit() builds every stage in this process from the model's weights, and this model is on the meta device",
                 "a model built on meta has no weights until each stage is materialised",
                 "plan it with autosplit.plan(...), or train it with autosplit.distribute(..., weights=checkpoint) under torchrun",
+            ))
+        if made.precision in PARAM_CAST:
+            raise ConstraintError(advice(
+                f"autosplit() runs every stage in this process, and precision={made.precision!r} runs in FSDP2's MixedPrecisionPolicy",
+                "FSDP2 needs a process group and a device mesh, which one process's SplitModule has not",
+                "train it with autosplit.distribute(...) under torchrun (one process is enough), or plan with precision='bf16-mixed'",
             ))
         if made.objective == "makespan":
             if made.precision != "fp32":

@@ -101,8 +101,9 @@ def _cost_table(
         table = tp_laid_out(table, gm, traced.tp_rules(), tp=options.tp, micro_batches=micro_batches, numel=traced.param_numel(),
                             sequence_parallel=sequence_parallel(traced, options))
         source += f"; tensors split over tp {options.tp}"
+    table = laid_out(table, dp_shard=options.dp_shard, alone=sharded_alone(len(specs), micro_batches, options.dp_shard),
+                     precision=options.precision)
     if options.dp_shard > 1:
-        table = laid_out(table, dp_shard=options.dp_shard, alone=sharded_alone(len(specs), micro_batches, options.dp_shard))
         source += f"; sharded over dp_shard {options.dp_shard}"
     return table, source
 

@@ -194,7 +194,8 @@ def _proven(traced: Traced, specs: Sequence[DeviceSpec], options: PlanOptions, d
     # the least state the configuration can hold: FSDP alone may make every module a unit of its own
     least = whole if degrees.pp > 1 else dataclasses.replace(whole, unit_params=(True,) * len(whole.nodes))
     row = 0.0 if options.checkpoints else sum(whole.saved_bytes) / (traced.batch or math.inf)
-    state_fits(laid_out(least, dp_shard=chosen.dp_shard, alone=degrees.pp == 1), stage_ranks(specs, degrees), degrees, row)
+    least = laid_out(least, dp_shard=chosen.dp_shard, alone=degrees.pp == 1, precision=options.precision)
+    state_fits(least, stage_ranks(specs, degrees), degrees, row)
     if degrees.tp > 1:  # head counts and split sizes the degree must divide, before capturing the share
         check_degree(traced.tp_rules(), degrees.tp)
     return step_floor(whole, traced, degrees, chosen, specs)

@@ -79,7 +79,7 @@ def step_floor(whole: CostTable, traced: Traced, degrees: Degrees, options: Plan
                             micro_batches=1, numel=traced.param_numel(),
                             sequence_parallel=sequence_parallel(traced, options))
     if options.dp_shard > 1:
-        table = laid_out(table, dp_shard=options.dp_shard, alone=True)
+        table = laid_out(table, dp_shard=options.dp_shard, alone=True, precision=options.precision)
     dp, pp = degrees.data_parallel, degrees.pp
     per_node = [(f + b - (table.split_cost[n][0] if table.split_cost else 0.0)) / dp
                 for n, (f, b) in enumerate(zip((r[0] for r in table.fwd_time), (r[0] for r in table.bwd_time)))]
@@ -144,7 +144,7 @@ def memory_proven(whole: CostTable, traced: Traced, degrees: Degrees, options: P
     for c in sorted(open_, key=lambda c: -int(c.micro_batches or 1)):
         M = int(c.micro_batches or 1)
         table = laid_out(dataclasses.replace(share, transient_bytes=tuple(v // M for v in share.transient_bytes)),
-                         dp_shard=c.dp_shard, alone=sharded_alone(pp, M, c.dp_shard))
+                         dp_shard=c.dp_shard, alone=sharded_alone(pp, M, c.dp_shard), precision=c.precision)
         try:
             prove_over_caps(stage_problem(table, pp, c, M, [])[1])
         except InfeasiblePlanError as e:

@@ -12,6 +12,7 @@ from autosplit import schedules
 from autosplit.costtable import CostTable
 from autosplit.devices import DeviceSpec
 from autosplit.options import PlanOptions
+from autosplit.passes.param_dtype import PARAM_CAST
 from autosplit.passes.sharding import data_parallel_time, sharded_alone
 from autosplit.plans import SharedParam, StageReport, StepTerms
 from autosplit.solver.build import tied_costs
@@ -118,7 +119,8 @@ def _data_parallel(
         for n, s in enumerate(stage_of):
             units[s] += table.param_bytes[n] if table.unit_params[n] else 0
     return data_parallel_time(param_bytes, devices, replicas=options.replicas // shards, shards=shards, waits=waits, drains=drains,
-                              units=units, compute=[M * (f + b) for f, b in zip(fwd, bwd)])
+                              units=units, compute=[M * (f + b) for f, b in zip(fwd, bwd)],
+                              gathered=0.5 if options.precision in PARAM_CAST else 1.0)
 
 
 def sharing_problem(problem: Problem, table: CostTable, order: Sequence[int], shared: Sequence[SharedParam]) -> Problem:

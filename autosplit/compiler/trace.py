@@ -21,6 +21,7 @@ from autosplit.microbatch import batch_size, split_batch
 from autosplit.passes.annotate import annotate
 from autosplit.passes.capture import Captured, capture, fingerprint, flat_inputs
 from autosplit.passes.loss import Loss
+from autosplit.passes.param_dtype import PARAM_CAST, capture_dtype
 from autosplit.passes.respecialise import respecialised
 from autosplit.passes.tensor_parallel import TensorParallelRules, tensor_parallel_rules
 
@@ -69,10 +70,18 @@ class Traced:
         return {name: p.numel() for name, p in module.named_parameters(remove_duplicate=False)}
 
     def annotated(self, precision: str, device_type: str) -> torch.fx.GraphModule:
-        """The graph annotated as ``precision`` runs it on a ``device_type`` target (``"cpu"``,
-        ``"cuda"``): the captured graph itself for fp32, else a copy of it (same nodes and names,
-        same module) annotated anew, made once and kept."""
-        if precision == "fp32":
+        """The graph annotated as ``precision`` runs it on a ``device_type`` target (``"cpu"``, ``"cuda"``):
+        the captured graph itself in the precision it is annotated in (:func:`_annotated_in`), else a copy
+        of it (same nodes and names, same module) annotated anew, made once and kept."""
+        held, wanted = self.captured.param_dtype, capture_dtype(precision)
+        if self.captured.method == "export" and held != wanted:
+            raise ConstraintError(advice(
+                f"precision={precision!r} computes with the parameters in {wanted or 'their own dtype'}, and this model was "
+                f"exported with them in {held or 'their own dtype'}",
+                "torch.export bakes the dtypes it traced into the graph (autosplit.passes.param_dtype)",
+                f"plan with a Planner made with precision={precision!r}: it captures the model as that precision computes",
+            ))
+        if precision == _annotated_in(self.captured):
             return self.captured.gm
         key = (precision, "cpu" if device_type == "cpu" else "cuda")
         if precision == "bf16" and self.captured.method == "export":
@@ -103,7 +112,7 @@ class Traced:
                 _, inputs = self.at_micro_batch(parts)  # a traced graph runs any batch: the share of its inputs
                 captured = dataclasses.replace(self.captured, gm=_graph_copy(
                     self.captured.gm, "annotate it at a data-parallel share of the batch", "plan with data_parallel=1"))
-                annotate(captured, list(inputs))
+                annotate(captured, list(inputs), precision=_annotated_in(captured))
             loss = None if self.loss is None else Loss(self.loss.fn, split_batch((self.loss.target,), None, parts)[0][0][0])
             self._shares[parts] = Traced(captured, tuple(inputs), fingerprint(captured.gm), dict(self.timings), model=self.model,
                                          example=(args, kwargs), loss=loss, _exports=self._kept_exports(),
@@ -123,13 +132,13 @@ class Traced:
         if guess is not None:
             inputs = flat_inputs(guess, args, kwargs)
             try:
-                annotate(guess, list(inputs))
+                annotate(guess, list(inputs), precision=_annotated_in(guess))
                 return guess, inputs
             except Exception as e:  # noqa: BLE001 — any failure: the real capture decides
                 log.info("the graph respecialised to %d rows does not annotate (%s): capturing it", rows, e)
         captured = self._exported(args, kwargs)
         inputs = flat_inputs(captured, args, kwargs)
-        annotate(captured, list(inputs))
+        annotate(captured, list(inputs), precision=_annotated_in(captured))
         return captured, inputs
 
     def _kept_exports(self) -> dict[int, Captured]:
@@ -149,7 +158,7 @@ class Traced:
                     "the trace was made without its model, so it cannot be captured again at another shape",
                     "trace with autosplit.compiler.trace.trace(model, ...)",
                 ))
-            kept[rows] = capture(self.model, args, dict(kwargs), method="export")
+            kept[rows] = capture(self.model, args, dict(kwargs), method="export", param_dtype=self.captured.param_dtype)
         return kept[rows]
 
     @property
@@ -182,6 +191,12 @@ class Traced:
             ))
         return captured, flat_inputs(captured, args, kwargs)
 
+def _annotated_in(captured: Captured) -> str:
+    """The precision a capture's own graph is annotated in: the one it was exported for (its dtypes
+    baked in: :mod:`autosplit.passes.param_dtype`), else fp32; other precisions annotate a copy."""
+    return next((p for p, dtype in PARAM_CAST.items() if dtype == captured.param_dtype), "fp32")
+
+
 def _graph_copy(gm: torch.fx.GraphModule, purpose: str, fix: str) -> torch.fx.GraphModule:
     """A copy of ``gm`` (same nodes and names, same module) to annotate anew."""
     graph = torch.fx.Graph()
@@ -197,16 +212,18 @@ def _graph_copy(gm: torch.fx.GraphModule, purpose: str, fix: str) -> torch.fx.Gr
 
 def trace(
     model: torch.nn.Module, example_inputs: tuple, example_kwargs: Mapping[str, Any] | None, *, method: str, loss: Loss | None = None,
+    precision: str = "fp32",
 ) -> Traced:
-    """Steps *capture* and *annotate*."""
+    """Steps *capture* and *annotate*: captured as ``precision`` computes (its parameters cast for
+    ``"bf16-fsdp"``: :mod:`autosplit.passes.param_dtype`), annotated in fp32 (:meth:`Traced.annotated`)."""
     timings: dict[str, float] = {}
     example_inputs, kwargs = _reconciled(model, tuple(example_inputs), dict(example_kwargs or {}))
     with progress.timed_pass("capture", timings):
-        captured = capture(model, example_inputs, kwargs, method=method)
+        captured = capture(model, example_inputs, kwargs, method=method, param_dtype=capture_dtype(precision))
         graph_id = fingerprint(captured.gm)
     inputs = flat_inputs(captured, example_inputs, kwargs)
     with progress.timed_pass("annotate", timings):
-        annotate(captured, inputs)
+        annotate(captured, inputs, precision=_annotated_in(captured))
     return Traced(captured, tuple(inputs), graph_id, timings, model=model, example=(tuple(example_inputs), kwargs), loss=loss)
 
 

@@ -167,6 +167,9 @@ def _cut(value: Any) -> Any:
     return pytree.tree_map(lambda t: t.detach().requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor) else t, value)
 
 
+_LOW_PARAMS = ("bf16", "bf16-fsdp")
+"""The precisions that compute with bf16 parameters and floating inputs (no autocast)."""
+
 _ATTENTION = frozenset({F.scaled_dot_product_attention, aten.scaled_dot_product_attention.default})
 
 
@@ -193,31 +196,35 @@ class _Annotator(fx.Interpreter):
         return self._fakes[id(t)]
 
     def _fake_in_precision(self, t: torch.Tensor) -> torch.Tensor:
-        """A fake of ``t`` as the precision holds it: floating parameters and inputs in bf16 for
-        ``"bf16"`` (buffers keep their dtype: an exported graph checks the dtypes it traced them in)."""
-        low = self.precision == "bf16" and t.is_floating_point() and (isinstance(t, torch.nn.Parameter) or not self._state_read)
+        """A fake of ``t`` as the precision computes with it: floating parameters and inputs in bf16 for
+        ``"bf16"`` and ``"bf16-fsdp"`` (buffers keep their dtype: an exported graph checks the dtypes it
+        traced them in, and FSDP2's ``MixedPrecisionPolicy`` casts parameters only)."""
+        low = self.precision in _LOW_PARAMS and t.is_floating_point() and (isinstance(t, torch.nn.Parameter) or not self._state_read)
         dtype = LOW_PRECISION[self.precision] if low else t.dtype
         with unset_fake_temporarily():
             meta = torch.empty_strided(tuple(t.shape), t.stride(), dtype=dtype, device="meta")
         return FakeTensor(self.fake_mode, meta, t.device)
 
     # -- state ----------------------------------------------------------------------------
-    def _own(self, named: list[tuple[str, torch.Tensor]]) -> tuple[tuple[str, ...], int, int, int, int]:
-        names, pbytes, pcount, bbytes, largest = [], 0, 0, 0, 0
+    def _own(self, named: list[tuple[str, torch.Tensor]]) -> tuple[tuple[str, ...], int, int, int, int, int]:
+        """(parameter names, bytes, count, buffer bytes, largest parameter's bytes, bytes of the bf16
+        compute copy ``"bf16-fsdp"`` gathers of them) of the tensors no node owned before."""
+        names, pbytes, pcount, bbytes, largest, copies = [], 0, 0, 0, 0, 0
         for name, t in named:
             if id(t) in self._seen_state:
                 continue
             self._seen_state.add(id(t))
-            low = self.precision == "bf16" and t.is_floating_point() and isinstance(t, torch.nn.Parameter)
-            size = t.numel() * (2 if low else t.element_size())
+            low = t.is_floating_point() and isinstance(t, torch.nn.Parameter)
+            size = t.numel() * (2 if low and self.precision == "bf16" else t.element_size())
             if isinstance(t, torch.nn.Parameter):
                 names.append(name)
                 pbytes += size
                 pcount += t.numel()
                 largest = max(largest, size)
+                copies += 2 * t.numel() if low and self.precision == "bf16-fsdp" else 0
             else:
                 bbytes += size
-        return tuple(names), pbytes, pcount, bbytes, largest
+        return tuple(names), pbytes, pcount, bbytes, largest, copies
 
     def fetch_attr(self, target: str):
         value = super().fetch_attr(target)
@@ -270,7 +277,7 @@ class _Annotator(fx.Interpreter):
             owned = [(str(n.target), real)] if isinstance(real, torch.Tensor) else []
         else:
             owned = []
-        params, pbytes, pcount, bbytes, largest = self._own(owned)
+        params, pbytes, pcount, bbytes, largest, gathered = self._own(owned)
         inputs = [t for t in flat if isinstance(t, _TENSORS)]
         outputs = [t for t in pytree.tree_leaves(out) if isinstance(t, _TENSORS)]
         n.meta["autosplit"] = NodeInfo(
@@ -280,7 +287,7 @@ class _Annotator(fx.Interpreter):
             input_bytes=sum(t.numel() * t.element_size() for t in inputs),
             fwd_flops=measured.fwd,
             bwd_flops=measured.bwd,
-            saved_bytes=measured.saved,
+            saved_bytes=measured.saved + gathered,  # the weight copy is held with the state (memory_model)
             saved_inputs=self._producers(n, flat, measured.saved_at),
             saves_output=measured.saves_output,
             params=params,
@@ -291,7 +298,7 @@ class _Annotator(fx.Interpreter):
             half=any(t.dtype in HALF for t in (*inputs, *outputs)),
             mutates=self._producers(n, flat, measured.written_at),
             wgrad_share=measured.wgrad_share,
-            weight_copy_bytes=measured.copies,
+            weight_copy_bytes=measured.copies + gathered,
         )
         return out
 
@@ -422,7 +429,9 @@ def annotate(captured: Captured, inputs: list[Any], *, precision: str = "fp32", 
 
     ``precision`` (:attr:`~autosplit.options.PlanOptions.precision`) on a ``device_type`` target:
     each node is run as that precision runs it — the mixed ones under autocast (CUDA's policy for a
-    GPU: its fp32 ops stay fp32), ``"bf16"`` with bf16 parameters, buffers and floating inputs — so
+    GPU: its fp32 ops stay fp32), ``"bf16"`` with bf16 parameters, buffers and floating inputs,
+    ``"bf16-fsdp"`` with bf16 parameters and floating inputs (its parameters' bytes those of the fp32
+    master weights, and the bf16 copy FSDP2 gathers held with them: ``weight_copy_bytes``) — so
     its FLOPs, bytes, saved tensors and dtype (``half``: the tensor-core peak applies) are its own.
     """
     annotator = _Annotator(captured, precision, device_type)

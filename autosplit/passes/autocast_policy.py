@@ -31,7 +31,7 @@ aten = torch.ops.aten
 HALF = (torch.float16, torch.bfloat16)
 """The half-precision dtypes (tensor-core peaks apply to ops computing in them)."""
 
-LOW_PRECISION = {"bf16": torch.bfloat16, "bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}
+LOW_PRECISION = {"bf16": torch.bfloat16, "bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16, "bf16-fsdp": torch.bfloat16}
 """The low-precision dtype of each precision (:attr:`autosplit.options.PlanOptions.precision`) but fp32."""
 
 

@@ -10,10 +10,9 @@ exported twice and kept when they are observers installed once
 (:func:`~autosplit.passes.fidelity.installed_once`). A capture is faithful or it is refused; the
 user's model is never changed by it.
 
-Tied parameters (one ``Parameter`` owned by two modules, e.g. GPT's input embedding and
-output projection) must be visible as *one* graph node, or codegen would place two
-copies of it. Modules that own a tied parameter are therefore traced through instead of
-kept as leaves, which turns the parameter into a single ``get_attr`` node.
+Tied parameters (one ``Parameter`` owned by two modules, e.g. GPT's input embedding and output
+projection) must be one graph node, or codegen would place two copies of it: modules that own one
+are traced through, not kept as leaves, which turns the parameter into a single ``get_attr`` node.
 
 Usage::
 
@@ -42,6 +41,7 @@ from autosplit.compat import PyTreeCodeGen as _PyTreeCodeGen
 from autosplit.compat import graph_codegen, make_graph_module, pytree
 from autosplit.errors import CaptureError, advice
 from autosplit.passes.fidelity import ModelSnapshot, RefuseStateWrites, Watch, functions_applied, hook_kinds, installed_once, keep_functions
+from autosplit.passes.param_dtype import inputs_in, params_in
 
 __all__ = ["Captured", "capture", "flat_inputs", "fingerprint", "module_path", "with_defaults"]
 
@@ -65,6 +65,10 @@ class Captured:
     output_type: type | None = None
     """The model's own output class when the graph returns it as a plain ``dict`` (a
     ``transformers`` ``ModelOutput``, a dict subclass, a dataclass); :meth:`restore_output`."""
+
+    param_dtype: torch.dtype | None = None
+    """The dtype the floating parameters were exported in, baked into the graph (None: their own, or
+    symbolically traced: its graph records no dtypes; :mod:`~autosplit.passes.param_dtype`)."""
 
     def restore_output(self, out: Any) -> Any:
         """``out`` as the model's own output class."""
@@ -270,13 +274,14 @@ def _training_kwargs(model: torch.nn.Module, kwargs: dict) -> dict[str, Any]:
     return {"use_cache": False}
 
 
-def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, *, method: str = "auto") -> Captured:
+def capture(
+    model: torch.nn.Module, args: tuple, kwargs: dict | None = None, *, method: str = "auto", param_dtype: torch.dtype | None = None,
+) -> Captured:
     """Capture ``model`` as an fx graph. ``method``: ``"auto"``, ``"symbolic_trace"`` or ``"export"``.
-
-    ``"auto"`` traces symbolically and falls back to ``torch.export`` where symbolic tracing
-    fails or would drop meaning (:mod:`autosplit.passes.fidelity`). The model is left exactly
-    as it was, whether capture succeeds or fails.
-    """
+    ``"auto"`` traces symbolically and falls back to ``torch.export`` where symbolic tracing fails or
+    would drop meaning (:mod:`autosplit.passes.fidelity`). The model is left exactly as it was, whether
+    capture succeeds or fails. ``param_dtype``: captured as it computes with its floating parameters
+    and inputs cast to that dtype (:mod:`autosplit.passes.param_dtype`)."""
     if method not in ("auto", "symbolic_trace", "export"):
         raise CaptureError(advice(
             f"unknown capture method {method!r}", "autosplit captures with torch.fx or torch.export",
@@ -284,11 +289,13 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, *, 
         ))
     fixed = _training_kwargs(model, dict(kwargs or {}))
     kwargs = {**fixed, **(kwargs or {})}
+    args, kwargs = inputs_in((tuple(args), kwargs), param_dtype)
     snapshot = ModelSnapshot.of(model)
     try:
-        gm, used, output_type, reasons = _capture(model, tuple(args), kwargs, method)
-        if snapshot.added_hooks(model):
-            gm, used, output_type = _hooked_on_first_call(model, tuple(args), kwargs, method, snapshot, gm if used == "export" else None)
+        with params_in(model, param_dtype):
+            gm, used, output_type, reasons = _capture(model, args, kwargs, method)
+            if snapshot.added_hooks(model):
+                gm, used, output_type = _hooked_on_first_call(model, args, kwargs, method, snapshot, gm if used == "export" else None)
     finally:
         snapshot.restore(model)
     changed = snapshot.changes(model)
@@ -304,7 +311,7 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, *, 
     log.debug("captured %s with %s: %d nodes", type(model).__name__, used, len(gm.graph.nodes))
     return Captured(
         gm=gm, method=used, module_paths=paths, fixed_kwargs=fixed, signature=inspect.signature(model.forward),
-        output_type=output_type,
+        output_type=output_type, param_dtype=param_dtype if used == "export" else None,
     )
 
 

@@ -82,7 +82,8 @@ class _MicroValues(fx.Interpreter):
     and the Python values (shape ints) that crossings need; real state is never touched.
 
     ``precision`` — (the plan's precision, the stages' device type) — makes the dtypes those the
-    stages compute: for ``"bf16"`` floating state and inputs are bf16; for ``"bf16-mixed"`` and
+    stages compute: for ``"bf16"`` floating state and inputs are bf16, for ``"bf16-fsdp"`` floating
+    parameters and inputs (FSDP2's ``MixedPrecisionPolicy`` casts no buffer); for ``"bf16-mixed"`` and
     ``"fp16-mixed"`` every node runs under ``torch.autocast`` on that device type, on fakes of that
     device type (autocast casts nothing on meta: a model on the meta device is faked there, and a
     ``device=meta`` argument of its graph's ops becomes that device)."""
@@ -102,9 +103,10 @@ class _MicroValues(fx.Interpreter):
                 f"build the stages in a process that has a {device_type} device",
             ))
 
-    def fake(self, t: torch.Tensor) -> torch.Tensor:
+    def fake(self, t: torch.Tensor, *, state: bool = True) -> torch.Tensor:
         if id(t) not in self._fakes:
-            bf16 = self.precision == "bf16" and t.is_floating_point()
+            cast = self.precision == "bf16" or (self.precision == "bf16-fsdp" and (isinstance(t, torch.nn.Parameter) or not state))
+            bf16 = cast and t.is_floating_point()
             if not bf16 and (self._home is None or t.device.type == self._home.type):
                 fake = self.mode.from_tensor(t)
             else:  # remade as the stages hold it: in bf16, or on the stages' device type
@@ -150,7 +152,7 @@ class _MicroValues(fx.Interpreter):
 
     def values(self, inputs: Sequence[Any]) -> dict[fx.Node, Any]:
         try:
-            self.run(*[self.fake(x) if isinstance(x, torch.Tensor) else x for x in inputs])
+            self.run(*[self.fake(x, state=False) if isinstance(x, torch.Tensor) else x for x in inputs])
         except Exception as e:
             if self.precision == "fp32":
                 raise

@@ -8,9 +8,10 @@ Memory (:func:`laid_out`), per node and device:
   the weights autocast casts, made once per step and shared by every micro-batch.
 - ``dp_shard = D > 1`` (FSDP2's ``fully_shard``): parameters, gradients and optimizer state ÷ D;
   buffers and the compute copy whole; the optimizer steps its shard only (its time ÷ D). The
-  gathered parameters, as held (fp32 master weights under a mixed precision: the runtime casts as
-  autocast does rather than with FSDP2's ``MixedPrecisionPolicy``, which would round every weight,
-  norms and embeddings too, and train differently — :func:`autosplit.runtime.precision.cast_once`):
+  gathered parameters, as held (fp32 master weights under ``"bf16-mixed"``: the runtime casts as
+  autocast does, each matmul's weights only — :func:`autosplit.runtime.precision.cast_once`; under
+  ``"bf16-fsdp"`` FSDP2's ``MixedPrecisionPolicy`` gathers the bf16 copy of every weight instead, and
+  accumulates the gradients in fp32 — on every stage, whatever the degree):
   - under a pipeline, or with several micro-batches, each stage is one unit, gathered for the whole
     step (``reshard_after_forward=False``, torchtitan's choice under pipelining: every micro-batch's
     backward would gather it again), its gradients accumulated whole: + parameters + gradients;
@@ -53,6 +54,7 @@ from collections.abc import Sequence
 from autosplit.costtable import CostTable
 from autosplit.devices import DeviceSpec
 from autosplit.passes.outline import block_path
+from autosplit.passes.param_dtype import PARAM_CAST
 from autosplit.solver.hybrid import hierarchical_phases, ring_allreduce
 
 __all__ = [
@@ -68,14 +70,18 @@ def sharded_alone(stages: int, micro_batches: int, dp_shard: int) -> bool:
     return stages == 1 and micro_batches == 1 and dp_shard > 1
 
 
-def laid_out(table: CostTable, *, dp_shard: int, alone: bool = False) -> CostTable:
+def laid_out(table: CostTable, *, dp_shard: int, alone: bool = False, precision: str = "fp32") -> CostTable:
     """``table`` with each node's :attr:`~CostTable.state_bytes` and optimizer time as one device
     holds and spends them with its stage sharded over ``dp_shard`` devices (the module docstring);
-    ``table`` itself for ``dp_shard = 1``. ``alone`` (one stage, one micro-batch: FSDP alone): a node
-    whose module is a unit of its own (:attr:`~CostTable.unit_params`) holds its parameters and
-    gradients whole only while it runs — its transient: them, and the next unit's parameters FSDP2
-    gathers ahead."""
-    if dp_shard <= 1 or not table.param_bytes:
+    ``table`` itself for ``dp_shard = 1`` (but under ``"bf16-fsdp"``). ``alone`` (one stage, one
+    micro-batch: FSDP alone): a node whose module is a unit of its own (:attr:`~CostTable.unit_params`)
+    holds its parameters and gradients whole only while it runs — its transient: them, and the next
+    unit's parameters FSDP2 gathers ahead. ``precision="bf16-fsdp"`` (FSDP2's ``MixedPrecisionPolicy``,
+    on every stage whatever the degree): what it gathers is the bf16 copy the table already holds
+    (:attr:`~CostTable.weight_copy_bytes`; a unit's only while it runs), and the gradients it
+    accumulates whole are fp32."""
+    policy = precision in PARAM_CAST
+    if (dp_shard <= 1 and not policy) or not table.param_bytes:
         return table
     n = len(table.nodes)
     copies = table.weight_copy_bytes or (0,) * n
@@ -86,9 +92,12 @@ def laid_out(table: CostTable, *, dp_shard: int, alone: bool = False) -> CostTab
     state = []
     for i, (whole, params, copy, buffer) in enumerate(zip(table.state_bytes, table.param_bytes, copies, buffers)):
         model_state = whole - copy - buffer  # parameters, gradients, optimizer state
-        state.append(math.ceil(model_state / dp_shard) + buffer + copy + (0 if units[i] else 2 * params))
-        if units[i]:
-            transient[i] = max(transient[i], 3 * totals[i])
+        if units[i]:  # gathered (and under the policy in bf16) while the unit runs
+            held = buffer + (0 if policy else copy)
+            transient[i] = max(transient[i], 3 * totals[i] // (2 if policy else 1))
+        else:  # gathered for the step, its gradients accumulated whole: fp32 under the policy, as held else
+            held = buffer + copy + (1 if policy else 2) * params
+        state.append(math.ceil(model_state / dp_shard) + held)
     optimizer = tuple(tuple(t / dp_shard for t in row) for row in table.optimizer_time)
     return dataclasses.replace(table, state_bytes=tuple(state), optimizer_time=optimizer,
                                transient_bytes=tuple(transient) if table.transient_bytes or any(units) else ())
@@ -126,13 +135,15 @@ def group_time(nbytes: float, size: int, device: DeviceSpec, *, allreduce: bool)
 def data_parallel_time(
     param_bytes: Sequence[float], devices: Sequence[DeviceSpec], *, replicas: int, shards: int,
     waits: Sequence[float], drains: Sequence[float], units: Sequence[float] = (), compute: Sequence[float] = (),
+    gathered: float = 1.0,
 ) -> float:
     """Seconds per step the data-parallel collectives add to the pipeline's step (the module
     docstring): ``param_bytes[s]`` the parameters of stage ``s`` as held, ``waits[s]`` the seconds
     stage ``s`` waits for its first input, ``drains[s]`` the seconds after its last backward that
     the step goes on without it. ``units[s]``: of its parameters, those in units of their own (FSDP
     alone), each gathered for its forward and again for its backward and reduced after it, all of it
-    behind the stage's ``compute[s]`` where FSDP2's prefetching can hide it."""
+    behind the stage's ``compute[s]`` where FSDP2's prefetching can hide it. ``gathered``: the share
+    of those bytes an all-gather moves (½ under ``"bf16-fsdp"``, which gathers bf16 and reduces fp32)."""
     if replicas * shards <= 1:
         return 0.0
     if shards == 1:
@@ -140,12 +151,13 @@ def data_parallel_time(
                    for p, d, drain in zip(param_bytes, devices, drains))
     units = units or [0.0] * len(param_bytes)
     rest = [p - u for p, u in zip(param_bytes, units)]
-    gather = max(max(0.0, group_time(p, shards, d, allreduce=False) - wait) for p, d, wait in zip(rest, devices, waits))
+    gather = max(max(0.0, group_time(p * gathered, shards, d, allreduce=False) - wait) for p, d, wait in zip(rest, devices, waits))
     reduce = max(
         max(0.0, group_time(p, shards, d, allreduce=False) + _across_replicas(p / shards, replicas, d) - drain)
         for p, d, drain in zip(rest, devices, drains)
     )
-    overlapped = max((max(0.0, 3 * group_time(u, shards, d, allreduce=False) + _across_replicas(u / shards, replicas, d) - c)
+    overlapped = max((max(0.0, 2 * group_time(u * gathered, shards, d, allreduce=False) + group_time(u, shards, d, allreduce=False)
+                          + _across_replicas(u / shards, replicas, d) - c)
                       for u, d, c in zip(units, devices, compute or [0.0] * len(units)) if u), default=0.0)
     return gather + reduce + overlapped
 

@@ -22,6 +22,7 @@ from autosplit.errors import DistributedError, advice
 from autosplit.microbatch import batch_size, is_batched
 from autosplit.passes.capture import Captured, capture, fingerprint, flat_inputs, with_defaults
 from autosplit.passes.chain import Chain, generate_chain
+from autosplit.passes.param_dtype import capture_dtype
 from autosplit.plans import Plan
 from autosplit.runtime.precision import stage_device_type
 
@@ -168,7 +169,7 @@ def capture_chain(
     model: torch.nn.Module, plan: Plan, stages: int, args: tuple, kwargs: dict[str, Any], *, method: str, replicate: set[str]
 ) -> tuple[Chain, Captured]:
     """The plan's chain from a capture of ``model`` at one micro-batch ``args``/``kwargs``."""
-    captured = capture(model, args, kwargs, method=method)
+    captured = capture(model, args, kwargs, method=method, param_dtype=capture_dtype(plan.precision))
     if fingerprint(captured.gm) != plan.fingerprint:
         raise DistributedError(
             advice(

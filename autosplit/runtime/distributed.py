@@ -80,6 +80,7 @@ from autosplit.errors import DistributedError, advice
 from autosplit.microbatch import batch_size, is_batched
 from autosplit.passes.chain import Chain
 from autosplit.passes.outline import outline_blocks
+from autosplit.passes.param_dtype import PARAM_CAST
 from autosplit.passes.sharding import sharded_alone
 from autosplit.plans import Plan
 from autosplit.runtime.asynchronous import AsynchronousRun
@@ -221,9 +222,10 @@ class DistributedModel(StageState, TrainingLoop, FlushedStep, AsynchronousRun):
         if compiled is not None:  # before FSDP2 wraps the stages, as torchtitan orders them
             options = {f.name: getattr(compiled, f.name) for f in dataclasses.fields(compiled)}
             self.compiled = compile_stages(modules, **options, device_types={device.type})
-        if layout.replicas > 1:
+        if layout.replicas > 1 or self.precision in PARAM_CAST:  # the policy runs in FSDP2, on a mesh of one without copies
             for stage_module in modules.values():
-                self._sparse_tables += replicate_stage(stage_module, replication, dp_mesh, reshard_after_forward=alone)
+                self._sparse_tables += replicate_stage(stage_module, replication if layout.replicas > 1 else "fully_shard", dp_mesh,
+                                                       reshard_after_forward=alone, precision=self.precision)
 
     def _micro_batch_loss(self, out: Any, target: Any) -> torch.Tensor:
         """The loss torch's schedules call on the last stage's output of one micro-batch: its share of

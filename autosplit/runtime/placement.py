@@ -29,6 +29,7 @@ from autosplit.compat import flatten_mesh, fsdp_replicate
 from autosplit.errors import DistributedError, advice
 from autosplit.passes.chain import Chain
 from autosplit.passes.outline import unit_modules
+from autosplit.passes.param_dtype import PARAM_CAST
 from autosplit.passes.sparse_tables import sparse_gradient_tables
 from autosplit.plans import Plan
 
@@ -176,12 +177,12 @@ def make_mesh(device: torch.device, degrees: Mapping[str, int]) -> Any:
 
 def data_parallel_mesh(mesh: Any) -> Any:
     """The sub-mesh of :func:`make_mesh`'s ``mesh`` that FSDP2 keeps the stages' copies in step on:
-    ``("dp_replicate", "dp_shard")`` (HSDP) when both degrees are above 1, else ``"dp_shard"`` when it
-    is, else ``"dp_replicate"``."""
+    ``("dp_replicate", "dp_shard")`` (HSDP) when both degrees are above 1, else ``"dp_replicate"`` when
+    it is, else ``"dp_shard"`` (of one rank without copies: where ``"bf16-fsdp"`` runs FSDP2 alone)."""
     replicas, shards = mesh["dp_replicate"].size(), mesh["dp_shard"].size()
     if replicas > 1 and shards > 1:
         return mesh["dp_replicate", "dp_shard"]
-    return mesh["dp_shard"] if shards > 1 else mesh["dp_replicate"]
+    return mesh["dp_replicate"] if replicas > 1 else mesh["dp_shard"]
 
 
 def _flat(dp_mesh: Any) -> Any:
@@ -190,7 +191,7 @@ def _flat(dp_mesh: Any) -> Any:
 
 
 def replicate_stage(
-    module: torch.nn.Module, mode: str, dp_mesh: Any, *, reshard_after_forward: bool = True,
+    module: torch.nn.Module, mode: str, dp_mesh: Any, *, reshard_after_forward: bool = True, precision: str = "fp32",
 ) -> list[torch.nn.Parameter]:
     """Keep ``module``'s replicas in step over ``dp_mesh`` with FSDP2's composable APIs, which the
     pipelining stage drives itself: gradient sync is switched off for all but the last
@@ -212,9 +213,11 @@ def replicate_stage(
     (:func:`~autosplit.passes.sparse_tables.sparse_gradient_tables`) are left out of it, whole on every
     replica, and returned; :func:`reduce_sparse_gradients` averages theirs after each step.
 
-    Under a mixed precision no ``MixedPrecisionPolicy`` is given: autocast's cache already makes one
-    compute copy per step of FSDP2's unsharded parameters, and the policy would not train as autocast
-    does (:func:`~autosplit.runtime.precision.cast_once` says why)."""
+    ``precision="bf16-fsdp"`` gives every unit FSDP2's ``MixedPrecisionPolicy(param_dtype=bf16,
+    reduce_dtype=fp32)``, inputs left as they come (the model's were cast where they entered, as the
+    graph was captured: :mod:`autosplit.passes.param_dtype`). Under ``"bf16-mixed"`` no policy is given:
+    autocast's cache already makes one compute copy per step of FSDP2's unsharded parameters, and the
+    policy would not train as autocast does (:func:`~autosplit.runtime.precision.cast_once` says why)."""
     tables = sparse_gradient_tables(module)
     if mode not in ("replicate", "fully_shard"):
         raise DistributedError(advice(
@@ -222,15 +225,17 @@ def replicate_stage(
             "the stages' replicas are kept in step by FSDP2's replicate or fully_shard, under torch's names",
             "pass 'replicate' or 'fully_shard'",
         ))
-    if mode == "fully_shard":
-        from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    cast = PARAM_CAST.get(precision)
+    policy = MixedPrecisionPolicy(param_dtype=cast, reduce_dtype=torch.float32 if cast else None, cast_forward_inputs=False)
+    if mode == "fully_shard":
         for unit in unit_modules(module, tables) if reshard_after_forward else ():  # no write in place into their outputs
-            fully_shard(unit, mesh=dp_mesh, reshard_after_forward=True)
+            fully_shard(unit, mesh=dp_mesh, reshard_after_forward=True, mp_policy=policy)
             _quiet_fsdp_view_warning(unit)
-        fully_shard(module, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, ignored_params=set(tables))
+        fully_shard(module, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, ignored_params=set(tables), mp_policy=policy)
     else:
-        fsdp_replicate()(module, mesh=dp_mesh, ignored_params=set(tables))
+        fsdp_replicate()(module, mesh=dp_mesh, ignored_params=set(tables), mp_policy=policy)
     _quiet_fsdp_view_warning(module)
     return tables
 

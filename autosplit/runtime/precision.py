@@ -17,6 +17,12 @@
   micro-batch's forward shares one copy per weight, instead of casting again and saving its own
   copy for backward, and the copies are dropped when the step ends, before the optimizer changes
   the weights they were made from.
+- ``"bf16-fsdp"`` (distributed only): every stage under FSDP2 with ``MixedPrecisionPolicy(param_dtype=bf16,
+  reduce_dtype=fp32)`` — on a data-parallel mesh of one where the plan has none
+  (:func:`~autosplit.runtime.placement.replicate_stage`) — and floating inputs cast to bf16 where
+  they enter: every parameter is gathered as a bf16 copy once per step, norms and embeddings too,
+  gradients are accumulated and reduced in fp32 into the fp32 master weights, as torchtitan trains.
+  The graph was captured with bf16 parameters (:mod:`autosplit.passes.param_dtype`).
 - ``"fp16-mixed"`` in :meth:`~autosplit.runtime.distributed.DistributedModel.step`: a
   :class:`LossScaler` scales each micro-batch's loss, unscales the gradients after the step and
   skips the step on every rank when any rank found an inf or NaN. Locally (a ``SplitModule``) the
@@ -42,9 +48,9 @@ import torch
 import torch.distributed as dist
 
 from autosplit import compat
-from autosplit.compat import pytree
 from autosplit.errors import DistributedError, advice
 from autosplit.passes.autocast_policy import LOW_PRECISION
+from autosplit.passes.param_dtype import PARAM_CAST, inputs_in
 from autosplit.plans import Plan
 
 __all__ = [
@@ -125,10 +131,9 @@ def hold(module: torch.nn.Module, precision: str) -> int:
 
 
 def cast_inputs(values: Any, precision: str) -> Any:
-    """For ``"bf16"``: every floating tensor in ``values`` cast to bfloat16; ``values`` unchanged otherwise."""
-    if precision != "bf16":
-        return values
-    return pytree.tree_map(lambda t: t.to(torch.bfloat16) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, values)
+    """For ``"bf16"`` and ``"bf16-fsdp"`` (the parameters the inputs meet are bf16): every floating
+    tensor in ``values`` cast to bfloat16; ``values`` unchanged otherwise."""
+    return inputs_in(values, LOW_PRECISION[precision] if precision == "bf16" or precision in PARAM_CAST else None)
 
 
 def stage_device_type(plan: Plan) -> str:

@@ -37,8 +37,9 @@ from tests.layouts import ROWS, assert_resumed, llama_case, reference_step, trai
 
 STEPS = 3
 MICRO = 2
-TOL: dict[str, dict[str, Any]] = {"fp32": {}, "bf16-mixed": {"rtol": 1e-3, "atol": 1e-4}}
-"""float64 runs agree to rounding (default tolerances); bf16-mixed at tests/runtime/test_precision.py's."""
+TOL: dict[str, dict[str, Any]] = {"fp32": {}, "bf16-mixed": {"rtol": 1e-3, "atol": 1e-4}, "bf16-fsdp": {"rtol": 1e-3, "atol": 1e-4}}
+"""float64 runs agree to rounding (default tolerances); the mixed precisions at tests/runtime/test_precision.py's
+(bf16-fsdp's gradients are bit for bit the reference's on the first step: the same bf16 ops, fp32 sums)."""
 
 
 CASES = {"gpt": gpt_case, "llama": llama_case}
@@ -81,13 +82,18 @@ def _train_case(
     assert bool(units) is alone and blocks <= set(units), (name, micro, sorted(units), sorted(blocks))
     assert name != "llama" or not alone or blocks == {"model.layers.0", "model.layers.1"}, blocks
     assert all(getattr(m._get_fsdp_state()._fsdp_param_group, "_reshard_after_forward", False) for m in units.values()), name
+    if precision == "bf16-fsdp":  # FSDP2's policy on the stage, over fp32 master weights
+        assert pipe.module._get_fsdp_state()._mp_policy.param_dtype is torch.bfloat16
+        assert all(p.dtype == torch.float32 for p in pipe.parameters())
     mine = slice(pipe.layout.replica * ROWS // copies, (pipe.layout.replica + 1) * ROWS // copies)
     opt = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
     ref_params, tol = dict(reference.named_parameters()), TOL[precision]
+    apart = any(p.policy == "replicate" for p in pipe.plan.shared_params)  # a tied weight held, and cast, on each stage
     for step in range(STEPS):
         loss = pipe.step(*(a[mine] for a in args), target=target[mine], **{k: v[mine] for k, v in kwargs.items()})
-        expected = reference_step(reference, args, kwargs, target, loss_fn, copies, precision, chunks=MICRO if precision != "fp32" else 1)
+        expected = reference_step(reference, args, kwargs, target, loss_fn, copies, precision, chunks=micro if precision != "fp32" else 1,
+                                  tied_apart=apart)
         if pipe.is_last:
             torch.testing.assert_close(loss, expected[pipe.layout.replica], **tol, msg=where(f"{name} step {step} loss"))
         for pname, p in pipe.named_parameters():
@@ -104,13 +110,21 @@ def _train_case(
 
 def test_two_stages_by_dp_shard_two_train_like_the_unsplit_model(gloo):
     pytest.importorskip("transformers")
-    gloo(4).run(_train_case, [("gpt", 2, "fp32"), ("llama", 2, "fp32"), ("gpt", 2, "bf16-mixed")])
+    gloo(4).run(_train_case, [("gpt", 2, "fp32"), ("llama", 2, "fp32"), ("gpt", 2, "bf16-mixed"), ("llama", 2, "bf16-fsdp")])
 
 
 def test_one_stage_by_dp_shard_two_trains_like_the_unsplit_model(gloo):
     pytest.importorskip("transformers")
     gloo(2).run(_train_case, [("gpt", 1, "fp32"), ("llama", 1, "fp32"), ("gpt", 1, "fp32", 1), ("llama", 1, "fp32", 1),
                               ("llama", 1, "fp32", 1, "full")])  # the blocks' units wrap their checkpointed regions
+
+
+def test_bf16_fsdp_trains_like_the_unsplit_model_under_fsdp2s_policy(gloo):
+    """FSDP2's ``MixedPrecisionPolicy`` on every stage, on a data-parallel mesh of one without copies:
+    2 stages of the GPT (its tied weight cast on each) and of the exported Llama (captured with bf16
+    parameters), and one stage in one pass (each block a unit of its own)."""
+    pytest.importorskip("transformers")
+    gloo(2).run(_train_case, [("gpt", 2, "bf16-fsdp"), ("llama", 2, "bf16-fsdp"), ("gpt", 1, "bf16-fsdp", 1)])
 
 
 # -- a checkpoint moves between layouts -------------------------------------------------------------
