@@ -190,7 +190,7 @@ def torchtitan_config(plan: Plan, names: Names, *, form: str = "toml") -> str:
             "'full' (every layer), 'selective' (every n-th layer or per op) or 'none', never a chosen set",
             "plan with checkpointing='full' or 'none', or keep autosplit's runtime for this plan",
         ))
-    micro = _micro_batch_size(plan)
+    micro, param_dtype = _micro_batch_size(plan), _torchtitan_precision(plan)
     common = {
         "data_parallel_replicate_degree": plan.dp_replicate, "data_parallel_shard_degree": plan.dp_shard,
         "tensor_parallel_degree": plan.tensor_parallel, "pipeline_parallel_degree": len(plan.stages) // plan.stages_per_rank,
@@ -201,6 +201,7 @@ def torchtitan_config(plan: Plan, names: Names, *, form: str = "toml") -> str:
                   "num_pp_microbatches": plan.micro_batches,
                   "module_fqns_per_model_part": [["lm_head" if p == "output" else p for p in part] for part in parts]}
         lines = [f"    config.parallelism.{k} = {v!r}\n" for k, v in fields.items()]
+        lines.append(f"    config.training.mixed_precision_param = {param_dtype!r}\n")
         return ("from torchtitan.distributed.activation_checkpoint import FullAC\n\n\n" if mode == "full" else "") + (
             "def autosplit_layout(config):\n"
             f'    """autosplit\'s plan on a Trainer.Config: predicted step {plan.step_time:.4g} s; global batch {plan.batch} rows, '
@@ -214,9 +215,26 @@ def torchtitan_config(plan: Plan, names: Names, *, form: str = "toml") -> str:
         "activation_checkpoint": {"mode": mode},
         # without a pipeline, torchtitan accumulates gradients over global / (local · dp) steps: the micro-batches
         "training": {"local_batch_size": plan.batch // plan.data_parallel if common["pipeline_parallel_degree"] > 1 else micro,
-                     "global_batch_size": plan.batch},
+                     "global_batch_size": plan.batch, "mixed_precision_param": param_dtype},
     }
     return "\n".join(f"[{table}]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in fields.items()) for table, fields in tables.items())
+
+
+def _torchtitan_precision(plan: Plan) -> str:
+    """torchtitan's ``training.mixed_precision_param`` for the plan's precision: torchtitan casts with
+    FSDP2's ``MixedPrecisionPolicy`` where it shards (``"bf16-fsdp"``), with autocast under DDP or on one
+    device and nothing else (``"bf16-mixed"``), and computes in fp32 with ``"float32"``."""
+    sharded = plan.dp_shard > 1
+    alone = not sharded and plan.tensor_parallel == 1 and len(plan.stages) == plan.stages_per_rank
+    if plan.precision == "fp32" or (plan.precision == "bf16-fsdp" and sharded) or (plan.precision == "bf16-mixed" and alone):
+        return "float32" if plan.precision == "fp32" else "bfloat16"
+    raise ExportError(advice(
+        f"precision={plan.precision!r} on dp_shard {plan.dp_shard}, tp {plan.tensor_parallel}, "
+        f"pp {len(plan.stages) // plan.stages_per_rank}",
+        "torchtitan casts to bf16 with FSDP2's MixedPrecisionPolicy where it shards, with autocast only under DDP or on "
+        "one device, and not at all otherwise",
+        "plan with precision='bf16-fsdp' and a sharded layout (or 'bf16-mixed' without tp or pp, or 'fp32')",
+    ))
 
 
 def megatron_flags(plan: Plan, names: Names) -> str:
@@ -249,7 +267,7 @@ def megatron_flags(plan: Plan, names: Names) -> str:
     flags += ["--sequence-parallel"] if plan.sequence_parallel and plan.tensor_parallel > 1 else []
     # FSDP2's fully_shard is Megatron-FSDP's optim_grads_params: parameters, gradients and optimizer state sharded
     flags += ["--use-megatron-fsdp", "--data-parallel-sharding-strategy optim_grads_params"] if plan.dp_shard > 1 else []
-    flags += ["--bf16"] if plan.precision in ("bf16", "bf16-mixed") else ["--fp16"] if plan.precision == "fp16-mixed" else []
+    flags += ["--bf16"] if plan.precision in ("bf16", "bf16-mixed", "bf16-fsdp") else ["--fp16"] if plan.precision == "fp16-mixed" else []
     flags += _megatron_recompute(plan, parts, names)
     note = (f"# virtual pipeline size {plan.stages_per_rank}: Megatron derives it from the layout ({len(parts)} stages over pp {pp}); "
             "its own virtual-pipeline flags may not be given with a layout")

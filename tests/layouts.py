@@ -40,7 +40,7 @@ def forward_in(model: torch.nn.Module, precision: str, args: tuple, kwargs: dict
     if precision != "bf16-fsdp":
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16-mixed"):
             return model(*args, **kwargs)
-    low = lambda t: t.to(torch.bfloat16) if t.is_floating_point() else t  # noqa: E731
+    low = lambda t: t.to(torch.bfloat16) if isinstance(t, torch.Tensor) and t.is_floating_point() else t  # noqa: E731
     cast = {name: low(p) for name, p in model.named_parameters(remove_duplicate=not tied_apart)}
     return torch.func.functional_call(model, cast, tuple(low(a) for a in args), {k: low(v) for k, v in kwargs.items()},
                                       tie_weights=not tied_apart)

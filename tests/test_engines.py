@@ -105,7 +105,7 @@ def test_the_8b_and_70b_shapes_on_the_meta_device_round_trip_through_megatron_an
     from benchmarks.plan_llms import _model
 
     planner = autosplit.Planner(_model(name), ["H100-80GB"] * devices, example_inputs=(autosplit.Spec((16, 8192), torch.long),),
-                                precision="bf16-mixed", schedule="interleaved1f1b", micro_batches=16,
+                                precision="fp32", schedule="interleaved1f1b", micro_batches=16,  # torchtitan: no bf16 without FSDP
                                 stages_per_rank=len(parse(layout)) // devices)
     plan = planner.manual(f"megatron:{layout}", check_memory=False)
     flags = plan.export("megatron")
@@ -129,6 +129,9 @@ def test_what_an_engine_cannot_express_is_refused_by_name():
     with pytest.raises(ExportError, match="megatron does not run the 'gpipe' schedule"):
         gpipe.export("megatron")
     assert "GPipe" in gpipe.export("torchtitan")
+    with pytest.raises(ExportError, match=r"precision='bf16-mixed' on dp_shard 1, tp 1, pp 2.*autocast only under DDP"):
+        planner.with_options(precision="bf16-mixed").manual([["model.embed_tokens", "model.layers.0"],
+                                                             ["model.layers.1", "model.norm", "lm_head"]]).export("torchtitan")
     from tests.layouts import gpt_case
 
     gpt, gpt_args, *_ = gpt_case()
@@ -267,7 +270,8 @@ def test_without_a_pipeline_the_micro_batches_are_torchtitans_gradient_accumulat
     plan = autosplit.Planner(model, ["cpu"], example_inputs=args, data_parallel=2, replicate="fully_shard", micro_batches=2).plan()
     assert plan.mesh == {"pp": 1, "dp_replicate": 1, "dp_shard": 2, "tp": 1} and plan.micro_batches == 2
     config = tomllib.loads(plan.export("torchtitan"))
-    assert config["training"] == {"local_batch_size": 2, "global_batch_size": 8}  # 8 rows / (2 per step · 2 copies): 2 steps
+    assert config["training"] == {"local_batch_size": 2, "global_batch_size": 8,  # 8 rows / (2 per step · 2 copies): 2 steps
+                                  "mixed_precision_param": "float32"}
     (tmp_path / "job.toml").write_text(plan.export("torchtitan"))
     mesh = autosplit.Planner(model, ["cpu"] * 2, example_inputs=args)  # a recipe's devices are the whole mesh
     _same(plan, mesh.manual(f"torchtitan:{tmp_path / 'job.toml'}"))

@@ -67,8 +67,7 @@ class Captured:
     ``transformers`` ``ModelOutput``, a dict subclass, a dataclass); :meth:`restore_output`."""
 
     param_dtype: torch.dtype | None = None
-    """The dtype the floating parameters were exported in, baked into the graph (None: their own, or
-    symbolically traced: its graph records no dtypes; :mod:`~autosplit.passes.param_dtype`)."""
+    """The dtype the floating parameters were exported in (None: their own; :mod:`~autosplit.passes.param_dtype`)."""
 
     def restore_output(self, out: Any) -> Any:
         """``out`` as the model's own output class."""

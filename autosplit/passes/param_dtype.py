@@ -8,7 +8,7 @@ compute another function once FSDP2 hands it bf16 ones (an fp32 residual stream,
 mismatched dtypes). The graph is therefore captured with the parameters' data swapped for bf16
 copies (:func:`params_in`; free on the meta device), and their own data put back after: the
 graph holds the model's own ``Parameter`` objects, fp32 again, and computes as the eager model
-does under the policy (``tests/runtime/test_bf16_fsdp.py``). A symbolically traced graph
+does under the policy (``tests/passes/test_param_dtype.py``). A symbolically traced graph
 records no dtypes and captures the same either way.
 
 Usage::
