@@ -14,7 +14,7 @@ in a fresh process (its peak RSS is the planning process's own):
   the two rows bracket it, ``recipe:full-ac`` (every layer recomputed: no selective mode recomputes more)
   and ``recipe:no-ac`` (nothing recomputed, over the 80 GiB cap: shown, not refused);
 - **autosplit**: ``autosplit.plan(model, Cluster.dgx_h100(nodes=1), ...)`` at the same global batch
-  (16 × 8192), bf16-mixed, ``checkpointing="auto"``: the degrees, split, schedule, micro-batches and
+  (16 × 8192), in :data:`PRECISION` as the recipes, ``checkpointing="auto"``: the degrees, split, schedule, micro-batches and
   recomputation chosen together;
 - **memory**: the pipeline-only plan of Llama-3-8B on 8 H100s (8 stages, GPipe, 8 micro-batches, no
   recomputation, caps lifted) in fp32 and in bf16-mixed: the fullest stage's activation memory
@@ -22,11 +22,11 @@ in a fresh process (its peak RSS is the planning process's own):
 
 - **at scale** (:mod:`benchmarks.workloads.recipes`): torchtitan's Llama-3.1-70B on 256 H100s (FSDP 32 ×
   TP 8), its Llama-3.1-405B on 512 (FSDP 8 × TP 8 × PP 8, Interleaved 1F1B) and Megatron-Bridge's
-  Llama-3-70B on 64 (TP 4 × PP 8 × VP 5): ``NAME:recipe`` costs the recipe in bf16 (``Recipe`` with its
+  Llama-3-70B on 64 (TP 4 × PP 8 × VP 5): ``NAME:recipe`` costs the recipe in :data:`PRECISION` (``Recipe`` with its
   degrees, layers per stage, schedule, micro-batches and checkpointing over the whole cluster and global
   batch); ``NAME:recipe-fp8`` the same with every half-precision matmul at H100's FP8 peak (the published
   figures ran Float8 linears: the two rows bracket that term); ``NAME:autosplit`` plans the same model,
-  cluster and global batch with every degree chosen (bf16-mixed, ``checkpointing="auto"``, 1F1B).
+  cluster and global batch with every degree chosen (:data:`PRECISION`, ``checkpointing="auto"``, 1F1B).
 
 Prints a table and writes ``benchmarks/results/plan_3d.json`` (``--out``); name rows to plan only those.
 
@@ -57,6 +57,10 @@ FP8_PEAK = 1979e12
 """H100 SXM's dense FP8 tensor-core peak, flop/s (twice its bf16 989e12)."""
 GLOBAL_8B = 16
 """The published run's global batch: local batch 2 × 8 FSDP ranks."""
+PRECISION = "bf16-fsdp"
+"""What the published runs train in, and every recipe and autosplit row is planned in: FSDP2's
+``MixedPrecisionPolicy`` (bf16 parameters gathered, fp32 master weights and reductions), torchtitan's
+default; Megatron's ``--bf16`` likewise computes with every weight in bf16 over fp32 main gradients."""
 
 
 def _plan_row(kind: str, time_limit: float) -> dict[str, Any]:
@@ -74,11 +78,11 @@ def _plan_row(kind: str, time_limit: float) -> dict[str, Any]:
     try:
         if kind.startswith("recipe"):
             recipe = autosplit.Recipe(data_parallel=8, replicate="fully_shard", options={
-                "precision": "bf16-mixed", "checkpointing": "full" if kind == "recipe:full-ac" else "none", "micro_batches": 1})
+                "precision": PRECISION, "checkpointing": "full" if kind == "recipe:full-ac" else "none", "micro_batches": 1})
             plan = autosplit.Planner(model, autosplit.Cluster.dgx_h100(nodes=1), example_inputs=(tokens,)).manual(
                 recipe, check_memory=False)
         elif kind == "autosplit":
-            plan = autosplit.plan(model, autosplit.Cluster.dgx_h100(nodes=1), example_inputs=(tokens,), precision="bf16-mixed",
+            plan = autosplit.plan(model, autosplit.Cluster.dgx_h100(nodes=1), example_inputs=(tokens,), precision=PRECISION,
                                   checkpointing="auto", time_limit=time_limit)
         else:  # no recomputation and room for everything: the activations as each precision holds them
             plan = autosplit.plan(model, ["H100-80GB"] * 8, example_inputs=(tokens,), precision=kind.split(":")[1],
@@ -128,17 +132,17 @@ def _scale_row(kind: str, time_limit: float) -> dict[str, Any]:
     row: dict[str, Any] = {"kind": kind, "published": r.published, "source": r.source}
     try:
         if which.startswith("recipe") and r.megatron:  # the published layout, read as Megatron reads it
-            planner = autosplit.Planner(model, cluster, example_inputs=(tokens,), precision="bf16-mixed")
+            planner = autosplit.Planner(model, cluster, example_inputs=(tokens,), precision=PRECISION)
             plan = planner.manual(f"megatron:{r.megatron}", check_memory=False)
         elif which.startswith("recipe"):
-            planner = autosplit.Planner(model, cluster, example_inputs=(tokens,), precision="bf16-mixed")
+            planner = autosplit.Planner(model, cluster, example_inputs=(tokens,), precision=PRECISION)
             split = None if r.stages == 1 else torchtitan_fqns(
                 model, r.stages, repeated="model.layers", input_weight=r.input_weight, output_weight=r.output_weight,
                 order=execution_order(planner.traced))
             plan = planner.manual(autosplit.Recipe(split, data_parallel=r.data_parallel, replicate=r.replicate,
                                                    tensor_parallel=r.tensor_parallel, options=r.options), check_memory=False)
         else:
-            plan = autosplit.plan(model, cluster, example_inputs=(tokens,), precision="bf16-mixed", checkpointing="auto",
+            plan = autosplit.plan(model, cluster, example_inputs=(tokens,), precision=PRECISION, checkpointing="auto",
                                   schedule="1f1b", tensor_parallel="auto", time_limit=time_limit)
         row.update(_described(plan, r.rows))
     except autosplit.AutosplitError as e:

@@ -41,7 +41,7 @@ from autosplit.errors import ConstraintError, DeviceError, LayerCutError, advice
 from autosplit.microbatch import batch_size
 from autosplit.options import PlanOptions
 from autosplit.passes.loss import Loss
-from autosplit.passes.param_dtype import PARAM_CAST
+from autosplit.passes.param_dtype import PARAM_CAST, capture_dtype
 from autosplit.plans import Plan
 from autosplit.recipes import Recipe
 from autosplit.report.text import plan_report
@@ -96,15 +96,25 @@ class Planner:
         # refuses a count the batch does not divide, or (devices known) that the schedule cannot run
         ranks = len(self.devices) if self.devices is not None and self.options.data_parallel == 1 and not self.options.meshes else None
         self.options.micro_batches_for(ranks, batch_size(self.example_inputs, self.example_kwargs))
-        self._traced: Traced | None = None
+        self._traces: dict[Any, Traced] = {}
+        """The captured, annotated graphs by the dtype the parameters were captured in (:meth:`traced_for`)."""
 
     @property
     def traced(self) -> Traced:
-        """The captured, annotated graph (made on first use, then kept)."""
-        if self._traced is None:
-            self._traced = trace(self.model, self.example_inputs, self.example_kwargs, method=self.options.capture, loss=self.loss,
-                                 precision=self.options.precision)
-        return self._traced
+        """The captured, annotated graph this planner's options plan on (:meth:`traced_for`)."""
+        return self.traced_for(self.options)
+
+    def traced_for(self, options: PlanOptions) -> Traced:
+        """The captured, annotated graph ``options`` plan on, made on first use and kept: one capture serves
+        every precision, but a graph torch.export made, its dtypes baked in, is captured again for a
+        precision that casts the parameters first (:mod:`autosplit.passes.param_dtype`)."""
+        wanted = capture_dtype(options.precision)
+        if wanted not in self._traces:
+            first = next(iter(self._traces.values()), None)
+            self._traces[wanted] = first if first is not None and first.captured.method != "export" else trace(
+                self.model, self.example_inputs, self.example_kwargs, method=self.options.capture, loss=self.loss,
+                precision=options.precision)
+        return self._traces[wanted]
 
     def specs(self, devices: Sequence[DeviceLike] | None = None, options: PlanOptions | None = None) -> tuple[DeviceSpec, ...]:
         devices = self.devices if devices is None else devices
@@ -146,7 +156,7 @@ class Planner:
                     "pass devices=None to use the plan's devices, or as many devices as the plan has",
                 )
             )
-        return compile_plan(self.traced, specs, options, given=saved)
+        return compile_plan(self.traced_for(options), specs, options, given=saved)
 
     def build(self, plan: Plan | str | Path | None = None, *, compile: bool | CompileOptions = False) -> SplitModule | MakespanRunner:
         """The :class:`SplitModule` of ``plan`` (default: :meth:`plan`), in this process; for a
@@ -243,13 +253,13 @@ class Planner:
         copy_ = copy.copy(self)
         copy_.options = layout
         copy_.devices = stage_ranks(specs, degrees)
-        copy_._traced = self.traced.at_batch(degrees.data_parallel)
+        copy_._traces = {capture_dtype(layout.precision): self.traced_for(layout).at_batch(degrees.data_parallel)}
         return copy_
 
     def with_options(self, **changes: Any) -> Planner:
-        """A planner of the same model and capture under other options (nothing is captured again)."""
+        """A planner of the same model and capture under other options (captured again only for a precision
+        an exported graph was not captured for: :meth:`traced_for`)."""
         other = copy.copy(self)
-        other._traced = self.traced
         other.options = self.options.replace(**changes)
         return other
 
@@ -261,7 +271,8 @@ class Planner:
 
     def _solve(self, specs: tuple[DeviceSpec, ...], options: PlanOptions) -> Plan:
         """One plan of ``specs``; over the whole mesh, the data-parallel degrees chosen with it."""
-        return mesh_plan(self.traced, specs, options) if options.meshes else compile_plan(self.traced, specs, options)
+        traced = self.traced_for(options)
+        return mesh_plan(traced, specs, options) if options.meshes else compile_plan(traced, specs, options)
 
 
 def _loss(loss_fn: Callable[[Any, Any], torch.Tensor] | None, example_target: Any) -> Loss | None:

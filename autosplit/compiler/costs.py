@@ -99,7 +99,7 @@ def _cost_table(
     if options.tp > 1:
         check_degree(traced.tp_rules(), options.tp)
         table = tp_laid_out(table, gm, traced.tp_rules(), tp=options.tp, micro_batches=micro_batches, numel=traced.param_numel(),
-                            sequence_parallel=sequence_parallel(traced, options))
+                            sequence_parallel=sequence_parallel(traced, options), precision=options.precision)
         source += f"; tensors split over tp {options.tp}"
     table = laid_out(table, dp_shard=options.dp_shard, alone=sharded_alone(len(specs), micro_batches, options.dp_shard),
                      precision=options.precision)

@@ -77,7 +77,7 @@ def step_floor(whole: CostTable, traced: Traced, degrees: Degrees, options: Plan
     if degrees.tp > 1:
         table = tp_laid_out(whole, traced.annotated(options.precision, specs[0].device_type), traced.tp_rules(), tp=degrees.tp,
                             micro_batches=1, numel=traced.param_numel(),
-                            sequence_parallel=sequence_parallel(traced, options))
+                            sequence_parallel=sequence_parallel(traced, options), precision=options.precision)
     if options.dp_shard > 1:
         table = laid_out(table, dp_shard=options.dp_shard, alone=True, precision=options.precision)
     dp, pp = degrees.data_parallel, degrees.pp
@@ -137,7 +137,8 @@ def memory_proven(whole: CostTable, traced: Traced, degrees: Degrees, options: P
     share = dataclasses.replace(whole, devices=tuple(ranks), **over_dp, **on_ranks)
     if degrees.tp > 1:
         share = tp_laid_out(share, traced.annotated(options.precision, ranks[0].device_type), traced.tp_rules(), tp=degrees.tp,
-                            micro_batches=1, numel=traced.param_numel(), sequence_parallel=sequence_parallel(traced, options))
+                            micro_batches=1, numel=traced.param_numel(), sequence_parallel=sequence_parallel(traced, options),
+                            precision=options.precision)
     rows = (traced.batch or dp) // dp
     open_ = configurations(options, pp, rows) if options.searches else [options.replace(micro_batches=options.micro_batches_for(pp, rows))]
     proofs = []

@@ -40,6 +40,7 @@ import torch.fx as fx
 from autosplit.costtable import CostTable
 from autosplit.devices import DeviceSpec
 from autosplit.passes.annotations import node_info
+from autosplit.passes.param_dtype import PARAM_CAST
 from autosplit.passes.tensor_parallel import TensorParallelRules
 
 __all__ = ["split_shares", "tp_collective_time", "tp_laid_out"]
@@ -68,10 +69,11 @@ def tp_collective_time(nbytes: float, tp: int, device: DeviceSpec, micro_batches
 
 def tp_laid_out(
     table: CostTable, gm: fx.GraphModule, rules: TensorParallelRules, *, tp: int, micro_batches: int, numel: Mapping[str, int],
-    sequence_parallel: bool = False,
+    sequence_parallel: bool = False, precision: str = "fp32",
 ) -> CostTable:
     """``table`` as one device of a tensor-parallel group of ``tp`` computes, holds and moves it (the
-    module docstring); ``table`` itself for ``tp = 1``."""
+    module docstring); ``table`` itself for ``tp = 1``. ``precision``: where its weights' compute copy is
+    held (below)."""
     if tp <= 1:
         return table
     split = [1 / tp if name in rules.split_nodes else 1.0 for name in table.nodes]
@@ -89,10 +91,12 @@ def tp_laid_out(
         return tuple(map(tuple, times.tolist()))
 
     # a weight's compute copy is saved where autocast casts it, by the linear (or lookup) that reads it,
-    # which need not be the node that owns the parameter: it is split where that reader is
+    # which need not be the node that owns the parameter: it is split where that reader is; FSDP2's policy
+    # gathers it where the parameter is owned, split as the parameter is
     buffers = table.buffer_bytes or (0,) * len(table.nodes)
     copies = table.weight_copy_bytes or (0,) * len(table.nodes)
-    state = tuple(round((s - b - c) * k) + b + round(c * q) for s, b, c, k, q in zip(table.state_bytes, buffers, copies, held, split))
+    copied = held if precision in PARAM_CAST else split
+    state = tuple(round((s - b - c) * k) + b + round(c * q) for s, b, c, k, q in zip(table.state_bytes, buffers, copies, held, copied))
     saved = scaled(table.saved_bytes, cut)
     ratio = [sum(saved[i] for i in m) / max(1, sum(table.saved_bytes[i] for i in m)) for m in table.block_members]
     return dataclasses.replace(
@@ -103,7 +107,7 @@ def tp_laid_out(
         state_bytes=state, saved_bytes=saved, output_bytes=scaled(table.output_bytes, cut),
         sent_bytes=scaled(table.sent_bytes, cut), transient_bytes=scaled(table.transient_bytes, cut),
         wgrad_bytes=scaled(table.wgrad_bytes, cut),
-        param_bytes=scaled(table.param_bytes, held), weight_copy_bytes=scaled(table.weight_copy_bytes, split),
+        param_bytes=scaled(table.param_bytes, held), weight_copy_bytes=scaled(table.weight_copy_bytes, copied),
         param_counts=scaled(table.param_counts, held),
         optimizer_time=tuple(tuple(t * k for t in row) for row, k in zip(table.optimizer_time, held)),
         block_saves=scaled(table.block_saves, ratio), block_activations=scaled(table.block_activations, ratio),

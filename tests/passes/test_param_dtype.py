@@ -86,3 +86,18 @@ def test_the_policy_is_refused_where_it_cannot_run_or_was_not_captured():
     assert policy.annotated("bf16-fsdp", "cpu") is policy.captured.gm
     with pytest.raises(ConstraintError):
         policy.annotated("bf16-mixed", "cpu")
+
+
+def test_a_planner_captures_an_exported_model_again_for_the_policy_and_a_traced_one_once():
+    pytest.importorskip("transformers")
+    llama, (tokens,), *_ = llama_case()
+    planner = autosplit.Planner(llama, ["cpu"] * 2, example_inputs=(tokens,), micro_batches=2, **NO_SEARCH)
+    fsdp = planner.with_options(precision="bf16-fsdp")
+    assert fsdp.traced is not planner.traced and fsdp.traced.captured.param_dtype is torch.bfloat16
+    assert planner.traced.captured.param_dtype is None and fsdp.traced_for(planner.options) is planner.traced  # kept, shared
+    recipe = planner.manual(autosplit.Recipe([["model.embed_tokens", "model.layers.0"], ["model.layers.1", "model.norm", "lm_head"]],
+                                             options={"precision": "bf16-fsdp"}))
+    assert recipe.precision == "bf16-fsdp" and recipe.fingerprint == fsdp.traced.fingerprint
+    gpt, args, kwargs, *_ = gpt_case()
+    traced = autosplit.Planner(gpt, ["cpu"] * 2, example_inputs=args, example_kwargs=kwargs, **NO_SEARCH)
+    assert traced.with_options(precision="bf16-fsdp").traced is traced.traced  # a traced graph records no dtypes

@@ -62,6 +62,17 @@ def test_a_mixed_precision_weight_copy_is_split_with_its_linear():
     assert split.state_bytes[index["_1"]] == 16 * (W * 4 * W + 4 * W) // 2 + W * 4 * W
 
 
+def test_fsdp2s_policy_holds_each_weights_bf16_copy_as_the_weight_is_split():
+    """Under bf16-fsdp the compute copy is what FSDP2 gathers of the parameters a node owns, in bf16, biases
+    and norms too: split as they are held (the row-parallel bias whole)."""
+    _, whole, split = _tables(2, "bf16-fsdp")
+    index = {n: i for i, n in enumerate(whole.nodes)}
+    for name, whole_elements, held_elements in (("_0", 2 * W, 2 * W), ("_1", W * 4 * W + 4 * W, (W * 4 * W + 4 * W) // 2),
+                                                ("_3", 4 * W * W + W, 4 * W * W // 2 + W)):
+        assert whole.weight_copy_bytes[index[name]] == 2 * whole_elements, name
+        assert split.weight_copy_bytes[index[name]] == 2 * held_elements, name
+
+
 def test_sequence_parallelism_splits_every_nodes_activations_and_needs_every_linear_split():
     """``sequence_parallel=True`` (and ``"auto"``, where every linear is split): the norm between the split layers computes and
     saves half on each of 2 ranks too, its all-reduces as before; refused where a linear stays whole
