@@ -17,8 +17,8 @@ in a fresh process (its peak RSS is the planning process's own):
   (16 × 8192), in :data:`PRECISION` as the recipes, ``checkpointing="auto"``: the degrees, split, schedule, micro-batches and
   recomputation chosen together;
 - **memory**: the pipeline-only plan of Llama-3-8B on 8 H100s (8 stages, GPipe, 8 micro-batches, no
-  recomputation, caps lifted) in fp32 and in bf16-mixed: the fullest stage's activation memory
-  (with the weights cast once per step, bf16-mixed holds less).
+  recomputation, caps lifted) in fp32, bf16-mixed and bf16-fsdp: the fullest stage's activation memory
+  (with the weights cast once per step, bf16-mixed holds less; bf16-fsdp's residual stream is bf16).
 
 - **at scale** (:mod:`benchmarks.workloads.recipes`): torchtitan's Llama-3.1-70B on 256 H100s (FSDP 32 ×
   TP 8), its Llama-3.1-405B on 512 (FSDP 8 × TP 8 × PP 8, Interleaved 1F1B) and Megatron-Bridge's
@@ -152,7 +152,7 @@ def _scale_row(kind: str, time_limit: float) -> dict[str, Any]:
     return row
 
 
-EIGHT_B = ("recipe:full-ac", "recipe:no-ac", "autosplit", "memory:fp32", "memory:bf16-mixed")
+EIGHT_B = ("recipe:full-ac", "recipe:no-ac", "autosplit", "memory:fp32", "memory:bf16-mixed", "memory:bf16-fsdp")
 AT_SCALE = tuple(f"{name}:{which}" for name in ("titan-70b", "titan-405b", "megatron-70b")
                  for which in ("recipe", "recipe-fp8", "autosplit"))
 
