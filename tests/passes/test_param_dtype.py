@@ -71,7 +71,7 @@ def test_the_policy_holds_a_bf16_copy_and_fp32_gradients_where_autocast_holds_fp
 
 def test_the_policy_is_refused_where_it_cannot_run_or_was_not_captured():
     pytest.importorskip("transformers")
-    model, args, kwargs, _, loss_fn = gpt_case()
+    model, args, kwargs, *_ = gpt_case()
     with pytest.raises(ConstraintError) as e:  # one process: no process group for FSDP2
         autosplit.autosplit(model, ["cpu"] * 2, example_inputs=args, example_kwargs=kwargs, precision="bf16-fsdp", **NO_SEARCH)
     says(e, "precision='bf16-fsdp'", "FSDP2 needs a process group", "autosplit.distribute")
