@@ -122,7 +122,8 @@ def distribute(
     stages = len(given.devices) if devices is None and given is not None else len(devices or ())
     _check_arguments(replicate, data_parallel, stages, None if given is not None else options.get("schedule", "gpipe"))
     shard = _check_mesh(given, stages, data_parallel, replicate)
-    options = {"schedule": "gpipe", **options, "data_parallel": data_parallel, "replicate": replicate}
+    options = {"schedule": "gpipe", **options, "data_parallel": data_parallel, "replicate": replicate,
+               **({"precision": given.precision} if given is not None else {})}  # captured as the plan computes
     planner = Planner(model, devices, example_inputs=example_inputs, example_kwargs=example_kwargs,
                       loss_fn=None if example_target is None else loss_fn, example_target=example_target, **options)
     made = dataclasses.replace(_agreed_plan(planner, given, data_parallel), data_parallel=data_parallel, dp_shard=shard)

@@ -125,6 +125,26 @@ def test_bf16_fsdp_trains_like_the_unsplit_model_under_fsdp2s_policy(gloo):
     parameters), and one stage in one pass (each block a unit of its own)."""
     pytest.importorskip("transformers")
     gloo(2).run(_train_case, [("gpt", 2, "bf16-fsdp"), ("llama", 2, "bf16-fsdp"), ("gpt", 1, "bf16-fsdp", 1)])
+    gloo(2).run(_given_plan_case, [()])
+
+
+def _given_plan_case(*, rank: int, world: int) -> None:
+    """A bf16-fsdp plan handed to ``distribute`` without its precision: the exported Llama is captured as
+    the plan computes (bf16 parameters), and its first step's gradients are the reference's."""
+    model, args, kwargs, target, loss_fn = llama_case()
+    reference = copy.deepcopy(model)
+    made = autosplit.plan(model, ["cpu"] * 2, example_inputs=args, precision="bf16-fsdp", schedule="1f1b", micro_batches=MICRO,
+                          **NO_SEARCH)
+    pipe = autosplit.distribute(model, None, example_inputs=args, loss_fn=loss_fn, plan=made)
+    assert pipe.plan.precision == "bf16-fsdp" and pipe.module._get_fsdp_state()._mp_policy.param_dtype is torch.bfloat16
+    loss = pipe.step(*args, target=target)
+    (expected,) = reference_step(reference, args, kwargs, target, loss_fn, 1, "bf16-fsdp", chunks=MICRO)
+    if pipe.is_last:
+        torch.testing.assert_close(loss, expected, **TOL["bf16-fsdp"])
+    ref_params = dict(reference.named_parameters())
+    for pname, p in pipe.named_parameters():
+        torch.testing.assert_close(full_tensor(p.grad), ref_params[pname].grad, **TOL["bf16-fsdp"], msg=where(f"given plan: {pname}"))
+    pipe.close()
 
 
 # -- a checkpoint moves between layouts -------------------------------------------------------------
