@@ -136,7 +136,8 @@ def _given_plan_case(*, rank: int, world: int) -> None:
     made = autosplit.plan(model, ["cpu"] * 2, example_inputs=args, precision="bf16-fsdp", schedule="1f1b", micro_batches=MICRO,
                           **NO_SEARCH)
     pipe = autosplit.distribute(model, None, example_inputs=args, loss_fn=loss_fn, plan=made)
-    assert pipe.plan.precision == "bf16-fsdp" and pipe.module._get_fsdp_state()._mp_policy.param_dtype is torch.bfloat16
+    stage: Any = pipe.module  # an FSDPModule
+    assert pipe.plan.precision == "bf16-fsdp" and stage._get_fsdp_state()._mp_policy.param_dtype is torch.bfloat16
     loss = pipe.step(*args, target=target)
     (expected,) = reference_step(reference, args, kwargs, target, loss_fn, 1, "bf16-fsdp", chunks=MICRO)
     if pipe.is_last:
