@@ -228,6 +228,12 @@ def replicate_stage(
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     cast = PARAM_CAST.get(precision)
+    if cast is not None and tables:
+        raise DistributedError(advice(
+            f"precision={precision!r} with {len(tables)} table(s) looked up with sparse=True",
+            "FSDP2 reduces dense gradients only, so those tables are kept apart from it, and its policy would not cast them",
+            "look the tables up with sparse=False, or plan with precision='bf16-mixed'",
+        ))
     policy = MixedPrecisionPolicy(param_dtype=cast, reduce_dtype=torch.float32 if cast else None, cast_forward_inputs=False)
     if mode == "fully_shard":
         for unit in unit_modules(module, tables) if reshard_after_forward else ():  # no write in place into their outputs

@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from tests.helpers import NO_SEARCH, full_tensor, reference_step, where
+from tests.helpers import NO_SEARCH, full_tensor, reference_step, says, where
 
 VOCAB, BATCH, SEQ, STEPS = 300, 8, 6, 3
 
@@ -76,3 +76,18 @@ def _run_case(replicate: Literal["replicate", "fully_shard"], rank: int, world: 
 @pytest.mark.filterwarnings("ignore:Sparse invariant checks")
 def test_sparse_tables_train_like_the_unsplit_model_across_replicas(gloo):
     gloo(4).run(_run_case, [("replicate",), ("fully_shard",)])
+
+
+def _policy_case(rank: int, world: int) -> None:
+    import autosplit
+    from autosplit.errors import DistributedError
+
+    tokens, candidates = torch.randint(0, VOCAB, (BATCH, SEQ)), torch.randint(0, VOCAB, (1, 40))
+    with pytest.raises(DistributedError) as e:
+        autosplit.distribute(_Tagger(), ["cpu"] * world, example_inputs=(tokens, candidates), loss_fn=_loss,
+                             schedule="1f1b", micro_batches=2, precision="bf16-fsdp", optimizer="adagrad", **NO_SEARCH)
+    says(e, "precision='bf16-fsdp' with 1 table(s) looked up with sparse=True", "its policy would not cast them", "sparse=False")
+
+
+def test_fsdp2s_policy_is_refused_beside_tables_it_would_not_cast(gloo):
+    gloo(2).run(_policy_case, [()])
