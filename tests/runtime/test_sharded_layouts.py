@@ -33,7 +33,7 @@ from autosplit.passes.outline import outlinable_blocks
 from autosplit.runtime.checkpoint import load_checkpoint
 from autosplit.runtime.placement import MESH_DIMS
 from tests.helpers import NO_SEARCH, full_tensor, gpt_case, says, where
-from tests.layouts import ROWS, assert_resumed, llama_case, reference_step, trained_reference
+from tests.layouts import ROWS, assert_resumed, forward_in, llama_case, reference_step, trained_reference
 
 STEPS = 3
 MICRO = 2
@@ -119,18 +119,20 @@ def test_one_stage_by_dp_shard_two_trains_like_the_unsplit_model(gloo):
                               ("llama", 1, "fp32", 1, "full")])  # the blocks' units wrap their checkpointed regions
 
 
-def test_bf16_fsdp_trains_like_the_unsplit_model_under_fsdp2s_policy(gloo):
+def test_bf16_fsdp_trains_like_the_unsplit_model_under_fsdp2s_policy(gloo, tmp_path):
     """FSDP2's ``MixedPrecisionPolicy`` on every stage, on a data-parallel mesh of one without copies:
     2 stages of the GPT (its tied weight cast on each) and of the exported Llama (captured with bf16
     parameters), and one stage in one pass (each block a unit of its own)."""
     pytest.importorskip("transformers")
     gloo(2).run(_train_case, [("gpt", 2, "bf16-fsdp"), ("llama", 2, "bf16-fsdp"), ("gpt", 1, "bf16-fsdp", 1)])
-    gloo(2).run(_given_plan_case, [()])
+    gloo(2).run(_given_plan_case, [(str(tmp_path),)])
 
 
-def _given_plan_case(*, rank: int, world: int) -> None:
+def _given_plan_case(folder: str, *, rank: int, world: int) -> None:
     """A bf16-fsdp plan handed to ``distribute`` without its precision: the exported Llama is captured as
-    the plan computes (bf16 parameters), and its first step's gradients are the reference's."""
+    the plan computes (bf16 parameters), and its first step's gradients are the reference's; then what a
+    loop does between steps — the global norm clipped, an evaluation, a checkpoint loaded into the
+    unsplit model — as the unsplit model does it under the policy."""
     model, args, kwargs, target, loss_fn = llama_case()
     reference = copy.deepcopy(model)
     made = autosplit.plan(model, ["cpu"] * 2, example_inputs=args, precision="bf16-fsdp", schedule="1f1b", micro_batches=MICRO,
@@ -145,6 +147,23 @@ def _given_plan_case(*, rank: int, world: int) -> None:
     ref_params = dict(reference.named_parameters())
     for pname, p in pipe.named_parameters():
         torch.testing.assert_close(full_tensor(p.grad), ref_params[pname].grad, **TOL["bf16-fsdp"], msg=where(f"given plan: {pname}"))
+    norm = pipe.clip_grad_norm_(0.1)
+    torch.testing.assert_close(norm, torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.1), **TOL["bf16-fsdp"], check_dtype=False)
+    opt, ref_opt = torch.optim.AdamW(pipe.parameters(), lr=1e-2), torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    opt.step()
+    ref_opt.step()
+    pipe.eval()
+    evaluated = pipe.eval_step(*args, target=target)
+    with torch.no_grad():
+        expected = loss_fn(forward_in(reference, "bf16-fsdp", args, kwargs), target)
+    if pipe.is_last:
+        torch.testing.assert_close(evaluated, expected, **TOL["bf16-fsdp"])
+    pipe.save(f"{folder}/ckpt", optimizer=opt)
+    unsplit, *_ = llama_case()
+    load_checkpoint(f"{folder}/ckpt", unsplit)  # fp32 master weights, as the unsplit model holds them
+    for pname, p in unsplit.named_parameters():
+        assert p.dtype == torch.float32
+        torch.testing.assert_close(p, ref_params[pname], **TOL["bf16-fsdp"], msg=where(f"loaded {pname}"))
     pipe.close()
 
 
