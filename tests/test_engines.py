@@ -302,3 +302,21 @@ def test_a_configuration_that_would_leave_a_layer_out_is_refused():
     lists = [["tok_embeddings", "layers.0"], ["norm", "output"]]
     with pytest.raises(ConstraintError, match=re.escape("leaves out ['layers.1']")):
         planner.manual({"parallelism": {"pipeline_parallel_degree": 2, "module_fqns_per_model_part": lists}})
+
+
+def test_a_torchtitan_config_is_read_in_the_precision_torchtitan_trains_it_in():
+    """torchtitan casts with FSDP2's policy where it shards (its default mixed_precision_param is bfloat16),
+    with autocast under DDP alone, and not at all with pp and no FSDP (``maybe_enable_amp``)."""
+    model, args = _llama(2)
+    planner = autosplit.Planner(model, ["cpu"] * 2, example_inputs=args, micro_batches=2, schedule="1f1b")
+    stages = [["tok_embeddings", "layers.0"], ["layers.1", "norm", "output"]]
+    read = {
+        "bf16-fsdp": {"parallelism": {"data_parallel_shard_degree": 2}},
+        "bf16-mixed": {"parallelism": {"data_parallel_replicate_degree": 2, "data_parallel_shard_degree": 1}},
+        "fp32": {"parallelism": {"data_parallel_shard_degree": 1, "pipeline_parallel_degree": 2,
+                                 "module_fqns_per_model_part": stages}},
+    }
+    for precision, config in read.items():
+        assert planner.manual(config, check_memory=False).precision == precision, config
+    with pytest.raises(ConstraintError, match="mixed_precision_param 'float16'"):
+        planner.manual({"parallelism": {"data_parallel_shard_degree": 2}, "training": {"mixed_precision_param": "float16"}})
