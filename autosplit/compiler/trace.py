@@ -191,6 +191,7 @@ class Traced:
             ))
         return captured, flat_inputs(captured, args, kwargs)
 
+
 def _annotated_in(captured: Captured) -> str:
     """The precision a capture's own graph is annotated in: the one it was exported for (its dtypes
     baked in: :mod:`autosplit.passes.param_dtype`), else fp32; other precisions annotate a copy."""
@@ -215,7 +216,8 @@ def trace(
     precision: str = "fp32",
 ) -> Traced:
     """Steps *capture* and *annotate*: captured as ``precision`` computes (its parameters cast for
-    ``"bf16-fsdp"``: :mod:`autosplit.passes.param_dtype`), annotated in fp32 (:meth:`Traced.annotated`)."""
+    ``"bf16-fsdp"``: :mod:`autosplit.passes.param_dtype`), annotated in fp32, or in the precision an
+    exported graph was captured for (:func:`_annotated_in`; others: :meth:`Traced.annotated`)."""
     timings: dict[str, float] = {}
     example_inputs, kwargs = _reconciled(model, tuple(example_inputs), dict(example_kwargs or {}))
     with progress.timed_pass("capture", timings):
