@@ -122,9 +122,10 @@ def test_one_stage_by_dp_shard_two_trains_like_the_unsplit_model(gloo):
 def test_bf16_fsdp_trains_like_the_unsplit_model_under_fsdp2s_policy(gloo, tmp_path):
     """FSDP2's ``MixedPrecisionPolicy`` on every stage, on a data-parallel mesh of one without copies:
     2 stages of the GPT (its tied weight cast on each) and of the exported Llama (captured with bf16
-    parameters), and one stage in one pass (each block a unit of its own)."""
+    parameters), and one stage in one pass (each block a unit of its own; the Llama's recomputed in backward)."""
     pytest.importorskip("transformers")
-    gloo(2).run(_train_case, [("gpt", 2, "bf16-fsdp"), ("llama", 2, "bf16-fsdp"), ("gpt", 1, "bf16-fsdp", 1)])
+    gloo(2).run(_train_case, [("gpt", 2, "bf16-fsdp"), ("llama", 2, "bf16-fsdp"), ("gpt", 1, "bf16-fsdp", 1),
+                              ("llama", 1, "bf16-fsdp", 1, "full")])  # each unit recomputes its checkpointed region in bf16
     gloo(2).run(_given_plan_case, [(str(tmp_path),)])
 
 
