@@ -29,14 +29,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from autosplit import schedules
-from autosplit.errors import ExportError, LayerCutError, advice
+from autosplit.errors import ConstraintError, ExportError, LayerCutError, advice
 from autosplit.megatron_layout import check, format_layout
 
 Plan = Any
 """A :class:`~autosplit.plans.Plan` (not imported: the plan imports this module for :meth:`~autosplit.plans.Plan.export`)."""
 
 __all__ = ["ENGINES", "TORCHTITAN_LLAMA3", "TRANSFORMERS_LLAMA", "Names", "export", "layer_paths", "megatron_flags", "module_prefixes",
-           "names_for", "stage_parts", "torchtitan_config"]
+           "names_for", "stage_parts", "torchtitan_config", "torchtitan_precision"]
 
 ENGINES = ("torchtitan", "megatron")
 
@@ -220,17 +220,28 @@ def torchtitan_config(plan: Plan, names: Names, *, form: str = "toml") -> str:
     return "\n".join(f"[{table}]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in fields.items()) for table, fields in tables.items())
 
 
+def torchtitan_precision(param: str, *, sharded: bool, split: bool) -> str:
+    """The precision torchtitan trains in with ``training.mixed_precision_param = param``
+    (``maybe_enable_amp``, torchtitan v0.2.2): FSDP2's ``MixedPrecisionPolicy`` where it shards
+    (``"bf16-fsdp"``), autocast under DDP or on one device (``"bf16-mixed"``), and fp32 with tp or pp
+    (``split``) but no FSDP, or for ``"float32"``."""
+    if param not in ("bfloat16", "float32"):
+        raise ConstraintError(advice(f"torchtitan mixed_precision_param {param!r}", "torchtitan takes 'bfloat16' or 'float32'",
+                                     "write one of the two"))
+    if param == "float32" or (split and not sharded):
+        return "fp32"
+    return "bf16-fsdp" if sharded else "bf16-mixed"
+
+
 def _torchtitan_precision(plan: Plan) -> str:
-    """torchtitan's ``training.mixed_precision_param`` for the plan's precision: torchtitan casts with
-    FSDP2's ``MixedPrecisionPolicy`` where it shards (``"bf16-fsdp"``), with autocast under DDP or on one
-    device and nothing else (``"bf16-mixed"``), and computes in fp32 with ``"float32"``."""
-    sharded = plan.dp_shard > 1
-    alone = not sharded and plan.tensor_parallel == 1 and len(plan.stages) == plan.stages_per_rank
-    if plan.precision == "fp32" or (plan.precision == "bf16-fsdp" and sharded) or (plan.precision == "bf16-mixed" and alone):
-        return "float32" if plan.precision == "fp32" else "bfloat16"
+    """torchtitan's ``training.mixed_precision_param`` for the plan: the one it trains in the plan's
+    precision with (:func:`torchtitan_precision`), else an :class:`ExportError`."""
+    param = "float32" if plan.precision == "fp32" else "bfloat16"
+    pp = len(plan.stages) // plan.stages_per_rank
+    if torchtitan_precision(param, sharded=plan.dp_shard > 1, split=plan.tensor_parallel > 1 or pp > 1) == plan.precision:
+        return param
     raise ExportError(advice(
-        f"precision={plan.precision!r} on dp_shard {plan.dp_shard}, tp {plan.tensor_parallel}, "
-        f"pp {len(plan.stages) // plan.stages_per_rank}",
+        f"precision={plan.precision!r} on dp_shard {plan.dp_shard}, tp {plan.tensor_parallel}, pp {pp}",
         "torchtitan casts to bf16 with FSDP2's MixedPrecisionPolicy where it shards, with autocast only under DDP or on "
         "one device, and not at all otherwise",
         "plan with precision='bf16-fsdp' and a sharded layout (or 'bf16-mixed' without tp or pp, or 'fp32')",

@@ -356,8 +356,6 @@ class Plan:
         )
 
 
-
-
 def write_atomically(path: str | Path, text: str, what: str) -> None:
     """Write ``text`` to ``path`` atomically: a temporary file in the same folder, flushed to disk, then
     renamed over ``path``, so a failure part-way leaves the old file as it was; ``what`` names the

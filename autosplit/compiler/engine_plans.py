@@ -28,7 +28,7 @@ import tomllib
 from autosplit import schedules
 from autosplit.errors import ConstraintError, advice
 from autosplit.megatron_layout import check, parse
-from autosplit.plan_export import Names, layer_paths, module_prefixes, names_for
+from autosplit.plan_export import Names, layer_paths, module_prefixes, names_for, torchtitan_precision
 from autosplit.plans import Plan
 from autosplit.recipes import Recipe
 
@@ -207,21 +207,10 @@ def torchtitan_recipe(config: Mapping[str, Any], names: Names, world: int, num_l
     tp = int(par.get("tensor_parallel_degree", 1))
     if tp > 1:
         options["sequence_parallel"] = bool(par.get("enable_sequence_parallel", True))
-    options["precision"] = _torchtitan_precision(str(training.get("mixed_precision_param", "bfloat16")), shard > 1, tp > 1 or pp > 1)
+    options["precision"] = torchtitan_precision(str(training.get("mixed_precision_param", "bfloat16")), sharded=shard > 1,
+                                                split=tp > 1 or pp > 1)
     return Recipe(split=_stage_modules(fqns, names) if fqns else None, data_parallel=max(replicate, shard), tensor_parallel=tp,
                   replicate="fully_shard" if shard > 1 else "replicate", options=options)
-
-
-def _torchtitan_precision(param: str, sharded: bool, split: bool) -> str:
-    """The precision torchtitan trains a config in (``maybe_enable_amp``, torchtitan v0.2.2): FSDP2's
-    policy where it shards, autocast under DDP or on one device, and fp32 with tp or pp but no FSDP or
-    for ``mixed_precision_param = "float32"``."""
-    if param not in ("bfloat16", "float32"):
-        raise ConstraintError(advice(f"torchtitan mixed_precision_param {param!r}", "torchtitan takes 'bfloat16' or 'float32'",
-                                     "write one of the two"))
-    if param == "float32" or (split and not sharded):
-        return "fp32"
-    return "bf16-fsdp" if sharded else "bf16-mixed"
 
 
 def nearest_layer_plan(planner: Any, plan: Plan, names: Names | Mapping[str, str] | None = None) -> Plan:

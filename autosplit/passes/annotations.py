@@ -58,8 +58,9 @@ class NodeInfo:
     all that needs a gradient (an embedding)."""
     weight_copy_bytes: int = 0
     """Of :attr:`saved_bytes`, the low-precision copies of parameters autocast makes for this node and
-    it saves: one copy, which the runtime makes once per step and every micro-batch shares (the cost
-    table holds it with the model state)."""
+    it saves — under ``"bf16-fsdp"``, the bf16 copy FSDP2 gathers of the parameters it owns: one copy,
+    which the runtime makes once per step and every micro-batch shares (the cost table holds it with
+    the model state)."""
     row_grad_bytes: int = 0
     """For the node that owns an embedding table read only by lookups (``nn.Embedding``,
     ``F.embedding``, ``aten.embedding``; not a table tied to an output layer): bytes of the rows the
