@@ -68,6 +68,7 @@ __all__ = [
     "set_graph_codegen",
     "make_graph_module",
     "copy_attr",
+    "rank_local_compile",
     "TENSOR_DATA",
     "C_LINEAR",
     "ASSERT_TENSOR_METADATA",
@@ -246,6 +247,38 @@ def eager_backward_compile() -> contextlib.AbstractContextManager[Any]:
     if not hasattr(config, "force_non_lazy_backward_lowering"):
         return contextlib.nullcontext()
     return config.patch(force_non_lazy_backward_lowering=True)
+
+
+def rank_local_compile() -> contextlib.AbstractContextManager[Any]:
+    """While open, inductor and AOTAutograd neither read nor write their on-disk caches of compiled graphs
+    (``torch._inductor.config.fx_graph_cache``, ``torch._functorch.config.enable_autograd_cache``).
+
+    Their keys do not hold the process's rank, while a graph of DTensor ops bakes rank-dependent
+    offsets into its code (a sequence-parallel shard's slice of the tokens): ranks on one host share
+    the cache directory, so one rank loads another's graph and computes on the wrong slice, silently
+    (torch 2.13; the class of pytorch/pytorch#188332, which torch fixed for other passes by keeping
+    such graphs out of the cache). Each rank then compiles its own graph."""
+    try:
+        from torch._functorch import config as functorch_config
+        from torch._inductor import config as inductor_config
+    except ImportError:  # pragma: no cover
+        return contextlib.nullcontext()
+    return _Together(inductor_config.patch(fx_graph_cache=False), functorch_config.patch(enable_autograd_cache=False))
+
+
+class _Together(contextlib.AbstractContextManager):
+    """Re-entrant contexts entered and left together (torch's config patches keep their priors in a stack)."""
+
+    def __init__(self, *contexts: contextlib.AbstractContextManager[Any]) -> None:
+        self._contexts = contexts
+
+    def __enter__(self) -> None:
+        for c in self._contexts:
+            c.__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        for c in reversed(self._contexts):
+            c.__exit__(*exc)
 
 
 def compiled_call(module: torch.nn.Module) -> Callable[..., Any] | None:

@@ -25,7 +25,10 @@ in a fresh process (its peak RSS is the planning process's own):
   Llama-3-70B on 64 (TP 4 × PP 8 × VP 5): ``NAME:recipe`` costs the recipe in :data:`PRECISION` (``Recipe`` with its
   degrees, layers per stage, schedule, micro-batches and checkpointing over the whole cluster and global
   batch); ``NAME:recipe-fp8`` the same with every half-precision matmul at H100's FP8 peak (the published
-  figures ran Float8 linears: the two rows bracket that term); ``NAME:autosplit`` plans the same model,
+  figures ran Float8 linears: the two rows bracket that term); ``megatron-70b:recipe-recompute`` the
+  Megatron layout with Megatron's own full recomputation (``--recompute-granularity full --recompute-method
+  uniform --recompute-num-layers 1``: the most memory Megatron's flags save, what its users add on OOM);
+  ``NAME:autosplit`` plans the same model,
   cluster and global batch with every degree chosen (:data:`PRECISION`, ``checkpointing="auto"``, 1F1B).
 
 Prints a table and writes ``benchmarks/results/plan_3d.json`` (``--out``); name rows to plan only those.
@@ -126,6 +129,9 @@ def _scale_row(kind: str, time_limit: float) -> dict[str, Any]:
     r = RECIPES[name]
     model = _model(r.model)
     cluster, tokens = autosplit.Cluster.dgx_h100(nodes=r.nodes), autosplit.Spec((r.rows, SEQ), torch.long)
+    flags = r.megatron
+    if which == "recipe-recompute":  # Megatron's every-layer recomputation, over the same layout
+        flags = f"{flags} {MEGATRON_FULL_RECOMPUTE}"
     if which == "recipe-fp8":  # every half-precision matmul at H100's dense FP8 peak: a bound on what Float8 linears give
         cluster = dataclasses.replace(cluster, device=dataclasses.replace(cluster.device, peak_flops_half=FP8_PEAK))
     start = time.perf_counter()
@@ -133,7 +139,7 @@ def _scale_row(kind: str, time_limit: float) -> dict[str, Any]:
     try:
         if which.startswith("recipe") and r.megatron:  # the published layout, read as Megatron reads it
             planner = autosplit.Planner(model, cluster, example_inputs=(tokens,), precision=PRECISION)
-            plan = planner.manual(f"megatron:{r.megatron}", check_memory=False)
+            plan = planner.manual(f"megatron:{flags}", check_memory=False)
         elif which.startswith("recipe"):
             planner = autosplit.Planner(model, cluster, example_inputs=(tokens,), precision=PRECISION)
             split = None if r.stages == 1 else torchtitan_fqns(
@@ -153,8 +159,10 @@ def _scale_row(kind: str, time_limit: float) -> dict[str, Any]:
 
 
 EIGHT_B = ("recipe:full-ac", "recipe:no-ac", "autosplit", "memory:fp32", "memory:bf16-mixed", "memory:bf16-fsdp")
-AT_SCALE = tuple(f"{name}:{which}" for name in ("titan-70b", "titan-405b", "megatron-70b")
-                 for which in ("recipe", "recipe-fp8", "autosplit"))
+AT_SCALE = (*(f"{name}:{which}" for name in ("titan-70b", "titan-405b", "megatron-70b") for which in ("recipe", "recipe-fp8", "autosplit")),
+            "megatron-70b:recipe-recompute")
+MEGATRON_FULL_RECOMPUTE = "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1"
+"""Megatron's every-layer recomputation: the most activation memory its flags save."""
 
 
 def run(kinds: Sequence[str], time_limit: float, budget: float) -> list[dict[str, Any]]:
@@ -209,12 +217,14 @@ def _summary(by_kind: dict[str, dict[str, Any]]) -> dict[str, Any]:
     for kind, r in planned.items():
         if kind.startswith("recipe:"):
             out[f"8b_{kind}_over_published"] = r["tokens_per_s_per_gpu"] / PUBLISHED_8B_FSDP8
-        elif kind.endswith((":recipe", ":recipe-fp8")):
+        elif kind.endswith((":recipe", ":recipe-fp8", ":recipe-recompute")):
             out[f"{kind}_over_published"] = r["tokens_per_s_per_gpu"] / r["published"]
-    pairs = [("autosplit", "recipe:full-ac"), *((f"{k.split(':')[0]}:autosplit", k) for k in planned if k.endswith(":recipe"))]
+    pairs = [("autosplit", "recipe:full-ac"),
+             *((f"{k.split(':')[0]}:autosplit", k) for k in planned if k.endswith((":recipe", ":recipe-recompute")))]
     for ours, theirs in pairs:
         if ours in planned and theirs in planned:
             out[f"{ours}_over_{theirs}"] = planned[ours]["tokens_per_s_per_gpu"] / planned[theirs]["tokens_per_s_per_gpu"]
+            out[f"{theirs}_fits"] = planned[theirs]["fits"]  # an over-cap recipe's figure is a plan no H100 holds
     for key, value in out.items():
         if "_over_" in key:
             print(f"{key}: {value:.2f}")

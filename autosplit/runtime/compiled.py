@@ -28,6 +28,8 @@ status in the dict :func:`compile_stages` returned turns to ``"eager: <cause>"``
 on anything: a failure is an exception in the calling thread (in a pipeline, its peers then learn of
 it from the distributed runtime; ``fallback=True`` keeps every rank going). One caveat: a stage whose
 graph breaks runs some pieces before a later piece fails to compile; its eager rerun repeats them.
+A stage holding DTensors (tensor parallelism) compiles apart from inductor's on-disk caches, which the
+ranks share under keys that do not hold the rank (:func:`autosplit.compat.rank_local_compile`).
 
 Usage::
 
@@ -38,6 +40,7 @@ Usage::
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -45,6 +48,7 @@ from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from autosplit import compat
 from autosplit.errors import CompileError, ConstraintError, advice
@@ -58,6 +62,7 @@ COMPILED = "compiled"
 # One reusable, re-entrant context (torch's config patch keeps its priors in a stack), made once:
 # entering it costs 3 µs a stage call where making a fresh one costs 15.
 _eager_backward_compile = functools.cache(compat.eager_backward_compile)
+_rank_local_compile = functools.cache(compat.rank_local_compile)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,16 +166,18 @@ def compile_stages(
         module.compile(**kwargs)
         compiled = compat.compiled_call(module)
         if compiled is not None:  # what nn.Module.compile() set: called through the guard instead
-            compat.set_compiled_call(module, _guarded(module, s, compiled, backend, fallback, status))
+            rank_local = any(isinstance(p, DTensor) for p in module.parameters())  # tp: graphs with rank-dependent code
+            compat.set_compiled_call(module, _guarded(module, s, compiled, backend, fallback, status, rank_local))
         status[s] = COMPILED
     return status
 
 
 def _guarded(
     module: torch.nn.Module, stage: int, compiled: Callable[..., Any], backend: str | Callable[..., Any],
-    fallback: bool, status: dict[int, str],
+    fallback: bool, status: dict[int, str], rank_local: bool = False,
 ) -> Callable[..., Any]:
     """The compiled call of ``module``, with what dynamo raises turned into a typed error or an eager stage.
+    ``rank_local``: compiled apart from the on-disk caches shared by the ranks (:func:`autosplit.compat.rank_local_compile`).
 
     When dynamo raises, the stage runs once eagerly: an error there too is the model's own (a wrong
     input, say, which dynamo reports wrapped) and is raised as itself; otherwise compiling is what
@@ -181,7 +188,7 @@ def _guarded(
     @functools.wraps(compiled)
     def call(*args: Any, **kwargs: Any) -> Any:
         try:
-            with _eager_backward_compile():
+            with _eager_backward_compile(), _rank_local_compile() if rank_local else contextlib.nullcontext():
                 return compiled(*args, **kwargs)
         except compat.DynamoError as e:
             cause = _cause(e)

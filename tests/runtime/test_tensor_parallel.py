@@ -11,7 +11,7 @@ and the parameters after 3 AdamW steps agree to rounding, and so does ``eval_ste
 
 - tp 2 alone (2 processes), the planner's own plans (``tensor_parallel=2``: ``tp_shards`` from the graph's
   rules, the GPT's tied embedding and head vocabulary-parallel, a traced graph's ``nn.Embedding`` leaf);
-  both models also under ``checkpointing="full"``;
+  both models also under ``checkpointing="full"``, and compiled (``compile=True``, inductor);
 - tp 2 × pp 2 (4); with two stages per rank too (interleaved 1F1B, the zero-bubble V);
 - tp 2 × ``dp_replicate`` 2 (4, FSDP2's ``replicate``);
 - tp 2 × pp 2 × ``dp_shard`` 2 (8, the GPT: FSDP2's ``fully_shard`` over the tp DTensors), and one stage under
@@ -118,11 +118,11 @@ def _made_plan(name: str, stages: int, copies: int, tp: int, folder: str, replic
     return path
 
 
-def _distribute(model, args, kwargs, loss_fn, plan_path: str) -> Any:
+def _distribute(model, args, kwargs, loss_fn, plan_path: str, compiled: bool = False) -> Any:
     made = autosplit.Plan.load(plan_path)
     rows = ROWS // made.data_parallel
     return autosplit.distribute(model, None, example_inputs=tuple(a[:rows] for a in args), plan=plan_path,
-                                example_kwargs={k: v[:rows] for k, v in kwargs.items()}, loss_fn=loss_fn)
+                                example_kwargs={k: v[:rows] for k, v in kwargs.items()}, loss_fn=loss_fn, compile=compiled)
 
 
 def _check_placement(pipe: Any, rank: int, shards: dict[str, int]) -> None:
@@ -159,17 +159,18 @@ def _planned(name: str, folder: str) -> str:
     return path
 
 
-def _train_case(name: str, plan_path: str, *, rank: int, world: int) -> None:
+def _train_case(name: str, plan_path: str, compiled: bool = False, *, rank: int, world: int) -> None:
     with _float64_throughout(name):
-        _train(name, plan_path, rank)
+        _train(name, plan_path, rank, compiled)
 
 
-def _train(name: str, plan_path: str, rank: int) -> None:
+def _train(name: str, plan_path: str, rank: int, compiled: bool = False) -> None:
     torch.manual_seed(0)
     model, args, kwargs, target, loss_fn = CASES[name]()
     model = model.double()
     reference = copy.deepcopy(model)
-    pipe = _distribute(model, args, kwargs, loss_fn, plan_path)
+    pipe = _distribute(model, args, kwargs, loss_fn, plan_path, compiled)
+    assert set(pipe.compiled.values()) == ({"compiled"} if compiled else set()), pipe.compiled
     copies = pipe.plan.data_parallel
     _check_placement(pipe, rank, dict(pipe.plan.tp_shards))
     if pipe.plan.sequence_parallel:  # the activations between the split layers turned as planned
@@ -194,8 +195,12 @@ def _train(name: str, plan_path: str, rank: int) -> None:
         ref_opt.step()
         opt.zero_grad()
         ref_opt.zero_grad()
+    # inductor reassociates sums (gradients 1e-10 apart, relatively), which AdamW's m/√v magnifies where a gradient is
+    # near 0: 3 steps of lr 1e-2 then leave a few weights up to 1e-6 apart
+    after = 1e-5 if compiled else None
     for pname, p in pipe.named_parameters():
-        torch.testing.assert_close(full_tensor(p), ref_params[pname], msg=where(f"{what} {pname} after {STEPS} steps"))
+        torch.testing.assert_close(full_tensor(p), ref_params[pname], atol=after, rtol=after,
+                                   msg=where(f"{what} {pname} after {STEPS} steps"))
     evaluated = pipe.eval_step(*(a[mine] for a in args), target=target[mine], **{k: v[mine] for k, v in kwargs.items()})
     with torch.no_grad():  # forward only, under the same scope as a step
         rows = {k: v[mine] for k, v in kwargs.items()}
@@ -234,6 +239,17 @@ def test_sequence_parallel_trains_like_the_unsplit_model(gloo, tmp_path):
     pytest.importorskip("transformers")
     gloo(2).run(_train_case, [("llama", _sequence_parallel(str(tmp_path), 1))])
     gloo(4).run(_train_case, [("llama", _sequence_parallel(str(tmp_path), 2))])
+
+
+def test_compiled_tp_stages_train_like_the_unsplit_model(gloo, tmp_path):
+    """``compile=True`` (inductor) after tp, as torchtitan orders them: the Llama with sequence parallelism
+    and its vocabulary-parallel embedding and head, twice, so that the second compile finds the first's
+    graphs in inductor's on-disk cache, which the ranks share and whose key does not hold the rank (a
+    rank then ran the other's slice of the tokens: a loss 0.3% off, silently, until
+    :func:`autosplit.compat.rank_local_compile`)."""
+    pytest.importorskip("transformers")
+    sequence = _sequence_parallel(str(tmp_path), 1)
+    gloo(2).run(_train_case, [("llama", sequence, True), ("llama", sequence, True)])
 
 
 def test_tp2_by_pp2_trains_like_the_unsplit_model(gloo, tmp_path):
