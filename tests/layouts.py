@@ -1,5 +1,5 @@
 """What the tests of a mesh's layouts share (``tests/runtime/test_sharded_layouts.py``,
-``tests/runtime/test_tensor_parallel.py``): the language models trained there, the unsplit reference
+``tests/tp_cases.py``): the language models trained there, the unsplit reference
 step on the global batch, and the check that a resumed model and optimizer equal the reference's.
 """
 
