@@ -257,7 +257,8 @@ def rank_local_compile() -> contextlib.AbstractContextManager[Any]:
     offsets into its code (a sequence-parallel shard's slice of the tokens): ranks on one host share
     the cache directory, so one rank loads another's graph and computes on the wrong slice, silently
     (torch 2.13; the class of pytorch/pytorch#188332, which torch fixed for other passes by keeping
-    such graphs out of the cache). Each rank then compiles its own graph."""
+    such graphs out of the cache). Each rank then compiles its own graph; opened around a stage's call
+    with :func:`eager_backward_compile`, it covers the backward too, which is compiled in that call."""
     try:
         from torch._functorch import config as functorch_config
         from torch._inductor import config as inductor_config

@@ -109,7 +109,10 @@ def _described(plan: Any, rows: int) -> dict[str, Any]:
         stages_per_rank=plan.stages_per_rank, micro_batches=plan.micro_batches, tokens_per_s_per_gpu=rows * SEQ / plan.step_time / devices,
         fits=all(m <= cap for m, cap in held), recompute=len(plan.recompute), sequence_parallel=plan.sequence_parallel,
         memory_state_gib=[s.memory_state / 2**30 for s in plan.stages], memory_gib=[m / 2**30 for m, _ in held],
-        activations_gib=[s.memory_activations / 2**30 for s in plan.stages], terms=plan.terms.__dict__ if plan.terms else None,
+        activations_gib=[s.memory_activations / 2**30 for s in plan.stages],
+        # torch's PipelineStage buffers, one per micro-batch all step: received tensors and their gradients, and the gradients of those sent
+        buffers_gib=[(s.memory_received + s.memory_buffers) / 2**30 for s in plan.stages],
+        terms=plan.terms.__dict__ if plan.terms else None,
         alternatives=[{"data_parallel": a.data_parallel, "dp_shard": a.dp_shard, "tp": a.tensor_parallel, "pp": len(a.rank_memory),
                        "micro_batches": a.micro_batches, "step_s": a.step_time, "note": a.note[:300]} for a in plan.alternatives],
     )
