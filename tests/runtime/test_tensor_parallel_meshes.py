@@ -2,8 +2,8 @@
 
 With the cases of :mod:`tests.tp_cases` (float64, gloo): tp 2 × ``dp_replicate`` 2 (4 processes,
 FSDP2's ``replicate``); tp 2 × pp 2 × ``dp_shard`` 2 (8, the GPT: FSDP2's ``fully_shard`` over the tp
-DTensors), and one stage under tp 2 × HSDP (8, the Llama). A step under ``"bf16-mixed"`` agrees to
-bf16's precision (tp sums partial products in bfloat16). A checkpoint saved under tp 2 × pp 2 loads
+DTensors), and one stage under tp 2 × HSDP (8, the Llama). A step under ``"bf16-mixed"`` and one under
+``"fp16-mixed"`` agree to their precision (tp sums partial products in the compute dtype). A checkpoint saved under tp 2 × pp 2 loads
 under pp 2 alone, under tp 2 alone and into the unsplit model; a model on the meta device takes its
 weights from one under tp 2 × pp 2. A world size other than the mesh's and a ``tp_shards`` name the
 model lacks are refused by name.
@@ -25,8 +25,9 @@ from tests.helpers import NO_SEARCH, full_tensor, gpt_case, says, where
 from tests.layouts import ROWS, assert_resumed, lm_loss, reference_step, trained_reference
 from tests.tp_cases import MICRO, STEPS, distribute, fixed_plan, shards, train_case
 
-BF16_GRADIENT = 0.015
-"""Under ``"bf16-mixed"``: the largest error of a gradient, relative to its norm (about 4 × bf16's 2^-8)."""
+MIXED_GRADIENT = {"bf16-mixed": 0.015, "fp16-mixed": 0.002}
+"""The largest error of a gradient, relative to its norm: about 4 × the compute dtype's precision (bf16 2^-8,
+fp16 2^-11); measured up to 0.66% and 0.08%."""
 
 
 def test_tp2_by_dp_replicate2_trains_like_the_unsplit_model(gloo, tmp_path):
@@ -53,40 +54,53 @@ def test_tp2_under_hsdp_trains_like_the_unsplit_model(gloo, tmp_path):
     gloo(8, timeout=120).run(train_case, plans)
 
 
-def _bf16_case(plan_path: str, *, rank: int, world: int) -> None:
-    """One step under ``"bf16-mixed"`` beside the unsplit model under ``torch.autocast``, micro-batch by micro-batch."""
+def _mixed_case(plan_path: str, *, rank: int, world: int) -> None:
+    """One step under the plan's ``"bf16-mixed"`` or ``"fp16-mixed"`` beside the unsplit model under
+    ``torch.autocast``, micro-batch by micro-batch (fp16: its loss scaled by 2^16, as the pipeline's is);
+    under fp16, a scale that overflows skips the step on both tp ranks."""
     torch.manual_seed(0)
     model, args, kwargs, target, loss_fn = gpt_case()
     reference = copy.deepcopy(model)
     pipe = distribute(model, args, kwargs, loss_fn, plan_path)
-    assert pipe.plan.precision == "bf16-mixed"
+    low = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}[pipe.plan.precision]
+    scale = 2.0**16 if low == torch.float16 else 1.0
     loss = pipe.step(*args, target=target, **kwargs)
     losses = []
     for rows in (slice(0, ROWS // 2), slice(ROWS // 2, ROWS)):
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast("cpu", dtype=low):
             part = loss_fn(reference(*(a[rows] for a in args), **{k: v[rows] for k, v in kwargs.items()}), target[rows])
-        (part / MICRO).backward()
+        (part * scale / MICRO).backward()
         losses.append(part.detach())
-    torch.testing.assert_close(loss, torch.stack(losses).mean(), rtol=1e-4, atol=1e-5, msg=where("bf16-mixed loss"))
+    what = f"{pipe.plan.precision} rank {rank}"
+    torch.testing.assert_close(loss, torch.stack(losses).mean(), rtol=1e-4, atol=1e-5, msg=where(f"{what} loss"))
     ref_params = dict(reference.named_parameters())
     for pname, p in pipe.named_parameters():
-        grad, expected = full_tensor(p.grad), ref_params[pname].grad
+        grad, expected = full_tensor(p.grad), ref_params[pname].grad / scale
         error = float((grad - expected).norm() / expected.norm())
-        assert error < BF16_GRADIENT, f"bf16-mixed {pname}: gradient off by {error:.2%} of its norm"
+        assert error < MIXED_GRADIENT[pipe.plan.precision], f"{what} {pname}: gradient off by {error:.2%} of its norm"
+    if low == torch.float16:
+        pipe.scaler.load_state_dict({**pipe.scaler.state_dict(), "scale": 2.0**40})
+        pipe.step(*args, target=target, **kwargs)
+        assert all(p.grad is None for p in pipe.parameters()) and pipe.scaler.skipped == 1, what
+        assert pipe.scaler.get_scale() == 2.0**39, what
     pipe.close()
 
 
-def test_bf16_mixed_under_tp2_agrees_to_bf16s_precision(gloo, tmp_path):
-    """tp 2 sums each row-parallel product's halves in bfloat16 (DTensor's partial sums, all-reduced in the
-    compute dtype, as Megatron's do), where the unsplit model accumulates the whole product in float32:
-    the loss agrees to 1e-5 and each gradient to about bf16's precision (0.2–0.7 % of its norm measured,
-    2^-8 ≈ 0.4 %), which float64 cannot show."""
+def test_mixed_precision_under_tp2_agrees_to_its_precision(gloo, tmp_path):
+    """tp 2 sums each row-parallel product's halves in the compute dtype (DTensor's partial sums, all-reduced
+    in bf16 or fp16, as Megatron's do), where the unsplit model accumulates the whole product in float32:
+    the loss agrees to 1e-5 and each gradient to about bf16's precision (0.2–0.7 % of its norm measured
+    under bf16, 2^-8 ≈ 0.4 %), which float64 cannot show. fp16 through the loss scaler: the gradients
+    unscaled on each tp rank's shard, an overflow found on one skipping the step on both."""
     torch.manual_seed(0)
     model, args, kwargs, _, _ = gpt_case()
-    made = autosplit.plan(model, ["cpu"], example_inputs=args, example_kwargs=kwargs, schedule="1f1b", micro_batches=MICRO,
-                          precision="bf16-mixed", **NO_SEARCH)
-    dataclasses.replace(made, tensor_parallel=2, tp_shards=shards("gpt-vocab", model)).save(tmp_path / "bf16.json")
-    gloo(2).run(_bf16_case, [(str(tmp_path / "bf16.json"),)])
+    cases = []
+    for precision in ("bf16-mixed", "fp16-mixed"):
+        made = autosplit.plan(model, ["cpu"], example_inputs=args, example_kwargs=kwargs, schedule="1f1b", micro_batches=MICRO,
+                              precision=precision, **NO_SEARCH)
+        dataclasses.replace(made, tensor_parallel=2, tp_shards=shards("gpt-vocab", model)).save(tmp_path / f"{precision}.json")
+        cases.append((str(tmp_path / f"{precision}.json"),))
+    gloo(2).run(_mixed_case, cases)
 
 
 # -- a checkpoint moves between layouts -------------------------------------------------------------
