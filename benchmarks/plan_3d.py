@@ -132,9 +132,8 @@ def _scale_row(kind: str, time_limit: float) -> dict[str, Any]:
     r = RECIPES[name]
     model = _model(r.model)
     cluster, tokens = autosplit.Cluster.dgx_h100(nodes=r.nodes), autosplit.Spec((r.rows, SEQ), torch.long)
-    flags = r.megatron
-    if which == "recipe-recompute":  # Megatron's every-layer recomputation, over the same layout
-        flags = f"{flags} {MEGATRON_FULL_RECOMPUTE}"
+    if which == "recipe-recompute" and not r.megatron:  # else it would be costed as the plain recipe, under this name
+        raise SystemExit(f"{kind}: recipe-recompute adds Megatron's recompute flags, and {name} is not a Megatron recipe")
     if which == "recipe-fp8":  # every half-precision matmul at H100's dense FP8 peak: a bound on what Float8 linears give
         cluster = dataclasses.replace(cluster, device=dataclasses.replace(cluster.device, peak_flops_half=FP8_PEAK))
     start = time.perf_counter()
@@ -142,7 +141,8 @@ def _scale_row(kind: str, time_limit: float) -> dict[str, Any]:
     try:
         if which.startswith("recipe") and r.megatron:  # the published layout, read as Megatron reads it
             planner = autosplit.Planner(model, cluster, example_inputs=(tokens,), precision=PRECISION)
-            plan = planner.manual(f"megatron:{flags}", check_memory=False)
+            recompute = f" {MEGATRON_FULL_RECOMPUTE}" if which == "recipe-recompute" else ""  # every layer, same layout
+            plan = planner.manual(f"megatron:{r.megatron}{recompute}", check_memory=False)
         elif which.startswith("recipe"):
             planner = autosplit.Planner(model, cluster, example_inputs=(tokens,), precision=PRECISION)
             split = None if r.stages == 1 else torchtitan_fqns(

@@ -5,6 +5,7 @@ step on the global batch, and the check that a resumed model and optimizer equal
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -87,3 +88,20 @@ def assert_resumed(named: dict[str, torch.Tensor], opt: torch.optim.Optimizer, r
         assert set(state) == set(ref_state), (what, pname, set(state))
         for key, value in ref_state.items():
             torch.testing.assert_close(full_tensor(state[key]), value, msg=where(f"{what}: {pname} optimizer {key}"))
+
+
+def assert_the_unsplit_model_resumes(folder: Any, steps: int) -> None:
+    """A GPT of other initial weights loads ``folder/ckpt`` (saved after ``steps`` AdamW steps under some
+    layout): its parameters and AdamW state equal the unsplit reference's, and so do they one step on."""
+    from autosplit.runtime.checkpoint import load_checkpoint
+
+    reference, ref_opt, (args, kwargs, target, loss_fn) = trained_reference(steps)
+    torch.manual_seed(7)
+    unsplit = type(reference)(vocab=40, d_model=16, n_layers=2, n_heads=2, max_len=8).double()
+    opt = torch.optim.AdamW(unsplit.parameters(), lr=5.0)
+    load_checkpoint(Path(folder) / "ckpt", unsplit, opt)
+    assert_resumed(dict(unsplit.named_parameters()), opt, reference, ref_opt, "the unsplit model")
+    for model, optimizer in ((unsplit, opt), (reference, ref_opt)):
+        reference_step(model, args, kwargs, target, loss_fn, 1)
+        optimizer.step()
+    assert_resumed(dict(unsplit.named_parameters()), opt, reference, ref_opt, "the unsplit model, one step on")

@@ -33,7 +33,7 @@ from autosplit.passes.outline import outlinable_blocks
 from autosplit.runtime.checkpoint import load_checkpoint
 from autosplit.runtime.placement import MESH_DIMS
 from tests.helpers import NO_SEARCH, full_tensor, gpt_case, says, where
-from tests.layouts import ROWS, assert_resumed, forward_in, llama_case, reference_step, trained_reference
+from tests.layouts import ROWS, assert_resumed, assert_the_unsplit_model_resumes, forward_in, llama_case, reference_step, trained_reference
 
 STEPS = 3
 MICRO = 2
@@ -217,16 +217,7 @@ def _resume_case(folder: str, stages: int, shard: int, *, rank: int, world: int)
 def test_a_checkpoint_saved_under_pp2_by_dp_shard2_resumes_under_other_layouts_and_unsplit(gloo, tmp_path):
     gloo(4).run(_save_case, [(str(tmp_path),)])
     gloo(4).run(_resume_case, [(str(tmp_path), 1, 4), (str(tmp_path), 1, 2), (str(tmp_path), 4, 1)])
-    reference, ref_opt, (args, kwargs, target, loss_fn) = trained_reference(STEPS)
-    torch.manual_seed(7)
-    unsplit = type(reference)(vocab=40, d_model=16, n_layers=2, n_heads=2, max_len=8).double()
-    opt = torch.optim.AdamW(unsplit.parameters(), lr=5.0)
-    load_checkpoint(tmp_path / "ckpt", unsplit, opt)
-    assert_resumed(dict(unsplit.named_parameters()), opt, reference, ref_opt, "the unsplit model")
-    for model, optimizer in ((unsplit, opt), (reference, ref_opt)):
-        reference_step(model, args, kwargs, target, loss_fn, 1)
-        optimizer.step()
-    assert_resumed(dict(unsplit.named_parameters()), opt, reference, ref_opt, "the unsplit model, one step on")
+    assert_the_unsplit_model_resumes(tmp_path, STEPS)
 
 
 # -- refusals ---------------------------------------------------------------------------------------
