@@ -229,7 +229,8 @@ def _scaled(
     autograd nodes of the fx nodes in it."""
     f_scale = ref_fwd / max(sum(timer.fwd.values()), 1e-12)
     b_scale = whole / max(sum(timer.bwd.values()) + sum(timer.weight.values()), 1e-12)
-    extra = [((total - b_scale * sum(times.values())) / max(sum(owned[n] for n in times), 1), times)
+    # what a split pass adds cannot be negative: a reference pass clocked below its nodes' sum is noise
+    extra = [(max(0.0, total - b_scale * sum(times.values())) / max(sum(owned[n] for n in times), 1), times)
              for total, times in ((parts[0], timer.bwd), (parts[1], timer.weight))] if parts is not None else []
     out = {}
     for name in timer.fwd:
