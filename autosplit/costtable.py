@@ -125,6 +125,10 @@ class CostTable:
     output_tensors: tuple[int, ...] = ()
     """[node] tensors in its output: each crossing pays the link latency once per micro-batch; a
     Python value (a shape int) crosses as a constant and pays nothing. Empty: one each."""
+    input_free: tuple[bool, ...] = ()
+    """[node] its value depends on no input, parameter or buffer (:mod:`autosplit.passes.input_free`):
+    each stage that reads it makes it, so it never crosses a boundary — the reading stage pays its
+    computing and holds its copy instead of the transfer and the pipeline buffers. Empty: none."""
 
     blocks: tuple[str, ...] = ()
     """Labels (module paths) of the blocks a plan may recompute in the backward (activation checkpointing)."""

@@ -31,6 +31,7 @@ from autosplit.errors import CodegenError, advice
 from autosplit.passes.autocast_policy import LOW_PRECISION
 from autosplit.passes.capture import Captured
 from autosplit.passes.codegen import placed
+from autosplit.passes.input_free import copy_closure, input_free
 from autosplit.passes.recompute_regions import Regions, attach_regions
 from autosplit.plans import PartialRecompute
 
@@ -185,16 +186,19 @@ def _slot_names(node: fx.Node, value: Any) -> list[tuple[str, int]]:
 
 
 def _last_use(
-    nodes: Sequence[fx.Node], stage_of: Mapping[fx.Node, int], num_stages: int, replicated: Collection[fx.Node], output: fx.Node
+    nodes: Sequence[fx.Node], stage_of: Mapping[fx.Node, int], num_stages: int, replicated: Collection[fx.Node], output: fx.Node,
+    free: Collection[str],
 ) -> dict[fx.Node, int]:
     """The last stage that needs each node's value: a value is relayed through every stage up to it.
-    A replicated parameter is read where it is used, so it never leaves its own stage; the model's
-    outputs are needed by the last stage, which returns them."""
+    A replicated parameter is read where it is used, and an input-free value made where it is read
+    (:mod:`~autosplit.passes.input_free`), so neither leaves its own stage; the model's other outputs
+    are needed by the last stage, which returns them."""
     last_use = {n: max((stage_of.get(u, num_stages - 1) for u in n.users), default=stage_of[n]) for n in nodes}
     last_use.update({n: stage_of[n] for n in replicated})
     for n in output.all_input_nodes:
         if n in stage_of:
             last_use[n] = num_stages - 1
+    last_use.update({n: stage_of[n] for n in nodes if n.name in free})  # the last stage makes those it returns
     return last_use
 
 
@@ -313,7 +317,8 @@ def generate_chain(
 
     replicate = set(replicate)
     replicated = {n for n in nodes if n.op == "get_attr" and str(n.target) in replicate}
-    last_use = _last_use(nodes, stage_of, S, replicated, output)
+    free = input_free(gm)
+    last_use = _last_use(nodes, stage_of, S, replicated, output, free)
 
     def crossing(k: int) -> list[fx.Node]:  # values crossing boundary k (stage k − 1 → k), in graph order
         return [n for n in nodes if stage_of[n] < k <= last_use[n]]
@@ -333,7 +338,9 @@ def generate_chain(
                 env[u] = graph.get_attr(str(u.target))
         # An attribute read nothing uses (torch.export keeps one per alias of a tied weight)
         # is left out, so a stage holds only the parameters it computes with.
-        members = [n for n in nodes if stage_of[n] == s and (n.users or n.op != "get_attr")]
+        members = [n for n in nodes if stage_of[n] == s and (n.users or n.op != "get_attr") and n.name not in free]
+        read = [u for n in members for u in n.all_input_nodes] + (output.all_input_nodes if s == S - 1 else [])
+        copy_closure(graph, read, free, env)  # the input-free values it reads: made here, never received
         pending = regions.copy_nodes(graph, members, env)
         if s < S - 1:
             sent, meta_out = _send(graph, env, crossing(s + 1), values, own_outputs)

@@ -39,6 +39,7 @@ import torch.fx as fx
 from autosplit.compat import graph_codegen, pytree, set_graph_codegen
 from autosplit.errors import CodegenError, advice
 from autosplit.passes.capture import Captured
+from autosplit.passes.input_free import copy_closure, input_free
 from autosplit.passes.recompute_regions import Regions, attach_regions
 from autosplit.plans import PartialRecompute
 
@@ -60,22 +61,26 @@ class Program:
 
 
 def _stage_graph(
-    nodes: Sequence[fx.Node], stage: int, stage_of: Mapping[fx.Node, int], exported: set[fx.Node], regions: Regions,
+    nodes: Sequence[fx.Node], stage: int, stage_of: Mapping[fx.Node, int], exported: Sequence[fx.Node], regions: Regions,
+    free: Collection[str], returned: Sequence[fx.Node] = (),
 ):
-    """Graph of one stage: (graph, received nodes in order, sent nodes in order, regions to attach)."""
+    """Graph of one stage: (graph, received nodes in order, sent nodes in order, regions to attach).
+    The input-free values its nodes read, and ``returned`` (input-free outputs of the model, on the
+    last stage), it makes itself (:mod:`~autosplit.passes.input_free`)."""
     members = set(nodes)
     received: list[fx.Node] = []
     for n in nodes:
         for u in n.all_input_nodes:
-            if u not in members and u not in received:
+            if u not in members and u.name not in free and u not in received:
                 received.append(u)
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     for u in received:
         env[u] = graph.placeholder(u.name)
         env[u].meta = dict(u.meta)
+    copy_closure(graph, [*(u for n in nodes for u in n.all_input_nodes), *returned], free, env)
     pending = regions.copy_nodes(graph, nodes, env)
-    sent = [n for n in nodes if n in exported or any(stage_of.get(user, stage) != stage for user in n.users)]
+    sent = [n for n in nodes if n in exported or any(stage_of.get(user, stage) != stage for user in n.users)] + list(returned)
     graph.output(tuple(env[n] for n in sent))
     graph.lint()
     return graph, received, sent, pending
@@ -122,7 +127,8 @@ def generate(
     nodes, stage_of = placed(gm, assignment)
     regions = Regions(captured, nodes, recompute, partial)
     output = next(iter(gm.graph.find_nodes(op="output")))
-    exported = set(output.all_input_nodes)
+    exported = output.all_input_nodes
+    free = input_free(gm)
 
     program = fx.Graph()
     set_graph_codegen(program, copy.deepcopy(graph_codegen(gm.graph)))
@@ -131,8 +137,9 @@ def generate(
         env[ph] = program.node_copy(ph)
     stages = []
     for s, device in enumerate(devices):
-        members = [n for n in nodes if stage_of[n] == s]
-        graph, received, sent, pending = _stage_graph(members, s, stage_of, exported, regions)
+        members = [n for n in nodes if stage_of[n] == s and n.name not in free]
+        returned = [n for n in exported if n.name in free] if s == len(devices) - 1 else []
+        graph, received, sent, pending = _stage_graph(members, s, stage_of, exported, regions, free, returned)
         stage = fx.GraphModule(gm, graph, class_name=f"Stage{s}")
         attach_regions(stage, pending, gm)
         _place_state(gm, members, device)

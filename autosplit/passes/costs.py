@@ -48,6 +48,7 @@ from autosplit.costtable import OPTIMIZER_STATE_BYTES, OVERRIDE_KEYS, SPARSE_REF
 from autosplit.devices import DeviceSpec
 from autosplit.errors import CostModelError, advice
 from autosplit.passes.annotations import NodeInfo, node_info
+from autosplit.passes.input_free import input_free
 from autosplit.passes.memory_model import activation_bytes, describe_blocks, saved_bytes, state_bytes
 from autosplit.passes.outline import outlinable_blocks, unit_targets
 from autosplit.passes.profile import Profile
@@ -138,6 +139,12 @@ def _placement_rules(
                     order_edges.add((index[reader], i) if index[reader] < i else (i, index[reader]))
     groups = tuple(sorted(tuple(sorted(g)) for g in colocate.to_sets() if len(g) > 1))
     return groups, order_edges
+
+
+def _input_free(gm: fx.GraphModule, nodes: list[fx.Node]) -> tuple[bool, ...]:
+    """[node] whether its value is input-free (:func:`~autosplit.passes.input_free.input_free`); empty: none is."""
+    free = input_free(gm)
+    return tuple(n.name in free for n in nodes) if free else ()
 
 
 def _param_reads(gm: fx.GraphModule, nodes: list[fx.Node]) -> tuple[str, ...]:
@@ -299,6 +306,7 @@ def estimate(
         **_state_parts(gm, nodes, infos),
         row_grad_bytes=tuple(info.row_grad_bytes for info in infos) if any(info.row_grad_bytes for info in infos) else (),
         param_reads=_param_reads(gm, nodes),
+        input_free=_input_free(gm, nodes),
         wgrad_share=tuple(wgrad_share),
         split_cost=split_costs(nodes, profiles, micro_batches),
         wgrad_bytes=tuple(info.output_bytes if 0 < info.wgrad_share < 1 else 0 for info in infos),

@@ -90,7 +90,7 @@ def _compute_ns(table: Any, columns: list[int]) -> tuple[np.ndarray, np.ndarray]
     return fwd, np.rint(seconds * NS).astype(np.int64)
 
 
-def _transfer_ns(table: Any, devices: Sequence[Any], micro_batches: int, schedule: str) -> np.ndarray:
+def _transfer_ns(table: Any, devices: Sequence[Any], micro_batches: int, schedule: str, fwd: np.ndarray) -> np.ndarray:
     """[node, k − 1] ns to move each node's output over boundary k (stages k−1 and k) and its gradient back.
 
     Each micro-batch sends every crossing tensor forward and its gradient back:
@@ -113,7 +113,23 @@ def _transfer_ns(table: Any, devices: Sequence[Any], micro_batches: int, schedul
     shared = (lambda costs: costs[0]) if asynchronous else min
     for n in (n for n, read in enumerate(reads) if read):
         sent[n] = [round(shared(tied_costs(table.output_bytes[n], bw, lat, M)) * NS) for bw, lat in links]
+    for n, made in _made_again(table, fwd).items():  # an input-free value: stage k makes it instead
+        sent[n] = np.rint(made[1:] * NS)
     return sent
+
+
+def _made_again(table: Any, fwd: np.ndarray) -> dict[int, np.ndarray]:
+    """[input-free node] [stage] forward seconds of the node and every node it is made from
+    (:mod:`autosplit.passes.input_free`): what a stage pays to make the value itself, once per
+    micro-batch, in place of receiving it — charged at each boundary it would have crossed, as a
+    received value is, so a stage that only relays it pays too (a bound: torch's stage makes it
+    only where it is read)."""
+    free = table.input_free or ()
+    made_from: dict[int, set[int]] = {n: {n} for n, is_free in enumerate(free) if is_free}
+    for u, v in sorted(table.edges):  # by producer: what a node is made from is complete before it is read
+        if v in made_from and u in made_from:
+            made_from[v] |= made_from[u]
+    return {n: fwd[sorted(members)].sum(axis=0) for n, members in made_from.items()}
 
 
 def _held_kib(
@@ -140,26 +156,39 @@ def _held_kib(
     send = per_stage(table.sent_bytes) if table.sent_bytes else None
     buffers = pipeline_buffers(table, schedule, M)
     if buffers is None:  # a runtime of its own: what it receives is held while in flight
-        return act, per_stage(table.output_bytes), send, None
+        recv = per_stage(table.output_bytes)
+        for n in _free(table):
+            recv[n] = act[n]
+            if send is not None:
+                send[n] = 0
+        return act, recv, send, None
     recv = np.repeat(2 * buffers[:, None], S, axis=1)
     send = np.repeat(buffers[:, None], S, axis=1) + (send if send is not None else 0)
     for n, read in enumerate(table.param_reads or ()):
         if read:  # a tied weight read on a later stage is replicated there (see _transfer_ns): its copy's state
             recv[n], send[n] = _kib(table.state_bytes[n]), 0
+    for n in _free(table):  # made by the stage that reads it: its own copy, held as its maker's stage holds it
+        recv[n], send[n] = act[n], 0
     return act, recv, send, buffers
+
+
+def _free(table: Any) -> list[int]:
+    """The table's input-free nodes (:mod:`autosplit.passes.input_free`)."""
+    return [n for n, is_free in enumerate(table.input_free or ()) if is_free]
 
 
 def pipeline_buffers(table: Any, schedule: str, micro_batches: int) -> np.ndarray | None:
     """[node] KiB torch's pipeline stages hold for the node's output if it crosses a boundary: one
     buffer per micro-batch (``PipelineStage`` makes them once, for every micro-batch of the step),
-    so the whole batch's bytes; none for a parameter read on a later stage (a tied weight: a replica
-    there holds its state instead). None for schedules torch does not run (their runtime holds what
-    is in flight only)."""
+    so the whole batch's bytes; none for an input-free value (each reader makes its own), nor for a
+    parameter read on a later stage (a tied weight: a replica there holds its state instead). None
+    for schedules torch does not run (their runtime holds what is in flight only)."""
     entry = schedules.lookup(schedule)
     if not entry.flushes or entry.torch_class is None:
         return None
     reads = table.param_reads or ("",) * len(table.output_bytes)
-    whole = [0 if read else b for b, read in zip(table.output_bytes, reads)]
+    free = table.input_free or (False,) * len(table.output_bytes)
+    whole = [0 if read or is_free else b for b, read, is_free in zip(table.output_bytes, reads, free)]
     return np.ceil(np.asarray(whole, dtype=np.float64) / KIB).astype(np.int64)
 
 
@@ -230,7 +259,7 @@ def build_problem(
         stages_of_device.setdefault(d, []).append(s)
     N, S, M = len(table.nodes), len(devices), micro_batches
     fwd, compute = _compute_ns(table, list(order))
-    sent = _transfer_ns(table, devices, M, schedule)
+    sent = _transfer_ns(table, devices, M, schedule, fwd)
     act, recv, send, buffers = _held_kib(table, schedule, S, M, max(rank_of) + 1 if rank_of else S)
     for k in range(1, S if rank_of else 0):  # two stages of one rank pass their tensors in memory
         if rank_of[k - 1] == rank_of[k]:
