@@ -29,6 +29,8 @@ def compile_makespan(
     node on any device, each device's forward and backward tasks timed. With ``given``, its
     assignment is re-timed under these costs (each device in the saved plan's task order)."""
     order = tuple(range(len(specs)))
+    # the makespan runtime moves every value to the device that reads it, input-free ones too
+    table = dataclasses.replace(table, input_free=())
     with progress.timed_pass("build", timings):
         problem = build_problem(table, micro_batches=1, schedule="sequential", order=order, constraints=rules)
     index = {name: i for i, name in enumerate(problem.nodes)}
