@@ -280,12 +280,16 @@ def test_without_a_pipeline_the_micro_batches_are_torchtitans_gradient_accumulat
     _same(plan, mesh.manual("megatron:" + flags))
 
 
-def test_megatrons_distributed_optimizer_is_costed_with_its_state_whole_and_said(caplog):
+def test_megatrons_distributed_optimizer_is_fully_shard_under_a_pipeline_else_its_state_whole_and_said(caplog):
     model, args = _llama(2)
     planner = autosplit.Planner(model, ["cpu"] * 2, example_inputs=args)
     with caplog.at_level("WARNING", logger="autosplit.compiler.engine_plans"):
         plan = planner.manual("megatron:--pipeline-model-parallel-size 1 --pipeline-model-parallel-layout EttL --use-distributed-optimizer")
     assert plan.mesh == {"pp": 1, "dp_replicate": 2, "dp_shard": 1, "tp": 1} and "upper bound" in caplog.text
+    # under a pipeline, FSDP2 shards each stage as the distributed optimizer does: gathered for the step, reduced once
+    piped = autosplit.Planner(model, ["cpu"] * 4, example_inputs=args).manual(
+        "megatron:--pipeline-model-parallel-size 2 --pipeline-model-parallel-layout 'Et|tL' --use-distributed-optimizer")
+    assert piped.mesh == {"pp": 2, "dp_replicate": 1, "dp_shard": 2, "tp": 1}
     with pytest.raises(ConstraintError, match="optim_grads_params"):
         planner.manual("megatron:--pipeline-model-parallel-layout EttL --use-megatron-fsdp --data-parallel-sharding-strategy optim")
 

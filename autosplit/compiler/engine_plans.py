@@ -106,14 +106,19 @@ def megatron_recipe(body: str, names: Names, world: int, num_layers: int, tensor
     if "sequence-parallel" in flags:
         options["sequence_parallel"] = True
     return Recipe(split=_stage_modules(titan, names), data_parallel=dp, tensor_parallel=tp, options=options,
-                  replicate=_megatron_replicate(flags))
+                  replicate=_megatron_replicate(flags, pipelined=len(stages) > 1))
 
 
-def _megatron_replicate(flags: Mapping[str, str]) -> str:
+def _megatron_replicate(flags: Mapping[str, str], pipelined: bool) -> str:
     """FSDP2's name for Megatron's data parallelism: Megatron-FSDP sharding parameters, gradients and optimizer
     state is ``fully_shard``; plain data parallelism ``replicate``. Megatron's distributed optimizer shards the
-    optimizer state alone, which FSDP2 has no name for: it is costed as ``replicate``, holding that state whole
-    (more memory than Megatron needs, never less), and said so in the log."""
+    optimizer state and the fp32 master weights; it all-gathers the parameters and reduce-scatters the
+    gradients once per step, holding both whole in between. Under a pipeline that is what FSDP2's
+    ``fully_shard`` does with each stage (one unit, gathered for the step, its gradients accumulated whole
+    and reduce-scattered after the last micro-batch: :mod:`autosplit.passes.sharding`), holding 4/D bytes per
+    parameter more (the sharded gradient beside the whole one): ``fully_shard``. Without a pipeline FSDP2
+    gathers block by block, which holds less than Megatron: it is costed as ``replicate``, holding that state
+    whole (more memory than Megatron needs, never less), and said so in the log."""
     if "use-megatron-fsdp" in flags:
         strategy = flags.get("data-parallel-sharding-strategy", "")
         if strategy != "optim_grads_params":
@@ -122,6 +127,8 @@ def _megatron_replicate(flags: Mapping[str, str]) -> str:
                 "FSDP2 shards parameters, gradients and optimizer state together (Megatron's optim_grads_params)",
                 "give --data-parallel-sharding-strategy optim_grads_params",
             ))
+        return "fully_shard"
+    if "use-distributed-optimizer" in flags and pipelined:
         return "fully_shard"
     if "use-distributed-optimizer" in flags:
         log.warning("Megatron's distributed optimizer shards only the optimizer state; the recipe is costed with it whole "

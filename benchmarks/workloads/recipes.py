@@ -64,7 +64,9 @@ RECIPES: dict[str, ScaleRecipe] = {
         "llama3-70b", nodes=8, rows=128, published=1602.0,
         source="Megatron-Bridge docs/performance-summary.md, 25.11, DGX-H100 (TP 4 x PP 8 x VP 5, MBS 1, GBS 128, FP8-CS)",
         # the layout of Megatron-Bridge's perf recipe llama3_70b_pretrain_64gpu_h100_fp8cs_config (perf_recipes/llama/h100/llama3.py);
-        # no recompute flags: Megatron recomputes nothing; DP 2 = 64 GPUs / (TP 4 × PP 8); 64 micro-batches per copy
+        # no recompute flags: Megatron recomputes nothing; DP 2 = 64 GPUs / (TP 4 × PP 8); 64 micro-batches per copy;
+        # the distributed optimizer is Megatron-Bridge's default (recipes/common.py: use_distributed_optimizer=True)
         megatron="--tensor-model-parallel-size 4 --pipeline-model-parallel-size 8 --pipeline-model-parallel-layout "
-                 "'Et*2|(t*2|)*34,t*3|(t*2|)*3,tL' --micro-batch-size 1 --global-batch-size 128 --sequence-parallel --bf16"),
+                 "'Et*2|(t*2|)*34,t*3|(t*2|)*3,tL' --micro-batch-size 1 --global-batch-size 128 --sequence-parallel --bf16 "
+                 "--use-distributed-optimizer"),
 }
