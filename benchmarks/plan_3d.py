@@ -27,7 +27,9 @@ in a fresh process (its peak RSS is the planning process's own):
   batch); ``NAME:recipe-fp8`` the same with every half-precision matmul at H100's FP8 peak (the published
   figures ran Float8 linears: the two rows bracket that term); ``megatron-70b:recipe-recompute`` the
   Megatron layout with Megatron's own full recomputation (``--recompute-granularity full --recompute-method
-  uniform --recompute-num-layers 1``: the most memory Megatron's flags save, what its users add on OOM);
+  uniform --recompute-num-layers 1``: the most memory Megatron's flags save, what its users add on OOM),
+  ``megatron-70b:recipe-recompute-block`` with the first layer of each stage recomputed (``--recompute-method
+  block --recompute-num-layers 1``: half of each two-layer stage, the only variant between the two);
   ``NAME:autosplit`` plans the same model,
   cluster and global batch with every degree chosen (:data:`PRECISION`, ``checkpointing="auto"``, 1F1B).
 
@@ -132,8 +134,8 @@ def _scale_row(kind: str, time_limit: float) -> dict[str, Any]:
     r = RECIPES[name]
     model = _model(r.model)
     cluster, tokens = autosplit.Cluster.dgx_h100(nodes=r.nodes), autosplit.Spec((r.rows, SEQ), torch.long)
-    if which == "recipe-recompute" and not r.megatron:  # else it would be costed as the plain recipe, under this name
-        raise SystemExit(f"{kind}: recipe-recompute adds Megatron's recompute flags, and {name} is not a Megatron recipe")
+    if which in MEGATRON_RECOMPUTE and not r.megatron:  # else it would be costed as the plain recipe, under this name
+        raise SystemExit(f"{kind}: {which} adds Megatron's recompute flags, and {name} is not a Megatron recipe")
     if which == "recipe-fp8":  # every half-precision matmul at H100's dense FP8 peak: a bound on what Float8 linears give
         cluster = dataclasses.replace(cluster, device=dataclasses.replace(cluster.device, peak_flops_half=FP8_PEAK))
     start = time.perf_counter()
@@ -141,7 +143,7 @@ def _scale_row(kind: str, time_limit: float) -> dict[str, Any]:
     try:
         if which.startswith("recipe") and r.megatron:  # the published layout, read as Megatron reads it
             planner = autosplit.Planner(model, cluster, example_inputs=(tokens,), precision=PRECISION)
-            recompute = f" {MEGATRON_FULL_RECOMPUTE}" if which == "recipe-recompute" else ""  # every layer, same layout
+            recompute = f" {MEGATRON_RECOMPUTE[which]}" if which in MEGATRON_RECOMPUTE else ""  # same layout
             plan = planner.manual(f"megatron:{r.megatron}{recompute}", check_memory=False)
         elif which.startswith("recipe"):
             planner = autosplit.Planner(model, cluster, example_inputs=(tokens,), precision=PRECISION)
@@ -163,9 +165,13 @@ def _scale_row(kind: str, time_limit: float) -> dict[str, Any]:
 
 EIGHT_B = ("recipe:full-ac", "recipe:no-ac", "autosplit", "memory:fp32", "memory:bf16-mixed", "memory:bf16-fsdp")
 AT_SCALE = (*(f"{name}:{which}" for name in ("titan-70b", "titan-405b", "megatron-70b") for which in ("recipe", "recipe-fp8", "autosplit")),
-            "megatron-70b:recipe-recompute")
-MEGATRON_FULL_RECOMPUTE = "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1"
-"""Megatron's every-layer recomputation: the most activation memory its flags save."""
+            "megatron-70b:recipe-recompute", "megatron-70b:recipe-recompute-block")
+MEGATRON_RECOMPUTE = {
+    "recipe-recompute": "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1",
+    "recipe-recompute-block": "--recompute-granularity full --recompute-method block --recompute-num-layers 1",
+}
+"""Megatron's recomputation flags per row: every layer (the most activation memory its flags save), and
+the first layer of each stage."""
 
 
 def run(kinds: Sequence[str], time_limit: float, budget: float) -> list[dict[str, Any]]:
@@ -220,10 +226,10 @@ def _summary(by_kind: dict[str, dict[str, Any]]) -> dict[str, Any]:
     for kind, r in planned.items():
         if kind.startswith("recipe:"):
             out[f"8b_{kind}_over_published"] = r["tokens_per_s_per_gpu"] / PUBLISHED_8B_FSDP8
-        elif kind.endswith((":recipe", ":recipe-fp8", ":recipe-recompute")):
+        elif kind.endswith((":recipe", ":recipe-fp8", *(f":{w}" for w in MEGATRON_RECOMPUTE))):
             out[f"{kind}_over_published"] = r["tokens_per_s_per_gpu"] / r["published"]
     pairs = [("autosplit", "recipe:full-ac"),
-             *((f"{k.split(':')[0]}:autosplit", k) for k in planned if k.endswith((":recipe", ":recipe-recompute")))]
+             *((f"{k.split(':')[0]}:autosplit", k) for k in planned if k.endswith((":recipe", *(f":{w}" for w in MEGATRON_RECOMPUTE))))]
     for ours, theirs in pairs:
         if ours in planned and theirs in planned:
             out[f"{ours}_over_{theirs}"] = planned[ours]["tokens_per_s_per_gpu"] / planned[theirs]["tokens_per_s_per_gpu"]
