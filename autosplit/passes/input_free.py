@@ -60,8 +60,9 @@ def copy_closure(graph: fx.Graph, read: Iterable[fx.Node], free: Collection[str]
         if n not in made and n not in env:
             made.add(n)
             stack.extend(n.all_input_nodes)
-    for n in (n for n in wanted[0].graph.nodes if n in made) if made else ():  # graph order
-        env[n] = graph.node_copy(n, env.__getitem__)
+    for n in wanted[0].graph.nodes if made else ():  # in graph order: what a node reads is made first
+        if n in made:
+            env[n] = graph.node_copy(n, env.__getitem__)
     return wanted
 
 

@@ -157,24 +157,18 @@ def _held_kib(
     buffers = pipeline_buffers(table, schedule, M)
     if buffers is None:  # a runtime of its own: what it receives is held while in flight
         recv = per_stage(table.output_bytes)
-        for n in _free(table):
+    else:
+        recv = np.repeat(2 * buffers[:, None], S, axis=1)
+        send = np.repeat(buffers[:, None], S, axis=1) + (send if send is not None else 0)
+        for n, read in enumerate(table.param_reads or ()):
+            if read:  # a tied weight read on a later stage is replicated there (see _transfer_ns): its copy's state
+                recv[n], send[n] = _kib(table.state_bytes[n]), 0
+    for n, is_free in enumerate(table.input_free or ()):
+        if is_free:  # made by the stage that reads it: its own copy, held as its maker's stage holds it; nothing sent
             recv[n] = act[n]
             if send is not None:
                 send[n] = 0
-        return act, recv, send, None
-    recv = np.repeat(2 * buffers[:, None], S, axis=1)
-    send = np.repeat(buffers[:, None], S, axis=1) + (send if send is not None else 0)
-    for n, read in enumerate(table.param_reads or ()):
-        if read:  # a tied weight read on a later stage is replicated there (see _transfer_ns): its copy's state
-            recv[n], send[n] = _kib(table.state_bytes[n]), 0
-    for n in _free(table):  # made by the stage that reads it: its own copy, held as its maker's stage holds it
-        recv[n], send[n] = act[n], 0
     return act, recv, send, buffers
-
-
-def _free(table: Any) -> list[int]:
-    """The table's input-free nodes (:mod:`autosplit.passes.input_free`)."""
-    return [n for n, is_free in enumerate(table.input_free or ()) if is_free]
 
 
 def pipeline_buffers(table: Any, schedule: str, micro_batches: int) -> np.ndarray | None:
