@@ -1,7 +1,8 @@
 """Values that depend on no input: made again by each stage that reads them, never sent.
 
 A node is *input-free* when its value follows from constants alone, through ops that are pure
-and draw no random numbers: no graph input, parameter, buffer or module reaches it. The causal
+and draw no random numbers, and no op writes it in place (a stage after the write must read the
+written value): no graph input, parameter, buffer or module reaches it. The causal
 mask transformers builds from ``arange`` and the position ids are; the rotary tables are not
 (they read the ``inv_freq`` buffer). Such a value is the same in every micro-batch and on every
 rank, and a stage makes it for far less than receiving it costs: a Llama's boolean mask at 8,192
@@ -32,6 +33,7 @@ import torch
 import torch.fx as fx
 
 from autosplit.compat import OpOverload, pytree
+from autosplit.passes.recompute_regions import aliases, written_inputs
 
 __all__ = ["copy_closure", "input_free"]
 
@@ -41,10 +43,13 @@ _WRITES = frozenset({"iadd", "isub", "imul", "itruediv", "ifloordiv", "imod", "i
 
 
 def input_free(gm: fx.GraphModule) -> frozenset[str]:
-    """The names of ``gm``'s input-free nodes (the module docstring), those a tensor comes out of."""
+    """The names of ``gm``'s input-free nodes (the module docstring), those a tensor comes out of.
+    A value some op writes in place, directly or through a view, is not: a stage after the write
+    reads the written value, which only the writer's stage has."""
+    written = {a for n in gm.graph.nodes if n.op.startswith("call") for u in written_inputs(gm, n) for a in aliases(gm, u)}
     free: set[fx.Node] = set()
     for n in gm.graph.nodes:
-        if n.op in ("call_function", "call_method") and all(u in free for u in n.all_input_nodes) and _pure(n):
+        if n.op in ("call_function", "call_method") and n not in written and all(u in free for u in n.all_input_nodes) and _pure(n):
             free.add(n)
     return frozenset(n.name for n in free if _holds_tensor(n))
 

@@ -51,7 +51,7 @@ from autosplit.errors import CodegenError, advice
 from autosplit.passes.capture import Captured
 from autosplit.plans import PartialRecompute
 
-__all__ = ["REGION_BLOCK", "Regions", "attach_regions", "micro_batch", "recompute_unless_kept", "written_inputs"]
+__all__ = ["REGION_BLOCK", "Regions", "aliases", "attach_regions", "micro_batch", "recompute_unless_kept", "written_inputs"]
 
 REGION_BLOCK = "autosplit_region"
 """``node.meta`` key: the block (module path) whose region a stage's node calls or names — the region's
@@ -137,7 +137,7 @@ def written_inputs(gm: fx.GraphModule, node: fx.Node) -> list[fx.Node]:
     return [first] if isinstance(first, fx.Node) and _inplace(gm, node) else []
 
 
-def _aliases(gm: fx.GraphModule, node: fx.Node) -> list[fx.Node]:
+def aliases(gm: fx.GraphModule, node: fx.Node) -> list[fx.Node]:
     """``node`` and the values whose memory it may be, followed up through views and in-place ops
     (which alias their first argument): what a write into ``node`` writes."""
     chain = [node]
@@ -253,18 +253,18 @@ class Regions:
                         "recomputing the block in the backward would update them a second time", leave_out,
                     ))
         inside = set(run)
-        read = {a for u in inputs for a in _aliases(self.gm, u)}
+        read = {a for u in inputs for a in aliases(self.gm, u)}
         for n, w in self.writes:
-            aliases = _aliases(self.gm, w)
+            aliases_of_w = aliases(self.gm, w)
             if n in inside:
-                hit = next((a for a in aliases if a not in inside or a.op == "get_attr"), None)
+                hit = next((a for a in aliases_of_w if a not in inside or a.op == "get_attr"), None)
                 if hit is not None:
                     what = "a parameter or buffer" if hit.op == "get_attr" else "a value the block reads from outside it"
                     raise CodegenError(advice(
                         f"block {block!r} cannot be recomputed: {n.name} writes in place into {hit.name}, {what}",
                         "recomputing the block in the backward would write it a second time, and read what it wrote", leave_out,
                     ))
-            elif self.order[n] > self.order[run[0]] and read.intersection(aliases):
+            elif self.order[n] > self.order[run[0]] and read.intersection(aliases_of_w):
                 raise CodegenError(advice(
                     f"block {block!r} cannot be recomputed: {n.name}, after it, writes in place into {w.name}, which the block reads",
                     "recomputing the block in the backward would read the written value", leave_out,

@@ -108,3 +108,30 @@ def test_the_cost_model_charges_no_transfer_and_no_buffer_for_an_input_free_valu
     assert problem.buffer_mem[mask] == 0 and problem.send_mem[mask][0] == 0
     assert problem.recv_mem[mask][1] == problem.act_mem[mask][1], "the reader holds its own copy as the maker does"
     assert problem.transfer[max(n for n in range(len(table.nodes)) if n not in free)][0] > 0, "other values are sent"
+
+
+class Written(torch.nn.Module):
+    """A constant written in place through a view after a first read: a later read sees the write."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scale = torch.ones(8, dtype=x.dtype)
+        h = self.a(x) * scale
+        scale[:4].mul_(3.0)
+        return self.b(h) * scale
+
+
+def test_a_value_written_in_place_is_sent_as_written_not_made_again():
+    model, x = Written().double(), torch.randn(4, 8, dtype=torch.float64)
+    traced = _traced(model, x)
+    gm = traced.captured.gm
+    assert not input_free(gm), "the constant and its view are written: a stage after the write must receive them"
+    nodes = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
+    last_read = max(i for i, n in enumerate(nodes) if n.op == "call_function" and "ones" in {u.name for u in n.all_input_nodes})
+    assignment = {n.name: int(i >= last_read) for i, n in enumerate(nodes)}  # the last product on stage 1
+    chain = generate_chain(traced.captured, assignment, 2, [x])
+    assert "ones" in chain.crossings[0], "the written constant crosses, written"
+    torch.testing.assert_close(chain.output(chain.stages[1](*chain.stages[0](x=x), x=x)), model(x), rtol=0, atol=1e-12)
