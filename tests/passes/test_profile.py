@@ -65,26 +65,29 @@ def test_cpu_profile_times_nodes_inside_whole_passes():
     captured = capture(model, (tokens,))
     micro = flat_inputs(captured, (tokens[:16],), {})
     options = autosplit.options.ProfileOptions(use_cache=False, warmup=1, repeats=3, threads=1)
-    prof = profile_module.profile(captured, micro, "cpu", fingerprint="test", options=options, micro_batches=4,
-                                  forwards_first=True)
-    assert all(p.grad is None for p in model.parameters())
-    nodes = prof.nodes
-    assert nodes["wide"].bwd > nodes["narrow"].bwd  # 16× the FLOPs
-    assert nodes["emb"].bwd > 0  # the table's gradient is made in the embedding's backward, not in its neighbour's
 
     def four_micro_batches():
         outs = [model(chunk) for chunk in tokens.chunk(4)]
         for out in outs:
             out.backward(torch.ones_like(out))
 
-    per_node = 4 * sum(n.fwd + n.bwd for n in nodes.values())
-    wholes = []
-    for _ in range(3):  # the other test worker shares the 2 cores: a pass timed while it runs can take twice as long
+    # The other test worker shares the 2 cores: a profile or a pass timed while its processes run took
+    # twice as long or more (CI), either one. A profile that misses or doubles a node's time is off every time.
+    tries = []
+    for _ in range(3):
+        prof = profile_module.profile(captured, micro, "cpu", fingerprint="test", options=options, micro_batches=4,
+                                      forwards_first=True)
+        assert all(p.grad is None for p in model.parameters())
+        nodes = prof.nodes
+        assert nodes["wide"].bwd > nodes["narrow"].bwd  # 16× the FLOPs
+        assert nodes["emb"].bwd > 0  # the table's gradient is made in the embedding's backward, not in its neighbour's
         with pinned(1, None):
-            wholes.append(timed(four_micro_batches, warmup=2, repeats=5))
-        if 0.5 * wholes[-1] < per_node < 2 * wholes[-1]:
+            whole = timed(four_micro_batches, warmup=2, repeats=5)
+        tries.append((4 * sum(n.fwd + n.bwd for n in nodes.values()), whole))
+        if 0.5 * whole < tries[-1][0] < 2 * whole:
             break
-    assert 0.5 * wholes[-1] < per_node < 2 * wholes[-1], (per_node, wholes)
+    per_node, whole = tries[-1]
+    assert 0.5 * whole < per_node < 2 * whole, tries
 
 
 @pytest.mark.skipif(not hasattr(os, "fork") or len(os.sched_getaffinity(0)) < 2, reason="needs Linux and 2 cores")
