@@ -137,12 +137,12 @@ def planned(name: str, folder: str) -> str:
     return path
 
 
-def train_case(name: str, plan_path: str, compiled: bool = False, *, rank: int, world: int) -> None:
+def train_case(name: str, plan_path: str, compiled: bool = False, evaluate: bool = True, *, rank: int, world: int) -> None:
     with float64_throughout(name):
-        _train(name, plan_path, rank, compiled)
+        _train(name, plan_path, rank, compiled, evaluate)
 
 
-def _train(name: str, plan_path: str, rank: int, compiled: bool = False) -> None:
+def _train(name: str, plan_path: str, rank: int, compiled: bool = False, evaluate: bool = True) -> None:
     torch.manual_seed(0)
     model, args, kwargs, target, loss_fn = CASES[name]()
     model = model.double()
@@ -179,6 +179,9 @@ def _train(name: str, plan_path: str, rank: int, compiled: bool = False) -> None
     for pname, p in pipe.named_parameters():
         torch.testing.assert_close(full_tensor(p), ref_params[pname], atol=after, rtol=after,
                                    msg=where(f"{what} {pname} after {STEPS} steps"))
+    if not evaluate:  # a compiled evaluation is a graph of its own, compiled on first use
+        pipe.close()
+        return
     evaluated = pipe.eval_step(*(a[mine] for a in args), target=target[mine], **{k: v[mine] for k, v in kwargs.items()})
     with torch.no_grad():  # forward only, under the same scope as a step
         rows = {k: v[mine] for k, v in kwargs.items()}
