@@ -54,21 +54,19 @@ def input_free(gm: fx.GraphModule) -> frozenset[str]:
     return frozenset(n.name for n in free if _holds_tensor(n))
 
 
-def copy_closure(graph: fx.Graph, read: Iterable[fx.Node], free: Collection[str], env: dict[fx.Node, Any]) -> list[fx.Node]:
+def copy_closure(graph: fx.Graph, read: Iterable[fx.Node], free: Collection[str], env: dict[fx.Node, Any]) -> None:
     """Copy into ``graph`` every input-free node of ``read`` and what it is made from, in graph
-    order, unless ``env`` holds it already; returns the input-free nodes of ``read``."""
-    wanted = [n for n in dict.fromkeys(read) if n.name in free]
+    order, unless ``env`` holds it already."""
     made: set[fx.Node] = set()
-    stack = list(wanted)
+    stack = [n for n in read if n.name in free]
     while stack:
         n = stack.pop()
         if n not in made and n not in env:
             made.add(n)
             stack.extend(n.all_input_nodes)
-    for n in wanted[0].graph.nodes if made else ():  # in graph order: what a node reads is made first
+    for n in next(iter(made)).graph.nodes if made else ():  # in graph order: what a node reads is made first
         if n in made:
             env[n] = graph.node_copy(n, env.__getitem__)
-    return wanted
 
 
 def _pure(n: fx.Node) -> bool:
