@@ -72,30 +72,32 @@ def test_cpu_profile_times_nodes_inside_whole_passes():
             out.backward(torch.ones_like(out))
 
     # The other test worker shares the 2 cores: a profile or a pass timed while its processes run took
-    # twice as long or more (CI), either one. A profile that misses or doubles a node's time is off every time.
+    # twice as long or more (CI), either one, and a preempted node's backward can outlast a 16× bigger one.
+    # A profile that misses, doubles or misplaces a node's time is off every time, so one clean try of three passes.
     tries = []
     for _ in range(3):
         prof = profile_module.profile(captured, micro, "cpu", fingerprint="test", options=options, micro_batches=4,
                                       forwards_first=True)
         assert all(p.grad is None for p in model.parameters())
         nodes = prof.nodes
-        assert nodes["wide"].bwd > nodes["narrow"].bwd  # 16× the FLOPs
         assert nodes["emb"].bwd > 0  # the table's gradient is made in the embedding's backward, not in its neighbour's
         with pinned(1, None):
             whole = timed(four_micro_batches, warmup=2, repeats=5)
-        tries.append((4 * sum(n.fwd + n.bwd for n in nodes.values()), whole))
-        if 0.5 * whole < tries[-1][0] < 2 * whole:
+        per_node = 4 * sum(n.fwd + n.bwd for n in nodes.values())
+        tries.append((nodes["wide"].bwd, nodes["narrow"].bwd, per_node, whole))
+        if nodes["wide"].bwd > nodes["narrow"].bwd and 0.5 * whole < per_node < 2 * whole:  # 16× the FLOPs
             break
-    per_node, whole = tries[-1]
-    assert 0.5 * whole < per_node < 2 * whole, tries
+    else:
+        pytest.fail(f"no try of three timed the wide layer's backward above the narrow one's and the nodes' sum "
+                    f"within 2× of the whole pass: (wide bwd, narrow bwd, nodes' sum, whole) = {tries}")
 
 
-@pytest.mark.skipif(not hasattr(os, "fork") or len(os.sched_getaffinity(0)) < 2, reason="needs Linux and 2 cores")
 def _children() -> set[int]:
     """This process's child processes, zombies included (a test file's gloo group may be among them)."""
     return {int(pid) for task in Path("/proc/self/task").iterdir() for pid in (task / "children").read_text().split()}
 
 
+@pytest.mark.skipif(not hasattr(os, "fork") or len(os.sched_getaffinity(0)) < 2, reason="needs Linux and 2 cores")
 def test_a_profile_taken_beside_other_ranks_runs_them_and_leaves_no_process_behind(tmp_path):
     """``beside`` cores run the same passes in forked processes while the profile is timed: they
     compute (their CPU time shows when reaped), none outlives the profile, the model and its
