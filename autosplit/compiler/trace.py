@@ -19,6 +19,7 @@ from autosplit.compat import pytree
 from autosplit.errors import CaptureError, CodegenError, ConstraintError, advice
 from autosplit.microbatch import batch_size, split_batch
 from autosplit.passes.annotate import annotate
+from autosplit.passes.autocast_reads import refuse_under_autocast
 from autosplit.passes.capture import Captured, capture, fingerprint, flat_inputs
 from autosplit.passes.loss import Loss
 from autosplit.passes.param_dtype import PARAM_CAST, capture_dtype
@@ -73,6 +74,7 @@ class Traced:
         """The graph annotated as ``precision`` runs it on a ``device_type`` target (``"cpu"``, ``"cuda"``):
         the captured graph itself in the precision it is annotated in (:func:`_annotated_in`), else a copy
         of it (same nodes and names, same module) annotated anew, made once and kept."""
+        refuse_under_autocast(self.captured.reads_autocast, precision)
         held, wanted = self.captured.param_dtype, capture_dtype(precision)
         if self.captured.method == "export" and held != wanted:
             raise ConstraintError(advice(

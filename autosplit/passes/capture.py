@@ -28,7 +28,6 @@ import hashlib
 import inspect
 import logging
 import typing
-from collections import OrderedDict, defaultdict
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,8 +39,10 @@ import torch.fx.config
 from autosplit.compat import PyTreeCodeGen as _PyTreeCodeGen
 from autosplit.compat import graph_codegen, make_graph_module, pytree
 from autosplit.errors import CaptureError, advice
-from autosplit.passes.fidelity import ModelSnapshot, RefuseStateWrites, Watch, functions_applied, hook_kinds, installed_once, keep_functions
+from autosplit.passes.autocast_reads import autocast_reads
+from autosplit.passes.fidelity import ModelSnapshot, RefuseStateWrites, functions_applied, hook_kinds, installed_once, keep_functions
 from autosplit.passes.param_dtype import inputs_in, params_in
+from autosplit.passes.tracer import Tracer, tied_owners
 
 __all__ = ["Captured", "capture", "flat_inputs", "fingerprint", "module_path", "with_defaults"]
 
@@ -68,6 +69,8 @@ class Captured:
 
     param_dtype: torch.dtype | None = None
     """The dtype the floating parameters were exported in (None: their own; :mod:`~autosplit.passes.param_dtype`)."""
+    reads_autocast: tuple[str, ...] = ()
+    """The model's functions that asked whether autocast is on while it was captured (:mod:`~autosplit.passes.autocast_reads`)."""
 
     def restore_output(self, out: Any) -> Any:
         """``out`` as the model's own output class."""
@@ -80,74 +83,6 @@ class Captured:
 def _keyword_built(cls: Any) -> bool:
     """A dataclass or a named tuple: built from its fields by keyword."""
     return isinstance(cls, type) and (dataclasses.is_dataclass(cls) or (issubclass(cls, tuple) and hasattr(cls, "_fields")))
-
-
-def _tied_owners(model: torch.nn.Module) -> set[str]:
-    """Qualified names of modules that own a parameter also owned by another module."""
-    owners: dict[int, set[str]] = defaultdict(set)
-    for mod_name, mod in model.named_modules(remove_duplicate=False):
-        for p in mod.parameters(recurse=False):
-            owners[id(p)].add(mod_name)
-    return {name for names in owners.values() if len(names) > 1 for name in names}
-
-
-class _Tracer(fx.Tracer):
-    """Default leaves (``torch.nn`` modules), except modules that own tied parameters; watches
-    for what the trace drops (:class:`~autosplit.passes.fidelity.Watch`)."""
-
-    def __init__(self, trace_through: set[str]):
-        super().__init__()
-        self.trace_through = trace_through
-        # Buffers read in forward (masks, running stats) become get_attr nodes, so slicing
-        # them by traced sizes works and codegen places them like parameters.
-        self.proxy_buffer_attributes = True
-        self.watch = Watch()
-        self.output_type: type | None = None
-        self._arg_depth = 0
-
-    def is_leaf_module(self, m: torch.nn.Module, qualname: str) -> bool:
-        if qualname in self.trace_through:
-            return False
-        return super().is_leaf_module(m, qualname)
-
-    def trace(self, root: Any, concrete_args: dict[str, Any] | None = None) -> fx.Graph:
-        state = [*root.named_parameters(), *root.named_buffers()] if isinstance(root, torch.nn.Module) else []
-        self._state_names = {id(t): name for name, t in reversed(state)}  # reversed: the first name wins
-        if isinstance(root, torch.nn.Module):
-            self.watch.module_traced_through("", root)
-        return super().trace(root, concrete_args)
-
-    def call_module(self, m: torch.nn.Module, forward: Any, args: tuple, kwargs: dict) -> Any:
-        qualname = self.path_of_module(m)
-        if not self.is_leaf_module(m, qualname):
-            self.watch.module_traced_through(qualname, m)
-        return super().call_module(m, forward, args, kwargs)
-
-    def create_proxy(self, kind: str, target: Any, args: Any, kwargs: Any, *rest: Any, **more: Any) -> fx.Proxy:
-        stack = list(self.module_stack.values())
-        self.watch.node_created(kind, stack[-1][0] if stack else "")
-        return super().create_proxy(kind, target, args, kwargs, *rest, **more)
-
-    def create_arg(self, a: Any) -> Any:
-        # The last top-level call is the return value of forward: remember its own class where
-        # fx would flatten it to a plain dict (a dict subclass, a dataclass such as ModelOutput).
-        if self._arg_depth == 0:
-            self.output_type = type(a) if isinstance(a, dict) and type(a) not in (dict, OrderedDict) else None
-        self._arg_depth += 1
-        try:
-            return super().create_arg(a)
-        finally:
-            self._arg_depth -= 1
-
-    def getattr(self, attr: str, attr_val: Any, parameter_proxy_cache: dict[str, Any]) -> Any:
-        """fx's own lookup scans every parameter and buffer of the model on each read, which is
-        quadratic in depth (seconds at 260 layers); this one is a dict lookup, same result."""
-        name = self._state_names.get(id(attr_val)) if isinstance(attr_val, torch.Tensor) else None
-        if name is None:
-            return attr_val
-        if name not in parameter_proxy_cache:
-            parameter_proxy_cache[name] = self.create_proxy("get_attr", name, (), {})
-        return parameter_proxy_cache[name]
 
 
 def module_path(node: fx.Node) -> str:
@@ -200,7 +135,7 @@ def _strip_tensor_defaults(graph: fx.Graph) -> None:
 
 def _symbolic_trace(model: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[fx.GraphModule | None, type | None, list[str]]:
     """Trace with torch.fx: (graph, output class, ``[]``), or ``(None, None, what the trace would drop)``."""
-    tracer = _Tracer(_tied_owners(model))
+    tracer = Tracer(tied_owners(model))
     guard = RefuseStateWrites(model)
     try:
         with guard, keep_functions(tracer):
@@ -230,7 +165,11 @@ def _symbolic_trace(model: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[
 @contextlib.contextmanager
 def _no_stack_traces() -> Iterator[None]:
     """torch.export records each node's Python stack: a fifth of its time on a 70B Llama, for a
-    field no pass reads (capture errors name modules and nodes, not source lines)."""
+    field no pass reads (capture errors name modules and nodes, not source lines). A speed knob only:
+    a torch without it (2.11, on the lent GPUs) records the stacks."""
+    if not hasattr(torch.fx.config, "do_not_emit_stack_traces"):
+        yield
+        return
     before = torch.fx.config.do_not_emit_stack_traces
     torch.fx.config.do_not_emit_stack_traces = True
     try:
@@ -291,7 +230,7 @@ def capture(
     args, kwargs = inputs_in((tuple(args), kwargs), param_dtype)
     snapshot = ModelSnapshot.of(model)
     try:
-        with params_in(model, param_dtype):
+        with params_in(model, param_dtype), autocast_reads() as reads:
             gm, used, output_type, reasons = _capture(model, args, kwargs, method)
             if snapshot.added_hooks(model):
                 gm, used, output_type = _hooked_on_first_call(model, args, kwargs, method, snapshot, gm if used == "export" else None)
@@ -310,7 +249,7 @@ def capture(
     log.debug("captured %s with %s: %d nodes", type(model).__name__, used, len(gm.graph.nodes))
     return Captured(
         gm=gm, method=used, module_paths=paths, fixed_kwargs=fixed, signature=inspect.signature(model.forward),
-        output_type=output_type, param_dtype=param_dtype if used == "export" else None,
+        output_type=output_type, param_dtype=param_dtype if used == "export" else None, reads_autocast=tuple(reads),
     )
 
 

@@ -20,6 +20,7 @@ from autosplit import schedules
 from autosplit.compat import pytree
 from autosplit.errors import DistributedError, advice
 from autosplit.microbatch import batch_size, is_batched
+from autosplit.passes.autocast_reads import refuse_under_autocast
 from autosplit.passes.capture import Captured, capture, fingerprint, flat_inputs, with_defaults
 from autosplit.passes.chain import Chain, generate_chain
 from autosplit.passes.param_dtype import capture_dtype
@@ -170,6 +171,7 @@ def capture_chain(
 ) -> tuple[Chain, Captured]:
     """The plan's chain from a capture of ``model`` at one micro-batch ``args``/``kwargs``."""
     captured = capture(model, args, kwargs, method=method, param_dtype=capture_dtype(plan.precision))
+    refuse_under_autocast(captured.reads_autocast, plan.precision)
     if fingerprint(captured.gm) != plan.fingerprint:
         raise DistributedError(
             advice(
