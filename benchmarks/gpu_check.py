@@ -8,8 +8,8 @@ stage's forward, fp32 master weights):
    ``schedule="sequential"``: one batch through the stages in turn, what :class:`SplitModule`
    runs; its first layer pinned to the first stage and its last to the second), with
    ``costs="measured"`` (every node profiled on the GPU; in bf16-mixed, which the profiler does
-   not run yet, the GPU's preset roofline), trained ``--steps`` Adam steps beside an identical unsplit copy on the same batches: the losses and the final weights
-   must agree (fp32 to 1e-4 relative, bf16-mixed to 2e-2);
+   not run yet, the GPU's preset roofline), trained ``--steps`` Adam steps beside an identical
+   unsplit copy on the same batches: the losses and the final weights must agree (fp32 to 1e-4 relative, bf16-mixed to 2e-2);
 2. **costs** (fp32): the measured per-node forward + backward seconds beside the ``H100-80GB``
    preset's roofline, summed per op kind (``Linear``, ``aten.linear``, ``softmax`` …), as measured / roofline;
 3. **step and memory**: the plan's predicted step (forward, backward, optimizer) beside the
