@@ -1,12 +1,18 @@
-"""In-context timing: every node of a graph timed inside whole training passes on the CPU.
+"""In-context timing: every node of a graph timed inside whole training passes, on the CPU or a GPU.
 
 A node alone on fresh inputs runs on caches it has to itself and on freshly allocated tensors;
 inside a pass it runs after its neighbours, between the other micro-batches' tensors, and its
-backward is scheduled by the autograd engine. On the CPU the profiler's times come from here
+backward is scheduled by the autograd engine. The profiler's times come from here
 (:func:`in_context`): passes of the plan's micro-batches in the schedule's order, each node's
 clock scaled to a pass timed without the clocks, optionally while the host's other cores run the
 same passes (:func:`beside`), and with a split backward (:mod:`autosplit.passes.split_backward`)
 for a zero-bubble schedule.
+
+On a GPU the clocks are CUDA events on the stream (:class:`_Clock`): the host queues kernels ahead
+of the GPU, so a node's time is what the stream spends between its marks — its kernels, and the
+wait for the host where the host is the slower — and a node timed alone, synchronised, would be
+charged the host's launch of every small kernel that a pass hides behind the large ones (on an
+H200 a `view` node timed alone took 7× its roofline, and the nodes' sum 1.6–2.6× the step).
 
 Usage::
 
@@ -40,8 +46,32 @@ FREE_TARGETS = {operator.getitem}
 """Nodes that compute nothing (they only name a value): never timed."""
 
 
+class _Clock:
+    """The host's clock (CPU), or CUDA events recorded on the current stream (GPU), read once the
+    work queued before them is done (:meth:`seconds` after :meth:`now` or a synchronisation)."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+
+    def mark(self) -> Any:
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def seconds(self, start: Any, end: Any) -> float:
+        return end - start if not self.cuda else start.elapsed_time(end) / 1e3
+
+    def now(self) -> float:
+        """The host's clock once everything queued is done (a reference pass's bounds)."""
+        if self.cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+
 class _InContext(fx.Interpreter):
-    """Times every compute node inside real training passes of the whole graph (CPU).
+    """Times every compute node inside real training passes of the whole graph.
 
     A node alone on fresh inputs runs on caches it has to itself and on freshly allocated
     tensors; inside a pass it runs after its neighbours, between the other micro-batches'
@@ -57,8 +87,11 @@ class _InContext(fx.Interpreter):
     that computes a weight's gradient runs again in the weight pass, and its post-hook fires there.
     """
 
-    def __init__(self, gm: fx.GraphModule):
+    def __init__(self, gm: fx.GraphModule, clock: _Clock):
         super().__init__(gm)
+        self.clock = clock
+        self._marked: list[tuple[dict[str, float], str, Any, Any]] = []
+        """(times, node, start, end) marked and not yet read (:meth:`settle`)."""
         self.fwd: dict[str, float] = {}
         self.bwd: dict[str, float] = {}
         """Backward seconds per node: of a whole backward, or of a split one's input pass (I)."""
@@ -68,16 +101,16 @@ class _InContext(fx.Interpreter):
         self.owner: dict[Any, str] = {}
         """Autograd node → the fx node that made it (kept alive: hooks stay registered once)."""
         self._handles: list[Any] = []
-        self._last = 0.0
+        self._last = clock.mark()
 
     def run_node(self, n: fx.Node) -> Any:
         if n.op not in ("call_function", "call_method", "call_module") or n.target in FREE_TARGETS:
             return super().run_node(n)
         with self._set_current_node(n):
             args, kwargs = self.fetch_args_kwargs_from_env(n)
-            t0 = time.perf_counter()
+            t0 = self.clock.mark()
             out = getattr(self, n.op)(n.target, args, kwargs)
-            self.fwd[n.name] = self.fwd.get(n.name, 0.0) + time.perf_counter() - t0
+            self._marked.append((self.fwd, n.name, t0, self.clock.mark()))
         stack: list[Any] = [t.grad_fn for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.grad_fn is not None]
         while stack:
             fn = stack.pop()
@@ -89,12 +122,19 @@ class _InContext(fx.Interpreter):
         return out
 
     def _done(self, name: str) -> None:
-        now = time.perf_counter()
-        self._charged[name] = self._charged.get(name, 0.0) + now - self._last
+        now = self.clock.mark()
+        self._marked.append((self._charged, name, self._last, now))
         self._last = now
 
     def _charge(self, into: dict[str, float]) -> None:
-        self._charged, self._last = into, time.perf_counter()
+        self._charged, self._last = into, self.clock.mark()
+
+    def settle(self) -> None:
+        """Read the marks: each node's seconds added to its forward, backward or weight-pass time."""
+        self.clock.now()
+        for times, name, start, end in self._marked:
+            times[name] = times.get(name, 0.0) + self.clock.seconds(start, end)
+        self._marked.clear()
 
     @contextlib.contextmanager
     def _started_at(self, outs: list[torch.Tensor]) -> Iterator[None]:
@@ -102,7 +142,7 @@ class _InContext(fx.Interpreter):
         and torch's split do before (the split's walk over the whole graph) goes to no node, and
         the scaling to the measured pass shares it among them all, as each stage pays it for its own."""
         def restart(_grad_outputs: Any) -> None:
-            self._last = time.perf_counter()
+            self._last = self.clock.mark()
 
         handles = [fn.register_prehook(restart) for fn in {o.grad_fn for o in outs if o.grad_fn is not None}]
         try:
@@ -124,7 +164,7 @@ class _InContext(fx.Interpreter):
         :func:`~autosplit.passes.split_backward.cut_at_frontier`."""
         self._charge(self.bwd)
         with self._started_at(outs):
-            split_backward(outs, values, leaves, params, weight_pass=lambda: self._charge(self.weight))
+            split_backward(outs, values, leaves, params, weight_pass=lambda: self._charge(self.weight), now=self.clock.now)
 
     def close(self) -> None:
         for h in self._handles:
@@ -149,7 +189,7 @@ def flat(gm: fx.GraphModule) -> fx.GraphModule:
 
 
 def _passes(
-    params: Sequence[torch.Tensor], micro_batches: int, forwards_first: bool,
+    params: Sequence[torch.Tensor], micro_batches: int, forwards_first: bool, now: Callable[[], float],
     forward: Callable[[], Any], backward: Callable[[list[torch.Tensor]], None],
 ) -> tuple[float, float]:
     """(forward, backward) seconds of one pass of ``micro_batches`` micro-batches: all forwards
@@ -159,16 +199,16 @@ def _passes(
     t_fwd = t_bwd = 0.0
     pending: list[list[torch.Tensor]] = []
     for m in range(micro_batches):
-        t0 = time.perf_counter()
+        t0 = now()
         outs = grad_outputs(forward())
-        t_fwd += time.perf_counter() - t0
+        t_fwd += now() - t0
         pending.append(outs)
         if not forwards_first or m == micro_batches - 1:
             for outs in pending:
-                t0 = time.perf_counter()
+                t0 = now()
                 if outs:
                     backward(outs)
-                t_bwd += time.perf_counter() - t0
+                t_bwd += now() - t0
             pending = []
     return t_fwd, t_bwd
 
@@ -192,24 +232,27 @@ def _cut_pass(
 
 def _round(
     gm: fx.GraphModule, plain: fx.GraphModule, split: fx.GraphModule | None, inputs: Sequence[Any],
-    micro_batches: int, forwards_first: bool,
+    micro_batches: int, forwards_first: bool, clock: _Clock,
 ) -> dict[str, list[float]]:
     """One round: the passes timed node by node (:class:`_InContext`), then without the clocks
     (the reference the node times are scaled to); [node] forward, I, W and what splitting costs,
     per micro-batch."""
     params = list(gm.parameters())
-    passes = functools.partial(_passes, params, micro_batches, forwards_first)
+    # the clocked passes' own times are not read (their nodes' are): they run unsynchronised, as a step does
+    clocked = functools.partial(_passes, params, micro_batches, forwards_first, time.perf_counter)
+    passes = functools.partial(_passes, params, micro_batches, forwards_first, clock.now)
     parts = [0.0, 0.0]  # the split reference pass's I and W seconds
 
     def reference_split(outs: list[torch.Tensor], values: list[torch.Tensor], leaves: list[torch.Tensor], ps: list) -> None:
-        i, w = split_backward(outs, values, leaves, ps)
+        i, w = split_backward(outs, values, leaves, ps, now=clock.now)
         parts[0] += i
         parts[1] += w
 
-    timer = _InContext(split if split is not None else gm)
+    timer = _InContext(split if split is not None else gm, clock)
     try:
-        passes(*(_cut_pass(timer.run, timer.split_backward, inputs, params) if split is not None
-                 else (functools.partial(timer.run, *inputs), timer.backward)))
+        clocked(*(_cut_pass(timer.run, timer.split_backward, inputs, params) if split is not None
+                  else (functools.partial(timer.run, *inputs), timer.backward)))
+        timer.settle()
         owned = collections.Counter(timer.owner.values())  # autograd nodes per fx node
     finally:
         timer.close()
@@ -243,7 +286,7 @@ def _scaled(
 
 def in_context(
     gm: fx.GraphModule, inputs: Sequence[Any], micro_batches: int, forwards_first: bool, rounds: int,
-    split_backward: bool = False,
+    split_backward: bool = False, device: torch.device | str = "cpu",
 ) -> dict[str, tuple[float, float, float | None, float]]:
     """(forward, backward, weight-pass share of the backward or None, what splitting adds to the
     backward) seconds per micro-batch of every compute node, timed inside whole passes of
@@ -259,7 +302,9 @@ def in_context(
     to it, and what each split pass takes beyond it — torch's walks over the autograd graph, its
     hooks — is shared among the nodes in that pass by their autograd nodes, as each stage pays it
     over its own graph: that share is what splitting adds to the node.
+    On a CUDA ``device`` (where ``gm`` and ``inputs`` live) the nodes are timed by CUDA events (:class:`_Clock`).
     """
+    clock = _Clock(torch.device(device))
     params = list(gm.parameters())
     grads = [p.grad for p in params]
     plain = flat(gm)
@@ -267,7 +312,7 @@ def in_context(
     samples: dict[str, list[list[float]]] = {}  # per round: forward, I, W, what splitting costs
     try:
         for r in range(rounds + 1):
-            clocked = _round(gm, plain, split, inputs, micro_batches, forwards_first)
+            clocked = _round(gm, plain, split, inputs, micro_batches, forwards_first, clock)
             if r == 0:  # untimed: warm-up
                 continue
             for name, row in clocked.items():

@@ -5,11 +5,10 @@ have; for a device we do have, we run the graph on it (DESIGN §4.1). An ``fx.In
 runs the captured graph on real tensors of one micro-batch. At each compute node it
 replays the node on fresh inputs that require grad, like the annotate pass, and records
 
-- forward and backward seconds, with the intra-op threads the run will use. On the CPU they
-  are timed inside whole passes of the M micro-batches in the schedule's order
-  (:mod:`autosplit.passes.in_context`), optionally while the other cores of the host run the same passes, as
-  the pipeline's other ranks will (``ProfileOptions.beside``); on a GPU the replay is timed alone with CUDA events (warm-up runs,
-  then the median of the repeats);
+- forward and backward seconds, with the intra-op threads the run will use, timed inside whole
+  passes of the M micro-batches in the schedule's order (:mod:`autosplit.passes.in_context`; on a
+  GPU by CUDA events on the stream), on the CPU optionally while the other cores of the host run
+  the same passes, as the pipeline's other ranks will (``ProfileOptions.beside``);
 - saved bytes (what autograd keeps for backward, parameters excluded, each storage once)
   and the transient peak of forward and backward above what was live before, from the
   allocator's statistics on a GPU and :class:`autosplit.timers.MemoryTracker` on the CPU.
@@ -140,34 +139,7 @@ class _Profiler(fx.Interpreter):
     def _measure(self, n: fx.Node, args: tuple, kwargs: dict) -> NodeProfile:
         params = [p for p in self.module.get_submodule(str(n.target)).parameters() if p.requires_grad] if n.op == "call_module" else []
         saved, peak = self._memory(n, args, kwargs, params)
-        if self.device.type == "cpu":  # timed inside whole passes instead (:func:`~autosplit.passes.in_context.in_context`)
-            return NodeProfile(0.0, 0.0, saved, peak)
-        opts = self.options
-
-        def forward(_=None):
-            a, k, grads = self._fresh(args, kwargs)
-            return grad_outputs(self._call(n, a, k)), grads + params
-
-        fwd = timed(lambda inputs: self._call(n, *inputs[:2]), device=str(self.device), warmup=opts.warmup,
-                    repeats=opts.repeats, setup=lambda: self._fresh(args, kwargs))
-        outs, targets = forward()
-        bwd = 0.0
-        if outs and targets:
-            # Parameter gradients accumulate over micro-batches: time the add into .grad too.
-            accumulators = {i: torch.zeros_like(t) for i, t in enumerate(targets) if id(t) in self.params}
-
-            def setup():
-                outs, targets = forward()
-                return outs, targets, [torch.ones_like(o) for o in outs]
-
-            def backward(x):
-                grads = torch.autograd.grad(x[0], x[1], x[2], allow_unused=True)
-                for i, acc in accumulators.items():
-                    if grads[i] is not None:
-                        acc.add_(grads[i])
-
-            bwd = timed(backward, device=str(self.device), warmup=opts.warmup, repeats=opts.repeats, setup=setup)
-        return NodeProfile(fwd, bwd, saved, peak)
+        return NodeProfile(0.0, 0.0, saved, peak)  # timed inside whole passes (:func:`~autosplit.passes.in_context.in_context`)
 
     def _memory(self, n: fx.Node, args: tuple, kwargs: dict, params: Sequence[torch.Tensor]) -> tuple[int, int]:
         """(saved bytes, transient peak bytes) of one forward + backward."""
@@ -246,7 +218,7 @@ def profile(
     """Measure every compute node of ``captured`` on ``device`` for the given (micro-batch) inputs.
 
     ``inputs`` are the flat graph inputs (``capture.flat_inputs``). The model's state is
-    copied to ``device`` when it lives elsewhere; it is never moved. On the CPU, times are
+    copied to ``device`` when it lives elsewhere; it is never moved. Times are
     taken inside passes of ``micro_batches`` micro-batches, all forwards first when
     ``forwards_first`` (GPipe's order), as the stages will run them (:mod:`autosplit.passes.in_context`),
     the backward split into torch's input and weight passes, each node's timed apart, with
@@ -256,13 +228,11 @@ def profile(
     options = options or ProfileOptions()
     dev = torch.device(device)
     key = profile_cache.profile_key(captured, inputs, dev, fingerprint, options)
-    key["optimizer"] = optimizer
-    if dev.type == "cpu":
-        key.update(micro_batches=micro_batches, forwards_first=forwards_first)
-        if options.beside:
-            key["beside"] = list(options.beside)
-        if split_backward:
-            key["split_backward"] = True
+    key.update(optimizer=optimizer, micro_batches=micro_batches, forwards_first=forwards_first)
+    if options.beside and dev.type == "cpu":
+        key["beside"] = list(options.beside)
+    if split_backward:
+        key["split_backward"] = True
     path = profile_cache.cache_path(key, options)
     cached = profile_cache.load(path, key, Profile.from_json) if options.use_cache else None
     if cached is not None:
@@ -282,13 +252,13 @@ def profile(
         profiler = _Profiler(gm, dev, options)
         profiler.run(*inputs)
         with beside(gm, inputs, options.beside if dev.type == "cpu" else (), options.threads):
-            if dev.type == "cpu":
-                times = in_context(gm, inputs, micro_batches, forwards_first, rounds=options.repeats, split_backward=split_backward)
-                profiler.results = {
-                    name: dataclasses.replace(p, fwd=times[name][0], bwd=times[name][1], wgrad_share=times[name][2],
-                                              split_cost=times[name][3])
-                    for name, p in profiler.results.items()
-                }
+            times = in_context(gm, inputs, micro_batches, forwards_first, rounds=options.repeats, split_backward=split_backward,
+                               device=dev)
+            profiler.results = {
+                name: dataclasses.replace(p, fwd=times[name][0], bwd=times[name][1], wgrad_share=times[name][2],
+                                          split_cost=times[name][3])
+                for name, p in profiler.results.items()
+            }
             optimizer_step = _optimizer_step(gm, optimizer, dev, options)
     result = Profile(device, key, profiler.results, time.perf_counter() - start, optimizer_step=optimizer_step)
     log.info("profiled %d nodes on %s in %.2fs", len(result.nodes), device, result.wall_time)

@@ -78,24 +78,24 @@ def cut_at_frontier(gm: fx.GraphModule, inputs: Sequence[Any]) -> fx.GraphModule
 
 def split_backward(
     outs: list[torch.Tensor], values: list[torch.Tensor], leaves: list[torch.Tensor], params: list[torch.nn.Parameter],
-    weight_pass: Callable[[], None] = lambda: None,
+    weight_pass: Callable[[], None] = lambda: None, now: Callable[[], float] = time.perf_counter,
 ) -> tuple[float, float]:
     """The backward of a graph cut by :func:`cut_at_frontier` as a zero-bubble stage runs it:
     torch's input pass (I) down to the leaves, then its weight pass (W) (``weight_pass()`` called
     as it starts); what precedes the cut (the embeddings: weight gradients alone, which torch's
     first stage runs in its W) gets a plain backward. Returns the seconds of I and of W (that plain
-    backward included)."""
+    backward included) by the clock ``now`` (on a GPU one that waits for the queued kernels)."""
     # torch's own functions, as its stages call them (imported here: `import autosplit` leaves
     # torch.distributed.pipelining for first use)
     stage_backward_input, stage_backward_weight = compat.stage_backward()
 
     outs = [o.clone() if o._is_view() else o for o in outs]  # torch detaches them in place, which a view refuses
-    t0 = time.perf_counter()
+    t0 = now()
     grads, groups = stage_backward_input(outs, [torch.ones_like(o) for o in outs], leaves, iter(params))
-    t1 = time.perf_counter()
+    t1 = now()
     weight_pass()
     stage_backward_weight(iter(params), groups)
     below = [(v, g) for v, g in zip(values, grads) if g is not None]
     if below:
         torch.autograd.backward([v for v, _ in below], [g for _, g in below])
-    return t1 - t0, time.perf_counter() - t1
+    return t1 - t0, now() - t1
