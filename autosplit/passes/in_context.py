@@ -11,8 +11,8 @@ for a zero-bubble schedule.
 On a GPU the clocks are CUDA events on the stream (:class:`_Clock`): the host queues kernels ahead
 of the GPU, so a node's time is what the stream spends between its marks — its kernels, and the
 wait for the host where the host is the slower — and a node timed alone, synchronised, would be
-charged the host's launch of every small kernel that a pass hides behind the large ones (on an
-H200 a `view` node timed alone took 7× its roofline, and the nodes' sum 1.6–2.6× the step).
+charged the host's launch of every small kernel that a pass hides behind the large ones
+(``benchmarks/gpu_check.py`` compares the predicted step with the measured one).
 
 Usage::
 
