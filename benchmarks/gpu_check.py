@@ -7,10 +7,10 @@ stage's forward, fp32 master weights):
 1. **split = unsplit**: the model planned as two stages on one GPU (``["cuda:0", "cuda:0"]``,
    ``schedule="sequential"``: one batch through the stages in turn, what :class:`SplitModule`
    runs; its first layer pinned to the first stage and its last to the second), with
-   ``costs="measured"`` (every node profiled on the GPU; in bf16-mixed, which the profiler does
-   not run yet, the GPU's preset roofline), trained ``--steps`` Adam steps beside an identical
+   ``costs="measured"`` (every node profiled on the GPU inside whole passes, under autocast in
+   bf16-mixed), trained ``--steps`` Adam steps beside an identical
    unsplit copy on the same batches: the losses and the final weights must agree (fp32 to 1e-4 relative, bf16-mixed to 2e-2);
-2. **costs** (fp32): the measured per-node forward + backward seconds beside the ``H100-80GB``
+2. **costs**: the measured per-node forward + backward seconds beside the ``H100-80GB``
    preset's roofline, summed per op kind (``Linear``, ``aten.linear``, ``softmax`` …), as measured / roofline;
 3. **step and memory**: the plan's predicted step (forward, backward, optimizer) beside the
    median measured step of the split module (CUDA-synchronised, after warm-up), and the plan's
@@ -233,11 +233,9 @@ def run_case(name: str, precision: str, size: tuple[int, ...], devices: list[str
     t0 = time.perf_counter()
     model.to(device)
     batch_dev, target_dev = _to(batch, device), target.to(device)
-    # The profiler runs nodes in fp32 only (a CostModelError says so for bf16-mixed): there, the roofline.
-    costs = "measured" if precision == "fp32" else "analytic"
     planner = autosplit.Planner(model, devices, example_inputs=batch_dev["args"], example_kwargs=batch_dev["kwargs"],
                                 loss_fn=token_loss, example_target=target_dev, schedule="sequential", precision=precision,
-                                costs=costs, time_limit=time_limit, pin={f"{LAYERS[name]}.0": 0, f"{LAYERS[name]}.{size[2] - 1}": 1})
+                                costs="measured", time_limit=time_limit, pin={f"{LAYERS[name]}.0": 0, f"{LAYERS[name]}.{size[2] - 1}": 1})
     plan = planner.plan()
     split = planner.build(plan)
     planning_s = time.perf_counter() - t0
@@ -247,8 +245,7 @@ def run_case(name: str, precision: str, size: tuple[int, ...], devices: list[str
                            "planning_s": planning_s, "timings": dict(plan.timings),
                            "stages": [{"modules": list(s.modules), "nodes": s.nodes, "params": s.params, "compute_s": s.compute,
                                        "memory_bytes": s.memory} for s in plan.stages]}
-    out["costs_by_op"] = costs_by_op(planner, plan.micro_batches) if costs == "measured" else {
-        "skipped": "costs='measured' profiles in fp32 only; the fp32 case of this model has the comparison"}
+    out["costs_by_op"] = costs_by_op(planner, plan.micro_batches)
 
     # split = unsplit: the same steps on the same batch from the same weights
     reference.to(device)

@@ -166,13 +166,6 @@ def _measured(
     traced: Traced, specs: tuple[DeviceSpec, ...], profiling: Any, options: PlanOptions, micro_batches: int,
 ) -> tuple[list[Profile | None], str]:
     """Each device's profile (None for a plan-only preset), and a line saying where the costs came from."""
-    if options.precision != "fp32":
-        raise CostModelError(advice(
-            f"costs='measured' profiles the model's nodes in fp32, and the plan is for precision={options.precision!r}",
-            "the profiler does not yet run nodes under autocast or in bf16",
-            f"plan with costs='analytic' and precision={options.precision!r} (calibrated device specs: autosplit.calibrate), "
-            "or measure with precision='fp32'",
-        ))
     if traced.model is not None and is_meta(traced.model):
         raise CostModelError(advice(
             "costs='measured' times the model's nodes on real weights, and this model is on the meta device",
@@ -194,7 +187,8 @@ def _measured(
     profiles = {
         dev: profile(captured, micro, dev, fingerprint=traced.fingerprint, options=profiling, micro_batches=micro_batches,
                      forwards_first=entry.forwards_first, optimizer=options.optimizer,
-                     split_backward=entry.split_backward)  # a zero-bubble schedule's I and W, timed apart
+                     split_backward=entry.split_backward,  # a zero-bubble schedule's I and W, timed apart
+                     precision=options.precision)
         for dev in present
     }
     hits = sum(p.cached for p in profiles.values())

@@ -10,6 +10,11 @@ Usage::
 
     with precision_context("bf16-mixed", "cuda", params=state_ids) as policy:
         out = op(*args)          # as autocast on CUDA would run it
+
+Where real tensors run under a mixed precision — the runtime's stages, the profiler's passes —
+:func:`forward_autocast` is each forward's ``torch.autocast`` and :func:`step_scope` the step's
+scope around them that keeps one cast copy of each weight for all its micro-batches
+(:func:`autosplit.runtime.precision.cast_once` says how and why).
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ import torch
 
 from autosplit.compat import pytree
 
-__all__ = ["HALF", "LOW_PRECISION", "precision_context"]
+__all__ = ["HALF", "LOW_PRECISION", "forward_autocast", "is_mixed", "precision_context", "step_scope"]
 
 F = torch.nn.functional
 
@@ -123,3 +128,25 @@ def precision_context(precision: str, device_type: str, params: Collection[int] 
     if not precision.endswith("-mixed"):
         return contextlib.nullcontext()
     return _Autocast(device_type, LOW_PRECISION[precision], params)
+
+
+def is_mixed(precision: str) -> bool:
+    """The precision runs the forward under ``torch.autocast`` (``"bf16-mixed"``, ``"fp16-mixed"``)."""
+    return precision.endswith("-mixed")
+
+
+def forward_autocast(precision: str, device_type: str) -> contextlib.AbstractContextManager:
+    """``torch.autocast(device_type, dtype)`` of a mixed precision, its cache of weight casts on;
+    a null context for the others."""
+    if not is_mixed(precision):
+        return contextlib.nullcontext()
+    return torch.autocast(device_type, dtype=LOW_PRECISION[precision], cache_enabled=True)
+
+
+def step_scope(precision: str, device_type: str) -> contextlib.AbstractContextManager:
+    """One step's scope for a mixed precision: an outer ``torch.autocast`` that casts nothing and
+    keeps autocast's weight casts until it closes, so the :func:`forward_autocast` regions inside
+    share one copy of each weight; a null context for the others."""
+    if not is_mixed(precision):
+        return contextlib.nullcontext()
+    return torch.autocast(device_type, enabled=False, cache_enabled=True)

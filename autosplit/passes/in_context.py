@@ -38,6 +38,7 @@ import torch.fx as fx
 
 from autosplit.compat import graph_codegen, pytree
 from autosplit.errors import CostModelError, advice
+from autosplit.passes.autocast_policy import forward_autocast, step_scope
 from autosplit.passes.split_backward import cut_at_frontier, split_backward
 
 __all__ = ["FREE_TARGETS", "beside", "flat", "grad_outputs", "in_context"]
@@ -51,6 +52,7 @@ class _Clock:
     work queued before them is done (:meth:`seconds` after :meth:`now` or a synchronisation)."""
 
     def __init__(self, device: torch.device):
+        self.device_type = device.type
         self.cuda = device.type == "cuda"
 
     def mark(self) -> Any:
@@ -189,27 +191,31 @@ def flat(gm: fx.GraphModule) -> fx.GraphModule:
 
 
 def _passes(
-    params: Sequence[torch.Tensor], micro_batches: int, forwards_first: bool, now: Callable[[], float],
-    forward: Callable[[], Any], backward: Callable[[list[torch.Tensor]], None],
+    params: Sequence[torch.Tensor], micro_batches: int, forwards_first: bool, now: Callable[[], float], precision: str,
+    device_type: str, forward: Callable[[], Any], backward: Callable[[list[torch.Tensor]], None],
 ) -> tuple[float, float]:
     """(forward, backward) seconds of one pass of ``micro_batches`` micro-batches: all forwards
-    first when ``forwards_first`` (GPipe), else each forward followed by its backward."""
+    first when ``forwards_first`` (GPipe), else each forward followed by its backward; for a mixed
+    ``precision`` each forward under autocast, the backwards outside it, and each weight cast once
+    for the pass (:func:`~autosplit.passes.autocast_policy.step_scope`), as the runtime's step runs them."""
     for p in params:  # as after zero_grad(): the first micro-batch's gradients are stored, the others added
         p.grad = None
     t_fwd = t_bwd = 0.0
     pending: list[list[torch.Tensor]] = []
-    for m in range(micro_batches):
-        t0 = now()
-        outs = grad_outputs(forward())
-        t_fwd += now() - t0
-        pending.append(outs)
-        if not forwards_first or m == micro_batches - 1:
-            for outs in pending:
-                t0 = now()
-                if outs:
-                    backward(outs)
-                t_bwd += now() - t0
-            pending = []
+    with step_scope(precision, device_type):
+        for m in range(micro_batches):
+            t0 = now()
+            with forward_autocast(precision, device_type):
+                outs = grad_outputs(forward())
+            t_fwd += now() - t0
+            pending.append(outs)
+            if not forwards_first or m == micro_batches - 1:
+                for outs in pending:
+                    t0 = now()
+                    if outs:
+                        backward(outs)
+                    t_bwd += now() - t0
+                pending = []
     return t_fwd, t_bwd
 
 
@@ -232,15 +238,15 @@ def _cut_pass(
 
 def _round(
     gm: fx.GraphModule, plain: fx.GraphModule, split: fx.GraphModule | None, inputs: Sequence[Any],
-    micro_batches: int, forwards_first: bool, clock: _Clock,
+    micro_batches: int, forwards_first: bool, clock: _Clock, precision: str,
 ) -> dict[str, list[float]]:
     """One round: the passes timed node by node (:class:`_InContext`), then without the clocks
     (the reference the node times are scaled to); [node] forward, I, W and what splitting costs,
-    per micro-batch."""
+    per micro-batch. A mixed ``precision`` runs each forward under autocast, as the runtime does."""
     params = list(gm.parameters())
     # the clocked passes' own times are not read (their nodes' are): they run unsynchronised, as a step does
-    clocked = functools.partial(_passes, params, micro_batches, forwards_first, time.perf_counter)
-    passes = functools.partial(_passes, params, micro_batches, forwards_first, clock.now)
+    clocked = functools.partial(_passes, params, micro_batches, forwards_first, time.perf_counter, precision, clock.device_type)
+    passes = functools.partial(_passes, params, micro_batches, forwards_first, clock.now, precision, clock.device_type)
     parts = [0.0, 0.0]  # the split reference pass's I and W seconds
 
     def reference_split(outs: list[torch.Tensor], values: list[torch.Tensor], leaves: list[torch.Tensor], ps: list) -> None:
@@ -286,7 +292,7 @@ def _scaled(
 
 def in_context(
     gm: fx.GraphModule, inputs: Sequence[Any], micro_batches: int, forwards_first: bool, rounds: int,
-    split_backward: bool = False, device: torch.device | str = "cpu",
+    split_backward: bool = False, device: torch.device | str = "cpu", precision: str = "fp32",
 ) -> dict[str, tuple[float, float, float | None, float]]:
     """(forward, backward, weight-pass share of the backward or None, what splitting adds to the
     backward) seconds per micro-batch of every compute node, timed inside whole passes of
@@ -302,7 +308,8 @@ def in_context(
     to it, and what each split pass takes beyond it — torch's walks over the autograd graph, its
     hooks — is shared among the nodes in that pass by their autograd nodes, as each stage pays it
     over its own graph: that share is what splitting adds to the node.
-    On a CUDA ``device`` (where ``gm`` and ``inputs`` live) the nodes are timed by CUDA events (:class:`_Clock`).
+    On a CUDA ``device`` (where ``gm`` and ``inputs`` live) the nodes are timed by CUDA events (:class:`_Clock`);
+    a mixed ``precision`` runs the forwards under autocast (:func:`_passes`).
     """
     clock = _Clock(torch.device(device))
     params = list(gm.parameters())
@@ -312,7 +319,7 @@ def in_context(
     samples: dict[str, list[list[float]]] = {}  # per round: forward, I, W, what splitting costs
     try:
         for r in range(rounds + 1):
-            clocked = _round(gm, plain, split, inputs, micro_batches, forwards_first, clock)
+            clocked = _round(gm, plain, split, inputs, micro_batches, forwards_first, clock, precision)
             if r == 0:  # untimed: warm-up
                 continue
             for name, row in clocked.items():

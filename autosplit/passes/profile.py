@@ -48,6 +48,7 @@ from autosplit.errors import CostModelError, advice
 from autosplit.options import ProfileOptions
 from autosplit.passes import profile_cache
 from autosplit.passes.annotate import fresh
+from autosplit.passes.autocast_policy import forward_autocast, is_mixed, step_scope
 from autosplit.passes.capture import Captured
 from autosplit.passes.in_context import FREE_TARGETS, beside, grad_outputs, in_context
 from autosplit.timers import MemoryTracker, pinned, timed
@@ -213,7 +214,7 @@ def _state_restored(gm: fx.GraphModule) -> Iterator[None]:
 def profile(
     captured: Captured, inputs: Sequence[Any], device: str, *, fingerprint: str,
     options: ProfileOptions | None = None, micro_batches: int = 1, forwards_first: bool = False,
-    optimizer: str = "adam", split_backward: bool = False,
+    optimizer: str = "adam", split_backward: bool = False, precision: str = "fp32",
 ) -> Profile:
     """Measure every compute node of ``captured`` on ``device`` for the given (micro-batch) inputs.
 
@@ -224,11 +225,24 @@ def profile(
     the backward split into torch's input and weight passes, each node's timed apart, with
     ``split_backward`` (a zero-bubble schedule's profile);
     one step of ``optimizer`` over all parameters is timed too (:attr:`Profile.optimizer_step`).
+    A mixed ``precision`` (``"bf16-mixed"``, ``"fp16-mixed"``) runs every forward under autocast as the
+    runtime does, each weight cast once per pass (what a node saves then includes its weight's copy);
+    the parameters, their gradients and the optimizer stay fp32.
     """
+    if precision != "fp32" and not is_mixed(precision):
+        raise CostModelError(advice(
+            f"costs='measured' profiles the model's nodes in fp32 or under autocast, and precision={precision!r} "
+            "computes with bf16 parameters",
+            "profiling runs the model's own fp32 weights",
+            f"plan precision={precision!r} with costs='analytic' (calibrated device specs: autosplit.calibrate), or "
+            "measure with precision='bf16-mixed'",
+        ))
     options = options or ProfileOptions()
     dev = torch.device(device)
     key = profile_cache.profile_key(captured, inputs, dev, fingerprint, options)
     key.update(optimizer=optimizer, micro_batches=micro_batches, forwards_first=forwards_first)
+    if precision != "fp32":
+        key["precision"] = precision
     if options.beside and dev.type == "cpu":
         key["beside"] = list(options.beside)
     if split_backward:
@@ -250,10 +264,11 @@ def profile(
     with _state_restored(gm), pinned(options.threads, options.cores), \
             torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
         profiler = _Profiler(gm, dev, options)
-        profiler.run(*inputs)
+        with step_scope(precision, dev.type), forward_autocast(precision, dev.type):
+            profiler.run(*inputs)
         with beside(gm, inputs, options.beside if dev.type == "cpu" else (), options.threads):
             times = in_context(gm, inputs, micro_batches, forwards_first, rounds=options.repeats, split_backward=split_backward,
-                               device=dev)
+                               device=dev, precision=precision)
             profiler.results = {
                 name: dataclasses.replace(p, fwd=times[name][0], bwd=times[name][1], wgrad_share=times[name][2],
                                           split_cost=times[name][3])

@@ -49,7 +49,7 @@ import torch.distributed as dist
 
 from autosplit import compat
 from autosplit.errors import DistributedError, advice
-from autosplit.passes.autocast_policy import LOW_PRECISION
+from autosplit.passes.autocast_policy import LOW_PRECISION, forward_autocast, is_mixed, step_scope
 from autosplit.passes.param_dtype import PARAM_CAST, inputs_in
 from autosplit.plans import Plan
 
@@ -60,17 +60,10 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 
-def is_mixed(precision: str) -> bool:
-    """The precision runs the forward under ``torch.autocast`` (``"bf16-mixed"``, ``"fp16-mixed"``)."""
-    return precision.endswith("-mixed")
-
-
 def autocast(precision: str, device_type: str) -> contextlib.AbstractContextManager:
     """``torch.autocast(device_type, dtype)`` for a mixed precision, its cache of weight casts on
-    (:func:`cast_once`); a null context otherwise."""
-    if not is_mixed(precision):
-        return contextlib.nullcontext()
-    return torch.autocast(device_type, dtype=LOW_PRECISION[precision], cache_enabled=True)
+    (:func:`cast_once`); a null context otherwise (:func:`~autosplit.passes.autocast_policy.forward_autocast`)."""
+    return forward_autocast(precision, device_type)
 
 
 def cast_once(precision: str, device_type: str, *, ambient: bool = False) -> contextlib.AbstractContextManager:
@@ -105,12 +98,10 @@ def cast_once(precision: str, device_type: str, *, ambient: bool = False) -> con
         with cast_once("bf16-mixed", "cuda"):
             pipe_schedule.step(...)
     """
-    if not is_mixed(precision):
-        return contextlib.nullcontext()
-    if ambient:
+    if ambient and is_mixed(precision):
         return torch.autocast(device_type, dtype=torch.get_autocast_dtype(device_type),
                               enabled=torch.is_autocast_enabled(device_type), cache_enabled=True)
-    return torch.autocast(device_type, enabled=False, cache_enabled=True)
+    return step_scope(precision, device_type)
 
 
 def hold(module: torch.nn.Module, precision: str) -> int:

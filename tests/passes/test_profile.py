@@ -83,6 +83,7 @@ def test_cpu_profile_times_nodes_inside_whole_passes():
         assert nodes["emb"].bwd > 0  # the table's gradient is made in the embedding's backward, not in its neighbour's
         with pinned(1, None):
             whole = timed(four_micro_batches, warmup=2, repeats=5)
+        model.zero_grad(set_to_none=True)  # the whole passes' gradients, before the next try's profile is checked for none
         per_node = 4 * sum(n.fwd + n.bwd for n in nodes.values())
         tries.append((nodes["wide"].bwd, nodes["narrow"].bwd, per_node, whole))
         if nodes["wide"].bwd > nodes["narrow"].bwd and 0.5 * whole < per_node < 2 * whole:  # 16× the FLOPs
@@ -90,6 +91,25 @@ def test_cpu_profile_times_nodes_inside_whole_passes():
     else:
         pytest.fail(f"no try of three timed the wide layer's backward above the narrow one's and the nodes' sum "
                     f"within 2× of the whole pass: (wide bwd, narrow bwd, nodes' sum, whole) = {tries}")
+
+
+def test_a_mixed_precision_profile_runs_the_forward_under_autocast():
+    """bf16-mixed is profiled as the runtime runs it, every forward under autocast: the ReLU after a
+    Linear saves a bf16 output (half the fp32 profile's bytes); such a profile is cached apart, and a
+    plan in bf16-mixed takes measured costs."""
+    model, tokens = Lookup(), torch.randint(0, 4000, (16, 16))
+    captured = capture(model, (tokens,))
+    inputs = flat_inputs(captured, (tokens,), {})
+    options = autosplit.options.ProfileOptions(use_cache=False, warmup=0, repeats=1, threads=1)
+    fp32 = profile_module.profile(captured, inputs, "cpu", fingerprint="test", options=options, micro_batches=2)
+    mixed = profile_module.profile(captured, inputs, "cpu", fingerprint="test", options=options, micro_batches=2,
+                                   precision="bf16-mixed")
+    assert (fp32.nodes["relu"].saved_bytes, mixed.nodes["relu"].saved_bytes) == (16 * 16 * 1024 * 4, 16 * 16 * 1024 * 2)
+    assert mixed.key["precision"] == "bf16-mixed" and "precision" not in fp32.key
+    assert all(n.fwd > 0 for n in mixed.nodes.values()) and all(p.grad is None for p in model.parameters())
+    plan = autosplit.plan(model, ["cpu"] * 2, example_inputs=(tokens,), precision="bf16-mixed", time_limit=2,
+                          costs=autosplit.options.ProfileOptions(use_cache=False, **FAST_PROFILE))
+    assert plan.costs.startswith("measured") and plan.precision == "bf16-mixed"
 
 
 def _children() -> set[int]:
