@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import os
 from pathlib import Path
 
@@ -194,6 +195,32 @@ def test_profile_on_cuda_uses_events_and_allocator_statistics(tmp_path):
     plan = autosplit.plan(model, ["cuda:0", "cpu"], example_inputs=(x,),
                           costs=autosplit.options.ProfileOptions(cache_dir=str(tmp_path), **FAST_PROFILE))
     assert plan.costs == "measured on cpu, cuda:0"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_cuda_profile_times_nodes_inside_whole_passes_plain_split_and_mixed():
+    """On a GPU the nodes are timed inside whole passes by CUDA events: they add up to the passes,
+    a split backward's I and W are apart, bf16-mixed runs under autocast, gradients stay untouched."""
+    model, tokens = Lookup().cuda(), torch.randint(0, 4000, (64, 16), device="cuda")
+    captured = capture(model, (tokens,))
+    micro = flat_inputs(captured, (tokens[:16],), {})
+    options = autosplit.options.ProfileOptions(use_cache=False, warmup=1, repeats=3)
+    run = functools.partial(profile_module.profile, captured, micro, "cuda:0", fingerprint="test", options=options, micro_batches=4)
+    plain, split, mixed = run(), run(split_backward=True), run(precision="bf16-mixed")
+    assert all(p.grad is None for p in model.parameters())
+    for prof in (plain, split, mixed):
+        assert all(n.fwd > 0 and n.bwd > 0 for n in prof.nodes.values()), prof.nodes
+    assert 0 < split.nodes["wide"].wgrad_share < 1 and split.nodes["emb"].wgrad_share == 1.0
+    assert mixed.nodes["relu"].saved_bytes * 2 == plain.nodes["relu"].saved_bytes
+
+    def four_micro_batches():
+        for out in [model(chunk) for chunk in tokens.chunk(4)]:
+            out.backward(torch.ones_like(out))
+
+    whole = timed(four_micro_batches, device="cuda:0", warmup=2, repeats=5)
+    per_node = 4 * sum(n.fwd + n.bwd for n in plain.nodes.values())
+    assert 0.5 * whole < per_node < 2 * whole, (per_node, whole)
 
 
 def test_an_exported_model_with_keyword_inputs_is_profiled():
