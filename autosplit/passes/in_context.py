@@ -350,6 +350,13 @@ def beside(gm: fx.GraphModule, inputs: Sequence[Any], cores: Sequence[int], thre
             "running the passes beside the profile forks processes pinned to cores (Linux only)",
             "leave ProfileOptions.beside empty",
         ))
+    if torch.cuda.is_initialized():  # a forked child of a process that has used CUDA cannot run torch safely
+        raise CostModelError(advice(
+            f"cannot profile beside cores {tuple(cores)}: this process has initialised CUDA, and the passes beside "
+            "run in forked copies of it",
+            "the CUDA runtime does not survive fork(); a forked child of this process may fail or hang",
+            "profile with beside= in a process that has not used CUDA, or leave ProfileOptions.beside empty",
+        ))
     run, parent, children, failed = flat(gm), os.getpid(), {}, []
     try:
         for core in cores:
