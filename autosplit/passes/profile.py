@@ -106,10 +106,9 @@ class Profile:
 
 
 class _Profiler(fx.Interpreter):
-    def __init__(self, gm: fx.GraphModule, device: torch.device, options: ProfileOptions):
+    def __init__(self, gm: fx.GraphModule, device: torch.device):
         super().__init__(gm, garbage_collect_values=True)
         self.device = device
-        self.options = options
         self.params = {id(p) for p in gm.parameters()}
         self.param_storage = {p.untyped_storage().data_ptr() for p in gm.parameters()}
         self.results: dict[str, NodeProfile] = {}
@@ -263,7 +262,7 @@ def profile(
     # itself (an EMA teacher), are put back afterwards, whether profiling succeeds or fails.
     with _state_restored(gm), pinned(options.threads, options.cores), \
             torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
-        profiler = _Profiler(gm, dev, options)
+        profiler = _Profiler(gm, dev)
         with step_scope(precision, dev.type), forward_autocast(precision, dev.type):
             profiler.run(*inputs)
         with beside(gm, inputs, options.beside if dev.type == "cpu" else (), options.threads):

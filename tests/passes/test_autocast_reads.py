@@ -59,10 +59,12 @@ def test_the_model_under_autocast_is_not_its_graph_under_autocast():
 def test_a_capture_records_the_models_reads_of_the_autocast_state_and_not_torchs(method):
     assert capture(AsksAutocast(), (X,), method=method).reads_autocast == (f"{__name__}.keep_fp32",)
     assert capture(Plain(), (X,), method=method).reads_autocast == ()
+    asked = torch.is_autocast_enabled
     with autocast_reads() as reads:
+        assert torch.is_autocast_enabled is not asked
         torch.is_autocast_enabled("cpu")  # read from here: this module is neither torch's nor autosplit's
     assert reads == [f"{__name__}.test_a_capture_records_the_models_reads_of_the_autocast_state_and_not_torchs"]
-    assert torch.is_autocast_enabled.__module__ != __name__  # the spy is gone
+    assert torch.is_autocast_enabled is asked  # the spy is gone
 
 
 @pytest.mark.parametrize("precision", ["bf16-mixed", "fp16-mixed"])
