@@ -18,7 +18,7 @@ stage's forward, fp32 master weights):
    over a step, and the unsplit model's step and peak beside them.
 
 Writes ``benchmarks/results/gpu_check.json`` (with the GPU's name: on an H200 the roofline is still
-the H100 preset's, the comparison the issue asks for). About 2–4 min on one H100 or H200 at the
+the H100 preset's, the comparison the issue asks for). About 20 s of cases on one H200 at the
 default sizes; ``--deadline`` (480 s) stops starting new cases past it and says so.
 
 Without CUDA it refuses before any work: a :class:`~autosplit.errors.DeviceError` on stderr
