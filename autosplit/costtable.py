@@ -148,6 +148,9 @@ class CostTable:
     recompute_kept: tuple[tuple[int, int], ...] = ()
     """[recomputed block] (micro-batches it keeps, of every so many its stage holds at once):
     :class:`~autosplit.plans.PartialRecompute`; (0, 1) for one that recomputes every micro-batch."""
+    recompute_keeps: tuple[int, ...] = ()
+    """Nodes whose output a recomputed block keeps (its matmuls and attention, when blocks recompute
+    selectively: :mod:`autosplit.passes.selective`): their forward does not run again. Empty: none."""
 
     def row_sparse(self, members: Iterable[int]) -> tuple[int, int]:
         """(``sparse_param_bytes``, ``row_grad_bytes``) of :class:`~autosplit.plans.StageReport` for the nodes ``members``."""

@@ -23,6 +23,7 @@ from typing import Any, Literal, TypeAlias, get_args
 from autosplit import schedules
 from autosplit.costtable import OPTIMIZER_STATE_BYTES, CostTable
 from autosplit.errors import ConstraintError, advice
+from autosplit.option_records import ProfileOptions, SolverLimits
 from autosplit.schedules import OBJECTIVES, SCHEDULES, Objective, ScheduleName
 from autosplit.units import parse_bytes
 
@@ -47,68 +48,6 @@ Checkpointing: TypeAlias = Literal["none", "full", "auto"]
 Replicate: TypeAlias = Literal["replicate", "fully_shard"]
 REPLICATES: tuple[str, ...] = get_args(Replicate)
 CHECKPOINTINGS: tuple[str, ...] = get_args(Checkpointing)
-
-
-@dataclass(frozen=True)
-class SolverLimits:
-    """Sizes past which the solver takes its cheaper path; every field a positive integer."""
-
-    dp_work: int = 4 * 10**6
-    """Pipeline objective: the largest N² (N nodes) for which the split DP may cut anywhere (one
-    banded pass costs about N², whatever the number of stages S); above it the DP cuts at the
-    block boundaries of the coarsening, then refines around the chosen cuts. ``1``: always coarsen."""
-    cpsat_vars: int = 12_000
-    """Pipeline objective: the largest CP-SAT model, in stage booleans (units × (S − 1)), worth
-    building in Python; past it the DP's plan is the answer and infeasibility is reported from the
-    memory floors rather than explained by CP-SAT."""
-    blocks_per_stage: int = 64
-    """Pipeline objective, coarsening target: a block costs at most 1/``blocks_per_stage`` of an
-    ideal stage, so cutting only at block boundaries costs at most that much balance before
-    refinement..."""
-    max_blocks: int = 1536
-    """... and there are at most this many blocks (24 per stage on 64 devices): past that, the block
-    DP's passes cost more than the refinement that follows needs (measured in solver_scaling)."""
-    makespan_units: int = 150
-    """Makespan objective: the largest graph CP-SAT schedules unit by unit; a larger one is
-    coarsened into about this many blocks along its module hierarchy (Inception's towers stay
-    apart while each is below the block size)."""
-    free_span: int = 64
-    """Pipeline bound: off-chain nodes that may sit on either side of more than this many chain
-    positions are left out of the chain bound's detour cuts (which only lowers the bound), so
-    each position's min-cut network stays small."""
-
-    def __post_init__(self) -> None:
-        for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ConstraintError(advice(
-                    f"solver limit {f.name}={value!r} is out of range",
-                    f"{f.name} must be an integer ≥ 1",
-                    f"pass SolverLimits({f.name}=<an integer ≥ 1>), or leave it at its default {f.default!r}",
-                ))
-
-
-@dataclass(frozen=True)
-class ProfileOptions:
-    """How to measure. ``costs="measured"`` means ``ProfileOptions()``."""
-
-    warmup: int = 2
-    """Untimed runs per node first (caches, lazy initialisation, allocator warm-up)."""
-    repeats: int = 5
-    """Timed runs per node; the median is kept."""
-    threads: int | None = None
-    """Intra-op threads while profiling; ``None`` keeps ``torch.get_num_threads()``. Set it
-    to what each stage will run with (one process per CPU core: 1)."""
-    cores: tuple[int, ...] | None = None
-    """CPU cores to pin the profiling thread(s) to (Linux); ``None`` leaves affinity alone."""
-    beside: tuple[int, ...] = ()
-    """CPU cores that run the same passes while the CPU profile is taken (Linux; one forked process
-    per core, ``threads`` each): the other pipeline ranks of this host. Cores that share caches,
-    memory bandwidth or a physical core run slower together than alone, and a pipeline's ranks
-    compute together; ``()`` profiles on an otherwise idle host."""
-    cache_dir: str | None = None
-    """Where profiles are kept; ``None``: ``$AUTOSPLIT_CACHE`` or ``~/.cache/autosplit``."""
-    use_cache: bool = True
 
 
 CostsLike: TypeAlias = str | ProfileOptions | CostTable | Path
@@ -194,6 +133,11 @@ class PlanOptions:
     recompute: Mapping[str, bool] | None = None
     """Per block, the user's decision that ``checkpointing="auto"`` keeps: ``{"layers.0": True,
     "layers.31": False}`` (True: recompute it; a module path names every block inside it)."""
+    selective: bool = False
+    """Recompute blocks *selectively*: a recomputed block keeps the outputs of its matmuls and
+    attention and recomputes only the ops between them (norms, activations, rotary embeddings:
+    torchtitan's selective op checkpointing, :mod:`autosplit.passes.selective`) — most of the memory
+    for a fraction of the rerun. ``False``: a recomputed block keeps its inputs only."""
     cut_margin: float = 0.03
     """How much faster, by the replay, a split that cuts inside a repeated layer must be than the
     fastest split at layer boundaries for the refine step to choose it (0.03: 3 %). A split chosen
@@ -294,9 +238,17 @@ class PlanOptions:
             isinstance(self.recompute, Mapping) and all(isinstance(k, str) and isinstance(v, bool) for k, v in self.recompute.items())
         ):
             raise _bad("recompute", self.recompute, "a mapping of module path to True (recompute) or False (keep)")
+        if not isinstance(self.selective, bool):
+            raise _bad("selective", self.selective, "True or False")
 
     def _check_checkpointing(self, entry: Any) -> None:
         """Recomputation planned only where it runs: pipeline stages with a whole backward."""
+        if self.selective and not self.checkpoints:
+            raise ConstraintError(advice(
+                "option selective=True says how recomputed blocks recompute, and checkpointing='none' recomputes none",
+                "selective keeps a recomputed block's matmul outputs; which blocks recompute is checkpointing's choice",
+                "add checkpointing='full' (every block, as torchtitan's selective op mode) or 'auto' (the solver chooses)",
+            ))
         if self.checkpoints and self.objective == "makespan":
             raise ConstraintError(advice(
                 f"option checkpointing={self.checkpointing!r} (or recompute=) is planned for pipeline stages, and "

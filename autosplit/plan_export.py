@@ -170,8 +170,16 @@ def _micro_batch_size(plan: Plan) -> int:
     return rows
 
 
-def _recompute(plan: Plan, layers: int) -> str:
-    """``"none"``, ``"full"`` (every layer recomputed, all micro-batches) or ``"partial"`` (some)."""
+def _recompute(plan: Plan, layers: int, engine: str) -> str:
+    """``"none"``, ``"full"`` (every layer recomputed, all micro-batches) or ``"partial"`` (some); a plan
+    that recomputes selectively is refused: neither engine keeps what autosplit's policy keeps."""
+    if plan.recompute_selective:
+        raise ExportError(advice(
+            f"the plan recomputes {len(plan.recompute)} blocks selectively, keeping every matmul's and attention's output",
+            f"{engine} keeps other tensors: torchtitan's selective op mode recomputes every second mm as well, Megatron's "
+            "selective granularity recomputes core attention only; the plan's memory and step would not hold there",
+            "plan with selective=False for an engine, or keep autosplit's runtime for this plan",
+        ))
     return "none" if not plan.recompute else "full" if len(plan.recompute) >= layers and not plan.recompute_partial else "partial"
 
 
@@ -183,7 +191,7 @@ def torchtitan_config(plan: Plan, names: Names, *, form: str = "toml") -> str:
     ``num_pp_microbatches``, activation checkpointing as ``FullAC.Config()`` or ``None``)."""
     parts = stage_parts(plan, names)
     layers = sum(p.startswith("layers.") for part in parts for p in part)
-    mode = _recompute(plan, layers)
+    mode = _recompute(plan, layers, "torchtitan")
     if mode == "partial":
         raise ExportError(advice(
             f"the plan recomputes {len(plan.recompute)} of {layers} layers", "torchtitan's activation checkpointing is "
@@ -292,6 +300,7 @@ def _megatron_recompute(plan: Plan, parts: Sequence[Sequence[str]], names: Names
     done = [sum(m) for m in marks]
     if not any(done):
         return []
+    _recompute(plan, len(plan.recompute), "Megatron")
     if plan.recompute_partial:
         raise ExportError(advice(
             f"the plan keeps some micro-batches' activations of {[p.block for p in plan.recompute_partial][:3]}",

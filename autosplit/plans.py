@@ -130,6 +130,9 @@ class Plan:
     recompute_partial: tuple[PartialRecompute, ...] = ()
     """Of :attr:`recompute`, the blocks that keep some micro-batches' activations (the rest recompute
     all of theirs)."""
+    recompute_selective: bool = False
+    """The :attr:`recompute` blocks keep their matmuls' and attention's outputs and recompute the ops
+    between them (:attr:`~autosplit.options.PlanOptions.selective`)."""
     made_with: tuple[str, float] | None = None
     """For a saved plan re-costed on load: (the costs it was made with, the step it predicted then)."""
     batch: int = 0

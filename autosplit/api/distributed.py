@@ -308,7 +308,8 @@ def _build(
         own = schedules.lookup(made.schedule).split_backward
         precision = (made.precision, stage_device_type(made))
         chain, meta = generate_chain(captured, made.stage_of, layout.stages, flat, replicate=replicated, own_outputs=own,
-                                     precision=precision, recompute=made.recompute, partial=made.recompute_partial), model
+                                     precision=precision, recompute=made.recompute, partial=made.recompute_partial,
+                                     selective=made.recompute_selective), model
     if given is not None and given.crossings and given.crossings != chain.crossings:
         raise PlanMismatchError(
             advice(

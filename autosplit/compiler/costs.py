@@ -38,19 +38,23 @@ KEPT_TABLES = 8
 
 def cost_table(
     traced: Traced, specs: tuple[DeviceSpec, ...], options: PlanOptions, *, micro_batches: int, recompute: tuple[str, ...] = (),
-    partial: tuple[PartialRecompute, ...] = (),
+    partial: tuple[PartialRecompute, ...] = (), selective: bool | None = None,
 ) -> tuple[CostTable, str]:
     """The cost table ``options.costs`` asks for (with overrides), and a line saying where it came from.
     It describes the blocks a plan may recompute (``options.checkpointing``, ``options.recompute``),
     and its costs are those of recomputing the blocks labelled in ``recompute`` (of them, ``partial``
-    keep some micro-batches). Analytic tables are kept on ``traced`` by all that decides them."""
+    keep some micro-batches; ``selective``, if given, overrides ``options.selective``: a saved plan
+    recomputes as it was made). Analytic tables are kept on ``traced`` by all that decides them."""
+    selective = options.selective if selective is None else selective
     if options.costs != "analytic" or options.cost_overrides:
-        return _cost_table(traced, specs, options, micro_batches=micro_batches, recompute=recompute, partial=partial)
+        return _cost_table(traced, specs, options, micro_batches=micro_batches, recompute=recompute, partial=partial,
+                           selective=selective)
     key = (specs, micro_batches, tuple(recompute), tuple(partial), options.precision, options.optimizer, options.checkpointing,
-           tuple(options.recompute or ()), options.tp, options.sequence_parallel, options.dp_shard)
+           tuple(options.recompute or ()), selective, options.tp, options.sequence_parallel, options.dp_shard)
     kept = traced._tables
     if key not in kept:
-        kept[key] = _cost_table(traced, specs, options, micro_batches=micro_batches, recompute=recompute, partial=partial)
+        kept[key] = _cost_table(traced, specs, options, micro_batches=micro_batches, recompute=recompute, partial=partial,
+                                selective=selective)
         while len(kept) > KEPT_TABLES:
             kept.pop(next(iter(kept)))
     return kept[key]
@@ -58,7 +62,7 @@ def cost_table(
 
 def _cost_table(
     traced: Traced, specs: tuple[DeviceSpec, ...], options: PlanOptions, *, micro_batches: int, recompute: tuple[str, ...],
-    partial: tuple[PartialRecompute, ...],
+    partial: tuple[PartialRecompute, ...], selective: bool,
 ) -> tuple[CostTable, str]:
     costs, gm = options.costs, traced.annotated(options.precision, specs[0].device_type)
     if isinstance(costs, (CostTable, Path)) or (isinstance(costs, str) and costs not in ("analytic", "measured")):
@@ -82,7 +86,7 @@ def _cost_table(
         if loss is not None:
             source += "; loss costed on the output's stage"
         estimated = functools.partial(estimate, gm, specs, optimizer=options.optimizer, micro_batches=micro_batches,
-                                      profiles=profiles, loss=loss)
+                                      profiles=profiles, loss=loss, selective=selective)
         # the blocks depend on the graph and the devices, not the batch: decided once, on the first table
         # (measured layers need not time alike: there each table decides)
         key = (traced.fingerprint, options.precision, specs, options.checkpointing, tuple(options.recompute or ()), tuple(recompute))

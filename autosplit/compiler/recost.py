@@ -47,10 +47,12 @@ def recost(
         if None in decided.values():
             log.info("a manual split keeps the blocks checkpointing='auto' leaves to the solver: %s",
                      [b for b, c in decided.items() if c is None])
-        given = dataclasses.replace(given, recompute=tuple(b for b, c in decided.items() if c))
+        recompute = tuple(b for b, c in decided.items() if c)
+        given = dataclasses.replace(given, recompute=recompute, recompute_selective=options.selective and bool(recompute))
     base = table  # before recompute, which only adds work: the step bound holds for every split
     if given.recompute:  # the costs of the blocks it recomputes
-        table, source = cost_table(traced, specs, options, micro_batches=M, recompute=given.recompute, partial=given.recompute_partial)
+        table, source = cost_table(traced, specs, options, micro_batches=M, recompute=given.recompute, partial=given.recompute_partial,
+                                   selective=given.recompute_selective)
     if given.objective == "makespan":
         return compile_makespan(traced, specs, options, table, source, rules, timings, given)
     order = given.stage_devices

@@ -98,6 +98,7 @@ def compile_plan(
         precision=options.precision,
         recompute=recomputed,
         recompute_partial=partial,
+        recompute_selective=options.selective and bool(recomputed),
         objective="pipeline",
         solver=SolverInfo(
             name=solver_name,
@@ -166,7 +167,7 @@ def codegen(traced: Traced, plan: Plan) -> tuple[Program, dict[str, float]]:
     timings: dict[str, float] = {}
     with progress.timed_pass("codegen", timings):
         program = generate(traced.captured, plan.stage_of, [str(t) for t in targets], recompute=plan.recompute,
-                           partial=plan.recompute_partial)
+                           partial=plan.recompute_partial, selective=plan.recompute_selective)
     if debug.stage_code.isEnabledFor(logging.DEBUG):
         for s, (stage, device) in enumerate(zip(program.stages, program.devices)):
             debug.stage_code.debug("stage %d on %s:\n%s", s, device, stage.code.strip())

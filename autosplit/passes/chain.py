@@ -286,7 +286,7 @@ def _stage_module(gm: fx.GraphModule, root: dict[str, Any], graph: fx.Graph, sta
 def generate_chain(
     captured: Captured, assignment: Mapping[str, int], num_stages: int, micro_inputs: Sequence[Any],
     *, replicate: Collection[str] = (), own_outputs: bool = False, precision: tuple[str, str] = ("fp32", "cpu"),
-    recompute: Collection[str] = (), partial: Sequence[PartialRecompute] = (),
+    recompute: Collection[str] = (), partial: Sequence[PartialRecompute] = (), selective: bool = False,
 ) -> Chain:
     """The chain form of ``assignment`` (node name → stage) for micro-batches like ``micro_inputs``
     (the graph's placeholder values for one micro-batch).
@@ -305,12 +305,13 @@ def generate_chain(
     - ``precision`` (the plan's precision, the stages' device type): the metadata carry the dtypes
       the stages compute and exchange under it (bf16 state, or autocast: see ``_MicroValues``).
     - the blocks (module paths) in ``recompute`` run under activation checkpointing (``partial``:
-      those that keep some micro-batches), as in :func:`~autosplit.passes.codegen.generate`; crossings are unchanged by them.
+      those that keep some micro-batches; ``selective``: keeping their matmuls' outputs), as in
+      :func:`~autosplit.passes.codegen.generate`; crossings are unchanged by them.
     """
     gm = captured.gm
     S = num_stages
     nodes, stage_of = placed(gm, assignment)
-    regions = Regions(captured, nodes, recompute, partial)
+    regions = Regions(captured, nodes, recompute, partial, selective)
     placeholders = list(gm.graph.find_nodes(op="placeholder"))
     output = next(iter(gm.graph.find_nodes(op="output")))
     values = _MicroValues(gm, precision).values(micro_inputs)

@@ -118,14 +118,14 @@ def placed(gm: fx.GraphModule, assignment: Mapping[str, int]) -> tuple[list[fx.N
 
 def generate(
     captured: Captured, assignment: Mapping[str, int], devices: Sequence[str], *, recompute: Collection[str] = (),
-    partial: Sequence[PartialRecompute] = (),
+    partial: Sequence[PartialRecompute] = (), selective: bool = False,
 ) -> Program:
     """Build the stage modules and the program for ``assignment`` (node name → stage index);
     ``recompute``: blocks (module paths) each stage runs under activation checkpointing, ``partial``
-    those of them that keep some micro-batches."""
+    those of them that keep some micro-batches, ``selective``: keeping their matmuls' outputs."""
     gm = captured.gm
     nodes, stage_of = placed(gm, assignment)
-    regions = Regions(captured, nodes, recompute, partial)
+    regions = Regions(captured, nodes, recompute, partial, selective)
     output = next(iter(gm.graph.find_nodes(op="output")))
     exported = output.all_input_nodes
     free = input_free(gm)

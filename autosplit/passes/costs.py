@@ -52,6 +52,7 @@ from autosplit.passes.input_free import input_free
 from autosplit.passes.memory_model import activation_bytes, describe_blocks, saved_bytes, state_bytes
 from autosplit.passes.outline import outlinable_blocks, unit_targets
 from autosplit.passes.profile import Profile
+from autosplit.passes.selective import keeps_output
 from autosplit.passes.time_model import node_times, optimizer_times, row_sharer, split_costs, wgrad_shares
 from autosplit.plans import PartialRecompute
 
@@ -206,11 +207,12 @@ def _charge_loss(
 def _recompute_costs(
     gm: fx.GraphModule, nodes: list[fx.Node], infos: list[NodeInfo], own_saved: list[int], described: Mapping[str, tuple],
     recompute: Collection[str], partial: Sequence[PartialRecompute], micro_batches: int,
-    transient: list[int], fwd: list, bwd: list, per_device: Callable[[tuple], tuple],
+    transient: list[int], fwd: list, bwd: list, per_device: Callable[[tuple], tuple], keeps: frozenset[int],
 ) -> tuple[list[int], list[int], list[int], list]:
     """(saved, sent, transient, backward) of the nodes when the blocks labelled ``recompute`` recompute
     (``partial``: those that keep some micro-batches): their members keep the checkpoint's inputs
-    only, their backward runs their forward again and holds one micro-batch of their activations."""
+    only (and those in ``keeps`` their outputs: selectively), their backward runs their forward
+    again (but ``keeps``') and holds one micro-batch of their activations."""
     unknown = sorted(set(recompute) - set(described.get("blocks", ())))
     if unknown:
         raise CostModelError(advice(
@@ -219,43 +221,34 @@ def _recompute_costs(
         ))
     chosen = [described["block_members"][described["blocks"].index(label)] for label in recompute]
     recomputed = frozenset(i for block in chosen for i in block)
-    saved, sent = saved_bytes(gm, nodes, infos, own_saved, recomputed)
-    again_share = dict.fromkeys(recomputed, 1.0)
+    saved, sent = saved_bytes(gm, nodes, infos, own_saved, recomputed, keeps)
+    again_share = dict.fromkeys(recomputed - keeps, 1.0)
     for p in partial:  # at the stage's peak, p.keep of its p.window micro-batches hold what keeping the block holds
         members = frozenset(described["block_members"][described["blocks"].index(p.block)])
-        whole, whole_sent = saved_bytes(gm, nodes, infos, own_saved, recomputed - members)
+        whole, whole_sent = saved_bytes(gm, nodes, infos, own_saved, recomputed - members, keeps)
         saved = [math.ceil(a + (b - a) * p.keep / p.window) for a, b in zip(saved, whole)]
         sent = [math.ceil(a + (b - a) * p.keep / p.window) for a, b in zip(sent, whole_sent)]
-        again_share.update(dict.fromkeys(members, p.recomputed(micro_batches) / micro_batches))
+        again_share.update(dict.fromkeys(members - keeps, p.recomputed(micro_batches) / micro_batches))
     again = max(described["block_activations"][described["blocks"].index(label)] for label in recompute)
     transient = [t + math.ceil(again / micro_batches) if i in recomputed else t for i, t in enumerate(transient)]
-    bwd = [per_device(tuple(b + f * again_share[i] for b, f in zip(bwd[i], fwd[i]))) if i in recomputed else bwd[i]
+    bwd = [per_device(tuple(b + f * again_share[i] for b, f in zip(bwd[i], fwd[i]))) if i in again_share else bwd[i]
            for i in range(len(nodes))]
     return saved, sent, transient, bwd
 
 
 def estimate(
-    gm: fx.GraphModule,
-    devices: tuple[DeviceSpec, ...],
-    *,
-    optimizer: str = "adam",
-    profiles: Sequence[Profile | None] | None = None,
-    micro_batches: int = 1,
-    blocks: Sequence[tuple[str, Collection[str]]] = (),
-    recompute: Collection[str] = (),
-    partial: Sequence[PartialRecompute] = (),
-    loss: LossCost | None = None,
+    gm: fx.GraphModule, devices: tuple[DeviceSpec, ...], *, optimizer: str = "adam", profiles: Sequence[Profile | None] | None = None,
+    micro_batches: int = 1, blocks: Sequence[tuple[str, Collection[str]]] = (), recompute: Collection[str] = (),
+    partial: Sequence[PartialRecompute] = (), selective: bool = False, loss: LossCost | None = None,
 ) -> CostTable:
     """Build the :class:`CostTable` of an annotated graph for ``devices``.
 
     ``profiles[d]`` (one micro-batch of ``micro_batches``) gives device ``d`` measured
     costs; ``None`` or a missing profile keeps the analytic ones. ``blocks`` (label, member node
-    names) are what a plan may recompute (activation checkpointing); the costs of those labelled in
-    ``recompute`` are the recomputing ones: their forward runs again in the backward, their members
-    keep none of their activations (the checkpoint keeps their inputs), and their backward needs
-    the block's activations of one micro-batch again; those in ``partial`` keep some micro-batches'
-    activations and recompute the others' (a mix of both costs, by the share of each). ``loss`` (one
-    micro-batch's) is charged to the node that makes the model's output last, every micro-batch's.
+    names) are what a plan may recompute; the costs of those labelled in ``recompute`` are the
+    recomputing ones (:func:`_recompute_costs`; ``partial``: some micro-batches keep theirs;
+    ``selective``: keeping their matmuls' and attention's outputs, :mod:`autosplit.passes.selective`).
+    ``loss`` (one micro-batch's) is charged to the node that makes the model's output last, every micro-batch's.
     """
     if optimizer not in OPTIMIZER_STATE_BYTES:
         raise CostModelError(advice(
@@ -280,10 +273,11 @@ def estimate(
     edges = sorted({(index[u], index[v]) for v in nodes for u in v.all_input_nodes if u in index})
     colocate, order_edges = _placement_rules(gm, nodes, index, infos)
     saved, sent = saved_bytes(gm, nodes, infos, own_saved)
-    described = describe_blocks(gm, nodes, infos, own_saved, saved, blocks, micro_batches) if blocks else {}
+    keeps = frozenset(i for i, n in enumerate(nodes) if keeps_output(gm, n)) if selective else frozenset()
+    described = describe_blocks(gm, nodes, infos, own_saved, saved, blocks, micro_batches, keeps) if blocks else {}
     if recompute:
         saved, sent, transient, bwd = _recompute_costs(
-            gm, nodes, infos, own_saved, described, recompute, partial, micro_batches, transient, fwd, bwd, per_device,
+            gm, nodes, infos, own_saved, described, recompute, partial, micro_batches, transient, fwd, bwd, per_device, keeps,
         )
     state = [state_bytes(info, optimizer) for info in infos]
     return CostTable(
@@ -312,5 +306,6 @@ def estimate(
         output_tensors=tuple(len(info.output_shapes) for info in infos),
         recomputed=tuple(recompute),
         recompute_kept=tuple(next(((p.keep, p.window) for p in partial if p.block == label), (0, 1)) for label in recompute),
+        recompute_keeps=tuple(sorted(keeps)),
         **described,
     )

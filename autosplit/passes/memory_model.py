@@ -27,7 +27,8 @@ __all__ = ["activation_bytes", "describe_blocks", "saved_bytes", "state_bytes"]
 
 
 def saved_bytes(
-    gm: fx.GraphModule, nodes: list[fx.Node], infos: list[NodeInfo], own: list[int], recomputed: Collection[int] = frozenset()
+    gm: fx.GraphModule, nodes: list[fx.Node], infos: list[NodeInfo], own: list[int], recomputed: Collection[int] = frozenset(),
+    keeps: Collection[int] = frozenset(),
 ) -> tuple[list[int], list[int]]:
     """(activation bytes, bytes held when sent to another stage) per node; each storage once.
 
@@ -38,12 +39,16 @@ def saved_bytes(
 
     Nodes in ``recomputed`` (the blocks a plan checkpoints) save nothing of their own: the
     checkpoint keeps every tensor they read from outside the blocks instead, and recomputes the rest
-    in the backward.
+    in the backward; of them, those in ``keeps`` (a selective checkpoint's matmuls and attention:
+    :func:`~autosplit.passes.selective.keeps_output`) keep their output as well.
     """
     index = {n.name: i for i, n in enumerate(nodes)}
     placeholders = {n.name: n for n in gm.graph.find_nodes(op="placeholder")}
     saved = [0 if i in recomputed else b for i, b in enumerate(own)]
     charged: set[str] = set()
+    for i in sorted(set(keeps) & set(recomputed)):  # the selective checkpoint's cache: each output once, at its node
+        charged.add(nodes[i].name)
+        saved[i] += infos[i].output_bytes
 
     def kept(i: int) -> Sequence[str]:  # what node i keeps alive for its backward
         if i not in recomputed:
@@ -112,18 +117,18 @@ def state_bytes(info: NodeInfo, optimizer: str) -> int:
 
 def describe_blocks(
     gm: fx.GraphModule, nodes: list[fx.Node], infos: list[NodeInfo], own: list[int], saved: list[int],
-    blocks: Sequence[tuple[str, Collection[str]]], micro_batches: int,
+    blocks: Sequence[tuple[str, Collection[str]]], micro_batches: int, keeps: Collection[int] = frozenset(),
 ) -> dict[str, tuple]:
     """The cost table's fields that describe ``blocks`` (label, member node names) as a plan may
     recompute them: members, the bytes recomputing each alone saves (what its members stop holding,
-    less what the checkpoint keeps of its inputs), the bytes its backward holds again while it
-    recomputes, and why a block cannot be recomputed."""
+    less what the checkpoint keeps of its inputs and, selectively, of ``keeps``' outputs), the bytes
+    its backward holds again while it recomputes, and why a block cannot be recomputed."""
     index = {n.name: i for i, n in enumerate(nodes)}
     members = [tuple(sorted(index[m] for m in names if m in index)) for _, names in blocks]
     totals = _SavedTotals(gm, nodes, infos, own)
     saves, held, why = [], [], []
     for block in members:
-        saves.append(totals.saving(block))
+        saves.append(totals.saving(block, frozenset(keeps)))
         held.append(sum(saved[i] for i in block))
         why.append(_not_recomputable(gm, [nodes[i] for i in block], [infos[i] for i in block]))
     return dict(blocks=tuple(label for label, _ in blocks), block_members=tuple(members), block_saves=tuple(saves),
@@ -161,9 +166,11 @@ class _SavedTotals:
         held = info.saves_output and not recomputed
         return info.output_bytes if name in self.outputs and not held else 0
 
-    def saving(self, block: Sequence[int]) -> int:
-        """Bytes :func:`saved_bytes`'s sum loses when ``block`` (node indices) alone is recomputed."""
+    def saving(self, block: Sequence[int], keeps: frozenset[int] = frozenset()) -> int:
+        """Bytes :func:`saved_bytes`'s sum loses when ``block`` (node indices) alone is recomputed, its
+        members in ``keeps`` keeping their outputs."""
         inside = frozenset(block)
+        cached = {self.nodes[i].name for i in keeps & inside}
         change: dict[str, int] = {}
         for i in inside:
             for name in set(self.infos[i].saved_inputs):
@@ -176,7 +183,7 @@ class _SavedTotals:
         for name, delta in change.items():
             count = self.keepers.get(name, 0)
             before += self._term(name, count > 0, frozenset())
-            after += self._term(name, count + delta > 0, inside)
+            after += self._term(name, count + delta > 0 or name in cached, inside)
         return sum(self.own[i] for i in inside) + before - after
 
 

@@ -5,7 +5,9 @@ by module path) becomes one *region*, a sub-``GraphModule`` whose placeholders a
 run reads from outside it and whose outputs are the values read after it. The stage calls it as
 ``torch.utils.checkpoint.checkpoint(self.recompute_h_1, *inputs, use_reentrant=False)`` — the
 backward reruns it, with the forward's RNG state, instead of keeping its activations — and names
-the results as the nodes they are. A region holds no state: its code reads its stage's modules,
+the results as the nodes they are; a plan that recomputes *selectively* calls
+``recompute_selectively(self.recompute_h_1, *inputs)`` instead, which keeps the region's matmul and
+attention outputs (:mod:`autosplit.passes.selective`). A region holds no state: its code reads its stage's modules,
 parameters and buffers. A block whose rerun would differ or change state again (in-place writes
 into what it reads, running statistics of batch norm in training) is refused.
 A block that keeps some micro-batches (``partial``: :class:`~autosplit.plans.PartialRecompute`) is
@@ -36,7 +38,7 @@ import itertools
 import logging
 import operator
 import re
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,9 +51,11 @@ from autosplit.compat import NormBase, OpOverload
 from autosplit.compat import copy_attr as _copy_attr  # fx's own copy of an attribute into a GraphModule, containers and all
 from autosplit.errors import CodegenError, advice
 from autosplit.passes.capture import Captured
+from autosplit.passes.selective import keep_matmuls
 from autosplit.plans import PartialRecompute
 
-__all__ = ["REGION_BLOCK", "Regions", "aliases", "attach_regions", "micro_batch", "recompute_unless_kept", "written_inputs"]
+__all__ = ["REGION_BLOCK", "Regions", "aliases", "attach_regions", "micro_batch", "recompute_selectively", "recompute_unless_kept",
+           "written_inputs"]
 
 REGION_BLOCK = "autosplit_region"
 """``node.meta`` key: the block (module path) whose region a stage's node calls or names — the region's
@@ -72,14 +76,23 @@ def micro_batch(index: int) -> Iterator[None]:
         _MICRO_BATCH.reset(token)
 
 
-def recompute_unless_kept(region: torch.nn.Module, *inputs: Any, keep: int, window: int) -> Any:
+def recompute_unless_kept(region: torch.nn.Module, *inputs: Any, keep: int, window: int, selective: bool = False) -> Any:
     """``region(*inputs)``, kept for the backward if this forward's micro-batch keeps its activations
     (:meth:`PartialRecompute.recomputes`), else under ``torch.utils.checkpoint`` (a forward outside a
-    pipeline stage, which sets no micro-batch, recomputes: the plan counted no more)."""
+    pipeline stage, which sets no micro-batch, recomputes: the plan counted no more), ``selective``:
+    keeping its matmuls' outputs (:func:`~autosplit.passes.selective.keep_matmuls`)."""
     index = _MICRO_BATCH.get()
     if index is not None and not PartialRecompute("", keep, window).recomputes(index):
         return region(*inputs)
+    if selective:
+        return recompute_selectively(region, *inputs)
     return torch.utils.checkpoint.checkpoint(region, *inputs, use_reentrant=False)
+
+
+def recompute_selectively(region: torch.nn.Module, *inputs: Any) -> Any:
+    """``region(*inputs)`` under ``torch.utils.checkpoint``, keeping its matmuls' and attention's outputs
+    for the backward and recomputing the rest (:func:`~autosplit.passes.selective.keep_matmuls`)."""
+    return torch.utils.checkpoint.checkpoint(region, *inputs, use_reentrant=False, context_fn=keep_matmuls)
 
 
 
@@ -170,9 +183,11 @@ class Regions:
 
     def __init__(
         self, captured: Captured, nodes: Sequence[fx.Node], blocks: Collection[str], partial: Sequence[PartialRecompute] = (),
+        selective: bool = False,
     ):
         self.gm = captured.gm
         self.partial = {p.block: p for p in partial}
+        self.selective = selective
         wanted = set(blocks)
         self.block_of: dict[fx.Node, str] = {}
         self.writes: list[tuple[fx.Node, fx.Node]] = []
@@ -225,9 +240,7 @@ class Regions:
             sub.output(tuple(local[n] for n in outputs))
             sub.lint()
             args = (None, *(env[u] for u in inputs))  # the region itself once the stage exists (attach_regions)
-            some = self.partial.get(block)
-            target, kwargs = ((recompute_unless_kept, dict[str, Any](keep=some.keep, window=some.window)) if some else
-                              (torch.utils.checkpoint.checkpoint, dict[str, Any](use_reentrant=False)))
+            target, kwargs = self._call(block)
             call = graph.create_node("call_function", target, args, kwargs, name=f"checkpoint_{block}")
             call.meta[REGION_BLOCK] = block
             for i, n in enumerate(outputs):
@@ -235,6 +248,13 @@ class Regions:
                 env[n].meta[REGION_BLOCK] = block
             pending.append(_Pending(block, sub, call))
         return pending
+
+    def _call(self, block: str) -> tuple[Callable[..., Any], dict[str, Any]]:
+        """The function a stage calls ``block``'s region with, and its keyword arguments."""
+        some = self.partial.get(block)
+        if some is not None:
+            return recompute_unless_kept, dict(keep=some.keep, window=some.window, **({"selective": True} if self.selective else {}))
+        return (recompute_selectively, {}) if self.selective else (torch.utils.checkpoint.checkpoint, dict(use_reentrant=False))
 
     def _check(self, block: str, run: Sequence[fx.Node], inputs: Sequence[fx.Node]) -> None:
         """Refuse a region whose rerun in the backward would not compute what its forward did, or would

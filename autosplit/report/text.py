@@ -94,7 +94,8 @@ def plan_report(plan: Plan, width: int = 140) -> str:
             + f"transient {format_bytes(st.memory_transient)}"
         )
         if st.recompute:
-            console.print(f"    recomputes {_span(st.recompute)} in its backward: {format_bytes(st.recompute_saves)} of activations "
+            how = " selectively (keeping its matmuls' and attention's outputs)" if plan.recompute_selective else ""
+            console.print(f"    recomputes {_span(st.recompute)}{how} in its backward: {format_bytes(st.recompute_saves)} of activations "
                           "not held")
             for some in (some for some in plan.recompute_partial if some.block in st.recompute):
                 console.print(f"      {some.block} keeps micro-batch i's activations where i mod {some.window} < {some.keep} "

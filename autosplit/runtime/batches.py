@@ -184,4 +184,5 @@ def capture_chain(
     own = schedules.lookup(plan.schedule).split_backward
     precision = (plan.precision, stage_device_type(plan))
     return generate_chain(captured, plan.stage_of, stages, flat, replicate=replicate, own_outputs=own, precision=precision,
-                          recompute=plan.recompute, partial=plan.recompute_partial), captured
+                          recompute=plan.recompute, partial=plan.recompute_partial,
+                          selective=plan.recompute_selective), captured

@@ -218,11 +218,13 @@ def _recompute(
     # torch's stages tell the generated code each forward's micro-batch (runtime.stage), in order per stage
     windows = tuple(in_flight) if entry.flushes and entry.torch_class is not None else ()
     out = []
+    keeps = set(table.recompute_keeps)  # a selective checkpoint's matmuls and attention: not run again
     for label, forced in offered.items():
         b = table.blocks.index(label)
         members = table.block_members[b]
+        again = [i for i in members if i not in keeps]
         out.append(Recompute(
-            label, members, tuple(np.rint(fwd[list(members)].sum(axis=0) * NS).astype(np.int64).tolist()),
+            label, members, tuple(np.rint(fwd[again].sum(axis=0) * NS).astype(np.int64).tolist()),
             tuple(int(x) for x in np.floor(table.block_saves[b] * share / KIB)),
             _kib(table.block_activations[b] / micro_batches), forced, windows,
         ))

@@ -281,7 +281,7 @@ def test_a_region_takes_python_values_from_outside_it():
 # -- the distributed form: 2 gloo processes -----------------------------------------------------------------
 
 
-def _run_case(schedule: str, partial: bool = False, *, rank: int, world: int) -> None:
+def _run_case(schedule: str, partial: bool = False, selective: bool = False, *, rank: int, world: int) -> None:
     torch.manual_seed(0)
     model, args, kwargs, target, loss_fn = gpt_case()
     model = model.double()
@@ -290,11 +290,12 @@ def _run_case(schedule: str, partial: bool = False, *, rank: int, world: int) ->
     planner = autosplit.Planner(model, ["cpu"] * world, example_inputs=args, example_kwargs=kwargs, micro_batches=2,
                                 schedule=schedule, **NO_SEARCH)
     some = tuple(PartialRecompute(b, 1, 2) for b in _blocks(model)) if partial else ()  # micro-batch 0 keeps, 1 recomputes
-    plan = dataclasses.replace(planner.plan(), recompute=_blocks(model), recompute_partial=some)
+    plan = dataclasses.replace(planner.plan(), recompute=_blocks(model), recompute_partial=some, recompute_selective=selective)
     pipe = autosplit.distribute(model, None, example_inputs=args, example_kwargs=kwargs, loss_fn=loss_fn, plan=plan)
     assert pipe.plan.recompute == _blocks(model) and pipe.plan.recompute_partial == some
-    called = "recompute_unless_kept(" if partial else "checkpoint("
-    assert all(isinstance(m, torch.fx.GraphModule) and called in m.code for m in pipe.stage_modules.values())
+    called = "selective=True" if partial and selective else "recompute_unless_kept(" if partial else (
+        "recompute_selectively(" if selective else "checkpoint(")
+    assert all(isinstance(m, torch.fx.GraphModule) and called in m.code.replace(" ", "") for m in pipe.stage_modules.values())
     opt, ref_opt = torch.optim.Adam(pipe.parameters(), lr=1e-2), torch.optim.Adam(reference.parameters(), lr=1e-2)
     ref_params = dict(reference.named_parameters())
     for step in range(STEPS):
@@ -311,4 +312,4 @@ def _run_case(schedule: str, partial: bool = False, *, rank: int, world: int) ->
 
 
 def test_recomputing_pipeline_trains_like_the_unsplit_model_on_two_processes(gloo):
-    gloo(2).run(_run_case, [("gpipe",), ("1f1b",), ("1f1b", True)])
+    gloo(2).run(_run_case, [("gpipe",), ("1f1b",), ("1f1b", True), ("1f1b", False, True), ("gpipe", True, True)])

@@ -1,0 +1,130 @@
+"""Selective recomputation (``selective=True``): a recomputed block keeps its matmuls' and attention's
+outputs and recomputes the ops between them. The stages train exactly as the unsplit model (float64,
+a GPT and a transformers Llama with SDPA attention); the memory model predicts what a stage keeps,
+measured as the storages alive after its forward; it sits between keeping everything and
+recomputing whole blocks, in memory and in time; engines that keep other tensors are refused."""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+
+import pytest
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+import autosplit
+from autosplit.compiler.costs import cost_table
+from autosplit.errors import ConstraintError, ExportError
+from autosplit.microbatch import split_batch
+from autosplit.passes.chain import generate_chain
+from autosplit.passes.selective import keeps_output
+from autosplit.solver.build import build_problem
+from tests.helpers import GPT, NO_SEARCH, assert_trains_like, says, seeded_gpt
+from tests.layouts import llama_case
+
+
+def _planner(model, inputs, **options):
+    return autosplit.Planner(model, ["cpu"] * 2, example_inputs=inputs, **NO_SEARCH, **options)
+
+
+def test_selective_gpt_stages_train_like_the_unsplit_model():
+    model, inputs = seeded_gpt(3)
+    model = model.double()
+    plan = _planner(model, inputs, checkpointing="full", selective=True).plan()
+    assert plan.recompute == ("blocks.0", "blocks.1", "blocks.2") and plan.recompute_selective
+    split = assert_trains_like(model, ["cpu"] * 2, inputs, plan=plan, steps=3)
+    assert all("recompute_selectively(" in stage.code for stage in split.stages)
+
+
+def test_selective_llama_with_sdpa_trains_like_the_unsplit_model():
+    model, args, _, _, _ = llama_case()
+    model.config._attn_implementation = "sdpa"  # the fused attention kernel, whose output the policy keeps
+    model = model.double()
+    plan = _planner(model, args, checkpointing="full", selective=True).plan()
+    assert plan.recompute == ("model.layers.0", "model.layers.1") and plan.recompute_selective
+    assert_trains_like(model, ["cpu"] * 2, args, plan=plan, steps=3)
+
+
+class _Alive(TorchDispatchMode):
+    """Every storage an op makes while active, weakly: those still alive afterwards are what the run holds."""
+
+    def __init__(self):
+        super().__init__()
+        self.made: dict[int, tuple[StorageWeakRef, int]] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                storage = t.untyped_storage()
+                self.made.setdefault(storage.data_ptr(), (StorageWeakRef(storage), storage.nbytes()))
+        return out
+
+
+def _held(stage, received, named) -> tuple[int, tuple]:
+    """Bytes a stage's forward leaves alive for its backward (its outputs aside), and its outputs."""
+    alive = _Alive()
+    with alive:
+        out = stage(*received, **named)
+    gc.collect()
+    outs = {t.untyped_storage().data_ptr() for t in tree_leaves(out) if isinstance(t, torch.Tensor)}
+    return sum(n for ptr, (ref, n) in alive.made.items() if not ref.expired() and ptr not in outs), out
+
+
+def test_the_memory_model_predicts_what_selective_stages_keep():
+    torch.manual_seed(0)
+    model = GPT(vocab=64, d_model=64, n_layers=3, n_heads=4, max_len=32).double()
+    inputs = (torch.randint(0, 64, (8, 32)),)
+    planner = _planner(model, inputs, checkpointing="full")
+    blocks = planner.plan().recompute
+    kept = dataclasses.replace(planner.plan(), recompute=())
+    measured, predicted = {}, {}
+    for mode, given in (("none", kept), ("full", dataclasses.replace(kept, recompute=blocks)),
+                        ("selective", dataclasses.replace(kept, recompute=blocks, recompute_selective=True))):
+        plan = planner.plan(given)  # the same split, re-costed as it recomputes
+        micro = split_batch(planner.traced.inputs, None, 1)[0][0]
+        chain = generate_chain(planner.traced.captured, plan.stage_of, 2, micro, recompute=plan.recompute,
+                               selective=plan.recompute_selective)
+        named = dict(zip(chain.input_names, micro))
+        first, out = _held(chain.stages[0], (), named)
+        received = tuple(o.detach().requires_grad_() for o in (out if isinstance(out, tuple) else (out,)))
+        measured[mode] = (first, _held(chain.stages[1], received, named)[0])
+        predicted[mode] = tuple(st.memory_activations for st in plan.stages)
+    for s in range(2):
+        assert measured["full"][s] < measured["selective"][s] < measured["none"][s], (s, measured)
+        assert predicted["full"][s] < predicted["selective"][s] < predicted["none"][s], (s, predicted)
+        assert predicted["selective"][s] == pytest.approx(measured["selective"][s], rel=0.25), (s, predicted, measured)
+
+
+def test_selective_blocks_save_less_and_recompute_less_than_whole_ones():
+    model, inputs = seeded_gpt(3)
+    costs = {}
+    for selective in (False, True):
+        planner = _planner(model, inputs, checkpointing="auto", selective=selective)
+        table, _ = cost_table(planner.traced, planner.specs(), planner.options, micro_batches=1)
+        problem = build_problem(table, recompute=dict.fromkeys(table.blocks))
+        costs[selective] = [(r.compute[0], saves) for r, saves in zip(problem.recompute, table.block_saves)]
+    gm = planner.traced.annotated("fp32", "cpu")
+    keeps = {n.name: keeps_output(gm, n) for n in gm.graph.nodes}
+    assert keeps["blocks_0_attn_qkv"] and keeps["matmul"] and keeps["blocks_0_fc"], "linear layers and matmuls keep their output"
+    assert not (keeps["blocks_0_ln1"] or keeps["softmax"] or keeps["add"]), "norms, softmax and adds recompute"
+    for b, ((whole_time, whole_saves), (time, saves)) in enumerate(zip(costs[False], costs[True])):
+        assert 0 < time < whole_time, f"block {b}: recomputing selectively takes {time} ns, whole {whole_time} ns"
+        assert 0 < saves < whole_saves, f"block {b}: recomputing selectively saves {saves} bytes, whole {whole_saves}"
+
+
+def test_selective_without_recomputation_is_refused_and_engines_refuse_a_selective_plan():
+    with pytest.raises(ConstraintError) as e:
+        autosplit.PlanOptions(selective=True)
+    says(e, "selective", "checkpointing='none'", "checkpointing='full'")
+    with pytest.raises(ConstraintError):
+        autosplit.PlanOptions(checkpointing="full", selective=1)
+    model, args, _, _, _ = llama_case()
+    planner = _planner(model, args, checkpointing="full", selective=True, expressible_in="megatron", schedule="1f1b")
+    for engine in ("torchtitan", "megatron"):
+        with pytest.raises(ExportError) as e:
+            planner.export(engine)
+        says(e, "selectively", engine if engine == "torchtitan" else "Megatron", "selective=False")
