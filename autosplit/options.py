@@ -35,7 +35,7 @@ AUTO_MOST_STAGES_PER_RANK = 2
 __all__ = ["AUTO", "AUTO_MOST_STAGES_PER_RANK",
            "PlanOptions", "SolverLimits", "ProfileOptions", "SCHEDULES", "OBJECTIVES", "OPTIMIZERS", "CAPTURE_METHODS", "CostsLike",
            "ScheduleName", "Objective", "Optimizer", "CaptureMethod", "Precision", "PRECISIONS", "Checkpointing", "CHECKPOINTINGS",
-           "Replicate", "REPLICATES"]
+           "Replicate", "REPLICATES", "refuse_selective_tp"]
 
 Optimizer: TypeAlias = Literal["adam", "adamw", "adagrad", "sgd_momentum", "sgd", "none"]
 OPTIMIZERS = tuple(OPTIMIZER_STATE_BYTES)
@@ -243,6 +243,7 @@ class PlanOptions:
 
     def _check_checkpointing(self, entry: Any) -> None:
         """Recomputation planned only where it runs: pipeline stages with a whole backward."""
+        refuse_selective_tp(self.tp, self.selective)
         if self.selective and not self.checkpoints:
             raise ConstraintError(advice(
                 "option selective=True says how recomputed blocks recompute, and checkpointing='none' recomputes none",
@@ -395,3 +396,15 @@ def _bad(name: str, value: Any, legal: str) -> ConstraintError:
 
 def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
+
+
+def refuse_selective_tp(tp: int, selective: bool) -> None:
+    """Refuse selective recomputation with ``tp`` > 1, which is not costed there: a row-parallel linear's
+    local matmul keeps a whole partial sum, and the collectives between the kept matmuls run again."""
+    if selective and tp > 1:
+        raise ConstraintError(advice(
+            f"selective recomputation with tensor parallelism (tp {tp}) is not costed",
+            "a row-parallel linear keeps its whole partial sum (tp times the activation charged), and the tp "
+            "collectives between the kept matmuls would run again in the backward",
+            "use selective=False (whole blocks recomputed) with tp > 1, or tensor_parallel=1 to recompute selectively",
+        ))

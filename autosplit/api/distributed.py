@@ -25,6 +25,7 @@ from autosplit.compiler.trace import Traced
 from autosplit.devices import DeviceLike
 from autosplit.errors import AutosplitError, ConstraintError, DistributedError, PlanMismatchError, advice
 from autosplit.microbatch import batch_size
+from autosplit.options import refuse_selective_tp
 from autosplit.passes.capture import flat_inputs
 from autosplit.passes.chain import generate_chain, retarget
 from autosplit.plans import Plan
@@ -128,6 +129,7 @@ def distribute(
                       loss_fn=None if example_target is None else loss_fn, example_target=example_target, **options)
     made = dataclasses.replace(_agreed_plan(planner, given, data_parallel), data_parallel=data_parallel, dp_shard=shard)
     check_tp_shards(model, made.tp_shards, made.tensor_parallel)
+    refuse_selective_tp(made.tensor_parallel, made.recompute_selective)  # a plan file edited to hold both
     if made.tensor_parallel > 1:
         _check_tp_attention(planner.traced, rank_device(made, 0).type)
     layout = Layout.of(dist.get_rank(), len(made.stage_devices), data_parallel,

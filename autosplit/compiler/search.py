@@ -91,8 +91,8 @@ def configurations(options: PlanOptions, ranks: int, batch: int | None) -> list[
             if ranks == 1 and v > 1 and entry.placement != "v":
                 continue
             concrete = options.replace(schedule=name, stages_per_rank=v, micro_batches=None)
-            if options.micro_batches == AUTO:  # from one per rank up; fewer only where the batch allows no more
-                counts = [m for m in range(ranks, 4 * ranks * v + 1) if batch is None or batch % m == 0] or [
+            if options.micro_batches == AUTO:  # one per rank up to one row each; fewer only where the batch allows no more
+                counts = [m for m in range(ranks, (batch or 4 * ranks * v) + 1) if batch is None or batch % m == 0] or [
                     m for m in range(1, ranks) if batch is None or batch % m == 0]
             else:
                 given = options.micro_batches

@@ -10,6 +10,10 @@ torchtitan also recomputes every second ``mm`` of a layer (its counter runs on a
 micro-batches), here every matmul is kept, so that what a stage keeps does not depend on how many
 forwards it ran.
 
+Not under tensor parallelism (:func:`~autosplit.options.refuse_selective_tp`): there a row-parallel linear's local matmul
+output is a whole partial sum, ``tp`` times the sharded activation the cost model charges, and the
+collectives between the matmuls would run again in the backward, which no cost here counts.
+
 The cost model reads the same rule off the graph (:func:`keeps_output`): a node whose op
 dispatches to one of :data:`KEPT_OPS` (a linear layer, a matmul, scaled-dot-product attention)
 keeps its output; the policy and the classification are kept together here so that they agree.

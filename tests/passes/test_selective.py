@@ -2,7 +2,8 @@
 outputs and recomputes the ops between them. The stages train exactly as the unsplit model (float64,
 a GPT and a transformers Llama with SDPA attention); the memory model predicts what a stage keeps,
 measured as the storages alive after its forward; it sits between keeping everything and
-recomputing whole blocks, in memory and in time; engines that keep other tensors are refused."""
+recomputing whole blocks, in memory and in time; engines that keep other tensors, and tensor
+parallelism (whose kept partial sums are not costed), are refused."""
 
 from __future__ import annotations
 
@@ -122,6 +123,9 @@ def test_selective_without_recomputation_is_refused_and_engines_refuse_a_selecti
     says(e, "selective", "checkpointing='none'", "checkpointing='full'")
     with pytest.raises(ConstraintError):
         autosplit.PlanOptions(checkpointing="full", selective=1)
+    with pytest.raises(ConstraintError) as e:  # a row-parallel linear's kept partial sum is not costed
+        autosplit.PlanOptions(checkpointing="full", selective=True, tensor_parallel=2)
+    says(e, "tensor parallelism (tp 2)", "partial sum", "selective=False")
     model, args, _, _, _ = llama_case()
     planner = _planner(model, args, checkpointing="full", selective=True, expressible_in="megatron", schedule="1f1b")
     for engine in ("torchtitan", "megatron"):

@@ -61,8 +61,9 @@ def _train_case(
     model = model.double() if precision == "fp32" else model
     reference, copies = copy.deepcopy(model), world // stages
     pipe = _distribute(model, args, kwargs, loss_fn, stages, copies, precision=precision, micro_batches=micro,
-                       checkpointing=checkpointing)
-    assert bool(pipe.plan.recompute) is (checkpointing == "full"), pipe.plan.recompute
+                       checkpointing="full" if checkpointing == "selective" else checkpointing, selective=checkpointing == "selective")
+    assert bool(pipe.plan.recompute) is (checkpointing != "none"), pipe.plan.recompute
+    assert pipe.plan.recompute_selective is (checkpointing == "selective")
     assert pipe.plan.mesh == {"pp": stages, "dp_replicate": 1, "dp_shard": copies, "tp": 1}
     assert pipe.mesh.mesh_dim_names == MESH_DIMS and tuple(pipe.mesh.shape) == (stages, 1, copies, 1)
     place = pipe.layout.place(pipe.stage_index)  # rank = ((pp · dp_replicate + r) · dp_shard + s) · tp + t
@@ -116,7 +117,7 @@ def test_two_stages_by_dp_shard_two_train_like_the_unsplit_model(gloo):
 def test_one_stage_by_dp_shard_two_trains_like_the_unsplit_model(gloo):
     pytest.importorskip("transformers")
     gloo(2).run(_train_case, [("gpt", 1, "fp32"), ("llama", 1, "fp32"), ("gpt", 1, "fp32", 1), ("llama", 1, "fp32", 1),
-                              ("llama", 1, "fp32", 1, "full")])  # the blocks' units wrap their checkpointed regions
+                              ("llama", 1, "fp32", 1, "full"), ("llama", 1, "fp32", 1, "selective")])  # units wrap the regions
 
 
 def test_bf16_fsdp_trains_like_the_unsplit_model_under_fsdp2s_policy(gloo, tmp_path):
