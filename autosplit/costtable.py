@@ -135,8 +135,13 @@ class CostTable:
     block_members: tuple[tuple[int, ...], ...] = ()
     """[block] its node indices."""
     block_saves: tuple[int, ...] = ()
-    """[block] bytes (whole batch) its stage no longer holds when it alone recomputes: its members'
-    activations, less the inputs the checkpoint keeps."""
+    """[block] bytes (whole batch) its stage no longer holds when it recomputes: its members'
+    activations, less the inputs the checkpoint keeps — an input that k blocks read (a mask, the
+    rotary tables), kept once for all of those that recompute, charged 1/k to each, so that the
+    blocks' savings add up to what recomputing them all saves."""
+    block_shared: tuple[int, ...] = ()
+    """[block] bytes (whole batch) of such shared inputs beyond its 1/k shares: what it holds more when
+    it recomputes and the other readers do not (the solver keeps it as room). Empty: none."""
     block_activations: tuple[int, ...] = ()
     """[block] bytes (whole batch) of its activations, held again (one micro-batch's share) while its
     backward recomputes it."""

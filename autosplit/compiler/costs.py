@@ -38,23 +38,25 @@ KEPT_TABLES = 8
 
 def cost_table(
     traced: Traced, specs: tuple[DeviceSpec, ...], options: PlanOptions, *, micro_batches: int, recompute: tuple[str, ...] = (),
-    partial: tuple[PartialRecompute, ...] = (), selective: bool | None = None,
+    partial: tuple[PartialRecompute, ...] = (), selective: bool | None = None, laid: bool = True,
 ) -> tuple[CostTable, str]:
     """The cost table ``options.costs`` asks for (with overrides), and a line saying where it came from.
     It describes the blocks a plan may recompute (``options.checkpointing``, ``options.recompute``),
     and its costs are those of recomputing the blocks labelled in ``recompute`` (of them, ``partial``
     keep some micro-batches; ``selective``, if given, overrides ``options.selective``: a saved plan
-    recomputes as it was made). Analytic tables are kept on ``traced`` by all that decides them."""
+    recomputes as it was made). ``laid=False``: the model state as one unsharded device holds it,
+    before :func:`~autosplit.passes.sharding.laid_out` (which ``"bf16-fsdp"`` applies at every degree),
+    for callers that lay it out themselves. Analytic tables are kept on ``traced`` by all that decides them."""
     selective = options.selective if selective is None else selective
     if options.costs != "analytic" or options.cost_overrides:
         return _cost_table(traced, specs, options, micro_batches=micro_batches, recompute=recompute, partial=partial,
-                           selective=selective)
+                           selective=selective, laid=laid)
     key = (specs, micro_batches, tuple(recompute), tuple(partial), options.precision, options.optimizer, options.checkpointing,
-           tuple(options.recompute or ()), selective, options.tp, options.sequence_parallel, options.dp_shard)
+           tuple(options.recompute or ()), selective, options.tp, options.sequence_parallel, options.dp_shard, laid)
     kept = traced._tables
     if key not in kept:
         kept[key] = _cost_table(traced, specs, options, micro_batches=micro_batches, recompute=recompute, partial=partial,
-                                selective=selective)
+                                selective=selective, laid=laid)
         while len(kept) > KEPT_TABLES:
             kept.pop(next(iter(kept)))
     return kept[key]
@@ -62,7 +64,7 @@ def cost_table(
 
 def _cost_table(
     traced: Traced, specs: tuple[DeviceSpec, ...], options: PlanOptions, *, micro_batches: int, recompute: tuple[str, ...],
-    partial: tuple[PartialRecompute, ...], selective: bool,
+    partial: tuple[PartialRecompute, ...], selective: bool, laid: bool = True,
 ) -> tuple[CostTable, str]:
     costs, gm = options.costs, traced.annotated(options.precision, specs[0].device_type)
     if isinstance(costs, (CostTable, Path)) or (isinstance(costs, str) and costs not in ("analytic", "measured")):
@@ -106,6 +108,8 @@ def _cost_table(
         table = tp_laid_out(table, gm, traced.tp_rules(), tp=options.tp, micro_batches=micro_batches, numel=traced.param_numel(),
                             sequence_parallel=sequence_parallel(traced, options), precision=options.precision)
         source += f"; tensors split over tp {options.tp}"
+    if not laid:
+        return table, source
     table = laid_out(table, dp_shard=options.dp_shard, alone=sharded_alone(len(specs), micro_batches, options.dp_shard),
                      precision=options.precision)
     if options.dp_shard > 1:

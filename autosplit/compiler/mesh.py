@@ -131,8 +131,9 @@ def _search(traced: Traced, specs: Sequence[DeviceSpec], options: PlanOptions) -
     start = time.perf_counter()
     first = options.replace(limits=dataclasses.replace(options.limits, cpsat_vars=1))
     plain = options.replace(data_parallel=1, replicate="replicate", tensor_parallel=1, cost_overrides=None, costs="analytic")
-    # the model state, whatever the batch; the global batch's costs and the blocks a plan may recompute
-    whole, _ = cost_table(traced, tuple(specs[:1]), plain, micro_batches=1)
+    # the model state, whatever the batch, as one unsharded device holds it (each configuration lays it out);
+    # the global batch's costs and the blocks a plan may recompute
+    whole, _ = cost_table(traced, tuple(specs[:1]), plain, micro_batches=1, laid=False)
     tried: dict[Degrees, Outcome] = {}
     floors: dict[Degrees, float] = {}
     for degrees in degrees_to_try(len(specs), traced.batch, options, specs[0].island_size):

@@ -112,7 +112,7 @@ def state_fits(table: CostTable, ranks: tuple[DeviceSpec, ...], degrees: Degrees
         ))
 
 
-BATCH_BYTES = ("saved_bytes", "output_bytes", "sent_bytes", "wgrad_bytes", "block_saves", "block_activations")
+BATCH_BYTES = ("saved_bytes", "output_bytes", "sent_bytes", "wgrad_bytes", "block_saves", "block_shared", "block_activations")
 """The :class:`~autosplit.costtable.CostTable` fields of bytes that grow with the batch, over the whole batch
 (:attr:`~autosplit.costtable.CostTable.transient_bytes` grows with it too, over one micro-batch)."""
 

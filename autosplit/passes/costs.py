@@ -220,12 +220,12 @@ def _recompute_costs(
             "recompute names the labels of blocks passed in blocks=", "pass every recomputed block in blocks= too",
         ))
     chosen = [described["block_members"][described["blocks"].index(label)] for label in recompute]
-    recomputed = frozenset(i for block in chosen for i in block)
+    recomputed = {i: b for b, block in enumerate(chosen) for i in block}
     saved, sent = saved_bytes(gm, nodes, infos, own_saved, recomputed, keeps)
-    again_share = dict.fromkeys(recomputed - keeps, 1.0)
+    again_share = dict.fromkeys(recomputed.keys() - keeps, 1.0)
     for p in partial:  # at the stage's peak, p.keep of its p.window micro-batches hold what keeping the block holds
         members = frozenset(described["block_members"][described["blocks"].index(p.block)])
-        whole, whole_sent = saved_bytes(gm, nodes, infos, own_saved, recomputed - members, keeps)
+        whole, whole_sent = saved_bytes(gm, nodes, infos, own_saved, {i: b for i, b in recomputed.items() if i not in members}, keeps)
         saved = [math.ceil(a + (b - a) * p.keep / p.window) for a, b in zip(saved, whole)]
         sent = [math.ceil(a + (b - a) * p.keep / p.window) for a, b in zip(sent, whole_sent)]
         again_share.update(dict.fromkeys(members - keeps, p.recomputed(micro_batches) / micro_batches))

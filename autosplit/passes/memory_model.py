@@ -14,7 +14,7 @@ Usage::
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 
 import torch.fx as fx
 
@@ -27,7 +27,7 @@ __all__ = ["activation_bytes", "describe_blocks", "saved_bytes", "state_bytes"]
 
 
 def saved_bytes(
-    gm: fx.GraphModule, nodes: list[fx.Node], infos: list[NodeInfo], own: list[int], recomputed: Collection[int] = frozenset(),
+    gm: fx.GraphModule, nodes: list[fx.Node], infos: list[NodeInfo], own: list[int], recomputed: Mapping[int, int] | None = None,
     keeps: Collection[int] = frozenset(),
 ) -> tuple[list[int], list[int]]:
     """(activation bytes, bytes held when sent to another stage) per node; each storage once.
@@ -37,11 +37,13 @@ def saved_bytes(
     producer itself saves. A saved graph input is charged to its first saver. The
     model's outputs stay alive until the loss has used them: they count as saved.
 
-    Nodes in ``recomputed`` (the blocks a plan checkpoints) save nothing of their own: the
-    checkpoint keeps every tensor they read from outside the blocks instead, and recomputes the rest
-    in the backward; of them, those in ``keeps`` (a selective checkpoint's matmuls and attention:
+    Nodes in ``recomputed`` (node → its block: the blocks a plan checkpoints) save nothing of their
+    own: each block's checkpoint keeps every tensor its nodes read from outside the block instead —
+    another recomputed block's output too: each block is a region of its own — and recomputes the
+    rest in the backward; of them, those in ``keeps`` (a selective checkpoint's matmuls and attention:
     :func:`~autosplit.passes.selective.keeps_output`) keep their output as well.
     """
+    recomputed = recomputed or {}
     index = {n.name: i for i, n in enumerate(nodes)}
     placeholders = {n.name: n for n in gm.graph.find_nodes(op="placeholder")}
     saved = [0 if i in recomputed else b for i, b in enumerate(own)]
@@ -53,7 +55,7 @@ def saved_bytes(
     def kept(i: int) -> Sequence[str]:  # what node i keeps alive for its backward
         if i not in recomputed:
             return infos[i].saved_inputs
-        return [u.name for u in nodes[i].all_input_nodes if index.get(u.name) not in recomputed]
+        return [u.name for u in nodes[i].all_input_nodes if recomputed.get(index.get(u.name, -1)) != recomputed[i]]
 
     for i in range(len(infos)):
         for name in kept(i):
@@ -120,18 +122,28 @@ def describe_blocks(
     blocks: Sequence[tuple[str, Collection[str]]], micro_batches: int, keeps: Collection[int] = frozenset(),
 ) -> dict[str, tuple]:
     """The cost table's fields that describe ``blocks`` (label, member node names) as a plan may
-    recompute them: members, the bytes recomputing each alone saves (what its members stop holding,
-    less what the checkpoint keeps of its inputs and, selectively, of ``keeps``' outputs), the bytes
-    its backward holds again while it recomputes, and why a block cannot be recomputed."""
+    recompute them: members, the bytes recomputing each saves (what its members stop holding, less
+    what the checkpoint keeps of its inputs and, selectively, of ``keeps``' outputs; an input that k
+    blocks read, a mask or the rotary tables, is kept once for all of them, 1/k of it charged to each,
+    so that the blocks' savings add up), what such inputs hold beyond those shares when it alone
+    recomputes, the bytes its backward holds again while it recomputes, and why a block cannot be
+    recomputed."""
     index = {n.name: i for i, n in enumerate(nodes)}
     members = [tuple(sorted(index[m] for m in names if m in index)) for _, names in blocks]
     totals = _SavedTotals(gm, nodes, infos, own)
-    saves, held, why = [], [], []
+    readers: dict[str, int] = {}  # name → how many blocks read it from outside themselves
     for block in members:
-        saves.append(totals.saving(block, frozenset(keeps)))
+        inside = {nodes[i].name for i in block}
+        for name in {u.name for i in block for u in nodes[i].all_input_nodes} - inside:
+            readers[name] = readers.get(name, 0) + 1
+    saves, shared, held, why = [], [], [], []
+    for block in members:
+        saves.append(totals.saving(block, frozenset(keeps), readers))
+        shared.append(totals.saving(block, frozenset(keeps), readers) - totals.saving(block, frozenset(keeps)))
         held.append(sum(saved[i] for i in block))
         why.append(_not_recomputable(gm, [nodes[i] for i in block], [infos[i] for i in block]))
     return dict(blocks=tuple(label for label, _ in blocks), block_members=tuple(members), block_saves=tuple(saves),
+                block_shared=tuple(shared),
                 block_activations=tuple(held), block_refusal=tuple(why))
 
 
@@ -166,9 +178,10 @@ class _SavedTotals:
         held = info.saves_output and not recomputed
         return info.output_bytes if name in self.outputs and not held else 0
 
-    def saving(self, block: Sequence[int], keeps: frozenset[int] = frozenset()) -> int:
+    def saving(self, block: Sequence[int], keeps: frozenset[int] = frozenset(), shared: Mapping[str, int] | None = None) -> int:
         """Bytes :func:`saved_bytes`'s sum loses when ``block`` (node indices) alone is recomputed, its
-        members in ``keeps`` keeping their outputs."""
+        members in ``keeps`` keeping their outputs; with ``shared`` (name → how many blocks read it), a
+        name's change is divided among the blocks that read it (what recomputing them all changes once)."""
         inside = frozenset(block)
         cached = {self.nodes[i].name for i in keeps & inside}
         change: dict[str, int] = {}
@@ -179,12 +192,12 @@ class _SavedTotals:
                 if self.index.get(u) not in inside:
                     change[u] = change.get(u, 0) + 1
             change.setdefault(self.nodes[i].name, 0)
-        before = after = 0
+        change_sum = 0.0
         for name, delta in change.items():
             count = self.keepers.get(name, 0)
-            before += self._term(name, count > 0, frozenset())
-            after += self._term(name, count + delta > 0 or name in cached, inside)
-        return sum(self.own[i] for i in inside) + before - after
+            then = self._term(name, count > 0, frozenset())
+            change_sum += (self._term(name, count + delta > 0 or name in cached, inside) - then) / (shared or {}).get(name, 1)
+        return sum(self.own[i] for i in inside) - round(change_sum)
 
 
 def _not_recomputable(gm: fx.GraphModule, members: Sequence[fx.Node], infos: Sequence[NodeInfo]) -> str:

@@ -111,4 +111,5 @@ def tp_laid_out(
         param_counts=scaled(table.param_counts, held),
         optimizer_time=tuple(tuple(t * k for t in row) for row, k in zip(table.optimizer_time, held)),
         block_saves=scaled(table.block_saves, ratio), block_activations=scaled(table.block_activations, ratio),
+        block_shared=scaled(table.block_shared, ratio),
     )

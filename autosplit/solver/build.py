@@ -223,10 +223,12 @@ def _recompute(
         b = table.blocks.index(label)
         members = table.block_members[b]
         again = [i for i in members if i not in keeps]
+        # room for the inputs it shares with blocks that may not recompute (its saves charge 1/k of them)
+        shared = _kib(table.block_shared[b] * max(share, default=0.0)) if table.block_shared else 0
         out.append(Recompute(
             label, members, tuple(np.rint(fwd[again].sum(axis=0) * NS).astype(np.int64).tolist()),
             tuple(int(x) for x in np.floor(table.block_saves[b] * share / KIB)),
-            _kib(table.block_activations[b] / micro_batches), forced, windows,
+            _kib(table.block_activations[b] / micro_batches), forced, windows, shared,
         ))
     return tuple(out)
 

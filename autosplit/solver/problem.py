@@ -79,6 +79,10 @@ class Recompute:
     in_flight: tuple[int, ...] = ()
     """[stage] micro-batches the stage holds at its peak, where the runtime can keep some of them
     (:class:`~autosplit.plans.PartialRecompute`: flushed schedules torch runs); empty: all or none."""
+    shared: int = 0
+    """KiB of inputs it shares with other blocks (a mask, the rotary tables) beyond the 1/k share its
+    :attr:`saves` charge: held more when the others keep theirs. A plan keeps room for it, as for
+    :attr:`reserve`; memory floors and bounds, which recompute every block they may, do not."""
 
     def partly(self, stage: int, keep: int, micro_batches: int) -> Recompute:
         """This block on ``stage`` keeping ``keep`` of every ``in_flight[stage]`` micro-batches: it
@@ -166,7 +170,7 @@ class Problem:
             compute[members[0]] += np.asarray(block.compute, dtype=np.int64)
             groups.union(*block.members)
         colocate = tuple(sorted(tuple(sorted(g)) for g in groups.to_sets() if len(g) > 1))
-        reserve = max((self.recompute[u].reserve for u in chosen), default=0)
+        reserve = max((self.recompute[u].reserve + self.recompute[u].shared for u in chosen), default=0)
         fixed = dataclasses.replace(
             self, compute=int_rows(compute), act_mem=int_rows(act), colocate=colocate, transient_mem=self.transient_mem + reserve,
             recompute=(),

@@ -211,10 +211,13 @@ def test_every_configurations_floor_is_below_its_plan(schedule):
     assert fill_and_drain(1.0, 4, 4) == pytest.approx(1 / (4 * (1 - 0.75**4)))    # between W/4 and 1F1B's balanced (1 + 3/4)/4
 
 
-def test_memory_proven_before_capture_refuses_only_configurations_with_no_plan():
+@pytest.mark.parametrize("precision", ["fp32", "bf16-fsdp"])
+def test_memory_proven_before_capture_refuses_only_configurations_with_no_plan(precision):
     """The memory proof the mesh search runs before capturing a share (on the global batch's table over
-    dp) refuses a configuration only where planning it finds none: a transformer under caps that leave
-    some of the 9 configurations of 4 devices room and others none, every schedule open."""
+    dp, its model state as one unsharded device holds it: laid out once, for the configuration) refuses
+    a configuration only where planning it finds none: a transformer under caps that leave some of the
+    9 configurations of 4 devices room and others none, every schedule open; in fp32 and under FSDP2's
+    policy (whose layout applies at every degree, so a table laid out twice held its parameters twice)."""
     from autosplit.compiler import mesh
     from autosplit.compiler.mesh_bounds import memory_proven
     from autosplit.examples import GPT
@@ -223,14 +226,18 @@ def test_memory_proven_before_capture_refuses_only_configurations_with_no_plan()
     model, x = GPT(vocab=256, d_model=64, n_layers=4, max_len=64), torch.randint(0, 256, (8, 64))
     planner = autosplit.Planner(model, [H100] * 4, example_inputs=(x,), tensor_parallel="auto", data_parallel="auto",
                                 replicate="auto", schedule="auto", time_limit=2, checkpointing="auto",
-                                memory={d: "2MiB" for d in range(4)})
+                                memory={d: "2MiB" for d in range(4)}, precision=precision)
     specs = planner.specs()
     plain = planner.options.replace(data_parallel=1, replicate="replicate", tensor_parallel=1)
-    whole = cost_table(planner.traced, specs[:1], plain, micro_batches=1)[0]
+    whole = cost_table(planner.traced, specs[:1], plain, micro_batches=1, laid=False)[0]
     refused, planned = 0, 0
     for degrees in degrees_to_try(4, 8, planner.options, island=None):
         made = mesh._attempt(planner.traced, specs, planner.options, degrees)
         planned += isinstance(made, autosplit.Plan)
+        if isinstance(made, autosplit.Plan):  # caps just at what its plan holds: the proof must leave it
+            peak = max(made.rank_memory or [st.memory for st in made.stages])
+            tight = [dataclasses.replace(spec, memory=peak) for spec in mesh.stage_ranks(specs, degrees)]
+            memory_proven(whole, planner.traced, degrees, mesh._chosen(planner.options, degrees), tight)
         try:
             memory_proven(whole, planner.traced, degrees, mesh._chosen(planner.options, degrees), mesh.stage_ranks(specs, degrees))
         except InfeasiblePlanError as e:

@@ -155,7 +155,9 @@ def test_sparse_lookups_are_costed_on_their_rows(capture_with):
 def test_a_blocks_saving_is_what_the_graphs_saved_bytes_lose_when_it_alone_is_recomputed(case):
     """``block_saves`` comes from one pass over the graph (``_SavedTotals``), not one walk of the whole
     graph per block: on a GPT (traced, a tied head) and a transformers Llama (exported), every block's
-    figure equals the sum :func:`saved_bytes` gives with that block alone recomputed, less the sum without."""
+    figure, with what it holds of the inputs it shares (``block_shared``), equals the sum :func:`saved_bytes`
+    gives with that block alone recomputed, less the sum without; and the blocks' figures add up to what
+    recomputing them all saves, each block a region of its own (the one after keeps the output of the one before)."""
     import autosplit
     from autosplit.compiler.costs import cost_table
     from autosplit.passes.annotations import node_info
@@ -172,5 +174,11 @@ def test_a_blocks_saving_is_what_the_graphs_saved_bytes_lose_when_it_alone_is_re
     own, _ = activation_bytes(nodes, infos, [None, None], 2, "adam")
     whole = sum(saved_bytes(gm, nodes, infos, own)[0])
     assert len(table.blocks) >= 2
-    for label, members, saves in zip(table.blocks, table.block_members, table.block_saves):
-        assert saves == whole - sum(saved_bytes(gm, nodes, infos, own, frozenset(members))[0]) > 0, label
+    for label, members, saves, shared in zip(table.blocks, table.block_members, table.block_saves, table.block_shared):
+        assert saves - shared == whole - sum(saved_bytes(gm, nodes, infos, own, dict.fromkeys(members, 0))[0]) > 0, label
+    every = {i: b for b, members in enumerate(table.block_members) for i in members}
+    assert sum(table.block_saves) == pytest.approx(whole - sum(saved_bytes(gm, nodes, infos, own, every)[0]), abs=len(table.blocks))
+    one_region = sum(saved_bytes(gm, nodes, infos, own, dict.fromkeys(every, 0))[0])
+    assert one_region < sum(saved_bytes(gm, nodes, infos, own, every)[0]), "adjacent regions keep each other's boundary"
+    if case == "llama":  # the rotary tables every layer reads: each charged 1/k, so a layer alone holds more
+        assert all(shared > 0 for shared in table.block_shared), table.block_shared
