@@ -1,7 +1,7 @@
 """Selective recomputation (``selective=True``): a recomputed block keeps its matmuls' and attention's
 outputs and recomputes the ops between them. The stages train exactly as the unsplit model (float64,
 a GPT and a transformers Llama with SDPA attention); the memory model predicts what a stage keeps,
-measured as the storages alive after its forward; it sits between keeping everything and
+measured as the storages alive after its forward (and so for whole blocks and none); it sits between keeping everything and
 recomputing whole blocks, in memory and in time; engines that keep other tensors, and tensor
 parallelism (whose kept partial sums are not costed), are refused."""
 
@@ -50,32 +50,40 @@ def test_selective_llama_with_sdpa_trains_like_the_unsplit_model():
 
 
 class _Alive(TorchDispatchMode):
-    """Every storage an op makes while active, weakly: those still alive afterwards are what the run holds."""
+    """Every storage an op returns while active, weakly, but those in ``before`` (parameters, inputs: a
+    view of a weight is the weight's): those still alive afterwards are what the run holds."""
 
-    def __init__(self):
+    def __init__(self, before: set[int]):
         super().__init__()
+        self.before = before
         self.made: dict[int, tuple[StorageWeakRef, int]] = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor):
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in self.before:
                 storage = t.untyped_storage()
-                self.made.setdefault(storage.data_ptr(), (StorageWeakRef(storage), storage.nbytes()))
+                seen = self.made.get(storage.data_ptr())
+                if seen is None or seen[0].expired():  # an address freed and taken again is a new storage
+                    self.made[storage.data_ptr()] = (StorageWeakRef(storage), storage.nbytes())
         return out
 
 
 def _held(stage, received, named) -> tuple[int, tuple]:
-    """Bytes a stage's forward leaves alive for its backward (its outputs aside), and its outputs."""
-    alive = _Alive()
+    """Bytes a stage's forward leaves alive for its backward, its outputs included (the pipeline keeps
+    them for the backward too), and its outputs."""
+    before = {t.untyped_storage().data_ptr() for t in (*stage.parameters(), *stage.buffers(), *received, *named.values())
+              if isinstance(t, torch.Tensor)}
+    alive = _Alive(before)
     with alive:
         out = stage(*received, **named)
     gc.collect()
-    outs = {t.untyped_storage().data_ptr() for t in tree_leaves(out) if isinstance(t, torch.Tensor)}
-    return sum(n for ptr, (ref, n) in alive.made.items() if not ref.expired() and ptr not in outs), out
+    return sum(n for ref, n in alive.made.values() if not ref.expired()), out
 
 
-def test_the_memory_model_predicts_what_selective_stages_keep():
+def test_the_memory_model_predicts_what_stages_keep_recomputing_nothing_whole_blocks_or_selectively():
+    """Each stage's predicted activations (and outputs held for the backward) against the storages its
+    forward leaves alive, on one split: within 2 % (adjacent whole blocks keep each other's boundary)."""
     torch.manual_seed(0)
     model = GPT(vocab=64, d_model=64, n_layers=3, n_heads=4, max_len=32).double()
     inputs = (torch.randint(0, 64, (8, 32)),)
@@ -93,11 +101,11 @@ def test_the_memory_model_predicts_what_selective_stages_keep():
         first, out = _held(chain.stages[0], (), named)
         received = tuple(o.detach().requires_grad_() for o in (out if isinstance(out, tuple) else (out,)))
         measured[mode] = (first, _held(chain.stages[1], received, named)[0])
-        predicted[mode] = tuple(st.memory_activations for st in plan.stages)
+        predicted[mode] = tuple(st.memory_activations + st.memory_sent for st in plan.stages)
     for s in range(2):
         assert measured["full"][s] < measured["selective"][s] < measured["none"][s], (s, measured)
-        assert predicted["full"][s] < predicted["selective"][s] < predicted["none"][s], (s, predicted)
-        assert predicted["selective"][s] == pytest.approx(measured["selective"][s], rel=0.25), (s, predicted, measured)
+        for mode in measured:
+            assert predicted[mode][s] == pytest.approx(measured[mode][s], rel=0.02), (mode, s, predicted, measured)
 
 
 def test_selective_blocks_save_less_and_recompute_less_than_whole_ones():
