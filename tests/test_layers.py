@@ -19,12 +19,12 @@ import networkx as nx
 
 PACKAGE = Path(__file__).resolve().parents[1] / "autosplit"
 GROUND = {f"autosplit.{m}" for m in (
-    "errors", "units", "schedules", "progress", "debug", "devices", "costtable", "options", "plans", "plan_records", "plan_json",
-    "candidates", "recipes", "microbatch", "timers", "compat", "plan_export", "megatron_layout",
+    "errors", "units", "schedules", "progress", "debug", "devices", "costtable", "options", "option_records", "plans", "plan_records",
+    "plan_json", "candidates", "recipes", "microbatch", "timers", "compat", "plan_export", "megatron_layout",
 )}
 TORCH_FREE = {f"autosplit.{m}" for m in (
-    "errors", "units", "schedules", "progress", "debug", "devices", "costtable", "options", "plans", "plan_records", "plan_json",
-    "recipes", "plan_export", "megatron_layout",
+    "errors", "units", "schedules", "progress", "debug", "devices", "costtable", "options", "option_records", "plans", "plan_records",
+    "plan_json", "recipes", "plan_export", "megatron_layout",
 )}
 
 
