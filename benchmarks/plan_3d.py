@@ -10,12 +10,14 @@ in a fresh process (its peak RSS is the planning process's own):
   — written as an ``autosplit.Recipe(data_parallel=8, replicate="fully_shard", options=...)`` over
   ``Cluster.dgx_h100(nodes=1)`` and the global batch, costed by ``Planner.manual`` (what
   ``autosplit.compare`` puts beside autosplit's plan). torchtitan's selective (per-op) checkpointing
-  recomputes the element-wise ops between the matmuls, which a recipe's ``checkpointing`` cannot say:
-  the two rows bracket it, ``recipe:full-ac`` (every layer recomputed: no selective mode recomputes more)
-  and ``recipe:no-ac`` (nothing recomputed, over the 80 GiB cap: shown, not refused);
+  recomputes the element-wise ops between the matmuls: ``recipe:selective-ac`` is autosplit's
+  selective recomputation of every layer (``selective=True``: every matmul's output kept, where
+  torchtitan's also recomputes every second ``mm``), and two rows bracket it, ``recipe:full-ac`` (every
+  layer recomputed: no selective mode recomputes more) and ``recipe:no-ac`` (nothing recomputed, over
+  the 80 GiB cap: shown, not refused);
 - **autosplit**: ``autosplit.plan(model, Cluster.dgx_h100(nodes=1), ...)`` at the same global batch
-  (16 × 8192), in :data:`PRECISION` as the recipes, ``checkpointing="auto"``: the degrees, split, schedule, micro-batches and
-  recomputation chosen together;
+  (16 × 8192), in :data:`PRECISION` as the recipes, ``checkpointing="auto"``, ``micro_batches="auto"``: the degrees,
+  split, micro-batches and recomputation chosen together;
 - **memory**: the pipeline-only plan of Llama-3-8B on 8 H100s (8 stages, GPipe, 8 micro-batches, no
   recomputation, caps lifted) in fp32, bf16-mixed and bf16-fsdp: the fullest stage's activation memory
   (with the weights cast once per step, bf16-mixed holds less; bf16-fsdp's residual stream is bf16).
@@ -31,7 +33,8 @@ in a fresh process (its peak RSS is the planning process's own):
   ``megatron-70b:recipe-recompute-block`` with the first layer of each stage recomputed (``--recompute-method
   block --recompute-num-layers 1``: half of each two-layer stage, the only variant between the two);
   ``NAME:autosplit`` plans the same model,
-  cluster and global batch with every degree chosen (:data:`PRECISION`, ``checkpointing="auto"``, 1F1B).
+  cluster and global batch with every degree and the micro-batch count chosen (:data:`PRECISION`, ``checkpointing="auto"``,
+  ``micro_batches="auto"``, 1F1B).
 
 Prints a table and writes ``benchmarks/results/plan_3d.json`` (``--out``); name rows to plan only those.
 
@@ -83,12 +86,13 @@ def _plan_row(kind: str, time_limit: float) -> dict[str, Any]:
     try:
         if kind.startswith("recipe"):
             recipe = autosplit.Recipe(data_parallel=8, replicate="fully_shard", options={
-                "precision": PRECISION, "checkpointing": "full" if kind == "recipe:full-ac" else "none", "micro_batches": 1})
+                "precision": PRECISION, "checkpointing": "none" if kind == "recipe:no-ac" else "full", "micro_batches": 1,
+                "selective": kind == "recipe:selective-ac"})
             plan = autosplit.Planner(model, autosplit.Cluster.dgx_h100(nodes=1), example_inputs=(tokens,)).manual(
                 recipe, check_memory=False)
         elif kind == "autosplit":
             plan = autosplit.plan(model, autosplit.Cluster.dgx_h100(nodes=1), example_inputs=(tokens,), precision=PRECISION,
-                                  checkpointing="auto", time_limit=time_limit)
+                                  checkpointing="auto", micro_batches="auto", time_limit=time_limit)
         else:  # no recomputation and room for everything: the activations as each precision holds them
             plan = autosplit.plan(model, ["H100-80GB"] * 8, example_inputs=(tokens,), precision=kind.split(":")[1],
                                   schedule="gpipe", micro_batches=8, time_limit=time_limit, memory={d: "1TiB" for d in range(8)})
@@ -154,7 +158,7 @@ def _scale_row(kind: str, time_limit: float) -> dict[str, Any]:
                                                    tensor_parallel=r.tensor_parallel, options=r.options), check_memory=False)
         else:
             plan = autosplit.plan(model, cluster, example_inputs=(tokens,), precision=PRECISION, checkpointing="auto",
-                                  schedule="1f1b", tensor_parallel="auto", time_limit=time_limit)
+                                  schedule="1f1b", micro_batches="auto", tensor_parallel="auto", time_limit=time_limit)
         row.update(_described(plan, r.rows))
     except autosplit.AutosplitError as e:
         row.update(outcome=type(e).__name__, message=str(e).split(". Likely cause")[0][:2000])
@@ -163,7 +167,7 @@ def _scale_row(kind: str, time_limit: float) -> dict[str, Any]:
     return row
 
 
-EIGHT_B = ("recipe:full-ac", "recipe:no-ac", "autosplit", "memory:fp32", "memory:bf16-mixed", "memory:bf16-fsdp")
+EIGHT_B = ("recipe:full-ac", "recipe:selective-ac", "recipe:no-ac", "autosplit", "memory:fp32", "memory:bf16-mixed", "memory:bf16-fsdp")
 AT_SCALE = (*(f"{name}:{which}" for name in ("titan-70b", "titan-405b", "megatron-70b") for which in ("recipe", "recipe-fp8", "autosplit")),
             "megatron-70b:recipe-recompute", "megatron-70b:recipe-recompute-block")
 MEGATRON_RECOMPUTE = {
@@ -228,7 +232,7 @@ def _summary(by_kind: dict[str, dict[str, Any]]) -> dict[str, Any]:
             out[f"8b_{kind}_over_published"] = r["tokens_per_s_per_gpu"] / PUBLISHED_8B_FSDP8
         elif kind.endswith((":recipe", ":recipe-fp8", *(f":{w}" for w in MEGATRON_RECOMPUTE))):
             out[f"{kind}_over_published"] = r["tokens_per_s_per_gpu"] / r["published"]
-    pairs = [("autosplit", "recipe:full-ac"),
+    pairs = [("autosplit", "recipe:full-ac"), ("autosplit", "recipe:selective-ac"),
              *((f"{k.split(':')[0]}:autosplit", k) for k in planned if k.endswith((":recipe", *(f":{w}" for w in MEGATRON_RECOMPUTE))))]
     for ours, theirs in pairs:
         if ours in planned and theirs in planned:

@@ -209,9 +209,14 @@ def _read_param(table: Any, n: int) -> int:
 
 
 def _recompute(
-    table: Any, offered: Mapping[str, bool | None], fwd: np.ndarray, schedule: str, stages: int, micro_batches: int, ranks: int
+    table: Any, offered: Mapping[str, bool | None], fwd: np.ndarray, schedule: str, stages: int, micro_batches: int, ranks: int,
+    transient: int = 0,
 ) -> tuple[Recompute, ...]:
-    """The table's blocks that ``offered`` names, as the solver's :class:`Recompute` choices."""
+    """The table's blocks that ``offered`` names, as the solver's :class:`Recompute` choices. A block's
+    reserve is what its backward holds again (one micro-batch of its activations) on top of the largest
+    transient of any block's node, beyond ``transient`` (KiB, the graph's largest, which every stage
+    keeps room for already): a recomputing node's peak, as the cost table charges it, is its own
+    transient and that (:func:`~autosplit.passes.costs.estimate`)."""
     entry = schedules.lookup(schedule)
     in_flight = [entry.in_flight(s, stages, micro_batches, ranks) for s in range(stages)]
     share = np.asarray(in_flight, dtype=np.float64) / micro_batches
@@ -219,6 +224,8 @@ def _recompute(
     windows = tuple(in_flight) if entry.flushes and entry.torch_class is not None else ()
     out = []
     keeps = set(table.recompute_keeps)  # a selective checkpoint's matmuls and attention: not run again
+    inside = {i for label in offered for i in table.block_members[table.blocks.index(label)]}
+    beside = max((table.transient_bytes[i] for i in inside), default=0) if table.transient_bytes else 0
     for label, forced in offered.items():
         b = table.blocks.index(label)
         members = table.block_members[b]
@@ -228,7 +235,7 @@ def _recompute(
         out.append(Recompute(
             label, members, tuple(np.rint(fwd[again].sum(axis=0) * NS).astype(np.int64).tolist()),
             tuple(int(x) for x in np.floor(table.block_saves[b] * share / KIB)),
-            _kib(table.block_activations[b] / micro_batches), forced, windows, shared,
+            max(0, _kib(table.block_activations[b] / micro_batches + beside) - transient), forced, windows, shared,
         ))
     return tuple(out)
 
@@ -287,7 +294,7 @@ def build_problem(
             for c in constraints
         ) + _first_stage_only(table, schedule, S),
         rank_of=tuple(rank_of),
-        recompute=_recompute(table, recompute or {}, fwd, schedule, S, M, max(rank_of) + 1 if rank_of else S),
+        recompute=_recompute(table, recompute or {}, fwd, schedule, S, M, max(rank_of) + 1 if rank_of else S, transient),
         buffer_mem=tuple(buffers.tolist()) if buffers is not None else (),
         steady=schedules.lookup(schedule).asynchronous,
     )

@@ -140,3 +140,21 @@ def test_selective_without_recomputation_is_refused_and_engines_refuse_a_selecti
         with pytest.raises(ExportError) as e:
             planner.export(engine)
         says(e, "selectively", engine if engine == "torchtitan" else "Megatron", "selective=False")
+
+
+@pytest.mark.parametrize("selective", [False, True])
+def test_the_solvers_memory_of_recomputing_every_block_bounds_the_exact_one_closely(selective):
+    """What the solver charges a split that recomputes every block (its blocks' savings, their shared
+    inputs' room, the reserve for a block's backward) is no less than the exact re-costing of that
+    split, and not 5 % more: a Llama whose layers share their rotary tables and mask."""
+    from autosplit.solver.evaluation import evaluate
+
+    model, args, _, _, _ = llama_case()
+    planner = _planner(model, args, checkpointing="full", selective=selective)
+    plan = planner.plan()
+    table, _ = cost_table(planner.traced, planner.specs(), planner.options, micro_batches=plan.micro_batches)
+    problem = build_problem(table, micro_batches=plan.micro_batches, schedule=plan.schedule, recompute=dict.fromkeys(table.blocks))
+    solver = evaluate(problem.fixed(range(len(problem.recompute))), [plan.stage_of[n] for n in problem.nodes]).memory
+    exact = [st.memory for st in plan.stages]
+    for s, (charged, held) in enumerate(zip(solver, exact)):
+        assert held <= charged * 1024 <= held * 1.05, (s, charged * 1024, held)
