@@ -137,9 +137,10 @@ def describe_blocks(
         for name in {u.name for i in block for u in nodes[i].all_input_nodes} - inside:
             readers[name] = readers.get(name, 0) + 1
     saves, shared, held, why = [], [], [], []
+    kept = frozenset(keeps)
     for block in members:
-        saves.append(totals.saving(block, frozenset(keeps), readers))
-        shared.append(totals.saving(block, frozenset(keeps), readers) - totals.saving(block, frozenset(keeps)))
+        saves.append(totals.saving(block, kept, readers))
+        shared.append(saves[-1] - totals.saving(block, kept))
         held.append(sum(saved[i] for i in block))
         why.append(_not_recomputable(gm, [nodes[i] for i in block], [infos[i] for i in block]))
     return dict(blocks=tuple(label for label, _ in blocks), block_members=tuple(members), block_saves=tuple(saves),
