@@ -6,9 +6,8 @@ matmul and attention kernel the forward dispatches (:data:`KEPT_OPS`) and recomp
 else in the backward: the norms, activations, rotary embeddings, casts and residual adds between
 them — the memory-bound ops, whose saved tensors are most of a transformer layer's activations
 and whose rerun is cheap. This is torchtitan's selective *op* checkpointing, with one difference:
-torchtitan also recomputes every second ``mm`` of a layer (its counter runs on across
-micro-batches), here every matmul is kept, so that what a stage keeps does not depend on how many
-forwards it ran.
+torchtitan also recomputes every second ``mm`` of a layer (by a count its policy keeps); here every
+matmul is kept, so that what a block keeps depends on its graph alone, as the cost model reads it.
 
 Not under tensor parallelism (:func:`~autosplit.options.refuse_selective_tp`): there a row-parallel linear's local matmul
 output is a whole partial sum, ``tp`` times the sharded activation the cost model charges, and the
