@@ -142,6 +142,9 @@ class CostTable:
     block_shared: tuple[int, ...] = ()
     """[block] bytes (whole batch) of such shared inputs beyond its 1/k shares: what it holds more when
     it recomputes and the other readers do not (the solver keeps it as room). Empty: none."""
+    block_transient: int = 0
+    """The largest transient (one micro-batch) of a block's node as the node itself peaks, before the
+    FSDP layout's unit gathers: what a recomputing block's backward adds its activations to."""
     block_activations: tuple[int, ...] = ()
     """[block] bytes (whole batch) of its activations, held again (one micro-batch's share) while its
     backward recomputes it."""

@@ -134,7 +134,7 @@ def memory_proven(whole: CostTable, traced: Traced, degrees: Degrees, options: P
     dp, pp = degrees.data_parallel, degrees.pp
     over_dp = {f: tuple(v // dp for v in getattr(whole, f)) for f in (*BATCH_BYTES, "transient_bytes")}
     on_ranks = {f: tuple(row * pp for row in getattr(whole, f)) for f in ("fwd_time", "bwd_time", "optimizer_time", "split_cost")}
-    share = dataclasses.replace(whole, devices=tuple(ranks), **over_dp, **on_ranks)
+    share = dataclasses.replace(whole, devices=tuple(ranks), **over_dp, **on_ranks, block_transient=whole.block_transient // dp)
     if degrees.tp > 1:
         share = tp_laid_out(share, traced.annotated(options.precision, ranks[0].device_type), traced.tp_rules(), tp=degrees.tp,
                             micro_batches=1, numel=traced.param_numel(), sequence_parallel=sequence_parallel(traced, options),
@@ -144,7 +144,8 @@ def memory_proven(whole: CostTable, traced: Traced, degrees: Degrees, options: P
     proofs = []
     for c in sorted(open_, key=lambda c: -int(c.micro_batches or 1)):
         M = int(c.micro_batches or 1)
-        table = laid_out(dataclasses.replace(share, transient_bytes=tuple(v // M for v in share.transient_bytes)),
+        table = laid_out(dataclasses.replace(share, transient_bytes=tuple(v // M for v in share.transient_bytes),
+                                             block_transient=share.block_transient // M),
                          dp_shard=c.dp_shard, alone=sharded_alone(pp, M, c.dp_shard), precision=c.precision)
         try:
             prove_over_caps(stage_problem(table, pp, c, M, [])[1])

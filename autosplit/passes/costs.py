@@ -275,6 +275,8 @@ def estimate(
     saved, sent = saved_bytes(gm, nodes, infos, own_saved)
     keeps = frozenset(i for i, n in enumerate(nodes) if keeps_output(gm, n)) if selective else frozenset()
     described = describe_blocks(gm, nodes, infos, own_saved, saved, blocks, micro_batches, keeps) if blocks else {}
+    if described:  # before any block recomputes: a node's own peak
+        described["block_transient"] = max((int(transient[i]) for m in described["block_members"] for i in m), default=0)
     if recompute:
         saved, sent, transient, bwd = _recompute_costs(
             gm, nodes, infos, own_saved, described, recompute, partial, micro_batches, transient, fwd, bwd, per_device, keeps,

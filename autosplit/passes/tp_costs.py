@@ -112,4 +112,5 @@ def tp_laid_out(
         optimizer_time=tuple(tuple(t * k for t in row) for row, k in zip(table.optimizer_time, held)),
         block_saves=scaled(table.block_saves, ratio), block_activations=scaled(table.block_activations, ratio),
         block_shared=scaled(table.block_shared, ratio),
+        block_transient=round(table.block_transient * max((cut[i] for m in table.block_members for i in m), default=1.0)),
     )

@@ -213,10 +213,11 @@ def _recompute(
     transient: int = 0,
 ) -> tuple[Recompute, ...]:
     """The table's blocks that ``offered`` names, as the solver's :class:`Recompute` choices. A block's
-    reserve is what its backward holds again (one micro-batch of its activations) on top of the largest
-    transient of any block's node, beyond ``transient`` (KiB, the graph's largest, which every stage
-    keeps room for already): a recomputing node's peak, as the cost table charges it, is its own
-    transient and that (:func:`~autosplit.passes.costs.estimate`)."""
+    reserve is what a recomputing node peaks at beyond ``transient`` (KiB, the graph's largest, which
+    every stage keeps room for already): as the cost table charges it
+    (:func:`~autosplit.passes.costs.estimate`), its own transient before the FSDP layout
+    (:attr:`~autosplit.costtable.CostTable.block_transient`) with the block's activations of one
+    micro-batch again, or what the layout's unit gathers hold, whichever is more."""
     entry = schedules.lookup(schedule)
     in_flight = [entry.in_flight(s, stages, micro_batches, ranks) for s in range(stages)]
     share = np.asarray(in_flight, dtype=np.float64) / micro_batches
@@ -225,7 +226,9 @@ def _recompute(
     out = []
     keeps = set(table.recompute_keeps)  # a selective checkpoint's matmuls and attention: not run again
     inside = {i for label in offered for i in table.block_members[table.blocks.index(label)]}
-    beside = max((table.transient_bytes[i] for i in inside), default=0) if table.transient_bytes else 0
+    # what a block's node holds at its peak as laid out (FSDP's unit gathers too), and before the layout
+    laid = max((table.transient_bytes[i] for i in inside), default=0) if table.transient_bytes else 0
+    own = table.block_transient if table.block_transient else laid
     for label, forced in offered.items():
         b = table.blocks.index(label)
         members = table.block_members[b]
@@ -235,7 +238,7 @@ def _recompute(
         out.append(Recompute(
             label, members, tuple(np.rint(fwd[again].sum(axis=0) * NS).astype(np.int64).tolist()),
             tuple(int(x) for x in np.floor(table.block_saves[b] * share / KIB)),
-            max(0, _kib(table.block_activations[b] / micro_batches + beside) - transient), forced, windows, shared,
+            max(0, _kib(max(table.block_activations[b] / micro_batches + own, laid)) - transient), forced, windows, shared,
         ))
     return tuple(out)
 
