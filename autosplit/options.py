@@ -133,11 +133,12 @@ class PlanOptions:
     recompute: Mapping[str, bool] | None = None
     """Per block, the user's decision that ``checkpointing="auto"`` keeps: ``{"layers.0": True,
     "layers.31": False}`` (True: recompute it; a module path names every block inside it)."""
-    selective: bool = False
+    selective: bool | str = False
     """Recompute blocks *selectively*: a recomputed block keeps the outputs of its matmuls and
     attention and recomputes only the ops between them (norms, activations, rotary embeddings:
     torchtitan's selective op checkpointing, :mod:`autosplit.passes.selective`) — most of the memory
-    for a fraction of the rerun. ``False``: a recomputed block keeps its inputs only."""
+    for a fraction of the rerun. ``False``: a recomputed block keeps its inputs only. ``"auto"``: the
+    search plans both (without tensor parallelism) and keeps the faster."""
     cut_margin: float = 0.03
     """How much faster, by the replay, a split that cuts inside a repeated layer must be than the
     fastest split at layer boundaries for the refine step to choose it (0.03: 3 %). A split chosen
@@ -238,13 +239,13 @@ class PlanOptions:
             isinstance(self.recompute, Mapping) and all(isinstance(k, str) and isinstance(v, bool) for k, v in self.recompute.items())
         ):
             raise _bad("recompute", self.recompute, "a mapping of module path to True (recompute) or False (keep)")
-        if not isinstance(self.selective, bool):
-            raise _bad("selective", self.selective, "True or False")
+        if not isinstance(self.selective, bool) and self.selective != AUTO:
+            raise _bad("selective", self.selective, "True, False or 'auto'")
 
     def _check_checkpointing(self, entry: Any) -> None:
         """Recomputation planned only where it runs: pipeline stages with a whole backward."""
-        refuse_selective_tp(self.tp, self.selective)
-        if self.selective and not self.checkpoints:
+        refuse_selective_tp(self.tp, self.selective is True)
+        if self.selective is True and not self.checkpoints:
             raise ConstraintError(advice(
                 "option selective=True says how recomputed blocks recompute, and checkpointing='none' recomputes none",
                 "selective keeps a recomputed block's matmul outputs; which blocks recompute is checkpointing's choice",
@@ -313,8 +314,8 @@ class PlanOptions:
 
     @property
     def searches(self) -> bool:
-        """Some of schedule, stages per rank and micro-batches are ``"auto"``: the planner chooses them."""
-        return AUTO in (self.schedule, self.stages_per_rank, self.micro_batches)
+        """Some of schedule, stages per rank, micro-batches and selective recomputation are ``"auto"``: the planner chooses them."""
+        return AUTO in (self.schedule, self.stages_per_rank, self.micro_batches) or (self.selective == AUTO and self.checkpoints)
 
     @property
     def meshes(self) -> bool:

@@ -186,6 +186,8 @@ class Alternative:
     """Devices each stage's tensors are split over (:attr:`~autosplit.plans.Plan.tensor_parallel`)."""
     bound: float | None = None
     """The least step any split of the configuration can reach, where the search proved one (seconds)."""
+    selective: bool = False
+    """Its recomputed blocks keep their matmuls' outputs (``selective="auto"`` tries both)."""
 
     @property
     def fits(self) -> bool:

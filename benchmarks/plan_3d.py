@@ -16,8 +16,8 @@ in a fresh process (its peak RSS is the planning process's own):
   layer recomputed: no selective mode recomputes more) and ``recipe:no-ac`` (nothing recomputed, over
   the 80 GiB cap: shown, not refused);
 - **autosplit**: ``autosplit.plan(model, Cluster.dgx_h100(nodes=1), ...)`` at the same global batch
-  (16 × 8192), in :data:`PRECISION` as the recipes, ``checkpointing="auto"``, ``micro_batches="auto"``: the degrees,
-  split, micro-batches and recomputation chosen together;
+  (16 × 8192), in :data:`PRECISION` as the recipes, ``checkpointing="auto"``, ``selective="auto"``,
+  ``micro_batches="auto"``: the degrees, split, micro-batches and recomputation (selective or whole) chosen together;
 - **memory**: the pipeline-only plan of Llama-3-8B on 8 H100s (8 stages, GPipe, 8 micro-batches, no
   recomputation, caps lifted) in fp32, bf16-mixed and bf16-fsdp: the fullest stage's activation memory
   (with the weights cast once per step, bf16-mixed holds less; bf16-fsdp's residual stream is bf16).
@@ -34,7 +34,7 @@ in a fresh process (its peak RSS is the planning process's own):
   block --recompute-num-layers 1``: half of each two-layer stage, the only variant between the two);
   ``NAME:autosplit`` plans the same model,
   cluster and global batch with every degree and the micro-batch count chosen (:data:`PRECISION`, ``checkpointing="auto"``,
-  ``micro_batches="auto"``, 1F1B).
+  ``selective="auto"``, ``micro_batches="auto"``, 1F1B).
 
 Prints a table and writes ``benchmarks/results/plan_3d.json`` (``--out``); name rows to plan only those.
 
@@ -92,7 +92,7 @@ def _plan_row(kind: str, time_limit: float) -> dict[str, Any]:
                 recipe, check_memory=False)
         elif kind == "autosplit":
             plan = autosplit.plan(model, autosplit.Cluster.dgx_h100(nodes=1), example_inputs=(tokens,), precision=PRECISION,
-                                  checkpointing="auto", micro_batches="auto", time_limit=time_limit)
+                                  checkpointing="auto", selective="auto", micro_batches="auto", time_limit=time_limit)
         else:  # no recomputation and room for everything: the activations as each precision holds them
             plan = autosplit.plan(model, ["H100-80GB"] * 8, example_inputs=(tokens,), precision=kind.split(":")[1],
                                   schedule="gpipe", micro_batches=8, time_limit=time_limit, memory={d: "1TiB" for d in range(8)})
@@ -113,7 +113,8 @@ def _described(plan: Any, rows: int) -> dict[str, Any]:
     return dict(
         outcome="planned", mesh=plan.mesh, step_s=plan.step_time, gap=plan.step_gap, schedule=plan.schedule,
         stages_per_rank=plan.stages_per_rank, micro_batches=plan.micro_batches, tokens_per_s_per_gpu=rows * SEQ / plan.step_time / devices,
-        fits=all(m <= cap for m, cap in held), recompute=len(plan.recompute), sequence_parallel=plan.sequence_parallel,
+        fits=all(m <= cap for m, cap in held), recompute=len(plan.recompute), selective=plan.recompute_selective,
+        sequence_parallel=plan.sequence_parallel,
         memory_state_gib=[s.memory_state / 2**30 for s in plan.stages], memory_gib=[m / 2**30 for m, _ in held],
         activations_gib=[s.memory_activations / 2**30 for s in plan.stages],
         # torch's PipelineStage buffers, one per micro-batch all step: received tensors and their gradients, and the gradients of those sent
@@ -158,7 +159,7 @@ def _scale_row(kind: str, time_limit: float) -> dict[str, Any]:
                                                    tensor_parallel=r.tensor_parallel, options=r.options), check_memory=False)
         else:
             plan = autosplit.plan(model, cluster, example_inputs=(tokens,), precision=PRECISION, checkpointing="auto",
-                                  schedule="1f1b", micro_batches="auto", tensor_parallel="auto", time_limit=time_limit)
+                                  selective="auto", schedule="1f1b", micro_batches="auto", tensor_parallel="auto", time_limit=time_limit)
         row.update(_described(plan, r.rows))
     except autosplit.AutosplitError as e:
         row.update(outcome=type(e).__name__, message=str(e).split(". Likely cause")[0][:2000])

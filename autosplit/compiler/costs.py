@@ -47,7 +47,7 @@ def cost_table(
     recomputes as it was made). ``laid=False``: the model state as one unsharded device holds it,
     before :func:`~autosplit.passes.sharding.laid_out` (which ``"bf16-fsdp"`` applies at every degree),
     for callers that lay it out themselves. Analytic tables are kept on ``traced`` by all that decides them."""
-    selective = options.selective if selective is None else selective
+    selective = options.selective is True if selective is None else selective
     if options.costs != "analytic" or options.cost_overrides:
         return _cost_table(traced, specs, options, micro_batches=micro_batches, recompute=recompute, partial=partial,
                            selective=selective, laid=laid)

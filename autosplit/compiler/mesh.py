@@ -263,7 +263,8 @@ def _alternatives(tried: Sequence[tuple[Degrees, Outcome]]) -> tuple[Alternative
         shard = d.data_parallel if d.replicate == "fully_shard" else 1
         rows.append(
             Alternative(p.schedule, p.stages_per_rank, p.micro_batches, p.step_time, p.rank_memory or tuple(s.memory for s in p.stages),
-                        data_parallel=d.data_parallel, dp_shard=shard, tensor_parallel=d.tp, bound=_bound_of(p)) if isinstance(p, Plan)
+                        data_parallel=d.data_parallel, dp_shard=shard, tensor_parallel=d.tp, bound=_bound_of(p),
+                        selective=p.recompute_selective) if isinstance(p, Plan)
             else Alternative("", 1, 0, math.inf, note=p.why if isinstance(p, Unplanned) else _first_sentence(p),
                              data_parallel=d.data_parallel, dp_shard=shard, tensor_parallel=d.tp,
                              bound=p.floor if isinstance(p, Unplanned) else None)

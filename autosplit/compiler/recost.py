@@ -48,7 +48,7 @@ def recost(
             log.info("a manual split keeps the blocks checkpointing='auto' leaves to the solver: %s",
                      [b for b, c in decided.items() if c is None])
         recompute = tuple(b for b, c in decided.items() if c)
-        given = dataclasses.replace(given, recompute=recompute, recompute_selective=options.selective and bool(recompute))
+        given = dataclasses.replace(given, recompute=recompute, recompute_selective=options.selective is True and bool(recompute))
     base = table  # before recompute, which only adds work: the step bound holds for every split
     if given.recompute:  # the costs of the blocks it recomputes
         table, source = cost_table(traced, specs, options, micro_batches=M, recompute=given.recompute, partial=given.recompute_partial,

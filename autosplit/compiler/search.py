@@ -73,7 +73,11 @@ def recomputing(
 
 
 def configurations(options: PlanOptions, ranks: int, batch: int | None) -> list[PlanOptions]:
-    """Every concrete configuration ``options`` leave open, in a fixed order."""
+    """Every concrete configuration ``options`` leave open, in a fixed order (``selective="auto"``: each
+    both ways where blocks may recompute and tensors are not split, else without)."""
+    if options.selective == AUTO:
+        choices = (False, True) if options.checkpoints and options.tp == 1 else (False,)
+        return [c for s in choices for c in configurations(options.replace(selective=s), ranks, batch)]
     names = ([n for n in schedules.SCHEDULES if schedules.REGISTRY[n].flushes and schedules.REGISTRY[n].torch_class
               and not (options.checkpoints and schedules.REGISTRY[n].split_backward)]
              if options.schedule == AUTO else [options.schedule])
@@ -172,11 +176,12 @@ def search(traced: Traced, specs: tuple[DeviceSpec, ...], options: PlanOptions) 
         ))
     tried: list[tuple[PlanOptions, Alternative]] = []
     for concrete in sorted(concretes, key=lambda c: -int(c.micro_batches or 1)):  # the most micro-batches: the least bubble
-        tried.append((concrete, _judge(traced, specs, concrete, min((row.step_time for _, row in tried), default=math.inf))))
-    tried.sort(key=lambda pair: (pair[1].step_time, pair[1].schedule, pair[1].stages_per_rank, pair[1].micro_batches))
+        row = _judge(traced, specs, concrete, min((row.step_time for _, row in tried), default=math.inf))
+        tried.append((concrete, dataclasses.replace(row, selective=concrete.selective is True)))
+    tried.sort(key=lambda pair: (pair[1].step_time, pair[1].schedule, pair[1].stages_per_rank, pair[1].micro_batches, pair[1].selective))
     for _, row in tried:
-        log.info("search: %s × %d stage(s) per rank × %d micro-batches: %s", row.schedule, row.stages_per_rank,
-                 row.micro_batches, f"{row.step_time * 1e3:.3f} ms" if row.fits else row.note)
+        log.info("search: %s × %d stage(s) per rank × %d micro-batches%s: %s", row.schedule, row.stages_per_rank,
+                 row.micro_batches, ", selective" if row.selective else "", f"{row.step_time * 1e3:.3f} ms" if row.fits else row.note)
     if not tried or not tried[0][1].fits:
         if all(row.bound == math.inf for _, row in tried):  # each configuration proven not to fit
             raise InfeasiblePlanError(_none_fits(tried))

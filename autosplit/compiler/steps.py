@@ -98,7 +98,7 @@ def compile_plan(
         precision=options.precision,
         recompute=recomputed,
         recompute_partial=partial,
-        recompute_selective=options.selective and bool(recomputed),
+        recompute_selective=options.selective is True and bool(recomputed),
         objective="pipeline",
         solver=SolverInfo(
             name=solver_name,

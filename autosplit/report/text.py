@@ -131,7 +131,8 @@ def _print_alternatives(console: Any, plan: Plan) -> None:
         peak = max(a.rank_memory, default=0)
         mesh = _mesh(a.data_parallel, a.dp_shard, a.tensor_parallel)
         console.print(f"  {f'pp {len(a.rank_memory)} × {mesh}: ' if mesh and a.rank_memory else mesh + ': ' if mesh else ''}" + (
-            f"{a.schedule} × {a.stages_per_rank} stage(s) per device × {a.micro_batches} micro-batches: "
+            f"{a.schedule} × {a.stages_per_rank} stage(s) per device × {a.micro_batches} micro-batches"
+            f"{', recomputing selectively' if a.selective else ''}: "
             f"{_ms(a.step_time)}, peak {format_bytes(peak)}" if a.fits else a.note))
 
 

@@ -18,10 +18,12 @@ from torch.utils._pytree import tree_leaves
 
 import autosplit
 from autosplit.compiler.costs import cost_table
+from autosplit.compiler.search import configurations
 from autosplit.errors import ConstraintError, ExportError
 from autosplit.microbatch import split_batch
 from autosplit.passes.chain import generate_chain
 from autosplit.passes.selective import keeps_output
+from autosplit.report.text import plan_report
 from autosplit.solver.build import build_problem
 from tests.helpers import GPT, NO_SEARCH, assert_trains_like, says, seeded_gpt
 from tests.layouts import llama_case
@@ -158,3 +160,21 @@ def test_the_solvers_memory_of_recomputing_every_block_bounds_the_exact_one_clos
     exact = [st.memory for st in plan.stages]
     for s, (charged, held) in enumerate(zip(solver, exact)):
         assert held <= charged * 1024 <= held * 1.05, (s, charged * 1024, held)
+
+
+def test_selective_auto_plans_both_ways_and_keeps_the_faster():
+    """``selective="auto"``: the search costs every configuration with whole and with selective blocks
+    and plans the faster (every block recomputed, no cap: selective, which runs less again); with
+    tensor parallelism only whole blocks are tried."""
+    model, inputs = seeded_gpt(4)
+    options = dict(checkpointing="full", schedule="1f1b", micro_batches=4, time_limit=2)
+    both = {s: _planner(model, inputs, selective=s, **options).plan() for s in (False, True)}
+    auto = _planner(model, inputs, selective="auto", **options).plan()
+    assert {a.selective for a in auto.alternatives} == {False, True}, auto.alternatives
+    assert both[True].step_time < both[False].step_time
+    assert auto.recompute_selective and auto.step_time == pytest.approx(both[True].step_time, rel=1e-6)
+    assert "micro-batches, recomputing selectively:" in plan_report(auto)
+    only_whole = autosplit.PlanOptions(checkpointing="auto", selective="auto", tensor_parallel=2, micro_batches="auto")
+    assert {c.selective for c in configurations(only_whole, 2, 8)} == {False}
+    with pytest.raises(ConstraintError):
+        autosplit.PlanOptions(checkpointing="auto", selective="sometimes")
