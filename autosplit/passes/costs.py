@@ -275,8 +275,8 @@ def estimate(
     saved, sent = saved_bytes(gm, nodes, infos, own_saved)
     keeps = frozenset(i for i, n in enumerate(nodes) if keeps_output(gm, n)) if selective else frozenset()
     described = describe_blocks(gm, nodes, infos, own_saved, saved, blocks, micro_batches, keeps) if blocks else {}
-    if described:  # before any block recomputes: a node's own peak
-        described["block_transient"] = max((int(transient[i]) for m in described["block_members"] for i in m), default=0)
+    # before any block recomputes: a block's node's own peak
+    block_transient = max((int(transient[i]) for m in described.get("block_members", ()) for i in m), default=0)
     if recompute:
         saved, sent, transient, bwd = _recompute_costs(
             gm, nodes, infos, own_saved, described, recompute, partial, micro_batches, transient, fwd, bwd, per_device, keeps,
@@ -309,5 +309,6 @@ def estimate(
         recomputed=tuple(recompute),
         recompute_kept=tuple(next(((p.keep, p.window) for p in partial if p.block == label), (0, 1)) for label in recompute),
         recompute_keeps=tuple(sorted(keeps)),
+        block_transient=block_transient,
         **described,
     )
