@@ -364,7 +364,7 @@ class PlanOptions:
                 "every micro-batch of a pipeline has the same shape",
                 f"pass micro_batches= one of {divisors}, or None for the default",
             ))
-        if self.searches:
+        if AUTO in (self.schedule, self.stages_per_rank, self.micro_batches):  # the count is the search's
             return 1
         entry = schedules.lookup(self.schedule)
         if not entry.micro_batched or self.objective == "makespan":

@@ -52,7 +52,7 @@ from autosplit.passes.input_free import input_free
 from autosplit.passes.memory_model import activation_bytes, describe_blocks, saved_bytes, state_bytes
 from autosplit.passes.outline import outlinable_blocks, unit_targets
 from autosplit.passes.profile import Profile
-from autosplit.passes.selective import keeps_output
+from autosplit.passes.selective import keeps_output, refuse_random_attention
 from autosplit.passes.time_model import node_times, optimizer_times, row_sharer, split_costs, wgrad_shares
 from autosplit.plans import PartialRecompute
 
@@ -275,6 +275,8 @@ def estimate(
     saved, sent = saved_bytes(gm, nodes, infos, own_saved)
     keeps = frozenset(i for i, n in enumerate(nodes) if keeps_output(gm, n)) if selective else frozenset()
     described = describe_blocks(gm, nodes, infos, own_saved, saved, blocks, micro_batches, keeps) if blocks else {}
+    if selective:
+        refuse_random_attention(gm, (nodes[i] for m in described.get("block_members", ()) for i in m))
     # before any block recomputes: a block's node's own peak
     block_transient = max((int(transient[i]) for m in described.get("block_members", ()) for i in m), default=0)
     if recompute:

@@ -51,7 +51,7 @@ from autosplit.compat import NormBase, OpOverload
 from autosplit.compat import copy_attr as _copy_attr  # fx's own copy of an attribute into a GraphModule, containers and all
 from autosplit.errors import CodegenError, advice
 from autosplit.passes.capture import Captured
-from autosplit.passes.selective import keep_matmuls
+from autosplit.passes.selective import keep_matmuls, refuse_random_attention
 from autosplit.plans import PartialRecompute
 
 __all__ = ["REGION_BLOCK", "Regions", "aliases", "attach_regions", "micro_batch", "recompute_selectively", "recompute_unless_kept",
@@ -210,6 +210,8 @@ class Regions:
                 "or a misspelt name, holds no node",
                 f"name blocks of this graph, such as {near}",
             ))
+        if selective:
+            refuse_random_attention(self.gm, self.block_of)
         self.order = {n: i for i, n in enumerate(self.gm.graph.nodes)} if self.block_of else {}
         if self.block_of:  # (node, what it writes in place), for _check
             self.writes = [(n, w) for n in nodes for w in written_inputs(self.gm, n)]

@@ -26,6 +26,7 @@ Usage::
 from __future__ import annotations
 
 import operator
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -34,8 +35,9 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from autosplit.compat import OpOverload
+from autosplit.errors import ConstraintError, advice
 
-__all__ = ["KEPT_OPS", "keep_matmuls", "keeps_output"]
+__all__ = ["KEPT_OPS", "keep_matmuls", "keeps_output", "refuse_random_attention"]
 
 _aten = torch.ops.aten
 KEPT_OPS = frozenset(
@@ -52,8 +54,18 @@ KEPT_OPS = frozenset(
 ``@`` dispatches to) and the fused attention kernels (their output and log-sum-exp)."""
 
 
+def _dropout_p(schema: Any, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Any:
+    """The ``dropout_p`` an attention call passes (its schema's default where it passes none), else 0."""
+    for i, arg in enumerate(schema.arguments):
+        if arg.name == "dropout_p":
+            return args[i] if i < len(args) else kwargs.get("dropout_p", arg.default_value)
+    return 0.0
+
+
 def _policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-    return CheckpointPolicy.MUST_SAVE if func in KEPT_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+    # an attention kernel with dropout draws random numbers: cached, the recompute's later draws would shift
+    keep = func in KEPT_OPS and _dropout_p(func._schema, args, kwargs) == 0
+    return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def keep_matmuls() -> tuple[Any, Any]:
@@ -68,7 +80,7 @@ _FUNCTIONS = frozenset({
 _METHODS = frozenset({"matmul", "mm", "bmm", "addmm", "baddbmm", "__matmul__", "__rmatmul__"})
 _ATEN_NAMES = frozenset({
     "linear", "matmul", "mm", "addmm", "bmm", "baddbmm", "einsum", "_scaled_mm", "scaled_dot_product_attention",
-    *(str(op.name()).split("::")[1].split(".")[0] for op in KEPT_OPS),
+    *(op._overloadpacket.__name__ for op in KEPT_OPS),
 })
 
 
@@ -86,3 +98,25 @@ def keeps_output(gm: fx.GraphModule, node: fx.Node) -> bool:
     if node.op == "call_module":
         return isinstance(gm.get_submodule(str(node.target)), torch.nn.Linear)
     return False
+
+
+_SDPA_SCHEMA = _aten.scaled_dot_product_attention.default._schema  # F.scaled_dot_product_attention's arguments
+
+
+def refuse_random_attention(gm: fx.GraphModule, nodes: Iterable[fx.Node]) -> None:
+    """Refuse selective recomputation of a graph whose attention draws dropout (``dropout_p`` not a
+    constant 0). The policy cannot keep such a kernel's output: the rerun's later draws would shift. It
+    recomputes it, so on the math path the attention's inner matmuls, ``s × s`` scores among them, are kept
+    instead of its output, which the cost model does not charge."""
+    for n in nodes:
+        if n.op != "call_function" or not keeps_output(gm, n):
+            continue
+        schema = _SDPA_SCHEMA if n.target is F.scaled_dot_product_attention else getattr(n.target, "_schema", None)
+        p = _dropout_p(schema, n.args, n.kwargs) if schema is not None else 0.0
+        if not (isinstance(p, (int, float)) and p == 0):
+            raise ConstraintError(advice(
+                f"node {n.name} draws attention dropout (dropout_p={p}), and selective recomputation keeps attention outputs",
+                "a kept attention kernel that draws random numbers would shift the draws its block's rerun makes, "
+                "and recomputing it keeps its s × s scores, which the plan does not cost",
+                "recompute whole blocks (selective=False), or train without attention dropout",
+            ))

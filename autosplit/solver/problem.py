@@ -84,6 +84,11 @@ class Recompute:
     :attr:`saves` charge: held more when the others keep theirs. A plan keeps room for it, as for
     :attr:`reserve`; memory floors and bounds, which recompute every block they may, do not."""
 
+    @property
+    def room(self) -> int:
+        """KiB a plan that recomputes it keeps free on every stage: :attr:`reserve` and :attr:`shared`."""
+        return self.reserve + self.shared
+
     def partly(self, stage: int, keep: int, micro_batches: int) -> Recompute:
         """This block on ``stage`` keeping ``keep`` of every ``in_flight[stage]`` micro-batches: it
         saves the rest's share of its memory and recomputes the micro-batches that do not keep theirs."""
@@ -170,7 +175,7 @@ class Problem:
             compute[members[0]] += np.asarray(block.compute, dtype=np.int64)
             groups.union(*block.members)
         colocate = tuple(sorted(tuple(sorted(g)) for g in groups.to_sets() if len(g) > 1))
-        reserve = max((self.recompute[u].reserve + self.recompute[u].shared for u in chosen), default=0)
+        reserve = max((self.recompute[u].room for u in chosen), default=0)
         fixed = dataclasses.replace(
             self, compute=int_rows(compute), act_mem=int_rows(act), colocate=colocate, transient_mem=self.transient_mem + reserve,
             recompute=(),

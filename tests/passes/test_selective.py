@@ -12,9 +12,11 @@ import gc
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
+from torch.utils.checkpoint import CheckpointPolicy
 
 import autosplit
 from autosplit.compiler.costs import cost_table
@@ -174,7 +176,52 @@ def test_selective_auto_plans_both_ways_and_keeps_the_faster():
     assert both[True].step_time < both[False].step_time
     assert auto.recompute_selective and auto.step_time == pytest.approx(both[True].step_time, rel=1e-6)
     assert "micro-batches, recomputing selectively:" in plan_report(auto)
+    # the default micro-batch count stands where selectivity is all the search decides (a manual split's)
+    assert autosplit.PlanOptions(checkpointing="full", selective="auto", schedule="1f1b").micro_batches_for(2, 8) == 8
     only_whole = autosplit.PlanOptions(checkpointing="auto", selective="auto", tensor_parallel=2, micro_batches="auto")
     assert {c.selective for c in configurations(only_whole, 2, 8)} == {False}
     with pytest.raises(ConstraintError):
         autosplit.PlanOptions(checkpointing="auto", selective="sometimes")
+
+
+class _DropoutAttention(torch.nn.Module):
+    def __init__(self, width: int = 16):
+        super().__init__()
+        self.qkv = torch.nn.Linear(width, 3 * width)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).unsqueeze(1).chunk(3, dim=-1)
+        return x + F.scaled_dot_product_attention(q, k, v, dropout_p=0.5).squeeze(1)
+
+
+class _AttentionDropout(torch.nn.Module):
+    def __init__(self, width: int = 16):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(_DropoutAttention(width) for _ in range(4))
+        self.head = torch.nn.Linear(width, 3)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def test_attention_that_draws_dropout_is_never_kept():
+    """An attention kernel that draws dropout is recomputed by the policy (cached, the rerun's later
+    draws would shift), and selective planning or codegen of a block holding one is refused."""
+    from autosplit.passes.selective import _policy
+
+    q = torch.randn(1, 1, 4, 8)
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+    assert _policy(None, flash, q, q, q) is CheckpointPolicy.MUST_SAVE
+    assert _policy(None, flash, q, q, q, 0.5) is CheckpointPolicy.PREFER_RECOMPUTE
+    assert _policy(None, torch.ops.aten.mm.default, q[0, 0], q[0, 0].T) is CheckpointPolicy.MUST_SAVE
+    model, inputs = _AttentionDropout(), (torch.randn(4, 8, 16),)
+    with pytest.raises(ConstraintError) as e:
+        _planner(model, inputs, checkpointing="full", selective=True).plan()
+    says(e, "dropout_p=0.5", "selective=False")
+    planner = _planner(model, inputs, checkpointing="full")
+    plan = planner.plan()
+    assert plan.recompute and not plan.recompute_selective
+    with pytest.raises(ConstraintError):
+        generate_chain(planner.traced.captured, plan.stage_of, 2, list(inputs), recompute=plan.recompute, selective=True)

@@ -161,9 +161,9 @@ class _Model:
                     self.extra_time[s] -= time_back
                     self.extra_mem[s] += mem_back
         if p.recompute:  # one reserve for every stage, as the cost table keeps one transient reserve
-            reserve = self.m.new_int_var(0, max(b.reserve + b.shared for b in p.recompute), "reserve")
+            reserve = self.m.new_int_var(0, max(b.room for b in p.recompute), "reserve")
             for u, block in enumerate(p.recompute):
-                self.m.add(reserve >= (block.reserve + block.shared) * self.r[u])
+                self.m.add(reserve >= block.room * self.r[u])
             self.extra_mem = [m + reserve for m in self.extra_mem]
 
     def recomputed(self, solver: cp_model.CpSolver) -> tuple[int, ...]:

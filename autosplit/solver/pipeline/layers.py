@@ -108,7 +108,7 @@ def _stage_times(problem: Problem, pre: Prefix, cuts: np.ndarray, counts: tuple[
     excess = mem - problem.capacity[s] // problem.stages_per_rank
     extra = np.full(t.shape, np.inf)
     extra[excess <= 0] = 0.0
-    reserve = max((block.reserve + block.shared for block in problem.recompute), default=0)
+    reserve = max((block.room for block in problem.recompute), default=0)
     menu = _menu(problem, s)
     for k in np.unique(n[(excess > 0) & (n > 0)]):
         saves, time = _frontier(problem, s, int(k), menu)
@@ -125,8 +125,8 @@ def layer_split(problem: Problem, order: Sequence[int]) -> tuple[int, ...] | Non
     blocks, S = problem.recompute, problem.num_stages
     if not blocks or any(b.forced is not None for b in blocks) or problem.stages_per_rank > 1 or problem.steady:
         return None
-    if any((b.compute, b.saves, b.reserve, b.shared, b.in_flight) != (blocks[0].compute, blocks[0].saves, blocks[0].reserve,
-                                                                        blocks[0].shared, blocks[0].in_flight) for b in blocks):
+    if any((b.compute, b.saves, b.room, b.in_flight) != (blocks[0].compute, blocks[0].saves, blocks[0].room, blocks[0].in_flight)
+           for b in blocks):
         return None
     pre = prefix_sums(problem, order)
     units = _units(problem, order, pre)
