@@ -223,11 +223,15 @@ def _recompute_costs(
     recomputed = {i: b for b, block in enumerate(chosen) for i in block}
     saved, sent = saved_bytes(gm, nodes, infos, own_saved, recomputed, keeps)
     again_share = dict.fromkeys(recomputed.keys() - keeps, 1.0)
-    for p in partial:  # at the stage's peak, p.keep of its p.window micro-batches hold what keeping the block holds
+    # At the stage's peak, p.keep of its p.window micro-batches hold what keeping the block holds: each
+    # partly kept block adds its share of what keeping it alone adds to recomputing them all (each
+    # against that same base: folding one block's share into the next's base would shrink it)
+    base, base_sent = list(saved), list(sent)
+    for p in partial:
         members = frozenset(described["block_members"][described["blocks"].index(p.block)])
         whole, whole_sent = saved_bytes(gm, nodes, infos, own_saved, {i: b for i, b in recomputed.items() if i not in members}, keeps)
-        saved = [math.ceil(a + (b - a) * p.keep / p.window) for a, b in zip(saved, whole)]
-        sent = [math.ceil(a + (b - a) * p.keep / p.window) for a, b in zip(sent, whole_sent)]
+        saved = [s + math.ceil((b - a) * p.keep / p.window) for s, a, b in zip(saved, base, whole)]
+        sent = [s + math.ceil((b - a) * p.keep / p.window) for s, a, b in zip(sent, base_sent, whole_sent)]
         again_share.update(dict.fromkeys(members - keeps, p.recomputed(micro_batches) / micro_batches))
     again = max(described["block_activations"][described["blocks"].index(label)] for label in recompute)
     transient = [t + math.ceil(again / micro_batches) if i in recomputed else t for i, t in enumerate(transient)]
