@@ -115,8 +115,9 @@ def test_the_memory_model_predicts_what_stages_keep_recomputing_nothing_whole_bl
             assert predicted[mode][s] == pytest.approx(measured[mode][s], rel=0.02), (mode, s, predicted, measured)
 
 
-def test_blocks_that_keep_some_micro_batches_are_predicted_as_the_storages_they_keep():
-    """Every block of a GPT kept by one micro-batch of two and recomputed by the other: each stage's
+@pytest.mark.parametrize("selective", [False, True])
+def test_blocks_that_keep_some_micro_batches_are_predicted_as_the_storages_they_keep(selective):
+    """Every block of a GPT kept by one micro-batch of two and recomputed (wholly or selectively) by the other: each stage's
     prediction for its two micro-batches in flight against the storages alive after the kept one's
     forward and the recomputed one's, within 2 % (each block adds its own share: with three of them
     each block's share was once shrunk by the next one's: under half of what the stage holds)."""
@@ -126,9 +127,10 @@ def test_blocks_that_keep_some_micro_batches_are_predicted_as_the_storages_they_
     planner = _planner(model, inputs, checkpointing="full", schedule="gpipe", micro_batches=2)
     blocks = planner.plan().recompute
     some = tuple(PartialRecompute(b, 1, 2) for b in blocks)  # micro-batch 0 keeps every block, 1 recomputes it
-    plan = planner.plan(dataclasses.replace(planner.plan(), recompute=blocks, recompute_partial=some))
+    plan = planner.plan(dataclasses.replace(planner.plan(), recompute=blocks, recompute_partial=some, recompute_selective=selective))
     micros = [m[0] for m in split_batch(planner.traced.inputs, None, 2)]
-    chain = generate_chain(planner.traced.captured, plan.stage_of, 2, micros[0], recompute=plan.recompute, partial=some)
+    chain = generate_chain(planner.traced.captured, plan.stage_of, 2, micros[0], recompute=plan.recompute, partial=some,
+                           selective=selective)
     measured = [0, 0]
     for i, micro in enumerate(micros):
         named = dict(zip(chain.input_names, micro))
