@@ -19,6 +19,15 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 torch.set_num_threads(1)
 
 
+def pytest_collection_finish(session):
+    """What collection imported (torch, autosplit, the test modules) stays for good: moved out of the
+    collector's reach, no full collection walks it again (the runtime's ``close()`` runs one per pipeline)."""
+    import gc
+
+    gc.collect()
+    gc.freeze()
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)

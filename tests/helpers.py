@@ -830,6 +830,7 @@ def _gloo_worker(rank: int, world: int, init: str, timeout: float, tasks, result
                                 timeout=timedelta(seconds=timeout))
 
     start()
+    gc.freeze()  # torch's modules and the rest of the start: see below
     while (task := tasks.get()) is not None:
         index, run_case, case = task
         try:
@@ -845,6 +846,10 @@ def _gloo_worker(rank: int, world: int, init: str, timeout: float, tasks, result
         except BaseException:  # noqa: BLE001 -- reported to the test, which fails naming the case
             results.put((index, rank, traceback.format_exc(), None))
         gc.collect()  # the case's pipelines, and their process groups, go now
+        # What is left is the process's for good (modules, caches): no later collection need walk it again,
+        # and every pipeline's close() collects (a full collection of a process that imported transformers
+        # took a tenth of a multi-process test's time)
+        gc.freeze()
     if dist.is_initialized():
         dist.destroy_process_group()
     results.close()
