@@ -122,9 +122,11 @@ def _inplace(gm: fx.GraphModule, node: fx.Node) -> bool:
     """``node`` writes its first argument and returns it, by its code: ``x += y``, a method or function
     named ``…_`` (torch's naming), ``inplace=True``, a module with ``inplace`` set."""
     name = _op_name(node)
+    python_operator = node.op == "call_function" and getattr(node.target, "__module__", None) in ("_operator", "operator")
     return (
         node.target in _INPLACE_OPERATORS or node.kwargs.get("inplace") is True
-        or (name.endswith("_") and not name.startswith("_") and name != "requires_grad_")
+        # torch's trailing underscore, not Python's operator.and_ / or_ / not_ (``a & b`` writes nothing)
+        or (name.endswith("_") and not name.startswith("_") and name != "requires_grad_" and not python_operator)
         or (node.op == "call_module" and getattr(gm.get_submodule(str(node.target)), "inplace", False) is True)
     )
 

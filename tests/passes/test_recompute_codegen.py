@@ -18,7 +18,7 @@ from autosplit.errors import CodegenError
 from autosplit.microbatch import split_batch
 from autosplit.passes.chain import generate_chain
 from autosplit.passes.codegen import generate
-from autosplit.passes.recompute_regions import micro_batch
+from autosplit.passes.recompute_regions import micro_batch, written_inputs
 from autosplit.plans import PartialRecompute
 from tests.helpers import (
     NO_SEARCH,
@@ -204,6 +204,22 @@ def test_a_module_forward_never_calls_holds_no_block():
     with pytest.raises(CodegenError) as excinfo:
         _generate(planner, "lin1")
     says(excinfo, "'lin1'", "lin0")
+
+
+def test_writes_read_from_the_code_know_pythons_operators_from_torchs_in_place_ones():
+    """Where no annotation recorded what a node writes, its code says: ``x.add_(y)`` and
+    ``relu(x, inplace=True)`` write ``x``; ``a & b`` (``operator.and_``, a trailing underscore too) writes nothing."""
+
+    class Ops(nn.Module):
+        def forward(self, x, mask):
+            both = mask & (x > 0)
+            x = x.clone()
+            x.add_(1.0)
+            return torch.nn.functional.relu(x * both, inplace=True)
+
+    gm = torch.fx.symbolic_trace(Ops())
+    written = {n.name: [w.name for w in written_inputs(gm, n)] for n in gm.graph.nodes}
+    assert written["and_"] == [] and written["add_"] == ["clone"] and written["relu"] == ["mul"], written
 
 
 def test_blocks_that_would_change_state_twice_are_refused():
