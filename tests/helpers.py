@@ -710,14 +710,22 @@ GRACE = 3.0
 """Seconds the other ranks have, once one rank's case failed, to report theirs before the group is stopped."""
 
 
+PRELOADED = [
+    "torch", "torch.distributed", "torch.distributed.pipelining", "torch.distributed.fsdp", "torch.distributed.tensor.parallel",
+    "torch.export", "autosplit", "tests.helpers", "tests.layouts", "tests.tp_cases", "transformers.models.llama.modeling_llama",
+]
+"""What the gloo groups' fork server imports before it forks a rank (one missing, transformers, is skipped)."""
+
+
 class Gloo:
     """``world`` processes in one gloo process group (one thread each), kept for every case of a test
     file on that many processes: the ``gloo`` fixture of ``tests/conftest.py`` makes one per file and
     world size. ``run(run_case, cases)`` runs ``run_case(*case, rank=, world=)`` on every rank, case
     after case, a barrier after each, and returns each case's values by rank.
 
-    The processes are forked from a server that imported torch, autosplit and these helpers once
-    (``forkserver``), so a group starts in a fraction of a second. A case that fails on any rank (or a
+    The processes are forked from a server that imported torch, autosplit, these helpers and what the
+    cases import (:data:`PRELOADED`) once (``forkserver``), so a group starts in a fraction of a second
+    and a case does not import transformers again on every rank (3 s each). A case that fails on any rank (or a
     rank that dies) fails the test, naming the case and showing each rank's traceback; the group is
     then stopped, and the next ``run`` starts a fresh one. A case may end the default process group
     (``dist.destroy_process_group()``): the ranks start another before the next case.
@@ -728,7 +736,7 @@ class Gloo:
         import tempfile
 
         ctx = multiprocessing.get_context("forkserver")
-        ctx.set_forkserver_preload(["torch", "torch.distributed", "autosplit", "tests.helpers"])
+        ctx.set_forkserver_preload(PRELOADED)
         self.world, self.timeout = world, timeout
         self._dir = tempfile.mkdtemp(prefix=f"gloo-{world}-")
         self._results = ctx.Queue()
