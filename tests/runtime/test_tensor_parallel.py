@@ -11,7 +11,7 @@ and the parameters after 3 AdamW steps agree to rounding, and so does ``eval_ste
 
 - tp 2 alone (2 processes), the planner's own plans (``tensor_parallel=2``: ``tp_shards`` from the graph's
   rules, the GPT's tied embedding and head vocabulary-parallel, a traced graph's ``nn.Embedding`` leaf);
-  both models also under ``checkpointing="full"``, and compiled (``compile=True``, inductor);
+  both models also under ``checkpointing="full"`` (compiled, ``compile=True``: ``tests/runtime/test_tensor_parallel_compiled.py``);
 - tp 2 × pp 2 (4); with two stages per rank too (interleaved 1F1B, the zero-bubble V).
 
 With data parallelism beside tp, bf16, checkpoints between layouts and the refusals:
@@ -41,18 +41,6 @@ def test_sequence_parallel_trains_like_the_unsplit_model(gloo, tmp_path):
     pytest.importorskip("transformers")
     gloo(2).run(train_case, [("llama", sequence_parallel(str(tmp_path), 1))])
     gloo(4).run(train_case, [("llama", sequence_parallel(str(tmp_path), 2))])
-
-
-def test_compiled_tp_stages_train_like_the_unsplit_model(gloo, tmp_path):
-    """``compile=True`` (inductor) after tp, as torchtitan orders them: the Llama with sequence parallelism
-    and its vocabulary-parallel embedding and head, twice (the first time without the evaluation, whose
-    graphs compile apart), so that the second compile finds the first's training graphs in inductor's
-    on-disk cache, which the ranks share and whose key does not hold the rank (a
-    rank then ran the other's slice of the tokens: a loss 0.4% off, silently, until
-    :func:`autosplit.compat.rank_local_compile`)."""
-    pytest.importorskip("transformers")
-    sequence = sequence_parallel(str(tmp_path), 1)
-    gloo(2).run(train_case, [("llama", sequence, True, False), ("llama", sequence, True)])
 
 
 def test_tp2_by_pp2_trains_like_the_unsplit_model(gloo, tmp_path):
