@@ -2,9 +2,9 @@
 outputs and recomputes the ops between them. The stages train exactly as the unsplit model (float64,
 a GPT and a transformers Llama with SDPA attention); the memory model predicts what a stage keeps,
 measured as the storages alive after its forward (and so for whole blocks, none, and blocks kept by
-some micro-batches); it sits between keeping everything and
-recomputing whole blocks, in memory and in time; engines that keep other tensors, and tensor
-parallelism (whose kept partial sums are not costed), are refused."""
+some micro-batches); it sits between keeping everything and recomputing whole blocks, in memory and
+in time; engines that keep other tensors, and tensor parallelism (whose kept partial sums are not
+costed), are refused."""
 
 from __future__ import annotations
 
@@ -117,10 +117,10 @@ def test_the_memory_model_predicts_what_stages_keep_recomputing_nothing_whole_bl
 
 @pytest.mark.parametrize("selective", [False, True])
 def test_blocks_that_keep_some_micro_batches_are_predicted_as_the_storages_they_keep(selective):
-    """Every block of a GPT kept by one micro-batch of two and recomputed (wholly or selectively) by the other: each stage's
-    prediction for its two micro-batches in flight against the storages alive after the kept one's
-    forward and the recomputed one's, within 2 % (each block adds its own share: with three of them
-    each block's share was once shrunk by the next one's: under half of what the stage holds)."""
+    """Every block of a GPT kept by one micro-batch of two and recomputed (wholly or selectively) by the
+    other: each stage's prediction for its two micro-batches in flight against the storages alive after
+    the kept one's forward and the recomputed one's, within 2 % (the model once shrank each block's share
+    by the next one's, and predicted under half of what stage 0 holds)."""
     torch.manual_seed(0)
     model = GPT(vocab=64, d_model=64, n_layers=3, n_heads=4, max_len=32).double()
     inputs = (torch.randint(0, 64, (8, 32)),)
