@@ -195,6 +195,26 @@ def test_the_solvers_memory_of_recomputing_every_block_bounds_the_exact_one_clos
         assert held <= charged * 1024 <= held * 1.05, (s, charged * 1024, held)
 
 
+def test_the_solvers_memory_of_blocks_kept_by_some_micro_batches_bounds_the_exact_one_closely():
+    """As above, with every layer of the Llama kept by one of the two micro-batches each stage holds
+    (GPipe): the solver's charge (each block's saving, :meth:`~autosplit.solver.problem.Recompute.partly`)
+    against the exact re-costing of the plan that keeps them so."""
+    from autosplit.solver.evaluation import evaluate
+
+    model, args, _, _, _ = llama_case()
+    planner = _planner(model, args, checkpointing="full", schedule="gpipe", micro_batches=2)
+    blocks = planner.plan().recompute
+    some = tuple(PartialRecompute(b, 1, 2) for b in blocks)
+    plan = planner.plan(dataclasses.replace(planner.plan(), recompute_partial=some))
+    table, _ = cost_table(planner.traced, planner.specs(), planner.options, micro_batches=plan.micro_batches)
+    problem = build_problem(table, micro_batches=plan.micro_batches, schedule=plan.schedule, recompute=dict.fromkeys(table.blocks))
+    stage_of = [plan.stage_of[n] for n in problem.nodes]
+    kept = {u: (stage_of[block.members[0]], 1) for u, block in enumerate(problem.recompute)}
+    solver = evaluate(problem.fixed(range(len(problem.recompute)), kept), stage_of).memory
+    for s, (charged, held) in enumerate(zip(solver, (st.memory for st in plan.stages))):
+        assert held <= charged * 1024 <= held * 1.05, (s, charged * 1024, held)
+
+
 def test_selective_auto_plans_both_ways_and_keeps_the_faster():
     """``selective="auto"``: the search costs every configuration with whole and with selective blocks
     and plans the faster (every block recomputed, no cap: selective, which runs less again); with
