@@ -49,12 +49,14 @@ if TYPE_CHECKING:
     from autosplit.plan_export import Names
 
 __all__ = [
-    "SCHEMA_VERSION", "Alternative", "PartialRecompute", "Plan", "PlannedTask", "SharedParam", "SolverInfo", "StageReport",
+    "LOSS_COSTED", "SCHEMA_VERSION", "Alternative", "PartialRecompute", "Plan", "PlannedTask", "SharedParam", "SolverInfo", "StageReport",
     "StepTerms", "write_atomically",
 ]
 
 SCHEMA_VERSION = 3
 """Version 3 added :attr:`Plan.objective`; a version-2 file is read with it derived from its schedule."""
+LOSS_COSTED = "loss costed on the output's stage"
+"""What :attr:`Plan.costs` says when the plan costed the loss (planned with ``loss_fn`` and ``example_target``)."""
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ from autosplit.passes.profile import Profile, profile
 from autosplit.passes.sharding import laid_out, sharded_alone
 from autosplit.passes.tensor_parallel import check_degree
 from autosplit.passes.tp_costs import tp_laid_out
-from autosplit.plans import PartialRecompute
+from autosplit.plans import LOSS_COSTED, PartialRecompute
 from autosplit.shapes import is_meta
 from autosplit.solver.problem import UserConstraint
 from autosplit.timers import pinned
@@ -86,7 +86,7 @@ def _cost_table(
             profiles, source = _measured(traced, specs, profiling, options, micro_batches)
         loss = _loss(traced, specs, options, micro_batches, profiling)
         if loss is not None:
-            source += "; loss costed on the output's stage"
+            source += f"; {LOSS_COSTED}"
         estimated = functools.partial(estimate, gm, specs, optimizer=options.optimizer, micro_batches=micro_batches,
                                       profiles=profiles, loss=loss, selective=selective)
         # the blocks depend on the graph and the devices, not the batch: decided once, on the first table

@@ -14,7 +14,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from autosplit.plans import Plan
+from autosplit.plans import LOSS_COSTED, Plan
 from autosplit.units import format_bytes
 from autosplit.units import format_ms as _ms
 
@@ -67,6 +67,11 @@ def plan_report(plan: Plan, width: int = 140) -> str:
         console.print(
             "the predicted times are a roofline estimate nobody fitted to these devices: calibrate them "
             "(autosplit.calibrate, autosplit.calibration.measure_runtime) or plan with costs='measured' before trusting them"
+        )
+    if LOSS_COSTED not in plan.costs:
+        console.print(
+            "the loss is not costed: the stage returning the output also runs it and holds its saved tensors, one per "
+            "micro-batch in flight, beyond these figures (plan with loss_fn= and example_target= to cost it)"
         )
     if plan.terms is not None:
         t = plan.terms

@@ -1,5 +1,5 @@
 """The text report: every device and the solver's figures, and what the predictions rest on
-(uncalibrated costs, a split made by hand)."""
+(uncalibrated costs, a split made by hand, a loss not costed)."""
 
 from __future__ import annotations
 
@@ -33,6 +33,20 @@ def test_the_report_says_when_predictions_are_uncalibrated_and_when_a_split_was_
     by_hand = plan_report(manual_plan(planner, [["wte", "wpe", "blocks.0"], ["blocks.1", "ln_f", "head"]]))
     assert "split by hand (manual), no solver ran" in by_hand
     assert "bound" not in by_hand and "found no split" not in by_hand
+
+
+def test_the_report_says_when_the_loss_is_not_costed():
+    """Without ``loss_fn`` and ``example_target`` the stage returning the output holds the loss's saved
+    tensors beyond its figures (under GPipe one per micro-batch, all of them at once): the report says so."""
+    import torch.nn.functional as F
+
+    model, inputs = small_gpt()
+    uncosted = plan_report(autosplit.plan(model, ["A100-80GB"] * 2, example_inputs=inputs, time_limit=2))
+    assert "the loss is not costed" in uncosted and "loss_fn= and example_target=" in uncosted
+    tokens = inputs[0]
+    costed = plan_report(autosplit.plan(model, ["A100-80GB"] * 2, example_inputs=inputs, time_limit=2, example_target=tokens,
+                                        loss_fn=lambda out, y: F.cross_entropy(out.flatten(0, 1), y.flatten())))
+    assert "not costed" not in costed and "loss costed on the output's stage" in costed
 
 
 def test_a_stage_without_a_repeated_layer_is_explained_in_layers():
