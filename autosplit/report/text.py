@@ -61,18 +61,8 @@ def plan_report(plan: Plan, width: int = 140) -> str:
         f"predicted step time {_ms(plan.step_time)} ({plan.schedule}, {plan.micro_batches} micro-batches, {plan.precision}); "
         f"{provenance}; costs {plan.costs}; captured by {plan.capture}, graph {plan.fingerprint}"
     )
-    if plan.engine_gap is not None:
-        console.print(_engine_gap(plan))
-    if "uncalibrated" in plan.costs:
-        console.print(
-            "the predicted times are a roofline estimate nobody fitted to these devices: calibrate them "
-            "(autosplit.calibrate, autosplit.calibration.measure_runtime) or plan with costs='measured' before trusting them"
-        )
-    if LOSS_COSTED not in plan.costs:
-        console.print(
-            "the loss is not costed: the stage returning the output also runs it and holds its saved tensors, one per "
-            "micro-batch in flight, beyond these figures (plan with loss_fn= and example_target= to cost it)"
-        )
+    for caveat in _caveats(plan):
+        console.print(caveat)
     if plan.terms is not None:
         t = plan.terms
         console.print(
@@ -115,6 +105,18 @@ def plan_report(plan: Plan, width: int = 140) -> str:
     if plan.alternatives:
         _print_alternatives(console, plan)
     return out.getvalue().rstrip()
+
+
+def _caveats(plan: Plan) -> list[str]:
+    """What the predictions leave out or rest on: the engine's restriction, uncalibrated costs, a loss not costed."""
+    out = [_engine_gap(plan)] if plan.engine_gap is not None else []
+    if "uncalibrated" in plan.costs:
+        out.append("the predicted times are a roofline estimate nobody fitted to these devices: calibrate them "
+                   "(autosplit.calibrate, autosplit.calibration.measure_runtime) or plan with costs='measured' before trusting them")
+    if LOSS_COSTED not in plan.costs:
+        out.append("the loss is not costed: the stage returning the output also runs it and holds its saved tensors, one per "
+                   "micro-batch in flight, beyond these figures (plan with loss_fn= and example_target= to cost it)")
+    return out
 
 
 def _print_tensor_parallel(console: Any, plan: Plan) -> None:
