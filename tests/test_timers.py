@@ -43,9 +43,13 @@ def test_steady_allocator_faults_its_reserve_in_ahead():
     probes = {reserve: subprocess.Popen([sys.executable, "-c", _PROBE, str(reserve)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                         text=True) for reserve in (0, 256 << 20)}  # both at once: each imports torch first
     faults = {}
-    for reserve, probe in probes.items():
-        out, err = probe.communicate(timeout=120)
-        assert probe.returncode == 0, err
-        faults[reserve] = int(out.split()[-1])
+    try:
+        for reserve, probe in probes.items():
+            out, err = probe.communicate(timeout=120)
+            assert probe.returncode == 0, err
+            faults[reserve] = int(out.split()[-1])
+    finally:  # neither outlives the test (a timeout or a failed probe leaves the other running)
+        for probe in probes.values():
+            probe.kill()
     assert faults[0] > 30_000  # 192 MiB of fresh heap, 4 KiB a page
     assert faults[256 << 20] < 1_000

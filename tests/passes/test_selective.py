@@ -95,8 +95,8 @@ def test_the_memory_model_predicts_what_stages_keep_recomputing_nothing_whole_bl
     model = GPT(vocab=64, d_model=64, n_layers=3, n_heads=4, max_len=32).double()
     inputs = (torch.randint(0, 64, (8, 32)),)
     planner = _planner(model, inputs, checkpointing="full")
-    blocks = planner.plan().recompute
-    kept = dataclasses.replace(planner.plan(), recompute=())
+    made = planner.plan()
+    blocks, kept = made.recompute, dataclasses.replace(made, recompute=())
     measured, predicted = {}, {}
     for mode, given in (("none", kept), ("full", dataclasses.replace(kept, recompute=blocks)),
                         ("selective", dataclasses.replace(kept, recompute=blocks, recompute_selective=True))):
@@ -125,9 +125,9 @@ def test_blocks_that_keep_some_micro_batches_are_predicted_as_the_storages_they_
     model = GPT(vocab=64, d_model=64, n_layers=3, n_heads=4, max_len=32).double()
     inputs = (torch.randint(0, 64, (8, 32)),)
     planner = _planner(model, inputs, checkpointing="full", schedule="gpipe", micro_batches=2)
-    blocks = planner.plan().recompute
-    some = tuple(PartialRecompute(b, 1, 2) for b in blocks)  # micro-batch 0 keeps every block, 1 recomputes it
-    plan = planner.plan(dataclasses.replace(planner.plan(), recompute=blocks, recompute_partial=some, recompute_selective=selective))
+    made = planner.plan()
+    some = tuple(PartialRecompute(b, 1, 2) for b in made.recompute)  # micro-batch 0 keeps every block, 1 recomputes it
+    plan = planner.plan(dataclasses.replace(made, recompute_partial=some, recompute_selective=selective))
     micros = [m[0] for m in split_batch(planner.traced.inputs, None, 2)]
     chain = generate_chain(planner.traced.captured, plan.stage_of, 2, micros[0], recompute=plan.recompute, partial=some,
                            selective=selective)
@@ -203,9 +203,9 @@ def test_the_solvers_memory_of_blocks_kept_by_some_micro_batches_bounds_the_exac
 
     model, args, _, _, _ = llama_case()
     planner = _planner(model, args, checkpointing="full", schedule="gpipe", micro_batches=2)
-    blocks = planner.plan().recompute
-    some = tuple(PartialRecompute(b, 1, 2) for b in blocks)
-    plan = planner.plan(dataclasses.replace(planner.plan(), recompute_partial=some))
+    made = planner.plan()
+    some = tuple(PartialRecompute(b, 1, 2) for b in made.recompute)
+    plan = planner.plan(dataclasses.replace(made, recompute_partial=some))
     table, _ = cost_table(planner.traced, planner.specs(), planner.options, micro_batches=plan.micro_batches)
     problem = build_problem(table, micro_batches=plan.micro_batches, schedule=plan.schedule, recompute=dict.fromkeys(table.blocks))
     stage_of = [plan.stage_of[n] for n in problem.nodes]
