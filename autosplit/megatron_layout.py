@@ -9,9 +9,14 @@ norm and the output layer with it), ``m`` a multi-token-prediction layer. ``x*n`
     Et*2|(t*2|)*34,t*3|(t*2|)*3,tL      → 40 stages: E t t | t t … | t t t | t t … | t L
 
 :func:`parse` unrolls a layout as ``PipelineParallelLayerLayout.parse_str_to_list`` does (groups
-first, then letters); :func:`check` refuses what ``validate_layer_layout`` refuses (the embedding
-once and first, the loss once and last, as many ``t`` as the model has layers, a stage count that
-the pipeline degree divides) and returns the virtual pipeline size; :func:`format_layout` writes
+first, then letters; every other character, a space among them, is refused as Megatron refuses it);
+:func:`check` refuses what ``PipelineParallelLayerLayout`` and its ``validate_layer_layout`` refuse
+(the embedding once and first, the loss once and last, as many ``t`` as the model has layers, as many
+``m`` as it has multi-token prediction layers and each rank's in its last virtual stage, a stage count
+that the pipeline degree divides) and returns the virtual pipeline size. The tests hold both to
+Megatron-Core's own parser on generated layouts. autosplit is stricter in one place only: a stage
+with no layer (``'Et*16||t*8|t*8L'``), which Megatron builds as a rank that relays its input and
+autosplit's runtime does not run. :func:`format_layout` writes
 stages back in the published style: a letter run as ``t*n``, a run of identical stages as
 ``(…|)*n`` followed by a comma, so that the recipes' strings come back as they were written.
 
@@ -41,12 +46,12 @@ _LETTER = re.compile(r"(.)\*(\d+)")
 
 def parse(layout: str) -> tuple[tuple[str, ...], ...]:
     """The stages of ``layout``, each a tuple of layer letters (a typed error on anything Megatron would not read)."""
-    if not isinstance(layout, str) or not layout.strip():
+    if not isinstance(layout, str) or not layout:
         raise ConstraintError(advice(
             f"Megatron layout {layout!r} is empty", "a layout lists every stage's layers, separated by '|'",
             "write one such as 'Et*2|(t*2|)*34,t*3|(t*2|)*3,tL'",
         ))
-    text = re.sub(r"\s+", "", layout).replace(",", "")
+    text = layout.replace(",", "")
     for pattern in (_GROUP, _LETTER):
         text = pattern.sub(lambda m: m.group(1) * int(m.group(2)), text)
     stages = tuple(tuple(stage) for stage in text.split("|"))
@@ -54,19 +59,42 @@ def parse(layout: str) -> tuple[tuple[str, ...], ...]:
     if bad:
         raise ConstraintError(advice(
             f"Megatron layout {layout!r} holds {bad}, which are no layer letters (after unrolling: {text[:60]!r})",
-            f"Megatron reads {', '.join(f'{k} ({v})' for k, v in LETTERS.items())}, 'x*n', '(…)*n', '|' and commas; "
-            "groups do not nest", "correct the layout",
+            f"Megatron reads {', '.join(f'{k} ({v})' for k, v in LETTERS.items())}, 'x*n', '(…)*n', '|' and commas, "
+            "nothing else (no spaces: its parser refuses them as 'Invalid layer character'); groups do not nest",
+            "correct the layout",
         ))
     return stages
 
 
-def check(stages: Sequence[Sequence[str]], *, num_layers: int, pipeline: int) -> int:
-    """The virtual pipeline size of ``stages`` on ``pipeline`` ranks, or a typed error where Megatron's
-    ``validate_layer_layout`` (and its pipeline-size check) would refuse them."""
+def check(stages: Sequence[Sequence[str]], *, num_layers: int, pipeline: int, mtp_layers: int | None = None,
+          empty_stages: bool = False) -> int:
+    """The virtual pipeline size of ``stages`` on ``pipeline`` ranks, or a typed error where Megatron-Core's
+    ``PipelineParallelLayerLayout(layout, pipeline).validate_layer_layout(num_layers, mtp_layers)`` would
+    refuse them — or, stricter than Megatron, where a stage holds no layer (``empty_stages=True``: accepted
+    as Megatron accepts it, for writing a plan that leaves a rank without a layer)."""
+    problems = _megatron_problems(stages, num_layers, pipeline, mtp_layers)
+    if problems:
+        raise ConstraintError(advice(
+            f"Megatron layout {format_layout(stages)!r} is not one Megatron runs: " + "; ".join(problems),
+            "Megatron validates a layout so (PipelineParallelLayerLayout.validate_layer_layout)",
+            "correct the layout, or let autosplit write it: plan.export('megatron')",
+        ))
+    empty = [k for k, stage in enumerate(stages) if not stage]
+    if empty and not empty_stages:
+        raise ConstraintError(advice(
+            f"Megatron layout {format_layout(stages)!r} leaves stages {empty} without a layer: Megatron accepts that (the "
+            "rank relays its input), autosplit does not", "every stage of autosplit's runtime runs part of the model",
+            "give each stage a layer, or fewer stages",
+        ))
+    return len(stages) // pipeline
+
+
+def _megatron_problems(stages: Sequence[Sequence[str]], num_layers: int, pipeline: int, mtp_layers: int | None) -> list[str]:
+    """What Megatron-Core refuses in ``stages``, in its own order of checks (none: it accepts them)."""
+    if pipeline < 1 or len(stages) % pipeline:
+        return [f"its {len(stages)} stages do not divide over pipeline size {pipeline}"]
     flat = [c for stage in stages for c in stage]
     problems = []
-    if pipeline < 1 or len(stages) % pipeline:
-        problems.append(f"its {len(stages)} stages do not divide over pipeline size {pipeline}")
     if flat.count("E") != 1 or flat[:1] != ["E"]:
         problems.append(f"the embedding E must come once, first (it comes {flat.count('E')} time(s), and the layout starts with "
                         f"{flat[:1] or 'nothing'})")
@@ -74,15 +102,18 @@ def check(stages: Sequence[Sequence[str]], *, num_layers: int, pipeline: int) ->
         problems.append(f"the loss L must come once, last (it comes {flat.count('L')} time(s))")
     if flat.count("t") != num_layers:
         problems.append(f"it holds {flat.count('t')} transformer layers t, the model {num_layers}")
+    if flat.count("m") != (mtp_layers or 0):
+        problems.append(f"it holds {flat.count('m')} multi-token prediction layers m, the model {mtp_layers or 0}")
     if "m" in flat and "t" in flat[flat.index("m"):]:
         problems.append("transformer layers come after a multi-token prediction layer m")
-    if problems:
-        raise ConstraintError(advice(
-            f"Megatron layout {format_layout(stages)!r} is not one Megatron runs: " + "; ".join(problems),
-            "Megatron validates a layout so (PipelineParallelLayerLayout.validate_layer_layout)",
-            "correct the layout, or let autosplit write it: plan.export('megatron')",
-        ))
-    return len(stages) // pipeline
+    vp = len(stages) // pipeline
+    early = [k for k, stage in enumerate(stages) if "m" in stage and k < (vp - 1) * pipeline]
+    if early:
+        problems.append(f"stages {early} hold m outside their rank's last virtual stage")
+    split = [k for k, stage in enumerate(stages) if "m" in stage and stage.count("m") != (mtp_layers or 0)]
+    if split and flat.count("m") == mtp_layers:
+        problems.append(f"the m layers are spread over stages {split}, not all in one")
+    return problems
 
 
 def _stage(stage: Sequence[str]) -> str:

@@ -116,6 +116,10 @@ class PlanOptions:
     expressible_in: str | None = None
     """``"torchtitan"`` or ``"megatron"``: plan only splits that engine runs — whole layers, and for
     Megatron the final norm with the output (:mod:`autosplit.plan_export`); the report says what it costs."""
+    names: Mapping[str, str] | None = None
+    """Where torchtitan's llama3 modules are in the model, for ``expressible_in``, exports and engine configs read
+    as plans: ``{"tok_embeddings": ..., "layers": ..., "norm": ..., "output": ...}``; found by itself for a
+    transformers Llama (Qwen, Mistral) and torchtitan 0.3's and 0.2's own models."""
     precision: Precision = "fp32"
     """What the stages compute and keep in: ``"fp32"`` (the model's own dtype), ``"bf16"`` (parameters,
     gradients, optimizer state and activations in bfloat16), ``"bf16-mixed"`` / ``"fp16-mixed"``
@@ -235,6 +239,8 @@ class PlanOptions:
             raise _bad("checkpointing", self.checkpointing, f"one of {CHECKPOINTINGS}")
         if self.expressible_in not in (None, "torchtitan", "megatron"):
             raise _bad("expressible_in", self.expressible_in, "None, 'torchtitan' or 'megatron'")
+        if self.names is not None and not (isinstance(self.names, Mapping) and all(isinstance(v, str) for v in self.names.values())):
+            raise _bad("names", self.names, "a mapping of torchtitan's names (tok_embeddings, layers, norm, output) to module paths")
         if self.recompute is not None and not (
             isinstance(self.recompute, Mapping) and all(isinstance(k, str) and isinstance(v, bool) for k, v in self.recompute.items())
         ):
@@ -304,12 +310,12 @@ class PlanOptions:
         unknown = sorted(set(changes) - {f.name for f in dataclasses.fields(self)})
         if unknown:
             raise ConstraintError(advice(
-                f"unknown option(s) {unknown}", "a misspelt or removed option name", f"use one of {self.names()}"
+                f"unknown option(s) {unknown}", "a misspelt or removed option name", f"use one of {self.option_names()}"
             ))
         return dataclasses.replace(self, **changes)
 
     @classmethod
-    def names(cls) -> tuple[str, ...]:
+    def option_names(cls) -> tuple[str, ...]:
         return tuple(f.name for f in dataclasses.fields(cls))
 
     @property

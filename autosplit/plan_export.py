@@ -1,13 +1,19 @@
 """A plan in the terms of the engines people run: torchtitan's job config and Megatron-LM's flags.
 
 Both engines place whole layers: torchtitan lists each pipeline stage's modules by name
-(``module_fqns_per_model_part``: ``tok_embeddings``, ``layers.N``, ``norm``, ``output``), Megatron
-writes a layout of layer letters (:mod:`autosplit.megatron_layout`). A plan is read through a
-:class:`Names` map from torchtitan's llama3 names to the model's (:data:`TRANSFORMERS_LLAMA`, for a
-transformers Llama, Qwen or Mistral, is found by itself, as is a model named as torchtitan's own):
-:func:`stage_parts` gives each stage's layers, or an :class:`~autosplit.errors.ExportError` where
-the plan cuts inside a layer, holds parameters the map does not name, or runs a schedule the engine
-does not. Nothing here costs: a plan that cuts inside a layer is refused with the option that keeps
+(``module_fqns_per_model_part``: ``tok_embeddings``, ``layers.N``, ``norm`` and the output layer,
+``lm_head`` in torchtitan 0.3, ``output`` in 0.2), Megatron writes a layout of layer letters
+(:mod:`autosplit.megatron_layout`). A plan is read through a :class:`Names` map from torchtitan's
+llama3 names to the model's (:data:`TRANSFORMERS_LLAMA`, for a transformers Llama, Qwen or Mistral, is
+found by itself, as are models named as torchtitan 0.3's or 0.2's own): :func:`stage_parts` gives each
+stage's layers, or an :class:`~autosplit.errors.ExportError` where the plan cuts inside a layer, where
+the lists would not hold every parameter of the model exactly once (an engine drops a module no list
+names), or where it runs a schedule the engine does not. Modules that hold only buffers (a rotary
+embedding's tables) are no engine's concern: each engine builds them with the layers.
+
+Every export names the release it was written for and was tested on (:data:`RELEASES`): the
+Python form torchtitan 0.3's ``Trainer.Config``, the TOML form the 0.2 line (the last that reads
+TOML job configs), the flags Megatron-Core 0.16. Nothing here costs: a plan that cuts inside a layer is refused with the option that keeps
 layers whole (``expressible_in=``, :func:`~autosplit.compiler.constraints.engine_groups`), under which
 the planner finds the best plan an engine runs and the report gives what that costs.
 
@@ -35,10 +41,15 @@ from autosplit.megatron_layout import check, format_layout
 Plan = Any
 """A :class:`~autosplit.plans.Plan` (not imported: the plan imports this module for :meth:`~autosplit.plans.Plan.export`)."""
 
-__all__ = ["ENGINES", "TORCHTITAN_LLAMA3", "TRANSFORMERS_LLAMA", "Names", "export", "layer_paths", "megatron_flags", "module_prefixes",
-           "names_for", "stage_parts", "torchtitan_config", "torchtitan_precision"]
+__all__ = ["ENGINES", "RELEASES", "TORCHTITAN_LLAMA3", "TORCHTITAN_LLAMA3_0_2", "TRANSFORMERS_LLAMA", "Names", "export", "layer_paths",
+           "megatron_flags", "module_prefixes", "names_for", "stage_parts", "torchtitan_config", "torchtitan_precision"]
 
 ENGINES = ("torchtitan", "megatron")
+RELEASES = {"torchtitan python": "0.3", "torchtitan toml": "0.2", "megatron": "0.16"}
+"""The engine release each form is written for: torchtitan 0.3 reads Python configs only, 0.2 TOML job
+configs; Megatron-Core (``megatron-core`` on the registry) 0.16 parses the layout flags."""
+OUTPUT_NAME = {"0.3": "lm_head", "0.2": "output"}
+"""What each torchtitan release calls the output layer in its llama3 model and module lists."""
 
 
 @dataclass(frozen=True)
@@ -59,8 +70,10 @@ class Names:
 
 TRANSFORMERS_LLAMA = Names("model.embed_tokens", "model.layers", "model.norm", "lm_head")
 """A transformers ``LlamaForCausalLM`` (and Qwen2/3, Mistral: the same module names)."""
-TORCHTITAN_LLAMA3 = Names("tok_embeddings", "layers", "norm", "output")
-"""torchtitan's own llama3 ``Transformer``."""
+TORCHTITAN_LLAMA3 = Names("tok_embeddings", "layers", "norm", "lm_head")
+"""torchtitan 0.3's own ``Llama3Model`` (and its other decoders: the same module names)."""
+TORCHTITAN_LLAMA3_0_2 = Names("tok_embeddings", "layers", "norm", "output")
+"""torchtitan 0.2's llama3 ``Transformer``."""
 
 _TORCHTITAN_SCHEDULES = {name: entry.torch_class.removeprefix("Schedule") for name, entry in schedules.REGISTRY.items()
                          if entry.torch_class}
@@ -91,43 +104,25 @@ def names_for(paths: Collection[str], names: Names | Mapping[str, str] | None = 
         return Names(**{k: str(names[k]) for k in Names.__dataclass_fields__})
     if names is not None:
         return names
-    for preset in (TRANSFORMERS_LLAMA, TORCHTITAN_LLAMA3):
+    for preset in (TRANSFORMERS_LLAMA, TORCHTITAN_LLAMA3, TORCHTITAN_LLAMA3_0_2):
         if all(p in paths for p in (preset.tok_embeddings, f"{preset.layers}.0", preset.norm, preset.output)):
             return preset
-    top = sorted({p for p in paths if p and p.count(".") <= 1})[:8]
+    top = sorted({p for p in paths if p and p.count(".") <= 1 and not p.startswith("_")})[:8]  # not torch.export's own (_guards_fn)
     raise ExportError(advice(
-        f"the model's modules ({top} …) are not named as a transformers Llama's or torchtitan's llama3",
+        f"the model's modules ({top} …) are not named as a transformers Llama's or torchtitan's llama3 (0.3: lm_head; 0.2: output)",
         "an engine's config names the embedding, the layers, the final norm and the output",
         "pass names={'tok_embeddings': ..., 'layers': ..., 'norm': ..., 'output': ...} with the model's paths",
     ))
 
 
-def _holders(plan: Plan) -> list[str]:
-    """The modules that hold parameters, as the plan's stages name them (layer ranges expanded)."""
-    out = []
-    for stage in plan.stages:
-        for name in stage.modules:
-            ranged = re.fullmatch(r"(.+)\.(\d+)[–-](\d+)", name)
-            out += [f"{ranged[1]}.{i}" for i in range(int(ranged[2]), int(ranged[3]) + 1)] if ranged else [name]
-    return out
-
-
-def stage_parts(plan: Plan, names: Names) -> tuple[tuple[str, ...], ...]:
+def stage_parts(plan: Plan, names: Names, parameters: Collection[str] | None = None) -> tuple[tuple[str, ...], ...]:
     """Each stage's modules in torchtitan's names, in order (``tok_embeddings``, ``layers.N`` …,
-    ``norm``, ``output``), or an :class:`ExportError` naming what an engine cannot place."""
+    ``norm``, ``output``), or an :class:`ExportError` naming what an engine cannot place: a cut inside a
+    module, or ``parameters`` (the model's, each tied one under every name; default: the plan's record
+    of them, :attr:`~autosplit.plans.Plan.parameters`) that the lists would not hold exactly once."""
     layers = layer_paths(plan.module_stages.keys(), names)
     units = [("tok_embeddings", names.tok_embeddings), *((f"layers.{path.rsplit('.', 1)[1]}", path) for path in layers),
              ("norm", names.norm), ("output", names.output)]
-    mapped = [path for _, path in units]
-    stray = [h for h in _holders(plan) if h != "(root)" and not any(h == p or h.startswith(p + ".") or p.startswith(h + ".")
-                                                                   for p in mapped)]
-    if stray or "(root)" in _holders(plan):
-        what = stray or ["(the root module's own parameters)"]
-        raise ExportError(advice(
-            f"parameters of {what[:4]} are in none of the modules the name map places ({names})",
-            "an engine's config places only the embedding, the layers, the final norm and the output",
-            "pass names= mapping torchtitan's names onto the modules that hold these parameters, or export a model of that form",
-        ))
     parts: list[list[str]] = [[] for _ in plan.stages]
     for titan, path in units:
         found = plan.module_stages.get(path)
@@ -142,7 +137,32 @@ def stage_parts(plan: Plan, names: Names) -> tuple[tuple[str, ...], ...]:
                 f"against this plan's {plan.step_time:.4g} s), or with together=[[{path!r}]]",
             ))
         parts[found[0]].append(titan)
+    _check_coverage([path for _, path in units], names, plan.parameters if parameters is None else parameters)
     return tuple(tuple(p) for p in parts)
+
+
+def _check_coverage(placed: Sequence[str], names: Names, parameters: Collection[str]) -> None:
+    """Refuse module lists that would not hold every one of ``parameters`` exactly once: an engine keeps
+    only the modules its lists name (torchtitan's split sets the rest to ``None``), so a parameter no list
+    holds would silently not be trained, and one two lists hold would be two parameters."""
+    if not parameters:
+        raise ExportError(advice(
+            "the plan records no parameter names of its model (a plan file written before autosplit recorded them)",
+            "an export is checked against the model: every parameter placed by exactly one module list",
+            "pass model= to export, or plan the model again",
+        ))
+    holders = {p: [m for m in placed if p == m or p.startswith(m + ".")] for p in parameters}
+    left = sorted(p for p, found in holders.items() if not found)
+    twice = sorted(p for p, found in holders.items() if len(found) > 1)
+    if left or twice:
+        what = ([f"{len(left)} parameters ({left[:4]} …) are in none of the modules the lists place"] if left else []) + (
+            [f"{len(twice)} parameters ({twice[:4]} …) are in two of the modules the lists place ({holders[twice[0]]})"] if twice else [])
+        raise ExportError(advice(
+            f"{'; '.join(what)} (the name map {names})",
+            "an engine's config places only the embedding, the layers, the final norm and the output: what no list names "
+            "is dropped from the model the engine trains",
+            "pass names= mapping torchtitan's names onto the modules that hold these parameters, or export a model of that form",
+        ))
 
 
 def _engine_schedule(plan: Plan, engine: str) -> str:
@@ -183,13 +203,18 @@ def _recompute(plan: Plan, layers: int, engine: str) -> str:
     return "none" if not plan.recompute else "full" if len(plan.recompute) >= layers and not plan.recompute_partial else "partial"
 
 
-def torchtitan_config(plan: Plan, names: Names, *, form: str = "toml") -> str:
-    """torchtitan's parallelism settings for ``plan``: ``form="toml"``, the ``[parallelism]``,
-    ``[activation_checkpoint]`` and ``[training]`` tables of a v0.2 job config (the output layer named
-    ``output``); ``form="python"``, a function that sets the same on a ``Trainer.Config`` of the Python
-    config registry torchtitan uses since 2026 (the output layer named ``lm_head``, micro-batches as
-    ``num_pp_microbatches``, activation checkpointing as ``FullAC.Config()`` or ``None``)."""
-    parts = stage_parts(plan, names)
+def torchtitan_config(plan: Plan, names: Names, *, form: str = "toml", parameters: Collection[str] | None = None) -> str:
+    """torchtitan's parallelism settings for ``plan``: ``form="python"``, a function that sets them on a
+    torchtitan 0.3 ``Trainer.Config`` (the output layer named ``lm_head``, micro-batches as
+    ``training.local_batch_size // parallelism.pipeline_parallel_microbatch_size``, activation
+    checkpointing as ``FullAC.Config()`` or ``None``); ``form="toml"``, the ``[parallelism]``,
+    ``[activation_checkpoint]`` and ``[training]`` tables of a torchtitan 0.2 job config (the output
+    layer named ``output``: 0.2 is the last line that reads TOML)."""
+    if form not in ("toml", "python"):
+        raise ExportError(advice(f"form={form!r}", "torchtitan 0.3 reads a Python config, 0.2 a TOML job config",
+                                 "pass 'python' (0.3) or 'toml' (0.2)"))
+    release = RELEASES[f"torchtitan {form}"]
+    parts = [[OUTPUT_NAME[release] if p == "output" else p for p in part] for part in stage_parts(plan, names, parameters)]
     layers = sum(p.startswith("layers.") for part in parts for p in part)
     mode = _recompute(plan, layers, "torchtitan")
     if mode == "partial":
@@ -198,67 +223,73 @@ def torchtitan_config(plan: Plan, names: Names, *, form: str = "toml") -> str:
             "'full' (every layer), 'selective' (every n-th layer or per op) or 'none', never a chosen set",
             "plan with checkpointing='full' or 'none', or keep autosplit's runtime for this plan",
         ))
-    micro, param_dtype = _micro_batch_size(plan), _torchtitan_precision(plan)
-    common = {
+    micro, pp = _micro_batch_size(plan), len(plan.stages) // plan.stages_per_rank
+    parallelism: dict[str, object] = {
         "data_parallel_replicate_degree": plan.dp_replicate, "data_parallel_shard_degree": plan.dp_shard,
-        "tensor_parallel_degree": plan.tensor_parallel, "pipeline_parallel_degree": len(plan.stages) // plan.stages_per_rank,
-        "pipeline_parallel_schedule": _engine_schedule(plan, "torchtitan"),
+        "tensor_parallel_degree": plan.tensor_parallel, "pipeline_parallel_degree": pp,
+        "pipeline_parallel_schedule": _engine_schedule(plan, "torchtitan"), "pipeline_parallel_microbatch_size": micro,
+        **({"enable_sequence_parallel": plan.sequence_parallel} if plan.tensor_parallel > 1 else {}),
+        "module_fqns_per_model_part": parts,
     }
+    # without a pipeline, torchtitan accumulates gradients over global / (local · dp) steps: the micro-batches
+    param, note = _torchtitan_precision(plan, release)
+    training: dict[str, object] = {"local_batch_size": plan.batch // plan.data_parallel if pp > 1 else micro,
+                                   "global_batch_size": plan.batch, "mixed_precision_param": param}
+    if release != "0.2" and pp > 1:  # 0.3 captures CUDA graphs by default, which its Trainer.Config refuses under a pipeline
+        training["disable_cuda_graphs"] = True
+    head = f"torchtitan {release}, written by autosplit: predicted step {plan.step_time:.4g} s; global batch {plan.batch} rows, " \
+           f"{plan.micro_batches} micro-batches of {micro} per data-parallel copy"
     if form == "python":
-        fields = {**common, **({"enable_sequence_parallel": plan.sequence_parallel} if plan.tensor_parallel > 1 else {}),
-                  "num_pp_microbatches": plan.micro_batches,
-                  "module_fqns_per_model_part": [["lm_head" if p == "output" else p for p in part] for part in parts]}
-        lines = [f"    config.parallelism.{k} = {v!r}\n" for k, v in fields.items()]
-        lines.append(f"    config.training.mixed_precision_param = {param_dtype!r}\n")
+        lines = [f"    config.parallelism.{k} = {v!r}\n" for k, v in parallelism.items()]
+        lines += [f"    config.training.{k} = {v!r}\n" for k, v in training.items()]
         return ("from torchtitan.distributed.activation_checkpoint import FullAC\n\n\n" if mode == "full" else "") + (
-            "def autosplit_layout(config):\n"
-            f'    """autosplit\'s plan on a Trainer.Config: predicted step {plan.step_time:.4g} s; global batch {plan.batch} rows, '
-            f'{plan.micro_batches} micro-batches of {micro} per data-parallel copy."""\n'
-            + "".join(lines)
+            f'def autosplit_layout(config):\n    """Sets autosplit\'s plan on a Trainer.Config of {head}."""\n'
+            + (f"    # {note}\n" if note else "") + "".join(lines)
             + f"    config.activation_checkpoint = {'FullAC.Config()' if mode == 'full' else 'None'}\n    return config\n")
-    if form != "toml":
-        raise ExportError(advice(f"form={form!r}", "torchtitan reads a TOML job config or a Python one", "pass 'toml' or 'python'"))
-    tables: dict[str, dict[str, object]] = {
-        "parallelism": {**common, "pipeline_parallel_microbatch_size": micro, "module_fqns_per_model_part": [list(p) for p in parts]},
-        "activation_checkpoint": {"mode": mode},
-        # without a pipeline, torchtitan accumulates gradients over global / (local · dp) steps: the micro-batches
-        "training": {"local_batch_size": plan.batch // plan.data_parallel if common["pipeline_parallel_degree"] > 1 else micro,
-                     "global_batch_size": plan.batch, "mixed_precision_param": param_dtype},
-    }
-    return "\n".join(f"[{table}]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in fields.items()) for table, fields in tables.items())
+    tables: dict[str, dict[str, object]] = {"parallelism": parallelism, "activation_checkpoint": {"mode": mode}, "training": training}
+    return f"# {head}\n# torchtitan 0.3 reads Python configs only: plan.export('torchtitan', form='python')\n" + "\n".join(
+        f"[{table}]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in fields.items()) for table, fields in tables.items())
 
 
-def torchtitan_precision(param: str, *, sharded: bool, split: bool) -> str:
-    """The precision torchtitan trains in with ``training.mixed_precision_param = param``
-    (``maybe_enable_amp``, torchtitan v0.2.2): FSDP2's ``MixedPrecisionPolicy`` where it shards
+def torchtitan_precision(param: str, *, sharded: bool, split: bool, release: str = "0.2") -> str:
+    """The precision torchtitan trains in with ``training.mixed_precision_param = param``. 0.3 applies
+    FSDP2's ``MixedPrecisionPolicy`` on every layout (``apply_fsdp_to_decoder`` runs with a shard degree
+    of 1 too): ``"bf16-fsdp"``. 0.2 (``maybe_enable_amp``, v0.2.2) applies it where it shards
     (``"bf16-fsdp"``), autocast under DDP or on one device (``"bf16-mixed"``), and fp32 with tp or pp
-    (``split``) but no FSDP, or for ``"float32"``."""
+    (``split``) but no FSDP; ``"float32"`` is fp32 in both."""
     if param not in ("bfloat16", "float32"):
         raise ConstraintError(advice(f"torchtitan mixed_precision_param {param!r}", "torchtitan takes 'bfloat16' or 'float32'",
                                      "write one of the two"))
-    if param == "float32" or (split and not sharded):
+    if param == "float32" or (release == "0.2" and split and not sharded):
         return "fp32"
-    return "bf16-fsdp" if sharded else "bf16-mixed"
+    return "bf16-fsdp" if sharded or release != "0.2" else "bf16-mixed"
 
 
-def _torchtitan_precision(plan: Plan) -> str:
-    """torchtitan's ``training.mixed_precision_param`` for the plan: the one it trains in the plan's
-    precision with (:func:`torchtitan_precision`), else an :class:`ExportError`."""
+def _torchtitan_precision(plan: Plan, release: str) -> tuple[str, str]:
+    """torchtitan's ``training.mixed_precision_param`` for the plan, and a note where ``release`` casts other
+    than the plan was costed: the one ``release`` trains in the plan's precision with
+    (:func:`torchtitan_precision`); under 0.3, whose only bf16 path is FSDP2's policy, ``"bf16-mixed"``
+    (autocast) too, said so; else an :class:`ExportError`."""
     param = "float32" if plan.precision == "fp32" else "bfloat16"
     pp = len(plan.stages) // plan.stages_per_rank
-    if torchtitan_precision(param, sharded=plan.dp_shard > 1, split=plan.tensor_parallel > 1 or pp > 1) == plan.precision:
-        return param
+    if torchtitan_precision(param, sharded=plan.dp_shard > 1, split=plan.tensor_parallel > 1 or pp > 1, release=release) == plan.precision:
+        return param, ""
+    if release != "0.2" and plan.precision == "bf16-mixed":
+        return param, ("precision: costed as bf16-mixed (autocast); torchtitan 0.3 casts the parameters with FSDP2's "
+                       "MixedPrecisionPolicy instead (bf16 matmuls either way; it saves bf16 where autocast keeps some fp32): "
+                       "plan with precision='bf16-fsdp' to cost it as torchtitan runs it")
+    how = ("casts to bf16 with FSDP2's MixedPrecisionPolicy on every layout" if release != "0.2" else "casts to bf16 with FSDP2's "
+           "MixedPrecisionPolicy where it shards, with autocast only under DDP or on one device, and not at all otherwise")
     raise ExportError(advice(
-        f"precision={plan.precision!r} on dp_shard {plan.dp_shard}, tp {plan.tensor_parallel}, pp {pp}",
-        "torchtitan casts to bf16 with FSDP2's MixedPrecisionPolicy where it shards, with autocast only under DDP or on "
-        "one device, and not at all otherwise",
+        f"precision={plan.precision!r} on dp_shard {plan.dp_shard}, tp {plan.tensor_parallel}, pp {pp}", f"torchtitan {release} {how}",
+        "plan with precision='bf16-fsdp' (or 'fp32')" if release != "0.2" else
         "plan with precision='bf16-fsdp' and a sharded layout (or 'bf16-mixed' without tp or pp, or 'fp32')",
     ))
 
 
-def megatron_flags(plan: Plan, names: Names) -> str:
+def megatron_flags(plan: Plan, names: Names, parameters: Collection[str] | None = None) -> str:
     """Megatron-LM's command-line flags for ``plan``: the layout and the degrees and batch sizes with it."""
-    parts = stage_parts(plan, names)
+    parts = stage_parts(plan, names, parameters)
     pp = len(plan.stages) // plan.stages_per_rank
     _engine_schedule(plan, "megatron")
     if plan.dp_shard > 1 and plan.dp_replicate > 1:
@@ -269,7 +300,8 @@ def megatron_flags(plan: Plan, names: Names) -> str:
         ))
     letters = [tuple("E" if p == "tok_embeddings" else "L" if p == "output" else "t" for p in part if p != "norm") for part in parts]
     first_norm = next(s for s, part in enumerate(parts) if "norm" in part)
-    if first_norm != len(parts) - 1 or "output" not in parts[-1]:
+    last = max(s for s, part in enumerate(parts) if part)  # stages after it hold no layer: ranks the plan leaves idle
+    if first_norm != last or "output" not in parts[last]:
         raise ExportError(advice(
             f"the plan puts the final norm on stage {first_norm} and the output on stage "
             f"{next(s for s, part in enumerate(parts) if 'output' in part)} of {len(parts)}",
@@ -277,7 +309,7 @@ def megatron_flags(plan: Plan, names: Names) -> str:
             f"together=[[{names.norm!r}, {names.output!r}]], or keep autosplit's runtime for this plan",
         ))
     layout = format_layout(letters)
-    check(letters, num_layers=sum(c == "t" for stage in letters for c in stage), pipeline=pp)
+    check(letters, num_layers=sum(c == "t" for stage in letters for c in stage), pipeline=pp, empty_stages=True)
     flags = [
         f"--tensor-model-parallel-size {plan.tensor_parallel}", f"--pipeline-model-parallel-size {pp}",
         f"--pipeline-model-parallel-layout '{layout}'", f"--micro-batch-size {_micro_batch_size(plan)}",
@@ -288,9 +320,15 @@ def megatron_flags(plan: Plan, names: Names) -> str:
     flags += ["--use-megatron-fsdp", "--data-parallel-sharding-strategy optim_grads_params"] if plan.dp_shard > 1 else []
     flags += ["--bf16"] if plan.precision in ("bf16", "bf16-mixed", "bf16-fsdp") else ["--fp16"] if plan.precision == "fp16-mixed" else []
     flags += _megatron_recompute(plan, parts, names)
-    note = (f"# virtual pipeline size {plan.stages_per_rank}: Megatron derives it from the layout ({len(parts)} stages over pp {pp}); "
-            "its own virtual-pipeline flags may not be given with a layout")
-    return " \\\n  ".join(flags) + f"\n{note}\n"
+    notes = [f"# Megatron-Core {RELEASES['megatron']} (the flags of megatron-lm pretraining), written by autosplit: predicted step "
+             f"{plan.step_time:.4g} s",
+             f"# virtual pipeline size {plan.stages_per_rank}: Megatron derives it from the layout ({len(parts)} stages over pp {pp}); "
+             "its own virtual-pipeline flags may not be given with a layout"]
+    idle = [k for k, stage in enumerate(letters) if not stage]
+    if idle:
+        notes.append(f"# stages {idle} hold no layer: the plan finds the step shorter with those ranks idle (Megatron relays "
+                     "the activations through them; autosplit does not read such a layout back)")
+    return " \\\n  ".join(flags) + "\n" + "\n".join(notes) + "\n"
 
 
 def _megatron_recompute(plan: Plan, parts: Sequence[Sequence[str]], names: Names) -> list[str]:
@@ -317,11 +355,16 @@ def _megatron_recompute(plan: Plan, parts: Sequence[Sequence[str]], names: Names
     ))
 
 
-def export(plan: Plan, engine: str, *, names: Names | Mapping[str, str] | None = None, form: str = "toml") -> str:
-    """``plan`` as ``engine`` reads it (``"torchtitan"``: a job config, ``form`` ``"toml"`` or
-    ``"python"``; ``"megatron"``: command-line flags)."""
+def export(plan: Plan, engine: str, *, names: Names | Mapping[str, str] | None = None, form: str = "toml", model: Any = None) -> str:
+    """``plan`` as ``engine`` reads it (``"torchtitan"``: a job config, ``form`` ``"python"`` for 0.3 or
+    ``"toml"`` for 0.2; ``"megatron"``: command-line flags), its module lists checked to hold every
+    parameter of ``model`` (an ``nn.Module``, on the meta device too; default: the plan's record of its
+    model's parameters) exactly once."""
     if engine not in ENGINES:
         raise ExportError(advice(f"no exporter for engine {engine!r}", "autosplit writes plans for torchtitan and Megatron-LM",
                                  f"pass one of {ENGINES}"))
     resolved = names_for(plan.module_stages.keys(), names)
-    return torchtitan_config(plan, resolved, form=form) if engine == "torchtitan" else megatron_flags(plan, resolved)
+    parameters = None if model is None else [name for name, _ in model.named_parameters(remove_duplicate=False)]
+    if engine == "torchtitan":
+        return torchtitan_config(plan, resolved, form=form, parameters=parameters)
+    return megatron_flags(plan, resolved, parameters)

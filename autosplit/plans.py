@@ -29,7 +29,7 @@ import shutil
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from autosplit.devices import DeviceSpec
 from autosplit.errors import PlanFileError, PlanMismatchError, advice
@@ -141,6 +141,9 @@ class Plan:
     """Rows of the global batch the plan steps on (all data-parallel copies together); 0: not recorded."""
     engine_gap: tuple[str, float] | None = None
     """Planned ``expressible_in`` an engine: (the engine, the predicted step of the best plan without that restriction)."""
+    parameters: tuple[str, ...] = ()
+    """Every parameter's qualified name in the model planned (a tied one under each of its names): what an
+    engine's export must place, each exactly once (:mod:`autosplit.plan_export`); ``()``: not recorded."""
     schema_version: int = SCHEMA_VERSION
 
     @property
@@ -197,14 +200,15 @@ class Plan:
             "re-plan with autosplit.plan(model, devices, ...), or load the plan made for this model",
         ))
 
-    def export(self, engine: str, *, names: Names | Mapping[str, str] | None = None, form: str = "toml") -> str:
-        """This plan as ``engine`` reads it: ``"torchtitan"`` (its job config: ``form`` ``"toml"`` or
-        ``"python"``) or ``"megatron"`` (Megatron-LM's flags, the layout among them); ``names``: where
+    def export(self, engine: str, *, names: Names | Mapping[str, str] | None = None, form: str = "toml", model: Any = None) -> str:
+        """This plan as ``engine`` reads it: ``"torchtitan"`` (its config: ``form`` ``"python"`` for torchtitan
+        0.3, ``"toml"`` for 0.2) or ``"megatron"`` (Megatron-LM's flags, the layout among them); ``names``: where
         torchtitan's llama3 modules are in the model (:class:`~autosplit.plan_export.Names`), found by
-        itself for a transformers Llama and for torchtitan's own. See :mod:`autosplit.plan_export`."""
+        itself for a transformers Llama and for torchtitan's own; every parameter of ``model`` (default: the
+        plan's :attr:`parameters`) checked to be placed once. See :mod:`autosplit.plan_export`."""
         from autosplit.plan_export import export
 
-        return export(self, engine, names=names, form=form)
+        return export(self, engine, names=names, form=form, model=model)
 
     # -- files ----------------------------------------------------------------------------
     def to_dict(self) -> dict:

@@ -8,4 +8,6 @@ PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
 .venv/bin/python -c "import torch" 2>/dev/null || .venv/bin/python -m pip install -q "torch==2.13.0"
-.venv/bin/python -m pip install -q -e ".[test]"
+# torch pinned again in the same resolve as the test extras: megatron-core and torchtitan depend on torch, and a
+# separate resolve could replace the CPU build with the newest CUDA one.
+.venv/bin/python -m pip install -q "torch==2.13.0" -e ".[test]"

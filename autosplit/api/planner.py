@@ -129,7 +129,7 @@ class Planner:
     def plan(self, given: Plan | str | Path | None = None) -> Plan:
         """Solve for the best plan; or, with ``given`` (a :class:`Plan` or a JSON path), check it
         against this model and refresh its predictions without solving."""
-        made = dataclasses.replace(self._plan(given), batch=self.traced.batch or 0)
+        made = dataclasses.replace(self._plan(given), batch=self.traced.batch or 0, parameters=self._parameters())
         if given is None and self.options.expressible_in:  # what keeping to the engine's terms costs: the best plan without it
             free = self._solve(self.specs(), self.options.replace(expressible_in=None))
             made = dataclasses.replace(made, engine_gap=(self.options.expressible_in, free.step_time))
@@ -206,11 +206,12 @@ class Planner:
         ``"torchtitan:FILE.toml"`` or torchtitan's tables as a mapping — is read as such a recipe in the
         model's own module names (``names``: where torchtitan's llama3 modules are, found by itself for a transformers Llama;
         :mod:`autosplit.compiler.engine_plans`). ``check_memory=False`` returns a plan over a cap instead of raising."""
-        if (isinstance(split, str) and split.startswith(ENGINE_PREFIXES)) or (isinstance(split, Mapping) and "parallelism" in split):
+        if (isinstance(split, str) and split.startswith(ENGINE_PREFIXES)) or (isinstance(split, Mapping) and "parallelism" in split) \
+                or hasattr(split, "parallelism"):  # torchtitan 0.3's Trainer.Config
             name = name or (split.partition(":")[0] if isinstance(split, str) else "torchtitan")
             tp = self.options.tensor_parallel if isinstance(self.options.tensor_parallel, int) else 1
-            split = engine_recipe(split, set(self.traced.captured.module_paths.values()), len(self.specs()), names=names,
-                                  tensor_parallel=tp)
+            split = engine_recipe(split, set(self.traced.captured.module_paths.values()), len(self.specs()),
+                                  names=self.options.names if names is None else names, tensor_parallel=tp)
         if isinstance(split, Recipe):
             made = manual_plan(self._copy_of(split), {} if split.split is None else split.split, name=name or "recipe",
                                check_memory=check_memory)
@@ -219,15 +220,19 @@ class Planner:
                 name = (f"deepspeed {split}" if isinstance(split, str) else "split points" if isinstance(split, Mapping)
                         else "balance" if split and all(isinstance(x, int) for x in split) else "manual")
             made = manual_plan(self, split, name=name, check_memory=check_memory)
-        return dataclasses.replace(made, batch=self.traced.batch or 0)
+        return dataclasses.replace(made, batch=self.traced.batch or 0, parameters=self._parameters())
+
+    def _parameters(self) -> tuple[str, ...]:
+        """The model's parameters by name, a tied one under each of its names (:attr:`Plan.parameters`)."""
+        return tuple(name for name, _ in self.model.named_parameters(remove_duplicate=False))
 
     def export(self, engine: str, plan: Plan | None = None, *, names: Any = None, form: str = "toml") -> str:
         """``plan`` (default: :meth:`plan`) as ``engine`` reads it (:meth:`autosplit.Plan.export`). Where the plan
         cuts inside a layer, the :class:`~autosplit.errors.LayerCutError` carries the nearest plan that keeps
         layers whole, costed by this planner (``.nearest``), and says its predicted step."""
-        made = self.plan() if plan is None else plan
+        made, names = self.plan() if plan is None else plan, self.options.names if names is None else names
         try:
-            return made.export(engine, names=names, form=form)
+            return made.export(engine, names=names, form=form, model=self.model)
         except LayerCutError as e:
             nearest = nearest_layer_plan(self, made, names)
             error = LayerCutError(advice(

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import difflib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from autosplit.costtable import CostTable
 from autosplit.devices import DeviceSpec
@@ -64,16 +64,17 @@ def user_constraints(table: CostTable, options: PlanOptions) -> list[UserConstra
         nodes = tuple(sorted({n for m in modules for n in _module_nodes(m, table)}))
         out.append(UserConstraint(f"keep {list(modules)} together", (), nodes))
     if options.expressible_in:
-        for modules in engine_groups(table, options.expressible_in):
+        for modules in engine_groups(table, options.expressible_in, options.names):
             nodes = tuple(sorted({n for m in modules for n in _module_nodes(m, table)}))
             out.append(UserConstraint(f"keep {list(modules)} on one stage, as {options.expressible_in} places them", (), nodes))
     return out
 
 
-def engine_groups(table: CostTable, engine: str) -> list[tuple[str, ...]]:
+def engine_groups(table: CostTable, engine: str, names: Mapping[str, str] | None = None) -> list[tuple[str, ...]]:
     """The modules ``engine`` places only together (:mod:`autosplit.plan_export`): each layer of the
-    repeated blocks, and for Megatron the final norm with the output (its loss stage ``L``)."""
+    repeated blocks, and for Megatron the final norm with the output (its loss stage ``L``); ``names``:
+    where torchtitan's llama3 modules are in the model (found by itself for the models it knows)."""
     paths = module_prefixes(table.module_paths)
-    names = names_for(paths)
-    groups: list[tuple[str, ...]] = [(p,) for p in layer_paths(paths, names)]
-    return groups + ([(names.norm, names.output)] if engine == "megatron" else [])
+    resolved = names_for(paths, names)
+    groups: list[tuple[str, ...]] = [(p,) for p in layer_paths(paths, resolved)]
+    return groups + ([(resolved.norm, resolved.output)] if engine == "megatron" else [])

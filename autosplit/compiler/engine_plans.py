@@ -16,6 +16,7 @@ Usage::
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import shlex
@@ -28,7 +29,7 @@ import tomllib
 from autosplit import schedules
 from autosplit.errors import ConstraintError, advice
 from autosplit.megatron_layout import check, parse
-from autosplit.plan_export import Names, layer_paths, module_prefixes, names_for, torchtitan_precision
+from autosplit.plan_export import OUTPUT_NAME, Names, layer_paths, module_prefixes, names_for, torchtitan_precision
 from autosplit.plans import Plan
 from autosplit.recipes import Recipe
 
@@ -42,14 +43,16 @@ _SCHEDULE_OF = {entry.torch_class.removeprefix("Schedule").lower(): name for nam
 """torchtitan's schedule names (torch's classes, read as torch reads them: any case) → autosplit's."""
 
 
-def engine_recipe(text: str | Mapping[str, Any], paths: Collection[str], world: int, *, names: Names | Mapping[str, str] | None = None,
+def engine_recipe(text: Any, paths: Collection[str], world: int, *, names: Names | Mapping[str, str] | None = None,
                   tensor_parallel: int = 1) -> Recipe:
     """The recipe of an engine's configuration over ``world`` devices of a model with module ``paths``
-    (its nodes' paths: every level of them counts); ``tensor_parallel``: the tp a bare Megatron layout runs at."""
+    (its nodes' paths: every level of them counts); ``tensor_parallel``: the tp a bare Megatron layout runs at.
+    ``text``: ``"megatron:…"``, ``"torchtitan:FILE.toml"``, torchtitan 0.2's tables as a mapping, or a
+    torchtitan 0.3 ``Trainer.Config``."""
     prefixes = module_prefixes(paths)
     resolved = names_for(prefixes, names)
     layers = len(layer_paths(prefixes, resolved))
-    if isinstance(text, Mapping):
+    if not isinstance(text, str):
         return torchtitan_recipe(text, resolved, world, layers)
     engine, _, body = text.partition(":")
     if engine == "megatron":
@@ -67,7 +70,7 @@ def engine_recipe(text: str | Mapping[str, Any], paths: Collection[str], world: 
 
 def _stage_modules(titan: Sequence[Sequence[str]], names: Names) -> list[list[str]]:
     """torchtitan's names per stage (``output`` or ``lm_head``) as the model's."""
-    return [[names.model_path("output" if f == "lm_head" else f) for f in stage] for stage in titan]
+    return [[names.model_path("output" if f in OUTPUT_NAME.values() else f) for f in stage] for stage in titan]
 
 
 def megatron_recipe(body: str, names: Names, world: int, num_layers: int, tensor_parallel: int = 1) -> Recipe:
@@ -139,7 +142,7 @@ def _megatron_replicate(flags: Mapping[str, str], pipelined: bool) -> str:
 def _megatron_flags(body: str) -> dict[str, str]:
     out: dict[str, str] = {}
     try:
-        words = shlex.split(body.replace("\\\n", " "))
+        words = shlex.split(body.replace("\\\n", " "), comments=True)  # the notes export writes are comments
     except ValueError as e:  # an unclosed quote
         raise ConstraintError(advice(f"the Megatron flags {body[:60]!r}… do not split as a shell would: {e}",
                                      "they are read as a command line", "close the quotes")) from e
@@ -164,11 +167,48 @@ def _megatron_checkpointing(flags: Mapping[str, str], titan: Sequence[Sequence[s
     return {"checkpointing": "none", "recompute": {names.model_path(p): True for p in first}}
 
 
-def torchtitan_recipe(config: Mapping[str, Any], names: Names, world: int, num_layers: int) -> Recipe:
-    """A torchtitan job config over ``world`` devices of a model of ``num_layers`` layers (v0.2 TOML tables,
-    or the same fields as one mapping per table); a shard degree of -1 is torchtitan's "the devices left
-    over". Module lists that leave out a module are refused: torchtitan's split would drop it."""
-    par, ac, training = (dict(config.get(k, {})) for k in ("parallelism", "activation_checkpoint", "training"))
+def torchtitan_tables(config: Any) -> tuple[dict[str, dict[str, Any]], str]:
+    """The ``parallelism``, ``activation_checkpoint`` and ``training`` fields of a torchtitan config, and the
+    release whose meaning they have: a ``Trainer.Config`` object is 0.3's (its checkpointing a config class:
+    ``FullAC`` is ``"full"``, ``None`` ``"none"``); a mapping of tables, or a TOML file's, is the 0.2 job
+    config's. A field no release has, or 0.3's output name in a 0.2 config, is refused by name."""
+    if isinstance(config, Mapping):
+        tables, release = {k: dict(config.get(k) or {}) for k in ("parallelism", "activation_checkpoint", "training")}, "0.2"
+    elif hasattr(config, "parallelism") and hasattr(config, "training"):
+        ac = getattr(config, "activation_checkpoint", None)
+        kind = type(ac).__qualname__.split(".")[0] if ac is not None else "none"
+        mode = {"none": "none", "FullAC": "full", "SelectiveAC": "selective"}.get(kind, kind)
+        tables = {k: {f.name: getattr(getattr(config, k), f.name) for f in dataclasses.fields(getattr(config, k))}
+                  for k in ("parallelism", "training")}
+        tables, release = {**tables, "activation_checkpoint": {"mode": mode}}, "0.3"
+    else:
+        raise ConstraintError(advice(f"a torchtitan config of type {type(config).__name__}", "autosplit reads torchtitan 0.3's "
+                                     "Trainer.Config, or 0.2's job config as TOML or a mapping of its tables", "pass one of those"))
+    if "num_pp_microbatches" in tables["parallelism"]:
+        raise ConstraintError(advice(
+            "the torchtitan config sets parallelism.num_pp_microbatches, which no torchtitan release has",
+            "torchtitan 0.2 and 0.3 take the micro-batches as training.local_batch_size // "
+            "parallelism.pipeline_parallel_microbatch_size (0.3 raises AttributeError on the field)",
+            "set pipeline_parallel_microbatch_size instead, or export the plan again: plan.export('torchtitan', form='python')",
+        ))
+    other = OUTPUT_NAME["0.3" if release == "0.2" else "0.2"]
+    if any(other in stage for stage in tables["parallelism"].get("module_fqns_per_model_part") or ()):
+        raise ConstraintError(advice(
+            f"the torchtitan {release} config lists {other!r}, torchtitan "
+            f"{'0.3' if release == '0.2' else '0.2'}'s name for the output layer",
+            f"torchtitan {release}'s llama3 names it {OUTPUT_NAME[release]!r} and drops every module its lists do not name: "
+            "it would train without its output layer", f"list {OUTPUT_NAME[release]!r}" + (
+                ", or pass torchtitan 0.3's Trainer.Config itself" if release == "0.2" else ""),
+        ))
+    return tables, release
+
+
+def torchtitan_recipe(config: Any, names: Names, world: int, num_layers: int) -> Recipe:
+    """A torchtitan config over ``world`` devices of a model of ``num_layers`` layers, read as its release
+    means it (:func:`torchtitan_tables`); a shard degree of -1 is torchtitan's "the devices left over".
+    Module lists that leave out a module are refused: torchtitan's split would drop it."""
+    tables, release = torchtitan_tables(config)
+    par, ac, training = tables["parallelism"], tables["activation_checkpoint"], tables["training"]
     replicate, shard = int(par.get("data_parallel_replicate_degree", 1)), int(par.get("data_parallel_shard_degree", -1))
     if shard == -1:
         shard = world // (replicate * int(par.get("tensor_parallel_degree", 1)) * int(par.get("pipeline_parallel_degree", 1)))
@@ -185,7 +225,7 @@ def torchtitan_recipe(config: Mapping[str, Any], names: Names, world: int, num_l
             "autosplit reads torchtitan's stages from module_fqns_per_model_part, the same number per pipeline rank",
             "give a list per stage, a multiple of the pipeline degree",
         ))
-    listed = {"output" if f == "lm_head" else f for stage in fqns or () for f in stage}
+    listed = {"output" if f == OUTPUT_NAME[release] else f for stage in fqns or () for f in stage}
     missing = sorted({"tok_embeddings", "norm", "output", *(f"layers.{i}" for i in range(num_layers))} - listed) if fqns else []
     if missing:
         raise ConstraintError(advice(
@@ -205,9 +245,7 @@ def torchtitan_recipe(config: Mapping[str, Any], names: Names, world: int, num_l
             "use mode 'full' or 'none', or plan with checkpointing='auto'",
         ))
     options["checkpointing"] = mode
-    if "num_pp_microbatches" in par:
-        options["micro_batches"] = int(par["num_pp_microbatches"])
-    elif pp > 1 and "local_batch_size" in training and "pipeline_parallel_microbatch_size" in par:
+    if pp > 1 and "local_batch_size" in training and "pipeline_parallel_microbatch_size" in par:
         options["micro_batches"] = int(training["local_batch_size"]) // int(par["pipeline_parallel_microbatch_size"])
     elif pp == 1 and "local_batch_size" in training and int(training.get("global_batch_size", -1)) > 0:  # gradient accumulation
         options["micro_batches"] = int(training["global_batch_size"]) // (int(training["local_batch_size"]) * max(replicate, shard))
@@ -215,7 +253,7 @@ def torchtitan_recipe(config: Mapping[str, Any], names: Names, world: int, num_l
     if tp > 1:
         options["sequence_parallel"] = bool(par.get("enable_sequence_parallel", True))
     options["precision"] = torchtitan_precision(str(training.get("mixed_precision_param", "bfloat16")), sharded=shard > 1,
-                                                split=tp > 1 or pp > 1)
+                                                split=tp > 1 or pp > 1, release=release)
     return Recipe(split=_stage_modules(fqns, names) if fqns else None, data_parallel=max(replicate, shard), tensor_parallel=tp,
                   replicate="fully_shard" if shard > 1 else "replicate", options=options)
 

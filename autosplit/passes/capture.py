@@ -320,6 +320,7 @@ def _capture(model: torch.nn.Module, args: tuple, kwargs: dict, method: str) -> 
             raise
         except Exception as e:  # noqa: BLE001 -- reported below with the tracer's error, in a CaptureError
             errors.append(f"torch.export: {type(e).__name__}: {e}")
+    _refuse_flex_attention(model, args, kwargs)
     details = "\n  ".join(line.splitlines()[0][:400] for line in errors)
     if lost:  # the tracer that would have worked drops meaning: say that first
         raise CaptureError(advice(
@@ -334,6 +335,24 @@ def _capture(model: torch.nn.Module, args: tuple, kwargs: dict, method: str) -> 
         "move data-dependent branches into a leaf module (autosplit keeps standard torch.nn modules as leaves) or "
         "use torch.where / torch.cond; register custom output classes with torch.utils._pytree; or pass "
         "capture='export' with static example inputs",
+    )) from None
+
+
+def _refuse_flex_attention(model: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+    """Where a model that could not be captured runs FlexAttention (torchtitan 0.3's language models do),
+    say why and what to switch, instead of the tracers' own messages."""
+    flex = [q or type(model).__name__ for q, m in model.named_modules() if "FlexAttention" in type(m).__name__]
+    masks = [x for x in pytree.tree_leaves((args, kwargs)) if type(x).__name__ == "BlockMask"]
+    if not (flex or masks):
+        return
+    raise CaptureError(advice(
+        f"{type(model).__name__} runs FlexAttention ({', '.join(flex[:2]) or 'a BlockMask among its inputs'}"
+        f"{' …' if len(flex) > 2 else ''}), whose mask is a BlockMask: neither tracer takes a BlockMask as an input (torch.export "
+        "takes tensors and containers of them), and torch's FlexAttention has no backward on a CPU",
+        "torchtitan 0.3 builds its language models with FlexAttention and a document-causal BlockMask made by the training loop",
+        "plan the same model built with causal scaled-dot-product attention: in torchtitan, set each layer config's "
+        "attention.inner_attention = ScaledDotProductAttention.Config() (the same modules and parameters, so the plan and its "
+        "export apply to the FlexAttention model), and pass the tokens alone",
     )) from None
 
 
