@@ -206,11 +206,11 @@ def test_a_version_2_file_still_loads():
     old = Plan.load(GOLDEN / "gpt_a100x2_gpipe.v2.plan.json")
     assert old.objective == "pipeline" and old.schedule == "gpipe" and old.schema_version == SCHEMA_VERSION
     new = Plan.load(GOLDEN / "gpt_a100x2_gpipe.plan.json")
-    assert old.rank_memory == () and old.stages_per_rank == 1 and old.batch == 0, "written before these existed"
+    assert old.rank_memory == () and old.stages_per_rank == 1 and old.batch == 0 and old.parameters == (), "written before these existed"
     assert all(st.sparse_param_bytes == st.row_grad_bytes == 0 for st in old.stages), "nor did the rows of sparse gradients"
     stages = tuple(dataclasses.replace(o, sparse_param_bytes=n.sparse_param_bytes, row_grad_bytes=n.row_grad_bytes)
                    for o, n in zip(old.stages, new.stages))
-    assert dataclasses.replace(old, rank_memory=new.rank_memory, stages=stages, batch=new.batch) == new, \
+    assert dataclasses.replace(old, rank_memory=new.rank_memory, stages=stages, batch=new.batch, parameters=new.parameters) == new, \
         "version 3 adds the objective, nothing else"
 
 
