@@ -38,6 +38,7 @@ from autosplit.errors import CostModelError, advice
 from autosplit.passes.annotations import NodeInfo
 from autosplit.passes.autocast_policy import HALF, LOW_PRECISION, precision_context
 from autosplit.passes.capture import Captured
+from autosplit.passes.flop_formulas import FLOP_FORMULAS
 from autosplit.passes.sparse_tables import row_sparse
 
 F = torch.nn.functional
@@ -45,23 +46,7 @@ F = torch.nn.functional
 aten = torch.ops.aten
 
 
-def _rnn_layer_flops(input_shape, w_ih, w_hh, *_args, out_shape=None, **_kwargs) -> int:
-    """One LSTM/GRU layer's gate matmuls over every time step: 2 · tokens · (|W_ih| + |W_hh|)."""
-    tokens = input_shape[0] * input_shape[1]
-    return 2 * tokens * (w_ih[0] * w_ih[1] + w_hh[0] * w_hh[1])
-
-
-def _rnn_layer_backward_flops(input_shape, w_ih, w_hh, *args, out_shape=None, **kwargs) -> int:
-    """Gradients of the inputs and of the weights: twice the forward's matmuls."""
-    return 2 * _rnn_layer_flops(input_shape, w_ih, w_hh)
-
-
-RNN_FLOPS = {aten.mkldnn_rnn_layer: _rnn_layer_flops, aten.mkldnn_rnn_layer_backward: _rnn_layer_backward_flops}
-"""FlopCounterMode has no formula for the fused CPU RNN kernel that ``nn.LSTM`` runs (oneDNN; an
-LSTM with projections runs decomposed into matmuls, which it counts): without these, analytic
-costs would see no LSTM compute at all."""
-
-__all__ = ["RNN_FLOPS", "annotate", "fresh"]
+__all__ = ["annotate", "fresh"]
 
 log = logging.getLogger(__name__)
 
@@ -388,7 +373,7 @@ class _Annotator(fx.Interpreter):
             return t
 
         with (
-            FlopCounterMode(display=False, custom_mapping=RNN_FLOPS) as fwd_counter,
+            FlopCounterMode(display=False, custom_mapping=FLOP_FORMULAS) as fwd_counter,
             torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
             policy,
         ):
@@ -406,10 +391,10 @@ class _Annotator(fx.Interpreter):
             ones = [torch.ones_like(o) for o in outs]
             wgrad = 0
             if weights and len(weights) < len(grad_inputs):  # the weight gradient alone, then the whole backward
-                with FlopCounterMode(display=False, custom_mapping=RNN_FLOPS) as w_counter:
+                with FlopCounterMode(display=False, custom_mapping=FLOP_FORMULAS) as w_counter:
                     torch.autograd.grad(outs, weights, ones, allow_unused=True, retain_graph=True)
                 wgrad = w_counter.get_total_flops()
-            with FlopCounterMode(display=False, custom_mapping=RNN_FLOPS) as bwd_counter:
+            with FlopCounterMode(display=False, custom_mapping=FLOP_FORMULAS) as bwd_counter:
                 torch.autograd.grad(outs, grad_inputs, ones, allow_unused=True)
             bwd = bwd_counter.get_total_flops()
             wshare = 1.0 if weights and len(weights) == len(grad_inputs) else min(1.0, wgrad / bwd) if bwd else 0.0

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from autosplit.costtable import CostTable
 from autosplit.devices import resolve_devices
@@ -81,6 +82,29 @@ def test_analytic_costs_count_the_fused_lstm_kernel():
     info = node_info(next(n for n in gm.graph.nodes if n.name == "lstm"))
     gates = 2 * 4 * 10 * (4 * 128 * 64 + 4 * 128 * 128)  # tokens × (|W_ih| + |W_hh|), multiply-adds
     assert info.fwd_flops == gates and info.bwd_flops == 2 * gates
+
+
+@pytest.mark.parametrize("capture_with", ["symbolic_trace", "export"])
+def test_analytic_costs_count_attention_whatever_device_the_plan_is_for(capture_with):
+    """Annotation runs on CPU fake tensors, where ``scaled_dot_product_attention`` is the CPU flash kernel,
+    which FlopCounterMode has no formula for: its forward and backward are counted as torch counts the GPU
+    flash kernel, 4·b·h·s²·d and 10·b·h·s²·d (grouped-query: the query's heads), whatever the plan's devices."""
+    from autosplit.passes.annotate import annotate
+    from autosplit.passes.annotations import node_info
+
+    class Attention(nn.Module):
+        def forward(self, q, k, v):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+    b, h, kv, s, d = 2, 8, 2, 64, 16
+    q, k, v = torch.randn(b, h, s, d), torch.randn(b, kv, s, d), torch.randn(b, kv, s, d)
+    for t in (q, k, v):
+        t.requires_grad_(True)
+    captured = capture(Attention(), (q, k, v), method=capture_with)
+    gm = annotate(captured, flat_inputs(captured, (q, k, v), {}))
+    flops = [node_info(n) for n in gm.graph.nodes if n.op == "call_function"]
+    assert sum(i.fwd_flops for i in flops) == 4 * b * h * s * s * d
+    assert sum(i.bwd_flops for i in flops) == 10 * b * h * s * s * d
 
 
 @pytest.mark.parametrize("capture_with", ["symbolic_trace", "export"])
