@@ -158,7 +158,8 @@ def _blockers(row: dict[str, str]) -> list[str]:
 def _layout(row: dict[str, str]) -> dict[str, Any]:
     """The recipe's degrees and batch from the row's numeric cells; :class:`Malformed` where they disagree."""
     gpus, seq, batch = (_int(row, c) for c in ("num_gpus", "seq_len", "global_batch_size"))
-    assert gpus is not None and seq is not None and batch is not None  # classify() has named a missing one
+    if gpus is None or seq is None or batch is None:
+        raise Malformed("num_gpus, seq_len and global_batch_size are all needed")
     tp, pp, cp = (_int(row, c, 1) or 1 for c in ("tp", "pp", "cp"))
     vp = _int(row, "vp", 1) if re.fullmatch(r"\d*", row["vp"].strip()) else 1
     if gpus % (tp * pp * cp):
