@@ -69,6 +69,17 @@ def _layers(modules: tuple[str, ...]) -> str:
     return ", ".join(modules)
 
 
+def _attention_share(gm: Any) -> float:
+    """The share of the forward and backward FLOPs annotation counts in attention kernels
+    (``scaled_dot_product_attention`` and the kernels it dispatches to)."""
+    from autosplit.passes.annotations import node_info
+
+    work = [(node_info(n).fwd_flops + node_info(n).bwd_flops, "attention" in str(n.target)) for n in gm.graph.nodes
+            if n.op == "call_function" and "autosplit" in n.meta]
+    total = sum(f for f, _ in work)
+    return sum(f for f, attention in work if attention) / total if total else 0.0
+
+
 def plan_one(
     name: str, devices: int, batch: int, seq: int, schedule: str, time_limit: float, precision: str = "fp32", checkpointing: str = "none",
 ) -> dict[str, Any]:
@@ -91,6 +102,7 @@ def plan_one(
         planner = autosplit.Planner(model, ["H100-80GB"] * devices, example_inputs=(autosplit.Spec((batch, seq), torch.long),),
                                     schedule=schedule, time_limit=time_limit, precision=runs_in, checkpointing=checkpointing)
         plan = planner.plan()
+        row["attention_flops_share"] = _attention_share(planner.traced.captured.gm)
         row.update(outcome="planned", passes_s={k: round(v, 3) for k, v in plan.timings.items()}, step_s=plan.step_time,
                    stages=[{"modules": _layers(s.modules), "memory_gib": s.memory / 2**30, "recompute": len(s.recompute)}
                            for s in plan.stages],
@@ -134,7 +146,8 @@ def run(
                 continue
             rows.append(row)
             p = row.get("passes_s", {})
-            outcome = (f"step {row['step_s']:.2f} s, max memory {max(s['memory_gib'] for s in row['stages']):.1f} GiB"
+            outcome = (f"step {row['step_s']:.2f} s, max memory {max(s['memory_gib'] for s in row['stages']):.1f} GiB, "
+                       f"attention {row['attention_flops_share']:.1%} of the FLOPs"
                        if row["outcome"] == "planned" else f"{row['outcome']}: needs {row['least_memory_gib']} GiB")
             times = " ".join(f"{p[k]:8.2f}" if k in p else f"{'-':>8}" for k in ("capture", "annotate", "estimate"))  # - : not reached
             solve = f"{p['solve']:6.2f}" if "solve" in p else f"{'-':>6}"

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import re
-import shlex
 import warnings
 from typing import Any
 
@@ -19,6 +18,7 @@ from hypothesis import strategies as st
 
 import autosplit
 from autosplit import schedules
+from autosplit.compiler.engine_plans import _megatron_flags
 from autosplit.errors import CaptureError, ConstraintError, ExportError
 from autosplit.megatron_layout import check, parse
 from autosplit.plan_export import RELEASES, TORCHTITAN_LLAMA3, names_for, stage_parts
@@ -78,8 +78,7 @@ def _hf_llama(layers: int):
 def _megatron_reads(flags: str, plan: autosplit.Plan, num_layers: int) -> None:
     """Megatron's ``TransformerConfig`` validates the exported layout at the exported sizes, and its layout
     object gives every (pipeline, virtual) rank the layers the plan's stage there holds."""
-    words = shlex.split(flags.replace("\\\n", " "), comments=True)
-    value = {w[2:]: words[k + 1] for k, w in enumerate(words[:-1]) if w.startswith("--") and not words[k + 1].startswith("--")}
+    value = _megatron_flags(flags)
     pp, layout = int(value["pipeline-model-parallel-size"]), value["pipeline-model-parallel-layout"]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -96,7 +95,7 @@ def _megatron_reads(flags: str, plan: autosplit.Plan, num_layers: int) -> None:
             rank, chunk = k % pp, k // pp
             layers = [int(p.split(".")[1]) for p in part if p.startswith("layers.")]
             assert read.get_layer_id_list(vp_stage=chunk, pp_rank=rank) == layers, (k, layout)
-            assert LayerType.embedding in read.layout[rank][chunk] if "tok_embeddings" in part else True
+            assert (LayerType.embedding in read.layout[rank][chunk]) == ("tok_embeddings" in part)
             assert (LayerType.loss in read.layout[rank][chunk]) == ("output" in part)
     finally:
         parallel_state.set_virtual_pipeline_model_parallel_world_size(None)

@@ -52,5 +52,5 @@ FLOP_FORMULAS = {**RNN_FLOPS, aten._scaled_dot_product_flash_attention_for_cpu: 
                  aten._scaled_dot_product_flash_attention_for_cpu_backward: _cpu_flash_backward_flops}
 """What FlopCounterMode lacks, given to it: the RNN kernels above, and the flash-attention kernel that
 ``scaled_dot_product_attention`` runs on CPU tensors, which annotation's fake tensors are whatever the
-plan's devices. Without it every captured graph counted no attention FLOPs: with it, attention is 25.0%
-of a transformers Llama-3-8B's forward and backward FLOPs at 8,192 tokens, 57.2% at 32,768."""
+plan's devices. Without it every captured graph counted no attention FLOPs, a large share of a long
+sequence's work (``benchmarks/plan_llms.py`` reports each model's as ``attention_flops_share``)."""
