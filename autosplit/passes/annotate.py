@@ -38,7 +38,7 @@ from autosplit.errors import CostModelError, advice
 from autosplit.passes.annotations import NodeInfo
 from autosplit.passes.autocast_policy import HALF, LOW_PRECISION, precision_context
 from autosplit.passes.capture import Captured
-from autosplit.passes.flop_formulas import FLOP_FORMULAS
+from autosplit.passes.flop_formulas import flop_formulas
 from autosplit.passes.sparse_tables import row_sparse
 
 F = torch.nn.functional
@@ -163,6 +163,7 @@ class _Annotator(fx.Interpreter):
         super().__init__(captured.gm, garbage_collect_values=True)
         self.paths = captured.module_paths
         self.precision, self.device_type = precision, device_type
+        self.formulas = flop_formulas()
         self._state_read = False  # inputs are faked first, then the model's state as nodes read it
         self.fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
         self._fakes: dict[int, torch.Tensor] = {}  # id(real tensor) → its fake, so identity survives
@@ -373,7 +374,7 @@ class _Annotator(fx.Interpreter):
             return t
 
         with (
-            FlopCounterMode(display=False, custom_mapping=FLOP_FORMULAS) as fwd_counter,
+            FlopCounterMode(display=False, custom_mapping=self.formulas) as fwd_counter,
             torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
             policy,
         ):
@@ -391,10 +392,10 @@ class _Annotator(fx.Interpreter):
             ones = [torch.ones_like(o) for o in outs]
             wgrad = 0
             if weights and len(weights) < len(grad_inputs):  # the weight gradient alone, then the whole backward
-                with FlopCounterMode(display=False, custom_mapping=FLOP_FORMULAS) as w_counter:
+                with FlopCounterMode(display=False, custom_mapping=self.formulas) as w_counter:
                     torch.autograd.grad(outs, weights, ones, allow_unused=True, retain_graph=True)
                 wgrad = w_counter.get_total_flops()
-            with FlopCounterMode(display=False, custom_mapping=FLOP_FORMULAS) as bwd_counter:
+            with FlopCounterMode(display=False, custom_mapping=self.formulas) as bwd_counter:
                 torch.autograd.grad(outs, grad_inputs, ones, allow_unused=True)
             bwd = bwd_counter.get_total_flops()
             wshare = 1.0 if weights and len(weights) == len(grad_inputs) else min(1.0, wgrad / bwd) if bwd else 0.0

@@ -1,21 +1,23 @@
 """The FLOP formulas torch's ``FlopCounterMode`` lacks, given to it by annotation (:mod:`autosplit.passes.annotate`).
 
 Annotation replays every node on CPU fake tensors, whatever devices the plan is for, so the kernels it
-counts are the CPU ones: the fused oneDNN RNN layer and the CPU flash-attention kernel have no formula
-in torch, and would count as no work at all.
+counts are the CPU ones: the fused oneDNN RNN layer, the CPU flash-attention kernel and transformers'
+grouped matmul of the experts have no formula in torch, and would count as no work at all.
 
 Usage::
 
-    with FlopCounterMode(display=False, custom_mapping=FLOP_FORMULAS) as counter:
+    with FlopCounterMode(display=False, custom_mapping=flop_formulas()) as counter:
         ...
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
 
-__all__ = ["FLOP_FORMULAS", "RNN_FLOPS"]
+__all__ = ["FLOP_FORMULAS", "RNN_FLOPS", "flop_formulas"]
 
 aten = torch.ops.aten
 
@@ -48,8 +50,29 @@ def _cpu_flash_backward_flops(grad_out, query, key, value, *_args, out_shape=Non
     return sdpa_backward_flop_count(grad_out, query, key, value)
 
 
+def _grouped_mm_flops(input, weight, *_args, out_shape=None, **_kwargs) -> int:
+    """A grouped matmul of the experts' rows, ``(S, K) × (E, K, N)``: each row meets one expert, ``2·S·K·N``
+    whatever the routing; batched ``(E, M, K) × (E, K, N)`` the same per output element, ``2·|out|·K``."""
+    return 2 * math.prod(out_shape) * input[-1]
+
+
+def _grouped_mm_backward_flops(input, weight, *_args, out_shape=None, **_kwargs) -> int:
+    """The gradients of its rows and of its experts' weights: twice the forward."""
+    return 2 * _grouped_mm_flops(input, weight, out_shape=(input[0], weight[-1]))
+
+
 FLOP_FORMULAS = {**RNN_FLOPS, aten._scaled_dot_product_flash_attention_for_cpu: _cpu_flash_flops,
                  aten._scaled_dot_product_flash_attention_for_cpu_backward: _cpu_flash_backward_flops}
+
+
+def flop_formulas() -> dict:
+    """:data:`FLOP_FORMULAS`, and the grouped matmul that transformers' mixture-of-experts layers run on a CPU
+    (``torch.ops.transformers.grouped_mm_fallback``) where transformers has registered it by now: asked at
+    annotation, since a model's library may be imported after autosplit."""
+    if not hasattr(torch.ops.transformers, "grouped_mm_fallback"):
+        return FLOP_FORMULAS
+    return {**FLOP_FORMULAS, torch.ops.transformers.grouped_mm_fallback: _grouped_mm_flops,
+            torch.ops.transformers.grouped_mm_fallback_backward: _grouped_mm_backward_flops}
 """What FlopCounterMode lacks, given to it: the RNN kernels above, and the flash-attention kernel that
 ``scaled_dot_product_attention`` runs on CPU tensors, which annotation's fake tensors are whatever the
 plan's devices. Without it every captured graph counted no attention FLOPs, a large share of a long

@@ -107,6 +107,30 @@ def test_analytic_costs_count_attention_whatever_device_the_plan_is_for(capture_
     assert sum(i.bwd_flops for i in flops) == 10 * b * h * s * s * d
 
 
+def test_analytic_costs_count_the_experts_grouped_matmul_of_transformers():
+    """transformers' mixture-of-experts layers run their experts as one grouped matmul, a custom op on a CPU
+    (``torch.ops.transformers.grouped_mm_fallback``) that FlopCounterMode has no formula for: each of the S
+    routed rows meets one expert's (K, N) weight, 2·S·K·N forward, twice that backward, however they are routed."""
+    import transformers.integrations.moe  # noqa: F401 -- registers the op
+
+    from autosplit.passes.annotate import annotate
+    from autosplit.passes.annotations import node_info
+
+    class Experts(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = nn.Parameter(torch.randn(4, 16, 32))
+
+        def forward(self, rows, offs):
+            return torch.ops.transformers.grouped_mm_fallback(rows, self.weight, offs)
+
+    rows, offs = torch.randn(24, 16, requires_grad=True), torch.tensor([5, 5, 17, 24])
+    captured = capture(Experts(), (rows, offs), method="export")
+    gm = annotate(captured, flat_inputs(captured, (rows, offs), {}))
+    (info,) = [node_info(n) for n in gm.graph.nodes if "grouped_mm" in str(n.target)]
+    assert info.fwd_flops == 2 * 24 * 16 * 32 and info.bwd_flops == 2 * info.fwd_flops
+
+
 @pytest.mark.parametrize("capture_with", ["symbolic_trace", "export"])
 def test_an_embedding_table_read_only_by_lookups_records_the_rows_its_gradient_holds(capture_with):
     """Untied, the token table's gradient is the rows the batch looked up (with a 64-bit index each);
