@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeAlias
 
+from autosplit.device_spec import DeviceSpec
 from autosplit.errors import DeviceError, advice
+from autosplit.gpu_presets import GPU_PRESETS
 from autosplit.units import GiB, format_bytes, parse_bytes
 
 if TYPE_CHECKING:
@@ -25,90 +26,9 @@ if TYPE_CHECKING:
 
 __all__ = ["DeviceSpec", "PRESETS", "resolve_devices", "parse_bytes", "format_bytes"]
 
-@dataclass(frozen=True)
-class DeviceSpec:
-    """The hardware figures of one device, as the analytic cost model uses them."""
-
-    name: str
-    """Human name, e.g. ``"A100-80GB"`` or ``"cpu"``."""
-    memory: int
-    """Memory available for training state and activations, in bytes."""
-    peak_flops: float
-    """Peak dense FP32 throughput, FLOP/s."""
-    memory_bandwidth: float
-    """Device memory bandwidth, bytes/s."""
-    link_bandwidth: float
-    """Bandwidth of this device's link to its peers, bytes/s (one direction)."""
-    link_latency: float = 10e-6
-    """Latency of one transfer over the link, seconds."""
-    peak_flops_half: float | None = None
-    """Peak FP16/BF16 throughput (tensor cores), FLOP/s; ``None`` means same as FP32."""
-    efficiency: float = 0.6
-    """Fraction of peak FLOP/s that real kernels reach (``calibrate`` fits it from a profile)."""
-    memory_efficiency: float | None = None
-    """Fraction of peak memory bandwidth reached by memory-bound ops; ``None``: ``efficiency``."""
-    launch_overhead: float = 5e-6
-    """Fixed cost of launching one operator, seconds."""
-    torch_device: str | None = None
-    """Where generated code runs (``"cuda:0"``); ``None`` for hardware planned but not present."""
-    island: str | None = None
-    """Devices with the same island (e.g. one NVLink domain, ``"node0"``) talk over ``link_*``;
-    devices on different islands over ``network_*``."""
-    island_size: int | None = None
-    """Devices per island (a node's GPUs), where known: a data-parallel group of the mesh (consecutive
-    ranks) larger than this leaves the island (:func:`autosplit.passes.sharding.group_time`)."""
-    network_bandwidth: float = 25e9
-    """Bandwidth between islands, bytes/s (25e9 = one 200 Gb/s InfiniBand port)."""
-    network_latency: float = 5e-6
-    microbatch_overhead: float = 0.0
-    """The pipeline runtime's fixed seconds per micro-batch on a stage, forward and backward
-    (scheduling, send/recv set-up); 0 until measured (``autosplit.calibration.measure_runtime``)."""
-    allreduce_bandwidth: float | None = None
-    """Per-hop bandwidth of a ring all-reduce between devices of one island as the backend runs it,
-    bytes/s; ``None``: ``link_bandwidth``. Measured where it differs: gloo's CPU all-reduce also
-    sums on the cores and hands data between its threads (``measure_runtime`` fits it)."""
-    allreduce_latency: float | None = None
-    """Per-hop latency of that all-reduce, seconds; ``None``: ``link_latency``."""
-
-    @property
-    def device_type(self) -> str:
-        """``"cpu"`` or ``"cuda"``: whose autocast policy and kernels the cost model assumes (presets of
-        GPUs, and any spec not named or placed on the CPU, are GPUs)."""
-        return "cpu" if (self.torch_device or self.name).startswith("cpu") else "cuda"
-
-    def link_to(self, other: DeviceSpec) -> tuple[float, float]:
-        """(bandwidth bytes/s, latency s) from this device to ``other``: the slower end decides."""
-        if self.island == other.island:
-            return min(self.link_bandwidth, other.link_bandwidth), max(self.link_latency, other.link_latency)
-        return min(self.network_bandwidth, other.network_bandwidth), max(self.network_latency, other.network_latency)
-
-    def allreduce_link(self, other: DeviceSpec) -> tuple[float, float]:
-        """(bandwidth bytes/s, latency s) of one hop of a ring all-reduce between this device and
-        ``other`` (:func:`~autosplit.solver.hybrid.ring_allreduce`): the measured all-reduce figures
-        within an island, where both have them; else the link's."""
-        if self.island != other.island:
-            return self.link_to(other)
-        bandwidths, latencies = (self.allreduce_bandwidth, other.allreduce_bandwidth), (self.allreduce_latency, other.allreduce_latency)
-        if None in bandwidths or None in latencies:
-            return self.link_to(other)
-        return min(b for b in bandwidths if b is not None), max(t for t in latencies if t is not None)
-
-    def on_island(self, island: str) -> DeviceSpec:
-        return dataclasses.replace(self, island=island)
-
-    def with_memory(self, memory: int) -> DeviceSpec:
-        return dataclasses.replace(self, memory=int(memory))
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: Mapping) -> DeviceSpec:
-        return cls(**data)
-
-
 # Public spec-sheet figures (dense, no sparsity). Link bandwidth is one direction of the
 # device's NVLink aggregate; the CPU entry stands for one socket of a commodity server.
+# V100: NVIDIA Tesla V100 datasheet; A100: NVIDIA A100 datasheet (SXM4 80 GB).
 PRESETS: dict[str, DeviceSpec] = {
     "V100-16GB": DeviceSpec(
         "V100-16GB", 16 * GiB, 15.7e12, 900e9, 150e9, 5e-6, peak_flops_half=125e12
@@ -119,9 +39,7 @@ PRESETS: dict[str, DeviceSpec] = {
     "A100-80GB": DeviceSpec(
         "A100-80GB", 80 * GiB, 19.5e12, 2039e9, 300e9, 5e-6, peak_flops_half=312e12
     ),
-    "H100-80GB": DeviceSpec(
-        "H100-80GB", 80 * GiB, 67e12, 3350e9, 450e9, 5e-6, peak_flops_half=989e12
-    ),
+    **GPU_PRESETS,  # the record's GPUs, Hopper and Blackwell, with their sources
     "cpu": DeviceSpec(
         "cpu", 16 * GiB, 100e9, 20e9, 10e9, 10e-6, efficiency=0.5, launch_overhead=5e-6
     ),
@@ -143,7 +61,9 @@ def _cuda_spec(dev: torch.device) -> DeviceSpec:
             "or a DeviceSpec",
         ))
     props = torch.cuda.get_device_properties(index)
-    base = next((p for key, p in PRESETS.items() if key.split("-")[0] in props.name), None)
+    # the longest GPU kind the driver's name holds: "NVIDIA GB200" is a GB200, not a B200
+    matches = [(len(key.split("-")[0]), p) for key, p in PRESETS.items() if key.split("-")[0] in props.name]
+    base = max(matches, key=lambda m: m[0])[1] if matches else None
     if base is None:  # an unknown GPU: take A100 figures, the memory from the driver
         base = PRESETS["A100-80GB"]
     return dataclasses.replace(base, name=props.name, memory=int(props.total_memory), torch_device=str(dev))

@@ -6,8 +6,8 @@ can express, builds the model on the meta device from the shapes the CSV gives (
 layout as a ``Recipe`` — TP, PP, VP (``stages_per_rank``; ``interleaved1f1b`` when VP > 1, ``1f1b`` when
 PP > 1, else ``gpipe``), data parallel ``GPUs / (TP·PP·CP)`` as FSDP2 (``fully_shard``: FSDP or Megatron's
 distributed optimizer) or DDP, micro-batches per copy, recomputation, bf16 precision — and costs it with
-``Planner.manual(recipe, check_memory=False)`` over the published GPU count (``Cluster.dgx_h100`` for
-H100 in whole nodes). Per row: predicted tokens/s/GPU (global batch · sequence / (step · GPUs)), the
+``Planner.manual(recipe, check_memory=False)`` on ``Cluster.of(gpu, count)``: the published GPUs as
+their system came (:mod:`autosplit.gpu_presets`). Per row: predicted tokens/s/GPU (global batch · sequence / (step · GPUs)), the
 published figure, their ratio, the fullest device's predicted memory against its capacity, and
 planning seconds; a row it cannot express names why (``fp8``, ``cp``, ``ep``, ``moe``, ``lora``,
 ``model shape unknown``, ``no device preset for B200``, …); a malformed row says what is wrong with it
@@ -46,9 +46,6 @@ SHAPE = ("num_layers", "hidden_size", "num_attention_heads", "num_kv_heads", "ff
 REQUIRED = ("row_id", "task", "model", *SHAPE, "moe_experts", "gpu", "num_gpus", "precision", "seq_len", "global_batch_size",
             "micro_batch_size", "tp", "pp", "vp", "cp", "ep", "dp", "fsdp", "distributed_optimizer", "recompute",
             "tokens_per_sec_per_gpu")
-DEVICE_PRESETS = {"H100": "H100-80GB"}
-"""GPU kind (the ``gpu`` cell's first word) → autosplit's device preset; the only kinds costed."""
-PER_NODE = 8
 TASKS = ("pretrain", "sft")
 """Tasks costed as a training step (LoRA freezes the weights: left out of the step model, as the README says)."""
 
@@ -119,9 +116,12 @@ def _recompute(text: str) -> tuple[str, bool] | str:
 
 
 def _gpu_kind(text: str) -> str | None:
-    """The GPU kind a ``gpu`` cell names first (``"H100 (DGX-H100)"`` → ``"H100"``)."""
+    """The system a ``gpu`` cell names (:data:`autosplit.gpu_presets.SYSTEMS`): its first word
+    (``"H100 (DGX-H100)"`` → ``"H100"``), the 500 W H100 of torchtitan's Grand Teton hosts apart."""
     kind = re.match(r"\s*([A-Za-z]+\d+)", text)
-    return None if kind is None else kind.group(1).upper()
+    if kind is None:
+        return None
+    return kind.group(1).upper() + ("-500W" if re.search(r"\b500\s*W\b", text) else "")
 
 
 def _blockers(row: dict[str, str]) -> list[str]:
@@ -130,10 +130,12 @@ def _blockers(row: dict[str, str]) -> list[str]:
     task = row["task"].strip().lower()
     if task not in TASKS:
         reasons.append("lora" if task == "lora" else f"task {task or 'unknown'}")
+    from autosplit.gpu_presets import SYSTEMS
+
     kind = _gpu_kind(row["gpu"])
     if kind is None:
         reasons.append("gpu unknown")
-    elif kind not in DEVICE_PRESETS:
+    elif kind not in SYSTEMS:
         reasons.append(f"no device preset for {kind}")
     if (why := _precision_reason(row["precision"])) is not None:
         reasons.append(why)
@@ -205,7 +207,7 @@ def classify(row: dict[str, str], line: int) -> Classified:
         return out
     vp = layout["vp"]
     out.spec = {**layout, "row_id": row_id, "shape": {c: int(row[c]) for c in SHAPE},
-                "device": DEVICE_PRESETS[_gpu_kind(row["gpu"]) or ""], "checkpointing": recompute[0], "selective": recompute[1],
+                "gpu": _gpu_kind(row["gpu"]), "checkpointing": recompute[0], "selective": recompute[1],
                 "schedule": "interleaved1f1b" if vp > 1 else "1f1b" if layout["pp"] > 1 else "gpipe",
                 "torchtitan_split": "torchtitan" in (row.get("repo", "") + row.get("source", "")).lower()}
     return out
@@ -239,8 +241,7 @@ def cost_row(spec: dict[str, Any]) -> dict[str, Any]:
     start = time.perf_counter()
     model = _model(spec["shape"], spec["seq_len"])
     gpus, tokens = spec["num_gpus"], spec["global_batch"] * spec["seq_len"]
-    devices = (autosplit.Cluster.dgx_h100(nodes=gpus // PER_NODE) if spec["device"] == "H100-80GB" and gpus % PER_NODE == 0
-               else [spec["device"]] * gpus)
+    devices = autosplit.Cluster.of(spec["gpu"], gpus)
     row: dict[str, Any] = {}
     planning = time.perf_counter()
     try:

@@ -16,10 +16,21 @@ def test_repeated_cpu_entries_are_distinct_logical_devices():
     assert len(specs) == 4 and all(s.torch_device == "cpu" for s in specs)
 
 
-@pytest.mark.parametrize("name", ["V100-16GB", "A100-80GB", "H100-80GB", "cpu"])
+@pytest.mark.parametrize("name", ["V100-16GB", "A100-80GB", "H100-80GB", "H100-96GB-500W", "H200-141GB", "H800-80GB",
+                                  "B200-180GB", "B300-288GB", "GB200-186GB", "GB300-288GB", "cpu"])
 def test_presets_resolve(name):
     (spec,) = resolve_devices([name])
     assert spec.peak_flops > 0 and spec.memory > 0 and spec.memory_bandwidth > 0
+
+
+def test_the_record_gpus_carry_their_datasheet_figures():
+    """Spot checks against the datasheets the module names: dense peaks, HBM, NVLink one way."""
+    h100, titan, b200, gb300 = (PRESETS[n] for n in ("H100-80GB", "H100-96GB-500W", "B200-180GB", "GB300-288GB"))
+    assert (h100.peak_flops_half, h100.peak_flops_fp8, h100.peak_flops_fp4) == (989e12, 1979e12, None)
+    assert titan.memory == 96 * 2**30 and titan.memory_bandwidth == 2.4e12 and titan.peak_flops_half == h100.peak_flops_half
+    assert b200.peak_flops_fp8 == 2 * b200.peak_flops_half == 4.5e15 and b200.link_bandwidth == 900e9
+    assert gb300.peak_flops_fp4 == 3 * gb300.peak_flops_fp8 == 15e15 and PRESETS["H800-80GB"].link_bandwidth == 200e9
+    assert all(p.peak_flops_fp8 is None for n, p in PRESETS.items() if n.startswith(("V100", "A100", "cpu")))
 
 
 def test_preset_names_are_case_insensitive_and_plan_only():

@@ -20,7 +20,8 @@ def test_every_row_of_the_record_is_classified_and_the_expressible_ones_become_r
     assert len(read) == len(_rows()[1])
     by_id = {c.row_id: c for c in read}
     assert by_id["294"].spec is not None and by_id["294"].spec["dp"] == 8 and by_id["294"].spec["micro_batches"] == 1
-    assert "mxfp8" in by_id["2"].reasons and "ep" in by_id["2"].reasons and "no device preset for GB200" in by_id["2"].reasons
+    assert "mxfp8" in by_id["2"].reasons and "ep" in by_id["2"].reasons and not any("preset" in r for r in by_id["2"].reasons)
+    assert by_id["294"].spec["gpu"] == "H100-500W" and by_id["2"].info["gpu"] == "GB200"  # torchtitan's 500 W H100s apart
     assert all(c.reasons or c.spec is not None for c in read)  # a row is costed or says why not
 
 

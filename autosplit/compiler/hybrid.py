@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from autosplit import schedules
 from autosplit.devices import PRESETS, DeviceSpec
 from autosplit.errors import ConstraintError, InfeasiblePlanError, advice
+from autosplit.gpu_presets import GPU_PRESETS, domain_size
 from autosplit.plans import Plan, StageReport
 from autosplit.solver.hybrid import (
     examples_factor,
@@ -164,6 +165,16 @@ class Cluster:
         8 × 400 Gb/s NDR InfiniBand (50 GB/s per GPU); NVIDIA DGX H100 datasheet (2022)."""
         return cls("DGX H100", PRESETS["H100-80GB"], nodes, 8, (450e9, 5e-6), 8 * 50e9, 5e-6,
                    "NVIDIA DGX H100 datasheet (2022)")
+
+    @classmethod
+    def of(cls, gpu: str, gpus: int) -> Cluster:
+        """``gpus`` GPUs of a kind :data:`~autosplit.gpu_presets.SYSTEMS` names (``"H100"``, ``"H100-500W"``,
+        ``"H200"``, ``"H800"``, ``"B200"``, ``"B300"``, ``"GB200"``, ``"GB300"``) as their system came: NVLink
+        inside a domain (:func:`~autosplit.gpu_presets.domain_size`), each GPU's own NIC between domains."""
+        system, per_node = domain_size(gpu, gpus)
+        device = GPU_PRESETS[system.preset]
+        return cls(f"{system.name} × {gpus}", device, gpus // per_node, per_node, (device.link_bandwidth, device.link_latency),
+                   per_node * system.nic, 5e-6, system.source)
 
 
 @dataclass(frozen=True)

@@ -57,3 +57,22 @@ def test_a_good_cluster_is_unchanged():
     cluster = Cluster(**{**GOOD, "intra": [150e9, 0.0]})
     assert cluster.intra == (150e9, 0.0) and cluster.size == 8 and hash(cluster)
     assert Cluster.dgx1(nodes=2).size == 16
+
+
+@pytest.mark.parametrize("gpu, gpus, nodes, per_node, nic", [
+    ("H100", 64, 8, 8, 50e9), ("h100-500w", 256, 32, 8, 50e9), ("B300", 16, 2, 8, 100e9),
+    ("GB200", 256, 4, 64, 50e9),   # four racks of 64: the most whole trays of 4 that divide the job and fit 72
+    ("GB200", 144, 2, 72, 50e9), ("GB300", 8, 1, 8, 100e9), ("GB200", 2, 1, 2, 50e9),
+])
+def test_cluster_of_a_record_gpu_fills_its_nvlink_domains(gpu, gpus, nodes, per_node, nic):
+    cluster = Cluster.of(gpu, gpus)
+    assert (cluster.nodes, cluster.per_node, cluster.inter_bandwidth / cluster.per_node) == (nodes, per_node, nic)
+    assert cluster.intra[0] == cluster.device.link_bandwidth and cluster.source
+
+
+@pytest.mark.parametrize("gpu, gpus, named", [("TPU", 8, "'TPU'"), ("H100", 0, "0 × 'H100'"),
+                                              ("GB200", 74, "74 × GB200 NVL72 GPUs do not fill NVLink domains evenly")])
+def test_cluster_of_refuses_unknown_kinds_and_uneven_jobs(gpu, gpus, named):
+    with pytest.raises(ConstraintError) as e:
+        Cluster.of(gpu, gpus)
+    says(e, named)
