@@ -1,7 +1,7 @@
 """The GPUs the published record ran on, and the systems they came in: spec-sheet figures, with their sources.
 
 Every figure is the vendor's dense (no 2:4 sparsity) peak or nominal bandwidth; what real kernels reach of
-them is the calibrated model's business (:mod:`autosplit.calibration.record`), not a preset's. Link
+them is the calibrated model's business (:mod:`autosplit.engine_profiles`), not a preset's. Link
 bandwidth is one direction of the GPU's NVLink aggregate (NVLink 4: 900 GB/s both ways = 450 GB/s;
 NVLink 5: 1.8 TB/s = 900 GB/s); the network is what one GPU's NIC moves one way.
 

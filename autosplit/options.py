@@ -34,7 +34,8 @@ AUTO_MOST_STAGES_PER_RANK = 2
 
 __all__ = ["AUTO", "AUTO_MOST_STAGES_PER_RANK",
            "PlanOptions", "SolverLimits", "ProfileOptions", "SCHEDULES", "OBJECTIVES", "OPTIMIZERS", "CAPTURE_METHODS", "CostsLike",
-           "ScheduleName", "Objective", "Optimizer", "CaptureMethod", "Precision", "PRECISIONS", "Checkpointing", "CHECKPOINTINGS",
+           "ScheduleName", "Objective", "Optimizer", "CaptureMethod", "Precision", "PRECISIONS",
+           "Float8", "FLOAT8", "Checkpointing", "CHECKPOINTINGS",
            "Replicate", "REPLICATES", "refuse_selective_tp"]
 
 Optimizer: TypeAlias = Literal["adam", "adamw", "adagrad", "sgd_momentum", "sgd", "none"]
@@ -44,6 +45,8 @@ CaptureMethod: TypeAlias = Literal["auto", "symbolic_trace", "export"]
 CAPTURE_METHODS: tuple[str, ...] = get_args(CaptureMethod)
 Precision: TypeAlias = Literal["fp32", "bf16", "fp16-mixed", "bf16-mixed", "bf16-fsdp"]
 PRECISIONS: tuple[str, ...] = get_args(Precision)
+Float8: TypeAlias = Literal["tensorwise", "rowwise", "mxfp8"]
+FLOAT8: tuple[str, ...] = get_args(Float8)
 Checkpointing: TypeAlias = Literal["none", "full", "auto"]
 Replicate: TypeAlias = Literal["replicate", "fully_shard"]
 REPLICATES: tuple[str, ...] = get_args(Replicate)
@@ -128,6 +131,12 @@ class PlanOptions:
     reduce_dtype=fp32)``, torchtitan's default: every parameter cast to bf16 once per step, so the
     activations are bf16 too; fp32 master weights, gradients reduced and accumulated in fp32, fp32
     optimizer state; distributed runs only). Costs charge each op at the device's peak for the dtype it computes in."""
+    float8: Float8 | None = None
+    """Linears in FP8, costed (:mod:`autosplit.passes.float8`): ``"tensorwise"`` (one scale per tensor,
+    current scaling: torchao's ``tensorwise``, Transformer Engine's FP8-CS), ``"rowwise"`` (torchao), ``"mxfp8"``
+    (a scale per 32 values). Every linear whose weight is a parameter, but the model's last (the LM head,
+    as both engines leave it), computes its three GEMMs at the device's FP8 peak and pays its casts. Plans
+    are costed, not yet run: generating a float8 plan's stages is refused (issue 64 runs them)."""
     checkpointing: Checkpointing = "none"
     """Activation checkpointing per block (a repeated layer: the units coarsening finds): ``"none"``
     (keep every activation), ``"full"`` (recompute every block in the backward, as torchtitan's
@@ -235,6 +244,8 @@ class PlanOptions:
             raise _bad("limits", self.limits, "a SolverLimits(...), e.g. SolverLimits(cpsat_vars=40_000)")
         if self.precision not in PRECISIONS:
             raise _bad("precision", self.precision, f"one of {PRECISIONS}")
+        if self.float8 is not None and (self.float8 not in FLOAT8 or self.precision not in ("bf16-mixed", "bf16-fsdp")):
+            raise _bad("float8", self.float8, f"None, or one of {FLOAT8} on top of precision 'bf16-mixed' or 'bf16-fsdp'")
         if self.checkpointing not in CHECKPOINTINGS:
             raise _bad("checkpointing", self.checkpointing, f"one of {CHECKPOINTINGS}")
         if self.expressible_in not in (None, "torchtitan", "megatron"):

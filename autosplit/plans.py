@@ -127,6 +127,8 @@ class Plan:
     """The configurations a search tried (options left ``"auto"``), fastest first; empty without a search."""
     precision: str = "fp32"
     """The precision the plan was costed for and its stages run in (:attr:`~autosplit.options.PlanOptions.precision`)."""
+    float8: str | None = None
+    """The FP8 recipe its linears were costed in (:attr:`~autosplit.options.PlanOptions.float8`); ``None``: none."""
     recompute: tuple[str, ...] = ()
     """Blocks (module paths) whose activations the stages recompute in the backward instead of keeping."""
     recompute_partial: tuple[PartialRecompute, ...] = ()
@@ -290,7 +292,7 @@ class Plan:
         """How the plan runs: step, micro-batches, objective, schedule, tasks, replicas, precision, recompute."""
         from autosplit import schedules
         from autosplit.errors import ConstraintError
-        from autosplit.options import PRECISIONS
+        from autosplit.options import FLOAT8, PRECISIONS
 
         v = self.stages_per_rank
         if not 0 <= self.step_time < math.inf:
@@ -322,6 +324,8 @@ class Plan:
             raise _bad(source, "tp_shards", dict(self.tp_shards), "splits a parameter along a dimension other than 0 or 1")
         if self.precision not in PRECISIONS:
             raise _bad(source, "precision", self.precision, f"is not one of {PRECISIONS}")
+        if self.float8 not in (None, *FLOAT8):
+            raise _bad(source, "float8", self.float8, f"is not None or one of {FLOAT8}")
         if len(set(self.recompute)) != len(self.recompute) or not all(isinstance(b, str) and b for b in self.recompute):
             raise _bad(source, "recompute", list(self.recompute), "does not name distinct blocks (module paths)")
         for some in self.recompute_partial:

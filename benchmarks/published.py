@@ -5,11 +5,12 @@ can express, builds the model on the meta device from the shapes the CSV gives (
 ``LlamaConfig``: layers, hidden size, heads, KV heads, FFN width, vocabulary), writes the published
 layout as a ``Recipe`` — TP, PP, VP (``stages_per_rank``; ``interleaved1f1b`` when VP > 1, ``1f1b`` when
 PP > 1, else ``gpipe``), data parallel ``GPUs / (TP·PP·CP)`` as FSDP2 (``fully_shard``: FSDP or Megatron's
-distributed optimizer) or DDP, micro-batches per copy, recomputation, bf16 precision — and costs it with
+distributed optimizer) or DDP, micro-batches per copy, recomputation, bf16 precision with its linears in FP8 where
+the row ran them so (``float8``: tensorwise, rowwise or mxfp8) — and costs it with
 ``Planner.manual(recipe, check_memory=False)`` on ``Cluster.of(gpu, count)``: the published GPUs as
 their system came (:mod:`autosplit.gpu_presets`). Per row: predicted tokens/s/GPU (global batch · sequence / (step · GPUs)), the
 published figure, their ratio, the fullest device's predicted memory against its capacity, and
-planning seconds; a row it cannot express names why (``fp8``, ``cp``, ``ep``, ``moe``, ``lora``,
+planning seconds; a row it cannot express names why (``nvfp4``, ``cp``, ``ep``, ``moe``, ``lora``,
 ``model shape unknown``, ``no device preset for B200``, …); a malformed row says what is wrong with it
 and the run goes on. Every figure is the cost model's, not a measurement. Each row is costed in a fresh
 process (:mod:`benchmarks.fresh`), killed past ``--budget`` seconds.
@@ -28,10 +29,8 @@ from __future__ import annotations
 import argparse
 import csv
 import json
-import math
 import re
 import resource
-import statistics
 import sys
 import time
 from collections import Counter
@@ -88,14 +87,25 @@ def _published(row: dict[str, str]) -> float | None:
         raise Malformed(f"tokens_per_sec_per_gpu={text!r} is not a number") from None
 
 
-def _precision_reason(text: str) -> str | None:
-    upper = text.upper()
-    for name in ("NVFP4", "MXFP8", "FP8-MX", "FP8"):
-        if name in upper:
-            return {"FP8-MX": "mxfp8"}.get(name, name.lower())
-    if upper.strip() == "BF16":
+def _float8(text: str) -> str | Malformed | None:
+    """The ``float8`` recipe a ``precision`` cell names (``None``: BF16), or why it is not one autosplit costs
+    (a :class:`Malformed` carrying the reason's name). Per-tensor scales (current scaling, Transformer Engine's
+    FP8-CS, torchao's tensorwise, and the per-tensor delayed scaling older NeMo pages name "FP8") cost as
+    ``tensorwise``; MXFP8 and Megatron-Bridge's "32x32" alternate granularity as ``mxfp8``."""
+    upper = text.upper().strip()
+    if upper == "BF16":
         return None
-    return "precision not stated" if "NOT STATED" in upper or not upper.strip() else f"precision {text.strip()[:20]}"
+    if "NVFP4" in upper:
+        return Malformed("nvfp4")
+    if "FINE-GRAINED" in upper or "BLOCKWISE" in upper:
+        return Malformed("fp8 blockwise")
+    if any(name in upper for name in ("MXFP8", "FP8-MX", "32X32", "PARENTHETICAL")):
+        return "mxfp8"
+    if "ROWWISE" in upper:
+        return "rowwise"
+    if "FP8" in upper:
+        return "tensorwise"
+    return Malformed("precision not stated" if "NOT STATED" in upper or not upper else f"precision {text.strip()[:20]}")
 
 
 def _recompute(text: str) -> tuple[str, bool] | str:
@@ -137,8 +147,8 @@ def _blockers(row: dict[str, str]) -> list[str]:
         reasons.append("gpu unknown")
     elif kind not in SYSTEMS:
         reasons.append(f"no device preset for {kind}")
-    if (why := _precision_reason(row["precision"])) is not None:
-        reasons.append(why)
+    if isinstance(recipe := _float8(row["precision"]), Malformed):
+        reasons.append(str(recipe))
     if row["moe_experts"].strip():
         reasons.append("moe")
     if any(not re.fullmatch(r"\d+", row[c].strip()) for c in SHAPE):
@@ -175,6 +185,7 @@ def _layout(row: dict[str, str]) -> dict[str, Any]:
     sharded = any(row[c].strip().lower().startswith(("yes", "fsdp", "zero")) for c in ("fsdp", "distributed_optimizer"))
     return dict(num_gpus=gpus, seq_len=seq, global_batch=batch, tp=tp, pp=pp, vp=vp or 1, cp=cp, dp=dp, micro_batch=micro,
                 micro_batches=None if micro is None else batch // (micro * dp), replicate="fully_shard" if sharded else "replicate",
+                float8=recipe if isinstance(recipe := _float8(row["precision"]), str) else None,
                 plan_precision="bf16-fsdp" if sharded else "bf16-mixed", published_tokens_per_s_per_gpu=_published(row))
 
 
@@ -207,7 +218,7 @@ def classify(row: dict[str, str], line: int) -> Classified:
         return out
     vp = layout["vp"]
     out.spec = {**layout, "row_id": row_id, "shape": {c: int(row[c]) for c in SHAPE},
-                "gpu": _gpu_kind(row["gpu"]), "checkpointing": recompute[0], "selective": recompute[1],
+                "gpu": _gpu_kind(row["gpu"]), "engine": _engine(row), "checkpointing": recompute[0], "selective": recompute[1],
                 "schedule": "interleaved1f1b" if vp > 1 else "1f1b" if layout["pp"] > 1 else "gpipe",
                 "torchtitan_split": "torchtitan" in (row.get("repo", "") + row.get("source", "")).lower()}
     return out
@@ -231,8 +242,31 @@ def _fullest(plan: Any) -> tuple[float, float]:
     return max(held, key=lambda mc: mc[0] / mc[1])
 
 
-def cost_row(spec: dict[str, Any]) -> dict[str, Any]:
-    """One expressible row costed in this process (call it in a fresh one: its peak RSS is its own)."""
+def _engine(row: dict[str, str]) -> str:
+    """The engine profile (:mod:`autosplit.engine_profiles`) of the stack a row ran on: torchtitan's runs
+    compiled or eager as their ``other_config`` says, every other source's Megatron-Core with Transformer Engine."""
+    if "torchtitan" not in (row.get("repo", "") + row.get("source", "")).lower():
+        return "megatron-te"
+    return "torch-compile" if re.search(r"(torch\.)?compile\s*=\s*yes", row.get("other_config", "").lower()) else "torch-eager"
+
+
+def _regrid(planner: Any, recipe: Any, grid: Sequence[tuple[float, float]], tokens: int, gpus: int) -> dict[str, float]:
+    """Predicted tokens/s/GPU of ``recipe`` with the devices' (GEMM, memory) efficiencies at each point of
+    ``grid`` (the capture reused): what ``--grid`` fits the engine profiles from, keyed ``"gemm:memory"``."""
+    import copy
+    import dataclasses
+
+    out = {}
+    for gemm, memory in grid:
+        other = copy.copy(planner)
+        other.devices = tuple(dataclasses.replace(d, efficiency=gemm, memory_efficiency=memory) for d in planner.devices)
+        out[f"{gemm:g}:{memory:g}"] = tokens / (other.manual(recipe, check_memory=False).step_time * gpus)
+    return out
+
+
+def cost_row(spec: dict[str, Any], grid: Sequence[tuple[float, float]] = ()) -> dict[str, Any]:
+    """One expressible row costed in this process (call it in a fresh one: its peak RSS is its own); with
+    ``grid``, also at each GEMM efficiency there (:func:`_regrid`)."""
     import torch
 
     import autosplit
@@ -241,16 +275,19 @@ def cost_row(spec: dict[str, Any]) -> dict[str, Any]:
     start = time.perf_counter()
     model = _model(spec["shape"], spec["seq_len"])
     gpus, tokens = spec["num_gpus"], spec["global_batch"] * spec["seq_len"]
-    devices = autosplit.Cluster.of(spec["gpu"], gpus)
+    devices = autosplit.Cluster.of(spec["gpu"], gpus, engine=spec["engine"])
     row: dict[str, Any] = {}
     planning = time.perf_counter()
     try:
         planner = autosplit.Planner(model, devices, example_inputs=(autosplit.Spec((spec["global_batch"], spec["seq_len"]), torch.long),),
                                     precision=spec["plan_precision"])
-        stages, weight = spec["pp"] * spec["vp"], int(spec["torchtitan_split"])  # Megatron: embedding and head weigh no layer
+        stages, layers = spec["pp"] * spec["vp"], spec["shape"]["num_layers"]
+        # torchtitan weighs the embedding and the head as a layer each; Megatron none, unless the layers do not fill
+        # the stages evenly: then its account_for_{embedding,loss}_in_pipeline_split (405B: 126 layers + 2 in 32/64/128)
+        weight = int(spec["torchtitan_split"] or layers % stages != 0)
         split = None if stages == 1 else torchtitan_fqns(model, stages, repeated="model.layers", input_weight=weight,
                                                          output_weight=weight, order=execution_order(planner.traced))
-        options: dict[str, Any] = {"precision": spec["plan_precision"], "checkpointing": spec["checkpointing"],
+        options: dict[str, Any] = {"precision": spec["plan_precision"], "float8": spec["float8"], "checkpointing": spec["checkpointing"],
                                    "selective": spec["selective"], "micro_batches": spec["micro_batches"], "schedule": spec["schedule"],
                                    "sequence_parallel": spec["tp"] > 1}
         if spec["vp"] > 1:
@@ -262,7 +299,9 @@ def cost_row(spec: dict[str, Any]) -> dict[str, Any]:
         row.update(outcome="costed", step_s=plan.step_time, predicted_tokens_per_s_per_gpu=tokens / (plan.step_time * gpus),
                    mesh=plan.mesh, schedule=plan.schedule, stages_per_rank=plan.stages_per_rank, micro_batches=plan.micro_batches,
                    memory_gib=memory / 2**30, capacity_gib=capacity / 2**30, fits=memory <= capacity,
-                   recomputed_blocks=len(plan.recompute), selective=plan.recompute_selective)
+                   recomputed_blocks=len(plan.recompute), selective=plan.recompute_selective, device=plan.devices[0].name)
+        if grid:
+            row["grid"] = _regrid(planner, recipe, grid, tokens, gpus)
     except autosplit.AutosplitError as e:
         first = str(e).split(". Likely cause")[0].splitlines()[0]
         row.update(outcome=type(e).__name__, reason=f"{type(e).__name__}: {first[:300]}")
@@ -311,18 +350,23 @@ def _result(c: Classified, costed: dict[str, Any] | None) -> dict[str, Any]:
     return row
 
 
-def run(classified: Sequence[Classified], budget: float) -> list[dict[str, Any]]:
-    """Each expressible row costed in a fresh process; every row's result, printed as it comes."""
+def run(classified: Sequence[Classified], budget: float, jobs: int = 1, grid: Sequence[tuple[float, float]] = ()) -> list[dict[str, Any]]:
+    """Each expressible row costed in a fresh process, ``jobs`` at a time; every row's result, printed as it comes."""
+    from concurrent.futures import ThreadPoolExecutor
+
     from benchmarks.fresh import in_fresh_process
 
     print(f"{'id':>5} {'model':<18} {'GPUs':>5} {'layout':<30} {'predicted':>9} {'published':>9} {'ratio':>6} "
           f"{'memory GiB':>12} {'plan s':>6}  outcome")
-    results = []
-    for c in classified:
-        costed = None if c.spec is None else in_fresh_process("benchmarks.published:cost_row", c.spec, timeout=budget)
-        results.append(_result(c, costed))
-        print(_line(results[-1]), flush=True)
-    return results
+
+    def one(c: Classified) -> dict[str, Any]:
+        costed = None if c.spec is None else in_fresh_process("benchmarks.published:cost_row", c.spec, list(grid), timeout=budget)
+        result = _result(c, costed)
+        print(_line(result), flush=True)
+        return result
+
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        return list(pool.map(one, classified))
 
 
 def _line(r: dict[str, Any]) -> str:
@@ -340,51 +384,6 @@ def _line(r: dict[str, Any]) -> str:
             f"{outcome[:160]}")
 
 
-def _agreement(rows: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """Per ``layout_group``: the pairs of its costed rows whose published figures differ, and of those the ones
-    the prediction orders the same way."""
-    groups: dict[str, list[dict[str, Any]]] = {}
-    for r in rows:
-        if r.get("layout_group"):
-            groups.setdefault(r["layout_group"], []).append(r)
-    out = {}
-    for group, members in sorted(groups.items()):
-        pub, pred = "published_tokens_per_s_per_gpu", "predicted_tokens_per_s_per_gpu"
-        pairs = [(a, b) for i, a in enumerate(members) for b in members[i + 1:] if a[pub] != b[pub]]
-        agree = sum((a[pred] - b[pred]) * (a[pub] - b[pub]) > 0 for a, b in pairs)
-        out[group] = {"rows": [m["row_id"] for m in members], "pairs": len(pairs), "agree": agree}
-    return out
-
-
-def summarize(results: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """Errors of the costed rows with a published figure, and ordering agreement within each layout group."""
-    rows = [r for r in results if r.get("ratio") is not None]
-    errors = sorted(abs(r["ratio"] - 1) for r in rows)
-    groups = _agreement(rows)
-    pairs, agree = sum(g["pairs"] for g in groups.values()), sum(g["agree"] for g in groups.values())
-    return {
-        "rows": len(results), "costed": sum(r["outcome"] == "costed" for r in results), "compared": len(rows),
-        "median_abs_error": statistics.median(errors) if errors else None,
-        "p90_abs_error": errors[math.ceil(0.9 * len(errors)) - 1] if errors else None,  # nearest rank
-        "within_10pct": sum(e <= 0.10 for e in errors), "layout_groups": groups,
-        "ordering_agreement": agree / pairs if pairs else None,
-        "reasons": dict(Counter(r["reason"].split(":")[0] for r in results if r.get("reason")).most_common()),
-    }
-
-
-def _print_summary(s: dict[str, Any]) -> None:
-    def pct(x: float | None) -> str:
-        return "-" if x is None else f"{x:.1%}"
-
-    print(f"{s['costed']} of {s['rows']} rows costed, {s['compared']} against a published figure: median |predicted/published − 1| "
-          f"{pct(s['median_abs_error'])}, 90th percentile {pct(s['p90_abs_error'])}, within 10%: {s['within_10pct']}")
-    for group, g in s["layout_groups"].items():
-        print(f"  layout group {group} (rows {', '.join(g['rows'])}): order agrees on {g['agree']} of {g['pairs']} pairs")
-    print(f"ordering agreement over all groups: {pct(s['ordering_agreement'])}")
-    for reason, n in s["reasons"].items():
-        print(f"  {n:4d}  {reason}")
-
-
 def dry_run(classified: Sequence[Classified]) -> dict[str, Any]:
     """Counts per reason (a row under each reason it has, and under its first), nothing costed."""
     every = Counter(r for c in classified for r in c.reasons)
@@ -399,6 +398,14 @@ def dry_run(classified: Sequence[Classified]) -> dict[str, Any]:
             "malformed": {c.row_id: c.message for c in classified if "malformed" in c.reasons}}
 
 
+def _grid(text: str) -> list[tuple[float, float]]:
+    """``"0.4,0.5x0.6,0.8"`` → every (GEMM, memory) pair of the two lists; ``""``: none."""
+    if not text.strip():
+        return []
+    gemms, _, memories = text.partition("x")
+    return [(float(g), float(m)) for g in gemms.split(",") for m in (memories or "0.6").split(",")]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--csv", type=Path, default=DEFAULT_CSV, help="runs in the columns of ../shared/published/runs.csv")
@@ -406,6 +413,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=None, help="JSON (default benchmarks/results/published.json; --dry-run: none)")
     parser.add_argument("--budget", type=float, default=900.0, help="seconds a row may take before it is killed")
     parser.add_argument("--dry-run", action="store_true", help="only classify the rows and count the reasons")
+    parser.add_argument("--jobs", type=int, default=1, help="rows costed at once, each in its own process")
+    parser.add_argument("--grid", default="", help="GEMM × memory efficiencies to cost every row at too, to fit the engine profiles: "
+                        "'0.4,0.5,0.6x0.6,0.8'")
     args = parser.parse_args(argv)
     sys.path.insert(0, str(ROOT))
     if not args.csv.is_file():
@@ -418,9 +428,11 @@ def main(argv: list[str] | None = None) -> int:
         report: dict[str, Any] = {"benchmark": "published", "dry_run": True, "csv": str(args.csv), "summary": dry_run(classified)}
     else:
         print("simulated: device presets, the cost model's figures (not measured)")
-        results = run(classified, args.budget)
+        results = run(classified, args.budget, args.jobs, _grid(args.grid))
+        from benchmarks.published_summary import print_summary, summarize
+
         summary = summarize(results)
-        _print_summary(summary)
+        print_summary(summary)
         report = {"benchmark": "published", "simulated": True, "csv": str(args.csv), "machine": machine(), "summary": summary,
                   "rows": results}
     out = args.out or (None if args.dry_run else ROOT / "benchmarks" / "results" / "published.json")

@@ -28,6 +28,7 @@ from autosplit.microbatch import batch_size
 from autosplit.options import refuse_selective_tp
 from autosplit.passes.capture import flat_inputs
 from autosplit.passes.chain import generate_chain, retarget
+from autosplit.passes.float8 import refuse_float8_run
 from autosplit.plans import Plan
 from autosplit.runtime.batches import ChainsByRows, keep_only, meta_copy
 from autosplit.runtime.compiled import CompileOptions, compile_options
@@ -297,6 +298,7 @@ def _build(
         ))
     held = layout.held
     device = rank_device(made, held[0])
+    refuse_float8_run(made.float8)
     tied = [p for p in made.shared_params if p.policy == "replicate"]
     replicated = {p.name for p in tied}
     example = (tuple(planner.example_inputs), dict(planner.example_kwargs or {}))

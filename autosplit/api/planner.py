@@ -143,9 +143,9 @@ class Planner:
             return self._solve(self.specs(), self.options)
         # A saved plan fixes the schedule and precision it was made for, and (unless devices are given) the devices.
         options = (
-            self.options.replace(objective="makespan", precision=saved.precision) if saved.objective == "makespan"
+            self.options.replace(objective="makespan", precision=saved.precision, float8=saved.float8) if saved.objective == "makespan"
             else self.options.replace(schedule=saved.schedule, micro_batches=saved.micro_batches, stages_per_rank=saved.stages_per_rank,
-                                      precision=saved.precision)
+                                      precision=saved.precision, float8=saved.float8)
         )
         specs = saved.devices if self.devices is None else self.specs(options=options)
         if len(specs) != len(saved.devices):

@@ -51,8 +51,8 @@ def cost_table(
     if options.costs != "analytic" or options.cost_overrides:
         return _cost_table(traced, specs, options, micro_batches=micro_batches, recompute=recompute, partial=partial,
                            selective=selective, laid=laid)
-    key = (specs, micro_batches, tuple(recompute), tuple(partial), options.precision, options.optimizer, options.checkpointing,
-           tuple(options.recompute or ()), selective, options.tp, options.sequence_parallel, options.dp_shard, laid)
+    key = (specs, micro_batches, tuple(recompute), tuple(partial), options.precision, options.float8, options.optimizer,
+           options.checkpointing, tuple(options.recompute or ()), selective, options.tp, options.sequence_parallel, options.dp_shard, laid)
     kept = traced._tables
     if key not in kept:
         kept[key] = _cost_table(traced, specs, options, micro_batches=micro_batches, recompute=recompute, partial=partial,
@@ -88,10 +88,11 @@ def _cost_table(
         if loss is not None:
             source += f"; {LOSS_COSTED}"
         estimated = functools.partial(estimate, gm, specs, optimizer=options.optimizer, micro_batches=micro_batches,
-                                      profiles=profiles, loss=loss, selective=selective)
+                                      profiles=profiles, loss=loss, selective=selective, float8=options.float8)
         # the blocks depend on the graph and the devices, not the batch: decided once, on the first table
         # (measured layers need not time alike: there each table decides)
-        key = (traced.fingerprint, options.precision, specs, options.checkpointing, tuple(options.recompute or ()), tuple(recompute))
+        key = (traced.fingerprint, options.precision, options.float8, specs, options.checkpointing, tuple(options.recompute or ()),
+               tuple(recompute))
         first = None
         if key not in traced._blocks or profiling is not None:
             first = estimated()

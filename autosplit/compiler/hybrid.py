@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from autosplit import schedules
 from autosplit.devices import PRESETS, DeviceSpec
+from autosplit.engine_profiles import profiled
 from autosplit.errors import ConstraintError, InfeasiblePlanError, advice
 from autosplit.gpu_presets import GPU_PRESETS, domain_size
 from autosplit.plans import Plan, StageReport
@@ -167,12 +168,13 @@ class Cluster:
                    "NVIDIA DGX H100 datasheet (2022)")
 
     @classmethod
-    def of(cls, gpu: str, gpus: int) -> Cluster:
+    def of(cls, gpu: str, gpus: int, engine: str | None = None) -> Cluster:
         """``gpus`` GPUs of a kind :data:`~autosplit.gpu_presets.SYSTEMS` names (``"H100"``, ``"H100-500W"``,
         ``"H200"``, ``"H800"``, ``"B200"``, ``"B300"``, ``"GB200"``, ``"GB300"``) as their system came: NVLink
-        inside a domain (:func:`~autosplit.gpu_presets.domain_size`), each GPU's own NIC between domains."""
+        inside a domain (:func:`~autosplit.gpu_presets.domain_size`), each GPU's own NIC between domains;
+        ``engine``: its kernels those of a fitted engine profile (:mod:`autosplit.engine_profiles`)."""
         system, per_node = domain_size(gpu, gpus)
-        device = GPU_PRESETS[system.preset]
+        device = GPU_PRESETS[system.preset] if engine is None else profiled(GPU_PRESETS[system.preset], engine)
         return cls(f"{system.name} × {gpus}", device, gpus // per_node, per_node, (device.link_bandwidth, device.link_latency),
                    per_node * system.nic, 5e-6, system.source)
 

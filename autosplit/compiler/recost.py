@@ -76,5 +76,6 @@ def recost(
         terms=terms, shared_params=shared, data_parallel=options.replicas, dp_shard=options.dp_shard, timings=timings,
         **tp_fields(traced, options),
         precision=options.precision,
+        float8=options.float8,
         made_with=given.made_with or (given.costs, given.step_time),
     )

@@ -34,6 +34,7 @@ from autosplit.devices import DeviceSpec
 from autosplit.errors import CodegenError, DeviceError, advice
 from autosplit.options import PlanOptions
 from autosplit.passes.codegen import Program, generate
+from autosplit.passes.float8 import refuse_float8_run
 from autosplit.plans import Alternative, PartialRecompute, Plan, SolverInfo
 from autosplit.solver import validate
 from autosplit.solver.evaluation import evaluate
@@ -96,6 +97,7 @@ def compile_plan(
         schedule=options.schedule,
         stages_per_rank=v,
         precision=options.precision,
+        float8=options.float8,
         recompute=recomputed,
         recompute_partial=partial,
         recompute_selective=options.selective is True and bool(recomputed),
@@ -154,6 +156,7 @@ def codegen(traced: Traced, plan: Plan) -> tuple[Program, dict[str, float]]:
             "its devices hold non-adjacent nodes and run them as their inputs arrive",
             "run it with Planner.build(plan), which returns its MakespanRunner",
         ))
+    refuse_float8_run(plan.float8)
     targets = [plan.devices[d].torch_device for d in plan.stage_devices]
     if None in targets:
         absent = sorted({d.name for d in plan.devices if d.torch_device is None})

@@ -48,6 +48,7 @@ from autosplit.costtable import OPTIMIZER_STATE_BYTES, OVERRIDE_KEYS, SPARSE_REF
 from autosplit.devices import DeviceSpec
 from autosplit.errors import CostModelError, advice
 from autosplit.passes.annotations import NodeInfo, node_info
+from autosplit.passes.float8 import float8_linears
 from autosplit.passes.input_free import input_free
 from autosplit.passes.memory_model import activation_bytes, describe_blocks, saved_bytes, state_bytes
 from autosplit.passes.outline import outlinable_blocks, unit_targets
@@ -243,7 +244,7 @@ def _recompute_costs(
 def estimate(
     gm: fx.GraphModule, devices: tuple[DeviceSpec, ...], *, optimizer: str = "adam", profiles: Sequence[Profile | None] | None = None,
     micro_batches: int = 1, blocks: Sequence[tuple[str, Collection[str]]] = (), recompute: Collection[str] = (),
-    partial: Sequence[PartialRecompute] = (), selective: bool = False, loss: LossCost | None = None,
+    partial: Sequence[PartialRecompute] = (), selective: bool = False, loss: LossCost | None = None, float8: str | None = None,
 ) -> CostTable:
     """Build the :class:`CostTable` of an annotated graph for ``devices``.
 
@@ -253,6 +254,7 @@ def estimate(
     recomputing ones (:func:`_recompute_costs`; ``partial``: some micro-batches keep theirs;
     ``selective``: keeping their matmuls' and attention's outputs, :mod:`autosplit.passes.selective`).
     ``loss`` (one micro-batch's) is charged to the node that makes the model's output last, every micro-batch's.
+    ``float8``: the recipe its linears compute in (:mod:`autosplit.passes.float8`), on devices with FP8.
     """
     if optimizer not in OPTIMIZER_STATE_BYTES:
         raise CostModelError(advice(
@@ -269,7 +271,8 @@ def estimate(
     kind_of = [kinds.index(d) for d in devices]
     per_device = row_sharer(kind_of)
 
-    fwd, bwd = node_times(nodes, infos, kinds, kind_of, profiles, micro_batches, per_device)
+    low = None if float8 is None else (float8_linears(gm, nodes), float8)
+    fwd, bwd = node_times(nodes, infos, kinds, kind_of, profiles, micro_batches, per_device, low)
     own_saved, transient = activation_bytes(nodes, infos, profiles, micro_batches, optimizer)
     wgrad_share = list(wgrad_shares(nodes, infos, profiles))
     if loss is not None:

@@ -40,12 +40,12 @@ from autosplit.errors import ConstraintError, advice
 from autosplit.passes.annotations import node_info
 from autosplit.passes.capture import Captured
 
-__all__ = ["TensorParallelRules", "check_degree", "tensor_parallel_rules"]
+__all__ = ["LINEAR_FUNCTIONS", "TensorParallelRules", "check_degree", "tensor_parallel_rules"]
 
 log = logging.getLogger(__name__)
 aten = torch.ops.aten
 
-_LINEARS = {nn.functional.linear, aten.linear.default, compat.C_LINEAR}
+LINEAR_FUNCTIONS = {nn.functional.linear, aten.linear.default, compat.C_LINEAR}
 _LOOKUPS = {nn.functional.embedding: (1, 0), torch.embedding: (0, 1), aten.embedding.default: (0, 1)}  # → (table, indices) at
 _ELEMENTWISE = frozenset((
     "add sub rsub mul div truediv floordiv pow neg exp log abs sqrt rsqrt square reciprocal sin cos erf "
@@ -176,7 +176,7 @@ class _Walk:
             mod = self.gm.get_submodule(str(node.target))
             if isinstance(mod, nn.Linear):
                 return f"{node.target}.weight", (f"{node.target}.bias" if mod.bias is not None else None)
-        elif node.op == "call_function" and node.target in _LINEARS:
+        elif node.op == "call_function" and node.target in LINEAR_FUNCTIONS:
             weight, bias = self.param(_arg(node, 1, "weight")), _arg(node, 2, "bias")
             if weight is not None and (bias is None or self.param(bias) is not None):
                 return weight, self.param(bias)

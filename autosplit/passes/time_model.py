@@ -28,6 +28,7 @@ import torch.fx as fx
 from autosplit.costtable import OPTIMIZER_SPARSE_STEP, OPTIMIZER_STEP_TRAFFIC
 from autosplit.devices import DeviceSpec
 from autosplit.passes.annotations import NodeInfo
+from autosplit.passes.float8 import float8_times, refuse_without_fp8
 from autosplit.passes.profile import Profile
 
 __all__ = [
@@ -119,11 +120,16 @@ def row_sharer(kind_of: list[int]) -> Callable[[tuple], tuple]:
 
 def node_times(
     nodes: list[fx.Node], infos: list[NodeInfo], kinds: list[DeviceSpec], kind_of: list[int], profiles: list[Profile | None],
-    micro_batches: int, per_device: Callable[[tuple], tuple],
+    micro_batches: int, per_device: Callable[[tuple], tuple], float8: tuple[frozenset[int], str] | None = None,
 ) -> tuple[list[tuple[float, ...]], list[tuple[float, ...]]]:
-    """[node][device] forward and backward seconds: the roofline per device kind, replaced on a
+    """[node][device] forward and backward seconds: the roofline per device kind (``float8``: the nodes
+    that run as FP8 linears and the recipe, :func:`~autosplit.passes.float8.float8_times`), replaced on a
     profiled device by the node's measured times (one micro-batch, scaled to the whole batch)."""
-    by_kind = [[_times(n, info, d) for n, info in zip(nodes, infos)] for d in kinds]
+    chosen, recipe = float8 or (frozenset(), "")
+    if float8 is not None:
+        refuse_without_fp8(kinds, recipe)
+    by_kind = [[float8_times(info, d, recipe) if i in chosen else _times(n, info, d) for i, (n, info) in enumerate(zip(nodes, infos))]
+               for d in kinds]
     fwd, bwd = [], []
     for i, n in enumerate(nodes):
         times = [by_kind[k][i] for k in range(len(kinds))]

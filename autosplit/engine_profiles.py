@@ -1,0 +1,85 @@
+"""Engine profiles: what a training stack's kernels reach of a GPU's peaks, fitted once to the published record.
+
+A preset (:mod:`autosplit.gpu_presets`) holds a GPU's spec-sheet peaks. What a step reaches of them depends on
+the stack that runs it: Megatron-Core with Transformer Engine fuses its norms, activations and attention into
+few kernels and tunes its GEMMs; torchtitan in eager mode launches torch's kernels one by one; with
+``torch.compile`` Inductor fuses the memory-bound ops between the matmuls. An :class:`EngineProfile` says what
+each reaches — ``gemm``: the fraction of the tensor-core peak its GEMMs and attention run at, in any precision;
+``memory``: the fraction of the HBM bandwidth its memory-bound ops run at (fusion shows here: fewer bytes
+moved reads as more bandwidth) — and :func:`profiled` puts it on a device.
+
+Every fitted parameter of the cost model is in :data:`FITTED`, with what it fits and over which rows; nothing
+else in autosplit is fitted to the record. ``benchmarks/published.py --fit`` fits them (the command and its
+figures: ``docs/published.md``).
+
+Usage::
+
+    device = profiled(GPU_PRESETS["H100-80GB"], "megatron-te")
+    cluster = Cluster.of("GB200", 256, engine="megatron-te")
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from autosplit.device_spec import DeviceSpec
+from autosplit.errors import ConstraintError, advice
+
+__all__ = ["ENGINES", "EngineProfile", "FITTED", "Fitted", "profiled"]
+
+
+@dataclass(frozen=True)
+class Fitted:
+    """One fitted parameter: its value, what it fits, and the rows it was fitted over."""
+
+    value: float
+    fits: str
+    over: str
+
+
+FITTED: dict[str, Fitted] = {
+    "megatron-te.gemm": Fitted(0.6, "fraction of the tensor-core peak Megatron-Core + Transformer Engine GEMMs and "
+                               "attention reach, bf16 and FP8", "provisional: not yet fitted"),
+    "torch-eager.gemm": Fitted(0.6, "the same, torchtitan without torch.compile", "provisional: not yet fitted"),
+    "torch-compile.gemm": Fitted(0.6, "the same, torchtitan with torch.compile", "provisional: not yet fitted"),
+    "memory": Fitted(0.6, "fraction of the HBM bandwidth memory-bound ops reach (every engine: fusion is counted "
+                     "in the bytes, not here)", "provisional: not yet fitted"),
+}
+"""Every parameter fitted to the published record, by name: the one place they live."""
+
+
+@dataclass(frozen=True)
+class EngineProfile:
+    """A training stack's kernels: the fractions of a GPU's peaks they reach (:data:`FITTED`)."""
+
+    name: str
+    description: str
+
+    @property
+    def gemm(self) -> float:
+        return FITTED[f"{self.name}.gemm"].value
+
+    @property
+    def memory(self) -> float:
+        return FITTED["memory"].value
+
+
+ENGINES: dict[str, EngineProfile] = {
+    e.name: e for e in (
+        EngineProfile("megatron-te", "Megatron-Core with Transformer Engine (Megatron-LM, Megatron-Bridge, NeMo)"),
+        EngineProfile("torch-eager", "torchtitan, PyTorch eager: torch's kernels, one launch per op"),
+        EngineProfile("torch-compile", "torchtitan under torch.compile: Inductor fuses the ops between matmuls"),
+    )
+}
+
+
+def profiled(device: DeviceSpec, engine: str) -> DeviceSpec:
+    """``device`` as ``engine`` runs it: its efficiencies the engine's (:data:`FITTED`), its name saying which."""
+    profile = ENGINES.get(engine)
+    if profile is None:
+        raise ConstraintError(advice(
+            f"engine profile {engine!r} is not known", "a profile is a training stack the record was fitted for",
+            f"pass one of {', '.join(ENGINES)}",
+        ))
+    return dataclasses.replace(device, name=f"{device.name} ({engine})", efficiency=profile.gemm, memory_efficiency=profile.memory)
