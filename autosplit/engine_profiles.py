@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from autosplit.device_spec import DeviceSpec
 from autosplit.errors import ConstraintError, advice
 
-__all__ = ["ENGINES", "EngineProfile", "FITTED", "Fitted", "profiled"]
+__all__ = ["ENGINES", "EngineProfile", "FITTED", "Fitted", "RECORD", "profiled", "trust"]
 
 
 @dataclass(frozen=True)
@@ -47,6 +47,12 @@ FITTED: dict[str, Fitted] = {
                      "in the bytes, not here)", "provisional: not yet fitted"),
 }
 """Every parameter fitted to the published record, by name: the one place they live."""
+
+
+RECORD: dict[tuple[str, str], tuple[float, float, int]] = {}
+"""(GPU kind, engine) → (median, 90th percentile of |predicted / published − 1|, runs) over the published rows
+of that kind and engine, with :data:`FITTED` as it stands: ``benchmarks/published.py`` writes them
+(``benchmarks/results/published.json``); a plan's report quotes them (:func:`trust`)."""
 
 
 @dataclass(frozen=True)
@@ -83,3 +89,24 @@ def profiled(device: DeviceSpec, engine: str) -> DeviceSpec:
             f"pass one of {', '.join(ENGINES)}",
         ))
     return dataclasses.replace(device, name=f"{device.name} ({engine})", efficiency=profile.gemm, memory_efficiency=profile.memory)
+
+
+def trust(devices: tuple[DeviceSpec, ...]) -> str | None:
+    """How far the published record says to trust a plan's times on ``devices``: the device preset and engine
+    profile they were costed with and the record's error there; ``None`` for devices of neither (a CPU, a spec
+    of your own)."""
+    from autosplit.gpu_presets import GPU_PRESETS, SYSTEMS
+
+    name = devices[0].name
+    preset, _, engine = name.partition(" (")
+    engine = engine.rstrip(")")
+    if preset not in GPU_PRESETS:
+        return None
+    if engine not in ENGINES:
+        return (f"costed on {preset}'s spec-sheet peaks at an efficiency nobody fitted to a measured run; "
+                f"plan on Cluster.of(gpu, count, engine=...) with one of {', '.join(ENGINES)} for a profile fitted to the published record")
+    kind = next(k for k, system in SYSTEMS.items() if system.preset == preset)
+    figures = RECORD.get((kind, engine))
+    record = (f"against the published record on {kind} with {engine}: median {figures[0]:.0%}, 90th percentile {figures[1]:.0%} "
+              f"over {figures[2]} runs" if figures else f"the published record has no run on {kind} with {engine} to check it against")
+    return f"costed with device preset {preset} (spec sheet) and engine profile {engine} (fitted, autosplit.engine_profiles); {record}"

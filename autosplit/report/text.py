@@ -14,6 +14,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from autosplit.engine_profiles import trust
 from autosplit.plans import LOSS_COSTED, Plan
 from autosplit.units import format_bytes
 from autosplit.units import format_ms as _ms
@@ -58,7 +59,8 @@ def plan_report(plan: Plan, width: int = 140) -> str:
         + f"{replayed}{sv.units} units; dynamic program {_ms(sv.baseline) if sv.baseline is not None else 'found no split'}"
     )
     console.print(
-        f"predicted step time {_ms(plan.step_time)} ({plan.schedule}, {plan.micro_batches} micro-batches, {plan.precision}); "
+        f"predicted step time {_ms(plan.step_time)} ({plan.schedule}, {plan.micro_batches} micro-batches, {plan.precision}"
+        f"{f', linears in FP8 {plan.float8}' if plan.float8 else ''}); "
         f"{provenance}; costs {plan.costs}; captured by {plan.capture}, graph {plan.fingerprint}"
     )
     for caveat in _caveats(plan):
@@ -110,6 +112,8 @@ def plan_report(plan: Plan, width: int = 140) -> str:
 def _caveats(plan: Plan) -> list[str]:
     """What the predictions leave out or rest on: the engine's restriction, uncalibrated costs, a loss not costed."""
     out = [_engine_gap(plan)] if plan.engine_gap is not None else []
+    if (line := trust(plan.devices)) is not None:
+        out.append(line)
     if "uncalibrated" in plan.costs:
         out.append("the predicted times are a roofline estimate nobody fitted to these devices: calibrate them "
                    "(autosplit.calibrate, autosplit.calibration.measure_runtime) or plan with costs='measured' before trusting them")

@@ -1,0 +1,55 @@
+"""Engine profiles: the fitted parameters in one table, put on a device, and quoted in a plan's report."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+
+import autosplit
+from autosplit.engine_profiles import ENGINES, FITTED, profiled, trust
+from autosplit.errors import ConstraintError
+from autosplit.gpu_presets import GPU_PRESETS
+from autosplit.report.text import plan_report
+from tests.helpers import says
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_a_profile_puts_its_fitted_efficiencies_on_a_device_and_names_itself():
+    h100 = profiled(GPU_PRESETS["H100-80GB"], "megatron-te")
+    assert h100.efficiency == FITTED["megatron-te.gemm"].value and h100.memory_efficiency == FITTED["memory"].value
+    assert h100.name == "H100-80GB (megatron-te)" and h100.peak_flops_half == GPU_PRESETS["H100-80GB"].peak_flops_half
+    cluster = autosplit.Cluster.of("GB200", 72, engine="torch-compile")
+    assert cluster.device.efficiency == FITTED["torch-compile.gemm"].value
+    with pytest.raises(ConstraintError) as e:
+        profiled(GPU_PRESETS["H100-80GB"], "jax")
+    says(e, "engine profile 'jax' is not known", "megatron-te")
+
+
+def test_every_fitted_parameter_lives_in_the_one_table():
+    """Each profile reads its figures from FITTED, every FITTED entry says what it fits and over what, and no
+    module of the package writes an efficiency literal into a DeviceSpec but the presets' spec-sheet defaults."""
+    assert all(f.fits and f.over for f in FITTED.values())
+    assert {f"{e}.gemm" for e in ENGINES} | {"memory"} == set(FITTED)
+    for path in (ROOT / "autosplit").rglob("*.py"):
+        if path.name in ("engine_profiles.py", "device_spec.py"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.keyword) and node.arg in ("efficiency", "memory_efficiency") and isinstance(node.value, ast.Constant):
+                assert path.name == "devices.py", f"{path}: a literal {node.arg} outside the fitted table"
+
+
+def test_a_plan_on_a_profiled_cluster_says_how_far_to_trust_it():
+    model, x = nn.Sequential(nn.Linear(256, 256), nn.Linear(256, 256)), torch.randn(64, 256)
+    cluster = autosplit.Cluster.of("H100", 8, engine="megatron-te")
+    plan = autosplit.Planner(model, cluster.replica_devices(2), example_inputs=(x,)).plan()
+    report = plan_report(plan, width=400)
+    assert "engine profile megatron-te" in report and "device preset H100-80GB" in report
+    assert re.search(r"(median \d+%.* over \d+ runs|has no run on H100 with megatron-te)", report)
+    unprofiled = trust((GPU_PRESETS["B200-180GB"],))
+    assert unprofiled is not None and "nobody fitted" in unprofiled and trust(autosplit.devices.resolve_devices(["cpu"])) is None
