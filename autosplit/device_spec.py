@@ -36,6 +36,12 @@ class DeviceSpec:
     """Fraction of peak FLOP/s that real kernels reach (``calibrate`` fits it from a profile)."""
     memory_efficiency: float | None = None
     """Fraction of peak memory bandwidth reached by memory-bound ops; ``None``: ``efficiency``."""
+    engine: str | None = None
+    """The engine profile whose kernels the figures are (:mod:`autosplit.engine_profiles`): its fitted
+    efficiencies above, and the fusions the memory model counts (:mod:`autosplit.passes.fusion`); ``None``: none."""
+    tp_overlap: float = 0.0
+    """Under ``async_tp``, the share of each tensor-parallel collective the engine hides behind the GEMM beside
+    it (at most that GEMM's time): 0 for none; an engine profile's fitted figure (:mod:`autosplit.engine_profiles`)."""
     launch_overhead: float = 5e-6
     """Fixed cost of launching one operator, seconds."""
     torch_device: str | None = None

@@ -6,7 +6,8 @@ few kernels and tunes its GEMMs; torchtitan in eager mode launches torch's kerne
 ``torch.compile`` Inductor fuses the memory-bound ops between the matmuls. An :class:`EngineProfile` says what
 each reaches — ``gemm``: the fraction of the tensor-core peak its GEMMs and attention run at, in any precision;
 ``memory``: the fraction of the HBM bandwidth its memory-bound ops run at (fusion shows here: fewer bytes
-moved reads as more bandwidth) — and :func:`profiled` puts it on a device.
+moved reads as more bandwidth); ``tp_overlap``: the share of a tensor-parallel collective it hides behind
+the GEMM beside it when a plan runs ``async_tp`` — and :func:`profiled` puts it on a device.
 
 Every fitted parameter of the cost model is in :data:`FITTED`, with what it fits and over which rows; nothing
 else in autosplit is fitted to the record. ``benchmarks/published.py --fit`` fits them (the command and its
@@ -43,6 +44,9 @@ FITTED: dict[str, Fitted] = {
                                "attention reach, bf16 and FP8", "provisional: not yet fitted"),
     "torch-eager.gemm": Fitted(0.6, "the same, torchtitan without torch.compile", "provisional: not yet fitted"),
     "torch-compile.gemm": Fitted(0.6, "the same, torchtitan with torch.compile", "provisional: not yet fitted"),
+    "megatron-te.tp_overlap": Fitted(0.5, "share of a tensor-parallel collective Megatron's --tp-comm-overlap hides behind the "
+                                     "GEMM beside it", "provisional: not yet fitted"),
+    "torch-compile.tp_overlap": Fitted(0.5, "the same, torchtitan's async TP (compiled only)", "provisional: not yet fitted"),
     "memory": Fitted(0.6, "fraction of the HBM bandwidth memory-bound ops reach (every engine: fusion is counted "
                      "in the bytes, not here)", "provisional: not yet fitted"),
 }
@@ -61,6 +65,8 @@ class EngineProfile:
 
     name: str
     description: str
+    fuses: tuple[str, ...] = ()
+    """The fused kernels whose savings the memory model counts (:data:`autosplit.passes.fusion.FUSIONS`)."""
 
     @property
     def gemm(self) -> float:
@@ -70,12 +76,19 @@ class EngineProfile:
     def memory(self) -> float:
         return FITTED["memory"].value
 
+    @property
+    def tp_overlap(self) -> float:
+        """0 where the engine overlaps no tensor-parallel collective (torchtitan eager: async TP needs compile)."""
+        fitted = FITTED.get(f"{self.name}.tp_overlap")
+        return 0.0 if fitted is None else fitted.value
+
 
 ENGINES: dict[str, EngineProfile] = {
     e.name: e for e in (
-        EngineProfile("megatron-te", "Megatron-Core with Transformer Engine (Megatron-LM, Megatron-Bridge, NeMo)"),
+        EngineProfile("megatron-te", "Megatron-Core with Transformer Engine (Megatron-LM, Megatron-Bridge, NeMo)",
+                      ("norm", "gated", "fp8-inputs")),
         EngineProfile("torch-eager", "torchtitan, PyTorch eager: torch's kernels, one launch per op"),
-        EngineProfile("torch-compile", "torchtitan under torch.compile: Inductor fuses the ops between matmuls"),
+        EngineProfile("torch-compile", "torchtitan under torch.compile: Inductor fuses the ops between matmuls", ("norm", "gated")),
     )
 }
 
@@ -88,7 +101,8 @@ def profiled(device: DeviceSpec, engine: str) -> DeviceSpec:
             f"engine profile {engine!r} is not known", "a profile is a training stack the record was fitted for",
             f"pass one of {', '.join(ENGINES)}",
         ))
-    return dataclasses.replace(device, name=f"{device.name} ({engine})", efficiency=profile.gemm, memory_efficiency=profile.memory)
+    return dataclasses.replace(device, name=f"{device.name} ({engine})", efficiency=profile.gemm, memory_efficiency=profile.memory,
+                               tp_overlap=profile.tp_overlap, engine=engine)
 
 
 def trust(devices: tuple[DeviceSpec, ...]) -> str | None:

@@ -184,6 +184,12 @@ class PlanOptions:
     reduce-scatter and an all-gather of the same bytes, and the work and memory between them ÷ tp.
     ``"auto"``: wherever the graph's rules split every linear (it then costs no more, and holds and
     computes less); ``True``: refused where a linear stays whole; ``False``: never."""
+    async_tp: bool = False
+    """Under tensor parallelism, each collective overlapped with the GEMM beside it, as torchtitan's
+    ``enable_async_tensor_parallel`` and Megatron's ``--tp-comm-overlap`` run them: costed with the share the
+    engine hides (:attr:`~autosplit.device_spec.DeviceSpec.tp_overlap`, an engine profile's fitted figure).
+    autosplit's runtime runs the collectives in turn (gloo has no symmetric memory): such a plan trains the
+    same, slower than predicted, and its run logs so."""
     limits: SolverLimits = SolverLimits()
     """How much work the solver may do beyond ``time_limit``: the graph sizes past which it
     coarsens, skips CP-SAT or narrows its bound, e.g. ``SolverLimits(cpsat_vars=40_000)``; each
@@ -238,6 +244,8 @@ class PlanOptions:
             raise _bad("replicate", self.replicate, f"one of {REPLICATES} or 'auto'")
         if not (self.tensor_parallel == AUTO or (_is_int(self.tensor_parallel) and int(self.tensor_parallel) >= 1)):
             raise _bad("tensor_parallel", self.tensor_parallel, "an integer ≥ 1 or 'auto'")
+        if not isinstance(self.async_tp, bool):
+            raise _bad("async_tp", self.async_tp, "True or False")
         if not isinstance(self.sequence_parallel, bool) and self.sequence_parallel != AUTO:
             raise _bad("sequence_parallel", self.sequence_parallel, "True, False or 'auto'")
         if not isinstance(self.limits, SolverLimits):

@@ -111,6 +111,8 @@ class Plan:
     """Under :attr:`tensor_parallel`, the activations between the split layers (norms, residuals) are
     split along the sequence (torch's ``SequenceParallel``): reduce-scatter and all-gather where
     otherwise an all-reduce."""
+    async_tp: bool = False
+    """Costed with the tensor-parallel collectives overlapped with their GEMMs (:attr:`~autosplit.options.PlanOptions.async_tp`)."""
     crossings: tuple[tuple[str, ...], ...] = ()
     """[boundary k − 1] the tensors stage k − 1 sends stage k, in order (the distributed runtime's
     positional interface; recorded when the plan is run distributed)."""

@@ -1,236 +1,66 @@
 """Published training runs, each costed as an ``autosplit.Recipe`` on its published cluster (simulated).
 
-Reads a CSV with the columns of ``../shared/published/runs.csv`` (see its README) and, for every row it
-can express, builds the model on the meta device from the shapes the CSV gives (a transformers
-``LlamaConfig``: layers, hidden size, heads, KV heads, FFN width, vocabulary), writes the published
-layout as a ``Recipe`` — TP, PP, VP (``stages_per_rank``; ``interleaved1f1b`` when VP > 1, ``1f1b`` when
-PP > 1, else ``gpipe``), data parallel ``GPUs / (TP·PP·CP)`` as FSDP2 (``fully_shard``: FSDP or Megatron's
-distributed optimizer) or DDP, micro-batches per copy, recomputation, bf16 precision with its linears in FP8 where
-the row ran them so (``float8``: tensorwise, rowwise or mxfp8) — and costs it with
-``Planner.manual(recipe, check_memory=False)`` on ``Cluster.of(gpu, count)``: the published GPUs as
-their system came (:mod:`autosplit.gpu_presets`). Per row: predicted tokens/s/GPU (global batch · sequence / (step · GPUs)), the
-published figure, their ratio, the fullest device's predicted memory against its capacity, and
-planning seconds; a row it cannot express names why (``nvfp4``, ``cp``, ``ep``, ``moe``, ``lora``,
-``model shape unknown``, ``no device preset for B200``, …); a malformed row says what is wrong with it
-and the run goes on. Every figure is the cost model's, not a measurement. Each row is costed in a fresh
-process (:mod:`benchmarks.fresh`), killed past ``--budget`` seconds.
+Reads a CSV with the columns of ``../shared/published/runs.csv`` (see its README) and, for every row it can
+express (:mod:`benchmarks.published_rows`), builds the model on the meta device from the shapes the CSV gives
+(a transformers ``LlamaForCausalLM``: layers, hidden size, heads, KV heads, FFN width, vocabulary), writes the
+published layout as a ``Recipe`` — TP (async where the engine overlapped it), PP, VP (``stages_per_rank``;
+``interleaved1f1b`` when VP > 1, ``1f1b`` when PP > 1, else ``gpipe``), data parallel ``GPUs / (TP·PP·CP)``
+as FSDP2 (``fully_shard``: FSDP or Megatron's distributed optimizer) or DDP, micro-batches per copy,
+recomputation, bf16 with the linears in FP8 where the row ran them so (``float8``) — and costs it with
+``Planner.manual(recipe, check_memory=False)`` on ``Cluster.of(gpu, count, engine=...)``: the published GPUs
+as their system came (:mod:`autosplit.gpu_presets`), with the fitted profile of the stack that ran it
+(:mod:`autosplit.engine_profiles`). Per row: predicted tokens/s/GPU (global batch · sequence / (step · GPUs)),
+the published figure, their ratio, the fullest device's predicted memory against its capacity, the step's
+terms, and planning seconds; a row it cannot express names why (``nvfp4``, ``cp``, ``ep``, ``moe``, ``lora``,
+``model shape unknown``, …); a malformed row says what is wrong with it and the run goes on. Every figure is
+the cost model's, not a measurement. Each row is costed in a fresh process (:mod:`benchmarks.fresh`), killed
+past ``--budget`` seconds; ``--grid`` costs each at other device figures too, for
+:mod:`benchmarks.published_fit`.
 
-Summary: median and 90th percentile (nearest rank) of ``|predicted / published − 1|``, the rows within
-10%, and per ``layout_group`` the pairs of rows whose predicted order agrees with the published one.
+Summary (:mod:`benchmarks.published_summary`): median and 90th percentile (nearest rank) of
+``|predicted / published − 1|``, the rows within 10%, and per ``layout_group`` the pairs of rows whose
+predicted order agrees with the published one.
 
 Usage::
 
     .venv/bin/python benchmarks/published.py --ids 294,295 --out /tmp/published.json
+    .venv/bin/python benchmarks/published.py --jobs 2          # every row: benchmarks/results/published.json
     .venv/bin/python benchmarks/published.py --dry-run          # classify every row only: counts per reason
 """
 
 from __future__ import annotations
 
 import argparse
-import csv
 import json
-import re
 import resource
 import sys
 import time
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_CSV = ROOT.parent / "shared" / "published" / "runs.csv"
-SHAPE = ("num_layers", "hidden_size", "num_attention_heads", "num_kv_heads", "ffn_hidden_size", "vocab_size")
-REQUIRED = ("row_id", "task", "model", *SHAPE, "moe_experts", "gpu", "num_gpus", "precision", "seq_len", "global_batch_size",
-            "micro_batch_size", "tp", "pp", "vp", "cp", "ep", "dp", "fsdp", "distributed_optimizer", "recompute",
-            "tokens_per_sec_per_gpu")
-TASKS = ("pretrain", "sft")
-"""Tasks costed as a training step (LoRA freezes the weights: left out of the step model, as the README says)."""
+sys.path.insert(0, str(ROOT))
 
-
-class Malformed(ValueError):
-    """A cell that cannot be read as its column says."""
-
-
-@dataclass
-class Classified:
-    """One CSV row read: the reasons it cannot be costed (none: ``spec`` is the recipe to cost)."""
-
-    row_id: str
-    info: dict[str, Any]
-    reasons: list[str] = field(default_factory=list)
-    message: str = ""
-    spec: dict[str, Any] | None = None
-
-
-def _int(row: dict[str, str], column: str, default: int | None = None) -> int | None:
-    text = (row.get(column) or "").strip()
-    if not text:
-        return default
-    try:
-        value = float(text.replace(",", ""))
-    except ValueError:
-        raise Malformed(f"{column}={text!r} is not a number") from None
-    if value != int(value) or value < 1:
-        raise Malformed(f"{column}={text!r} is not a whole number ≥ 1")
-    return int(value)
-
-
-def _published(row: dict[str, str]) -> float | None:
-    text = (row.get("tokens_per_sec_per_gpu") or "").strip().replace(",", "")
-    if not text:
-        return None
-    try:
-        return float(text)
-    except ValueError:
-        raise Malformed(f"tokens_per_sec_per_gpu={text!r} is not a number") from None
-
-
-def _float8(text: str) -> str | Malformed | None:
-    """The ``float8`` recipe a ``precision`` cell names (``None``: BF16), or why it is not one autosplit costs
-    (a :class:`Malformed` carrying the reason's name). Per-tensor scales (current scaling, Transformer Engine's
-    FP8-CS, torchao's tensorwise, and the per-tensor delayed scaling older NeMo pages name "FP8") cost as
-    ``tensorwise``; MXFP8 and Megatron-Bridge's "32x32" alternate granularity as ``mxfp8``."""
-    upper = text.upper().strip()
-    if upper == "BF16":
-        return None
-    if "NVFP4" in upper:
-        return Malformed("nvfp4")
-    if "FINE-GRAINED" in upper or "BLOCKWISE" in upper:
-        return Malformed("fp8 blockwise")
-    if any(name in upper for name in ("MXFP8", "FP8-MX", "32X32", "PARENTHETICAL")):
-        return "mxfp8"
-    if "ROWWISE" in upper:
-        return "rowwise"
-    if "FP8" in upper:
-        return "tensorwise"
-    return Malformed("precision not stated" if "NOT STATED" in upper or not upper else f"precision {text.strip()[:20]}")
-
-
-def _recompute(text: str) -> tuple[str, bool] | str:
-    """``(checkpointing, selective)`` for a ``recompute`` cell, or the reason it is not expressible. An empty cell
-    (``config_match`` partial) is read as no recomputation, both engines' default."""
-    low = text.strip().lower()
-    if "offload" in low:
-        return "activation offload"
-    if "block" in low:
-        return "block recompute"
-    if "selective" in low:
-        return "full", True
-    if low.startswith("full"):
-        return "full", False
-    if not low or low.startswith("none") or "no recompute" in low or "null" in low:
-        return "none", False
-    return "recompute unknown"
-
-
-def _gpu_kind(text: str) -> str | None:
-    """The system a ``gpu`` cell names (:data:`autosplit.gpu_presets.SYSTEMS`): its first word
-    (``"H100 (DGX-H100)"`` → ``"H100"``), the 500 W H100 of torchtitan's Grand Teton hosts apart."""
-    kind = re.match(r"\s*([A-Za-z]+\d+)", text)
-    if kind is None:
-        return None
-    return kind.group(1).upper() + ("-500W" if re.search(r"\b500\s*W\b", text) else "")
-
-
-def _blockers(row: dict[str, str]) -> list[str]:
-    """What in the row's categorical cells autosplit cannot express today, by name."""
-    reasons = []
-    task = row["task"].strip().lower()
-    if task not in TASKS:
-        reasons.append("lora" if task == "lora" else f"task {task or 'unknown'}")
-    from autosplit.gpu_presets import SYSTEMS
-
-    kind = _gpu_kind(row["gpu"])
-    if kind is None:
-        reasons.append("gpu unknown")
-    elif kind not in SYSTEMS:
-        reasons.append(f"no device preset for {kind}")
-    if isinstance(recipe := _float8(row["precision"]), Malformed):
-        reasons.append(str(recipe))
-    if row["moe_experts"].strip():
-        reasons.append("moe")
-    if any(not re.fullmatch(r"\d+", row[c].strip()) for c in SHAPE):
-        reasons.append("model shape unknown")
-    if row["cp"].strip() not in ("", "1"):
-        reasons.append("cp")
-    if row["ep"].strip() not in ("", "1"):
-        reasons.append("ep")
-    vp = row["vp"].strip()
-    if vp and not re.fullmatch(r"\d+", vp):
-        reasons.append("schedule dualpipe" if "dualpipe" in vp.lower() else f"vp {vp[:20]}")
-    if isinstance(recompute := _recompute(row["recompute"]), str):
-        reasons.append(recompute)
-    if not row["micro_batch_size"].strip():
-        reasons.append("micro batch unknown")
-    return reasons
-
-
-def _layout(row: dict[str, str]) -> dict[str, Any]:
-    """The recipe's degrees and batch from the row's numeric cells; :class:`Malformed` where they disagree."""
-    gpus, seq, batch = (_int(row, c) for c in ("num_gpus", "seq_len", "global_batch_size"))
-    if gpus is None or seq is None or batch is None:
-        raise Malformed("num_gpus, seq_len and global_batch_size are all needed")
-    tp, pp, cp = (_int(row, c, 1) or 1 for c in ("tp", "pp", "cp"))
-    vp = _int(row, "vp", 1) if re.fullmatch(r"\d*", row["vp"].strip()) else 1
-    if gpus % (tp * pp * cp):
-        raise Malformed(f"num_gpus {gpus} is not a multiple of TP {tp} · PP {pp} · CP {cp}")
-    dp = gpus // (tp * pp * cp)
-    if (given := _int(row, "dp")) is not None and given != dp:
-        raise Malformed(f"dp {given} given, but num_gpus / (TP·PP·CP) = {dp}")
-    micro = _int(row, "micro_batch_size")
-    if micro is not None and batch % (micro * dp):
-        raise Malformed(f"global batch {batch} is not a multiple of micro batch {micro} · dp {dp}")
-    sharded = any(row[c].strip().lower().startswith(("yes", "fsdp", "zero")) for c in ("fsdp", "distributed_optimizer"))
-    return dict(num_gpus=gpus, seq_len=seq, global_batch=batch, tp=tp, pp=pp, vp=vp or 1, cp=cp, dp=dp, micro_batch=micro,
-                micro_batches=None if micro is None else batch // (micro * dp), replicate="fully_shard" if sharded else "replicate",
-                float8=recipe if isinstance(recipe := _float8(row["precision"]), str) else None,
-                plan_precision="bf16-fsdp" if sharded else "bf16-mixed", published_tokens_per_s_per_gpu=_published(row))
-
-
-def classify(row: dict[str, str], line: int) -> Classified:
-    """The row's reasons not to cost it (a malformed one says what is wrong), or the spec :func:`cost_row` costs."""
-    from autosplit.errors import ConstraintError
-    from autosplit.options import refuse_selective_tp
-
-    row_id = row.get("row_id", "").strip() or f"line {line}"
-    info = {c: row.get(c, "").strip() for c in ("model", "model_canonical", "gpu", "precision", "layout_group", "recompute")}
-    out = Classified(row_id, info)
-    out.reasons = _blockers(row)
-    if missing := [c for c in ("num_gpus", "seq_len", "global_batch_size") if not row[c].strip()]:
-        out.reasons += [f"{c} unknown" for c in missing]
-        return out
-    try:
-        layout = _layout(row)
-    except Malformed as e:
-        out.reasons.insert(0, "malformed")
-        out.message = str(e)
-        return out
-    info.update({k: v for k, v in layout.items() if k != "micro_batches"})
-    recompute = _recompute(row["recompute"])
-    if isinstance(recompute, tuple) and recompute[1]:
-        try:  # the planner's own rule, asked without costing
-            refuse_selective_tp(layout["tp"], True)
-        except ConstraintError:
-            out.reasons.append("selective recompute under tp")
-    if out.reasons or not isinstance(recompute, tuple):
-        return out
-    vp = layout["vp"]
-    out.spec = {**layout, "row_id": row_id, "shape": {c: int(row[c]) for c in SHAPE},
-                "gpu": _gpu_kind(row["gpu"]), "engine": _engine(row), "checkpointing": recompute[0], "selective": recompute[1],
-                "schedule": "interleaved1f1b" if vp > 1 else "1f1b" if layout["pp"] > 1 else "gpipe",
-                "torchtitan_split": "torchtitan" in (row.get("repo", "") + row.get("source", "")).lower()}
-    return out
+from benchmarks.published_rows import Classified, read_csv  # noqa: E402  (run as a script: the root first)
 
 
 def _model(shape: dict[str, int], seq: int) -> Any:
+    """A transformers ``LlamaForCausalLM`` of the row's shape on the meta device, its attention one
+    scaled-dot-product call over the grouped key/value heads (``TRANSFORMERS_SDPA_FORCE_GQA``: the engines'
+    flash kernels read them in place; transformers would otherwise repeat them to every query head under a mask)."""
+    import os
+
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    os.environ["TRANSFORMERS_SDPA_FORCE_GQA"] = "1"  # this process costs one row: nothing else reads it
     config = LlamaConfig(hidden_size=shape["hidden_size"], intermediate_size=shape["ffn_hidden_size"],
                          num_hidden_layers=shape["num_layers"], num_attention_heads=shape["num_attention_heads"],
                          num_key_value_heads=shape["num_kv_heads"], vocab_size=shape["vocab_size"], max_position_embeddings=seq)
+    config._attn_implementation = "sdpa"
     with torch.device("meta"):
         return LlamaForCausalLM(config)
 
@@ -242,31 +72,31 @@ def _fullest(plan: Any) -> tuple[float, float]:
     return max(held, key=lambda mc: mc[0] / mc[1])
 
 
-def _engine(row: dict[str, str]) -> str:
-    """The engine profile (:mod:`autosplit.engine_profiles`) of the stack a row ran on: torchtitan's runs
-    compiled or eager as their ``other_config`` says, every other source's Megatron-Core with Transformer Engine."""
-    if "torchtitan" not in (row.get("repo", "") + row.get("source", "")).lower():
-        return "megatron-te"
-    return "torch-compile" if re.search(r"(torch\.)?compile\s*=\s*yes", row.get("other_config", "").lower()) else "torch-eager"
-
-
-def _regrid(planner: Any, recipe: Any, grid: Sequence[tuple[float, float]], tokens: int, gpus: int) -> dict[str, float]:
-    """Predicted tokens/s/GPU of ``recipe`` with the devices' (GEMM, memory) efficiencies at each point of
-    ``grid`` (the capture reused): what ``--grid`` fits the engine profiles from, keyed ``"gemm:memory"``."""
+def _regrid(planner: Any, recipe: Any, grid: Sequence[dict[str, float]], tokens: int, gpus: int) -> dict[str, float]:
+    """Predicted tokens/s/GPU of ``recipe`` with the devices' fitted figures (``efficiency``, ``memory_efficiency``,
+    ``tp_overlap``) at each point of ``grid`` (the capture reused): what ``--grid`` fits the engine profiles from,
+    keyed ``"efficiency=0.5 memory_efficiency=0.7 …"``. A point differing only in a figure the recipe does not use
+    (``tp_overlap`` without ``async_tp``) is costed once."""
     import copy
     import dataclasses
 
-    out = {}
-    for gemm, memory in grid:
-        other = copy.copy(planner)
-        other.devices = tuple(dataclasses.replace(d, efficiency=gemm, memory_efficiency=memory) for d in planner.devices)
-        out[f"{gemm:g}:{memory:g}"] = tokens / (other.manual(recipe, check_memory=False).step_time * gpus)
+    out: dict[str, float] = {}
+    costed: dict[tuple, float] = {}
+    for point in grid:
+        used = tuple(sorted((k, v) for k, v in point.items() if k != "tp_overlap" or recipe.options.get("async_tp")))
+        if used not in costed:
+            other = copy.copy(planner)
+            other.devices = tuple(dataclasses.replace(d, **dict(used)) for d in planner.devices)
+            costed[used] = tokens / (other.manual(recipe, check_memory=False).step_time * gpus)
+        out[" ".join(f"{k}={v:g}" for k, v in sorted(point.items()))] = costed[used]
     return out
 
 
-def cost_row(spec: dict[str, Any], grid: Sequence[tuple[float, float]] = ()) -> dict[str, Any]:
+def cost_row(spec: dict[str, Any], grid: Sequence[dict[str, float]] = ()) -> dict[str, Any]:
     """One expressible row costed in this process (call it in a fresh one: its peak RSS is its own); with
-    ``grid``, also at each GEMM efficiency there (:func:`_regrid`)."""
+    ``grid``, also at each of its points (:func:`_regrid`)."""
+    import dataclasses
+
     import torch
 
     import autosplit
@@ -289,7 +119,7 @@ def cost_row(spec: dict[str, Any], grid: Sequence[tuple[float, float]] = ()) -> 
                                                          output_weight=weight, order=execution_order(planner.traced))
         options: dict[str, Any] = {"precision": spec["plan_precision"], "float8": spec["float8"], "checkpointing": spec["checkpointing"],
                                    "selective": spec["selective"], "micro_batches": spec["micro_batches"], "schedule": spec["schedule"],
-                                   "sequence_parallel": spec["tp"] > 1}
+                                   "sequence_parallel": spec["tp"] > 1, "async_tp": spec.get("async_tp", False)}
         if spec["vp"] > 1:
             options["stages_per_rank"] = spec["vp"]
         recipe = autosplit.Recipe(split, data_parallel=spec["dp"], replicate=spec["replicate"], tensor_parallel=spec["tp"],
@@ -299,7 +129,9 @@ def cost_row(spec: dict[str, Any], grid: Sequence[tuple[float, float]] = ()) -> 
         row.update(outcome="costed", step_s=plan.step_time, predicted_tokens_per_s_per_gpu=tokens / (plan.step_time * gpus),
                    mesh=plan.mesh, schedule=plan.schedule, stages_per_rank=plan.stages_per_rank, micro_batches=plan.micro_batches,
                    memory_gib=memory / 2**30, capacity_gib=capacity / 2**30, fits=memory <= capacity,
-                   recomputed_blocks=len(plan.recompute), selective=plan.recompute_selective, device=plan.devices[0].name)
+                   recomputed_blocks=len(plan.recompute), selective=plan.recompute_selective, device=plan.devices[0].name,
+                   float8=plan.float8, async_tp=plan.async_tp,
+                   terms=None if plan.terms is None else dataclasses.asdict(plan.terms))
         if grid:
             row["grid"] = _regrid(planner, recipe, grid, tokens, gpus)
     except autosplit.AutosplitError as e:
@@ -309,29 +141,6 @@ def cost_row(spec: dict[str, Any], grid: Sequence[tuple[float, float]] = ()) -> 
     row["total_s"] = time.perf_counter() - start
     row["peak_rss_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9
     return row
-
-
-def read_csv(path: Path, ids: set[str] | None) -> list[Classified]:
-    """Every row of ``path`` (only ``ids`` where given), classified; a CSV without the columns is refused whole."""
-    with path.open(newline="") as f:
-        reader = csv.DictReader(f)
-        missing = [c for c in REQUIRED if c not in (reader.fieldnames or [])]
-        if missing:
-            raise SystemExit(f"{path}: missing column(s) {', '.join(missing)} (see ../shared/published/README.md)")
-        rows = [(line, row) for line, row in enumerate(reader, start=2) if ids is None or row["row_id"].strip() in ids]
-    out = []
-    for line, row in rows:
-        if None in row or any(v is None for v in row.values()):  # more or fewer cells than the header names
-            out.append(Classified((row.get("row_id") or "").strip() or f"line {line}", {}, ["malformed"],
-                                  f"line {line} has {'more' if None in row else 'fewer'} cells than the header"))
-            continue
-        out.append(classify(row, line))
-    for c in out:
-        if "malformed" in c.reasons:
-            print(f"row {c.row_id}: malformed: {c.message}", file=sys.stderr)
-    if ids is not None and (unknown := ids - {c.row_id for c in out}):
-        print(f"no row with id {', '.join(sorted(unknown))}", file=sys.stderr)
-    return out
 
 
 def _result(c: Classified, costed: dict[str, Any] | None) -> dict[str, Any]:
@@ -350,7 +159,7 @@ def _result(c: Classified, costed: dict[str, Any] | None) -> dict[str, Any]:
     return row
 
 
-def run(classified: Sequence[Classified], budget: float, jobs: int = 1, grid: Sequence[tuple[float, float]] = ()) -> list[dict[str, Any]]:
+def run(classified: Sequence[Classified], budget: float, jobs: int = 1, grid: Sequence[dict[str, float]] = ()) -> list[dict[str, Any]]:
     """Each expressible row costed in a fresh process, ``jobs`` at a time; every row's result, printed as it comes."""
     from concurrent.futures import ThreadPoolExecutor
 
@@ -398,12 +207,13 @@ def dry_run(classified: Sequence[Classified]) -> dict[str, Any]:
             "malformed": {c.row_id: c.message for c in classified if "malformed" in c.reasons}}
 
 
-def _grid(text: str) -> list[tuple[float, float]]:
-    """``"0.4,0.5x0.6,0.8"`` → every (GEMM, memory) pair of the two lists; ``""``: none."""
-    if not text.strip():
-        return []
-    gemms, _, memories = text.partition("x")
-    return [(float(g), float(m)) for g in gemms.split(",") for m in (memories or "0.6").split(",")]
+def _grid(text: str) -> list[dict[str, float]]:
+    """``"efficiency=0.4,0.5 memory_efficiency=0.7"`` → every point of the product of the fields' values; ``""``: none."""
+    import itertools
+
+    fields = dict(part.split("=", 1) for part in text.split())
+    values = [[float(v) for v in vs.split(",")] for vs in fields.values()]
+    return [dict(zip(fields, point)) for point in itertools.product(*values)] if fields else []
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -414,8 +224,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budget", type=float, default=900.0, help="seconds a row may take before it is killed")
     parser.add_argument("--dry-run", action="store_true", help="only classify the rows and count the reasons")
     parser.add_argument("--jobs", type=int, default=1, help="rows costed at once, each in its own process")
-    parser.add_argument("--grid", default="", help="GEMM × memory efficiencies to cost every row at too, to fit the engine profiles: "
-                        "'0.4,0.5,0.6x0.6,0.8'")
+    parser.add_argument("--grid", default="", help="device figures to cost every row at too, to fit the engine profiles: "
+                        "'efficiency=0.5,0.6 memory_efficiency=0.6,0.8 tp_overlap=0,0.5'")
     args = parser.parse_args(argv)
     sys.path.insert(0, str(ROOT))
     if not args.csv.is_file():

@@ -35,12 +35,13 @@ def test_every_fitted_parameter_lives_in_the_one_table():
     """Each profile reads its figures from FITTED, every FITTED entry says what it fits and over what, and no
     module of the package writes an efficiency literal into a DeviceSpec but the presets' spec-sheet defaults."""
     assert all(f.fits and f.over for f in FITTED.values())
-    assert {f"{e}.gemm" for e in ENGINES} | {"memory"} == set(FITTED)
+    assert {f"{e}.gemm" for e in ENGINES} | {"memory", "megatron-te.tp_overlap", "torch-compile.tp_overlap"} == set(FITTED)
     for path in (ROOT / "autosplit").rglob("*.py"):
         if path.name in ("engine_profiles.py", "device_spec.py"):
             continue
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.keyword) and node.arg in ("efficiency", "memory_efficiency") and isinstance(node.value, ast.Constant):
+            fitted = ("efficiency", "memory_efficiency", "tp_overlap")
+            if isinstance(node, ast.keyword) and node.arg in fitted and isinstance(node.value, ast.Constant):
                 assert path.name == "devices.py", f"{path}: a literal {node.arg} outside the fitted table"
 
 

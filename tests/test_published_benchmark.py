@@ -6,7 +6,8 @@ from __future__ import annotations
 import csv
 from pathlib import Path
 
-from benchmarks.published import DEFAULT_CSV, read_csv
+from benchmarks.published import DEFAULT_CSV
+from benchmarks.published_rows import read_csv
 
 
 def _rows() -> tuple[list[str], dict[str, dict[str, str]]]:
@@ -20,7 +21,12 @@ def test_every_row_of_the_record_is_classified_and_the_expressible_ones_become_r
     assert len(read) == len(_rows()[1])
     by_id = {c.row_id: c for c in read}
     assert by_id["294"].spec is not None and by_id["294"].spec["dp"] == 8 and by_id["294"].spec["micro_batches"] == 1
-    assert "mxfp8" in by_id["2"].reasons and "ep" in by_id["2"].reasons and not any("preset" in r for r in by_id["2"].reasons)
+    assert "moe" in by_id["2"].reasons and "ep" in by_id["2"].reasons and not any("preset" in r for r in by_id["2"].reasons)
+    fp8, mx, nvfp4 = by_id["50"].spec, by_id["49"].spec, by_id["17"]
+    assert fp8 is not None and (fp8["float8"], fp8["engine"], fp8["async_tp"], fp8["gpu"]) == ("tensorwise", "megatron-te", True, "H100")
+    assert mx is not None and (mx["float8"], mx["async_tp"]) == ("mxfp8", False) and nvfp4.reasons == ["nvfp4"]
+    titan = by_id["305"].spec
+    assert titan is not None and (titan["engine"], titan["async_tp"], by_id["304"].spec["async_tp"]) == ("torch-compile", True, False)
     assert by_id["294"].spec["gpu"] == "H100-500W" and by_id["2"].info["gpu"] == "GB200"  # torchtitan's 500 W H100s apart
     assert all(c.reasons or c.spec is not None for c in read)  # a row is costed or says why not
 

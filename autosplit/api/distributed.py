@@ -281,6 +281,14 @@ def _agreed_plan(planner: Planner, given: Plan | None, data_parallel: int) -> Pl
     return made
 
 
+def _costed_not_run(made: Plan) -> None:
+    """Refuse a plan costed in FP8 (its stages would train in bf16); say that async TP runs synchronously here."""
+    refuse_float8_run(made.float8)
+    if made.async_tp:
+        log.warning("the plan was costed with async tensor parallelism (async_tp=True); this runtime runs the tp collectives "
+                    "in turn, so a step takes longer than the plan's %.4g s (the training is the same)", made.step_time)
+
+
 def _build(
     model: torch.nn.Module, planner: Planner, made: Plan, given: Plan | None, layout: Layout,
     loss_fn: Callable[[Any, Any], torch.Tensor], weights: WeightsLike, compiled: CompileOptions | None,
@@ -298,7 +306,7 @@ def _build(
         ))
     held = layout.held
     device = rank_device(made, held[0])
-    refuse_float8_run(made.float8)
+    _costed_not_run(made)
     tied = [p for p in made.shared_params if p.policy == "replicate"]
     replicated = {p.name for p in tied}
     example = (tuple(planner.example_inputs), dict(planner.example_kwargs or {}))

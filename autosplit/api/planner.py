@@ -145,7 +145,7 @@ class Planner:
         options = (
             self.options.replace(objective="makespan", precision=saved.precision, float8=saved.float8) if saved.objective == "makespan"
             else self.options.replace(schedule=saved.schedule, micro_batches=saved.micro_batches, stages_per_rank=saved.stages_per_rank,
-                                      precision=saved.precision, float8=saved.float8)
+                                      precision=saved.precision, float8=saved.float8, async_tp=saved.async_tp)
         )
         specs = saved.devices if self.devices is None else self.specs(options=options)
         if len(specs) != len(saved.devices):

@@ -16,9 +16,11 @@ from autosplit.compiler.recompute import candidate_blocks
 from autosplit.compiler.trace import Traced
 from autosplit.costtable import CostTable
 from autosplit.devices import DeviceSpec, uncalibrated
+from autosplit.engine_profiles import ENGINES
 from autosplit.errors import ConstraintError, CostModelError, advice
 from autosplit.options import AUTO, PlanOptions, ProfileOptions, refuse_selective_tp
 from autosplit.passes.costs import LossCost, estimate, with_overrides
+from autosplit.passes.fusion import Fusion, norm_paths
 from autosplit.passes.loss import cost_loss, output_like
 from autosplit.passes.profile import Profile, profile
 from autosplit.passes.sharding import laid_out, sharded_alone
@@ -52,7 +54,8 @@ def cost_table(
         return _cost_table(traced, specs, options, micro_batches=micro_batches, recompute=recompute, partial=partial,
                            selective=selective, laid=laid)
     key = (specs, micro_batches, tuple(recompute), tuple(partial), options.precision, options.float8, options.optimizer,
-           options.checkpointing, tuple(options.recompute or ()), selective, options.tp, options.sequence_parallel, options.dp_shard, laid)
+           options.checkpointing, tuple(options.recompute or ()), selective, options.tp, options.sequence_parallel,
+           options.async_tp, options.dp_shard, laid)
     kept = traced._tables
     if key not in kept:
         kept[key] = _cost_table(traced, specs, options, micro_batches=micro_batches, recompute=recompute, partial=partial,
@@ -87,8 +90,11 @@ def _cost_table(
         loss = _loss(traced, specs, options, micro_batches, profiling)
         if loss is not None:
             source += f"; {LOSS_COSTED}"
+        fuses = ENGINES[specs[0].engine].fuses if specs[0].engine in ENGINES else ()
         estimated = functools.partial(estimate, gm, specs, optimizer=options.optimizer, micro_batches=micro_batches,
-                                      profiles=profiles, loss=loss, selective=selective, float8=options.float8)
+                                      profiles=profiles, loss=loss, selective=selective, float8=options.float8,
+                                      fusion=Fusion(norm_paths(traced.model) if "norm" in fuses else frozenset(), "gated" in fuses,
+                                                    "fp8-inputs" in fuses))
         # the blocks depend on the graph and the devices, not the batch: decided once, on the first table
         # (measured layers need not time alike: there each table decides)
         key = (traced.fingerprint, options.precision, options.float8, specs, options.checkpointing, tuple(options.recompute or ()),
@@ -107,7 +113,8 @@ def _cost_table(
         refuse_selective_tp(options.tp, selective)
         check_degree(traced.tp_rules(), options.tp)
         table = tp_laid_out(table, gm, traced.tp_rules(), tp=options.tp, micro_batches=micro_batches, numel=traced.param_numel(),
-                            sequence_parallel=sequence_parallel(traced, options), precision=options.precision)
+                            sequence_parallel=sequence_parallel(traced, options), precision=options.precision,
+                            async_tp=options.async_tp)
         source += f"; tensors split over tp {options.tp}"
     if not laid:
         return table, source
@@ -124,7 +131,7 @@ def tp_fields(traced: Traced, options: PlanOptions) -> dict[str, Any]:
         return {}
     rules = traced.tp_rules()
     return {"tensor_parallel": options.tp, "tp_shards": _every_name(traced, rules.shards), "tp_whole": dict(rules.replicated),
-            "sequence_parallel": sequence_parallel(traced, options)}
+            "sequence_parallel": sequence_parallel(traced, options), "async_tp": options.async_tp}
 
 
 def sequence_parallel(traced: Traced, options: PlanOptions) -> bool:

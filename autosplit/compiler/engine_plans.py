@@ -108,6 +108,8 @@ def megatron_recipe(body: str, names: Names, world: int, num_layers: int, tensor
         options.update(_megatron_checkpointing(flags, titan, names))
     if "sequence-parallel" in flags:
         options["sequence_parallel"] = True
+    if "tp-comm-overlap" in flags and tp > 1:
+        options["async_tp"] = True
     return Recipe(split=_stage_modules(titan, names), data_parallel=dp, tensor_parallel=tp, options=options,
                   replicate=_megatron_replicate(flags, pipelined=len(stages) > 1))
 
@@ -252,6 +254,7 @@ def torchtitan_recipe(config: Any, names: Names, world: int, num_layers: int) ->
     tp = int(par.get("tensor_parallel_degree", 1))
     if tp > 1:
         options["sequence_parallel"] = bool(par.get("enable_sequence_parallel", True))
+        options["async_tp"] = bool(par.get("enable_async_tensor_parallel", False))
     options["precision"] = torchtitan_precision(str(training.get("mixed_precision_param", "bfloat16")), sharded=shard > 1,
                                                 split=tp > 1 or pp > 1, release=release)
     return Recipe(split=_stage_modules(fqns, names) if fqns else None, data_parallel=max(replicate, shard), tensor_parallel=tp,

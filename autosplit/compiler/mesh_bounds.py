@@ -77,7 +77,8 @@ def step_floor(whole: CostTable, traced: Traced, degrees: Degrees, options: Plan
     if degrees.tp > 1:
         table = tp_laid_out(whole, traced.annotated(options.precision, specs[0].device_type), traced.tp_rules(), tp=degrees.tp,
                             micro_batches=1, numel=traced.param_numel(),
-                            sequence_parallel=sequence_parallel(traced, options), precision=options.precision)
+                            sequence_parallel=sequence_parallel(traced, options), precision=options.precision,
+                            async_tp=options.async_tp)
     if options.dp_shard > 1:
         table = laid_out(table, dp_shard=options.dp_shard, alone=True, precision=options.precision)
     dp, pp = degrees.data_parallel, degrees.pp

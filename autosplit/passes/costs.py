@@ -49,6 +49,7 @@ from autosplit.devices import DeviceSpec
 from autosplit.errors import CostModelError, advice
 from autosplit.passes.annotations import NodeInfo, node_info
 from autosplit.passes.float8 import float8_linears
+from autosplit.passes.fusion import UNFUSED, Fusion, fused
 from autosplit.passes.input_free import input_free
 from autosplit.passes.memory_model import activation_bytes, describe_blocks, saved_bytes, state_bytes
 from autosplit.passes.outline import outlinable_blocks, unit_targets
@@ -245,16 +246,16 @@ def estimate(
     gm: fx.GraphModule, devices: tuple[DeviceSpec, ...], *, optimizer: str = "adam", profiles: Sequence[Profile | None] | None = None,
     micro_batches: int = 1, blocks: Sequence[tuple[str, Collection[str]]] = (), recompute: Collection[str] = (),
     partial: Sequence[PartialRecompute] = (), selective: bool = False, loss: LossCost | None = None, float8: str | None = None,
+    fusion: Fusion = UNFUSED,
 ) -> CostTable:
     """Build the :class:`CostTable` of an annotated graph for ``devices``.
 
-    ``profiles[d]`` (one micro-batch of ``micro_batches``) gives device ``d`` measured
-    costs; ``None`` or a missing profile keeps the analytic ones. ``blocks`` (label, member node
-    names) are what a plan may recompute; the costs of those labelled in ``recompute`` are the
-    recomputing ones (:func:`_recompute_costs`; ``partial``: some micro-batches keep theirs;
-    ``selective``: keeping their matmuls' and attention's outputs, :mod:`autosplit.passes.selective`).
+    ``profiles[d]`` (one micro-batch of ``micro_batches``) gives device ``d`` measured costs; ``None`` or a missing
+    profile keeps the analytic ones. ``blocks`` (label, member node names) are what a plan may recompute; the costs
+    of those labelled in ``recompute`` are the recomputing ones (:func:`_recompute_costs`; ``partial``: some
+    micro-batches keep theirs; ``selective``: keeping their matmuls' and attention's outputs, :mod:`autosplit.passes.selective`).
     ``loss`` (one micro-batch's) is charged to the node that makes the model's output last, every micro-batch's.
-    ``float8``: the recipe its linears compute in (:mod:`autosplit.passes.float8`), on devices with FP8.
+    ``float8``: the recipe its linears compute in (:mod:`autosplit.passes.float8`); ``fusion``: the engine's fused kernels.
     """
     if optimizer not in OPTIMIZER_STATE_BYTES:
         raise CostModelError(advice(
@@ -264,14 +265,14 @@ def estimate(
     profiles = list(profiles or [None] * len(devices))
     nodes = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
     index = {n: i for i, n in enumerate(nodes)}
-    infos = [node_info(n) for n in nodes]
+    low = None if float8 is None else (float8_linears(gm, nodes), float8)
+    infos = fused(nodes, [node_info(n) for n in nodes], fusion, low[0] if low else ())
     _refuse_sparse(optimizer, nodes, infos)
     # Identical devices (the common case: 64 of one kind) are costed once.
     kinds = list(dict.fromkeys(devices))
     kind_of = [kinds.index(d) for d in devices]
     per_device = row_sharer(kind_of)
 
-    low = None if float8 is None else (float8_linears(gm, nodes), float8)
     fwd, bwd = node_times(nodes, infos, kinds, kind_of, profiles, micro_batches, per_device, low)
     own_saved, transient = activation_bytes(nodes, infos, profiles, micro_batches, optimizer)
     wgrad_share = list(wgrad_shares(nodes, infos, profiles))

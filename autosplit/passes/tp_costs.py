@@ -16,7 +16,9 @@ Per node and device of a group of ``tp`` (:func:`tp_laid_out`):
 - **collectives**: each tensor the rules reduce in the forward (a row-parallel output, the
   vocabulary-parallel embedding's) and each gradient they reduce in the backward (at a column-parallel
   group's input): a ring all-reduce over the tp ranks, once per micro-batch, on the node's critical
-  path (torch's tensor parallelism does not overlap them; async TP would).
+  path (torch's tensor parallelism does not overlap them); under ``async_tp`` (torchtitan's async TP,
+  Megatron's TP communication overlap) overlapped with the node's own GEMM, of which the engine hides
+  the device's ``tp_overlap`` share of the shorter.
 
 The tp group is ``tp`` consecutive ranks (tp innermost in the mesh), inside one node's island: the
 intra-node ring, at the all-reduce link's bandwidth.
@@ -69,11 +71,12 @@ def tp_collective_time(nbytes: float, tp: int, device: DeviceSpec, micro_batches
 
 def tp_laid_out(
     table: CostTable, gm: fx.GraphModule, rules: TensorParallelRules, *, tp: int, micro_batches: int, numel: Mapping[str, int],
-    sequence_parallel: bool = False, precision: str = "fp32",
+    sequence_parallel: bool = False, precision: str = "fp32", async_tp: bool = False,
 ) -> CostTable:
     """``table`` as one device of a tensor-parallel group of ``tp`` computes, holds and moves it (the
     module docstring); ``table`` itself for ``tp = 1``. ``precision``: where its weights' compute copy is
-    held (below)."""
+    held (below). ``async_tp``: each collective overlapped with its node's GEMM, the device's
+    :attr:`~autosplit.device_spec.DeviceSpec.tp_overlap` of the shorter of the two hidden."""
     if tp <= 1:
         return table
     split = [1 / tp if name in rules.split_nodes else 1.0 for name in table.nodes]
@@ -87,7 +90,9 @@ def tp_laid_out(
         times = np.asarray(rows, dtype=np.float64).reshape(len(rows), len(table.devices)) * np.asarray(cut)[:, None]
         for i, name in enumerate(table.nodes):
             if extra.get(name, 0):
-                times[i] += [tp_collective_time(extra[name], tp, d, micro_batches) for d in table.devices]
+                comm = [tp_collective_time(extra[name], tp, d, micro_batches) for d in table.devices]
+                hidden = [d.tp_overlap * min(c, t) if async_tp else 0.0 for c, t, d in zip(comm, times[i], table.devices)]
+                times[i] += np.asarray(comm) - np.asarray(hidden)
         return tuple(map(tuple, times.tolist()))
 
     # a weight's compute copy is saved where autocast casts it, by the linear (or lookup) that reads it,

@@ -91,3 +91,24 @@ def test_sequence_parallelism_splits_every_nodes_activations_and_needs_every_lin
     gpt, inputs = seeded_gpt()
     with pytest.raises(autosplit.AutosplitError, match=r"sequence_parallel=True, and the .* rules leave .*blocks\.0\.attn\.qkv"):
         autosplit.plan(gpt, ["A100-80GB"] * 2, example_inputs=inputs, tensor_parallel=2, sequence_parallel=True)
+
+
+def test_async_tp_hides_the_engines_share_of_each_collective_behind_its_gemm():
+    """With ``async_tp``, the row-parallel output's all-reduce overlaps the row-parallel GEMM: of the shorter
+    of the two, the device's ``tp_overlap`` share is hidden (here the GEMM is the shorter: the collective
+    moves the whole output while the GEMM computes half of a 4W × W product)."""
+    device = dataclasses.replace(H100, tp_overlap=0.75)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.LayerNorm(W), nn.Linear(W, 4 * W), nn.GELU(), nn.Linear(4 * W, W))
+    planner = autosplit.Planner(model, [device], example_inputs=(torch.randn(ROWS, SEQ, W),))
+    options = planner.options.replace(tensor_parallel=2, sequence_parallel=False)
+    whole = cost_table(planner.traced, (device,), planner.options, micro_batches=1)[0]
+    plain = cost_table(planner.traced, (device,), options, micro_batches=1)[0]
+    overlapped = cost_table(planner.traced, (device,), options.replace(async_tp=True), micro_batches=1)[0]
+    row = whole.nodes.index("_3")
+    gemm, ring = whole.fwd_time[row][0] / 2, tp_collective_time(ROWS * SEQ * W * 4, 2, device, 1)
+    assert plain.fwd_time[row][0] == pytest.approx(gemm + ring)
+    assert overlapped.fwd_time[row][0] == pytest.approx(gemm + ring - 0.75 * min(gemm, ring))
+    # without the engine's share (torchtitan eager: async TP needs compile), nothing is hidden
+    assert cost_table(planner.traced, (H100,), options.replace(async_tp=True), micro_batches=1)[0].fwd_time[row][0] == pytest.approx(
+        cost_table(planner.traced, (H100,), options, micro_batches=1)[0].fwd_time[row][0])

@@ -1,0 +1,136 @@
+"""Kernel fusion in the memory model: what an engine's fused kernels save for the backward, where the
+captured graph shows the ops one by one.
+
+A graph captured from eager code saves what each op's autograd formula saves: a transformers RMSNorm
+upcasts its input to fp32, squares it, averages, takes ``rsqrt`` and multiplies, and autograd keeps the
+fp32 copy, the product and the bf16 cast — four times the input where one kernel keeps it once. The
+engines of the published record run fused kernels (:attr:`~autosplit.engine_profiles.EngineProfile.fuses`):
+
+- **norms** (``"norm"``; Transformer Engine's, Inductor's, torch's own ``nn.LayerNorm``): a norm module
+  saves its input and a statistic per row (a few bytes per token, left out here), and its backward
+  recomputes the rest. A module is a norm when its class name ends in ``RMSNorm`` or ``LayerNorm``.
+- **gated activations** (``"gated"``; Transformer Engine's SwiGLU / GeGLU, Inductor's fusion of
+  ``act(gate) * up``): the product saves the gate and the up projection, and recomputes ``act(gate)`` in
+  its backward instead of keeping it.
+- **FP8 inputs** (``"fp8-inputs"``; Transformer Engine): a linear computing in FP8 keeps the FP8 copy of its
+  input it made for the forward GEMM (a byte per value) for its weight's gradient, not the bf16 input; the
+  linears reading one tensor (q, k and v; gate and up) keep one copy, as Transformer Engine's fused
+  projection does. (torchao's float8 keeps the bf16 input: torchtitan's profile does not name it.)
+
+:func:`fused` rewrites the annotated :class:`~autosplit.passes.annotations.NodeInfo` of those nodes; the
+memory model (:mod:`autosplit.passes.memory_model`) then counts each saved storage once, at its producer,
+as it does for any graph. Times are unchanged: the roofline charges bytes moved, and a fusion's saving in
+them is the engine profile's ``memory`` efficiency.
+
+Usage::
+
+    infos = fused(nodes, infos, Fusion(norms=norm_paths(model), gated=True))
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import operator
+from collections.abc import Collection, Sequence
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+from autosplit.passes.annotations import NodeInfo, node_info
+
+__all__ = ["FUSIONS", "Fusion", "UNFUSED", "fused", "norm_paths"]
+
+FUSIONS = ("norm", "gated", "fp8-inputs")
+"""The fusions an engine profile can name."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Fusion:
+    """The fused kernels of a plan's engine, as :func:`fused` applies them."""
+
+    norms: frozenset[str] = frozenset()
+    """Module paths of the norms that run as one kernel each."""
+    gated: bool = False
+    fp8_inputs: bool = False
+
+
+UNFUSED = Fusion()
+"""The graph's ops as captured, one kernel each."""
+
+NORM_SUFFIXES = ("RMSNorm", "LayerNorm")
+_aten = torch.ops.aten
+_ACTIVATIONS = {F.silu, F.gelu, torch.sigmoid, _aten.silu.default, _aten.gelu.default, _aten.sigmoid.default}
+_MULS = {operator.mul, torch.mul, _aten.mul.Tensor}
+
+
+def norm_paths(model: torch.nn.Module | None) -> frozenset[str]:
+    """Module paths of ``model``'s norms (class name ending in ``RMSNorm`` or ``LayerNorm``)."""
+    if model is None:
+        return frozenset()
+    return frozenset(path for path, m in model.named_modules() if path and type(m).__name__.endswith(NORM_SUFFIXES))
+
+
+def _is_activation(node: fx.Node) -> bool:
+    return (node.op == "call_function" and node.target in _ACTIVATIONS) or (node.op == "call_method" and node.target in ("sigmoid",))
+
+
+def _is_mul(node: fx.Node) -> bool:
+    return (node.op == "call_function" and node.target in _MULS) or (node.op == "call_method" and node.target == "mul")
+
+
+def _fuse_norm(members: list[int], nodes: Sequence[fx.Node], infos: list[NodeInfo]) -> None:
+    """One norm module's nodes as one kernel (in place): the first saves the module's inputs from outside
+    it (parameters aside), none saves anything made inside it."""
+    inside = {nodes[i].name for i in members}
+    outside = tuple(dict.fromkeys(u.name for i in members for u in nodes[i].all_input_nodes
+                                  if u.name not in inside and u.op != "get_attr"))
+    for k, i in enumerate(members):
+        info = infos[i]
+        kept = tuple(name for name in info.saved_inputs if name not in inside and name not in outside)
+        infos[i] = dataclasses.replace(info, saved_bytes=info.weight_copy_bytes, saves_output=False,
+                                       saved_inputs=(outside + kept) if k == 0 else kept)
+
+
+def _fp8_inputs(nodes: Sequence[fx.Node], infos: list[NodeInfo], linears: Collection[int]) -> None:
+    """FP8 linears keep an FP8 copy of their input (in place): one per input tensor, made by its first reader."""
+    copied: set[str] = set()
+    for i in sorted(linears):
+        source = nodes[i].all_input_nodes[0] if nodes[i].all_input_nodes else None
+        info = infos[i]
+        if source is None or source.name not in info.saved_inputs:
+            continue
+        extra = 0
+        if source.name not in copied:
+            copied.add(source.name)
+            shape = node_info(source).output_shapes[0] if "autosplit" in source.meta else ()
+            extra = math.prod(shape) if shape else 0
+        infos[i] = dataclasses.replace(info, saved_bytes=info.saved_bytes + extra,
+                                       saved_inputs=tuple(n for n in info.saved_inputs if n != source.name))
+
+
+def fused(nodes: Sequence[fx.Node], infos: Sequence[NodeInfo], fusion: Fusion, float8: Collection[int] = ()) -> list[NodeInfo]:
+    """``infos`` as the fused kernels save (the module docstring): the nodes of each norm module in
+    ``fusion.norms`` as one kernel; with ``gated``, each product of an activation's output saves the activation's
+    input instead (the activation's own saving) and not its output; with ``fp8_inputs``, the FP8 linears
+    (``float8``: indices into ``nodes``) keep FP8 copies of their inputs."""
+    out = list(infos)
+    regions: dict[str, list[int]] = {}
+    for i, info in enumerate(infos):
+        path = info.module_path
+        owner = next((p for p in fusion.norms if path == p or path.startswith(p + ".")), None) if path else None
+        if owner is not None:
+            regions.setdefault(owner, []).append(i)
+    for members in regions.values():
+        _fuse_norm(members, nodes, out)
+    if fusion.gated:
+        for i, node in enumerate(nodes):
+            if not _is_mul(node):
+                continue
+            acts = {u.name for u in node.all_input_nodes if _is_activation(u) and len(u.users) == 1}
+            if acts & set(out[i].saved_inputs):
+                out[i] = dataclasses.replace(out[i], saved_inputs=tuple(n for n in out[i].saved_inputs if n not in acts))
+    if fusion.fp8_inputs and float8:
+        _fp8_inputs(nodes, out, float8)
+    return out
