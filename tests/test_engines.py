@@ -325,3 +325,15 @@ def test_a_torchtitan_config_is_read_in_the_precision_torchtitan_trains_it_in():
         assert planner.manual(config, check_memory=False).precision == precision, config
     with pytest.raises(ConstraintError, match="mixed_precision_param 'float16'"):
         planner.manual({"parallelism": {"data_parallel_shard_degree": 2}, "training": {"mixed_precision_param": "float16"}})
+
+
+def test_megatrons_tp_comm_overlap_and_torchtitans_async_tp_are_read_as_async_tp():
+    model, args = _llama(2)
+    planner = autosplit.Planner(model, ["cpu"] * 2, example_inputs=args)
+    overlapped = planner.manual("megatron:--tensor-model-parallel-size 2 --pipeline-model-parallel-layout EttL --tp-comm-overlap")
+    plain = planner.manual("megatron:--tensor-model-parallel-size 2 --pipeline-model-parallel-layout EttL")
+    assert overlapped.async_tp and not plain.async_tp and overlapped.tensor_parallel == 2
+    titan = planner.manual({"parallelism": {"tensor_parallel_degree": 2, "enable_async_tensor_parallel": True}})
+    assert titan.async_tp and titan.tensor_parallel == 2
+    # the CPU has no engine profile: nothing is hidden, so the costs are the same
+    assert overlapped.step_time == pytest.approx(plain.step_time)

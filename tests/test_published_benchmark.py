@@ -51,3 +51,25 @@ def test_malformed_rows_are_named_and_the_run_goes_on(tmp_path: Path):
     assert "num_gpus='eight' is not a number" in messages["9001"] and "not a multiple of TP 3" in messages["9002"]
     assert "global batch 20" in messages["9003"] and "dp 2 given" in messages["9004"] and "'fast'" in messages["9005"]
     assert read["9006"].reasons == ["malformed"] and "fewer cells than the header" in read["9006"].message
+
+
+def test_the_fit_recovers_a_planted_efficiency_and_overlap():
+    """Rows whose predictions scale with the GEMM efficiency, exact at 0.7 for one engine and 0.55 for another,
+    and (the async-TP rows) exact at tp_overlap 0.5: the fit finds those, and the errors there are zero."""
+    from benchmarks.published_fit import fit
+
+    def row(engine: str, exact: float, published: float, async_tp: bool = False) -> dict:
+        grid = {}
+        for e in (0.5, 0.6, 0.7, 0.8):
+            for o in (0.0, 0.5, 1.0):
+                off = abs(o - 0.5) if async_tp else 0.0
+                for m in (0.6, 0.9):
+                    grid[f"efficiency={e:g} memory_efficiency={m:g} tp_overlap={o:g}"] = published * e / exact * (1 - off / 4)
+        return {"device": f"GPU ({engine})", "grid": grid, "published_tokens_per_s_per_gpu": published, "async_tp": async_tp}
+
+    rows = [row("megatron-te", 0.7, p, async_tp=i % 2 == 0) for i, p in enumerate((1000.0, 3000.0, 800.0))]
+    rows += [row("torch-eager", 0.55, p) for p in (5000.0, 6000.0)]
+    best = fit(rows)
+    assert best["engines"]["megatron-te"]["efficiency"] == 0.7 and best["engines"]["megatron-te"]["tp_overlap"] == 0.5
+    assert best["engines"]["torch-eager"]["efficiency"] == 0.55 and best["engines"]["torch-eager"]["tp_overlap"] == 0.0
+    assert best["worst"] < 1e-9 and best["within_10pct"] == 5
