@@ -67,6 +67,12 @@ class EngineProfile:
     description: str
     fuses: tuple[str, ...] = ()
     """The fused kernels whose savings the memory model counts (:data:`autosplit.passes.fusion.FUSIONS`)."""
+    distributed_optimizer: bool = False
+    """Its data-parallel sharding is Megatron's distributed optimizer: the gradients reduced into one whole buffer,
+    the fp32 master weights and the optimizer's moments sharded; ``False``: FSDP2's (a gradient shard kept apart)."""
+    buffers_in_flight: bool = False
+    """Its pipeline holds a receive buffer per micro-batch in flight (Megatron's p2p communication allocates one per
+    send); ``False``: one per micro-batch of the step, as torch's ``PipelineStage`` makes them (torchtitan)."""
 
     @property
     def gemm(self) -> float:
@@ -86,7 +92,7 @@ class EngineProfile:
 ENGINES: dict[str, EngineProfile] = {
     e.name: e for e in (
         EngineProfile("megatron-te", "Megatron-Core with Transformer Engine (Megatron-LM, Megatron-Bridge, NeMo)",
-                      ("norm", "gated", "fp8-inputs")),
+                      ("norm", "gated", "fp8-inputs"), distributed_optimizer=True, buffers_in_flight=True),
         EngineProfile("torch-eager", "torchtitan, PyTorch eager: torch's kernels, one launch per op"),
         EngineProfile("torch-compile", "torchtitan under torch.compile: Inductor fuses the ops between matmuls", ("norm", "gated")),
     )

@@ -54,3 +54,25 @@ def test_a_plan_on_a_profiled_cluster_says_how_far_to_trust_it():
     assert re.search(r"(median \d+%.* over \d+ runs|has no run on H100 with megatron-te)", report)
     unprofiled = trust((GPU_PRESETS["B200-180GB"],))
     assert unprofiled is not None and "nobody fitted" in unprofiled and trust(autosplit.devices.resolve_devices(["cpu"])) is None
+
+
+def test_megatrons_distributed_optimizer_and_in_flight_buffers_in_the_memory():
+    """Over dp_shard 4 under bf16-fsdp a linear of n values holds, with FSDP2 (torch): 16n/4 sharded (fp32 weight,
+    gradient shard, moments) + 2n gathered bf16 + 4n fp32 gradients accumulated whole = 10n; with Megatron's
+    distributed optimizer the gradient is the whole buffer only: 12n/4 + 6n = 9n. Torch's PipelineStage holds a
+    buffer for every micro-batch; Megatron's p2p one per send, which the schedule's in-flight count covers."""
+    from autosplit.compiler.costs import cost_table
+    from autosplit.solver.build import pipeline_buffers
+
+    model, x = nn.Sequential(nn.Linear(256, 256), nn.Linear(256, 256)), torch.randn(64, 256)
+    n = 256 * 256 + 256
+    held = {}
+    for engine in ("torch-eager", "megatron-te"):
+        device = profiled(GPU_PRESETS["H100-80GB"], engine)
+        planner = autosplit.Planner(model, [device], example_inputs=(x,), precision="bf16-fsdp")
+        options = planner.options.replace(data_parallel=4, replicate="fully_shard")
+        table = cost_table(planner.traced, (device,), options, micro_batches=4)[0]
+        held[engine] = table.state_bytes[table.param_bytes.index(4 * n)]
+        buffers = pipeline_buffers(table, "1f1b", 4)
+        assert (buffers is None) == (engine == "megatron-te")
+    assert (held["torch-eager"], held["megatron-te"]) == (10 * n, 9 * n)

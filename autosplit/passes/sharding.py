@@ -14,7 +14,10 @@ Memory (:func:`laid_out`), per node and device:
   accumulates the gradients in fp32 — on every stage, whatever the degree):
   - under a pipeline, or with several micro-batches, each stage is one unit, gathered for the whole
     step (``reshard_after_forward=False``, torchtitan's choice under pipelining: every micro-batch's
-    backward would gather it again), its gradients accumulated whole: + parameters + gradients;
+    backward would gather it again), its gradients accumulated whole: + parameters + gradients; on an
+    engine whose sharding is Megatron's distributed optimizer (its profile's ``distributed_optimizer``), the
+    gradient buffer is that whole one and no shard of it is kept apart: the fp32 master weights and the
+    optimizer's moments ÷ D;
   - FSDP alone in one pass (:func:`sharded_alone`): each repeated block the runtime outlines as a
     module of its own (:func:`~autosplit.passes.outline.outlinable_blocks`: a decoder layer, whether
     the graph was traced or exported; torchtitan wraps each block), and each other leaf module the
@@ -53,6 +56,7 @@ from collections.abc import Sequence
 
 from autosplit.costtable import CostTable
 from autosplit.devices import DeviceSpec
+from autosplit.engine_profiles import ENGINES
 from autosplit.passes.outline import block_path
 from autosplit.passes.param_dtype import PARAM_CAST
 from autosplit.solver.hybrid import hierarchical_phases, ring_allreduce
@@ -83,6 +87,8 @@ def laid_out(table: CostTable, *, dp_shard: int, alone: bool = False, precision:
     policy = precision in PARAM_CAST
     if (dp_shard <= 1 and not policy) or not table.param_bytes:
         return table
+    engine = ENGINES.get(table.devices[0].engine or "") if table.devices else None
+    gradients_whole = engine is not None and engine.distributed_optimizer  # Megatron's: only master weights and moments sharded
     n = len(table.nodes)
     copies = table.weight_copy_bytes or (0,) * n
     buffers = table.buffer_bytes or (0,) * n
@@ -97,7 +103,8 @@ def laid_out(table: CostTable, *, dp_shard: int, alone: bool = False, precision:
             transient[i] = max(transient[i], 3 * totals[i] // (2 if policy else 1))
         else:  # gathered for the step, its gradients accumulated whole: fp32 under the policy, as held else
             held = buffer + copy + (1 if policy else 2) * params
-        state.append(math.ceil(model_state / dp_shard) + held)
+        sharded = model_state - (params if gradients_whole and not units[i] else 0)  # its gradient shard is the whole buffer's
+        state.append(math.ceil(sharded / dp_shard) + held)
     optimizer = tuple(tuple(t / dp_shard for t in row) for row in table.optimizer_time)
     return dataclasses.replace(table, state_bytes=tuple(state), optimizer_time=optimizer,
                                transient_bytes=tuple(transient) if table.transient_bytes or any(units) else ())

@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from autosplit import schedules
+from autosplit.engine_profiles import ENGINES
 from autosplit.solver.asynchronous import simulate, stashed_versions
 from autosplit.solver.problem import KIB, NS, Arrays, Problem, Recompute, UserConstraint, int_rows
 
@@ -176,9 +177,11 @@ def pipeline_buffers(table: Any, schedule: str, micro_batches: int) -> np.ndarra
     buffer per micro-batch (``PipelineStage`` makes them once, for every micro-batch of the step),
     so the whole batch's bytes; none for an input-free value (each reader makes its own), nor for a
     parameter read on a later stage (a tied weight: a replica there holds its state instead). None
-    for schedules torch does not run (their runtime holds what is in flight only)."""
+    for schedules torch does not run, and for an engine whose pipeline allocates a buffer per send (Megatron's,
+    :attr:`~autosplit.engine_profiles.EngineProfile.buffers_in_flight`): their runtime holds what is in flight only."""
     entry = schedules.lookup(schedule)
-    if not entry.flushes or entry.torch_class is None:
+    engine = ENGINES.get(table.devices[0].engine or "") if table.devices else None
+    if not entry.flushes or entry.torch_class is None or (engine is not None and engine.buffers_in_flight):
         return None
     reads = table.param_reads or ("",) * len(table.output_bytes)
     free = table.input_free or (False,) * len(table.output_bytes)
