@@ -140,9 +140,16 @@ def _blockers(row: dict[str, str]) -> list[str]:
     return reasons
 
 
+def _default_seq(row: dict[str, str]) -> int | None:
+    """The sequence length of a row that does not print one: 8192 for torchtitan's tables, from its train configs
+    (the record's README); else none."""
+    return 8192 if "torchtitan" in (row.get("repo", "") + row.get("source", "")).lower() else None
+
+
 def _layout(row: dict[str, str]) -> dict[str, Any]:
     """The recipe's degrees and batch from the row's numeric cells; :class:`Malformed` where they disagree."""
     gpus, seq, batch = (_int(row, c) for c in ("num_gpus", "seq_len", "global_batch_size"))
+    seq = seq or _default_seq(row)
     if gpus is None or seq is None or batch is None:
         raise Malformed("num_gpus, seq_len and global_batch_size are all needed")
     tp, pp, cp = (_int(row, c, 1) or 1 for c in ("tp", "pp", "cp"))
@@ -171,7 +178,8 @@ def classify(row: dict[str, str], line: int) -> Classified:
     info = {c: row.get(c, "").strip() for c in ("model", "model_canonical", "gpu", "precision", "layout_group", "recompute")}
     out = Classified(row_id, info)
     out.reasons = _blockers(row)
-    if missing := [c for c in ("num_gpus", "seq_len", "global_batch_size") if not row[c].strip()]:
+    given = {c: row[c].strip() or (c == "seq_len" and _default_seq(row)) for c in ("num_gpus", "seq_len", "global_batch_size")}
+    if missing := [c for c, value in given.items() if not value]:
         out.reasons += [f"{c} unknown" for c in missing]
         return out
     try:

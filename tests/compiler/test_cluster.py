@@ -76,3 +76,20 @@ def test_cluster_of_refuses_unknown_kinds_and_uneven_jobs(gpu, gpus, named):
     with pytest.raises(ConstraintError) as e:
         Cluster.of(gpu, gpus)
     says(e, named)
+
+
+@pytest.mark.parametrize("nbytes", [1e6, 1e9])
+def test_a_collective_on_a_record_cluster_by_hand_inside_a_domain_and_across(nbytes):
+    """An all-reduce of ``nbytes`` over a GB200 rack's 64 GPUs rides NVLink 5 (900 GB/s a way): a ring,
+    2·63/64 of the bytes and 2·63 latencies; over 128 GPUs in two racks of 64, NCCL's hierarchy: the ring
+    inside each rack, then each GPU's 1/64 shard across the racks on its own 400 Gb/s NIC. Small messages
+    pay the latencies, large ones the bandwidth."""
+    from autosplit.passes.sharding import group_time
+
+    rack = Cluster.of("GB200", 64).replica_devices(64)[0]
+    inside = 2 * 63 / 64 * nbytes / 900e9 + 2 * 63 * 5e-6
+    assert group_time(nbytes, 64, rack, allreduce=True) == pytest.approx(inside)
+    two = Cluster.of("GB200", 128).replica_devices(128)[0]
+    across = 2 * 1 / 2 * (nbytes / 64) / 50e9 + 2 * 1 * 5e-6
+    assert group_time(nbytes, 128, two, allreduce=True) == pytest.approx(inside + across)
+    assert (inside < 1e-3) == (nbytes < 1e8)  # 1 MB: 0.63 ms, nearly all latency; 1 GB: 2.2 ms of bandwidth + 0.63 ms
