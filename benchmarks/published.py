@@ -73,21 +73,32 @@ def _fullest(plan: Any) -> tuple[float, float]:
 
 
 def _regrid(planner: Any, recipe: Any, grid: Sequence[dict[str, float]], tokens: int, gpus: int) -> dict[str, float]:
-    """Predicted tokens/s/GPU of ``recipe`` with the devices' fitted figures (``efficiency``, ``memory_efficiency``,
-    ``tp_overlap``) at each point of ``grid`` (the capture reused): what ``--grid`` fits the engine profiles from,
-    keyed ``"efficiency=0.5 memory_efficiency=0.7 …"``. A point differing only in a figure the recipe does not use
-    (``tp_overlap`` without ``async_tp``) is costed once."""
+    """Predicted tokens/s/GPU of ``recipe`` at each point of ``grid`` (the capture reused): a point sets the devices'
+    fitted figures (``efficiency``, ``memory_efficiency``, ``tp_overlap``) and entries of
+    :data:`~autosplit.engine_profiles.FITTED` by name (``float8.rowwise``), keyed ``"efficiency=0.5 …"``: what
+    ``--grid`` fits the engine profiles from. A point differing only in what the recipe does not use
+    (``tp_overlap`` without ``async_tp``, ``float8.rowwise`` without rowwise FP8) is costed once."""
     import copy
     import dataclasses
 
+    from autosplit.engine_profiles import FITTED
+
+    unused = {"tp_overlap": not recipe.options.get("async_tp"), "float8.rowwise": recipe.options.get("float8") != "rowwise"}
+    kept = dict(FITTED)
     out: dict[str, float] = {}
     costed: dict[tuple, float] = {}
     for point in grid:
-        used = tuple(sorted((k, v) for k, v in point.items() if k != "tp_overlap" or recipe.options.get("async_tp")))
+        used = tuple(sorted((k, v) for k, v in point.items() if not unused.get(k)))
         if used not in costed:
+            for name, value in used:
+                if name in FITTED:
+                    FITTED[name] = dataclasses.replace(FITTED[name], value=value)
+            for traced in (planner.traced, *planner.traced._shares.values()):
+                traced._tables.clear()  # costed under the fitted figures just set
             other = copy.copy(planner)
-            other.devices = tuple(dataclasses.replace(d, **dict(used)) for d in planner.devices)
+            other.devices = tuple(dataclasses.replace(d, **{k: v for k, v in used if k not in FITTED}) for d in planner.devices)
             costed[used] = tokens / (other.manual(recipe, check_memory=False).step_time * gpus)
+            FITTED.update(kept)
         out[" ".join(f"{k}={v:g}" for k, v in sorted(point.items()))] = costed[used]
     return out
 

@@ -77,8 +77,10 @@ def _engine(row: dict[str, Any]) -> str:
 
 def fit(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """The memory efficiency shared by every engine, and each engine's GEMM efficiency and ``tp_overlap`` (the
-    latter only where it ran rows with async TP), minimising :func:`_loss` over its rows."""
-    usable = [r for r in rows if r.get("grid") and r.get("published_tokens_per_s_per_gpu")]
+    latter only where it ran rows with async TP), minimising :func:`_loss` over its rows. Rowwise FP8 rows are
+    left out: their one extra figure, ``float8.rowwise``, is fitted on them after, at these (``--grid
+    "float8.rowwise=…"`` over those rows with the fitted figures in place)."""
+    usable = [r for r in rows if r.get("grid") and r.get("published_tokens_per_s_per_gpu") and r.get("float8") != "rowwise"]
     points = [_point(k) for k in usable[0]["grid"]]
     span = {f: sorted({p.get(f, 0.0) for p in points}) for f in ("efficiency", "memory_efficiency", "tp_overlap")}
 

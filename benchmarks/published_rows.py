@@ -201,7 +201,7 @@ def classify(row: dict[str, str], line: int) -> Classified:
     out.spec = {**layout, "row_id": row_id, "shape": {c: int(row[c]) for c in SHAPE},
                 "gpu": _gpu_kind(row["gpu"]), "engine": _engine(row), "async_tp": _async_tp(row, layout["tp"]),
                 "checkpointing": recompute[0], "selective": recompute[1],
-                "schedule": "interleaved1f1b" if vp > 1 else "1f1b" if layout["pp"] > 1 else "gpipe",
+                "schedule": "interleaved1f1b" if vp > 1 else "1f1b" if layout["pp"] > 1 or (layout["micro_batches"] or 1) > 1 else "gpipe",
                 "torchtitan_split": "torchtitan" in (row.get("repo", "") + row.get("source", "")).lower()}
     return out
 

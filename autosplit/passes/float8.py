@@ -26,6 +26,7 @@ import torch.fx as fx
 from torch import nn
 
 from autosplit.device_spec import DeviceSpec
+from autosplit.engine_profiles import FITTED
 from autosplit.errors import CodegenError, ConstraintError, advice
 from autosplit.passes.annotations import NodeInfo
 from autosplit.passes.tensor_parallel import LINEAR_FUNCTIONS
@@ -67,14 +68,17 @@ def float8_linears(gm: fx.GraphModule, nodes: Sequence[fx.Node]) -> frozenset[in
 
 def float8_times(info: NodeInfo, spec: DeviceSpec, recipe: str) -> tuple[float, float]:
     """(forward, backward) seconds of one FP8 linear: its GEMMs at the FP8 peak (or its bytes at the
-    memory bandwidth, the slower), then its casts at the memory bandwidth."""
+    memory bandwidth, the slower), then its casts at the memory bandwidth. A rowwise-scaled GEMM reaches
+    :data:`~autosplit.engine_profiles.FITTED` ``float8.rowwise`` of what a tensorwise one does (its scales
+    applied per row in the epilogue: torchao's kernel, the only engine that runs it in the record)."""
     assert spec.peak_flops_fp8 is not None, "refuse_without_fp8 runs first"
+    peak = spec.peak_flops_fp8 * (FITTED["float8.rowwise"].value if recipe == "rowwise" else 1.0)
     bandwidth = spec.memory_bandwidth * (spec.memory_efficiency or spec.efficiency)
     nbytes = info.input_bytes + info.output_bytes
     fwd_in, bwd_out, bwd_in = CAST_TRAFFIC[recipe]
 
     def gemm(flops: float, moved: float) -> float:
-        return max(flops / (spec.peak_flops_fp8 * spec.efficiency), moved / bandwidth) + spec.launch_overhead  # type: ignore[operator]
+        return max(flops / (peak * spec.efficiency), moved / bandwidth) + spec.launch_overhead
 
     casts = 2 * CAST_KERNELS * spec.launch_overhead
     fwd = gemm(info.fwd_flops, nbytes) + fwd_in * info.input_bytes / bandwidth + casts
