@@ -57,7 +57,15 @@ FITTED: dict[str, Fitted] = {
 """Every parameter fitted to the published record, by name: the one place they live."""
 
 
-RECORD: dict[tuple[str, str], tuple[float, float, int]] = {}
+RECORD: dict[tuple[str, str], tuple[float, float, int]] = {
+    ("B200", "megatron-te"): (0.049, 0.061, 3),
+    ("GB200", "megatron-te"): (0.029, 0.145, 22),
+    ("GB300", "megatron-te"): (0.109, 0.160, 8),
+    ("H100", "megatron-te"): (0.145, 0.307, 6),
+    ("H100-500W", "torch-compile"): (0.022, 0.106, 7),
+    ("H100-500W", "torch-eager"): (0.087, 0.087, 1),
+    ("H200", "torch-compile"): (0.069, 0.069, 1),
+}
 """(GPU kind, engine) → (median, 90th percentile of |predicted / published − 1|, runs) over the published rows
 of that kind and engine, with :data:`FITTED` as it stands: ``benchmarks/published.py`` writes them
 (``benchmarks/results/published.json``); a plan's report quotes them (:func:`trust`)."""

@@ -77,3 +77,17 @@ def test_megatrons_distributed_optimizer_and_in_flight_buffers_in_the_memory():
         buffers = pipeline_buffers(table, "1f1b", 4)
         assert (buffers is None) == (engine == "megatron-te")
     assert (held["torch-eager"], held["megatron-te"]) == (10 * n, 9 * n)
+
+
+def test_the_record_a_report_quotes_is_the_one_the_benchmark_wrote():
+    """RECORD (what a plan's report quotes) holds the per-GPU-kind and engine errors of the last full run of
+    benchmarks/published.py, as its results file has them."""
+    import json
+
+    from autosplit.engine_profiles import RECORD
+
+    written = json.loads((ROOT / "benchmarks" / "results" / "published.json").read_text())["summary"]["by_kind"]
+    assert {tuple(k.split(" ")) for k in written} == set(RECORD)
+    for key, figures in written.items():
+        median, p90, runs = RECORD[tuple(key.split(" "))]  # type: ignore[index]
+        assert (median, p90, runs) == pytest.approx((figures["median"], figures["p90"], figures["runs"]), abs=5e-4)
