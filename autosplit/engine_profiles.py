@@ -10,8 +10,8 @@ moved reads as more bandwidth); ``tp_overlap``: the share of a tensor-parallel c
 the GEMM beside it when a plan runs ``async_tp`` — and :func:`profiled` puts it on a device.
 
 Every fitted parameter of the cost model is in :data:`FITTED`, with what it fits and over which rows; nothing
-else in autosplit is fitted to the record. ``benchmarks/published.py --fit`` fits them (the command and its
-figures: ``docs/published.md``).
+else in autosplit is fitted to the record. ``benchmarks/published_fit.py`` fits them from a ``benchmarks/published.py
+--grid`` run (the commands and the figures: ``docs/published.md``).
 
 Usage::
 
@@ -51,8 +51,8 @@ FITTED: dict[str, Fitted] = {
                                        "efficiency already holds", "row 305 (async TP) beside row 304 (vanilla)"),
     "float8.rowwise": Fitted(0.50, "the share of a tensorwise FP8 GEMM's speed a rowwise-scaled one reaches (torchao)",
                              "row 316 (torchtitan 70B FSDP 32 × TP 8, rowwise), at the figures above"),
-    "memory": Fitted(0.9, "fraction of the HBM bandwidth memory-bound ops reach (every engine: fusion is counted in the bytes, "
-                     "not here; the grid's highest point)", "the 47 rows above together"),
+    "memory": Fitted(0.9, "fraction of the HBM bandwidth memory-bound ops reach, every engine alike (the fewer bytes a fused "
+                     "kernel moves read as bandwidth here; the grid's highest point)", "the 47 rows above together"),
 }
 """Every parameter fitted to the published record, by name: the one place they live."""
 
