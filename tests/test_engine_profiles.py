@@ -89,5 +89,6 @@ def test_the_record_a_report_quotes_is_the_one_the_benchmark_wrote():
     written = json.loads((ROOT / "benchmarks" / "results" / "published.json").read_text())["summary"]["by_kind"]
     assert {tuple(k.split(" ")) for k in written} == set(RECORD)
     for key, figures in written.items():
-        median, p90, runs = RECORD[tuple(key.split(" "))]  # type: ignore[index]
+        kind, engine = key.split(" ")
+        median, p90, runs = RECORD[kind, engine]
         assert (median, p90, runs) == pytest.approx((figures["median"], figures["p90"], figures["runs"]), abs=5e-4)
