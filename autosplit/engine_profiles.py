@@ -22,12 +22,14 @@ Usage::
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from autosplit.device_spec import DeviceSpec
 from autosplit.errors import ConstraintError, advice
+from autosplit.gpu_presets import GPU_PRESETS, SYSTEMS
 
-__all__ = ["ENGINES", "EngineProfile", "FITTED", "Fitted", "RECORD", "profiled", "trust"]
+__all__ = ["ENGINES", "EngineProfile", "FITTED", "Fitted", "RECORD", "engine_of", "profiled", "trust"]
 
 
 @dataclass(frozen=True)
@@ -123,21 +125,24 @@ def profiled(device: DeviceSpec, engine: str) -> DeviceSpec:
                                tp_overlap=profile.tp_overlap, engine=engine)
 
 
+def engine_of(devices: Sequence[DeviceSpec]) -> EngineProfile | None:
+    """The engine profile the first of ``devices`` was costed with (:func:`profiled`), or ``None``."""
+    return ENGINES.get(devices[0].engine or "") if devices else None
+
+
 def trust(devices: tuple[DeviceSpec, ...]) -> str | None:
     """How far the published record says to trust a plan's times on ``devices``: the device preset and engine
     profile they were costed with and the record's error there; ``None`` for devices of neither (a CPU, a spec
     of your own)."""
-    from autosplit.gpu_presets import GPU_PRESETS, SYSTEMS
-
-    name = devices[0].name
-    preset, _, engine = name.partition(" (")
-    engine = engine.rstrip(")")
+    preset = devices[0].name.partition(" (")[0]  # profiled() appends the engine to the preset's name
+    profile = engine_of(devices)
     if preset not in GPU_PRESETS:
         return None
-    if engine not in ENGINES:
+    if profile is None:
         return (f"costed on {preset}'s spec-sheet peaks at an efficiency nobody fitted to a measured run; "
                 f"plan on Cluster.of(gpu, count, engine=...) with one of {', '.join(ENGINES)} for a profile fitted to the published record")
     kind = next(k for k, system in SYSTEMS.items() if system.preset == preset)
+    engine = profile.name
     figures = RECORD.get((kind, engine))
     record = (f"against the published record on {kind} with {engine}: median {figures[0]:.0%}, 90th percentile {figures[1]:.0%} "
               f"over {figures[2]} runs" if figures else f"the published record has no run on {kind} with {engine} to check it against")

@@ -45,7 +45,7 @@ from autosplit.device_spec import DeviceSpec
 from autosplit.errors import ConstraintError, advice
 from autosplit.units import GiB
 
-__all__ = ["GPU_PRESETS", "SYSTEMS", "System", "domain_size", "preset_for"]
+__all__ = ["GPU_PRESETS", "SYSTEMS", "System", "domain_size"]
 
 GB = 10**9
 _NVLINK4, _NVLINK5 = 450e9, 900e9
@@ -95,12 +95,6 @@ SYSTEMS: dict[str, System] = {
     "GB300": System("GB300 NVL72", "GB300-288GB", 72, 100e9, "NVIDIA GB300 NVL72 datasheet: 72-GPU NVLink domain, "
                     "800 Gb/s ConnectX-8 per GPU", tray=4),
 }
-
-
-def preset_for(kind: str) -> DeviceSpec | None:
-    """The preset of a GPU kind as :data:`SYSTEMS` names it (``"GB200"``), or ``None``."""
-    system = SYSTEMS.get(kind.upper())
-    return None if system is None else GPU_PRESETS[system.preset]
 
 
 def domain_size(kind: str, gpus: int) -> tuple[System, int]:

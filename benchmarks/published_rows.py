@@ -143,7 +143,7 @@ def _blockers(row: dict[str, str]) -> list[str]:
 def _default_seq(row: dict[str, str]) -> int | None:
     """The sequence length of a row that does not print one: 8192 for torchtitan's tables, from its train configs
     (the record's README); else none."""
-    return 8192 if "torchtitan" in (row.get("repo", "") + row.get("source", "")).lower() else None
+    return 8192 if _is_torchtitan(row) else None
 
 
 def _layout(row: dict[str, str]) -> dict[str, Any]:
@@ -202,14 +202,19 @@ def classify(row: dict[str, str], line: int) -> Classified:
                 "gpu": _gpu_kind(row["gpu"]), "engine": _engine(row), "async_tp": _async_tp(row, layout["tp"]),
                 "checkpointing": recompute[0], "selective": recompute[1],
                 "schedule": "interleaved1f1b" if vp > 1 else "1f1b" if layout["pp"] > 1 or (layout["micro_batches"] or 1) > 1 else "gpipe",
-                "torchtitan_split": "torchtitan" in (row.get("repo", "") + row.get("source", "")).lower()}
+                "torchtitan_split": _is_torchtitan(row)}
     return out
+
+
+def _is_torchtitan(row: dict[str, str]) -> bool:
+    """Whether torchtitan published the row (its repository or source says so)."""
+    return "torchtitan" in (row.get("repo", "") + row.get("source", "")).lower()
 
 
 def _engine(row: dict[str, str]) -> str:
     """The engine profile (:mod:`autosplit.engine_profiles`) of the stack a row ran on: torchtitan's runs
     compiled or eager as their ``other_config`` says, every other source's Megatron-Core with Transformer Engine."""
-    if "torchtitan" not in (row.get("repo", "") + row.get("source", "")).lower():
+    if not _is_torchtitan(row):
         return "megatron-te"
     return "torch-compile" if re.search(r"(torch\.)?compile\s*=\s*yes", row.get("other_config", "").lower()) else "torch-eager"
 

@@ -16,7 +16,7 @@ from autosplit.compiler.recompute import candidate_blocks
 from autosplit.compiler.trace import Traced
 from autosplit.costtable import CostTable
 from autosplit.devices import DeviceSpec, uncalibrated
-from autosplit.engine_profiles import ENGINES
+from autosplit.engine_profiles import engine_of
 from autosplit.errors import ConstraintError, CostModelError, advice
 from autosplit.options import AUTO, PlanOptions, ProfileOptions, refuse_selective_tp
 from autosplit.passes.costs import LossCost, estimate, with_overrides
@@ -90,7 +90,7 @@ def _cost_table(
         loss = _loss(traced, specs, options, micro_batches, profiling)
         if loss is not None:
             source += f"; {LOSS_COSTED}"
-        fuses = ENGINES[specs[0].engine].fuses if specs[0].engine in ENGINES else ()
+        fuses = engine.fuses if (engine := engine_of(specs)) is not None else ()
         estimated = functools.partial(estimate, gm, specs, optimizer=options.optimizer, micro_batches=micro_batches,
                                       profiles=profiles, loss=loss, selective=selective, float8=options.float8,
                                       fusion=Fusion(norm_paths(traced.model) if "norm" in fuses else frozenset(), "gated" in fuses,

@@ -56,7 +56,7 @@ from collections.abc import Sequence
 
 from autosplit.costtable import CostTable
 from autosplit.devices import DeviceSpec
-from autosplit.engine_profiles import ENGINES
+from autosplit.engine_profiles import engine_of
 from autosplit.passes.outline import block_path
 from autosplit.passes.param_dtype import PARAM_CAST
 from autosplit.solver.hybrid import hierarchical_phases, ring_allreduce
@@ -87,7 +87,7 @@ def laid_out(table: CostTable, *, dp_shard: int, alone: bool = False, precision:
     policy = precision in PARAM_CAST
     if (dp_shard <= 1 and not policy) or not table.param_bytes:
         return table
-    engine = ENGINES.get(table.devices[0].engine or "") if table.devices else None
+    engine = engine_of(table.devices)
     gradients_whole = engine is not None and engine.distributed_optimizer  # Megatron's: only master weights and moments sharded
     n = len(table.nodes)
     copies = table.weight_copy_bytes or (0,) * n

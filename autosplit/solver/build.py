@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from autosplit import schedules
-from autosplit.engine_profiles import ENGINES
+from autosplit.engine_profiles import engine_of
 from autosplit.solver.asynchronous import simulate, stashed_versions
 from autosplit.solver.problem import KIB, NS, Arrays, Problem, Recompute, UserConstraint, int_rows
 
@@ -180,7 +180,7 @@ def pipeline_buffers(table: Any, schedule: str, micro_batches: int) -> np.ndarra
     for schedules torch does not run, and for an engine whose pipeline allocates a buffer per send (Megatron's,
     :attr:`~autosplit.engine_profiles.EngineProfile.buffers_in_flight`): their runtime holds what is in flight only."""
     entry = schedules.lookup(schedule)
-    engine = ENGINES.get(table.devices[0].engine or "") if table.devices else None
+    engine = engine_of(table.devices)
     if not entry.flushes or entry.torch_class is None or (engine is not None and engine.buffers_in_flight):
         return None
     reads = table.param_reads or ("",) * len(table.output_bytes)

@@ -54,8 +54,6 @@ def test_one_fp8_linear_costs_its_gemms_at_the_fp8_peak_and_its_casts_at_the_ban
     assert fwd == pytest.approx(gemm + 2.5 * up.input_bytes / bandwidth + 2 * CAST_KERNELS * launch)
     assert up.bwd_flops == up.fwd_flops and bwd > fwd  # the input needs no gradient: the weight's GEMM only
     assert CAST_TRAFFIC["mxfp8"][0] < CAST_TRAFFIC["tensorwise"][0]  # one pass per cast, no separate amax read
-    # at the H100's BF16 peak instead, the GEMM alone takes twice as long
-    assert 2 * 128 * 256 * 512 / (989e12 * 0.6) == pytest.approx(2 * 2 * 128 * 256 * 512 / (1979e12 * 0.6), rel=1e-3)
 
 
 def test_a_float8_plan_is_faster_where_gemms_dominate_and_says_so():
