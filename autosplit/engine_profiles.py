@@ -87,10 +87,23 @@ class EngineProfile:
     buffers_in_flight: bool = False
     """Its pipeline holds a receive buffer per micro-batch in flight (Megatron's p2p communication allocates one per
     send); ``False``: one per micro-batch of the step, as torch's ``PipelineStage`` makes them (torchtitan)."""
+    frees_sent_outputs: bool = False
+    """A stage frees each output it has sent on (Megatron's ``deallocate_pipeline_outputs``): a tensor a later stage
+    saves is held once, where the memory model charges it; ``False``: the sender keeps it until its backward and
+    the receiver its own copy, as torch's ``PipelineStage`` does."""
+    bf16_gradients: bool = False
+    """Its gradients are accumulated and reduced in bf16 (Megatron-Bridge's and NeMo's performance recipes set
+    ``grad_reduce_in_fp32=False``): half the bytes held and reduced; ``False``: fp32 (FSDP2's ``reduce_dtype``)."""
+    units_per_micro_batch: bool = False
+    """Its FSDP gathers each layer for every micro-batch and reshards it after, whatever the micro-batches
+    (Megatron-FSDP, ``optim_grads_params``); ``False``: FSDP2 as autosplit runs it, a stage of several
+    micro-batches gathered once for the step (:func:`~autosplit.passes.sharding.sharded_alone`)."""
+    kernels: str = ""
+    """The profile whose fitted kernels it runs (its own name when empty)."""
 
     @property
     def gemm(self) -> float:
-        return FITTED[f"{self.name}.gemm"].value
+        return FITTED[f"{self.kernels or self.name}.gemm"].value
 
     @property
     def memory(self) -> float:
@@ -99,14 +112,20 @@ class EngineProfile:
     @property
     def tp_overlap(self) -> float:
         """0 where the engine overlaps no tensor-parallel collective (torchtitan eager: async TP needs compile)."""
-        fitted = FITTED.get(f"{self.name}.tp_overlap")
+        fitted = FITTED.get(f"{self.kernels or self.name}.tp_overlap")
         return 0.0 if fitted is None else fitted.value
 
 
+_TRANSFORMER_ENGINE = ("norm", "gated", "fp8-inputs", "fp8-weights")
+
 ENGINES: dict[str, EngineProfile] = {
     e.name: e for e in (
-        EngineProfile("megatron-te", "Megatron-Core with Transformer Engine (Megatron-LM, Megatron-Bridge, NeMo)",
-                      ("norm", "gated", "fp8-inputs"), distributed_optimizer=True, buffers_in_flight=True),
+        EngineProfile("megatron-te", "Megatron-Core with Transformer Engine (Megatron-LM, Megatron-Bridge, NeMo), sharded by "
+                      "its distributed optimizer", _TRANSFORMER_ENGINE, distributed_optimizer=True, buffers_in_flight=True,
+                      frees_sent_outputs=True, bf16_gradients=True),
+        EngineProfile("megatron-fsdp", "Megatron-Core with Transformer Engine sharded by Megatron-FSDP (use_megatron_fsdp: "
+                      "weights, gradients and optimizer state)", _TRANSFORMER_ENGINE, buffers_in_flight=True,
+                      frees_sent_outputs=True, bf16_gradients=True, units_per_micro_batch=True, kernels="megatron-te"),
         EngineProfile("torch-eager", "torchtitan, PyTorch eager: torch's kernels, one launch per op"),
         EngineProfile("torch-compile", "torchtitan under torch.compile: Inductor fuses the ops between matmuls", ("norm", "gated")),
     )

@@ -66,4 +66,7 @@ class Recipe:
                 f"Recipe(options=...) sets {fixed}", "the recipe's own fields hold its data-parallel layout",
                 "pass them as Recipe(data_parallel=..., replicate=..., tensor_parallel=...)",
             ))
-        PlanOptions().replace(**self.options)  # an unknown or bad option fails here, naming itself
+        # an unknown or bad option fails here, naming itself (FP8 linears ride on the planner's bf16 precision where
+        # the recipe names none: checked again with it when the recipe is costed)
+        unnamed = self.options.get("float8") and "precision" not in self.options
+        PlanOptions(precision="bf16-mixed" if unnamed else "fp32").replace(**self.options)

@@ -1,21 +1,21 @@
 """Published parallelism recipes as plans, beside autosplit's own plan of the same model, cluster and batch.
 
-Simulated: the models are built by transformers on the meta device and planned onto H100 presets
-(``Cluster.dgx_h100``); every figure is the cost model's, not a measurement. Each row is planned
-in a fresh process (its peak RSS is the planning process's own):
+Simulated: the models are built by transformers on the meta device and planned onto the presets of the GPUs
+each run had, with the engine profile of its stack (``Cluster.of(gpu, count, engine=...)``: the figures fitted
+once to the published record, :mod:`autosplit.engine_profiles`, ``docs/published.md``); every figure is the cost
+model's, not a measurement. Each row is planned in a fresh process (its peak RSS is the planning process's own):
 
 - **recipe**: torchtitan's Llama-3.1-8B on 8 H100s as published (torchtitan
   ``benchmarks/llama3_h100_202412_torchtitan.md``, Table 1: FSDP 8 alone, local batch 2 × 8192, global
-  batch 16, bf16, selective activation checkpointing: 5,762 tokens/s/GPU at 82.4 GiB on 96 GB H100s)
-  — written as an ``autosplit.Recipe(data_parallel=8, replicate="fully_shard", options=...)`` over
-  ``Cluster.dgx_h100(nodes=1)`` and the global batch, costed by ``Planner.manual`` (what
+  batch 16, bf16, eager, selective activation checkpointing: 5,762 tokens/s/GPU at 82.4 GiB on its 96 GB,
+  500 W H100s) — written as an ``autosplit.Recipe(data_parallel=8, replicate="fully_shard", options=...)`` over
+  ``Cluster.of("H100-500W", 8, engine="torch-eager")`` and the global batch, costed by ``Planner.manual`` (what
   ``autosplit.compare`` puts beside autosplit's plan). torchtitan's selective (per-op) checkpointing
   recomputes the element-wise ops between the matmuls: ``recipe:selective-ac`` is autosplit's
   selective recomputation of every layer (``selective=True``: every matmul's output kept, where
   torchtitan's also recomputes every second ``mm``), and two rows bracket it, ``recipe:full-ac`` (every
-  layer recomputed: no selective mode recomputes more) and ``recipe:no-ac`` (nothing recomputed, over
-  the 80 GiB cap: shown, not refused);
-- **autosplit**: ``autosplit.plan(model, Cluster.dgx_h100(nodes=1), ...)`` at the same global batch
+  layer recomputed: no selective mode recomputes more) and ``recipe:no-ac`` (nothing recomputed: shown, not refused);
+- **autosplit**: ``autosplit.plan(model, <the same cluster>, ...)`` at the same global batch
   (16 × 8192), in :data:`PRECISION` as the recipes, ``checkpointing="auto"``, ``selective="auto"``,
   ``micro_batches="auto"``: the degrees, split, micro-batches and recomputation (selective or whole) chosen together;
 - **memory**: the pipeline-only plan of Llama-3-8B on 8 H100s (8 stages, GPipe, 8 micro-batches, no
@@ -23,18 +23,17 @@ in a fresh process (its peak RSS is the planning process's own):
   (with the weights cast once per step, bf16-mixed holds less; bf16-fsdp's residual stream is bf16).
 
 - **at scale** (:mod:`benchmarks.workloads.recipes`): torchtitan's Llama-3.1-70B on 256 H100s (FSDP 32 ×
-  TP 8), its Llama-3.1-405B on 512 (FSDP 8 × TP 8 × PP 8, Interleaved 1F1B) and Megatron-Bridge's
-  Llama-3-70B on 64 (TP 4 × PP 8 × VP 5): ``NAME:recipe`` costs the recipe in :data:`PRECISION` (``Recipe`` with its
-  degrees, layers per stage, schedule, micro-batches and checkpointing over the whole cluster and global
-  batch); ``NAME:recipe-fp8`` the same with every half-precision matmul at H100's FP8 peak (the published
-  figures ran Float8 linears: the two rows bracket that term); ``megatron-70b:recipe-recompute`` the
-  Megatron layout with Megatron's own full recomputation (``--recompute-granularity full --recompute-method
-  uniform --recompute-num-layers 1``: the most memory Megatron's flags save, what its users add on OOM),
-  ``megatron-70b:recipe-recompute-block`` with the first layer of each stage recomputed (``--recompute-method
-  block --recompute-num-layers 1``: half of each two-layer stage, the only variant between the two);
-  ``NAME:autosplit`` plans the same model,
-  cluster and global batch with every degree and the micro-batch count chosen (:data:`PRECISION`, ``checkpointing="auto"``,
-  ``selective="auto"``, ``micro_batches="auto"``, 1F1B).
+  TP 8), its Llama-3.1-405B on 512 (FSDP 8 × TP 8 × PP 8, Interleaved 1F1B, async TP), both compiled on its
+  500 W H100s, and Megatron-Bridge's Llama-3-70B on 64 DGX H100s (TP 4 × PP 8 × VP 5, TP overlap), each with its
+  linears in FP8 as it ran (``float8="tensorwise"``): ``NAME:recipe`` costs the recipe in :data:`PRECISION`
+  (``Recipe`` with its degrees, layers per stage, schedule, micro-batches and checkpointing over the whole cluster
+  and global batch); ``megatron-70b:recipe-recompute`` the Megatron layout with Megatron's own full recomputation
+  (``--recompute-granularity full --recompute-method uniform --recompute-num-layers 1``: the most memory Megatron's
+  flags save, what its users add on OOM), ``megatron-70b:recipe-recompute-block`` with the first layer of each
+  stage recomputed (``--recompute-method block --recompute-num-layers 1``: half of each two-layer stage, the only
+  variant between the two); ``NAME:autosplit`` plans the same model, cluster and global batch with every degree and
+  the micro-batch count chosen (:data:`PRECISION`, ``checkpointing="auto"``, ``selective="auto"``,
+  ``micro_batches="auto"``, 1F1B), on the same stack: FP8 linears, and the recipe's TP overlap.
 
 Prints a table and writes ``benchmarks/results/plan_3d.json`` (``--out``); name rows to plan only those.
 
@@ -47,7 +46,6 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import math
 import resource
@@ -61,14 +59,19 @@ PUBLISHED_8B_FSDP8 = 5762.0
 """torchtitan Llama-3.1-8B, 8 × H100, FSDP 8, bf16, local batch 2 × 8192, selective activation checkpointing:
 tokens/s/GPU (torchtitan benchmarks/llama3_h100_202412_torchtitan.md, Table 1)."""
 SEQ = 8192
-FP8_PEAK = 1979e12
-"""H100 SXM's dense FP8 tensor-core peak, flop/s (twice its bf16 989e12)."""
 GLOBAL_8B = 16
 """The published run's global batch: local batch 2 × 8 FSDP ranks."""
 PRECISION = "bf16-fsdp"
 """What the published runs train in, and every recipe and autosplit row is planned in: FSDP2's
 ``MixedPrecisionPolicy`` (bf16 parameters gathered, fp32 master weights and reductions), torchtitan's
 default; Megatron's ``--bf16`` likewise computes with every weight in bf16 over fp32 main gradients."""
+
+
+def _eight_b_cluster() -> Any:
+    """The published 8B run's cluster: one of torchtitan's Grand Teton hosts (8 × 96 GB H100 at 500 W), eager."""
+    import autosplit
+
+    return autosplit.Cluster.of("H100-500W", 8, engine="torch-eager")
 
 
 def _plan_row(kind: str, time_limit: float) -> dict[str, Any]:
@@ -88,10 +91,10 @@ def _plan_row(kind: str, time_limit: float) -> dict[str, Any]:
             recipe = autosplit.Recipe(data_parallel=8, replicate="fully_shard", options={
                 "precision": PRECISION, "checkpointing": "none" if kind == "recipe:no-ac" else "full", "micro_batches": 1,
                 "selective": kind == "recipe:selective-ac"})
-            plan = autosplit.Planner(model, autosplit.Cluster.dgx_h100(nodes=1), example_inputs=(tokens,)).manual(
+            plan = autosplit.Planner(model, _eight_b_cluster(), example_inputs=(tokens,)).manual(
                 recipe, check_memory=False)
         elif kind == "autosplit":
-            plan = autosplit.plan(model, autosplit.Cluster.dgx_h100(nodes=1), example_inputs=(tokens,), precision=PRECISION,
+            plan = autosplit.plan(model, _eight_b_cluster(), example_inputs=(tokens,), precision=PRECISION,
                                   checkpointing="auto", selective="auto", micro_batches="auto", time_limit=time_limit)
         else:  # no recomputation and room for everything: the activations as each precision holds them
             plan = autosplit.plan(model, ["H100-80GB"] * 8, example_inputs=(tokens,), precision=kind.split(":")[1],
@@ -138,11 +141,10 @@ def _scale_row(kind: str, time_limit: float) -> dict[str, Any]:
     name, which = kind.split(":")
     r = RECIPES[name]
     model = _model(r.model)
-    cluster, tokens = autosplit.Cluster.dgx_h100(nodes=r.nodes), autosplit.Spec((r.rows, SEQ), torch.long)
+    cluster = autosplit.Cluster.of(r.gpu, 8 * r.nodes, engine=r.engine)
+    tokens = autosplit.Spec((r.rows, SEQ), torch.long)
     if which in MEGATRON_RECOMPUTE and not r.megatron:  # else it would be costed as the plain recipe, under this name
         raise SystemExit(f"{kind}: {which} adds Megatron's recompute flags, and {name} is not a Megatron recipe")
-    if which == "recipe-fp8":  # every half-precision matmul at H100's dense FP8 peak: a bound on what Float8 linears give
-        cluster = dataclasses.replace(cluster, device=dataclasses.replace(cluster.device, peak_flops_half=FP8_PEAK))
     start = time.perf_counter()
     row: dict[str, Any] = {"kind": kind, "published": r.published, "source": r.source}
     try:
@@ -159,7 +161,8 @@ def _scale_row(kind: str, time_limit: float) -> dict[str, Any]:
                                                    tensor_parallel=r.tensor_parallel, options=r.options), check_memory=False)
         else:
             plan = autosplit.plan(model, cluster, example_inputs=(tokens,), precision=PRECISION, checkpointing="auto",
-                                  selective="auto", schedule="1f1b", micro_batches="auto", tensor_parallel="auto", time_limit=time_limit)
+                                  selective="auto", schedule="1f1b", micro_batches="auto", tensor_parallel="auto", time_limit=time_limit,
+                                  float8="tensorwise", async_tp=r.async_tp)  # the recipe's stack: its FP8 linears, its TP overlap
         row.update(_described(plan, r.rows))
     except autosplit.AutosplitError as e:
         row.update(outcome=type(e).__name__, message=str(e).split(". Likely cause")[0][:2000])
@@ -169,7 +172,7 @@ def _scale_row(kind: str, time_limit: float) -> dict[str, Any]:
 
 
 EIGHT_B = ("recipe:full-ac", "recipe:selective-ac", "recipe:no-ac", "autosplit", "memory:fp32", "memory:bf16-mixed", "memory:bf16-fsdp")
-AT_SCALE = (*(f"{name}:{which}" for name in ("titan-70b", "titan-405b", "megatron-70b") for which in ("recipe", "recipe-fp8", "autosplit")),
+AT_SCALE = (*(f"{name}:{which}" for name in ("titan-70b", "titan-405b", "megatron-70b") for which in ("recipe", "autosplit")),
             "megatron-70b:recipe-recompute", "megatron-70b:recipe-recompute-block")
 MEGATRON_RECOMPUTE = {
     "recipe-recompute": "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1",
@@ -214,7 +217,8 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from benchmarks.plan_time import machine
 
-    print("simulated: H100 presets, the cost model's figures (not measured)")
+    print("simulated: the published GPUs' presets with the engine profiles fitted to the published record "
+          "(the cost model's figures, not measured)")
     rows = run(args.kinds, args.time_limit, args.budget)
     summary = _summary({r["kind"]: r for r in rows})
     args.out.write_text(json.dumps({"benchmark": "plan_3d", "simulated": True, "machine": machine(), "summary": summary,
@@ -231,7 +235,7 @@ def _summary(by_kind: dict[str, dict[str, Any]]) -> dict[str, Any]:
     for kind, r in planned.items():
         if kind.startswith("recipe:"):
             out[f"8b_{kind}_over_published"] = r["tokens_per_s_per_gpu"] / PUBLISHED_8B_FSDP8
-        elif kind.endswith((":recipe", ":recipe-fp8", *(f":{w}" for w in MEGATRON_RECOMPUTE))):
+        elif kind.endswith((":recipe", *(f":{w}" for w in MEGATRON_RECOMPUTE))):
             out[f"{kind}_over_published"] = r["tokens_per_s_per_gpu"] / r["published"]
     pairs = [("autosplit", "recipe:full-ac"), ("autosplit", "recipe:selective-ac"),
              *((f"{k.split(':')[0]}:autosplit", k) for k in planned if k.endswith((":recipe", *(f":{w}" for w in MEGATRON_RECOMPUTE))))]

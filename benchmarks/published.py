@@ -143,6 +143,9 @@ def cost_row(spec: dict[str, Any], grid: Sequence[dict[str, float]] = ()) -> dic
                    recomputed_blocks=len(plan.recompute), selective=plan.recompute_selective, device=plan.devices[0].name,
                    float8=plan.float8, async_tp=plan.async_tp,
                    terms=None if plan.terms is None else dataclasses.asdict(plan.terms))
+        if not row["fits"] and not spec.get("recompute_stated", True):
+            row.update(outcome="levers unknown", reason=f"levers unknown: the row states no recomputation or offload, and without "
+                       f"them its layout needs {row['memory_gib']:.0f} of {row['capacity_gib']:.0f} GiB")
         if grid:
             row["grid"] = _regrid(planner, recipe, grid, tokens, gpus)
     except autosplit.AutosplitError as e:
@@ -163,7 +166,7 @@ def _result(c: Classified, costed: dict[str, Any] | None) -> dict[str, Any]:
         return row
     row.update(costed)
     published = c.info.get("published_tokens_per_s_per_gpu")
-    if row.get("predicted_tokens_per_s_per_gpu") is not None and published:
+    if row["outcome"] == "costed" and row.get("predicted_tokens_per_s_per_gpu") is not None and published:
         row["ratio"] = row["predicted_tokens_per_s_per_gpu"] / published
     if row["outcome"] in ("crashed", "timed out"):
         row["reason"] = f"{row['outcome']}: {row.get('stderr', '').strip().splitlines()[-1:] or ''}"

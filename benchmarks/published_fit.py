@@ -72,7 +72,11 @@ def _quality(errors: list[float]) -> dict[str, float]:
 
 
 def _engine(row: dict[str, Any]) -> str:
-    return row["device"].rsplit("(", 1)[-1].rstrip(")")
+    """The profile whose kernels costed the row (Megatron-FSDP's are Megatron-Core's with Transformer Engine)."""
+    from autosplit.engine_profiles import ENGINES
+
+    name = row["device"].rsplit("(", 1)[-1].rstrip(")")
+    return ENGINES[name].kernels or name
 
 
 def fit(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:

@@ -83,7 +83,8 @@ def _float8(text: str) -> str | Malformed | None:
 
 def _recompute(text: str) -> tuple[str, bool] | str:
     """``(checkpointing, selective)`` for a ``recompute`` cell, or the reason it is not expressible. An empty cell
-    (``config_match`` partial) is read as no recomputation, both engines' default."""
+    (``config_match`` partial) is read as no recomputation, both engines' default; where that layout is predicted not
+    to fit, the row's memory levers are unknown (:func:`benchmarks.published.cost_row`)."""
     low = text.strip().lower()
     if "offload" in low:
         return "activation offload"
@@ -162,7 +163,7 @@ def _layout(row: dict[str, str]) -> dict[str, Any]:
     micro = _int(row, "micro_batch_size")
     if micro is not None and batch % (micro * dp):
         raise Malformed(f"global batch {batch} is not a multiple of micro batch {micro} · dp {dp}")
-    sharded = any(row[c].strip().lower().startswith(("yes", "fsdp", "zero")) for c in ("fsdp", "distributed_optimizer"))
+    sharded = _sharded(row)
     return dict(num_gpus=gpus, seq_len=seq, global_batch=batch, tp=tp, pp=pp, vp=vp or 1, cp=cp, dp=dp, micro_batch=micro,
                 micro_batches=None if micro is None else batch // (micro * dp), replicate="fully_shard" if sharded else "replicate",
                 float8=recipe if isinstance(recipe := _float8(row["precision"]), str) else None,
@@ -202,7 +203,7 @@ def classify(row: dict[str, str], line: int) -> Classified:
                 "gpu": _gpu_kind(row["gpu"]), "engine": _engine(row), "async_tp": _async_tp(row, layout["tp"]),
                 "checkpointing": recompute[0], "selective": recompute[1],
                 "schedule": "interleaved1f1b" if vp > 1 else "1f1b" if layout["pp"] > 1 or (layout["micro_batches"] or 1) > 1 else "gpipe",
-                "torchtitan_split": _is_torchtitan(row)}
+                "torchtitan_split": _is_torchtitan(row), "recompute_stated": bool(row["recompute"].strip())}
     return out
 
 
@@ -211,11 +212,21 @@ def _is_torchtitan(row: dict[str, str]) -> bool:
     return "torchtitan" in (row.get("repo", "") + row.get("source", "")).lower()
 
 
+def _sharded(row: dict[str, str]) -> bool:
+    """Whether a row's data parallelism shards its state: where its cells say so (FSDP, ZeRO, the distributed
+    optimizer), and on Megatron-Core where they are silent and do not say no: Megatron-Bridge's and NeMo 2.0's
+    recipes and Megatron-LM's example scripts all set ``use_distributed_optimizer``."""
+    if any(row[c].strip().lower().startswith(("yes", "fsdp", "zero")) for c in ("fsdp", "distributed_optimizer")):
+        return True
+    return _engine(row).startswith("megatron") and not row["distributed_optimizer"].strip().lower().startswith("no")
+
+
 def _engine(row: dict[str, str]) -> str:
     """The engine profile (:mod:`autosplit.engine_profiles`) of the stack a row ran on: torchtitan's runs
-    compiled or eager as their ``other_config`` says, every other source's Megatron-Core with Transformer Engine."""
+    compiled or eager as their ``other_config`` says, every other source's Megatron-Core with Transformer Engine,
+    sharded by Megatron-FSDP where the row's ``fsdp`` cell says yes, else by its distributed optimizer."""
     if not _is_torchtitan(row):
-        return "megatron-te"
+        return "megatron-fsdp" if row["fsdp"].strip().lower().startswith("yes") else "megatron-te"
     return "torch-compile" if re.search(r"(torch\.)?compile\s*=\s*yes", row.get("other_config", "").lower()) else "torch-eager"
 
 
@@ -225,7 +236,7 @@ def _async_tp(row: dict[str, str], tp: int) -> bool:
     ``tp_comm_overlap`` wherever TP > 1)."""
     if tp <= 1:
         return False
-    if _engine(row) != "megatron-te":
+    if not _engine(row).startswith("megatron"):
         return bool(re.search(r"async\s*tp\s*=\s*yes", row.get("other_config", "").lower()))
     return True
 

@@ -337,3 +337,14 @@ def test_megatrons_tp_comm_overlap_and_torchtitans_async_tp_are_read_as_async_tp
     assert titan.async_tp and titan.tensor_parallel == 2
     # the CPU has no engine profile: nothing is hidden, so the costs are the same
     assert overlapped.step_time == pytest.approx(plain.step_time)
+
+
+def test_megatrons_fp8_flags_are_read_as_float8():
+    model, args = _llama(2)
+    planner = autosplit.Planner(model, autosplit.Cluster.of("B200", 2, engine="megatron-te"), example_inputs=args, precision="bf16-mixed")
+    base = "megatron:--tensor-model-parallel-size 2 --pipeline-model-parallel-layout EttL --bf16"
+    assert planner.manual(f"{base} --fp8-format hybrid", check_memory=False).float8 == "tensorwise"  # Megatron's delayed default
+    assert planner.manual(f"{base} --fp8-format e4m3 --fp8-recipe mxfp8", check_memory=False).float8 == "mxfp8"
+    assert planner.manual(base, check_memory=False).float8 is None
+    with pytest.raises(ConstraintError, match="--fp8-recipe blockwise is not costed"):
+        planner.manual(f"{base} --fp8-format e4m3 --fp8-recipe blockwise", check_memory=False)

@@ -29,6 +29,11 @@ def test_every_row_of_the_record_is_classified_and_the_expressible_ones_become_r
     assert titan is not None and (titan["engine"], titan["async_tp"], by_id["304"].spec["async_tp"]) == ("torch-compile", True, False)
     assert by_id["294"].spec["gpu"] == "H100-500W" and by_id["2"].info["gpu"] == "GB200"  # torchtitan's 500 W H100s apart
     assert all(c.reasons or c.spec is not None for c in read)  # a row is costed or says why not
+    # Megatron-Core's data parallelism: its distributed optimizer where the row is silent (NeMo's row 412), Megatron-FSDP
+    # where the row says FSDP (269); an empty recompute cell is costed as none, but known to be unstated
+    nemo, megatron_fsdp = by_id["412"].spec, by_id["269"].spec
+    assert nemo is not None and (nemo["replicate"], nemo["engine"], nemo["recompute_stated"]) == ("fully_shard", "megatron-te", False)
+    assert megatron_fsdp is not None and (megatron_fsdp["replicate"], megatron_fsdp["engine"]) == ("fully_shard", "megatron-fsdp")
 
 
 def test_malformed_rows_are_named_and_the_run_goes_on(tmp_path: Path):

@@ -94,7 +94,8 @@ def _cost_table(
         estimated = functools.partial(estimate, gm, specs, optimizer=options.optimizer, micro_batches=micro_batches,
                                       profiles=profiles, loss=loss, selective=selective, float8=options.float8,
                                       fusion=Fusion(norm_paths(traced.model) if "norm" in fuses else frozenset(), "gated" in fuses,
-                                                    "fp8-inputs" in fuses))
+                                                    "fp8-inputs" in fuses, "fp8-weights" in fuses and options.float8 == "tensorwise",
+                                                    attention=specs[0].device_type == "cuda"))
         # the blocks depend on the graph and the devices, not the batch: decided once, on the first table
         # (measured layers need not time alike: there each table decides)
         key = (traced.fingerprint, options.precision, options.float8, specs, options.checkpointing, tuple(options.recompute or ()),
@@ -118,7 +119,7 @@ def _cost_table(
         source += f"; tensors split over tp {options.tp}"
     if not laid:
         return table, source
-    table = laid_out(table, dp_shard=options.dp_shard, alone=sharded_alone(len(specs), micro_batches, options.dp_shard),
+    table = laid_out(table, dp_shard=options.dp_shard, alone=sharded_alone(len(specs), micro_batches, options.dp_shard, specs),
                      precision=options.precision)
     if options.dp_shard > 1:
         source += f"; sharded over dp_shard {options.dp_shard}"

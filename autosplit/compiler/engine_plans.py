@@ -110,6 +110,8 @@ def megatron_recipe(body: str, names: Names, world: int, num_layers: int, tensor
         options["sequence_parallel"] = True
     if "tp-comm-overlap" in flags and tp > 1:
         options["async_tp"] = True
+    if "fp8-format" in flags:
+        options["float8"] = _megatron_float8(flags)
     return Recipe(split=_stage_modules(titan, names), data_parallel=dp, tensor_parallel=tp, options=options,
                   replicate=_megatron_replicate(flags, pipelined=len(stages) > 1))
 
@@ -139,6 +141,20 @@ def _megatron_replicate(flags: Mapping[str, str], pipelined: bool) -> str:
         log.warning("Megatron's distributed optimizer shards only the optimizer state; the recipe is costed with it whole "
                     "(replicate): its memory is an upper bound")
     return "replicate"
+
+
+_MEGATRON_FP8 = {"delayed": "tensorwise", "tensorwise": "tensorwise", "mxfp8": "mxfp8"}
+"""Megatron's ``--fp8-recipe`` as :attr:`~autosplit.options.PlanOptions.float8` costs it: a scale per tensor, delayed
+(its default) or current, or MXFP8's per 32 values."""
+
+
+def _megatron_float8(flags: Mapping[str, str]) -> str:
+    """The FP8 recipe of ``--fp8-format`` (``e4m3``, ``hybrid``) with ``--fp8-recipe``; blockwise is not costed."""
+    recipe = flags.get("fp8-recipe", "delayed")
+    if recipe not in _MEGATRON_FP8:
+        raise ConstraintError(advice(f"--fp8-recipe {recipe} is not costed", f"autosplit costs the FP8 recipes {', '.join(_MEGATRON_FP8)}",
+                                     "cost the recipe in bf16 (drop --fp8-format) or with --fp8-recipe tensorwise"))
+    return _MEGATRON_FP8[recipe]
 
 
 def _megatron_flags(body: str) -> dict[str, str]:

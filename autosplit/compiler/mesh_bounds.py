@@ -147,7 +147,7 @@ def memory_proven(whole: CostTable, traced: Traced, degrees: Degrees, options: P
         M = int(c.micro_batches or 1)
         table = laid_out(dataclasses.replace(share, transient_bytes=tuple(v // M for v in share.transient_bytes),
                                              block_transient=share.block_transient // M),
-                         dp_shard=c.dp_shard, alone=sharded_alone(pp, M, c.dp_shard), precision=c.precision)
+                         dp_shard=c.dp_shard, alone=sharded_alone(pp, M, c.dp_shard, ranks), precision=c.precision)
         try:
             prove_over_caps(stage_problem(table, pp, c, M, [])[1])
         except InfeasiblePlanError as e:

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from autosplit import schedules
 from autosplit.costtable import CostTable
 from autosplit.devices import DeviceSpec
+from autosplit.engine_profiles import engine_of
 from autosplit.options import PlanOptions
 from autosplit.passes.param_dtype import PARAM_CAST
 from autosplit.passes.sharding import data_parallel_time, sharded_alone
@@ -115,12 +116,15 @@ def _data_parallel(
     shards = options.dp_shard
     drains = bwd if shards == 1 else list(itertools.accumulate([0.0, *bwd[:-1]])) if in_line else [0.0] * S
     units = [0.0] * S
-    if sharded_alone(S, M, shards) and table.unit_params:
+    engine = engine_of(devices)
+    if sharded_alone(S, M, shards, devices) and table.unit_params:
         for n, s in enumerate(stage_of):
             units[s] += table.param_bytes[n] if table.unit_params[n] else 0
     return data_parallel_time(param_bytes, devices, replicas=options.replicas // shards, shards=shards, waits=waits, drains=drains,
                               units=units, compute=[M * (f + b) for f, b in zip(fwd, bwd)],
-                              gathered=0.5 if options.precision in PARAM_CAST else 1.0)
+                              gathered=0.5 if options.precision in PARAM_CAST else 1.0,
+                              reduced=0.5 if engine is not None and engine.bf16_gradients else 1.0,
+                              passes=M if engine is not None and engine.units_per_micro_batch else 1)
 
 
 def sharing_problem(problem: Problem, table: CostTable, order: Sequence[int], shared: Sequence[SharedParam]) -> Problem:
@@ -320,7 +324,7 @@ def stage_reports(
     recomputed = [(label, table.blocks.index(label)) for label in table.recomputed]
     kept = {label: k / w for label, (k, w) in zip(table.recomputed, table.recompute_kept)}  # share of its micro-batches a block keeps
     # The buffers a sender keeps for gradients coming back (the receiver's, twice its received bytes, are all of them).
-    sent_buffers = [b - r for b, r in zip(ev.buffer_mem, ev.recv_mem)] if ev.buffer_mem else [0] * len(order)
+    sent_buffers = [b - r for b, r in zip(ev.buffer_mem, ev.recv_mem)] if problem.buffer_mem else [0] * len(order)
     backward = backward_passes(table, stage_of, order, entry)
     for s, device in enumerate(table.devices[d] for d in order):
         members = [n for n, st in enumerate(stage_of) if st == s]

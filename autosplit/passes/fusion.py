@@ -16,6 +16,14 @@ engines of the published record run fused kernels (:attr:`~autosplit.engine_prof
   input it made for the forward GEMM (a byte per value) for its weight's gradient, not the bf16 input; the
   linears reading one tensor (q, k and v; gate and up) keep one copy, as Transformer Engine's fused
   projection does. (torchao's float8 keeps the bf16 input: torchtitan's profile does not name it.)
+- **FP8 weights** (``"fp8-weights"``; Transformer Engine under Megatron's ``fp8_param_gather``, which Megatron-Bridge's
+  performance recipes set for tensorwise current scaling): an FP8 linear's compute copy of its weight is the FP8
+  one, a byte per value, not a bf16 copy (MXFP8 keeps a copy per scaling direction: no saving, not applied).
+- **fused attention** (``attention``: on every GPU, whatever the engine — torch's flash and memory-efficient
+  kernels, cuDNN's, Transformer Engine's): ``scaled_dot_product_attention`` keeps its query, key, value and
+  mask as given — grouped key/value heads read in place — and its output and an fp32 log-sum-exp per query
+  row. Annotation replays it on CPU tensors, whose kernel repeats grouped heads to every query head and keeps
+  those copies: 4 of a Llama-3 layer's ~30 saved bytes per token and hidden unit.
 
 :func:`fused` rewrites the annotated :class:`~autosplit.passes.annotations.NodeInfo` of those nodes; the
 memory model (:mod:`autosplit.passes.memory_model`) then counts each saved storage once, at its producer,
@@ -42,7 +50,7 @@ from autosplit.passes.annotations import NodeInfo, node_info
 
 __all__ = ["FUSIONS", "Fusion", "UNFUSED", "fused", "norm_paths"]
 
-FUSIONS = ("norm", "gated", "fp8-inputs")
+FUSIONS = ("norm", "gated", "fp8-inputs", "fp8-weights")
 """The fusions an engine profile can name."""
 
 
@@ -54,6 +62,9 @@ class Fusion:
     """Module paths of the norms that run as one kernel each."""
     gated: bool = False
     fp8_inputs: bool = False
+    fp8_weights: bool = False
+    attention: bool = False
+    """Attention as a GPU's fused kernel saves it (a plan for GPUs, whatever its engine)."""
 
 
 UNFUSED = Fusion()
@@ -63,6 +74,8 @@ NORM_SUFFIXES = ("RMSNorm", "LayerNorm")
 _aten = torch.ops.aten
 _ACTIVATIONS = {F.silu, F.gelu, torch.sigmoid, _aten.silu.default, _aten.gelu.default, _aten.sigmoid.default}
 _MULS = {operator.mul, torch.mul, _aten.mul.Tensor}
+_ATTENTION = {F.scaled_dot_product_attention, _aten.scaled_dot_product_attention.default}
+_ATTENTION_INPUTS = ("query", "key", "value", "attn_mask")
 
 
 def norm_paths(model: torch.nn.Module | None) -> frozenset[str]:
@@ -110,11 +123,37 @@ def _fp8_inputs(nodes: Sequence[fx.Node], infos: list[NodeInfo], linears: Collec
                                        saved_inputs=tuple(n for n in info.saved_inputs if n != source.name))
 
 
+def _fp8_weights(nodes: Sequence[fx.Node], infos: list[NodeInfo], linears: Collection[int]) -> None:
+    """FP8 linears compute with an FP8 copy of their weights (in place): half the bf16 copy, on the node holding it
+    (the linear module's own, or the weight it reads as an attribute)."""
+    index = {n.name: i for i, n in enumerate(nodes)}
+    holders = {index[u.name] for i in linears for u in (nodes[i], *nodes[i].all_input_nodes)
+               if u.name in index and (u is nodes[i] or u.op == "get_attr")}
+    for i in holders:
+        half = infos[i].weight_copy_bytes // 2
+        info = infos[i]
+        infos[i] = dataclasses.replace(info, weight_copy_bytes=info.weight_copy_bytes - half, saved_bytes=info.saved_bytes - half)
+
+
+def _fused_attention(nodes: Sequence[fx.Node], infos: list[NodeInfo]) -> None:
+    """Each attention node saves what a GPU's fused kernel keeps (in place): its query, key, value and mask as
+    given, its output and an fp32 log-sum-exp per row of it."""
+    for i, node in enumerate(nodes):
+        if node.op != "call_function" or node.target not in _ATTENTION or not infos[i].output_shapes:
+            continue
+        given = [*node.args[:4], *(node.kwargs.get(k) for k in _ATTENTION_INPUTS[len(node.args):])]
+        inputs = tuple(dict.fromkeys(u.name for u in given if isinstance(u, fx.Node)))
+        shape = infos[i].output_shapes[0]
+        lse = math.prod(shape[:-1]) * 4 if shape else 0
+        infos[i] = dataclasses.replace(infos[i], saved_bytes=infos[i].output_bytes + lse, saves_output=True, saved_inputs=inputs)
+
+
 def fused(nodes: Sequence[fx.Node], infos: Sequence[NodeInfo], fusion: Fusion, float8: Collection[int] = ()) -> list[NodeInfo]:
     """``infos`` as the fused kernels save (the module docstring): the nodes of each norm module in
     ``fusion.norms`` as one kernel; with ``gated``, each product of an activation's output saves the activation's
     input instead (the activation's own saving) and not its output; with ``fp8_inputs``, the FP8 linears
-    (``float8``: indices into ``nodes``) keep FP8 copies of their inputs."""
+    (``float8``: indices into ``nodes``) keep FP8 copies of their inputs, with ``fp8_weights`` of their weights;
+    with ``attention``, attention keeps what a GPU's fused kernel does."""
     out = list(infos)
     regions: dict[str, list[int]] = {}
     for i, info in enumerate(infos):
@@ -133,4 +172,8 @@ def fused(nodes: Sequence[fx.Node], infos: Sequence[NodeInfo], fusion: Fusion, f
                 out[i] = dataclasses.replace(out[i], saved_inputs=tuple(n for n in out[i].saved_inputs if n not in acts))
     if fusion.fp8_inputs and float8:
         _fp8_inputs(nodes, out, float8)
+    if fusion.fp8_weights and float8:
+        _fp8_weights(nodes, out, float8)
+    if fusion.attention:
+        _fused_attention(nodes, out)
     return out

@@ -66,12 +66,19 @@ __all__ = [
 ]
 
 
-def sharded_alone(stages: int, micro_batches: int, dp_shard: int) -> bool:
+def sharded_alone(stages: int, micro_batches: int, dp_shard: int, devices: Sequence[DeviceSpec] = ()) -> bool:
     """FSDP alone in one pass — one stage, one micro-batch, sharded: the runtime then makes each
     block it can outline, and each other leaf module it can, a unit of its own, resharded after its forward
     (:func:`~autosplit.runtime.placement.replicate_stage`); otherwise each stage is one unit, gathered
-    for the whole step (every micro-batch's backward would gather it again)."""
-    return stages == 1 and micro_batches == 1 and dp_shard > 1
+    for the whole step (every micro-batch's backward would gather it again). On ``devices`` whose engine
+    gathers its units for every micro-batch (Megatron-FSDP: :attr:`~autosplit.engine_profiles.EngineProfile.units_per_micro_batch`),
+    one stage, sharded, whatever the micro-batches; never on an engine whose sharding is Megatron's distributed
+    optimizer, which keeps every weight whole."""
+    engine = engine_of(devices)
+    if engine is not None and engine.distributed_optimizer:
+        return False
+    per_micro_batch = engine is not None and engine.units_per_micro_batch
+    return stages == 1 and (micro_batches == 1 or per_micro_batch) and dp_shard > 1
 
 
 def laid_out(table: CostTable, *, dp_shard: int, alone: bool = False, precision: str = "fp32") -> CostTable:
@@ -89,6 +96,7 @@ def laid_out(table: CostTable, *, dp_shard: int, alone: bool = False, precision:
         return table
     engine = engine_of(table.devices)
     gradients_whole = engine is not None and engine.distributed_optimizer  # Megatron's: only master weights and moments sharded
+    halved = engine is not None and engine.bf16_gradients  # the gradients held whole are bf16
     n = len(table.nodes)
     copies = table.weight_copy_bytes or (0,) * n
     buffers = table.buffer_bytes or (0,) * n
@@ -101,8 +109,8 @@ def laid_out(table: CostTable, *, dp_shard: int, alone: bool = False, precision:
         if units[i]:  # gathered (and under the policy in bf16) while the unit runs
             held = buffer + (0 if policy else copy)
             transient[i] = max(transient[i], 3 * totals[i] // (2 if policy else 1))
-        else:  # gathered for the step, its gradients accumulated whole: fp32 under the policy, as held else
-            held = buffer + copy + (1 if policy else 2) * params
+        else:  # gathered for the step (the distributed optimizer: its weights are the copy), its gradients accumulated whole
+            held = buffer + copy + (params // 2 if halved else params) + (0 if policy or gradients_whole else params)
         sharded = model_state - (params if gradients_whole and not units[i] else 0)  # its gradient shard is the whole buffer's
         state.append(math.ceil(sharded / dp_shard) + held)
     optimizer = tuple(tuple(t / dp_shard for t in row) for row in table.optimizer_time)
@@ -142,7 +150,7 @@ def group_time(nbytes: float, size: int, device: DeviceSpec, *, allreduce: bool)
 def data_parallel_time(
     param_bytes: Sequence[float], devices: Sequence[DeviceSpec], *, replicas: int, shards: int,
     waits: Sequence[float], drains: Sequence[float], units: Sequence[float] = (), compute: Sequence[float] = (),
-    gathered: float = 1.0,
+    gathered: float = 1.0, reduced: float = 1.0, passes: int = 1,
 ) -> float:
     """Seconds per step the data-parallel collectives add to the pipeline's step (the module
     docstring): ``param_bytes[s]`` the parameters of stage ``s`` as held, ``waits[s]`` the seconds
@@ -150,21 +158,24 @@ def data_parallel_time(
     the step goes on without it. ``units[s]``: of its parameters, those in units of their own (FSDP
     alone), each gathered for its forward and again for its backward and reduced after it, all of it
     behind the stage's ``compute[s]`` where FSDP2's prefetching can hide it. ``gathered``: the share
-    of those bytes an all-gather moves (½ under ``"bf16-fsdp"``, which gathers bf16 and reduces fp32)."""
+    of those bytes an all-gather moves (½ under ``"bf16-fsdp"``, which gathers bf16 and reduces fp32); ``reduced``: the
+    share a reduction moves (½ on an engine reducing bf16 gradients); ``passes``: how often the units go through their
+    three collectives (every micro-batch's on an engine that gathers them per micro-batch, Megatron-FSDP)."""
     if replicas * shards <= 1:
         return 0.0
     if shards == 1:
-        return max(max(0.0, group_time(p, replicas, d, allreduce=True) - drain)
+        return max(max(0.0, group_time(p * reduced, replicas, d, allreduce=True) - drain)
                    for p, d, drain in zip(param_bytes, devices, drains))
     units = units or [0.0] * len(param_bytes)
     rest = [p - u for p, u in zip(param_bytes, units)]
     gather = max(max(0.0, group_time(p * gathered, shards, d, allreduce=False) - wait) for p, d, wait in zip(rest, devices, waits))
     reduce = max(
-        max(0.0, group_time(p, shards, d, allreduce=False) + _across_replicas(p / shards, replicas, d) - drain)
+        max(0.0, group_time(p * reduced, shards, d, allreduce=False) + _across_replicas(p * reduced / shards, replicas, d) - drain)
         for p, d, drain in zip(rest, devices, drains)
     )
-    overlapped = max((max(0.0, 2 * group_time(u * gathered, shards, d, allreduce=False) + group_time(u, shards, d, allreduce=False)
-                          + _across_replicas(u / shards, replicas, d) - c)
+    overlapped = max((max(0.0, passes * (2 * group_time(u * gathered, shards, d, allreduce=False)
+                                         + group_time(u * reduced, shards, d, allreduce=False)
+                                         + _across_replicas(u * reduced / shards, replicas, d)) - c)
                       for u, d, c in zip(units, devices, compute or [0.0] * len(units)) if u), default=0.0)
     return gather + reduce + overlapped
 

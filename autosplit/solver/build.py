@@ -158,6 +158,11 @@ def _held_kib(
     buffers = pipeline_buffers(table, schedule, M)
     if buffers is None:  # a runtime of its own: what it receives is held while in flight
         recv = per_stage(table.output_bytes)
+        engine = engine_of(table.devices)
+        if engine is not None and engine.frees_sent_outputs and table.sent_bytes:
+            # Megatron's sender frees what it sent: a tensor a later node saves, charged to its producer (sent_bytes 0),
+            # is held once, there, not again as received
+            recv[np.asarray([sent == 0 and out > 0 for sent, out in zip(table.sent_bytes, table.output_bytes)])] = 0
     else:
         recv = np.repeat(2 * buffers[:, None], S, axis=1)
         send = np.repeat(buffers[:, None], S, axis=1) + (send if send is not None else 0)

@@ -65,3 +65,33 @@ def test_fused_norm_gated_activation_and_fp8_inputs_save_what_the_kernels_keep()
     # gate and up each read a call of the norm: an FP8 copy of each (ROWS·W bytes) instead of the fp32 one
     # (4·ROWS·W); down's input: ROWS·F_ bytes instead of 4·ROWS·F_
     assert fp8 == both - 2 * 3 * ROWS * W - 3 * ROWS * F_
+
+
+class GroupedAttention(nn.Module):
+    """Grouped-query attention in one call, 8 query heads over 2 key/value heads, each read as a transformer's
+    projections make them: (batch, sequence, heads, dim) viewed as (batch, heads, sequence, dim)."""
+
+    def forward(self, q, k, v):
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True) * 2
+
+
+def test_fused_attention_keeps_grouped_heads_in_place_and_a_log_sum_exp_per_row():
+    """B=2, H=8 query heads, 2 key/value heads, L=16, d=8, bf16. A GPU's fused kernel keeps q, k and v as given, its
+    output and an fp32 log-sum-exp per (b, h, row): 2·B·H·L·d + 2·2·B·2·L·d + 2·B·H·L·d + 4·B·H·L bytes, whatever
+    the CPU kernel annotation replays keeps."""
+    B, H, KV, L, D = 2, 8, 2, 16, 8
+    q = torch.randn(B, L, H, D, dtype=torch.bfloat16, requires_grad=True)
+    k, v = (torch.randn(B, L, KV, D, dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+    captured = capture(GroupedAttention(), (q, k, v), method="symbolic_trace")
+    gm = annotate(captured, flat_inputs(captured, (q, k, v), {}))
+    nodes = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
+
+    def total(fusion):
+        infos = fused(nodes, [node_info(n) for n in nodes], fusion)
+        made = {n.name: i.output_bytes for n, i in zip(nodes, infos)}
+        attention = next(i for n, i in zip(nodes, infos) if "scaled_dot_product" in str(n.target))
+        return attention.saved_bytes + sum(made[name] for name in attention.saved_inputs)
+
+    expected = 2 * B * H * L * D + 2 * 2 * B * KV * L * D + 2 * B * H * L * D + 4 * B * H * L
+    assert total(Fusion(attention=True)) == expected

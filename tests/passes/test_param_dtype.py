@@ -67,6 +67,8 @@ def test_the_policy_holds_a_bf16_copy_and_fp32_gradients_where_autocast_holds_fp
     kw = dict(replicas=1, shards=8, waits=[0.0], drains=[0.0])
     gather_and_reduce = data_parallel_time([8e9], [H100], **kw)
     assert data_parallel_time([8e9], [H100], **kw, gathered=0.5) == pytest.approx(gather_and_reduce * 3 / 4, rel=1e-3)
+    # Megatron's bf16 gradients: the reduction moves half the bytes too
+    assert data_parallel_time([8e9], [H100], **kw, gathered=0.5, reduced=0.5) == pytest.approx(data_parallel_time([4e9], [H100], **kw))
 
 
 def test_the_policy_is_refused_where_it_cannot_run_or_was_not_captured():
