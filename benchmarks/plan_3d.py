@@ -64,7 +64,7 @@ GLOBAL_8B = 16
 PRECISION = "bf16-fsdp"
 """What the published runs train in, and every recipe and autosplit row is planned in: FSDP2's
 ``MixedPrecisionPolicy`` (bf16 parameters gathered, fp32 master weights and reductions), torchtitan's
-default; Megatron's ``--bf16`` likewise computes with every weight in bf16 over fp32 main gradients."""
+default; Megatron's ``--bf16`` likewise computes with every weight in bf16 over fp32 master weights."""
 
 
 def _eight_b_cluster() -> Any:

@@ -81,6 +81,23 @@ def test_megatrons_distributed_optimizer_and_in_flight_buffers_in_the_memory():
     assert (held["torch-eager"], held["megatron-te"], held["megatron-fsdp"]) == (10 * n, 7 * n, 4 * n)
 
 
+def test_megatrons_stages_free_what_they_send_a_tensor_the_next_stage_saves_is_held_once():
+    """Two stages, 1F1B over 4 micro-batches: the ReLU's output (rows × 256 bf16) crosses to the second linear,
+    which saves it. Torch's PipelineStage keeps it on the sender until its backward, and the receiver holds a
+    buffer and its gradient for every micro-batch; Megatron's sender frees it (deallocate_pipeline_outputs), so
+    it is held once, where the memory model charges it: the sender's saved activations, and nothing received."""
+    model, x = nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 256)), torch.randn(64, 256)
+    received = {}
+    for engine in ("torch-eager", "megatron-te"):
+        devices = [profiled(GPU_PRESETS["H100-80GB"], engine)] * 2
+        planner = autosplit.Planner(model, devices, example_inputs=(x,), precision="bf16-mixed")
+        recipe = autosplit.Recipe([["0", "1"], ["2"]], options={"precision": "bf16-mixed", "schedule": "1f1b", "micro_batches": 4})
+        plan = planner.manual(recipe, check_memory=False)
+        received[engine] = plan.stages[1].memory_received + plan.stages[1].memory_buffers
+        assert plan.stages[0].memory_activations >= 64 // 4 * 256 * 2  # the saved ReLU output, a micro-batch of it at least
+    assert received["megatron-te"] == 0 and received["torch-eager"] >= 2 * 64 * 256 * 2  # every micro-batch's, and its gradient
+
+
 def test_the_record_a_report_quotes_is_the_one_the_benchmark_wrote():
     """RECORD (what a plan's report quotes) holds the per-GPU-kind and engine errors of the last full run of
     benchmarks/published.py, as its results file has them."""

@@ -93,8 +93,9 @@ def _cost_table(
         fuses = engine.fuses if (engine := engine_of(specs)) is not None else ()
         estimated = functools.partial(estimate, gm, specs, optimizer=options.optimizer, micro_batches=micro_batches,
                                       profiles=profiles, loss=loss, selective=selective, float8=options.float8,
-                                      fusion=Fusion(norm_paths(traced.model) if "norm" in fuses else frozenset(), "gated" in fuses,
-                                                    "fp8-inputs" in fuses, "fp8-weights" in fuses and options.float8 == "tensorwise",
+                                      fusion=Fusion(norms=norm_paths(traced.model) if "norm" in fuses else frozenset(),
+                                                    gated="gated" in fuses, fp8_inputs="fp8-inputs" in fuses,
+                                                    fp8_weights="fp8-weights" in fuses and options.float8 == "tensorwise",
                                                     attention=specs[0].device_type == "cuda"))
         # the blocks depend on the graph and the devices, not the batch: decided once, on the first table
         # (measured layers need not time alike: there each table decides)

@@ -96,7 +96,7 @@ def laid_out(table: CostTable, *, dp_shard: int, alone: bool = False, precision:
         return table
     engine = engine_of(table.devices)
     gradients_whole = engine is not None and engine.distributed_optimizer  # Megatron's: only master weights and moments sharded
-    halved = engine is not None and engine.bf16_gradients  # the gradients held whole are bf16
+    halved = engine is not None and engine.bf16_gradients and precision in ("bf16-mixed", "bf16-fsdp")  # bf16 beside fp32 weights
     n = len(table.nodes)
     copies = table.weight_copy_bytes or (0,) * n
     buffers = table.buffer_bytes or (0,) * n
