@@ -14,7 +14,7 @@ from autosplit.devices import DeviceSpec
 from autosplit.engine_profiles import engine_of
 from autosplit.options import PlanOptions
 from autosplit.passes.param_dtype import PARAM_CAST
-from autosplit.passes.sharding import data_parallel_time, sharded_alone
+from autosplit.passes.sharding import data_parallel_time, gradient_share, sharded_alone
 from autosplit.plans import SharedParam, StageReport, StepTerms
 from autosplit.solver.build import tied_costs
 from autosplit.solver.evaluation import evaluate
@@ -117,14 +117,13 @@ def _data_parallel(
     drains = bwd if shards == 1 else list(itertools.accumulate([0.0, *bwd[:-1]])) if in_line else [0.0] * S
     units = [0.0] * S
     engine = engine_of(devices)
-    bf16_gradients = engine is not None and engine.bf16_gradients and options.precision in ("bf16-mixed", "bf16-fsdp")
     if sharded_alone(S, M, shards, devices) and table.unit_params:
         for n, s in enumerate(stage_of):
             units[s] += table.param_bytes[n] if table.unit_params[n] else 0
     return data_parallel_time(param_bytes, devices, replicas=options.replicas // shards, shards=shards, waits=waits, drains=drains,
                               units=units, compute=[M * (f + b) for f, b in zip(fwd, bwd)],
                               gathered=0.5 if options.precision in PARAM_CAST else 1.0,
-                              reduced=0.5 if bf16_gradients else 1.0,
+                              reduced=gradient_share(devices, options.precision),
                               passes=M if engine is not None and engine.units_per_micro_batch else 1)
 
 

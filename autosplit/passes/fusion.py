@@ -22,8 +22,8 @@ engines of the published record run fused kernels (:attr:`~autosplit.engine_prof
 - **fused attention** (``attention``: on every GPU, whatever the engine — torch's flash and memory-efficient
   kernels, cuDNN's, Transformer Engine's): ``scaled_dot_product_attention`` keeps its query, key, value and
   mask as given — grouped key/value heads read in place — and its output and an fp32 log-sum-exp per query
-  row. Annotation replays it on CPU tensors, whose kernel repeats grouped heads to every query head and keeps
-  those copies: 4 of a Llama-3 layer's ~30 saved bytes per token and hidden unit.
+  row. Annotation replays it on CPU tensors, whose kernel may repeat grouped heads to every query head and keep
+  those copies.
 
 :func:`fused` rewrites the annotated :class:`~autosplit.passes.annotations.NodeInfo` of those nodes; the
 memory model (:mod:`autosplit.passes.memory_model`) then counts each saved storage once, at its producer,

@@ -62,7 +62,7 @@ from autosplit.passes.param_dtype import PARAM_CAST
 from autosplit.solver.hybrid import hierarchical_phases, ring_allreduce
 
 __all__ = [
-    "data_parallel_time", "group_time", "laid_out", "sharded_alone", "unit_totals",
+    "data_parallel_time", "gradient_share", "group_time", "laid_out", "sharded_alone", "unit_totals",
 ]
 
 
@@ -81,6 +81,14 @@ def sharded_alone(stages: int, micro_batches: int, dp_shard: int, devices: Seque
     return stages == 1 and (micro_batches == 1 or per_micro_batch) and dp_shard > 1
 
 
+def gradient_share(devices: Sequence[DeviceSpec], precision: str) -> float:
+    """The bytes of a gradient as held and reduced, over those of its fp32 parameter: ½ on an engine reducing bf16
+    gradients (:attr:`~autosplit.engine_profiles.EngineProfile.bf16_gradients`) beside fp32 weights (``"bf16-mixed"``,
+    ``"bf16-fsdp"``), else 1."""
+    engine = engine_of(devices)
+    return 0.5 if engine is not None and engine.bf16_gradients and precision in ("bf16-mixed", "bf16-fsdp") else 1.0
+
+
 def laid_out(table: CostTable, *, dp_shard: int, alone: bool = False, precision: str = "fp32") -> CostTable:
     """``table`` with each node's :attr:`~CostTable.state_bytes` and optimizer time as one device
     holds and spends them with its stage sharded over ``dp_shard`` devices (the module docstring);
@@ -96,7 +104,7 @@ def laid_out(table: CostTable, *, dp_shard: int, alone: bool = False, precision:
         return table
     engine = engine_of(table.devices)
     gradients_whole = engine is not None and engine.distributed_optimizer  # Megatron's: only master weights and moments sharded
-    halved = engine is not None and engine.bf16_gradients and precision in ("bf16-mixed", "bf16-fsdp")  # bf16 beside fp32 weights
+    gradient = gradient_share(table.devices, precision)
     n = len(table.nodes)
     copies = table.weight_copy_bytes or (0,) * n
     buffers = table.buffer_bytes or (0,) * n
@@ -110,7 +118,7 @@ def laid_out(table: CostTable, *, dp_shard: int, alone: bool = False, precision:
             held = buffer + (0 if policy else copy)
             transient[i] = max(transient[i], 3 * totals[i] // (2 if policy else 1))
         else:  # gathered for the step (the distributed optimizer: its weights are the copy), its gradients accumulated whole
-            held = buffer + copy + (params // 2 if halved else params) + (0 if policy or gradients_whole else params)
+            held = buffer + copy + round(params * gradient) + (0 if policy or gradients_whole else params)
         sharded = model_state - (params if gradients_whole and not units[i] else 0)  # its gradient shard is the whole buffer's
         state.append(math.ceil(sharded / dp_shard) + held)
     optimizer = tuple(tuple(t / dp_shard for t in row) for row in table.optimizer_time)
