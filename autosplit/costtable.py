@@ -159,6 +159,10 @@ class CostTable:
     recompute_keeps: tuple[int, ...] = ()
     """Nodes whose output a recomputed block keeps (its matmuls and attention, when blocks recompute
     selectively: :mod:`autosplit.passes.selective`): their forward does not run again. Empty: none."""
+    rerun_time: tuple[tuple[float, ...], ...] = ()
+    """[node][device] seconds the node runs again in the backward when its block recomputes, where tensor
+    parallelism's collectives make that differ from its forward (:mod:`autosplit.passes.tp_costs`).
+    Empty: its forward, none for a node in ``recompute_keeps``."""
 
     def row_sparse(self, members: Iterable[int]) -> tuple[int, int]:
         """(``sparse_param_bytes``, ``row_grad_bytes``) of :class:`~autosplit.plans.StageReport` for the nodes ``members``."""

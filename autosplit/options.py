@@ -36,7 +36,7 @@ __all__ = ["AUTO", "AUTO_MOST_STAGES_PER_RANK",
            "PlanOptions", "SolverLimits", "ProfileOptions", "SCHEDULES", "OBJECTIVES", "OPTIMIZERS", "CAPTURE_METHODS", "CostsLike",
            "ScheduleName", "Objective", "Optimizer", "CaptureMethod", "Precision", "PRECISIONS",
            "Float8", "FLOAT8", "Checkpointing", "CHECKPOINTINGS",
-           "Replicate", "REPLICATES", "refuse_selective_tp"]
+           "Replicate", "REPLICATES"]
 
 Optimizer: TypeAlias = Literal["adam", "adamw", "adagrad", "sgd_momentum", "sgd", "none"]
 OPTIMIZERS = tuple(OPTIMIZER_STATE_BYTES)
@@ -151,7 +151,7 @@ class PlanOptions:
     attention and recomputes only the ops between them (norms, activations, rotary embeddings:
     torchtitan's selective op checkpointing, :mod:`autosplit.passes.selective`) — most of the memory
     for a fraction of the rerun. ``False``: a recomputed block keeps its inputs only. ``"auto"``: the
-    search plans both (without tensor parallelism) and keeps the faster."""
+    search plans both and keeps the faster."""
     cut_margin: float = 0.03
     """How much faster, by the replay, a split that cuts inside a repeated layer must be than the
     fastest split at layer boundaries for the refine step to choose it (0.03: 3 %). A split chosen
@@ -269,7 +269,6 @@ class PlanOptions:
 
     def _check_checkpointing(self, entry: Any) -> None:
         """Recomputation planned only where it runs: pipeline stages with a whole backward."""
-        refuse_selective_tp(self.tp, self.selective is True)
         if self.selective is True and not self.checkpoints:
             raise ConstraintError(advice(
                 "option selective=True says how recomputed blocks recompute, and checkpointing='none' recomputes none",
@@ -422,15 +421,3 @@ def _bad(name: str, value: Any, legal: str) -> ConstraintError:
 
 def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
-
-
-def refuse_selective_tp(tp: int, selective: bool) -> None:
-    """Refuse selective recomputation with ``tp`` > 1, which is not costed there: a row-parallel linear's
-    local matmul keeps a whole partial sum, and the collectives between the kept matmuls run again."""
-    if selective and tp > 1:
-        raise ConstraintError(advice(
-            f"selective recomputation with tensor parallelism (tp {tp}) is not costed",
-            "a row-parallel linear keeps its whole partial sum (tp times the activation charged), and the tp "
-            "collectives between the kept matmuls would run again in the backward",
-            "use selective=False (whole blocks recomputed) with tp > 1, or tensor_parallel=1 to recompute selectively",
-        ))

@@ -172,9 +172,6 @@ def _layout(row: dict[str, str]) -> dict[str, Any]:
 
 def classify(row: dict[str, str], line: int) -> Classified:
     """The row's reasons not to cost it (a malformed one says what is wrong), or the spec :func:`cost_row` costs."""
-    from autosplit.errors import ConstraintError
-    from autosplit.options import refuse_selective_tp
-
     row_id = row.get("row_id", "").strip() or f"line {line}"
     info = {c: row.get(c, "").strip() for c in ("model", "model_canonical", "gpu", "precision", "layout_group", "recompute")}
     out = Classified(row_id, info)
@@ -191,11 +188,6 @@ def classify(row: dict[str, str], line: int) -> Classified:
         return out
     info.update({k: v for k, v in layout.items() if k != "micro_batches"})
     recompute = _recompute(row["recompute"])
-    if isinstance(recompute, tuple) and recompute[1]:
-        try:  # the planner's own rule, asked without costing
-            refuse_selective_tp(layout["tp"], True)
-        except ConstraintError:
-            out.reasons.append("selective recompute under tp")
     if out.reasons or not isinstance(recompute, tuple):
         return out
     vp = layout["vp"]

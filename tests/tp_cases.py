@@ -16,11 +16,12 @@ import torch
 
 import autosplit
 from autosplit.runtime.placement import MESH_DIMS
+from autosplit.runtime.tensor_parallel import tp_scope
 from tests.helpers import NO_SEARCH, full_tensor, gpt_case, where
 from tests.layouts import ROWS, llama_case, reference_step
 
-__all__ = ["CASES", "MICRO", "STEPS", "distribute", "fixed_plan", "float64_throughout", "planned", "sequence_parallel", "shards",
-           "train_case"]
+__all__ = ["CASES", "MICRO", "STEPS", "distribute", "fixed_plan", "float64_throughout", "forward_held", "planned", "recomputing",
+           "RECOMPUTING", "sequence_parallel", "shards", "train_case"]
 
 STEPS = 3
 MICRO = 2
@@ -91,7 +92,7 @@ def _made_plan(name: str, stages: int, copies: int, tp: int, folder: str, replic
         made = dataclasses.replace(made, dp_shard=shard)
     # gpt-vocab: the GPT's plan, its tp_shards its own
     path = (f"{folder}/{name}-pp{stages}-{replicate}{copies}-shard{made.dp_shard}-tp{tp}-{options['schedule']}"
-            f"{'-recompute' if made.recompute else ''}.json")
+            f"{'-recompute' if made.recompute else ''}{'-selective' if made.recompute_selective else ''}.json")
     made.save(path)
     return path
 
@@ -151,9 +152,12 @@ def _train(name: str, plan_path: str, rank: int, compiled: bool = False, evaluat
     assert set(pipe.compiled.values()) == ({"compiled"} if compiled else set()), pipe.compiled
     copies = pipe.plan.data_parallel
     _check_placement(pipe, rank, dict(pipe.plan.tp_shards))
+    code = "".join(m.code for m in pipe.module.modules() if isinstance(m, torch.fx.GraphModule))
     if pipe.plan.sequence_parallel:  # the activations between the split layers turned as planned
-        code = "".join(m.code for m in pipe.module.modules() if isinstance(m, torch.fx.GraphModule))
         assert "to_token_shards" in code and "to_whole" in code, code[:2000]
+    else:  # each row-parallel product reduced at once
+        assert "replicate_partial" in code, code[:2000]
+    assert ("recompute_selectively(" in code) == pipe.plan.recompute_selective, code[:2000]
     mine = slice(pipe.layout.replica * ROWS // copies, (pipe.layout.replica + 1) * ROWS // copies)
     opt = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
@@ -202,3 +206,50 @@ def sequence_parallel(folder: str, stages: int) -> str:
     path = f"{folder}/llama-sp-pp{stages}.json"
     made.save(path)
     return path
+
+
+RECOMPUTING: dict[str, dict[str, Any]] = {
+    "none": {}, "full": {"checkpointing": "full"}, "selective": {"checkpointing": "full", "selective": True},
+}
+
+
+def recomputing(name: str, folder: str, mode: str, sequence: bool = False) -> str:
+    """The planner's own plan of ``name`` over tp 2 (with ``sequence`` parallelism), recomputing every block
+    as ``mode`` says (:data:`RECOMPUTING`): costed as it runs, tp_shards from the graph's rules."""
+    with float64_throughout(name):
+        torch.manual_seed(0)
+        model, args, kwargs, _, _ = CASES[name]()
+        made = autosplit.plan(model.double(), ["cpu"] * 2, example_inputs=args, example_kwargs=kwargs, tensor_parallel=2,
+                              data_parallel=1, sequence_parallel=sequence, micro_batches=MICRO, schedule="1f1b", **NO_SEARCH,
+                              **RECOMPUTING[mode])
+    assert made.recompute_selective == (mode == "selective") and bool(made.recompute) == (mode != "none")
+    path = f"{folder}/{name}-tp2{'-sp' if sequence else ''}-{mode}.json"
+    made.save(path)
+    return path
+
+
+def forward_held(name: str, plan_path: str, *, rank: int, world: int) -> tuple[int, int, dict[str, int], dict[str, int]]:
+    """(bytes the one-stage plan predicts a rank holds after one micro-batch's forward, bytes it holds
+    measured, the collectives of that forward, of its backward) on this rank (:class:`tests.held.Alive`)."""
+    from tests.held import Alive
+
+    with float64_throughout(name):
+        torch.manual_seed(0)
+        model, args, kwargs, target, loss_fn = CASES[name]()
+        pipe = distribute(model.double(), args, kwargs, loss_fn, plan_path)
+        rows = ROWS // MICRO
+        named = dict(zip(pipe._input_names, pipe._to_flat(tuple(a[:rows] for a in args), {k: v[:rows] for k, v in kwargs.items()})))
+        stage = pipe.module
+        forward = Alive({s.untyped_storage().data_ptr() for t in (*stage.parameters(), *stage.buffers(), *named.values())
+                         if isinstance(t, torch.Tensor) for s in [getattr(t, "_local_tensor", t)]})
+        backward = Alive()
+        with tp_scope(2):
+            with forward:
+                out = stage(**named)
+            held = forward.alive()
+            loss = loss_fn(out[0] if isinstance(out, tuple) else out, target[:rows])  # a one-stage plan: the model's output
+            with backward:
+                loss.backward()
+        pipe.close()
+        predicted = pipe.plan.stages[0]
+        return predicted.memory_activations + predicted.memory_sent, held, dict(forward.collectives), dict(backward.collectives)

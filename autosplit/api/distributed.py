@@ -25,7 +25,6 @@ from autosplit.compiler.trace import Traced
 from autosplit.devices import DeviceLike
 from autosplit.errors import AutosplitError, ConstraintError, DistributedError, PlanMismatchError, advice
 from autosplit.microbatch import batch_size
-from autosplit.options import refuse_selective_tp
 from autosplit.passes.capture import flat_inputs
 from autosplit.passes.chain import generate_chain, retarget
 from autosplit.passes.float8 import refuse_float8_run
@@ -36,7 +35,7 @@ from autosplit.runtime.distributed import DistributedModel
 from autosplit.runtime.materialise import StageNames, WeightsLike, agree_by_name, materialise
 from autosplit.runtime.placement import Layout, agree, data_parallel_mesh, keep_unread, make_mesh, place, rank_device
 from autosplit.runtime.precision import stage_device_type
-from autosplit.runtime.tensor_parallel import SequenceSplit, check_tp_shards, stage_shards
+from autosplit.runtime.tensor_parallel import Reductions, check_tp_shards, stage_shards
 from autosplit.shapes import is_meta
 
 __all__ = ["distribute"]
@@ -130,7 +129,6 @@ def distribute(
                       loss_fn=None if example_target is None else loss_fn, example_target=example_target, **options)
     made = dataclasses.replace(_agreed_plan(planner, given, data_parallel), data_parallel=data_parallel, dp_shard=shard)
     check_tp_shards(model, made.tp_shards, made.tensor_parallel)
-    refuse_selective_tp(made.tensor_parallel, made.recompute_selective)  # a plan file edited to hold both
     if made.tensor_parallel > 1:
         _check_tp_attention(planner.traced, rank_device(made, 0).type)
     layout = Layout.of(dist.get_rank(), len(made.stage_devices), data_parallel,
@@ -367,7 +365,7 @@ def _build(
         micro_batches=made.micro_batches, example=to_flat(*example), chain_at=chains, tied_groups=tied_groups,
         asynchronous=entry.name if entry.asynchronous else None, compiled=compiled, mesh=the_mesh,
         tp_shards={s: stage_shards(made.tp_shards, parts[s].tensors) for s in held},
-        sequence=_sequence_split(planner.traced) if made.sequence_parallel else None,
+        reductions=_reductions(planner.traced, made.sequence_parallel) if made.tensor_parallel > 1 else None,
     )
 
 
@@ -387,18 +385,19 @@ def _check_tp_attention(traced: Traced, device_type: str) -> None:
         ))
 
 
-def _sequence_split(traced: Traced) -> SequenceSplit:
-    """Where the graph's tensor-parallel rules turn the activations under sequence parallelism; refused
-    where a linear stays whole, as the planner refuses it (the plan's costs would not describe the run)."""
+def _reductions(traced: Traced, sequence: bool) -> Reductions:
+    """Where the graph's tensor-parallel rules reduce its partial sums (and, under ``sequence`` parallelism,
+    turn the activations); sequence parallelism refused where a linear stays whole, as the planner refuses
+    it (the plan's costs would not describe the run)."""
     rules = traced.tp_rules()
-    if rules.whole_linears:
+    if sequence and rules.whole_linears:
         raise ConstraintError(advice(
             f"the plan runs sequence parallelism (sequence_parallel=True), and this graph's tensor-parallel rules leave "
             f"{len(rules.whole_linears)} linear(s) whole: {sorted(rules.whole_linears)[:3]}",
             "sequence parallelism splits the activations between split layers, which every linear must then read split",
             "re-plan with sequence_parallel=False",
         ))
-    return SequenceSplit(frozenset(rules.forward_collectives), frozenset(rules.backward_collectives))
+    return Reductions(frozenset(rules.forward_collectives), frozenset(rules.backward_collectives), sequence)
 
 
 def _untie(modules: Mapping[int, torch.nn.Module]) -> None:

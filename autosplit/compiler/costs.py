@@ -18,7 +18,7 @@ from autosplit.costtable import CostTable
 from autosplit.devices import DeviceSpec, uncalibrated
 from autosplit.engine_profiles import engine_of
 from autosplit.errors import ConstraintError, CostModelError, advice
-from autosplit.options import AUTO, PlanOptions, ProfileOptions, refuse_selective_tp
+from autosplit.options import AUTO, PlanOptions, ProfileOptions
 from autosplit.passes.costs import LossCost, estimate, with_overrides
 from autosplit.passes.fusion import Fusion, norm_paths
 from autosplit.passes.loss import cost_loss, output_like
@@ -112,7 +112,6 @@ def _cost_table(
         table = with_overrides(table, options.cost_overrides)
         source += f" + {n} override{'s' * (n > 1)}"
     if options.tp > 1:
-        refuse_selective_tp(options.tp, selective)
         check_degree(traced.tp_rules(), options.tp)
         table = tp_laid_out(table, gm, traced.tp_rules(), tp=options.tp, micro_batches=micro_batches, numel=traced.param_numel(),
                             sequence_parallel=sequence_parallel(traced, options), precision=options.precision,

@@ -74,9 +74,9 @@ def recomputing(
 
 def configurations(options: PlanOptions, ranks: int, batch: int | None) -> list[PlanOptions]:
     """Every concrete configuration ``options`` leave open, in a fixed order (``selective="auto"``: each
-    both ways where blocks may recompute and tensors are not split, else without)."""
+    both ways where blocks may recompute, else without)."""
     if options.selective == AUTO:
-        choices = (False, True) if options.checkpoints and options.tp == 1 else (False,)
+        choices = (False, True) if options.checkpoints else (False,)
         return [c for s in choices for c in configurations(options.replace(selective=s), ranks, batch)]
     names = ([n for n in schedules.SCHEDULES if schedules.REGISTRY[n].flushes and schedules.REGISTRY[n].torch_class
               and not (options.checkpoints and schedules.REGISTRY[n].split_backward)]

@@ -9,9 +9,11 @@ and whose rerun is cheap. This is torchtitan's selective *op* checkpointing, wit
 torchtitan also recomputes every second ``mm`` of a layer (by a count its policy keeps); here every
 matmul is kept, so that what a block keeps depends on its graph alone, as the cost model reads it.
 
-Not under tensor parallelism (:func:`~autosplit.options.refuse_selective_tp`): there a row-parallel linear's local matmul
-output is a whole partial sum, ``tp`` times the sharded activation the cost model charges, and the
-collectives between the matmuls would run again in the backward, which no cost here counts.
+Under tensor parallelism the policy keeps every all-reduce's and reduce-scatter's output too
+(:data:`KEPT_COLLECTIVES`, as torchtitan's keeps its reduce-scatters), so that no collective runs
+again in the backward but the all-gathers sequence parallelism puts before each column-parallel group.
+A row-parallel linear's kept product is then a whole partial sum, kept beside its reduced output;
+:mod:`autosplit.passes.tp_costs` charges both.
 
 The cost model reads the same rule off the graph (:func:`keeps_output`): a node whose op
 dispatches to one of :data:`KEPT_OPS` (a linear layer, a matmul, scaled-dot-product attention)
@@ -37,7 +39,7 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 from autosplit.compat import OpOverload
 from autosplit.errors import ConstraintError, advice
 
-__all__ = ["KEPT_OPS", "keep_matmuls", "keeps_output", "refuse_random_attention"]
+__all__ = ["KEPT_COLLECTIVES", "KEPT_OPS", "keep_matmuls", "keeps_output", "refuse_random_attention"]
 
 _aten = torch.ops.aten
 KEPT_OPS = frozenset(
@@ -53,6 +55,11 @@ KEPT_OPS = frozenset(
 """The ATen ops whose outputs a selectively recomputed block keeps: matmuls (what a linear layer or
 ``@`` dispatches to) and the fused attention kernels (their output and log-sum-exp)."""
 
+_c10d = torch.ops._c10d_functional
+KEPT_COLLECTIVES = frozenset({_c10d.all_reduce.default, _c10d.reduce_scatter_tensor.default})
+"""The collectives whose outputs a selectively recomputed block keeps: the reductions DTensor runs after
+a row-parallel product (and a vocabulary-parallel lookup). The all-gathers run again, as in torchtitan."""
+
 
 def _dropout_p(schema: Any, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Any:
     """The ``dropout_p`` an attention call passes (its schema's default where it passes none), else 0."""
@@ -64,7 +71,7 @@ def _dropout_p(schema: Any, args: Sequence[Any], kwargs: Mapping[str, Any]) -> A
 
 def _policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
     # an attention kernel with dropout draws random numbers: cached, the recompute's later draws would shift
-    keep = func in KEPT_OPS and _dropout_p(func._schema, args, kwargs) == 0
+    keep = func in KEPT_COLLECTIVES or (func in KEPT_OPS and _dropout_p(func._schema, args, kwargs) == 0)
     return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
 
 

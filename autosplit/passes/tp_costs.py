@@ -26,6 +26,15 @@ intra-node ring, at the all-reduce link's bandwidth.
 Under sequence parallelism each all-reduce is a reduce-scatter and an all-gather of the same bytes:
 the same time on the ring.
 
+A block that recomputes (:func:`_recomputing`) runs its forward again in the backward. Whole
+(``torch.utils.checkpoint``), collectives included: each node's ring time again. Selectively, the
+policy keeps every all-reduce's and reduce-scatter's output (:data:`~autosplit.passes.selective.KEPT_COLLECTIVES`,
+as torchtitan's keeps its reduce-scatters), so none runs again, but under sequence parallelism the
+all-gather before each column-parallel group does (half the node's ring time); the block then holds
+each collective's output (whole, ``1/tp`` of the tokens under sequence parallelism) and, where the
+node is a kept matmul (a row-parallel linear), its local product: a partial sum as large as the whole
+output, not the ``1/tp`` a split node's output is charged.
+
 Usage::
 
     table = tp_laid_out(table, gm, rules, tp=8, micro_batches=4, numel=param_numel)
@@ -34,6 +43,7 @@ Usage::
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -44,6 +54,7 @@ from autosplit.devices import DeviceSpec
 from autosplit.passes.annotations import node_info
 from autosplit.passes.param_dtype import PARAM_CAST
 from autosplit.passes.tensor_parallel import TensorParallelRules
+from autosplit.plans import PartialRecompute
 
 __all__ = ["split_shares", "tp_collective_time", "tp_laid_out"]
 
@@ -69,6 +80,69 @@ def tp_collective_time(nbytes: float, tp: int, device: DeviceSpec, micro_batches
     return 2 * (tp - 1) / tp * nbytes / bandwidth + 2 * (tp - 1) * latency * micro_batches
 
 
+def _ring(table: CostTable, collectives: Mapping[str, int], tp: int, micro_batches: int) -> np.ndarray:
+    """[node, device] seconds of the tp collectives ``collectives`` charges each node (whole batch's bytes by name)."""
+    out = np.zeros((len(table.nodes), len(table.devices)))
+    for i, name in enumerate(table.nodes):
+        if collectives.get(name, 0):
+            out[i] = [tp_collective_time(collectives[name], tp, d, micro_batches) for d in table.devices]
+    return out
+
+
+def _needed_again(gm: fx.GraphModule, table: CostTable) -> frozenset[int]:
+    """The nodes of each block whose output a whole block's recomputation makes again: torch's checkpoint
+    stops once it has made every tensor the backward needs (``set_checkpoint_early_stop``), so a node none of
+    whose users in the block (nor theirs) saves a tensor for the backward — the reduction before a
+    pre-norm layer's residual add, its last op — does not run again."""
+    nodes = {n.name: n for n in gm.graph.nodes}
+    needed: set[int] = set()
+    for members in table.block_members:
+        inside = {table.nodes[i]: i for i in members}
+        for i in sorted(members, reverse=True):  # users after their inputs: a user's answer is known first
+            node = nodes.get(table.nodes[i])
+            users = [u for u in node.users if u.name in inside] if node is not None else []
+            if node is None or any(inside[u.name] in needed or _saves(u) for u in users):
+                needed.add(i)
+    return frozenset(needed)
+
+
+def _saves(node: fx.Node) -> bool:
+    """Whether ``node`` saves a tensor for its backward (unannotated: assumed to)."""
+    if "autosplit" not in node.meta:
+        return True
+    info = node_info(node)
+    return bool(info.saved_inputs) or info.saves_output
+
+
+def _recomputing(
+    table: CostTable, gm: fx.GraphModule, rules: TensorParallelRules, cut: Sequence[float], ring: np.ndarray, *, tp: int,
+    micro_batches: int, sequence_parallel: bool,
+) -> tuple[np.ndarray, list[float], list[float], np.ndarray]:
+    """What tensor parallelism adds to recomputing blocks (the module docstring): ([node, device] seconds
+    the backward runs again for the blocks ``table`` recomputes, [node] bytes their nodes hold more,
+    [block] bytes a recomputing block holds more, [node, device] seconds a node runs again whenever its
+    block recomputes). ``ring``: each node's forward collectives, seconds."""
+    keeps = frozenset(table.recompute_keeps)
+    n = len(table.nodes)
+    needed = _needed_again(gm, table) if table.blocks and not keeps else frozenset()
+    if keeps:  # selectively: each reduction kept (its output: 1/tp of the tokens under sequence parallelism)
+        again = np.full(n, 0.5 if sequence_parallel else 0.0)  # of each node's ring time: the all-gathers run again
+        reduced = [rules.forward_collectives.get(name, 0) / (tp if sequence_parallel else 1) for name in table.nodes]
+        held = [r + table.output_bytes[i] * (1 - cut[i]) * (i in keeps) if r else 0.0 for i, r in enumerate(reduced)]
+    else:
+        again, held = np.asarray([float(i in needed) for i in range(n)]), [0.0] * n
+    fwd = np.asarray(table.fwd_time, dtype=np.float64).reshape(n, -1) * np.asarray(cut)[:, None]
+    fwd[sorted(keeps)] = 0.0
+    rerun = fwd + again[:, None] * ring
+    backward, saved = np.zeros_like(ring), [0.0] * n
+    for label, (keep, window) in zip(table.recomputed, table.recompute_kept or [(0, 1)] * len(table.recomputed)):
+        share = PartialRecompute(label, keep, window).recomputed(micro_batches) / micro_batches
+        for i in table.block_members[table.blocks.index(label)]:
+            backward[i] += again[i] * ring[i] * share
+            saved[i] += held[i] * (1 - keep / window)
+    return backward, saved, [sum(held[i] for i in m) for m in table.block_members], rerun
+
+
 def tp_laid_out(
     table: CostTable, gm: fx.GraphModule, rules: TensorParallelRules, *, tp: int, micro_batches: int, numel: Mapping[str, int],
     sequence_parallel: bool = False, precision: str = "fp32", async_tp: bool = False,
@@ -86,14 +160,18 @@ def tp_laid_out(
     def scaled(values: Sequence[int], by: Sequence[float]) -> tuple[int, ...]:
         return tuple(round(v * k) for v, k in zip(values, by)) if values else ()
 
-    def timed(rows: Sequence[Sequence[float]], extra: Mapping[str, int]) -> tuple[tuple[float, ...], ...]:
+    overlap = np.asarray([d.tp_overlap if async_tp else 0.0 for d in table.devices])
+
+    def timed(rows: Sequence[Sequence[float]], comm: np.ndarray) -> np.ndarray:
         times = np.asarray(rows, dtype=np.float64).reshape(len(rows), len(table.devices)) * np.asarray(cut)[:, None]
-        for i, name in enumerate(table.nodes):
-            if extra.get(name, 0):
-                comm = [tp_collective_time(extra[name], tp, d, micro_batches) for d in table.devices]
-                hidden = [d.tp_overlap * min(c, t) if async_tp else 0.0 for c, t, d in zip(comm, times[i], table.devices)]
-                times[i] += np.asarray(comm) - np.asarray(hidden)
+        return times + comm - overlap * np.minimum(comm, times)
+
+    def rows(times: np.ndarray) -> tuple[tuple[float, ...], ...]:
         return tuple(map(tuple, times.tolist()))
+
+    ring = _ring(table, rules.forward_collectives, tp, micro_batches)
+    again, cached, block_cached, rerun = _recomputing(table, gm, rules, cut, ring, tp=tp, micro_batches=micro_batches,
+                                                  sequence_parallel=sequence_parallel)
 
     # a weight's compute copy is saved where autocast casts it, by the linear (or lookup) that reads it,
     # which need not be the node that owns the parameter: it is split where that reader is; FSDP2's policy
@@ -104,18 +182,19 @@ def tp_laid_out(
     state = tuple(round((s - b - c) * k) + b + round(c * q) for s, b, c, k, q in zip(table.state_bytes, buffers, copies, held, copied))
     saved = scaled(table.saved_bytes, cut)
     ratio = [sum(saved[i] for i in m) / max(1, sum(table.saved_bytes[i] for i in m)) for m in table.block_members]
+    saves = tuple(max(0, s - math.ceil(c)) for s, c in zip(scaled(table.block_saves, ratio), block_cached))
     return dataclasses.replace(
         table,
-        fwd_time=timed(table.fwd_time, rules.forward_collectives),
-        bwd_time=timed(table.bwd_time, rules.backward_collectives),
+        fwd_time=rows(timed(table.fwd_time, ring)),
+        bwd_time=rows(timed(table.bwd_time, _ring(table, rules.backward_collectives, tp, micro_batches)) + again),
+        rerun_time=rows(rerun) if table.blocks else (),
         split_cost=tuple(tuple(t * k for t in row) for row, k in zip(table.split_cost, cut)),
-        state_bytes=state, saved_bytes=saved, output_bytes=scaled(table.output_bytes, cut),
+        state_bytes=state, saved_bytes=tuple(s + math.ceil(c) for s, c in zip(saved, cached)), output_bytes=scaled(table.output_bytes, cut),
         sent_bytes=scaled(table.sent_bytes, cut), transient_bytes=scaled(table.transient_bytes, cut),
         wgrad_bytes=scaled(table.wgrad_bytes, cut),
         param_bytes=scaled(table.param_bytes, held), weight_copy_bytes=scaled(table.weight_copy_bytes, copied),
         param_counts=scaled(table.param_counts, held),
         optimizer_time=tuple(tuple(t * k for t in row) for row, k in zip(table.optimizer_time, held)),
-        block_saves=scaled(table.block_saves, ratio), block_activations=scaled(table.block_activations, ratio),
-        block_shared=scaled(table.block_shared, ratio),
+        block_saves=saves, block_activations=scaled(table.block_activations, ratio), block_shared=scaled(table.block_shared, ratio),
         block_transient=round(table.block_transient * max((cut[i] for m in table.block_members for i in m), default=1.0)),
     )

@@ -94,7 +94,7 @@ from autosplit.runtime.placement import Layout, replicate_stage
 from autosplit.runtime.precision import LossScaler, autocast, hold
 from autosplit.runtime.runs import Run
 from autosplit.runtime.stage import Span
-from autosplit.runtime.tensor_parallel import SequenceSplit, parallelize_stage
+from autosplit.runtime.tensor_parallel import Reductions, parallelize_stage
 
 __all__ = ["DistributedModel"]
 
@@ -131,7 +131,7 @@ class DistributedModel(StageState, TrainingLoop, FlushedStep, AsynchronousRun):
         micro_batches: int, example: Sequence[Any], chain_at: Callable[[int], Chain],
         tied_groups: Sequence[tuple[str, Any]] = (), asynchronous: str | None = None, aliases: Mapping[str, Sequence[str]] = {},
         compiled: CompileOptions | None = None, mesh: Any = None, tp_shards: Mapping[int, Mapping[str, int]] = {},
-        sequence: SequenceSplit | None = None,
+        reductions: Reductions | None = None,
     ) -> None:
         from torch.distributed import pipelining
 
@@ -159,7 +159,7 @@ class DistributedModel(StageState, TrainingLoop, FlushedStep, AsynchronousRun):
         (:func:`~autosplit.runtime.placement.make_mesh`; degrees: the plan's :attr:`~autosplit.plans.Plan.mesh`)."""
         self.precision = plan.precision
         """The plan's precision, which every stage of every rank runs in (:mod:`autosplit.runtime.precision`)."""
-        self._prepare_stages(modules, compiled, replication, dp_mesh, tp_shards, sequence)
+        self._prepare_stages(modules, compiled, replication, dp_mesh, tp_shards, reductions)
         self._pp_group = pp_group
         # static metadata: no dry-run forward (it would touch BatchNorm statistics)
         self._stages = self._new_stages(chain.inputs_meta, chain.outputs_meta)
@@ -194,7 +194,7 @@ class DistributedModel(StageState, TrainingLoop, FlushedStep, AsynchronousRun):
 
     def _prepare_stages(
         self, modules: Mapping[int, torch.nn.Module], compiled: CompileOptions | None, replication: str, dp_mesh: Any,
-        tp_shards: Mapping[int, Mapping[str, int]], sequence: SequenceSplit | None = None,
+        tp_shards: Mapping[int, Mapping[str, int]], reductions: Reductions | None = None,
     ) -> None:
         """Each stage module held in the plan's precision, its parameters split over the mesh's ``tp``
         (``tp_shards``: stage → local name → dimension; :mod:`autosplit.runtime.tensor_parallel`), compiled
@@ -218,7 +218,7 @@ class DistributedModel(StageState, TrainingLoop, FlushedStep, AsynchronousRun):
                 log.debug("blocks outlined as FSDP units: %s", outline_blocks(stage_module))
         if layout.tp > 1:  # before compile and FSDP2, as torchtitan orders them
             for s, stage_module in modules.items():
-                parallelize_stage(stage_module, self.mesh["tp"], tp_shards.get(s, {}), sequence)
+                parallelize_stage(stage_module, self.mesh["tp"], tp_shards.get(s, {}), reductions)
         if compiled is not None:  # before FSDP2 wraps the stages, as torchtitan orders them
             options = {f.name: getattr(compiled, f.name) for f in dataclasses.fields(compiled)}
             self.compiled = compile_stages(modules, **options, device_types={device.type})

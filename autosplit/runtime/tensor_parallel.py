@@ -7,9 +7,9 @@ Each rank's stage module (an fx graph: ``symbolic_trace``'s with ``call_module``
 the plan's :attr:`~autosplit.plans.Plan.tp_shards` lists (0: a column-parallel Linear's weight and bias,
 a vocab-parallel embedding; 1: a row-parallel Linear's weight), ``Replicate()`` for every other. The
 graph's global shapes stay valid (a ``view(b, s, n_heads, head_dim)`` with constants): DTensor
-propagates the placements through each op and inserts the collectives torch's rules choose (a
-row-parallel product is a partial sum, all-reduced where a replicated op reads it), so no collective is
-written here. Around each forward:
+propagates the placements through each op and inserts the collectives torch's rules choose; a
+row-parallel product's partial sum is reduced right after it, as torchtitan's ``RowwiseParallel`` does
+(:func:`_reduce_partial_sums`). Around each forward:
 
 - every tensor input (tokens, masks, the previous stage's activations) enters as a ``Replicate``
   DTensor (``DTensor.from_local``: its gradient is reduced to a whole one in backward, so the
@@ -36,7 +36,7 @@ from autosplit.compat import ASSERT_TENSOR_METADATA
 from autosplit.errors import ConstraintError, advice
 
 __all__ = [
-    "SequenceSplit", "check_tp_shards", "parallelize_stage", "place_gradients", "replicate_partial", "stage_shards", "to_token_shards",
+    "Reductions", "check_tp_shards", "parallelize_stage", "place_gradients", "replicate_partial", "stage_shards", "to_token_shards",
     "to_whole", "tp_scope",
 ]
 
@@ -82,21 +82,24 @@ def stage_shards(shards: Mapping[str, int], tensors: Mapping[str, str]) -> dict[
 
 
 @dataclass(frozen=True)
-class SequenceSplit:
-    """Where sequence parallelism turns the activations between the split layers: after ``reduced``
-    (row-parallel outputs and lookups: their partial sums reduce-scattered along the tokens) and after
-    ``gathered`` (each column-parallel group's input: all-gathered whole). Node names of the captured
-    graph (:class:`~autosplit.passes.tensor_parallel.TensorParallelRules`' collectives)."""
+class Reductions:
+    """Where a stage graph reduces its partial sums: after ``reduced`` (row-parallel outputs and lookups),
+    all-reduced (:func:`_reduce_partial_sums`); under ``sequence`` parallelism reduce-scattered along the
+    tokens instead, and all-gathered whole after ``gathered`` (each column-parallel group's input:
+    :func:`_split_sequence`). Node names of the captured graph
+    (:class:`~autosplit.passes.tensor_parallel.TensorParallelRules`' collectives)."""
 
     reduced: frozenset[str]
     gathered: frozenset[str]
+    sequence: bool = False
 
 
-def parallelize_stage(module: torch.nn.Module, tp_mesh: Any, shards: Mapping[str, int], sequence: SequenceSplit | None = None) -> None:
+def parallelize_stage(module: torch.nn.Module, tp_mesh: Any, shards: Mapping[str, int], reductions: Reductions | None = None) -> None:
     """Every parameter of ``module`` (local names; a tensor held under several names replaced once, under
     all of them) a DTensor on ``tp_mesh``: ``Shard(shards[name])`` or ``Replicate()``; and hooks that run
-    its forward on DTensors with plain tensors in and out (module docstring); with ``sequence``, the
-    activations between the split layers sharded along the tokens (:func:`_split_sequence`)."""
+    its forward on DTensors with plain tensors in and out (module docstring); ``reductions``: where its
+    partial sums are reduced (under sequence parallelism, the activations between the split layers
+    sharded along the tokens)."""
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
     made: dict[int, torch.nn.Parameter] = {}
@@ -109,8 +112,8 @@ def parallelize_stage(module: torch.nn.Module, tp_mesh: Any, shards: Mapping[str
     for graph_module in [m for m in module.modules() if isinstance(m, torch.fx.GraphModule)]:  # outlined blocks too
         _drop_metadata_asserts(graph_module)
         _reduce_after_lookups(graph_module)
-        if sequence is not None:
-            _split_sequence(graph_module, sequence)
+        if reductions is not None:
+            (_split_sequence if reductions.sequence else _reduce_partial_sums)(graph_module, reductions)
     _boundary_hooks(module, tp_mesh)
 
 
@@ -196,7 +199,24 @@ def to_whole(t: Any) -> Any:
     return t.redistribute(t.device_mesh, [Replicate()] * len(t.placements))
 
 
-def _split_sequence(module: torch.fx.GraphModule, sequence: SequenceSplit) -> list[str]:
+def _reduce_partial_sums(module: torch.fx.GraphModule, reductions: Reductions) -> list[str]:
+    """A call of :func:`replicate_partial` after each node of ``reductions.reduced`` (a lookup has its own,
+    :func:`_reduce_after_lookups`), which its users read instead: torchtitan's ``RowwiseParallel``
+    (``output_layouts=Replicate()``). Left to DTensor (torch 2.13), a row-parallel product's partial sum
+    stays partial through every op linear in it — the residual add, the next norm's scaling — and the next
+    layer's column-parallel linears, reading a partial input, gather their weights and compute whole.
+    Returns the nodes reduced."""
+    graph, reduced = module.graph, []
+    for node in list(graph.nodes):
+        if node.name in reductions.reduced and not (len(node.users) == 1 and next(iter(node.users)).target is replicate_partial):
+            _call_after(graph, node, replicate_partial)
+            reduced.append(node.name)
+    if reduced:
+        module.recompile()
+    return reduced
+
+
+def _split_sequence(module: torch.fx.GraphModule, sequence: Reductions) -> list[str]:
     """Sequence parallelism in the stage graph: a call of :func:`to_token_shards` after each node of
     ``sequence.reduced`` (after the reduction :func:`_reduce_after_lookups` put behind a lookup) and of
     :func:`to_whole` after each of ``sequence.gathered``, which their users read instead. Between them —

@@ -216,11 +216,22 @@ def _read_param(table: Any, n: int) -> int:
     return int(any(reads[u] for u, v in table.edges if v == n))
 
 
+def _rerun(table: Any, fwd: np.ndarray, columns: list[int]) -> np.ndarray:
+    """[node, stage] seconds a node runs again when its block recomputes: the table's ``rerun_time``, else
+    its forward (none for a selective checkpoint's kept matmuls and attention)."""
+    if table.rerun_time:
+        return _array(table.rerun_time, len(table.nodes))[:, columns]
+    rerun = fwd.copy()
+    rerun[list(table.recompute_keeps)] = 0.0
+    return rerun
+
+
 def _recompute(
-    table: Any, offered: Mapping[str, bool | None], fwd: np.ndarray, schedule: str, stages: int, micro_batches: int, ranks: int,
+    table: Any, offered: Mapping[str, bool | None], rerun: np.ndarray, schedule: str, stages: int, micro_batches: int, ranks: int,
     transient: int = 0,
 ) -> tuple[Recompute, ...]:
-    """The table's blocks that ``offered`` names, as the solver's :class:`Recompute` choices. A block's
+    """The table's blocks that ``offered`` names, as the solver's :class:`Recompute` choices (``rerun``:
+    [node, stage] seconds each node runs again when its block recomputes). A block's
     reserve is what a recomputing node peaks at beyond ``transient`` (KiB, the graph's largest, which
     every stage keeps room for already): as the cost table charges it
     (:func:`~autosplit.passes.costs.estimate`), its own transient before the FSDP layout
@@ -232,7 +243,6 @@ def _recompute(
     # torch's stages tell the generated code each forward's micro-batch (runtime.stage), in order per stage
     windows = tuple(in_flight) if entry.flushes and entry.torch_class is not None else ()
     out = []
-    keeps = set(table.recompute_keeps)  # a selective checkpoint's matmuls and attention: not run again
     inside = {i for label in offered for i in table.block_members[table.blocks.index(label)]}
     # what a block's node holds at its peak as laid out (FSDP's unit gathers too), and before the layout
     laid = max((table.transient_bytes[i] for i in inside), default=0) if table.transient_bytes else 0
@@ -240,11 +250,10 @@ def _recompute(
     for label, forced in offered.items():
         b = table.blocks.index(label)
         members = table.block_members[b]
-        again = [i for i in members if i not in keeps]
         # room for the inputs it shares with blocks that may not recompute (its saves charge 1/k of them)
         shared = _kib(table.block_shared[b] * max(share, default=0.0)) if table.block_shared else 0
         out.append(Recompute(
-            label, members, tuple(np.rint(fwd[again].sum(axis=0) * NS).astype(np.int64).tolist()),
+            label, members, tuple(np.rint(rerun[list(members)].sum(axis=0) * NS).astype(np.int64).tolist()),
             tuple(int(x) for x in np.floor(table.block_saves[b] * share / KIB)),
             max(0, _kib(max(table.block_activations[b] / micro_batches + own, laid)) - transient), forced, windows, shared,
         ))
@@ -305,7 +314,8 @@ def build_problem(
             for c in constraints
         ) + _first_stage_only(table, schedule, S),
         rank_of=tuple(rank_of),
-        recompute=_recompute(table, recompute or {}, fwd, schedule, S, M, max(rank_of) + 1 if rank_of else S, transient),
+        recompute=_recompute(table, recompute or {}, _rerun(table, fwd, list(order)), schedule, S, M, max(rank_of) + 1 if rank_of else S,
+                             transient),
         buffer_mem=tuple(buffers.tolist()) if buffers is not None else (),
         steady=schedules.lookup(schedule).asynchronous,
     )

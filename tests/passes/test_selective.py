@@ -3,20 +3,16 @@ outputs and recomputes the ops between them. The stages train exactly as the uns
 a GPT and a transformers Llama with SDPA attention); the memory model predicts what a stage keeps,
 measured as the storages alive after its forward (and so for whole blocks, none, and blocks kept by
 some micro-batches); it sits between keeping everything and recomputing whole blocks, in memory and
-in time; engines that keep other tensors, and tensor parallelism (whose kept partial sums are not
-costed), are refused."""
+in time; engines that keep other tensors are refused. Under tensor parallelism:
+``tests/runtime/test_tensor_parallel.py``."""
 
 from __future__ import annotations
 
 import dataclasses
-import gc
 
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import CheckpointPolicy
 
 import autosplit
@@ -30,6 +26,7 @@ from autosplit.passes.selective import keeps_output
 from autosplit.plans import PartialRecompute
 from autosplit.report.text import plan_report
 from autosplit.solver.build import build_problem
+from tests import held as measure
 from tests.helpers import GPT, NO_SEARCH, assert_trains_like, says, seeded_gpt
 from tests.layouts import llama_case
 
@@ -56,38 +53,6 @@ def test_selective_llama_with_sdpa_trains_like_the_unsplit_model():
     assert_trains_like(model, ["cpu"] * 2, args, plan=plan, steps=3)
 
 
-class _Alive(TorchDispatchMode):
-    """Every storage an op returns while active, weakly, but those in ``before`` (parameters, inputs: a
-    view of a weight is the weight's): those still alive afterwards are what the run holds."""
-
-    def __init__(self, before: set[int]):
-        super().__init__()
-        self.before = before
-        self.made: dict[int, tuple[StorageWeakRef, int]] = {}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in self.before:
-                storage = t.untyped_storage()
-                seen = self.made.get(storage.data_ptr())
-                if seen is None or seen[0].expired():  # an address freed and taken again is a new storage
-                    self.made[storage.data_ptr()] = (StorageWeakRef(storage), storage.nbytes())
-        return out
-
-
-def _held(stage, received, named) -> tuple[int, tuple]:
-    """Bytes a stage's forward leaves alive for its backward, its outputs included (the pipeline keeps
-    them for the backward too), and its outputs."""
-    before = {t.untyped_storage().data_ptr() for t in (*stage.parameters(), *stage.buffers(), *received, *named.values())
-              if isinstance(t, torch.Tensor)}
-    alive = _Alive(before)
-    with alive:
-        out = stage(*received, **named)
-    gc.collect()
-    return sum(n for ref, n in alive.made.values() if not ref.expired()), out
-
-
 def test_the_memory_model_predicts_what_stages_keep_recomputing_nothing_whole_blocks_or_selectively():
     """Each stage's predicted activations (and outputs held for the backward) against the storages its
     forward leaves alive, on one split: within 2 % (adjacent whole blocks keep each other's boundary)."""
@@ -105,9 +70,9 @@ def test_the_memory_model_predicts_what_stages_keep_recomputing_nothing_whole_bl
         chain = generate_chain(planner.traced.captured, plan.stage_of, 2, micro, recompute=plan.recompute,
                                selective=plan.recompute_selective)
         named = dict(zip(chain.input_names, micro))
-        first, out = _held(chain.stages[0], (), named)
+        first, out = measure.held(chain.stages[0], (), named)
         received = tuple(o.detach().requires_grad_() for o in (out if isinstance(out, tuple) else (out,)))
-        measured[mode] = (first, _held(chain.stages[1], received, named)[0])
+        measured[mode] = (first, measure.held(chain.stages[1], received, named)[0])
         predicted[mode] = tuple(st.memory_activations + st.memory_sent for st in plan.stages)
     for s in range(2):
         assert measured["full"][s] < measured["selective"][s] < measured["none"][s], (s, measured)
@@ -135,10 +100,10 @@ def test_blocks_that_keep_some_micro_batches_are_predicted_as_the_storages_they_
     for i, micro in enumerate(micros):
         named = dict(zip(chain.input_names, micro))
         with micro_batch(i):
-            first, out = _held(chain.stages[0], (), named)
+            first, out = measure.held(chain.stages[0], (), named)
             received = tuple(o.detach().requires_grad_() for o in (out if isinstance(out, tuple) else (out,)))
             measured[0] += first
-            measured[1] += _held(chain.stages[1], received, named)[0]
+            measured[1] += measure.held(chain.stages[1], received, named)[0]
     predicted = [st.memory_activations + st.memory_sent for st in plan.stages]
     assert predicted == pytest.approx(measured, rel=0.02), (predicted, measured)
 
@@ -166,9 +131,6 @@ def test_selective_without_recomputation_is_refused_and_engines_refuse_a_selecti
     says(e, "selective", "checkpointing='none'", "checkpointing='full'")
     with pytest.raises(ConstraintError):
         autosplit.PlanOptions(checkpointing="full", selective=1)
-    with pytest.raises(ConstraintError) as e:  # a row-parallel linear's kept partial sum is not costed
-        autosplit.PlanOptions(checkpointing="full", selective=True, tensor_parallel=2)
-    says(e, "tensor parallelism (tp 2)", "partial sum", "selective=False")
     model, args, _, _, _ = llama_case()
     planner = _planner(model, args, checkpointing="full", selective=True, expressible_in="megatron", schedule="1f1b")
     for engine in ("torchtitan", "megatron"):
@@ -217,8 +179,8 @@ def test_the_solvers_memory_of_blocks_kept_by_some_micro_batches_bounds_the_exac
 
 def test_selective_auto_plans_both_ways_and_keeps_the_faster():
     """``selective="auto"``: the search costs every configuration with whole and with selective blocks
-    and plans the faster (every block recomputed, no cap: selective, which runs less again); with
-    tensor parallelism only whole blocks are tried."""
+    and plans the faster (every block recomputed, no cap: selective, which runs less again), with
+    tensor parallelism too."""
     model, inputs = seeded_gpt(4)
     options = dict(checkpointing="full", schedule="1f1b", micro_batches=4, time_limit=2)
     both = {s: _planner(model, inputs, selective=s, **options).plan() for s in (False, True)}
@@ -229,8 +191,8 @@ def test_selective_auto_plans_both_ways_and_keeps_the_faster():
     assert "micro-batches, recomputing selectively:" in plan_report(auto)
     # the default micro-batch count stands where selectivity is all the search decides (a manual split's)
     assert autosplit.PlanOptions(checkpointing="full", selective="auto", schedule="1f1b").micro_batches_for(2, 8) == 8
-    only_whole = autosplit.PlanOptions(checkpointing="auto", selective="auto", tensor_parallel=2, micro_batches="auto")
-    assert {c.selective for c in configurations(only_whole, 2, 8)} == {False}
+    split = autosplit.PlanOptions(checkpointing="auto", selective="auto", tensor_parallel=2, micro_batches="auto")
+    assert {c.selective for c in configurations(split, 2, 8)} == {False, True}
     with pytest.raises(ConstraintError):
         autosplit.PlanOptions(checkpointing="auto", selective="sometimes")
 

@@ -112,3 +112,55 @@ def test_async_tp_hides_the_engines_share_of_each_collective_behind_its_gemm():
     # without the engine's share (torchtitan eager: async TP needs compile), nothing is hidden
     assert cost_table(planner.traced, (H100,), options.replace(async_tp=True), micro_batches=1)[0].fwd_time[row][0] == pytest.approx(
         cost_table(planner.traced, (H100,), options, micro_batches=1)[0].fwd_time[row][0])
+
+
+class _Block(nn.Module):
+    """A residual MLP, pre-norm (``x + mlp(norm(x))``: its row-parallel reduction is its last op but the
+    add) or post-norm (``norm(x + mlp(x))``: the norm after it saves its input)."""
+
+    def __init__(self, post: bool):
+        super().__init__()
+        self.post = post
+        self.norm, self.fc, self.act, self.out = nn.LayerNorm(W), nn.Linear(W, 4 * W), nn.GELU(), nn.Linear(4 * W, W)
+
+    def forward(self, x):
+        if self.post:
+            return self.norm(x + self.out(self.act(self.fc(x))))
+        return x + self.out(self.act(self.fc(self.norm(x))))
+
+
+@pytest.mark.parametrize("post", [False, True])
+def test_recomputing_blocks_under_tp_keep_partial_sums_and_run_collectives_again_by_hand(post):
+    """Two residual MLPs, every block recomputed, over tp 2. Selectively, the policy keeps each matmul's
+    output and each reduction's: the row-parallel linear holds its whole partial sum beside its reduced
+    output (2× its output, where the split charges ½), runs nothing again (its all-reduce kept), and under
+    sequence parallelism the all-gather before the column-parallel linear again (½ the node's ring time).
+    Whole blocks run the all-reduce again unless it ends the block (pre-norm: torch's checkpoint stops at
+    the last tensor the backward needs); post-norm, the norm after it saves its input, so it runs again."""
+    model = nn.Sequential(_Block(post), _Block(post))
+    planner = autosplit.Planner(model, [H100], example_inputs=(torch.randn(ROWS, SEQ, W),))
+    blocks = ("0", "1")
+
+    def table(tp: int, selective: bool, sequence: bool = False, recompute=blocks):
+        options = planner.options.replace(tensor_parallel=tp, sequence_parallel=sequence, checkpointing="full", selective=selective)
+        return cost_table(planner.traced, (H100,), options, micro_batches=1, recompute=recompute)[0]
+
+    whole = table(1, True)
+    row = whole.nodes.index("_0_out")
+    activation = ROWS * SEQ * W * 4
+    assert whole.saved_bytes[row] == activation and row in whole.recompute_keeps  # the selective cache: its output
+    bandwidth, latency = H100.allreduce_link(H100)
+    ring = activation / bandwidth + 2 * latency
+    kept, sequence, full = table(2, True), table(2, True, sequence=True), table(2, False)
+    none, none_sequence = table(2, True, recompute=()), table(2, True, sequence=True, recompute=())
+    none_whole = table(1, False, recompute=())
+    assert kept.saved_bytes[row] == 2 * activation
+    assert sequence.saved_bytes[row] == activation + activation // 2  # the partial sum whole, the reduce-scatter's half
+    # run again in the backward: selectively, no all-reduce (an all-gather under sequence parallelism); whole, the
+    # all-reduce but where it ends the block
+    assert kept.rerun_time[row][0] == 0 and kept.bwd_time[row][0] == pytest.approx(none.bwd_time[row][0])
+    assert sequence.rerun_time[row][0] == pytest.approx(ring / 2)
+    assert sequence.bwd_time[row][0] == pytest.approx(none_sequence.bwd_time[row][0] + ring / 2)
+    again = table(1, False).bwd_time[row][0] - none_whole.bwd_time[row][0]  # its forward's compute
+    assert full.bwd_time[row][0] == pytest.approx(none.bwd_time[row][0] + again / 2 + (ring if post else 0))
+    assert full.rerun_time[row][0] == pytest.approx(full.fwd_time[row][0] - (0 if post else ring))
