@@ -26,7 +26,8 @@ serves, its CUDA build on CPU, ``scripts/check_torch.sh 2.14.1``) unless it says
   :func:`stage_backward` (``torch.distributed.pipelining._backward``), and the pipelining
   schedules' private members below.
 - Tensor parallelism: :data:`ASSERT_TENSOR_METADATA` (``aten._assert_tensor_metadata``, an op
-  DTensor cannot run; checked on 2.13.0 only).
+  DTensor cannot run; checked on 2.13.0 only); :data:`REDUCTION_OPS` (the functional collectives'
+  reductions, which selective recomputation keeps; checked on 2.13.0 only).
 
 Attributes of public classes that every torch release since 1.x has kept are read in place and
 not wrapped: ``nn.Module._modules`` / ``_parameters`` / ``_buffers`` /
@@ -72,6 +73,7 @@ __all__ = [
     "TENSOR_DATA",
     "C_LINEAR",
     "ASSERT_TENSOR_METADATA",
+    "REDUCTION_OPS",
     "NormBase",
     "BatchNorm",
     "amp_unscale_",
@@ -109,6 +111,13 @@ ASSERT_TENSOR_METADATA: OpOverload = torch.ops.aten._assert_tensor_metadata.defa
 """The check ``torch.export`` leaves where ``.to(dtype)`` ran (``aten._assert_tensor_metadata``, no output),
 which DTensor has no sharding strategy for: :mod:`autosplit.runtime.tensor_parallel` drops it from tp
 stages. Checked on 2.13.0 only (the tp runtime's first version)."""
+
+REDUCTION_OPS: frozenset[OpOverload] = frozenset({
+    torch.ops._c10d_functional.all_reduce.default, torch.ops._c10d_functional.reduce_scatter_tensor.default,
+})
+"""The reductions DTensor's redistributions dispatch (``torch.distributed._functional_collectives``: an
+all-reduce of a partial sum, a reduce-scatter under sequence parallelism), whose outputs a selective
+checkpoint keeps (:mod:`autosplit.passes.selective`). Checked on 2.13.0 only."""
 
 NormBase: type[torch.nn.Module] = torch.nn.modules.batchnorm._NormBase
 """Every batch or instance norm with running statistics (``torch.nn.modules.batchnorm._NormBase``)."""

@@ -36,7 +36,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from autosplit.compat import OpOverload
+from autosplit.compat import REDUCTION_OPS, OpOverload
 from autosplit.errors import ConstraintError, advice
 
 __all__ = ["KEPT_COLLECTIVES", "KEPT_OPS", "keep_matmuls", "keeps_output", "refuse_random_attention"]
@@ -55,8 +55,7 @@ KEPT_OPS = frozenset(
 """The ATen ops whose outputs a selectively recomputed block keeps: matmuls (what a linear layer or
 ``@`` dispatches to) and the fused attention kernels (their output and log-sum-exp)."""
 
-_c10d = torch.ops._c10d_functional
-KEPT_COLLECTIVES = frozenset({_c10d.all_reduce.default, _c10d.reduce_scatter_tensor.default})
+KEPT_COLLECTIVES = REDUCTION_OPS
 """The collectives whose outputs a selectively recomputed block keeps: the reductions DTensor runs after
 a row-parallel product (and a vocabulary-parallel lookup). The all-gathers run again, as in torchtitan."""
 
