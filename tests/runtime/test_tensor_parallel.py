@@ -59,8 +59,9 @@ def test_what_recomputing_blocks_keep_and_run_again_under_tp2_is_what_the_plan_c
     collectives it and its backward run, for no, whole and selective blocks:
 
     - what selective blocks keep beyond whole ones (each matmul's output, a row-parallel one a whole
-      partial sum, and each reduction's) is predicted to 2 %, their whole within 10 %; the Llama without
-      recomputation within 10 % too (a partial sum left unreduced made its next layer compute whole);
+      partial sum, and each reduction's) is predicted to 2 %, their whole within 10 %; the Llama's stage in
+      every mode within 3 % (a partial sum left unreduced had made its next layer compute whole, and a
+      reduced output is whole on every rank);
     - in the backward, selective blocks run no reduction again (whole ones do, but one that ends a block),
       and under sequence parallelism the all-gathers before the column-parallel linears again, as whole ones do."""
     pytest.importorskip("transformers")
@@ -72,8 +73,9 @@ def test_what_recomputing_blocks_keep_and_run_again_under_tp2_is_what_the_plan_c
             what = f"{name}{' sp' if sp else ''} rank {rank}: predicted {p_sel} and {p_full}, measured {m_sel} and {m_full}"
             assert p_sel - p_full == pytest.approx(m_sel - m_full, rel=0.02), what
             assert p_sel == pytest.approx(m_sel, rel=0.1), what
-            if name == "llama" and not sp:
-                assert runs["none"][rank][0] == pytest.approx(runs["none"][rank][1], rel=0.1), runs["none"][rank]
+            if name == "llama" and not sp:  # every mode, each reduced output whole on every rank
+                for mode, (predicted, measured, _, _) in ((mode, runs[mode][rank]) for mode in RECOMPUTING):
+                    assert predicted == pytest.approx(measured, rel=0.03), (mode, rank, predicted, measured)
             none = runs["none"][rank][3]
             for reduction in ("all_reduce", "reduce_scatter_tensor"):
                 assert sel.get(reduction, 0) == none.get(reduction, 0), (what, none, full, sel)
