@@ -117,21 +117,21 @@ def _saves(node: fx.Node) -> bool:
 
 
 def _recomputing(
-    table: CostTable, gm: fx.GraphModule, rules: TensorParallelRules, cut: Sequence[float], kept: Sequence[float], ring: np.ndarray,
-    *, tp: int,
-    micro_batches: int, sequence_parallel: bool,
+    table: CostTable, gm: fx.GraphModule, rules: TensorParallelRules, cut: Sequence[float], outputs: Sequence[float],
+    ring: np.ndarray, *, tp: int, micro_batches: int, sequence_parallel: bool,
 ) -> tuple[np.ndarray, list[float], list[float], np.ndarray]:
     """What tensor parallelism adds to recomputing blocks (the module docstring): ([node, device] seconds
     the backward runs again for the blocks ``table`` recomputes, [node] bytes their nodes hold more,
     [block] bytes a recomputing block holds more, [node, device] seconds a node runs again whenever its
-    block recomputes). ``ring``: each node's forward collectives, seconds."""
+    block recomputes). ``cut``: each node's share of its compute, ``outputs``: of its output; ``ring``:
+    each node's forward collectives, seconds."""
     keeps = frozenset(table.recompute_keeps)
     n = len(table.nodes)
     needed = _needed_again(gm, table) if table.blocks and not keeps else frozenset()
     if keeps:  # selectively: each reduction kept (its output: 1/tp of the tokens under sequence parallelism)
         again = np.full(n, 0.5 if sequence_parallel else 0.0)  # of each node's ring time: the all-gathers run again
         reduced = [rules.forward_collectives.get(name, 0) / (tp if sequence_parallel else 1) for name in table.nodes]
-        held = [r + table.output_bytes[i] * (1 - kept[i]) * (i in keeps) if r else 0.0 for i, r in enumerate(reduced)]
+        held = [r + table.output_bytes[i] * (1 - outputs[i]) * (i in keeps) if r else 0.0 for i, r in enumerate(reduced)]
     else:
         again, held = np.asarray([float(i in needed) for i in range(n)]), [0.0] * n
     fwd = np.asarray(table.fwd_time, dtype=np.float64).reshape(n, -1) * np.asarray(cut)[:, None]
@@ -160,7 +160,7 @@ def tp_laid_out(
     cut = [1 / tp] * len(table.nodes) if sequence_parallel else split
     # what a device holds of a node's output: a reduced one (a row-parallel product, a lookup) is whole but
     # under sequence parallelism, though its compute is split
-    kept = cut if sequence_parallel else [1.0 if name in rules.forward_collectives else c for name, c in zip(table.nodes, cut)]
+    outputs = cut if sequence_parallel else [1.0 if name in rules.forward_collectives else c for name, c in zip(table.nodes, cut)]
     held = [1 - f + f / tp for f in split_shares(gm, table, rules.shards, numel)]
 
     def scaled(values: Sequence[int], by: Sequence[float]) -> tuple[int, ...]:
@@ -176,7 +176,7 @@ def tp_laid_out(
         return tuple(map(tuple, times.tolist()))
 
     ring = _ring(table, rules.forward_collectives, tp, micro_batches)
-    again, cached, block_cached, rerun = _recomputing(table, gm, rules, cut, kept, ring, tp=tp, micro_batches=micro_batches,
+    again, cached, block_cached, rerun = _recomputing(table, gm, rules, cut, outputs, ring, tp=tp, micro_batches=micro_batches,
                                                   sequence_parallel=sequence_parallel)
 
     # a weight's compute copy is saved where autocast casts it, by the linear (or lookup) that reads it,
@@ -186,7 +186,7 @@ def tp_laid_out(
     copies = table.weight_copy_bytes or (0,) * len(table.nodes)
     copied = held if precision in PARAM_CAST else split
     state = tuple(round((s - b - c) * k) + b + round(c * q) for s, b, c, k, q in zip(table.state_bytes, buffers, copies, held, copied))
-    saved = scaled(table.saved_bytes, kept)
+    saved = scaled(table.saved_bytes, outputs)
     ratio = [sum(saved[i] for i in m) / max(1, sum(table.saved_bytes[i] for i in m)) for m in table.block_members]
     saves = tuple(max(0, s - math.ceil(c)) for s, c in zip(scaled(table.block_saves, ratio), block_cached))
     return dataclasses.replace(
@@ -196,9 +196,9 @@ def tp_laid_out(
         rerun_time=rows(rerun) if table.blocks else (),
         split_cost=tuple(tuple(t * k for t in row) for row, k in zip(table.split_cost, cut)),
         state_bytes=state, saved_bytes=tuple(s + math.ceil(c) for s, c in zip(saved, cached)),
-        output_bytes=scaled(table.output_bytes, kept),
-        sent_bytes=scaled(table.sent_bytes, kept), transient_bytes=scaled(table.transient_bytes, kept),
-        wgrad_bytes=scaled(table.wgrad_bytes, kept),
+        output_bytes=scaled(table.output_bytes, outputs),
+        sent_bytes=scaled(table.sent_bytes, outputs), transient_bytes=scaled(table.transient_bytes, outputs),
+        wgrad_bytes=scaled(table.wgrad_bytes, outputs),
         param_bytes=scaled(table.param_bytes, held), weight_copy_bytes=scaled(table.weight_copy_bytes, copied),
         param_counts=scaled(table.param_counts, held),
         optimizer_time=tuple(tuple(t * k for t in row) for row, k in zip(table.optimizer_time, held)),
