@@ -66,7 +66,7 @@ RECORD: dict[tuple[str, str], tuple[float, float, int]] = {
     ("GB300", "megatron-te"): (0.107, 0.157, 8),
     ("H100", "megatron-fsdp"): (0.089, 0.089, 1),
     ("H100", "megatron-te"): (0.145, 0.154, 5),
-    ("H100-500W", "torch-compile"): (0.022, 0.106, 7),
+    ("H100-500W", "torch-compile"): (0.021, 0.300, 8),
     ("H100-500W", "torch-eager"): (0.087, 0.087, 1),
     ("H200", "torch-compile"): (0.069, 0.069, 1),
 }
