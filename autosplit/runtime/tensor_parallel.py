@@ -251,9 +251,9 @@ def place_gradients(params: Any) -> int:
     """Every gradient brought to its parameter's placements where DTensor's rules left it elsewhere;
     returns how many. Called once per step, after the schedule's last backward:
 
-    - a replicated parameter read by a split computation (an RMSNorm's weight times a row-parallel
-      product's partial sum) gets a ``Partial`` gradient, where torchtitan's ``RowwiseParallel`` reduces
-      the product at once: reduced here (an all-reduce over ``tp``);
+    - a replicated parameter read by a split computation gets a ``Partial`` gradient (where a partial sum
+      reaches an op other than the reductions :func:`_reduce_partial_sums` puts after the products the
+      rules name): reduced here (an all-reduce over ``tp``);
     - a vocabulary-parallel table (``Shard(0)``) can get a ``Replicate`` gradient from the lookup's
       backward: each rank keeps its rows.
 
