@@ -15,7 +15,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["Alive", "held"]
+__all__ = ["Alive", "held", "storages"]
 
 
 def _storage(t: torch.Tensor) -> Any:
@@ -62,11 +62,15 @@ class Alive(TorchDispatchMode):
         return sum(n for ref, n in self.made.values() if not ref.expired())
 
 
+def storages(tensors: Any) -> set[int]:
+    """The addresses of the storages ``tensors`` hold (what :class:`Alive` leaves out)."""
+    return {s.data_ptr() for t in tensors if isinstance(t, torch.Tensor) and (s := _storage(t)) is not None}
+
+
 def held(stage: torch.nn.Module, received: tuple, named: dict[str, Any]) -> tuple[int, Any]:
     """Bytes a stage's forward leaves alive for its backward, its outputs included (the pipeline keeps
     them for the backward too), and its outputs."""
-    params = (*stage.parameters(), *stage.buffers(), *received, *named.values())
-    mode = Alive({s.data_ptr() for t in params if isinstance(t, torch.Tensor) and (s := _storage(t)) is not None})
+    mode = Alive(storages((*stage.parameters(), *stage.buffers(), *received, *named.values())))
     with mode:
         out = stage(*received, **named)
     return mode.alive(), out

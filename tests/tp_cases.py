@@ -92,7 +92,7 @@ def _made_plan(name: str, stages: int, copies: int, tp: int, folder: str, replic
         made = dataclasses.replace(made, dp_shard=shard)
     # gpt-vocab: the GPT's plan, its tp_shards its own
     path = (f"{folder}/{name}-pp{stages}-{replicate}{copies}-shard{made.dp_shard}-tp{tp}-{options['schedule']}"
-            f"{'-recompute' if made.recompute else ''}{'-selective' if made.recompute_selective else ''}.json")
+            f"{'-recompute' if made.recompute else ''}.json")
     made.save(path)
     return path
 
@@ -231,7 +231,7 @@ def recomputing(name: str, folder: str, mode: str, sequence: bool = False) -> st
 def forward_held(name: str, plan_path: str, *, rank: int, world: int) -> tuple[int, int, dict[str, int], dict[str, int]]:
     """(bytes the one-stage plan predicts a rank holds after one micro-batch's forward, bytes it holds
     measured, the collectives of that forward, of its backward) on this rank (:class:`tests.held.Alive`)."""
-    from tests.held import Alive
+    from tests.held import Alive, storages
 
     with float64_throughout(name):
         torch.manual_seed(0)
@@ -240,8 +240,7 @@ def forward_held(name: str, plan_path: str, *, rank: int, world: int) -> tuple[i
         rows = ROWS // MICRO
         named = dict(zip(pipe._input_names, pipe._to_flat(tuple(a[:rows] for a in args), {k: v[:rows] for k, v in kwargs.items()})))
         stage = pipe.module
-        forward = Alive({s.untyped_storage().data_ptr() for t in (*stage.parameters(), *stage.buffers(), *named.values())
-                         if isinstance(t, torch.Tensor) for s in [getattr(t, "_local_tensor", t)]})
+        forward = Alive(storages((*stage.parameters(), *stage.buffers(), *named.values())))
         backward = Alive()
         with tp_scope(2):
             with forward:
