@@ -238,6 +238,19 @@ class Schedule:
             return peak
         return stages - stage  # async_1f1b
 
+    def peak_counts(self, stages: int, micro_batches: int, ranks: int) -> tuple[tuple[tuple[int, ...], ...], ...]:
+        """[rank][peak] the micro-batches whose activations each of the rank's stages (in stage order)
+        holds at the moments its memory may peak, counted on its action list as :meth:`in_flight`
+        counts them: after each forward, the counts kept only where no other moment holds as many or
+        more on every stage (one of these is the rank's peak, whatever each stage's activations weigh).
+        A rank's stages peak at different moments — on 8 ranks × 5 stages and 64 micro-batches the
+        first rank's stages peak at 16, 16, 15, 8, 8 micro-batches, but together at no more than 47 of
+        those 63 — so a rank's memory is its stages' held memory at its worst moment, not their peaks
+        summed. Empty with one stage per rank (a stage's peak is its rank's)."""
+        if self.order != "torch" or stages <= ranks:
+            return ()
+        return _peak_counts(self, stages, micro_batches, ranks)
+
     def stage_order(self, stage: int, stages: int, micro_batches: int) -> list[tuple[str, int]]:
         """The work stage ``stage`` runs in one flushed step, in order: ``("forward" | "backward",
         micro-batch)`` (GPipe as ``ScheduleGPipe``, micro-batch 0 first; 1F1B as ``Schedule1F1B``)."""
@@ -264,6 +277,25 @@ class Schedule:
         """The fewest micro-batches its torch class runs a step in (torch 2.13)."""
         ranks = ranks or stages
         return next(m for m in range(1, 4 * stages + 2) if self.refusal(ranks=ranks, stages=stages, micro_batches=m) is None)
+
+
+@functools.lru_cache(maxsize=256)
+def _peak_counts(schedule: Schedule, stages: int, micro_batches: int, ranks: int) -> tuple[tuple[tuple[int, ...], ...], ...]:
+    out = []
+    for work in schedule.actions(ranks, micro_batches, stages // ranks):
+        mine = sorted({a.stage for a in work})
+        held, moments = dict.fromkeys(mine, 0), set()
+        for a in work:
+            if a.kind in ("F", "B", "W"):
+                held[a.stage] += 1 if a.kind == "F" else -1
+                if a.kind == "F":
+                    moments.add(tuple(held[s] for s in mine))
+        kept: list[tuple[int, ...]] = []
+        for m in sorted(moments, key=lambda m: (-sum(m), m)):  # whatever holds as many on every stage comes first
+            if not any(all(x <= y for x, y in zip(m, k)) for k in kept):
+                kept.append(m)
+        out.append(tuple(kept))
+    return tuple(out)
 
 
 @functools.lru_cache(maxsize=256)

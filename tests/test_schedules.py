@@ -279,18 +279,3 @@ def test_a_broken_rule_is_a_typed_error_naming_it():
         schedules.lookup("ZBVZeroBubble").check(ranks=2, stages=6, micro_batches=4)
     with pytest.raises(ConstraintError, match=r"rounds of max\(1, M // pp\) = 2, which must divide M = 5"):
         schedules.lookup("Interleaved1F1B").check(ranks=2, stages=4, micro_batches=5)
-
-
-def test_a_ranks_stages_do_not_peak_together_under_interleaved_1f1b():
-    """The solver charges a rank the sum of its stages' peaks (``Evaluation.rank_memory``), an upper bound;
-    the report counts them at once on the action list (``solver.replay.peaks``, as ``rank_peaks`` does): on
-    Megatron's Llama-3-70B layout (pp 8, 5 stages per rank, 64 micro-batches) rank 0's stages peak at 63
-    micro-batches in all, the rank at 47 at once; with 2 stages per rank and 32 (torchtitan's 405B), 24 and 23."""
-    from autosplit.solver.replay import peaks
-
-    entry = schedules.lookup("interleaved1f1b")
-    for pp, v, M, summed, joint in ((8, 5, 64, 63, 47), (8, 2, 32, 24, 23)):
-        stages = pp * v
-        mine = [s for s in range(stages) if entry.rank_of(s, stages, pp) == 0]
-        at_once = peaks(entry.actions(pp, M, v), saved=[1.0] * stages)[0]
-        assert (sum(entry.in_flight(s, stages, M, pp) for s in mine), at_once) == (summed, joint)

@@ -115,9 +115,10 @@ def refine(
         return best_plan
     aligned_plan, aligned = _fastest_at(layers, S, split, step, work, replays)
     if aligned < math.inf and aligned <= best * (1 + options.cut_margin):
-        log.info("refine: kept the fastest split at layer boundaries (%.4g s by the replay) over one %.2f %% faster "
-                 "(%.4g s) that cuts inside a layer, within cut_margin = %g", aligned, 100 * (aligned / best - 1), best,
-                 options.cut_margin)
+        if aligned > best:
+            log.info("refine: kept the fastest split at layer boundaries (%.4g s by the replay) over one %.2f %% faster "
+                     "(%.4g s) that cuts inside a layer, within cut_margin = %g", aligned, 100 * (aligned / best - 1), best,
+                     options.cut_margin)
         return aligned_plan
     return best_plan
 

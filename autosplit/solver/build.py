@@ -314,6 +314,7 @@ def build_problem(
             for c in constraints
         ) + _first_stage_only(table, schedule, S),
         rank_of=tuple(rank_of),
+        peaks=schedules.lookup(schedule).peak_counts(S, M, max(rank_of) + 1) if rank_of else (),
         recompute=_recompute(table, recompute or {}, _rerun(table, fwd, list(order)), schedule, S, M, max(rank_of) + 1 if rank_of else S,
                              transient),
         buffer_mem=tuple(buffers.tolist()) if buffers is not None else (),

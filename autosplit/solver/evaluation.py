@@ -43,6 +43,10 @@ class Evaluation:
     """[stage] of ``recv_mem`` and ``send_mem``, the pipeline's per-micro-batch buffers
     (:attr:`~autosplit.solver.problem.Problem.buffer_mem`)."""
 
+    peak_weights: tuple[tuple[int, tuple[tuple[int, ...], ...]], ...] = ()
+    """As :attr:`~autosplit.solver.problem.Problem.peak_weights`: how much of its stages' activations a rank
+    holds at each moment it may peak; empty: all of them (one stage per rank)."""
+
     @property
     def memory(self) -> tuple[int, ...]:
         send = self.send_mem or (0,) * len(self.state_mem)
@@ -52,12 +56,16 @@ class Evaluation:
 
     @property
     def rank_memory(self) -> tuple[int, ...]:
-        """[rank] KiB: its stages' memory, with one transient reserve."""
+        """[rank] KiB: its stages' memory with one transient reserve, their activations at the rank's worst
+        moment (:attr:`peak_weights`)."""
         if not self.rank_of:
             return self.memory
         out = [self.transient_mem] * (max(self.rank_of) + 1)
         for s, m in enumerate(self.memory):
-            out[self.rank_of[s]] += m - self.transient_mem
+            out[self.rank_of[s]] += m - self.transient_mem - (self.act_mem[s] if self.peak_weights else 0)
+        for r, (L, moments) in enumerate(self.peak_weights):
+            act = [self.act_mem[s] for s in range(len(self.rank_of)) if self.rank_of[s] == r]
+            out[r] += -(-max(sum(w * a for w, a in zip(weights, act)) for weights in moments) // L)
         return tuple(out)
 
     @property
@@ -108,5 +116,5 @@ def evaluate(problem: Problem, stage_of: Sequence[int]) -> Evaluation:
     ints = lambda x: tuple(int(v) for v in x)  # noqa: E731
     return Evaluation(
         ints(compute), ints(transfer), ints(time), ints(state), ints(act), ints(recv), problem.transient_mem,
-        problem.objective_of(time.tolist()), ints(send), problem.rank_of, ints(buffers),
+        problem.objective_of(time.tolist()), ints(send), problem.rank_of, ints(buffers), problem.peak_weights,
     )

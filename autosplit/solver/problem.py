@@ -33,6 +33,7 @@ during a forward on predicted ones) are charged with its activations.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
@@ -140,7 +141,13 @@ class Problem:
     step); the makespan objective schedules them as two tasks. Empty: half each."""
     rank_of: tuple[int, ...] = ()
     """[stage] the rank that runs it, when a rank runs several stages (interleaved: s mod pp; a
-    V); empty: stage s on rank s. A rank's stages share its device: its memory cap holds their sum."""
+    V); empty: stage s on rank s. A rank's stages share its device: its memory cap holds their state, buffers
+    and one reserve, and their activations as :attr:`peaks` count them."""
+    peaks: tuple[tuple[tuple[int, ...], ...], ...] = ()
+    """[rank][moment] micro-batches each of the rank's stages (in stage order) holds at the moments its
+    memory may peak (:meth:`autosplit.schedules.Schedule.peak_counts`); a stage's :attr:`act_mem` is
+    held at its own most (its in-flight count), so at a moment holding ``c`` of its ``w`` micro-batches
+    the rank holds ``c / w`` of it. Empty: each stage at its peak (one stage per rank)."""
 
     recompute: tuple[Recompute, ...] = ()
     """Blocks the solver may recompute (activation checkpointing); costs above are those of keeping them."""
@@ -200,6 +207,32 @@ class Problem:
 
     def rank(self, stage: int) -> int:
         return self.rank_of[stage] if self.rank_of else stage
+
+    def stages_of(self, rank: int) -> list[int]:
+        return [s for s in range(self.num_stages) if self.rank(s) == rank]
+
+    @cached_property
+    def peak_weights(self) -> tuple[tuple[int, tuple[tuple[int, ...], ...]], ...]:
+        """[rank] (L, [moment] integer weights over the rank's stages): a rank holds ``Σ_i w_i · act_i / L``
+        of its stages' activations (each at its own peak, :attr:`act_mem`) at one of its moments
+        (:attr:`peaks`), with ``w_i = c_i · L / (stage i's most)``; empty without :attr:`peaks`."""
+        out = []
+        for moments in self.peaks:
+            most = [max(m[i] for m in moments) for i in range(len(moments[0]))]
+            L = math.lcm(*most)
+            out.append((L, tuple(tuple(c * L // w for c, w in zip(m, most)) for m in moments)))
+        return tuple(out)
+
+    @cached_property
+    def least_held(self) -> tuple[float, ...]:
+        """[stage] the share of its activations (:attr:`act_mem`) counted for it in a lower bound of its
+        rank's peak: the mean over the rank's moments (the peak, their most, is no less than their mean);
+        1 without :attr:`peaks`."""
+        out = [1.0] * self.num_stages
+        for r, (L, moments) in enumerate(self.peak_weights):
+            for i, s in enumerate(self.stages_of(r)):
+                out[s] = sum(w[i] for w in moments) / len(moments) / L
+        return tuple(out)
 
     def objective_of(self, stage_time: Sequence[int]) -> int:
         """``M`` times the step for these whole-batch stage times (ns). One stage per rank:

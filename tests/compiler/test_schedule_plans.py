@@ -22,8 +22,7 @@ from autosplit.plans import Plan
 from autosplit.report import plan_report
 from autosplit.report.timeline import timeline
 from autosplit.solver.hybrid import ring_allreduce
-from autosplit.solver.pipeline.dp import topological_order
-from autosplit.solver.pipeline.strategy import dp_plan
+from autosplit.solver.pipeline.dp import split_dp, topological_order
 
 TORCH_RUN = {"gpipe", "1f1b", "interleaved1f1b", "loopedbfs", "interleavedzerobubble", "zbvzerobubble", "dualpipev"}
 
@@ -82,11 +81,12 @@ def test_one_stage_per_rank_memory_is_each_stages(schedule):
 
 
 def _refining(schedule: str, n_layers: int = 4):
-    """(problem, table, the DP's split, device order, options with cut_margin=0, the replayed step of a split)."""
+    """(problem, table, the DP's split (its ranks not balanced: the planted splits are the DP's), device order,
+    options with cut_margin=0, the replayed step of a split)."""
     planner = _planner(schedule=schedule, stages_per_rank=2, micro_batches=4, cut_margin=0, n_layers=n_layers)
     _, M, table, _, rules = estimated(planner.traced, planner.specs(), planner.options)
     order, problem = stage_problem(table, 2, planner.options, M, rules)
-    seed, _, _ = dp_plan(problem, topological_order(problem))
+    seed = split_dp(problem, topological_order(problem))
 
     def step(plan):
         return predict_step(problem, table, plan, order, planner.options)[0].total

@@ -129,7 +129,8 @@ class _Model:
         self.r: list[Any] = []
         self.k: dict[tuple[int, int], Any] = {}
         self.extra_time: list[Any] = [0] * S
-        self.extra_mem: list[Any] = [0] * S
+        self.extra_mem: list[Any] = [0] * S  # the activations it no longer holds (at its in-flight count)
+        self.reserve: Any = 0
         z: dict[tuple[int, int], Any] = {}
         for u, block in enumerate(p.recompute):
             r = self.m.new_bool_var(f"r_{u}")
@@ -161,10 +162,9 @@ class _Model:
                     self.extra_time[s] -= time_back
                     self.extra_mem[s] += mem_back
         if p.recompute:  # one reserve for every stage, as the cost table keeps one transient reserve
-            reserve = self.m.new_int_var(0, max(b.room for b in p.recompute), "reserve")
+            self.reserve = self.m.new_int_var(0, max(b.room for b in p.recompute), "reserve")
             for u, block in enumerate(p.recompute):
-                self.m.add(reserve >= block.room * self.r[u])
-            self.extra_mem = [m + reserve for m in self.extra_mem]
+                self.m.add(self.reserve >= block.room * self.r[u])
 
     def recomputed(self, solver: cp_model.CpSolver) -> tuple[int, ...]:
         return tuple(u for u, r in enumerate(self.r) if solver.value(r))
@@ -202,15 +202,31 @@ class _Model:
             self.m.add(rank_T >= sum(t for s, t in enumerate(self.stage_time) if p.rank(s) == r))
         self.objective = p.micro_batches * rank_T + (p.ranks - 1) * self.T
 
+    def held(self, s: int):
+        """Stage s's activations at its in-flight count (what a rank holds a share of at each of its moments)."""
+        return sum(self.p.act_mem[n][s] * self.inside(n, s) for n in range(len(self.p.nodes))) + self.extra_mem[s]
+
     def memory(self, s: int):
         p = self.p
-        mem = p.transient_mem + sum((p.state_mem[n] + p.act_mem[n][s]) * self.inside(n, s) for n in range(len(p.nodes)))
-        mem += self.extra_mem[s]
+        mem = p.transient_mem + self.reserve + sum(p.state_mem[n] * self.inside(n, s) for n in range(len(p.nodes))) + self.held(s)
         if s > 0:
             mem += sum(p.recv_mem[u][s] * y for (u, k), y in self.y.items() if k == s)
         if s < p.num_stages - 1 and p.send_mem:
             mem += sum(p.send_mem[u][s] * y for (u, k), y in self.y.items() if k == s + 1)
         return mem
+
+    def _rank_caps(self, rank: int, mine: list[int]) -> list[Any]:
+        """The rank's cap over its stages ``mine``: their memory with one transient reserve; with several
+        stages, their activations at each moment the rank may peak
+        (:attr:`~autosplit.solver.problem.Problem.peak_weights`, scaled by L to stay in integers)."""
+        p = self.p
+        whole = sum(self.memory(t) for t in mine) - (len(mine) - 1) * (p.transient_mem + self.reserve)  # one reserve per rank
+        if not p.peak_weights:
+            return [whole <= p.capacity[mine[0]]]
+        L, moments = p.peak_weights[rank]
+        held = [self.held(t) for t in mine]
+        rest = whole - sum(held)
+        return [L * rest + sum(w * h for w, h in zip(weights, held)) <= L * p.capacity[mine[0]] for weights in moments]
 
     def add_assumptions(self, caps: bool = True) -> list[tuple[cp_model.IntVar, int | str]]:
         """Memory caps (unless ``caps=False``) and user constraints, each behind a literal:
@@ -222,8 +238,8 @@ class _Model:
             if s != mine[0]:
                 continue  # a rank's cap is guarded once, at its first stage
             lit = self.m.new_bool_var(f"cap_{s}")
-            reserve = (len(mine) - 1) * p.transient_mem  # one transient reserve per rank
-            self.m.add(sum(self.memory(t) for t in mine) - reserve <= p.capacity[s]).only_enforce_if(lit)
+            for constraint in self._rank_caps(p.rank(s), mine):
+                self.m.add(constraint).only_enforce_if(lit)
             guarded.append((lit, s))
         for i, c in enumerate(self.p.constraints):
             lit = self.m.new_bool_var(f"user_{i}")

@@ -282,18 +282,24 @@ def stage_room(problem: Problem, pre: Prefix, cuts: np.ndarray) -> np.ndarray:
     (the median over the cuts of what it receives and holds to send) and, of the rest of its rank's cap
     less the one reserve the rank keeps, the share an even split of the model costs it: the state, and
     the activations at its in-flight count (interleaved schedules hold more micro-batches on a rank's
-    earlier stages)."""
+    earlier stages), over what the rank holds of that split at its worst moment."""
     capacity = np.asarray(problem.capacity, dtype=np.float64)
     S = problem.num_stages
     if problem.stages_per_rank == 1:
         return capacity
     arrays = problem.arrays
-    even = float(arrays.state.sum()) + arrays.act.sum(axis=0).astype(np.float64)  # [s] the whole model at stage s's in-flight
+    state, act = float(arrays.state.sum()), arrays.act.sum(axis=0).astype(np.float64)  # [s] the whole model at stage s's in-flight
     buffers = np.asarray([(np.median(pre.R[cuts, s]) if s > 0 else 0.0) + (np.median(pre.H[cuts, s]) if s < S - 1 else 0.0)
                           for s in range(S)])
     ranks = np.asarray([problem.rank(s) for s in range(S)])
+    # what the rank holds of the even model at its worst moment: its stages' rooms add up to more than its cap where
+    # its stages peak apart, so a split as even as the model fills the cap and no more
+    whole = np.bincount(ranks, weights=state + act)
+    for r, (L, moments) in enumerate(problem.peak_weights):
+        mine = problem.stages_of(r)
+        whole[r] = state * len(mine) + max(float(np.dot(weights, act[mine])) for weights in moments) / L
     shared = capacity - problem.transient_mem - np.bincount(ranks, weights=buffers)[ranks]
-    return problem.transient_mem + buffers + np.maximum(0.0, shared) * even / np.maximum(np.bincount(ranks, weights=even)[ranks], 1e-9)
+    return problem.transient_mem + buffers + np.maximum(0.0, shared) * (state + act) / np.maximum(whole[ranks], 1e-9)
 
 
 def _least_bottleneck(problem: Problem, order: Sequence[int], dp: _StageDP) -> float:

@@ -44,8 +44,11 @@ def memory_units(problem: Problem) -> list[tuple[tuple[int, ...], int]]:
 
 def memory_floor(problem: Problem) -> int:
     """KiB that any plan puts on its fullest device, at least: perfect spreading of state and
-    activations, and no less than the largest unit that cannot be split."""
-    total = sum(problem.state_mem[n] + min(problem.act_mem[n]) for n in range(len(problem.nodes)))
+    activations (each node's least over the stages, a rank's stages' at the share of them its peak holds
+    at least, :attr:`~autosplit.solver.problem.Problem.least_held`), and no less than the largest unit that cannot be split."""
+    act = problem.arrays.act
+    least = np.floor(act * np.asarray(problem.least_held)[None, :]).min(axis=1) if act.size else np.zeros(len(problem.nodes))
+    total = sum(problem.state_mem) + int(least.sum())
     largest_unit = max(need for _, need in memory_units(problem))
     return max(problem.transient_mem + math.ceil(total / problem.ranks), largest_unit)  # a rank holds all its stages
 

@@ -50,6 +50,7 @@ from autosplit.errors import InfeasiblePlanError, SolverError, advice
 from autosplit.options import SolverLimits
 from autosplit.solver.coarsen import Coarsening, coarse_problem, coarsen, repeated_layers
 from autosplit.solver.evaluation import evaluate
+from autosplit.solver.pipeline.balance import balance_ranks
 from autosplit.solver.pipeline.bounds import lower_bound
 from autosplit.solver.pipeline.cpsat import PROVEN_GAP, cpsat, explain_infeasible, precheck
 from autosplit.solver.pipeline.dp import Prefix, prefix_sums, split_dp, topological_order
@@ -142,7 +143,8 @@ def dp_plan(
     """The dynamic program's plan: (plan, coarsening used or None, plan before refinement)."""
     N, S = len(problem.nodes), problem.num_stages
     if N * N <= limits.dp_work:
-        return split_dp(problem, order), None, None
+        plan = split_dp(problem, order)
+        return (balance_ranks(problem, order, plan) if plan else plan), None, None
     total = float(problem.arrays.compute.sum()) / S
     coarse = coarsen(problem, order, max_cost=total / min(limits.blocks_per_stage * S, limits.max_blocks))
     if log.isEnabledFor(logging.INFO):  # the repeated-layer scan only feeds this line
@@ -152,7 +154,7 @@ def dp_plan(
     prefix = prefix_sums(problem, order)
     block_dp = split_dp(problem, order, coarse.bounds, prefix=prefix)
     plan = _refine(problem, coarse, block_dp, prefix) if block_dp and refine else block_dp
-    return plan, coarse, block_dp
+    return (balance_ranks(problem, order, plan, coarse.bounds) if plan else plan), coarse, block_dp
 
 
 def solve(
