@@ -73,8 +73,6 @@ def predict_step(
                 param_bytes[s] += nbytes
         shared.append(SharedParam(read, tuple(holders), policy, send, replicate))
     # The solver's stage times include each stage's optimizer step (build_problem); report it apart.
-    opt = table.optimizer_time or tuple((0.0,) * len(table.devices) for _ in table.nodes)
-    without = tuple(tuple(c - round(o[order[s]] * NS) for s, c in enumerate(row)) for row, o in zip(problem.compute, opt))
     sharing = sharing_problem(problem, table, order, shared)
     overheads = [d.microbatch_overhead for d in devices]
     asynchronous = schedules.lookup(options.schedule).asynchronous  # no flush: the steady state, M micro-batches through the slowest stage
@@ -87,6 +85,8 @@ def predict_step(
     if entry.flushes and entry.torch_class is not None:  # torch runs it: replay its action lists
         pipeline, optimizer, overhead = replayed_step(sharing, table, stage_of, order, options.schedule)
     else:
+        opt = table.optimizer_time or tuple((0.0,) * len(table.devices) for _ in table.nodes)
+        without = tuple(tuple(c - round(o[order[s]] * NS) for s, c in enumerate(row)) for row, o in zip(problem.compute, opt))
         total, pipeline = step(sharing), step(dataclasses.replace(sharing, compute=without))
         overhead = M * max(overheads) if asynchronous else sum(overheads) + (M - 1) * max(overheads)
         optimizer = total - pipeline

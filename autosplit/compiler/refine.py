@@ -4,13 +4,14 @@ The solver minimises a closed form of the schedule (:meth:`~autosplit.solver.pro
 exact for GPipe and for equal stages; torch's interleaved and zero-bubble schedules, run as their
 action lists say, reward other cuts (a rank's two stages need not be equal when one of them waits
 anyway). The replay is the judge. Candidates, in a topological order in which a split is contiguous:
-the solver's split; the split of equal compute per stage at *cheap cuts* (layer boundaries, where
-little crosses); and, when there are few cheap cuts, every split at them, and when there are few
-repeated layers, every split between them (torchtitan's cuts). From each, a descent moves
+the solver's split, and it with each cut at the nearest layer boundary; the split of equal compute
+per stage at *cheap cuts* (layer boundaries, where little crosses); and, when there are few cheap
+cuts, every split at them, and when there are few repeated layers, every split between them
+(torchtitan's cuts). From each, a descent moves
 one cut, or one stage, to the next cheap cut or by ``±width`` nodes while the replayed step drops and
 no rule breaks (memory, colocation, data flowing forward), the width halving down to one node, within
 a budget of replays. The result is never slower, by the replay, than the split given, except
-that the fastest split at layer boundaries (enumerated when few, else descended to along them) is
+that the fastest split at layer boundaries (enumerated when few, else descended to along them, or met on the way) is
 kept over a faster one that cuts inside a layer unless that one gains more than
 :attr:`~autosplit.options.PlanOptions.cut_margin`: the fastest of hundreds of splits is predicted
 further ahead than it is, and torchtitan's layouts, which users compare with, cut at layers.
@@ -24,7 +25,6 @@ Usage::
 from __future__ import annotations
 
 import bisect
-import functools
 import itertools
 import logging
 import math
@@ -68,17 +68,19 @@ def refine(
                 out[topo[p]] = s
         return tuple(out)
 
-    @functools.cache  # the layer-aligned splits are replayed twice
+    seen: dict[tuple[int, ...], float] = {}  # every split replayed (the layer-aligned ones are asked for twice)
+
     def step(plan: tuple[int, ...]) -> float:
         """The replayed step, × (1 + :data:`TIE` × the slowest stage's share of the compute): splits
         the replay cannot tell apart (a V's rank holds the same layers in two stages either way) go
         to the evener."""
-        if violations(problem, plan):
-            return math.inf
-        load = [0] * S
-        for n, s in enumerate(plan):
-            load[s] += problem.fastest[n]
-        return predict_step(problem, table, plan, order, options)[0].total * (1 + TIE * max(load) / max(1, sum(load)))
+        if plan not in seen:
+            load = [0] * S
+            for n, s in enumerate(plan):
+                load[s] += problem.fastest[n]
+            seen[plan] = math.inf if violations(problem, plan) else (
+                predict_step(problem, table, plan, order, options)[0].total * (1 + TIE * max(load) / max(1, sum(load))))
+        return seen[plan]
 
     def cuts_of(plan: Sequence[int]) -> list[int] | None:
         """Where ``plan``'s stages change along ``topo``; None when its stages are not contiguous there."""
@@ -94,6 +96,9 @@ def refine(
     even = _even(cheap, work, S)
     if len(even) == S - 1:
         seeds.append(even)
+    snapped = sorted({_nearest(layers, p) for p in given or ()})  # the solver's split at the nearest layer boundaries
+    if len(snapped) == S - 1 and snapped != given:
+        seeds.append(snapped)
     best_plan, best = tuple(stage_of), step(tuple(stage_of))
     # Few cheap cuts, or few boundaries between repeated layers: every split at them is replayed.
     for cuts in (cheap, layers):
@@ -114,6 +119,9 @@ def refine(
     if found is None or set(found) <= set(layers) or len(layers) < S - 1:
         return best_plan
     aligned_plan, aligned = _fastest_at(layers, S, split, step, work, replays)
+    # a split at layer boundaries met on the way (a seed, a descent's step) may beat the one found along them
+    aligned, aligned_plan = min((cost, plan) for plan, cost in [*seen.items(), (aligned_plan, aligned)]
+                                if (cuts := cuts_of(plan)) is not None and set(cuts) <= set(layers))
     if aligned < math.inf and aligned <= best * (1 + options.cut_margin):
         if aligned > best:
             log.info("refine: kept the fastest split at layer boundaries (%.4g s by the replay) over one %.2f %% faster "
