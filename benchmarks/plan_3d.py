@@ -33,7 +33,9 @@ model's, not a measurement. Each row is planned in a fresh process (its peak RSS
   stage recomputed (``--recompute-method block --recompute-num-layers 1``: half of each two-layer stage, the only
   variant between the two); ``NAME:autosplit`` plans the same model, cluster and global batch with every degree and
   the micro-batch count chosen (:data:`PRECISION`, ``checkpointing="auto"``, ``selective="auto"``,
-  ``micro_batches="auto"``, 1F1B), on the same stack: FP8 linears, and the recipe's TP overlap.
+  ``micro_batches="auto"``, 1F1B), on the same stack: FP8 linears, and the recipe's TP overlap;
+  ``megatron-70b:autosplit-recipe-mesh`` plans it on the recipe's own degrees, schedule, stages per rank and
+  micro-batches (TP 4 × PP 8 × VP 5 over DP 2, 64 micro-batches), autosplit choosing the split and the recomputation.
 
 Prints a table and writes ``benchmarks/results/plan_3d.json`` (``--out``); name rows to plan only those.
 
@@ -143,8 +145,8 @@ def _scale_row(kind: str, time_limit: float) -> dict[str, Any]:
     model = _model(r.model)
     cluster = autosplit.Cluster.of(r.gpu, 8 * r.nodes, engine=r.engine)
     tokens = autosplit.Spec((r.rows, SEQ), torch.long)
-    if which in MEGATRON_RECOMPUTE and not r.megatron:  # else it would be costed as the plain recipe, under this name
-        raise SystemExit(f"{kind}: {which} adds Megatron's recompute flags, and {name} is not a Megatron recipe")
+    if (which in MEGATRON_RECOMPUTE or which == "autosplit-recipe-mesh") and not r.megatron:  # read from Megatron's flags
+        raise SystemExit(f"{kind}: {which} reads the recipe's Megatron flags, and {name} is not a Megatron recipe")
     start = time.perf_counter()
     row: dict[str, Any] = {"kind": kind, "published": r.published, "source": r.source}
     try:
@@ -160,9 +162,11 @@ def _scale_row(kind: str, time_limit: float) -> dict[str, Any]:
             plan = planner.manual(autosplit.Recipe(split, data_parallel=r.data_parallel, replicate=r.replicate,
                                                    tensor_parallel=r.tensor_parallel, options=r.options), check_memory=False)
         else:
+            pinned = _recipe_mesh(model, cluster, tokens, r) if which == "autosplit-recipe-mesh" else {
+                "schedule": "1f1b", "micro_batches": "auto", "tensor_parallel": "auto"}
             plan = autosplit.plan(model, cluster, example_inputs=(tokens,), precision=PRECISION, checkpointing="auto",
-                                  selective="auto", schedule="1f1b", micro_batches="auto", tensor_parallel="auto", time_limit=time_limit,
-                                  float8="tensorwise", async_tp=r.async_tp)  # the recipe's stack: its FP8 linears, its TP overlap
+                                  selective="auto", time_limit=time_limit, float8="tensorwise", async_tp=r.async_tp,  # the recipe's stack
+                                  **pinned)
         row.update(_described(plan, r.rows))
     except autosplit.AutosplitError as e:
         row.update(outcome=type(e).__name__, message=str(e).split(". Likely cause")[0][:2000])
@@ -171,9 +175,21 @@ def _scale_row(kind: str, time_limit: float) -> dict[str, Any]:
     return row
 
 
+def _recipe_mesh(model: Any, cluster: Any, tokens: Any, r: Any) -> dict[str, Any]:
+    """The recipe's degrees, schedule, stages per rank and micro-batches, as ``plan`` options: what
+    ``NAME:autosplit-recipe-mesh`` pins, leaving autosplit the split and the recomputation."""
+    import autosplit
+
+    recipe = autosplit.Planner(model, cluster, example_inputs=(tokens,), precision=PRECISION).manual(
+        f"megatron:{r.megatron}", check_memory=False)
+    return {"data_parallel": recipe.data_parallel, "replicate": "fully_shard" if recipe.dp_shard > 1 else "replicate",
+            "tensor_parallel": recipe.tensor_parallel, "schedule": recipe.schedule, "stages_per_rank": recipe.stages_per_rank,
+            "micro_batches": recipe.micro_batches}
+
+
 EIGHT_B = ("recipe:full-ac", "recipe:selective-ac", "recipe:no-ac", "autosplit", "memory:fp32", "memory:bf16-mixed", "memory:bf16-fsdp")
 AT_SCALE = (*(f"{name}:{which}" for name in ("titan-70b", "titan-405b", "megatron-70b") for which in ("recipe", "autosplit")),
-            "megatron-70b:recipe-recompute", "megatron-70b:recipe-recompute-block")
+            "megatron-70b:recipe-recompute", "megatron-70b:recipe-recompute-block", "megatron-70b:autosplit-recipe-mesh")
 MEGATRON_RECOMPUTE = {
     "recipe-recompute": "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1",
     "recipe-recompute-block": "--recompute-granularity full --recompute-method block --recompute-num-layers 1",
@@ -238,7 +254,8 @@ def _summary(by_kind: dict[str, dict[str, Any]]) -> dict[str, Any]:
         elif kind.endswith((":recipe", *(f":{w}" for w in MEGATRON_RECOMPUTE))):
             out[f"{kind}_over_published"] = r["tokens_per_s_per_gpu"] / r["published"]
     pairs = [("autosplit", "recipe:full-ac"), ("autosplit", "recipe:selective-ac"),
-             *((f"{k.split(':')[0]}:autosplit", k) for k in planned if k.endswith((":recipe", *(f":{w}" for w in MEGATRON_RECOMPUTE))))]
+             *((f"{k.split(':')[0]}:autosplit", k) for k in planned if k.endswith((":recipe", *(f":{w}" for w in MEGATRON_RECOMPUTE)))),
+             *((k, f"{k.split(':')[0]}:recipe") for k in planned if k.endswith(":autosplit-recipe-mesh"))]
     for ours, theirs in pairs:
         if ours in planned and theirs in planned:
             out[f"{ours}_over_{theirs}"] = planned[ours]["tokens_per_s_per_gpu"] / planned[theirs]["tokens_per_s_per_gpu"]

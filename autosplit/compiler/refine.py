@@ -30,6 +30,8 @@ import logging
 import math
 from collections.abc import Callable, Sequence
 
+import numpy as np
+
 from autosplit.costtable import CostTable
 from autosplit.options import PlanOptions
 from autosplit.solver.pipeline.dp import topological_order
@@ -75,9 +77,7 @@ def refine(
         the replay cannot tell apart (a V's rank holds the same layers in two stages either way) go
         to the evener."""
         if plan not in seen:
-            load = [0] * S
-            for n, s in enumerate(plan):
-                load[s] += problem.fastest[n]
+            load = np.bincount(plan, weights=problem.fastest, minlength=S)
             seen[plan] = math.inf if violations(problem, plan) else (
                 predict_step(problem, table, plan, order, options)[0].total * (1 + TIE * max(load) / max(1, sum(load))))
         return seen[plan]
@@ -118,10 +118,9 @@ def refine(
     found = cuts_of(best_plan)
     if found is None or set(found) <= set(layers) or len(layers) < S - 1:
         return best_plan
-    aligned_plan, aligned = _fastest_at(layers, S, split, step, work, replays)
-    # a split at layer boundaries met on the way (a seed, a descent's step) may beat the one found along them
-    aligned, aligned_plan = min((cost, plan) for plan, cost in [*seen.items(), (aligned_plan, aligned)]
-                                if (cuts := cuts_of(plan)) is not None and set(cuts) <= set(layers))
+    _fastest_at(layers, S, split, step, work, replays)  # what it replays lands in ``seen``, beside what the seeds met
+    aligned, aligned_plan = min(((cost, plan) for plan, cost in seen.items() if set(cuts_of(plan) or [-1]) <= set(layers)),
+                                default=(math.inf, best_plan))
     if aligned < math.inf and aligned <= best * (1 + options.cut_margin):
         if aligned > best:
             log.info("refine: kept the fastest split at layer boundaries (%.4g s by the replay) over one %.2f %% faster "
