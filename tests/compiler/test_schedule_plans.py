@@ -278,3 +278,23 @@ def test_layer_cuts_are_where_the_repeated_layer_changes():
     paths = ["", "wte", "wpe", "blocks.0.ln", "blocks.0.attn", "", "blocks.1.ln", "blocks.1.mlp.fc", "ln_f", "", "head"]
     assert _layer_cuts(paths, list(range(len(paths)))) == [3, 6, 8]
     assert _layer_cuts(["a", "b.c", ""], [0, 1, 2]) == []  # no numbered layers: none
+
+
+@pytest.mark.parametrize("schedule", ["interleaved1f1b", "zbvzerobubble", "dualpipev"])
+def test_the_solver_holds_a_rank_to_no_less_than_its_plan_reports(schedule):
+    """Several stages per rank: the memory the solver held each rank to (its worst moment, ``Evaluation.rank_memory``)
+    is no less than the plan reports (``rank_peaks``, the replayed action lists: a plan the solver accepts fits)
+    and no more than its stages' own peaks summed with one reserve (what it held a rank to before)."""
+    import numpy as np
+
+    from autosplit.solver.evaluation import evaluate
+    from autosplit.solver.problem import KIB
+
+    planner = _planner(schedule=schedule, stages_per_rank=2, micro_batches=4)
+    plan = planner.plan()
+    _, M, table, _, rules = estimated(planner.traced, planner.specs(), planner.options)
+    _, problem = stage_problem(table, 2, planner.options, M, rules)
+    ev = evaluate(problem, [plan.assignment[name] for name in problem.nodes])
+    summed = np.bincount([problem.rank(s) for s in range(4)], weights=np.asarray(ev.memory) - ev.transient_mem) + ev.transient_mem
+    for reported, held, most in zip(plan.rank_memory, ev.rank_memory, summed):
+        assert reported <= held * KIB and held <= most
