@@ -178,6 +178,11 @@ def coarse_problem(problem: Problem, c: Coarsening) -> Problem:
         state_mem=tuple(sum(problem.state_mem[n] for n in m) for m in blocks),
         act_mem=tuple(total(problem.act_mem, m, S) for m in blocks),
         recv_mem=tuple(total(problem.recv_mem, sorted(sends[b]), S) for b in range(B)),
+        send_mem=tuple(total(problem.send_mem, sorted(sends[b]), S) for b in range(B)) if problem.send_mem else (),
+        buffer_mem=tuple(sum(problem.buffer_mem[n] for n in sends[b]) for b in range(B)) if problem.buffer_mem else (),
+        rank_of=problem.rank_of,  # a rank's stages, their moments and the schedule's steady state, as the nodes' problem has them
+        peaks=problem.peaks,
+        steady=problem.steady,
         capacity=problem.capacity,
         colocate=(),  # coarsen() never lets a colocated group straddle two blocks
         micro_batches=problem.micro_batches,
