@@ -179,3 +179,22 @@ def test_a_clusters_nodes_in_order_keep_the_given_order_without_a_search():
     table, _ = cost_table(planner.traced, mixed, planner.options, micro_batches=8)
     order = choose_order(table, micro_batches=8, schedule="gpipe")
     assert sum(a.island != b.island for a, b in itertools.pairwise(mixed[d] for d in order)) == 1
+
+
+def test_blocks_keep_the_ranks_of_several_stages_each():
+    """Interleaved 1F1B, 4 ranks × 2 stages: the block problem CP-SAT solves keeps which rank runs each stage and
+    the moments a rank's memory may peak, so it costs a split as 4 ranks' work, as the nodes' problem does (no less:
+    a block sends all its members' outputs wherever one crosses)."""
+    from autosplit import schedules
+
+    entry = schedules.lookup("interleaved1f1b")
+    problem, _ = _gpt_problem(layers=8, devices=8, schedule="interleaved1f1b",
+                              rank_of=tuple(entry.rank_of(s, 8, 4) for s in range(8)))
+    order = topological_order(problem)
+    c = coarsen(problem, order, max_cost=sum(sum(r) for r in problem.compute) / 8 / 8 / 4)
+    coarse = coarse_problem(problem, c)
+    assert (coarse.rank_of, coarse.peaks, coarse.ranks) == (problem.rank_of, problem.peaks, 4) and coarse.peaks
+    block_plan = split_dp(coarse, topological_order(coarse))
+    on_blocks, on_nodes = evaluate(coarse, block_plan), evaluate(problem, c.to_nodes(block_plan))
+    assert len(on_blocks.rank_time) == len(on_nodes.rank_time) == 4 and len(on_blocks.rank_memory) == 4
+    assert all(b >= n for b, n in zip(on_blocks.rank_time, on_nodes.rank_time)) and on_blocks.objective >= on_nodes.objective
