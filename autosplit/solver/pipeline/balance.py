@@ -53,6 +53,8 @@ def balance_ranks(
     pre = prefix_sums(problem, order)
     ranks = np.asarray([problem.rank(s) for s in range(S)])
     bounds = np.asarray([0, *(p for p in range(1, N) if stage_of[order[p]] != stage_of[order[p - 1]]), N])
+    if len(bounds) != S + 1 or any(stage_of[order[p]] != s for s in range(S) for p in (bounds[s], bounds[s + 1] - 1)):
+        return tuple(stage_of)  # not S contiguous stages in stage order along ``order``: no cuts to move
     best, key = tuple(stage_of), _key(problem, stage_of)
     first = key
     for _ in range(MOST_MOVES):
@@ -70,7 +72,8 @@ def balance_ranks(
             break
         key, bounds, best = found
     if key != first:
-        log.info("balanced the ranks: objective %d → %d ns, the fullest ranks' work %s → %s", first[0], key[0], first[1][:3], key[1][:3])
+        log.info("balanced the ranks: objective (M steps) %d → %d ns, the fullest ranks' work %s → %s",
+                 first[0], key[0], first[1][:3], key[1][:3])
     return best
 
 
