@@ -227,15 +227,11 @@ class Schedule:
             return micro_batches
         if self.order == "1f1b":
             return min(micro_batches, stages - stage)
-        if self.order == "torch":
+        if self.order == "torch":  # the most its rank's moments hold of it (:meth:`peak_counts`)
             ranks = ranks or stages
-            work = self.actions(ranks, micro_batches, stages // ranks)[self.rank_of(stage, stages, ranks)]
-            held = peak = 0
-            for a in work:
-                if a.stage == stage and a.kind in ("F", "B", "W"):
-                    held += 1 if a.kind == "F" else -1
-                    peak = max(peak, held)
-            return peak
+            rank = self.rank_of(stage, stages, ranks)
+            mine = [s for s in range(stages) if self.rank_of(s, stages, ranks) == rank]
+            return max(moment[mine.index(stage)] for moment in _peak_counts(self, stages, micro_batches, ranks)[rank])
         return stages - stage  # async_1f1b
 
     def peak_counts(self, stages: int, micro_batches: int, ranks: int) -> tuple[tuple[tuple[int, ...], ...], ...]:
@@ -247,9 +243,7 @@ class Schedule:
         first rank's stages peak at 16, 16, 15, 8, 8 micro-batches, but together at no more than 47 of
         those 63 — so a rank's memory is its stages' held memory at its worst moment, not their peaks
         summed. Empty with one stage per rank (a stage's peak is its rank's)."""
-        if self.order != "torch" or stages <= ranks:
-            return ()
-        return _peak_counts(self, stages, micro_batches, ranks)
+        return _peak_counts(self, stages, micro_batches, ranks) if self.order == "torch" and stages > ranks else ()
 
     def stage_order(self, stage: int, stages: int, micro_batches: int) -> list[tuple[str, int]]:
         """The work stage ``stage`` runs in one flushed step, in order: ``("forward" | "backward",

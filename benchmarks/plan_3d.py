@@ -162,11 +162,12 @@ def _scale_row(kind: str, time_limit: float) -> dict[str, Any]:
             plan = planner.manual(autosplit.Recipe(split, data_parallel=r.data_parallel, replicate=r.replicate,
                                                    tensor_parallel=r.tensor_parallel, options=r.options), check_memory=False)
         else:
-            pinned = _recipe_mesh(model, cluster, tokens, r) if which == "autosplit-recipe-mesh" else {
+            planner = autosplit.Planner(model, cluster, example_inputs=(tokens,), precision=PRECISION, checkpointing="auto",
+                                        selective="auto", time_limit=time_limit,
+                                        float8="tensorwise", async_tp=r.async_tp)  # the recipe's stack: FP8 linears, TP overlap
+            pinned = _recipe_mesh(planner, r) if which == "autosplit-recipe-mesh" else {
                 "schedule": "1f1b", "micro_batches": "auto", "tensor_parallel": "auto"}
-            plan = autosplit.plan(model, cluster, example_inputs=(tokens,), precision=PRECISION, checkpointing="auto",
-                                  selective="auto", time_limit=time_limit, float8="tensorwise", async_tp=r.async_tp,  # the recipe's stack
-                                  **pinned)
+            plan = planner.with_options(**pinned).plan()
         row.update(_described(plan, r.rows))
     except autosplit.AutosplitError as e:
         row.update(outcome=type(e).__name__, message=str(e).split(". Likely cause")[0][:2000])
@@ -175,13 +176,11 @@ def _scale_row(kind: str, time_limit: float) -> dict[str, Any]:
     return row
 
 
-def _recipe_mesh(model: Any, cluster: Any, tokens: Any, r: Any) -> dict[str, Any]:
+def _recipe_mesh(planner: Any, r: Any) -> dict[str, Any]:
     """The recipe's degrees, schedule, stages per rank and micro-batches, as ``plan`` options: what
-    ``NAME:autosplit-recipe-mesh`` pins, leaving autosplit the split and the recomputation."""
-    import autosplit
-
-    recipe = autosplit.Planner(model, cluster, example_inputs=(tokens,), precision=PRECISION).manual(
-        f"megatron:{r.megatron}", check_memory=False)
+    ``NAME:autosplit-recipe-mesh`` pins, leaving autosplit the split and the recomputation (read from
+    ``planner``'s capture, which then plans)."""
+    recipe = planner.manual(f"megatron:{r.megatron}", check_memory=False)
     return {"data_parallel": recipe.data_parallel, "replicate": "fully_shard" if recipe.dp_shard > 1 else "replicate",
             "tensor_parallel": recipe.tensor_parallel, "schedule": recipe.schedule, "stages_per_rank": recipe.stages_per_rank,
             "micro_batches": recipe.micro_batches}

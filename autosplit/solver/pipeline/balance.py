@@ -59,7 +59,7 @@ def balance_ranks(
     first = key
     for _ in range(MOST_MOVES):
         found = None
-        for objective, work, cut, p in _moves(problem, pre, ranks, bounds, positions)[:TRIES]:
+        for objective, work, cut, p in _moves(problem, pre, ranks, bounds, positions):
             if (objective, work) >= key:
                 break
             moved = bounds.copy()
