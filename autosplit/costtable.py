@@ -163,6 +163,12 @@ class CostTable:
     """[node][device] seconds the node runs again in the backward when its block recomputes, where tensor
     parallelism's collectives make that differ from its forward (:mod:`autosplit.passes.tp_costs`).
     Empty: its forward, none for a node in ``recompute_keeps``."""
+    float8_recipe: str | None = None
+    """The FP8 recipe the linears in :attr:`float8_linears` are costed in (:mod:`autosplit.passes.float8`); None: none."""
+    float8_linears: tuple[str, ...] = ()
+    """Module paths of the linears costed in FP8."""
+    float8_kept: tuple[tuple[str, str], ...] = ()
+    """(module path, why) of the linears kept in bf16 under a float8 option."""
 
     def row_sparse(self, members: Iterable[int]) -> tuple[int, int]:
         """(``sparse_param_bytes``, ``row_grad_bytes``) of :class:`~autosplit.plans.StageReport` for the nodes ``members``."""

@@ -131,12 +131,21 @@ class PlanOptions:
     reduce_dtype=fp32)``, torchtitan's default: every parameter cast to bf16 once per step, so the
     activations are bf16 too; fp32 master weights, gradients reduced and accumulated in fp32, fp32
     optimizer state; distributed runs only). Costs charge each op at the device's peak for the dtype it computes in."""
-    float8: Float8 | None = None
-    """Linears in FP8, costed (:mod:`autosplit.passes.float8`): ``"tensorwise"`` (one scale per tensor,
-    current scaling: torchao's ``tensorwise``, Transformer Engine's FP8-CS), ``"rowwise"`` (torchao), ``"mxfp8"``
-    (a scale per 32 values). Every linear whose weight is a parameter, but the model's last (the LM head,
-    as both engines leave it), computes its three GEMMs at the device's FP8 peak and pays its casts. Plans
-    are costed, not yet run: generating a float8 plan's stages is refused (issue 64 runs them)."""
+    float8: Float8 | Literal["auto"] | None = None
+    """Linears in FP8 (:mod:`autosplit.passes.float8`), on top of ``"bf16-mixed"`` or ``"bf16-fsdp"``: the recipe
+    — ``"tensorwise"`` (one scale per tensor, current scaling: torchao's ``tensorwise``, Transformer Engine's
+    FP8-CS), ``"rowwise"`` (torchao), ``"mxfp8"`` (a scale per 32 values; costed, not run) — or ``"auto"``:
+    tensorwise where every device has FP8 tensor cores, none otherwise. Each linear is then decided by its
+    cost: it runs in FP8 where its three GEMMs at the FP8 peak and its casts take less than the bf16 GEMMs
+    (torchao's rule), and its dimensions are multiples of 16; :attr:`float8_exclude` keeps others in bf16.
+    On a CPU (no FP8 tensor cores, so no speed to gain) an explicit recipe converts every eligible linear:
+    torchao emulates FP8 there, for its numerics. The plan lists the linears converted and why the others
+    are not (:attr:`~autosplit.plans.Plan.float8_linears`); stages run them with torchao's
+    ``convert_to_float8_training``."""
+    float8_exclude: tuple[str, ...] | None = None
+    """Linears kept in bf16 under :attr:`float8`: each whose module path contains one of these strings
+    (torchtitan's ``filter_fqns`` rule, e.g. ``("lm_head", "router")``). ``None``: the model's output
+    layer — its last linear — as torchtitan's default ``["output"]`` and Transformer Engine leave it."""
     checkpointing: Checkpointing = "none"
     """Activation checkpointing per block (a repeated layer: the units coarsening finds): ``"none"``
     (keep every activation), ``"full"`` (recompute every block in the backward, as torchtitan's
@@ -196,6 +205,8 @@ class PlanOptions:
     field and its default: :class:`~autosplit.options.SolverLimits`."""
 
     def __post_init__(self) -> None:
+        if isinstance(self.float8_exclude, list):  # a list reads as the tuple it lists
+            object.__setattr__(self, "float8_exclude", tuple(self.float8_exclude))
         entry = self._check_schedule()
         self._check_values()
         self._check_checkpointing(entry)
@@ -252,8 +263,11 @@ class PlanOptions:
             raise _bad("limits", self.limits, "a SolverLimits(...), e.g. SolverLimits(cpsat_vars=40_000)")
         if self.precision not in PRECISIONS:
             raise _bad("precision", self.precision, f"one of {PRECISIONS}")
-        if self.float8 is not None and (self.float8 not in FLOAT8 or self.precision not in ("bf16-mixed", "bf16-fsdp")):
-            raise _bad("float8", self.float8, f"None, or one of {FLOAT8} on top of precision 'bf16-mixed' or 'bf16-fsdp'")
+        if self.float8 is not None and (self.float8 not in (*FLOAT8, AUTO) or self.precision not in ("bf16-mixed", "bf16-fsdp")):
+            raise _bad("float8", self.float8, f"None, 'auto' or one of {FLOAT8} on top of precision 'bf16-mixed' or 'bf16-fsdp'")
+        if self.float8_exclude is not None and not (
+                isinstance(self.float8_exclude, tuple) and all(isinstance(f, str) and f for f in self.float8_exclude)):
+            raise _bad("float8_exclude", self.float8_exclude, "None or a tuple of module-path substrings, e.g. ('lm_head', 'router')")
         if self.checkpointing not in CHECKPOINTINGS:
             raise _bad("checkpointing", self.checkpointing, f"one of {CHECKPOINTINGS}")
         if self.expressible_in not in (None, "torchtitan", "megatron"):

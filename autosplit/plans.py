@@ -130,7 +130,12 @@ class Plan:
     precision: str = "fp32"
     """The precision the plan was costed for and its stages run in (:attr:`~autosplit.options.PlanOptions.precision`)."""
     float8: str | None = None
-    """The FP8 recipe its linears were costed in (:attr:`~autosplit.options.PlanOptions.float8`); ``None``: none."""
+    """The FP8 recipe the linears in :attr:`float8_linears` run in (:attr:`~autosplit.options.PlanOptions.float8`,
+    ``"auto"`` resolved); ``None``: none."""
+    float8_linears: tuple[str, ...] = ()
+    """Module paths of the linears the stages run in FP8 (torchao's ``convert_to_float8_training``)."""
+    float8_kept: tuple[tuple[str, str], ...] = ()
+    """(module path, why) of each linear kept in bf16 under a float8 option: filtered, its shape, or FP8 not paying."""
     recompute: tuple[str, ...] = ()
     """Blocks (module paths) whose activations the stages recompute in the backward instead of keeping."""
     recompute_partial: tuple[PartialRecompute, ...] = ()
@@ -326,8 +331,8 @@ class Plan:
             raise _bad(source, "tp_shards", dict(self.tp_shards), "splits a parameter along a dimension other than 0 or 1")
         if self.precision not in PRECISIONS:
             raise _bad(source, "precision", self.precision, f"is not one of {PRECISIONS}")
-        if self.float8 not in (None, *FLOAT8):
-            raise _bad(source, "float8", self.float8, f"is not None or one of {FLOAT8}")
+        if self.float8 not in (None, *FLOAT8) or (self.float8 is None) != (not self.float8_linears):
+            raise _bad(source, "float8", self.float8, f"is not None or one of {FLOAT8}, or disagrees with float8_linears")
         if len(set(self.recompute)) != len(self.recompute) or not all(isinstance(b, str) and b for b in self.recompute):
             raise _bad(source, "recompute", list(self.recompute), "does not name distinct blocks (module paths)")
         for some in self.recompute_partial:

@@ -23,11 +23,10 @@ from autosplit import schedules
 from autosplit.api.planner import Planner, load_plan
 from autosplit.compiler.trace import Traced
 from autosplit.devices import DeviceLike
-from autosplit.errors import AutosplitError, ConstraintError, DistributedError, PlanMismatchError, advice
+from autosplit.errors import AutosplitError, CodegenError, ConstraintError, DistributedError, PlanMismatchError, advice
 from autosplit.microbatch import batch_size
 from autosplit.passes.capture import flat_inputs
 from autosplit.passes.chain import generate_chain, retarget
-from autosplit.passes.float8 import refuse_float8_run
 from autosplit.plans import Plan
 from autosplit.runtime.batches import ChainsByRows, keep_only, meta_copy
 from autosplit.runtime.compiled import CompileOptions, compile_options
@@ -280,8 +279,23 @@ def _agreed_plan(planner: Planner, given: Plan | None, data_parallel: int) -> Pl
 
 
 def _costed_not_run(made: Plan) -> None:
-    """Refuse a plan costed in FP8 (its stages would train in bf16); say that async TP runs synchronously here."""
-    refuse_float8_run(made.float8)
+    """Refuse what a plan is costed for and this runtime does not run yet (FP8 linears under tensor
+    parallelism, or all-gathered by FSDP2 under an asynchronous schedule), before any work; say that
+    async TP runs synchronously here."""
+    if made.float8_linears and made.tensor_parallel > 1:
+        raise CodegenError(advice(
+            f"the plan runs {len(made.float8_linears)} linears in FP8 ({made.float8}) under tensor parallelism {made.tensor_parallel}",
+            "torchao shards FP8 linears with its own styles (Float8ColwiseParallel, Float8RowwiseParallel), which this "
+            "runtime does not apply yet; with torch's, the linears would train in bf16, unlike the plan",
+            "plan with tensor_parallel=1 to run FP8 linears, or with float8=None",
+        ))
+    if made.float8_linears and made.dp_shard > 1 and schedules.lookup(made.schedule).asynchronous:
+        raise CodegenError(advice(
+            f"the plan runs FP8 linears sharded by FSDP2 (dp_shard {made.dp_shard}) under the asynchronous {made.schedule!r} schedule",
+            "FP8 weights all-gathered by FSDP2 need their scales recomputed after every optimizer step, which the "
+            "asynchronous runtime takes inside its run",
+            "plan with a flushed schedule (1f1b, gpipe, …) or replicate='replicate'",
+        ))
     if made.async_tp:
         log.warning("the plan was costed with async tensor parallelism (async_tp=True); this runtime runs the tp collectives "
                     "in turn, so a step takes longer than the plan's %.4g s (the training is the same)", made.step_time)

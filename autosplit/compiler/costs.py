@@ -31,7 +31,7 @@ from autosplit.shapes import is_meta
 from autosplit.solver.problem import UserConstraint
 from autosplit.timers import pinned
 
-__all__ = ["cost_table", "estimated", "sequence_parallel", "tp_fields"]
+__all__ = ["cost_table", "estimated", "float8_fields", "sequence_parallel", "tp_fields"]
 
 
 KEPT_TABLES = 8
@@ -53,8 +53,8 @@ def cost_table(
     if options.costs != "analytic" or options.cost_overrides:
         return _cost_table(traced, specs, options, micro_batches=micro_batches, recompute=recompute, partial=partial,
                            selective=selective, laid=laid)
-    key = (specs, micro_batches, tuple(recompute), tuple(partial), options.precision, options.float8, options.optimizer,
-           options.checkpointing, tuple(options.recompute or ()), selective, options.tp, options.sequence_parallel,
+    key = (specs, micro_batches, tuple(recompute), tuple(partial), options.precision, options.float8, options.float8_exclude,
+           options.optimizer, options.checkpointing, tuple(options.recompute or ()), selective, options.tp, options.sequence_parallel,
            options.async_tp, options.dp_shard, laid)
     kept = traced._tables
     if key not in kept:
@@ -93,14 +93,15 @@ def _cost_table(
         fuses = engine.fuses if (engine := engine_of(specs)) is not None else ()
         estimated = functools.partial(estimate, gm, specs, optimizer=options.optimizer, micro_batches=micro_batches,
                                       profiles=profiles, loss=loss, selective=selective, float8=options.float8,
+                                      float8_exclude=options.float8_exclude,
                                       fusion=Fusion(norms=norm_paths(traced.model) if "norm" in fuses else frozenset(),
                                                     gated="gated" in fuses, fp8_inputs="fp8-inputs" in fuses,
-                                                    fp8_weights="fp8-weights" in fuses and options.float8 == "tensorwise",
+                                                    fp8_weights="fp8-weights" in fuses and options.float8 in ("tensorwise", "auto"),
                                                     attention=specs[0].device_type == "cuda"))
         # the blocks depend on the graph and the devices, not the batch: decided once, on the first table
         # (measured layers need not time alike: there each table decides)
-        key = (traced.fingerprint, options.precision, options.float8, specs, options.checkpointing, tuple(options.recompute or ()),
-               tuple(recompute))
+        key = (traced.fingerprint, options.precision, options.float8, options.float8_exclude, specs, options.checkpointing,
+               tuple(options.recompute or ()), tuple(recompute))
         first = None
         if key not in traced._blocks or profiling is not None:
             first = estimated()
@@ -133,6 +134,11 @@ def tp_fields(traced: Traced, options: PlanOptions) -> dict[str, Any]:
     rules = traced.tp_rules()
     return {"tensor_parallel": options.tp, "tp_shards": _every_name(traced, rules.shards), "tp_whole": dict(rules.replicated),
             "sequence_parallel": sequence_parallel(traced, options), "async_tp": options.async_tp}
+
+
+def float8_fields(table: CostTable) -> dict[str, Any]:
+    """The :class:`~autosplit.plans.Plan` fields of the linears ``table`` costs in FP8 (``"auto"`` resolved)."""
+    return {"float8": table.float8_recipe, "float8_linears": table.float8_linears, "float8_kept": table.float8_kept}
 
 
 def sequence_parallel(traced: Traced, options: PlanOptions) -> bool:

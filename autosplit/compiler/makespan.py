@@ -7,6 +7,7 @@ import dataclasses
 from typing import Any
 
 from autosplit import progress
+from autosplit.compiler.costs import float8_fields
 from autosplit.compiler.prediction import module_stages, stage_modules
 from autosplit.compiler.trace import Traced, versions
 from autosplit.costtable import CostTable
@@ -80,7 +81,7 @@ def compile_makespan(
         module_stages=module_stages(table, stage_of), step_time=makespan, terms=StepTerms(makespan, 0.0, 0.0, 0.0, 0.0),
         micro_batches=1, schedule="makespan", objective="makespan", solver=solver, costs=source, timings=timings, tasks=tasks,
         precision=options.precision,
-        float8=options.float8,
+        **float8_fields(table),
     )
     if given is not None:
         return dataclasses.replace(given, **common, made_with=given.made_with or (given.costs, given.step_time))

@@ -389,7 +389,6 @@ def _costed(
         micro_batches=planner.options.micro_batches_for(len(specs), traced.batch),
         schedule=planner.options.schedule,
         precision=planner.options.precision,
-        float8=planner.options.float8,
         stages_per_rank=v,
         objective="pipeline",
         solver=SolverInfo(name=name, status="MANUAL", objective=0.0, bound=0.0, gap=0.0, wall_time=0.0,

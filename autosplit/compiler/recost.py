@@ -12,12 +12,14 @@ import dataclasses
 import logging
 
 from autosplit import progress
-from autosplit.compiler.costs import cost_table, estimated, tp_fields
+from autosplit.compiler.costs import cost_table, estimated, float8_fields, tp_fields
 from autosplit.compiler.makespan import compile_makespan
 from autosplit.compiler.prediction import module_stages, predict_step, rank_peaks, stage_reports, step_bound
 from autosplit.compiler.recompute import offered
 from autosplit.compiler.trace import Traced
+from autosplit.costtable import CostTable
 from autosplit.devices import DeviceSpec
+from autosplit.errors import PlanMismatchError, advice
 from autosplit.options import PlanOptions
 from autosplit.plans import Plan
 from autosplit.solver import validate
@@ -42,6 +44,7 @@ def recost(
     written without it."""
     given.check_fingerprint(traced.fingerprint, traced.node_names)
     timings, M, table, source, rules = estimated(traced, specs, options)
+    _same_float8(given, table)
     if decide_recompute and table.blocks:
         decided = offered(table, options)
         if None in decided.values():
@@ -76,6 +79,19 @@ def recost(
         terms=terms, shared_params=shared, data_parallel=options.replicas, dp_shard=options.dp_shard, timings=timings,
         **tp_fields(traced, options),
         precision=options.precision,
-        float8=options.float8,
+        **float8_fields(table),
         made_with=given.made_with or (given.costs, given.step_time),
     )
+
+
+def _same_float8(given: Plan, table: CostTable) -> None:
+    """Refuse a saved FP8 plan whose linears these options would convert otherwise (its stages would train
+    another model than it was planned and checked for)."""
+    if given.float8 is not None and (given.float8, given.float8_linears) != (table.float8_recipe, table.float8_linears):
+        ours, theirs = set(table.float8_linears), set(given.float8_linears)
+        raise PlanMismatchError(advice(
+            f"the plan runs {len(theirs)} linears in FP8 ({given.float8}), and these options would run {len(ours)} "
+            f"({table.float8_recipe}): only in the plan {sorted(theirs - ours)[:4]}, only under these options {sorted(ours - theirs)[:4]}",
+            "the linears converted follow from float8, float8_exclude and the devices' costs, which differ from the plan's",
+            "plan with the options the plan was made with (float8, float8_exclude), or re-plan",
+        ))

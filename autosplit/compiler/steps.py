@@ -23,7 +23,7 @@ import dataclasses
 import logging
 
 from autosplit import debug, progress, schedules
-from autosplit.compiler.costs import estimated, tp_fields
+from autosplit.compiler.costs import estimated, float8_fields, tp_fields
 from autosplit.compiler.makespan import compile_makespan
 from autosplit.compiler.prediction import module_stages, predict_step, rank_peaks, stage_reports, step_bound
 from autosplit.compiler.recost import recost
@@ -34,7 +34,7 @@ from autosplit.devices import DeviceSpec
 from autosplit.errors import CodegenError, DeviceError, advice
 from autosplit.options import PlanOptions
 from autosplit.passes.codegen import Program, generate
-from autosplit.passes.float8 import refuse_float8_run
+from autosplit.passes.float8_stages import to_float8
 from autosplit.plans import Alternative, PartialRecompute, Plan, SolverInfo
 from autosplit.solver import validate
 from autosplit.solver.evaluation import evaluate
@@ -97,7 +97,7 @@ def compile_plan(
         schedule=options.schedule,
         stages_per_rank=v,
         precision=options.precision,
-        float8=options.float8,
+        **float8_fields(table),
         recompute=recomputed,
         recompute_partial=partial,
         recompute_selective=options.selective is True and bool(recomputed),
@@ -156,7 +156,6 @@ def codegen(traced: Traced, plan: Plan) -> tuple[Program, dict[str, float]]:
             "its devices hold non-adjacent nodes and run them as their inputs arrive",
             "run it with Planner.build(plan), which returns its MakespanRunner",
         ))
-    refuse_float8_run(plan.float8)
     targets = [plan.devices[d].torch_device for d in plan.stage_devices]
     if None in targets:
         absent = sorted({d.name for d in plan.devices if d.torch_device is None})
@@ -171,6 +170,12 @@ def codegen(traced: Traced, plan: Plan) -> tuple[Program, dict[str, float]]:
     with progress.timed_pass("codegen", timings):
         program = generate(traced.captured, plan.stage_of, [str(t) for t in targets], recompute=plan.recompute,
                            partial=plan.recompute_partial, selective=plan.recompute_selective)
+        converted = set().union(*(to_float8(stage, plan.float8, plan.float8_linears) for stage in program.stages))
+        if converted != set(plan.float8_linears):
+            raise CodegenError(advice(
+                f"the plan runs {sorted(set(plan.float8_linears) - converted)[:3]} in FP8, and no stage holds them as linears",
+                "the plan was made for another version of the model", "re-plan the model",
+            ))
     if debug.stage_code.isEnabledFor(logging.DEBUG):
         for s, (stage, device) in enumerate(zip(program.stages, program.devices)):
             debug.stage_code.debug("stage %d on %s:\n%s", s, device, stage.code.strip())

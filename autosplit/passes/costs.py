@@ -48,14 +48,14 @@ from autosplit.costtable import OPTIMIZER_STATE_BYTES, OVERRIDE_KEYS, SPARSE_REF
 from autosplit.devices import DeviceSpec
 from autosplit.errors import CostModelError, advice
 from autosplit.passes.annotations import NodeInfo, node_info
-from autosplit.passes.float8 import float8_linears
+from autosplit.passes.float8 import choose_float8
 from autosplit.passes.fusion import UNFUSED, Fusion, fused
 from autosplit.passes.input_free import input_free
 from autosplit.passes.memory_model import activation_bytes, describe_blocks, saved_bytes, state_bytes
 from autosplit.passes.outline import outlinable_blocks, unit_targets
 from autosplit.passes.profile import Profile
 from autosplit.passes.selective import keeps_output, refuse_random_attention
-from autosplit.passes.time_model import node_times, optimizer_times, row_sharer, split_costs, wgrad_shares
+from autosplit.passes.time_model import node_roofline, node_times, optimizer_times, row_sharer, split_costs, wgrad_shares
 from autosplit.plans import PartialRecompute
 
 __all__ = ["LossCost", "estimate", "with_overrides"]
@@ -246,7 +246,7 @@ def estimate(
     gm: fx.GraphModule, devices: tuple[DeviceSpec, ...], *, optimizer: str = "adam", profiles: Sequence[Profile | None] | None = None,
     micro_batches: int = 1, blocks: Sequence[tuple[str, Collection[str]]] = (), recompute: Collection[str] = (),
     partial: Sequence[PartialRecompute] = (), selective: bool = False, loss: LossCost | None = None, float8: str | None = None,
-    fusion: Fusion = UNFUSED,
+    float8_exclude: Sequence[str] | None = None, fusion: Fusion = UNFUSED,
 ) -> CostTable:
     """Build the :class:`CostTable` of an annotated graph for ``devices``.
 
@@ -255,7 +255,8 @@ def estimate(
     of those labelled in ``recompute`` are the recomputing ones (:func:`_recompute_costs`; ``partial``: some
     micro-batches keep theirs; ``selective``: keeping their matmuls' and attention's outputs, :mod:`autosplit.passes.selective`).
     ``loss`` (one micro-batch's) is charged to the node that makes the model's output last, every micro-batch's.
-    ``float8``: the recipe its linears compute in (:mod:`autosplit.passes.float8`); ``fusion``: the engine's fused kernels.
+    ``float8``: the recipe its linears compute in, or ``"auto"``, each linear decided by its cost, ``float8_exclude``
+    kept in bf16 (:func:`~autosplit.passes.float8.choose_float8`); ``fusion``: the engine's fused kernels.
     """
     if optimizer not in OPTIMIZER_STATE_BYTES:
         raise CostModelError(advice(
@@ -265,11 +266,12 @@ def estimate(
     profiles = list(profiles or [None] * len(devices))
     nodes = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
     index = {n: i for i, n in enumerate(nodes)}
-    low = None if float8 is None else (float8_linears(gm, nodes), float8)
-    infos = fused(nodes, [node_info(n) for n in nodes], fusion, low[0] if low else ())
-    _refuse_sparse(optimizer, nodes, infos)
     # Identical devices (the common case: 64 of one kind) are costed once.
     kinds = list(dict.fromkeys(devices))
+    raw = [node_info(n) for n in nodes]
+    low = None if float8 is None else choose_float8(gm, nodes, raw, kinds, float8, float8_exclude, node_roofline)
+    infos = fused(nodes, raw, fusion, low.chosen if low else ())
+    _refuse_sparse(optimizer, nodes, infos)
     kind_of = [kinds.index(d) for d in devices]
     per_device = row_sharer(kind_of)
 
@@ -321,4 +323,5 @@ def estimate(
         recompute_keeps=tuple(sorted(keeps)),
         block_transient=block_transient,
         **described,
+        **({} if low is None else {"float8_recipe": low.recipe, "float8_linears": low.linears, "float8_kept": low.kept}),
     )

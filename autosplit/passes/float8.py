@@ -1,4 +1,4 @@
-"""FP8 linears, costed (``PlanOptions.float8``): which linears compute in FP8, and what that costs.
+"""FP8 linears (``PlanOptions.float8``): which linears compute in FP8, and what that costs.
 
 A linear runs its three GEMMs (forward; the gradients to its input and to its weight) at the device's FP8
 peak (:attr:`~autosplit.device_spec.DeviceSpec.peak_flops_fp8`), and pays for the casts that feed them as
@@ -6,20 +6,26 @@ memory-bound work of their own: each operand read in bf16 and written in FP8, wi
 tensor (``tensorwise``, ``rowwise``), a read before to find its absolute maximum; the backward casts the
 output's gradient the same way and transposes the FP8 copies of the input and the weight for the
 gradient GEMMs (``mxfp8`` casts them again along the other axis: its scales run along a row of 32).
-:data:`CAST_TRAFFIC` is that traffic per bf16 byte of each operand. The linears converted are the
-engines' own choice: every linear whose weight is a parameter with both dimensions a multiple of 16
-(what FP8 tensor cores take), but the graph's last, the LM head — torchtitan's ``filter_fqns=["output"]``,
-and Megatron's output layer, which Transformer Engine does not hold.
+:data:`CAST_TRAFFIC` is that traffic per bf16 byte of each operand.
+
+Which linears convert is decided per linear (:func:`choose_float8`), as torchao advises: a linear whose
+weight is a parameter with both dimensions a multiple of 16 (what FP8 tensor cores take), not kept by the
+user's filters (``float8_exclude``: torchtitan's ``filter_fqns`` rule; by default the model's last linear,
+the LM head, as torchtitan's ``["output"]`` and Transformer Engine leave it), runs in FP8 where that is
+faster than bf16 on every device — the GEMM time saved exceeds the casts — and stays bf16 where not, the
+plan saying why. A CPU has no FP8 tensor cores: ``"auto"`` converts nothing there, an explicit recipe every
+eligible linear (torchao emulates FP8 on a CPU, for its numerics; costed as the bf16 GEMM and its casts).
 
 Usage::
 
-    chosen = float8_linears(gm, nodes)
+    choice = choose_float8(gm, nodes, infos, kinds, "auto", None, bf16_times)
     fwd, bwd = float8_times(info, spec, "tensorwise")
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
@@ -27,11 +33,12 @@ from torch import nn
 
 from autosplit.device_spec import DeviceSpec
 from autosplit.engine_profiles import FITTED
-from autosplit.errors import CodegenError, ConstraintError, advice
+from autosplit.errors import ConstraintError, advice
 from autosplit.passes.annotations import NodeInfo
 from autosplit.passes.tensor_parallel import LINEAR_FUNCTIONS
 
-__all__ = ["CAST_TRAFFIC", "float8_linears", "float8_times", "refuse_float8_run", "refuse_without_fp8"]
+__all__ = ["CAST_TRAFFIC", "Float8Choice", "cast_times", "choose_float8", "float8_linears", "float8_times", "linear_path",
+           "refuse_without_fp8"]
 
 CAST_TRAFFIC: dict[str, tuple[float, float, float]] = {
     # (forward: per byte of input + weight; backward: per byte of the output's gradient, per byte of input + weight)
@@ -59,50 +66,117 @@ def _weight(gm: fx.GraphModule, node: fx.Node, params: Mapping[str, torch.Tensor
     return None
 
 
-def float8_linears(gm: fx.GraphModule, nodes: Sequence[fx.Node]) -> frozenset[int]:
-    """Indices into ``nodes`` of the linears that run in FP8 (see the module docstring)."""
+def linear_path(gm: fx.GraphModule, node: fx.Node) -> str:
+    """The module path a linear node's weight belongs to (``blocks.0.fc``): what torchao's filters and the plan name it by."""
+    if node.op == "call_module":
+        return str(node.target)
+    weight = node.args[1] if len(node.args) > 1 else node.kwargs.get("weight")
+    return str(weight.target).rpartition(".")[0] if isinstance(weight, fx.Node) else node.name
+
+
+def float8_linears(gm: fx.GraphModule, nodes: Sequence[fx.Node]) -> dict[int, tuple[str, torch.Tensor]]:
+    """Index into ``nodes`` → (module path, weight) of every linear whose weight is a parameter, in graph order."""
     params = dict(gm.named_parameters(remove_duplicate=False))
-    linears = [(i, w) for i, n in enumerate(nodes) if (w := _weight(gm, n, params)) is not None]
-    return frozenset(i for i, w in linears[:-1] if w.dim() == 2 and w.shape[0] % 16 == 0 and w.shape[1] % 16 == 0)
+    return {i: (linear_path(gm, n), w) for i, n in enumerate(nodes) if (w := _weight(gm, n, params)) is not None}
+
+
+@dataclass(frozen=True)
+class Float8Choice:
+    """The linears a plan runs in FP8 and why the others stay bf16."""
+
+    recipe: str | None
+    """The recipe they run (``"auto"`` resolved); ``None``: none converts."""
+    chosen: frozenset[int]
+    """Indices into the graph's nodes of the FP8 linears."""
+    linears: tuple[str, ...]
+    """Their module paths, in graph order."""
+    kept: tuple[tuple[str, str], ...]
+    """(module path, why it stays bf16) of every other linear, in graph order."""
+
+
+Times = Callable[[fx.Node, NodeInfo, DeviceSpec], tuple[float, float]]
+
+
+def choose_float8(
+    gm: fx.GraphModule, nodes: Sequence[fx.Node], infos: Sequence[NodeInfo], kinds: Sequence[DeviceSpec], recipe: str,
+    exclude: Sequence[str] | None, bf16_times: Times,
+) -> Float8Choice:
+    """Which linears of ``nodes`` run in FP8 under ``recipe`` (or ``"auto"``) on devices ``kinds``, the
+    others with their reason (the module docstring); refuses an explicit recipe on a GPU without FP8."""
+    linears = float8_linears(gm, nodes)
+    last = max(linears, default=-1)
+    if recipe == "auto" and any(d.peak_flops_fp8 is None for d in kinds):
+        lacking = ", ".join(sorted({d.name for d in kinds if d.peak_flops_fp8 is None}))
+        return Float8Choice(None, frozenset(), (), tuple((path, f"{lacking} has no FP8 tensor cores") for path, _ in linears.values()))
+    recipe = "tensorwise" if recipe == "auto" else recipe
+    refuse_without_fp8([d for d in kinds if d.device_type != "cpu"], recipe)
+    chosen, kept = [], []
+    for i, (path, w) in linears.items():
+        why = _excluded(path, exclude, i == last) or _odd_shape(w) or _slower(nodes[i], infos[i], kinds, recipe, bf16_times)
+        (kept.append((path, why)) if why else chosen.append(i))
+    return Float8Choice(recipe if chosen else None, frozenset(chosen), tuple(linears[i][0] for i in chosen), tuple(kept))
+
+
+def _excluded(path: str, exclude: Sequence[str] | None, last: bool) -> str | None:
+    if exclude is None:
+        return "the model's output layer (its last linear), kept in bf16 by default as torchtitan's filter_fqns=['output']" \
+            if last else None
+    hit = next((f for f in exclude if f in path), None)
+    return None if hit is None else f"float8_exclude names {hit!r}"
+
+
+def _odd_shape(w: torch.Tensor) -> str | None:
+    if w.dim() == 2 and w.shape[0] % 16 == 0 and w.shape[1] % 16 == 0:
+        return None
+    return f"its weight is {' × '.join(map(str, w.shape))}: FP8 GEMMs take dimensions that are multiples of 16"
+
+
+def _slower(node: fx.Node, info: NodeInfo, kinds: Sequence[DeviceSpec], recipe: str, bf16_times: Times) -> str | None:
+    """Why FP8 does not pay on some device (its GEMMs saved less than its casts cost), else None; a device
+    without FP8 tensor cores (a CPU, emulating) does not weigh in."""
+    for d in kinds:
+        if d.peak_flops_fp8 is None:
+            continue
+        fp8, bf16 = sum(float8_times(info, d, recipe)), sum(bf16_times(node, info, d))
+        if fp8 >= bf16:
+            return (f"FP8 would take {fp8 * 1e6:.3g} µs forward and backward with its casts on {d.name}, "
+                    f"bf16 {bf16 * 1e6:.3g} µs: the GEMM time saved is less than the casts cost")
+    return None
 
 
 def float8_times(info: NodeInfo, spec: DeviceSpec, recipe: str) -> tuple[float, float]:
     """(forward, backward) seconds of one FP8 linear: its GEMMs at the FP8 peak (or its bytes at the
-    memory bandwidth, the slower), then its casts at the memory bandwidth. A rowwise-scaled GEMM reaches
+    memory bandwidth, the slower), then its casts (:func:`cast_times`). A rowwise-scaled GEMM reaches
     :data:`~autosplit.engine_profiles.FITTED` ``float8.rowwise`` of what a tensorwise one does (its scales
     applied per row in the epilogue: torchao's kernel, the only engine that runs it in the record)."""
-    assert spec.peak_flops_fp8 is not None, "refuse_without_fp8 runs first"
+    assert spec.peak_flops_fp8 is not None, "a device without FP8 costs the bf16 GEMM and cast_times"
     peak = spec.peak_flops_fp8 * (FITTED["float8.rowwise"].value if recipe == "rowwise" else 1.0)
     bandwidth = spec.memory_bandwidth * (spec.memory_efficiency or spec.efficiency)
     nbytes = info.input_bytes + info.output_bytes
-    fwd_in, bwd_out, bwd_in = CAST_TRAFFIC[recipe]
 
     def gemm(flops: float, moved: float) -> float:
         return max(flops / (peak * spec.efficiency), moved / bandwidth) + spec.launch_overhead
 
-    casts = 2 * CAST_KERNELS * spec.launch_overhead
-    fwd = gemm(info.fwd_flops, nbytes) + fwd_in * info.input_bytes / bandwidth + casts
-    bwd = gemm(info.bwd_flops, 2 * nbytes) + (bwd_out * info.output_bytes + bwd_in * info.input_bytes) / bandwidth + casts
-    return fwd, bwd
+    casts = cast_times(info, spec, recipe)
+    return gemm(info.fwd_flops, nbytes) + casts[0], gemm(info.bwd_flops, 2 * nbytes) + casts[1]
+
+
+def cast_times(info: NodeInfo, spec: DeviceSpec, recipe: str) -> tuple[float, float]:
+    """(forward, backward) seconds of one FP8 linear's casts, memory-bound (:data:`CAST_TRAFFIC`), each
+    operand's :data:`CAST_KERNELS` launches paid."""
+    bandwidth = spec.memory_bandwidth * (spec.memory_efficiency or spec.efficiency)
+    fwd_in, bwd_out, bwd_in = CAST_TRAFFIC[recipe]
+    launches = 2 * CAST_KERNELS * spec.launch_overhead
+    return (fwd_in * info.input_bytes / bandwidth + launches,
+            (bwd_out * info.output_bytes + bwd_in * info.input_bytes) / bandwidth + launches)
 
 
 def refuse_without_fp8(devices: Sequence[DeviceSpec], recipe: str) -> None:
-    """A :class:`ConstraintError` where a device has no FP8 tensor cores to cost ``float8=recipe`` on."""
+    """A :class:`ConstraintError` where a GPU has no FP8 tensor cores to run ``float8=recipe`` on."""
     lacking = sorted({d.name for d in devices if d.peak_flops_fp8 is None})
     if lacking:
         raise ConstraintError(advice(
             f"option float8={recipe!r}, and {', '.join(lacking)} has no FP8 tensor cores (no peak_flops_fp8)",
-            "FP8 linears compute at the device's FP8 peak: Hopper and Blackwell GPUs have one, CPUs, V100 and A100 do not",
-            "plan with float8=None, or for a GPU preset with FP8 (H100-80GB, B200-180GB, GB200-186GB, …)",
-        ))
-
-
-def refuse_float8_run(float8: str | None) -> None:
-    """A :class:`CodegenError` for stages of a plan costed in FP8: autosplit does not run FP8 stages yet, and
-    running its linears in bf16 would train slower than the plan says, unlike what it was planned for."""
-    if float8 is not None:
-        raise CodegenError(advice(
-            f"the plan's linears were costed in FP8 (float8={float8!r}), and autosplit does not yet run FP8 stages",
-            "its stages would run the linears in bf16: slower than the plan says, and unlike the FP8 training it was planned for",
-            "plan with float8=None to run it; FP8 costing compares recipes, running them is issue 64",
+            "FP8 linears compute at the device's FP8 peak: Hopper and Blackwell GPUs have one, V100 and A100 do not",
+            "plan with float8=None or 'auto' (which converts nothing there), or for a GPU preset with FP8 (H100-80GB, B200-180GB, …)",
         ))

@@ -28,11 +28,11 @@ import torch.fx as fx
 from autosplit.costtable import OPTIMIZER_SPARSE_STEP, OPTIMIZER_STEP_TRAFFIC
 from autosplit.devices import DeviceSpec
 from autosplit.passes.annotations import NodeInfo
-from autosplit.passes.float8 import float8_times, refuse_without_fp8
+from autosplit.passes.float8 import Float8Choice, cast_times, float8_times
 from autosplit.passes.profile import Profile
 
 __all__ = [
-    "link_time", "node_step_time", "node_times", "optimizer_step_time", "optimizer_times", "roofline", "row_sharer",
+    "link_time", "node_roofline", "node_step_time", "node_times", "optimizer_step_time", "optimizer_times", "roofline", "row_sharer",
     "split_costs", "wgrad_shares",
 ]
 
@@ -76,7 +76,8 @@ def link_time(nbytes: float, a: DeviceSpec, b: DeviceSpec) -> float:
     return latency + nbytes / bandwidth
 
 
-def _times(node: fx.Node, info: NodeInfo, spec: DeviceSpec) -> tuple[float, float]:
+def node_roofline(node: fx.Node, info: NodeInfo, spec: DeviceSpec) -> tuple[float, float]:
+    """(forward, backward) seconds of one node on ``spec``, by the roofline, in the precision it computes in."""
     if node.op not in ("call_function", "call_method", "call_module") or node.target in _FREE_TARGETS:
         return 0.0, 0.0
     nbytes = info.input_bytes + info.output_bytes
@@ -120,16 +121,24 @@ def row_sharer(kind_of: list[int]) -> Callable[[tuple], tuple]:
 
 def node_times(
     nodes: list[fx.Node], infos: list[NodeInfo], kinds: list[DeviceSpec], kind_of: list[int], profiles: list[Profile | None],
-    micro_batches: int, per_device: Callable[[tuple], tuple], float8: tuple[frozenset[int], str] | None = None,
+    micro_batches: int, per_device: Callable[[tuple], tuple], float8: Float8Choice | None = None,
 ) -> tuple[list[tuple[float, ...]], list[tuple[float, ...]]]:
-    """[node][device] forward and backward seconds: the roofline per device kind (``float8``: the nodes
-    that run as FP8 linears and the recipe, :func:`~autosplit.passes.float8.float8_times`), replaced on a
-    profiled device by the node's measured times (one micro-batch, scaled to the whole batch)."""
-    chosen, recipe = float8 or (frozenset(), "")
-    if float8 is not None:
-        refuse_without_fp8(kinds, recipe)
-    by_kind = [[float8_times(info, d, recipe) if i in chosen else _times(n, info, d) for i, (n, info) in enumerate(zip(nodes, infos))]
-               for d in kinds]
+    """[node][device] forward and backward seconds: the roofline per device kind (``float8``: the linears
+    that run in FP8, :func:`~autosplit.passes.float8.float8_times`; emulated on a device without FP8 tensor
+    cores, the bf16 GEMM and its casts), replaced on a profiled device by the node's measured times (one
+    micro-batch, scaled to the whole batch)."""
+    chosen = float8.chosen if float8 is not None else frozenset()
+
+    def times(i: int, n: fx.Node, info: NodeInfo, d: DeviceSpec) -> tuple[float, float]:
+        if i not in chosen:
+            return node_roofline(n, info, d)
+        assert float8 is not None and float8.recipe is not None
+        if d.peak_flops_fp8 is not None:
+            return float8_times(info, d, float8.recipe)
+        (f, b), (cf, cb) = node_roofline(n, info, d), cast_times(info, d, float8.recipe)
+        return f + cf, b + cb
+
+    by_kind = [[times(i, n, info, d) for i, (n, info) in enumerate(zip(nodes, infos))] for d in kinds]
     fwd, bwd = [], []
     for i, n in enumerate(nodes):
         times = [by_kind[k][i] for k in range(len(kinds))]

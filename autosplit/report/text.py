@@ -60,7 +60,7 @@ def plan_report(plan: Plan, width: int = 140) -> str:
     )
     console.print(
         f"predicted step time {_ms(plan.step_time)} ({plan.schedule}, {plan.micro_batches} micro-batches, {plan.precision}"
-        f"{f', linears in FP8 {plan.float8}' if plan.float8 else ''}); "
+        f"{f', {len(plan.float8_linears)} linears in FP8 {plan.float8}' if plan.float8 else ''}); "
         f"{provenance}; costs {plan.costs}; captured by {plan.capture}, graph {plan.fingerprint}"
     )
     for caveat in _caveats(plan):
@@ -74,6 +74,8 @@ def plan_report(plan: Plan, width: int = 140) -> str:
         )
     if plan.tensor_parallel > 1:
         _print_tensor_parallel(console, plan)
+    if plan.float8_linears or plan.float8_kept:
+        _print_float8(console, plan)
     for p in plan.shared_params:
         console.print(
             f"shared parameter {p.name} on stages {list(p.stages)}: {p.policy} "
@@ -133,6 +135,17 @@ def _print_tensor_parallel(console: Any, plan: Plan) -> None:
         console.print(f"  whole on every tp rank: {path or 'the root'}: {why}")
     if len(plan.tp_whole) > 12:
         console.print(f"  … and {len(plan.tp_whole) - 12} more modules kept whole")
+
+
+def _print_float8(console: Any, plan: Plan) -> None:
+    """Which linears run in FP8, and why each other stays bf16."""
+    total = len(plan.float8_linears) + len(plan.float8_kept)
+    console.print(f"FP8 linears ({plan.float8 or 'none'}): {len(plan.float8_linears)} of {total}"
+                  + (f": {_span(plan.float8_linears)}" if plan.float8_linears else ""))
+    for path, why in plan.float8_kept[:12]:
+        console.print(f"  bf16: {path}: {why}")
+    if len(plan.float8_kept) > 12:
+        console.print(f"  … and {len(plan.float8_kept) - 12} more linears kept in bf16")
 
 
 def _print_alternatives(console: Any, plan: Plan) -> None:

@@ -23,7 +23,6 @@ from autosplit.microbatch import batch_size, is_batched
 from autosplit.passes.autocast_reads import refuse_under_autocast
 from autosplit.passes.capture import Captured, capture, fingerprint, flat_inputs, with_defaults
 from autosplit.passes.chain import Chain, generate_chain
-from autosplit.passes.float8 import refuse_float8_run
 from autosplit.passes.param_dtype import capture_dtype
 from autosplit.plans import Plan
 from autosplit.runtime.precision import stage_device_type
@@ -182,7 +181,6 @@ def capture_chain(
             )
         )
     flat = flat_inputs(captured, args, kwargs)
-    refuse_float8_run(plan.float8)
     own = schedules.lookup(plan.schedule).split_backward
     precision = (plan.precision, stage_device_type(plan))
     return generate_chain(captured, plan.stage_of, stages, flat, replicate=replicate, own_outputs=own, precision=precision,

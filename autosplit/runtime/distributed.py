@@ -79,6 +79,7 @@ from autosplit import schedules
 from autosplit.errors import DistributedError, advice
 from autosplit.microbatch import batch_size, is_batched
 from autosplit.passes.chain import Chain
+from autosplit.passes.float8_stages import to_float8
 from autosplit.passes.outline import outline_blocks
 from autosplit.passes.param_dtype import PARAM_CAST
 from autosplit.passes.sharding import sharded_alone
@@ -197,7 +198,8 @@ class DistributedModel(StageState, TrainingLoop, FlushedStep, AsynchronousRun):
         tp_shards: Mapping[int, Mapping[str, int]], reductions: Reductions | None = None,
     ) -> None:
         """Each stage module held in the plan's precision, its parameters split over the mesh's ``tp``
-        (``tp_shards``: stage → local name → dimension; :mod:`autosplit.runtime.tensor_parallel`), compiled
+        (``tp_shards``: stage → local name → dimension; :mod:`autosplit.runtime.tensor_parallel`), its FP8 linears
+        converted first (:mod:`autosplit.passes.float8_stages`), compiled
         under ``compile=`` and kept in step over the mesh's data-parallel sub-mesh (``dp_mesh``): torchtitan's
         order (tensor parallelism, then compile, then FSDP2)."""
         device, layout = self.device, self.layout
@@ -216,6 +218,11 @@ class DistributedModel(StageState, TrainingLoop, FlushedStep, AsynchronousRun):
         for stage_module in modules.values() if alone else ():  # each block a module of its own, FSDP2's hooks around it
             if isinstance(stage_module, torch.fx.GraphModule):  # before compile, as torchtitan wraps blocks (AC → compile → FSDP)
                 log.debug("blocks outlined as FSDP units: %s", outline_blocks(stage_module))
+        all_gather = self.plan.dp_shard > 1 and layout.replicas > 1
+        for stage_module in modules.values():  # FP8 linears before tensor parallelism, compile and FSDP2 (torchtitan's order)
+            to_float8(stage_module, self.plan.float8, self.plan.float8_linears, all_gather=all_gather)
+        self._fp8_all_gather = all_gather and self.plan.float8 == "tensorwise" and bool(self.plan.float8_linears)
+        """FSDP2 all-gathers FP8 weights: their scales are computed before each step (:func:`precompute_scales`)."""
         if layout.tp > 1:  # before compile and FSDP2, as torchtitan orders them
             for s, stage_module in modules.items():
                 parallelize_stage(stage_module, self.mesh["tp"], tp_shards.get(s, {}), reductions)

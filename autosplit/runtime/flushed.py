@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from autosplit.compat import forward_only_step
 from autosplit.errors import DistributedError, advice, causes
+from autosplit.passes.float8_stages import precompute_scales
 from autosplit.runtime.placement import reduce_sparse_gradients
 from autosplit.runtime.precision import cast_inputs, cast_once
 from autosplit.runtime.runs import BatchRuns, Run
@@ -52,6 +53,7 @@ class FlushedStep(BatchRuns):
     _step_losses: list[torch.Tensor]
     _step_micro_batches: int
     _timeline: list[Span] | None
+    _fp8_all_gather: bool
 
     if TYPE_CHECKING:  # DistributedModel's
 
@@ -116,6 +118,8 @@ class FlushedStep(BatchRuns):
                 "re-create it with autosplit.distribute after fixing the cause (and a new process group if it was torn down)",
             ))
         flat = self._to_flat(tuple(inputs), dict(kwargs))
+        if self._fp8_all_gather:  # the weights may have changed since the last step (the optimizer, a load)
+            precompute_scales([self.module])
         rows = self._agree_on_batch(flat, target, targeted=kind != "output")
         run = self._run_for(rows, flat, kind)
         self._step_losses = []

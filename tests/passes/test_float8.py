@@ -1,8 +1,8 @@
-"""FP8 linears, costed (``float8=``): which linears convert, one linear's seconds checked by hand, the refusals."""
+"""FP8 linears, costed (``float8=``): which linears convert and why, one linear's seconds checked by hand, the refusals."""
 
 from __future__ import annotations
 
-import dataclasses
+import json
 
 import pytest
 import torch
@@ -10,11 +10,12 @@ import torch.nn as nn
 
 import autosplit
 from autosplit.devices import PRESETS
-from autosplit.errors import CodegenError, ConstraintError
+from autosplit.errors import ConstraintError, PlanMismatchError
 from autosplit.passes.annotate import annotate
 from autosplit.passes.annotations import node_info
 from autosplit.passes.capture import capture, flat_inputs
 from autosplit.passes.float8 import CAST_KERNELS, CAST_TRAFFIC, float8_linears, float8_times
+from autosplit.report import plan_report
 from tests.helpers import says
 
 
@@ -27,6 +28,18 @@ class _Net(nn.Module):
         return self.head(torch.relu(self.odd(torch.relu(self.up(x)))))
 
 
+class _Wide(nn.Module):
+    """A linear FP8 pays for (4096 → 4096 on 8192 rows), one it does not (4096 → 64: its casts outweigh its GEMM), one of
+    an odd shape and the head."""
+
+    def __init__(self):
+        super().__init__()
+        self.big, self.small, self.odd, self.head = nn.Linear(4096, 4096), nn.Linear(4096, 64), nn.Linear(64, 100), nn.Linear(100, 4096)
+
+    def forward(self, x):
+        return self.head(torch.relu(self.odd(self.small(torch.relu(self.big(x))))))
+
+
 def _annotated(method: str = "symbolic_trace"):
     x = torch.randn(128, 256)
     captured = capture(_Net(), (x,), method=method)
@@ -34,12 +47,38 @@ def _annotated(method: str = "symbolic_trace"):
 
 
 @pytest.mark.parametrize("method", ["symbolic_trace", "export"])
-def test_every_linear_but_the_head_and_odd_shapes_converts(method):
-    """``up`` converts; ``odd`` (100 outputs: not a multiple of 16) and ``head`` (the last linear) stay bf16."""
+def test_every_linear_is_named_by_its_module_path(method):
     gm = _annotated(method)
     nodes = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
-    (chosen,) = [nodes[i] for i in float8_linears(gm, nodes)]
-    assert (str(chosen.target) if chosen.op == "call_module" else str(chosen.args[1].target)) in ("up", "up.weight")
+    assert [path for path, _ in float8_linears(gm, nodes).values()] == ["up", "odd", "head"]
+
+
+def test_each_linear_is_decided_by_its_cost_its_shape_and_the_filters():
+    """On an H100: ``big`` runs FP8; ``small`` would take longer with its casts than in bf16; ``odd`` has 100 outputs (not
+    a multiple of 16); the head is the output layer. The plan says why for each, and a filter replaces the default."""
+    model, x = _Wide(), torch.randn(8192, 4096)
+    plan = autosplit.plan(model, ["H100-80GB"], example_inputs=(x,), precision="bf16-mixed", float8="auto")
+    kept = dict(plan.float8_kept)
+    assert plan.float8 == "tensorwise" and plan.float8_linears == ("big",) and list(kept) == ["small", "odd", "head"]
+    assert "the GEMM time saved is less than the casts cost" in kept["small"] and "100 × 64" in kept["odd"]
+    assert "output layer" in kept["head"]
+    filtered = autosplit.plan(model, ["H100-80GB"], example_inputs=(x,), precision="bf16-mixed", float8="tensorwise",
+                              float8_exclude=["bi"])
+    kept = dict(filtered.float8_kept)
+    assert filtered.float8 is None and filtered.float8_linears == () and kept["big"] == "float8_exclude names 'bi'"
+    assert "4096 × 100" in kept["head"]  # judged once the default filter is replaced: its shape keeps it
+    report = plan_report(plan)
+    assert "FP8 linears (tensorwise): 1 of 4: big" in report and "bf16: small: FP8 would take" in report
+
+
+def test_a_cpu_converts_nothing_under_auto_and_every_eligible_linear_when_asked():
+    """A CPU has no FP8 tensor cores: ``auto`` converts nothing; an explicit recipe converts for torchao's emulation, costed
+    as the bf16 GEMM and its casts (slower)."""
+    model, x = _Wide(), torch.randn(64, 4096)
+    auto = autosplit.plan(model, ["cpu"], example_inputs=(x,), precision="bf16-mixed", float8="auto")
+    assert auto.float8 is None and auto.float8_linears == () and dict(auto.float8_kept)["big"] == "cpu has no FP8 tensor cores"
+    asked = autosplit.plan(model, ["cpu"], example_inputs=(x,), precision="bf16-mixed", float8="tensorwise")
+    assert asked.float8_linears == ("big", "small") and asked.step_time > auto.step_time
 
 
 def test_one_fp8_linear_costs_its_gemms_at_the_fp8_peak_and_its_casts_at_the_bandwidth():
@@ -56,22 +95,24 @@ def test_one_fp8_linear_costs_its_gemms_at_the_fp8_peak_and_its_casts_at_the_ban
     assert CAST_TRAFFIC["mxfp8"][0] < CAST_TRAFFIC["tensorwise"][0]  # one pass per cast, no separate amax read
 
 
-def test_a_float8_plan_is_faster_where_gemms_dominate_and_says_so():
+def test_a_float8_plan_is_faster_where_gemms_dominate_and_round_trips():
     model, x = nn.Sequential(nn.Linear(4096, 4096), nn.GELU(), nn.Linear(4096, 4096), nn.Linear(4096, 4096)), torch.randn(8192, 4096)
     planner = autosplit.Planner(model, ["H100-80GB"], example_inputs=(x,), precision="bf16-mixed")
     bf16, fp8 = planner.plan(), planner.with_options(float8="tensorwise").plan()
-    assert fp8.float8 == "tensorwise" and bf16.float8 is None
+    assert fp8.float8 == "tensorwise" and fp8.float8_linears == ("0", "2") and bf16.float8 is None
     # two of three linears at twice the peak, their casts (2.5 bytes per input byte) and the optimizer step paid as before
     assert 0.5 < fp8.step_time / bf16.step_time < 0.95
     assert planner.with_options(float8="mxfp8").plan().step_time < fp8.step_time  # one pass per cast
-    with pytest.raises(CodegenError) as e:
-        planner.build(dataclasses.replace(bf16, float8="tensorwise"))
-    says(e, "costed in FP8 (float8='tensorwise')", "plan with float8=None")
+    again = autosplit.Plan.from_dict(json.loads(json.dumps(fp8.to_dict())))
+    assert (again.float8, again.float8_linears, again.float8_kept) == (fp8.float8, fp8.float8_linears, fp8.float8_kept)
+    with pytest.raises(PlanMismatchError) as e:  # the saved plan's linears, not those other options would convert
+        planner.with_options(float8="tensorwise", float8_exclude=("2",)).plan(again)
+    says(e, "only in the plan ['2'], only under these options ['3']", "float8_exclude")  # the filter replaced the head's default
 
 
 @pytest.mark.parametrize("devices, options, named", [
     (["A100-80GB"], {"precision": "bf16-mixed", "float8": "tensorwise"}, "A100-80GB has no FP8 tensor cores"),
-    (["cpu"], {"precision": "bf16-mixed", "float8": "mxfp8"}, "cpu has no FP8 tensor cores"),
+    (["H100-80GB"], {"precision": "bf16-mixed", "float8_exclude": "head"}, "option float8_exclude='head' is out of range"),
     (["H100-80GB"], {"precision": "fp32", "float8": "tensorwise"}, "on top of precision 'bf16-mixed' or 'bf16-fsdp'"),
     (["H100-80GB"], {"precision": "bf16-mixed", "float8": "e4m3"}, "option float8='e4m3' is out of range"),
 ])

@@ -1,0 +1,125 @@
+"""FP8 stages train like the unsplit model converted the same way (torchao's float8 training, on a CPU).
+
+The reference is the unsplit model with the plan's linears converted by ``convert_to_float8_training``
+(the same recipe, the same module filter) run under the same autocast, micro-batch by micro-batch and
+copy by copy as the pipeline runs them: every FP8 cast then scales the same rows with the same amax, and
+FSDP2's FP8 all-gather casts each weight with the scale of the whole weight (its amax all-reduced over
+the shards, ``precompute_float8_dynamic_scale_for_fsdp`` before each step) as the unsharded cast does. So
+both compute the same FP8 values and differ only where bf16 and fp32 sums run in another order (the
+pipeline's gradient accumulation, FSDP's reduce-scatter, a tied weight's two gradients): the tolerance
+is bf16-mixed's (tests/runtime/test_precision.py). Were a cast's scale taken over other rows, or a weight
+gathered in FP8 with a stale scale, values would move by FP8 steps (6–12%) and fail it.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import autosplit
+from autosplit.errors import CodegenError
+from tests.helpers import NO_SEARCH, full_tensor, gpt_case, says, where
+from tests.layouts import ROWS, reference_step
+
+float8 = pytest.importorskip("torchao.float8")
+
+STEPS = 3
+MICRO = 2
+TOL: dict[str, Any] = {"rtol": 1e-3, "atol": 1e-4}
+"""bf16-mixed's: the same FP8 values, sums in another order (the module docstring)."""
+
+
+def _converted(model: nn.Module, plan: autosplit.Plan, *, all_gather: bool = False) -> nn.Module:
+    """``model``'s copy with the plan's FP8 linears converted as the stages convert theirs."""
+    config = float8.Float8LinearConfig.from_recipe_name(plan.float8)
+    wanted = set(plan.float8_linears)
+    return float8.convert_to_float8_training(copy.deepcopy(model), module_filter_fn=lambda _, fqn: fqn in wanted, config=config)
+
+
+def _float8_modules(module: nn.Module) -> set[str]:
+    return {name for name, m in module.named_modules() if type(m).__name__ == "Float8Linear"}
+
+
+def test_a_split_fp8_model_trains_like_the_unsplit_fp8_model_and_leaves_the_users_untouched():
+    torch.manual_seed(0)
+    model, args, kwargs, target, loss_fn = gpt_case()
+    before = {n: p.detach().clone() for n, p in model.state_dict().items()}
+    split = autosplit.autosplit(model, ["cpu"] * 2, example_inputs=args, example_kwargs=kwargs, precision="bf16-mixed",
+                                float8="tensorwise", **NO_SEARCH)
+    plan = split.plan
+    assert plan.float8 == "tensorwise" and len(plan.float8_linears) == 8 and [p for p, _ in plan.float8_kept] == ["wte"]  # the tied head: linear(x, wte.weight)
+    assert set().union(*(_float8_modules(s) for s in split.stages)) == set(plan.float8_linears)
+    assert not _float8_modules(model), "the user's model keeps its nn.Linear modules"
+    assert all(torch.equal(model.state_dict()[n], t) for n, t in before.items()), "building changed the user's weights"
+    reference = _converted(model, plan)
+    opt, ref_opt = torch.optim.AdamW(split.parameters(), lr=1e-2), torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    ref_params = dict(reference.named_parameters())
+    for step in range(STEPS):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = loss_fn(split(*args, **kwargs), target)
+        loss.backward()
+        expected = reference_step(reference, args, kwargs, target, loss_fn, 1, "bf16-mixed")
+        torch.testing.assert_close(loss, expected[0], **TOL, msg=where(f"step {step} loss"))
+        for name, p in split.named_parameters():
+            torch.testing.assert_close(p.grad, ref_params[name].grad, **TOL, msg=where(f"step {step} grad {name}"))
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad()
+    for name, p in split.named_parameters():
+        torch.testing.assert_close(p, ref_params[name], **TOL, msg=where(f"{name} after {STEPS} steps"))
+
+
+def _distributed_case(stages: int, copies: int, schedule: str, *, rank: int, world: int) -> None:
+    torch.manual_seed(0)
+    model, args, kwargs, target, loss_fn = gpt_case()
+    unsplit, rows = copy.deepcopy(model), ROWS // copies  # (the stages share the model's modules, which FSDP2 shards)
+    pipe = autosplit.distribute(
+        model, ["cpu"] * stages, example_inputs=tuple(a[:rows] for a in args), example_kwargs={k: v[:rows] for k, v in kwargs.items()},
+        loss_fn=loss_fn, data_parallel=copies, replicate="fully_shard", schedule=schedule, micro_batches=MICRO, **NO_SEARCH,
+        precision="bf16-mixed", float8="tensorwise",
+    )
+    plan = pipe.plan
+    held = _float8_modules(pipe.module)
+    assert held and held <= set(plan.float8_linears), (rank, held)
+    gathered = {m.config.enable_fsdp_float8_all_gather for m in pipe.module.modules() if type(m).__name__ == "Float8Linear"}
+    assert gathered == {copies > 1}, f"rank {rank}: FSDP2 all-gathers the FP8 weights in FP8 exactly when it shards them"
+    reference = _converted(unsplit, plan)
+    mine = slice(pipe.layout.replica * rows, (pipe.layout.replica + 1) * rows)
+    opt, ref_opt = torch.optim.AdamW(pipe.parameters(), lr=1e-2), torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    ref_params = dict(reference.named_parameters())
+    apart = any(p.policy == "replicate" for p in plan.shared_params)
+    for step in range(STEPS):
+        loss = pipe.step(*(a[mine] for a in args), target=target[mine], **{k: v[mine] for k, v in kwargs.items()})
+        expected = reference_step(reference, args, kwargs, target, loss_fn, copies, "bf16-mixed", chunks=MICRO, tied_apart=apart)
+        if pipe.is_last:
+            torch.testing.assert_close(loss, expected[pipe.layout.replica], **TOL, msg=where(f"rank {rank} step {step} loss"))
+        for name, p in pipe.named_parameters():
+            torch.testing.assert_close(full_tensor(p.grad), ref_params[name].grad, **TOL,
+                                       msg=where(f"{stages}×{copies} rank {rank} step {step} grad {name}"))
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad()
+    for name, p in pipe.named_parameters():
+        torch.testing.assert_close(full_tensor(p), ref_params[name], **TOL, msg=where(f"{stages}×{copies} {name} after {STEPS} steps"))
+    pipe.close()
+
+
+def test_fp8_stages_pipelined_and_sharded_on_two_processes_train_like_the_unsplit_fp8_model(gloo):
+    """Two stages (GPipe, 1F1B), and one stage under fully_shard 2 with the weights all-gathered in FP8."""
+    gloo(2).run(_distributed_case, [(2, 1, "gpipe"), (2, 1, "1f1b"), (1, 2, "1f1b")])
+
+
+def test_fp8_stages_two_by_dp_shard_two_on_four_processes_train_like_the_unsplit_fp8_model(gloo):
+    gloo(4).run(_distributed_case, [(2, 2, "1f1b")])
+
+
+def test_fp8_plans_this_runtime_does_not_run_are_refused_by_name():
+    model, args, kwargs, _, _ = gpt_case()
+    planner = autosplit.Planner(model, ["cpu"] * 2, example_inputs=args, example_kwargs=kwargs, precision="bf16-mixed", **NO_SEARCH)
+    with pytest.raises(CodegenError) as e:
+        planner.build(planner.with_options(float8="mxfp8").plan())
+    says(e, "MXFP8 (float8='mxfp8'), costed but not run", "float8='tensorwise'")
