@@ -51,7 +51,8 @@ def test_a_split_fp8_model_trains_like_the_unsplit_fp8_model_and_leaves_the_user
     split = autosplit.autosplit(model, ["cpu"] * 2, example_inputs=args, example_kwargs=kwargs, precision="bf16-mixed",
                                 float8="tensorwise", **NO_SEARCH)
     plan = split.plan
-    assert plan.float8 == "tensorwise" and len(plan.float8_linears) == 8 and [p for p, _ in plan.float8_kept] == ["wte"]  # the tied head: linear(x, wte.weight)
+    # the tied head, linear(x, wte.weight), named by its weight's module
+    assert plan.float8 == "tensorwise" and len(plan.float8_linears) == 8 and [p for p, _ in plan.float8_kept] == ["wte"]
     assert set().union(*(_float8_modules(s) for s in split.stages)) == set(plan.float8_linears)
     assert not _float8_modules(model), "the user's model keeps its nn.Linear modules"
     assert all(torch.equal(model.state_dict()[n], t) for n, t in before.items()), "building changed the user's weights"
