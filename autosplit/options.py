@@ -132,16 +132,15 @@ class PlanOptions:
     activations are bf16 too; fp32 master weights, gradients reduced and accumulated in fp32, fp32
     optimizer state; distributed runs only). Costs charge each op at the device's peak for the dtype it computes in."""
     float8: Float8 | Literal["auto"] | None = None
-    """Linears in FP8 (:mod:`autosplit.passes.float8`), on top of ``"bf16-mixed"`` or ``"bf16-fsdp"``: the recipe
-    — ``"tensorwise"`` (one scale per tensor, current scaling: torchao's ``tensorwise``, Transformer Engine's
-    FP8-CS), ``"rowwise"`` (torchao), ``"mxfp8"`` (a scale per 32 values; costed, not run) — or ``"auto"``:
-    tensorwise where every device has FP8 tensor cores, none otherwise. Each linear is then decided by its
-    cost: it runs in FP8 where its three GEMMs at the FP8 peak and its casts take less than the bf16 GEMMs
-    (torchao's rule), and its dimensions are multiples of 16; :attr:`float8_exclude` keeps others in bf16.
-    On a CPU (no FP8 tensor cores, so no speed to gain) an explicit recipe converts every eligible linear:
-    torchao emulates FP8 there, for its numerics. The plan lists the linears converted and why the others
-    are not (:attr:`~autosplit.plans.Plan.float8_linears`); stages run them with torchao's
-    ``convert_to_float8_training``."""
+    """Linears in FP8 (:mod:`autosplit.passes.float8`), on top of ``"bf16-mixed"`` or ``"bf16-fsdp"``. A recipe —
+    ``"tensorwise"`` (one scale per tensor, current scaling: torchao's ``tensorwise``, Transformer Engine's
+    FP8-CS), ``"rowwise"`` (torchao), ``"mxfp8"`` (a scale per 32 values; costed, not run) — converts every
+    linear whose dimensions are multiples of 16 and that :attr:`float8_exclude` does not keep, as the
+    engines do. ``"auto"`` decides each linear by its cost: tensorwise where its GEMMs at the FP8 peak and
+    its casts take less than in bf16 on every device (torchao's rule), bf16 where not, and nothing on
+    devices without FP8 tensor cores (CPUs, A100, V100). On a CPU an explicit recipe runs torchao's
+    emulation, for its numerics. The plan lists the linears converted and why the others are not
+    (:attr:`~autosplit.plans.Plan.float8_linears`); stages run them with torchao's ``convert_to_float8_training``."""
     float8_exclude: tuple[str, ...] | None = None
     """Linears kept in bf16 under :attr:`float8`: each whose module path contains one of these strings
     (torchtitan's ``filter_fqns`` rule, e.g. ``("lm_head", "router")``). ``None``: the model's output

@@ -37,6 +37,7 @@ from typing import Any
 from autosplit import schedules
 from autosplit.errors import ConstraintError, ExportError, LayerCutError, advice
 from autosplit.megatron_layout import check, format_layout
+from autosplit.plan_records import FP8_SHAPES
 
 Plan = Any
 """A :class:`~autosplit.plans.Plan` (not imported: the plan imports this module for :meth:`~autosplit.plans.Plan.export`)."""
@@ -233,6 +234,7 @@ def torchtitan_config(plan: Plan, names: Names, *, form: str = "toml", parameter
     }
     # without a pipeline, torchtitan accumulates gradients over global / (local · dp) steps: the micro-batches
     param, note = _torchtitan_precision(plan, release)
+    float8 = _torchtitan_float8(plan, names, release, parallelism["data_parallel_shard_degree"] > 1)
     training: dict[str, object] = {"local_batch_size": plan.batch // plan.data_parallel if pp > 1 else micro,
                                    "global_batch_size": plan.batch, "mixed_precision_param": param}
     if release != "0.2" and pp > 1:  # 0.3 captures CUDA graphs by default, which its Trainer.Config refuses under a pipeline
@@ -242,13 +244,50 @@ def torchtitan_config(plan: Plan, names: Names, *, form: str = "toml", parameter
     if form == "python":
         lines = [f"    config.parallelism.{k} = {v!r}\n" for k, v in parallelism.items()]
         lines += [f"    config.training.{k} = {v!r}\n" for k, v in training.items()]
-        return ("from torchtitan.distributed.activation_checkpoint import FullAC\n\n\n" if mode == "full" else "") + (
+        if float8:  # 0.3 converts the model's config tree, as its model_registry(converters=...) does
+            lines.append(f"    config.model_spec.model = Float8LinearConverter.Config({', '.join(f'{k}={v!r}' for k, v in float8.items())})"
+                         ".build().convert(config.model_spec.model)\n")
+        imports = "".join(f"{line}\n" for line in (
+            "from torchtitan.distributed.activation_checkpoint import FullAC" if mode == "full" else "",
+            "from torchtitan.components.quantization.float8 import Float8LinearConverter" if float8 else "") if line)
+        return (imports + "\n\n" if imports else "") + (
             f'def autosplit_layout(config):\n    """Sets autosplit\'s plan on a Trainer.Config of {head}."""\n'
             + (f"    # {note}\n" if note else "") + "".join(lines)
             + f"    config.activation_checkpoint = {'FullAC.Config()' if mode == 'full' else 'None'}\n    return config\n")
     tables: dict[str, dict[str, object]] = {"parallelism": parallelism, "activation_checkpoint": {"mode": mode}, "training": training}
+    if float8:
+        tables |= {"model": {"converters": ["quantize.linear.float8"]}, "quantize.linear.float8": float8}
     return f"# {head}\n# torchtitan 0.3 reads Python configs only: plan.export('torchtitan', form='python')\n" + "\n".join(
         f"[{table}]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in fields.items()) for table, fields in tables.items())
+
+
+def _torchtitan_float8(plan: Plan, names: Names, release: str, sharded: bool) -> dict[str, object]:
+    """torchtitan's float8 converter settings for the plan's FP8 linears (empty without): 0.2's
+    ``[quantize.linear.float8]`` table, 0.3's ``Float8LinearConverter.Config`` fields. torchtitan converts every
+    linear of FP8's shapes that ``filter_fqns`` does not name, so the plan's other bf16 linears must be the
+    output layer alone (named by the release's name for it); 0.3 runs rowwise scaling only."""
+    if plan.float8 is None:
+        return {}
+    if plan.float8 not in ("tensorwise", "rowwise") or (release == "0.3" and plan.float8 != "rowwise"):
+        raise ExportError(advice(
+            f"the plan runs its linears in FP8 {plan.float8!r}", f"torchtitan {release}'s Float8 linear converter runs "
+            + ("rowwise scaling only" if release == "0.3" else "tensorwise and rowwise scaling"),
+            "plan with float8='rowwise' for 0.3" if release == "0.3" else "plan with float8='tensorwise' or 'rowwise'",
+        ))
+    output = names.model_path("output")
+    other = [(p, why) for p, why in plan.float8_kept if p != output and FP8_SHAPES not in why]
+    if other:
+        raise ExportError(advice(
+            f"the plan keeps {len(other)} linears of FP8's shapes in bf16 besides the output layer: {other[:2]}",
+            "torchtitan converts every such linear its filter_fqns do not name, and names the modules in its own llama3 terms",
+            "plan with float8='tensorwise' (or 'rowwise') and float8_exclude=None, which converts as torchtitan does",
+        ))
+    kept = [OUTPUT_NAME[release]] if any(p == output for p, _ in plan.float8_kept) else []
+    if release == "0.3":
+        return {"recipe_name": plan.float8, "filter_fqns": kept}
+    gathered = plan.float8 == "tensorwise" and sharded
+    return {"recipe_name": plan.float8, "filter_fqns": kept, "enable_fsdp_float8_all_gather": gathered,
+            "precompute_float8_dynamic_scale_for_fsdp": gathered}
 
 
 def torchtitan_precision(param: str, *, sharded: bool, split: bool, release: str = "0.2") -> str:
@@ -320,6 +359,7 @@ def megatron_flags(plan: Plan, names: Names, parameters: Collection[str] | None 
     flags += ["--use-megatron-fsdp", "--data-parallel-sharding-strategy optim_grads_params"] if plan.dp_shard > 1 else []
     flags += ["--bf16"] if plan.precision in ("bf16", "bf16-mixed", "bf16-fsdp") else ["--fp16"] if plan.precision == "fp16-mixed" else []
     flags += _megatron_recompute(plan, parts, names)
+    flags += _megatron_float8(plan, names)
     notes = [f"# Megatron-Core {RELEASES['megatron']} (the flags of megatron-lm pretraining), written by autosplit: predicted step "
              f"{plan.step_time:.4g} s",
              f"# virtual pipeline size {plan.stages_per_rank}: Megatron derives it from the layout ({len(parts)} stages over pp {pp}); "
@@ -329,6 +369,28 @@ def megatron_flags(plan: Plan, names: Names, parameters: Collection[str] | None 
         notes.append(f"# stages {idle} hold no layer: the plan finds the step shorter with those ranks idle (Megatron relays "
                      "the activations through them; autosplit does not read such a layout back)")
     return " \\\n  ".join(flags) + "\n" + "\n".join(notes) + "\n"
+
+
+MEGATRON_FP8 = {"tensorwise": "tensorwise", "mxfp8": "mxfp8"}
+"""autosplit's FP8 recipe → Megatron's ``--fp8-recipe`` (Transformer Engine's current scaling, FP8-CS; MXFP8)."""
+
+
+def _megatron_float8(plan: Plan, names: Names) -> list[str]:
+    """Megatron's FP8 flags (Transformer Engine converts every linear of its layers, never the output
+    layer): the plan must run exactly those in FP8, in a recipe Megatron has."""
+    if plan.float8 is None:
+        return []
+    inside = [p for p, why in plan.float8_kept if p != names.model_path("output") and FP8_SHAPES not in why]
+    if plan.float8 not in MEGATRON_FP8 or inside:
+        raise ExportError(advice(
+            f"the plan runs FP8 {plan.float8!r}" + (f" and keeps {inside[:3]} in bf16" if inside else ""),
+            f"Megatron's --fp8-recipe runs {sorted(MEGATRON_FP8)} on every linear of its layers (Transformer Engine), "
+            "and keeps the output layer in bf16", "plan with float8='tensorwise' and float8_exclude=None",
+        ))
+    if not any(p == names.model_path("output") for p, _ in plan.float8_kept):
+        raise ExportError(advice("the plan runs the output layer in FP8", "Transformer Engine converts the layers, not the output "
+                                 "layer", "plan with float8_exclude=None (the output layer kept in bf16)"))
+    return [f"--fp8-format {'hybrid' if plan.float8 == 'tensorwise' else 'e4m3'}", f"--fp8-recipe {MEGATRON_FP8[plan.float8]}"]
 
 
 def _megatron_recompute(plan: Plan, parts: Sequence[Sequence[str]], names: Names) -> list[str]:

@@ -14,7 +14,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-__all__ = ["Alternative", "PartialRecompute", "PlannedTask", "SharedParam", "SolverInfo", "StageReport", "StepTerms"]
+__all__ = ["FP8_SHAPES", "Alternative", "PartialRecompute", "PlannedTask", "SharedParam", "SolverInfo", "StageReport", "StepTerms"]
+
+FP8_SHAPES = "FP8 GEMMs take dimensions that are multiples of 16"
+"""Why a linear of another shape stays bf16 (:attr:`~autosplit.plans.Plan.float8_kept`): the engines skip it themselves."""
 
 
 @dataclass(frozen=True)

@@ -274,3 +274,44 @@ def test_torchtitans_flex_attention_llama_is_refused_saying_what_to_switch_and_i
     with pytest.raises(ExportError, match=r"\(\['blocks', 'blocks.0'\] …\) are not named as") as unknown:
         names_for(["blocks", "blocks.0", "_guards_fn"])
     assert "_guards_fn" not in str(unknown.value)
+
+
+def test_fp8_plans_export_to_both_engines_and_read_back_as_the_same_linears(tmp_path, monkeypatch):
+    """torchtitan 0.3 converts its own Llama's config with the exported ``Float8LinearConverter`` (rowwise; the check of
+    an FP8 GPU passed over on this CPU), 0.2 reads the ``[quantize.linear.float8]`` table, Megatron the ``--fp8-*`` flags;
+    each read back converts the plan's linears — every layer's, the output layer kept in bf16."""
+    from torchtitan.components.quantization import float8 as titan_float8
+
+    monkeypatch.setattr(titan_float8, "has_cuda_capability", lambda *_: True)
+    model = _titan_llama(2)
+    tokens = torch.randint(0, 256, (4, 16))
+    planner = autosplit.Planner(model, ["cpu"] * 2, example_inputs=(tokens,), schedule="1f1b", micro_batches=2, expressible_in="torchtitan",
+                                precision="bf16-fsdp")
+    rowwise = planner.with_options(float8="rowwise").plan()
+    assert len(rowwise.float8_linears) == 10 and [p for p, _ in rowwise.float8_kept] == ["lm_head"]
+    config = Trainer.Config()
+    config.model_spec = titan_llama3.model_registry("debugmodel")
+    namespace: dict[str, Any] = {}
+    exec(compile(planner.export("torchtitan", rowwise, form="python"), "autosplit export", "exec"), namespace)
+    config = namespace["autosplit_layout"](config)
+    converted = [fqn for fqn, cfg, _, _ in config.model_spec.traverse(Linear.Config) if type(cfg).__qualname__.startswith("Float8Linear")]
+    assert converted and all(".layers." in fqn for fqn in converted), converted  # torchtitan's own converter ran on its config
+    back = planner.manual(config)
+    assert (back.float8, back.float8_linears) == ("rowwise", rowwise.float8_linears)
+    planner = planner.with_options(data_parallel=2, replicate="fully_shard")  # 0.2 trains bf16 where FSDP shards
+    tensorwise = planner.with_options(float8="tensorwise").plan()
+    toml = planner.export("torchtitan", tensorwise)
+    assert ('[quantize.linear.float8]\nrecipe_name = "tensorwise"\nfilter_fqns = ["output"]\nenable_fsdp_float8_all_gather = true\n'
+            'precompute_float8_dynamic_scale_for_fsdp = true') in toml
+    (tmp_path / "job.toml").write_text(toml)
+    reader = autosplit.Planner(model, ["cpu"] * 4, example_inputs=(tokens,), precision="bf16-fsdp")  # the whole mesh: pp 2 × dp_shard 2
+    back = reader.manual(f"torchtitan:{tmp_path / 'job.toml'}")
+    assert (back.float8, back.float8_linears) == ("tensorwise", tensorwise.float8_linears)
+    flags = planner.export("megatron", tensorwise)
+    assert "--fp8-format hybrid" in flags and "--fp8-recipe tensorwise" in flags
+    back = reader.manual(f"megatron:{flags}")
+    assert (back.float8, back.float8_linears) == ("tensorwise", tensorwise.float8_linears)
+    with pytest.raises(ExportError, match="torchtitan 0.3's Float8 linear converter runs rowwise scaling only"):
+        planner.export("torchtitan", tensorwise, form="python")
+    with pytest.raises(ExportError, match="keeps 1 linears of FP8's shapes in bf16 besides the output layer"):
+        planner.export("torchtitan", planner.with_options(float8="tensorwise", float8_exclude=("lm_head", "layers.0.attention.wo")).plan())

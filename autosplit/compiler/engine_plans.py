@@ -273,8 +273,59 @@ def torchtitan_recipe(config: Any, names: Names, world: int, num_layers: int) ->
         options["async_tp"] = bool(par.get("enable_async_tensor_parallel", False))
     options["precision"] = torchtitan_precision(str(training.get("mixed_precision_param", "bfloat16")), sharded=shard > 1,
                                                 split=tp > 1 or pp > 1, release=release)
+    options |= torchtitan_float8(config, names, release)
     return Recipe(split=_stage_modules(fqns, names) if fqns else None, data_parallel=max(replicate, shard), tensor_parallel=tp,
                   replicate="fully_shard" if shard > 1 else "replicate", options=options)
+
+
+def torchtitan_float8(config: Any, names: Names, release: str) -> dict[str, Any]:
+    """The ``float8`` and ``float8_exclude`` options of a torchtitan config's float8 linear converter (none
+    without one): 0.2's ``model.converters = ["quantize.linear.float8"]`` with its table, or the
+    ``Float8Linear`` configs a 0.3 model config holds after ``Float8LinearConverter`` (its recipe read from
+    their torchao config). torchtitan converts every linear of FP8's shapes its filters do not name: the
+    options convert those (a recipe, not ``"auto"``); a filter other than the output layer is refused by name."""
+    if release == "0.3":
+        return _titan_converted(config, names)
+    model = config.get("model") or {}
+    converters = list(model.get("converters") or [])
+    if not converters:
+        return {}
+    if converters != ["quantize.linear.float8"]:
+        raise ConstraintError(advice(f"torchtitan model.converters {converters}", "autosplit reads torchtitan 0.2's float8 "
+                                     "linear converter, 'quantize.linear.float8'", "convert with that one alone, or none"))
+    table = ((config.get("quantize") or {}).get("linear") or {}).get("float8") or {}
+    filters = list(table.get("filter_fqns") or [])
+    if any(f != OUTPUT_NAME[release] for f in filters):
+        raise ConstraintError(advice(
+            f"torchtitan float8 filter_fqns {filters}", "autosplit reads torchtitan's filter of the output layer "
+            f"({OUTPUT_NAME[release]!r}); other filters name torchtitan's modules, not the model's",
+            f"filter {OUTPUT_NAME[release]!r} alone, or plan with float8_exclude= in the model's module names"))
+    return {"float8": table.get("recipe_name") or "tensorwise",
+            "float8_exclude": (names.model_path("output"),) if filters else ()}
+
+
+def _titan_converted(config: Any, names: Names) -> dict[str, Any]:
+    """0.3: the recipe and the output's filter from the ``Float8Linear`` configs in ``config.model_spec.model``."""
+    spec = getattr(config, "model_spec", None)
+    if spec is None or not hasattr(spec, "traverse"):
+        return {}
+    from torchao.float8 import Float8LinearConfig  # torchtitan 0.3 builds these configs with it
+    from torchtitan.models.common.linear import Linear  # the config given is torchtitan's: it is installed
+
+    linears = [(fqn.removeprefix("model."), cfg) for fqn, cfg, _, _ in spec.traverse(Linear.Config)]
+    converted = {fqn: getattr(cfg, "_torchao_config", None) for fqn, cfg in linears if type(cfg).__qualname__.startswith("Float8Linear")}
+    if not converted:
+        return {}
+    recipes = {name for name in ("rowwise", "rowwise_with_gw_hp") for c in converted.values()
+               if c == Float8LinearConfig.from_recipe_name(name)}
+    skipped = [fqn for fqn, cfg in linears if fqn not in converted and fqn != OUTPUT_NAME["0.3"]
+               and cfg.in_features % 16 == 0 and cfg.out_features % 16 == 0]
+    if recipes != {"rowwise"} or skipped:
+        raise ConstraintError(advice(
+            f"the torchtitan 0.3 model converts {len(converted)} linears to Float8Linear with recipes {sorted(recipes) or 'unknown'}"
+            + (f" and leaves {skipped[:3]} in bf16" if skipped else ""),
+            "autosplit reads rowwise float8 on every linear of FP8's shapes but the output layer", "convert them so, or plan the recipe"))
+    return {"float8": "rowwise", "float8_exclude": () if OUTPUT_NAME["0.3"] in converted else (names.model_path("output"),)}
 
 
 def nearest_layer_plan(planner: Any, plan: Plan, names: Names | Mapping[str, str] | None = None) -> Plan:

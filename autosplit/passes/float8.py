@@ -8,13 +8,16 @@ output's gradient the same way and transposes the FP8 copies of the input and th
 gradient GEMMs (``mxfp8`` casts them again along the other axis: its scales run along a row of 32).
 :data:`CAST_TRAFFIC` is that traffic per bf16 byte of each operand.
 
-Which linears convert is decided per linear (:func:`choose_float8`), as torchao advises: a linear whose
+Which linears convert is decided per linear (:func:`choose_float8`). Every candidate is a linear whose
 weight is a parameter with both dimensions a multiple of 16 (what FP8 tensor cores take), not kept by the
-user's filters (``float8_exclude``: torchtitan's ``filter_fqns`` rule; by default the model's last linear,
-the LM head, as torchtitan's ``["output"]`` and Transformer Engine leave it), runs in FP8 where that is
-faster than bf16 on every device — the GEMM time saved exceeds the casts — and stays bf16 where not, the
-plan saying why. A CPU has no FP8 tensor cores: ``"auto"`` converts nothing there, an explicit recipe every
-eligible linear (torchao emulates FP8 on a CPU, for its numerics; costed as the bf16 GEMM and its casts).
+user's filters (``float8_exclude``: torchtitan's ``filter_fqns`` rule; by default the model's last
+linear, the LM head, as torchtitan's ``["output"]`` and Transformer Engine leave it). An explicit recipe
+converts every candidate, as the engines do (torchtitan's ``module_filter_fn``, Transformer Engine's
+layers), so a plan read back from an engine's configuration is the model that engine trains. ``"auto"``
+decides by cost, as torchao advises: tensorwise where it is faster than bf16 on every device — the GEMM
+time saved exceeds the casts — and bf16 where not, the plan saying why; on a device without FP8 tensor
+cores (a CPU, an A100) nothing. An explicit recipe on a CPU is torchao's emulation, for its numerics,
+costed as the bf16 GEMM and its casts.
 
 Usage::
 
@@ -36,6 +39,7 @@ from autosplit.engine_profiles import FITTED
 from autosplit.errors import ConstraintError, advice
 from autosplit.passes.annotations import NodeInfo
 from autosplit.passes.tensor_parallel import LINEAR_FUNCTIONS
+from autosplit.plan_records import FP8_SHAPES
 
 __all__ = ["CAST_TRAFFIC", "Float8Choice", "cast_times", "choose_float8", "float8_linears", "float8_times", "linear_path",
            "refuse_without_fp8"]
@@ -101,20 +105,22 @@ def choose_float8(
     gm: fx.GraphModule, nodes: Sequence[fx.Node], infos: Sequence[NodeInfo], kinds: Sequence[DeviceSpec], recipe: str,
     exclude: Sequence[str] | None, bf16_times: Times,
 ) -> Float8Choice:
-    """Which linears of ``nodes`` run in FP8 under ``recipe`` (or ``"auto"``) on devices ``kinds``, the
-    others with their reason (the module docstring); refuses an explicit recipe on a GPU without FP8."""
+    """Which linears of ``nodes`` run in FP8 under ``recipe`` (or ``"auto"``: by cost) on devices ``kinds``,
+    the others with their reason (the module docstring); refuses an explicit recipe on a GPU without FP8."""
     linears = float8_linears(gm, nodes)
     last = max(linears, default=-1)
     if recipe == "auto" and any(d.peak_flops_fp8 is None for d in kinds):
         lacking = ", ".join(sorted({d.name for d in kinds if d.peak_flops_fp8 is None}))
         return Float8Choice(None, frozenset(), (), tuple((path, f"{lacking} has no FP8 tensor cores") for path, _ in linears.values()))
-    recipe = "tensorwise" if recipe == "auto" else recipe
     refuse_without_fp8([d for d in kinds if d.device_type != "cpu"], recipe)
     chosen, kept = [], []
+    by_cost = recipe == "auto"
     for i, (path, w) in linears.items():
-        why = _excluded(path, exclude, i == last) or _odd_shape(w) or _slower(nodes[i], infos[i], kinds, recipe, bf16_times)
+        why = _excluded(path, exclude, i == last) or _odd_shape(w) or (
+            _slower(nodes[i], infos[i], kinds, "tensorwise", bf16_times) if by_cost else None)
         (kept.append((path, why)) if why else chosen.append(i))
-    return Float8Choice(recipe if chosen else None, frozenset(chosen), tuple(linears[i][0] for i in chosen), tuple(kept))
+    resolved = "tensorwise" if by_cost else recipe
+    return Float8Choice(resolved if chosen else None, frozenset(chosen), tuple(linears[i][0] for i in chosen), tuple(kept))
 
 
 def _excluded(path: str, exclude: Sequence[str] | None, last: bool) -> str | None:
@@ -128,15 +134,13 @@ def _excluded(path: str, exclude: Sequence[str] | None, last: bool) -> str | Non
 def _odd_shape(w: torch.Tensor) -> str | None:
     if w.dim() == 2 and w.shape[0] % 16 == 0 and w.shape[1] % 16 == 0:
         return None
-    return f"its weight is {' × '.join(map(str, w.shape))}: FP8 GEMMs take dimensions that are multiples of 16"
+    return f"its weight is {' × '.join(map(str, w.shape))}: {FP8_SHAPES}"
 
 
 def _slower(node: fx.Node, info: NodeInfo, kinds: Sequence[DeviceSpec], recipe: str, bf16_times: Times) -> str | None:
-    """Why FP8 does not pay on some device (its GEMMs saved less than its casts cost), else None; a device
-    without FP8 tensor cores (a CPU, emulating) does not weigh in."""
+    """Why FP8 does not pay on some device of ``kinds`` (every one has FP8 tensor cores): its GEMMs saved
+    less than its casts cost; else None."""
     for d in kinds:
-        if d.peak_flops_fp8 is None:
-            continue
         fp8, bf16 = sum(float8_times(info, d, recipe)), sum(bf16_times(node, info, d))
         if fp8 >= bf16:
             return (f"FP8 would take {fp8 * 1e6:.3g} µs forward and backward with its casts on {d.name}, "

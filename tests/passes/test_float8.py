@@ -54,8 +54,9 @@ def test_every_linear_is_named_by_its_module_path(method):
 
 
 def test_each_linear_is_decided_by_its_cost_its_shape_and_the_filters():
-    """On an H100: ``big`` runs FP8; ``small`` would take longer with its casts than in bf16; ``odd`` has 100 outputs (not
-    a multiple of 16); the head is the output layer. The plan says why for each, and a filter replaces the default."""
+    """On an H100 under ``"auto"``: ``big`` runs FP8; ``small`` would take longer with its casts than in bf16; ``odd`` has
+    100 outputs (not a multiple of 16); the head is the output layer. The plan says why for each. A recipe converts as the
+    engines do (no cost rule), and a filter replaces the default."""
     model, x = _Wide(), torch.randn(8192, 4096)
     plan = autosplit.plan(model, ["H100-80GB"], example_inputs=(x,), precision="bf16-mixed", float8="auto")
     kept = dict(plan.float8_kept)
@@ -64,8 +65,8 @@ def test_each_linear_is_decided_by_its_cost_its_shape_and_the_filters():
     assert "output layer" in kept["head"]
     filtered = autosplit.plan(model, ["H100-80GB"], example_inputs=(x,), precision="bf16-mixed", float8="tensorwise",
                               float8_exclude=["bi"])
-    kept = dict(filtered.float8_kept)
-    assert filtered.float8 is None and filtered.float8_linears == () and kept["big"] == "float8_exclude names 'bi'"
+    kept = dict(filtered.float8_kept)  # a recipe converts as the engines do: every linear of FP8's shapes not filtered
+    assert filtered.float8_linears == ("small",) and kept["big"] == "float8_exclude names 'bi'"
     assert "4096 × 100" in kept["head"]  # judged once the default filter is replaced: its shape keeps it
     report = plan_report(plan)
     assert "FP8 linears (tensorwise): 1 of 4: big" in report and "bf16: small: FP8 would take" in report
