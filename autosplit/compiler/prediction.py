@@ -13,8 +13,7 @@ from autosplit.costtable import CostTable
 from autosplit.devices import DeviceSpec
 from autosplit.engine_profiles import engine_of
 from autosplit.options import PlanOptions
-from autosplit.passes.param_dtype import PARAM_CAST
-from autosplit.passes.sharding import data_parallel_time, gradient_share, sharded_alone
+from autosplit.passes.sharding import data_parallel_time, gathered_share, gradient_share, sharded_alone
 from autosplit.plans import SharedParam, StageReport, StepTerms
 from autosplit.solver.build import tied_costs
 from autosplit.solver.evaluation import evaluate
@@ -122,7 +121,7 @@ def _data_parallel(
             units[s] += table.param_bytes[n] if table.unit_params[n] else 0
     return data_parallel_time(param_bytes, devices, replicas=options.replicas // shards, shards=shards, waits=waits, drains=drains,
                               units=units, compute=[M * (f + b) for f, b in zip(fwd, bwd)],
-                              gathered=0.5 if options.precision in PARAM_CAST else 1.0,
+                              gathered=gathered_share(table, devices, options.precision, shards),
                               reduced=gradient_share(devices, options.precision),
                               passes=M if engine is not None and engine.units_per_micro_batch else 1)
 

@@ -62,7 +62,7 @@ from autosplit.passes.param_dtype import PARAM_CAST
 from autosplit.solver.hybrid import hierarchical_phases, ring_allreduce
 
 __all__ = [
-    "data_parallel_time", "gradient_share", "group_time", "laid_out", "sharded_alone", "unit_totals",
+    "FP8_GATHERED", "data_parallel_time", "gathered_share", "gradient_share", "group_time", "laid_out", "sharded_alone", "unit_totals",
 ]
 
 
@@ -87,6 +87,25 @@ def gradient_share(devices: Sequence[DeviceSpec], precision: str) -> float:
     ``"bf16-fsdp"``), else 1."""
     engine = engine_of(devices)
     return 0.5 if engine is not None and engine.bf16_gradients and precision in ("bf16-mixed", "bf16-fsdp") else 1.0
+
+
+FP8_GATHERED = 0.25
+"""Bytes of an FP8 weight over its fp32 parameter's: what torchao's ``enable_fsdp_float8_all_gather`` moves."""
+
+
+def gathered_share(table: CostTable, devices: Sequence[DeviceSpec], precision: str, dp_shard: int) -> float:
+    """The bytes FSDP's all-gathers move over the fp32 parameters': ½ where FSDP2's policy gathers bf16 copies
+    (``"bf16-fsdp"``), else 1; the weights of FP8 linears under tensorwise scaling, which torchao casts before
+    FSDP2 gathers them (``enable_fsdp_float8_all_gather``), :data:`FP8_GATHERED`. (A linear's bias, gathered as
+    the rest, is counted with its weight: under 0.1% of it at a width of 1,024.) Rowwise scales cannot be
+    gathered so, and Megatron's engines gather as their profiles say."""
+    base = 0.5 if precision in PARAM_CAST else 1.0
+    engine = engine_of(devices)
+    if table.float8_recipe != "tensorwise" or dp_shard <= 1 or (engine is not None and engine.name.startswith("megatron")):
+        return base
+    fp8, total = set(table.float8_linears), sum(table.param_bytes)
+    in_fp8 = sum(b for b, path in zip(table.param_bytes, table.module_paths) if path in fp8)
+    return (base * (total - in_fp8) + FP8_GATHERED * in_fp8) / total if total else base
 
 
 def laid_out(table: CostTable, *, dp_shard: int, alone: bool = False, precision: str = "fp32") -> CostTable:

@@ -122,3 +122,22 @@ def test_float8_is_refused_where_it_cannot_be_costed(devices, options, named):
     with pytest.raises(ConstraintError) as e:
         autosplit.Planner(model, devices, example_inputs=(x,), **options).plan()
     says(e, named)
+
+
+def test_fsdp_gathers_tensorwise_fp8_weights_in_a_byte_each():
+    """By hand: three 4096 × 4096 linears (and biases), two of them FP8 under tensorwise: FSDP2 under its bf16 policy moves
+    ½ of the fp32 bytes for the head and ¼ for the FP8 weights; rowwise, unsharded or bf16, ½ throughout."""
+    from autosplit.compiler.costs import cost_table
+    from autosplit.passes.sharding import gathered_share
+
+    model, x = nn.Sequential(nn.Linear(4096, 4096), nn.GELU(), nn.Linear(4096, 4096), nn.Linear(4096, 4096)), torch.randn(64, 4096)
+    planner = autosplit.Planner(model, ["H100-80GB"], example_inputs=(x,), precision="bf16-fsdp")
+    specs = planner.specs()
+
+    def share(float8, dp_shard: int = 2) -> float:
+        options = planner.options.replace(float8=float8)
+        table, _ = cost_table(planner.traced_for(options), specs, options, micro_batches=1, laid=False)
+        return gathered_share(table, specs, "bf16-fsdp", dp_shard)
+
+    assert share("tensorwise") == pytest.approx((2 * 0.25 + 0.5) / 3)
+    assert share("rowwise") == share(None) == share("tensorwise", dp_shard=1) == 0.5
