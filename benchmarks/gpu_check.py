@@ -1,8 +1,10 @@
 """A GPU check: split = unsplit on one GPU, measured costs beside the H100 roofline, predicted beside measured.
 
 For the built-in GPT (:class:`autosplit.examples.GPT`) and a transformers Llama (built from a small
-``LlamaConfig``, no weights downloaded), each in fp32 and in bf16-mixed (autocast around every
-stage's forward, fp32 master weights):
+``LlamaConfig``, no weights downloaded), each in fp32, in bf16-mixed (autocast around every
+stage's forward, fp32 master weights) and in ``fp8`` (bf16-mixed with ``float8="tensorwise"``: the plan's
+linears run torchao's float8 training, the unsplit copy converted alike; the FP8 linears' costs are the
+analytic FP8 ones, which a profile of the unconverted graph cannot give):
 
 1. **split = unsplit**: the model planned as two stages on one GPU (``["cuda:0", "cuda:0"]``,
    ``schedule="sequential"``: one batch through the stages in turn, what :class:`SplitModule`
@@ -62,8 +64,10 @@ from benchmarks.plan_time import machine
 
 RESULTS = Path(__file__).resolve().parent / "results"
 ROOFLINE = "H100-80GB"
-TOLERANCE = {"fp32": 1e-4, "bf16-mixed": 2e-2}
-"""Largest relative difference of a loss, and of a weight (against the largest weight), split vs unsplit."""
+TOLERANCE = {"fp32": 1e-4, "bf16-mixed": 2e-2, "fp8": 2e-2}
+"""Largest relative difference of a loss, and of a weight (against the largest weight), split vs unsplit. ``"fp8"``:
+bf16-mixed with ``float8="tensorwise"`` (torchao's float8 training on the plan's linears; the unsplit copy converted
+with the same recipe and filter, so both compute the same FP8 values)."""
 MiB = 2**20
 
 # name: (vocab, width, layers, heads, sequence, batch) — the check's sizes, and the CPU smoke test's
@@ -233,14 +237,22 @@ def run_case(name: str, precision: str, size: tuple[int, ...], devices: list[str
     t0 = time.perf_counter()
     model.to(device)
     batch_dev, target_dev = _to(batch, device), target.to(device)
+    float8, computes = ("tensorwise", "bf16-mixed") if precision == "fp8" else (None, precision)
     planner = autosplit.Planner(model, devices, example_inputs=batch_dev["args"], example_kwargs=batch_dev["kwargs"],
-                                loss_fn=token_loss, example_target=target_dev, schedule="sequential", precision=precision,
+                                loss_fn=token_loss, example_target=target_dev, schedule="sequential", precision=computes, float8=float8,
                                 costs="measured", time_limit=time_limit, pin={f"{LAYERS[name]}.0": 0, f"{LAYERS[name]}.{size[2] - 1}": 1})
     plan = planner.plan()
     split = planner.build(plan)
+    if float8:  # the unsplit copy converted as the stages are
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+        wanted = set(plan.float8_linears)
+        convert_to_float8_training(reference, module_filter_fn=lambda _, fqn: fqn in wanted,
+                                   config=Float8LinearConfig.from_recipe_name(float8))
     planning_s = time.perf_counter() - t0
     fields = ("vocab", "width", "layers", "heads", "seq", "batch")
-    out: dict[str, Any] = {"model": name, "precision": precision, "size": dict(zip(fields, size)),
+    out: dict[str, Any] = {"model": name, "precision": precision, "float8_linears": len(plan.float8_linears),
+                           "size": dict(zip(fields, size)),
                            "devices": devices, "nodes": len(plan.assignment), "capture": plan.capture, "costs": plan.costs,
                            "planning_s": planning_s, "timings": dict(plan.timings),
                            "stages": [{"modules": list(s.modules), "nodes": s.nodes, "params": s.params, "compute_s": s.compute,
@@ -249,7 +261,7 @@ def run_case(name: str, precision: str, size: tuple[int, ...], devices: list[str
 
     # split = unsplit: the same steps on the same batch from the same weights
     reference.to(device)
-    mine, theirs = _Trainer(split, device, precision), _Trainer(reference, device, precision)
+    mine, theirs = _Trainer(split, device, computes), _Trainer(reference, device, computes)
     losses = [(mine.step(batch_dev, target_dev), theirs.step(batch_dev, target_dev)) for _ in range(steps)]
     loss_rel = max(abs(a - b) / max(abs(b), 1e-12) for a, b in losses)
     weight_rel = _weights_differ(split, reference)

@@ -43,7 +43,8 @@ def test_the_cpu_smoke_run_checks_split_equals_unsplit_and_writes_its_results(tm
     out = tmp_path / "smoke.json"
     assert gpu_check.main(["--cpu-smoke", "--models", "gpt", "--steps", "2", "--timed-steps", "1", "--out", str(out)]) == 0
     result = json.loads(out.read_text())
-    fp32, bf16 = result["cases"]
-    assert result["passed"] and fp32["equivalence"]["ok"] and bf16["equivalence"]["ok"]
+    fp32, bf16, fp8 = result["cases"]
+    assert result["passed"] and fp32["equivalence"]["ok"] and bf16["equivalence"]["ok"] and fp8["equivalence"]["ok"]
+    assert fp8["float8_linears"] == 8  # every block's four linears, the tied head kept in bf16
     assert fp32["costs_by_op"]["by_op"] and fp32["costs_by_op"]["roofline"] == "H100-80GB"
     assert fp32["step"]["predicted_s"] > 0 and fp32["memory"]["predicted_bytes"] > 0

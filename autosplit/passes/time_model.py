@@ -126,7 +126,7 @@ def node_times(
     """[node][device] forward and backward seconds: the roofline per device kind (``float8``: the linears
     that run in FP8, :func:`~autosplit.passes.float8.float8_times`; emulated on a device without FP8 tensor
     cores, the bf16 GEMM and its casts), replaced on a profiled device by the node's measured times (one
-    micro-batch, scaled to the whole batch)."""
+    micro-batch, scaled to the whole batch) but for the FP8 linears, which the profile timed unconverted."""
     chosen = float8.chosen if float8 is not None else frozenset()
 
     def times(i: int, n: fx.Node, info: NodeInfo, d: DeviceSpec) -> tuple[float, float]:
@@ -142,7 +142,9 @@ def node_times(
     fwd, bwd = [], []
     for i, n in enumerate(nodes):
         times = [by_kind[k][i] for k in range(len(kinds))]
-        got = [(d, prof.nodes[n.name]) for d, prof in enumerate(profiles) if prof is not None and n.name in prof.nodes]
+        # a profile times the captured linear as it is, not in FP8: an FP8 linear keeps its costed times
+        got = [] if i in chosen else [(d, prof.nodes[n.name]) for d, prof in enumerate(profiles)
+                                      if prof is not None and n.name in prof.nodes]
         if not got:
             fwd.append(per_device(tuple(t[0] for t in times)))
             bwd.append(per_device(tuple(t[1] for t in times)))
