@@ -42,6 +42,7 @@ from autosplit.microbatch import batch_size
 from autosplit.options import PlanOptions
 from autosplit.passes.loss import Loss
 from autosplit.passes.param_dtype import PARAM_CAST, capture_dtype
+from autosplit.plan_records import FP8_SHAPES
 from autosplit.plans import Plan
 from autosplit.recipes import Recipe
 from autosplit.report.text import plan_report
@@ -143,9 +144,9 @@ class Planner:
             return self._solve(self.specs(), self.options)
         # A saved plan fixes the schedule and precision it was made for, and (unless devices are given) the devices.
         options = (
-            self.options.replace(objective="makespan", precision=saved.precision, float8=saved.float8) if saved.objective == "makespan"
+            self.options.replace(objective="makespan", precision=saved.precision, **_float8_of(saved)) if saved.objective == "makespan"
             else self.options.replace(schedule=saved.schedule, micro_batches=saved.micro_batches, stages_per_rank=saved.stages_per_rank,
-                                      precision=saved.precision, float8=saved.float8, async_tp=saved.async_tp)
+                                      precision=saved.precision, async_tp=saved.async_tp, **_float8_of(saved))
         )
         specs = saved.devices if self.devices is None else self.specs(options=options)
         if len(specs) != len(saved.devices):
@@ -327,3 +328,13 @@ def autosplit(
     """
     planner = Planner(model, devices, example_inputs=example_inputs, example_kwargs=example_kwargs, **options)
     return planner.build(plan, compile=compile)
+
+
+def _float8_of(saved: Plan) -> dict[str, Any]:
+    """The options that convert a saved plan's FP8 linears again: its recipe, each linear it kept in bf16 but
+    for its shape filtered by name (an ``"auto"`` plan's cost decisions, the output layer); recost checks the
+    result is the plan's (:func:`~autosplit.compiler.recost.recost`)."""
+    if saved.float8 is None:
+        return {"float8": None}
+    return {"float8": saved.float8, "float8_exclude": tuple(p for p, why in saved.float8_kept if FP8_SHAPES not in why)}
+

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -106,9 +107,13 @@ def test_a_float8_plan_is_faster_where_gemms_dominate_and_round_trips():
     assert planner.with_options(float8="mxfp8").plan().step_time < fp8.step_time  # one pass per cast
     again = autosplit.Plan.from_dict(json.loads(json.dumps(fp8.to_dict())))
     assert (again.float8, again.float8_linears, again.float8_kept) == (fp8.float8, fp8.float8_linears, fp8.float8_kept)
-    with pytest.raises(PlanMismatchError) as e:  # the saved plan's linears, not those other options would convert
-        planner.with_options(float8="tensorwise", float8_exclude=("2",)).plan(again)
-    says(e, "only in the plan ['2'], only under these options ['3']", "float8_exclude")  # the filter replaced the head's default
+    # a saved plan converts its own linears, whatever the planner's float8 options: an "auto" plan's cost decisions too
+    assert planner.with_options(float8="rowwise", float8_exclude=("2",)).plan(again).float8_linears == ("0", "2")
+    auto = planner.with_options(float8="auto", float8_exclude=("0",)).plan()
+    assert planner.plan(autosplit.Plan.from_dict(auto.to_dict())).float8_linears == auto.float8_linears == ("2", "3")
+    with pytest.raises(PlanMismatchError) as e:  # a plan whose linears these options do not convert (another model, a hand edit)
+        planner.plan(dataclasses.replace(again, float8_linears=("0",)))
+    says(e, "only in the plan [], only under these options ['2']")
 
 
 @pytest.mark.parametrize("devices, options, named", [
