@@ -251,6 +251,12 @@ class Plan:
                     "re-plan the model with this version",
                 )
             )
+        if data.get("float8") and "float8_linears" not in data:
+            raise PlanFileError(advice(
+                f"{source}: the plan was costed with linears in FP8 ({data['float8']}) by an autosplit that did not record which",
+                "this version runs the linears a plan names (float8_linears), and costed-only FP8 plans named none",
+                "re-plan the model with this version",
+            ))
         plan = read_record(cls, data, "", source)
         plan._check_fields(source)
         return plan

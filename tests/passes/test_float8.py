@@ -11,7 +11,7 @@ import torch.nn as nn
 
 import autosplit
 from autosplit.devices import PRESETS
-from autosplit.errors import ConstraintError, PlanMismatchError
+from autosplit.errors import ConstraintError, PlanFileError, PlanMismatchError
 from autosplit.passes.annotate import annotate
 from autosplit.passes.annotations import node_info
 from autosplit.passes.capture import capture, flat_inputs
@@ -107,6 +107,9 @@ def test_a_float8_plan_is_faster_where_gemms_dominate_and_round_trips():
     assert planner.with_options(float8="mxfp8").plan().step_time < fp8.step_time  # one pass per cast
     again = autosplit.Plan.from_dict(json.loads(json.dumps(fp8.to_dict())))
     assert (again.float8, again.float8_linears, again.float8_kept) == (fp8.float8, fp8.float8_linears, fp8.float8_kept)
+    older = {k: v for k, v in fp8.to_dict().items() if k not in ("float8_linears", "float8_kept")}  # costed, never run
+    with pytest.raises(PlanFileError, match="by an autosplit that did not record which"):
+        autosplit.Plan.from_dict(older)
     # a saved plan converts its own linears, whatever the planner's float8 options: an "auto" plan's cost decisions too
     assert planner.with_options(float8="rowwise", float8_exclude=("2",)).plan(again).float8_linears == ("0", "2")
     auto = planner.with_options(float8="auto", float8_exclude=("0",)).plan()
