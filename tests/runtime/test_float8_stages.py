@@ -14,10 +14,14 @@ gathered in FP8 with a stale scale, values would move by FP8 steps (6–12%) and
 from __future__ import annotations
 
 import copy
+import os
+import shutil
+import tempfile
 from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 
 import autosplit
@@ -106,7 +110,37 @@ def _distributed_case(stages: int, copies: int, schedule: str, *, rank: int, wor
             o.zero_grad()
     for name, p in pipe.named_parameters():
         torch.testing.assert_close(full_tensor(p), ref_params[name], **TOL, msg=where(f"{stages}×{copies} {name} after {STEPS} steps"))
+    _between_steps(pipe, opt, reference, (args, kwargs, target, loss_fn), mine, rank)
     pipe.close()
+
+
+def _between_steps(pipe: Any, opt: torch.optim.Optimizer, reference: nn.Module, case: tuple, mine: slice, rank: int) -> None:
+    """What a loop does between steps, on FP8 stages: an evaluation equals the unsplit FP8 model's; a checkpoint
+    saved (FP8-gathered weights included) loads into a fresh FP8 copy of the unsplit model as the stages hold it."""
+    from autosplit.runtime.checkpoint import load_checkpoint
+
+    args, kwargs, target, loss_fn = case
+    loss = pipe.eval_step(*(a[mine] for a in args), target=target[mine], **{k: v[mine] for k, v in kwargs.items()})
+    part = (mine.stop - mine.start) // MICRO  # the pipeline's micro-batches: each FP8 cast scales the same rows
+    micro = [slice(mine.start + k * part, mine.start + (k + 1) * part) for k in range(MICRO)]
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = [loss_fn(reference(*(a[r] for a in args), **{k: v[r] for k, v in kwargs.items()}), target[r]) for r in micro]
+    if pipe.is_last:
+        torch.testing.assert_close(loss, torch.stack(expected).mean(), **TOL, msg=where(f"rank {rank} eval_step"))
+    folder: list = [tempfile.mkdtemp() if rank == 0 else None]
+    dist.broadcast_object_list(folder, src=0)
+    pipe.save(os.path.join(folder[0], "ckpt"), optimizer=opt)
+    fresh = copy.deepcopy(reference)
+    with torch.no_grad():
+        for p in fresh.parameters():
+            p.zero_()
+    load_checkpoint(os.path.join(folder[0], "ckpt"), fresh)
+    held = dict(fresh.named_parameters())
+    for name, p in pipe.named_parameters():
+        torch.testing.assert_close(full_tensor(p), held[name], rtol=0, atol=0, msg=where(f"rank {rank} {name} loaded from the checkpoint"))
+    dist.barrier()
+    if rank == 0:
+        shutil.rmtree(folder[0])
 
 
 def test_fp8_stages_pipelined_and_sharded_on_two_processes_train_like_the_unsplit_fp8_model(gloo):
