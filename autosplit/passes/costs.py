@@ -242,6 +242,14 @@ def _recompute_costs(
     return saved, sent, transient, bwd
 
 
+def _check_optimizer(optimizer: str) -> None:
+    if optimizer not in OPTIMIZER_STATE_BYTES:
+        raise CostModelError(advice(
+            f"unknown optimizer {optimizer!r}", "the memory model knows the state of these optimizers only",
+            f"choose one of {sorted(OPTIMIZER_STATE_BYTES)}",
+        ))
+
+
 def estimate(
     gm: fx.GraphModule, devices: tuple[DeviceSpec, ...], *, optimizer: str = "adam", profiles: Sequence[Profile | None] | None = None,
     micro_batches: int = 1, blocks: Sequence[tuple[str, Collection[str]]] = (), recompute: Collection[str] = (),
@@ -258,11 +266,7 @@ def estimate(
     ``float8``: the recipe its linears compute in, or ``"auto"``, each linear decided by its cost, ``float8_exclude``
     kept in bf16 (:func:`~autosplit.passes.float8.choose_float8`); ``fusion``: the engine's fused kernels.
     """
-    if optimizer not in OPTIMIZER_STATE_BYTES:
-        raise CostModelError(advice(
-            f"unknown optimizer {optimizer!r}", "the memory model knows the state of these optimizers only",
-            f"choose one of {sorted(OPTIMIZER_STATE_BYTES)}",
-        ))
+    _check_optimizer(optimizer)
     profiles = list(profiles or [None] * len(devices))
     nodes = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
     index = {n: i for i, n in enumerate(nodes)}

@@ -222,7 +222,8 @@ class DistributedModel(StageState, TrainingLoop, FlushedStep, AsynchronousRun):
         for stage_module in modules.values():  # FP8 linears before tensor parallelism, compile and FSDP2 (torchtitan's order)
             to_float8(stage_module, self.plan.float8, self.plan.float8_linears, all_gather=all_gather)
         self._fp8_all_gather = all_gather and self.plan.float8 == "tensorwise" and bool(self.plan.float8_linears)
-        """FSDP2 all-gathers FP8 weights: their scales are computed before each step (:func:`precompute_scales`)."""
+        """FSDP2 all-gathers FP8 weights: their scales are computed before each step
+        (:func:`~autosplit.passes.float8_stages.precompute_scales`)."""
         if layout.tp > 1:  # before compile and FSDP2, as torchtitan orders them
             for s, stage_module in modules.items():
                 parallelize_stage(stage_module, self.mesh["tp"], tp_shards.get(s, {}), reductions)
