@@ -234,7 +234,7 @@ def torchtitan_config(plan: Plan, names: Names, *, form: str = "toml", parameter
     }
     # without a pipeline, torchtitan accumulates gradients over global / (local · dp) steps: the micro-batches
     param, note = _torchtitan_precision(plan, release)
-    float8 = _torchtitan_float8(plan, names, release, parallelism["data_parallel_shard_degree"] > 1)
+    float8 = _torchtitan_float8(plan, names, release, plan.dp_shard > 1)
     training: dict[str, object] = {"local_batch_size": plan.batch // plan.data_parallel if pp > 1 else micro,
                                    "global_batch_size": plan.batch, "mixed_precision_param": param}
     if release != "0.2" and pp > 1:  # 0.3 captures CUDA graphs by default, which its Trainer.Config refuses under a pipeline

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from typing import Any
 
 from autosplit.compiler.costs import sequence_parallel
 from autosplit.compiler.prediction import fill_and_drain, fills
@@ -133,8 +134,9 @@ def memory_proven(whole: CostTable, traced: Traced, degrees: Degrees, options: P
     if options.costs != "analytic" or options.cost_overrides or len({(d.name, d.memory) for d in ranks}) > 1:
         return
     dp, pp = degrees.data_parallel, degrees.pp
-    over_dp = {f: tuple(v // dp for v in getattr(whole, f)) for f in (*BATCH_BYTES, "transient_bytes")}
-    on_ranks = {f: tuple(row * pp for row in getattr(whole, f)) for f in ("fwd_time", "bwd_time", "optimizer_time", "split_cost")}
+    over_dp: dict[str, Any] = {f: tuple(v // dp for v in getattr(whole, f)) for f in (*BATCH_BYTES, "transient_bytes")}
+    on_ranks: dict[str, Any] = {f: tuple(row * pp for row in getattr(whole, f))
+                                for f in ("fwd_time", "bwd_time", "optimizer_time", "split_cost")}
     share = dataclasses.replace(whole, devices=tuple(ranks), **over_dp, **on_ranks, block_transient=whole.block_transient // dp)
     if degrees.tp > 1:
         share = tp_laid_out(share, traced.annotated(options.precision, ranks[0].device_type), traced.tp_rules(), tp=degrees.tp,

@@ -39,6 +39,7 @@ import dataclasses
 import math
 import operator
 from collections.abc import Callable, Collection, Mapping, Sequence
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -161,7 +162,7 @@ def _param_reads(gm: fx.GraphModule, nodes: list[fx.Node]) -> tuple[str, ...]:
 
 
 
-def _state_parts(gm: fx.GraphModule, nodes: list[fx.Node], infos: list[NodeInfo]) -> dict[str, tuple]:
+def _state_parts(gm: fx.GraphModule, nodes: list[fx.Node], infos: list[NodeInfo]) -> dict[str, Any]:
     """The parts of each node's state a data-parallel layout treats apart (:func:`~autosplit.passes.sharding.laid_out`):
     the weight copy, the buffers, and whether its parameters are in an FSDP unit of their own when FSDP
     runs alone: a node of a block the runtime outlines (:func:`outlinable_blocks`, the predicate it
@@ -327,5 +328,5 @@ def estimate(
         recompute_keeps=tuple(sorted(keeps)),
         block_transient=block_transient,
         **described,
-        **({} if low is None else {"float8_recipe": low.recipe, "float8_linears": low.linears, "float8_kept": low.kept}),
+        float8_recipe=low.recipe if low else None, float8_linears=low.linears if low else (), float8_kept=low.kept if low else (),
     )

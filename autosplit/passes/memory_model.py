@@ -15,6 +15,7 @@ Usage::
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping, Sequence
+from typing import Any
 
 import torch.fx as fx
 
@@ -120,7 +121,7 @@ def state_bytes(info: NodeInfo, optimizer: str) -> int:
 def describe_blocks(
     gm: fx.GraphModule, nodes: list[fx.Node], infos: list[NodeInfo], own: list[int], saved: list[int],
     blocks: Sequence[tuple[str, Collection[str]]], micro_batches: int, keeps: Collection[int] = frozenset(),
-) -> dict[str, tuple]:
+) -> dict[str, Any]:
     """The cost table's fields that describe ``blocks`` (label, member node names) as a plan may
     recompute them: members, the bytes recomputing each saves (what its members stop holding, less
     what the checkpoint keeps of its inputs and, selectively, of ``keeps``' outputs; an input that k

@@ -129,7 +129,7 @@ def node_times(
     micro-batch, scaled to the whole batch) but for the FP8 linears, which the profile timed unconverted."""
     chosen = float8.chosen if float8 is not None else frozenset()
 
-    def times(i: int, n: fx.Node, info: NodeInfo, d: DeviceSpec) -> tuple[float, float]:
+    def node_time(i: int, n: fx.Node, info: NodeInfo, d: DeviceSpec) -> tuple[float, float]:
         if i not in chosen:
             return node_roofline(n, info, d)
         assert float8 is not None and float8.recipe is not None
@@ -138,7 +138,7 @@ def node_times(
         (f, b), (cf, cb) = node_roofline(n, info, d), cast_times(info, d, float8.recipe)
         return f + cf, b + cb
 
-    by_kind = [[times(i, n, info, d) for i, (n, info) in enumerate(zip(nodes, infos))] for d in kinds]
+    by_kind = [[node_time(i, n, info, d) for i, (n, info) in enumerate(zip(nodes, infos))] for d in kinds]
     fwd, bwd = [], []
     for i, n in enumerate(nodes):
         times = [by_kind[k][i] for k in range(len(kinds))]

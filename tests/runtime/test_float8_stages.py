@@ -90,7 +90,8 @@ def _distributed_case(stages: int, copies: int, schedule: str, *, rank: int, wor
     plan = pipe.plan
     held = _float8_modules(pipe.module)
     assert held and held <= set(plan.float8_linears), (rank, held)
-    gathered = {m.config.enable_fsdp_float8_all_gather for m in pipe.module.modules() if type(m).__name__ == "Float8Linear"}
+    fp8: list[Any] = [m for m in pipe.module.modules() if type(m).__name__ == "Float8Linear"]
+    gathered = {m.config.enable_fsdp_float8_all_gather for m in fp8}
     assert gathered == {copies > 1}, f"rank {rank}: FSDP2 all-gathers the FP8 weights in FP8 exactly when it shards them"
     reference = _converted(unsplit, plan)
     mine = slice(pipe.layout.replica * rows, (pipe.layout.replica + 1) * rows)
