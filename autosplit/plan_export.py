@@ -285,7 +285,8 @@ def _torchtitan_float8(plan: Plan, names: Names, release: str, sharded: bool) ->
     kept = [OUTPUT_NAME[release]] if any(p == output for p, _ in plan.float8_kept) else []
     if release == "0.3":
         return {"recipe_name": plan.float8, "filter_fqns": kept}
-    gathered = plan.float8 == "tensorwise" and sharded
+    # FP8 all-gathers cast the fp32 shards; the plan gathers the bf16 policy's copies (and costs them so) under "bf16-fsdp"
+    gathered = plan.float8 == "tensorwise" and sharded and plan.precision != "bf16-fsdp"
     return {"recipe_name": plan.float8, "filter_fqns": kept, "enable_fsdp_float8_all_gather": gathered,
             "precompute_float8_dynamic_scale_for_fsdp": gathered}
 

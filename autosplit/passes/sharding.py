@@ -98,10 +98,13 @@ def gathered_share(table: CostTable, devices: Sequence[DeviceSpec], precision: s
     (``"bf16-fsdp"``), else 1; the weights of FP8 linears under tensorwise scaling, which torchao casts before
     FSDP2 gathers them (``enable_fsdp_float8_all_gather``), :data:`FP8_GATHERED`. (A linear's bias, gathered as
     the rest, is counted with its weight: under 0.1% of it at a width of 1,024.) Rowwise scales cannot be
-    gathered so, and Megatron's engines gather as their profiles say."""
+    gathered so; under FSDP2's bf16 policy the runtime gathers bf16 (an FP8 all-gather would cast the fp32
+    shards straight to FP8, skipping the policy's cast: another model than the unsplit one under the policy);
+    Megatron's engines gather as their profiles say."""
     base = 0.5 if precision in PARAM_CAST else 1.0
     engine = engine_of(devices)
-    if table.float8_recipe != "tensorwise" or dp_shard <= 1 or (engine is not None and engine.name.startswith("megatron")):
+    if table.float8_recipe != "tensorwise" or dp_shard <= 1 or precision in PARAM_CAST or (
+            engine is not None and engine.name.startswith("megatron")):
         return base
     fp8, total = set(table.float8_linears), sum(table.param_bytes)
     in_fp8 = sum(b for b, path in zip(table.param_bytes, table.module_paths) if path in fp8)

@@ -133,19 +133,21 @@ def test_float8_is_refused_where_it_cannot_be_costed(devices, options, named):
 
 
 def test_fsdp_gathers_tensorwise_fp8_weights_in_a_byte_each():
-    """By hand: three 4096 × 4096 linears (and biases), two of them FP8 under tensorwise: FSDP2 under its bf16 policy moves
-    ½ of the fp32 bytes for the head and ¼ for the FP8 weights; rowwise, unsharded or bf16, ½ throughout."""
+    """By hand: three 4096 × 4096 linears (and biases), two of them FP8 under tensorwise: sharded in bf16-mixed, FSDP2 moves
+    the fp32 bytes of the head and ¼ of them for the FP8 weights; rowwise or unsharded, the fp32 bytes throughout; under its
+    bf16 policy, ½ throughout (the runtime gathers the policy's bf16 copy there)."""
     from autosplit.compiler.costs import cost_table
     from autosplit.passes.sharding import gathered_share
 
     model, x = nn.Sequential(nn.Linear(4096, 4096), nn.GELU(), nn.Linear(4096, 4096), nn.Linear(4096, 4096)), torch.randn(64, 4096)
-    planner = autosplit.Planner(model, ["H100-80GB"], example_inputs=(x,), precision="bf16-fsdp")
+    planner = autosplit.Planner(model, ["H100-80GB"], example_inputs=(x,), precision="bf16-mixed")
     specs = planner.specs()
 
-    def share(float8, dp_shard: int = 2) -> float:
-        options = planner.options.replace(float8=float8)
+    def share(float8, dp_shard: int = 2, precision: str = "bf16-mixed") -> float:
+        options = planner.options.replace(float8=float8, precision=precision)
         table, _ = cost_table(planner.traced_for(options), specs, options, micro_batches=1, laid=False)
-        return gathered_share(table, specs, "bf16-fsdp", dp_shard)
+        return gathered_share(table, specs, precision, dp_shard)
 
-    assert share("tensorwise") == pytest.approx((2 * 0.25 + 0.5) / 3)
-    assert share("rowwise") == share(None) == share("tensorwise", dp_shard=1) == 0.5
+    assert share("tensorwise") == pytest.approx((2 * 0.25 + 1) / 3)
+    assert share("rowwise") == share(None) == share("tensorwise", dp_shard=1) == 1.0
+    assert share("tensorwise", precision="bf16-fsdp") == 0.5

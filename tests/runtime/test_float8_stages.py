@@ -27,7 +27,7 @@ from torch import nn
 import autosplit
 from autosplit.errors import CodegenError
 from tests.helpers import NO_SEARCH, full_tensor, gpt_case, says, where
-from tests.layouts import ROWS, reference_step
+from tests.layouts import ROWS, forward_in, reference_step
 
 float8 = pytest.importorskip("torchao.float8")
 
@@ -78,21 +78,22 @@ def test_a_split_fp8_model_trains_like_the_unsplit_fp8_model_and_leaves_the_user
         torch.testing.assert_close(p, ref_params[name], **TOL, msg=where(f"{name} after {STEPS} steps"))
 
 
-def _distributed_case(stages: int, copies: int, schedule: str, *, rank: int, world: int) -> None:
+def _distributed_case(stages: int, copies: int, schedule: str, precision: str = "bf16-mixed", *, rank: int, world: int) -> None:
     torch.manual_seed(0)
     model, args, kwargs, target, loss_fn = gpt_case()
     unsplit, rows = copy.deepcopy(model), ROWS // copies  # (the stages share the model's modules, which FSDP2 shards)
     pipe = autosplit.distribute(
         model, ["cpu"] * stages, example_inputs=tuple(a[:rows] for a in args), example_kwargs={k: v[:rows] for k, v in kwargs.items()},
         loss_fn=loss_fn, data_parallel=copies, replicate="fully_shard", schedule=schedule, micro_batches=MICRO, **NO_SEARCH,
-        precision="bf16-mixed", float8="tensorwise",
+        precision=precision, float8="tensorwise",
     )
     plan = pipe.plan
     held = _float8_modules(pipe.module)
     assert held and held <= set(plan.float8_linears), (rank, held)
     fp8: list[Any] = [m for m in pipe.module.modules() if type(m).__name__ == "Float8Linear"]
     gathered = {m.config.enable_fsdp_float8_all_gather for m in fp8}
-    assert gathered == {copies > 1}, f"rank {rank}: FSDP2 all-gathers the FP8 weights in FP8 exactly when it shards them"
+    # FSDP2 all-gathers the FP8 weights in FP8 exactly where it shards fp32 ones (under its bf16 policy, its own cast first)
+    assert gathered == {copies > 1 and precision == "bf16-mixed"}, f"rank {rank}"
     reference = _converted(unsplit, plan)
     mine = slice(pipe.layout.replica * rows, (pipe.layout.replica + 1) * rows)
     opt, ref_opt = torch.optim.AdamW(pipe.parameters(), lr=1e-2), torch.optim.AdamW(reference.parameters(), lr=1e-2)
@@ -100,7 +101,7 @@ def _distributed_case(stages: int, copies: int, schedule: str, *, rank: int, wor
     apart = any(p.policy == "replicate" for p in plan.shared_params)
     for step in range(STEPS):
         loss = pipe.step(*(a[mine] for a in args), target=target[mine], **{k: v[mine] for k, v in kwargs.items()})
-        expected = reference_step(reference, args, kwargs, target, loss_fn, copies, "bf16-mixed", chunks=MICRO, tied_apart=apart)
+        expected = reference_step(reference, args, kwargs, target, loss_fn, copies, precision, chunks=MICRO, tied_apart=apart)
         if pipe.is_last:
             torch.testing.assert_close(loss, expected[pipe.layout.replica], **TOL, msg=where(f"rank {rank} step {step} loss"))
         for name, p in pipe.named_parameters():
@@ -111,11 +112,12 @@ def _distributed_case(stages: int, copies: int, schedule: str, *, rank: int, wor
             o.zero_grad()
     for name, p in pipe.named_parameters():
         torch.testing.assert_close(full_tensor(p), ref_params[name], **TOL, msg=where(f"{stages}×{copies} {name} after {STEPS} steps"))
-    _between_steps(pipe, opt, reference, (args, kwargs, target, loss_fn), mine, rank)
+    _between_steps(pipe, opt, reference, (args, kwargs, target, loss_fn), mine, rank, precision)
     pipe.close()
 
 
-def _between_steps(pipe: Any, opt: torch.optim.Optimizer, reference: nn.Module, case: tuple, mine: slice, rank: int) -> None:
+def _between_steps(pipe: Any, opt: torch.optim.Optimizer, reference: nn.Module, case: tuple, mine: slice, rank: int,
+                   precision: str) -> None:
     """What a loop does between steps, on FP8 stages: an evaluation equals the unsplit FP8 model's; a checkpoint
     saved (FP8-gathered weights included) loads into a fresh FP8 copy of the unsplit model as the stages hold it."""
     from autosplit.runtime.checkpoint import load_checkpoint
@@ -124,8 +126,9 @@ def _between_steps(pipe: Any, opt: torch.optim.Optimizer, reference: nn.Module, 
     loss = pipe.eval_step(*(a[mine] for a in args), target=target[mine], **{k: v[mine] for k, v in kwargs.items()})
     part = (mine.stop - mine.start) // MICRO  # the pipeline's micro-batches: each FP8 cast scales the same rows
     micro = [slice(mine.start + k * part, mine.start + (k + 1) * part) for k in range(MICRO)]
-    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
-        expected = [loss_fn(reference(*(a[r] for a in args), **{k: v[r] for k, v in kwargs.items()}), target[r]) for r in micro]
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16-mixed"):
+        expected = [loss_fn(forward_in(reference, precision, tuple(a[r] for a in args), {k: v[r] for k, v in kwargs.items()}), target[r])
+                    for r in micro]
     if pipe.is_last:
         torch.testing.assert_close(loss, torch.stack(expected).mean(), **TOL, msg=where(f"rank {rank} eval_step"))
     folder: list = [tempfile.mkdtemp() if rank == 0 else None]
@@ -145,8 +148,9 @@ def _between_steps(pipe: Any, opt: torch.optim.Optimizer, reference: nn.Module, 
 
 
 def test_fp8_stages_pipelined_and_sharded_on_two_processes_train_like_the_unsplit_fp8_model(gloo):
-    """Two stages (GPipe, 1F1B), and one stage under fully_shard 2 with the weights all-gathered in FP8."""
-    gloo(2).run(_distributed_case, [(2, 1, "gpipe"), (2, 1, "1f1b"), (1, 2, "1f1b")])
+    """Two stages (GPipe, 1F1B), one stage under fully_shard 2 with the weights all-gathered in FP8, and the same under
+    FSDP2's bf16 policy (its bf16 copies gathered, then cast to FP8, as the unsplit model under the policy does)."""
+    gloo(2).run(_distributed_case, [(2, 1, "gpipe"), (2, 1, "1f1b"), (1, 2, "1f1b"), (1, 2, "1f1b", "bf16-fsdp")])
 
 
 def test_fp8_stages_two_by_dp_shard_two_on_four_processes_train_like_the_unsplit_fp8_model(gloo):
