@@ -16,7 +16,7 @@ from autosplit.passes.annotate import annotate
 from autosplit.passes.annotations import node_info
 from autosplit.passes.capture import capture, flat_inputs
 from autosplit.passes.float8 import CAST_KERNELS, CAST_TRAFFIC, float8_linears, float8_times
-from autosplit.report import plan_report
+from autosplit.report import plan_report, write_html
 from tests.helpers import says
 
 
@@ -54,7 +54,7 @@ def test_every_linear_is_named_by_its_module_path(method):
     assert [path for path, _ in float8_linears(gm, nodes).values()] == ["up", "odd", "head"]
 
 
-def test_each_linear_is_decided_by_its_cost_its_shape_and_the_filters():
+def test_each_linear_is_decided_by_its_cost_its_shape_and_the_filters(tmp_path):
     """On an H100 under ``"auto"``: ``big`` runs FP8; ``small`` would take longer with its casts than in bf16; ``odd`` has
     100 outputs (not a multiple of 16); the head is the output layer. The plan says why for each. A recipe converts as the
     engines do (no cost rule), and a filter replaces the default."""
@@ -71,6 +71,8 @@ def test_each_linear_is_decided_by_its_cost_its_shape_and_the_filters():
     assert "4096 × 100" in kept["head"]  # judged once the default filter is replaced: its shape keeps it
     report = plan_report(plan)
     assert "FP8 linears (tensorwise): 1 of 4: big" in report and "bf16: small: FP8 would take" in report
+    html = write_html(tmp_path / "report.html", plan).read_text()
+    assert '<p class="float8">FP8 linears (tensorwise): 1 of 4<br>bf16: <code>small</code>: FP8 would take' in html
 
 
 def test_a_cpu_converts_nothing_under_auto_and_every_eligible_linear_when_asked():
