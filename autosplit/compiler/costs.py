@@ -97,6 +97,7 @@ def _cost_table(
                                       fusion=Fusion(norms=norm_paths(traced.model) if "norm" in fuses else frozenset(),
                                                     gated="gated" in fuses, fp8_inputs="fp8-inputs" in fuses,
                                                     fp8_weights="fp8-weights" in fuses and options.float8 in ("tensorwise", "auto"),
+                                                    torchao_weights="fp8-weights" not in fuses and options.precision == "bf16-mixed",
                                                     attention=specs[0].device_type == "cuda"))
         # the blocks depend on the graph and the devices, not the batch: decided once, on the first table
         # (measured layers need not time alike: there each table decides)

@@ -63,6 +63,8 @@ class Fusion:
     gated: bool = False
     fp8_inputs: bool = False
     fp8_weights: bool = False
+    torchao_weights: bool = False
+    """FP8 linears run by torchao under autocast read their fp32 weights: autocast casts (and keeps) no bf16 copy."""
     attention: bool = False
     """Attention as a GPU's fused kernel saves it (a plan for GPUs, whatever its engine)."""
 
@@ -123,16 +125,17 @@ def _fp8_inputs(nodes: Sequence[fx.Node], infos: list[NodeInfo], linears: Collec
                                        saved_inputs=tuple(n for n in info.saved_inputs if n != source.name))
 
 
-def _fp8_weights(nodes: Sequence[fx.Node], infos: list[NodeInfo], linears: Collection[int]) -> None:
-    """FP8 linears compute with an FP8 copy of their weights (in place): half the bf16 copy, on the node holding it
-    (the linear module's own, or the weight it reads as an attribute)."""
+def _fp8_weights(nodes: Sequence[fx.Node], infos: list[NodeInfo], linears: Collection[int], kept: float) -> None:
+    """FP8 linears compute with an FP8 copy of their weights (in place): ``kept`` of the bf16 copy (half: Transformer
+    Engine's FP8 copy; none: torchao's, which casts the fp32 weight itself), on the node holding it (the linear module's
+    own, or the weight it reads as an attribute)."""
     index = {n.name: i for i, n in enumerate(nodes)}
     holders = {index[u.name] for i in linears for u in (nodes[i], *nodes[i].all_input_nodes)
                if u.name in index and (u is nodes[i] or u.op == "get_attr")}
     for i in holders:
-        half = infos[i].weight_copy_bytes // 2
         info = infos[i]
-        infos[i] = dataclasses.replace(info, weight_copy_bytes=info.weight_copy_bytes - half, saved_bytes=info.saved_bytes - half)
+        dropped = info.weight_copy_bytes - int(info.weight_copy_bytes * kept)
+        infos[i] = dataclasses.replace(info, weight_copy_bytes=info.weight_copy_bytes - dropped, saved_bytes=info.saved_bytes - dropped)
 
 
 def _fused_attention(nodes: Sequence[fx.Node], infos: list[NodeInfo]) -> None:
@@ -172,8 +175,8 @@ def fused(nodes: Sequence[fx.Node], infos: Sequence[NodeInfo], fusion: Fusion, f
                 out[i] = dataclasses.replace(out[i], saved_inputs=tuple(n for n in out[i].saved_inputs if n not in acts))
     if fusion.fp8_inputs and float8:
         _fp8_inputs(nodes, out, float8)
-    if fusion.fp8_weights and float8:
-        _fp8_weights(nodes, out, float8)
+    if (fusion.fp8_weights or fusion.torchao_weights) and float8:
+        _fp8_weights(nodes, out, float8, kept=0.0 if fusion.torchao_weights else 0.5)
     if fusion.attention:
         _fused_attention(nodes, out)
     return out

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 
@@ -153,3 +154,35 @@ def test_fsdp_gathers_tensorwise_fp8_weights_in_a_byte_each():
     assert share("tensorwise") == pytest.approx((2 * 0.25 + 1) / 3)
     assert share("rowwise") == share(None) == share("tensorwise", dp_shard=1) == 1.0
     assert share("tensorwise", precision="bf16-fsdp") == 0.5
+
+
+def test_torchaos_fp8_linears_under_autocast_keep_no_bf16_weight_copy():
+    """A torchao FP8 linear casts its fp32 weight to FP8 itself: under autocast it saves the fp32 weight (the parameter, no
+    copy), where an nn.Linear saves autocast's bf16 copy; the costs hold the copy for the bf16 linear only."""
+    from autosplit.compiler.costs import cost_table
+
+    float8 = pytest.importorskip("torchao.float8")
+    model, x = nn.Sequential(nn.Linear(256, 512), nn.GELU(), nn.Linear(512, 64)), torch.randn(32, 256)
+
+    def saved_dtypes(module: nn.Module) -> set[tuple[tuple[int, ...], torch.dtype]]:
+        seen: set[tuple[tuple[int, ...], torch.dtype]] = set()
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            seen.add((tuple(t.shape), t.dtype))
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.autocast("cpu", dtype=torch.bfloat16):
+            module(x)
+        return seen
+
+    converted = float8.convert_to_float8_training(copy.deepcopy(model), module_filter_fn=lambda _, fqn: fqn == "2",
+                                                  config=float8.Float8LinearConfig.from_recipe_name("tensorwise"))
+    # the second linear's weight, saved for its input's gradient: autocast's bf16 copy (transposed), or nothing bf16
+    assert ((512, 64), torch.bfloat16) in saved_dtypes(model) and ((512, 64), torch.bfloat16) not in saved_dtypes(converted)
+    planner = autosplit.Planner(model, ["cpu"], example_inputs=(x,), precision="bf16-mixed", float8_exclude=())
+    copies = {}
+    for recipe in (None, "tensorwise"):
+        options = planner.options.replace(float8=recipe)
+        table, _ = cost_table(planner.traced_for(options), planner.specs(), options, micro_batches=1, laid=False)
+        copies[recipe] = dict(zip(table.module_paths, table.weight_copy_bytes or (0,) * len(table.nodes)))  # () where none
+    assert copies[None]["2"] == 64 * 512 * 2 and copies["tensorwise"]["2"] == 0
