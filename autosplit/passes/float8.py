@@ -41,8 +41,7 @@ from autosplit.passes.annotations import NodeInfo
 from autosplit.passes.tensor_parallel import LINEAR_FUNCTIONS
 from autosplit.plan_records import FP8_SHAPES
 
-__all__ = ["CAST_TRAFFIC", "Float8Choice", "cast_times", "choose_float8", "float8_linears", "float8_times", "linear_path",
-           "refuse_without_fp8"]
+__all__ = ["CAST_TRAFFIC", "Float8Choice", "cast_times", "choose_float8", "float8_linears", "float8_times", "refuse_without_fp8"]
 
 CAST_TRAFFIC: dict[str, tuple[float, float, float]] = {
     # (forward: per byte of input + weight; backward: per byte of the output's gradient, per byte of input + weight)
@@ -70,7 +69,7 @@ def _weight(gm: fx.GraphModule, node: fx.Node, params: Mapping[str, torch.Tensor
     return None
 
 
-def linear_path(gm: fx.GraphModule, node: fx.Node) -> str:
+def _linear_path(node: fx.Node) -> str:
     """The module path a linear node's weight belongs to (``blocks.0.fc``): what torchao's filters and the plan name it by."""
     if node.op == "call_module":
         return str(node.target)
@@ -81,7 +80,7 @@ def linear_path(gm: fx.GraphModule, node: fx.Node) -> str:
 def float8_linears(gm: fx.GraphModule, nodes: Sequence[fx.Node]) -> dict[int, tuple[str, torch.Tensor]]:
     """Index into ``nodes`` → (module path, weight) of every linear whose weight is a parameter, in graph order."""
     params = dict(gm.named_parameters(remove_duplicate=False))
-    return {i: (linear_path(gm, n), w) for i, n in enumerate(nodes) if (w := _weight(gm, n, params)) is not None}
+    return {i: (_linear_path(n), w) for i, n in enumerate(nodes) if (w := _weight(gm, n, params)) is not None}
 
 
 @dataclass(frozen=True)
