@@ -31,7 +31,7 @@ from autosplit.shapes import is_meta
 from autosplit.solver.problem import UserConstraint
 from autosplit.timers import pinned
 
-__all__ = ["cost_table", "estimated", "float8_fields", "sequence_parallel", "tp_fields"]
+__all__ = ["cost_table", "estimated", "float8_fields", "sequence_parallel", "tp_fields", "tp_table"]
 
 
 KEPT_TABLES = 8
@@ -115,9 +115,7 @@ def _cost_table(
         source += f" + {n} override{'s' * (n > 1)}"
     if options.tp > 1:
         check_degree(traced.tp_rules(), options.tp)
-        table = tp_laid_out(table, gm, traced.tp_rules(), tp=options.tp, micro_batches=micro_batches, numel=traced.param_numel(),
-                            sequence_parallel=sequence_parallel(traced, options), precision=options.precision,
-                            async_tp=options.async_tp)
+        table = tp_table(table, traced, options, tp=options.tp, micro_batches=micro_batches)
         source += f"; tensors split over tp {options.tp}"
     if not laid:
         return table, source
@@ -126,6 +124,18 @@ def _cost_table(
     if options.dp_shard > 1:
         source += f"; sharded over dp_shard {options.dp_shard}"
     return table, source
+
+
+def tp_table(table: CostTable, traced: Traced, options: PlanOptions, *, tp: int, micro_batches: int) -> CostTable:
+    """``table`` as one device of a tp group of ``tp`` runs it under ``options`` (:func:`tp_laid_out`). An FP8
+    linear's operands are gathered in FP8 where its engine casts them first, fused into the norm before:
+    Transformer Engine. torchao's are costed as gathered in bf16 and cast whole on every rank, what autosplit's
+    runtime would do and what torchtitan's published TP rows bear out (docs/float8.md)."""
+    engine = engine_of(table.devices)
+    gathered = engine is not None and "fp8-inputs" in engine.fuses
+    return tp_laid_out(table, traced.annotated(options.precision, table.devices[0].device_type), traced.tp_rules(), tp=tp,
+                       micro_batches=micro_batches, numel=traced.param_numel(), sequence_parallel=sequence_parallel(traced, options),
+                       precision=options.precision, async_tp=options.async_tp, float8_gathered=gathered)
 
 
 def tp_fields(traced: Traced, options: PlanOptions) -> dict[str, Any]:

@@ -39,7 +39,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
-from autosplit.compiler.costs import sequence_parallel
+from autosplit.compiler.costs import tp_table
 from autosplit.compiler.prediction import fill_and_drain, fills
 from autosplit.compiler.search import configurations, stage_problem
 from autosplit.compiler.trace import Traced
@@ -48,7 +48,6 @@ from autosplit.devices import DeviceSpec
 from autosplit.errors import InfeasiblePlanError, advice
 from autosplit.options import PlanOptions
 from autosplit.passes.sharding import laid_out, sharded_alone
-from autosplit.passes.tp_costs import tp_laid_out
 from autosplit.solver.pipeline.strategy import prove_over_caps
 from autosplit.units import format_bytes
 
@@ -76,10 +75,7 @@ def step_floor(whole: CostTable, traced: Traced, degrees: Degrees, options: Plan
         return 0.0
     table = whole
     if degrees.tp > 1:
-        table = tp_laid_out(whole, traced.annotated(options.precision, specs[0].device_type), traced.tp_rules(), tp=degrees.tp,
-                            micro_batches=1, numel=traced.param_numel(),
-                            sequence_parallel=sequence_parallel(traced, options), precision=options.precision,
-                            async_tp=options.async_tp)
+        table = tp_table(whole, traced, options, tp=degrees.tp, micro_batches=1)
     if options.dp_shard > 1:
         table = laid_out(table, dp_shard=options.dp_shard, alone=True, precision=options.precision)
     dp, pp = degrees.data_parallel, degrees.pp
@@ -139,9 +135,7 @@ def memory_proven(whole: CostTable, traced: Traced, degrees: Degrees, options: P
                                 for f in ("fwd_time", "bwd_time", "optimizer_time", "split_cost")}
     share = dataclasses.replace(whole, devices=tuple(ranks), **over_dp, **on_ranks, block_transient=whole.block_transient // dp)
     if degrees.tp > 1:
-        share = tp_laid_out(share, traced.annotated(options.precision, ranks[0].device_type), traced.tp_rules(), tp=degrees.tp,
-                            micro_batches=1, numel=traced.param_numel(), sequence_parallel=sequence_parallel(traced, options),
-                            precision=options.precision)
+        share = tp_table(share, traced, options, tp=degrees.tp, micro_batches=1)
     rows = (traced.batch or dp) // dp
     open_ = configurations(options, pp, rows) if options.searches else [options.replace(micro_batches=options.micro_batches_for(pp, rows))]
     proofs = []

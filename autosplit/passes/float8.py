@@ -41,7 +41,9 @@ from autosplit.passes.annotations import NodeInfo
 from autosplit.passes.tensor_parallel import LINEAR_FUNCTIONS
 from autosplit.plan_records import FP8_SHAPES
 
-__all__ = ["CAST_TRAFFIC", "Float8Choice", "cast_times", "choose_float8", "float8_linears", "float8_times", "refuse_without_fp8"]
+__all__ = [
+    "CAST_TRAFFIC", "Float8Choice", "cast_seconds", "cast_times", "choose_float8", "float8_linears", "float8_times", "refuse_without_fp8",
+]
 
 CAST_TRAFFIC: dict[str, tuple[float, float, float]] = {
     # (forward: per byte of input + weight; backward: per byte of the output's gradient, per byte of input + weight)
@@ -167,11 +169,15 @@ def float8_times(info: NodeInfo, spec: DeviceSpec, recipe: str) -> tuple[float, 
 def cast_times(info: NodeInfo, spec: DeviceSpec, recipe: str) -> tuple[float, float]:
     """(forward, backward) seconds of one FP8 linear's casts, memory-bound (:data:`CAST_TRAFFIC`), each
     operand's :data:`CAST_KERNELS` launches paid."""
-    bandwidth = spec.memory_bandwidth * (spec.memory_efficiency or spec.efficiency)
     fwd_in, bwd_out, bwd_in = CAST_TRAFFIC[recipe]
     launches = 2 * CAST_KERNELS * spec.launch_overhead
-    return (fwd_in * info.input_bytes / bandwidth + launches,
-            (bwd_out * info.output_bytes + bwd_in * info.input_bytes) / bandwidth + launches)
+    return (cast_seconds(fwd_in * info.input_bytes, spec) + launches,
+            cast_seconds(bwd_out * info.output_bytes + bwd_in * info.input_bytes, spec) + launches)
+
+
+def cast_seconds(traffic: float, spec: DeviceSpec) -> float:
+    """Seconds of ``traffic`` bytes of cast work, memory-bound on ``spec``."""
+    return traffic / (spec.memory_bandwidth * (spec.memory_efficiency or spec.efficiency))
 
 
 def refuse_without_fp8(devices: Sequence[DeviceSpec], recipe: str) -> None:

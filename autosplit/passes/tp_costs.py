@@ -28,6 +28,10 @@ intra-node ring, at the all-reduce link's bandwidth.
 Under sequence parallelism each all-reduce is a reduce-scatter and an all-gather of the same bytes:
 the same time on the ring.
 
+An FP8 linear (:mod:`autosplit.passes.float8`) split over tp casts what it gathers: torchao gathers bf16, so
+every rank casts the whole operand (a column-parallel input, a row-parallel output's gradient); Transformer
+Engine casts the shard and gathers FP8, a quarter of the ring saved (:func:`_float8_under_tp`).
+
 A block that recomputes (:func:`_recomputing`) runs its forward again in the backward. Whole
 (``torch.utils.checkpoint``), collectives included: each node's ring time again. Selectively, the
 policy keeps every all-reduce's and reduce-scatter's output (:data:`~autosplit.passes.selective.KEPT_COLLECTIVES`,
@@ -54,11 +58,17 @@ import torch.fx as fx
 from autosplit.costtable import CostTable
 from autosplit.devices import DeviceSpec
 from autosplit.passes.annotations import node_info
+from autosplit.passes.float8 import CAST_TRAFFIC, cast_seconds, float8_linears
 from autosplit.passes.param_dtype import PARAM_CAST
 from autosplit.passes.tensor_parallel import TensorParallelRules
 from autosplit.plans import PartialRecompute
 
-__all__ = ["split_shares", "tp_collective_time", "tp_laid_out"]
+__all__ = ["FP8_GATHER_SHARE", "split_shares", "tp_collective_time", "tp_laid_out"]
+
+FP8_GATHER_SHARE = 0.75
+"""Of a sequence-parallel collective's ring time, what it takes where its all-gather moves FP8: the
+reduce-scatter in bf16 (half the ring) and the all-gather at a byte a value (a quarter). Transformer Engine
+casts a layer's input to FP8 in the norm before it gathers it, and the output's gradient before its gather."""
 
 
 def split_shares(gm: fx.GraphModule, table: CostTable, shards: Mapping[str, int], numel: Mapping[str, int]) -> list[float]:
@@ -89,6 +99,46 @@ def _ring(table: CostTable, collectives: Mapping[str, int], tp: int, micro_batch
         if collectives.get(name, 0):
             out[i] = [tp_collective_time(collectives[name], tp, d, micro_batches) for d in table.devices]
     return out
+
+
+def _float8_under_tp(
+    table: CostTable, gm: fx.GraphModule, rules: TensorParallelRules, tp: int, *, sequence_parallel: bool, gathered: bool,
+) -> tuple[CostTable, np.ndarray, np.ndarray]:
+    """(``table`` with the casts its FP8 linears repeat on every tp rank, [node] share of each node's forward and
+    of its backward ring time left) for ``table.float8_linears`` split over a tp group.
+
+    ``gathered``: the engine casts before it gathers (:data:`FP8_GATHER_SHARE`): every cast reads a shard, and
+    each sequence-parallel collective beside an FP8 linear (a row-parallel one's output; a column-parallel
+    group's input, in the backward) takes that share. Otherwise the activations are gathered in bf16 (torchao)
+    and every rank casts a whole operand: a column-parallel linear its input (forward, and again for its
+    weight's gradient), a row-parallel one its output's gradient. Charged as ``(tp − 1)`` times the cast on top
+    of the node's time, which the layout then divides by ``tp``: the cast whole, the rest split."""
+    n, fwd_left, bwd_left = len(table.nodes), np.ones(len(table.nodes)), np.ones(len(table.nodes))
+    by_name = {node.name: node for node in gm.graph.nodes}
+    present = [by_name[name] for name in table.nodes if name in by_name]
+    chosen = set(table.float8_linears)
+    roles = {present[i].name: (rules.shards.get(f"{path}.weight"), w) for i, (path, w) in float8_linears(gm, present).items()
+             if path in chosen}
+    if table.float8_recipe is None or not roles:
+        return table, fwd_left, bwd_left
+    index = {name: i for i, name in enumerate(table.nodes)}
+    fwd = np.asarray(table.fwd_time, dtype=np.float64).reshape(n, -1)
+    bwd = np.asarray(table.bwd_time, dtype=np.float64).reshape(n, -1)
+    fwd_in, bwd_out, bwd_in = CAST_TRAFFIC[table.float8_recipe]
+    for name, (dim, weight) in roles.items():
+        i, (features, inner) = index[name], weight.shape
+        if gathered and sequence_parallel and dim in (0, 1):
+            if dim == 1:
+                fwd_left[i] = FP8_GATHER_SHARE
+            elif isinstance(source := by_name[name].args[0], fx.Node) and source.name in index:
+                bwd_left[index[source.name]] = FP8_GATHER_SHARE
+        elif not gathered and dim in (0, 1):
+            output = table.output_bytes[i]
+            whole = [(fwd_in * output * inner / features, bwd_in * output * inner / features), (0.0, bwd_out * output)][dim]
+            fwd[i] += [(tp - 1) * cast_seconds(whole[0], d) for d in table.devices]
+            bwd[i] += [(tp - 1) * cast_seconds(whole[1], d) for d in table.devices]
+    casts = dataclasses.replace(table, fwd_time=tuple(map(tuple, fwd.tolist())), bwd_time=tuple(map(tuple, bwd.tolist())))
+    return casts, fwd_left, bwd_left
 
 
 def _needed_again(gm: fx.GraphModule, table: CostTable) -> frozenset[int]:
@@ -148,14 +198,16 @@ def _recomputing(
 
 def tp_laid_out(
     table: CostTable, gm: fx.GraphModule, rules: TensorParallelRules, *, tp: int, micro_batches: int, numel: Mapping[str, int],
-    sequence_parallel: bool = False, precision: str = "fp32", async_tp: bool = False,
+    sequence_parallel: bool = False, precision: str = "fp32", async_tp: bool = False, float8_gathered: bool = False,
 ) -> CostTable:
     """``table`` as one device of a tensor-parallel group of ``tp`` computes, holds and moves it (the
     module docstring); ``table`` itself for ``tp = 1``. ``precision``: where its weights' compute copy is
     held (below). ``async_tp``: each collective overlapped with its node's GEMM, the device's
-    :attr:`~autosplit.device_spec.DeviceSpec.tp_overlap` of the shorter of the two hidden."""
+    :attr:`~autosplit.device_spec.DeviceSpec.tp_overlap` of the shorter of the two hidden. ``float8_gathered``:
+    the engine casts its FP8 linears' operands before it gathers them (:func:`_float8_under_tp`)."""
     if tp <= 1:
         return table
+    table, fwd_left, bwd_left = _float8_under_tp(table, gm, rules, tp, sequence_parallel=sequence_parallel, gathered=float8_gathered)
     split = [1 / tp if name in rules.split_nodes else 1.0 for name in table.nodes]
     cut = [1 / tp] * len(table.nodes) if sequence_parallel else split
     # what a device holds of a node's output: a reduced one (a row-parallel product, a lookup) is whole but
@@ -175,7 +227,7 @@ def tp_laid_out(
     def rows(times: np.ndarray) -> tuple[tuple[float, ...], ...]:
         return tuple(map(tuple, times.tolist()))
 
-    ring = _ring(table, rules.forward_collectives, tp, micro_batches)
+    ring = _ring(table, rules.forward_collectives, tp, micro_batches) * fwd_left[:, None]
     again, cached, block_cached, rerun = _recomputing(table, gm, rules, cut, outputs, ring, tp=tp, micro_batches=micro_batches,
                                                   sequence_parallel=sequence_parallel)
 
@@ -192,7 +244,7 @@ def tp_laid_out(
     return dataclasses.replace(
         table,
         fwd_time=rows(timed(table.fwd_time, ring)),
-        bwd_time=rows(timed(table.bwd_time, _ring(table, rules.backward_collectives, tp, micro_batches)) + again),
+        bwd_time=rows(timed(table.bwd_time, _ring(table, rules.backward_collectives, tp, micro_batches) * bwd_left[:, None]) + again),
         rerun_time=rows(rerun) if table.blocks else (),
         split_cost=tuple(tuple(t * k for t in row) for row, k in zip(table.split_cost, cut)),
         state_bytes=state, saved_bytes=tuple(s + math.ceil(c) for s, c in zip(saved, cached)),

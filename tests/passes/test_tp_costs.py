@@ -11,6 +11,7 @@ import torch.nn as nn
 import autosplit
 from autosplit.compiler.costs import cost_table
 from autosplit.devices import PRESETS
+from autosplit.engine_profiles import profiled
 from autosplit.passes.tp_costs import tp_collective_time
 
 H100 = dataclasses.replace(PRESETS["H100-80GB"], island_size=8)
@@ -165,3 +166,52 @@ def test_recomputing_blocks_under_tp_keep_partial_sums_and_run_collectives_again
     again = table(1, False).bwd_time[row][0] - none_whole.bwd_time[row][0]  # its forward's compute
     assert full.bwd_time[row][0] == pytest.approx(none.bwd_time[row][0] + again / 2 + (ring if post else 0))
     assert full.rerun_time[row][0] == pytest.approx(full.fwd_time[row][0] - (0 if post else ring))
+
+
+
+def _float8_tables(recipe: str, *, sequence_parallel: bool, device=H100):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.LayerNorm(W), nn.Linear(W, 4 * W), nn.GELU(), nn.Linear(4 * W, W))
+    planner = autosplit.Planner(model, [device], example_inputs=(torch.randn(ROWS, SEQ, W),), precision="bf16-mixed",
+                                float8=recipe, float8_exclude=())
+    whole = cost_table(planner.traced, (device,), planner.options, micro_batches=1)[0]
+    options = planner.options.replace(tensor_parallel=2, sequence_parallel=sequence_parallel)
+    return planner.traced.tp_rules(), whole, cost_table(planner.traced, (device,), options, micro_batches=1)[0]
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_torchaos_fp8_under_tp_casts_each_whole_operand_on_every_rank_by_hand(recipe):
+    """torchao's linears gather their activations in bf16, so each of 2 ranks casts a whole operand: the
+    column-parallel linear its whole input (2.5 bytes a byte forward, 1 for the weight gradient's transposed
+    copy), the row-parallel one its whole output gradient (2.5): that cast once, the rest of the node halved."""
+    rules, whole, split = _float8_tables(recipe, sequence_parallel=False)
+    assert split.float8_linears == ("1", "3")
+    col, row = whole.nodes.index("_1"), whole.nodes.index("_3")
+    hidden = ROWS * SEQ * W * 2  # bf16 bytes of the column-parallel input and of the row-parallel output
+
+    def cast(traffic: float) -> float:
+        return traffic / (H100.memory_bandwidth * (H100.memory_efficiency or H100.efficiency))
+
+    ring = tp_collective_time(rules.forward_collectives["_3"], 2, H100, 1)
+    assert split.fwd_time[col][0] == pytest.approx(whole.fwd_time[col][0] / 2 + cast(2.5 * hidden) / 2)
+    assert split.bwd_time[col][0] == pytest.approx(whole.bwd_time[col][0] / 2 + cast(1.0 * hidden) / 2)
+    assert split.fwd_time[row][0] == pytest.approx(whole.fwd_time[row][0] / 2 + ring)
+    assert split.bwd_time[row][0] == pytest.approx(whole.bwd_time[row][0] / 2 + cast(2.5 * hidden) / 2)
+
+
+def test_transformer_engine_under_sequence_parallelism_gathers_fp8_by_hand():
+    """Transformer Engine casts a layer's input to FP8 in the norm before it gathers it: no cast is repeated, and
+    each sequence-parallel collective beside an FP8 linear (the row-parallel output's, forward; the column group's
+    input's, backward) is a bf16 reduce-scatter and an FP8 all-gather: ¾ of the bf16 ring. Without sequence
+    parallelism nothing is gathered, and the all-reduce stays bf16."""
+    te = profiled(H100, "megatron-te")
+    rules, whole, split = _float8_tables("tensorwise", sequence_parallel=True, device=te)
+    norm, col, row = (whole.nodes.index(n) for n in ("_0", "_1", "_3"))
+    forward, backward = (tp_collective_time(c[name], 2, te, 1) for c, name in
+                         ((rules.forward_collectives, "_3"), (rules.backward_collectives, "_0")))
+    assert split.fwd_time[row][0] == pytest.approx(whole.fwd_time[row][0] / 2 + 0.75 * forward)
+    assert split.bwd_time[norm][0] == pytest.approx(whole.bwd_time[norm][0] / 2 + 0.75 * backward)
+    assert split.fwd_time[col][0] == pytest.approx(whole.fwd_time[col][0] / 2)
+    _, whole, plain = _float8_tables("tensorwise", sequence_parallel=False, device=te)
+    assert plain.fwd_time[row][0] == pytest.approx(whole.fwd_time[row][0] / 2 + forward)
+    assert plain.fwd_time[col][0] == pytest.approx(whole.fwd_time[col][0] / 2)
