@@ -279,16 +279,8 @@ def _agreed_plan(planner: Planner, given: Plan | None, data_parallel: int) -> Pl
 
 
 def _costed_not_run(made: Plan) -> None:
-    """Refuse what a plan is costed for and this runtime does not run yet (FP8 linears under tensor
-    parallelism, or all-gathered by FSDP2 under an asynchronous schedule), before any work; say that
-    async TP runs synchronously here."""
-    if made.float8_linears and made.tensor_parallel > 1:
-        raise CodegenError(advice(
-            f"the plan runs {len(made.float8_linears)} linears in FP8 ({made.float8}) under tensor parallelism {made.tensor_parallel}",
-            "torchao shards FP8 linears with its own styles (Float8ColwiseParallel, Float8RowwiseParallel), which this "
-            "runtime does not apply yet; with torch's, the linears would train in bf16, unlike the plan",
-            "plan with tensor_parallel=1 to run FP8 linears, or with float8=None",
-        ))
+    """Refuse what a plan is costed for and this runtime does not run yet (FP8 linears all-gathered by FSDP2
+    under an asynchronous schedule), before any work; say that async TP runs synchronously here."""
     if made.float8_linears and made.dp_shard > 1 and schedules.lookup(made.schedule).asynchronous:
         raise CodegenError(advice(
             f"the plan runs FP8 linears sharded by FSDP2 (dp_shard {made.dp_shard}) under the asynchronous {made.schedule!r} schedule",

@@ -121,7 +121,7 @@ def _data_parallel(
             units[s] += table.param_bytes[n] if table.unit_params[n] else 0
     return data_parallel_time(param_bytes, devices, replicas=options.replicas // shards, shards=shards, waits=waits, drains=drains,
                               units=units, compute=[M * (f + b) for f, b in zip(fwd, bwd)],
-                              gathered=gathered_share(table, devices, options.precision, shards),
+                              gathered=gathered_share(table, devices, options.precision, shards, options.tp),
                               reduced=gradient_share(devices, options.precision),
                               passes=M if engine is not None and engine.units_per_micro_batch else 1)
 

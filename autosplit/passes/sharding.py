@@ -93,17 +93,17 @@ FP8_GATHERED = 0.25
 """Bytes of an FP8 weight over its fp32 parameter's: what torchao's ``enable_fsdp_float8_all_gather`` moves."""
 
 
-def gathered_share(table: CostTable, devices: Sequence[DeviceSpec], precision: str, dp_shard: int) -> float:
+def gathered_share(table: CostTable, devices: Sequence[DeviceSpec], precision: str, dp_shard: int, tp: int = 1) -> float:
     """The bytes FSDP's all-gathers move over the fp32 parameters': ½ where FSDP2's policy gathers bf16 copies
     (``"bf16-fsdp"``), else 1; the weights of FP8 linears under tensorwise scaling, which torchao casts before
     FSDP2 gathers them (``enable_fsdp_float8_all_gather``), :data:`FP8_GATHERED`. (A linear's bias, gathered as
     the rest, is counted with its weight: under 0.1% of it at a width of 1,024.) Rowwise scales cannot be
     gathered so; under FSDP2's bf16 policy the runtime gathers bf16 (an FP8 all-gather would cast the fp32
-    shards straight to FP8, skipping the policy's cast: another model than the unsplit one under the policy);
-    Megatron's engines gather as their profiles say."""
+    shards straight to FP8, skipping the policy's cast: another model than the unsplit one under the policy),
+    and so are the tp shards of a weight (``tp > 1``); Megatron's engines gather as their profiles say."""
     base = 0.5 if precision in PARAM_CAST else 1.0
     engine = engine_of(devices)
-    if table.float8_recipe != "tensorwise" or dp_shard <= 1 or precision in PARAM_CAST or (
+    if table.float8_recipe != "tensorwise" or dp_shard <= 1 or tp > 1 or precision in PARAM_CAST or (
             engine is not None and engine.name.startswith("megatron")):
         return base
     fp8, total = set(table.float8_linears), sum(table.param_bytes)

@@ -218,8 +218,9 @@ class DistributedModel(StageState, TrainingLoop, FlushedStep, AsynchronousRun):
         for stage_module in modules.values() if alone else ():  # each block a module of its own, FSDP2's hooks around it
             if isinstance(stage_module, torch.fx.GraphModule):  # before compile, as torchtitan wraps blocks (AC → compile → FSDP)
                 log.debug("blocks outlined as FSDP units: %s", outline_blocks(stage_module))
-        # FP8 all-gathers cast the fp32 shards: under FSDP2's bf16 policy that skips its cast, unlike the unsplit model's
-        all_gather = self.plan.dp_shard > 1 and layout.replicas > 1 and self.precision not in PARAM_CAST
+        # FP8 all-gathers cast the fp32 shards: under FSDP2's bf16 policy that skips its cast, unlike the unsplit model's;
+        # tp DTensor weights FSDP2 gathers as they are (torchao's FP8 all-gather of them is not run here)
+        all_gather = self.plan.dp_shard > 1 and layout.replicas > 1 and self.precision not in PARAM_CAST and layout.tp == 1
         for stage_module in modules.values():  # FP8 linears before tensor parallelism, compile and FSDP2 (torchtitan's order)
             to_float8(stage_module, self.plan.float8, self.plan.float8_linears, all_gather=all_gather)
         self._fp8_all_gather = all_gather and self.plan.float8 == "tensorwise" and bool(self.plan.float8_linears)

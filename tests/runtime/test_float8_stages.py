@@ -157,6 +157,51 @@ def test_fp8_stages_two_by_dp_shard_two_on_four_processes_train_like_the_unsplit
     gloo(4).run(_distributed_case, [(2, 2, "1f1b")])
 
 
+def _tensor_parallel_case(recipe: str, *, rank: int, world: int) -> None:
+    """One stage over tp 2: the column-parallel linear, GELU and the row-parallel linear in FP8, under a loss linear
+    in the output (its gradient the fixed target, whatever the output's rounding)."""
+    torch.manual_seed(0)
+    width = 64
+    model = nn.Sequential(nn.LayerNorm(width), nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
+    x = torch.randn(8, 16, width, generator=torch.Generator().manual_seed(1))
+    target = torch.randint(-2, 3, (8, 16, width), generator=torch.Generator().manual_seed(2)).float() / 64
+
+    def loss_fn(out: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+        return (out.float() * c).sum()
+
+    unsplit = copy.deepcopy(model)
+    pipe = autosplit.distribute(model, ["cpu"] * 2, example_inputs=(x,), loss_fn=loss_fn, tensor_parallel=2, precision="bf16-mixed",
+                                float8=recipe, float8_exclude=(), micro_batches=1, schedule="gpipe", **NO_SEARCH)
+    plan = pipe.plan
+    assert plan.float8_linears == ("1", "3") and plan.tp_shards == {"1.weight": 0, "1.bias": 0, "3.weight": 1}
+    assert _float8_modules(pipe.module) == {"1", "3"}
+    reference = _converted(unsplit, plan)
+    loss = pipe.step(x, target=target)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = loss_fn(reference(x), target)
+    expected.backward()
+    # each rank sums its half of the row-parallel product in bf16 before the all-reduce: the output, the loss and
+    # the norm's gradients (reached through the column-parallel input's reduced gradient) move by bf16 roundings
+    torch.testing.assert_close(loss, expected.detach(), rtol=1e-2, atol=1e-3, msg=where(f"rank {rank} {recipe} loss"))
+    held = dict(reference.named_parameters())
+    for name, p in pipe.named_parameters():
+        want = held[name].grad
+        # the FP8 linears: the same casts with the same scales (a tensor's amax over its shards); the norm: within two
+        # bf16 roundings (2⁻⁷) of its largest gradient
+        atol = 0.0 if name.startswith(("1.", "3.")) else 2**-7 * float(want.abs().max())
+        torch.testing.assert_close(full_tensor(p.grad), want, rtol=0, atol=atol, msg=where(f"rank {rank} {recipe} grad {name}"))
+    pipe.close()
+
+
+def test_fp8_linears_split_over_tp_two_compute_what_the_unsplit_fp8_model_computes(gloo):
+    """torchao's Float8Linear on autosplit's DTensor tensor parallelism: each cast takes the amax of the whole tensor
+    (DTensor reduces it over the shards), so the FP8 linears' weight gradients equal the unsplit FP8 model's bit for bit,
+    tensorwise and rowwise. A cast scaled per shard would move them by FP8 steps. The loss is linear in the output, so
+    that the bf16 rounding of the row-parallel partial sums does not reach the FP8 gradient casts (where one rounding
+    flips an FP8 step, which a test could not tell from a wrong scale)."""
+    gloo(2).run(_tensor_parallel_case, [("tensorwise",), ("rowwise",)])
+
+
 def test_fp8_plans_this_runtime_does_not_run_are_refused_by_name():
     model, args, kwargs, _, _ = gpt_case()
     planner = autosplit.Planner(model, ["cpu"] * 2, example_inputs=args, example_kwargs=kwargs, precision="bf16-mixed", **NO_SEARCH)
