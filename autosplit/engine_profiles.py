@@ -63,11 +63,11 @@ FITTED: dict[str, Fitted] = {
 
 RECORD: dict[tuple[str, str], tuple[float, float, int]] = {
     ("B200", "megatron-te"): (0.046, 0.123, 3),
-    ("GB200", "megatron-te"): (0.027, 0.123, 18),
+    ("GB200", "megatron-te"): (0.036, 0.123, 18),
     ("GB300", "megatron-te"): (0.107, 0.157, 8),
     ("H100", "megatron-fsdp"): (0.089, 0.089, 1),
-    ("H100", "megatron-te"): (0.145, 0.154, 5),
-    ("H100-500W", "torch-compile"): (0.021, 0.300, 8),
+    ("H100", "megatron-te"): (0.126, 0.136, 5),
+    ("H100-500W", "torch-compile"): (0.019, 0.247, 8),
     ("H100-500W", "torch-eager"): (0.087, 0.087, 1),
     ("H200", "torch-compile"): (0.069, 0.069, 1),
 }

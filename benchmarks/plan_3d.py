@@ -33,7 +33,8 @@ model's, not a measurement. Each row is planned in a fresh process (its peak RSS
   stage recomputed (``--recompute-method block --recompute-num-layers 1``: half of each two-layer stage, the only
   variant between the two); ``NAME:autosplit`` plans the same model, cluster and global batch with every degree and
   the micro-batch count chosen (:data:`PRECISION`, ``checkpointing="auto"``, ``selective="auto"``,
-  ``micro_batches="auto"``, 1F1B), on the same stack: FP8 linears, and the recipe's TP overlap;
+  ``micro_batches="auto"``, 1F1B), on the same stack: FP8 linears (``float8="auto"``: each linear by its cost), and
+  the recipe's TP overlap;
   ``megatron-70b:autosplit-recipe-mesh`` plans it on the recipe's own degrees, schedule, stages per rank and
   micro-batches (TP 4 × PP 8 × VP 5 over DP 2, 64 micro-batches), autosplit choosing the split and the recomputation.
 
@@ -119,7 +120,7 @@ def _described(plan: Any, rows: int) -> dict[str, Any]:
         outcome="planned", mesh=plan.mesh, step_s=plan.step_time, gap=plan.step_gap, schedule=plan.schedule,
         stages_per_rank=plan.stages_per_rank, micro_batches=plan.micro_batches, tokens_per_s_per_gpu=rows * SEQ / plan.step_time / devices,
         fits=all(m <= cap for m, cap in held), recompute=len(plan.recompute), selective=plan.recompute_selective,
-        sequence_parallel=plan.sequence_parallel,
+        sequence_parallel=plan.sequence_parallel, float8=plan.float8, float8_linears=len(plan.float8_linears),
         memory_state_gib=[s.memory_state / 2**30 for s in plan.stages], memory_gib=[m / 2**30 for m, _ in held],
         activations_gib=[s.memory_activations / 2**30 for s in plan.stages],
         # torch's PipelineStage buffers, one per micro-batch all step: received tensors and their gradients, and the gradients of those sent
@@ -164,7 +165,7 @@ def _scale_row(kind: str, time_limit: float) -> dict[str, Any]:
         else:
             planner = autosplit.Planner(model, cluster, example_inputs=(tokens,), precision=PRECISION, checkpointing="auto",
                                         selective="auto", time_limit=time_limit,
-                                        float8="tensorwise", async_tp=r.async_tp)  # the recipe's stack: FP8 linears, TP overlap
+                                        float8="auto", async_tp=r.async_tp)  # the recipe's stack: FP8 linears by cost, TP overlap
             pinned = _recipe_mesh(planner, r) if which == "autosplit-recipe-mesh" else {
                 "schedule": "1f1b", "micro_batches": "auto", "tensor_parallel": "auto"}
             plan = planner.with_options(**pinned).plan()
