@@ -186,6 +186,7 @@ def _tensor_parallel_case(recipe: str, *, rank: int, world: int) -> None:
     held = dict(reference.named_parameters())
     for name, p in pipe.named_parameters():
         want = held[name].grad
+        assert want is not None, name
         # the FP8 linears: the same casts with the same scales (a tensor's amax over its shards); the norm: within two
         # bf16 roundings (2⁻⁷) of its largest gradient
         atol = 0.0 if name.startswith(("1.", "3.")) else 2**-7 * float(want.abs().max())
