@@ -134,7 +134,10 @@ def _float8_under_tp(
                 bwd_left[index[source.name]] = FP8_GATHER_SHARE
         elif not gathered and dim in (0, 1):
             output = table.output_bytes[i]
-            whole = [(fwd_in * output * inner / features, bwd_in * output * inner / features), (0.0, bwd_out * output)][dim]
+            if dim == 0:  # column-parallel: its whole input (output · inner / features), forward and for the weight's gradient
+                whole = (fwd_in * output * inner / features, bwd_in * output * inner / features)
+            else:  # row-parallel: its whole output's gradient
+                whole = (0.0, bwd_out * output)
             fwd[i] += [(tp - 1) * cast_seconds(whole[0], d) for d in table.devices]
             bwd[i] += [(tp - 1) * cast_seconds(whole[1], d) for d in table.devices]
     casts = dataclasses.replace(table, fwd_time=tuple(map(tuple, fwd.tolist())), bwd_time=tuple(map(tuple, bwd.tolist())))
