@@ -16,11 +16,12 @@ the solver and each plan, ``3`` each stage's code (:mod:`autosplit.debug`).
 
 from __future__ import annotations
 
+import importlib
 import logging
+from typing import TYPE_CHECKING, Any
 
 from autosplit import debug
 from autosplit.api.comparison import compare
-from autosplit.api.distributed import distribute
 from autosplit.api.hybrid import plan_hybrid
 from autosplit.api.planner import Planner, autosplit, plan
 from autosplit.calibration.efficiency import calibrate
@@ -30,10 +31,13 @@ from autosplit.errors import AutosplitError
 from autosplit.options import PlanOptions
 from autosplit.plans import Plan
 from autosplit.recipes import Recipe
-from autosplit.runtime.distributed import DistributedModel
 from autosplit.runtime.local import SplitModule
 from autosplit.runtime.makespan import MakespanRunner
 from autosplit.shapes import Spec
+
+if TYPE_CHECKING:
+    from autosplit.api.distributed import distribute
+    from autosplit.runtime.distributed import DistributedModel
 
 __all__ = [
     "autosplit", "plan", "distribute", "compare", "plan_hybrid", "calibrate",
@@ -41,6 +45,19 @@ __all__ = [
     "SplitModule", "DistributedModel", "MakespanRunner",
     "AutosplitError",
 ]
+
+_LAZY = {"distribute": "autosplit.api.distributed", "DistributedModel": "autosplit.runtime.distributed"}
+"""Names imported on first use: the multi-process runtime pulls in ``torch.distributed.pipelining`` (and with it
+``torch._dynamo`` and FSDP), seconds of imports that planning and the command line's help never need."""
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'autosplit' has no attribute {name!r}")
+
 
 logging.getLogger(__name__).addHandler(logging.NullHandler())
 debug.configure()

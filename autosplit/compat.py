@@ -82,7 +82,7 @@ __all__ = [
     "fsdp_replicate",
     "stage_backward",
     "set_kwargs_chunk_spec",
-    "DynamoError",
+    "dynamo_error",
     "forward_only_order",
     "forward_only_step",
     "replicate_chunk_spec",
@@ -200,10 +200,15 @@ def set_kwargs_chunk_spec(schedule: Any, specs: Any) -> None:
 
 # -- torch.compile ---------------------------------------------------------------------------------
 
-try:  # the root of what dynamo raises when it cannot trace or its backend cannot compile
-    from torch._dynamo.exc import TorchDynamoException as DynamoError
-except ImportError:  # pragma: no cover - every torch with torch.compile has it
-    DynamoError = RuntimeError  # type: ignore[misc,assignment]
+def dynamo_error() -> type[Exception]:
+    """The root of what dynamo raises when it cannot trace or its backend cannot compile
+    (``torch._dynamo.exc.TorchDynamoException``), imported when a compile first needs it: ``torch._dynamo``
+    takes seconds to import."""
+    try:
+        from torch._dynamo.exc import TorchDynamoException
+    except ImportError:  # pragma: no cover - every torch with torch.compile has it
+        return RuntimeError
+    return TorchDynamoException
 
 
 def dynamo_unsupported() -> str | None:

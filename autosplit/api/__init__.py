@@ -8,9 +8,19 @@ the runtimes together.
 - :mod:`.hybrid` — :func:`plan_hybrid`: how many devices form each data-parallel worker.
 """
 
+from typing import Any
+
 from autosplit.api.comparison import compare
-from autosplit.api.distributed import distribute
 from autosplit.api.hybrid import measure_noise_scale, plan_hybrid
 from autosplit.api.planner import Planner, autosplit, plan
 
 __all__ = ["Planner", "autosplit", "compare", "distribute", "measure_noise_scale", "plan", "plan_hybrid"]
+
+
+def __getattr__(name: str) -> Any:
+    """:func:`distribute` on first use: its runtime imports ``torch.distributed.pipelining`` (the package docstring)."""
+    if name == "distribute":
+        from autosplit.api.distributed import distribute
+
+        return distribute
+    raise AttributeError(f"module 'autosplit.api' has no attribute {name!r}")

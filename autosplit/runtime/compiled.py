@@ -190,7 +190,7 @@ def _guarded(
         try:
             with _eager_backward_compile(), _rank_local_compile() if rank_local else contextlib.nullcontext():
                 return compiled(*args, **kwargs)
-        except compat.DynamoError as e:
+        except compat.dynamo_error() as e:
             cause = _cause(e)
             compat.set_compiled_call(module, None)
             eager_ran = False

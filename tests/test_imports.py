@@ -1,0 +1,24 @@
+"""``import autosplit`` loads what planning needs, not the multi-process runtime (issue 67's first must-show, in part)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+DEFERRED = ("torch._dynamo", "torch.distributed.fsdp", "torch.distributed.pipelining")
+
+
+def test_importing_autosplit_leaves_the_runtimes_heavy_imports_for_their_first_use():
+    """``torch.distributed.pipelining`` pulls in ``torch._dynamo`` and FSDP (seconds of imports): they load when
+    ``autosplit.distribute`` is first touched, and then it is the function of ``autosplit.api.distributed``."""
+    code = (
+        "import sys, autosplit\n"
+        f"print(sorted(m for m in {DEFERRED!r} if m in sys.modules))\n"
+        "from autosplit.api.distributed import distribute\n"
+        "print(autosplit.distribute is distribute, autosplit.api.distributed.distribute is distribute)\n"
+        f"print(sorted(m for m in {DEFERRED!r} if m in sys.modules))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.splitlines()
+    assert out[0] == "[]", out
+    assert out[1] == "True True"
+    assert out[2] == str(sorted(DEFERRED))
