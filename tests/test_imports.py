@@ -5,11 +5,11 @@ from __future__ import annotations
 import subprocess
 import sys
 
-DEFERRED = ("torch._dynamo", "torch.distributed.fsdp", "torch.distributed.pipelining")
+DEFERRED = ("torch._dynamo", "torch.distributed.fsdp", "torch.distributed.pipelining", "torch.distributed.tensor")
 
 
 def test_importing_autosplit_leaves_the_runtimes_heavy_imports_for_their_first_use():
-    """``torch.distributed.pipelining`` pulls in ``torch._dynamo`` and FSDP (seconds of imports): they load when
+    """``torch.distributed.pipelining`` pulls in ``torch._dynamo``, FSDP and DTensor (seconds of imports): they load when
     ``autosplit.distribute`` is first touched, and then it is the function of ``autosplit.api.distributed``."""
     code = (
         "import sys, autosplit\n"

@@ -48,7 +48,6 @@ from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from autosplit import compat
 from autosplit.errors import CompileError, ConstraintError, advice
@@ -161,6 +160,8 @@ def compile_stages(
             log.warning("stage %d runs eagerly: %s", s, blocker)
             status[s] = f"eager: {blocker}"
         return status
+    from torch.distributed.tensor import DTensor  # here: importing DTensor takes a second, which planning never needs
+
     kwargs = {"backend": backend, "mode": mode, "fullgraph": fullgraph, "dynamic": dynamic}
     for s, module in modules.items():
         module.compile(**kwargs)
