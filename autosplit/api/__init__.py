@@ -8,17 +8,21 @@ the runtimes together.
 - :mod:`.hybrid` — :func:`plan_hybrid`: how many devices form each data-parallel worker.
 """
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from autosplit.api.comparison import compare
 from autosplit.api.hybrid import measure_noise_scale, plan_hybrid
 from autosplit.api.planner import Planner, autosplit, plan
 
+if TYPE_CHECKING:
+    from autosplit.api.distributed import distribute
+
 __all__ = ["Planner", "autosplit", "compare", "distribute", "measure_noise_scale", "plan", "plan_hybrid"]
 
 
 def __getattr__(name: str) -> Any:
-    """:func:`distribute` on first use: its runtime imports ``torch.distributed.pipelining`` (the package docstring)."""
+    """:func:`distribute` on first use: its runtime imports ``torch.distributed.pipelining`` (and with it
+    ``torch._dynamo`` and FSDP), which planning never needs."""
     if name == "distribute":
         from autosplit.api.distributed import distribute
 
