@@ -27,7 +27,7 @@ from autosplit.api.planner import Planner, autosplit, plan
 from autosplit.calibration.efficiency import calibrate
 from autosplit.compiler.hybrid import Cluster
 from autosplit.devices import DeviceSpec
-from autosplit.errors import AutosplitError
+from autosplit.errors import AutosplitError, unknown_name
 from autosplit.options import PlanOptions
 from autosplit.plans import Plan
 from autosplit.recipes import Recipe
@@ -56,7 +56,7 @@ def __getattr__(name: str) -> Any:
         value = getattr(importlib.import_module(_LAZY[name]), name)
         globals()[name] = value
         return value
-    raise AttributeError(f"module 'autosplit' has no attribute {name!r}")
+    raise unknown_name(__name__, name)
 
 
 logging.getLogger(__name__).addHandler(logging.NullHandler())

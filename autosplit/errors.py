@@ -26,8 +26,10 @@ __all__ = [
     "PlanMismatchError",
     "PlanValidationError",
     "SolverError",
+    "UnknownNameError",
     "advice",
     "causes",
+    "unknown_name",
 ]
 
 
@@ -110,6 +112,17 @@ class LayerCutError(ExportError):
     it (:meth:`autosplit.Planner.export`), the nearest plan that keeps every layer whole."""
 
     nearest: object = None
+
+
+class UnknownNameError(AutosplitError, AttributeError):
+    """A name a package of autosplit does not have (its module ``__getattr__``, which imports some names on first
+    use): an ``AttributeError``, so that ``hasattr`` and ``from autosplit import …`` behave as on any module."""
+
+
+def unknown_name(module: str, name: str) -> UnknownNameError:
+    """The error a package's ``__getattr__`` raises for ``name``, which it does not have."""
+    return UnknownNameError(advice(f"module {module!r} has no attribute {name!r}",
+                                   "the package exports the names of its __all__", f"use one of dir({module})"))
 
 
 class DistributedError(AutosplitError):

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 from autosplit.api.comparison import compare
 from autosplit.api.hybrid import measure_noise_scale, plan_hybrid
 from autosplit.api.planner import Planner, autosplit, plan
+from autosplit.errors import unknown_name
 
 if TYPE_CHECKING:
     from autosplit.api.distributed import distribute
@@ -27,4 +28,4 @@ def __getattr__(name: str) -> Any:
         from autosplit.api.distributed import distribute
 
         return distribute
-    raise AttributeError(f"module 'autosplit.api' has no attribute {name!r}")
+    raise unknown_name(__name__, name)
