@@ -114,13 +114,13 @@ def _float8_under_tp(
     weight's gradient), a row-parallel one its output's gradient. Charged as ``(tp − 1)`` times the cast on top
     of the node's time, which the layout then divides by ``tp``: the cast whole, the rest split."""
     n, fwd_left, bwd_left = len(table.nodes), np.ones(len(table.nodes)), np.ones(len(table.nodes))
+    if table.float8_recipe is None or not table.float8_linears:
+        return table, fwd_left, bwd_left
     by_name = {node.name: node for node in gm.graph.nodes}
     present = [by_name[name] for name in table.nodes if name in by_name]
     chosen = set(table.float8_linears)
     roles = {present[i].name: (rules.shards.get(f"{path}.weight"), w) for i, (path, w) in float8_linears(gm, present).items()
              if path in chosen}
-    if table.float8_recipe is None or not roles:
-        return table, fwd_left, bwd_left
     index = {name: i for i, name in enumerate(table.nodes)}
     fwd = np.asarray(table.fwd_time, dtype=np.float64).reshape(n, -1)
     bwd = np.asarray(table.bwd_time, dtype=np.float64).reshape(n, -1)
