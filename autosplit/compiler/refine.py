@@ -5,7 +5,9 @@ exact for GPipe and for equal stages; torch's interleaved and zero-bubble schedu
 action lists say, reward other cuts (a rank's two stages need not be equal when one of them waits
 anyway). The replay is the judge. Candidates, in a topological order in which a split is contiguous:
 the solver's split, and it with each cut at the nearest layer boundary; the split of equal compute
-per stage at *cheap cuts* (layer boundaries, where little crosses); and, when there are few cheap
+per stage at *cheap cuts* (layer boundaries, where little crosses); where a rank runs several stages,
+the split at layer boundaries that evens the *ranks'* work, its extra layers then moved where the replay
+prefers them (Megatron's hand layouts do both); and, when there are few cheap
 cuts, every split at them, and when there are few repeated layers, every split between them
 (torchtitan's cuts). From each, a descent moves
 one cut, or one stage, to the next cheap cut or by ``±width`` nodes while the replayed step drops and
@@ -88,17 +90,10 @@ def refine(
         return None if any(b < a for a, b in itertools.pairwise(along)) else [
             p for p in range(1, N) if along[p] != along[p - 1]]
 
-    given = cuts_of(stage_of)
-    seeds: list[list[int]] = [] if given is None else [given]
     cheap = _cheap_cuts(problem, topo)
     layers = _layer_cuts(table.module_paths, topo)
     work = list(itertools.accumulate(problem.fastest[n] for n in topo))
-    even = _even(cheap, work, S)
-    if len(even) == S - 1:
-        seeds.append(even)
-    snapped = sorted({_nearest(layers, p) for p in given or ()})  # the solver's split at the nearest layer boundaries
-    if len(snapped) == S - 1 and snapped != given:
-        seeds.append(snapped)
+    seeds = _seeds(problem, cuts_of(stage_of), cheap, layers, work, split, step, replays)
     best_plan, best = tuple(stage_of), step(tuple(stage_of))
     # Few cheap cuts, or few boundaries between repeated layers: every split at them is replayed.
     for cuts in (cheap, layers):
@@ -130,6 +125,28 @@ def refine(
     return best_plan
 
 
+def _seeds(
+    problem: Problem, given: list[int] | None, cheap: Sequence[int], layers: Sequence[int], work: Sequence[float],
+    split: Callable[[Sequence[int]], tuple[int, ...]], step: Callable[[tuple[int, ...]], float], replays: int,
+) -> list[list[int]]:
+    """The splits a descent starts from: ``given`` (the solver's cuts, when contiguous), equal work per
+    stage at the cheap cuts, the ranks' work evened at the layer boundaries where a rank runs several
+    stages, and the solver's cuts moved to the nearest layer boundaries."""
+    S = problem.num_stages
+    seeds = [] if given is None else [given]
+    even = _even(cheap, work, S)
+    if len(even) == S - 1:
+        seeds.append(even)
+    if any(problem.rank(s) != s for s in range(S)):  # a rank runs several stages: even the ranks, not the stages
+        balanced = _rank_balanced(layers, work, S, problem.rank)[: replays // 8]
+        if balanced:
+            seeds.append(_relocate(min(balanced, key=lambda cuts: step(split(cuts))), layers, split, step, replays // 4))
+    snapped = sorted({_nearest(layers, p) for p in given or ()})
+    if len(snapped) == S - 1 and snapped != given:
+        seeds.append(snapped)
+    return seeds
+
+
 def _fastest_at(
     cuts: Sequence[int], S: int, split: Callable[[Sequence[int]], tuple[int, ...]],
     step: Callable[[tuple[int, ...]], float], work: Sequence[float], replays: int,
@@ -148,6 +165,76 @@ def _even(cuts: Sequence[int], work: Sequence[float], S: int) -> list[int]:
     """The split of equal compute per stage (``work``: cumulative along the order), each cut moved to
     the nearest of ``cuts``; fewer than ``S − 1`` cuts where two land on one."""
     return sorted({_nearest(cuts, bisect.bisect_left(work, work[-1] * s / S)) for s in range(1, S)})
+
+
+def _rank_balanced(cuts: Sequence[int], work: Sequence[float], S: int, rank: Callable[[int], int]) -> list[list[int]]:
+    """A split at ``cuts`` (the layer boundaries) that evens the ranks' work where each rank runs several
+    stages: from the split of equal work per stage, one piece between cuts (a layer) at a time moves
+    off a stage of the busiest rank onto a stage of another rank, the stages between keeping theirs,
+    while that lowers the busiest rank's work (then the busiest stage's, then the ranks' sum of squares). Rounding to whole layers
+    leaves some rank a layer more; Megatron's own layouts put it on a rank without the head (Llama-3-70B
+    on PP 8 × VP 5: two layers per stage, the last one layer and the head, one stage three). Returned with
+    the splits the last move ties with: the loads cannot tell where in the schedule the extra layer
+    sits, the replay can."""
+    if len(cuts) < S - 1:
+        return []
+    edges = [0, *cuts, len(work)]
+    piece = [work[b - 1] - (work[a - 1] if a else 0.0) for a, b in itertools.pairwise(edges)]
+    before = {c: i + 1 for i, c in enumerate(cuts)}  # a cut → the pieces before it
+    firsts = [0, *(before[c] for c in _even(cuts, work, S)), len(piece)]
+    if len(firsts) != S + 1:
+        return []
+    counts = [b - a for a, b in itertools.pairwise(firsts)]
+
+    def loads(counts: Sequence[int]) -> tuple[float, float, float, int]:
+        """(the busiest rank's work, the busiest stage's, the ranks' sum of squares, the busiest rank)"""
+        at = list(itertools.accumulate(counts, initial=0))
+        stage = [sum(piece[a:b]) for a, b in itertools.pairwise(at)]
+        ranks: dict[int, float] = {}
+        for s, w in enumerate(stage):
+            ranks[rank(s)] = ranks.get(rank(s), 0.0) + w
+        busiest = max(ranks, key=ranks.__getitem__)
+        return ranks[busiest], max(stage), sum(w * w for w in ranks.values()), busiest
+
+    best, ties = loads(counts), [counts]
+    while True:
+        trials = [(loads(moved)[:3], moved) for a in range(S) if rank(a) == best[3] and counts[a] > 1
+                  for b in range(S) if rank(b) != best[3]
+                  for moved in [[c - (s == a) + (s == b) for s, c in enumerate(counts)]]]
+        score = min((t[0] for t in trials), default=best[:3])
+        if score >= best[:3]:
+            return [[cuts[i - 1] for i in itertools.accumulate(c[:-1])] for c in ties]
+        ties = [moved for t, moved in trials if t == score]
+        best, counts = loads(ties[0]), ties[0]
+
+
+def _relocate(
+    start: Sequence[int], cuts: Sequence[int], split: Callable[[Sequence[int]], tuple[int, ...]],
+    step: Callable[[tuple[int, ...]], float], replays: int,
+) -> list[int]:
+    """From ``start`` (a split at ``cuts``), move a piece between cuts off a stage that holds more than most
+    stages do onto any other stage, the stages between keeping theirs, while the replayed step drops:
+    where an extra layer sits in the schedule matters even when the ranks' work does not change. At most
+    ``replays`` steps evaluated."""
+    before = {c: i + 1 for i, c in enumerate(cuts)}
+    counts = [b - a for a, b in itertools.pairwise([0, *(before[c] for c in start), len(cuts) + 1])]
+
+    def at(counts: Sequence[int]) -> list[int]:
+        return [cuts[i - 1] for i in itertools.accumulate(counts[:-1])]
+
+    best, spent, moved = step(split(start)), 1, True
+    while moved and spent < replays:
+        moved = False
+        usual = max(set(counts), key=counts.count)
+        for a, b in itertools.product(range(len(counts)), repeat=2):
+            if a == b or counts[a] <= usual or spent >= replays:
+                continue
+            trial = [c - (s == a) + (s == b) for s, c in enumerate(counts)]
+            cost, spent = step(split(at(trial))), spent + 1
+            if cost < best * (1 - 1e-9):
+                best, counts, moved = cost, trial, True
+                break
+    return at(counts)
 
 
 def _cheap_cuts(problem: Problem, topo: Sequence[int]) -> list[int]:

@@ -13,7 +13,7 @@ import torch
 import autosplit
 from autosplit.compiler.costs import estimated
 from autosplit.compiler.prediction import predict_step
-from autosplit.compiler.refine import _layer_cuts, refine
+from autosplit.compiler.refine import _layer_cuts, _rank_balanced, _relocate, refine
 from autosplit.compiler.search import stage_problem
 from autosplit.devices import resolve_devices
 from autosplit.errors import InfeasiblePlanError
@@ -141,6 +141,38 @@ def test_a_split_inside_a_layer_must_beat_the_layer_cuts_by_the_margin(schedule,
     for replays in (400, 8):  # 10 splits at layer cuts: replayed all, or (8 replays) descended along
         kept = refine(problem, table, seed, order, options.replace(cut_margin=gain * 1.01), replays=replays)
         assert cuts(kept) <= set(layers) and step(kept) == pytest.approx(aligned)
+
+
+def test_a_rank_running_several_stages_gets_the_even_share_of_layers():
+    """Planted: an embedding (0.1), eight layers (1 each) and a head (1.2), one piece each, over 4 stages
+    looped on 2 ranks. Equal work per stage gives rank 1 the head and a layer more (5.2 against 4.1); one
+    layer moves off its last stage onto rank 0's second, the stage between keeping its two (5.1 against 4.2),
+    and nothing further lowers the busiest rank."""
+    work = list(itertools.accumulate([0.1, *[1.0] * 8, 1.2]))
+    assert _rank_balanced(list(range(1, 10)), work, 4, lambda s: s % 2) == [[3, 5, 8]]
+
+
+def test_relocating_a_surplus_layer_follows_the_replay():
+    """Planted: 11 one-position pieces over 5 stages, one stage holding a third piece, and a replay that
+    prefers that stage late (any other shape far slower). The descent walks the extra piece to the last
+    stage, one gaining move at a time, and spends no more replays than it is given."""
+    cuts = list(range(1, 11))
+
+    def split(chosen):
+        return tuple(s for s, (a, b) in enumerate(itertools.pairwise([0, *chosen, 11])) for _ in range(a, b))
+
+    def counts(cuts):
+        plan = split(cuts)
+        return tuple(plan.count(s) for s in range(5))
+
+    def step(plan):
+        c = tuple(plan.count(s) for s in range(5))
+        return 10.0 - c.index(3) if sorted(c) == [2, 2, 2, 2, 3] else 100.0
+
+    start = [3, 5, 7, 9]
+    assert counts(start) == (3, 2, 2, 2, 2)
+    assert counts(_relocate(start, cuts, split, step, replays=100)) == (2, 2, 2, 2, 3)
+    assert counts(_relocate(start, cuts, split, step, replays=3)) == (2, 3, 2, 2, 2), "the start, one gain, one loss"
 
 
 def test_splits_the_replay_ties_go_to_the_evener():
