@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import os
+from collections import defaultdict
+from pathlib import Path
 
 import pytest
 import torch
@@ -26,6 +29,53 @@ def pytest_collection_finish(session):
 
     gc.collect()
     gc.freeze()
+
+
+DURATIONS = Path(__file__).with_name("durations.json")
+"""Each test's seconds (setup, call and teardown) in the last full run recorded with ``--record-durations``."""
+FAST = 2.0
+"""Seconds a recorded test may take and stay in the fast tier (``-m "not slow"``)."""
+
+
+def pytest_addoption(parser):
+    parser.addoption("--record-durations", action="store_true",
+                     help=f"write each test's seconds into {DURATIONS.name} (what the fast tier is chosen from)")
+
+
+def recorded_durations() -> dict[str, float]:
+    return json.loads(DURATIONS.read_text()) if DURATIONS.exists() else {}
+
+
+def pytest_collection_modifyitems(config, items):
+    """The tiers, from the recorded durations: a test is ``slow`` unless it took at most :data:`FAST` seconds
+    when last recorded and runs in this process — or is a multi-process case marked ``smoke`` (one per
+    runtime path). A test not yet recorded is slow until it is."""
+    recorded = recorded_durations()
+    for item in items:
+        if item.get_closest_marker("smoke"):
+            continue
+        seconds = recorded.get(item.nodeid)
+        if seconds is None or seconds > FAST or "gloo" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.slow)
+    if os.environ.get("AUTOSPLIT_LIST_TIERS"):  # tests/test_tiers.py reads the tiers from a collection
+        for item in items:
+            print(f"TIER {'slow' if item.get_closest_marker('slow') else 'fast'} {item.nodeid}")
+
+
+_seconds: dict[str, float] = defaultdict(float)
+
+
+def pytest_runtest_logreport(report):
+    _seconds[report.nodeid] += report.duration
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """With ``--record-durations``, on the controller: this run's seconds merged into :data:`DURATIONS`."""
+    if session.config.getoption("record_durations") and not hasattr(session.config, "workerinput") and _seconds:
+        merged = {**recorded_durations(), **{k: round(v, 2) for k, v in _seconds.items()}}
+        partial = DURATIONS.with_suffix(".json.partial")  # replaced whole, never half written
+        partial.write_text(json.dumps(dict(sorted(merged.items())), indent=0) + "\n")
+        os.replace(partial, DURATIONS)
 
 
 @pytest.fixture(autouse=True)

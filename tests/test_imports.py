@@ -1,4 +1,4 @@
-"""``import autosplit`` loads what planning needs, not the multi-process runtime (issue 67's first must-show, in part)."""
+"""``import autosplit`` loads what planning needs first, not the multi-process runtime, the solvers or the FLOP counter."""
 
 from __future__ import annotations
 
@@ -6,6 +6,9 @@ import subprocess
 import sys
 
 DEFERRED = ("torch._dynamo", "torch.distributed.fsdp", "torch.distributed.pipelining", "torch.distributed.tensor")
+LIBRARIES = ("ortools", "pandas", "networkx", "transformers", "triton", "torch.utils.flop_counter")
+"""What planning loads where a path first needs it: the solvers (OR-Tools imports pandas), networkx's graph
+algorithms, transformers, and torch's FLOP counter (which imports triton where installed)."""
 
 
 def test_importing_autosplit_leaves_the_runtimes_heavy_imports_for_their_first_use():
@@ -22,3 +25,9 @@ def test_importing_autosplit_leaves_the_runtimes_heavy_imports_for_their_first_u
     assert out[0] == "[]", out
     assert out[1] == "True True"
     assert out[2] == str(sorted(DEFERRED))
+
+
+def test_importing_autosplit_leaves_the_solvers_and_counters_for_their_first_use():
+    code = f"import sys, autosplit\nprint(sorted(m for m in {LIBRARIES!r} if m in sys.modules))\n"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.splitlines()
+    assert out == ["[]"], out

@@ -77,8 +77,10 @@ def distribute(
 ) -> DistributedModel:
     """Run ``model`` as pipeline stages across the ranks of the initialised process group.
 
-    ``devices`` are one replica's stage devices (``["cpu"] * 2``; ``None`` with a ``plan``);
-    world size must be ``data_parallel × len(devices) × tensor_parallel``: the ranks of the ``("pp",
+    ``devices`` are one replica's stage devices (``["cpu"] * 2``; ``None`` with a ``plan``), and the
+    world size must be ``data_parallel × len(devices) × tensor_parallel`` (a given plan's degrees); with
+    ``tensor_parallel`` and no plan they are the whole mesh, as :func:`~autosplit.plan` reads them, and
+    the world size must be ``len(devices)``: the ranks of the ``("pp",
     "dp_replicate", "dp_shard", "tp")`` mesh (:attr:`~autosplit.plans.Plan.mesh`, :mod:`autosplit.runtime.placement`);
     a given ``plan`` made for data-parallel copies (``autosplit.plan(model, cluster, ...)`` chooses
     them) runs with the degrees it was made for, which ``data_parallel`` and ``replicate`` default
@@ -121,7 +123,7 @@ def distribute(
     check_replicate(replicate)
     stages = len(given.devices) if devices is None and given is not None else len(devices or ())
     _check_arguments(replicate, data_parallel, stages, None if given is not None else options.get("schedule", "gpipe"))
-    shard = _check_mesh(given, stages, data_parallel, replicate)
+    shard = _check_mesh(given, stages, data_parallel, replicate, options.get("tensor_parallel", 1))
     options = {"schedule": "gpipe", **options, "data_parallel": data_parallel, "replicate": replicate,
                **({"precision": given.precision} if given is not None else {})}  # captured as the plan computes
     planner = Planner(model, devices, example_inputs=example_inputs, example_kwargs=example_kwargs,
@@ -206,13 +208,18 @@ def _check_arguments(replicate: str, data_parallel: Any, stages: int, schedule: 
         ))
 
 
-def _check_mesh(given: Plan | None, stages: int, data_parallel: int, replicate: str) -> int:
+def _check_mesh(given: Plan | None, stages: int, data_parallel: int, replicate: str, tensor_parallel: Any = 1) -> int:
     """The ``dp_shard`` degree of the mesh to run (:attr:`~autosplit.plans.Plan.mesh`: ``stages`` along
     pp, then ``data_parallel`` as ``replicate`` says); refused on every rank alike, before any work,
     unless the process group has its ranks (:class:`DistributedError`) and a ``given`` plan made for
     data-parallel copies was made for these (:class:`ConstraintError`); a plan made for one copy runs
-    under the arguments' degrees. HSDP (both degrees above 1) comes from a given plan only."""
+    under the arguments' degrees. HSDP (both degrees above 1) comes from a given plan only. With a
+    ``tensor_parallel`` other than 1 and no plan, the planner reads the devices as the whole mesh
+    (``stages`` of them), and the process group must have that many ranks."""
     shard = data_parallel if replicate == "fully_shard" else 1
+    if given is None and tensor_parallel != 1:
+        _check_whole_mesh(stages, data_parallel, tensor_parallel)
+        return shard
     tp = given.tensor_parallel if given is not None else 1
     if given is not None and given.data_parallel > 1:
         if given.data_parallel != data_parallel or (given.dp_shard > 1) != (replicate == "fully_shard" and data_parallel > 1):
@@ -236,6 +243,20 @@ def _check_mesh(given: Plan | None, stages: int, data_parallel: int, replicate: 
             + (" / another plan" if given is not None else ""),
         ))
     return shard
+
+
+def _check_whole_mesh(devices: int, data_parallel: int, tensor_parallel: Any) -> None:
+    """Refuse a process group without one rank per device where the devices are the whole mesh, with the
+    arithmetic (degrees the devices cannot hold the planner refuses itself)."""
+    world = dist.get_world_size()
+    if world != devices:
+        raise DistributedError(advice(
+            f"with tensor_parallel={tensor_parallel!r} the devices are the whole mesh: {devices} devices, but the process "
+            f"group has {world} ranks",
+            "world size = len(devices) = pp × dp_replicate × dp_shard × tp, the planner choosing "
+            f"pp = {devices} / (data_parallel {data_parallel} × tp)",
+            f"pass {world} devices (e.g. ['cpu'] * {world}), or launch {devices} processes",
+        ))
 
 
 def _agreed_plan(planner: Planner, given: Plan | None, data_parallel: int) -> Plan:

@@ -255,7 +255,7 @@ class Planner:
         layout = self.options.replace(data_parallel=recipe.data_parallel, replicate=recipe.replicate,
                                       tensor_parallel=recipe.tensor_parallel, memory=None, **recipe.options)
         # refuses a degree the devices or batch do not divide, or a tp wider than a node
-        (degrees,) = degrees_to_try(len(specs), self.traced.batch, layout, specs[0].island_size)
+        (degrees,) = degrees_to_try(len(specs), self.traced.batch, layout, specs[0].island_size, specs[0].name)
         copy_ = copy.copy(self)
         copy_.options = layout
         copy_.devices = stage_ranks(specs, degrees)

@@ -49,11 +49,12 @@ __all__ = ["Degrees", "degrees_to_try", "mesh_plan", "stage_ranks"]
 log = logging.getLogger(__name__)
 
 
-def degrees_to_try(world: int, batch: int | None, options: PlanOptions, island: int | None = None) -> list[Degrees]:
+def degrees_to_try(world: int, batch: int | None, options: PlanOptions, island: int | None = None, kind: str = "") -> list[Degrees]:
     """Every configuration of ``world`` devices the options leave open, for a global batch of ``batch``
     rows, tensor parallelism inside an ``island`` of devices (a node; None: any); refuses a pinned
-    degree that does not divide the devices or the batch, or a tp wider than a node."""
-    tps = _tensor_parallel_degrees(world, island, options)
+    degree that does not divide the devices or the batch, or a tp wider than a node (of ``kind``, the
+    devices' name, as the message says it)."""
+    tps = _tensor_parallel_degrees(world, island, options, kind)
     pinned = None if options.data_parallel == AUTO else options.replicas
     room = world // tps[0] if len(tps) == 1 else world
     if pinned is not None and (room % pinned or (batch is not None and batch % pinned)):
@@ -77,7 +78,7 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _tensor_parallel_degrees(world: int, island: int | None, options: PlanOptions) -> list[int]:
+def _tensor_parallel_degrees(world: int, island: int | None, options: PlanOptions, kind: str = "") -> list[int]:
     """The tp degrees to try: the pinned one, or every divisor of the devices that fits a node."""
     node = island or world
     if options.tensor_parallel == AUTO:
@@ -85,7 +86,7 @@ def _tensor_parallel_degrees(world: int, island: int | None, options: PlanOption
     tp = options.tp
     if tp > node or world % tp:
         raise ConstraintError(advice(
-            f"tp {tp} exceeds the {node} GPUs of a node" if tp > node else f"tensor_parallel={tp} does not divide the {world} devices",
+            f"tp {tp} exceeds the {node} {kind + ' ' if kind else ''}devices of a node" if tp > node else f"tensor_parallel={tp} does not divide the {world} devices",
             "a tensor-parallel group exchanges activations at every layer, so it stays inside a node's fast links"
             if tp > node else "world size = pp × dp_replicate × dp_shard × tp",
             f"pass tensor_parallel= one of {[t for t in _divisors(world) if t <= node]}, or 'auto'",
@@ -136,7 +137,7 @@ def _search(traced: Traced, specs: Sequence[DeviceSpec], options: PlanOptions) -
     whole, _ = cost_table(traced, tuple(specs[:1]), plain, micro_batches=1, laid=False)
     tried: dict[Degrees, Outcome] = {}
     floors: dict[Degrees, float] = {}
-    for degrees in degrees_to_try(len(specs), traced.batch, options, specs[0].island_size):
+    for degrees in degrees_to_try(len(specs), traced.batch, options, specs[0].island_size, specs[0].name):
         try:
             floors[degrees] = _proven(traced, specs, options, degrees, whole)
         except AutosplitError as e:

@@ -31,7 +31,6 @@ from typing import Any, NamedTuple
 
 import torch
 import torch.fx as fx
-from torch.utils.flop_counter import FlopCounterMode
 
 from autosplit.compat import FakeTensor, FakeTensorMode, pytree, unset_fake_temporarily
 from autosplit.errors import CostModelError, advice
@@ -358,6 +357,8 @@ class _Annotator(fx.Interpreter):
         versions = {i: t._version for i, t in enumerate(flat) if isinstance(t, torch.Tensor)}
         own: dict[int, int] = {}
         saved_at: set[int] = set()
+        from torch.utils.flop_counter import FlopCounterMode  # deferred: it imports triton (a third of a second) where installed
+
         policy = precision_context(self.precision, self.device_type, self._state_fakes)
         copies: dict[int, torch.Tensor] = getattr(policy, "copies", {})
 

@@ -43,7 +43,6 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-from networkx.utils import UnionFind
 
 from autosplit.costtable import OPTIMIZER_STATE_BYTES, OVERRIDE_KEYS, SPARSE_REFUSED, CostTable
 from autosplit.devices import DeviceSpec
@@ -123,6 +122,8 @@ def _placement_rules(
     """(colocated groups, order edges) that codegen relies on (see the module docstring): calls of
     one module, a ``get_attr`` and its first reader, and an in-place op and the node it writes stay
     together; readers of a written tensor keep their order around the write."""
+    from networkx.utils import UnionFind  # deferred: networkx loads when a graph is first annotated
+
     colocate = UnionFind(range(len(nodes)))
     by_name = {n.name: n for n in gm.graph.nodes}
     order_edges: set[tuple[int, int]] = set()

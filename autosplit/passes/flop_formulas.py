@@ -15,7 +15,6 @@ from __future__ import annotations
 import math
 
 import torch
-from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
 
 __all__ = ["FLOP_FORMULAS", "RNN_FLOPS", "flop_formulas"]
 
@@ -42,11 +41,15 @@ costs would see no LSTM compute at all."""
 def _cpu_flash_flops(query, key, value, *_args, out_shape=None, **_kwargs) -> int:
     """The CPU flash-attention kernel's forward, counted as torch counts its GPU flash kernel: the two
     matmuls of full attention, ``4·b·h·s_q·s_k·d`` (a causal mask is not halved, as FlopCounterMode counts)."""
+    from torch.utils.flop_counter import sdpa_flop_count
+
     return sdpa_flop_count(query, key, value)
 
 
 def _cpu_flash_backward_flops(grad_out, query, key, value, *_args, out_shape=None, **_kwargs) -> int:
     """Its backward as torch counts the GPU flash kernel's: the scores recomputed and four matmuls, ``10·b·h·s_q·s_k·d``."""
+    from torch.utils.flop_counter import sdpa_backward_flop_count
+
     return sdpa_backward_flop_count(grad_out, query, key, value)
 
 

@@ -24,7 +24,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.utils.flop_counter import FlopCounterMode
 
 from autosplit.compat import FakeTensorMode, TorchDispatchMode, graph_codegen, pytree
 from autosplit.compat import PyTreeCodeGen as _PyTreeCodeGen
@@ -114,6 +113,8 @@ def _counted(
     loss: Loss, output: Any, target: Any, precision: str, device_type: str,
 ) -> tuple[tuple[int, int, int], tuple[int, int, int], int]:
     """((flops, bytes, ops) forward, the same backward, saved bytes) of the loss on fake tensors."""
+    from torch.utils.flop_counter import FlopCounterMode  # deferred: it imports triton (a third of a second) where installed
+
     with FakeTensorMode(allow_non_fake_inputs=True) as mode:
         out, leaves = _with_grad(output, lambda t: mode.from_tensor(t))
         fake_target = pytree.tree_map(lambda t: mode.from_tensor(t.to("meta")) if isinstance(t, torch.Tensor) else t, target)

@@ -38,7 +38,6 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-import networkx as nx
 import torch
 import torch.fx as fx
 
@@ -266,6 +265,8 @@ def _segments(gm: fx.GraphModule, plan: Plan) -> dict[int, list[tuple[Segment, s
 
 def _topological(prerequisites: list[set[int]], priority: list[int]) -> list[int]:
     """A topological order, the lowest ``priority`` first among the ready (fewer than all when there is a cycle)."""
+    import networkx as nx  # deferred: networkx loads when a makespan plan first runs
+
     graph = nx.DiGraph()
     graph.add_nodes_from(range(len(prerequisites)))
     graph.add_edges_from((j, i) for i, pre in enumerate(prerequisites) for j in pre)

@@ -39,7 +39,6 @@ from dataclasses import dataclass
 from functools import cached_property
 
 import numpy as np
-from networkx.utils import UnionFind
 
 from autosplit.plans import PartialRecompute
 
@@ -172,6 +171,8 @@ class Problem:
             return self
         a = self.arrays
         compute, act = a.compute.copy(), a.act.copy()
+        from networkx.utils import UnionFind  # deferred: networkx loads when a plan first recomputes
+
         groups = UnionFind(range(len(self.nodes)))
         for group in self.colocate:
             groups.union(*group)

@@ -171,8 +171,8 @@ def test_tensor_parallel_refusals_say_what_in_the_users_terms():
                          num_key_value_heads=2, attn_implementation="eager")
     llama, tokens = LlamaForCausalLM(config), torch.randint(0, 128, (2, 8))
     with pytest.raises(ConstraintError) as e:  # pinned wider than a node
-        degrees_to_try(16, 16, PlanOptions(tensor_parallel=16), island=8)
-    says(e, "tp 16 exceeds the 8 GPUs of a node", "[1, 2, 4, 8]")
+        degrees_to_try(16, 16, PlanOptions(tensor_parallel=16), island=8, kind="H100-80GB")
+    says(e, "tp 16 exceeds the 8 H100-80GB devices of a node", "[1, 2, 4, 8]")
     with pytest.raises(InfeasiblePlanError) as refused:  # the only configuration left: 4 kv heads' worth of ranks
         autosplit.plan(llama, autosplit.Cluster.dgx_h100(), example_inputs=(tokens,), tensor_parallel=4, data_parallel=2)
     says(refused, "num_key_value_heads 2 is not divisible by tp 4")

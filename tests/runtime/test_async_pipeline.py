@@ -117,6 +117,7 @@ def test_asynchronous_schedules_follow_their_rules(gloo, schedule):
     assert (first["stashed_copies"], last["stashed_copies"]) == (copies if schedule == "pipedream" else (0, 0))
 
 
+@pytest.mark.smoke  # the fast tier's case of this runtime path
 def test_the_schedules_differ_and_one_mini_batch_is_plain_training(gloo):
     finals = {}
     for schedule in ("xpipe", "async", "pipedream"):

@@ -104,6 +104,7 @@ def _run_case(name: str, schedule: str, dp: int, replicate: Literal["replicate",
             torch.testing.assert_close(fresh.state_dict()[key], value, msg=_mismatch(key, full[key], value))
 
 
+@pytest.mark.smoke  # the fast tier's case of this runtime path
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_pipelined_training_equals_unsplit_training_on_two_processes(gloo, schedule):
     pytest.importorskip("transformers")

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 import autosplit
 from autosplit.examples import GPT
-from tests.helpers import NO_SEARCH
+from tests.helpers import NO_SEARCH, says
 
 TIMEOUT = 10
 
@@ -111,6 +111,10 @@ def _faults_case(tmp: str, other_plan: str, *, rank: int, world: int) -> float:
     model, tokens, targets = _model()
     with pytest.raises(autosplit.errors.DistributedError, match="process group has 2 ranks, but the plan needs"):
         autosplit.distribute(model, ["cpu"] * 3, example_inputs=(tokens,), loss_fn=_loss)
+    with pytest.raises(autosplit.errors.DistributedError, match="tensor_parallel=2 the devices are the whole mesh: 4 devices, "
+                                                                "but the process group has 2 ranks") as whole:
+        autosplit.distribute(model, ["cpu"] * 4, example_inputs=(tokens,), loss_fn=_loss, tensor_parallel=2, data_parallel=2)
+    says(whole, "pp = 4 / (data_parallel 2 × tp)", "pass 2 devices")
     with pytest.raises(autosplit.errors.PlanMismatchError, match="made for graph"):
         autosplit.distribute(model, None, example_inputs=(tokens,), loss_fn=_loss, plan=other_plan)
     pipe = autosplit.distribute(model, ["cpu"] * 2, example_inputs=(tokens,), loss_fn=_loss, micro_batches=2, **NO_SEARCH)

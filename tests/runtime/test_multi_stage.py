@@ -80,6 +80,7 @@ def test_two_stages_per_rank_train_like_the_unsplit_model(gloo, schedule):
     gloo(2).run(_run_case, [(name, schedule, 1, 4, 2) for name in MODELS])
 
 
+@pytest.mark.smoke  # the fast tier's case of this runtime path
 def test_one_stage_per_rank_on_the_multi_stage_classes_trains_like_the_unsplit_model(gloo):
     gloo(2).run(_run_case, [("gpt", schedule, 1, 4, 1) for schedule in ("interleaved1f1b", "interleavedzerobubble")])
 

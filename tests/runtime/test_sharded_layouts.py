@@ -114,6 +114,7 @@ def test_two_stages_by_dp_shard_two_train_like_the_unsplit_model(gloo):
     gloo(4).run(_train_case, [("gpt", 2, "fp32"), ("llama", 2, "fp32"), ("gpt", 2, "bf16-mixed"), ("llama", 2, "bf16-fsdp")])
 
 
+@pytest.mark.smoke  # the fast tier's case of this runtime path
 def test_one_stage_by_dp_shard_two_trains_like_the_unsplit_model(gloo):
     pytest.importorskip("transformers")
     gloo(2).run(_train_case, [("gpt", 1, "fp32"), ("llama", 1, "fp32"), ("gpt", 1, "fp32", 1), ("llama", 1, "fp32", 1),

@@ -29,8 +29,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from ortools.sat.python import cp_model
+if TYPE_CHECKING:
+    from ortools.sat.python import cp_model
 
 from autosplit.solver.makespan.schedule import Schedule, Task, comm, durations, task_graph
 from autosplit.solver.pipeline.cpsat import cp_solver
@@ -156,6 +158,8 @@ def makespan_cpsat(
     fwd, bwd = durations(problem)
     c = comm(problem)
     horizon = _horizon(hint, fwd, bwd, c)
+    from ortools.sat.python import cp_model  # deferred: OR-Tools (and the pandas it imports) load when a search first runs
+
     m = cp_model.CpModel()
     var = _add_tasks(m, problem, fwd, bwd, horizon)
     _add_precedence(m, problem, var, c)
@@ -169,8 +173,7 @@ def makespan_cpsat(
         _add_hint(m, problem, hint, var, makespan)
 
     solver = cp_solver(max(time_limit, 0.01), seed, workers)  # deterministic: every rank plans the same
-    status = solver.solve(m)
-    name = solver.status_name(status)
-    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-        return name, None, solver.best_objective_bound if status != cp_model.INFEASIBLE else math.inf
+    name = solver.status_name(solver.solve(m))
+    if name not in ("OPTIMAL", "FEASIBLE"):
+        return name, None, solver.best_objective_bound if name != "INFEASIBLE" else math.inf
     return name, _read_schedule(solver, problem, var), solver.best_objective_bound

@@ -31,9 +31,10 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import networkx as nx
-from networkx.utils import UnionFind
+if TYPE_CHECKING:
+    from networkx.utils import UnionFind
 
 from autosplit.solver.problem import Problem
 
@@ -133,6 +134,8 @@ def memory_of(problem: Problem, device_of: Sequence[int]) -> list[int]:
 
 def _topological_tasks(problem: Problem, prec: Sequence[tuple[int, int, int]], rank: Sequence[float]) -> list[int]:
     """Every task, each after its predecessors, the highest rank first among the ready ones."""
+    import networkx as nx  # deferred: networkx loads when a makespan is first scheduled
+
     graph = nx.DiGraph()
     graph.add_nodes_from(range(2 * len(problem.nodes)))
     graph.add_edges_from((a, b) for a, b, _ in prec)
@@ -201,6 +204,8 @@ def schedule_of(problem: Problem, device_of: Sequence[int], priority: Sequence[i
 
 def groups(problem: Problem) -> UnionFind:
     """Units that must share a device (colocated, or kept together by a constraint), as a union-find."""
+    from networkx.utils import UnionFind
+
     group = UnionFind(range(len(problem.nodes)))
     for members in [*problem.colocate, *(c.together for c in problem.constraints)]:
         group.union(*members)

@@ -18,7 +18,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
-from ortools.graph.python import max_flow
 
 from autosplit.options import SolverLimits
 from autosplit.solver.problem import Problem
@@ -186,6 +185,8 @@ class _Links:
 
 def _min_cut(arcs: Sequence[tuple[int, int, int]]) -> int:
     """Value of the least cut from node 0 to node 1 (capacity −1: infinite)."""
+    from ortools.graph.python import max_flow  # deferred: OR-Tools loads when a bound first needs it
+
     tails, heads, caps = (np.asarray(c, dtype=np.int64) for c in zip(*arcs))
     caps = np.where(caps < 0, np.iinfo(np.int64).max // (len(arcs) + 1), caps)
     flow = max_flow.SimpleMaxFlow()

@@ -41,9 +41,10 @@ import math
 import os
 import time
 from collections.abc import Collection, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ortools.sat.python import cp_model
+if TYPE_CHECKING:
+    from ortools.sat.python import cp_model
 
 from autosplit.errors import InfeasiblePlanError, advice
 from autosplit.solver.pipeline.bounds import memory_units
@@ -66,6 +67,8 @@ class _Model:
     def __init__(self, problem: Problem, partial: bool = True):
         self.p = problem
         self.partial = partial
+        from ortools.sat.python import cp_model  # deferred: OR-Tools (and the pandas it imports) load when a search first runs
+
         self.m = cp_model.CpModel()
         S = problem.num_stages
         rep = list(range(len(problem.nodes)))
@@ -281,6 +284,8 @@ def cp_solver(
     it; the deterministic limit stays a function of ``time_limit`` alone, so every rank stops at the
     same point). ``deterministic=False`` runs the workers in parallel instead: stronger without a
     hint, but timing decides the answer."""
+    from ortools.sat.python import cp_model  # deferred: OR-Tools (and the pandas it imports) load when a search first runs
+
     solver = cp_model.CpSolver()
     solver.parameters.random_seed = int(seed)
     solver.parameters.num_workers = workers or min(8, max(2, os.cpu_count() or 1))
@@ -326,7 +331,7 @@ def _without_caps(problem: Problem, time_limit: float, seed: int) -> list[str] |
     model = _Model(problem)
     guarded = model.add_assumptions(caps=False)
     solver = cp_solver(time_limit, seed, None)
-    if solver.solve(model.m) != cp_model.INFEASIBLE:
+    if solver.status_name(solver.solve(model.m)) != "INFEASIBLE":
         return None
     index = {lit.Index(): what for lit, what in guarded}
     return [str(index[i]) for i in solver.sufficient_assumptions_for_infeasibility() if i in index]
@@ -349,10 +354,10 @@ def explain_memory(
     # No hint exists for this model, and interleaved search rarely finds a first solution
     # without one; an explanation need not be reproducible, so search in parallel.
     solver = cp_solver(time_limit, seed, None, deterministic=False)
-    status = solver.solve(model.m)
+    status = solver.status_name(solver.solve(model.m))
     caps = ", ".join(f"stage {s} on {problem.devices[s]} (cap {_kib(problem.capacity[s])})" for s in core)
-    least = _kib(solver.value(peak)) if status in (cp_model.OPTIMAL, cp_model.FEASIBLE) else "unknown"
-    bound = _kib(int(solver.best_objective_bound)) if status == cp_model.FEASIBLE else least
+    least = _kib(solver.value(peak)) if status in ("OPTIMAL", "FEASIBLE") else "unknown"
+    bound = _kib(int(solver.best_objective_bound)) if status == "FEASIBLE" else least
     return advice(
         f"no plan fits the memory caps of {caps}: the least memory any plan needs on its fullest device is "
         f"{least} (proven lower bound {bound}), against the largest cap {_kib(max(problem.capacity))}",
@@ -424,18 +429,17 @@ def cpsat(
         model.hint(tuple(hint), hint_recompute)
     model.m.minimize(model.objective)
     solver = cp_solver(time_limit, seed, workers, deterministic, gap, wall=time_limit - (time.perf_counter() - started))
-    status = solver.solve(model.m)
-    name = solver.status_name(status)
+    name = solver.status_name(solver.solve(model.m))
     log.info("cp-sat: %s in %.2fs, %d nodes x %d stages, bound %s", name, solver.wall_time,
              len(problem.nodes), problem.num_stages, solver.best_objective_bound)
-    if status in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+    if name in ("OPTIMAL", "FEASIBLE"):
         if recomputed is not None:
             recomputed.extend(model.recomputed(solver))
         if kept is not None:
             kept.update(model.kept(solver))
         return name, model.stage_of(solver), solver.best_objective_bound, []
     core: list[int | str] = []
-    if status == cp_model.INFEASIBLE:
+    if name == "INFEASIBLE":
         index = {lit.Index(): what for lit, what in guarded}
         core = [index[i] for i in solver.sufficient_assumptions_for_infeasibility() if i in index]
     return name, None, solver.best_objective_bound, core
