@@ -170,11 +170,10 @@ class PlanOptions:
     ``0``: the fastest split by the replay, wherever it cuts."""
     data_parallel: int | Literal["auto"] = 1
     """Data-parallel copies of the split model (hybrid data × pipeline parallelism); the predicted
-    step adds the data-parallel collectives backward does not hide. With an integer the devices and
-    the example batch are one copy's. ``"auto"``: the devices are the whole mesh and the example
-    batch the global one, and the planner chooses the degree with the split —
-    ``pp × data_parallel = len(devices)`` (:mod:`autosplit.compiler.mesh`); the plan lists every
-    configuration it tried."""
+    step adds the data-parallel collectives backward does not hide. The devices are the whole mesh and
+    the example batch the global one, whatever the degrees: ``pp × data_parallel × tp = len(devices)``,
+    each copy planned on ``1/data_parallel`` of the batch (:mod:`autosplit.compiler.mesh`). ``"auto"``: the
+    planner chooses the degree with the split; the plan lists every configuration it tried."""
     replicate: Replicate | Literal["auto"] = "replicate"
     """How the :attr:`data_parallel` copies of each stage keep in step, under torch's names:
     ``"replicate"`` (FSDP2's ``replicate``: whole parameters on every copy, gradients all-reduced;
@@ -184,8 +183,8 @@ class PlanOptions:
     tensor_parallel: int | Literal["auto"] = 1
     """Devices each stage's tensors are split over (the mesh's ``tp``, innermost: inside a node), by
     the rules the graph gives (:mod:`autosplit.passes.tensor_parallel`): column- then row-parallel
-    linear pairs, the vocabulary-parallel embedding and head. With an integer > 1 the devices are the
-    whole mesh, as with ``"auto"``: the planner chooses it with the split and the data-parallel degrees."""
+    linear pairs, the vocabulary-parallel embedding and head. The devices are the whole mesh, as for
+    :attr:`data_parallel`; ``"auto"``: the planner chooses it with the split and the data-parallel degrees."""
     sequence_parallel: bool | str = AUTO
     """Under tensor parallelism, the activations between the split layers (norms, residuals, dropout)
     split along the tokens, as torchtitan's ``SequenceParallel`` runs them: each all-reduce a
@@ -356,9 +355,9 @@ class PlanOptions:
 
     @property
     def meshes(self) -> bool:
-        """The planner chooses the mesh's degrees over the whole of it (:attr:`data_parallel`,
-        :attr:`replicate` or :attr:`tensor_parallel` is ``"auto"``, or tensors are split)."""
-        return AUTO in (self.data_parallel, self.replicate, self.tensor_parallel) or self.tensor_parallel != 1
+        """The devices hold more than one pipeline: the planner lays the mesh's degrees over them (one of
+        :attr:`data_parallel`, :attr:`replicate` and :attr:`tensor_parallel` is ``"auto"``, or a degree is above 1)."""
+        return AUTO in (self.data_parallel, self.replicate, self.tensor_parallel) or self.tensor_parallel != 1 or self.data_parallel != 1
 
     @property
     def tp(self) -> int:

@@ -23,7 +23,7 @@ from autosplit.report import plan_report
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--dp", type=int, default=1, help="data-parallel replicas (world size = dp × stages)")
+    parser.add_argument("--dp", type=int, default=1, help="data-parallel replicas (stages = world size / dp)")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b"])
     args = parser.parse_args()
@@ -31,25 +31,25 @@ def main() -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=timedelta(seconds=120))
     rank, world = dist.get_rank(), dist.get_world_size()
-    stages = world // args.dp
 
     torch.manual_seed(0)  # the same weights on every rank
     model = GPT(vocab=512, d_model=64, n_layers=4, n_heads=4, max_len=64)
-    tokens = torch.randint(0, 512, (8, 64))
+    tokens = torch.randint(0, 512, (8 * args.dp, 64))  # the global batch: 8 rows per data-parallel replica
     targets = torch.roll(tokens, -1, dims=1)
 
     def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(logits.flatten(0, 1), target.flatten())
 
     pipe = autosplit.distribute(
-        model, ["cpu"] * stages, example_inputs=(tokens,), loss_fn=loss_fn,
+        model, ["cpu"] * world, example_inputs=(tokens,), loss_fn=loss_fn,  # the devices: the whole mesh
         data_parallel=args.dp, schedule=args.schedule, micro_batches=4, time_limit=5,
     )
     if rank == 0:
         print(plan_report(pipe.plan))
     opt = torch.optim.Adam(pipe.parameters(), lr=1e-3)
+    mine = slice(pipe.layout.replica * 8, (pipe.layout.replica + 1) * 8)  # this replica's rows of the global batch
     for step in range(args.steps):
-        loss = pipe.step(tokens, target=targets)
+        loss = pipe.step(tokens[mine], target=targets[mine])
         opt.step()
         opt.zero_grad()
         if loss is not None:

@@ -33,7 +33,7 @@ def pytest_collection_finish(session):
 
 DURATIONS = Path(__file__).with_name("durations.json")
 """Each test's seconds (setup, call and teardown) in the last full run recorded with ``--record-durations``."""
-FAST = 2.0
+FAST = 1.0
 """Seconds a recorded test may take and stay in the fast tier (``-m "not slow"``)."""
 
 

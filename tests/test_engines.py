@@ -268,7 +268,7 @@ def test_qwen_and_mistral_are_read_under_the_transformers_llama_names(family):
 
 def test_without_a_pipeline_the_micro_batches_are_torchtitans_gradient_accumulation(tmp_path):
     model, args = _llama(2)
-    plan = autosplit.Planner(model, ["cpu"], example_inputs=args, data_parallel=2, replicate="fully_shard", micro_batches=2).plan()
+    plan = autosplit.Planner(model, ["cpu"] * 2, example_inputs=args, data_parallel=2, replicate="fully_shard", micro_batches=2).plan()
     assert plan.mesh == {"pp": 1, "dp_replicate": 1, "dp_shard": 2, "tp": 1} and plan.micro_batches == 2
     config = tomllib.loads(plan.export("torchtitan"))
     assert config["training"] == {"local_batch_size": 2, "global_batch_size": 8,  # 8 rows / (2 per step · 2 copies): 2 steps

@@ -81,11 +81,9 @@ def _made_plan(name: str, stages: int, copies: int, tp: int, folder: str, replic
     shard = options.pop("dp_shard", None)
     torch.manual_seed(0)
     model, args, kwargs, _, _ = CASES[name]()
-    rows = ROWS // copies
     options = {"schedule": "1f1b" if stages <= MICRO else "gpipe", "micro_batches": MICRO, **NO_SEARCH, **options}
-    made = autosplit.plan(model.double(), ["cpu"] * stages, example_inputs=tuple(a[:rows] for a in args),
-                          example_kwargs={k: v[:rows] for k, v in kwargs.items()}, data_parallel=copies,
-                          replicate=replicate, **options)
+    made = autosplit.plan(model.double(), ["cpu"] * (stages * copies), example_inputs=args, example_kwargs=kwargs,
+                          data_parallel=copies, replicate=replicate, **options)  # the whole mesh but tp, the global batch
     if tp > 1:
         made = dataclasses.replace(made, tensor_parallel=tp, tp_shards=shards(name, model))
     if shard is not None:
@@ -98,10 +96,8 @@ def _made_plan(name: str, stages: int, copies: int, tp: int, folder: str, replic
 
 
 def distribute(model, args, kwargs, loss_fn, plan_path: str, compiled: bool = False) -> Any:
-    made = autosplit.Plan.load(plan_path)
-    rows = ROWS // made.data_parallel
-    return autosplit.distribute(model, None, example_inputs=tuple(a[:rows] for a in args), plan=plan_path,
-                                example_kwargs={k: v[:rows] for k, v in kwargs.items()}, loss_fn=loss_fn, compile=compiled)
+    return autosplit.distribute(model, None, example_inputs=args, plan=plan_path,  # the global batch
+                                example_kwargs=kwargs, loss_fn=loss_fn, compile=compiled)
 
 
 def _check_placement(pipe: Any, rank: int, shards: dict[str, int]) -> None:

@@ -36,6 +36,7 @@ import torch
 from autosplit.candidates import Candidate, Measured
 from autosplit.compiler.manual import ManualSplit
 from autosplit.errors import AutosplitError, ConstraintError, advice
+from autosplit.microbatch import split_batch
 from autosplit.recipes import Recipe
 from autosplit.report.compare import Comparison
 from autosplit.runtime.makespan import DeviceOptimizers, MakespanRunner
@@ -186,7 +187,9 @@ def _measure_distributed(model, plans, inputs, kwargs, loss_fn, target, steps, w
     runs: list[tuple[Callable[[], Any], Any, list[float]]] = []
     for plan in plans:
         pipe = distribute(copy.deepcopy(model), None, example_inputs=inputs, example_kwargs=kwargs, loss_fn=loss_fn, plan=plan)
-        runs.append((functools.partial(pipe.step, *inputs, target=target, **kwargs), torch.optim.Adam(pipe.parameters(), lr=1e-4), []))
+        mine, my_kwargs = split_batch(inputs, kwargs, plan.data_parallel)[pipe.layout.replica]  # this copy's rows
+        my_target = split_batch((target,), None, plan.data_parallel)[pipe.layout.replica][0][0]
+        runs.append((functools.partial(pipe.step, *mine, target=my_target, **my_kwargs), torch.optim.Adam(pipe.parameters(), lr=1e-4), []))
     _round_robin(runs, steps, warmup, sync=dist.barrier)
     out = []
     for plan, (*_, times) in zip(plans, runs):

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
@@ -20,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from autosplit import schedules
+from autosplit.api.mesh_checks import check_arguments, check_mesh, check_replicate, degrees, runnable
 from autosplit.api.planner import Planner, load_plan
 from autosplit.compiler.trace import Traced
 from autosplit.devices import DeviceLike
@@ -77,19 +77,19 @@ def distribute(
 ) -> DistributedModel:
     """Run ``model`` as pipeline stages across the ranks of the initialised process group.
 
-    ``devices`` are one replica's stage devices (``["cpu"] * 2``; ``None`` with a ``plan``), and the
-    world size must be ``data_parallel × len(devices) × tensor_parallel`` (a given plan's degrees); with
-    ``tensor_parallel`` and no plan they are the whole mesh, as :func:`~autosplit.plan` reads them, and
-    the world size must be ``len(devices)``: the ranks of the ``("pp",
-    "dp_replicate", "dp_shard", "tp")`` mesh (:attr:`~autosplit.plans.Plan.mesh`, :mod:`autosplit.runtime.placement`);
+    ``devices`` are the whole mesh, one per rank in rank order, as :func:`~autosplit.plan` reads them
+    (``["cpu"] * 4`` with ``data_parallel=2``: pp 2 × dp 2; ``None`` with a ``plan``): the world size must be
+    ``len(devices)`` = pp × data_parallel × tensor_parallel, the ranks of the ``("pp", "dp_replicate",
+    "dp_shard", "tp")`` mesh (:attr:`~autosplit.plans.Plan.mesh`, :mod:`autosplit.runtime.placement`);
     a given ``plan`` made for data-parallel copies (``autosplit.plan(model, cluster, ...)`` chooses
     them) runs with the degrees it was made for, which ``data_parallel`` and ``replicate`` default
     to (else 1 and ``"replicate"``); other degrees are refused. A given plan's
     :attr:`~autosplit.plans.Plan.tensor_parallel` runs each stage on that many ranks, its parameters split
     as :attr:`~autosplit.plans.Plan.tp_shards` says (:mod:`autosplit.runtime.tensor_parallel`; a name that
     is no parameter of ``model`` is refused).
-    ``example_inputs`` / ``example_kwargs`` are one replica's batch, the shape every
-    :meth:`~DistributedModel.step` takes. ``loss_fn(output, target)`` is called on each micro-batch's output (the model's
+    ``example_inputs`` / ``example_kwargs`` are the global batch, as :func:`~autosplit.plan` takes it; every
+    :meth:`~DistributedModel.step` takes a data-parallel copy's share, ``1/data_parallel`` of its rows (each
+    rank its copy's own rows). ``loss_fn(output, target)`` is called on each micro-batch's output (the model's
     own output structure) and should average over its rows (e.g. ``CrossEntropyLoss()``); with an
     ``example_target`` of the batch, the plan costs it on the stage that returns the output.
     ``replicate``: how each stage's data-parallel replicas keep in step, named as torch names what
@@ -119,16 +119,16 @@ def distribute(
     stage's status.
     """
     given = load_plan(plan)
-    data_parallel, replicate = _degrees(given, data_parallel, replicate)
+    data_parallel, replicate = degrees(given, data_parallel, replicate)
     check_replicate(replicate)
-    stages = len(given.devices) if devices is None and given is not None else len(devices or ())
-    _check_arguments(replicate, data_parallel, stages, None if given is not None else options.get("schedule", "gpipe"))
-    shard = _check_mesh(given, stages, data_parallel, replicate, options.get("tensor_parallel", 1))
+    check_arguments(replicate, data_parallel, None if given is not None else options.get("schedule", "gpipe"))
+    shard = check_mesh(given, None if devices is None else len(devices), data_parallel, replicate)
     options = {"schedule": "gpipe", **options, "data_parallel": data_parallel, "replicate": replicate,
                **({"precision": given.precision} if given is not None else {})}  # captured as the plan computes
     planner = Planner(model, devices, example_inputs=example_inputs, example_kwargs=example_kwargs,
                       loss_fn=None if example_target is None else loss_fn, example_target=example_target, **options)
     made = dataclasses.replace(_agreed_plan(planner, given, data_parallel), data_parallel=data_parallel, dp_shard=shard)
+    planner = planner.share(data_parallel)  # each rank builds its copy's share of the batch
     check_tp_shards(model, made.tp_shards, made.tensor_parallel)
     if made.tensor_parallel > 1:
         _check_tp_attention(planner.traced, rank_device(made, 0).type)
@@ -137,143 +137,22 @@ def distribute(
     return _build(model, planner, made, given, layout, loss_fn, weights, compile_options(compile))
 
 
-def _degrees(given: Plan | None, data_parallel: int | None, replicate: str | None) -> tuple[Any, Any]:
-    """``data_parallel`` and ``replicate``, where not given, from a given plan made for data-parallel
-    copies (its mesh), else 1 and ``"replicate"``."""
-    if given is not None and given.data_parallel > 1:
-        data_parallel = given.data_parallel if data_parallel is None else data_parallel
-        replicate = ("fully_shard" if given.dp_shard > 1 else "replicate") if replicate is None else replicate
-    return (1 if data_parallel is None else data_parallel), ("replicate" if replicate is None else replicate)
-
-
-def _runnable() -> tuple[list[str], str]:
-    """The schedules ``distribute`` runs, and those of them torch's pipelining runs, as words."""
-    runnable = [name for name in schedules.SCHEDULES if schedules.REGISTRY[name].distributed]
-    return runnable, " and ".join(name for name in runnable if schedules.REGISTRY[name].torch_class is not None)
-
-
-REPLICATE = ("replicate", "fully_shard")
-"""``distribute(replicate=...)``'s values: torch's names for the FSDP2 API that keeps the replicas in step."""
-_FORMER = {"ddp": "replicate", "fsdp": "fully_shard"}
-
-
-def check_replicate(replicate: Any) -> None:
-    """Refuse a ``replicate=`` that is not one of torch's names (:data:`REPLICATE`): the former
-    ``"ddp"`` / ``"fsdp"`` with the name that replaced each, anything else with both."""
-    if replicate in REPLICATE:
-        return
-    if isinstance(replicate, str) and replicate.lower() in _FORMER:
-        new = _FORMER[replicate.lower()]
-        raise ConstraintError(advice(
-            f"replicate={replicate!r} is a former name",
-            f"distribute takes torch's names for what runs: {new!r} (FSDP2's {new}) replaced {replicate!r}",
-            f"pass replicate={new!r} (the values are {' and '.join(map(repr, REPLICATE))})",
-        ))
-    raise ConstraintError(advice(
-        f"replicate={replicate!r} is not supported",
-        "replicas are kept in step by FSDP2's replicate (whole parameters, gradients all-reduced) or fully_shard (sharded)",
-        f"pass replicate={REPLICATE[0]!r} or {REPLICATE[1]!r}",
-    ))
-
-
-def _check_arguments(replicate: str, data_parallel: Any, stages: int, schedule: str | None) -> None:
-    """Refuse, before any work, a process group that cannot run the split and arguments out of range
-    (``schedule``: the one asked for when no plan is given)."""
-    if not dist.is_available() or not dist.is_initialized():
-        raise DistributedError(
-            advice("autosplit.distribute needs an initialised process group", "torch.distributed is not initialised in this process",
-                   "call torch.distributed.init_process_group('gloo' or 'nccl') first, e.g. under torchrun")
-        )
-    check_replicate(replicate)
-    if not isinstance(data_parallel, int) or data_parallel < 1:
-        raise ConstraintError(advice(
-            f"data_parallel={data_parallel!r} is out of range",
-            "it counts replicas of the pipeline",
-            "pass an integer ≥ 1",
-        ))
-    if schedule is None:
-        return
-    try:
-        asked: schedules.Schedule | None = schedules.lookup(schedule)
-    except ConstraintError:
-        asked = None
-    if asked is not None:  # torch's schedules autosplit cannot run yet are refused as such, before any work
-        asked.require_runnable(f"schedule={schedule!r}")
-    if asked is None or not asked.distributed:
-        runnable, on_torch = _runnable()
-        raise ConstraintError(advice(
-            f"schedule={schedule!r} cannot run pipelined",
-            f"torch.distributed.pipelining runs {on_torch}, and autosplit's own loop the asynchronous ones",
-            f"pass one of {runnable}",
-        ))
-
-
-def _check_mesh(given: Plan | None, stages: int, data_parallel: int, replicate: str, tensor_parallel: Any = 1) -> int:
-    """The ``dp_shard`` degree of the mesh to run (:attr:`~autosplit.plans.Plan.mesh`: ``stages`` along
-    pp, then ``data_parallel`` as ``replicate`` says); refused on every rank alike, before any work,
-    unless the process group has its ranks (:class:`DistributedError`) and a ``given`` plan made for
-    data-parallel copies was made for these (:class:`ConstraintError`); a plan made for one copy runs
-    under the arguments' degrees. HSDP (both degrees above 1) comes from a given plan only. With a
-    ``tensor_parallel`` other than 1 and no plan, the planner reads the devices as the whole mesh
-    (``stages`` of them), and the process group must have that many ranks."""
-    shard = data_parallel if replicate == "fully_shard" else 1
-    if given is None and tensor_parallel != 1:
-        _check_whole_mesh(stages, data_parallel, tensor_parallel)
-        return shard
-    tp = given.tensor_parallel if given is not None else 1
-    if given is not None and given.data_parallel > 1:
-        if given.data_parallel != data_parallel or (given.dp_shard > 1) != (replicate == "fully_shard" and data_parallel > 1):
-            made_for = "fully_shard" if given.dp_shard > 1 else "replicate"
-            raise ConstraintError(advice(
-                f"the plan was made for the mesh {given.mesh} (data_parallel={given.data_parallel}, replicate={made_for!r}), "
-                f"but distribute was given data_parallel={data_parallel}, replicate={replicate!r}",
-                "a plan records the data-parallel degrees it was costed for",
-                f"pass data_parallel={given.data_parallel}, replicate={made_for!r}, or re-plan for these degrees",
-            ))
-        shard = given.dp_shard
-    mesh = {"pp": stages, "dp_replicate": data_parallel // shard, "dp_shard": shard, "tp": tp}
-    world, needed = dist.get_world_size(), math.prod(mesh.values())
-    if world != needed:
-        raise DistributedError(advice(
-            f"the process group has {world} ranks, but the plan needs pp × dp_replicate × dp_shard × tp = "
-            f"{' × '.join(str(d) for d in mesh.values())} = {needed} (data_parallel × stages × tp = {data_parallel} × {stages} × {tp})",
-            "each rank runs one stage of one data-parallel copy, at one place of the mesh ('pp', 'dp_replicate', 'dp_shard', 'tp')",
-            f"launch {needed} processes (torchrun --nproc-per-node {needed}), or pass "
-            f"data_parallel={world // (stages * tp) if stages and world % (stages * tp) == 0 else '…'} / other devices"
-            + (" / another plan" if given is not None else ""),
-        ))
-    return shard
-
-
-def _check_whole_mesh(devices: int, data_parallel: int, tensor_parallel: Any) -> None:
-    """Refuse a process group without one rank per device where the devices are the whole mesh, with the
-    arithmetic (degrees the devices cannot hold the planner refuses itself)."""
-    world = dist.get_world_size()
-    if world != devices:
-        raise DistributedError(advice(
-            f"with tensor_parallel={tensor_parallel!r} the devices are the whole mesh: {devices} devices, but the process "
-            f"group has {world} ranks",
-            "world size = len(devices) = pp × dp_replicate × dp_shard × tp, the planner choosing "
-            f"pp = {devices} / (data_parallel {data_parallel} × tp)",
-            f"pass {world} devices (e.g. ['cpu'] * {world}), or launch {devices} processes",
-        ))
-
-
 def _agreed_plan(planner: Planner, given: Plan | None, data_parallel: int) -> Plan:
     """The plan every rank runs: rank 0's (planned, or ``given``), checked on every rank against
-    its own capture, with the same graph and initial weights on every rank."""
-    traced = planner.traced
+    its own capture (at a data-parallel copy's share of the batch), with the same graph and initial weights
+    on every rank."""
+    traced = planner.traced.at_batch(data_parallel)
     made = _broadcast_plan(planner, given, dist.get_rank())
     made.check_fingerprint(traced.fingerprint, traced.node_names)
     agree(traced.fingerprint, "the captured graph's fingerprint")
     entry = schedules.lookup(made.schedule) if made.objective == "pipeline" else None
     if entry is None or not entry.distributed:
-        runnable, on_torch = _runnable()
+        runs, on_torch = runnable()
         raise DistributedError(
             advice(
                 f"the plan's schedule {made.schedule!r} cannot run pipelined",
                 f"torch.distributed.pipelining runs {on_torch}, and autosplit's own loop the asynchronous ones",
-                f"re-plan with one of {runnable}",
+                f"re-plan with one of {runs}",
             )
         )
     if entry.asynchronous and (data_parallel != 1 or made.tensor_parallel != 1):

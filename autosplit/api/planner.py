@@ -33,7 +33,7 @@ from autosplit import debug
 from autosplit.compiler.engine_plans import ENGINE_PREFIXES, engine_recipe, nearest_layer_plan
 from autosplit.compiler.hybrid import Cluster
 from autosplit.compiler.manual import manual_plan
-from autosplit.compiler.mesh import degrees_to_try, mesh_plan, stage_ranks
+from autosplit.compiler.mesh import Degrees, degrees_to_try, mesh_plan, stage_ranks
 from autosplit.compiler.steps import codegen, compile_plan
 from autosplit.compiler.trace import Traced, trace
 from autosplit.devices import DeviceLike, DeviceSpec, resolve_devices
@@ -66,9 +66,11 @@ def load_plan(plan: Plan | str | Path | None) -> Plan | None:
 class Planner:
     """Plans one model (at one example input shape) onto devices, again and again.
 
-    ``devices``: torch device strings or objects (``["cpu"] * 4`` are four logical
-    devices), presets (``"A100-80GB"``) or :class:`DeviceSpec`; ``None`` only with a saved
-    plan, whose devices are then used. ``options`` and keyword fields: see
+    ``devices``: every rank of the mesh, in rank order — torch device strings or objects (``["cpu"] * 4``
+    are four logical devices), presets (``"A100-80GB"``), :class:`DeviceSpec` or a :class:`Cluster`;
+    ``None`` only with a saved plan, whose mesh is then used. The world size is ``len(devices)`` =
+    pp × data_parallel × tensor_parallel, whatever degrees are given, and the example batch is the global
+    one (each data-parallel copy planned on its share). ``options`` and keyword fields: see
     :class:`PlanOptions`. With ``loss_fn(output, target)`` and an ``example_target`` of the
     batch, the plan costs the loss too, on the stage that returns the output.
     """
@@ -95,7 +97,7 @@ class Planner:
         self.options = make_options(options, **fields)
         self.devices = None if devices is None else tuple(devices)
         # refuses a count the batch does not divide, or (devices known) that the schedule cannot run
-        ranks = len(self.devices) if self.devices is not None and self.options.data_parallel == 1 and not self.options.meshes else None
+        ranks = len(self.devices) if self.devices is not None and not self.options.meshes else None
         self.options.micro_batches_for(ranks, batch_size(self.example_inputs, self.example_kwargs))
         self._traces: dict[Any, Traced] = {}
         """The captured, annotated graphs by the dtype the parameters were captured in (:meth:`traced_for`)."""
@@ -142,22 +144,33 @@ class Planner:
         saved = load_plan(given)
         if saved is None:
             return self._solve(self.specs(), self.options)
-        # A saved plan fixes the schedule and precision it was made for, and (unless devices are given) the devices.
+        # A saved plan fixes the schedule, precision and degrees it was made for (one made for one copy: the
+        # options' data_parallel), and (unless devices are given) the devices.
         options = (
             self.options.replace(objective="makespan", precision=saved.precision, **_float8_of(saved)) if saved.objective == "makespan"
             else self.options.replace(schedule=saved.schedule, micro_batches=saved.micro_batches, stages_per_rank=saved.stages_per_rank,
-                                      precision=saved.precision, async_tp=saved.async_tp, **_float8_of(saved))
+                                      precision=saved.precision, async_tp=saved.async_tp, **_float8_of(saved),
+                                      **_degrees_of(saved, self.options))
         )
-        specs = saved.devices if self.devices is None else self.specs(options=options)
-        if len(specs) != len(saved.devices):
-            raise ConstraintError(
-                advice(
-                    f"the plan places stages on {len(saved.devices)} devices, but {len(specs)} devices were given",
-                    "a saved plan fixes the number of devices",
-                    "pass devices=None to use the plan's devices, or as many devices as the plan has",
-                )
-            )
-        return compile_plan(self.traced_for(options), specs, options, given=saved)
+        degrees = Degrees(len(saved.devices), options.replicas, "fully_shard" if options.dp_shard > 1 else "replicate", options.tp)
+        return compile_plan(self.traced_for(options).at_batch(options.replicas), self._stage_devices(saved, degrees, options),
+                            options, given=saved)
+
+    def _stage_devices(self, saved: Plan, degrees: Degrees, options: PlanOptions) -> tuple[DeviceSpec, ...]:
+        """The device each of a saved plan's stages runs on: the plan's own, or (devices given, the whole mesh)
+        the first rank of each stage's group, refusing a count that is not the plan's mesh."""
+        if self.devices is None:
+            return saved.devices
+        specs = self.specs(options=options)
+        ranks = degrees.pp * degrees.data_parallel * degrees.tp
+        if len(specs) != ranks:
+            raise ConstraintError(advice(
+                f"the plan runs on pp × data_parallel × tp = {degrees.pp} × {degrees.data_parallel} × {degrees.tp} = {ranks} devices, "
+                f"but {len(specs)} devices were given",
+                "a saved plan fixes its mesh, and devices are the whole mesh",
+                f"pass devices=None to use the plan's devices, or {ranks} devices",
+            ))
+        return stage_ranks(specs, degrees)
 
     def build(self, plan: Plan | str | Path | None = None, *, compile: bool | CompileOptions = False) -> SplitModule | MakespanRunner:
         """The :class:`SplitModule` of ``plan`` (default: :meth:`plan`), in this process; for a
@@ -171,6 +184,13 @@ class Planner:
                 "autosplit() builds every stage in this process from the model's weights, and this model is on the meta device",
                 "a model built on meta has no weights until each stage is materialised",
                 "plan it with autosplit.plan(...), or train it with autosplit.distribute(..., weights=checkpoint) under torchrun",
+            ))
+        if made.data_parallel > 1 or made.tensor_parallel > 1:
+            raise ConstraintError(advice(
+                f"autosplit() builds one pipeline in this process, and the plan's mesh {made.mesh} has "
+                f"{made.data_parallel * made.tensor_parallel} ranks per stage",
+                "data-parallel copies and tensor-parallel shards run in processes of their own",
+                "train it with autosplit.distribute(...) under torchrun, or plan with data_parallel=1 and tensor_parallel=1",
             ))
         if made.precision in PARAM_CAST:
             raise ConstraintError(advice(
@@ -262,6 +282,17 @@ class Planner:
         copy_._traces = {capture_dtype(layout.precision): self.traced_for(layout).at_batch(degrees.data_parallel)}
         return copy_
 
+    def share(self, parts: int) -> Planner:
+        """This planner as one of ``parts`` data-parallel copies sees the model: the copy's share of the example
+        batch and its capture (:meth:`~autosplit.compiler.trace.Traced.at_batch`); ``parts = 1``: itself."""
+        if parts == 1:
+            return self
+        traced = self.traced.at_batch(parts)
+        copy_ = copy.copy(self)
+        copy_.example_inputs, copy_.example_kwargs = tuple(traced.example[0]), dict(traced.example[1])
+        copy_._traces = {capture_dtype(self.options.precision): traced}
+        return copy_
+
     def with_options(self, **changes: Any) -> Planner:
         """A planner of the same model and capture under other options (captured again only for a precision
         an exported graph was not captured for: :meth:`traced_for`)."""
@@ -302,10 +333,10 @@ def plan(
     ``checkpointing``, ``recompute``, ``optimizer``, ``memory``, ``time_limit``, ``seed``, ``capture``,
     ``costs``, ``cost_overrides``, ``pin``, ``avoid``, ``together``; or ``loss_fn`` and ``example_target``
     (see :class:`Planner`). A set of constraints that cannot hold is explained in the
-    user's terms (:class:`~autosplit.errors.InfeasiblePlanError`). ``devices`` a
-    :class:`~autosplit.Cluster` (or ``data_parallel="auto"`` / ``replicate="auto"``): the devices
-    are the whole mesh, the example batch the global one, and the data-parallel degrees are
-    chosen with the split (:mod:`autosplit.compiler.mesh`).
+    user's terms (:class:`~autosplit.errors.InfeasiblePlanError`). ``devices`` are the whole mesh (a list
+    or a :class:`~autosplit.Cluster`) and the example batch the global one: ``plan(model, ["cpu"] * 4,
+    data_parallel=2)`` plans pp 2 × dp 2, each copy on half the batch. A Cluster, ``data_parallel="auto"`` or
+    ``replicate="auto"`` has the degrees chosen with the split (:mod:`autosplit.compiler.mesh`).
     """
     return Planner(model, devices, example_inputs=example_inputs, example_kwargs=example_kwargs, **options).plan()
 
@@ -328,6 +359,16 @@ def autosplit(
     """
     planner = Planner(model, devices, example_inputs=example_inputs, example_kwargs=example_kwargs, **options)
     return planner.build(plan, compile=compile)
+
+
+def _degrees_of(saved: Plan, options: PlanOptions) -> dict[str, Any]:
+    """A saved plan's degrees as options: its own where it was made for data-parallel copies, else one copy
+    run under the options' ``data_parallel`` and ``replicate``; its tensor parallelism either way."""
+    if saved.data_parallel > 1:
+        return {"data_parallel": saved.data_parallel, "replicate": "fully_shard" if saved.dp_shard > 1 else "replicate",
+                "tensor_parallel": saved.tensor_parallel}
+    return {"data_parallel": options.replicas, "replicate": "replicate" if options.replicate == "auto" else options.replicate,
+            "tensor_parallel": saved.tensor_parallel}
 
 
 def _float8_of(saved: Plan) -> dict[str, Any]:

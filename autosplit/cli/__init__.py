@@ -55,8 +55,8 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plan", help="plan a model onto devices; print the report")
     planning(p)
     p.add_argument("--data-parallel", default=None, metavar="N|auto",
-                   help="data-parallel copies; 'auto': the devices are the whole mesh, the batch the global one, and the "
-                        "degrees are chosen with the split")
+                   help="data-parallel copies (the devices are the whole mesh, the batch the global one: pp = devices / "
+                        "(dp × tp)); 'auto': chosen with the split")
     p.add_argument("--replicate", default=None, choices=["replicate", "fully_shard", "auto"],
                    help="how the copies keep in step (FSDP2's names); 'auto': chosen with the split")
     p.add_argument("--tensor-parallel", default=None, metavar="N|auto",
@@ -84,14 +84,14 @@ def _parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("run", help="train the workload pipelined across processes (starts torchrun)")
     planning(p, devices="cpu*2")
-    p.add_argument("--dp", type=int, default=1, help="data-parallel replicas (world size = dp × devices)")
+    p.add_argument("--dp", type=int, default=1, help="data-parallel copies (the devices are the whole mesh: pp = devices / dp)")
     p.add_argument("--replicate", default="replicate",
                    help="how replicas keep in step, torch's names: replicate (FSDP2's replicate, default) or fully_shard")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--plan", help="a saved plan to run instead of solving")
     p.add_argument("--out", help="write the plan it ran here")
-    p.add_argument("--nproc-per-node", type=int, default=None, help="default dp × devices (with --plan: its mesh's ranks)")
+    p.add_argument("--nproc-per-node", type=int, default=None, help="default: one per device (with --plan: its mesh's ranks)")
     p.set_defaults(run=commands.run)
 
     demo = sub.add_parser("demo", help="plan a built-in GPT onto CPU devices, train it split, write the plan")

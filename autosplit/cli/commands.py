@@ -8,6 +8,7 @@ import copy
 import os
 import statistics
 import time
+from typing import Any
 
 from autosplit.cli import inputs, processes
 
@@ -80,10 +81,10 @@ def show(args: argparse.Namespace, argv: list[str]) -> int:
 
 
 def world_size(args: argparse.Namespace, devices: list[str]) -> int:
-    """The processes ``run`` starts by default: ``dp × devices``, or with ``--plan`` the ranks of the plan's
-    mesh (pp × data-parallel copies × tp; ``--dp`` for a plan made for one copy)."""
+    """The processes ``run`` starts by default: one per device (the devices are the whole mesh), or with
+    ``--plan`` the ranks of the plan's mesh (pp × data-parallel copies × tp; ``--dp`` for a plan made for one copy)."""
     if not args.plan:
-        return len(devices) * args.dp
+        return len(devices)
     from autosplit.plans import Plan
 
     plan = Plan.load(args.plan)
@@ -95,7 +96,8 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     import torch
     import torch.distributed as dist
 
-    from autosplit.api.distributed import check_replicate, distribute
+    from autosplit.api.distributed import distribute
+    from autosplit.api.mesh_checks import check_replicate
 
     check_replicate(args.replicate)  # before any process starts
     devices = inputs.devices(args.devices)
@@ -119,8 +121,9 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
         pipe.plan.save(args.out)
     opt = torch.optim.Adam(pipe.parameters(), lr=args.lr)
     rows = []
+    inputs_, kwargs_, target = _copy_share(work, pipe.plan.data_parallel, pipe.layout.replica)
     if pipe.asynchronous is not None:  # no flush: every mini-batch in one run
-        batch = (work["example_inputs"], work["example_kwargs"], work["target"])
+        batch = (inputs_, kwargs_, target)
         dist.barrier()
         t0 = time.perf_counter()
         losses = pipe.run([batch] * args.steps, optimizer=opt)
@@ -140,7 +143,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
         for step in range(args.steps):
             dist.barrier()
             t0 = time.perf_counter()
-            loss = pipe.step(*work["example_inputs"], target=work["target"], **work["example_kwargs"])
+            loss = pipe.step(*inputs_, target=target, **kwargs_)
             opt.step()
             opt.zero_grad()
             elapsed = torch.tensor([time.perf_counter() - t0, -1.0 if loss is None else float(loss)], dtype=torch.float64)
@@ -155,6 +158,14 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     processes.emit(args, summary, {"plan": pipe.plan.to_dict(), "steps": rows})
     dist.destroy_process_group()
     return 0
+
+
+def _copy_share(work: dict[str, Any], copies: int, index: int) -> tuple[tuple, dict[str, Any], Any]:
+    """The workload's global batch as data-parallel copy ``index`` of ``copies`` steps on it: its rows."""
+    from autosplit.microbatch import split_batch
+
+    inputs_, kwargs_ = split_batch(work["example_inputs"], work["example_kwargs"], copies)[index]
+    return inputs_, kwargs_, split_batch((work["target"],), None, copies)[index][0][0]
 
 
 def demo(args: argparse.Namespace, argv: list[str]) -> int:

@@ -86,7 +86,8 @@ def _tensor_parallel_degrees(world: int, island: int | None, options: PlanOption
     tp = options.tp
     if tp > node or world % tp:
         raise ConstraintError(advice(
-            f"tp {tp} exceeds the {node} {kind + ' ' if kind else ''}devices of a node" if tp > node else f"tensor_parallel={tp} does not divide the {world} devices",
+            f"tp {tp} exceeds the {node} {kind + ' ' if kind else ''}devices of a node" if tp > node
+            else f"tensor_parallel={tp} does not divide the {world} devices",
             "a tensor-parallel group exchanges activations at every layer, so it stays inside a node's fast links"
             if tp > node else "world size = pp × dp_replicate × dp_shard × tp",
             f"pass tensor_parallel= one of {[t for t in _divisors(world) if t <= node]}, or 'auto'",

@@ -25,7 +25,7 @@ tp, split as its :attr:`~autosplit.plans.Plan.tp_shards` says (:mod:`autosplit.r
    (torchtitan's choice under pipelining: one all-gather per stage and step; each stage is one unit; FSDP
    alone in one pass: each repeated block outlined as a module of its own and resharded after forward). The
    pipelining schedule synchronises gradients once per step, on the last micro-batch's backward. One
-   stage (``distribute(model, ["cpu"], data_parallel=N, replicate="fully_shard")``) is a pipeline too.
+   stage (``distribute(model, ["cpu"] * N, data_parallel=N, replicate="fully_shard")``) is a pipeline too.
 4. A tied parameter read by several stages (GPT's embedding and head) is either sent with the
    activations every micro-batch, or replicated on each stage that reads it with its
    gradient summed across them once per step (DeepSpeed's TiedLayerSpec) — whichever the

@@ -121,7 +121,7 @@ def test_one_rows_activations_refuse_a_configuration_before_it_is_captured():
     over its rows bounds what the planner's own memory model gives the configuration (planned alone,
     caps lifted), and a cap below that bound, though above the sharded state, refuses FSDP alone unplanned."""
     model, x = _mlp(2, 64), torch.randn(4, 1024, 64)  # rows of 1024 positions: activations outweigh the state
-    alone = autosplit.plan(model, [H100], example_inputs=(x[:1],), data_parallel=4, replicate="fully_shard", **NO_SEARCH)
+    alone = autosplit.plan(model, [H100] * 4, example_inputs=(x,), data_parallel=4, replicate="fully_shard", **NO_SEARCH)
     planner = autosplit.Planner(model, [H100], example_inputs=(x,))
     whole = cost_table(planner.traced, (H100,), planner.options, micro_batches=1)[0]
     state = sum(laid_out(whole, dp_shard=4, alone=True).state_bytes)

@@ -48,8 +48,8 @@ def test_plan_for_another_size_of_the_same_model_is_rejected(tmp_path):
 
 
 def test_step_prediction_is_broken_into_terms_and_a_recosted_plan_shows_both(tmp_path):
-    model, inputs = small_gpt()
-    plan = autosplit.plan(model, ["cpu"] * 2, example_inputs=inputs, time_limit=2, data_parallel=2)
+    model, inputs = small_gpt(batch=4)  # the global batch: 2 rows per copy
+    plan = autosplit.plan(model, ["cpu"] * 4, example_inputs=inputs, time_limit=2, data_parallel=2)  # pp 2 × dp 2
     t = plan.terms
     assert t is not None and t.total == pytest.approx(plan.step_time)
     assert t.pipeline > 0 and t.optimizer > 0 and t.data_parallel >= 0

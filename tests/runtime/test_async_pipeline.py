@@ -152,7 +152,7 @@ def _refusals(*, rank, world):
                                      loss_fn=F.mse_loss, schedule="xpipe", micro_batches=MICRO, **NO_SEARCH)
         xpipe.run(batches, optimizer=torch.optim.SGD(xpipe.parameters(), lr=0.1))
     with pytest.raises(DistributedError, match="one replica so far"):
-        autosplit.distribute(copy.deepcopy(model), ["cpu"], example_inputs=(batches[0][0],), loss_fn=F.mse_loss,
+        autosplit.distribute(copy.deepcopy(model), ["cpu"] * 2, example_inputs=(torch.cat([batches[0][0]] * 2),), loss_fn=F.mse_loss,
                              schedule="async", micro_batches=MICRO, data_parallel=2, **NO_SEARCH)
     sync = autosplit.distribute(copy.deepcopy(model), ["cpu"] * 2, example_inputs=(batches[0][0],), loss_fn=F.mse_loss,
                                 micro_batches=MICRO, **NO_SEARCH)

@@ -162,7 +162,7 @@ def _pipeline_case(schedule: str, dp: int, replicate: Literal["replicate", "full
     rows = args[0].shape[0] // dp
     mine = slice(rank % dp * rows, (rank % dp + 1) * rows)
     my_args, my_kwargs = tuple(a[mine] for a in args), {k: v[mine] for k, v in kwargs.items()}
-    pipe = autosplit.distribute(model, ["cpu"] * (world // dp), example_inputs=my_args, example_kwargs=my_kwargs,
+    pipe = autosplit.distribute(model, ["cpu"] * world, example_inputs=args, example_kwargs=kwargs,
                                 loss_fn=loss_fn, schedule=schedule, micro_batches=MICRO, data_parallel=dp,
                                 replicate=replicate, precision="bf16-mixed", **NO_SEARCH)
     opt, ref_opt = torch.optim.AdamW(pipe.parameters(), lr=1e-3), torch.optim.AdamW(reference.parameters(), lr=1e-3)

@@ -70,7 +70,7 @@ def _run_case(name: str, schedule: str, dp: int, replicate: Literal["replicate",
     my_args = tuple(a[mine] for a in args)
     my_kwargs = {k: v[mine] for k, v in kwargs.items()}
     pipe = autosplit.distribute(
-        model, ["cpu"] * (world // dp), example_inputs=my_args, example_kwargs=my_kwargs, loss_fn=loss_fn,
+        model, ["cpu"] * world, example_inputs=args, example_kwargs=kwargs, loss_fn=loss_fn,  # the whole mesh, the global batch
         data_parallel=dp, replicate=replicate, schedule=schedule, micro_batches=MICRO, **NO_SEARCH,
     )
     assert len(set(pipe.plan.assignment.values())) == world // dp
@@ -104,7 +104,6 @@ def _run_case(name: str, schedule: str, dp: int, replicate: Literal["replicate",
             torch.testing.assert_close(fresh.state_dict()[key], value, msg=_mismatch(key, full[key], value))
 
 
-@pytest.mark.smoke  # the fast tier's case of this runtime path
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_pipelined_training_equals_unsplit_training_on_two_processes(gloo, schedule):
     pytest.importorskip("transformers")

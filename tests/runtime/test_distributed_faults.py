@@ -50,6 +50,7 @@ def _checkpoint_case(tmp: str, *, rank: int, world: int) -> None:
         torch.testing.assert_close(value, unsplit[name], msg=name)
 
 
+@pytest.mark.smoke  # the fast tier's case of this runtime path
 def test_checkpoints_move_between_the_distributed_and_the_unsplit_model(gloo, tmp_path):
     # An unsplit model, trained differently, saved with DCP for the stages to load.
     model, tokens, targets = _model()
@@ -109,12 +110,12 @@ def test_closed_and_dropped_pipelines_let_their_process_groups_go_before_exit(gl
 
 def _faults_case(tmp: str, other_plan: str, *, rank: int, world: int) -> float:
     model, tokens, targets = _model()
-    with pytest.raises(autosplit.errors.DistributedError, match="process group has 2 ranks, but the plan needs"):
+    with pytest.raises(autosplit.errors.DistributedError, match="process group has 2 ranks, but 3 devices were given"):
         autosplit.distribute(model, ["cpu"] * 3, example_inputs=(tokens,), loss_fn=_loss)
-    with pytest.raises(autosplit.errors.DistributedError, match="tensor_parallel=2 the devices are the whole mesh: 4 devices, "
-                                                                "but the process group has 2 ranks") as whole:
+    with pytest.raises(autosplit.errors.DistributedError) as whole:  # the devices are the whole mesh, whatever the degrees
         autosplit.distribute(model, ["cpu"] * 4, example_inputs=(tokens,), loss_fn=_loss, tensor_parallel=2, data_parallel=2)
-    says(whole, "pp = 4 / (data_parallel 2 × tp)", "pass 2 devices")
+    says(whole, "the process group has 2 ranks, but 4 devices were given", "pp = 4 / (data_parallel 2 × tensor_parallel)",
+         "pass 2 devices")
     with pytest.raises(autosplit.errors.PlanMismatchError, match="made for graph"):
         autosplit.distribute(model, None, example_inputs=(tokens,), loss_fn=_loss, plan=other_plan)
     pipe = autosplit.distribute(model, ["cpu"] * 2, example_inputs=(tokens,), loss_fn=_loss, micro_batches=2, **NO_SEARCH)

@@ -83,7 +83,7 @@ def _distributed_case(stages: int, copies: int, schedule: str, precision: str = 
     model, args, kwargs, target, loss_fn = gpt_case()
     unsplit, rows = copy.deepcopy(model), ROWS // copies  # (the stages share the model's modules, which FSDP2 shards)
     pipe = autosplit.distribute(
-        model, ["cpu"] * stages, example_inputs=tuple(a[:rows] for a in args), example_kwargs={k: v[:rows] for k, v in kwargs.items()},
+        model, ["cpu"] * world, example_inputs=args, example_kwargs=kwargs,
         loss_fn=loss_fn, data_parallel=copies, replicate="fully_shard", schedule=schedule, micro_batches=MICRO, **NO_SEARCH,
         precision=precision, float8="tensorwise",
     )

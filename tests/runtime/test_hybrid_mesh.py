@@ -36,7 +36,7 @@ def _mesh_case(*, rank: int, world: int) -> None:
     assert (choice.k, choice.replicas, choice.worker_batch) == (2, 2, 4)
     mine = slice((rank % 2) * 4, (rank % 2 + 1) * 4)
     my_args, my_kwargs = tuple(a[mine] for a in args), {k: v[mine] for k, v in kwargs.items()}
-    pipe = autosplit.distribute(model, None, example_inputs=my_args, example_kwargs=my_kwargs, loss_fn=loss_fn,
+    pipe = autosplit.distribute(model, None, example_inputs=args, example_kwargs=kwargs, loss_fn=loss_fn,  # the global batch
                                 data_parallel=choice.replicas, plan=choice.plan)
     opt, ref_opt = torch.optim.Adam(pipe.parameters(), lr=1e-2), torch.optim.Adam(reference.parameters(), lr=1e-2)
     ref_params = dict(reference.named_parameters())

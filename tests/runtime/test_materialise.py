@@ -94,7 +94,8 @@ def _train_case(folder: str, name: str, weights: str, schedule: str, dp: int, *,
     with torch.device("meta"):
         model = _build(name)
     batches = _batches(name)
-    pipe = autosplit.distribute(model, ["cpu"] * (world // dp), example_inputs=(batches[0][0],), loss_fn=_loss,
+    # the global batch: each copy steps on a batch of the example's rows (here the same one)
+    pipe = autosplit.distribute(model, ["cpu"] * world, example_inputs=(torch.cat([batches[0][0]] * dp),), loss_fn=_loss,
                                 weights=f"{folder}/{weights}", schedule=schedule, micro_batches=MICRO, data_parallel=dp,
                                 **NO_SEARCH)
     assert all(not p.is_meta for p in pipe.parameters()) and all(p.is_meta for p in model.parameters())
@@ -153,7 +154,8 @@ def _resume(folder: str, stages: int, schedule: str, *, rank: int, world: int) -
     with torch.device("meta"):
         model = _build("gpt")
     batches = _batches("gpt")
-    pipe = autosplit.distribute(model, ["cpu"] * stages, example_inputs=(batches[0][0],), loss_fn=_loss, weights=f"{folder}/ckpt",
+    pipe = autosplit.distribute(model, ["cpu"] * world, example_inputs=(torch.cat([batches[0][0]] * (world // stages)),), loss_fn=_loss,
+                                weights=f"{folder}/ckpt",
                                 micro_batches=4, schedule=schedule, data_parallel=world // stages, **NO_SEARCH)
     opt = torch.optim.Adam(pipe.parameters(), lr=1e-2)
     pipe.load(f"{folder}/ckpt", optimizer=opt)

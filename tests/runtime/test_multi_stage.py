@@ -47,7 +47,7 @@ def _run_case(name: str, schedule: str, dp: int, micro: int, v: int, rank: int, 
     mine = slice(replica * rows, (replica + 1) * rows)
     my_args, my_kwargs = tuple(a[mine] for a in args), {k: v[mine] for k, v in kwargs.items()}
     pipe = autosplit.distribute(
-        model, ["cpu"] * (world // dp), example_inputs=my_args, example_kwargs=my_kwargs, loss_fn=loss_fn,
+        model, ["cpu"] * world, example_inputs=args, example_kwargs=kwargs, loss_fn=loss_fn,
         data_parallel=dp, schedule=schedule, stages_per_rank=v, micro_batches=micro, **NO_SEARCH,
     )
     assert pipe.plan.stages_per_rank == v and len(pipe.layout.held) == v

@@ -46,10 +46,9 @@ CASES = {"gpt": gpt_case, "llama": llama_case}
 
 
 def _distribute(model, args, kwargs, loss_fn, stages: int, copies: int, **options: Any) -> Any:
-    rows = ROWS // copies
-    return autosplit.distribute(
-        model, None if "plan" in options else ["cpu"] * stages, example_inputs=tuple(a[:rows] for a in args),
-        example_kwargs={k: v[:rows] for k, v in kwargs.items()}, loss_fn=loss_fn, data_parallel=copies,
+    return autosplit.distribute(  # the whole mesh, the global batch
+        model, None if "plan" in options else ["cpu"] * (stages * copies), example_inputs=args,
+        example_kwargs=kwargs, loss_fn=loss_fn, data_parallel=copies,
         replicate="fully_shard", **{"schedule": "1f1b", "micro_batches": MICRO, **NO_SEARCH, **options},
     )
 
@@ -114,7 +113,6 @@ def test_two_stages_by_dp_shard_two_train_like_the_unsplit_model(gloo):
     gloo(4).run(_train_case, [("gpt", 2, "fp32"), ("llama", 2, "fp32"), ("gpt", 2, "bf16-mixed"), ("llama", 2, "bf16-fsdp")])
 
 
-@pytest.mark.smoke  # the fast tier's case of this runtime path
 def test_one_stage_by_dp_shard_two_trains_like_the_unsplit_model(gloo):
     pytest.importorskip("transformers")
     gloo(2).run(_train_case, [("gpt", 1, "fp32"), ("llama", 1, "fp32"), ("gpt", 1, "fp32", 1), ("llama", 1, "fp32", 1),
@@ -193,8 +191,7 @@ def _resume_case(folder: str, stages: int, shard: int, *, rank: int, world: int)
     copies = world // stages
     options: dict[str, Any] = {"schedule": "gpipe"} if stages > MICRO else {}  # 1F1B needs a micro-batch per stage
     if shard != copies:  # HSDP: only a given plan asks for both degrees
-        made = autosplit.plan(model, ["cpu"] * stages, example_inputs=tuple(a[:ROWS // copies] for a in args),
-                              example_kwargs={k: v[:ROWS // copies] for k, v in kwargs.items()}, data_parallel=copies,
+        made = autosplit.plan(model, ["cpu"] * world, example_inputs=args, example_kwargs=kwargs, data_parallel=copies,
                               replicate="fully_shard", schedule="1f1b", micro_batches=MICRO, **NO_SEARCH)
         options["plan"] = dataclasses.replace(made, dp_shard=shard)
     pipe = _distribute(model, args, kwargs, loss_fn, stages, copies, **options)
@@ -227,10 +224,10 @@ def test_a_checkpoint_saved_under_pp2_by_dp_shard2_resumes_under_other_layouts_a
 
 def _refusal_case(plan_path: str, *, rank: int, world: int) -> None:
     model, args, kwargs, _, loss_fn = gpt_case()
-    example = dict(example_inputs=tuple(a[:4] for a in args), example_kwargs={k: v[:4] for k, v in kwargs.items()}, loss_fn=loss_fn)
-    with pytest.raises(DistributedError) as e:  # 2 stages × dp_shard 2 need 4 ranks
-        autosplit.distribute(model, ["cpu"] * 2, **example, data_parallel=2, replicate="fully_shard", **NO_SEARCH)
-    says(e, "2 ranks", "pp × dp_replicate × dp_shard × tp = 2 × 1 × 2 × 1 = 4")
+    example = dict(example_inputs=args, example_kwargs=kwargs, loss_fn=loss_fn)
+    with pytest.raises(DistributedError) as e:  # 2 stages × dp_shard 2 need 4 ranks: the devices are the whole mesh
+        autosplit.distribute(model, ["cpu"] * 4, **example, data_parallel=2, replicate="fully_shard", **NO_SEARCH)
+    says(e, "the process group has 2 ranks, but 4 devices were given", "world size = len(devices)", "pass 2 devices")
     with pytest.raises(DistributedError) as e:  # a plan for the 4-rank mesh, on 2
         autosplit.distribute(model, None, **example, data_parallel=2, replicate="fully_shard", plan=plan_path)
     says(e, "2 ranks", "= 4", "another plan")
@@ -241,8 +238,8 @@ def _refusal_case(plan_path: str, *, rank: int, world: int) -> None:
 
 def test_a_mesh_the_process_group_cannot_hold_is_refused_by_name(gloo, tmp_path):
     model, args, kwargs, _, _ = gpt_case()
-    made = autosplit.plan(model, ["cpu"] * 2, example_inputs=tuple(a[:4] for a in args),
-                          example_kwargs={k: v[:4] for k, v in kwargs.items()}, data_parallel=2, replicate="fully_shard", **NO_SEARCH)
+    made = autosplit.plan(model, ["cpu"] * 4, example_inputs=args, example_kwargs=kwargs, data_parallel=2, replicate="fully_shard",
+                          **NO_SEARCH)
     assert made.mesh == {"pp": 2, "dp_replicate": 1, "dp_shard": 2, "tp": 1}
     made.save(tmp_path / "plan.json")
     gloo(2).run(_refusal_case, [(str(tmp_path / "plan.json"),)])
@@ -258,8 +255,7 @@ def _mesh_plan_case(plan_path: str, *, rank: int, world: int) -> None:
     made = autosplit.Plan.load(plan_path)
     share = ROWS // made.data_parallel
     mine = slice(rank * share, (rank + 1) * share)
-    pipe = autosplit.distribute(model, None, example_inputs=tuple(a[mine] for a in args), loss_fn=loss_fn, plan=plan_path,
-                                example_kwargs={k: v[mine] for k, v in kwargs.items()})
+    pipe = autosplit.distribute(model, None, example_inputs=args, loss_fn=loss_fn, plan=plan_path, example_kwargs=kwargs)
     assert pipe.plan.mesh == made.mesh and math.prod(made.mesh.values()) == world  # the degrees the planner chose
     loss = pipe.step(*(a[mine] for a in args), target=target[mine], **{k: v[mine] for k, v in kwargs.items()})
     expected = reference_step(reference, args, kwargs, target, loss_fn, made.data_parallel)
@@ -270,6 +266,7 @@ def _mesh_plan_case(plan_path: str, *, rank: int, world: int) -> None:
     pipe.close()
 
 
+@pytest.mark.smoke  # the fast tier's case of this runtime path
 def test_a_plan_with_the_degrees_chosen_runs_as_it_was_made(gloo, tmp_path):
     """``plan(..., data_parallel=2, replicate="auto")`` chooses how the two copies keep in step with the
     split, over the global batch; ``distribute(plan=...)`` runs it with those degrees without being told."""

@@ -48,7 +48,7 @@ def _run_case(replicate: Literal["replicate", "fully_shard"], rank: int, world: 
     dp = 2
     mine = slice(rank % dp * BATCH // dp, (rank % dp + 1) * BATCH // dp)
     pipe = autosplit.distribute(
-        model, ["cpu"] * (world // dp), example_inputs=(tokens[mine], candidates), loss_fn=_loss, data_parallel=dp,
+        model, ["cpu"] * world, example_inputs=(tokens, candidates), loss_fn=_loss, data_parallel=dp,
         replicate=replicate, schedule="1f1b", micro_batches=2, **NO_SEARCH, optimizer="adagrad",
     )
     assert len(set(pipe.plan.assignment.values())) == world // dp

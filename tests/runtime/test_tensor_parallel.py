@@ -25,7 +25,6 @@ import pytest
 from tests.tp_cases import RECOMPUTING, fixed_plan, forward_held, planned, recomputing, sequence_parallel, train_case
 
 
-@pytest.mark.smoke  # the fast tier's case of this runtime path
 def test_tp2_alone_trains_like_the_unsplit_model(gloo, tmp_path):
     pytest.importorskip("transformers")
     # the planner's own plans (tp_shards from the graph: the GPT's MLPs and its tied table and head, the Llama's

@@ -170,6 +170,7 @@ def _meta_case(plan_path: str, weights: str, *, rank: int, world: int) -> None:
     pipe.close()
 
 
+@pytest.mark.smoke  # the fast tier's case of this runtime path
 def test_a_meta_model_under_tp2_by_pp2_takes_its_weights_from_a_checkpoint(gloo, tmp_path):
     """Each rank materialises its stage whole from the checkpoint (the unsplit model's, ``save_checkpoint``),
     then splits it over tp: the GPT with its tied embedding and head vocabulary-parallel."""

@@ -57,8 +57,7 @@ def _pipe(model, args, kwargs, loss_fn, mine, *, world: int, dp: int, schedule: 
 
     options = {"stages_per_rank": SCHEDULES.get(schedule), "micro_batches": 4 // dp, **NO_SEARCH, **options}
     return autosplit.distribute(
-        model, ["cpu"] * (world // dp), example_inputs=tuple(a[mine] for a in args),
-        example_kwargs={k: v[mine] for k, v in kwargs.items()}, loss_fn=loss_fn, data_parallel=dp,
+        model, ["cpu"] * world, example_inputs=args, example_kwargs=kwargs, loss_fn=loss_fn, data_parallel=dp,
         schedule=schedule, **options,
     )
 
