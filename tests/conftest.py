@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections import defaultdict
 from pathlib import Path
 
@@ -42,8 +43,23 @@ def pytest_addoption(parser):
                      help=f"write each test's seconds into {DURATIONS.name} (what the fast tier is chosen from)")
 
 
+def duration_key(nodeid: str) -> str:
+    """The name a test's duration is kept under: its node id, a documentation snippet's without its line
+    (``README.md:33`` → ``README.md``), so that a page's snippets, which run in one namespace in page order,
+    share one duration (the page's slowest) and one tier, and an edit above a snippet does not rename it."""
+    return re.sub(r"(\.md):\d+", r"\1", nodeid)
+
+
+def _by_key(seconds: dict[str, float]) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for nodeid, value in seconds.items():
+        key = duration_key(nodeid)
+        out[key] = max(out.get(key, 0.0), value)
+    return out
+
+
 def recorded_durations() -> dict[str, float]:
-    return json.loads(DURATIONS.read_text()) if DURATIONS.exists() else {}
+    return _by_key(json.loads(DURATIONS.read_text())) if DURATIONS.exists() else {}
 
 
 def pytest_collection_modifyitems(config, items):
@@ -54,7 +70,7 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("smoke"):
             continue
-        seconds = recorded.get(item.nodeid)
+        seconds = recorded.get(duration_key(item.nodeid))
         if seconds is None or seconds > FAST or "gloo" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.slow)
     if os.environ.get("AUTOSPLIT_LIST_TIERS"):  # tests/test_tiers.py reads the tiers from a collection
@@ -72,7 +88,7 @@ def pytest_runtest_logreport(report):
 def pytest_sessionfinish(session, exitstatus):
     """With ``--record-durations``, on the controller: this run's seconds merged into :data:`DURATIONS`."""
     if session.config.getoption("record_durations") and not hasattr(session.config, "workerinput") and _seconds:
-        merged = {**recorded_durations(), **{k: round(v, 2) for k, v in _seconds.items()}}
+        merged = {**recorded_durations(), **{k: round(v, 2) for k, v in _by_key(_seconds).items()}}
         partial = DURATIONS.with_suffix(".json.partial")  # replaced whole, never half written
         partial.write_text(json.dumps(dict(sorted(merged.items())), indent=0) + "\n")
         os.replace(partial, DURATIONS)

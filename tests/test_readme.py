@@ -129,7 +129,7 @@ class _Session:
 
 
 @pytest.fixture(scope="module")
-def session(tmp_path_factory):
+def session(tmp_path_factory, request):
     folder = tmp_path_factory.mktemp("readme")
     old_cwd, old_cache = Path.cwd(), os.environ.get("AUTOSPLIT_CACHE")
     os.chdir(folder)  # the snippets write plan.json, compare.html
@@ -139,9 +139,11 @@ def session(tmp_path_factory):
     # threads that oversubscribe the cores spin (a measured compare ran about 10x slower on two).
     torch.set_num_threads(1)
     pool = ThreadPoolExecutor(max_workers=1)
+    selected = {item.callspec.params["snippet"].name for item in request.session.items  # the scripts of this run's tests only
+                if item.originalname == "test_readme_snippet_runs_as_written"}
     scripts = {
         s.name: pool.submit(_run_script, s, folder / f"script-{s.page.replace('/', '-')}-{s.line}")
-        for s in SNIPPETS if s.kind in ("torchrun", "script")
+        for s in SNIPPETS if s.kind in ("torchrun", "script") and s.name in selected
     }
     try:
         yield _Session(folder, scripts)
@@ -155,7 +157,8 @@ def session(tmp_path_factory):
             os.environ["AUTOSPLIT_CACHE"] = old_cache
 
 
-@pytest.mark.parametrize("snippet", SNIPPETS, ids=IDS)
+@pytest.mark.parametrize("snippet", [pytest.param(s, marks=pytest.mark.slow) if s.kind in ("torchrun", "script") else s
+                                     for s in SNIPPETS], ids=IDS)  # a script's processes run beside the rest: slow
 def test_readme_snippet_runs_as_written(snippet: Snippet, session: _Session):
     if snippet.kind == "skip-gpu" and not torch.cuda.is_available():
         pytest.skip(f"{snippet.name} needs CUDA")

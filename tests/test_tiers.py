@@ -7,7 +7,7 @@ import os
 import subprocess
 import sys
 
-from tests.conftest import DURATIONS, recorded_durations
+from tests.conftest import DURATIONS, duration_key, recorded_durations
 from tests.helpers import ROOT
 
 BUDGET = 200.0
@@ -21,7 +21,7 @@ def _tiers() -> dict[str, str]:
         [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", "-n", "0", "tests"],
         cwd=ROOT, capture_output=True, text=True, env={**os.environ, "AUTOSPLIT_LIST_TIERS": "1"}, timeout=240,
     ).stdout
-    return {line.split(" ", 2)[2]: line.split(" ", 2)[1] for line in out.splitlines() if line.startswith("TIER ")}
+    return {duration_key(line.split(" ", 2)[2]): line.split(" ", 2)[1] for line in out.splitlines() if line.startswith("TIER ")}
 
 
 def test_every_test_has_a_recorded_duration_and_the_fast_tier_fits_its_budget():

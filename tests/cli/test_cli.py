@@ -190,6 +190,6 @@ def test_run_starts_as_many_processes_as_a_given_plans_mesh_has_ranks(tmp_path):
     plan = autosplit.Plan.load(GOLDEN / "gpt_a100x2_gpipe.plan.json")
     assert plan.mesh == {"pp": 2, "dp_replicate": 1, "dp_shard": 1, "tp": 1}
     dataclasses.replace(plan, tensor_parallel=2).save(tmp_path / "tp.json")
-    assert world_size(argparse.Namespace(plan=None, dp=2), ["cpu"] * 3) == 6
+    assert world_size(argparse.Namespace(plan=None, dp=2), ["cpu"] * 3) == 3  # the devices are the whole mesh
     assert world_size(argparse.Namespace(plan=str(tmp_path / "tp.json"), dp=1), ["cpu"] * 3) == 4
     assert world_size(argparse.Namespace(plan=str(tmp_path / "tp.json"), dp=2), ["cpu"] * 3) == 8

@@ -189,7 +189,7 @@ def _refusal_case(folder: str, *, rank: int, world: int) -> None:
     example = dict(example_inputs=args, example_kwargs=kwargs, loss_fn=loss_fn)
     with pytest.raises(DistributedError) as e:  # tp 2 × pp 2 need 4 ranks
         autosplit.distribute(model, None, **example, plan=f"{folder}/gpt-pp2-fully_shard1-shard1-tp2-1f1b.json")
-    says(e, "2 ranks", "pp × dp_replicate × dp_shard × tp = 2 × 1 × 1 × 2 = 4", "× 2 × 2)")
+    says(e, "2 ranks", "pp × dp_replicate × dp_shard × tp = 2 × 1 × 1 × 2 = 4", "devices=None or 4 devices")
     made = autosplit.Plan.load(f"{folder}/gpt-pp1-fully_shard1-shard1-tp2-1f1b.json")
     for bad, names in [({"blocks.0.fc.weight": 0, "blocks.0.mlp.weight": 0}, ["'blocks.0.mlp.weight'", "named_parameters"]),
                           ({"blocks.0.fc.bias": 1}, ["'blocks.0.fc.bias'", "dimension 1"]),
