@@ -4,6 +4,7 @@ a typed error once, not once per rank."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -47,13 +48,12 @@ def test_data_parallel_example_trains_without_fsdp_view_warnings():
     # FSDP2 warned about on every forward of every replica: the runtime filters exactly that.
     result = _example(4, "--dp", "2", "--steps", "2")
     assert result.returncode == 0, result.stderr[-3000:]
-    steps: dict[int, list[float]] = {}  # step → the last stage's loss on each replica (each its own rows)
-    for line in result.stdout.splitlines():
-        if ": loss " in line:
-            step = int(line.split(" step ", 1)[1].split(":", 1)[0])
-            steps.setdefault(step, []).append(float(line.rsplit(" ", 1)[-1]))
-    assert sorted(steps) == [0, 1] and all(len(v) == 2 for v in steps.values()), result.stdout[-2000:]
-    assert sum(steps[1]) < sum(steps[0]), result.stdout[-2000:]
+    steps: dict[int, dict[int, float]] = {}  # step → replica → the last stage's loss (each replica its own rows)
+    # two ranks print at once: a line may run into the next, so the records are found wherever they are
+    for replica, step, loss in re.findall(r"replica (\d+)\) step (\d+): loss (\d+\.\d{4})", result.stdout):
+        steps.setdefault(int(step), {})[int(replica)] = float(loss)
+    assert sorted(steps) == [0, 1] and all(sorted(v) == [0, 1] for v in steps.values()), result.stdout[-2000:]
+    assert sum(steps[1].values()) < sum(steps[0].values()), result.stdout[-2000:]
     assert "view tensor" not in result.stderr and "Warning" not in result.stderr, result.stderr[-3000:]
 
 
