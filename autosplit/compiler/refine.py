@@ -180,11 +180,10 @@ def _rank_balanced(cuts: Sequence[int], work: Sequence[float], S: int, rank: Cal
         return []
     edges = [0, *cuts, len(work)]
     piece = [work[b - 1] - (work[a - 1] if a else 0.0) for a, b in itertools.pairwise(edges)]
-    before = {c: i + 1 for i, c in enumerate(cuts)}  # a cut → the pieces before it
-    firsts = [0, *(before[c] for c in _even(cuts, work, S)), len(piece)]
-    if len(firsts) != S + 1:
+    even = _even(cuts, work, S)
+    if len(even) != S - 1:
         return []
-    counts = [b - a for a, b in itertools.pairwise(firsts)]
+    counts = _counts(even, cuts)
 
     def loads(counts: Sequence[int]) -> tuple[float, float, float, int]:
         """(the busiest rank's work, the busiest stage's, the ranks' sum of squares, the busiest rank)"""
@@ -203,7 +202,7 @@ def _rank_balanced(cuts: Sequence[int], work: Sequence[float], S: int, rank: Cal
                   for moved in [[c - (s == a) + (s == b) for s, c in enumerate(counts)]]]
         score = min((t[0] for t in trials), default=best[:3])
         if score >= best[:3]:
-            return [[cuts[i - 1] for i in itertools.accumulate(c[:-1])] for c in ties]
+            return [_at(c, cuts) for c in ties]
         ties = [moved for t, moved in trials if t == score]
         best, counts = loads(ties[0]), ties[0]
 
@@ -216,12 +215,7 @@ def _relocate(
     stages do onto any other stage, the stages between keeping theirs, while the replayed step drops:
     where an extra layer sits in the schedule matters even when the ranks' work does not change. At most
     ``replays`` steps evaluated."""
-    before = {c: i + 1 for i, c in enumerate(cuts)}
-    counts = [b - a for a, b in itertools.pairwise([0, *(before[c] for c in start), len(cuts) + 1])]
-
-    def at(counts: Sequence[int]) -> list[int]:
-        return [cuts[i - 1] for i in itertools.accumulate(counts[:-1])]
-
+    counts = _counts(start, cuts)
     best, spent, moved = step(split(start)), 1, True
     while moved and spent < replays:
         moved = False
@@ -230,11 +224,22 @@ def _relocate(
             if a == b or counts[a] <= usual or spent >= replays:
                 continue
             trial = [c - (s == a) + (s == b) for s, c in enumerate(counts)]
-            cost, spent = step(split(at(trial))), spent + 1
+            cost, spent = step(split(_at(trial, cuts))), spent + 1
             if cost < best * (1 - 1e-9):
                 best, counts, moved = cost, trial, True
                 break
-    return at(counts)
+    return _at(counts, cuts)
+
+
+def _counts(chosen: Sequence[int], cuts: Sequence[int]) -> list[int]:
+    """How many of the pieces between ``cuts`` each stage of the split at ``chosen`` (some of ``cuts``) holds."""
+    before = {c: i + 1 for i, c in enumerate(cuts)}  # a cut → the pieces before it
+    return [b - a for a, b in itertools.pairwise([0, *(before[c] for c in chosen), len(cuts) + 1])]
+
+
+def _at(counts: Sequence[int], cuts: Sequence[int]) -> list[int]:
+    """The split whose stages hold ``counts`` pieces between ``cuts`` each: :func:`_counts` undone."""
+    return [cuts[i - 1] for i in itertools.accumulate(counts[:-1])]
 
 
 def _cheap_cuts(problem: Problem, topo: Sequence[int]) -> list[int]:
