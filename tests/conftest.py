@@ -46,8 +46,9 @@ def pytest_addoption(parser):
 def duration_key(nodeid: str) -> str:
     """The name a test's duration is kept under: its node id, a documentation snippet's without its line
     (``README.md:33`` → ``README.md``), so that a page's snippets, which run in one namespace in page order,
-    share one duration (the page's slowest) and one tier, and an edit above a snippet does not rename it."""
-    return re.sub(r"(\.md):\d+", r"\1", nodeid)
+    share one duration (the page's slowest) and one tier, and an edit above a snippet does not rename it; and
+    without the ``@group`` xdist adds to the node ids of a group's tests."""
+    return re.sub(r"(\.md):\d+", r"\1", nodeid.removesuffix(f"@{PROCESSES}").split("@tests/")[0])
 
 
 def _by_key(seconds: dict[str, float]) -> dict[str, float]:
@@ -62,20 +63,42 @@ def recorded_durations() -> dict[str, float]:
     return _by_key(json.loads(DURATIONS.read_text())) if DURATIONS.exists() else {}
 
 
+TIERS: dict[str, str] = {}
+"""This session's collection: each test's tier (``slow`` or ``fast``), by node id."""
+PROCESSES = "processes"
+"""The xdist group of every test that starts processes of its own: run one after another on one worker."""
+
+
+def starts_processes(item: pytest.Item) -> bool:
+    """Whether ``item`` runs on several processes: the ``gloo`` fixture's group, or a launch marked ``processes``."""
+    return "gloo" in getattr(item, "fixturenames", ()) or item.get_closest_marker(PROCESSES) is not None
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's hook reads the groups
 def pytest_collection_modifyitems(config, items):
     """The tiers, from the recorded durations: a test is ``slow`` unless it took at most :data:`FAST` seconds
     when last recorded and runs in this process — or is a multi-process case marked ``smoke`` (one per
-    runtime path). A test not yet recorded is slow until it is."""
+    runtime path). A test not yet recorded is slow until it is.
+
+    And the workers' shares (``--dist loadgroup``): the tests that start processes form one group, run on one
+    worker one after another beside the other worker's single-process tests. Two of them at once put four to
+    twelve busy processes on the two cores, and a gloo collective waits for every rank to be scheduled:
+    the suite took 22 min so against 13.5 min on one worker. Every other test goes with its file, as
+    ``--dist loadfile`` sends it (a file's fixtures, and a documentation page's snippets in page order)."""
     recorded = recorded_durations()
     for item in items:
+        processes = starts_processes(item)
+        item.add_marker(pytest.mark.xdist_group(PROCESSES if processes else item.path.relative_to(config.rootpath).as_posix()))
         if item.get_closest_marker("smoke"):
             continue
         seconds = recorded.get(duration_key(item.nodeid))
-        if seconds is None or seconds > FAST or "gloo" in getattr(item, "fixturenames", ()):
+        if seconds is None or seconds > FAST or processes:
             item.add_marker(pytest.mark.slow)
+    TIERS.clear()
+    TIERS.update({item.nodeid: "slow" if item.get_closest_marker("slow") else "fast" for item in items})
     if os.environ.get("AUTOSPLIT_LIST_TIERS"):  # tests/test_tiers.py reads the tiers from a collection
-        for item in items:
-            print(f"TIER {'slow' if item.get_closest_marker('slow') else 'fast'} {item.nodeid}")
+        for nodeid, tier in TIERS.items():
+            print(f"TIER {tier} {nodeid}")
 
 
 _seconds: dict[str, float] = defaultdict(float)
@@ -99,10 +122,11 @@ def _seed():
     torch.manual_seed(0)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def gloo():
-    """``gloo(world)``: this test file's group of ``world`` gloo processes (:class:`tests.helpers.Gloo`),
-    started on first use and kept for the file's other tests; ``timeout``: the process group's, in seconds."""
+    """``gloo(world)``: the group of ``world`` gloo processes (:class:`tests.helpers.Gloo`), started on first use
+    and kept for every later test on that many processes, in every file (they run on one worker:
+    :func:`pytest_collection_modifyitems`); ``timeout``: the process group's, in seconds."""
     from tests.helpers import Gloo
 
     groups: dict[tuple[int, float], Gloo] = {}

@@ -1,10 +1,16 @@
-"""What the tests of a mesh's layouts share (``tests/runtime/test_sharded_layouts.py``,
-``tests/tp_cases.py``): the language models trained there, the unsplit reference
-step on the global batch, and the check that a resumed model and optimizer equal the reference's.
+"""The harness every "trains like the unsplit model" case of a mesh's layouts runs on
+(``tests/runtime/test_sharded_layouts.py``, ``tests/tp_cases.py``, ``tests/runtime/test_float8_stages.py``):
+the language models trained there, the unsplit reference step on the global batch, the training of a
+pipeline beside it (:func:`train_alike`, held to a :class:`Comparison`), and the check that a resumed model
+and optimizer equal the reference's.
+
+A case of a new axis is a layout (the options that build the pipeline) and the checks only that axis has
+(where its parameters sit, which modules it converted); the steps and what they are compared on are these.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -63,6 +69,56 @@ def reference_step(
         (loss / parts).backward()
         losses.append(loss.detach())
     return [torch.stack(losses[c * chunks:(c + 1) * chunks]).mean() for c in range(copies)]
+
+
+@dataclasses.dataclass(frozen=True)
+class Comparison:
+    """How a pipeline's training is held to the unsplit model's (:func:`train_alike`)."""
+
+    steps: int = 3
+    precision: str = "fp32"
+    """How the unsplit model runs (:func:`forward_in`)."""
+    chunks: int = 1
+    """Micro-batches per data-parallel copy the unsplit model runs: a mixed precision rounds each apart."""
+    tied_apart: bool = False
+    """A tied weight cast apart on each of its stages (:func:`forward_in`)."""
+    tol: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """``assert_close``'s tolerances for the losses and gradients (empty: its defaults, float64 rounding)."""
+    after: dict[str, Any] | None = None
+    """Those for the parameters after the steps (None: ``tol``)."""
+    clip: float | None = None
+    """The last step's gradients clipped to this global norm, the norm compared with the unsplit model's."""
+
+
+def train_alike(pipe: Any, reference: torch.nn.Module, case: tuple, comparison: Comparison, what: str) -> tuple[Any, Any, slice]:
+    """``comparison.steps`` AdamW steps of ``pipe`` on its data-parallel copy's rows of the global batch, and of the
+    unsplit ``reference`` on all of it (``case``: its args, kwargs, target and loss): every step's loss on the last
+    stage, every gradient, the clipped norm, and the parameters after. Returns both optimizers and the copy's rows."""
+    args, kwargs, target, loss_fn = case
+    copies = pipe.layout.replicas
+    mine = slice(pipe.layout.replica * ROWS // copies, (pipe.layout.replica + 1) * ROWS // copies)
+    opt = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    ref_params, tol = dict(reference.named_parameters()), comparison.tol
+    for step in range(comparison.steps):
+        loss = pipe.step(*(a[mine] for a in args), target=target[mine], **{k: v[mine] for k, v in kwargs.items()})
+        expected = reference_step(reference, args, kwargs, target, loss_fn, copies, comparison.precision, comparison.chunks,
+                                  tied_apart=comparison.tied_apart)
+        if pipe.is_last:
+            torch.testing.assert_close(loss, expected[pipe.layout.replica], **tol, msg=where(f"{what} step {step} loss"))
+        if comparison.clip is not None and step == comparison.steps - 1:  # by the whole model's norm, each element once
+            norm = pipe.clip_grad_norm_(comparison.clip)
+            torch.testing.assert_close(norm, torch.nn.utils.clip_grad_norm_(reference.parameters(), comparison.clip), **tol,
+                                       msg=where(f"{what} norm"))
+        for name, p in pipe.named_parameters():
+            torch.testing.assert_close(full_tensor(p.grad), ref_params[name].grad, **tol, msg=where(f"{what} step {step} grad {name}"))
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad()
+    after = tol if comparison.after is None else comparison.after
+    for name, p in pipe.named_parameters():
+        torch.testing.assert_close(full_tensor(p), ref_params[name], **after, msg=where(f"{what} {name} after {comparison.steps} steps"))
+    return opt, ref_opt, mine
 
 
 def trained_reference(steps: int) -> tuple[Any, torch.optim.Optimizer, tuple]:

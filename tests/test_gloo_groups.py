@@ -1,6 +1,7 @@
 """The gloo groups the multi-process tests run their cases in (``tests.helpers.Gloo``, the ``gloo``
 fixture): values come back by case and rank, a failing case is named with each rank's traceback,
-and the group that failed is replaced by a fresh one."""
+and the group that failed is replaced by a fresh one. One group per world size serves every file:
+the tests that start processes share one xdist worker (``tests/conftest.py``)."""
 
 from __future__ import annotations
 
@@ -39,7 +40,7 @@ def test_each_case_runs_on_every_rank_and_returns_by_rank(gloo):
     assert group.run(_sum_of_ranks, [(0,), (10,)]) == [[1, 1], [21, 21]]
     assert group.run(_ends_its_group, [()]) == [[0, 1]]
     assert group.run(_sum_of_ranks, [(1,)]) == [[3, 3]], "the ranks start another process group after a case ended it"
-    assert gloo(2) is group, "one group per file and world size"
+    assert gloo(2) is group, "one group per world size"
 
 
 def test_a_failing_case_is_named_with_each_ranks_traceback_and_the_group_replaced(gloo):
@@ -56,3 +57,21 @@ def test_a_failing_case_is_named_with_each_ranks_traceback_and_the_group_replace
     with pytest.raises(pytest.fail.Exception, match=r"(?s)case _exits\(\) failed.*rank 0: the process exited with code 3"):
         gloo(2).run(_exits, [()])
     assert gloo(2).run(_sum_of_ranks, [(0,)]) == [[1, 1]]
+
+
+def test_every_test_that_starts_processes_runs_in_one_group_of_the_session(request):
+    """The ``gloo`` fixture lives as long as the session, and the tests that use it, or launch torchrun,
+    share one xdist group: one worker runs them, in turn, on the same groups. Under xdist the group
+    shows in each node id (``…@processes``): where a pytest release stops xdist from writing it
+    (pytest-xdist#1386), the groups are gone and this fails."""
+    from tests.conftest import PROCESSES, starts_processes
+
+    assert request._fixturemanager.getfixturedefs("gloo", request.node)[-1].scope == "session"
+    items = request.session.items
+    launching = [item for item in items if starts_processes(item)]
+    assert any("gloo" in item.fixturenames for item in launching), "this file's own gloo tests were found"
+    grouped = os.environ.get("PYTEST_XDIST_WORKER") is not None and request.config.getvalue("loadgroup")
+    for item in items:
+        group = PROCESSES if item in launching else item.path.relative_to(request.config.rootpath).as_posix()
+        assert [mark.args[0] for mark in item.iter_markers("xdist_group")] == [group], item.nodeid
+        assert item.nodeid.endswith(f"@{group}") or not grouped, f"xdist did not group {item.nodeid} (pytest-xdist#1386)"

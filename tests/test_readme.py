@@ -12,9 +12,8 @@ string:
 - ``python skip-gpu``: needs CUDA, skipped without it. Any other marker fails, so a snippet
   is never left out silently.
 
-The scripts run one after another on a background thread while the in-process snippets run on
-one intra-op thread (the planner leaves the second core mostly idle), and each script's test waits
-for its result.
+A script runs in its own test, a ``torchrun`` one in the group of tests that start processes
+(``tests/conftest.py``), which run on one worker beside the in-process snippets.
 """
 
 from __future__ import annotations
@@ -23,7 +22,6 @@ import os
 import re
 import subprocess
 import sys
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -117,52 +115,42 @@ def _run_script(snippet: Snippet, folder: Path) -> subprocess.CompletedProcess:
 
 
 class _Session:
-    """The namespaces the in-process snippets share (one per page), which failed, and the scripts running beside them."""
+    """The namespaces the in-process snippets share (one per page), and which failed."""
 
-    def __init__(self, folder: Path, scripts: dict[str, Future]) -> None:
-        self.folder = folder
+    def __init__(self) -> None:
         self.namespaces: dict[str, dict[str, Any]] = {}
         """Per page: the namespace its in-process snippets share."""
         self.failed: dict[str, str] = {}
         """Per page: the first of its in-process snippets that failed."""
-        self.scripts = scripts
 
 
 @pytest.fixture(scope="module")
-def session(tmp_path_factory, request):
+def session(tmp_path_factory):
     folder = tmp_path_factory.mktemp("readme")
     old_cwd, old_cache = Path.cwd(), os.environ.get("AUTOSPLIT_CACHE")
     os.chdir(folder)  # the snippets write plan.json, compare.html
     os.environ["AUTOSPLIT_CACHE"] = str(folder / "cache")
-    threads = torch.get_num_threads()
-    # One intra-op thread for the in-process snippets: the scripts' processes run beside them, and
-    # threads that oversubscribe the cores spin (a measured compare ran about 10x slower on two).
-    torch.set_num_threads(1)
-    pool = ThreadPoolExecutor(max_workers=1)
-    selected = {item.callspec.params["snippet"].name for item in request.session.items  # the scripts of this run's tests only
-                if item.originalname == "test_readme_snippet_runs_as_written"}
-    scripts = {
-        s.name: pool.submit(_run_script, s, folder / f"script-{s.page.replace('/', '-')}-{s.line}")
-        for s in SNIPPETS if s.kind in ("torchrun", "script") and s.name in selected
-    }
     try:
-        yield _Session(folder, scripts)
+        yield _Session()
     finally:
-        pool.shutdown(cancel_futures=True)
         os.chdir(old_cwd)
-        torch.set_num_threads(threads)
         if old_cache is None:
             os.environ.pop("AUTOSPLIT_CACHE", None)
         else:
             os.environ["AUTOSPLIT_CACHE"] = old_cache
 
 
-@pytest.mark.parametrize("snippet", [pytest.param(s, marks=pytest.mark.slow) if s.kind in ("torchrun", "script") else s
-                                     for s in SNIPPETS], ids=IDS)  # a script's processes run beside the rest: slow
-def test_readme_snippet_runs_as_written(snippet: Snippet, session: _Session):
+def _marks(snippet: Snippet) -> tuple[pytest.MarkDecorator, ...]:
+    """A script is slow (a process of its own); a torchrun script starts processes (``tests/conftest.py``)."""
+    return {"torchrun": (pytest.mark.slow, pytest.mark.processes), "script": (pytest.mark.slow,)}.get(snippet.kind, ())
+
+
+@pytest.mark.parametrize("snippet", [pytest.param(s, marks=_marks(s)) for s in SNIPPETS], ids=IDS)
+def test_readme_snippet_runs_as_written(snippet: Snippet, request: pytest.FixtureRequest, tmp_path: Path):
     if snippet.kind == "skip-gpu" and not torch.cuda.is_available():
         pytest.skip(f"{snippet.name} needs CUDA")
     if snippet.kind in ("", "skip-gpu"):
+        session: _Session = request.getfixturevalue("session")  # a script needs none
         if snippet.page in session.failed:
             pytest.fail(f"{snippet.name} continues from {session.failed[snippet.page]}, which failed")
         namespace = session.namespaces.setdefault(snippet.page, {"__name__": "__main__"})
@@ -172,9 +160,9 @@ def test_readme_snippet_runs_as_written(snippet: Snippet, session: _Session):
             session.failed[snippet.page] = snippet.name
             raise
         return
-    if snippet.name not in session.scripts:
+    if snippet.kind not in ("torchrun", "script"):
         pytest.fail(f"{snippet.name}: unknown marker ```python {snippet.kind}")
-    done = session.scripts[snippet.name].result()
+    done = _run_script(snippet, tmp_path / "script")
     how = " ".join(_command(snippet, Path("snippet.py")))
     assert done.returncode == 0, (
         f"{snippet.name} ({snippet.section}), run as `{how}`, failed:\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}"

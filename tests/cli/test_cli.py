@@ -7,6 +7,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 import autosplit
 from autosplit.cli import main
 
@@ -76,6 +78,7 @@ def _cli(*args: str, timeout: int = 240) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "autosplit", *args], capture_output=True, text=True, timeout=timeout, env=env)
 
 
+@pytest.mark.processes  # torchrun's ranks
 def test_run_launches_itself_under_torchrun_and_trains_pipelined():
     done = _cli("run", *GPT_ARGS, "--micro-batches", "4", "--devices", "cpu*2", "--steps", "3", "--json")
     assert done.returncode == 0, done.stderr[-3000:]
@@ -85,6 +88,7 @@ def test_run_launches_itself_under_torchrun_and_trains_pipelined():
     assert len(result["plan"]["devices"]) == 2
 
 
+@pytest.mark.processes  # torchrun's ranks
 def test_run_trains_an_asynchronous_schedule_with_a_tied_weight_sent():
     done = _cli("run", *GPT_ARGS, "--micro-batches", "2", "--devices", "cpu*2", "--steps", "4", "--schedule", "xpipe", "--json")
     assert done.returncode == 0, done.stderr[-3000:]
@@ -95,6 +99,7 @@ def test_run_trains_an_asynchronous_schedule_with_a_tied_weight_sent():
     assert [p["policy"] for p in result["plan"]["shared_params"]] == ["send"], "a replicated copy would drift"
 
 
+@pytest.mark.processes  # torchrun's ranks
 def test_compare_measures_through_the_distributed_runtime_when_launched():
     done = _cli("compare", *GPT_ARGS, "--micro-batches", "4", "--devices", "cpu*2", "--manual", 'cut=["blocks.4"]', "--measure",
                 "--steps", "2", "--nproc-per-node", "2", "--json")
@@ -106,6 +111,7 @@ def test_compare_measures_through_the_distributed_runtime_when_launched():
         assert m["predicted"] == row["plan"]["step_time"]
 
 
+@pytest.mark.processes  # torchrun's ranks
 def test_a_rank_that_fails_under_the_launcher_exits_2():
     done = _cli("run", *GPT_ARGS, "--devices", "cpu*2", "--dp", "1", "--nproc-per-node", "3", "--steps", "1")
     assert done.returncode == 2, done.stderr[-3000:]

@@ -27,7 +27,7 @@ from torch import nn
 import autosplit
 from autosplit.errors import CodegenError
 from tests.helpers import NO_SEARCH, full_tensor, gpt_case, says, where
-from tests.layouts import ROWS, forward_in, reference_step
+from tests.layouts import Comparison, forward_in, reference_step, train_alike
 
 float8 = pytest.importorskip("torchao.float8")
 
@@ -81,7 +81,7 @@ def test_a_split_fp8_model_trains_like_the_unsplit_fp8_model_and_leaves_the_user
 def _distributed_case(stages: int, copies: int, schedule: str, precision: str = "bf16-mixed", *, rank: int, world: int) -> None:
     torch.manual_seed(0)
     model, args, kwargs, target, loss_fn = gpt_case()
-    unsplit, rows = copy.deepcopy(model), ROWS // copies  # (the stages share the model's modules, which FSDP2 shards)
+    unsplit = copy.deepcopy(model)  # (the stages share the model's modules, which FSDP2 shards)
     pipe = autosplit.distribute(
         model, ["cpu"] * world, example_inputs=args, example_kwargs=kwargs,
         loss_fn=loss_fn, data_parallel=copies, replicate="fully_shard", schedule=schedule, micro_batches=MICRO, **NO_SEARCH,
@@ -95,23 +95,8 @@ def _distributed_case(stages: int, copies: int, schedule: str, precision: str = 
     # FSDP2 all-gathers the FP8 weights in FP8 exactly where it shards fp32 ones (under its bf16 policy, its own cast first)
     assert gathered == {copies > 1 and precision == "bf16-mixed"}, f"rank {rank}"
     reference = _converted(unsplit, plan)
-    mine = slice(pipe.layout.replica * rows, (pipe.layout.replica + 1) * rows)
-    opt, ref_opt = torch.optim.AdamW(pipe.parameters(), lr=1e-2), torch.optim.AdamW(reference.parameters(), lr=1e-2)
-    ref_params = dict(reference.named_parameters())
-    apart = any(p.policy == "replicate" for p in plan.shared_params)
-    for step in range(STEPS):
-        loss = pipe.step(*(a[mine] for a in args), target=target[mine], **{k: v[mine] for k, v in kwargs.items()})
-        expected = reference_step(reference, args, kwargs, target, loss_fn, copies, precision, chunks=MICRO, tied_apart=apart)
-        if pipe.is_last:
-            torch.testing.assert_close(loss, expected[pipe.layout.replica], **TOL, msg=where(f"rank {rank} step {step} loss"))
-        for name, p in pipe.named_parameters():
-            torch.testing.assert_close(full_tensor(p.grad), ref_params[name].grad, **TOL,
-                                       msg=where(f"{stages}×{copies} rank {rank} step {step} grad {name}"))
-        for o in (opt, ref_opt):
-            o.step()
-            o.zero_grad()
-    for name, p in pipe.named_parameters():
-        torch.testing.assert_close(full_tensor(p), ref_params[name], **TOL, msg=where(f"{stages}×{copies} {name} after {STEPS} steps"))
+    comparison = Comparison(STEPS, precision, chunks=MICRO, tol=TOL, tied_apart=any(p.policy == "replicate" for p in plan.shared_params))
+    opt, _, mine = train_alike(pipe, reference, (args, kwargs, target, loss_fn), comparison, f"{stages}×{copies} {precision} rank {rank}")
     _between_steps(pipe, opt, reference, (args, kwargs, target, loss_fn), mine, rank, precision)
     pipe.close()
 

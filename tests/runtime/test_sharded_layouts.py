@@ -33,7 +33,17 @@ from autosplit.passes.outline import outlinable_blocks
 from autosplit.runtime.checkpoint import load_checkpoint
 from autosplit.runtime.placement import MESH_DIMS
 from tests.helpers import NO_SEARCH, full_tensor, gpt_case, says, where
-from tests.layouts import ROWS, assert_resumed, assert_the_unsplit_model_resumes, forward_in, llama_case, reference_step, trained_reference
+from tests.layouts import (
+    ROWS,
+    Comparison,
+    assert_resumed,
+    assert_the_unsplit_model_resumes,
+    forward_in,
+    llama_case,
+    reference_step,
+    train_alike,
+    trained_reference,
+)
 
 STEPS = 3
 MICRO = 2
@@ -85,26 +95,9 @@ def _train_case(
     if precision == "bf16-fsdp":  # FSDP2's policy on the stage, over fp32 master weights
         assert pipe.module._get_fsdp_state()._mp_policy.param_dtype is torch.bfloat16
         assert all(p.dtype == torch.float32 for p in pipe.parameters())
-    mine = slice(pipe.layout.replica * ROWS // copies, (pipe.layout.replica + 1) * ROWS // copies)
-    opt = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
-    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
-    ref_params, tol = dict(reference.named_parameters()), TOL[precision]
-    apart = any(p.policy == "replicate" for p in pipe.plan.shared_params)  # a tied weight held, and cast, on each stage
-    for step in range(STEPS):
-        loss = pipe.step(*(a[mine] for a in args), target=target[mine], **{k: v[mine] for k, v in kwargs.items()})
-        expected = reference_step(reference, args, kwargs, target, loss_fn, copies, precision, chunks=micro if precision != "fp32" else 1,
-                                  tied_apart=apart)
-        if pipe.is_last:
-            torch.testing.assert_close(loss, expected[pipe.layout.replica], **tol, msg=where(f"{name} step {step} loss"))
-        for pname, p in pipe.named_parameters():
-            torch.testing.assert_close(full_tensor(p.grad), ref_params[pname].grad, **tol,
-                                       msg=where(f"{name} {precision} rank {rank} step {step} grad {pname}"))
-        opt.step()
-        ref_opt.step()
-        opt.zero_grad()
-        ref_opt.zero_grad()
-    for pname, p in pipe.named_parameters():
-        torch.testing.assert_close(full_tensor(p), ref_params[pname], **tol, msg=where(f"{name} {pname} after {STEPS} steps"))
+    comparison = Comparison(STEPS, precision, chunks=micro if precision != "fp32" else 1, tol=TOL[precision],
+                            tied_apart=any(p.policy == "replicate" for p in pipe.plan.shared_params))  # a tied weight cast on each stage
+    train_alike(pipe, reference, (args, kwargs, target, loss_fn), comparison, f"{name} {precision} rank {rank}")
     pipe.close()
 
 

@@ -12,8 +12,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
+pytestmark = pytest.mark.processes  # torchrun's ranks (tests/conftest.py)
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "examples" / "train_loop.py"
 
