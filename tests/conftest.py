@@ -48,7 +48,7 @@ def duration_key(nodeid: str) -> str:
     (``README.md:33`` → ``README.md``), so that a page's snippets, which run in one namespace in page order,
     share one duration (the page's slowest) and one tier, and an edit above a snippet does not rename it; and
     without the ``@group`` xdist adds to the node ids of a group's tests."""
-    return re.sub(r"(\.md):\d+", r"\1", nodeid.removesuffix(f"@{PROCESSES}").split("@tests/")[0])
+    return re.sub(r"(\.md):\d+", r"\1", re.sub(r"@[\w./-]+$", "", nodeid))
 
 
 def _by_key(seconds: dict[str, float]) -> dict[str, float]:
@@ -83,7 +83,7 @@ def pytest_collection_modifyitems(config, items):
     And the workers' shares (``--dist loadgroup``): the tests that start processes form one group, run on one
     worker one after another beside the other worker's single-process tests. Two of them at once put four to
     twelve busy processes on the two cores, and a gloo collective waits for every rank to be scheduled:
-    the suite took 22 min so against 13.5 min on one worker. Every other test goes with its file, as
+    grouped by file, the suite took 22 min; on one worker, 13.5 min. Every other test goes with its file, as
     ``--dist loadfile`` sends it (a file's fixtures, and a documentation page's snippets in page order)."""
     recorded = recorded_durations()
     for item in items:
