@@ -23,7 +23,7 @@ import torch
 from autosplit.compat import pytree
 from autosplit.errors import ConstraintError, advice
 
-__all__ = ["batch_size", "is_batched", "split_batch"]
+__all__ = ["batch_size", "is_batched", "split_batch", "split_target"]
 
 
 def batch_size(args: Sequence[Any], kwargs: Mapping[str, Any] | None = None) -> int | None:
@@ -64,3 +64,9 @@ def split_batch(
     return [
         (tuple(pytree.tree_map(piece(i), list(args))), pytree.tree_map(piece(i), kwargs)) for i in range(micro_batches)
     ]
+
+
+def split_target(target: Any, parts: int) -> list[Any]:
+    """``parts`` pieces of a loss target, cut along its own dimension 0 as :func:`split_batch` cuts a batch
+    (each micro-batch's, or each data-parallel copy's, rows)."""
+    return [args[0] for args, _ in split_batch((target,), None, parts)]

@@ -34,7 +34,8 @@ def main() -> None:
 
     torch.manual_seed(0)  # the same weights on every rank
     model = GPT(vocab=512, d_model=64, n_layers=4, n_heads=4, max_len=64)
-    tokens = torch.randint(0, 512, (8 * args.dp, 64))  # the global batch: 8 rows per data-parallel replica
+    rows = 8  # per data-parallel replica
+    tokens = torch.randint(0, 512, (rows * args.dp, 64))  # the global batch
     targets = torch.roll(tokens, -1, dims=1)
 
     def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -47,7 +48,7 @@ def main() -> None:
     if rank == 0:
         print(plan_report(pipe.plan))
     opt = torch.optim.Adam(pipe.parameters(), lr=1e-3)
-    mine = slice(pipe.layout.replica * 8, (pipe.layout.replica + 1) * 8)  # this replica's rows of the global batch
+    mine = slice(pipe.layout.replica * rows, (pipe.layout.replica + 1) * rows)  # this replica's rows of the global batch
     for step in range(args.steps):
         loss = pipe.step(tokens[mine], target=targets[mine])
         opt.step()

@@ -718,17 +718,17 @@ PRELOADED = [
 
 
 class Gloo:
-    """``world`` processes in one gloo process group (one thread each), kept for every case of a test
-    file on that many processes: the ``gloo`` fixture of ``tests/conftest.py`` makes one per file and
-    world size. ``run(run_case, cases)`` runs ``run_case(*case, rank=, world=)`` on every rank, case
-    after case, a barrier after each, and returns each case's values by rank.
+    """``world`` processes in one gloo process group (one thread each), kept for every case on that many
+    processes: the ``gloo`` fixture of ``tests/conftest.py`` makes one per world size for the session.
+    ``run(run_case, cases)`` runs ``run_case(*case, rank=, world=)`` on every rank, case after case, a
+    barrier after each, and returns each case's values by rank.
 
     The processes are forked from a server that imported torch, autosplit, these helpers and what the
     cases import (:data:`PRELOADED`) once (``forkserver``), so a group starts in a fraction of a second
     and a case does not import transformers again on every rank (3 s each). A case that fails on any rank (or a
     rank that dies) fails the test, naming the case and showing each rank's traceback; the group is
-    then stopped, and the next ``run`` starts a fresh one. A case may end the default process group
-    (``dist.destroy_process_group()``): the ranks start another before the next case.
+    then stopped, and the next ``run`` starts a fresh one. After each case the ranks destroy every
+    process group (the case's own and the default one) and start a default group again for the next.
     """
 
     def __init__(self, world: int, *, timeout: float = 60) -> None:

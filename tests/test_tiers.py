@@ -11,7 +11,7 @@ from tests.conftest import DURATIONS, TIERS, duration_key, recorded_durations
 from tests.helpers import ROOT
 
 BUDGET = 200.0
-"""Seconds the fast tier's recorded durations may add up to: about 100 s on README's two workers, and
+"""Seconds the fast tier's recorded durations may add up to: about 70 s on README's two workers, within
 the two minutes of issue 67 with the workers' start."""
 
 

@@ -36,7 +36,7 @@ import torch
 from autosplit.candidates import Candidate, Measured
 from autosplit.compiler.manual import ManualSplit
 from autosplit.errors import AutosplitError, ConstraintError, advice
-from autosplit.microbatch import split_batch
+from autosplit.microbatch import split_batch, split_target
 from autosplit.recipes import Recipe
 from autosplit.report.compare import Comparison
 from autosplit.runtime.makespan import DeviceOptimizers, MakespanRunner
@@ -188,7 +188,7 @@ def _measure_distributed(model, plans, inputs, kwargs, loss_fn, target, steps, w
     for plan in plans:
         pipe = distribute(copy.deepcopy(model), None, example_inputs=inputs, example_kwargs=kwargs, loss_fn=loss_fn, plan=plan)
         mine, my_kwargs = split_batch(inputs, kwargs, plan.data_parallel)[pipe.layout.replica]  # this copy's rows
-        my_target = split_batch((target,), None, plan.data_parallel)[pipe.layout.replica][0][0]
+        my_target = split_target(target, plan.data_parallel)[pipe.layout.replica]
         runs.append((functools.partial(pipe.step, *mine, target=my_target, **my_kwargs), torch.optim.Adam(pipe.parameters(), lr=1e-4), []))
     _round_robin(runs, steps, warmup, sync=dist.barrier)
     out = []

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from autosplit import schedules
-from autosplit.api.mesh_checks import check_arguments, check_mesh, check_replicate, degrees, runnable
+from autosplit.api.mesh_checks import check_arguments, check_mesh, degrees, runnable
 from autosplit.api.planner import Planner, load_plan
 from autosplit.compiler.trace import Traced
 from autosplit.devices import DeviceLike
@@ -120,7 +120,6 @@ def distribute(
     """
     given = load_plan(plan)
     data_parallel, replicate = degrees(given, data_parallel, replicate)
-    check_replicate(replicate)
     check_arguments(replicate, data_parallel, None if given is not None else options.get("schedule", "gpipe"))
     shard = check_mesh(given, None if devices is None else len(devices), data_parallel, replicate)
     options = {"schedule": "gpipe", **options, "data_parallel": data_parallel, "replicate": replicate,

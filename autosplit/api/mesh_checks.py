@@ -64,13 +64,13 @@ def check_replicate(replicate: Any) -> None:
 
 def check_arguments(replicate: str, data_parallel: Any, schedule: str | None) -> None:
     """Refuse, before any work, a process group that cannot run the split and arguments out of range
-    (``schedule``: the one asked for when no plan is given)."""
+    (``schedule``: the one asked for when no plan is given); ``replicate`` first, which needs no process group."""
+    check_replicate(replicate)
     if not dist.is_available() or not dist.is_initialized():
         raise DistributedError(
             advice("autosplit.distribute needs an initialised process group", "torch.distributed is not initialised in this process",
                    "call torch.distributed.init_process_group('gloo' or 'nccl') first, e.g. under torchrun")
         )
-    check_replicate(replicate)
     if not isinstance(data_parallel, int) or data_parallel < 1:
         raise ConstraintError(advice(
             f"data_parallel={data_parallel!r} is out of range",

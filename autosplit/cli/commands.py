@@ -162,10 +162,10 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
 
 def _copy_share(work: dict[str, Any], copies: int, index: int) -> tuple[tuple, dict[str, Any], Any]:
     """The workload's global batch as data-parallel copy ``index`` of ``copies`` steps on it: its rows."""
-    from autosplit.microbatch import split_batch
+    from autosplit.microbatch import split_batch, split_target
 
     inputs_, kwargs_ = split_batch(work["example_inputs"], work["example_kwargs"], copies)[index]
-    return inputs_, kwargs_, split_batch((work["target"],), None, copies)[index][0][0]
+    return inputs_, kwargs_, split_target(work["target"], copies)[index]
 
 
 def demo(args: argparse.Namespace, argv: list[str]) -> int:

@@ -17,7 +17,7 @@ import torch
 from autosplit import progress
 from autosplit.compat import pytree
 from autosplit.errors import CaptureError, CodegenError, ConstraintError, advice
-from autosplit.microbatch import batch_size, split_batch
+from autosplit.microbatch import batch_size, split_batch, split_target
 from autosplit.passes.annotate import annotate
 from autosplit.passes.autocast_reads import refuse_under_autocast
 from autosplit.passes.capture import Captured, capture, fingerprint, flat_inputs
@@ -115,7 +115,7 @@ class Traced:
                 captured = dataclasses.replace(self.captured, gm=_graph_copy(
                     self.captured.gm, "annotate it at a data-parallel share of the batch", "plan with data_parallel=1"))
                 annotate(captured, list(inputs), precision=_annotated_in(captured))
-            loss = None if self.loss is None else Loss(self.loss.fn, split_batch((self.loss.target,), None, parts)[0][0][0])
+            loss = None if self.loss is None else Loss(self.loss.fn, split_target(self.loss.target, parts)[0])
             self._shares[parts] = Traced(captured, tuple(inputs), fingerprint(captured.gm), dict(self.timings), model=self.model,
                                          example=(args, kwargs), loss=loss, _exports=self._kept_exports(),
                                          _blocks=self._blocks)

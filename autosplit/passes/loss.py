@@ -29,7 +29,7 @@ from autosplit.compat import FakeTensorMode, TorchDispatchMode, graph_codegen, p
 from autosplit.compat import PyTreeCodeGen as _PyTreeCodeGen
 from autosplit.devices import DeviceSpec
 from autosplit.errors import CostModelError, advice
-from autosplit.microbatch import split_batch
+from autosplit.microbatch import split_target
 from autosplit.passes.autocast_policy import precision_context
 from autosplit.passes.capture import Captured
 from autosplit.passes.costs import LossCost
@@ -169,7 +169,7 @@ def cost_loss(
 ) -> LossCost:
     """One micro-batch's loss on every device of ``specs``: measured where ``measure`` and the device
     is present here, else analytic. ``output``: the model's output for one micro-batch (meta tensors)."""
-    target = split_batch((loss.target,), None, micro_batches)[0][0][0]  # as the pipeline cuts it
+    target = split_target(loss.target, micro_batches)[0]  # as the pipeline cuts it
     device_type = specs[0].device_type if specs else "cpu"
     try:
         forward, backward, saved = _counted(loss, output, target, precision, device_type)

@@ -46,7 +46,7 @@ import torch.distributed as dist
 
 from autosplit import schedules
 from autosplit.errors import AutosplitError, DistributedError, advice, causes
-from autosplit.microbatch import split_batch
+from autosplit.microbatch import split_batch, split_target
 from autosplit.passes.chain import Chain
 from autosplit.runtime.batches import describe, shapes
 from autosplit.runtime.prediction import predicted, update_direction
@@ -128,7 +128,7 @@ def run_asynchronous(
             named = dict(zip(chain.input_names, flat))
             micro[b] = split_batch((), named, M)
             if last:
-                targets[b] = [t for (t,), _ in split_batch((target,), {}, M)]
+                targets[b] = split_target(target, M)
         return micro[b]
 
     for work in sim.order[stage]:
