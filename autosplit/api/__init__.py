@@ -8,24 +8,26 @@ the runtimes together.
 - :mod:`.hybrid` — :func:`plan_hybrid`: how many devices form each data-parallel worker.
 """
 
+import importlib
 from typing import TYPE_CHECKING, Any
 
-from autosplit.api.comparison import compare
-from autosplit.api.hybrid import measure_noise_scale, plan_hybrid
-from autosplit.api.planner import Planner, autosplit, plan
 from autosplit.errors import unknown_name
 
 if TYPE_CHECKING:
+    from autosplit.api.comparison import compare
     from autosplit.api.distributed import distribute
+    from autosplit.api.hybrid import measure_noise_scale, plan_hybrid
+    from autosplit.api.planner import Planner, autosplit, plan
 
 __all__ = ["Planner", "autosplit", "compare", "distribute", "measure_noise_scale", "plan", "plan_hybrid"]
 
+_ROOMS = {"Planner": "planner", "autosplit": "planner", "plan": "planner", "compare": "comparison",
+          "distribute": "distributed", "measure_noise_scale": "hybrid", "plan_hybrid": "hybrid"}
+"""Each verb's module, imported on first use: planning needs neither the comparison's reports nor the
+distributed runtime (``torch.distributed.pipelining``, and with it ``torch._dynamo`` and FSDP)."""
+
 
 def __getattr__(name: str) -> Any:
-    """:func:`distribute` on first use: its runtime imports ``torch.distributed.pipelining`` (and with it
-    ``torch._dynamo`` and FSDP), which planning never needs."""
-    if name == "distribute":
-        from autosplit.api.distributed import distribute
-
-        return distribute
+    if name in _ROOMS:
+        return getattr(importlib.import_module(f"{__name__}.{_ROOMS[name]}"), name)
     raise unknown_name(__name__, name)

@@ -45,7 +45,6 @@ from autosplit.passes.param_dtype import PARAM_CAST, capture_dtype
 from autosplit.plan_records import FP8_SHAPES
 from autosplit.plans import Plan
 from autosplit.recipes import Recipe
-from autosplit.report.text import plan_report
 from autosplit.runtime.compiled import CompileOptions, compile_options
 from autosplit.runtime.local import SplitModule
 from autosplit.runtime.makespan import MakespanRunner
@@ -137,6 +136,8 @@ class Planner:
             free = self._solve(self.specs(), self.options.replace(expressible_in=None))
             made = dataclasses.replace(made, engine_gap=(self.options.expressible_in, free.step_time))
         if debug.plans.isEnabledFor(logging.DEBUG):
+            from autosplit.report.text import plan_report  # rich: loaded when the plan is shown
+
             debug.plans.debug("%s", plan_report(made))
         return made
 
