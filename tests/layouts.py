@@ -1,23 +1,26 @@
 """The harness every "trains like the unsplit model" case of a mesh's layouts runs on
-(``tests/runtime/test_sharded_layouts.py``, ``tests/tp_cases.py``, ``tests/runtime/test_float8_stages.py``):
-the language models trained there, the unsplit reference step on the global batch, the training of a
-pipeline beside it (:func:`train_alike`, held to a :class:`Comparison`), and the check that a resumed model
-and optimizer equal the reference's.
+(``tests/runtime/test_distributed.py``, ``test_hybrid_mesh.py``, ``test_sharded_layouts.py``, ``test_float8_stages.py``,
+``tests/tp_cases.py``): the models trained there (:data:`MODELS`), the unsplit reference step on the global batch, the
+training of a pipeline beside it (:func:`train_alike`, held to a :class:`Comparison`), a row of a table — a model, a
+layout (``distribute``'s options) and a comparison — built and trained (:func:`trained_layout`), and the check that a
+resumed model and optimizer equal the reference's.
 
-A case of a new axis is a layout (the options that build the pipeline) and the checks only that axis has
-(where its parameters sit, which modules it converted); the steps and what they are compared on are these.
+A case of a new axis is a row (a layout, and its comparison where it rounds apart) and the checks only that axis
+has (where its parameters sit, which modules it converted); the steps and what they are compared on are these.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from tests.helpers import full_tensor, gpt_case, where
+from tests.helpers import NO_SEARCH, InceptionNet, as_float64, full_tensor, gpt2_lm, gpt_case, where
 
 ROWS = 8
 """The global batch of every case."""
@@ -36,6 +39,31 @@ def llama_case() -> tuple[torch.nn.Module, tuple, dict, torch.Tensor, Any]:
                                  num_key_value_heads=2, max_position_embeddings=16, attn_implementation="eager")
     tokens = torch.randint(0, 128, (ROWS, 8))
     return LlamaForCausalLM(LlamaConfig(**shape)), (tokens,), {}, torch.randint(0, 128, (ROWS, 8)), lm_loss
+
+
+def gpt2_case() -> tuple[torch.nn.Module, tuple, dict, torch.Tensor, Any]:
+    """A two-layer transformers GPT-2 (its output a dict of logits) and a global batch of ``ROWS``."""
+    return gpt2_lm(), (torch.randint(0, 60, (ROWS, 8)),), {}, torch.randint(0, 60, (ROWS, 8)), lm_loss
+
+
+def inception_case() -> tuple[torch.nn.Module, tuple, dict, torch.Tensor, Any]:
+    """Parallel branches with BatchNorm: compared micro-batch by micro-batch (``Comparison.chunks``)."""
+    return InceptionNet(), (torch.randn(ROWS, 3, 12, 12),), {}, torch.randint(0, 5, (ROWS,)), F.cross_entropy
+
+
+def gnmt_case() -> tuple[torch.nn.Module, tuple, dict, torch.Tensor, Any]:
+    """GNMT's LSTMs: two inputs (source and target tokens)."""
+    from benchmarks.workloads.models import GNMT
+
+    src, tgt = torch.randint(0, 30, (ROWS, 5)), torch.randint(0, 30, (ROWS, 4))
+    return GNMT(vocab=30, hidden=8, layers=3), (src, tgt), {}, torch.randint(0, 30, (ROWS, 4)), lm_loss
+
+
+MODELS: dict[str, Callable[[], tuple[torch.nn.Module, tuple, dict, torch.Tensor, Any]]] = {
+    "gpt": gpt_case, "llama": llama_case, "gpt2": gpt2_case, "inception": inception_case, "gnmt": gnmt_case,
+}
+"""The models of the table, each a function of no arguments: the model, its global batch's args and kwargs, a target,
+a loss. Seeded by the caller."""
 
 
 def forward_in(model: torch.nn.Module, precision: str, args: tuple, kwargs: dict, *, tied_apart: bool = False) -> Any:
@@ -119,6 +147,25 @@ def train_alike(pipe: Any, reference: torch.nn.Module, case: tuple, comparison: 
     for name, p in pipe.named_parameters():
         torch.testing.assert_close(full_tensor(p), ref_params[name], **after, msg=where(f"{what} {name} after {comparison.steps} steps"))
     return opt, ref_opt, mine
+
+
+def trained_layout(model: str, layout: dict[str, Any], comparison: Comparison, *, rank: int, world: int) -> tuple[Any, Any]:
+    """A row of the table on this rank: :data:`MODELS`' ``model`` (seed 0; in float64, inputs too, when the comparison is
+    in fp32) distributed over the whole mesh of ``world`` ranks on the global batch with ``layout``'s options over a
+    fixed plan's (:data:`~tests.helpers.NO_SEARCH`), trained beside the unsplit model (:func:`train_alike`). Returns the
+    pipeline and the reference, for the row's own checks."""
+    import autosplit
+
+    torch.manual_seed(0)
+    net, args, kwargs, target, loss_fn = MODELS[model]()
+    if comparison.precision == "fp32":
+        net, args, kwargs = net.double(), tuple(as_float64(a) for a in args), {k: as_float64(v) for k, v in kwargs.items()}
+    reference = copy.deepcopy(net)
+    pipe = autosplit.distribute(net, ["cpu"] * world, example_inputs=args, example_kwargs=kwargs, loss_fn=loss_fn,
+                                **{**NO_SEARCH, **layout})
+    assert {n for n, _ in pipe.named_parameters()} <= {n for n, _ in reference.named_parameters()}, "the original names"
+    train_alike(pipe, reference, (args, kwargs, target, loss_fn), comparison, f"{model} {layout} rank {rank}")
+    return pipe, reference
 
 
 def trained_reference(steps: int) -> tuple[Any, torch.optim.Optimizer, tuple]:

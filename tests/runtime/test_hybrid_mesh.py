@@ -13,7 +13,8 @@ import torch.distributed as dist
 import autosplit
 from autosplit.api.hybrid import plan_hybrid
 from autosplit.compiler.hybrid import Cluster
-from tests.helpers import as_float64, full_tensor, gpt_case, reference_step, where
+from tests.helpers import gpt_case
+from tests.layouts import Comparison, train_alike
 
 
 def _cpu_cluster() -> Cluster:
@@ -34,23 +35,10 @@ def _mesh_case(*, rank: int, world: int) -> None:
     dist.broadcast_object_list(box, src=0)
     choice = box[0]
     assert (choice.k, choice.replicas, choice.worker_batch) == (2, 2, 4)
-    mine = slice((rank % 2) * 4, (rank % 2 + 1) * 4)
-    my_args, my_kwargs = tuple(a[mine] for a in args), {k: v[mine] for k, v in kwargs.items()}
     pipe = autosplit.distribute(model, None, example_inputs=args, example_kwargs=kwargs, loss_fn=loss_fn,  # the global batch
                                 data_parallel=choice.replicas, plan=choice.plan)
-    opt, ref_opt = torch.optim.Adam(pipe.parameters(), lr=1e-2), torch.optim.Adam(reference.parameters(), lr=1e-2)
-    ref_params = dict(reference.named_parameters())
-    for step in range(3):
-        pipe.step(*my_args, target=target[mine], **my_kwargs)
-        reference_step(reference, tuple(as_float64(a) for a in args), kwargs, target, loss_fn, chunks=1)
-        for name, p in pipe.named_parameters():
-            torch.testing.assert_close(full_tensor(p.grad), ref_params[name].grad, msg=where(f"step {step} {name}"))
-        opt.step()
-        ref_opt.step()
-        opt.zero_grad()
-        ref_opt.zero_grad()
-    for name, p in pipe.named_parameters():
-        torch.testing.assert_close(full_tensor(p), ref_params[name])
+    assert pipe.layout.replica == rank % 2
+    train_alike(pipe, reference, (args, kwargs, target, loss_fn), Comparison(), f"rank {rank}")
 
 
 def test_the_chosen_hybrid_trains_like_the_unsplit_model_on_a_2x2_mesh(gloo):
