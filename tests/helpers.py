@@ -836,6 +836,9 @@ def _gloo_worker(rank: int, world: int, init: str, timeout: float, tasks, result
         started += 1
         dist.init_process_group("gloo", init_method=f"file://{init}.{started}", rank=rank, world_size=world,
                                 timeout=timedelta(seconds=timeout))
+        # Every rank's connections made before any case runs: a case that ends the group at once would otherwise
+        # close a socket its peer is still connecting through ("Gloo connectFullMesh failed ... closed by peer")
+        dist.barrier()
 
     start()
     gc.freeze()  # torch's modules and the rest of the start: see below
