@@ -17,6 +17,7 @@ from typing import Literal
 import pytest
 import torch
 
+from tests.helpers import where
 from tests.layouts import Comparison, trained_layout
 
 MICRO = 2
@@ -35,7 +36,7 @@ def _run_case(name: str, schedule: str, dp: int, replicate: Literal["replicate",
         fresh = copy.deepcopy(reference)
         fresh.load_state_dict(full)
         for key, value in reference.state_dict().items():
-            torch.testing.assert_close(fresh.state_dict()[key], value, msg=lambda m, key=key: f"{key}: {full[key]} vs {value}: {m}")
+            torch.testing.assert_close(fresh.state_dict()[key], value, msg=where(key))
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
