@@ -36,9 +36,13 @@ model's, not a measurement. Each row is planned in a fresh process (its peak RSS
   ``micro_batches="auto"``, 1F1B), on the same stack: FP8 linears (``float8="auto"``: each linear by its cost), and
   the recipe's TP overlap;
   ``megatron-70b:autosplit-recipe-mesh`` plans it on the recipe's own degrees, schedule, stages per rank and
-  micro-batches (TP 4 × PP 8 × VP 5 over DP 2, 64 micro-batches), autosplit choosing the split and the recomputation.
+  micro-batches (TP 4 × PP 8 × VP 5 over DP 2, 64 micro-batches), autosplit choosing the split and the recomputation;
+  ``megatron-70b:autosplit-recipe-schedule`` on the recipe's schedule and stages per rank (interleaved 1F1B, VP 5, as
+  Megatron's flags fix them) with every degree, the micro-batches, the split, the recomputation and the FP8 linears
+  chosen: the mesh search then plans every mesh whose floor leaves room (:data:`SEARCH_S`).
 
-Prints a table and writes ``benchmarks/results/plan_3d.json`` (``--out``); name rows to plan only those.
+Prints a table and writes ``benchmarks/results/plan_3d.json`` (``--out``); name rows to plan only those: they replace
+their rows in the file, the others kept (the summary recomputed over them all).
 
 Usage::
 
@@ -146,7 +150,7 @@ def _scale_row(kind: str, time_limit: float) -> dict[str, Any]:
     model = _model(r.model)
     cluster = autosplit.Cluster.of(r.gpu, 8 * r.nodes, engine=r.engine)
     tokens = autosplit.Spec((r.rows, SEQ), torch.long)
-    if (which in MEGATRON_RECOMPUTE or which == "autosplit-recipe-mesh") and not r.megatron:  # read from Megatron's flags
+    if (which in MEGATRON_RECOMPUTE or which.startswith("autosplit-recipe")) and not r.megatron:  # read from Megatron's flags
         raise SystemExit(f"{kind}: {which} reads the recipe's Megatron flags, and {name} is not a Megatron recipe")
     start = time.perf_counter()
     row: dict[str, Any] = {"kind": kind, "published": r.published, "source": r.source}
@@ -163,11 +167,15 @@ def _scale_row(kind: str, time_limit: float) -> dict[str, Any]:
             plan = planner.manual(autosplit.Recipe(split, data_parallel=r.data_parallel, replicate=r.replicate,
                                                    tensor_parallel=r.tensor_parallel, options=r.options), check_memory=False)
         else:
+            searched = which == "autosplit-recipe-schedule"
             planner = autosplit.Planner(model, cluster, example_inputs=(tokens,), precision=PRECISION, checkpointing="auto",
-                                        selective="auto", time_limit=time_limit,
+                                        selective="auto", time_limit=max(time_limit, SEARCH_S) if searched else time_limit,
                                         float8="auto", async_tp=r.async_tp)  # the recipe's stack: FP8 linears by cost, TP overlap
-            pinned = _recipe_mesh(planner, r) if which == "autosplit-recipe-mesh" else {
+            pinned = _recipe_mesh(planner, r) if which.startswith("autosplit-recipe") else {
                 "schedule": "1f1b", "micro_batches": "auto", "tensor_parallel": "auto"}
+            if searched:  # the recipe's schedule and stages per rank, every degree chosen
+                pinned = {"schedule": pinned["schedule"], "stages_per_rank": pinned["stages_per_rank"],
+                          "micro_batches": "auto", "tensor_parallel": "auto"}
             plan = planner.with_options(**pinned).plan()
         row.update(_described(plan, r.rows))
     except autosplit.AutosplitError as e:
@@ -189,7 +197,13 @@ def _recipe_mesh(planner: Any, r: Any) -> dict[str, Any]:
 
 EIGHT_B = ("recipe:full-ac", "recipe:selective-ac", "recipe:no-ac", "autosplit", "memory:fp32", "memory:bf16-mixed", "memory:bf16-fsdp")
 AT_SCALE = (*(f"{name}:{which}" for name in ("titan-70b", "titan-405b", "megatron-70b") for which in ("recipe", "autosplit")),
-            "megatron-70b:recipe-recompute", "megatron-70b:recipe-recompute-block", "megatron-70b:autosplit-recipe-mesh")
+            "megatron-70b:recipe-recompute", "megatron-70b:recipe-recompute-block", "megatron-70b:autosplit-recipe-mesh",
+            "megatron-70b:autosplit-recipe-schedule")
+SEARCH_S = 1200.0
+"""The mesh search's ``time_limit`` on the recipe's interleaved schedule, long enough that it ends on the floors, not
+the clock: each mesh takes 10–40 s to split there, and the floors, which count compute and not the collectives, put
+the tensor-parallel meshes last (with 120 s the search stopped after two meshes without tp; with 600 s, two meshes
+with room below the best were left unplanned)."""
 MEGATRON_RECOMPUTE = {
     "recipe-recompute": "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1",
     "recipe-recompute-block": "--recompute-granularity full --recompute-method block --recompute-num-layers 1",
@@ -227,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("kinds", nargs="*", default=[*EIGHT_B, *AT_SCALE], help="rows to plan (default: all)")
     parser.add_argument("--time-limit", type=float, default=10.0, help="solver limit per configuration")
-    parser.add_argument("--budget", type=float, default=900.0, help="seconds a row may take before it is killed")
+    parser.add_argument("--budget", type=float, default=1800.0, help="seconds a row may take before it is killed")
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results" / "plan_3d.json")
     args = parser.parse_args(argv)
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -236,6 +250,9 @@ def main(argv: list[str] | None = None) -> int:
     print("simulated: the published GPUs' presets with the engine profiles fitted to the published record "
           "(the cost model's figures, not measured)")
     rows = run(args.kinds, args.time_limit, args.budget)
+    if args.out.exists():  # the rows not planned now stay as they were
+        named = {r["kind"] for r in rows}
+        rows = [*(r for r in json.loads(args.out.read_text())["rows"] if r["kind"] not in named), *rows]
     summary = _summary({r["kind"]: r for r in rows})
     args.out.write_text(json.dumps({"benchmark": "plan_3d", "simulated": True, "machine": machine(), "summary": summary,
                                     "rows": rows}, indent=1))
@@ -255,7 +272,7 @@ def _summary(by_kind: dict[str, dict[str, Any]]) -> dict[str, Any]:
             out[f"{kind}_over_published"] = r["tokens_per_s_per_gpu"] / r["published"]
     pairs = [("autosplit", "recipe:full-ac"), ("autosplit", "recipe:selective-ac"),
              *((f"{k.split(':')[0]}:autosplit", k) for k in planned if k.endswith((":recipe", *(f":{w}" for w in MEGATRON_RECOMPUTE)))),
-             *((k, f"{k.split(':')[0]}:recipe") for k in planned if k.endswith(":autosplit-recipe-mesh"))]
+             *((k, f"{k.split(':')[0]}:recipe") for k in planned if k.endswith((":autosplit-recipe-mesh", ":autosplit-recipe-schedule")))]
     for ours, theirs in pairs:
         if ours in planned and theirs in planned:
             out[f"{ours}_over_{theirs}"] = planned[ours]["tokens_per_s_per_gpu"] / planned[theirs]["tokens_per_s_per_gpu"]
