@@ -56,7 +56,7 @@ _LAZY = {
     "MakespanRunner": "autosplit.runtime.makespan",
 }
 """Where each exported name lives, imported on first use: ``import autosplit`` costs what its first verb needs.
-The planner's rooms (capture, costs, solvers, reports) take a third of a second over torch; the multi-process
+The planner's rooms (capture, costs, the solvers' front ends) take a quarter of a second over torch; the multi-process
 runtime pulls in ``torch.distributed.pipelining`` (and with it ``torch._dynamo`` and FSDP), seconds more; the
 command line's help needs neither."""
 

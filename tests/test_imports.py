@@ -38,7 +38,8 @@ def test_importing_autosplit_leaves_the_solvers_and_counters_for_their_first_use
 
 def test_the_package_loads_its_names_on_first_use_and_the_planner_no_more_than_planning_needs():
     """``import autosplit`` is the package alone (not even torch); touching a verb loads its room; ``autosplit.plan``
-    loads the planner (torch, capture, costs, solvers' front ends, reports) and still none of the deferred imports."""
+    loads the planner (torch, capture, costs, the solvers' front ends) and still none of the deferred imports;
+    a room loads by attribute (``autosplit.report``)."""
     code = (
         "import sys, autosplit\n"
         "print(sorted(m for m in ('torch', 'autosplit.api.planner', 'autosplit.report') if m in sys.modules))\n"
