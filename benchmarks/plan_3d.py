@@ -251,13 +251,18 @@ def main(argv: list[str] | None = None) -> int:
           "(the cost model's figures, not measured)")
     rows = run(args.kinds, args.time_limit, args.budget)
     if args.out.exists():  # the rows not planned now stay as they were
-        named = {r["kind"] for r in rows}
-        rows = [*(r for r in json.loads(args.out.read_text())["rows"] if r["kind"] not in named), *rows]
+        rows = merged(json.loads(args.out.read_text())["rows"], rows)
     summary = _summary({r["kind"]: r for r in rows})
     args.out.write_text(json.dumps({"benchmark": "plan_3d", "simulated": True, "machine": machine(), "summary": summary,
                                     "rows": rows}, indent=1))
     print(f"wrote {args.out}")
     return 0
+
+
+def merged(kept: list[dict[str, Any]], planned: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The results file's rows after planning ``planned``: each replaces the kept row of its kind, the others stay."""
+    named = {r["kind"] for r in planned}
+    return [*(r for r in kept if r["kind"] not in named), *planned]
 
 
 def _summary(by_kind: dict[str, dict[str, Any]]) -> dict[str, Any]:

@@ -78,3 +78,16 @@ def test_the_fit_recovers_a_planted_efficiency_and_overlap():
     assert best["engines"]["megatron-te"]["efficiency"] == 0.7 and best["engines"]["megatron-te"]["tp_overlap"] == 0.5
     assert best["engines"]["torch-eager"]["efficiency"] == 0.55 and best["engines"]["torch-eager"]["tp_overlap"] == 0.0
     assert best["worst"] < 1e-9 and best["within_10pct"] == 5
+
+
+def test_plan_3d_replaces_the_rows_it_plans_and_keeps_the_others():
+    from benchmarks.plan_3d import _summary, merged
+
+    kept = [{"kind": "megatron-70b:recipe", "outcome": "planned", "tokens_per_s_per_gpu": 1472.0, "published": 1602.0, "fits": True},
+            {"kind": "megatron-70b:autosplit", "outcome": "planned", "tokens_per_s_per_gpu": 1221.0}]
+    planned = [{"kind": "megatron-70b:autosplit", "outcome": "planned", "tokens_per_s_per_gpu": 1605.0}]
+    rows = merged(kept, planned)
+    assert [r["kind"] for r in rows] == ["megatron-70b:recipe", "megatron-70b:autosplit"]
+    assert rows[1]["tokens_per_s_per_gpu"] == 1605.0
+    summary = _summary({r["kind"]: r for r in rows})
+    assert round(summary["megatron-70b:autosplit_over_megatron-70b:recipe"], 3) == round(1605 / 1472, 3)
