@@ -171,11 +171,10 @@ def _scale_row(kind: str, time_limit: float) -> dict[str, Any]:
             planner = autosplit.Planner(model, cluster, example_inputs=(tokens,), precision=PRECISION, checkpointing="auto",
                                         selective="auto", time_limit=max(time_limit, SEARCH_S) if searched else time_limit,
                                         float8="auto", async_tp=r.async_tp)  # the recipe's stack: FP8 linears by cost, TP overlap
-            pinned = _recipe_mesh(planner, r) if which.startswith("autosplit-recipe") else {
-                "schedule": "1f1b", "micro_batches": "auto", "tensor_parallel": "auto"}
-            if searched:  # the recipe's schedule and stages per rank, every degree chosen
-                pinned = {"schedule": pinned["schedule"], "stages_per_rank": pinned["stages_per_rank"],
-                          "micro_batches": "auto", "tensor_parallel": "auto"}
+            pinned: dict[str, Any] = {"schedule": "1f1b", "micro_batches": "auto", "tensor_parallel": "auto"}
+            if which.startswith("autosplit-recipe"):
+                mesh = _recipe_mesh(planner, r)  # all of it pinned, or (searched) its schedule and stages per rank
+                pinned = mesh if not searched else {**pinned, "schedule": mesh["schedule"], "stages_per_rank": mesh["stages_per_rank"]}
             plan = planner.with_options(**pinned).plan()
         row.update(_described(plan, r.rows))
     except autosplit.AutosplitError as e:
@@ -202,8 +201,7 @@ AT_SCALE = (*(f"{name}:{which}" for name in ("titan-70b", "titan-405b", "megatro
 SEARCH_S = 1200.0
 """The mesh search's ``time_limit`` on the recipe's interleaved schedule, long enough that it ends on the floors, not
 the clock: each mesh takes 10–40 s to split there, and the floors, which count compute and not the collectives, put
-the tensor-parallel meshes last (with 120 s the search stopped after two meshes without tp; with 600 s, two meshes
-with room below the best were left unplanned)."""
+the tensor-parallel meshes last, so a shorter search ends before it reaches them."""
 MEGATRON_RECOMPUTE = {
     "recipe-recompute": "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1",
     "recipe-recompute-block": "--recompute-granularity full --recompute-method block --recompute-num-layers 1",

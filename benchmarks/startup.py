@@ -5,12 +5,13 @@ Each command runs in a fresh Python process (the interpreter started as a user s
 
 - ``import torch`` (``python -c "import torch"``): the floor everything here stands on;
 - ``import autosplit`` (the package: its names load on first use);
-- ``from autosplit import plan`` (the planner's rooms: capture, costs, solvers, reports), what planning pays;
+- ``from autosplit import plan`` (the planner's rooms: capture, costs, the solvers' front ends), what planning pays;
 - ``autosplit --help`` (``python -m autosplit --help``);
 - ``autosplit demo`` (plans, builds and trains the built-in default a step).
 
 The figure per command is the median wall time over ``--rounds`` rounds (min and max beside it), its ratio
-to ``import torch``'s median from the same rounds, and the seconds it takes beyond ``import torch``. Prints a table and writes ``benchmarks/results/startup.json``.
+to ``import torch``'s median from the same rounds, and the seconds it takes beyond ``import torch``. Prints a
+table and writes ``benchmarks/results/startup.json``.
 
 Usage::
 

@@ -132,6 +132,7 @@ def train_alike(pipe: Any, reference: torch.nn.Module, case: tuple, comparison: 
         loss = pipe.step(*(a[mine] for a in args), target=target[mine], **{k: v[mine] for k, v in kwargs.items()})
         expected = reference_step(reference, args, kwargs, target, loss_fn, copies, comparison.precision, comparison.chunks,
                                   tied_apart=comparison.tied_apart)
+        assert (loss is None) == (not pipe.is_last), f"{what} step {step}: the last stage returns the loss, no other"
         if pipe.is_last:
             torch.testing.assert_close(loss, expected[pipe.layout.replica], **tol, msg=where(f"{what} step {step} loss"))
         if comparison.clip is not None and step == comparison.steps - 1:  # by the whole model's norm, each element once
