@@ -1,8 +1,9 @@
 """Published training runs, each costed as an ``autosplit.Recipe`` on its published cluster (simulated).
 
 Reads a CSV with the columns of ``../shared/published/runs.csv`` (see its README) and, for every row it can
-express (:mod:`benchmarks.published_rows`), builds the model on the meta device from the shapes the CSV gives
-(a transformers ``LlamaForCausalLM``: layers, hidden size, heads, KV heads, FFN width, vocabulary), writes the
+express (:mod:`benchmarks.published_rows`), builds the model on the meta device from the shape the CSV gives
+(layers, hidden size, heads, KV heads, FFN width, vocabulary), or the one a model it names was published with
+(:mod:`benchmarks.published_models`: Llama 2, NeMo's GPT-3 and Nemotron), writes the
 published layout as a ``Recipe`` — TP (async where the engine overlapped it), PP, VP (``stages_per_rank``;
 ``interleaved1f1b`` when VP > 1, ``1f1b`` when PP > 1, else ``gpipe``), data parallel ``GPUs / (TP·PP·CP)``
 as FSDP2 (``fully_shard``: FSDP or Megatron's distributed optimizer) or DDP, micro-batches per copy,
@@ -44,25 +45,8 @@ ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_CSV = ROOT.parent / "shared" / "published" / "runs.csv"
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.published_rows import Classified, read_csv  # noqa: E402  (run as a script: the root first)
-
-
-def _model(shape: dict[str, int], seq: int) -> Any:
-    """A transformers ``LlamaForCausalLM`` of the row's shape on the meta device, its attention one
-    scaled-dot-product call over the grouped key/value heads (``TRANSFORMERS_SDPA_FORCE_GQA``: the engines'
-    flash kernels read them in place; transformers would otherwise repeat them to every query head under a mask)."""
-    import os
-
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    os.environ["TRANSFORMERS_SDPA_FORCE_GQA"] = "1"  # this process costs one row: nothing else reads it
-    config = LlamaConfig(hidden_size=shape["hidden_size"], intermediate_size=shape["ffn_hidden_size"],
-                         num_hidden_layers=shape["num_layers"], num_attention_heads=shape["num_attention_heads"],
-                         num_key_value_heads=shape["num_kv_heads"], vocab_size=shape["vocab_size"], max_position_embeddings=seq)
-    config._attn_implementation = "sdpa"
-    with torch.device("meta"):
-        return LlamaForCausalLM(config)
+from benchmarks.published_models import build  # noqa: E402  (run as a script: the root first)
+from benchmarks.published_rows import Classified, read_csv  # noqa: E402
 
 
 def _fullest(plan: Any) -> tuple[float, float]:
@@ -114,7 +98,7 @@ def cost_row(spec: dict[str, Any], grid: Sequence[dict[str, float]] = ()) -> dic
     from autosplit.compiler.manual import execution_order, torchtitan_fqns
 
     start = time.perf_counter()
-    model = _model(spec["shape"], spec["seq_len"])
+    model = build(spec["shape"], spec["seq_len"], pipelined=spec["pp"] > 1)
     gpus, tokens = spec["num_gpus"], spec["global_batch"] * spec["seq_len"]
     devices = autosplit.Cluster.of(spec["gpu"], gpus, engine=spec["engine"])
     row: dict[str, Any] = {}

@@ -125,7 +125,7 @@ def _blockers(row: dict[str, str]) -> list[str]:
         reasons.append(str(recipe))
     if row["moe_experts"].strip():
         reasons.append("moe")
-    if any(not re.fullmatch(r"\d+", row[c].strip()) for c in SHAPE):
+    if _shape(row) is None:
         reasons.append("model shape unknown")
     if row["cp"].strip() not in ("", "1"):
         reasons.append("cp")
@@ -139,6 +139,18 @@ def _blockers(row: dict[str, str]) -> list[str]:
     if not row["micro_batch_size"].strip():
         reasons.append("micro batch unknown")
     return reasons
+
+
+def _shape(row: dict[str, str]) -> dict[str, Any] | None:
+    """The model's shape and family: the row's own cells where it gives them all, else the shape its
+    ``model_canonical`` was published with (:data:`benchmarks.published_models.PUBLISHED`); ``None``: unknown."""
+    from benchmarks.published_models import family, published_shape
+
+    canonical = row.get("model_canonical", "") or row["model"]
+    if all(re.fullmatch(r"\d+", row[c].strip()) for c in SHAPE):
+        return {**{c: int(row[c]) for c in SHAPE}, "family": family(canonical), "shape_from": "row"}
+    shape = published_shape(canonical)
+    return None if shape is None else {**shape, "shape_from": "published shapes"}
 
 
 def _default_seq(row: dict[str, str]) -> int | None:
@@ -191,11 +203,12 @@ def classify(row: dict[str, str], line: int) -> Classified:
     if out.reasons or not isinstance(recompute, tuple):
         return out
     vp = layout["vp"]
-    out.spec = {**layout, "row_id": row_id, "shape": {c: int(row[c]) for c in SHAPE},
+    out.spec = {**layout, "row_id": row_id, "shape": _shape(row),
                 "gpu": _gpu_kind(row["gpu"]), "engine": _engine(row), "async_tp": _async_tp(row, layout["tp"]),
                 "checkpointing": recompute[0], "selective": recompute[1],
                 "schedule": "interleaved1f1b" if vp > 1 else "1f1b" if layout["pp"] > 1 or (layout["micro_batches"] or 1) > 1 else "gpipe",
                 "torchtitan_split": _is_torchtitan(row), "recompute_stated": bool(row["recompute"].strip())}
+    info["shape_from"] = out.spec["shape"]["shape_from"]
     return out
 
 

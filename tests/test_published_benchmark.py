@@ -58,6 +58,35 @@ def test_malformed_rows_are_named_and_the_run_goes_on(tmp_path: Path):
     assert read["9006"].reasons == ["malformed"] and "fewer cells than the header" in read["9006"].message
 
 
+def test_a_model_named_without_its_shape_is_built_as_published():
+    """Rows that name a model without its shape take the shape it was published with; the families' MLPs, norms and
+    biases are the published ones (a GELU or squared-ReLU MLP has two matrices, a gated one three)."""
+    import torch
+
+    from benchmarks.published_models import build, published_shape
+
+    by_id = {c.row_id: c for c in read_csv(DEFAULT_CSV, None)}
+    llama2, gpt3, nemotron = (by_id[i].spec for i in ("344", "343", "424"))
+    assert llama2 is not None and llama2["shape"]["hidden_size"] == 4096 and llama2["shape"]["family"] == "llama"
+    assert gpt3 is not None and gpt3["shape"]["family"] == "gpt3" and by_id["343"].info["shape_from"] == "published shapes"
+    assert nemotron is not None and nemotron["shape"]["num_kv_heads"] == 8 and by_id["294"].info["shape_from"] == "row"
+    assert published_shape("gpt-7.1b") is None and "model shape unknown" in by_id["329"].reasons
+    tiny = dict(num_layers=1, hidden_size=64, num_attention_heads=4, num_kv_heads=2, ffn_hidden_size=128, vocab_size=96)
+
+    def linears(model: torch.nn.Module) -> dict[str, bool]:
+        return {n.split(".")[-1]: m.bias is not None for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+
+    llama, gpt, relu2 = (build({**tiny, "family": f}, 32) for f in ("llama", "gpt3", "nemotron"))
+    assert set(linears(llama)) == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"}
+    assert set(linears(gpt)) == set(linears(relu2)) == {"q_proj", "k_proj", "v_proj", "o_proj", "up_proj", "down_proj", "lm_head"}
+    assert linears(gpt)["up_proj"] and not linears(relu2)["up_proj"] and not linears(gpt)["lm_head"]
+    assert gpt.lm_head.weight is gpt.model.embed_tokens.weight  # tied, but not across pipeline stages
+    untied = build({**tiny, "family": "gpt3"}, 32, pipelined=True)
+    assert untied.lm_head.weight is not untied.model.embed_tokens.weight
+    assert type(gpt.model.layers[0].mlp.act_fn).__name__ == "GELUActivation"
+    assert type(relu2.model.layers[0].mlp.act_fn).__name__ == "ReLUSquaredActivation"
+
+
 def test_the_fit_recovers_a_planted_efficiency_and_overlap():
     """Rows whose predictions scale with the GEMM efficiency, exact at 0.7 for one engine and 0.55 for another,
     and (the async-TP rows) exact at tp_overlap 0.5: the fit finds those, and the errors there are zero."""

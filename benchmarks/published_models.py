@@ -1,0 +1,94 @@
+"""The models of the published record, built on the meta device as ``benchmarks/published.py`` costs them.
+
+A row that gives its model's shape (layers, hidden size, heads, KV heads, FFN width, vocabulary) is built from
+it; a row that names a model without its shape takes the shape that model was published with, from
+:data:`PUBLISHED`, each entry with its source. Three families, by their MLP and norm:
+
+- ``llama``: gated SiLU MLP (three matrices), RMSNorm, no biases (Llama 2 and 3, and every row whose model is not
+  named below: the record's other dense models are gated);
+- ``nemotron``: squared-ReLU MLP (two matrices), LayerNorm, no biases, half the head dimension rotary (Nemotron-3 and -4);
+- ``gpt3``: GELU MLP (two matrices), LayerNorm, biases on every linear (NeMo's GPT-3 configs). Built as a
+  transformers ``NemotronForCausalLM`` with those settings: its rotary positions stand in for GPT-3's learned
+  ones, which add an embedding of ``seq × hidden`` and no GEMM. Its embedding and head share one matrix without
+  pipeline stages; with them, Megatron keeps a copy on the first and the last stage (the two copies' gradients
+  summed over a group of two, a collective of one matrix per step), so the model is built untied.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["PUBLISHED", "build", "family", "published_shape"]
+
+PUBLISHED: dict[str, dict[str, Any]] = {
+    # Llama 2 (Touvron et al., 2023, Table 1; the config.json of meta-llama/Llama-2-{7,13,70}b-hf)
+    "llama2-7b": dict(num_layers=32, hidden_size=4096, num_attention_heads=32, num_kv_heads=32, ffn_hidden_size=11008,
+                      vocab_size=32000),
+    "llama2-13b": dict(num_layers=40, hidden_size=5120, num_attention_heads=40, num_kv_heads=40, ffn_hidden_size=13824,
+                       vocab_size=32000),
+    "llama2-70b": dict(num_layers=80, hidden_size=8192, num_attention_heads=64, num_kv_heads=8, ffn_hidden_size=28672,
+                       vocab_size=32000),
+    # NeMo's GPTConfig5B / 20B / 175B (nemo/collections/llm/gpt/model/base.py; 175B is Brown et al., 2020, Table 2.1);
+    # GPT-2's 50,257 tokens padded to a multiple of 128, as Megatron pads them
+    "gpt3-5b": dict(num_layers=24, hidden_size=4096, num_attention_heads=32, num_kv_heads=32, ffn_hidden_size=16384,
+                    vocab_size=50304),
+    "gpt3-20b": dict(num_layers=44, hidden_size=6144, num_attention_heads=48, num_kv_heads=48, ffn_hidden_size=24576,
+                     vocab_size=50304),
+    "gpt3-175b": dict(num_layers=96, hidden_size=12288, num_attention_heads=96, num_kv_heads=96, ffn_hidden_size=49152,
+                      vocab_size=50304),
+    # NeMo's Nemotron4Config15B / 340B (nemo/collections/llm/gpt/model/nemotron.py; Nemotron-4 15B and 340B reports:
+    # 256,000 tokens); Nemotron-3 22B from NeMo-Framework-Launcher's conf/training/nemotron/nemotron_22b.yaml (multi-head
+    # attention, squared ReLU; its tokenizer is not named there: Nemotron's 256,000 assumed)
+    "nemotron-15b": dict(num_layers=32, hidden_size=6144, num_attention_heads=48, num_kv_heads=8, ffn_hidden_size=24576,
+                         vocab_size=256000),
+    "nemotron-22b": dict(num_layers=40, hidden_size=6144, num_attention_heads=48, num_kv_heads=48, ffn_hidden_size=24576,
+                         vocab_size=256000),
+    "nemotron-340b": dict(num_layers=96, hidden_size=18432, num_attention_heads=96, num_kv_heads=8, ffn_hidden_size=73728,
+                          vocab_size=256000),
+}
+"""Published shapes by the record's ``model_canonical``: what a row that names the model without its shape is built as."""
+
+
+def family(canonical: str) -> str:
+    """``"gpt3"``, ``"nemotron"`` or ``"llama"`` for a ``model_canonical`` name (the module docstring says what each is)."""
+    name = canonical.strip().lower()
+    if name.startswith("gpt3"):
+        return "gpt3"
+    if name.startswith("nemotron") and name in PUBLISHED:
+        return "nemotron"
+    return "llama"
+
+
+def published_shape(canonical: str) -> dict[str, Any] | None:
+    """The published shape of ``canonical`` with its family, or ``None`` where the record's models do not include it."""
+    shape = PUBLISHED.get(canonical.strip().lower())
+    return None if shape is None else {**shape, "family": family(canonical)}
+
+
+def build(shape: dict[str, Any], seq: int, pipelined: bool = False) -> Any:
+    """The model of ``shape`` (its ``family`` defaulting to ``llama``) on the meta device, for pipeline stages
+    where ``pipelined`` (GPT-3's embedding then untied, as above); its attention one
+    scaled-dot-product call over the grouped key/value heads (``TRANSFORMERS_SDPA_FORCE_GQA``: the engines' flash
+    kernels read them in place; transformers would otherwise repeat them to every query head under a mask)."""
+    import os
+
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM, NemotronConfig, NemotronForCausalLM
+
+    os.environ["TRANSFORMERS_SDPA_FORCE_GQA"] = "1"  # the process costs one row: nothing else reads it
+    common = dict(hidden_size=shape["hidden_size"], intermediate_size=shape["ffn_hidden_size"], num_hidden_layers=shape["num_layers"],
+                  num_attention_heads=shape["num_attention_heads"], num_key_value_heads=shape["num_kv_heads"],
+                  vocab_size=shape["vocab_size"], max_position_embeddings=seq)
+    kind = shape.get("family", "llama")
+    if kind == "llama":
+        config, cls = LlamaConfig(**common), LlamaForCausalLM
+    elif kind in ("nemotron", "gpt3"):
+        gpt3 = kind == "gpt3"
+        config = NemotronConfig(**common, head_dim=shape["hidden_size"] // shape["num_attention_heads"],
+                                hidden_act="gelu" if gpt3 else "relu2", attention_bias=gpt3, mlp_bias=gpt3, tie_word_embeddings=gpt3 and not pipelined)
+        cls = NemotronForCausalLM
+    else:
+        raise ValueError(f"no model family {kind!r}: llama, nemotron or gpt3")
+    config._attn_implementation = "sdpa"
+    with torch.device("meta"):
+        return cls(config)
