@@ -43,12 +43,11 @@ def plan(args: argparse.Namespace, argv: list[str]) -> int:
 
 
 def compare(args: argparse.Namespace, argv: list[str]) -> int:
-    from autosplit.api.comparison import compare
-
-    if args.measure and args.nproc_per_node:
+    if args.measure and args.nproc_per_node:  # the launcher imports no runtime: its ranks do
         launched = processes.launch(argv, args.nproc_per_node)
         if launched is not None:
             return launched
+    from autosplit.api.comparison import compare
     if "RANK" in os.environ:  # under torchrun: measure through the distributed runtime
         processes.init_process_group()
     work = inputs.workload(args.workload, args.batch)
@@ -93,17 +92,16 @@ def world_size(args: argparse.Namespace, devices: list[str]) -> int:
 
 def run(args: argparse.Namespace, argv: list[str]) -> int:
     """Pipelined (and data-parallel) training of the workload for ``--steps`` steps."""
-    import torch
-    import torch.distributed as dist
-
-    from autosplit.api.distributed import distribute
     from autosplit.api.mesh_checks import check_replicate
 
     check_replicate(args.replicate)  # before any process starts
     devices = inputs.devices(args.devices)
     launched = processes.launch(argv, args.nproc_per_node or world_size(args, devices))
-    if launched is not None:
+    if launched is not None:  # the launcher imports no runtime: its ranks do, once their workload loads
         return launched
+    import torch
+    import torch.distributed as dist
+
     processes.init_process_group()
     work = inputs.workload(args.workload, args.batch)
     if "loss_fn" not in work or "target" not in work:
@@ -113,6 +111,8 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
             f"{args.workload} gives no loss_fn and target", "training needs a loss",
             "return 'loss_fn' and 'target' from the factory",
         ))
+    from autosplit.api.distributed import distribute
+
     with processes.bars():
         pipe = distribute(work["model"], None if args.plan else devices, example_inputs=work["example_inputs"],
                           example_kwargs=work["example_kwargs"], loss_fn=work["loss_fn"], example_target=work["target"],
