@@ -205,7 +205,8 @@ def run_model(name: str, args, spec) -> dict:
             for schedule in args.schedules:
                 planner = autosplit.Planner(
                     model, [spec] * 2, example_inputs=inputs, micro_batches=M, schedule=schedule, time_limit=10,
-                    costs=ProfileOptions(threads=1, cores=(0,), use_cache=False),  # profiled in this run, as timed
+                    # profiled in this run, as timed: on core 0, and with --beside while core 1 runs the same passes
+                    costs=ProfileOptions(threads=1, cores=(0,), beside=(1,) if args.beside else (), use_cache=False),
                 )
                 order = list(planner.traced.captured.module_paths.values())
                 candidates = {"autosplit": planner.plan()}
@@ -256,6 +257,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--warmup", type=int, default=1, help="untimed rounds first (pipelined plans)")
     parser.add_argument("--block", type=int, default=2, help="consecutive timed steps of one plan")
+    parser.add_argument("--beside", action="store_true",
+                        help="profile while core 1 runs the same passes (ProfileOptions.beside), not on an idle host")
     parser.add_argument("--out", default=str(RESULTS))
     args = parser.parse_args(argv)
     args.micro = [int(m) for m in args.micro.split(",")]
@@ -272,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps(summary, indent=1))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({
-        "machine": machine(), "seconds": time.time() - start, "steps": args.steps, "warmup": args.warmup,
+        "machine": machine(), "seconds": time.time() - start, "steps": args.steps, "warmup": args.warmup, "profiled_beside": args.beside,
         "runtime": runtime.to_dict(), "summary": summary, "models": records,
     }, indent=1))
     print(f"wrote {args.out} in {time.time() - start:.0f}s")
