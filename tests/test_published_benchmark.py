@@ -120,3 +120,20 @@ def test_plan_3d_replaces_the_rows_it_plans_and_keeps_the_others():
     assert rows[1]["tokens_per_s_per_gpu"] == 1605.0
     summary = _summary({r["kind"]: r for r in rows})
     assert round(summary["megatron-70b:autosplit_over_megatron-70b:recipe"], 3) == round(1605 / 1472, 3)
+
+
+def test_each_layout_group_is_judged_on_its_best_published_layout(tmp_path: Path):
+    from benchmarks.published_groups import best_rows
+
+    fields, rows = _rows()
+    faster = {**rows["314"], "row_id": "9001", "tokens_per_sec_per_gpu": "900.5", "tp": "4", "dp": "64", "micro_batch_size": "8"}
+    unexpressible = {**rows["314"], "row_id": "9002", "tokens_per_sec_per_gpu": "5000", "cp": "2"}
+    path = tmp_path / "runs.csv"
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=fields)
+        writer.writeheader()
+        writer.writerows([rows["314"], faster, unexpressible, rows["316"], rows["294"]])
+    best = best_rows(read_csv(path, None))
+    assert {g: c.row_id for g, c in best.items()} == {"S03": "9001", "S04": "316"}  # 294 is in no S group; 9002 has CP
+    assert best["S03"].spec is not None and best["S03"].spec["tp"] == 4
+    assert set(best_rows(read_csv(path, None), {"S04"})) == {"S04"}
