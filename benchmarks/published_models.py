@@ -80,12 +80,15 @@ def build(shape: dict[str, Any], seq: int, pipelined: bool = False) -> Any:
                   num_attention_heads=shape["num_attention_heads"], num_key_value_heads=shape["num_kv_heads"],
                   vocab_size=shape["vocab_size"], max_position_embeddings=seq)
     kind = shape.get("family", "llama")
+    config: Any
+    cls: Any
     if kind == "llama":
         config, cls = LlamaConfig(**common), LlamaForCausalLM
     elif kind in ("nemotron", "gpt3"):
         gpt3 = kind == "gpt3"
         config = NemotronConfig(**common, head_dim=shape["hidden_size"] // shape["num_attention_heads"],
-                                hidden_act="gelu" if gpt3 else "relu2", attention_bias=gpt3, mlp_bias=gpt3, tie_word_embeddings=gpt3 and not pipelined)
+                                hidden_act="gelu" if gpt3 else "relu2", attention_bias=gpt3, mlp_bias=gpt3,
+                                tie_word_embeddings=gpt3 and not pipelined)
         cls = NemotronForCausalLM
     else:
         raise ValueError(f"no model family {kind!r}: llama, nemotron or gpt3")
