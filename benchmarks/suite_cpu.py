@@ -18,6 +18,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from collections import Counter
 from pathlib import Path
@@ -74,12 +75,14 @@ def summarise(rows: dict[str, dict[str, Any]]) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     sys.path.insert(0, str(ROOT))
-    partial = RESULTS.with_suffix(".rows.json")
-    env = {**os.environ, _OUT: str(partial), "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "0", "-p", "benchmarks.suite_cpu",
-                           *args], cwd=ROOT, env=env)
-    rows = json.loads(partial.read_text())
-    partial.unlink()
+    with tempfile.TemporaryDirectory() as tmp:  # the rows, written by the plugin when the session ends
+        partial = Path(tmp) / "rows.json"
+        env = {**os.environ, _OUT: str(partial), "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+        done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "0", "-p", "benchmarks.suite_cpu",
+                               *args], cwd=ROOT, env=env)
+        if not partial.exists():
+            raise SystemExit(f"pytest ended ({done.returncode}) before its session finished: no rows to sum")
+        rows = json.loads(partial.read_text())
     summary = summarise(rows)
     print(f"\n{summary['tests']} tests: {summary['cpu_s']} CPU-seconds over {summary['wall_s']} s on one pytest process")
     for kind, k in summary["by_kind"].items():
