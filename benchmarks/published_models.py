@@ -4,10 +4,10 @@ A row that gives its model's shape (layers, hidden size, heads, KV heads, FFN wi
 it; a row that names a model without its shape takes the shape that model was published with, from
 :data:`PUBLISHED`, each entry with its source. Three families, by their MLP and norm:
 
-- ``llama``: gated SiLU MLP (three matrices), RMSNorm, no biases (Llama 2 and 3, and every row whose model is not
-  named below: the record's other dense models are gated);
-- ``nemotron``: squared-ReLU MLP (two matrices), LayerNorm, no biases, half the head dimension rotary (Nemotron-3 and -4);
-- ``gpt3``: GELU MLP (two matrices), LayerNorm, biases on every linear (NeMo's GPT-3 configs). Built as a
+- ``llama``: gated SiLU MLP (three matrices), RMSNorm, no biases (Llama 2 and 3, and every model whose name does
+  not start as below: the record's other dense models are gated);
+- ``nemotron``: squared-ReLU MLP (two matrices), LayerNorm, no biases, half the head dimension rotary (``nemotron…``);
+- ``gpt3``: GELU MLP (two matrices), LayerNorm, biases on every linear (``gpt3…``, NeMo's GPT-3 configs). Built as a
   transformers ``NemotronForCausalLM`` with those settings: its rotary positions stand in for GPT-3's learned
   ones, which add an embedding of ``seq × hidden`` and no GEMM. Its embedding and head share one matrix without
   pipeline stages; with them, Megatron keeps a copy on the first and the last stage (the two copies' gradients
@@ -18,34 +18,28 @@ from __future__ import annotations
 
 from typing import Any
 
+from benchmarks.published_rows import SHAPE
+
 __all__ = ["PUBLISHED", "build", "family", "published_shape"]
 
-PUBLISHED: dict[str, dict[str, Any]] = {
+_ROWS: dict[str, tuple[int, ...]] = {  # layers, hidden size, heads, KV heads, FFN width, vocabulary (the CSV's SHAPE columns)
     # Llama 2 (Touvron et al., 2023, Table 1; the config.json of meta-llama/Llama-2-{7,13,70}b-hf)
-    "llama2-7b": dict(num_layers=32, hidden_size=4096, num_attention_heads=32, num_kv_heads=32, ffn_hidden_size=11008,
-                      vocab_size=32000),
-    "llama2-13b": dict(num_layers=40, hidden_size=5120, num_attention_heads=40, num_kv_heads=40, ffn_hidden_size=13824,
-                       vocab_size=32000),
-    "llama2-70b": dict(num_layers=80, hidden_size=8192, num_attention_heads=64, num_kv_heads=8, ffn_hidden_size=28672,
-                       vocab_size=32000),
+    "llama2-7b": (32, 4096, 32, 32, 11008, 32000),
+    "llama2-13b": (40, 5120, 40, 40, 13824, 32000),
+    "llama2-70b": (80, 8192, 64, 8, 28672, 32000),
     # NeMo's GPTConfig5B / 20B / 175B (nemo/collections/llm/gpt/model/base.py; 175B is Brown et al., 2020, Table 2.1);
     # GPT-2's 50,257 tokens padded to a multiple of 128, as Megatron pads them
-    "gpt3-5b": dict(num_layers=24, hidden_size=4096, num_attention_heads=32, num_kv_heads=32, ffn_hidden_size=16384,
-                    vocab_size=50304),
-    "gpt3-20b": dict(num_layers=44, hidden_size=6144, num_attention_heads=48, num_kv_heads=48, ffn_hidden_size=24576,
-                     vocab_size=50304),
-    "gpt3-175b": dict(num_layers=96, hidden_size=12288, num_attention_heads=96, num_kv_heads=96, ffn_hidden_size=49152,
-                      vocab_size=50304),
+    "gpt3-5b": (24, 4096, 32, 32, 16384, 50304),
+    "gpt3-20b": (44, 6144, 48, 48, 24576, 50304),
+    "gpt3-175b": (96, 12288, 96, 96, 49152, 50304),
     # NeMo's Nemotron4Config15B / 340B (nemo/collections/llm/gpt/model/nemotron.py; Nemotron-4 15B and 340B reports:
     # 256,000 tokens); Nemotron-3 22B from NeMo-Framework-Launcher's conf/training/nemotron/nemotron_22b.yaml (multi-head
     # attention, squared ReLU; its tokenizer is not named there: Nemotron's 256,000 assumed)
-    "nemotron-15b": dict(num_layers=32, hidden_size=6144, num_attention_heads=48, num_kv_heads=8, ffn_hidden_size=24576,
-                         vocab_size=256000),
-    "nemotron-22b": dict(num_layers=40, hidden_size=6144, num_attention_heads=48, num_kv_heads=48, ffn_hidden_size=24576,
-                         vocab_size=256000),
-    "nemotron-340b": dict(num_layers=96, hidden_size=18432, num_attention_heads=96, num_kv_heads=8, ffn_hidden_size=73728,
-                          vocab_size=256000),
+    "nemotron-15b": (32, 6144, 48, 8, 24576, 256000),
+    "nemotron-22b": (40, 6144, 48, 48, 24576, 256000),
+    "nemotron-340b": (96, 18432, 96, 8, 73728, 256000),
 }
+PUBLISHED: dict[str, dict[str, Any]] = {name: dict(zip(SHAPE, row, strict=True)) for name, row in _ROWS.items()}
 """Published shapes by the record's ``model_canonical``: what a row that names the model without its shape is built as."""
 
 
@@ -54,7 +48,7 @@ def family(canonical: str) -> str:
     name = canonical.strip().lower()
     if name.startswith("gpt3"):
         return "gpt3"
-    if name.startswith("nemotron") and name in PUBLISHED:
+    if name.startswith("nemotron"):
         return "nemotron"
     return "llama"
 
