@@ -185,6 +185,10 @@ class PlanOptions:
     the rules the graph gives (:mod:`autosplit.passes.tensor_parallel`): column- then row-parallel
     linear pairs, the vocabulary-parallel embedding and head. The devices are the whole mesh, as for
     :attr:`data_parallel`; ``"auto"``: the planner chooses it with the split and the data-parallel degrees."""
+    expert_parallel: int | Literal["auto"] = 1
+    """Devices each mixture-of-experts layer's experts are spread over (the mesh's ``ep``), borrowed from its
+    ``dp_shard × tp`` as torchtitan borrows them: each holds ``E / ep`` whole experts, and the tokens reach them by
+    all-to-all (:mod:`autosplit.passes.ep_costs`). ``"auto"``: chosen with the other degrees (1 for a dense model)."""
     sequence_parallel: bool | str = AUTO
     """Under tensor parallelism, the activations between the split layers (norms, residuals, dropout)
     split along the tokens, as torchtitan's ``SequenceParallel`` runs them: each all-reduce a
@@ -253,6 +257,8 @@ class PlanOptions:
             raise _bad("replicate", self.replicate, f"one of {REPLICATES} or 'auto'")
         if not (self.tensor_parallel == AUTO or (_is_int(self.tensor_parallel) and int(self.tensor_parallel) >= 1)):
             raise _bad("tensor_parallel", self.tensor_parallel, "an integer ≥ 1 or 'auto'")
+        if not (self.expert_parallel == AUTO or (_is_int(self.expert_parallel) and int(self.expert_parallel) >= 1)):
+            raise _bad("expert_parallel", self.expert_parallel, "an integer ≥ 1 or 'auto'")
         if not isinstance(self.async_tp, bool):
             raise _bad("async_tp", self.async_tp, "True or False")
         if not isinstance(self.sequence_parallel, bool) and self.sequence_parallel != AUTO:
@@ -357,12 +363,18 @@ class PlanOptions:
     def meshes(self) -> bool:
         """The devices hold more than one pipeline: the planner lays the mesh's degrees over them (one of
         :attr:`data_parallel`, :attr:`replicate` and :attr:`tensor_parallel` is ``"auto"``, or a degree is above 1)."""
-        return AUTO in (self.data_parallel, self.replicate, self.tensor_parallel) or self.tensor_parallel != 1 or self.data_parallel != 1
+        return (AUTO in (self.data_parallel, self.replicate, self.tensor_parallel, self.expert_parallel)
+                or 1 != self.tensor_parallel or 1 != self.data_parallel or 1 != self.expert_parallel)
 
     @property
     def tp(self) -> int:
         """:attr:`tensor_parallel` as a count (1 while it is ``"auto"``: not chosen yet)."""
         return 1 if isinstance(self.tensor_parallel, str) else int(self.tensor_parallel)
+
+    @property
+    def ep(self) -> int:
+        """:attr:`expert_parallel` as a count (1 while it is ``"auto"``: not chosen yet)."""
+        return 1 if isinstance(self.expert_parallel, str) else int(self.expert_parallel)
 
     @property
     def replicas(self) -> int:

@@ -113,6 +113,9 @@ class Plan:
     otherwise an all-reduce."""
     async_tp: bool = False
     """Costed with the tensor-parallel collectives overlapped with their GEMMs (:attr:`~autosplit.options.PlanOptions.async_tp`)."""
+    expert_parallel: int = 1
+    """Ranks each mixture-of-experts layer's experts are spread over (``ep``), borrowed from ``dp_shard × tp``
+    (:mod:`autosplit.passes.ep_costs`): each holds ``E / ep`` whole experts."""
     crossings: tuple[tuple[str, ...], ...] = ()
     """[boundary k − 1] the tensors stage k − 1 sends stage k, in order (the distributed runtime's
     positional interface; recorded when the plan is run distributed)."""
@@ -333,6 +336,9 @@ class Plan:
         if self.tensor_parallel < 1 or (self.tensor_parallel == 1 and (self.tp_shards or self.tp_whole or self.sequence_parallel)):
             raise _bad(source, "tensor_parallel", self.tensor_parallel,
                        "is not an integer ≥ 1, or is 1 with tp_shards or sequence_parallel")
+        if self.expert_parallel < 1 or (self.dp_shard * self.tensor_parallel) % self.expert_parallel:
+            raise _bad(source, "expert_parallel", self.expert_parallel,
+                       f"is not an integer ≥ 1 dividing dp_shard × tensor_parallel = {self.dp_shard * self.tensor_parallel}")
         if any(d not in (0, 1) for d in self.tp_shards.values()):
             raise _bad(source, "tp_shards", dict(self.tp_shards), "splits a parameter along a dimension other than 0 or 1")
         if self.precision not in PRECISIONS:

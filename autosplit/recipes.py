@@ -25,7 +25,7 @@ from autosplit.options import REPLICATES, PlanOptions
 
 __all__ = ["Recipe"]
 
-FIXED_BY_RECIPE = ("data_parallel", "replicate", "tensor_parallel")
+FIXED_BY_RECIPE = ("data_parallel", "replicate", "tensor_parallel", "expert_parallel")
 
 
 @dataclass(frozen=True)
@@ -43,12 +43,14 @@ class Recipe:
     """``"replicate"`` (whole copies) or ``"fully_shard"`` (FSDP2: state sharded over the copies)."""
     tensor_parallel: int = 1
     """Devices each stage's tensors are split over (the mesh's tp), by the rules the graph gives."""
+    expert_parallel: int = 1
+    """Ranks each mixture-of-experts layer's experts are spread over (ep), borrowed from dp_shard × tp."""
     options: Mapping[str, Any] = field(default_factory=dict)
     """The :class:`~autosplit.PlanOptions` the recipe fixes: ``schedule``, ``micro_batches``,
     ``stages_per_rank``, ``checkpointing``, ``precision``, …"""
 
     def __post_init__(self) -> None:
-        for name in ("data_parallel", "tensor_parallel"):
+        for name in ("data_parallel", "tensor_parallel", "expert_parallel"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConstraintError(advice(
@@ -64,7 +66,7 @@ class Recipe:
         if fixed:
             raise ConstraintError(advice(
                 f"Recipe(options=...) sets {fixed}", "the recipe's own fields hold its data-parallel layout",
-                "pass them as Recipe(data_parallel=..., replicate=..., tensor_parallel=...)",
+                "pass them as Recipe(data_parallel=..., replicate=..., tensor_parallel=..., expert_parallel=...)",
             ))
         # an unknown or bad option fails here, naming itself (FP8 linears ride on the planner's bf16 precision where
         # the recipe names none: checked again with it when the recipe is costed)

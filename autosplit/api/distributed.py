@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from autosplit import schedules
-from autosplit.api.mesh_checks import check_arguments, check_mesh, degrees, runnable
+from autosplit.api.mesh_checks import check_arguments, check_mesh, degrees, expert_parallel_option, runnable
 from autosplit.api.planner import Planner, load_plan
 from autosplit.compiler.trace import Traced
 from autosplit.devices import DeviceLike
@@ -119,6 +119,7 @@ def distribute(
     stage's status.
     """
     given = load_plan(plan)
+    options = expert_parallel_option(given, options)
     data_parallel, replicate = degrees(given, data_parallel, replicate)
     check_arguments(replicate, data_parallel, None if given is not None else options.get("schedule", "gpipe"))
     shard = check_mesh(given, None if devices is None else len(devices), data_parallel, replicate)

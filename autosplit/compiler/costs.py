@@ -19,7 +19,10 @@ from autosplit.devices import DeviceSpec, uncalibrated
 from autosplit.engine_profiles import engine_of
 from autosplit.errors import ConstraintError, CostModelError, advice
 from autosplit.options import AUTO, PlanOptions, ProfileOptions
+from autosplit.passes.annotations import node_info
 from autosplit.passes.costs import LossCost, estimate, with_overrides
+from autosplit.passes.ep_costs import ep_laid_out
+from autosplit.passes.experts import check_experts
 from autosplit.passes.fusion import Fusion, norm_paths
 from autosplit.passes.loss import cost_loss, output_like
 from autosplit.passes.profile import Profile, profile
@@ -31,7 +34,7 @@ from autosplit.shapes import is_meta
 from autosplit.solver.problem import UserConstraint
 from autosplit.timers import pinned
 
-__all__ = ["cost_table", "estimated", "float8_fields", "sequence_parallel", "tp_fields", "tp_table"]
+__all__ = ["cost_table", "ep_table", "estimated", "float8_fields", "sequence_parallel", "tp_fields", "tp_table"]
 
 
 KEPT_TABLES = 8
@@ -55,7 +58,7 @@ def cost_table(
                            selective=selective, laid=laid)
     key = (specs, micro_batches, tuple(recompute), tuple(partial), options.precision, options.float8, options.float8_exclude,
            options.optimizer, options.checkpointing, tuple(options.recompute or ()), selective, options.tp, options.sequence_parallel,
-           options.async_tp, options.dp_shard, laid)
+           options.async_tp, options.dp_shard, options.ep, laid)
     kept = traced._tables
     if key not in kept:
         kept[key] = _cost_table(traced, specs, options, micro_batches=micro_batches, recompute=recompute, partial=partial,
@@ -117,6 +120,9 @@ def _cost_table(
         check_degree(traced.tp_rules(), options.tp)
         table = tp_table(table, traced, options, tp=options.tp, micro_batches=micro_batches)
         source += f"; tensors split over tp {options.tp}"
+    if options.ep > 1:
+        table = ep_table(table, traced, options, micro_batches=micro_batches)
+        source += f"; experts over ep {options.ep}"
     if not laid:
         return table, source
     table = laid_out(table, dp_shard=options.dp_shard, alone=sharded_alone(len(specs), micro_batches, options.dp_shard, specs),
@@ -138,12 +144,26 @@ def tp_table(table: CostTable, traced: Traced, options: PlanOptions, *, tp: int,
                        precision=options.precision, async_tp=options.async_tp, float8_gathered=gathered)
 
 
+def ep_table(table: CostTable, traced: Traced, options: PlanOptions, *, micro_batches: int) -> CostTable:
+    """``table`` (laid out over tp) as one device of an expert-parallel group of ``options.ep`` runs it
+    (:func:`~autosplit.passes.ep_costs.ep_laid_out`); refused where the graph has no experts, or where ``ep``
+    does not divide every layer's."""
+    device_type = table.devices[0].device_type
+    groups = traced.expert_groups(options.precision, device_type)
+    check_experts(groups, options.ep)
+    gm = traced.annotated(options.precision, device_type)
+    owners = {n.name: node_info(n).params for n in gm.graph.nodes if "autosplit" in n.meta}
+    return ep_laid_out(table, groups, ep=options.ep, tp=options.tp, micro_batches=micro_batches, numel=traced.param_numel(),
+                       owners=owners, tokens_cut=options.tp > 1 and sequence_parallel(traced, options))
+
+
 def tp_fields(traced: Traced, options: PlanOptions) -> dict[str, Any]:
-    """The :class:`~autosplit.plans.Plan` fields of the options' tensor parallelism (none for tp 1)."""
+    """The :class:`~autosplit.plans.Plan` fields of the options' tensor and expert parallelism (none for tp 1, ep 1)."""
+    experts = {"expert_parallel": options.ep} if options.ep > 1 else {}
     if options.tp <= 1:
-        return {}
+        return experts
     rules = traced.tp_rules()
-    return {"tensor_parallel": options.tp, "tp_shards": _every_name(traced, rules.shards), "tp_whole": dict(rules.replicated),
+    return {**experts, "tensor_parallel": options.tp, "tp_shards": _every_name(traced, rules.shards), "tp_whole": dict(rules.replicated),
             "sequence_parallel": sequence_parallel(traced, options), "async_tp": options.async_tp}
 
 

@@ -49,11 +49,14 @@ __all__ = ["Degrees", "degrees_to_try", "mesh_plan", "stage_ranks"]
 log = logging.getLogger(__name__)
 
 
-def degrees_to_try(world: int, batch: int | None, options: PlanOptions, island: int | None = None, kind: str = "") -> list[Degrees]:
+def degrees_to_try(
+    world: int, batch: int | None, options: PlanOptions, island: int | None = None, kind: str = "", experts: Sequence[int] = (),
+) -> list[Degrees]:
     """Every configuration of ``world`` devices the options leave open, for a global batch of ``batch``
-    rows, tensor parallelism inside an ``island`` of devices (a node; None: any); refuses a pinned
-    degree that does not divide the devices or the batch, or a tp wider than a node (of ``kind``, the
-    devices' name, as the message says it)."""
+    rows, tensor parallelism inside an ``island`` of devices (a node; None: any), and expert parallelism
+    over the ``experts`` of each MoE layer (their counts; none: a dense model, ep 1 unless pinned); refuses
+    a pinned degree that does not divide the devices or the batch, a tp wider than a node (of ``kind``, the
+    devices' name, as the message says it), or an ep no configuration's ``dp_shard × tp`` holds."""
     tps = _tensor_parallel_degrees(world, island, options, kind)
     pinned = None if options.data_parallel == AUTO else options.replicas
     room = world // tps[0] if len(tps) == 1 else world
@@ -66,12 +69,30 @@ def degrees_to_try(world: int, batch: int | None, options: PlanOptions, island: 
             "or 'auto'",
         ))
     layouts = REPLICATES if options.replicate == AUTO else (options.replicate,)
-    return [
+    dense = [
         Degrees(world // (d * tp), d, layout, tp) for tp in tps
         for d in ([pinned] if pinned is not None else _divisors(world // tp))
         if (world // tp) % d == 0 and (batch is None or batch % d == 0)
         for layout in (layouts if d > 1 else REPLICATES[:1])
     ]
+    with_ep = [dataclasses.replace(c, ep=ep) for c in dense for ep in _expert_degrees(c, options, experts)]
+    if options.expert_parallel != AUTO and options.ep > 1 and not with_ep:
+        raise ConstraintError(advice(
+            f"expert_parallel={options.ep} divides no configuration's dp_shard × tp over {world} devices "
+            f"(they hold {sorted({c.dp_shard * c.tp for c in dense})})",
+            "the experts' ranks are borrowed from the dense mesh's dp_shard × tp, as torchtitan borrows them",
+            "pass replicate='fully_shard' with a data_parallel (or tensor_parallel) that ep divides, or expert_parallel='auto'",
+        ))
+    return with_ep
+
+
+def _expert_degrees(degrees: Degrees, options: PlanOptions, experts: Sequence[int]) -> list[int]:
+    """The ep degrees to try on a configuration: the pinned one where its ``dp_shard × tp`` holds it, else every
+    divisor of that which divides each layer's experts (1 alone for a dense model)."""
+    room = degrees.dp_shard * degrees.tp
+    if options.expert_parallel != AUTO:
+        return [options.ep] if room % options.ep == 0 else []
+    return [e for e in _divisors(room) if all(n % e == 0 for n in experts)] if experts else [1]
 
 
 def _divisors(n: int) -> list[int]:
@@ -138,7 +159,8 @@ def _search(traced: Traced, specs: Sequence[DeviceSpec], options: PlanOptions) -
     whole, _ = cost_table(traced, tuple(specs[:1]), plain, micro_batches=1, laid=False)
     tried: dict[Degrees, Outcome] = {}
     floors: dict[Degrees, float] = {}
-    for degrees in degrees_to_try(len(specs), traced.batch, options, specs[0].island_size, specs[0].name):
+    experts = [g.experts for g in traced.expert_groups(options.precision, specs[0].device_type)] if options.expert_parallel == AUTO else []
+    for degrees in degrees_to_try(len(specs), traced.batch, options, specs[0].island_size, specs[0].name, experts):
         try:
             floors[degrees] = _proven(traced, specs, options, degrees, whole)
         except AutosplitError as e:
@@ -206,6 +228,7 @@ def _proven(traced: Traced, specs: Sequence[DeviceSpec], options: PlanOptions, d
 
 def _chosen(options: PlanOptions, degrees: Degrees) -> PlanOptions:
     return options.replace(data_parallel=degrees.data_parallel, replicate=degrees.replicate, tensor_parallel=degrees.tp,
+                           expert_parallel=degrees.ep,
                            # the micro-batches chosen with the degrees unless the user fixed them
                            micro_batches="auto" if options.micro_batches is None else options.micro_batches)
 
@@ -265,10 +288,10 @@ def _alternatives(tried: Sequence[tuple[Degrees, Outcome]]) -> tuple[Alternative
         shard = d.data_parallel if d.replicate == "fully_shard" else 1
         rows.append(
             Alternative(p.schedule, p.stages_per_rank, p.micro_batches, p.step_time, p.rank_memory or tuple(s.memory for s in p.stages),
-                        data_parallel=d.data_parallel, dp_shard=shard, tensor_parallel=d.tp, bound=_bound_of(p),
+                        data_parallel=d.data_parallel, dp_shard=shard, tensor_parallel=d.tp, expert_parallel=d.ep, bound=_bound_of(p),
                         selective=p.recompute_selective) if isinstance(p, Plan)
             else Alternative("", 1, 0, math.inf, note=p.why if isinstance(p, Unplanned) else _first_sentence(p),
-                             data_parallel=d.data_parallel, dp_shard=shard, tensor_parallel=d.tp,
+                             data_parallel=d.data_parallel, dp_shard=shard, tensor_parallel=d.tp, expert_parallel=d.ep,
                              bound=p.floor if isinstance(p, Unplanned) else None)
         )
     return tuple(sorted(rows, key=lambda a: a.step_time))

@@ -39,7 +39,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
-from autosplit.compiler.costs import tp_table
+from autosplit.compiler.costs import ep_table, tp_table
 from autosplit.compiler.prediction import fill_and_drain, fills
 from autosplit.compiler.search import configurations, stage_problem
 from autosplit.compiler.trace import Traced
@@ -62,10 +62,17 @@ class Degrees:
     data_parallel: int
     replicate: str
     tp: int = 1
+    ep: int = 1
+    """Of ``dp_shard × tp``, the ranks each MoE layer's experts are spread over."""
 
     def __str__(self) -> str:
         dim = "dp_shard" if self.replicate == "fully_shard" else "dp_replicate"
-        return f"pp {self.pp}" + f" × {dim} {self.data_parallel}" * (self.data_parallel > 1) + f" × tp {self.tp}" * (self.tp > 1)
+        return (f"pp {self.pp}" + f" × {dim} {self.data_parallel}" * (self.data_parallel > 1) + f" × tp {self.tp}" * (self.tp > 1)
+                + f" (ep {self.ep})" * (self.ep > 1))
+
+    @property
+    def dp_shard(self) -> int:
+        return self.data_parallel if self.replicate == "fully_shard" else 1
 
 
 def step_floor(whole: CostTable, traced: Traced, degrees: Degrees, options: PlanOptions, specs: Sequence[DeviceSpec]) -> float:
@@ -76,6 +83,8 @@ def step_floor(whole: CostTable, traced: Traced, degrees: Degrees, options: Plan
     table = whole
     if degrees.tp > 1:
         table = tp_table(whole, traced, options, tp=degrees.tp, micro_batches=1)
+    if degrees.ep > 1:  # the experts' compute split over a tp group's ranks (their all-to-all only adds)
+        table = ep_table(table, traced, options, micro_batches=1)
     if options.dp_shard > 1:
         table = laid_out(table, dp_shard=options.dp_shard, alone=True, precision=options.precision)
     dp, pp = degrees.data_parallel, degrees.pp
@@ -136,6 +145,8 @@ def memory_proven(whole: CostTable, traced: Traced, degrees: Degrees, options: P
     share = dataclasses.replace(whole, devices=tuple(ranks), **over_dp, **on_ranks, block_transient=whole.block_transient // dp)
     if degrees.tp > 1:
         share = tp_table(share, traced, options, tp=degrees.tp, micro_batches=1)
+    if degrees.ep > 1:  # the experts' state: each rank holds E / ep of them
+        share = ep_table(share, traced, options, micro_batches=1)
     rows = (traced.batch or dp) // dp
     open_ = configurations(options, pp, rows) if options.searches else [options.replace(micro_batches=options.micro_batches_for(pp, rows))]
     proofs = []

@@ -21,6 +21,7 @@ from autosplit.microbatch import batch_size, split_batch, split_target
 from autosplit.passes.annotate import annotate
 from autosplit.passes.autocast_reads import refuse_under_autocast
 from autosplit.passes.capture import Captured, capture, fingerprint, flat_inputs
+from autosplit.passes.experts import ExpertGroup, expert_groups
 from autosplit.passes.loss import Loss
 from autosplit.passes.param_dtype import PARAM_CAST, capture_dtype
 from autosplit.passes.respecialise import respecialised
@@ -52,6 +53,7 @@ class Traced:
     _losses: dict[tuple, Any] = field(default_factory=dict, compare=False, repr=False)
     """The loss's cost per (micro-batches, precision, devices, profiling): costed once per plan search."""
     _rules: list[TensorParallelRules] = field(default_factory=list, compare=False, repr=False)
+    _experts: dict[tuple[str, str], tuple[ExpertGroup, ...]] = field(default_factory=dict, compare=False, repr=False)
     _tables: dict[tuple, Any] = field(default_factory=dict, compare=False, repr=False)
     """Analytic cost tables made for this trace, by what decides them (:func:`~autosplit.compiler.costs.cost_table`)."""
     _blocks: dict[tuple, tuple] = field(default_factory=dict, compare=False, repr=False)
@@ -64,6 +66,14 @@ class Traced:
         if not self._rules:
             self._rules.append(tensor_parallel_rules(self.captured, getattr(self.model, "config", None)))
         return self._rules[0]
+
+    def expert_groups(self, precision: str = "fp32", device_type: str = "cpu") -> tuple[ExpertGroup, ...]:
+        """The mixture-of-experts layers of this graph as ``precision`` runs it (:func:`~autosplit.passes.experts.expert_groups`;
+        none for a dense model), found once and kept."""
+        key = (precision, device_type)
+        if key not in self._experts:
+            self._experts[key] = expert_groups(self.annotated(precision, device_type), self.model, self.captured.module_paths)
+        return self._experts[key]
 
     def param_numel(self) -> dict[str, int]:
         """Parameter name (each name of a tied one) → its elements."""

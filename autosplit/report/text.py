@@ -70,7 +70,8 @@ def plan_report(plan: Plan, width: int = 140) -> str:
         console.print(
             f"step = pipeline {_ms(t.pipeline)} + runtime overhead {_ms(t.overhead)} + optimizer {_ms(t.optimizer)} "
             f"+ tied-weight sync {_ms(t.tied_sync)} + data-parallel collectives {_ms(t.data_parallel)} "
-            f"(exposed; mesh {' × '.join(f'{k} {v}' for k, v in plan.mesh.items())})"
+            f"(exposed; mesh {' × '.join(f'{k} {v}' for k, v in plan.mesh.items())}"
+            f"{f', experts over ep {plan.expert_parallel} of its dp_shard × tp' if plan.expert_parallel > 1 else ''})"
         )
     if plan.tensor_parallel > 1:
         _print_tensor_parallel(console, plan)
@@ -153,17 +154,17 @@ def _print_alternatives(console: Any, plan: Plan) -> None:
     console.print(f"configurations tried ({len(plan.alternatives)}, fastest first; split by the DP, replayed):")
     for a in plan.alternatives[:12]:
         peak = max(a.rank_memory, default=0)
-        mesh = _mesh(a.data_parallel, a.dp_shard, a.tensor_parallel)
+        mesh = _mesh(a.data_parallel, a.dp_shard, a.tensor_parallel, a.expert_parallel)
         console.print(f"  {f'pp {len(a.rank_memory)} × {mesh}: ' if mesh and a.rank_memory else mesh + ': ' if mesh else ''}" + (
             f"{a.schedule} × {a.stages_per_rank} stage(s) per device × {a.micro_batches} micro-batches"
             f"{', recomputing selectively' if a.selective else ''}: "
             f"{_ms(a.step_time)}, peak {format_bytes(peak)}" if a.fits else a.note))
 
 
-def _mesh(data_parallel: int, dp_shard: int, tp: int = 1) -> str:
-    """``"dp_shard 8"``, ``"dp_replicate 4"``, ``"dp_replicate 2 × dp_shard 4 × tp 8"``; ``""`` with neither."""
+def _mesh(data_parallel: int, dp_shard: int, tp: int = 1, ep: int = 1) -> str:
+    """``"dp_shard 8"``, ``"dp_replicate 4"``, ``"dp_replicate 2 × dp_shard 4 × tp 8 (ep 16)"``; ``""`` with neither."""
     parts = [f"{name} {n}" for name, n in (("dp_replicate", data_parallel // dp_shard), ("dp_shard", dp_shard), ("tp", tp)) if n > 1]
-    return " × ".join(parts)
+    return " × ".join(parts) + f" (ep {ep})" * (ep > 1)
 
 
 def _span(modules: tuple[str, ...]) -> str:

@@ -1,0 +1,127 @@
+"""Expert parallelism in a plan's costs: what one device of an ``ep`` group computes, holds and moves.
+
+The groups come from the graph (:mod:`autosplit.passes.experts`). As torchtitan lays experts out
+(``expert_tensor_parallel_degree = 1``, Megatron's ``--expert-tensor-parallel-size 1``), the ``ep``
+ranks are borrowed from the dense mesh's ``dp_shard × tp`` (``ep`` divides it): each rank holds
+``E / ep`` whole experts, and the rest of their state is sharded over the ``efsdp = dp_shard·tp / ep``
+ranks that hold the same experts. Per node and device (:func:`ep_laid_out`), applied after
+:func:`~autosplit.passes.tp_costs.tp_laid_out` and before :func:`~autosplit.passes.sharding.laid_out`:
+
+- **parameters** of the experts (their share ``f`` of a node's, by bytes): ``1/ep`` of them on each
+  rank, which is what FSDP gathers for the step (the ``efsdp`` ranks' shards of the local experts),
+  and their compute copy likewise; their sharded state (parameters, gradients, optimizer state) over
+  all ``dp_shard · tp`` ranks — :func:`~autosplit.passes.sharding.laid_out` divides by ``dp_shard``,
+  so the expert share enters it ``÷ tp``; the optimizer's step over them likewise;
+- **compute** of the expert nodes: unchanged per token (balanced routing, as the published MoE
+  benchmarks force it: each rank computes ``T·k`` routed rows, now over ``E / ep`` experts); under
+  tp, the tokens of a tp group are split over its ranks before they are dispatched (torchtitan's
+  ``ReordererSequenceParallel``, Megatron's sequence-parallel MoE input), so ``÷ tp`` unless sequence
+  parallelism has already cut every node;
+- **the token all-to-all**: per MoE layer and micro-batch, a dispatch before the experts and a combine
+  after them, in the forward and again in the backward, each moving ``T·k·h·bytes·(1 − 1/ep)`` of a
+  rank's routed rows (``T`` its tokens) to the other ``ep − 1`` ranks (:func:`alltoall_time`): inside an
+  island over each device's link, beyond it the off-island share over its network port, the two at
+  once. On the critical path (torch's ``all_to_all_single`` waits; Megatron's overlap of it with
+  another micro-batch's compute is not costed).
+
+Usage::
+
+    table = ep_laid_out(table, groups, ep=8, tp=1, micro_batches=4, numel=param_numel, owners=owned)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+from autosplit.costtable import CostTable
+from autosplit.devices import DeviceSpec
+from autosplit.passes.experts import ExpertGroup
+
+__all__ = ["alltoall_time", "ep_laid_out", "expert_shares"]
+
+
+def alltoall_time(nbytes: float, size: int, device: DeviceSpec, calls: int = 1) -> float:
+    """Seconds of ``calls`` all-to-alls over ``size`` consecutive ranks of ``device``'s kind, each rank
+    holding ``nbytes`` in all (the whole batch's; an equal share for every rank, its own included):
+    ``(local − 1)/size`` of the bytes over the island's links and ``(size − local)/size`` over the
+    network at once, ``local`` the ranks of the group on one island; a latency per call."""
+    if size <= 1 or nbytes <= 0:
+        return 0.0
+    local = min(size, device.island_size or size)
+    bandwidth, latency = device.link_to(device)
+    inside = (local - 1) / size * nbytes / bandwidth
+    if local == size:
+        return inside + latency * calls
+    across = (size - local) / size * nbytes / device.network_bandwidth
+    return max(inside, across) + max(latency, device.network_latency) * calls
+
+
+def expert_shares(
+    table: CostTable, groups: Sequence[ExpertGroup], numel: Mapping[str, int], owners: Mapping[str, Sequence[str]],
+) -> list[float]:
+    """[node] the share of the node's parameters (by elements) that are experts'. ``owners``: node name →
+    the parameters it owns (:attr:`~autosplit.passes.annotations.NodeInfo.params`)."""
+    stacked = {p for g in groups for p in g.params}
+    shares = []
+    for name in table.nodes:
+        params = owners.get(name, ())
+        total = sum(numel.get(p, 0) for p in params)
+        shares.append(sum(numel.get(p, 0) for p in params if p in stacked) / total if total else 0.0)
+    return shares
+
+
+def ep_laid_out(
+    table: CostTable, groups: Sequence[ExpertGroup], *, ep: int, tp: int, micro_batches: int, numel: Mapping[str, int],
+    owners: Mapping[str, Sequence[str]], tokens_cut: bool = False,
+) -> CostTable:
+    """``table`` as one device of an expert-parallel group of ``ep`` holds, computes and moves it (the
+    module docstring); ``table`` itself for ``ep = 1``. ``tokens_cut``: tensor parallelism has already cut every node's compute and
+    activations by ``tp`` (sequence parallelism)."""
+    if ep <= 1 or not groups:
+        return table
+    n, index = len(table.nodes), {name: i for i, name in enumerate(table.nodes)}
+    expert = expert_shares(table, groups, numel, owners)
+    local = [1 - f + f / ep for f in expert]  # of a node's parameters, what a rank holds whole: its experts
+    sharded = [1 - f + f / tp for f in expert]  # of its sharded state, before laid_out divides by dp_shard
+    cuts = np.ones(n)
+    comm_fwd, comm_bwd = np.zeros((n, len(table.devices))), np.zeros((n, len(table.devices)))
+    split = 1 if tokens_cut else tp
+    for group in groups:
+        members = [index[name] for name in group.nodes if name in index]
+        if not members:
+            continue
+        cuts[members] = 1 / split
+        nbytes = group.dispatched_bytes() / tp  # a rank's routed rows: its tp share of the tokens
+        for d, device in enumerate(table.devices):
+            once = alltoall_time(nbytes, ep, device, micro_batches)
+            comm_fwd[members[0], d] += once  # the dispatch, before the first expert node
+            comm_fwd[members[-1], d] += once  # the combine, after the last
+            comm_bwd[members[0], d] += once  # the combine's gradient back to the experts
+            comm_bwd[members[-1], d] += once  # and the dispatch's back to the tokens
+
+    def times(rows: Sequence[Sequence[float]], comm: np.ndarray) -> tuple[tuple[float, ...], ...]:
+        values = np.asarray(rows, dtype=np.float64).reshape(n, -1) * cuts[:, None] + comm
+        return tuple(map(tuple, values.tolist()))
+
+    def scaled(values: Sequence[int], by: Sequence[float]) -> tuple[int, ...]:
+        return tuple(round(v * k) for v, k in zip(values, by)) if values else ()
+
+    computing = cuts.tolist()  # [node] the share of its compute and activations a rank runs and holds
+    buffers = table.buffer_bytes or (0,) * n
+    copies = table.weight_copy_bytes or (0,) * n
+    state = tuple(round((s - b - c) * k) + b + round(c * q) for s, b, c, k, q in zip(table.state_bytes, buffers, copies, sharded, local))
+    return dataclasses.replace(
+        table,
+        fwd_time=times(table.fwd_time, comm_fwd), bwd_time=times(table.bwd_time, comm_bwd),
+        rerun_time=times(table.rerun_time, comm_fwd) if table.rerun_time else (),  # a recomputed forward exchanges again
+        split_cost=tuple(tuple(t * c for t in row) for row, c in zip(table.split_cost, computing)),
+        saved_bytes=scaled(table.saved_bytes, computing), transient_bytes=scaled(table.transient_bytes, computing),
+        output_bytes=scaled(table.output_bytes, computing), sent_bytes=scaled(table.sent_bytes, computing),
+        wgrad_bytes=scaled(table.wgrad_bytes, computing),
+        state_bytes=state, param_bytes=scaled(table.param_bytes, local), weight_copy_bytes=scaled(table.weight_copy_bytes, local),
+        param_counts=scaled(table.param_counts, local),
+        optimizer_time=tuple(tuple(t * k for t in row) for row, k in zip(table.optimizer_time, sharded)),
+    )

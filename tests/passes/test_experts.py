@@ -1,0 +1,130 @@
+"""Mixture-of-experts layers found as expert groups, and expert parallelism in the costs and the mesh search.
+
+The four families of ``tests/moe_cases.py`` (Mixtral, Qwen3-MoE, DeepSeek-V3, GPT-OSS) are captured faithfully —
+split over two devices they train like the unsplit model in float64 — and each MoE layer's experts are one group:
+the stacked module, not the router beside it, with its top k, its tokens and their width. The expert-parallel terms
+are checked by hand on a planted table, the all-to-all on two sizes and two domains."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import pytest
+import torch
+
+import autosplit
+from autosplit.costtable import CostTable
+from autosplit.devices import PRESETS
+from autosplit.errors import ConstraintError
+from autosplit.passes.ep_costs import alltoall_time, ep_laid_out
+from autosplit.passes.experts import ExpertGroup
+from tests.helpers import NO_SEARCH, where
+from tests.moe_cases import EXPERTS, FAMILIES, MOE_LAYERS, TOP_K, ids, moe_model
+
+pytest.importorskip("transformers")
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_each_moe_layer_is_one_expert_group_and_the_split_trains_like_the_model(family):
+    model = moe_model(family).double()
+    reference = copy.deepcopy(model)
+    x = ids()
+    planner = autosplit.Planner(model, ["cpu"] * 2, example_inputs=(x,), example_kwargs={"labels": x}, **NO_SEARCH)
+    groups = planner.traced.expert_groups()
+    assert len(groups) == MOE_LAYERS[family]
+    for g in groups:
+        assert g.module.endswith("mlp.experts") and (g.experts, g.top_k) == (EXPERTS, TOP_K)
+        assert (g.tokens, g.hidden, g.itemsize) == (x.numel(), 32, 8)  # every token of the batch, float64 rows
+        assert {p.rpartition(".")[2] for p in g.params} >= {"gate_up_proj", "down_proj"}
+        assert not any("gate.weight" in p or "router" in p for p in g.params), "the router is not an expert"
+        assert any("mm" in name for name in g.nodes), f"{g.module}: the experts' matmul is in the group"
+    split = planner.build()
+    assert len(set(split.plan.assignment.values())) == 2
+    opt, ref_opt = torch.optim.AdamW(split.parameters(), lr=1e-2), torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    for step in range(2):
+        x = ids(seed=step)
+        out, expected = split(x, labels=x), reference(x, labels=x, use_cache=False)
+        torch.testing.assert_close(out.loss, expected.loss, msg=where(f"{family} step {step} loss"))
+        out.loss.backward()
+        expected.loss.backward()
+        for (name, p), q in zip(split.named_parameters(), reference.parameters(), strict=True):
+            torch.testing.assert_close(p.grad, q.grad, msg=where(f"{family} step {step} gradient of {name}"))
+        opt.step(), ref_opt.step(), opt.zero_grad(), ref_opt.zero_grad()
+
+
+def _device(island: int | None = 8):
+    return dataclasses.replace(PRESETS["H100-80GB"], island_size=island, link_bandwidth=400e9, link_latency=4e-6,
+                               network_bandwidth=50e9, network_latency=10e-6)
+
+
+def test_the_all_to_all_by_hand_inside_an_island_and_across_islands():
+    d, n = _device(), 64e6
+    assert alltoall_time(n, 1, d) == 0.0
+    assert alltoall_time(n, 8, d, calls=2) == pytest.approx(7 / 8 * n / 400e9 + 2 * 4e-6)  # NVLink only
+    assert alltoall_time(n, 4, d) == pytest.approx(3 / 4 * n / 400e9 + 4e-6)
+    # 32 ranks over 4 islands: 7/32 of the rows over NVLink while 24/32 cross the network, at once
+    assert alltoall_time(n, 32, d) == pytest.approx(max(7 / 32 * n / 400e9, 24 / 32 * n / 50e9) + 10e-6)
+
+
+def _table(device) -> CostTable:
+    """Three nodes: a router (dense), the experts (stacked parameters), a residual add."""
+    return CostTable(
+        devices=(device,), nodes=("router", "experts", "add"), module_paths=("mlp.gate", "mlp.experts", ""),
+        fwd_time=((1e-3,), (8e-3,), (1e-4,)), bwd_time=((2e-3,), (16e-3,), (1e-4,)),
+        state_bytes=(400, 16_000, 0), saved_bytes=(100, 1000, 10), output_bytes=(100, 1000, 10), edges=((0, 1), (1, 2)),
+        order_edges=(), colocate=(), param_counts=(25, 1000, 0), param_bytes=(100, 4000, 0),
+        optimizer_time=((1e-4,), (4e-3,), (0.0,)),
+    )
+
+
+def test_expert_parallel_costs_by_hand():
+    """ep 4 on dp_shard 4: the experts' node holds E/4 experts whole (what FSDP gathers) and its sharded state whole
+    here (laid_out divides it by dp_shard after); per micro-batch a dispatch and a combine each way, of T·k·h bytes."""
+    d = _device()
+    group = ExpertGroup("mlp.experts", experts=8, top_k=2, params=("mlp.experts.w",), nodes=("experts",), tokens=1024,
+                        hidden=512, itemsize=2)
+    numel = {"mlp.gate.weight": 25, "mlp.experts.w": 1000}
+    owners = {"router": ("mlp.gate.weight",), "experts": ("mlp.experts.w",)}
+    table = ep_laid_out(_table(d), [group], ep=4, tp=1, micro_batches=2, numel=numel, owners=owners)
+    exchange = 3 / 4 * 1024 * 2 * 512 * 2 / 400e9 + 2 * 4e-6  # the whole batch's bytes over two micro-batches' calls
+    assert table.fwd_time[1][0] == pytest.approx(8e-3 + 2 * exchange)  # dispatch and combine
+    assert table.bwd_time[1][0] == pytest.approx(16e-3 + 2 * exchange)
+    assert table.fwd_time[0] == (1e-3,) and table.state_bytes[0] == 400  # the router stays dense
+    assert table.param_bytes == (100, 1000, 0) and table.param_counts == (25, 250, 0)  # 2 of the 8 experts
+    assert table.state_bytes[1] == 16_000 and table.optimizer_time[1][0] == pytest.approx(4e-3)  # sharded by laid_out
+    # under tp 2 (no sequence parallelism), the tokens of a tp group are split before they are dispatched
+    tp2 = ep_laid_out(_table(d), [group], ep=4, tp=2, micro_batches=2, numel=numel, owners=owners)
+    assert tp2.fwd_time[1][0] == pytest.approx(4e-3 + 2 * (exchange - 2 * 4e-6) / 2 + 2 * 2 * 4e-6)
+    assert tp2.state_bytes[1] == 8000 and tp2.saved_bytes[1] == 500
+    assert ep_laid_out(_table(d), [group], ep=1, tp=1, micro_batches=2, numel=numel, owners=owners) == _table(d)
+
+
+def test_an_explicit_ep_is_honoured_or_refused_in_the_users_terms():
+    model, x = moe_model("qwen3_moe"), ids(rows=4)
+    common = dict(example_inputs=(x,), micro_batches=1, schedule="gpipe")
+    plan = autosplit.plan(model, ["cpu"] * 4, data_parallel=4, replicate="fully_shard", expert_parallel=2, **common)
+    assert plan.expert_parallel == 2 and "experts over ep 2" in plan.costs
+    whole = autosplit.plan(model, ["cpu"] * 4, data_parallel=4, replicate="fully_shard", **common)
+    assert plan.stages[0].memory < whole.stages[0].memory, "each rank gathers 2 of the 4 experts, not all"
+    with pytest.raises(ConstraintError, match=r"4 experts do not divide over ep 3.*one of \[1, 2, 4\]"):
+        autosplit.plan(model, ["cpu"] * 4, data_parallel=4, replicate="fully_shard", expert_parallel=3, **common)
+    with pytest.raises(ConstraintError, match=r"expert_parallel=2 divides no configuration's dp_shard × tp over 4 devices"):
+        autosplit.plan(model, ["cpu"] * 4, data_parallel=4, replicate="replicate", expert_parallel=2, **common)
+    from tests.layouts import gpt_case
+
+    gpt, gpt_args, *_ = gpt_case()
+    with pytest.raises(ConstraintError, match="no mixture-of-experts layer"):
+        autosplit.plan(gpt, ["cpu"] * 2, example_inputs=gpt_args, data_parallel=2, replicate="fully_shard", expert_parallel=2)
+    saved = autosplit.Plan.from_dict(plan.to_dict())
+    assert saved.expert_parallel == 2
+    with pytest.raises(ConstraintError, match="does not yet exchange tokens"):  # before any process group is needed
+        autosplit.distribute(model, None, example_inputs=(x,), loss_fn=lambda out, _: out.logits.sum(), plan=saved)
+
+
+def test_auto_chooses_ep_with_the_other_degrees_and_lists_what_it_tried():
+    model, x = moe_model("mixtral"), ids(rows=4)
+    plan = autosplit.plan(model, ["cpu"] * 4, example_inputs=(x,), data_parallel=4, replicate="fully_shard",
+                          expert_parallel="auto", micro_batches=1, schedule="gpipe")
+    assert {a.expert_parallel for a in plan.alternatives} == {1, 2, 4}
+    assert plan.expert_parallel == min(plan.alternatives, key=lambda a: a.step_time).expert_parallel
