@@ -112,7 +112,8 @@ def megatron_recipe(body: str, names: Names, world: int, num_layers: int, tensor
         options["async_tp"] = True
     if "fp8-format" in flags:
         options["float8"] = _megatron_float8(flags)
-    return Recipe(split=_stage_modules(titan, names), data_parallel=dp, tensor_parallel=tp, options=options,
+    ep = _expert_degree(int(flags.get("expert-model-parallel-size", 1)), int(flags.get("expert-tensor-parallel-size", 1)), "Megatron")
+    return Recipe(split=_stage_modules(titan, names), data_parallel=dp, tensor_parallel=tp, expert_parallel=ep, options=options,
                   replicate=_megatron_replicate(flags, pipelined=len(stages) > 1))
 
 
@@ -274,8 +275,21 @@ def torchtitan_recipe(config: Any, names: Names, world: int, num_layers: int) ->
     options["precision"] = torchtitan_precision(str(training.get("mixed_precision_param", "bfloat16")), sharded=shard > 1,
                                                 split=tp > 1 or pp > 1, release=release)
     options |= torchtitan_float8(config, names, release)
+    ep = _expert_degree(int(par.get("expert_parallel_degree", 1)), int(par.get("expert_tensor_parallel_degree", 1)), "torchtitan")
     return Recipe(split=_stage_modules(fqns, names) if fqns else None, data_parallel=max(replicate, shard), tensor_parallel=tp,
-                  replicate="fully_shard" if shard > 1 else "replicate", options=options)
+                  replicate="fully_shard" if shard > 1 else "replicate", expert_parallel=ep, options=options)
+
+
+def _expert_degree(ep: int, etp: int, engine: str) -> int:
+    """An engine's expert-parallel degree, its experts whole on each of their ranks (expert tensor parallelism 1: what
+    autosplit costs, :mod:`autosplit.passes.ep_costs`); a split of the experts themselves is refused."""
+    if etp != 1:
+        raise ConstraintError(advice(
+            f"the {engine} configuration splits each expert over {etp} ranks (expert tensor parallelism)",
+            "autosplit lays each expert whole on its ranks, borrowed from dp_shard × tp (torchtitan's and Megatron's etp 1)",
+            "set the expert tensor-parallel degree to 1",
+        ))
+    return ep
 
 
 def torchtitan_float8(config: Any, names: Names, release: str) -> dict[str, Any]:
@@ -347,7 +361,7 @@ def nearest_layer_plan(planner: Any, plan: Plan, names: Names | Mapping[str, str
             floor = max(floor, max(counts, key=lambda s: (counts[s], -s)))
             lists[floor].append(unit)
     recipe = Recipe(split=lists, data_parallel=plan.data_parallel, tensor_parallel=plan.tensor_parallel,
-                    replicate="fully_shard" if plan.dp_shard > 1 else "replicate",
+                    expert_parallel=plan.expert_parallel, replicate="fully_shard" if plan.dp_shard > 1 else "replicate",
                     options={"schedule": plan.schedule, "stages_per_rank": plan.stages_per_rank, "micro_batches": plan.micro_batches,
                              "precision": plan.precision})
     return planner.manual(recipe, name="nearest whole layers", check_memory=False)

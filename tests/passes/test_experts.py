@@ -128,3 +128,21 @@ def test_auto_chooses_ep_with_the_other_degrees_and_lists_what_it_tried():
                           expert_parallel="auto", micro_batches=1, schedule="gpipe")
     assert {a.expert_parallel for a in plan.alternatives} == {1, 2, 4}
     assert plan.expert_parallel == min(plan.alternatives, key=lambda a: a.step_time).expert_parallel
+
+
+def test_ep_goes_to_both_engines_and_reads_back_as_the_same_plan(tmp_path):
+    model, x = moe_model("qwen3_moe"), ids(rows=8)
+    planner = autosplit.Planner(model, ["cpu"] * 8, example_inputs=(x,))
+    plan = planner.manual(autosplit.Recipe([["model.embed_tokens", "model.layers.0"], ["model.layers.1", "model.norm", "lm_head"]],
+                                           data_parallel=4, replicate="fully_shard", expert_parallel=4,
+                                           options=dict(micro_batches=2, schedule="1f1b")))
+    flags = plan.export("megatron")
+    assert "--expert-model-parallel-size 4" in flags and "--expert-tensor-parallel-size 1" in flags
+    (tmp_path / "job.toml").write_text(plan.export("torchtitan"))
+    assert "expert_parallel_degree = 4" in (tmp_path / "job.toml").read_text()
+    assert "config.parallelism.expert_parallel_degree = 4" in plan.export("torchtitan", form="python")
+    for back in (planner.manual("megatron:" + flags), planner.manual(f"torchtitan:{tmp_path / 'job.toml'}")):
+        assert (back.expert_parallel, back.mesh, back.assignment) == (plan.expert_parallel, plan.mesh, plan.assignment)
+        assert back.step_time == pytest.approx(plan.step_time)
+    with pytest.raises(ConstraintError, match="splits each expert over 2 ranks"):
+        planner.manual("megatron:" + flags.replace("--expert-tensor-parallel-size 1", "--expert-tensor-parallel-size 2"))
