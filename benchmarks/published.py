@@ -114,11 +114,11 @@ def cost_row(spec: dict[str, Any], grid: Sequence[dict[str, float]] = ()) -> dic
                                                          output_weight=weight, order=execution_order(planner.traced))
         options: dict[str, Any] = {"precision": spec["plan_precision"], "float8": spec["float8"], "checkpointing": spec["checkpointing"],
                                    "selective": spec["selective"], "micro_batches": spec["micro_batches"], "schedule": spec["schedule"],
-                                   "sequence_parallel": spec["tp"] > 1, "async_tp": spec.get("async_tp", False)}
+                                   "sequence_parallel": "auto" if spec["tp"] > 1 else False, "async_tp": spec.get("async_tp", False)}
         if spec["vp"] > 1:
             options["stages_per_rank"] = spec["vp"]
         recipe = autosplit.Recipe(split, data_parallel=spec["dp"], replicate=spec["replicate"], tensor_parallel=spec["tp"],
-                                  options=options)
+                                  expert_parallel=spec.get("ep", 1), options=options)
         plan = planner.manual(recipe, check_memory=False)
         memory, capacity = _fullest(plan)
         row.update(outcome="costed", step_s=plan.step_time, predicted_tokens_per_s_per_gpu=tokens / (plan.step_time * gpus),

@@ -12,6 +12,14 @@ it; a row that names a model without its shape takes the shape that model was pu
   ones, which add an embedding of ``seq × hidden`` and no GEMM. Its embedding and head share one matrix without
   pipeline stages; with them, Megatron keeps a copy on the first and the last stage (the two copies' gradients
   summed over a group of two, a collective of one matrix per step), so the model is built untied.
+
+Mixtures of experts are built whole from the configuration each was published with (:data:`MOE`), in
+transformers' own classes, their experts run as grouped GEMMs (``grouped_mm``: the engines' kernel); the row's
+shape cells, where it gives them, are checked against it:
+
+- ``qwen3_moe``: ``Qwen3MoeForCausalLM`` (every layer a mixture, top 8 of 128 experts);
+- ``deepseek_v3``: ``DeepseekV3ForCausalLM`` (multi-head latent attention, one shared expert beside the routed
+  ones, the first layers dense; its multi-token prediction module is not built: transformers has none).
 """
 
 from __future__ import annotations
@@ -40,12 +48,31 @@ _ROWS: dict[str, tuple[int, ...]] = {  # layers, hidden size, heads, KV heads, F
     "nemotron-340b": (96, 18432, 96, 8, 73728, 256000),
 }
 PUBLISHED: dict[str, dict[str, Any]] = {name: dict(zip(SHAPE, row, strict=True)) for name, row in _ROWS.items()}
+
+MOE: dict[str, tuple[str, dict[str, Any]]] = {  # family, and its transformers config's fields beside the defaults
+    # the config.json of Qwen/Qwen3-30B-A3B and Qwen/Qwen3-235B-A22B (head_dim 128, not hidden / heads)
+    "qwen3-30b-a3b": ("qwen3_moe", dict(num_hidden_layers=48, hidden_size=2048, num_attention_heads=32, num_key_value_heads=4,
+                                        head_dim=128, intermediate_size=6144, moe_intermediate_size=768, num_experts=128,
+                                        num_experts_per_tok=8, vocab_size=151936, tie_word_embeddings=False)),
+    "qwen3-235b-a22b": ("qwen3_moe", dict(num_hidden_layers=94, hidden_size=4096, num_attention_heads=64, num_key_value_heads=4,
+                                          head_dim=128, intermediate_size=12288, moe_intermediate_size=1536, num_experts=128,
+                                          num_experts_per_tok=8, vocab_size=151936, tie_word_embeddings=False)),
+    # deepseek-ai/DeepSeek-V3's config.json: transformers' DeepseekV3Config defaults (61 layers, 3 dense, 256 + 1 experts)
+    "deepseek-v3": ("deepseek_v3", {}),
+    # moonshotai/Kimi-K2-Instruct's config.json: DeepSeek-V3's architecture with 384 experts, 64 heads, 1 dense layer
+    "kimi-k2": ("deepseek_v3", dict(n_routed_experts=384, num_attention_heads=64, first_k_dense_replace=1, n_group=1, topk_group=1,
+                                    vocab_size=163840)),
+}
+"""The mixtures of experts of the record by ``model_canonical``: their family and published configuration."""
 """Published shapes by the record's ``model_canonical``: what a row that names the model without its shape is built as."""
 
 
 def family(canonical: str) -> str:
-    """``"gpt3"``, ``"nemotron"`` or ``"llama"`` for a ``model_canonical`` name (the module docstring says what each is)."""
+    """``"gpt3"``, ``"nemotron"``, ``"llama"`` or a mixture's (:data:`MOE`) for a ``model_canonical`` name (the module
+    docstring says what each is)."""
     name = canonical.strip().lower()
+    if name in MOE:
+        return MOE[name][0]
     if name.startswith("gpt3"):
         return "gpt3"
     if name.startswith("nemotron"):
@@ -55,8 +82,23 @@ def family(canonical: str) -> str:
 
 def published_shape(canonical: str) -> dict[str, Any] | None:
     """The published shape of ``canonical`` with its family, or ``None`` where the record's models do not include it."""
-    shape = PUBLISHED.get(canonical.strip().lower())
+    name = canonical.strip().lower()
+    if name in MOE:
+        return {"family": MOE[name][0], "canonical": name, "num_layers": moe_config(name).num_hidden_layers}
+    shape = PUBLISHED.get(name)
     return None if shape is None else {**shape, "family": family(canonical)}
+
+
+def moe_config(canonical: str) -> Any:
+    """The transformers configuration a mixture of experts of the record was published with (:data:`MOE`)."""
+    from transformers import DeepseekV3Config, Qwen3MoeConfig
+
+    kind, fields = MOE[canonical]
+    config = (Qwen3MoeConfig if kind == "qwen3_moe" else DeepseekV3Config)(**{k: v for k, v in fields.items() if k != "head_dim"})
+    if "head_dim" in fields:  # Qwen3MoeConfig does not take it; the attention reads it when set
+        config.head_dim = fields["head_dim"]
+    config._experts_implementation = "grouped_mm"
+    return config
 
 
 def build(shape: dict[str, Any], seq: int, pipelined: bool = False) -> Any:
@@ -70,12 +112,20 @@ def build(shape: dict[str, Any], seq: int, pipelined: bool = False) -> Any:
     from transformers import LlamaConfig, LlamaForCausalLM, NemotronConfig, NemotronForCausalLM
 
     os.environ["TRANSFORMERS_SDPA_FORCE_GQA"] = "1"  # the process costs one row: nothing else reads it
+    config: Any
+    cls: Any
+    if shape.get("canonical") in MOE:
+        from transformers import AutoModelForCausalLM
+
+        config = moe_config(shape["canonical"])
+        config.max_position_embeddings = max(seq, config.max_position_embeddings)
+        config._attn_implementation = "sdpa"
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(config)
     common = dict(hidden_size=shape["hidden_size"], intermediate_size=shape["ffn_hidden_size"], num_hidden_layers=shape["num_layers"],
                   num_attention_heads=shape["num_attention_heads"], num_key_value_heads=shape["num_kv_heads"],
                   vocab_size=shape["vocab_size"], max_position_embeddings=seq)
     kind = shape.get("family", "llama")
-    config: Any
-    cls: Any
     if kind == "llama":
         config, cls = LlamaConfig(**common), LlamaForCausalLM
     elif kind in ("nemotron", "gpt3"):

@@ -99,6 +99,16 @@ def _recompute(text: str) -> tuple[str, bool] | str:
     return "recompute unknown"
 
 
+def _recompute_cell(row: dict[str, str]) -> str:
+    """The row's ``recompute`` cell, or where it is silent, its recipe's: NeMo AutoModel's mixture-of-experts benchmark
+    configs (``examples/benchmark/configs/{qwen3_moe_30b,deepseek_v3,kimi_k2,...}_te_deepep*.yaml``) all set
+    ``activation_checkpointing: true``, each decoder layer recomputed whole."""
+    cell = row["recompute"].strip()
+    if not cell and row["moe_experts"].strip() and "automodel" in (row.get("repo", "") + row.get("source", "")).lower():
+        return "full (AutoModel's MoE benchmark configs)"
+    return cell
+
+
 def _gpu_kind(text: str) -> str | None:
     """The system a ``gpu`` cell names (:data:`autosplit.gpu_presets.SYSTEMS`): its first word
     (``"H100 (DGX-H100)"`` → ``"H100"``), the 500 W H100 of torchtitan's Grand Teton hosts apart."""
@@ -123,18 +133,17 @@ def _blockers(row: dict[str, str]) -> list[str]:
         reasons.append(f"no device preset for {kind}")
     if isinstance(recipe := _float8(row["precision"]), Malformed):
         reasons.append(str(recipe))
-    if row["moe_experts"].strip():
+    shape = _shape(row)
+    if row["moe_experts"].strip() and (shape is None or "canonical" not in shape):
         reasons.append("moe")
-    if _shape(row) is None:
+    if shape is None:
         reasons.append("model shape unknown")
     if row["cp"].strip() not in ("", "1"):
         reasons.append("cp")
-    if row["ep"].strip() not in ("", "1"):
-        reasons.append("ep")
     vp = row["vp"].strip()
     if vp and not re.fullmatch(r"\d+", vp):
         reasons.append("schedule dualpipe" if "dualpipe" in vp.lower() else f"vp {vp[:20]}")
-    if isinstance(recompute := _recompute(row["recompute"]), str):
+    if isinstance(recompute := _recompute(_recompute_cell(row)), str):
         reasons.append(recompute)
     if not row["micro_batch_size"].strip():
         reasons.append("micro batch unknown")
@@ -147,6 +156,8 @@ def _shape(row: dict[str, str]) -> dict[str, Any] | None:
     from benchmarks.published_models import family, published_shape
 
     canonical = row.get("model_canonical", "") or row["model"]
+    if row["moe_experts"].strip():  # a mixture: its published configuration whole, where the record knows it
+        return None if (shape := published_shape(canonical)) is None else {**shape, "shape_from": "published shapes"}
     if all(re.fullmatch(r"\d+", row[c].strip()) for c in SHAPE):
         return {**{c: int(row[c]) for c in SHAPE}, "family": family(canonical), "shape_from": "row"}
     shape = published_shape(canonical)
@@ -176,7 +187,8 @@ def _layout(row: dict[str, str]) -> dict[str, Any]:
     if micro is not None and batch % (micro * dp):
         raise Malformed(f"global batch {batch} is not a multiple of micro batch {micro} · dp {dp}")
     sharded = _sharded(row)
-    return dict(num_gpus=gpus, seq_len=seq, global_batch=batch, tp=tp, pp=pp, vp=vp or 1, cp=cp, dp=dp, micro_batch=micro,
+    return dict(num_gpus=gpus, seq_len=seq, global_batch=batch, tp=tp, pp=pp, vp=vp or 1, cp=cp, dp=dp, ep=_int(row, "ep", 1) or 1,
+                micro_batch=micro,
                 micro_batches=None if micro is None else batch // (micro * dp), replicate="fully_shard" if sharded else "replicate",
                 float8=recipe if isinstance(recipe := _float8(row["precision"]), str) else None,
                 plan_precision="bf16-fsdp" if sharded else "bf16-mixed", published_tokens_per_s_per_gpu=_published(row))
@@ -185,7 +197,9 @@ def _layout(row: dict[str, str]) -> dict[str, Any]:
 def classify(row: dict[str, str], line: int) -> Classified:
     """The row's reasons not to cost it (a malformed one says what is wrong), or the spec :func:`cost_row` costs."""
     row_id = row.get("row_id", "").strip() or f"line {line}"
-    info = {c: row.get(c, "").strip() for c in ("model", "model_canonical", "gpu", "precision", "layout_group", "recompute")}
+    cells = ("model", "model_canonical", "gpu", "precision", "layout_group", "recompute")
+    info: dict[str, Any] = {c: row.get(c, "").strip() for c in cells}
+    info["experts"] = bool(row["moe_experts"].strip())
     out = Classified(row_id, info)
     out.reasons = _blockers(row)
     given = {c: row[c].strip() or (c == "seq_len" and _default_seq(row)) for c in ("num_gpus", "seq_len", "global_batch_size")}
@@ -199,7 +213,7 @@ def classify(row: dict[str, str], line: int) -> Classified:
         out.message = str(e)
         return out
     info.update({k: v for k, v in layout.items() if k != "micro_batches"})
-    recompute = _recompute(row["recompute"])
+    recompute = _recompute(_recompute_cell(row))
     if out.reasons or not isinstance(recompute, tuple):
         return out
     vp = layout["vp"]
@@ -207,7 +221,7 @@ def classify(row: dict[str, str], line: int) -> Classified:
                 "gpu": _gpu_kind(row["gpu"]), "engine": _engine(row), "async_tp": _async_tp(row, layout["tp"]),
                 "checkpointing": recompute[0], "selective": recompute[1],
                 "schedule": "interleaved1f1b" if vp > 1 else "1f1b" if layout["pp"] > 1 or (layout["micro_batches"] or 1) > 1 else "gpipe",
-                "torchtitan_split": _is_torchtitan(row), "recompute_stated": bool(row["recompute"].strip())}
+                "torchtitan_split": _is_torchtitan(row), "recompute_stated": bool(_recompute_cell(row))}
     info["shape_from"] = out.spec["shape"]["shape_from"]
     return out
 

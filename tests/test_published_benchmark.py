@@ -21,7 +21,12 @@ def test_every_row_of_the_record_is_classified_and_the_expressible_ones_become_r
     assert len(read) == len(_rows()[1])
     by_id = {c.row_id: c for c in read}
     assert by_id["294"].spec is not None and by_id["294"].spec["dp"] == 8 and by_id["294"].spec["micro_batches"] == 1
-    assert "moe" in by_id["2"].reasons and "ep" in by_id["2"].reasons and not any("preset" in r for r in by_id["2"].reasons)
+    # a mixture of experts the record knows the configuration of is built whole, with its ep; one it does not, refused
+    deepseek, automodel = by_id["2"].spec, by_id["401"].spec
+    assert deepseek is not None
+    assert (deepseek["ep"], deepseek["shape"]["family"], deepseek["shape"]["num_layers"]) == (64, "deepseek_v3", 61)
+    assert automodel is not None and (automodel["ep"], automodel["checkpointing"]) == (8, "full")  # AutoModel's MoE configs recompute
+    assert by_id["78"].reasons[:1] == ["moe"] and not any("preset" in r for r in by_id["78"].reasons)  # GPT-OSS: not yet
     fp8, mx, nvfp4 = by_id["50"].spec, by_id["49"].spec, by_id["17"]
     assert fp8 is not None and (fp8["float8"], fp8["engine"], fp8["async_tp"], fp8["gpu"]) == ("tensorwise", "megatron-te", True, "H100")
     assert mx is not None and (mx["float8"], mx["async_tp"]) == ("mxfp8", False) and nvfp4.reasons == ["nvfp4"]

@@ -1,8 +1,8 @@
 """The FLOP formulas torch's ``FlopCounterMode`` lacks, given to it by annotation (:mod:`autosplit.passes.annotate`).
 
 Annotation replays every node on CPU fake tensors, whatever devices the plan is for, so the kernels it
-counts are the CPU ones: the fused oneDNN RNN layer, the CPU flash-attention kernel and transformers'
-grouped matmul of the experts have no formula in torch, and would count as no work at all.
+counts are the CPU ones: the fused oneDNN RNN layer, the CPU flash-attention kernel, torch's grouped matmul and
+transformers' CPU fallback of it (the experts') have no formula in torch, and would count as no work at all.
 
 Usage::
 
@@ -64,8 +64,19 @@ def _grouped_mm_backward_flops(input, weight, *_args, out_shape=None, **_kwargs)
     return 2 * _grouped_mm_flops(input, weight, out_shape=(input[0], weight[-1]))
 
 
+def _aten_grouped_mm_flops(input, mat2, *_args, out_shape=None, **_kwargs) -> int:
+    """torch's ``_grouped_mm`` (what transformers runs its experts with on a GPU, and on fake tensors): ``2·|out|·K``
+    where a 3-D operand holds the groups — rows ``(S, K) × (E, K, N)``, batched ``(E, M, K) × (E, K, N)`` — and
+    ``2·K·S·N`` for two 2-D operands split by offsets into ``(E, K, N)`` (the experts' weight gradients: each row
+    in one group, not in all ``E``)."""
+    if len(input) == 2 and len(mat2) == 2:
+        return 2 * input[0] * input[1] * mat2[1]
+    return 2 * math.prod(out_shape) * input[-1]
+
+
 FLOP_FORMULAS = {**RNN_FLOPS, aten._scaled_dot_product_flash_attention_for_cpu: _cpu_flash_flops,
-                 aten._scaled_dot_product_flash_attention_for_cpu_backward: _cpu_flash_backward_flops}
+                 aten._scaled_dot_product_flash_attention_for_cpu_backward: _cpu_flash_backward_flops,
+                 aten._grouped_mm: _aten_grouped_mm_flops}
 
 
 def flop_formulas() -> dict:

@@ -146,3 +146,23 @@ def test_ep_goes_to_both_engines_and_reads_back_as_the_same_plan(tmp_path):
         assert back.step_time == pytest.approx(plan.step_time)
     with pytest.raises(ConstraintError, match="splits each expert over 2 ranks"):
         planner.manual("megatron:" + flags.replace("--expert-tensor-parallel-size 1", "--expert-tensor-parallel-size 2"))
+
+
+def test_the_grouped_matmul_of_the_experts_counts_its_flops_on_the_meta_device():
+    """On the meta device transformers runs its experts with torch's ``_grouped_mm``, which torch's flop counter has no
+    formula for: each of the S = T·k routed rows meets one expert, 2·S·K·N forward, twice that backward (the weight
+    gradients' grouped matmul of two 2-D operands counted once per row, not once per expert)."""
+    with torch.device("meta"):
+        model = moe_model("qwen3_moe")
+    model.config._experts_implementation = "grouped_mm"
+    planner = autosplit.Planner(model, ["cpu"] * 2, example_inputs=(autosplit.Spec((2, 8), torch.long),), **NO_SEARCH)
+    from autosplit.passes.annotations import node_info
+
+    gm = planner.traced.annotated("fp32", "cpu")
+    grouped = [node_info(n) for n in gm.graph.nodes if "grouped_mm" in str(n.target)]
+    rows = 2 * 8 * TOP_K
+    assert len(grouped) == 2 * MOE_LAYERS["qwen3_moe"]
+    for i, info in enumerate(grouped):
+        (out,) = info.output_shapes
+        inner = 32 if i % 2 == 0 else 16  # each layer's gate_up (h 32 → 2·I 32), then its down (I 16 → h 32)
+        assert out == (rows, 32) and info.fwd_flops == 2 * rows * inner * 32 and info.bwd_flops == 2 * info.fwd_flops
