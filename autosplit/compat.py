@@ -24,7 +24,8 @@ serves, its CUDA build on CPU, ``scripts/check_torch.sh 2.14.1``) unless it says
 - Training: :func:`amp_unscale_` and :func:`amp_update_scale_` (``torch._amp_…``, GradScaler's
   kernels), :func:`fsdp_replicate` (``torch.distributed._composable.replicate_with_fsdp``),
   :func:`stage_backward` (``torch.distributed.pipelining._backward``), and the pipelining
-  schedules' private members below.
+  schedules' private members below; :func:`all_to_all_autograd` (``torch.distributed._functional_collectives``,
+  expert parallelism's token exchange).
 - Tensor parallelism: :data:`ASSERT_TENSOR_METADATA` (``aten._assert_tensor_metadata``, an op
   DTensor cannot run; checked on 2.13.0 only); :data:`REDUCTION_OPS` (the functional collectives'
   reductions, which selective recomputation keeps; checked on 2.13.0 only).
@@ -182,6 +183,15 @@ def flatten_mesh(mesh: Any, name: str) -> Any:
     (``DeviceMesh._flatten``, as torchtitan makes its ``dp`` of ``dp_replicate × dp_shard``);
     collective on its first call, then the root mesh's own: ``root[name]``."""
     return mesh._flatten(name)
+
+
+def all_to_all_autograd(tensor: torch.Tensor, output_split_sizes: list[int], input_split_sizes: list[int], group: Any) -> torch.Tensor:
+    """``all_to_all_single`` with a backward (the reverse exchange of the gradients), waited for: the functional
+    collectives' ``all_to_all_single_autograd`` (``torch.distributed._functional_collectives``), which torchtitan's
+    token dispatcher runs; ``torch.distributed.nn.functional``'s public one is deprecated in its favour."""
+    from torch.distributed._functional_collectives import all_to_all_single_autograd, wait_tensor
+
+    return wait_tensor(all_to_all_single_autograd(tensor, output_split_sizes, input_split_sizes, group))
 
 
 def stage_backward() -> tuple[Callable[..., Any], Callable[..., Any]]:

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from autosplit import schedules
-from autosplit.api.mesh_checks import check_arguments, check_mesh, degrees, expert_parallel_option, runnable
+from autosplit.api.mesh_checks import check_arguments, check_mesh, degrees, runnable
 from autosplit.api.planner import Planner, load_plan
 from autosplit.compiler.trace import Traced
 from autosplit.devices import DeviceLike
@@ -27,10 +27,12 @@ from autosplit.errors import AutosplitError, CodegenError, ConstraintError, Dist
 from autosplit.microbatch import batch_size
 from autosplit.passes.capture import flat_inputs
 from autosplit.passes.chain import generate_chain, retarget
+from autosplit.passes.param_dtype import PARAM_CAST
 from autosplit.plans import Plan
 from autosplit.runtime.batches import ChainsByRows, keep_only, meta_copy
 from autosplit.runtime.compiled import CompileOptions, compile_options
 from autosplit.runtime.distributed import DistributedModel
+from autosplit.runtime.experts import expert_parallel_stage
 from autosplit.runtime.materialise import StageNames, WeightsLike, agree_by_name, materialise
 from autosplit.runtime.placement import Layout, agree, data_parallel_mesh, keep_unread, make_mesh, place, rank_device
 from autosplit.runtime.precision import stage_device_type
@@ -119,7 +121,6 @@ def distribute(
     stage's status.
     """
     given = load_plan(plan)
-    options = expert_parallel_option(given, options)
     data_parallel, replicate = degrees(given, data_parallel, replicate)
     check_arguments(replicate, data_parallel, None if given is not None else options.get("schedule", "gpipe"))
     shard = check_mesh(given, None if devices is None else len(devices), data_parallel, replicate)
@@ -252,6 +253,8 @@ def _build(
     _equal_copies(container, aliases)
     agree_by_name(container, names)
     the_mesh = make_mesh(device, {**made.mesh, "pp": layout.pp})
+    if made.expert_parallel > 1:
+        _spread_experts(modules, model, planner.traced, made, the_mesh, captured, layout.replicas)
     tied_groups = []
     for p in tied:  # new_group is collective: every rank creates every group, in one order
         for replica, t in ((r, t) for r in range(layout.replicas) for t in range(layout.tp)):  # a group per tp place
@@ -273,6 +276,27 @@ def _build(
         tp_shards={s: stage_shards(made.tp_shards, parts[s].tensors) for s in held},
         reductions=_reductions(planner.traced, made.sequence_parallel) if made.tensor_parallel > 1 else None,
     )
+
+
+def _spread_experts(
+    modules: dict[int, torch.nn.Module], model: torch.nn.Module, traced: Traced, made: Plan, mesh: Any, captured: Any, copies: int,
+) -> None:
+    """Each MoE layer's experts of this rank's stages spread over the plan's ``ep`` ranks (:mod:`autosplit.runtime.experts`):
+    today where they are the whole ``dp_shard`` (each expert on one rank, tp 1, no dp_replicate), in fp32 or ``bf16-mixed``."""
+    if made.tensor_parallel > 1 or made.dp_replicate > 1 or made.expert_parallel != made.dp_shard or made.precision in PARAM_CAST:
+        raise ConstraintError(advice(
+            f"expert_parallel={made.expert_parallel} on dp_replicate {made.dp_replicate} × dp_shard {made.dp_shard} × tp "
+            f"{made.tensor_parallel}, precision {made.precision!r}",
+            "the runtime spreads the experts over the whole dp_shard, each expert on one rank, with tp 1 and no dp_replicate "
+            "(FSDP2's bf16 policy would not cast the experts it leaves out)",
+            f"plan with expert_parallel=dp_shard, tensor_parallel=1 and replicate='fully_shard', in 'fp32' or 'bf16-mixed', or "
+            "export the plan to torchtitan or Megatron",
+        ))
+    groups = traced.expert_groups(made.precision, stage_device_type(made))
+    experts = {g.module: (model.get_submodule(g.module), g.experts) for g in groups}
+    for s, module in modules.items():
+        spread = expert_parallel_stage(module, experts, captured.module_paths, mesh["dp_shard"], divide=copies)
+        log.info("rank %d: stage %d spreads the experts of %d layer(s) over ep %d", dist.get_rank(), s, len(spread), made.expert_parallel)
 
 
 def _check_tp_attention(traced: Traced, device_type: str) -> None:

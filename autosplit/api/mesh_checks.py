@@ -7,12 +7,10 @@ Usage::
     data_parallel, replicate = degrees(given, data_parallel, replicate)
     check_arguments(replicate, data_parallel, schedule)
     shard = check_mesh(given, len(devices), data_parallel, replicate)
-    options = expert_parallel_option(given, options)
 """
 
 from __future__ import annotations
 
-import logging
 import math
 from typing import Any
 
@@ -20,12 +18,9 @@ import torch.distributed as dist
 
 from autosplit import schedules
 from autosplit.errors import ConstraintError, DeviceError, DistributedError, advice
-from autosplit.options import AUTO
 from autosplit.plans import Plan
 
-__all__ = ["REPLICATE", "check_arguments", "check_mesh", "check_replicate", "degrees", "expert_parallel_option", "runnable"]
-
-log = logging.getLogger(__name__)
+__all__ = ["REPLICATE", "check_arguments", "check_mesh", "check_replicate", "degrees", "runnable"]
 
 
 def degrees(given: Plan | None, data_parallel: int | None, replicate: str | None) -> tuple[Any, Any]:
@@ -140,22 +135,3 @@ def check_mesh(given: Plan | None, devices: int | None, data_parallel: int, repl
             f"pass {world} devices (e.g. ['cpu'] * {world}), or launch {devices} processes (torchrun --nproc-per-node {devices})",
         ))
     return shard
-
-
-def expert_parallel_option(given: Plan | None, options: dict[str, Any]) -> dict[str, Any]:
-    """``options`` for the distributed runtime's planner: expert parallelism is planned and costed, not yet
-    run, so a plan or an explicit ``expert_parallel`` above 1 is refused before any work, and ``"auto"``
-    plans with the experts whole on each rank (logged)."""
-    asked = given.expert_parallel if given is not None else options.get("expert_parallel", 1)
-    if asked == AUTO:
-        log.info("distribute plans expert_parallel='auto' as 1: the runtime does not spread experts over ranks yet")
-        return {**options, "expert_parallel": 1}
-    if asked != 1:
-        raise ConstraintError(advice(
-            f"{'the plan has' if given is not None else 'distribute was given'} expert_parallel={asked}",
-            "autosplit plans and costs expert parallelism, and its runtime does not yet exchange tokens between expert "
-            "ranks (all_to_all_single, as torchtitan's dispatcher does)",
-            "train with expert_parallel=1 (each rank holds every expert of its stage, sharded by FSDP2 over dp_shard), or "
-            "export the plan to torchtitan or Megatron (plan.export)",
-        ))
-    return options

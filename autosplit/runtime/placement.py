@@ -31,6 +31,7 @@ from autosplit.passes.chain import Chain
 from autosplit.passes.outline import unit_modules
 from autosplit.passes.param_dtype import PARAM_CAST
 from autosplit.passes.sparse_tables import sparse_gradient_tables
+from autosplit.runtime.experts import expert_parameters
 from autosplit.plans import Plan
 
 __all__ = [
@@ -235,13 +236,14 @@ def replicate_stage(
             "look the tables up with sparse=False, or plan with precision='bf16-mixed'",
         ))
     policy = MixedPrecisionPolicy(param_dtype=cast, reduce_dtype=torch.float32 if cast else None, cast_forward_inputs=False)
+    apart = [*tables, *expert_parameters(module)]  # spread over their ep ranks already (autosplit.runtime.experts)
     if mode == "fully_shard":
-        for unit in unit_modules(module, tables) if reshard_after_forward else ():  # no write in place into their outputs
+        for unit in unit_modules(module, apart) if reshard_after_forward else ():  # no write in place into their outputs
             fully_shard(unit, mesh=dp_mesh, reshard_after_forward=True, mp_policy=policy)
             _quiet_fsdp_view_warning(unit)
-        fully_shard(module, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, ignored_params=set(tables), mp_policy=policy)
+        fully_shard(module, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, ignored_params=set(apart), mp_policy=policy)
     else:
-        fsdp_replicate()(module, mesh=dp_mesh, ignored_params=set(tables), mp_policy=policy)
+        fsdp_replicate()(module, mesh=dp_mesh, ignored_params=set(apart), mp_policy=policy)
     _quiet_fsdp_view_warning(module)
     return tables
 
