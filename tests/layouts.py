@@ -59,8 +59,27 @@ def gnmt_case() -> tuple[torch.nn.Module, tuple, dict, torch.Tensor, Any]:
     return GNMT(vocab=30, hidden=8, layers=3), (src, tgt), {}, torch.randint(0, 30, (ROWS, 4)), lm_loss
 
 
+def moe_loss(out: Any, target: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy, and the router's load-balancing loss where the model returns one (as Mixtral's own loss adds it):
+    a statistic of each forward call's tokens, so the reference runs copy by copy as the pipeline does."""
+    aux = out.get("aux_loss")
+    return lm_loss(out, target) + (0.02 * aux if aux is not None else 0.0)
+
+
+def _moe_case(family: str) -> Callable[[], tuple[torch.nn.Module, tuple, dict, torch.Tensor, Any]]:
+    def case() -> tuple[torch.nn.Module, tuple, dict, torch.Tensor, Any]:
+        """A tiny transformers mixture of experts (``tests/moe_cases.py``: 4 experts, top 2) and a global batch of ``ROWS``."""
+        from tests.moe_cases import VOCAB, moe_model
+
+        model = moe_model(family)  # seeded: every rank builds the same weights
+        return model, (torch.randint(0, VOCAB, (ROWS, 8)),), {}, torch.randint(0, VOCAB, (ROWS, 8)), moe_loss
+
+    return case
+
+
 MODELS: dict[str, Callable[[], tuple[torch.nn.Module, tuple, dict, torch.Tensor, Any]]] = {
     "gpt": gpt_case, "llama": llama_case, "gpt2": gpt2_case, "inception": inception_case, "gnmt": gnmt_case,
+    "qwen3_moe": _moe_case("qwen3_moe"), "deepseek_v3": _moe_case("deepseek_v3"),
 }
 """The models of the table, each a function of no arguments: the model, its global batch's args and kwargs, a target,
 a loss. Seeded by the caller."""

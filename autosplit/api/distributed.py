@@ -17,6 +17,7 @@ from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
+import torch.fx as fx
 
 from autosplit import schedules
 from autosplit.api.mesh_checks import check_arguments, check_mesh, degrees, runnable
@@ -121,6 +122,8 @@ def distribute(
     stage's status.
     """
     given = load_plan(plan)
+    if given is not None:
+        check_expert_layout(given)
     data_parallel, replicate = degrees(given, data_parallel, replicate)
     check_arguments(replicate, data_parallel, None if given is not None else options.get("schedule", "gpipe"))
     shard = check_mesh(given, None if devices is None else len(devices), data_parallel, replicate)
@@ -129,6 +132,7 @@ def distribute(
     planner = Planner(model, devices, example_inputs=example_inputs, example_kwargs=example_kwargs,
                       loss_fn=None if example_target is None else loss_fn, example_target=example_target, **options)
     made = dataclasses.replace(_agreed_plan(planner, given, data_parallel), data_parallel=data_parallel, dp_shard=shard)
+    check_expert_layout(made)
     planner = planner.share(data_parallel)  # each rank builds its copy's share of the batch
     check_tp_shards(model, made.tp_shards, made.tensor_parallel)
     if made.tensor_parallel > 1:
@@ -279,24 +283,30 @@ def _build(
 
 
 def _spread_experts(
-    modules: dict[int, torch.nn.Module], model: torch.nn.Module, traced: Traced, made: Plan, mesh: Any, captured: Any, copies: int,
+    modules: dict[int, fx.GraphModule], model: torch.nn.Module, traced: Traced, made: Plan, mesh: Any, captured: Any, copies: int,
 ) -> None:
-    """Each MoE layer's experts of this rank's stages spread over the plan's ``ep`` ranks (:mod:`autosplit.runtime.experts`):
-    today where they are the whole ``dp_shard`` (each expert on one rank, tp 1, no dp_replicate), in fp32 or ``bf16-mixed``."""
-    if made.tensor_parallel > 1 or made.dp_replicate > 1 or made.expert_parallel != made.dp_shard or made.precision in PARAM_CAST:
-        raise ConstraintError(advice(
-            f"expert_parallel={made.expert_parallel} on dp_replicate {made.dp_replicate} × dp_shard {made.dp_shard} × tp "
-            f"{made.tensor_parallel}, precision {made.precision!r}",
-            "the runtime spreads the experts over the whole dp_shard, each expert on one rank, with tp 1 and no dp_replicate "
-            "(FSDP2's bf16 policy would not cast the experts it leaves out)",
-            f"plan with expert_parallel=dp_shard, tensor_parallel=1 and replicate='fully_shard', in 'fp32' or 'bf16-mixed', or "
-            "export the plan to torchtitan or Megatron",
-        ))
+    """Each MoE layer's experts of this rank's stages spread over the plan's ``ep`` ranks (:mod:`autosplit.runtime.experts`),
+    the whole ``dp_shard`` (:func:`check_expert_layout`)."""
     groups = traced.expert_groups(made.precision, stage_device_type(made))
     experts = {g.module: (model.get_submodule(g.module), g.experts) for g in groups}
     for s, module in modules.items():
         spread = expert_parallel_stage(module, experts, captured.module_paths, mesh["dp_shard"], divide=copies)
         log.info("rank %d: stage %d spreads the experts of %d layer(s) over ep %d", dist.get_rank(), s, len(spread), made.expert_parallel)
+
+
+def check_expert_layout(made: Plan) -> None:
+    """Refuse, before any work, an expert-parallel plan this runtime does not run: it spreads the experts over the whole
+    ``dp_shard``, each expert on one rank (efsdp 1), with tp 1 and no dp_replicate, in fp32 or ``bf16-mixed``."""
+    if made.expert_parallel > 1 and (made.tensor_parallel > 1 or made.dp_replicate > 1 or made.expert_parallel != made.dp_shard
+                                     or made.precision in PARAM_CAST):
+        raise ConstraintError(advice(
+            f"expert_parallel={made.expert_parallel} on dp_replicate {made.dp_replicate} × dp_shard {made.dp_shard} × tp "
+            f"{made.tensor_parallel}, precision {made.precision!r}",
+            "the runtime spreads the experts over the whole dp_shard, each expert on one rank, with tp 1 and no dp_replicate "
+            "(FSDP2's bf16 policy would not cast the experts it leaves out)",
+            "plan with expert_parallel=dp_shard, tensor_parallel=1 and replicate='fully_shard', in 'fp32' or 'bf16-mixed', or "
+            "export the plan to torchtitan or Megatron",
+        ))
 
 
 def _check_tp_attention(traced: Traced, device_type: str) -> None:

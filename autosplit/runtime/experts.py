@@ -79,8 +79,8 @@ class ExpertParallel(torch.nn.Module):
         pairs = back[torch.argsort(order)]  # each (token, choice) pair in its own place again
         return (pairs * top_k_weights.reshape(-1, 1).to(pairs.dtype)).view(tokens, k, width).sum(dim=1).to(hidden.dtype)
 
-    def _local(self, p: torch.Tensor) -> torch.Tensor:
-        """This rank's experts of ``p``, their gradient divided by the copies whose mean the step trains."""
+    def _local(self, p: Any) -> torch.Tensor:
+        """This rank's experts of ``p`` (a DTensor), their gradient divided by the copies whose mean the step trains."""
         local = p.to_local()
         if local.requires_grad and self.divide > 1:
             local.register_hook(lambda g: g / self.divide)
@@ -130,7 +130,7 @@ def _within(path: str, module: str) -> bool:
 
 def _roles(inputs: list[fx.Node], path: str) -> tuple[fx.Node, fx.Node, fx.Node]:
     """(hidden states, top-k indices, top-k weights) among the values the experts read, by dtype and shape."""
-    vals = [n.meta.get("val") for n in inputs]
+    vals: list[Any] = [n.meta.get("val") for n in inputs]
     if len(inputs) != 3 or not all(isinstance(v, torch.Tensor) for v in vals):
         raise CodegenError(advice(
             f"the experts at {path!r} read {len(inputs)} values from the rest of the stage",

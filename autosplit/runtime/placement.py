@@ -31,8 +31,8 @@ from autosplit.passes.chain import Chain
 from autosplit.passes.outline import unit_modules
 from autosplit.passes.param_dtype import PARAM_CAST
 from autosplit.passes.sparse_tables import sparse_gradient_tables
-from autosplit.runtime.experts import expert_parameters
 from autosplit.plans import Plan
+from autosplit.runtime.experts import expert_parameters
 
 __all__ = [
     "MESH_DIMS", "agree", "data_parallel_mesh", "keep_unread", "Layout", "make_mesh", "place", "rank_device",
