@@ -242,8 +242,7 @@ def _build(
     made = dataclasses.replace(made, crossings=chain.crossings)
     if 0 in held:  # (with every stage's tensors in view)
         keep_unread(chain.stages[0], meta, chain)
-    if not is_meta(model):
-        chain, captured = keep_only(chain, captured, held)
+    chain, captured = (chain, captured) if is_meta(model) else keep_only(chain, captured, held)
     modules = {s: chain.stages[s] for s in held}
     parts = {s: StageNames.of(meta, module) for s, module in modules.items()}
     _untie(modules)
@@ -257,8 +256,7 @@ def _build(
     _equal_copies(container, aliases)
     agree_by_name(container, names)
     the_mesh = make_mesh(device, {**made.mesh, "pp": layout.pp})
-    if made.expert_parallel > 1:
-        _spread_experts(modules, model, planner.traced, made, the_mesh, captured, layout.replicas)
+    _spread_experts(modules, model, planner.traced, made, the_mesh, captured, layout.replicas)
     tied_groups = []
     for p in tied:  # new_group is collective: every rank creates every group, in one order
         for replica, t in ((r, t) for r in range(layout.replicas) for t in range(layout.tp)):  # a group per tp place
@@ -286,7 +284,9 @@ def _spread_experts(
     modules: dict[int, fx.GraphModule], model: torch.nn.Module, traced: Traced, made: Plan, mesh: Any, captured: Any, copies: int,
 ) -> None:
     """Each MoE layer's experts of this rank's stages spread over the plan's ``ep`` ranks (:mod:`autosplit.runtime.experts`),
-    the whole ``dp_shard`` (:func:`check_expert_layout`)."""
+    the whole ``dp_shard`` (:func:`check_expert_layout`); nothing for ep 1."""
+    if made.expert_parallel <= 1:
+        return
     groups = traced.expert_groups(made.precision, stage_device_type(made))
     experts = {g.module: (model.get_submodule(g.module), g.experts) for g in groups}
     for s, module in modules.items():
