@@ -189,6 +189,10 @@ class PlanOptions:
     """Devices each mixture-of-experts layer's experts are spread over (the mesh's ``ep``), borrowed from its
     ``dp_shard × tp`` as torchtitan borrows them: each holds ``E / ep`` whole experts, and the tokens reach them by
     all-to-all (:mod:`autosplit.passes.ep_costs`). ``"auto"``: chosen with the other degrees (1 for a dense model)."""
+    context_parallel: int | Literal["auto"] = 1
+    """Devices each stage's sequence is split over (the mesh's ``cp``, between dp_shard and tp), attention's keys and
+    values passed round their ring (:mod:`autosplit.passes.cp_costs`); FSDP shards over ``dp_shard × cp``. Costed and
+    exported, not run. ``"auto"``: chosen with the other degrees."""
     sequence_parallel: bool | str = AUTO
     """Under tensor parallelism, the activations between the split layers (norms, residuals, dropout)
     split along the tokens, as torchtitan's ``SequenceParallel`` runs them: each all-reduce a
@@ -257,8 +261,9 @@ class PlanOptions:
             raise _bad("replicate", self.replicate, f"one of {REPLICATES} or 'auto'")
         if not (self.tensor_parallel == AUTO or (_is_int(self.tensor_parallel) and int(self.tensor_parallel) >= 1)):
             raise _bad("tensor_parallel", self.tensor_parallel, "an integer ≥ 1 or 'auto'")
-        if not (self.expert_parallel == AUTO or (_is_int(self.expert_parallel) and int(self.expert_parallel) >= 1)):
-            raise _bad("expert_parallel", self.expert_parallel, "an integer ≥ 1 or 'auto'")
+        for name in ("expert_parallel", "context_parallel"):
+            if not ((value := getattr(self, name)) == AUTO or (_is_int(value) and int(value) >= 1)):
+                raise _bad(name, value, "an integer ≥ 1 or 'auto'")
         if not isinstance(self.async_tp, bool):
             raise _bad("async_tp", self.async_tp, "True or False")
         if not isinstance(self.sequence_parallel, bool) and self.sequence_parallel != AUTO:
@@ -361,25 +366,16 @@ class PlanOptions:
 
     @property
     def meshes(self) -> bool:
-        """The devices hold more than one pipeline: the planner lays the mesh's degrees over them (one of
-        :attr:`data_parallel`, :attr:`replicate` and :attr:`tensor_parallel` is ``"auto"``, or a degree is above 1)."""
-        return (AUTO in (self.data_parallel, self.replicate, self.tensor_parallel, self.expert_parallel)
-                or 1 != self.tensor_parallel or 1 != self.data_parallel or 1 != self.expert_parallel)
+        """The devices hold more than one pipeline: the planner lays the mesh's degrees over them (a degree or
+        :attr:`replicate` is ``"auto"``, or a degree is above 1)."""
+        degrees = (self.data_parallel, self.tensor_parallel, self.expert_parallel, self.context_parallel)
+        return AUTO in (*degrees, self.replicate) or any(d != 1 for d in degrees)
 
-    @property
-    def tp(self) -> int:
-        """:attr:`tensor_parallel` as a count (1 while it is ``"auto"``: not chosen yet)."""
-        return 1 if isinstance(self.tensor_parallel, str) else int(self.tensor_parallel)
-
-    @property
-    def ep(self) -> int:
-        """:attr:`expert_parallel` as a count (1 while it is ``"auto"``: not chosen yet)."""
-        return 1 if isinstance(self.expert_parallel, str) else int(self.expert_parallel)
-
-    @property
-    def replicas(self) -> int:
-        """:attr:`data_parallel` as a count (1 while it is ``"auto"``: not chosen yet)."""
-        return 1 if isinstance(self.data_parallel, str) else self.data_parallel
+    # The degrees as counts, 1 while one is "auto" (not chosen yet): tp, cp, ep, and replicas (data_parallel's)
+    tp = property(lambda self: _count(self.tensor_parallel))
+    cp = property(lambda self: _count(self.context_parallel))
+    ep = property(lambda self: _count(self.expert_parallel))
+    replicas = property(lambda self: _count(self.data_parallel))
 
     @property
     def dp_shard(self) -> int:
@@ -445,3 +441,7 @@ def _bad(name: str, value: Any, legal: str) -> ConstraintError:
 
 def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _count(degree: int | str) -> int:
+    return 1 if isinstance(degree, str) else int(degree)

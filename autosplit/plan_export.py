@@ -232,6 +232,7 @@ def torchtitan_config(plan: Plan, names: Names, *, form: str = "toml", parameter
         **({"enable_sequence_parallel": plan.sequence_parallel} if plan.tensor_parallel > 1 else {}),
         # experts whole on each of their ranks, borrowed from dp_shard × tp (autosplit.passes.ep_costs)
         **({"expert_parallel_degree": plan.expert_parallel, "expert_tensor_parallel_degree": 1} if plan.expert_parallel > 1 else {}),
+        **({"context_parallel_degree": plan.context_parallel} if plan.context_parallel > 1 else {}),
         "module_fqns_per_model_part": parts,
     }
     # without a pipeline, torchtitan accumulates gradients over global / (local · dp) steps: the micro-batches
@@ -359,6 +360,7 @@ def megatron_flags(plan: Plan, names: Names, parameters: Collection[str] | None 
     ]
     flags += ["--sequence-parallel"] if plan.sequence_parallel and plan.tensor_parallel > 1 else []
     flags += [f"--expert-model-parallel-size {plan.expert_parallel}", "--expert-tensor-parallel-size 1"] if plan.expert_parallel > 1 else []
+    flags += [f"--context-parallel-size {plan.context_parallel}", "--cp-comm-type p2p"] if plan.context_parallel > 1 else []
     # FSDP2's fully_shard is Megatron-FSDP's optim_grads_params: parameters, gradients and optimizer state sharded
     flags += ["--use-megatron-fsdp", "--data-parallel-sharding-strategy optim_grads_params"] if plan.dp_shard > 1 else []
     flags += ["--bf16"] if plan.precision in ("bf16", "bf16-mixed", "bf16-fsdp") else ["--fp16"] if plan.precision == "fp16-mixed" else []

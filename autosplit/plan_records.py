@@ -189,6 +189,8 @@ class Alternative:
     """Devices each stage's tensors are split over (:attr:`~autosplit.plans.Plan.tensor_parallel`)."""
     expert_parallel: int = 1
     """Of ``dp_shard × tp``, the ranks each MoE layer's experts are spread over (:attr:`~autosplit.plans.Plan.expert_parallel`)."""
+    context_parallel: int = 1
+    """Devices each sequence is split over (:attr:`~autosplit.plans.Plan.context_parallel`)."""
     bound: float | None = None
     """The least step any split of the configuration can reach, where the search proved one (seconds)."""
     selective: bool = False

@@ -116,6 +116,8 @@ class Plan:
     expert_parallel: int = 1
     """Ranks each mixture-of-experts layer's experts are spread over (``ep``), borrowed from ``dp_shard × tp``
     (:mod:`autosplit.passes.ep_costs`): each holds ``E / ep`` whole experts."""
+    context_parallel: int = 1
+    """Devices each stage's sequence is split over: the mesh's ``cp``, between dp_shard and tp (:mod:`autosplit.passes.cp_costs`)."""
     crossings: tuple[tuple[str, ...], ...] = ()
     """[boundary k − 1] the tensors stage k − 1 sends stage k, in order (the distributed runtime's
     positional interface; recorded when the plan is run distributed)."""
@@ -172,8 +174,10 @@ class Plan:
     @property
     def mesh(self) -> dict[str, int]:
         """The degrees of the device mesh the plan runs on, pp outermost, tp innermost (as torchtitan
-        builds it): ``{"pp": ranks, "dp_replicate": …, "dp_shard": …, "tp": …}``; world size = their product."""
-        return {"pp": len(self.devices), "dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "tp": self.tensor_parallel}
+        builds it): ``{"pp": ranks, "dp_replicate": …, "dp_shard": …, "tp": …}``, with ``"cp"`` before tp where the plan splits
+        the sequence; world size = their product."""
+        return {"pp": len(self.devices), "dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard,
+                **({"cp": self.context_parallel} if self.context_parallel > 1 else {}), "tp": self.tensor_parallel}
 
     @property
     def stage_of(self) -> dict[str, int]:
@@ -336,6 +340,8 @@ class Plan:
         if self.tensor_parallel < 1 or (self.tensor_parallel == 1 and (self.tp_shards or self.tp_whole or self.sequence_parallel)):
             raise _bad(source, "tensor_parallel", self.tensor_parallel,
                        "is not an integer ≥ 1, or is 1 with tp_shards or sequence_parallel")
+        if self.context_parallel < 1:
+            raise _bad(source, "context_parallel", self.context_parallel, "is not an integer ≥ 1")
         if self.expert_parallel < 1 or (self.dp_shard * self.tensor_parallel) % self.expert_parallel:
             raise _bad(source, "expert_parallel", self.expert_parallel,
                        f"is not an integer ≥ 1 dividing dp_shard × tensor_parallel = {self.dp_shard * self.tensor_parallel}")

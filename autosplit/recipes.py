@@ -25,12 +25,12 @@ from autosplit.options import REPLICATES, PlanOptions
 
 __all__ = ["Recipe"]
 
-FIXED_BY_RECIPE = ("data_parallel", "replicate", "tensor_parallel", "expert_parallel")
+FIXED_BY_RECIPE = ("data_parallel", "replicate", "tensor_parallel", "expert_parallel", "context_parallel")
 
 
 @dataclass(frozen=True)
 class Recipe:
-    """One layout over the whole mesh: ``world / (data_parallel · tensor_parallel)`` pipeline ranks, each
+    """One layout over the whole mesh: ``world / (data_parallel · context_parallel · tensor_parallel)`` pipeline ranks, each
     stage's tensors split over ``tensor_parallel`` devices and its ``data_parallel`` copies kept in step as
     ``replicate`` says (the mesh's dp_replicate or dp_shard), every copy a ``1/data_parallel`` share of the
     global batch."""
@@ -45,12 +45,14 @@ class Recipe:
     """Devices each stage's tensors are split over (the mesh's tp), by the rules the graph gives."""
     expert_parallel: int = 1
     """Ranks each mixture-of-experts layer's experts are spread over (ep), borrowed from dp_shard × tp."""
+    context_parallel: int = 1
+    """Devices each sequence is split over (the mesh's cp, between dp_shard and tp)."""
     options: Mapping[str, Any] = field(default_factory=dict)
     """The :class:`~autosplit.PlanOptions` the recipe fixes: ``schedule``, ``micro_batches``,
     ``stages_per_rank``, ``checkpointing``, ``precision``, …"""
 
     def __post_init__(self) -> None:
-        for name in ("data_parallel", "tensor_parallel", "expert_parallel"):
+        for name in ("data_parallel", "tensor_parallel", "expert_parallel", "context_parallel"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConstraintError(advice(
@@ -66,7 +68,7 @@ class Recipe:
         if fixed:
             raise ConstraintError(advice(
                 f"Recipe(options=...) sets {fixed}", "the recipe's own fields hold its data-parallel layout",
-                "pass them as Recipe(data_parallel=..., replicate=..., tensor_parallel=..., expert_parallel=...)",
+                "pass them as Recipe(data_parallel=..., replicate=..., tensor_parallel=..., expert_parallel=..., context_parallel=...)",
             ))
         # an unknown or bad option fails here, naming itself (FP8 linears ride on the planner's bf16 precision where
         # the recipe names none: checked again with it when the recipe is costed)

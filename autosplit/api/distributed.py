@@ -295,8 +295,17 @@ def _spread_experts(
 
 
 def check_expert_layout(made: Plan) -> None:
-    """Refuse, before any work, an expert-parallel plan this runtime does not run: it spreads the experts over the whole
-    ``dp_shard``, each expert on one rank (efsdp 1), with tp 1 and no dp_replicate, in fp32 or ``bf16-mixed``."""
+    """Refuse, before any work, what this runtime does not run: context parallelism (costed and exported: torch's
+    ``context_parallel`` has no rule for the CPU attention kernels, and autosplit does not run it on GPUs yet); an
+    expert-parallel plan other than the experts over the whole ``dp_shard``, each expert on one rank (efsdp 1), with tp 1
+    and no dp_replicate, in fp32 or ``bf16-mixed``."""
+    if made.context_parallel > 1:
+        raise ConstraintError(advice(
+            f"the plan splits each sequence over cp {made.context_parallel}",
+            "autosplit costs and exports context parallelism, and does not run it: torch's context_parallel has no sharding "
+            "rule for the CPU attention kernels (gloo), and this runtime does not apply it on GPUs yet",
+            "train the plan with torchtitan or Megatron (plan.export), or plan with context_parallel=1",
+        ))
     if made.expert_parallel > 1 and (made.tensor_parallel > 1 or made.dp_replicate > 1 or made.expert_parallel != made.dp_shard
                                      or made.precision in PARAM_CAST):
         raise ConstraintError(advice(

@@ -154,7 +154,7 @@ class Planner:
                                       **_degrees_of(saved, self.options))
         )
         degrees = Degrees(len(saved.devices), options.replicas, "fully_shard" if options.dp_shard > 1 else "replicate", options.tp,
-                          options.ep)
+                          options.ep, options.cp)
         return compile_plan(self.traced_for(options).at_batch(options.replicas), self._stage_devices(saved, degrees, options),
                             options, given=saved)
 
@@ -275,7 +275,8 @@ class Planner:
         specs = self.specs()
         # the devices as resolved (their caps applied): the memory option's indices are the whole mesh's
         layout = self.options.replace(data_parallel=recipe.data_parallel, replicate=recipe.replicate,
-                                      tensor_parallel=recipe.tensor_parallel, expert_parallel=recipe.expert_parallel, memory=None,
+                                      tensor_parallel=recipe.tensor_parallel, expert_parallel=recipe.expert_parallel,
+                                      context_parallel=recipe.context_parallel, memory=None,
                                       **recipe.options)
         # refuses a degree the devices or batch do not divide, or a tp wider than a node
         (degrees,) = degrees_to_try(len(specs), self.traced.batch, layout, specs[0].island_size, specs[0].name)
@@ -369,9 +370,10 @@ def _degrees_of(saved: Plan, options: PlanOptions) -> dict[str, Any]:
     run under the options' ``data_parallel`` and ``replicate``; its tensor parallelism either way."""
     if saved.data_parallel > 1:
         return {"data_parallel": saved.data_parallel, "replicate": "fully_shard" if saved.dp_shard > 1 else "replicate",
-                "tensor_parallel": saved.tensor_parallel, "expert_parallel": saved.expert_parallel}
+                "tensor_parallel": saved.tensor_parallel, "expert_parallel": saved.expert_parallel,
+                "context_parallel": saved.context_parallel}
     return {"data_parallel": options.replicas, "replicate": "replicate" if options.replicate == "auto" else options.replicate,
-            "tensor_parallel": saved.tensor_parallel, "expert_parallel": saved.expert_parallel}
+            "tensor_parallel": saved.tensor_parallel, "expert_parallel": saved.expert_parallel, "context_parallel": saved.context_parallel}
 
 
 def _float8_of(saved: Plan) -> dict[str, Any]:

@@ -87,7 +87,7 @@ def world_size(args: argparse.Namespace, devices: list[str]) -> int:
     from autosplit.plans import Plan
 
     plan = Plan.load(args.plan)
-    return len(plan.devices) * (plan.data_parallel if plan.data_parallel > 1 else args.dp) * plan.tensor_parallel
+    return len(plan.devices) * (plan.data_parallel if plan.data_parallel > 1 else args.dp) * plan.context_parallel * plan.tensor_parallel
 
 
 def run(args: argparse.Namespace, argv: list[str]) -> int:

@@ -21,6 +21,7 @@ from autosplit.errors import ConstraintError, CostModelError, advice
 from autosplit.options import AUTO, PlanOptions, ProfileOptions
 from autosplit.passes.annotations import node_info
 from autosplit.passes.costs import LossCost, estimate, with_overrides
+from autosplit.passes.cp_costs import cp_laid_out, sequence_length
 from autosplit.passes.ep_costs import ep_laid_out
 from autosplit.passes.experts import check_experts
 from autosplit.passes.fusion import Fusion, norm_paths
@@ -34,7 +35,8 @@ from autosplit.shapes import is_meta
 from autosplit.solver.problem import UserConstraint
 from autosplit.timers import pinned
 
-__all__ = ["cost_table", "ep_table", "estimated", "float8_fields", "sequence_parallel", "tp_fields", "tp_table"]
+__all__ = ["check_sequence", "cost_table", "cp_table", "ep_table", "estimated", "float8_fields", "sequence_parallel", "tp_fields",
+           "tp_table"]
 
 
 KEPT_TABLES = 8
@@ -58,7 +60,7 @@ def cost_table(
                            selective=selective, laid=laid)
     key = (specs, micro_batches, tuple(recompute), tuple(partial), options.precision, options.float8, options.float8_exclude,
            options.optimizer, options.checkpointing, tuple(options.recompute or ()), selective, options.tp, options.sequence_parallel,
-           options.async_tp, options.dp_shard, options.ep, laid)
+           options.async_tp, options.dp_shard, options.ep, options.cp, laid)
     kept = traced._tables
     if key not in kept:
         kept[key] = _cost_table(traced, specs, options, micro_batches=micro_batches, recompute=recompute, partial=partial,
@@ -120,15 +122,18 @@ def _cost_table(
         check_degree(traced.tp_rules(), options.tp)
         table = tp_table(table, traced, options, tp=options.tp, micro_batches=micro_batches)
         source += f"; tensors split over tp {options.tp}"
+    if options.cp > 1:
+        table = cp_table(table, traced, options, micro_batches=micro_batches)
+        source += f"; sequence split over cp {options.cp}"
     if options.ep > 1:
         table = ep_table(table, traced, options, micro_batches=micro_batches)
         source += f"; experts over ep {options.ep}"
     if not laid:
         return table, source
-    table = laid_out(table, dp_shard=options.dp_shard, alone=sharded_alone(len(specs), micro_batches, options.dp_shard, specs),
-                     precision=options.precision)
-    if options.dp_shard > 1:
-        source += f"; sharded over dp_shard {options.dp_shard}"
+    shards = options.dp_shard * options.cp  # FSDP shards over dp_shard × cp, as torchtitan does
+    table = laid_out(table, dp_shard=shards, alone=sharded_alone(len(specs), micro_batches, shards, specs), precision=options.precision)
+    if shards > 1:
+        source += f"; sharded over dp_shard {options.dp_shard}" + f" × cp {options.cp}" * (options.cp > 1)
     return table, source
 
 
@@ -142,6 +147,32 @@ def tp_table(table: CostTable, traced: Traced, options: PlanOptions, *, tp: int,
     return tp_laid_out(table, traced.annotated(options.precision, table.devices[0].device_type), traced.tp_rules(), tp=tp,
                        micro_batches=micro_batches, numel=traced.param_numel(), sequence_parallel=sequence_parallel(traced, options),
                        precision=options.precision, async_tp=options.async_tp, float8_gathered=gathered)
+
+
+def cp_table(table: CostTable, traced: Traced, options: PlanOptions, *, micro_batches: int) -> CostTable:
+    """``table`` (laid out over tp) as one device of a context-parallel group of ``options.cp`` runs it
+    (:func:`~autosplit.passes.cp_costs.cp_laid_out`); refused where the sequence does not divide ``2 · cp · tp``."""
+    gm = traced.annotated(options.precision, table.devices[0].device_type)
+    check_sequence(sequence_length(gm), options.cp, options.tp)
+    return cp_laid_out(table, gm, cp=options.cp, tp=options.tp, micro_batches=micro_batches)
+
+
+def check_sequence(sequence: int | None, cp: int, tp: int) -> None:
+    """Refuse a cp the graph's attention cannot be split by: none, or a sequence that ``2 · cp · tp`` does not divide
+    (each rank holds a head and a tail chunk of ``s / (2·cp)`` tokens, which tp splits again under sequence parallelism)."""
+    if cp <= 1:
+        return
+    if sequence is None:
+        raise ConstraintError(advice(f"context_parallel={cp}, and this graph runs no scaled-dot-product attention",
+                                     "context parallelism splits attention's sequence over a ring of devices",
+                                     "plan with context_parallel=1"))
+    if sequence % (2 * cp * tp):
+        fits = [c for c in range(1, sequence + 1) if sequence % (2 * c * tp) == 0 and c <= 64]
+        raise ConstraintError(advice(
+            f"the sequence of {sequence} tokens does not divide 2 · cp {cp} · tp {tp} = {2 * cp * tp}",
+            "each cp rank holds a head and a tail chunk of the sequence (causal attention's work balanced), split again over tp",
+            f"pass context_parallel= one of {fits}, or 'auto'",
+        ))
 
 
 def ep_table(table: CostTable, traced: Traced, options: PlanOptions, *, micro_batches: int) -> CostTable:
@@ -160,6 +191,7 @@ def ep_table(table: CostTable, traced: Traced, options: PlanOptions, *, micro_ba
 def tp_fields(traced: Traced, options: PlanOptions) -> dict[str, Any]:
     """The :class:`~autosplit.plans.Plan` fields of the options' tensor and expert parallelism (none for tp 1, ep 1)."""
     experts = {"expert_parallel": options.ep} if options.ep > 1 else {}
+    experts |= {"context_parallel": options.cp} if options.cp > 1 else {}
     if options.tp <= 1:
         return experts
     rules = traced.tp_rules()

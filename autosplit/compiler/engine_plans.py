@@ -84,22 +84,22 @@ def megatron_recipe(body: str, names: Names, world: int, num_layers: int, tensor
         raise ConstraintError(advice("the Megatron flags give no --pipeline-model-parallel-layout",
                                      "autosplit reads a Megatron split from its layout", "add the layout"))
     stages = parse(layout)
-    tp = int(flags.get("tensor-model-parallel-size", tensor_parallel))
-    pp = int(flags.get("pipeline-model-parallel-size", math.gcd(len(stages), max(1, world // tp))))
+    tp, cp = int(flags.get("tensor-model-parallel-size", tensor_parallel)), int(flags.get("context-parallel-size", 1))
+    pp = int(flags.get("pipeline-model-parallel-size", math.gcd(len(stages), max(1, world // (tp * cp)))))
     vp = check(stages, num_layers=num_layers, pipeline=pp)
     if "m" in "".join("".join(s) for s in stages):
         raise ConstraintError(advice(f"layout {layout!r} holds multi-token prediction layers m", "the model has none",
                                      "write the layout of this model's layers"))
-    if world % (tp * pp):
-        raise ConstraintError(advice(f"tp {tp} × pp {pp} does not divide the {world} devices", "Megatron's data-parallel size "
-                                     "is the devices over tp × pp", "give sizes whose product divides the devices"))
+    if world % (tp * pp * cp):
+        raise ConstraintError(advice(f"tp {tp} × pp {pp} × cp {cp} does not divide the {world} devices", "Megatron's data-parallel "
+                                     "size is the devices over tp × pp × cp", "give sizes whose product divides the devices"))
     titan, layer = [], 0
     for stage in stages:
         part = ["tok_embeddings"] if "E" in stage else []
         part += [f"layers.{i}" for i in range(layer, layer + stage.count("t"))]
         layer += stage.count("t")
         titan.append(part + (["norm", "output"] if "L" in stage else []))
-    dp = world // (tp * pp)
+    dp = world // (tp * pp * cp)
     schedule = "gpipe" if len(stages) == 1 else "interleaved1f1b" if vp > 1 else "1f1b"  # one stage: no pipeline to schedule
     options: dict[str, Any] = {"schedule": schedule, "stages_per_rank": vp, "checkpointing": "none"}
     if "micro-batch-size" in flags and "global-batch-size" in flags:  # Megatron's micro-batches per step and copy
@@ -113,7 +113,8 @@ def megatron_recipe(body: str, names: Names, world: int, num_layers: int, tensor
     if "fp8-format" in flags:
         options["float8"] = _megatron_float8(flags)
     ep = _expert_degree(int(flags.get("expert-model-parallel-size", 1)), int(flags.get("expert-tensor-parallel-size", 1)), "Megatron")
-    return Recipe(split=_stage_modules(titan, names), data_parallel=dp, tensor_parallel=tp, expert_parallel=ep, options=options,
+    return Recipe(split=_stage_modules(titan, names), data_parallel=dp, tensor_parallel=tp, expert_parallel=ep, context_parallel=cp,
+                  options=options,
                   replicate=_megatron_replicate(flags, pipelined=len(stages) > 1))
 
 
@@ -229,8 +230,9 @@ def torchtitan_recipe(config: Any, names: Names, world: int, num_layers: int) ->
     tables, release = torchtitan_tables(config)
     par, ac, training = tables["parallelism"], tables["activation_checkpoint"], tables["training"]
     replicate, shard = int(par.get("data_parallel_replicate_degree", 1)), int(par.get("data_parallel_shard_degree", -1))
+    cp = int(par.get("context_parallel_degree", 1))
     if shard == -1:
-        shard = world // (replicate * int(par.get("tensor_parallel_degree", 1)) * int(par.get("pipeline_parallel_degree", 1)))
+        shard = world // (replicate * cp * int(par.get("tensor_parallel_degree", 1)) * int(par.get("pipeline_parallel_degree", 1)))
     if replicate > 1 and shard > 1:
         raise ConstraintError(advice(
             f"torchtitan config replicates over {replicate} and shards over {shard} (HSDP)",
@@ -277,7 +279,7 @@ def torchtitan_recipe(config: Any, names: Names, world: int, num_layers: int) ->
     options |= torchtitan_float8(config, names, release)
     ep = _expert_degree(int(par.get("expert_parallel_degree", 1)), int(par.get("expert_tensor_parallel_degree", 1)), "torchtitan")
     return Recipe(split=_stage_modules(fqns, names) if fqns else None, data_parallel=max(replicate, shard), tensor_parallel=tp,
-                  replicate="fully_shard" if shard > 1 else "replicate", expert_parallel=ep, options=options)
+                  replicate="fully_shard" if shard > 1 else "replicate", expert_parallel=ep, context_parallel=cp, options=options)
 
 
 def _expert_degree(ep: int, etp: int, engine: str) -> int:
@@ -361,7 +363,8 @@ def nearest_layer_plan(planner: Any, plan: Plan, names: Names | Mapping[str, str
             floor = max(floor, max(counts, key=lambda s: (counts[s], -s)))
             lists[floor].append(unit)
     recipe = Recipe(split=lists, data_parallel=plan.data_parallel, tensor_parallel=plan.tensor_parallel,
-                    expert_parallel=plan.expert_parallel, replicate="fully_shard" if plan.dp_shard > 1 else "replicate",
+                    expert_parallel=plan.expert_parallel, context_parallel=plan.context_parallel,
+                    replicate="fully_shard" if plan.dp_shard > 1 else "replicate",
                     options={"schedule": plan.schedule, "stages_per_rank": plan.stages_per_rank, "micro_batches": plan.micro_batches,
                              "precision": plan.precision})
     return planner.manual(recipe, name="nearest whole layers", check_memory=False)

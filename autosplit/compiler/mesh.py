@@ -40,6 +40,8 @@ from autosplit.costtable import CostTable
 from autosplit.devices import DeviceSpec
 from autosplit.errors import AutosplitError, ConstraintError, InfeasiblePlanError, SolverError, advice
 from autosplit.options import AUTO, REPLICATES, PlanOptions
+from autosplit.passes.cp_costs import sequence_length
+from autosplit.passes.experts import check_experts
 from autosplit.passes.sharding import laid_out
 from autosplit.passes.tensor_parallel import check_degree
 from autosplit.plans import Alternative, Plan
@@ -51,15 +53,19 @@ log = logging.getLogger(__name__)
 
 def degrees_to_try(
     world: int, batch: int | None, options: PlanOptions, island: int | None = None, kind: str = "", experts: Sequence[int] = (),
+    sequence: int | None = None,
 ) -> list[Degrees]:
     """Every configuration of ``world`` devices the options leave open, for a global batch of ``batch``
     rows, tensor parallelism inside an ``island`` of devices (a node; None: any), and expert parallelism
     over the ``experts`` of each MoE layer (their counts; none: a dense model, ep 1 unless pinned); refuses
     a pinned degree that does not divide the devices or the batch, a tp wider than a node (of ``kind``, the
-    devices' name, as the message says it), or an ep no configuration's ``dp_shard × tp`` holds."""
+    devices' name, as the message says it), or an ep no configuration's ``dp_shard × tp`` holds. Context parallelism:
+    the pinned cp, or under ``"auto"`` every cp that the devices left by tp and the attention's ``sequence`` (2 · cp · tp
+    dividing it; None: no attention, cp 1) allow."""
     tps = _tensor_parallel_degrees(world, island, options, kind)
+    pairs = [(tp, cp) for tp in tps for cp in _context_degrees(world // tp, tp, options, sequence)]
     pinned = None if options.data_parallel == AUTO else options.replicas
-    room = world // tps[0] if len(tps) == 1 else world
+    room = world // (tps[0] * options.cp) if len(tps) == 1 and options.context_parallel != AUTO else world
     if pinned is not None and (room % pinned or (batch is not None and batch % pinned)):
         raise ConstraintError(advice(
             f"data_parallel={pinned} does not divide the {room} devices" + f" left by tp {tps[0]}" * (room != world)
@@ -70,9 +76,9 @@ def degrees_to_try(
         ))
     layouts = REPLICATES if options.replicate == AUTO else (options.replicate,)
     dense = [
-        Degrees(world // (d * tp), d, layout, tp) for tp in tps
-        for d in ([pinned] if pinned is not None else _divisors(world // tp))
-        if (world // tp) % d == 0 and (batch is None or batch % d == 0)
+        Degrees(world // (d * tp * cp), d, layout, tp, cp=cp) for tp, cp in pairs
+        for d in ([pinned] if pinned is not None else _divisors(world // (tp * cp)))
+        if (world // (tp * cp)) % d == 0 and (batch is None or batch % d == 0)
         for layout in (layouts if d > 1 else REPLICATES[:1])
     ]
     with_ep = [dataclasses.replace(c, ep=ep) for c in dense for ep in _expert_degrees(c, options, experts)]
@@ -84,6 +90,18 @@ def degrees_to_try(
             "pass replicate='fully_shard' with a data_parallel (or tensor_parallel) that ep divides, or expert_parallel='auto'",
         ))
     return with_ep
+
+
+def _context_degrees(room: int, tp: int, options: PlanOptions, sequence: int | None) -> list[int]:
+    """The cp degrees to try beside ``tp``: the pinned one (refused where it does not divide the ``room`` tp leaves), or
+    every divisor of the room whose ``2 · cp · tp`` divides the attention's sequence (1 alone without attention)."""
+    if options.context_parallel != AUTO:
+        if room % options.cp:
+            raise ConstraintError(advice(f"context_parallel={options.cp} does not divide the {room} devices left by tp {tp}",
+                                         "world size = pp × dp_replicate × dp_shard × cp × tp",
+                                         f"pass context_parallel= one of {_divisors(room)}, or 'auto'"))
+        return [options.cp]
+    return [c for c in _divisors(room) if c == 1 or (sequence is not None and sequence % (2 * c * tp) == 0)]
 
 
 def _expert_degrees(degrees: Degrees, options: PlanOptions, experts: Sequence[int]) -> list[int]:
@@ -153,14 +171,18 @@ def _search(traced: Traced, specs: Sequence[DeviceSpec], options: PlanOptions) -
     configuration whose bound leaves room below the best step, most room first."""
     start = time.perf_counter()
     first = options.replace(limits=dataclasses.replace(options.limits, cpsat_vars=1))
-    plain = options.replace(data_parallel=1, replicate="replicate", tensor_parallel=1, cost_overrides=None, costs="analytic")
+    plain = options.replace(data_parallel=1, replicate="replicate", tensor_parallel=1, expert_parallel=1, context_parallel=1,
+                            cost_overrides=None, costs="analytic")
     # the model state, whatever the batch, as one unsharded device holds it (each configuration lays it out);
     # the global batch's costs and the blocks a plan may recompute
     whole, _ = cost_table(traced, tuple(specs[:1]), plain, micro_batches=1, laid=False)
     tried: dict[Degrees, Outcome] = {}
     floors: dict[Degrees, float] = {}
-    experts = [g.experts for g in traced.expert_groups(options.precision, specs[0].device_type)] if options.expert_parallel == AUTO else []
-    for degrees in degrees_to_try(len(specs), traced.batch, options, specs[0].island_size, specs[0].name, experts):
+    groups = traced.expert_groups(options.precision, specs[0].device_type) if options.expert_parallel != 1 else ()
+    check_experts(groups, options.ep)  # a pinned ep the layers' experts do not divide, in their terms
+    experts = [g.experts for g in groups] if options.expert_parallel == AUTO else []
+    sequence = sequence_length(traced.annotated(options.precision, specs[0].device_type)) if options.context_parallel == AUTO else None
+    for degrees in degrees_to_try(len(specs), traced.batch, options, specs[0].island_size, specs[0].name, experts, sequence):
         try:
             floors[degrees] = _proven(traced, specs, options, degrees, whole)
         except AutosplitError as e:
@@ -218,8 +240,8 @@ def _proven(traced: Traced, specs: Sequence[DeviceSpec], options: PlanOptions, d
     chosen = _chosen(options, degrees)
     # the least state the configuration can hold: FSDP alone may make every module a unit of its own
     least = whole if degrees.pp > 1 else dataclasses.replace(whole, unit_params=(True,) * len(whole.nodes))
-    row = 0.0 if options.checkpoints else sum(whole.saved_bytes) / (traced.batch or math.inf)
-    least = laid_out(least, dp_shard=chosen.dp_shard, alone=degrees.pp == 1, precision=options.precision)
+    row = 0.0 if options.checkpoints else sum(whole.saved_bytes) / (traced.batch or math.inf) / degrees.cp  # its tokens over cp
+    least = laid_out(least, dp_shard=chosen.dp_shard * degrees.cp, alone=degrees.pp == 1, precision=options.precision)
     state_fits(least, stage_ranks(specs, degrees), degrees, row)
     if degrees.tp > 1:  # head counts and split sizes the degree must divide, before capturing the share
         check_degree(traced.tp_rules(), degrees.tp)
@@ -228,7 +250,7 @@ def _proven(traced: Traced, specs: Sequence[DeviceSpec], options: PlanOptions, d
 
 def _chosen(options: PlanOptions, degrees: Degrees) -> PlanOptions:
     return options.replace(data_parallel=degrees.data_parallel, replicate=degrees.replicate, tensor_parallel=degrees.tp,
-                           expert_parallel=degrees.ep,
+                           expert_parallel=degrees.ep, context_parallel=degrees.cp,
                            # the micro-batches chosen with the degrees unless the user fixed them
                            micro_batches="auto" if options.micro_batches is None else options.micro_batches)
 
@@ -251,14 +273,15 @@ def _attempt(
 
 
 def stage_ranks(specs: Sequence[DeviceSpec], degrees: Degrees) -> tuple[DeviceSpec, ...]:
-    """The device each stage of ``degrees`` is planned on: its first rank, ``s · dp · tp`` (tp innermost,
-    then the data-parallel copies), as it sees its data-parallel peers — an island of ``island_size``
-    devices holds ``island_size / tp`` of each data-parallel group."""
-    group = degrees.data_parallel * degrees.tp
+    """The device each stage of ``degrees`` is planned on: its first rank, ``s · dp · cp · tp`` (tp innermost,
+    then cp, then the data-parallel copies), as it sees its data-parallel peers — an island of ``island_size``
+    devices holds ``island_size / (cp · tp)`` of each data-parallel group."""
+    group = degrees.data_parallel * degrees.cp * degrees.tp
     ranks = tuple(specs[s * group] for s in range(degrees.pp))
-    if degrees.tp <= 1:
+    inner = degrees.tp * degrees.cp  # the ranks between two of a data-parallel group's
+    if inner <= 1:
         return ranks
-    return tuple(dataclasses.replace(d, island_size=max(1, d.island_size // degrees.tp)) if d.island_size else d for d in ranks)
+    return tuple(dataclasses.replace(d, island_size=max(1, d.island_size // inner)) if d.island_size else d for d in ranks)
 
 
 def _none_fits(world: int, tried: Sequence[tuple[Degrees, Outcome]]) -> AutosplitError:
@@ -288,10 +311,12 @@ def _alternatives(tried: Sequence[tuple[Degrees, Outcome]]) -> tuple[Alternative
         shard = d.data_parallel if d.replicate == "fully_shard" else 1
         rows.append(
             Alternative(p.schedule, p.stages_per_rank, p.micro_batches, p.step_time, p.rank_memory or tuple(s.memory for s in p.stages),
-                        data_parallel=d.data_parallel, dp_shard=shard, tensor_parallel=d.tp, expert_parallel=d.ep, bound=_bound_of(p),
+                        data_parallel=d.data_parallel, dp_shard=shard, tensor_parallel=d.tp, expert_parallel=d.ep, context_parallel=d.cp,
+                        bound=_bound_of(p),
                         selective=p.recompute_selective) if isinstance(p, Plan)
             else Alternative("", 1, 0, math.inf, note=p.why if isinstance(p, Unplanned) else _first_sentence(p),
                              data_parallel=d.data_parallel, dp_shard=shard, tensor_parallel=d.tp, expert_parallel=d.ep,
+                             context_parallel=d.cp,
                              bound=p.floor if isinstance(p, Unplanned) else None)
         )
     return tuple(sorted(rows, key=lambda a: a.step_time))

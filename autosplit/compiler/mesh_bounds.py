@@ -39,7 +39,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
-from autosplit.compiler.costs import ep_table, tp_table
+from autosplit.compiler.costs import cp_table, ep_table, tp_table
 from autosplit.compiler.prediction import fill_and_drain, fills
 from autosplit.compiler.search import configurations, stage_problem
 from autosplit.compiler.trace import Traced
@@ -64,11 +64,13 @@ class Degrees:
     tp: int = 1
     ep: int = 1
     """Of ``dp_shard × tp``, the ranks each MoE layer's experts are spread over."""
+    cp: int = 1
+    """Devices each sequence is split over (between dp_shard and tp)."""
 
     def __str__(self) -> str:
         dim = "dp_shard" if self.replicate == "fully_shard" else "dp_replicate"
-        return (f"pp {self.pp}" + f" × {dim} {self.data_parallel}" * (self.data_parallel > 1) + f" × tp {self.tp}" * (self.tp > 1)
-                + f" (ep {self.ep})" * (self.ep > 1))
+        return (f"pp {self.pp}" + f" × {dim} {self.data_parallel}" * (self.data_parallel > 1) + f" × cp {self.cp}" * (self.cp > 1)
+                + f" × tp {self.tp}" * (self.tp > 1) + f" (ep {self.ep})" * (self.ep > 1))
 
     @property
     def dp_shard(self) -> int:
@@ -83,10 +85,12 @@ def step_floor(whole: CostTable, traced: Traced, degrees: Degrees, options: Plan
     table = whole
     if degrees.tp > 1:
         table = tp_table(whole, traced, options, tp=degrees.tp, micro_batches=1)
+    if degrees.cp > 1:  # every node's work over the sequence's shards (the ring only adds)
+        table = cp_table(table, traced, options, micro_batches=1)
     if degrees.ep > 1:  # the experts' compute split over a tp group's ranks (their all-to-all only adds)
         table = ep_table(table, traced, options, micro_batches=1)
-    if options.dp_shard > 1:
-        table = laid_out(table, dp_shard=options.dp_shard, alone=True, precision=options.precision)
+    if options.dp_shard * options.cp > 1:
+        table = laid_out(table, dp_shard=options.dp_shard * options.cp, alone=True, precision=options.precision)
     dp, pp = degrees.data_parallel, degrees.pp
     per_node = [(f + b - (table.split_cost[n][0] if table.split_cost else 0.0)) / dp
                 for n, (f, b) in enumerate(zip((r[0] for r in table.fwd_time), (r[0] for r in table.bwd_time)))]
@@ -107,7 +111,7 @@ def state_fits(table: CostTable, ranks: tuple[DeviceSpec, ...], degrees: Degrees
     Every stage holds at least one micro-batch of at least one row at its peak, and a tensor's bytes
     grow at most in proportion to the batch (``a · rows + c``, ``c ≥ 0``), so this bounds any share.
     Tensor parallelism holds no less than ``1/tp`` of either (:mod:`autosplit.passes.tp_costs`)."""
-    need, cap = (sum(table.state_bytes) + row) / (degrees.pp * degrees.tp), sum(d.memory for d in ranks) / degrees.pp
+    need, cap = (sum(table.state_bytes) + row) / (degrees.pp * degrees.tp), sum(d.memory for d in ranks) / degrees.pp  # cp: laid out
     if need > cap:
         what = "the model state alone needs" if not row else "the model state and one row's saved activations need"
         raise InfeasiblePlanError(advice(
@@ -145,6 +149,8 @@ def memory_proven(whole: CostTable, traced: Traced, degrees: Degrees, options: P
     share = dataclasses.replace(whole, devices=tuple(ranks), **over_dp, **on_ranks, block_transient=whole.block_transient // dp)
     if degrees.tp > 1:
         share = tp_table(share, traced, options, tp=degrees.tp, micro_batches=1)
+    if degrees.cp > 1:  # the activations of 1/cp of the tokens
+        share = cp_table(share, traced, options, micro_batches=1)
     if degrees.ep > 1:  # the experts' state: each rank holds E / ep of them
         share = ep_table(share, traced, options, micro_batches=1)
     rows = (traced.batch or dp) // dp
@@ -154,7 +160,7 @@ def memory_proven(whole: CostTable, traced: Traced, degrees: Degrees, options: P
         M = int(c.micro_batches or 1)
         table = laid_out(dataclasses.replace(share, transient_bytes=tuple(v // M for v in share.transient_bytes),
                                              block_transient=share.block_transient // M),
-                         dp_shard=c.dp_shard, alone=sharded_alone(pp, M, c.dp_shard, ranks), precision=c.precision)
+                         dp_shard=c.dp_shard * c.cp, alone=sharded_alone(pp, M, c.dp_shard * c.cp, ranks), precision=c.precision)
         try:
             prove_over_caps(stage_problem(table, pp, c, M, [])[1])
         except InfeasiblePlanError as e:

@@ -102,7 +102,7 @@ def _data_parallel(
     a stage's all-gather hides while it waits for its first input, its gradients' reduction while
     the stages before it finish their last backward (whole copies: while its own last backward runs,
     DDP's bucketed overlap)."""
-    if options.replicas <= 1:
+    if options.replicas * options.cp <= 1:
         return 0.0
     S = len(devices)
     fwd, bwd = [0.0] * S, [0.0] * S
@@ -112,14 +112,15 @@ def _data_parallel(
     entry = schedules.lookup(options.schedule)
     in_line = entry.flushes and entry.placement == "linear" and S == len(set(order))
     waits = list(itertools.accumulate([0.0, *fwd[:-1]])) if in_line else [0.0] * S
-    shards = options.dp_shard
+    shards = options.dp_shard * options.cp  # FSDP shards over dp_shard × cp, as torchtitan does
     drains = bwd if shards == 1 else list(itertools.accumulate([0.0, *bwd[:-1]])) if in_line else [0.0] * S
     units = [0.0] * S
     engine = engine_of(devices)
     if sharded_alone(S, M, shards, devices) and table.unit_params:
         for n, s in enumerate(stage_of):
             units[s] += table.param_bytes[n] if table.unit_params[n] else 0
-    return data_parallel_time(param_bytes, devices, replicas=options.replicas // shards, shards=shards, waits=waits, drains=drains,
+    return data_parallel_time(param_bytes, devices, replicas=options.replicas // options.dp_shard, shards=shards, waits=waits,
+                              drains=drains,
                               units=units, compute=[M * (f + b) for f, b in zip(fwd, bwd)],
                               gathered=gathered_share(table, devices, options.precision, shards, options.tp),
                               reduced=gradient_share(devices, options.precision),

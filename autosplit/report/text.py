@@ -154,16 +154,17 @@ def _print_alternatives(console: Any, plan: Plan) -> None:
     console.print(f"configurations tried ({len(plan.alternatives)}, fastest first; split by the DP, replayed):")
     for a in plan.alternatives[:12]:
         peak = max(a.rank_memory, default=0)
-        mesh = _mesh(a.data_parallel, a.dp_shard, a.tensor_parallel, a.expert_parallel)
+        mesh = _mesh(a.data_parallel, a.dp_shard, a.tensor_parallel, a.expert_parallel, a.context_parallel)
         console.print(f"  {f'pp {len(a.rank_memory)} × {mesh}: ' if mesh and a.rank_memory else mesh + ': ' if mesh else ''}" + (
             f"{a.schedule} × {a.stages_per_rank} stage(s) per device × {a.micro_batches} micro-batches"
             f"{', recomputing selectively' if a.selective else ''}: "
             f"{_ms(a.step_time)}, peak {format_bytes(peak)}" if a.fits else a.note))
 
 
-def _mesh(data_parallel: int, dp_shard: int, tp: int = 1, ep: int = 1) -> str:
-    """``"dp_shard 8"``, ``"dp_replicate 4"``, ``"dp_replicate 2 × dp_shard 4 × tp 8 (ep 16)"``; ``""`` with neither."""
-    parts = [f"{name} {n}" for name, n in (("dp_replicate", data_parallel // dp_shard), ("dp_shard", dp_shard), ("tp", tp)) if n > 1]
+def _mesh(data_parallel: int, dp_shard: int, tp: int = 1, ep: int = 1, cp: int = 1) -> str:
+    """``"dp_shard 8"``, ``"dp_replicate 4"``, ``"dp_replicate 2 × dp_shard 4 × cp 2 × tp 8 (ep 16)"``; ``""`` with neither."""
+    named = (("dp_replicate", data_parallel // dp_shard), ("dp_shard", dp_shard), ("cp", cp), ("tp", tp))
+    parts = [f"{name} {n}" for name, n in named if n > 1]
     return " × ".join(parts) + f" (ep {ep})" * (ep > 1)
 
 

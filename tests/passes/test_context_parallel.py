@@ -1,0 +1,109 @@
+"""Context parallelism in the plan: its terms by hand, the degree chosen where memory asks for it, refusals, engines.
+
+A small transformers Llama with scaled-dot-product attention (the kernel context parallelism splits)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import pytest
+import torch
+
+import autosplit
+from autosplit.compiler.costs import check_sequence, cost_table
+from autosplit.devices import PRESETS
+from autosplit.errors import ConstraintError
+from autosplit.passes.cp_costs import attention_nodes, cp_laid_out, ring_time
+
+pytest.importorskip("transformers")
+
+
+def _llama(seq: int = 8, rows: int = 8, layers: int = 2):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    shape: dict[str, Any] = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
+                                 num_key_value_heads=2, max_position_embeddings=max(16, seq), attn_implementation="sdpa")
+    return LlamaForCausalLM(LlamaConfig(**shape)), (torch.randint(0, 128, (rows, seq)),)
+
+
+def _device(island: int | None = 8):
+    return dataclasses.replace(PRESETS["H100-80GB"], island_size=island, link_bandwidth=100e9, link_latency=5e-6,
+                               network_bandwidth=25e9, network_latency=10e-6)
+
+
+def test_the_ring_by_hand_inside_a_node_and_across():
+    d = _device()
+    assert ring_time(1e9, 1, 1, d, 4) == 0.0
+    assert ring_time(1e9, 4, 2, d, 3) == pytest.approx(3 / 4 * 1e9 / 100e9 + 3 * 5e-6 * 3)  # cp 4 × tp 2 = 8: NVLink
+    assert ring_time(1e9, 4, 4, d, 1) == pytest.approx(3 / 4 * 1e9 / 25e9 + 3 * 10e-6)  # 16 devices: over the network
+
+
+def test_one_attention_layer_split_over_cp_by_hand():
+    """Every node's work and activations ÷ cp; the attention node's ring, K and V forward and again with fp32 gradients
+    backward, exposed only beyond the attention work it overlaps."""
+    model, args = _llama(seq=64)
+    planner = autosplit.Planner(model, [_device()], example_inputs=args, micro_batches=2, schedule="gpipe")
+    gm = planner.traced.annotated("fp32", "cuda")
+    table, _ = cost_table(planner.traced, (_device(),), planner.options, micro_batches=2, laid=False)
+    attention = attention_nodes(gm)
+    assert len(attention) == 2 and all(s == 64 for s, _, _ in attention.values())
+    (name, (_, kv, itemsize)), *_ = attention.items()
+    assert kv == 2 * 8 * 4 * 64 * 16 * 4 and itemsize == 4  # K and V as the graph runs them: rows × heads × sequence × head dim, fp32
+    split = cp_laid_out(table, gm, cp=2, tp=1, micro_batches=2)
+    i, launch = table.nodes.index(name), table.devices[0].launch_overhead
+
+    def halved(t: float) -> float:  # the work over cp 2, the kernel's launch on every rank
+        return (t - min(t, launch)) / 2 + min(t, launch)
+
+    forward, backward = ring_time(kv, 2, 1, table.devices[0], 2), ring_time(kv * (1 + 4 / 4), 2, 1, table.devices[0], 2)
+    assert split.fwd_time[i][0] == pytest.approx(halved(table.fwd_time[i][0]) + max(0.0, forward - halved(table.fwd_time[i][0])))
+    assert split.bwd_time[i][0] == pytest.approx(halved(table.bwd_time[i][0]) + max(0.0, backward - halved(table.bwd_time[i][0])))
+    other = next(k for k, n in enumerate(table.nodes) if n not in attention and table.fwd_time[k][0] > 0)
+    assert split.fwd_time[other][0] == pytest.approx(halved(table.fwd_time[other][0]))
+    assert split.saved_bytes == tuple(-(-b // 2) for b in table.saved_bytes) and split.state_bytes == table.state_bytes
+
+
+def test_cp_is_chosen_where_the_sequence_does_not_fit_and_not_where_it_is_short():
+    """On four devices capped at half of what one device holds without splitting: the search splits the sequence (cp > 1); a short
+    sequence on links of slow hops: cp 1."""
+    model, args = _llama(seq=256, rows=4, layers=2)
+    common = dict(example_inputs=args, data_parallel="auto", replicate="auto", context_parallel="auto", tensor_parallel=1,
+                  micro_batches=1, schedule="gpipe", checkpointing="none")
+    whole = autosplit.plan(model, ["cpu"] * 4, **{**common, "context_parallel": 1, "data_parallel": 1})
+    capped = autosplit.plan(model, [dataclasses.replace(PRESETS["cpu"], memory=whole.stages[0].memory // 2)] * 4, **common)
+    assert capped.context_parallel > 1 and max(s.memory for s in capped.stages) <= whole.stages[0].memory // 2
+    # a short sequence's attention hides no ring of 100 µs hops: the devices' work is split over data parallelism instead
+    short_model, short = _llama(seq=8, rows=4)
+    slow = dataclasses.replace(PRESETS["cpu"], link_latency=1e-4)
+    plan = autosplit.plan(short_model, [slow] * 4, **{**common, "example_inputs": short})
+    assert plan.context_parallel == 1 and any(a.context_parallel > 1 and a.fits for a in plan.alternatives)
+
+
+def test_refusals_name_the_sequence_the_kernel_and_the_runtime():
+    with pytest.raises(ConstraintError, match=r"sequence of 12 tokens does not divide 2 · cp 4 · tp 1 = 8.*one of \[1, 2, 3, 6\]"):
+        check_sequence(12, 4, 1)
+    with pytest.raises(ConstraintError, match="runs no scaled-dot-product attention"):
+        check_sequence(None, 2, 1)
+    model, args = _llama()
+    plan = autosplit.plan(model, ["cpu"] * 4, example_inputs=args, data_parallel=2, replicate="fully_shard", context_parallel=2,
+                          micro_batches=1, schedule="gpipe")
+    assert plan.mesh == {"pp": 1, "dp_replicate": 1, "dp_shard": 2, "cp": 2, "tp": 1} and "split over cp 2" in plan.costs
+    with pytest.raises(ConstraintError, match="costs and exports context parallelism, and does not run it"):  # before any work
+        autosplit.distribute(model, None, example_inputs=args, loss_fn=lambda out, _: out.logits.sum(), plan=plan)
+
+
+def test_cp_goes_to_both_engines_and_reads_back_as_the_same_plan(tmp_path):
+    model, args = _llama()
+    planner = autosplit.Planner(model, ["cpu"] * 8, example_inputs=args)
+    plan = planner.manual(autosplit.Recipe([["model.embed_tokens", "model.layers.0"], ["model.layers.1", "model.norm", "lm_head"]],
+                                           data_parallel=2, replicate="fully_shard", context_parallel=2,
+                                           options=dict(micro_batches=2, schedule="1f1b")))
+    flags = plan.export("megatron")
+    assert "--context-parallel-size 2" in flags and "--cp-comm-type p2p" in flags
+    (tmp_path / "job.toml").write_text(plan.export("torchtitan"))
+    assert "context_parallel_degree = 2" in (tmp_path / "job.toml").read_text()
+    for back in (planner.manual("megatron:" + flags), planner.manual(f"torchtitan:{tmp_path / 'job.toml'}")):
+        assert (back.context_parallel, back.mesh, back.assignment) == (2, plan.mesh, plan.assignment)
+        assert back.step_time == pytest.approx(plan.step_time)
