@@ -118,7 +118,7 @@ def cost_row(spec: dict[str, Any], grid: Sequence[dict[str, float]] = ()) -> dic
         if spec["vp"] > 1:
             options["stages_per_rank"] = spec["vp"]
         recipe = autosplit.Recipe(split, data_parallel=spec["dp"], replicate=spec["replicate"], tensor_parallel=spec["tp"],
-                                  expert_parallel=spec.get("ep", 1), options=options)
+                                  expert_parallel=spec.get("ep", 1), context_parallel=spec.get("cp", 1), options=options)
         plan = planner.manual(recipe, check_memory=False)
         memory, capacity = _fullest(plan)
         row.update(outcome="costed", step_s=plan.step_time, predicted_tokens_per_s_per_gpu=tokens / (plan.step_time * gpus),
@@ -180,7 +180,8 @@ def _line(r: dict[str, Any]) -> str:
     def num(key: str, form: str) -> str:
         return format(r[key], form) if isinstance(r.get(key), (int, float)) else "-"
 
-    layout = (f"TP{r['tp']} PP{r['pp']} VP{r['vp']} DP{r['dp']} {'FSDP' if r['replicate'] == 'fully_shard' else 'DDP'}"
+    extra = "".join(f" {k.upper()}{r[k]}" for k in ("cp", "ep") if r.get(k, 1) > 1)
+    layout = (f"TP{r['tp']} PP{r['pp']} VP{r['vp']}{extra} DP{r['dp']} {'FSDP' if r['replicate'] == 'fully_shard' else 'DDP'}"
               if "tp" in r else "")
     memory = f"{r['memory_gib']:5.1f}/{r['capacity_gib']:.0f}" if "memory_gib" in r else "-"
     outcome = {"costed": "costed", "malformed": f"malformed: {r.get('message', '')}",

@@ -138,8 +138,6 @@ def _blockers(row: dict[str, str]) -> list[str]:
         reasons.append("moe")
     if shape is None:
         reasons.append("model shape unknown")
-    if row["cp"].strip() not in ("", "1"):
-        reasons.append("cp")
     vp = row["vp"].strip()
     if vp and not re.fullmatch(r"\d+", vp):
         reasons.append("schedule dualpipe" if "dualpipe" in vp.lower() else f"vp {vp[:20]}")

@@ -123,7 +123,7 @@ def distribute(
     """
     given = load_plan(plan)
     if given is not None:
-        check_expert_layout(given)
+        check_runnable_layout(given)
     data_parallel, replicate = degrees(given, data_parallel, replicate)
     check_arguments(replicate, data_parallel, None if given is not None else options.get("schedule", "gpipe"))
     shard = check_mesh(given, None if devices is None else len(devices), data_parallel, replicate)
@@ -132,7 +132,7 @@ def distribute(
     planner = Planner(model, devices, example_inputs=example_inputs, example_kwargs=example_kwargs,
                       loss_fn=None if example_target is None else loss_fn, example_target=example_target, **options)
     made = dataclasses.replace(_agreed_plan(planner, given, data_parallel), data_parallel=data_parallel, dp_shard=shard)
-    check_expert_layout(made)
+    check_runnable_layout(made)
     planner = planner.share(data_parallel)  # each rank builds its copy's share of the batch
     check_tp_shards(model, made.tp_shards, made.tensor_parallel)
     if made.tensor_parallel > 1:
@@ -284,7 +284,7 @@ def _spread_experts(
     modules: dict[int, fx.GraphModule], model: torch.nn.Module, traced: Traced, made: Plan, mesh: Any, captured: Any, copies: int,
 ) -> None:
     """Each MoE layer's experts of this rank's stages spread over the plan's ``ep`` ranks (:mod:`autosplit.runtime.experts`),
-    the whole ``dp_shard`` (:func:`check_expert_layout`); nothing for ep 1."""
+    the whole ``dp_shard`` (:func:`check_runnable_layout`); nothing for ep 1."""
     if made.expert_parallel <= 1:
         return
     groups = traced.expert_groups(made.precision, stage_device_type(made))
@@ -294,7 +294,7 @@ def _spread_experts(
         log.info("rank %d: stage %d spreads the experts of %d layer(s) over ep %d", dist.get_rank(), s, len(spread), made.expert_parallel)
 
 
-def check_expert_layout(made: Plan) -> None:
+def check_runnable_layout(made: Plan) -> None:
     """Refuse, before any work, what this runtime does not run: context parallelism (costed and exported: torch's
     ``context_parallel`` has no rule for the CPU attention kernels, and autosplit does not run it on GPUs yet); an
     expert-parallel plan other than the experts over the whole ``dp_shard``, each expert on one rank (efsdp 1), with tp 1
