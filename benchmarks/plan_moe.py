@@ -119,7 +119,8 @@ def _line(r: dict[str, Any]) -> str:
     head = (f"{r['setting']:<20} published TP{lay['tp']} PP{lay['pp']} VP{lay['vp']} EP{lay['ep']} DP{lay['dp']}: "
             f"{r['published']:,.0f} (predicted {r['layout_predicted'] or 0:,.0f})")
     if ours.get("outcome") != "planned":
-        return f"{head}  autosplit: {ours.get('outcome')}: {ours.get('message', '')[:300]} ({ours.get('plan_s', ours.get('total_s', 0)):.0f} s)"
+        seconds = ours.get("plan_s", ours.get("total_s", 0))
+        return f"{head}  autosplit: {ours.get('outcome')}: {ours.get('message', '')[:300]} ({seconds:.0f} s)"
     mesh = " × ".join(f"{k} {v}" for k, v in ours["mesh"].items() if v > 1)
     return (f"{head}  autosplit {mesh} (ep {ours['expert_parallel']}), {ours['micro_batches']} µb: {ours['tokens_per_s_per_gpu']:,.0f}"
             f"  {r.get('autosplit_over_layout', float('nan')):.2f}×, gap {ours['gap']:.1%}, in {ours['plan_s']:.0f} s, "
