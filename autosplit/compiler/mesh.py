@@ -178,13 +178,14 @@ def _search(traced: Traced, specs: Sequence[DeviceSpec], options: PlanOptions) -
     whole, _ = cost_table(traced, tuple(specs[:1]), plain, micro_batches=1, laid=False)
     tried: dict[Degrees, Outcome] = {}
     floors: dict[Degrees, float] = {}
+    memo: dict[tuple, CostTable] = {}  # the floors' laid-out tables, shared by configurations differing in dp alone
     groups = traced.expert_groups(options.precision, specs[0].device_type) if options.expert_parallel != 1 else ()
     check_experts(groups, options.ep)  # a pinned ep the layers' experts do not divide, in their terms
     experts = [g.experts for g in groups] if options.expert_parallel == AUTO else []
     sequence = sequence_length(traced.annotated(options.precision, specs[0].device_type)) if options.context_parallel == AUTO else None
     for degrees in degrees_to_try(len(specs), traced.batch, options, specs[0].island_size, specs[0].name, experts, sequence):
         try:
-            floors[degrees] = _proven(traced, specs, options, degrees, whole)
+            floors[degrees] = _proven(traced, specs, options, degrees, whole, memo)
         except AutosplitError as e:
             log.info("%s: %s", degrees, e)
             tried[degrees] = e
@@ -234,7 +235,9 @@ def _bound_of(p: Outcome) -> float:
     return 0.0 if isinstance(p, SolverError) else math.inf
 
 
-def _proven(traced: Traced, specs: Sequence[DeviceSpec], options: PlanOptions, degrees: Degrees, whole: CostTable) -> float:
+def _proven(
+    traced: Traced, specs: Sequence[DeviceSpec], options: PlanOptions, degrees: Degrees, whole: CostTable, memo: dict[tuple, CostTable],
+) -> float:
     """A configuration's floor (:func:`~autosplit.compiler.mesh_bounds.step_floor`), after the refusals
     that need no capture: a model state that cannot fit, a tp degree the head counts do not allow."""
     chosen = _chosen(options, degrees)
@@ -245,7 +248,7 @@ def _proven(traced: Traced, specs: Sequence[DeviceSpec], options: PlanOptions, d
     state_fits(least, stage_ranks(specs, degrees), degrees, row)
     if degrees.tp > 1:  # head counts and split sizes the degree must divide, before capturing the share
         check_degree(traced.tp_rules(), degrees.tp)
-    return step_floor(whole, traced, degrees, chosen, specs)
+    return step_floor(whole, traced, degrees, chosen, specs, memo)
 
 
 def _chosen(options: PlanOptions, degrees: Degrees) -> PlanOptions:

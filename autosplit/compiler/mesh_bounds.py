@@ -77,20 +77,19 @@ class Degrees:
         return self.data_parallel if self.replicate == "fully_shard" else 1
 
 
-def step_floor(whole: CostTable, traced: Traced, degrees: Degrees, options: PlanOptions, specs: Sequence[DeviceSpec]) -> float:
+def step_floor(
+    whole: CostTable, traced: Traced, degrees: Degrees, options: PlanOptions, specs: Sequence[DeviceSpec],
+    memo: dict[tuple, CostTable] | None = None,
+) -> float:
     """Seconds no plan of ``degrees`` (with ``options`` as the configuration is planned) can step in
-    (the module docstring); 0 where the floor is not proven for these costs or devices."""
+    (the module docstring); 0 where the floor is not proven for these costs or devices. ``memo``: the laid-out
+    tables of a search by their degrees (configurations differing in dp alone share one)."""
     if options.costs != "analytic" or options.cost_overrides or len({(s.name, s.memory) for s in specs}) > 1:
         return 0.0
-    table = whole
-    if degrees.tp > 1:
-        table = tp_table(whole, traced, options, tp=degrees.tp, micro_batches=1)
-    if degrees.cp > 1:  # every node's work over the sequence's shards (the ring only adds)
-        table = cp_table(table, traced, options, micro_batches=1)
-    if degrees.ep > 1:  # the experts' compute split over a tp group's ranks (their all-to-all only adds)
-        table = ep_table(table, traced, options, micro_batches=1)
-    if options.dp_shard * options.cp > 1:
-        table = laid_out(table, dp_shard=options.dp_shard * options.cp, alone=True, precision=options.precision)
+    key = (degrees.tp, degrees.cp, degrees.ep, options.dp_shard)
+    table = (memo or {}).get(key) or _floor_table(whole, traced, degrees, options)
+    if memo is not None:
+        memo[key] = table
     dp, pp = degrees.data_parallel, degrees.pp
     per_node = [(f + b - (table.split_cost[n][0] if table.split_cost else 0.0)) / dp
                 for n, (f, b) in enumerate(zip((r[0] for r in table.fwd_time), (r[0] for r in table.bwd_time)))]
@@ -100,6 +99,20 @@ def step_floor(whole: CostTable, traced: Traced, degrees: Degrees, options: Plan
     fill = min((fill_and_drain(work, pp, int(c.micro_batches or 1)) if fills(c.schedule, c.rank_stages) else work / pp
                 for c in open_), default=work / pp)
     return max((work + optimizer) / pp, max(per_node, default=0.0), fill)
+
+
+def _floor_table(whole: CostTable, traced: Traced, degrees: Degrees, options: PlanOptions) -> CostTable:
+    """``whole`` laid out as one device of ``degrees`` holds it (tp, cp, ep, FSDP alone over dp_shard × cp)."""
+    table = whole
+    if degrees.tp > 1:
+        table = tp_table(whole, traced, options, tp=degrees.tp, micro_batches=1)
+    if degrees.cp > 1:  # every node's work over the sequence's shards (the ring only adds)
+        table = cp_table(table, traced, options, micro_batches=1)
+    if degrees.ep > 1:  # the experts' compute split over a tp group's ranks (their all-to-all only adds)
+        table = ep_table(table, traced, options, micro_batches=1)
+    if options.dp_shard * options.cp > 1:
+        table = laid_out(table, dp_shard=options.dp_shard * options.cp, alone=True, precision=options.precision)
+    return table
 
 
 def state_fits(table: CostTable, ranks: tuple[DeviceSpec, ...], degrees: Degrees, row: float = 0.0) -> None:
