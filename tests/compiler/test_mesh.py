@@ -198,9 +198,9 @@ def test_every_configurations_floor_is_below_its_plan(schedule):
     specs, plain = planner.specs(), planner.options.replace(data_parallel=1, replicate="replicate", tensor_parallel=1,
                                                             checkpointing="none")
     whole = cost_table(planner.traced, specs[:1], plain, micro_batches=1)[0]
-    checked = 0
+    checked, memo = 0, {}  # the search's shared layouts: each floor from the table its degrees share
     for degrees in degrees_to_try(4, 8, planner.options, island=None):
-        floor = mesh._proven(planner.traced, specs, planner.options, degrees, whole)
+        floor = mesh._proven(planner.traced, specs, planner.options, degrees, whole, memo)
         made = mesh._attempt(planner.traced, specs, planner.options, degrees)
         if isinstance(made, autosplit.AutosplitError):
             continue
