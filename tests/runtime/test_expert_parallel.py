@@ -77,5 +77,6 @@ def test_ep2_under_fully_shard2_trains_like_the_unsplit_model_and_its_checkpoint
     gloo(2).run(_resume_case, [("qwen3_moe", str(tmp_path))])
 
 
+@pytest.mark.smoke  # the fast tier's case of this runtime path
 def test_ep2_by_pp2_trains_like_the_unsplit_model(gloo):
     gloo(4).run(_ep_case, [("qwen3_moe", {"schedule": "1f1b", "micro_batches": 2}, None)])
