@@ -108,8 +108,8 @@ def main(argv: list[str] | None = None) -> int:
         if row["layout_predicted"] and ours.get("outcome") == "planned":
             row["autosplit_over_layout"] = ours["tokens_per_s_per_gpu"] / row["layout_predicted"]
         rows.append(row)
+        args.out.write_text(json.dumps({"benchmark": "plan_moe", "simulated": True, "machine": machine(), "rows": rows}, indent=1))
         print(_line(row), flush=True)
-    args.out.write_text(json.dumps({"benchmark": "plan_moe", "simulated": True, "machine": machine(), "rows": rows}, indent=1))
     print(f"wrote {args.out}")
     return 0
 
@@ -123,7 +123,8 @@ def _line(r: dict[str, Any]) -> str:
         return f"{head}  autosplit: {ours.get('outcome')}: {ours.get('message', '')[:300]} ({seconds:.0f} s)"
     mesh = " × ".join(f"{k} {v}" for k, v in ours["mesh"].items() if v > 1)
     return (f"{head}  autosplit {mesh} (ep {ours['expert_parallel']}), {ours['micro_batches']} µb: {ours['tokens_per_s_per_gpu']:,.0f}"
-            f"  {r.get('autosplit_over_layout', float('nan')):.2f}×, gap {ours['gap']:.1%}, in {ours['plan_s']:.0f} s, "
+            f"  {r.get('autosplit_over_layout', float('nan')):.2f}×, gap {'-' if ours['gap'] is None else format(ours['gap'], '.1%')}, "
+            f"in {ours['plan_s']:.0f} s, "
             f"{ours['peak_rss_gb']:.1f} GB")
 
 
