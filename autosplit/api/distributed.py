@@ -307,14 +307,15 @@ def check_runnable_layout(made: Plan) -> None:
             "train the plan with torchtitan or Megatron (plan.export), or plan with context_parallel=1",
         ))
     if made.expert_parallel > 1 and (made.tensor_parallel > 1 or made.dp_replicate > 1 or made.expert_parallel != made.dp_shard
-                                     or made.precision in PARAM_CAST):
+                                     or made.precision in PARAM_CAST or made.recompute):
         raise ConstraintError(advice(
             f"expert_parallel={made.expert_parallel} on dp_replicate {made.dp_replicate} × dp_shard {made.dp_shard} × tp "
-            f"{made.tensor_parallel}, precision {made.precision!r}",
-            "the runtime spreads the experts over the whole dp_shard, each expert on one rank, with tp 1 and no dp_replicate "
-            "(FSDP2's bf16 policy would not cast the experts it leaves out)",
-            "plan with expert_parallel=dp_shard, tensor_parallel=1 and replicate='fully_shard', in 'fp32' or 'bf16-mixed', or "
-            "export the plan to torchtitan or Megatron",
+            f"{made.tensor_parallel}, precision {made.precision!r}, {len(made.recompute)} block(s) recomputed",
+            "the runtime spreads the experts over the whole dp_shard, each expert on one rank, with tp 1 and no dp_replicate, "
+            "no block recomputed (FSDP2's bf16 policy would not cast the experts it leaves out; a recomputed block runs the "
+            "experts in a module of its own)",
+            "plan with expert_parallel=dp_shard, tensor_parallel=1, replicate='fully_shard' and checkpointing='none', in 'fp32' "
+            "or 'bf16-mixed', or export the plan to torchtitan or Megatron",
         ))
 
 

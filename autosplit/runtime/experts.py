@@ -48,8 +48,7 @@ class ExpertParallel(torch.nn.Module):
         super().__init__()
         from torch.distributed.tensor import Shard, distribute_tensor
 
-        ep = ep_mesh.size()
-        self.experts, self.local, self.divide = count, count // ep, divide
+        self.local, self.divide = count // ep_mesh.size(), divide
         self.group = ep_mesh.get_group()
         for name, full in params.items():  # every rank holds them whole here: each keeps its share
             self.register_parameter(name, torch.nn.Parameter(distribute_tensor(full.detach(), ep_mesh, [Shard(0)]),
@@ -102,7 +101,12 @@ def expert_parallel_stage(
     done = []
     for path, (module, count) in experts.items():
         region = [n for n in stage.graph.nodes if _within(module_paths.get(n.name, ""), path) and n.op not in ("placeholder", "output")]
-        if not region:
+        if not any(n.op != "get_attr" for n in region):
+            if region or any(_within(name, path) for name, _ in stage.named_parameters()):  # run in a recomputed region's module
+                raise CodegenError(advice(f"the experts at {path!r} run inside a region of the stage, not in its graph",
+                                          "expert parallelism replaces the experts' nodes in the stage's own graph, and a "
+                                          "recomputed block holds them in a module of its own", "plan with checkpointing='none' "
+                                          "(or without recomputing the MoE layers), or with expert_parallel=1"))
             continue
         inside = set(region)
         inputs = list(dict.fromkeys(a for n in region for a in n.all_input_nodes if a not in inside))

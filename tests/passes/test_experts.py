@@ -120,6 +120,10 @@ def test_an_explicit_ep_is_honoured_or_refused_in_the_users_terms():
     # the runtime spreads the experts over the whole dp_shard: a plan with two ranks per expert is refused before any work
     with pytest.raises(ConstraintError, match=r"expert_parallel=2 on dp_replicate 1 × dp_shard 4 × tp 1.*expert_parallel=dp_shard"):
         autosplit.distribute(model, None, example_inputs=(x,), loss_fn=lambda out, _: out.logits.sum(), plan=plan)
+    recomputing = autosplit.plan(model, ["cpu"] * 2, data_parallel=2, replicate="fully_shard", expert_parallel=2, checkpointing="full",
+                                 **common)
+    with pytest.raises(ConstraintError, match=r"2 block\(s\) recomputed.*checkpointing='none'"):  # the experts in a module of its own
+        autosplit.distribute(model, None, example_inputs=(x,), loss_fn=lambda out, _: out.logits.sum(), plan=recomputing)
 
 
 def test_auto_chooses_ep_with_the_other_degrees_and_lists_what_it_tried():
