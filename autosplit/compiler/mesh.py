@@ -64,6 +64,10 @@ def degrees_to_try(
     dividing it; None: no attention, cp 1) allow."""
     tps = _tensor_parallel_degrees(world, island, options, kind)
     pairs = [(tp, cp) for tp in tps for cp in _context_degrees(world // tp, tp, options, sequence)]
+    if not pairs:  # a pinned cp that the devices left by every tp leave no room for
+        raise ConstraintError(advice(f"context_parallel={options.cp} does not divide the devices left by tp {tps}",
+                                     "world size = pp × dp_replicate × dp_shard × cp × tp",
+                                     f"pass context_parallel= one of {_divisors(world // tps[0])}, or 'auto'"))
     pinned = None if options.data_parallel == AUTO else options.replicas
     room = world // (tps[0] * options.cp) if len(tps) == 1 and options.context_parallel != AUTO else world
     if pinned is not None and (room % pinned or (batch is not None and batch % pinned)):
@@ -93,14 +97,10 @@ def degrees_to_try(
 
 
 def _context_degrees(room: int, tp: int, options: PlanOptions, sequence: int | None) -> list[int]:
-    """The cp degrees to try beside ``tp``: the pinned one (refused where it does not divide the ``room`` tp leaves), or
-    every divisor of the room whose ``2 · cp · tp`` divides the attention's sequence (1 alone without attention)."""
+    """The cp degrees to try beside ``tp``: the pinned one where it divides the ``room`` tp leaves, or every divisor of
+    the room whose ``2 · cp · tp`` divides the attention's sequence (1 alone without attention)."""
     if options.context_parallel != AUTO:
-        if room % options.cp:
-            raise ConstraintError(advice(f"context_parallel={options.cp} does not divide the {room} devices left by tp {tp}",
-                                         "world size = pp × dp_replicate × dp_shard × cp × tp",
-                                         f"pass context_parallel= one of {_divisors(room)}, or 'auto'"))
-        return [options.cp]
+        return [] if room % options.cp else [options.cp]
     return [c for c in _divisors(room) if c == 1 or (sequence is not None and sequence % (2 * c * tp) == 0)]
 
 

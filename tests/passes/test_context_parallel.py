@@ -89,6 +89,12 @@ def test_refusals_name_the_sequence_the_kernel_and_the_runtime():
     with pytest.raises(ConstraintError, match="runs no scaled-dot-product attention"):
         check_sequence(None, 2, 1)
     model, args = _llama()
+    with pytest.raises(ConstraintError, match=r"context_parallel=3 does not divide the devices left by tp \[1\].*one of \[1, 2, 4\]"):
+        autosplit.plan(model, ["cpu"] * 4, example_inputs=args, context_parallel=3)
+    # a pinned cp beside tp "auto": tried with each tp that leaves it room (1 and 2 of 4 devices), never refused for tp 4
+    beside = autosplit.plan(model, ["cpu"] * 4, example_inputs=args, context_parallel=2, tensor_parallel="auto", micro_batches=1,
+                            schedule="gpipe")
+    assert {(a.context_parallel, a.tensor_parallel) for a in beside.alternatives} == {(2, 1), (2, 2)}
     plan = autosplit.plan(model, ["cpu"] * 4, example_inputs=args, data_parallel=2, replicate="fully_shard", context_parallel=2,
                           micro_batches=1, schedule="gpipe")
     assert plan.mesh == {"pp": 1, "dp_replicate": 1, "dp_shard": 2, "cp": 2, "tp": 1} and "split over cp 2" in plan.costs
