@@ -25,7 +25,7 @@ serves, its CUDA build on CPU, ``scripts/check_torch.sh 2.14.1``) unless it says
   kernels), :func:`fsdp_replicate` (``torch.distributed._composable.replicate_with_fsdp``),
   :func:`stage_backward` (``torch.distributed.pipelining._backward``), and the pipelining
   schedules' private members below; :func:`all_to_all_autograd` (``torch.distributed._functional_collectives``,
-  expert parallelism's token exchange).
+  expert parallelism's token exchange; checked on 2.13.0 only).
 - Tensor parallelism: :data:`ASSERT_TENSOR_METADATA` (``aten._assert_tensor_metadata``, an op
   DTensor cannot run; checked on 2.13.0 only); :data:`REDUCTION_OPS` (the functional collectives'
   reductions, which selective recomputation keeps; checked on 2.13.0 only).
