@@ -21,7 +21,7 @@ from autosplit.errors import ConstraintError, CostModelError, advice
 from autosplit.options import AUTO, PlanOptions, ProfileOptions
 from autosplit.passes.annotations import node_info
 from autosplit.passes.costs import LossCost, estimate, with_overrides
-from autosplit.passes.cp_costs import cp_laid_out, sequence_length
+from autosplit.passes.cp_costs import cp_laid_out, exposed_ring, sequence_length
 from autosplit.passes.ep_costs import ep_laid_out
 from autosplit.passes.experts import check_experts
 from autosplit.passes.fusion import Fusion, norm_paths
@@ -123,8 +123,11 @@ def _cost_table(
         table = tp_table(table, traced, options, tp=options.tp, micro_batches=micro_batches)
         source += f"; tensors split over tp {options.tp}"
     if options.cp > 1:
+        gm = traced.annotated(options.precision, table.devices[0].device_type)
+        exposed = exposed_ring(table, gm, cp=options.cp, tp=options.tp, micro_batches=micro_batches)
         table = cp_table(table, traced, options, micro_batches=micro_batches)
-        source += f"; sequence split over cp {options.cp}"
+        source += f"; sequence split over cp {options.cp} (its K/V ring " + (
+            "hidden behind attention)" if exposed == 0 else f"exposed {exposed * 1e3:.3g} ms per step beyond attention)")
     if options.ep > 1:
         table = ep_table(table, traced, options, micro_batches=micro_batches)
         source += f"; experts over ep {options.ep}"

@@ -32,7 +32,7 @@ from autosplit.costtable import CostTable
 from autosplit.devices import DeviceSpec
 from autosplit.passes.annotations import node_info
 
-__all__ = ["attention_nodes", "cp_laid_out", "ring_time", "sequence_length"]
+__all__ = ["attention_nodes", "cp_laid_out", "exposed_ring", "ring_time", "sequence_length"]
 
 GRADIENT_BYTES = 4
 """Bytes of a key or value gradient as the ring passes it back (fp32 accumulation)."""
@@ -70,29 +70,46 @@ def ring_time(nbytes: float, cp: int, tp: int, device: DeviceSpec, calls: int) -
     return (cp - 1) / cp * nbytes / bandwidth + (cp - 1) * latency * calls
 
 
-def cp_laid_out(table: CostTable, gm: fx.GraphModule, *, cp: int, tp: int, micro_batches: int) -> CostTable:
-    """``table`` as one device of a context-parallel group of ``cp`` computes, holds and moves it (the module
-    docstring); ``table`` itself for ``cp = 1``. ``tp``: the tensor-parallel degree inside the ring (its span)."""
+def exposed_ring(table: CostTable, gm: fx.GraphModule, *, cp: int, tp: int, micro_batches: int) -> float:
+    """Seconds per step (on the first device) of the K/V ring the attention work over cp does not cover, forward and
+    backward: what the plan says of its ring (0: hidden)."""
     if cp <= 1:
-        return table
+        return 0.0
+    forward, backward = _exposed(table, gm, cp=cp, tp=tp, micro_batches=micro_batches)
+    return float(forward[:, 0].sum() + backward[:, 0].sum())
+
+
+def _exposed(table: CostTable, gm: fx.GraphModule, *, cp: int, tp: int, micro_batches: int) -> tuple[np.ndarray, np.ndarray]:
+    """[node, device] seconds of the ring each attention node's forward and its backward expose beyond the attention
+    work over cp they overlap (the blocks it feeds)."""
+    fwd, bwd = _over_cp(table.fwd_time, table, cp), _over_cp(table.bwd_time, table, cp)
+    out_f, out_b = np.zeros_like(fwd), np.zeros_like(bwd)
     index = {name: i for i, name in enumerate(table.nodes)}
-    launch = np.asarray([d.launch_overhead for d in table.devices])
-
-    def shared(rows: Sequence[Sequence[float]]) -> np.ndarray:  # the work over cp; each kernel's launch paid on every rank
-        times = np.asarray(rows, dtype=np.float64).reshape(len(rows), len(table.devices))
-        fixed = np.minimum(times, launch[None, :]) * (times > 0)
-        return (times - fixed) / cp + fixed
-
-    fwd, bwd = shared(table.fwd_time), shared(table.bwd_time)
     for name, (_, kv, itemsize) in attention_nodes(gm).items():
         if name not in index:
             continue
         i = index[name]
         for d, device in enumerate(table.devices):
-            forward = ring_time(kv / tp, cp, tp, device, micro_batches)
-            backward = ring_time(kv / tp * (1 + GRADIENT_BYTES / itemsize), cp, tp, device, micro_batches)
-            fwd[i, d] += max(0.0, forward - fwd[i, d])  # overlapped with the attention blocks it feeds
-            bwd[i, d] += max(0.0, backward - bwd[i, d])
+            out_f[i, d] = max(0.0, ring_time(kv / tp, cp, tp, device, micro_batches) - fwd[i, d])
+            out_b[i, d] = max(0.0, ring_time(kv / tp * (1 + GRADIENT_BYTES / itemsize), cp, tp, device, micro_batches) - bwd[i, d])
+    return out_f, out_b
+
+
+def _over_cp(rows: Sequence[Sequence[float]], table: CostTable, cp: int) -> np.ndarray:
+    """[node, device] seconds of ``rows`` on one rank of cp: the work over cp, each kernel's launch paid on every rank."""
+    launch = np.asarray([d.launch_overhead for d in table.devices])
+    times = np.asarray(rows, dtype=np.float64).reshape(len(rows), len(table.devices))
+    fixed = np.minimum(times, launch[None, :]) * (times > 0)
+    return (times - fixed) / cp + fixed
+
+
+def cp_laid_out(table: CostTable, gm: fx.GraphModule, *, cp: int, tp: int, micro_batches: int) -> CostTable:
+    """``table`` as one device of a context-parallel group of ``cp`` computes, holds and moves it (the module
+    docstring); ``table`` itself for ``cp = 1``. ``tp``: the tensor-parallel degree inside the ring (its span)."""
+    if cp <= 1:
+        return table
+    ring_f, ring_b = _exposed(table, gm, cp=cp, tp=tp, micro_batches=micro_batches)  # overlapped with the blocks it feeds
+    fwd, bwd = _over_cp(table.fwd_time, table, cp) + ring_f, _over_cp(table.bwd_time, table, cp) + ring_b
 
     def rows(values: np.ndarray) -> tuple[tuple[float, ...], ...]:
         return tuple(map(tuple, values.tolist()))
@@ -102,7 +119,7 @@ def cp_laid_out(table: CostTable, gm: fx.GraphModule, *, cp: int, tp: int, micro
 
     return dataclasses.replace(
         table, fwd_time=rows(fwd), bwd_time=rows(bwd),
-        rerun_time=rows(shared(table.rerun_time)) if table.rerun_time else (),
+        rerun_time=rows(_over_cp(table.rerun_time, table, cp)) if table.rerun_time else (),
         split_cost=tuple(tuple(t / cp for t in row) for row in table.split_cost),
         saved_bytes=cut(table.saved_bytes), output_bytes=cut(table.output_bytes), sent_bytes=cut(table.sent_bytes),
         transient_bytes=cut(table.transient_bytes), wgrad_bytes=cut(table.wgrad_bytes), block_saves=cut(table.block_saves),

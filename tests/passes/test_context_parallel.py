@@ -14,7 +14,7 @@ import autosplit
 from autosplit.compiler.costs import check_sequence, cost_table
 from autosplit.devices import PRESETS
 from autosplit.errors import ConstraintError
-from autosplit.passes.cp_costs import attention_nodes, cp_laid_out, ring_time
+from autosplit.passes.cp_costs import attention_nodes, cp_laid_out, exposed_ring, ring_time
 
 pytest.importorskip("transformers")
 
@@ -65,6 +65,8 @@ def test_one_attention_layer_split_over_cp_by_hand():
     other = next(k for k, n in enumerate(table.nodes) if n not in attention and table.fwd_time[k][0] > 0)
     assert split.fwd_time[other][0] == pytest.approx(halved(table.fwd_time[other][0]))
     assert split.saved_bytes == tuple(-(-b // 2) for b in table.saved_bytes) and split.state_bytes == table.state_bytes
+    exposed = max(0.0, forward - halved(table.fwd_time[i][0])) + max(0.0, backward - halved(table.bwd_time[i][0]))
+    assert exposed_ring(table, gm, cp=2, tp=1, micro_batches=2) >= exposed  # this node's share of what the plan says
 
 
 def test_cp_is_chosen_where_the_sequence_does_not_fit_and_not_where_it_is_short():
@@ -98,6 +100,7 @@ def test_refusals_name_the_sequence_the_kernel_and_the_runtime():
     plan = autosplit.plan(model, ["cpu"] * 4, example_inputs=args, data_parallel=2, replicate="fully_shard", context_parallel=2,
                           micro_batches=1, schedule="gpipe")
     assert plan.mesh == {"pp": 1, "dp_replicate": 1, "dp_shard": 2, "cp": 2, "tp": 1} and "split over cp 2" in plan.costs
+    assert "K/V ring exposed" in plan.costs  # a sequence of 8: its attention hides no ring, and the plan says so
     with pytest.raises(ConstraintError, match="costs and exports context parallelism, and does not run it"):  # before any work
         autosplit.distribute(model, None, example_inputs=args, loss_fn=lambda out, _: out.logits.sum(), plan=plan)
 
