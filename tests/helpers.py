@@ -19,6 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
 
+import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -874,3 +875,15 @@ def _gloo_worker(rank: int, world: int, init: str, timeout: float, tasks, result
     # Leave at once: a native thread still running at interpreter exit can abort a rank that passed
     # ("terminate called without an active exception", SIGABRT; pytorch/pytorch#65513).
     os._exit(0)
+
+
+def engine_round_trip(planner: Any, plan: Any, folder: Path) -> tuple[str, str]:
+    """``plan`` exported to Megatron's flags and torchtitan's TOML (written under ``folder``), each read back by
+    ``planner`` as the same plan: its mesh, its degrees, its assignment and its predicted step. Returns (flags, toml)."""
+    flags, toml = plan.export("megatron"), plan.export("torchtitan")
+    (folder / "job.toml").write_text(toml)
+    for back in (planner.manual("megatron:" + flags), planner.manual(f"torchtitan:{folder / 'job.toml'}")):
+        assert (back.mesh, back.expert_parallel, back.context_parallel, back.assignment) == (
+            plan.mesh, plan.expert_parallel, plan.context_parallel, plan.assignment)
+        assert back.step_time == pytest.approx(plan.step_time)
+    return flags, toml
