@@ -17,7 +17,8 @@ are timed side by side on this noisy machine, in interleaved blocks: ``--block``
 steps of each plan after one untimed step, then the next plan's, after ``--warmup`` untimed
 rounds. (Interleaving single steps measured every plan on caches the other plans had filled,
 slower than the same plan run on its own.)
-Each plan's predicted step (measured per-node costs profiled on one pinned core, the link and the
+Each plan's predicted step (measured per-node costs profiled on one pinned core, the loss the
+last stage computes timed as well, the link and the
 runtime's per-micro-batch overhead measured first by ``autosplit.calibration.measure_runtime``) stands beside
 its measured one. Pipeline efficiency is the schedule's ideal step from the stages' measured
 compute (forward + backward chunks and the optimizer step, timed inside the run) over the measured
@@ -191,7 +192,7 @@ def ideal_step(schedule: str, M: int, stage_compute: list[float], stage_opt: lis
 
 
 def run_model(name: str, args, spec) -> dict:
-    model, inputs, _, _ = workload(name)
+    model, inputs, target, loss_fn = workload(name)
     record: dict = {"model": name, "unsplit": {}, "configs": []}
     for threads in (1, 2):
         t = unsplit_step(name, threads, args.steps, warmup=3)
@@ -205,6 +206,7 @@ def run_model(name: str, args, spec) -> dict:
             for schedule in args.schedules:
                 planner = autosplit.Planner(
                     model, [spec] * 2, example_inputs=inputs, micro_batches=M, schedule=schedule, time_limit=10,
+                    loss_fn=loss_fn, example_target=target,  # the loss the pipeline runs on its last stage, costed
                     # profiled in this run, as timed: on core 0, and with --beside while core 1 runs the same passes
                     costs=ProfileOptions(threads=1, cores=(0,), beside=(1,) if args.beside else (), use_cache=False),
                 )
@@ -299,11 +301,13 @@ def summarise(records: list[dict]) -> dict:
     """The issue's targets: autosplit vs the best manual split (same M and schedule), prediction
     error of every plan, pipeline efficiency of autosplit's plans."""
     ratios, errors, efficiency = {}, [], []
+    by_schedule: dict[str, list[float]] = {}
     for r in records:
         by: dict[tuple[int, str], dict[str, dict]] = {}
         for c in r["configs"]:
             by.setdefault((c["micro_batches"], c["schedule"]), {})[c["plan"]] = c
             errors.append(abs(c["error"]))
+            by_schedule.setdefault(c["schedule"], []).append(c["error"])
         for (M, schedule), plans in by.items():
             best_manual = min(c["measured"]["median"] for label, c in plans.items() if label != "autosplit")
             ratios[f"{r['model']} M={M} {schedule}"] = best_manual / plans["autosplit"]["measured"]["median"]
@@ -313,6 +317,7 @@ def summarise(records: list[dict]) -> dict:
         "min_ratio": min(ratios.values()),
         "median_abs_prediction_error": statistics.median(errors),
         "worst_abs_prediction_error": max(errors),
+        "error_by_schedule": {s: {"median": statistics.median(e), "low": min(e), "high": max(e)} for s, e in by_schedule.items()},
         "autosplit_efficiency_min": min(efficiency),
         "autosplit_efficiency_median": statistics.median(efficiency),
     }

@@ -52,8 +52,9 @@ def settings(csv: Path) -> dict[str, dict[str, Any]]:
     return {"deepseek-v3-1024": big, "deepseek-v3-256": small, "qwen3-235b-a22b-256": qwen}
 
 
-def plan_auto(spec: dict[str, Any], time_limit: float) -> dict[str, Any]:
-    """autosplit's plan of the spec's model, cluster and batch with every degree ``"auto"`` (in this process)."""
+def plan_auto(spec: dict[str, Any], time_limit: float, axes: tuple[str, ...] = ("expert_parallel",)) -> dict[str, Any]:
+    """autosplit's plan of the spec's model, cluster and batch with every degree ``"auto"`` (in this process): tp, the
+    data-parallel degree and layout, the micro-batches, the recomputation and the ``axes`` named beside them."""
     import resource
     import time
 
@@ -65,12 +66,14 @@ def plan_auto(spec: dict[str, Any], time_limit: float) -> dict[str, Any]:
     start = time.perf_counter()
     gpus, tokens = spec["num_gpus"], spec["global_batch"] * spec["seq_len"]
     row: dict[str, Any] = {}
+    chosen: dict[str, Any] = dict.fromkeys(axes, "auto")
     try:
         planner = autosplit.Planner(
             build(spec["shape"], spec["seq_len"]), autosplit.Cluster.of(spec["gpu"], gpus, engine=spec["engine"]),
             example_inputs=(autosplit.Spec((spec["global_batch"], spec["seq_len"]), torch.long),), precision=spec["plan_precision"],
             checkpointing="auto", selective="auto", float8=spec["float8"], async_tp=spec.get("async_tp", False), time_limit=time_limit,
-            schedule="1f1b", micro_batches="auto", tensor_parallel="auto", data_parallel="auto", replicate="auto", expert_parallel="auto")
+            schedule="1f1b", micro_batches="auto", tensor_parallel="auto", data_parallel="auto", replicate="auto",
+            **chosen)
         plan = planner.plan()
         row.update(outcome="planned", mesh=plan.mesh, expert_parallel=plan.expert_parallel, micro_batches=plan.micro_batches,
                    step_s=plan.step_time, gap=plan.step_gap, tokens_per_s_per_gpu=tokens / (plan.step_time * gpus),
@@ -83,41 +86,54 @@ def plan_auto(spec: dict[str, Any], time_limit: float) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    args = arguments(__doc__, RESULTS, argv)
+    chosen = settings(args.csv)
+    print("simulated: the published GPUs' presets with the fitted engine profiles; the MoE terms are not held to the record")
+    compare(chosen, args, "plan_moe", ("expert_parallel",))
+    return 0
+
+
+def arguments(doc: str, results: Path, argv: list[str] | None) -> argparse.Namespace:
+    """The command line this benchmark and ``benchmarks/plan_long.py`` share."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--csv", type=Path, default=DEFAULT_CSV)
+    parser.add_argument("--settings", default=None, help="comma-separated settings (default: all)")
+    parser.add_argument("--time-limit", type=float, default=10.0, help="the mesh search's and solver's limit")
+    parser.add_argument("--budget", type=float, default=900.0, help="seconds a process may take before it is killed")
+    parser.add_argument("--out", type=Path, default=results)
+    return parser.parse_args(argv)
+
+
+def compare(chosen: dict[str, dict[str, Any]], args: argparse.Namespace, benchmark: str, axes: tuple[str, ...]) -> list[dict]:
+    """Each setting's published layout costed, and autosplit's plan of it with ``axes`` also ``"auto"``, each in a fresh
+    process; prints a line per setting and writes ``args.out`` after each."""
     from benchmarks.fresh import in_fresh_process
     from benchmarks.plan_time import machine
 
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--csv", type=Path, default=DEFAULT_CSV)
-    parser.add_argument("--settings", default=None, help="comma-separated settings (default: all three)")
-    parser.add_argument("--time-limit", type=float, default=10.0, help="the mesh search's and solver's limit")
-    parser.add_argument("--budget", type=float, default=900.0, help="seconds a process may take before it is killed")
-    parser.add_argument("--out", type=Path, default=RESULTS)
-    args = parser.parse_args(argv)
-    chosen = settings(args.csv)
     if args.settings:
         chosen = {k: v for k, v in chosen.items() if k in args.settings.split(",")}
-    print("simulated: the published GPUs' presets with the fitted engine profiles; the MoE terms are not held to the record")
     rows = []
     for name, spec in chosen.items():
         layout = in_fresh_process("benchmarks.published:cost_row", spec, [], timeout=args.budget)
-        ours = in_fresh_process("benchmarks.plan_moe:plan_auto", spec, args.time_limit, timeout=args.budget)
+        ours = in_fresh_process("benchmarks.plan_moe:plan_auto", spec, args.time_limit, axes, timeout=args.budget)
         row = {"setting": name, "row_id": spec["row_id"], "published": spec["published_tokens_per_s_per_gpu"],
-               "layout": {k: spec[k] for k in ("tp", "pp", "vp", "ep", "dp", "replicate", "micro_batches")},
+               "layout": {k: spec[k] for k in ("tp", "pp", "vp", "cp", "ep", "dp", "replicate", "micro_batches")},
                "layout_predicted": layout.get("predicted_tokens_per_s_per_gpu"), "layout_memory_gib": layout.get("memory_gib"),
                "autosplit": ours}
         if row["layout_predicted"] and ours.get("outcome") == "planned":
             row["autosplit_over_layout"] = ours["tokens_per_s_per_gpu"] / row["layout_predicted"]
         rows.append(row)
-        args.out.write_text(json.dumps({"benchmark": "plan_moe", "simulated": True, "machine": machine(), "rows": rows}, indent=1))
+        args.out.write_text(json.dumps({"benchmark": benchmark, "simulated": True, "machine": machine(), "rows": rows}, indent=1))
         print(_line(row), flush=True)
     print(f"wrote {args.out}")
-    return 0
+    return rows
 
 
 def _line(r: dict[str, Any]) -> str:
     ours, lay = r["autosplit"], r["layout"]
-    head = (f"{r['setting']:<20} published TP{lay['tp']} PP{lay['pp']} VP{lay['vp']} EP{lay['ep']} DP{lay['dp']}: "
-            f"{r['published']:,.0f} (predicted {r['layout_predicted'] or 0:,.0f})")
+    published = "-" if r["published"] is None else f"{r['published']:,.0f}"
+    head = (f"{r['setting']:<20} published TP{lay['tp']} PP{lay['pp']} VP{lay['vp']} CP{lay['cp']} EP{lay['ep']} DP{lay['dp']}: "
+            f"{published} (predicted {r['layout_predicted'] or 0:,.0f})")
     if ours.get("outcome") != "planned":
         seconds = ours.get("plan_s", ours.get("total_s", 0))
         return f"{head}  autosplit: {ours.get('outcome')}: {ours.get('message', '')[:300]} ({seconds:.0f} s)"
