@@ -52,6 +52,9 @@ class DeviceSpec:
     island_size: int | None = None
     """Devices per island (a node's GPUs), where known: a data-parallel group of the mesh (consecutive
     ranks) larger than this leaves the island (:func:`autosplit.passes.sharding.group_time`)."""
+    island_stride: int = 1
+    """On a stage rank of a mesh (:func:`~autosplit.compiler.mesh.stage_ranks`), the ranks between two of its
+    data-parallel group's (cp · tp, the innermost dimensions): 1 elsewhere (:attr:`group_island`)."""
     network_bandwidth: float = 25e9
     """Bandwidth between islands, bytes/s (25e9 = one 200 Gb/s InfiniBand port)."""
     network_latency: float = 5e-6
@@ -70,6 +73,12 @@ class DeviceSpec:
         """``"cpu"`` or ``"cuda"``: whose autocast policy and kernels the cost model assumes (presets of
         GPUs, and any spec not named or placed on the CPU, are GPUs)."""
         return "cpu" if (self.torch_device or self.name).startswith("cpu") else "cuda"
+
+    @property
+    def group_island(self) -> int | None:
+        """Members of this device's data-parallel group on one island: ``island_size`` over ``island_stride``, at
+        least one (``None``: no islands known)."""
+        return max(1, self.island_size // self.island_stride) if self.island_size else None
 
     def link_to(self, other: DeviceSpec) -> tuple[float, float]:
         """(bandwidth bytes/s, latency s) from this device to ``other``: the slower end decides."""

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -93,26 +94,31 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def arguments(doc: str, results: Path, argv: list[str] | None) -> argparse.Namespace:
-    """The command line this benchmark and ``benchmarks/plan_long.py`` share."""
+def arguments(doc: str, results: Path, argv: list[str] | None, longer: float | None = None) -> argparse.Namespace:
+    """The command line this benchmark and ``benchmarks/plan_long.py`` share (``longer``: the default of ``--longer``,
+    the time limit a setting is planned again under, where the benchmark has one)."""
     parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("--csv", type=Path, default=DEFAULT_CSV)
     parser.add_argument("--settings", default=None, help="comma-separated settings (default: all)")
     parser.add_argument("--time-limit", type=float, default=10.0, help="the mesh search's and solver's limit")
     parser.add_argument("--budget", type=float, default=900.0, help="seconds a process may take before it is killed")
     parser.add_argument("--out", type=Path, default=results)
+    if longer is not None:
+        parser.add_argument("--longer", type=float, default=longer, help="the time limit the named setting is planned again under")
     return parser.parse_args(argv)
 
 
-def compare(chosen: dict[str, dict[str, Any]], args: argparse.Namespace, benchmark: str, axes: tuple[str, ...]) -> list[dict]:
+def compare(chosen: dict[str, dict[str, Any]], args: argparse.Namespace, benchmark: str, axes: tuple[str, ...],
+            longer: dict[str, float] | None = None) -> list[dict]:
     """Each setting's published layout costed, and autosplit's plan of it with ``axes`` also ``"auto"``, each in a fresh
-    process; prints a line per setting and writes ``args.out`` after each."""
+    process; a setting named in ``longer`` planned again under that time limit (``autosplit_longer``): what the search
+    finds given the time. Prints a line per setting and writes ``args.out`` after each."""
     from benchmarks.fresh import in_fresh_process
     from benchmarks.plan_time import machine
 
     if args.settings:
         chosen = {k: v for k, v in chosen.items() if k in args.settings.split(",")}
-    rows = []
+    rows, longer = [], longer or {}
     for name, spec in chosen.items():
         layout = in_fresh_process("benchmarks.published:cost_row", spec, [], timeout=args.budget)
         ours = in_fresh_process("benchmarks.plan_moe:plan_auto", spec, args.time_limit, axes, timeout=args.budget)
@@ -122,9 +128,17 @@ def compare(chosen: dict[str, dict[str, Any]], args: argparse.Namespace, benchma
                "autosplit": ours}
         if row["layout_predicted"] and ours.get("outcome") == "planned":
             row["autosplit_over_layout"] = ours["tokens_per_s_per_gpu"] / row["layout_predicted"]
+        if name in longer:
+            again = in_fresh_process("benchmarks.plan_moe:plan_auto", spec, longer[name], axes, timeout=args.budget)
+            if row["layout_predicted"] and again.get("outcome") == "planned":
+                again["over_layout"] = again["tokens_per_s_per_gpu"] / row["layout_predicted"]
+            row["autosplit_longer"] = {"time_limit": longer[name], **again}
         rows.append(row)
         args.out.write_text(json.dumps({"benchmark": benchmark, "simulated": True, "machine": machine(), "rows": rows}, indent=1))
         print(_line(row), flush=True)
+        if "autosplit_longer" in row:
+            tail = _line({**row, "autosplit": row["autosplit_longer"]}).split("  autosplit")[-1]
+            print(f"{'':20} given {row['autosplit_longer']['time_limit']:g} s:{tail}")
     print(f"wrote {args.out}")
     return rows
 
@@ -139,7 +153,8 @@ def _line(r: dict[str, Any]) -> str:
         return f"{head}  autosplit: {ours.get('outcome')}: {ours.get('message', '')[:300]} ({seconds:.0f} s)"
     mesh = " × ".join(f"{k} {v}" for k, v in ours["mesh"].items() if v > 1)
     return (f"{head}  autosplit {mesh} (ep {ours['expert_parallel']}), {ours['micro_batches']} µb: {ours['tokens_per_s_per_gpu']:,.0f}"
-            f"  {r.get('autosplit_over_layout', float('nan')):.2f}×, gap {'-' if ours['gap'] is None else format(ours['gap'], '.1%')}, "
+            f"  {ours['tokens_per_s_per_gpu'] / (r['layout_predicted'] or math.nan):.2f}×, "
+            f"gap {'-' if ours['gap'] is None else format(ours['gap'], '.1%')}, "
             f"in {ours['plan_s']:.0f} s, "
             f"{ours['peak_rss_gb']:.1f} GB")
 

@@ -278,13 +278,13 @@ def _attempt(
 def stage_ranks(specs: Sequence[DeviceSpec], degrees: Degrees) -> tuple[DeviceSpec, ...]:
     """The device each stage of ``degrees`` is planned on: its first rank, ``s · dp · cp · tp`` (tp innermost,
     then cp, then the data-parallel copies), as it sees its data-parallel peers — an island of ``island_size``
-    devices holds ``island_size / (cp · tp)`` of each data-parallel group."""
+    devices holds ``island_size / (cp · tp)`` of each data-parallel group (its ``island_stride``, cp · tp)."""
     group = degrees.data_parallel * degrees.cp * degrees.tp
     ranks = tuple(specs[s * group] for s in range(degrees.pp))
     inner = degrees.tp * degrees.cp  # the ranks between two of a data-parallel group's
     if inner <= 1:
         return ranks
-    return tuple(dataclasses.replace(d, island_size=max(1, d.island_size // inner)) if d.island_size else d for d in ranks)
+    return tuple(dataclasses.replace(d, island_stride=inner) for d in ranks)
 
 
 def _none_fits(world: int, tried: Sequence[tuple[Degrees, Outcome]]) -> AutosplitError:

@@ -50,7 +50,7 @@ def alltoall_time(nbytes: float, size: int, device: DeviceSpec, calls: int = 1) 
     network at once, ``local`` the ranks of the group on one island; a latency per call."""
     if size <= 1 or nbytes <= 0:
         return 0.0
-    local = min(size, device.island_size or size)
+    local = min(size, device.group_island or size)
     bandwidth, latency = device.link_to(device)
     inside = (local - 1) / size * nbytes / bandwidth
     if local == size:

@@ -167,7 +167,7 @@ def group_time(nbytes: float, size: int, device: DeviceSpec, *, allreduce: bool)
     inside each island and then across them (the module docstring)."""
     if size <= 1:
         return 0.0
-    local = min(size, device.island_size or size)
+    local = min(size, device.group_island or size)
     if local == size or size % local:
         bandwidth, latency = device.allreduce_link(device)
         ring = (size - 1) / size * nbytes / bandwidth + (size - 1) * latency

@@ -12,6 +12,7 @@ import torch
 
 import autosplit
 from autosplit.compiler.costs import check_sequence, cost_table
+from autosplit.compiler.mesh import Degrees, stage_ranks
 from autosplit.devices import PRESETS
 from autosplit.errors import ConstraintError
 from autosplit.passes.cp_costs import attention_nodes, cp_laid_out, exposed_ring, ring_time
@@ -39,6 +40,11 @@ def test_the_ring_by_hand_inside_a_node_and_across():
     assert ring_time(1e9, 1, 1, d, 4) == 0.0
     assert ring_time(1e9, 4, 2, d, 3) == pytest.approx(3 / 4 * 1e9 / 100e9 + 3 * 5e-6 * 3)  # cp 4 × tp 2 = 8: NVLink
     assert ring_time(1e9, 4, 4, d, 1) == pytest.approx(3 / 4 * 1e9 / 25e9 + 3 * 10e-6)  # 16 devices: over the network
+    # as a mesh's stage rank sees it (the device a plan is costed on): the same island, the same ring
+    for cp, tp in ((4, 2), (4, 4), (8, 1)):
+        (rank,) = stage_ranks([d] * 16, Degrees(1, 16 // (cp * tp), "fully_shard", tp=tp, cp=cp))[:1]
+        assert rank.group_island == max(1, 8 // (cp * tp))
+        assert ring_time(1e9, cp, tp, rank, 3) == ring_time(1e9, cp, tp, d, 3)
 
 
 def test_one_attention_layer_split_over_cp_by_hand():
