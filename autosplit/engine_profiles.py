@@ -62,12 +62,12 @@ FITTED: dict[str, Fitted] = {
 
 
 RECORD: dict[tuple[str, str], tuple[float, float, int]] = {
-    ("B200", "megatron-te"): (0.123, 0.220, 5),
-    ("GB200", "megatron-te"): (0.044, 0.132, 21),
-    ("GB300", "megatron-te"): (0.107, 0.157, 8),
+    ("B200", "megatron-te"): (0.136, 0.164, 10),
+    ("GB200", "megatron-te"): (0.049, 0.156, 22),
+    ("GB300", "megatron-te"): (0.077, 0.127, 13),
     ("H100", "megatron-fsdp"): (0.089, 0.089, 1),
-    ("H100", "megatron-te"): (0.076, 0.136, 13),
-    ("H100-500W", "torch-compile"): (0.019, 0.247, 8),
+    ("H100", "megatron-te"): (0.062, 0.136, 19),
+    ("H100-500W", "torch-compile"): (0.022, 0.300, 9),
     ("H100-500W", "torch-eager"): (0.087, 0.087, 1),
     ("H200", "torch-compile"): (0.069, 0.069, 1),
 }

@@ -27,6 +27,7 @@ Usage::
     .venv/bin/python benchmarks/published.py --ids 294,295 --out /tmp/published.json
     .venv/bin/python benchmarks/published.py --jobs 2          # every row: benchmarks/results/published.json
     .venv/bin/python benchmarks/published.py --dry-run          # classify every row only: counts per reason
+    .venv/bin/python benchmarks/published.py --judge OLD.json   # OLD's costed rows, labelled and summarised as read now
 """
 
 from __future__ import annotations
@@ -215,6 +216,18 @@ def _grid(text: str) -> list[dict[str, float]]:
     return [dict(zip(fields, point)) for point in itertools.product(*values)] if fields else []
 
 
+def judged(earlier: dict[str, Any], classified: list[Classified]) -> dict[str, Any]:
+    """``earlier`` (a results file) with each row's labels read again from the CSV and its summary made again:
+    a label's fix (which rows are mixtures of experts, say) without costing 150 rows again."""
+    from benchmarks.published_summary import print_summary, summarize
+
+    labels = {c.row_id: c.info for c in classified}
+    rows = [{**r, **labels.get(r["row_id"], {})} for r in earlier["rows"]]
+    summary = summarize(rows)
+    print_summary(summary)
+    return {**earlier, "summary": summary, "rows": rows}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--csv", type=Path, default=DEFAULT_CSV, help="runs in the columns of ../shared/published/runs.csv")
@@ -225,6 +238,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--jobs", type=int, default=1, help="rows costed at once, each in its own process")
     parser.add_argument("--grid", default="", help="device figures to cost every row at too, to fit the engine profiles: "
                         "'efficiency=0.5,0.6 memory_efficiency=0.6,0.8 tp_overlap=0,0.5'")
+    parser.add_argument("--judge", type=Path, default=None, help="an earlier results file: its costed rows summarised again "
+                        "under the CSV's rows as they are read now (their labels: model, GPU, experts, layout group), nothing costed")
     args = parser.parse_args(argv)
     sys.path.insert(0, str(ROOT))
     if not args.csv.is_file():
@@ -235,6 +250,8 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.dry_run:
         report: dict[str, Any] = {"benchmark": "published", "dry_run": True, "csv": str(args.csv), "summary": dry_run(classified)}
+    elif args.judge is not None:
+        report = judged(json.loads(args.judge.read_text()), classified)
     else:
         print("simulated: device presets, the cost model's figures (not measured)")
         results = run(classified, args.budget, args.jobs, _grid(args.grid))

@@ -197,7 +197,10 @@ def classify(row: dict[str, str], line: int) -> Classified:
     row_id = row.get("row_id", "").strip() or f"line {line}"
     cells = ("model", "model_canonical", "gpu", "precision", "layout_group", "recompute")
     info: dict[str, Any] = {c: row.get(c, "").strip() for c in cells}
-    info["experts"] = bool(row["moe_experts"].strip())
+    from benchmarks.published_models import MOE
+
+    # a mixture of experts by its row's expert count, or by its name where the row leaves the count out (Kimi K2)
+    info["experts"] = bool(row["moe_experts"].strip()) or info["model_canonical"] in MOE
     out = Classified(row_id, info)
     out.reasons = _blockers(row)
     given = {c: row[c].strip() or (c == "seq_len" and _default_seq(row)) for c in ("num_gpus", "seq_len", "global_batch_size")}
