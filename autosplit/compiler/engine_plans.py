@@ -84,7 +84,7 @@ def megatron_recipe(body: str, names: Names, world: int, num_layers: int, tensor
         raise ConstraintError(advice("the Megatron flags give no --pipeline-model-parallel-layout",
                                      "autosplit reads a Megatron split from its layout", "add the layout"))
     stages = parse(layout)
-    tp, cp = int(flags.get("tensor-model-parallel-size", tensor_parallel)), int(flags.get("context-parallel-size", 1))
+    tp, cp = int(flags.get("tensor-model-parallel-size", tensor_parallel)), _megatron_context(flags)
     pp = int(flags.get("pipeline-model-parallel-size", math.gcd(len(stages), max(1, world // (tp * cp)))))
     vp = check(stages, num_layers=num_layers, pipeline=pp)
     if "m" in "".join("".join(s) for s in stages):
@@ -116,6 +116,20 @@ def megatron_recipe(body: str, names: Names, world: int, num_layers: int, tensor
     return Recipe(split=_stage_modules(titan, names), data_parallel=dp, tensor_parallel=tp, expert_parallel=ep, context_parallel=cp,
                   options=options,
                   replicate=_megatron_replicate(flags, pipelined=len(stages) > 1))
+
+
+def _megatron_context(flags: Mapping[str, str]) -> int:
+    """The context-parallel degree of Megatron's flags, its keys and values passed round a ring (``--cp-comm-type p2p``,
+    Megatron's default: what autosplit costs, :mod:`autosplit.passes.cp_costs`); another exchange is refused by name."""
+    cp, form = int(flags.get("context-parallel-size", 1)), flags.get("cp-comm-type", "p2p")
+    if cp > 1 and form != "p2p":
+        raise ConstraintError(advice(
+            f"the Megatron flags exchange each sequence's shards over cp {cp} by --cp-comm-type {form}",
+            "autosplit costs context parallelism as the p2p ring of keys and values (Megatron's default), "
+            "and would cost this run as another one",
+            "read it with --cp-comm-type p2p, knowing the exchange differs",
+        ))
+    return cp
 
 
 def _megatron_replicate(flags: Mapping[str, str], pipelined: bool) -> str:

@@ -121,4 +121,6 @@ def test_cp_goes_to_both_engines_and_reads_back_as_the_same_plan(tmp_path):
     assert plan.context_parallel == 2
     flags, toml = engine_round_trip(planner, plan, tmp_path)
     assert "--context-parallel-size 2" in flags and "--cp-comm-type p2p" in flags
+    with pytest.raises(ConstraintError, match="by --cp-comm-type a2a"):  # Megatron's all-to-all form: not what is costed
+        planner.manual("megatron:" + flags.replace("--cp-comm-type p2p", "--cp-comm-type a2a"))
     assert "context_parallel_degree = 2" in toml
