@@ -229,6 +229,14 @@ def test_torchtitans_config_of_either_release_is_read_as_it_means_or_refused_by_
         planner.manual(f"torchtitan:{tmp_path / 'mixed.toml'}")
     with pytest.raises(ConstraintError, match="num_pp_microbatches, which no torchtitan release has"):
         planner.manual({"parallelism": {"pipeline_parallel_degree": 2, "num_pp_microbatches": 2}})
+    # context parallelism: torchtitan's own Trainer.Config takes the degree, and reads back as the same plan
+    wide = autosplit.Planner(model, ["cpu"] * 4, example_inputs=(tokens,), expressible_in="torchtitan")
+    split = wide.manual(autosplit.Recipe([["tok_embeddings", "layers.0"], ["layers.1", "norm", "lm_head"]], context_parallel=2,
+                                         options=dict(micro_batches=2, schedule="1f1b")))
+    titan = _apply(wide.export("torchtitan", split, form="python"))
+    assert (titan.parallelism.context_parallel_degree, titan.parallelism.pipeline_parallel_degree) == (2, 2)
+    back = wide.manual(titan)
+    assert (back.mesh, back.assignment) == (split.mesh, split.assignment) and back.step_time == pytest.approx(split.step_time)
     config = _apply(planner.export("torchtitan", plan, form="python"))
     config.parallelism.module_fqns_per_model_part = [["tok_embeddings", "layers.0"], ["layers.1", "norm", "output"]]
     with pytest.raises(ConstraintError, match=r"torchtitan 0.3 config lists 'output', torchtitan 0.2's name"):
