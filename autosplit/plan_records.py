@@ -40,7 +40,8 @@ class PartialRecompute:
 
     def recomputed(self, micro_batches: int) -> int:
         """How many of a step's ``micro_batches`` recompute the block."""
-        return sum(self.recomputes(i) for i in range(micro_batches))
+        whole, rest = divmod(micro_batches, self.window)  # each whole window recomputes all but its first keep
+        return whole * max(0, self.window - self.keep) + max(0, rest - self.keep)
 
 
 @dataclass(frozen=True)

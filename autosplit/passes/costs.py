@@ -272,13 +272,15 @@ def estimate(
     profiles = list(profiles or [None] * len(devices))
     nodes = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
     index = {n: i for i, n in enumerate(nodes)}
-    # Identical devices (the common case: 64 of one kind) are costed once.
-    kinds = list(dict.fromkeys(devices))
+    # Devices alike but for the node (island) they sit in (the common case: 64 of one kind) are costed once: a node's
+    # time and its optimizer step on a device do not depend on where the device is.
+    placed = [dataclasses.replace(d, island=None) if d.island is not None else d for d in devices]
+    kinds = list(dict.fromkeys(placed))
     raw = [node_info(n) for n in nodes]
     low = None if float8 is None else choose_float8(gm, nodes, raw, kinds, float8, float8_exclude, node_roofline)
     infos = fused(nodes, raw, fusion, low.chosen if low else ())
     _refuse_sparse(optimizer, nodes, infos)
-    kind_of = [kinds.index(d) for d in devices]
+    kind_of = [kinds.index(d) for d in placed]
     per_device = row_sharer(kind_of)
 
     fwd, bwd = node_times(nodes, infos, kinds, kind_of, profiles, micro_batches, per_device, low)

@@ -160,8 +160,9 @@ def fused(nodes: Sequence[fx.Node], infos: Sequence[NodeInfo], fusion: Fusion, f
     out = list(infos)
     regions: dict[str, list[int]] = {}
     for i, info in enumerate(infos):
-        path = info.module_path
-        owner = next((p for p in fusion.norms if path == p or path.startswith(p + ".")), None) if path else None
+        parts = info.module_path.split(".") if info.module_path else []
+        # the outermost norm module that holds the node: its path itself or one of its prefixes
+        owner = next((p for p in (".".join(parts[:k]) for k in range(1, len(parts) + 1)) if p in fusion.norms), None)
         if owner is not None:
             regions.setdefault(owner, []).append(i)
     for members in regions.values():

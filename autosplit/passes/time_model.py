@@ -98,8 +98,10 @@ def optimizer_times(
     analytic = [tuple(node_step_time(info, optimizer, d) for d in kinds) for info in infos]
     scale = [1.0] * len(kind_of)
     for d, prof in enumerate(profiles):
+        if prof is None or prof.optimizer_step <= 0:
+            continue
         total = sum(optimizer_step_time(info.param_bytes, len(info.params), optimizer, kinds[kind_of[d]]) for info in infos)
-        if prof is not None and prof.optimizer_step > 0 and total > 0:
+        if total > 0:
             scale[d] = prof.optimizer_step / total
     if all(x == 1.0 for x in scale):
         return tuple(per_device(row) for row in analytic)

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from autosplit.solver.evaluation import evaluate
+from autosplit.solver.pipeline.memory import windows
 from autosplit.solver.problem import Problem
 from autosplit.solver.validate import violations
 
@@ -197,7 +198,7 @@ class _StageDP:
     def __init__(self, problem: Problem, order: Sequence[int], cuts: np.ndarray, pre: Prefix) -> None:
         self.problem, self.order, self.cuts, self.pre = problem, order, cuts, pre
         self.ends = np.arange(len(cuts))
-        self._bands: dict[tuple[int, float], tuple[float, np.ndarray, np.ndarray]] = {}
+        self._bands: dict[tuple[int, float], tuple[float, int, np.ndarray]] = {}
         self.room = stage_room(problem, pre, cuts)
 
     def shrink(self, over: np.ndarray) -> None:
@@ -205,7 +206,7 @@ class _StageDP:
         self.room = self.room - np.asarray([over[self.problem.rank(s)] for s in range(self.problem.num_stages)]) - 1.0
         self._bands.clear()
 
-    def band(self, s: int, cap: float) -> tuple[np.ndarray, np.ndarray]:
+    def band(self, s: int, cap: float) -> tuple[int, np.ndarray]:
         """Stages of one kind (and room) have the same band: it is computed once per kind, and a band made under a
         larger finite cap serves a smaller one, its segments over the cap masked (each segment's time is
         at least its compute, which alone decides the band's width)."""
@@ -213,36 +214,38 @@ class _StageDP:
         made = bands.get(kind)
         if made is None or made[0] < cap or (math.isinf(made[0]) and math.isfinite(cap)):
             made = bands[kind] = (cap, *self._segments(s, cap))
-        made_cap, starts, t = made
-        return (starts, t) if made_cap == cap else (starts, np.where(t <= cap, t, _INF))
+        made_cap, width, t = made
+        return (width, t) if made_cap == cap else (width, np.where(t <= cap, t, _INF))
 
-    def _segments(self, s: int, cap: float) -> tuple[np.ndarray, np.ndarray]:
-        """Stage s ending at each cut b: candidate starts a (K, W) and their times (+inf if invalid).
+    def _segments(self, s: int, cap: float) -> tuple[int, np.ndarray]:
+        """Stage s ending at each cut b: the band's width W and [b, j] the time of the stage from cut a = b − 1 − j
+        (+inf if invalid).
 
         A stage's compute alone must stay within ``cap``, so only the W cuts before b that
         satisfy it are candidates: a band about K/S wide instead of all K.
         """
         problem, pre, cuts, ends = self.problem, self.pre, self.cuts, self.ends
-        S, K = problem.num_stages, len(cuts)
+        S = problem.num_stages
         C, A, Mst, X, R, H, F = pre.C, pre.A, pre.Mst, pre.X, pre.R, pre.H, pre.F
         Cs = C[cuts, s]
         lo = np.searchsorted(Cs, Cs - cap, side="left")
         width = max(1, int((ends - lo).max()))
-        starts = ends[:, None] - np.arange(1, width + 1)[None, :]
-        valid = (starts >= lo[:, None]) & (starts >= 0)
-        starts = np.clip(starts, 0, K - 1)
-        a, b = cuts[starts], cuts
-        # each term a column over the cuts: those of b broadcast, those of a gathered once (the sums in the same order)
-        t = C[b, s][:, None] - C[:, s][a]
-        mem = Mst[b][:, None] - Mst[a] + A[b, s][:, None] - A[:, s][a] + problem.transient_mem
+        valid = np.arange(width)[None, :] <= (ends - 1 - np.maximum(lo, 0))[:, None]
+
+        def at_start(column: np.ndarray) -> np.ndarray:  # a term of the start cut a, read through the band's window
+            return windows(column[cuts], width, nearest=1)
+
+        # each term a column over the cuts: those of b broadcast, those of a read at a (the sums in the same order)
+        t = C[cuts, s][:, None] - at_start(C[:, s])
+        mem = Mst[cuts][:, None] - at_start(Mst) + A[cuts, s][:, None] - at_start(A[:, s]) + problem.transient_mem
         if s > 0:
-            t = t + X[:, s - 1][a]
-            mem = mem + R[:, s][a]
+            t = t + at_start(X[:, s - 1])
+            mem = mem + at_start(R[:, s])
         if s < S - 1:
-            t = t + X[b, s][:, None]
-            mem = mem + H[b, s][:, None]
-        ok = valid & (mem <= self.room[s]) & (F[b, s][:, None] == F[:, s][a]) & (t <= cap)
-        return starts, np.where(ok, t, _INF)
+            t = t + X[cuts, s][:, None]
+            mem = mem + H[cuts, s][:, None]
+        ok = valid & (mem <= self.room[s]) & (F[cuts, s][:, None] == at_start(F[:, s])) & (t <= cap)
+        return width, np.where(ok, t, _INF)
 
     def run(
         self, combine: Callable[[np.ndarray, np.ndarray], np.ndarray], cap: float, collect: tuple[float, float] | None = None
@@ -253,13 +256,13 @@ class _StageDP:
         val[0] = 0.0
         back, seen = [], []
         for s in range(self.problem.num_stages):
-            starts, t = self.band(s, cap)
+            width, t = self.band(s, cap)
             if collect is not None:
                 seen.append(t[(t >= collect[0]) & (t <= collect[1])])
-            cand = combine(val[starts], t)  # (K, W): end b, via start starts[b, j]
+            cand = combine(windows(val, width, _INF, nearest=1), t)  # (K, W): end b, via start b − 1 − j
             arg = np.argmin(cand, axis=1)
             val = cand[ends, arg]
-            back.append(starts[ends, arg])
+            back.append(np.maximum(ends - 1 - arg, 0))
         return val[-1], back, seen
 
     def walk(self, back: list[np.ndarray]) -> tuple[int, ...]:

@@ -18,10 +18,11 @@ Usage::
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
+from numpy.lib.stride_tricks import sliding_window_view
 
 from autosplit.solver.pipeline.chain import chain_reach, heaviest_chain
 from autosplit.solver.problem import Problem
@@ -32,6 +33,8 @@ CHAIN_UPPER = 1.25
 """How far past the largest cap :func:`memory_floors` looks along the chain (its figure is then at least this)."""
 PROOF_STEPS = 6
 """Bisection steps :func:`memory_proof` spends on the number it reports, once it has proven the cap."""
+CHUNK = 1 << 16
+"""Entries of a band computed at once (a few rows of ends): the block and its temporaries stay in cache."""
 
 
 def memory_units(problem: Problem) -> list[tuple[tuple[int, ...], int]]:
@@ -81,30 +84,45 @@ class _Along:
     """[2, p, s] what a stage holds of the tensors that must cross a boundary at chain position p:
     received ([0], the stage after it) and held to send ([1], the stage before it)."""
 
-    def segments(self, s: int, room: float) -> tuple[np.ndarray, np.ndarray]:
-        """Stage s's chain segments (a, b] that may hold at most ``room``: starts a [b, j] and the least
-        stage s holds with each (∞ past ``room``). A band: past ``room`` of chain memory, no earlier
-        start can do. The terms of b are columns, those of a gathered once each (at 405B the chain is
-        4,000 nodes long and the band hundreds wide)."""
+    def segments(self, s: int, room: float, own: bool = False) -> tuple[int, Iterator[tuple[slice, np.ndarray, np.ndarray | None]]]:
+        """Stage s's chain segments (a, b] that may hold at most ``room``: the band's width W, and by rows of ends b
+        (``rows``), [b, j] the least stage s holds with start a = b − j (∞ past ``room`` or before position 0)
+        and, with ``own``, the share of it that stage s's chain nodes (with the units pinned among them) hold. A band:
+        past ``room`` of chain memory, no earlier start can do. The terms of a are read through sliding windows, and
+        the rows come a few at a time so that each block of the band stays in cache: at 235B the chain is 4,600 nodes
+        long and the band as wide (:func:`windows` gives a caller's own terms of a in the same form)."""
         L, S = len(self.chain) - 1, self.chain.shape[1]
         ends = np.arange(L + 1)
         column = self.chain[:, s]
         lo = np.searchsorted(column, column - room, side="left") if math.isfinite(room) else np.zeros(L + 1, dtype=int)
-        starts = ends[:, None] - np.arange(int((ends - lo).max()) + 1)[None, :]
-        valid = (starts >= lo[:, None]) & (starts >= 0)
-        a = np.clip(starts, 0, L)
-        held = self.read[:, s][:, None] - self.read[:, s][a] + np.maximum(0.0, self.F[0][:, s][:, None] - self.G[0][:, s][a])
-        if s > 0:  # what crosses into the stage at its start, and out of it at its end (the sums in the order of the [b, s] form)
-            held = held + self.crossing[0][:, s][a]
-        if s < S - 1:
-            held = held + self.crossing[1][:, s][:, None]
-        held = np.maximum(held, np.maximum(self.first[:, s][:, None], self.last[:, s][a]))
-        return a, np.where(valid & (held <= room), held, np.inf)
+        width = int((ends - lo).max()) + 1
+        last_j = ends - np.maximum(lo, 0)  # [b] the most j whose start a is in the band
+        read, received = self.read[:, s], (windows(self.crossing[0][:, s], width) if s > 0 else None)
+        read_a, G_a, last_a = windows(read, width), windows(self.G[0][:, s], width), windows(self.last[:, s], width)
+        own_a = (windows(column, width), windows(self.G[1][:, s], width)) if own else None
+        j = np.arange(width)
 
-    def own(self, s: int, a: np.ndarray) -> np.ndarray:
-        """[b, j] the share of :meth:`segments`' figures that stage s's chain nodes (with the units pinned among them) hold."""
-        column = self.chain[:, s]
-        return column[:, None] - column[a] + np.maximum(0.0, self.F[1][:, s][:, None] - self.G[1][:, s][a])
+        def rows() -> Iterator[tuple[slice, np.ndarray, np.ndarray | None]]:
+            for b0 in range(0, L + 1, max(1, CHUNK // width)):
+                b = slice(b0, min(L + 1, b0 + max(1, CHUNK // width)))
+                held = read[b, None] - read_a[b] + np.maximum(0.0, self.F[0][b, s, None] - G_a[b])
+                if received is not None:  # what crosses in at its start and out at its end, summed in the order of the [b, s] form
+                    held = held + received[b]
+                if s < S - 1:
+                    held = held + self.crossing[1][b, s, None]
+                held = np.maximum(held, np.maximum(self.first[b, s, None], last_a[b]))
+                held = np.where((j <= last_j[b, None]) & (held <= room), held, np.inf)
+                mine = None if own_a is None else column[b, None] - own_a[0][b] + np.maximum(0.0, self.F[1][b, s, None] - own_a[1][b])
+                yield b, held, mine
+
+        return width, rows()
+
+
+def windows(values: np.ndarray, width: int, fill: float = 0.0, nearest: int = 0) -> np.ndarray:
+    """[b, j] = ``values[b − nearest − j]`` for j < ``width`` (``fill`` before position 0), a view: a term of a
+    segment's start a = b − nearest − j at each end b, without gathering it (a band's terms of its starts)."""
+    padded = np.concatenate([np.full(width - 1 + nearest, fill), values])
+    return sliding_window_view(padded, width)[: len(values), ::-1]
 
 
 def along_chain(problem: Problem, chain: list[int] | None = None) -> _Along:
@@ -170,8 +188,10 @@ def memory_chain_floor(problem: Problem, upper: float | None = None, along: _Alo
     L = len(along.chain) - 1
     val = np.where(np.arange(L + 1) == 0, 0.0, np.inf)
     for s in range(problem.num_stages):
-        starts, held = along.segments(s, upper - problem.transient_mem)
-        val = np.maximum(val[starts], held).min(axis=1)
+        width, rows = along.segments(s, upper - problem.transient_mem)
+        before, val = windows(val, width, np.inf), np.empty(L + 1)
+        for b, held, _ in rows:
+            val[b] = np.maximum(before[b], held).min(axis=1)
     return int(problem.transient_mem + min(val[L], upper))
 
 
@@ -193,16 +213,18 @@ def fits_under(problem: Problem, cap: float, along: _Along | None = None) -> boo
     ratio = along.ratio if math.isfinite(along.ratio) else 0.0
     before = np.zeros(L + 1)  # what stages 0…s − 1 hold of the free units without crossing to stage s
     for s in range(S):
-        starts, floor = along.segments(s, room)
-        own = along.own(s, starts)
-        free_room = room - own
-        carried, ahead = placed[starts], before[starts]
-        if ratio >= 1:  # carrying more across costs stage s more than it brings: carry nothing extra
-            carried = np.minimum(carried, ahead)
-        elif ratio > 0:  # past what need not cross, the rest crosses into stage s: it holds ratio of it
-            carried = np.minimum(carried, ahead + np.maximum(0.0, free_room) / ratio)
-            free_room = np.where(free_room >= 0, np.maximum(0.0, free_room - ratio * np.maximum(0.0, carried - ahead)), free_room)
-        more = np.where(np.isfinite(floor) & (free_room >= 0), carried + free_room, -np.inf).max(axis=1)
+        width, rows = along.segments(s, room, own=True)
+        placed_a, before_a, more = windows(placed, width, -np.inf), windows(before, width), np.empty(L + 1)
+        for b, floor, own in rows:
+            assert own is not None
+            free_room = room - own
+            carried, ahead = placed_a[b], before_a[b]
+            if ratio >= 1:  # carrying more across costs stage s more than it brings: carry nothing extra
+                carried = np.minimum(carried, ahead)
+            elif ratio > 0:  # past what need not cross, the rest crosses into stage s: it holds ratio of it
+                carried = np.minimum(carried, ahead + np.maximum(0.0, free_room) / ratio)
+                free_room = np.where(free_room >= 0, np.maximum(0.0, free_room - ratio * np.maximum(0.0, carried - ahead)), free_room)
+            more[b] = np.where(np.isfinite(floor) & (free_room >= 0), carried + free_room, -np.inf).max(axis=1)
         placed = np.where(more >= along.early[:, s], more, -np.inf)
         before = along.early[:, s] + along.loose
     return bool(np.isfinite(placed[L]))
