@@ -86,10 +86,7 @@ def step_floor(
     tables of a search by their degrees (configurations differing in dp alone share one)."""
     if options.costs != "analytic" or options.cost_overrides or len({(s.name, s.memory) for s in specs}) > 1:
         return 0.0
-    key = (degrees.tp, degrees.cp, degrees.ep, options.dp_shard)
-    table = (memo or {}).get(key) or _floor_table(whole, traced, degrees, options)
-    if memo is not None:
-        memo[key] = table
+    table = _floor_table(whole, traced, degrees, options, {} if memo is None else memo)
     dp, pp = degrees.data_parallel, degrees.pp
     per_node = [(f + b - (table.split_cost[n][0] if table.split_cost else 0.0)) / dp
                 for n, (f, b) in enumerate(zip((r[0] for r in table.fwd_time), (r[0] for r in table.bwd_time)))]
@@ -101,18 +98,26 @@ def step_floor(
     return max((work + optimizer) / pp, max(per_node, default=0.0), fill)
 
 
-def _floor_table(whole: CostTable, traced: Traced, degrees: Degrees, options: PlanOptions) -> CostTable:
-    """``whole`` laid out as one device of ``degrees`` holds it (tp, cp, ep, FSDP alone over dp_shard × cp)."""
-    table = whole
-    if degrees.tp > 1:
-        table = tp_table(whole, traced, options, tp=degrees.tp, micro_batches=1)
-    if degrees.cp > 1:  # every node's work over the sequence's shards (the ring only adds)
-        table = cp_table(table, traced, options, micro_batches=1)
-    if degrees.ep > 1:  # the experts' compute split over a tp group's ranks (their all-to-all only adds)
-        table = ep_table(table, traced, options, micro_batches=1)
+def _floor_table(whole: CostTable, traced: Traced, degrees: Degrees, options: PlanOptions, memo: dict[tuple, CostTable]) -> CostTable:
+    """``whole`` laid out as one device of ``degrees`` holds it (tp, cp, ep, FSDP alone over dp_shard × cp); ``memo``:
+    the tables made before, by the degrees they depend on (the tp, cp and ep layout, then its FSDP over dp_shard)."""
+    laid = (degrees.tp, degrees.cp, degrees.ep, options.dp_shard)
+    if laid in memo:
+        return memo[laid]
+    split = memo.get(laid[:3])
+    if split is None:
+        split = whole
+        if degrees.tp > 1:
+            split = tp_table(whole, traced, options, tp=degrees.tp, micro_batches=1)
+        if degrees.cp > 1:  # every node's work over the sequence's shards (the ring only adds)
+            split = cp_table(split, traced, options, micro_batches=1)
+        if degrees.ep > 1:  # the experts' compute split over a tp group's ranks (their all-to-all only adds)
+            split = ep_table(split, traced, options, micro_batches=1)
+        memo[laid[:3]] = split
+    memo[laid] = split
     if options.dp_shard * options.cp > 1:
-        table = laid_out(table, dp_shard=options.dp_shard * options.cp, alone=True, precision=options.precision)
-    return table
+        memo[laid] = laid_out(split, dp_shard=options.dp_shard * options.cp, alone=True, precision=options.precision)
+    return memo[laid]
 
 
 def state_fits(table: CostTable, ranks: tuple[DeviceSpec, ...], degrees: Degrees, row: float = 0.0) -> None:
