@@ -254,7 +254,15 @@ def prove_over_caps(problem: Problem, *, cheap: bool = False) -> None:
     units to place, a unit over every cap)."""
     least = _least(problem)
     precheck(least)
-    if not cheap:
+    if least.num_stages == 1:  # one stage holds everything: the only split, its memory exact (the floors bound no more)
+        need, cap = evaluate(least, [0] * len(least.nodes)).memory[0], least.capacity[0]
+        if need > cap:
+            raise InfeasiblePlanError(advice(
+                f"no plan fits the memory caps: its one stage needs {format_bytes(need * KIB)}, every block the options allow "
+                f"recomputed, but its device holds {format_bytes(cap * KIB)} (proven: one stage has one split)",
+                "model state and activations exceed the cap", "more pipeline stages or tp, replicate='fully_shard', or a smaller batch",
+            ))
+    elif not cheap:
         _refuse_over_caps(least, *memory_floors(least))
 
 
