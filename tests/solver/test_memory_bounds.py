@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import pytest
@@ -12,7 +13,7 @@ from autosplit.errors import InfeasiblePlanError
 from autosplit.options import SolverLimits
 from autosplit.solver.evaluation import evaluate
 from autosplit.solver.pipeline.memory import fits_under, memory_chain_floor, memory_floor, memory_proof
-from autosplit.solver.pipeline.strategy import solve
+from autosplit.solver.pipeline.strategy import prove_over_caps, solve
 from autosplit.solver.validate import violations
 from tests.helpers import make_problem
 
@@ -106,3 +107,10 @@ def test_stages_that_must_hold_everything_before_them_prove_what_one_stage_canno
     with pytest.raises(InfeasiblePlanError, match=r"any plan needs at least 16\.00 KiB on its fullest device, but the largest cap is "
                                                   r"15\.00 KiB \(proven over 2 devices: .*stages before each"):
         solve(problem, time_limit=1, limits=SolverLimits(cpsat_vars=1, dp_work=1))
+    # On one stage the only split's memory is exact: over the cap by a KiB, proven so before any DP; at it, not.
+    one = make_problem([1] * 6, [(0, 1), (1, 3), (2, 3), (3, 5), (4, 5)], stages=1, state=[3, 1, 6, 1, 7, 3],
+                       act=[[0], [6], [0], [2], [0], [6]], recv=[0] * 6, capacity=[10**6], micro_batches=2)
+    need = evaluate(one, [0] * 6).memory[0]
+    prove_over_caps(dataclasses.replace(one, capacity=(need,)), cheap=True)
+    with pytest.raises(InfeasiblePlanError, match=rf"its one stage needs {need}\.00 KiB.*holds {need - 1}\.00 KiB"):
+        prove_over_caps(dataclasses.replace(one, capacity=(need - 1,)), cheap=True)
