@@ -88,8 +88,11 @@ class CostTable:
     """[node] bytes its stage holds when the output goes to another stage (0 when the
     output is already counted as saved)."""
     transient_bytes: tuple[int, ...] = ()
-    """[node] peak bytes above what is live while the node runs on one micro-batch, or while
-    the optimizer updates its parameters; empty: output bytes / micro-batches."""
+    """[node] peak bytes above what is live while the node runs on one micro-batch; empty: output bytes /
+    micro-batches (:attr:`peaks` adds the optimizer step's)."""
+    step_bytes: tuple[int, ...] = ()
+    """[node] bytes the optimizer step allocates while it updates the node's parameters as this device holds them (its
+    shard, its experts: the temporaries of its largest local parameter); empty: none counted apart."""
     optimizer_time: tuple[tuple[float, ...], ...] = ()
     """[node][device] seconds of the optimizer step over the parameters the node owns (once per step)."""
     param_bytes: tuple[int, ...] = ()
@@ -169,6 +172,13 @@ class CostTable:
     """Module paths of the linears costed in FP8."""
     float8_kept: tuple[tuple[str, str], ...] = ()
     """(module path, why) of the linears kept in bf16 under a float8 option."""
+
+    @property
+    def peaks(self) -> tuple[int, ...]:
+        """[node] the transient peak above what is live: while the node runs, or while the optimizer steps its parameters."""
+        if not self.step_bytes:
+            return self.transient_bytes
+        return tuple(max(t, s) for t, s in zip(self.transient_bytes or (0,) * len(self.step_bytes), self.step_bytes))
 
     def row_sparse(self, members: Iterable[int]) -> tuple[int, int]:
         """(``sparse_param_bytes``, ``row_grad_bytes``) of :class:`~autosplit.plans.StageReport` for the nodes ``members``."""

@@ -311,14 +311,14 @@ def stage_reports(
     # stage, a bound; the report gives each stage its own.
     transient = [0] * len(order)
     for n, s in enumerate(stage_of):
-        transient[s] = max(transient[s], table.transient_bytes[n] if table.transient_bytes else ev.transient_mem * KIB)
+        transient[s] = max(transient[s], table.peaks[n] if table.peaks else ev.transient_mem * KIB)
     for p in shared:
         if p.policy == "replicate" and p.name in owner:
             for s in p.stages:
                 if s != stage_of[owner[p.name]]:
                     replicas[s] += table.state_bytes[owner[p.name]]
-                    if table.transient_bytes:
-                        transient[s] = max(transient[s], table.transient_bytes[owner[p.name]])
+                    if table.peaks:
+                        transient[s] = max(transient[s], table.peaks[owner[p.name]])
     reports = []
     entry, M, S = schedules.lookup(schedule), problem.micro_batches, problem.num_stages
     recomputed = [(label, table.blocks.index(label)) for label in table.recomputed]

@@ -284,7 +284,7 @@ def estimate(
     per_device = row_sharer(kind_of)
 
     fwd, bwd = node_times(nodes, infos, kinds, kind_of, profiles, micro_batches, per_device, low)
-    own_saved, transient = activation_bytes(nodes, infos, profiles, micro_batches, optimizer)
+    own_saved, transient, step = activation_bytes(nodes, infos, profiles, micro_batches, optimizer)
     wgrad_share = list(wgrad_shares(nodes, infos, profiles))
     if loss is not None:
         _charge_loss(gm, index, loss, micro_batches, fwd, bwd, wgrad_share, own_saved)
@@ -317,6 +317,7 @@ def estimate(
         param_counts=tuple(info.param_count for info in infos),
         sent_bytes=tuple(sent),
         transient_bytes=tuple(int(t) for t in transient),
+        step_bytes=tuple(step),
         optimizer_time=optimizer_times(infos, kinds, kind_of, profiles, optimizer, per_device),
         param_bytes=tuple(info.param_bytes for info in infos),
         **_state_parts(gm, nodes, infos),

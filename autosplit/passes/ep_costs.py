@@ -121,7 +121,8 @@ def ep_laid_out(
         saved_bytes=scaled(table.saved_bytes, computing), transient_bytes=scaled(table.transient_bytes, computing),
         output_bytes=scaled(table.output_bytes, computing), sent_bytes=scaled(table.sent_bytes, computing),
         wgrad_bytes=scaled(table.wgrad_bytes, computing),
-        state_bytes=state, param_bytes=scaled(table.param_bytes, local), weight_copy_bytes=scaled(table.weight_copy_bytes, local),
+        state_bytes=state, step_bytes=scaled(table.step_bytes, sharded),  # the optimizer steps a rank's experts, as it holds them
+        param_bytes=scaled(table.param_bytes, local), weight_copy_bytes=scaled(table.weight_copy_bytes, local),
         param_counts=scaled(table.param_counts, local),
         optimizer_time=tuple(tuple(t * k for t in row) for row, k in zip(table.optimizer_time, sharded)),
     )

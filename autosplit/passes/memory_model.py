@@ -8,7 +8,7 @@ checkpointing) saves what its members stop holding, less what the checkpoint kee
 
 Usage::
 
-    own, peaks = activation_bytes(nodes, infos, profiles, micro_batches, "adam")
+    own, peaks, step = activation_bytes(nodes, infos, profiles, micro_batches, "adam")
     saved, sent = saved_bytes(gm, nodes, infos, own)
 """
 
@@ -81,10 +81,10 @@ def saved_bytes(
 
 def activation_bytes(
     nodes: list[fx.Node], infos: list[NodeInfo], profiles: list[Profile | None], micro_batches: int, optimizer: str
-) -> tuple[list[int], list[int]]:
-    """(bytes each node saves for backward, its transient peak) per node: annotated, or measured
-    by the first profile. The transient peak is at least the temporaries the optimizer step
-    allocates while it updates the node's largest parameter (:data:`OPTIMIZER_TEMP_FACTOR`). The
+) -> tuple[list[int], list[int], list[int]]:
+    """(bytes each node saves for backward, its transient peak, the temporaries the optimizer step allocates while
+    it updates the node's largest parameter (:data:`OPTIMIZER_TEMP_FACTOR`)) per node: annotated, or measured by the
+    first profile, the step's apart, as sharding the parameters shrinks it (:attr:`~autosplit.costtable.CostTable.step_bytes`). The
     low-precision weight copy autocast saves (``NodeInfo.weight_copy_bytes``) is no activation:
     the runtime casts each weight once per step and every micro-batch shares the copy
     (:mod:`autosplit.runtime.precision`), so it is held with the model state (:func:`state_bytes`)."""
@@ -96,8 +96,7 @@ def activation_bytes(
             if n.name in measured.nodes:  # a profiled micro-batch saved one copy of its own
                 own_saved[i] = max(0, measured.nodes[n.name].saved_bytes - infos[i].weight_copy_bytes) * micro_batches
                 transient[i] = measured.nodes[n.name].peak_bytes
-    peaks = [int(max(round(t), _step_temporaries(info, optimizer))) for t, info in zip(transient, infos)]
-    return own_saved, peaks
+    return own_saved, [round(t) for t in transient], [int(_step_temporaries(info, optimizer)) for info in infos]
 
 
 def _step_temporaries(info: NodeInfo, optimizer: str) -> int:

@@ -144,7 +144,8 @@ def laid_out(table: CostTable, *, dp_shard: int, alone: bool = False, precision:
         sharded = model_state - (params if gradients_whole and not units[i] else 0)  # its gradient shard is the whole buffer's
         state.append(math.ceil(sharded / dp_shard) + held)
     optimizer = tuple(tuple(t / dp_shard for t in row) for row in table.optimizer_time)
-    return dataclasses.replace(table, state_bytes=tuple(state), optimizer_time=optimizer,
+    step = tuple(math.ceil(b / dp_shard) for b in table.step_bytes)  # the optimizer steps the shard each device holds
+    return dataclasses.replace(table, state_bytes=tuple(state), optimizer_time=optimizer, step_bytes=step,
                                transient_bytes=tuple(transient) if table.transient_bytes or any(units) else ())
 
 

@@ -254,9 +254,13 @@ def tp_laid_out(
         output_bytes=scaled(table.output_bytes, outputs),
         sent_bytes=scaled(table.sent_bytes, outputs), transient_bytes=scaled(table.transient_bytes, outputs),
         wgrad_bytes=scaled(table.wgrad_bytes, outputs),
-        param_bytes=scaled(table.param_bytes, held), weight_copy_bytes=scaled(table.weight_copy_bytes, copied),
+        param_bytes=scaled(table.param_bytes, held), step_bytes=scaled(table.step_bytes, held),
+        weight_copy_bytes=scaled(table.weight_copy_bytes, copied),
         param_counts=scaled(table.param_counts, held),
         optimizer_time=tuple(tuple(t * k for t in row) for row, k in zip(table.optimizer_time, held)),
-        block_saves=saves, block_activations=scaled(table.block_activations, ratio), block_shared=scaled(table.block_shared, ratio),
-        block_transient=round(table.block_transient * max((cut[i] for m in table.block_members for i in m), default=1.0)),
+        # held again while a block recomputes: as the recomputing nodes' transients are split, by their largest share
+        block_saves=saves, block_activations=scaled(table.block_activations, [max((outputs[i] for i in m), default=1.0)
+                                                                               for m in table.block_members]),
+        block_shared=scaled(table.block_shared, ratio),
+        block_transient=round(table.block_transient * max((outputs[i] for m in table.block_members for i in m), default=1.0)),
     )

@@ -245,7 +245,7 @@ def _recompute(
     out = []
     inside = {i for label in offered for i in table.block_members[table.blocks.index(label)]}
     # what a block's node holds at its peak as laid out (FSDP's unit gathers too), and before the layout
-    laid = max((table.transient_bytes[i] for i in inside), default=0) if table.transient_bytes else 0
+    laid = max((table.peaks[i] for i in inside), default=0) if table.peaks else 0
     own = table.block_transient if table.block_transient else laid
     for label, forced in offered.items():
         b = table.blocks.index(label)
@@ -290,7 +290,7 @@ def build_problem(
         if rank_of[k - 1] == rank_of[k]:
             sent[:, k - 1] = 0
     state = tuple(_kib(b) for b in table.state_bytes)
-    transient = _kib(max(table.transient_bytes, default=0)) if table.transient_bytes else _kib(max(table.output_bytes, default=0) / M)
+    transient = _kib(max(table.peaks, default=0)) if table.peaks else _kib(max(table.output_bytes, default=0) / M)
     problem = Problem(
         nodes=table.nodes,
         labels=table.module_paths,

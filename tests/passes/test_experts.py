@@ -19,6 +19,7 @@ from autosplit.devices import PRESETS
 from autosplit.errors import ConstraintError
 from autosplit.passes.ep_costs import alltoall_time, ep_laid_out
 from autosplit.passes.experts import ExpertGroup
+from autosplit.passes.sharding import laid_out
 from tests.helpers import NO_SEARCH, engine_round_trip, where
 from tests.moe_cases import EXPERTS, FAMILIES, MOE_LAYERS, TOP_K, ids, moe_model
 
@@ -74,7 +75,7 @@ def _table(device) -> CostTable:
         fwd_time=((1e-3,), (8e-3,), (1e-4,)), bwd_time=((2e-3,), (16e-3,), (1e-4,)),
         state_bytes=(400, 16_000, 0), saved_bytes=(100, 1000, 10), output_bytes=(100, 1000, 10), edges=((0, 1), (1, 2)),
         order_edges=(), colocate=(), param_counts=(25, 1000, 0), param_bytes=(100, 4000, 0),
-        optimizer_time=((1e-4,), (4e-3,), (0.0,)),
+        optimizer_time=((1e-4,), (4e-3,), (0.0,)), step_bytes=(200, 8000, 0),
     )
 
 
@@ -97,6 +98,10 @@ def test_expert_parallel_costs_by_hand():
     tp2 = ep_laid_out(_table(d), [group], ep=4, tp=2, micro_batches=2, numel=numel, owners=owners)
     assert tp2.fwd_time[1][0] == pytest.approx(4e-3 + 2 * (exchange - 2 * 4e-6) / 2 + 2 * 2 * 4e-6)
     assert tp2.state_bytes[1] == 8000 and tp2.saved_bytes[1] == 500
+    # the optimizer steps the experts' state as a rank holds it: over tp here, over dp_shard by laid_out
+    assert table.step_bytes == (200, 8000, 0) and tp2.step_bytes == (200, 4000, 0)
+    sharded = laid_out(table, dp_shard=4, precision="bf16-fsdp")
+    assert sharded.step_bytes == (50, 2000, 0) and sharded.peaks == (50, 2000, 0)
     assert ep_laid_out(_table(d), [group], ep=1, tp=1, micro_batches=2, numel=numel, owners=owners) == _table(d)
 
 
