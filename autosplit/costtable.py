@@ -7,6 +7,7 @@ Plain data, written by the *estimate* pass (:mod:`autosplit.passes.costs`) or lo
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -173,7 +174,7 @@ class CostTable:
     float8_kept: tuple[tuple[str, str], ...] = ()
     """(module path, why) of the linears kept in bf16 under a float8 option."""
 
-    @property
+    @functools.cached_property
     def peaks(self) -> tuple[int, ...]:
         """[node] the transient peak above what is live: while the node runs, or while the optimizer steps its parameters."""
         if not self.step_bytes:

@@ -245,7 +245,8 @@ def _recompute(
     out = []
     inside = {i for label in offered for i in table.block_members[table.blocks.index(label)]}
     # what a block's node holds at its peak as laid out (FSDP's unit gathers too), and before the layout
-    laid = max((table.peaks[i] for i in inside), default=0) if table.peaks else 0
+    peaks = table.peaks
+    laid = max((peaks[i] for i in inside), default=0) if peaks else 0
     own = table.block_transient if table.block_transient else laid
     for label, forced in offered.items():
         b = table.blocks.index(label)
