@@ -272,8 +272,7 @@ def estimate(
     profiles = list(profiles or [None] * len(devices))
     nodes = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
     index = {n: i for i, n in enumerate(nodes)}
-    # Devices alike but for the node (island) they sit in (the common case: 64 of one kind) are costed once: a node's
-    # time and its optimizer step on a device do not depend on where the device is.
+    # Devices alike but for their node (island) are costed once: a node's time does not depend on where its device is.
     placed = [dataclasses.replace(d, island=None) if d.island is not None else d for d in devices]
     kinds = list(dict.fromkeys(placed))
     raw = [node_info(n) for n in nodes]
@@ -316,8 +315,7 @@ def estimate(
         colocate=colocate,
         param_counts=tuple(info.param_count for info in infos),
         sent_bytes=tuple(sent),
-        transient_bytes=tuple(int(t) for t in transient),
-        step_bytes=tuple(step),
+        transient_bytes=tuple(int(t) for t in transient), step_bytes=tuple(step),
         optimizer_time=optimizer_times(infos, kinds, kind_of, profiles, optimizer, per_device),
         param_bytes=tuple(info.param_bytes for info in infos),
         **_state_parts(gm, nodes, infos),
