@@ -178,7 +178,7 @@ def _search(traced: Traced, specs: Sequence[DeviceSpec], options: PlanOptions) -
     whole, _ = cost_table(traced, tuple(specs[:1]), plain, micro_batches=1, laid=False)
     tried: dict[Degrees, Outcome] = {}
     floors: dict[Degrees, float] = {}
-    memo: dict[tuple, CostTable] = {}  # the floors' laid-out tables, shared by configurations differing in dp alone
+    memo: dict[tuple, CostTable] = {}  # the floors' tables by the degrees they depend on (mesh_bounds._floor_table)
     groups = traced.expert_groups(options.precision, specs[0].device_type) if options.expert_parallel != 1 else ()
     check_experts(groups, options.ep)  # a pinned ep the layers' experts do not divide, in their terms
     experts = [g.experts for g in groups] if options.expert_parallel == AUTO else []

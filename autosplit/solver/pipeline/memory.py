@@ -100,11 +100,11 @@ class _Along:
         read, received = self.read[:, s], (windows(self.crossing[0][:, s], width) if s > 0 else None)
         read_a, G_a, last_a = windows(read, width), windows(self.G[0][:, s], width), windows(self.last[:, s], width)
         own_a = (windows(column, width), windows(self.G[1][:, s], width)) if own else None
-        j = np.arange(width)
+        j, step = np.arange(width), max(1, CHUNK // width)
 
         def rows() -> Iterator[tuple[slice, np.ndarray, np.ndarray | None]]:
-            for b0 in range(0, L + 1, max(1, CHUNK // width)):
-                b = slice(b0, min(L + 1, b0 + max(1, CHUNK // width)))
+            for b0 in range(0, L + 1, step):
+                b = slice(b0, min(L + 1, b0 + step))
                 held = read[b, None] - read_a[b] + np.maximum(0.0, self.F[0][b, s, None] - G_a[b])
                 if received is not None:  # what crosses in at its start and out at its end, summed in the order of the [b, s] form
                     held = held + received[b]
