@@ -173,6 +173,10 @@ class CostTable:
     """Module paths of the linears costed in FP8."""
     float8_kept: tuple[tuple[str, str], ...] = ()
     """(module path, why) of the linears kept in bf16 under a float8 option."""
+    expert_gemms: tuple[tuple[int, float, tuple[tuple[float, ...], ...]], ...] = ()
+    """(node, the share of micro-batches its backward runs its forward again, [device] its
+    :func:`~autosplit.passes.ep_costs.gemm_terms`) of each grouped matmul of a mixture of experts' rows costed by
+    the roofline (none measured): what expert parallelism costs anew, each rank reading its own experts' weights."""
 
     @functools.cached_property
     def peaks(self) -> tuple[int, ...]:

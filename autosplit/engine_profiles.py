@@ -119,7 +119,7 @@ class EngineProfile:
         return 0.0 if fitted is None else fitted.value
 
 
-_TRANSFORMER_ENGINE = ("norm", "gated", "fp8-inputs", "fp8-weights")
+_TRANSFORMER_ENGINE = ("norm", "gated", "fp8-inputs", "fp8-weights", "fp8-experts")
 
 ENGINES: dict[str, EngineProfile] = {
     e.name: e for e in (

@@ -96,7 +96,7 @@ def samples_of(gm: torch.fx.GraphModule, prof: Profile, scale: float = 1.0) -> l
         if n.name not in prof.nodes or n.target is operator.getitem:
             continue
         info, got = node_info(n), prof.nodes[n.name]
-        nbytes = (info.input_bytes + info.output_bytes) / scale
+        nbytes = 0.0 if info.moves_nothing else (info.input_bytes + info.output_bytes) / scale  # a view reads nothing
         out.append((info.fwd_flops / scale, nbytes, got.fwd))
         if got.bwd > 0:
             out.append((info.bwd_flops / scale, 2 * nbytes, got.bwd))

@@ -102,6 +102,7 @@ def _cost_table(
                                       fusion=Fusion(norms=norm_paths(traced.model) if "norm" in fuses else frozenset(),
                                                     gated="gated" in fuses, fp8_inputs="fp8-inputs" in fuses,
                                                     fp8_weights="fp8-weights" in fuses and options.float8 in ("tensorwise", "auto"),
+                                                    fp8_experts="fp8-experts" in fuses,
                                                     torchao_weights="fp8-weights" not in fuses and options.precision == "bf16-mixed",
                                                     attention=specs[0].device_type == "cuda"))
         # the blocks depend on the graph and the devices, not the batch: decided once, on the first table
@@ -188,7 +189,7 @@ def ep_table(table: CostTable, traced: Traced, options: PlanOptions, *, micro_ba
     gm = traced.annotated(options.precision, device_type)
     owners = {n.name: node_info(n).params for n in gm.graph.nodes if "autosplit" in n.meta}
     return ep_laid_out(table, groups, ep=options.ep, tp=options.tp, micro_batches=micro_batches, numel=traced.param_numel(),
-                       owners=owners, tokens_cut=options.tp > 1 and sequence_parallel(traced, options))
+                       owners=owners, tokens_cut=options.tp > 1 and sequence_parallel(traced, options), cp=options.cp)
 
 
 def tp_fields(traced: Traced, options: PlanOptions) -> dict[str, Any]:

@@ -31,6 +31,7 @@ from typing import Any, NamedTuple
 
 import torch
 import torch.fx as fx
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from autosplit.compat import FakeTensor, FakeTensorMode, pytree, unset_fake_temporarily
 from autosplit.errors import CostModelError, advice
@@ -68,6 +69,8 @@ class _Measured(NamedTuple):
     """Of ``bwd``, the share of the gradient to the node's own parameters (a zero-bubble W pass)."""
     copies: int = 0
     """Of ``saved``, the bytes of the low-precision copies of parameters autocast made."""
+    moves_nothing: bool = False
+    """Each tensor it returned shares an input's storage and it wrote none: :attr:`NodeInfo.moves_nothing`."""
 
 
 @dataclass(frozen=True)
@@ -227,7 +230,7 @@ class _Annotator(fx.Interpreter):
         try:
             key = self._signature(n, flat, structure) if n.op.startswith("call") else None
             if n.target is aten._assert_tensor_metadata.default and self.precision != "fp32":
-                out, measured = None, _Measured(0, 0, 0, frozenset(), False, frozenset(), None)  # checks fp32 dtypes
+                out, measured = None, _Measured(0, 0, 0, frozenset(), False, frozenset(), None, moves_nothing=True)  # checks fp32 dtypes
             elif key is not None and key in self._measured:
                 # The same op on inputs of the same shapes: its output has the same metadata,
                 # so it is made, not run (a deep model repeats most of its nodes).
@@ -284,6 +287,7 @@ class _Annotator(fx.Interpreter):
             mutates=self._producers(n, flat, measured.written_at),
             wgrad_share=measured.wgrad_share,
             weight_copy_bytes=measured.copies + gathered,
+            moves_nothing=measured.moves_nothing,
         )
         return out
 
@@ -406,7 +410,7 @@ class _Annotator(fx.Interpreter):
         template = pytree.tree_map(lambda t: _TensorMeta.of(t) if isinstance(t, torch.Tensor) else t, out)
         measured = _Measured(
             fwd_counter.get_total_flops(), bwd, sum(own.values()), frozenset(saved_at), saves_output, written_at, template, wshare,
-            sum(b for i, b in own.items() if i in copies),
+            sum(b for i, b in own.items() if i in copies), _moves_nothing(n, flat, leaves, written_at),
         )
         return out, measured
 
@@ -427,3 +431,18 @@ def annotate(captured: Captured, inputs: list[Any], *, precision: str = "fp32", 
     annotator.run(*fake_inputs)
     row_sparse(captured.gm)
     return captured.gm
+
+
+def _moves_nothing(n: fx.Node, flat: list[Any], outputs: list[torch.Tensor], written: frozenset[int]) -> bool:
+    """:attr:`~autosplit.passes.annotations.NodeInfo.moves_nothing`: each tensor ``n`` returned shares the storage of
+    one in ``flat`` (its arguments), and it wrote none in place (by its version counters, its schema, or a name ending
+    in ``_``)."""
+    schema = getattr(n.target, "_schema", None)
+    name = n.target if isinstance(n.target, str) else getattr(n.target, "__name__", "")
+    if written or (schema is not None and schema.is_mutable) or name.split(".")[0].endswith("_"):
+        return False
+    try:
+        mine = {StorageWeakRef(t.untyped_storage()) for t in flat if isinstance(t, torch.Tensor)}
+        return all(StorageWeakRef(t.untyped_storage()) in mine for t in outputs)
+    except (RuntimeError, NotImplementedError):  # a tensor without a storage (sparse, nested): it may move bytes
+        return False

@@ -69,6 +69,10 @@ class NodeInfo:
     sparse_table_bytes: int = 0
     """Of those tables, the bytes of the ones every lookup reads with ``sparse=True``: torch makes
     their gradient a sparse tensor and never the dense one."""
+    moves_nothing: bool = False
+    """It reads and writes no bytes: every tensor it returns is a view of an input's storage (a view, a reshape that
+    needs no copy, a cast to the dtype a tensor has) and it writes none in place, or it returns none (an assertion).
+    A GPU runs no kernel for it; the time model costs it nothing."""
     sparse_grad_bytes: int = 0
     """Bytes of that sparse gradient for the whole batch: a row and a 64-bit index per lookup,
     repeats included (torch's sparse embedding backward keeps each lookup's row, and accumulating

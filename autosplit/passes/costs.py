@@ -48,7 +48,9 @@ from autosplit.costtable import OPTIMIZER_STATE_BYTES, OVERRIDE_KEYS, SPARSE_REF
 from autosplit.devices import DeviceSpec
 from autosplit.errors import CostModelError, advice
 from autosplit.passes.annotations import NodeInfo, node_info
-from autosplit.passes.float8 import choose_float8
+from autosplit.passes.ep_costs import gemm_terms
+from autosplit.passes.experts import grouped_gemms
+from autosplit.passes.float8 import Float8Choice, choose_float8
 from autosplit.passes.fusion import UNFUSED, Fusion, fused
 from autosplit.passes.input_free import input_free
 from autosplit.passes.memory_model import activation_bytes, describe_blocks, saved_bytes, state_bytes
@@ -80,7 +82,7 @@ def with_overrides(table: CostTable, overrides: Mapping[str, Mapping[str, float]
     """
     by_name = {name: i for i, name in enumerate(table.nodes)}
     fwd, bwd = [list(row) for row in table.fwd_time], [list(row) for row in table.bwd_time]
-    saved = list(table.saved_bytes)
+    saved, timed = list(table.saved_bytes), set()
     for key, cost in overrides.items():
         unknown = set(cost) - set(OVERRIDE_KEYS)
         if unknown:
@@ -105,6 +107,7 @@ def with_overrides(table: CostTable, overrides: Mapping[str, Mapping[str, float]
 
         for field, rows in (("fwd", fwd), ("bwd", bwd)):
             if field in cost:
+                timed.update(members)
                 for d in range(len(table.devices)):
                     for i, t in zip(members, spread(cost[field], [rows[i][d] for i in members])):
                         rows[i][d] = t
@@ -112,7 +115,8 @@ def with_overrides(table: CostTable, overrides: Mapping[str, Mapping[str, float]
             for i, b in zip(members, spread(cost["saved_bytes"], [saved[i] for i in members])):
                 saved[i] = round(b)
     return dataclasses.replace(
-        table, fwd_time=tuple(map(tuple, fwd)), bwd_time=tuple(map(tuple, bwd)), saved_bytes=tuple(saved)
+        table, fwd_time=tuple(map(tuple, fwd)), bwd_time=tuple(map(tuple, bwd)), saved_bytes=tuple(saved),
+        expert_gemms=tuple(g for g in table.expert_gemms if g[0] not in timed),  # the user's times stand under ep too
     )
 
 
@@ -212,8 +216,9 @@ def _recompute_costs(
     gm: fx.GraphModule, nodes: list[fx.Node], infos: list[NodeInfo], own_saved: list[int], described: Mapping[str, tuple],
     recompute: Collection[str], partial: Sequence[PartialRecompute], micro_batches: int,
     transient: list[int], fwd: list, bwd: list, per_device: Callable[[tuple], tuple], keeps: frozenset[int],
-) -> tuple[list[int], list[int], list[int], list]:
-    """(saved, sent, transient, backward) of the nodes when the blocks labelled ``recompute`` recompute
+) -> tuple[list[int], list[int], list[int], list, dict[int, float]]:
+    """(saved, sent, transient, backward, node → the share of micro-batches whose forward its backward runs again)
+    of the nodes when the blocks labelled ``recompute`` recompute
     (``partial``: those that keep some micro-batches): their members keep the checkpoint's inputs
     only (and those in ``keeps`` their outputs: selectively), their backward runs their forward
     again (but ``keeps``') and holds one micro-batch of their activations."""
@@ -241,7 +246,7 @@ def _recompute_costs(
     transient = [t + math.ceil(again / micro_batches) if i in recomputed else t for i, t in enumerate(transient)]
     bwd = [per_device(tuple(b + f * again_share[i] for b, f in zip(bwd[i], fwd[i]))) if i in again_share else bwd[i]
            for i in range(len(nodes))]
-    return saved, sent, transient, bwd
+    return saved, sent, transient, bwd, again_share
 
 
 def _check_optimizer(optimizer: str) -> None:
@@ -275,13 +280,13 @@ def estimate(
     # Devices alike but for their node (island) are costed once: a node's time does not depend on where its device is.
     placed = [dataclasses.replace(d, island=None) if d.island is not None else d for d in devices]
     kinds = list(dict.fromkeys(placed))
-    raw = [node_info(n) for n in nodes]
-    low = None if float8 is None else choose_float8(gm, nodes, raw, kinds, float8, float8_exclude, node_roofline)
+    raw, gemms = [node_info(n) for n in nodes], grouped_gemms(nodes)
+    low = None if float8 is None else choose_float8(gm, nodes, raw, kinds, float8, float8_exclude, node_roofline,
+                                                    gemms if fusion.fp8_experts else ())
     infos = fused(nodes, raw, fusion, low.chosen if low else ())
     _refuse_sparse(optimizer, nodes, infos)
     kind_of = [kinds.index(d) for d in placed]
     per_device = row_sharer(kind_of)
-
     fwd, bwd = node_times(nodes, infos, kinds, kind_of, profiles, micro_batches, per_device, low)
     own_saved, transient, step = activation_bytes(nodes, infos, profiles, micro_batches, optimizer)
     wgrad_share = list(wgrad_shares(nodes, infos, profiles))
@@ -296,8 +301,9 @@ def estimate(
         refuse_random_attention(gm, (nodes[i] for m in described.get("block_members", ()) for i in m))
     # before any block recomputes: a block's node's own peak
     block_transient = max((int(transient[i]) for m in described.get("block_members", ()) for i in m), default=0)
+    again: dict[int, float] = {}
     if recompute:
-        saved, sent, transient, bwd = _recompute_costs(
+        saved, sent, transient, bwd, again = _recompute_costs(
             gm, nodes, infos, own_saved, described, recompute, partial, micro_batches, transient, fwd, bwd, per_device, keeps,
         )
     state = [state_bytes(info, optimizer) for info in infos]
@@ -309,10 +315,8 @@ def estimate(
         bwd_time=tuple(bwd),
         state_bytes=tuple(state),
         saved_bytes=tuple(saved),
-        output_bytes=tuple(info.output_bytes for info in infos),
-        edges=tuple(edges),
-        order_edges=tuple(sorted(order_edges - set(edges))),
-        colocate=colocate,
+        output_bytes=tuple(info.output_bytes for info in infos), edges=tuple(edges),
+        order_edges=tuple(sorted(order_edges - set(edges))), colocate=colocate,
         param_counts=tuple(info.param_count for info in infos),
         sent_bytes=tuple(sent),
         transient_bytes=tuple(int(t) for t in transient), step_bytes=tuple(step),
@@ -331,4 +335,19 @@ def estimate(
         block_transient=block_transient,
         **described,
         float8_recipe=low.recipe if low else None, float8_linears=low.linears if low else (), float8_kept=low.kept if low else (),
+        expert_gemms=_expert_gemms(nodes, infos, gemms, kinds, per_device, profiles, again, low),
+    )
+
+
+def _expert_gemms(
+    nodes: list[fx.Node], infos: list[NodeInfo], gemms: Mapping[int, int], kinds: list[DeviceSpec], per_device: Callable[[tuple], tuple],
+    profiles: Sequence[Profile | None], again: Mapping[int, float], low: Float8Choice | None,
+) -> tuple[tuple[int, float, tuple[tuple[float, ...], ...]], ...]:
+    """:attr:`~autosplit.costtable.CostTable.expert_gemms` of the grouped matmuls ``gemms`` (node → bytes of the stacked
+    weight) that no profile timed: their roofline terms on each device, in FP8 where ``low`` costs them so."""
+    timed = {name for p in profiles if p is not None for name in p.nodes}
+    fp8 = low.costed if low is not None else frozenset()
+    return tuple(
+        (i, again.get(i, 0.0), per_device(tuple(gemm_terms(infos[i], weight, d, low.recipe if low and i in fp8 else None) for d in kinds)))
+        for i, weight in gemms.items() if nodes[i].name not in timed
     )

@@ -16,7 +16,10 @@ ranks that hold the same experts. Per node and device (:func:`ep_laid_out`), app
   benchmarks force it: each rank computes ``T·k`` routed rows, now over ``E / ep`` experts); under
   tp, the tokens of a tp group are split over its ranks before they are dispatched (torchtitan's
   ``ReordererSequenceParallel``, Megatron's sequence-parallel MoE input), so ``÷ tp`` unless sequence
-  parallelism has already cut every node;
+  parallelism has already cut every node. A grouped matmul reads every expert's weight it holds once
+  per call, whatever its rows: ``1/ep`` of the stacked weight, not ``÷ tp``, not ``÷ cp``
+  (:func:`gemm_terms`, :func:`gemm_time`: at a few thousand rows per call the weight's bytes, not its
+  FLOPs, bound a DeepSeek-V3 layer's 256 experts on one rank);
 - **the token all-to-all**: per MoE layer and micro-batch, a dispatch before the experts and a combine
   after them, in the forward and again in the backward, each moving ``T·k·h·bytes·(1 − 1/ep)`` of a
   rank's routed rows (``T`` its tokens) to the other ``ep − 1`` ranks (:func:`alltoall_time`): inside an
@@ -38,9 +41,43 @@ import numpy as np
 
 from autosplit.costtable import CostTable
 from autosplit.devices import DeviceSpec
+from autosplit.engine_profiles import FITTED
+from autosplit.passes.annotations import NodeInfo
 from autosplit.passes.experts import ExpertGroup
+from autosplit.passes.float8 import CAST_KERNELS, CAST_TRAFFIC
 
-__all__ = ["alltoall_time", "ep_laid_out", "expert_shares"]
+__all__ = ["alltoall_time", "ep_laid_out", "expert_shares", "gemm_terms", "gemm_time"]
+
+
+def gemm_terms(info: NodeInfo, weight: int, spec: DeviceSpec, recipe: str | None) -> tuple[float, ...]:
+    """The forward's terms, then the backward's, of one grouped matmul of the experts' rows on ``spec``, in seconds
+    over the whole batch: its FLOPs at the peak it computes at, the bytes of its rows (in and out), of the stacked
+    weight (``weight`` bytes, every expert's), the casts of its rows and of the weight (in FP8 under ``recipe``:
+    :mod:`autosplit.passes.float8`; emulated at the bf16 peak where ``spec`` has no FP8), and its launches.
+    :func:`gemm_time` of them at one rank's whole batch and weight is what
+    :func:`~autosplit.passes.time_model.node_times` costs the node."""
+    bandwidth = spec.memory_bandwidth * (spec.memory_efficiency or spec.efficiency)
+    if recipe is not None and spec.peak_flops_fp8 is not None:
+        peak = spec.peak_flops_fp8 * (FITTED["float8.rowwise"].value if recipe == "rowwise" else 1.0)
+    else:
+        peak = (spec.peak_flops_half or spec.peak_flops) if info.half else spec.peak_flops
+    fwd_in, bwd_out, bwd_in = CAST_TRAFFIC[recipe] if recipe is not None else (0.0, 0.0, 0.0)
+    launches = spec.launch_overhead * (1 + (2 * CAST_KERNELS if recipe is not None else 0))
+    rows_in, rows = info.input_bytes - weight, info.input_bytes + info.output_bytes - weight
+    speed = peak * spec.efficiency
+    return (info.fwd_flops / speed, rows / bandwidth, weight / bandwidth, fwd_in * rows_in / bandwidth, fwd_in * weight / bandwidth,
+            launches,
+            info.bwd_flops / speed, 2 * rows / bandwidth, 2 * weight / bandwidth,
+            (bwd_out * info.output_bytes + bwd_in * rows_in) / bandwidth, bwd_in * weight / bandwidth, launches)
+
+
+def gemm_time(terms: Sequence[float], rows: float, weight: float) -> tuple[float, float]:
+    """(forward, backward) seconds of a grouped matmul of :func:`gemm_terms` that computes ``rows`` of its rows and
+    reads ``weight`` of its stacked weight (shares): the roofline of its FLOPs and bytes, then its casts and launches."""
+    out = []
+    for flops, moved, read, cast, cast_weight, launches in (terms[:6], terms[6:]):
+        out.append(max(flops * rows, moved * rows + read * weight) + cast * rows + cast_weight * weight + launches)
+    return out[0], out[1]
 
 
 def alltoall_time(nbytes: float, size: int, device: DeviceSpec, calls: int = 1) -> float:
@@ -75,11 +112,11 @@ def expert_shares(
 
 def ep_laid_out(
     table: CostTable, groups: Sequence[ExpertGroup], *, ep: int, tp: int, micro_batches: int, numel: Mapping[str, int],
-    owners: Mapping[str, Sequence[str]], tokens_cut: bool = False,
+    owners: Mapping[str, Sequence[str]], tokens_cut: bool = False, cp: int = 1,
 ) -> CostTable:
     """``table`` as one device of an expert-parallel group of ``ep`` holds, computes and moves it (the
     module docstring); ``table`` itself for ``ep = 1``. ``tokens_cut``: tensor parallelism has already cut every node's compute and
-    activations by ``tp`` (sequence parallelism)."""
+    activations by ``tp`` (sequence parallelism); ``cp``: context parallelism has cut them by ``cp``."""
     if ep <= 1 or not groups:
         return table
     n, index = len(table.nodes), {name: i for i, name in enumerate(table.nodes)}
@@ -102,9 +139,12 @@ def ep_laid_out(
             comm_bwd[members[0], d] += once  # the combine's gradient back to the experts
             comm_bwd[members[-1], d] += once  # and the dispatch's back to the tokens
 
-    def times(rows: Sequence[Sequence[float]], comm: np.ndarray) -> tuple[tuple[float, ...], ...]:
-        values = np.asarray(rows, dtype=np.float64).reshape(n, -1) * cuts[:, None] + comm
-        return tuple(map(tuple, values.tolist()))
+    fwd, bwd = (np.asarray(rows, dtype=np.float64).reshape(n, -1) * cuts[:, None] for rows in (table.fwd_time, table.bwd_time))
+    rerun = np.asarray(table.rerun_time, dtype=np.float64).reshape(n, -1) * cuts[:, None] if table.rerun_time else None
+    _own_experts_read(table, fwd, bwd, rerun, rows=1 / (tp * cp), weight=1 / ep)
+
+    def times(values: np.ndarray, comm: np.ndarray) -> tuple[tuple[float, ...], ...]:
+        return tuple(map(tuple, (values + comm).tolist()))
 
     def scaled(values: Sequence[int], by: Sequence[float]) -> tuple[int, ...]:
         return tuple(round(v * k) for v, k in zip(values, by)) if values else ()
@@ -115,8 +155,8 @@ def ep_laid_out(
     state = tuple(round((s - b - c) * k) + b + round(c * q) for s, b, c, k, q in zip(table.state_bytes, buffers, copies, sharded, local))
     return dataclasses.replace(
         table,
-        fwd_time=times(table.fwd_time, comm_fwd), bwd_time=times(table.bwd_time, comm_bwd),
-        rerun_time=times(table.rerun_time, comm_fwd) if table.rerun_time else (),  # a recomputed forward exchanges again
+        fwd_time=times(fwd, comm_fwd), bwd_time=times(bwd, comm_bwd),
+        rerun_time=times(rerun, comm_fwd) if rerun is not None else (),  # a recomputed forward exchanges again
         split_cost=tuple(tuple(t * c for t in row) for row, c in zip(table.split_cost, computing)),
         saved_bytes=scaled(table.saved_bytes, computing), transient_bytes=scaled(table.transient_bytes, computing),
         output_bytes=scaled(table.output_bytes, computing), sent_bytes=scaled(table.sent_bytes, computing),
@@ -126,3 +166,15 @@ def ep_laid_out(
         param_counts=scaled(table.param_counts, local),
         optimizer_time=tuple(tuple(t * k for t in row) for row, k in zip(table.optimizer_time, sharded)),
     )
+
+
+def _own_experts_read(table: CostTable, fwd: np.ndarray, bwd: np.ndarray, rerun: np.ndarray | None, *, rows: float, weight: float) -> None:
+    """The experts' grouped matmuls (:attr:`~autosplit.costtable.CostTable.expert_gemms`) in ``fwd``, ``bwd`` and
+    ``rerun`` ([node, device], in place) costed anew as a rank runs them: ``rows`` of the batch's routed rows, and
+    ``weight`` of the stacked weights (its own experts'); a recomputing block's backward runs the forward again."""
+    for i, again, terms in table.expert_gemms:
+        for d, row in enumerate(terms):
+            f, b = gemm_time(row, rows, weight)
+            fwd[i, d], bwd[i, d] = f, b + again * f
+            if rerun is not None and rerun[i, d] > 0:
+                rerun[i, d] = f

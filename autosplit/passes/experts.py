@@ -27,7 +27,7 @@ Usage::
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -36,7 +36,10 @@ import torch.fx as fx
 from autosplit.errors import ConstraintError, advice
 from autosplit.passes.annotations import node_info
 
-__all__ = ["ExpertGroup", "check_experts", "expert_groups", "expert_modules"]
+__all__ = ["ExpertGroup", "check_experts", "expert_groups", "expert_modules", "grouped_gemms"]
+
+GROUPED_MM = ("_grouped_mm", "grouped_mm_fallback")
+"""The ops (by name, less their overload) that run a layer's experts as one grouped matmul."""
 
 
 @dataclass(frozen=True)
@@ -111,6 +114,21 @@ def expert_groups(
             groups.append(ExpertGroup(module, experts, k, params, tuple(n.name for n in inside), rows, hidden, itemsize))
     order = {n.name: i for i, n in enumerate(nodes)}
     return tuple(sorted(groups, key=lambda g: order[g.nodes[0]]))
+
+
+def grouped_gemms(nodes: Sequence[fx.Node]) -> dict[int, int]:
+    """Index into ``nodes`` → bytes of the stacked experts' weight it reads, for each grouped matmul of the experts'
+    rows, ``(S, K) × (E, K, N)`` (torch's ``_grouped_mm``, transformers' CPU fallback): every expert's weight is
+    read once per call, of which a rank of an expert-parallel group holds and reads ``1/ep``
+    (:func:`~autosplit.passes.ep_costs.ep_laid_out`)."""
+    found = {}
+    for i, n in enumerate(nodes):
+        name = getattr(n.target, "__name__", "") if n.op == "call_function" else ""
+        weight = n.args[1] if len(n.args) > 1 and name.split(".")[0] in GROUPED_MM else None
+        value = weight.meta.get("val") if isinstance(weight, fx.Node) else None
+        if isinstance(value, torch.Tensor) and value.dim() == 3:
+            found[i] = value.numel() * value.element_size()
+    return found
 
 
 def _within(path: str, module: str) -> bool:

@@ -27,7 +27,7 @@ Usage::
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -97,6 +97,14 @@ class Float8Choice:
     """Their module paths, in graph order."""
     kept: tuple[tuple[str, str], ...]
     """(module path, why it stays bf16) of every other linear, in graph order."""
+    experts: frozenset[int] = frozenset()
+    """Indices of the experts' grouped matmuls costed in FP8: where the engine runs them so (Transformer Engine's
+    grouped GEMMs under its FP8 recipe); autosplit's runtime converts linears only."""
+
+    @property
+    def costed(self) -> frozenset[int]:
+        """Every node costed in FP8: the linears and the experts' grouped matmuls."""
+        return self.chosen | self.experts
 
 
 Times = Callable[[fx.Node, NodeInfo, DeviceSpec], tuple[float, float]]
@@ -104,10 +112,12 @@ Times = Callable[[fx.Node, NodeInfo, DeviceSpec], tuple[float, float]]
 
 def choose_float8(
     gm: fx.GraphModule, nodes: Sequence[fx.Node], infos: Sequence[NodeInfo], kinds: Sequence[DeviceSpec], recipe: str,
-    exclude: Sequence[str] | None, bf16_times: Times,
+    exclude: Sequence[str] | None, bf16_times: Times, grouped: Collection[int] = (),
 ) -> Float8Choice:
     """Which linears of ``nodes`` run in FP8 under ``recipe`` (or ``"auto"``: by cost) on devices ``kinds``,
-    the others with their reason (the module docstring); refuses an explicit recipe on a GPU without FP8."""
+    the others with their reason (the module docstring); refuses an explicit recipe on a GPU without FP8.
+    ``grouped``: the experts' grouped matmuls the engine runs in FP8 too, decided as a linear is (by their path:
+    ``model.layers.3.mlp.experts``)."""
     linears = float8_linears(gm, nodes)
     last = max(linears, default=-1)
     if recipe == "auto" and any(d.peak_flops_fp8 is None for d in kinds):
@@ -120,8 +130,12 @@ def choose_float8(
         why = _excluded(path, exclude, i == last) or _odd_shape(w) or (
             _slower(nodes[i], infos[i], kinds, "tensorwise", bf16_times) if by_cost else None)
         (kept.append((path, why)) if why else chosen.append(i))
+    experts = frozenset(i for i in grouped if not (
+        _excluded(infos[i].module_path, exclude, False) or _odd_shape(nodes[i].args[1].meta["val"])
+        or (_slower(nodes[i], infos[i], kinds, "tensorwise", bf16_times) if by_cost else None)))
     resolved = "tensorwise" if by_cost else recipe
-    return Float8Choice(resolved if chosen else None, frozenset(chosen), tuple(linears[i][0] for i in chosen), tuple(kept))
+    return Float8Choice(resolved if chosen or experts else None, frozenset(chosen), tuple(linears[i][0] for i in chosen), tuple(kept),
+                        experts)
 
 
 def _excluded(path: str, exclude: Sequence[str] | None, last: bool) -> str | None:
@@ -133,7 +147,8 @@ def _excluded(path: str, exclude: Sequence[str] | None, last: bool) -> str | Non
 
 
 def _odd_shape(w: torch.Tensor) -> str | None:
-    if w.dim() == 2 and w.shape[0] % 16 == 0 and w.shape[1] % 16 == 0:
+    """Why a linear's weight (or the experts' stacked ``(E, K, N)``) cannot feed FP8 tensor cores; None where it can."""
+    if w.dim() in (2, 3) and w.shape[-2] % 16 == 0 and w.shape[-1] % 16 == 0:
         return None
     return f"its weight is {' × '.join(map(str, w.shape))}: {FP8_SHAPES}"
 

@@ -63,6 +63,9 @@ class Fusion:
     gated: bool = False
     fp8_inputs: bool = False
     fp8_weights: bool = False
+    fp8_experts: bool = False
+    """Under an FP8 recipe its experts' grouped matmuls run in FP8 too (Transformer Engine's grouped GEMM); torchao's
+    linears alone (autosplit's runtime) leave them bf16."""
     torchao_weights: bool = False
     """FP8 linears run by torchao under autocast read their fp32 weights: autocast casts (and keeps) no bf16 copy."""
     attention: bool = False

@@ -80,9 +80,12 @@ def node_roofline(node: fx.Node, info: NodeInfo, spec: DeviceSpec) -> tuple[floa
     """(forward, backward) seconds of one node on ``spec``, by the roofline, in the precision it computes in."""
     if node.op not in ("call_function", "call_method", "call_module") or node.target in _FREE_TARGETS:
         return 0.0, 0.0
+    has_backward = info.bwd_flops or info.saved_bytes or info.saved_inputs
+    if info.moves_nothing:  # a view: no kernel; a CPU, which runs ops as it dispatches them, pays the dispatch
+        dispatch = spec.launch_overhead if spec.device_type == "cpu" else 0.0
+        return dispatch, dispatch if has_backward else 0.0
     nbytes = info.input_bytes + info.output_bytes
     fwd = roofline(info.fwd_flops, nbytes, spec, half=info.half)
-    has_backward = info.bwd_flops or info.saved_bytes or info.saved_inputs
     bwd = roofline(info.bwd_flops, 2 * nbytes, spec, half=info.half) if has_backward else 0.0
     return fwd, bwd
 
@@ -126,10 +129,10 @@ def node_times(
     micro_batches: int, per_device: Callable[[tuple], tuple], float8: Float8Choice | None = None,
 ) -> tuple[list[tuple[float, ...]], list[tuple[float, ...]]]:
     """[node][device] forward and backward seconds: the roofline per device kind (``float8``: the linears
-    that run in FP8, :func:`~autosplit.passes.float8.float8_times`; emulated on a device without FP8 tensor
+    and grouped matmuls that run in FP8, :func:`~autosplit.passes.float8.float8_times`; emulated on a device without FP8 tensor
     cores, the bf16 GEMM and its casts), replaced on a profiled device by the node's measured times (one
     micro-batch, scaled to the whole batch) but for the FP8 linears, which the profile timed unconverted."""
-    chosen = float8.chosen if float8 is not None else frozenset()
+    chosen = float8.costed if float8 is not None else frozenset()
 
     def node_time(i: int, n: fx.Node, info: NodeInfo, d: DeviceSpec) -> tuple[float, float]:
         if i not in chosen:

@@ -171,3 +171,48 @@ def test_the_grouped_matmul_of_the_experts_counts_its_flops_on_the_meta_device()
         (out,) = info.output_shapes
         inner = 32 if i % 2 == 0 else 16  # each layer's gate_up (h 32 → 2·I 32), then its down (I 16 → h 32)
         assert out == (rows, 32) and info.fwd_flops == 2 * rows * inner * 32 and info.bwd_flops == 2 * info.fwd_flops
+
+
+def test_a_rank_of_an_ep_group_reads_its_own_experts_weights_and_fp8_where_its_engine_runs_them():
+    """A grouped matmul reads each expert's weight it holds once per call, whatever its rows: at ep 4 a quarter of the
+    stacked weight and all of its routed rows (half of them under tp 2: a tp group's tokens are split); a recomputing
+    block's backward runs that forward again. Transformer Engine runs it in FP8 under an FP8 recipe; torchao's linears
+    (autosplit's runtime) leave it bf16. By hand, then on a captured graph, whose node times the terms reproduce."""
+    d = _device()
+    group = ExpertGroup("mlp.experts", experts=8, top_k=2, params=("mlp.experts.w",), nodes=("experts",), tokens=1024,
+                        hidden=512, itemsize=2)
+    numel, owners = {"mlp.experts.w": 1000}, {"experts": ("mlp.experts.w",)}
+    terms = (2e-3, 1e-3, 8e-3, 0.0, 0.0, 1e-5, 4e-3, 2e-3, 16e-3, 0.0, 0.0, 1e-5)  # compute, rows, weight, casts ×2, launches
+    table = dataclasses.replace(_table(d), expert_gemms=((1, 0.5, (terms,)),))
+    exchange = 3 / 4 * 1024 * 2 * 512 * 2 / 400e9 + 2 * 4e-6
+    ep4 = ep_laid_out(table, [group], ep=4, tp=1, micro_batches=2, numel=numel, owners=owners)
+    forward = max(2e-3, 1e-3 + 8e-3 / 4) + 1e-5  # bound by the bytes: the rows', a quarter of the weights'
+    assert ep4.fwd_time[1][0] == pytest.approx(forward + 2 * exchange)
+    assert ep4.bwd_time[1][0] == pytest.approx(max(4e-3, 2e-3 + 16e-3 / 4) + 1e-5 + 0.5 * forward + 2 * exchange)
+    tp2 = ep_laid_out(table, [group], ep=4, tp=2, micro_batches=2, numel=numel, owners=owners)
+    assert tp2.fwd_time[1][0] == pytest.approx(max(1e-3, 0.5e-3 + 2e-3) + 1e-5 + 2 * (exchange - 2 * 4e-6) / 2 + 2 * 2 * 4e-6)
+    assert tp2.fwd_time[0] == _table(d).fwd_time[0]  # the router as before
+
+    from autosplit.passes.annotations import node_info
+    from autosplit.passes.costs import estimate
+    from autosplit.passes.ep_costs import gemm_time
+    from autosplit.passes.fusion import Fusion
+    from autosplit.passes.time_model import node_roofline
+
+    with torch.device("meta"):
+        model = moe_model("qwen3_moe")
+    model.config._experts_implementation = "grouped_mm"
+    planner = autosplit.Planner(model, ["cpu"] * 2, example_inputs=(autosplit.Spec((2, 64), torch.long),), **NO_SEARCH)
+    gm = planner.traced.annotated("bf16-mixed", "cuda")
+    nodes = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
+    h100 = PRESETS["H100-80GB"]
+    for engine_fp8 in (True, False):
+        costed = estimate(gm, (h100,), float8="tensorwise", fusion=Fusion(fp8_experts=engine_fp8))
+        assert len(costed.expert_gemms) == 2 * MOE_LAYERS["qwen3_moe"]
+        for i, _, (row,) in costed.expert_gemms:
+            info = node_info(nodes[i])
+            assert gemm_time(row, 1, 1) == pytest.approx((costed.fwd_time[i][0], costed.bwd_time[i][0]))
+            if engine_fp8:
+                assert row[0] == pytest.approx(info.fwd_flops / (h100.peak_flops_fp8 * h100.efficiency))
+            else:
+                assert (costed.fwd_time[i][0], costed.bwd_time[i][0]) == node_roofline(nodes[i], info, h100)
