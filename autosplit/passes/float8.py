@@ -131,7 +131,7 @@ def choose_float8(
             _slower(nodes[i], infos[i], kinds, "tensorwise", bf16_times) if by_cost else None)
         (kept.append((path, why)) if why else chosen.append(i))
     experts = frozenset(i for i in grouped if not (
-        _excluded(infos[i].module_path, exclude, False) or _odd_shape(nodes[i].args[1].meta["val"])
+        _excluded(infos[i].module_path, exclude, False) or _odd_shape(_stacked(nodes[i]))
         or (_slower(nodes[i], infos[i], kinds, "tensorwise", bf16_times) if by_cost else None)))
     resolved = "tensorwise" if by_cost else recipe
     return Float8Choice(resolved if chosen or experts else None, frozenset(chosen), tuple(linears[i][0] for i in chosen), tuple(kept),
@@ -144,6 +144,13 @@ def _excluded(path: str, exclude: Sequence[str] | None, last: bool) -> str | Non
             if last else None
     hit = next((f for f in exclude if f in path), None)
     return None if hit is None else f"float8_exclude names {hit!r}"
+
+
+def _stacked(node: fx.Node) -> torch.Tensor:
+    """The experts' stacked weight a grouped matmul reads (:func:`~autosplit.passes.experts.grouped_gemms` found it)."""
+    weight = node.args[1]
+    assert isinstance(weight, fx.Node), "a grouped matmul's weight is a node of the graph"
+    return weight.meta["val"]
 
 
 def _odd_shape(w: torch.Tensor) -> str | None:
