@@ -70,10 +70,10 @@ def _same(a: autosplit.Plan, b: autosplit.Plan) -> None:
 
 
 def test_a_plan_exported_to_either_engine_reads_back_as_the_same_plan(tmp_path):
-    """autosplit's own plan of a 2-layer Llama, and an interleaved one of a 4-layer Llama (two stages
-    per rank), written as Megatron flags and as torchtitan TOML and Python, and read back."""
+    """autosplit's own plan of a 2-layer Llama (its layers kept whole, as both engines place them), and an interleaved
+    one of a 4-layer Llama (two stages per rank), written as Megatron flags and as torchtitan TOML and Python, and read back."""
     model, args = _llama(2)
-    planner = autosplit.Planner(model, ["cpu"] * 2, example_inputs=args, micro_batches=2, schedule="1f1b")
+    planner = autosplit.Planner(model, ["cpu"] * 2, example_inputs=args, micro_batches=2, schedule="1f1b", expressible_in="megatron")
     solved = planner.plan()
     model4, args4 = _llama(4)
     looped = autosplit.Planner(model4, ["cpu"] * 2, example_inputs=args4, micro_batches=4, schedule="interleaved1f1b",

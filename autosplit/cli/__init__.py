@@ -62,7 +62,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--tensor-parallel", default=None, metavar="N|auto",
                    help="devices each stage's tensors are split over, inside a node; 'auto': chosen with the split")
     p.add_argument("--export", choices=["torchtitan", "megatron"], default=None,
-                   help="print the plan as that engine's configuration (torchtitan's TOML job config, Megatron-LM's flags)")
+                   help="plan what that engine can place (every layer whole) and print it as the engine's configuration "
+                        "(torchtitan's TOML job config, Megatron-LM's flags)")
     p.add_argument("--out", help="write the plan JSON here (with --export: the engine's configuration)")
     p.add_argument("--html", help="write the HTML report here")
     p.set_defaults(run=commands.plan)

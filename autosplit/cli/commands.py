@@ -24,8 +24,9 @@ def plan(args: argparse.Namespace, argv: list[str]) -> int:
 
     work = inputs.workload(args.workload, args.batch)
     loss = {"loss_fn": work["loss_fn"], "example_target": work["target"]} if "loss_fn" in work and "target" in work else {}
+    engine = {"expressible_in": args.export} if args.export else {}  # a plan for that engine: its layers whole
     planner = Planner(work["model"], inputs.devices(args.devices), example_inputs=work["example_inputs"],
-                      example_kwargs=work["example_kwargs"], **loss, **inputs.options(args))
+                      example_kwargs=work["example_kwargs"], **loss, **inputs.options(args), **engine)
     with processes.bars():
         plan = planner.plan()
     if args.export:
