@@ -283,7 +283,7 @@ def estimate(
     raw, gemms = [node_info(n) for n in nodes], grouped_gemms(nodes)
     low = None if float8 is None else choose_float8(gm, nodes, raw, kinds, float8, float8_exclude, node_roofline,
                                                     gemms if fusion.fp8_experts else ())
-    infos = fused(nodes, raw, fusion, low.chosen if low else ())
+    infos = fused(nodes, raw, fusion, low.chosen if low else (), low.experts if low else ())
     _refuse_sparse(optimizer, nodes, infos)
     kind_of = [kinds.index(d) for d in placed]
     per_device = row_sharer(kind_of)

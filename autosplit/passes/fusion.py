@@ -154,12 +154,15 @@ def _fused_attention(nodes: Sequence[fx.Node], infos: list[NodeInfo]) -> None:
         infos[i] = dataclasses.replace(infos[i], saved_bytes=infos[i].output_bytes + lse, saves_output=True, saved_inputs=inputs)
 
 
-def fused(nodes: Sequence[fx.Node], infos: Sequence[NodeInfo], fusion: Fusion, float8: Collection[int] = ()) -> list[NodeInfo]:
+def fused(
+    nodes: Sequence[fx.Node], infos: Sequence[NodeInfo], fusion: Fusion, float8: Collection[int] = (), experts: Collection[int] = (),
+) -> list[NodeInfo]:
     """``infos`` as the fused kernels save (the module docstring): the nodes of each norm module in
     ``fusion.norms`` as one kernel; with ``gated``, each product of an activation's output saves the activation's
     input instead (the activation's own saving) and not its output; with ``fp8_inputs``, the FP8 linears
-    (``float8``: indices into ``nodes``) keep FP8 copies of their inputs, with ``fp8_weights`` of their weights;
-    with ``attention``, attention keeps what a GPU's fused kernel does."""
+    (``float8``: indices into ``nodes``) and the experts' FP8 grouped matmuls (``experts``) keep FP8 copies of
+    their inputs, with ``fp8_weights`` the linears of their weights; with ``attention``, attention keeps what a
+    GPU's fused kernel does."""
     out = list(infos)
     regions: dict[str, list[int]] = {}
     for i, info in enumerate(infos):
@@ -177,8 +180,8 @@ def fused(nodes: Sequence[fx.Node], infos: Sequence[NodeInfo], fusion: Fusion, f
             acts = {u.name for u in node.all_input_nodes if _is_activation(u) and len(u.users) == 1}
             if acts & set(out[i].saved_inputs):
                 out[i] = dataclasses.replace(out[i], saved_inputs=tuple(n for n in out[i].saved_inputs if n not in acts))
-    if fusion.fp8_inputs and float8:
-        _fp8_inputs(nodes, out, float8)
+    if fusion.fp8_inputs and (float8 or experts):
+        _fp8_inputs(nodes, out, [*float8, *experts])
     if (fusion.fp8_weights or fusion.torchao_weights) and float8:
         _fp8_weights(nodes, out, float8, kept=0.0 if fusion.torchao_weights else 0.5)
     if fusion.attention:

@@ -216,3 +216,6 @@ def test_a_rank_of_an_ep_group_reads_its_own_experts_weights_and_fp8_where_its_e
                 assert row[0] == pytest.approx(info.fwd_flops / (h100.peak_flops_fp8 * h100.efficiency))
             else:
                 assert (costed.fwd_time[i][0], costed.bwd_time[i][0]) == node_roofline(nodes[i], info, h100)
+    # Transformer Engine's FP8 grouped GEMMs keep FP8 copies of their inputs: a byte a value, not bf16's two
+    copies = estimate(gm, (h100,), float8="tensorwise", fusion=Fusion(fp8_experts=True, fp8_inputs=True))
+    assert sum(copies.saved_bytes) < sum(estimate(gm, (h100,), float8="tensorwise", fusion=Fusion(fp8_inputs=True)).saved_bytes)
