@@ -178,7 +178,7 @@ def _search(traced: Traced, specs: Sequence[DeviceSpec], options: PlanOptions) -
     whole, _ = cost_table(traced, tuple(specs[:1]), plain, micro_batches=1, laid=False)
     tried: dict[Degrees, Outcome] = {}
     floors: dict[Degrees, float] = {}
-    memo: dict[tuple, CostTable] = {}  # the floors' tables by the degrees they depend on (mesh_bounds._floor_table)
+    memo: dict[tuple, CostTable] = {}  # the floors' tables (mesh_bounds._floor_table) and least states (_proven) by what they hold
     groups = traced.expert_groups(options.precision, specs[0].device_type) if options.expert_parallel != 1 else ()
     check_experts(groups, options.ep)  # a pinned ep the layers' experts do not divide, in their terms
     experts = [g.experts for g in groups] if options.expert_parallel == AUTO else []
@@ -241,10 +241,13 @@ def _proven(
     """A configuration's floor (:func:`~autosplit.compiler.mesh_bounds.step_floor`), after the refusals
     that need no capture: a model state that cannot fit, a tp degree the head counts do not allow."""
     chosen = _chosen(options, degrees)
-    # the least state the configuration can hold: FSDP alone may make every module a unit of its own
-    least = whole if degrees.pp > 1 else dataclasses.replace(whole, unit_params=(True,) * len(whole.nodes))
     row = 0.0 if options.checkpoints else sum(whole.saved_bytes) / (traced.batch or math.inf) / degrees.cp  # its tokens over cp
-    least = laid_out(least, dp_shard=chosen.dp_shard * degrees.cp, alone=degrees.pp == 1, precision=options.precision)
+    key = ("least", degrees.pp > 1, chosen.dp_shard * degrees.cp)  # what the least state depends on, kept beside the floors' tables
+    if key not in memo:
+        # the least state the configuration can hold: FSDP alone may make every module a unit of its own
+        least = whole if degrees.pp > 1 else dataclasses.replace(whole, unit_params=(True,) * len(whole.nodes))
+        memo[key] = laid_out(least, dp_shard=chosen.dp_shard * degrees.cp, alone=degrees.pp == 1, precision=options.precision)
+    least = memo[key]
     state_fits(least, stage_ranks(specs, degrees), degrees, row)
     if degrees.tp > 1:  # head counts and split sizes the degree must divide, before capturing the share
         check_degree(traced.tp_rules(), degrees.tp)
