@@ -112,7 +112,8 @@ def coarsen(problem: Problem, order: Sequence[int], *, max_cost: float) -> Coars
 
 def repeated_layers(problem: Problem, order: Sequence[int]) -> tuple[tuple[str, ...], ...]:
     """Groups of sibling modules (same parent) whose nodes match one for one: same relative
-    module path, same compute, memory and output size. Shallowest level that has any."""
+    module path, same compute, memory and output size, some of it work (modules of views and
+    assertions alone, which cost nothing, are not layers). Shallowest level that has any."""
     max_depth = max((problem.labels[n].count(".") + 1 for n in order if problem.labels[n]), default=0)
     for depth in range(1, max_depth + 1):
         members: dict[str, list[int]] = defaultdict(list)
@@ -122,6 +123,8 @@ def repeated_layers(problem: Problem, order: Sequence[int]) -> tuple[tuple[str, 
                 members[_prefix(label, depth)].append(n)
         groups: dict[tuple, list[str]] = defaultdict(list)
         for module, nodes in members.items():
+            if not module or not any(any(problem.compute[n]) for n in nodes):  # outside any module, or no work
+                continue
             parent = _prefix(module, depth - 1)
             shape = tuple(
                 (problem.labels[n][len(module):], problem.compute[n], problem.state_mem[n], problem.transfer[n])

@@ -67,6 +67,13 @@ def test_coarsening_follows_modules_and_maps_back_to_every_node():
     assert any(label.startswith("blocks.3") for label in c.labels)
     # The six transformer layers are identical: found as one repeated group.
     assert repeated_layers(problem, order)[0] == tuple(f"blocks.{i}" for i in range(6))
+    # Two sibling modules of free nodes alone (views, an export's guard function) match too, but are no layers:
+    # the search goes on to the ones that work.
+    free = dataclasses.replace(problem, labels=("_guards_fn", "_guards_fn_1", *problem.labels[2:]),
+                               compute=((0,) * problem.num_stages,) * 2 + problem.compute[2:],
+                               state_mem=((0,) * problem.num_stages,) * 2 + problem.state_mem[2:],
+                               transfer=(problem.transfer[0],) * 2 + problem.transfer[2:])
+    assert repeated_layers(free, order)[0] == tuple(f"blocks.{i}" for i in range(6))
     coarse = coarse_problem(problem, c)
     block_plan = split_dp(coarse, topological_order(coarse))
     node_plan = c.to_nodes(block_plan)
