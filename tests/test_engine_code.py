@@ -245,7 +245,7 @@ def test_torchtitans_config_of_either_release_is_read_as_it_means_or_refused_by_
 
 def test_an_export_that_would_leave_a_parameter_out_is_refused():
     model, args = _hf_llama(2)
-    planner = autosplit.Planner(model, ["cpu"] * 2, example_inputs=args, micro_batches=2, schedule="1f1b")
+    planner = autosplit.Planner(model, ["cpu"] * 2, example_inputs=args, micro_batches=2, schedule="1f1b", expressible_in="megatron")
     plan = planner.plan()
     assert len(plan.parameters) == len(list(model.parameters()))
     model.value_head = torch.nn.Linear(64, 1)  # a module the plan never saw: no engine list would hold it
