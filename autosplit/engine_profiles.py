@@ -62,14 +62,14 @@ FITTED: dict[str, Fitted] = {
 
 
 RECORD: dict[tuple[str, str], tuple[float, float, int]] = {
-    ("B200", "megatron-te"): (0.136, 0.164, 10),
-    ("GB200", "megatron-te"): (0.049, 0.156, 22),
-    ("GB300", "megatron-te"): (0.077, 0.127, 13),
-    ("H100", "megatron-fsdp"): (0.089, 0.089, 1),
-    ("H100", "megatron-te"): (0.062, 0.136, 19),
-    ("H100-500W", "torch-compile"): (0.022, 0.300, 9),
-    ("H100-500W", "torch-eager"): (0.087, 0.087, 1),
-    ("H200", "torch-compile"): (0.069, 0.069, 1),
+    ("B200", "megatron-te"): (0.157, 0.185, 10),
+    ("GB200", "megatron-te"): (0.061, 0.179, 22),
+    ("GB300", "megatron-te"): (0.059, 0.116, 13),
+    ("H100", "megatron-fsdp"): (0.064, 0.064, 1),
+    ("H100", "megatron-te"): (0.073, 0.128, 19),
+    ("H100-500W", "torch-compile"): (0.027, 0.312, 9),
+    ("H100-500W", "torch-eager"): (0.131, 0.131, 1),
+    ("H200", "torch-compile"): (0.037, 0.037, 1),
 }
 """(GPU kind, engine) → (median, 90th percentile of |predicted / published − 1|, runs) over the published rows
 of that kind and engine, with :data:`FITTED` as it stands: ``benchmarks/published.py`` writes them
