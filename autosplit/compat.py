@@ -90,6 +90,7 @@ __all__ = [
     "compiled_call",
     "cpp_compiler",
     "cpp_compiler_search",
+    "cpu_context_parallel_gaps",
     "dynamo_unsupported",
     "eager_backward_compile",
     "has_triton",
@@ -359,3 +360,26 @@ def forward_only_order(schedule: Any, stage_ranks: Mapping[int, int], micro_batc
         {rank: _add_unshard_reshard(actions) for rank, actions in order.items()},
         stage_to_rank=lambda s: schedule.stage_index_to_group_rank[s], num_stages=schedule._num_stages,
     )
+
+
+# -- context parallelism --------------------------------------------------------------------------
+
+
+def cpu_context_parallel_gaps() -> list[str]:
+    """What the installed torch lacks to run context parallelism on CPU ranks, each found by asking torch: its
+    ring (``context_parallel``, ``_ContextParallel`` for SDPA) dispatches the attention op through DTensor, which
+    holds no sharding strategy for the CPU flash kernel; its FlexAttention form (torchtitan's, K/V all-gathered)
+    refuses a backward on a CPU. Checked on 2.13.0 (both gaps there); empty once torch runs either."""
+    from torch.distributed.tensor import DTensor
+    from torch.nn.attention.flex_attention import flex_attention
+
+    gaps = []
+    cpu_flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+    if cpu_flash not in DTensor._op_dispatcher.sharding_propagator.op_strategy_funcs:
+        gaps.append(f"DTensor has no sharding strategy for {cpu_flash} (the ring's SDPA form)")
+    q = torch.zeros(1, 1, 128, 8, requires_grad=True)
+    try:
+        flex_attention(q, q, q)
+    except NotImplementedError as e:  # torch checks the device before any work
+        gaps.append(f"FlexAttention (the all-gather form) says: {str(e).split('.')[0]}")
+    return gaps

@@ -22,6 +22,7 @@ import torch.fx as fx
 from autosplit import schedules
 from autosplit.api.mesh_checks import check_arguments, check_mesh, degrees, runnable
 from autosplit.api.planner import Planner, load_plan
+from autosplit.compat import cpu_context_parallel_gaps
 from autosplit.compiler.trace import Traced
 from autosplit.devices import DeviceLike
 from autosplit.errors import AutosplitError, CodegenError, ConstraintError, DistributedError, PlanMismatchError, advice
@@ -300,10 +301,12 @@ def check_runnable_layout(made: Plan) -> None:
     expert-parallel plan other than the experts over the whole ``dp_shard``, each expert on one rank (efsdp 1), with tp 1
     and no dp_replicate, in fp32 or ``bf16-mixed``."""
     if made.context_parallel > 1:
+        gaps = cpu_context_parallel_gaps() if stage_device_type(made) == "cpu" else []
         raise ConstraintError(advice(
             f"the plan splits each sequence over cp {made.context_parallel}",
-            "autosplit costs and exports context parallelism, and does not run it: torch's context_parallel has no sharding "
-            "rule for the CPU attention kernels (gloo), and this runtime does not apply it on GPUs yet",
+            "autosplit costs and exports context parallelism, and does not run it: "
+            + (f"on CPU ranks torch runs neither of its forms ({'; '.join(gaps)})" if gaps else
+               "this runtime does not apply torch's context_parallel to its stages yet"),
             "train the plan with torchtitan or Megatron (plan.export), or plan with context_parallel=1",
         ))
     if made.expert_parallel > 1 and (made.tensor_parallel > 1 or made.dp_replicate > 1 or made.expert_parallel != made.dp_shard

@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import autosplit
 from autosplit.compiler.costs import check_sequence, cost_table
@@ -108,8 +109,33 @@ def test_refusals_name_the_sequence_the_kernel_and_the_runtime():
                           micro_batches=1, schedule="gpipe")
     assert plan.mesh == {"pp": 1, "dp_replicate": 1, "dp_shard": 2, "cp": 2, "tp": 1} and "split over cp 2" in plan.costs
     assert "K/V ring exposed" in plan.costs  # a sequence of 8: its attention hides no ring, and the plan says so
-    with pytest.raises(ConstraintError, match="costs and exports context parallelism, and does not run it"):  # before any work
+    # before any work, with what torch lacks on a CPU, asked of torch itself (compat.cpu_context_parallel_gaps)
+    with pytest.raises(ConstraintError, match=r"does not run it: on CPU ranks torch runs neither of its forms \(DTensor has no "
+                       r"sharding strategy for aten\._scaled_dot_product_flash_attention_for_cpu.*FlexAttention.*backward on CPU"):
         autosplit.distribute(model, None, example_inputs=args, loss_fn=lambda out, _: out.logits.sum(), plan=plan)
+
+
+def test_what_torch_lacks_to_run_context_parallelism_on_a_cpu_is_what_the_refusal_says():
+    """Both of torch's forms, tried: the ring's SDPA on DTensor (no strategy for the CPU flash kernel) and FlexAttention
+    (no backward on a CPU). When a torch release runs either, this fails, and the runtime's refusal is to be revisited."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+    from torch.distributed.tensor.placement_types import Shard
+    from torch.nn.attention.flex_attention import flex_attention
+
+    from autosplit.compat import cpu_context_parallel_gaps
+
+    assert len(cpu_context_parallel_gaps()) == 2
+    q = torch.randn(1, 2, 128, 8, requires_grad=True)
+    with pytest.raises(NotImplementedError, match="backward on CPU"):
+        flex_attention(q, q, q)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # a group of this process alone
+    try:
+        sharded = distribute_tensor(q.detach(), dist.device_mesh.init_device_mesh("cpu", (1,)), [Shard(2)])
+        assert isinstance(sharded, DTensor)
+        with pytest.raises(NotImplementedError, match="_scaled_dot_product_flash_attention_for_cpu.default does not have a sharding"):
+            torch.nn.functional.scaled_dot_product_attention(sharded, sharded, sharded, is_causal=True)
+    finally:
+        dist.destroy_process_group()
 
 
 def test_cp_goes_to_both_engines_and_reads_back_as_the_same_plan(tmp_path):
