@@ -18,6 +18,7 @@ transformers' own classes, their experts run as grouped GEMMs (``grouped_mm``: t
 shape cells, where it gives them, are checked against it:
 
 - ``qwen3_moe``: ``Qwen3MoeForCausalLM`` (every layer a mixture, top 8 of 128 experts);
+- ``mixtral``: ``MixtralForCausalLM`` (every layer a mixture, top 2 of 8 experts);
 - ``deepseek_v3``: ``DeepseekV3ForCausalLM`` (multi-head latent attention, one shared expert beside the routed
   ones, the first layers dense; its multi-token prediction module is not built: transformers has none).
 """
@@ -57,6 +58,12 @@ MOE: dict[str, tuple[str, dict[str, Any]]] = {  # family, and its transformers c
     "qwen3-235b-a22b": ("qwen3_moe", dict(num_hidden_layers=94, hidden_size=4096, num_attention_heads=64, num_key_value_heads=4,
                                           head_dim=128, intermediate_size=12288, moe_intermediate_size=1536, num_experts=128,
                                           num_experts_per_tok=8, vocab_size=151936, tie_word_embeddings=False)),
+    # NeMo's MixtralConfig8x22B (nemo/collections/llm/gpt/model/mixtral.py): 56 layers, hidden 6144, 48 heads over 8 query
+    # groups, FFN 16384, 8 experts, top 2, untied, rope base 1e6; its vocabulary is the tokenizer's, Mistral's v3 one of 32,768
+    # (the 8x22B base's config.json says 32,000: 0.1% of the FLOPs apart)
+    "mixtral-8x22b": ("mixtral", dict(num_hidden_layers=56, hidden_size=6144, num_attention_heads=48, num_key_value_heads=8,
+                                      intermediate_size=16384, num_local_experts=8, num_experts_per_tok=2, vocab_size=32768,
+                                      rope_theta=1e6, tie_word_embeddings=False)),
     # deepseek-ai/DeepSeek-V3's config.json: transformers' DeepseekV3Config defaults (61 layers, 3 dense, 256 + 1 experts)
     "deepseek-v3": ("deepseek_v3", {}),
     # moonshotai/Kimi-K2-Instruct's config.json: DeepSeek-V3's architecture with 384 experts, 64 heads, 1 dense layer
@@ -91,10 +98,11 @@ def published_shape(canonical: str) -> dict[str, Any] | None:
 
 def moe_config(canonical: str) -> Any:
     """The transformers configuration a mixture of experts of the record was published with (:data:`MOE`)."""
-    from transformers import DeepseekV3Config, Qwen3MoeConfig
+    from transformers import DeepseekV3Config, MixtralConfig, Qwen3MoeConfig
 
     kind, fields = MOE[canonical]
-    config = (Qwen3MoeConfig if kind == "qwen3_moe" else DeepseekV3Config)(**{k: v for k, v in fields.items() if k != "head_dim"})
+    made = {"qwen3_moe": Qwen3MoeConfig, "deepseek_v3": DeepseekV3Config, "mixtral": MixtralConfig}[kind]
+    config = made(**{k: v for k, v in fields.items() if k != "head_dim"})
     if "head_dim" in fields:  # Qwen3MoeConfig does not take it; the attention reads it when set
         config.head_dim = fields["head_dim"]
     config._experts_implementation = "grouped_mm"

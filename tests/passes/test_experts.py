@@ -98,6 +98,9 @@ def test_expert_parallel_costs_by_hand():
     tp2 = ep_laid_out(_table(d), [group], ep=4, tp=2, micro_batches=2, numel=numel, owners=owners)
     assert tp2.fwd_time[1][0] == pytest.approx(4e-3 + 2 * (exchange - 2 * 4e-6) / 2 + 2 * 2 * 4e-6)
     assert tp2.state_bytes[1] == 8000 and tp2.saved_bytes[1] == 500
+    # under cp 2 a rank holds half of each sequence (cp_laid_out has cut its compute): it dispatches half the rows
+    cp2 = ep_laid_out(_table(d), [group], ep=4, tp=1, micro_batches=2, numel=numel, owners=owners, cp=2)
+    assert cp2.fwd_time[1][0] == pytest.approx(8e-3 + 2 * ((exchange - 2 * 4e-6) / 2 + 2 * 4e-6))
     # the optimizer steps the experts' state as a rank holds it: over tp here, over dp_shard by laid_out
     assert table.step_bytes == (200, 8000, 0) and tp2.step_bytes == (200, 4000, 0)
     sharded = laid_out(table, dp_shard=4, precision="bf16-fsdp")
