@@ -29,7 +29,7 @@ from typing import Any
 
 from benchmarks.published_rows import SHAPE
 
-__all__ = ["PUBLISHED", "build", "family", "published_shape"]
+__all__ = ["CAUSAL", "PUBLISHED", "build", "causal_attention", "family", "published_shape"]
 
 _ROWS: dict[str, tuple[int, ...]] = {  # layers, hidden size, heads, KV heads, FFN width, vocabulary (the CSV's SHAPE columns)
     # Llama 2 (Touvron et al., 2023, Table 1; the config.json of meta-llama/Llama-2-{7,13,70}b-hf)
@@ -109,10 +109,38 @@ def moe_config(canonical: str) -> Any:
     return config
 
 
+CAUSAL = "causal_sdpa"
+"""The attention the published stand-ins run (:func:`causal_attention`)."""
+
+
+def causal_attention() -> str:
+    """Register, and name, the attention the engines run for a causal language model: scaled-dot-product
+    attention with ``is_causal`` and no mask tensor, so that the flash kernels skip the masked score blocks
+    (Megatron's ``AttnMaskType.causal``, torchtitan's ``is_causal=True``), and annotation counts the blocks they run
+    (:func:`autosplit.passes.flop_formulas.causal_share`). transformers' ``sdpa`` materialises its causal mask
+    under ``torch.export``: a ``seq × seq`` tensor a layer reads and no engine makes. Under this name its mask
+    function makes none for a batch without a padding mask, in a model without a sliding window: a benchmark's
+    pretraining batch, unpadded and unpacked. (Exported, transformers cannot read the positions to rule out packed
+    sequences, and asks for a causal mask anded with a packing one; the positions it would read are ``0 … s − 1``.)
+    Any other mask is transformers' own."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    def mask(*args: Any, attention_mask: Any = None, config: Any = None, **kwargs: Any) -> Any:
+        if attention_mask is None and getattr(config, "sliding_window", None) is None:
+            return None  # transformers' SDPA then passes is_causal
+        return sdpa_mask(*args, attention_mask=attention_mask, config=config, **kwargs)
+
+    AttentionMaskInterface.register(CAUSAL, mask)
+    AttentionInterface.register(CAUSAL, sdpa_attention_forward)
+    return CAUSAL
+
+
 def build(shape: dict[str, Any], seq: int, pipelined: bool = False) -> Any:
     """The model of ``shape`` (its ``family`` defaulting to ``llama``) on the meta device, for pipeline stages
     where ``pipelined`` (GPT-3's embedding then untied, as above); its attention one
-    scaled-dot-product call over the grouped key/value heads (``TRANSFORMERS_SDPA_FORCE_GQA``: the engines' flash
+    scaled-dot-product call over the grouped key/value heads, causal as the engines run it (:func:`causal_attention`) (``TRANSFORMERS_SDPA_FORCE_GQA``: the engines' flash
     kernels read them in place; transformers would otherwise repeat them to every query head under a mask)."""
     import os
 
@@ -127,7 +155,7 @@ def build(shape: dict[str, Any], seq: int, pipelined: bool = False) -> Any:
 
         config = moe_config(shape["canonical"])
         config.max_position_embeddings = max(seq, config.max_position_embeddings)
-        config._attn_implementation = "sdpa"
+        config._attn_implementation = causal_attention()
         with torch.device("meta"):
             return AutoModelForCausalLM.from_config(config)
     common = dict(hidden_size=shape["hidden_size"], intermediate_size=shape["ffn_hidden_size"], num_hidden_layers=shape["num_layers"],
@@ -144,6 +172,6 @@ def build(shape: dict[str, Any], seq: int, pipelined: bool = False) -> Any:
         cls = NemotronForCausalLM
     else:
         raise ValueError(f"no model family {kind!r}: llama, nemotron or gpt3")
-    config._attn_implementation = "sdpa"
+    config._attn_implementation = causal_attention()
     with torch.device("meta"):
         return cls(config)

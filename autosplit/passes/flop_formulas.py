@@ -16,7 +16,7 @@ import math
 
 import torch
 
-__all__ = ["FLOP_FORMULAS", "RNN_FLOPS", "flop_formulas"]
+__all__ = ["FLOP_FORMULAS", "RNN_FLOPS", "causal_share", "flop_formulas"]
 
 aten = torch.ops.aten
 
@@ -38,19 +38,32 @@ LSTM with projections runs decomposed into matmuls, which it counts): without th
 costs would see no LSTM compute at all."""
 
 
-def _cpu_flash_flops(query, key, value, *_args, out_shape=None, **_kwargs) -> int:
+def causal_share(s_q: int, s_k: int) -> float:
+    """The share of the ``s_q × s_k`` score blocks a causal kernel computes: the query ``i`` sees the keys ``0..i``
+    (``is_causal``, aligned at the top left as torch aligns it), and the flash kernels skip the blocks it masks
+    whole — about half of a square, which is what they run (FlopCounterMode counts every block)."""
+    seen = s_q * (s_q + 1) / 2 if s_q <= s_k else s_k * (s_k + 1) / 2 + (s_q - s_k) * s_k
+    return seen / (s_q * s_k)
+
+
+def _cpu_flash_flops(query, key, value, dropout_p=0.0, is_causal=False, *_args, out_shape=None, **_kwargs) -> int:
     """The CPU flash-attention kernel's forward, counted as torch counts its GPU flash kernel: the two
-    matmuls of full attention, ``4·b·h·s_q·s_k·d`` (a causal mask is not halved, as FlopCounterMode counts)."""
+    matmuls of attention, ``4·b·h·s_q·s_k·d``, of the score blocks the kernel runs (:func:`causal_share` of them
+    under ``is_causal``; an explicit mask hides no block from the kernel)."""
     from torch.utils.flop_counter import sdpa_flop_count
 
-    return sdpa_flop_count(query, key, value)
+    share = causal_share(query[-2], key[-2]) if is_causal else 1.0
+    return round(sdpa_flop_count(query, key, value) * share)
 
 
-def _cpu_flash_backward_flops(grad_out, query, key, value, *_args, out_shape=None, **_kwargs) -> int:
-    """Its backward as torch counts the GPU flash kernel's: the scores recomputed and four matmuls, ``10·b·h·s_q·s_k·d``."""
+def _cpu_flash_backward_flops(grad_out, query, key, value, out, logsumexp, dropout_p=0.0, is_causal=False, *_args,
+                              out_shape=None, **_kwargs) -> int:
+    """Its backward as torch counts the GPU flash kernel's: the scores recomputed and four matmuls, ``10·b·h·s_q·s_k·d``,
+    of the blocks its forward ran."""
     from torch.utils.flop_counter import sdpa_backward_flop_count
 
-    return sdpa_backward_flop_count(grad_out, query, key, value)
+    share = causal_share(query[-2], key[-2]) if is_causal else 1.0
+    return round(sdpa_backward_flop_count(grad_out, query, key, value) * share)
 
 
 def _grouped_mm_flops(input, weight, *_args, out_shape=None, **_kwargs) -> int:

@@ -88,23 +88,32 @@ def test_analytic_costs_count_the_fused_lstm_kernel():
 def test_analytic_costs_count_attention_whatever_device_the_plan_is_for(capture_with):
     """Annotation runs on CPU fake tensors, where ``scaled_dot_product_attention`` is the CPU flash kernel,
     which FlopCounterMode has no formula for: its forward and backward are counted as torch counts the GPU
-    flash kernel, 4·b·h·s²·d and 10·b·h·s²·d (grouped-query: the query's heads), whatever the plan's devices."""
+    flash kernel, 4·b·h·s²·d and 10·b·h·s²·d (grouped-query: the query's heads), whatever the plan's devices —
+    of the score blocks the kernel runs: under ``is_causal`` the query i sees keys 0..i, s(s+1)/2 of the s² pairs
+    (the flash kernels skip the masked blocks); with a mask tensor, every block."""
     from autosplit.passes.annotate import annotate
     from autosplit.passes.annotations import node_info
 
     class Attention(nn.Module):
-        def forward(self, q, k, v):
+        def forward(self, q, k, v, mask=None):
+            if mask is not None:
+                return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
 
     b, h, kv, s, d = 2, 8, 2, 64, 16
     q, k, v = torch.randn(b, h, s, d), torch.randn(b, kv, s, d), torch.randn(b, kv, s, d)
     for t in (q, k, v):
         t.requires_grad_(True)
-    captured = capture(Attention(), (q, k, v), method=capture_with)
-    gm = annotate(captured, flat_inputs(captured, (q, k, v), {}))
-    flops = [node_info(n) for n in gm.graph.nodes if n.op == "call_function"]
-    assert sum(i.fwd_flops for i in flops) == 4 * b * h * s * s * d
-    assert sum(i.bwd_flops for i in flops) == 10 * b * h * s * s * d
+    mask = torch.ones(s, s, dtype=torch.bool).tril()
+    for args, pairs in (((q, k, v), s * (s + 1) // 2), ((q, k, v, mask), s * s)):
+        captured = capture(Attention(), args, method=capture_with)
+        gm = annotate(captured, flat_inputs(captured, args, {}))
+        flops = [node_info(n) for n in gm.graph.nodes if n.op == "call_function"]
+        assert sum(i.fwd_flops for i in flops) == 4 * b * h * pairs * d
+        assert sum(i.bwd_flops for i in flops) == 10 * b * h * pairs * d
+    from autosplit.passes.flop_formulas import causal_share
+
+    assert causal_share(4, 4) == 10 / 16 and causal_share(2, 4) == 3 / 8 and causal_share(4, 2) == 7 / 8  # top-left aligned
 
 
 def test_analytic_costs_count_the_experts_grouped_matmul_of_transformers():
