@@ -127,10 +127,10 @@ def causal_attention() -> str:
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-    def mask(*args: Any, attention_mask: Any = None, config: Any = None, **kwargs: Any) -> Any:
-        if attention_mask is None and getattr(config, "sliding_window", None) is None:
+    def mask(*args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("attention_mask") is None and getattr(kwargs.get("config"), "sliding_window", None) is None:
             return None  # transformers' SDPA then passes is_causal
-        return sdpa_mask(*args, attention_mask=attention_mask, config=config, **kwargs)
+        return sdpa_mask(*args, **kwargs)
 
     AttentionMaskInterface.register(CAUSAL, mask)
     AttentionInterface.register(CAUSAL, sdpa_attention_forward)
@@ -139,9 +139,10 @@ def causal_attention() -> str:
 
 def build(shape: dict[str, Any], seq: int, pipelined: bool = False) -> Any:
     """The model of ``shape`` (its ``family`` defaulting to ``llama``) on the meta device, for pipeline stages
-    where ``pipelined`` (GPT-3's embedding then untied, as above); its attention one
-    scaled-dot-product call over the grouped key/value heads, causal as the engines run it (:func:`causal_attention`) (``TRANSFORMERS_SDPA_FORCE_GQA``: the engines' flash
-    kernels read them in place; transformers would otherwise repeat them to every query head under a mask)."""
+    where ``pipelined`` (GPT-3's embedding then untied, as above); its attention one scaled-dot-product call over
+    the grouped key/value heads (``TRANSFORMERS_SDPA_FORCE_GQA``: the engines' flash kernels read them in place;
+    transformers would otherwise repeat them to every query head under a mask), causal as the engines run it
+    (:func:`causal_attention`)."""
     import os
 
     import torch

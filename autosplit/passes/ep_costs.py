@@ -22,7 +22,8 @@ ranks that hold the same experts. Per node and device (:func:`ep_laid_out`), app
   FLOPs, bound a DeepSeek-V3 layer's 256 experts on one rank);
 - **the token all-to-all**: per MoE layer and micro-batch, a dispatch before the experts and a combine
   after them, in the forward and again in the backward, each moving ``T·k·h·bytes·(1 − 1/ep)`` of a
-  rank's routed rows (``T`` its tokens: ``÷ tp``, and ``÷ cp`` of the sequence it holds) to the other ``ep − 1`` ranks (:func:`alltoall_time`): inside an
+  rank's routed rows (``T`` its tokens: ``÷ tp``, and ``÷ cp`` of the sequence it holds) to the other ``ep − 1``
+  ranks (:func:`alltoall_time`): inside an
   island over each device's link, beyond it the off-island share over its network port, the two at
   once. On the critical path (torch's ``all_to_all_single`` waits; Megatron's overlap of it with
   another micro-batch's compute is not costed).

@@ -132,7 +132,7 @@ def test_what_torch_lacks_to_run_context_parallelism_on_a_cpu_is_what_the_refusa
     try:
         sharded = distribute_tensor(q.detach(), dist.device_mesh.init_device_mesh("cpu", (1,)), [Shard(2)])
         assert isinstance(sharded, DTensor)
-        with pytest.raises(NotImplementedError, match="_scaled_dot_product_flash_attention_for_cpu.default does not have a sharding"):
+        with pytest.raises(NotImplementedError, match=r"_scaled_dot_product_flash_attention_for_cpu\.default does not have a sharding"):
             torch.nn.functional.scaled_dot_product_attention(sharded, sharded, sharded, is_causal=True)
     finally:
         dist.destroy_process_group()
