@@ -23,9 +23,11 @@ from typing import Any, Literal, TypeAlias, get_args
 from autosplit import schedules
 from autosplit.costtable import OPTIMIZER_STATE_BYTES, CostTable
 from autosplit.errors import ConstraintError, advice
+from autosplit.option_checks import bad as _bad
+from autosplit.option_checks import check_costs_and_mappings
+from autosplit.option_checks import is_int as _is_int
 from autosplit.option_records import ProfileOptions, SolverLimits
 from autosplit.schedules import OBJECTIVES, SCHEDULES, Objective, ScheduleName
-from autosplit.units import parse_bytes
 
 AUTO = "auto"
 """What ``schedule``, ``stages_per_rank`` and ``micro_batches`` say to let the planner choose."""
@@ -216,7 +218,7 @@ class PlanOptions:
         entry = self._check_schedule()
         self._check_values()
         self._check_checkpointing(entry)
-        self._check_costs_and_mappings()
+        check_costs_and_mappings(self)
 
     def _check_schedule(self) -> Any:
         """``micro_batches``, ``schedule`` (read as autosplit's name) and ``stages_per_rank``; returns
@@ -289,6 +291,8 @@ class PlanOptions:
             raise _bad("recompute", self.recompute, "a mapping of module path to True (recompute) or False (keep)")
         if not isinstance(self.selective, bool) and self.selective != AUTO:
             raise _bad("selective", self.selective, "True, False or 'auto'")
+        if self.capture not in CAPTURE_METHODS:
+            raise _bad("capture", self.capture, f"one of {CAPTURE_METHODS}")
 
     def _check_checkpointing(self, entry: Any) -> None:
         """Recomputation planned only where it runs: pipeline stages with a whole backward."""
@@ -311,40 +315,6 @@ class PlanOptions:
                 "backward is not tested here, and a split that trains differently is worse than none",
                 "use a schedule with a whole backward (gpipe, 1f1b, interleaved1f1b, loopedbfs), or checkpointing='none'",
             ))
-
-    def _check_costs_and_mappings(self) -> None:
-        """The capture method and the costs' source; memory caps, pins, avoids, overrides and groups,
-        keyed and valued as each one reads."""
-        if self.capture not in CAPTURE_METHODS:
-            raise _bad("capture", self.capture, f"one of {CAPTURE_METHODS}")
-        named = isinstance(self.costs, str) and self.costs in ("analytic", "measured")
-        given = isinstance(self.costs, (ProfileOptions, CostTable)) or (
-            isinstance(self.costs, (str, Path)) and Path(self.costs).is_file()
-        )
-        if not (named or given):
-            raise _bad("costs", self.costs, "'analytic', 'measured', ProfileOptions(...), a CostTable or a saved table's path")
-        if self.memory is not None:
-            if not isinstance(self.memory, Mapping):
-                raise _bad("memory", self.memory, "a mapping of device index or name to a size, e.g. {0: '8GiB'}")
-            for key, cap in self.memory.items():
-                if not isinstance(key, str) and not (_is_int(key) and int(key) >= 0):
-                    raise _bad("memory", self.memory, "keyed by device index (an integer ≥ 0) or device name")
-                parse_bytes(cap)  # raises a DeviceError naming the size it cannot read
-        for name in ("pin", "avoid", "cost_overrides"):
-            value = getattr(self, name)
-            if value is not None and not (isinstance(value, Mapping) and all(isinstance(k, str) for k in value)):
-                raise _bad(name, value, "a mapping keyed by module or node name")
-        for name, value in (("pin", self.pin), ("avoid", self.avoid)):
-            for module, where in (value or {}).items():
-                targets = [where] if name == "pin" or isinstance(where, (int, str)) else where
-                if not isinstance(targets, Sequence) or not all(_is_int(t) or isinstance(t, str) for t in targets):
-                    raise _bad(name, {module: where}, "device indices or names per module")
-        if self.together is not None and (
-            isinstance(self.together, str)
-            or not all(not isinstance(g, str) and isinstance(g, Sequence) and all(isinstance(m, str) for m in g)
-                       for g in self.together)
-        ):
-            raise _bad("together", self.together, "a list of groups of module names, e.g. [('wte', 'head')]")
 
     def replace(self, **changes: Any) -> PlanOptions:
         """These options with ``changes`` (checked like new ones)."""
@@ -430,17 +400,6 @@ class PlanOptions:
                 "a larger batch, fewer devices, or another schedule (gpipe runs any count)",
             ))
         return max(runs or counts)
-
-
-def _bad(name: str, value: Any, legal: str) -> ConstraintError:
-    """The error for option ``name`` set to ``value`` outside ``legal``."""
-    return ConstraintError(advice(
-        f"option {name}={value!r} is out of range", f"{name} must be {legal}", f"pass {name} = {legal}"
-    ))
-
-
-def _is_int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
 
 
 def _count(degree: int | str) -> int:
