@@ -37,7 +37,7 @@ AUTO_MOST_STAGES_PER_RANK = 2
 __all__ = ["AUTO", "AUTO_MOST_STAGES_PER_RANK",
            "PlanOptions", "SolverLimits", "ProfileOptions", "SCHEDULES", "OBJECTIVES", "OPTIMIZERS", "CAPTURE_METHODS", "CostsLike",
            "ScheduleName", "Objective", "Optimizer", "CaptureMethod", "Precision", "PRECISIONS",
-           "Float8", "FLOAT8", "Checkpointing", "CHECKPOINTINGS",
+           "Float8", "FLOAT8", "Checkpointing", "CHECKPOINTINGS", "CpComm", "CP_COMMS",
            "Replicate", "REPLICATES"]
 
 Optimizer: TypeAlias = Literal["adam", "adamw", "adagrad", "sgd_momentum", "sgd", "none"]
@@ -50,6 +50,8 @@ PRECISIONS: tuple[str, ...] = get_args(Precision)
 Float8: TypeAlias = Literal["tensorwise", "rowwise", "mxfp8"]
 FLOAT8: tuple[str, ...] = get_args(Float8)
 Checkpointing: TypeAlias = Literal["none", "full", "auto"]
+CpComm: TypeAlias = Literal["p2p", "a2a"]
+CP_COMMS: tuple[str, ...] = get_args(CpComm)
 Replicate: TypeAlias = Literal["replicate", "fully_shard"]
 REPLICATES: tuple[str, ...] = get_args(Replicate)
 CHECKPOINTINGS: tuple[str, ...] = get_args(Checkpointing)
@@ -195,6 +197,12 @@ class PlanOptions:
     """Devices each stage's sequence is split over (the mesh's ``cp``, between dp_shard and tp), attention's keys and
     values passed round their ring (:mod:`autosplit.passes.cp_costs`); FSDP shards over ``dp_shard × cp``. Costed and
     exported, not run. ``"auto"``: chosen with the other degrees."""
+    cp_comm: CpComm = "p2p"
+    """How the cp ranks exchange attention's inputs (Megatron's ``--cp-comm-type``): ``"p2p"``, the keys and values
+    passed round a ring, overlapped with the attention blocks they feed (torch's ``context_parallel``, torchtitan,
+    Megatron's default); ``"a2a"``, all-to-alls that give each rank the whole sequence of ``heads / cp`` heads before
+    attention and its own tokens back after (DeepSpeed-Ulysses), on the critical path, every head count over tp a
+    multiple of cp (:mod:`autosplit.passes.cp_costs`)."""
     sequence_parallel: bool | str = AUTO
     """Under tensor parallelism, the activations between the split layers (norms, residuals, dropout)
     split along the tokens, as torchtitan's ``SequenceParallel`` runs them: each all-reduce a
@@ -266,6 +274,8 @@ class PlanOptions:
         for name in ("expert_parallel", "context_parallel"):
             if not ((value := getattr(self, name)) == AUTO or (_is_int(value) and int(value) >= 1)):
                 raise _bad(name, value, "an integer ≥ 1 or 'auto'")
+        if self.cp_comm not in CP_COMMS:
+            raise _bad("cp_comm", self.cp_comm, f"one of {CP_COMMS}")
         if not isinstance(self.async_tp, bool):
             raise _bad("async_tp", self.async_tp, "True or False")
         if not isinstance(self.sequence_parallel, bool) and self.sequence_parallel != AUTO:

@@ -224,6 +224,13 @@ def torchtitan_config(plan: Plan, names: Names, *, form: str = "toml", parameter
             "'full' (every layer), 'selective' (every n-th layer or per op) or 'none', never a chosen set",
             "plan with checkpointing='full' or 'none', or keep autosplit's runtime for this plan",
         ))
+    if plan.context_parallel > 1 and plan.cp_comm != "p2p":
+        raise ExportError(advice(
+            f"the plan exchanges each sequence's shards over cp {plan.context_parallel} by all-to-all (cp_comm={plan.cp_comm!r})",
+            "torchtitan's context parallelism passes the keys and values round a ring (its rotate methods rotate the "
+            "ring's shards); it has no all-to-all over heads",
+            "plan with cp_comm='p2p' for torchtitan, or export this plan to Megatron (--cp-comm-type a2a)",
+        ))
     micro, pp = _micro_batch_size(plan), len(plan.stages) // plan.stages_per_rank
     parallelism: dict[str, object] = {
         "data_parallel_replicate_degree": plan.dp_replicate, "data_parallel_shard_degree": plan.dp_shard,
@@ -360,7 +367,7 @@ def megatron_flags(plan: Plan, names: Names, parameters: Collection[str] | None 
     ]
     flags += ["--sequence-parallel"] if plan.sequence_parallel and plan.tensor_parallel > 1 else []
     flags += [f"--expert-model-parallel-size {plan.expert_parallel}", "--expert-tensor-parallel-size 1"] if plan.expert_parallel > 1 else []
-    flags += [f"--context-parallel-size {plan.context_parallel}", "--cp-comm-type p2p"] if plan.context_parallel > 1 else []
+    flags += [f"--context-parallel-size {plan.context_parallel}", f"--cp-comm-type {plan.cp_comm}"] if plan.context_parallel > 1 else []
     # FSDP2's fully_shard is Megatron-FSDP's optim_grads_params: parameters, gradients and optimizer state sharded
     flags += ["--use-megatron-fsdp", "--data-parallel-sharding-strategy optim_grads_params"] if plan.dp_shard > 1 else []
     flags += ["--bf16"] if plan.precision in ("bf16", "bf16-mixed", "bf16-fsdp") else ["--fp16"] if plan.precision == "fp16-mixed" else []

@@ -118,6 +118,8 @@ class Plan:
     (:mod:`autosplit.passes.ep_costs`): each holds ``E / ep`` whole experts."""
     context_parallel: int = 1
     """Devices each stage's sequence is split over: the mesh's ``cp``, between dp_shard and tp (:mod:`autosplit.passes.cp_costs`)."""
+    cp_comm: str = "p2p"
+    """How the cp ranks exchange attention's inputs: ``"p2p"`` or ``"a2a"`` (:attr:`~autosplit.options.PlanOptions.cp_comm`)."""
     crossings: tuple[tuple[str, ...], ...] = ()
     """[boundary k − 1] the tensors stage k − 1 sends stage k, in order (the distributed runtime's
     positional interface; recorded when the plan is run distributed)."""
@@ -342,6 +344,8 @@ class Plan:
                        "is not an integer ≥ 1, or is 1 with tp_shards or sequence_parallel")
         if self.context_parallel < 1:
             raise _bad(source, "context_parallel", self.context_parallel, "is not an integer ≥ 1")
+        if self.cp_comm not in ("p2p", "a2a"):
+            raise _bad(source, "cp_comm", self.cp_comm, "is not 'p2p' or 'a2a'")
         if self.expert_parallel < 1 or (self.dp_shard * self.tensor_parallel) % self.expert_parallel:
             raise _bad(source, "expert_parallel", self.expert_parallel,
                        f"is not an integer ≥ 1 dividing dp_shard × tensor_parallel = {self.dp_shard * self.tensor_parallel}")

@@ -19,12 +19,14 @@ import networkx as nx
 
 PACKAGE = Path(__file__).resolve().parents[1] / "autosplit"
 GROUND = {f"autosplit.{m}" for m in (
-    "errors", "units", "schedules", "progress", "debug", "devices", "costtable", "options", "option_checks", "option_records", "plans", "plan_records",
+    "errors", "units", "schedules", "progress", "debug", "devices", "costtable", "options", "option_checks", "option_records",
+    "plans", "plan_records",
     "plan_json", "candidates", "recipes", "microbatch", "timers", "compat", "plan_export", "megatron_layout", "device_spec",
     "gpu_presets", "engine_profiles",
 )}
 TORCH_FREE = {f"autosplit.{m}" for m in (
-    "errors", "units", "schedules", "progress", "debug", "devices", "costtable", "options", "option_checks", "option_records", "plans", "plan_records",
+    "errors", "units", "schedules", "progress", "debug", "devices", "costtable", "options", "option_checks", "option_records",
+    "plans", "plan_records",
     "plan_json", "recipes", "plan_export", "megatron_layout", "device_spec", "gpu_presets", "engine_profiles",
 )}
 

@@ -21,7 +21,7 @@ from autosplit.errors import ConstraintError, CostModelError, advice
 from autosplit.options import AUTO, PlanOptions, ProfileOptions
 from autosplit.passes.annotations import node_info
 from autosplit.passes.costs import LossCost, estimate, with_overrides
-from autosplit.passes.cp_costs import cp_laid_out, exposed_ring, sequence_length
+from autosplit.passes.cp_costs import check_heads, cp_laid_out, exposed_ring, sequence_length
 from autosplit.passes.ep_costs import ep_laid_out
 from autosplit.passes.experts import check_experts
 from autosplit.passes.fusion import Fusion, norm_paths
@@ -60,7 +60,7 @@ def cost_table(
                            selective=selective, laid=laid)
     key = (specs, micro_batches, tuple(recompute), tuple(partial), options.precision, options.float8, options.float8_exclude,
            options.optimizer, options.checkpointing, tuple(options.recompute or ()), selective, options.tp, options.sequence_parallel,
-           options.async_tp, options.dp_shard, options.ep, options.cp, laid)
+           options.async_tp, options.dp_shard, options.ep, options.cp, options.cp_comm, laid)
     kept = traced._tables
     if key not in kept:
         kept[key] = _cost_table(traced, specs, options, micro_batches=micro_batches, recompute=recompute, partial=partial,
@@ -125,10 +125,12 @@ def _cost_table(
         source += f"; tensors split over tp {options.tp}"
     if options.cp > 1:
         gm = traced.annotated(options.precision, table.devices[0].device_type)
-        exposed = exposed_ring(table, gm, cp=options.cp, tp=options.tp, micro_batches=micro_batches)
+        exposed = exposed_ring(table, gm, cp=options.cp, tp=options.tp, micro_batches=micro_batches, comm=options.cp_comm)
         table = cp_table(table, traced, options, micro_batches=micro_batches)
-        source += f"; sequence split over cp {options.cp} (its K/V ring " + (
-            "hidden behind attention)" if exposed == 0 else f"exposed {exposed * 1e3:.3g} ms per step beyond attention)")
+        ms = f"{exposed * 1e3:.3g} ms per step"
+        source += f"; sequence split over cp {options.cp} (" + (
+            f"all-to-alls of Q, K, V and the output: {ms})" if options.cp_comm == "a2a" else
+            "its K/V ring hidden behind attention)" if exposed == 0 else f"its K/V ring exposed {ms} beyond attention)")
     if options.ep > 1:
         table = ep_table(table, traced, options, micro_batches=micro_batches)
         source += f"; experts over ep {options.ep}"
@@ -155,10 +157,13 @@ def tp_table(table: CostTable, traced: Traced, options: PlanOptions, *, tp: int,
 
 def cp_table(table: CostTable, traced: Traced, options: PlanOptions, *, micro_batches: int) -> CostTable:
     """``table`` (laid out over tp) as one device of a context-parallel group of ``options.cp`` runs it
-    (:func:`~autosplit.passes.cp_costs.cp_laid_out`); refused where the sequence does not divide ``2 · cp · tp``."""
+    (:func:`~autosplit.passes.cp_costs.cp_laid_out`); refused where the sequence does not divide ``2 · cp · tp``, or, for the
+    all-to-all form, where cp does not divide a tp rank's heads."""
     gm = traced.annotated(options.precision, table.devices[0].device_type)
     check_sequence(sequence_length(gm), options.cp, options.tp)
-    return cp_laid_out(table, gm, cp=options.cp, tp=options.tp, micro_batches=micro_batches)
+    if options.cp_comm == "a2a":
+        check_heads(gm, options.cp, options.tp)
+    return cp_laid_out(table, gm, cp=options.cp, tp=options.tp, micro_batches=micro_batches, comm=options.cp_comm)
 
 
 def check_sequence(sequence: int | None, cp: int, tp: int) -> None:
@@ -195,7 +200,7 @@ def ep_table(table: CostTable, traced: Traced, options: PlanOptions, *, micro_ba
 def tp_fields(traced: Traced, options: PlanOptions) -> dict[str, Any]:
     """The :class:`~autosplit.plans.Plan` fields of the options' tensor and expert parallelism (none for tp 1, ep 1)."""
     experts = {"expert_parallel": options.ep} if options.ep > 1 else {}
-    experts |= {"context_parallel": options.cp} if options.cp > 1 else {}
+    experts |= {"context_parallel": options.cp, "cp_comm": options.cp_comm} if options.cp > 1 else {}
     if options.tp <= 1:
         return experts
     rules = traced.tp_rules()

@@ -84,7 +84,7 @@ def megatron_recipe(body: str, names: Names, world: int, num_layers: int, tensor
         raise ConstraintError(advice("the Megatron flags give no --pipeline-model-parallel-layout",
                                      "autosplit reads a Megatron split from its layout", "add the layout"))
     stages = parse(layout)
-    tp, cp = int(flags.get("tensor-model-parallel-size", tensor_parallel)), _megatron_context(flags)
+    tp, (cp, cp_comm) = int(flags.get("tensor-model-parallel-size", tensor_parallel)), _megatron_context(flags)
     pp = int(flags.get("pipeline-model-parallel-size", math.gcd(len(stages), max(1, world // (tp * cp)))))
     vp = check(stages, num_layers=num_layers, pipeline=pp)
     if "m" in "".join("".join(s) for s in stages):
@@ -101,7 +101,8 @@ def megatron_recipe(body: str, names: Names, world: int, num_layers: int, tensor
         titan.append(part + (["norm", "output"] if "L" in stage else []))
     dp = world // (tp * pp * cp)
     schedule = "gpipe" if len(stages) == 1 else "interleaved1f1b" if vp > 1 else "1f1b"  # one stage: no pipeline to schedule
-    options: dict[str, Any] = {"schedule": schedule, "stages_per_rank": vp, "checkpointing": "none"}
+    options: dict[str, Any] = {"schedule": schedule, "stages_per_rank": vp, "checkpointing": "none",
+                               **({"cp_comm": cp_comm} if cp > 1 else {})}
     if "micro-batch-size" in flags and "global-batch-size" in flags:  # Megatron's micro-batches per step and copy
         options["micro_batches"] = int(flags["global-batch-size"]) // (int(flags["micro-batch-size"]) * dp)
     if "recompute-granularity" in flags:
@@ -118,18 +119,19 @@ def megatron_recipe(body: str, names: Names, world: int, num_layers: int, tensor
                   replicate=_megatron_replicate(flags, pipelined=len(stages) > 1))
 
 
-def _megatron_context(flags: Mapping[str, str]) -> int:
-    """The context-parallel degree of Megatron's flags, its keys and values passed round a ring (``--cp-comm-type p2p``,
-    Megatron's default: what autosplit costs, :mod:`autosplit.passes.cp_costs`); another exchange is refused by name."""
+def _megatron_context(flags: Mapping[str, str]) -> tuple[int, str]:
+    """The context-parallel degree of Megatron's flags and its exchange: ``--cp-comm-type p2p`` (Megatron's default, the
+    keys and values round a ring) or ``a2a`` (all-to-all over heads), the two autosplit costs
+    (:mod:`autosplit.passes.cp_costs`); another (``allgather``, the hierarchical ``a2a+p2p``) is refused by name."""
     cp, form = int(flags.get("context-parallel-size", 1)), flags.get("cp-comm-type", "p2p")
-    if cp > 1 and form != "p2p":
+    if cp > 1 and form not in ("p2p", "a2a"):
         raise ConstraintError(advice(
             f"the Megatron flags exchange each sequence's shards over cp {cp} by --cp-comm-type {form}",
-            "autosplit costs context parallelism as the p2p ring of keys and values (Megatron's default), "
-            "and would cost this run as another one",
-            "read it with --cp-comm-type p2p, knowing the exchange differs",
+            "autosplit costs context parallelism as the p2p ring of keys and values (Megatron's default) or its all-to-all "
+            "over heads (a2a), and would cost this run as another one",
+            "read it with --cp-comm-type p2p or a2a, knowing the exchange differs",
         ))
-    return cp
+    return cp, form
 
 
 def _megatron_replicate(flags: Mapping[str, str], pipelined: bool) -> str:

@@ -15,8 +15,8 @@ import autosplit
 from autosplit.compiler.costs import check_sequence, cost_table
 from autosplit.compiler.mesh import Degrees, stage_ranks
 from autosplit.devices import PRESETS
-from autosplit.errors import ConstraintError
-from autosplit.passes.cp_costs import attention_nodes, cp_laid_out, exposed_ring, ring_time
+from autosplit.errors import ConstraintError, ExportError, InfeasiblePlanError
+from autosplit.passes.cp_costs import a2a_time, attention_nodes, cp_laid_out, exposed_ring, ring_time
 from tests.helpers import engine_round_trip
 
 pytest.importorskip("transformers")
@@ -41,6 +41,9 @@ def test_the_ring_by_hand_inside_a_node_and_across():
     assert ring_time(1e9, 1, 1, d, 4) == 0.0
     assert ring_time(1e9, 4, 2, d, 3) == pytest.approx(3 / 4 * 1e9 / 100e9 + 3 * 5e-6 * 3)  # cp 4 × tp 2 = 8: NVLink
     assert ring_time(1e9, 4, 4, d, 1) == pytest.approx(3 / 4 * 1e9 / 25e9 + 3 * 10e-6)  # 16 devices: over the network
+    # the all-to-all form: a rank sends (cp − 1)/cp of what it holds, a latency per call (not per hop)
+    assert a2a_time(1e9, 4, 2, d, 3) == pytest.approx(3 / 4 * 1e9 / 100e9 + 3 * 5e-6) and a2a_time(1e9, 1, 8, d, 3) == 0.0
+    assert a2a_time(1e9, 4, 4, d, 2) == pytest.approx(3 / 4 * 1e9 / 25e9 + 2 * 10e-6)
     # as a mesh's stage rank sees it (the device a plan is costed on): the same island, the same ring
     for cp, tp in ((4, 2), (4, 4), (8, 1)):
         (rank,) = stage_ranks([d] * 16, Degrees(1, 16 // (cp * tp), "fully_shard", tp=tp, cp=cp))[:1]
@@ -56,8 +59,8 @@ def test_one_attention_layer_split_over_cp_by_hand():
     gm = planner.traced.annotated("fp32", "cuda")
     table, _ = cost_table(planner.traced, (_device(),), planner.options, micro_batches=2, laid=False)
     attention = attention_nodes(gm)
-    assert len(attention) == 2 and all(s == 64 for s, _, _ in attention.values())
-    (name, (_, kv, itemsize)), *_ = attention.items()
+    assert len(attention) == 2 and all(a.sequence == 64 for a in attention.values())
+    (name, (_, kv, itemsize, *_)), *_ = attention.items()
     heads = next(n for n in gm.graph.nodes if n.name == name).args[1].meta["autosplit"].output_shapes[0][1]
     assert heads in (2, 4)  # the 2 KV heads, or repeated to the 4 query heads where transformers' sdpa repeats them
     assert kv == 2 * 8 * heads * 64 * 16 * 4 and itemsize == 4  # K and V as the graph runs them: rows × heads × sequence × head dim, fp32
@@ -75,6 +78,14 @@ def test_one_attention_layer_split_over_cp_by_hand():
     assert split.saved_bytes == tuple(-(-b // 2) for b in table.saved_bytes) and split.state_bytes == table.state_bytes
     exposed = max(0.0, forward - halved(table.fwd_time[i][0])) + max(0.0, backward - halved(table.bwd_time[i][0]))
     assert exposed_ring(table, gm, cp=2, tp=1, micro_batches=2) >= exposed  # this node's share of what the plan says
+    # the all-to-all form: q, k, v and the output, a rank's half of each, two calls a micro-batch each way, none hidden
+    shape = attention[name]
+    assert shape.qo_bytes == 2 * 8 * 4 * 64 * 16 * 4 and (shape.heads, shape.kv_heads) == (4, heads)
+    a2a = cp_laid_out(table, gm, cp=2, tp=1, micro_batches=2, comm="a2a")
+    exchange = a2a_time((kv + shape.qo_bytes) / 2, 2, 1, table.devices[0], 4)
+    assert a2a.fwd_time[i][0] == pytest.approx(halved(table.fwd_time[i][0]) + exchange)
+    assert a2a.bwd_time[i][0] == pytest.approx(halved(table.bwd_time[i][0]) + exchange)
+    assert exposed_ring(table, gm, cp=2, tp=1, micro_batches=2, comm="a2a") == pytest.approx(2 * exchange * len(attention))
 
 
 def test_cp_is_chosen_where_the_sequence_does_not_fit_and_not_where_it_is_short():
@@ -147,6 +158,16 @@ def test_cp_goes_to_both_engines_and_reads_back_as_the_same_plan(tmp_path):
     assert plan.context_parallel == 2
     flags, toml = engine_round_trip(planner, plan, tmp_path)
     assert "--context-parallel-size 2" in flags and "--cp-comm-type p2p" in flags
-    with pytest.raises(ConstraintError, match="by --cp-comm-type a2a"):  # Megatron's all-to-all form: not what is costed
-        planner.manual("megatron:" + flags.replace("--cp-comm-type p2p", "--cp-comm-type a2a"))
+    # Megatron's all-to-all form: read as cp_comm='a2a', costed so, and written back; torchtitan has no such form
+    a2a = planner.manual("megatron:" + flags.replace("--cp-comm-type p2p", "--cp-comm-type a2a"))
+    assert a2a.cp_comm == "a2a" and a2a.mesh == plan.mesh and "all-to-alls of Q, K, V and the output" in a2a.costs
+    assert a2a.step_time != pytest.approx(plan.step_time) and "--cp-comm-type a2a" in a2a.export("megatron")
+    assert autosplit.Plan.from_dict(a2a.to_dict()).cp_comm == "a2a"
+    with pytest.raises(ExportError, match="torchtitan's context parallelism passes the keys and values round a ring"):
+        a2a.export("torchtitan")
+    with pytest.raises(ConstraintError, match=r"by --cp-comm-type a2a\+p2p"):  # the hierarchical form: not costed
+        planner.manual("megatron:" + flags.replace("--cp-comm-type p2p", "--cp-comm-type a2a+p2p"))
+    with pytest.raises(InfeasiblePlanError, match=r"cp_comm='a2a' over cp 4: attention .* 2 query and \d key/value heads per tp rank"):
+        autosplit.plan(_llama(seq=64)[0], ["cpu"] * 8, example_inputs=_llama(seq=64)[1], context_parallel=4, tensor_parallel=2,
+                       cp_comm="a2a", micro_batches=1, schedule="gpipe")
     assert "context_parallel_degree = 2" in toml
