@@ -42,6 +42,9 @@ class DeviceSpec:
     tp_overlap: float = 0.0
     """Under ``async_tp``, the share of each tensor-parallel collective the engine hides behind the GEMM beside
     it (at most that GEMM's time): 0 for none; an engine profile's fitted figure (:mod:`autosplit.engine_profiles`)."""
+    attention_share: float = 1.0
+    """The share of ``efficiency`` the attention kernels (scaled-dot-product, flash) reach beside the GEMMs: an engine
+    profile's fitted figure, its flash kernel's (:mod:`autosplit.engine_profiles`); 1: the GEMMs' own."""
     launch_overhead: float = 5e-6
     """Fixed cost of launching one operator, seconds."""
     torch_device: str | None = None

@@ -6,8 +6,10 @@ few kernels and tunes its GEMMs; torchtitan in eager mode launches torch's kerne
 ``torch.compile`` Inductor fuses the memory-bound ops between the matmuls. An :class:`EngineProfile` says what
 each reaches — ``gemm``: the fraction of the tensor-core peak its GEMMs and attention run at, in any precision;
 ``memory``: the fraction of the HBM bandwidth its memory-bound ops run at (fusion shows here: fewer bytes
-moved reads as more bandwidth); ``tp_overlap``: the share of a tensor-parallel collective it hides behind
-the GEMM beside it when a plan runs ``async_tp`` — and :func:`profiled` puts it on a device.
+moved reads as more bandwidth); ``attention``: the share of ``gemm`` its attention kernels reach (torch's
+scaled-dot-product attention runs FlashAttention-2, Transformer Engine cuDNN's fused attention); ``tp_overlap``: the
+share of a tensor-parallel collective it hides behind the GEMM beside it when a plan runs ``async_tp`` — and
+:func:`profiled` puts it on a device.
 
 Every fitted parameter of the cost model is in :data:`FITTED`, with what it fits and over which rows; nothing
 else in autosplit is fitted to the record. ``benchmarks/published_fit.py`` fits them from a ``benchmarks/published.py
@@ -113,6 +115,12 @@ class EngineProfile:
         return FITTED["memory"].value
 
     @property
+    def attention(self) -> float:
+        """The share of :attr:`gemm` its attention kernels reach (1 where none is fitted)."""
+        fitted = FITTED.get(f"{self.kernels or self.name}.attention")
+        return 1.0 if fitted is None else fitted.value
+
+    @property
     def tp_overlap(self) -> float:
         """0 where the engine overlaps no tensor-parallel collective (torchtitan eager: async TP needs compile)."""
         fitted = FITTED.get(f"{self.kernels or self.name}.tp_overlap")
@@ -144,7 +152,7 @@ def profiled(device: DeviceSpec, engine: str) -> DeviceSpec:
             f"pass one of {', '.join(ENGINES)}",
         ))
     return dataclasses.replace(device, name=f"{device.name} ({engine})", efficiency=profile.gemm, memory_efficiency=profile.memory,
-                               tp_overlap=profile.tp_overlap, engine=engine)
+                               tp_overlap=profile.tp_overlap, attention_share=profile.attention, engine=engine)
 
 
 def engine_of(devices: Sequence[DeviceSpec]) -> EngineProfile | None:

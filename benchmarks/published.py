@@ -59,7 +59,7 @@ def _fullest(plan: Any) -> tuple[float, float]:
 
 def _regrid(planner: Any, recipe: Any, grid: Sequence[dict[str, float]], tokens: int, gpus: int) -> dict[str, float]:
     """Predicted tokens/s/GPU of ``recipe`` at each point of ``grid`` (the capture reused): a point sets the devices'
-    fitted figures (``efficiency``, ``memory_efficiency``, ``tp_overlap``) and entries of
+    fitted figures (``efficiency``, ``memory_efficiency``, ``tp_overlap``, ``attention_share``) and entries of
     :data:`~autosplit.engine_profiles.FITTED` by name (``float8.rowwise``), keyed ``"efficiency=0.5 …"``: what
     ``--grid`` fits the engine profiles from. A point differing only in what the recipe does not use
     (``tp_overlap`` without ``async_tp``, ``float8.rowwise`` without rowwise FP8) is costed once."""

@@ -33,31 +33,41 @@ def _point(key: str) -> dict[str, float]:
     return {k: float(v) for k, v in (part.split("=") for part in key.split())}
 
 
-def _at(row: dict[str, Any], efficiency: float, memory: float, overlap: float) -> float | None:
-    """The row's predicted tokens/s/GPU at these figures: bilinear between the grid's points in efficiency and
-    ``tp_overlap`` at ``memory`` (one of the grid's)."""
-    table = {(p["efficiency"], p.get("tp_overlap", 0.0)): v for k, v in row["grid"].items()
+PER_ENGINE = ("efficiency", "tp_overlap", "attention_share")
+"""The figures fitted per engine profile, read between the grid's points (:func:`_at`); ``memory_efficiency`` is shared."""
+
+
+def _at(row: dict[str, Any], efficiency: float, memory: float, overlap: float, attention: float = 1.0) -> float | None:
+    """The row's predicted tokens/s/GPU at these figures: multilinear between the grid's points in efficiency,
+    ``tp_overlap`` and ``attention_share`` at ``memory`` (one of the grid's)."""
+    defaults = {"tp_overlap": 0.0, "attention_share": 1.0}
+    table = {tuple(p.get(f, defaults.get(f)) for f in PER_ENGINE): v for k, v in row["grid"].items()
              if math.isclose((p := _point(k))["memory_efficiency"], memory)}
-    es, os_ = sorted({e for e, _ in table}), sorted({o for _, o in table})
 
     def bracket(values: list[float], x: float) -> tuple[float, float, float] | None:
-        if len(values) == 1:  # a figure the row does not use (tp_overlap without async TP): its one value
+        if len(values) == 1:  # a figure the row does not use (tp_overlap without async TP), or the grid's one value
             return values[0], values[0], 0.0
         for a, b in itertools.pairwise(values):
             if a <= x <= b:
                 return a, b, (x - a) / (b - a)
         return None
 
-    e, o = bracket(es, efficiency), bracket(os_, overlap)
-    if e is None or o is None:
+    brackets = [bracket(sorted({key[i] for key in table}), x) for i, x in enumerate((efficiency, overlap, attention))]
+    if any(b is None for b in brackets):
         return None
-    (e0, e1, u), (o0, o1, w) = e, o
-    return ((1 - u) * (1 - w) * table[e0, o0] + u * (1 - w) * table[e1, o0] + (1 - u) * w * table[e0, o1] + u * w * table[e1, o1])
+    total = 0.0
+    for corner in itertools.product((0, 1), repeat=len(brackets)):
+        weight, key = 1.0, []
+        for (lo, hi, t), side in zip(brackets, corner):  # type: ignore[misc]
+            weight *= t if side else 1 - t
+            key.append(hi if side else lo)
+        total += weight * table[tuple(key)] if weight else 0.0
+    return total
 
 
-def _errors(rows: Sequence[dict[str, Any]], efficiency: float, memory: float, overlap: float) -> list[float]:
+def _errors(rows: Sequence[dict[str, Any]], efficiency: float, memory: float, overlap: float, attention: float = 1.0) -> list[float]:
     """|predicted / published − 1| of ``rows`` at these figures, sorted."""
-    predicted = [_at(r, efficiency, memory, overlap) for r in rows]
+    predicted = [_at(r, efficiency, memory, overlap, attention) for r in rows]
     return sorted(abs(p / r["published_tokens_per_s_per_gpu"] - 1) for p, r in zip(predicted, rows) if p is not None)
 
 
@@ -86,7 +96,8 @@ def fit(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
     "float8.rowwise=…"`` over those rows with the fitted figures in place)."""
     usable = [r for r in rows if r.get("grid") and r.get("published_tokens_per_s_per_gpu") and r.get("float8") != "rowwise"]
     points = [_point(k) for k in usable[0]["grid"]]
-    span = {f: sorted({p.get(f, 0.0) for p in points}) for f in ("efficiency", "memory_efficiency", "tp_overlap")}
+    span = {f: sorted({p.get(f, 1.0 if f == "attention_share" else 0.0) for p in points})
+            for f in ("efficiency", "memory_efficiency", "tp_overlap", "attention_share")}
 
     def tries(field: str) -> list[float]:
         lo, hi = span[field][0], span[field][-1]
@@ -99,9 +110,10 @@ def fit(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
         for engine in sorted({_engine(r) for r in usable}):
             mine = [r for r in usable if _engine(r) == engine]
             overlaps = tries("tp_overlap") if any(r.get("async_tp") for r in mine) else [0.0]
-            e, o = min(((e, o) for e in tries("efficiency") for o in overlaps), key=lambda eo: _loss(_errors(mine, eo[0], memory, eo[1])))
-            errors = _errors(mine, e, memory, o)
-            fitted[engine] = {"efficiency": e, "tp_overlap": o, "rows": len(mine), **_quality(errors)}
+            e, o, a = min(((e, o, a) for e in tries("efficiency") for o in overlaps for a in tries("attention_share")),
+                          key=lambda eoa: _loss(_errors(mine, eoa[0], memory, eoa[1], eoa[2])))
+            errors = _errors(mine, e, memory, o, a)
+            fitted[engine] = {"efficiency": e, "tp_overlap": o, "attention_share": a, "rows": len(mine), **_quality(errors)}
             every += errors
         candidate = {"memory_efficiency": memory, "engines": fitted, "loss": _loss(every), **_quality(sorted(every))}
         if best is None or candidate["loss"] < best["loss"]:
@@ -119,9 +131,9 @@ def main(argv: list[str] | None = None) -> int:
     best = fit(report["rows"])
     print(f"memory efficiency {best['memory_efficiency']:g}: median {best['median']:.1%}, 90th percentile {best['p90']:.1%}, "
           f"worst {best['worst']:.1%}, within 10%: {best['within_10pct']}")
-    print(f"{'engine':<15} {'gemm':>6} {'tp_overlap':>10} {'rows':>5} {'median':>7} {'p90':>7} {'worst':>7}")
+    print(f"{'engine':<15} {'gemm':>6} {'tp_overlap':>10} {'attention':>9} {'rows':>5} {'median':>7} {'p90':>7} {'worst':>7}")
     for engine, f in best["engines"].items():
-        print(f"{engine:<15} {f['efficiency']:6.2f} {f['tp_overlap']:10.2f} {f['rows']:5d} "
+        print(f"{engine:<15} {f['efficiency']:6.2f} {f['tp_overlap']:10.2f} {f['attention_share']:9.2f} {f['rows']:5d} "
               f"{f['median']:7.1%} {f['p90']:7.1%} {f['worst']:7.1%}")
     if args.out is not None:
         args.out.write_text(json.dumps({"benchmark": "published_fit", "grid": str(args.grid), **best}, indent=1))

@@ -20,6 +20,7 @@ Usage::
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 from collections.abc import Callable
 
@@ -85,6 +86,9 @@ def node_roofline(node: fx.Node, info: NodeInfo, spec: DeviceSpec) -> tuple[floa
         dispatch = spec.launch_overhead if spec.device_type == "cpu" else 0.0
         return dispatch, dispatch if has_backward else 0.0
     nbytes = info.input_bytes + info.output_bytes
+    if spec.attention_share != 1.0 and "scaled_dot_product" in str(node.target):  # a flash kernel: its own share of the peak
+        spec = dataclasses.replace(spec, efficiency=spec.efficiency * spec.attention_share,
+                                   memory_efficiency=spec.memory_efficiency or spec.efficiency)
     fwd = roofline(info.fwd_flops, nbytes, spec, half=info.half)
     bwd = roofline(info.bwd_flops, 2 * nbytes, spec, half=info.half) if has_backward else 0.0
     return fwd, bwd

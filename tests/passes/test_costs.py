@@ -116,6 +116,40 @@ def test_analytic_costs_count_attention_whatever_device_the_plan_is_for(capture_
     assert causal_share(4, 4) == 10 / 16 and causal_share(2, 4) == 3 / 8 and causal_share(4, 2) == 7 / 8  # top-left aligned
 
 
+def test_an_engines_attention_kernels_reach_their_own_share_of_its_gemm_efficiency():
+    """An engine profile's ``attention_share``: its flash kernels run at that share of the efficiency its GEMMs reach
+    (torch's SDPA is FlashAttention-2, Transformer Engine's cuDNN's own); a linear beside it is unchanged."""
+    import dataclasses
+
+    from autosplit.devices import PRESETS
+    from autosplit.engine_profiles import profiled
+    from autosplit.passes.annotate import annotate
+    from autosplit.passes.annotations import node_info
+    from autosplit.passes.time_model import node_roofline
+
+    class Attention(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(64, 64)
+
+        def forward(self, q, k, v):
+            return self.proj(F.scaled_dot_product_attention(q, k, v, is_causal=True))
+
+    args = tuple(torch.randn(2, 8, 1024, 64) for _ in range(3))
+    captured = capture(Attention(), args, method="export")
+    gm = annotate(captured, flat_inputs(captured, args, {}))
+    device = profiled(PRESETS["H100-80GB"], "torch-compile")
+    half = dataclasses.replace(device, attention_share=0.5)
+    attention = next(n for n in gm.graph.nodes if "scaled_dot_product" in str(n.target))
+    linear = next(n for n in gm.graph.nodes if "linear" in str(n.target))
+    flops = node_info(attention).fwd_flops
+    assert node_roofline(attention, node_info(attention), device)[0] == pytest.approx(
+        flops / (device.peak_flops * device.efficiency * device.attention_share) + device.launch_overhead)  # compute-bound
+    assert node_roofline(attention, node_info(attention), half)[0] == pytest.approx(
+        flops / (device.peak_flops * device.efficiency * 0.5) + device.launch_overhead)
+    assert node_roofline(linear, node_info(linear), half) == node_roofline(linear, node_info(linear), device)
+
+
 def test_analytic_costs_count_the_experts_grouped_matmul_of_transformers():
     """transformers' mixture-of-experts layers run their experts as one grouped matmul, a custom op on a CPU
     (``torch.ops.transformers.grouped_mm_fallback``) that FlopCounterMode has no formula for: each of the S
