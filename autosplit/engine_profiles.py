@@ -44,17 +44,20 @@ class Fitted:
 
 
 FITTED: dict[str, Fitted] = {
-    "megatron-te.gemm": Fitted(0.66, "fraction of the tensor-core peak Megatron-Core + Transformer Engine GEMMs and attention "
-                               "reach, bf16 and FP8", "39 Megatron-Bridge, Megatron-LM and NeMo rows (H100, B200, GB200, GB300); "
-                               "checked again over the 35 compared after the memory and data-parallel terms"),
-    "torch-eager.gemm": Fitted(0.50, "the same, torchtitan without torch.compile (the grid's lowest point: it may reach less)",
-                               "1 torchtitan row (row 294, 500 W H100)"),
-    "torch-compile.gemm": Fitted(0.51, "the same, torchtitan with torch.compile", "7 torchtitan rows (500 W H100, H200)"),
-    "megatron-te.tp_overlap": Fitted(0.64, "share of a tensor-parallel collective Megatron's --tp-comm-overlap hides behind "
-                                     "the GEMM beside it", "the 20 of those 39 rows with TP > 1"),
-    "torch-compile.tp_overlap": Fitted(0.0, "the same, torchtitan's async TP (compiled only): no share beyond what its GEMM "
-                                       "efficiency already holds", "row 305 (async TP) beside row 304 (vanilla)"),
-    "float8.rowwise": Fitted(0.57, "the share of a tensorwise FP8 GEMM's speed a rowwise-scaled one reaches (torchao)",
+    "megatron-te.gemm": Fitted(0.60, "fraction of the tensor-core peak Megatron-Core + Transformer Engine GEMMs reach, bf16 and FP8",
+                               "35 Megatron-Bridge, Megatron-LM and NeMo rows (H100, B200, GB200, GB300)"),
+    "megatron-te.attention": Fitted(0.65, "the share of that its attention kernels (cuDNN's fused attention) reach",
+                                    "the same 35 rows"),
+    "torch-eager.gemm": Fitted(0.44, "the same, torchtitan without torch.compile", "1 torchtitan row (row 294, 500 W H100)"),
+    "torch-compile.gemm": Fitted(0.54, "the same, torchtitan with torch.compile", "7 torchtitan rows (500 W H100, H200)"),
+    "torch-compile.attention": Fitted(0.45, "the share of that torch's scaled-dot-product attention (FlashAttention-2) reaches, "
+                                      "compiled or eager (Inductor leaves it alone)", "the same 7 rows"),
+    "megatron-te.tp_overlap": Fitted(1.0, "share of a tensor-parallel collective Megatron's --tp-comm-overlap hides behind "
+                                     "the GEMM beside it (at most that GEMM's time; the grid's highest point)",
+                                     "the 20 of those 35 rows with TP > 1"),
+    "torch-compile.tp_overlap": Fitted(1.0, "the same, torchtitan's async TP (compiled only; the grid's highest point)",
+                                       "row 305 (async TP) beside row 304 (vanilla)"),
+    "float8.rowwise": Fitted(0.53, "the share of a tensorwise FP8 GEMM's speed a rowwise-scaled one reaches (torchao)",
                              "row 316 (torchtitan 70B FSDP 32 × TP 8, rowwise), at the figures above, each tp rank casting "
                              "the whole operands it gathers"),
     "memory": Fitted(0.9, "fraction of the HBM bandwidth memory-bound ops reach, every engine alike (the fewer bytes a fused "
@@ -105,6 +108,9 @@ class EngineProfile:
     micro-batches gathered once for the step (:func:`~autosplit.passes.sharding.sharded_alone`)."""
     kernels: str = ""
     """The profile whose fitted kernels it runs (its own name when empty)."""
+    attention_kernel: str = ""
+    """The profile whose fitted attention share its flash kernels take (:attr:`kernels` when empty): torchtitan's
+    eager and compiled runs call the same scaled-dot-product attention, FlashAttention-2, which Inductor leaves alone."""
 
     @property
     def gemm(self) -> float:
@@ -117,7 +123,7 @@ class EngineProfile:
     @property
     def attention(self) -> float:
         """The share of :attr:`gemm` its attention kernels reach (1 where none is fitted)."""
-        fitted = FITTED.get(f"{self.kernels or self.name}.attention")
+        fitted = FITTED.get(f"{self.attention_kernel or self.kernels or self.name}.attention")
         return 1.0 if fitted is None else fitted.value
 
     @property
@@ -137,7 +143,7 @@ ENGINES: dict[str, EngineProfile] = {
         EngineProfile("megatron-fsdp", "Megatron-Core with Transformer Engine sharded by Megatron-FSDP (use_megatron_fsdp: "
                       "weights, gradients and optimizer state)", _TRANSFORMER_ENGINE, buffers_in_flight=True,
                       frees_sent_outputs=True, bf16_gradients=True, units_per_micro_batch=True, kernels="megatron-te"),
-        EngineProfile("torch-eager", "torchtitan, PyTorch eager: torch's kernels, one launch per op"),
+        EngineProfile("torch-eager", "torchtitan, PyTorch eager: torch's kernels, one launch per op", attention_kernel="torch-compile"),
         EngineProfile("torch-compile", "torchtitan under torch.compile: Inductor fuses the ops between matmuls", ("norm", "gated")),
     )
 }

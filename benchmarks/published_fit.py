@@ -26,7 +26,9 @@ from pathlib import Path
 from typing import Any
 
 STEP = 0.01
-"""The spacing of the figures tried between the grid's points."""
+"""The spacing of the efficiencies tried between the grid's points."""
+SHARE_STEP = 0.05
+"""The spacing of the shares (``tp_overlap``, ``attention_share``) tried between them."""
 
 
 def _point(key: str) -> dict[str, float]:
@@ -37,12 +39,32 @@ PER_ENGINE = ("efficiency", "tp_overlap", "attention_share")
 """The figures fitted per engine profile, read between the grid's points (:func:`_at`); ``memory_efficiency`` is shared."""
 
 
+_TABLES: dict[tuple[int, float], tuple[dict[tuple[float, ...], float], list[list[float]]]] = {}
+
+
+def _parsed(row: dict[str, Any], memory: float) -> tuple[dict[tuple[float, ...], float], list[list[float]]]:
+    """The row's grid at ``memory`` keyed by :data:`PER_ENGINE`'s figures, and each figure's values (parsed once)."""
+    key = (id(row), memory)
+    if key not in _TABLES:
+        defaults = {"tp_overlap": 0.0, "attention_share": 1.0}
+        table = {tuple(p.get(f, defaults.get(f)) for f in PER_ENGINE): v for k, v in row["grid"].items()
+                 if math.isclose((p := _point(k))["memory_efficiency"], memory)}
+        _TABLES[key] = table, [sorted({k[i] for k in table}) for i in range(len(PER_ENGINE))]
+    return _TABLES[key]
+
+
+def _table(row: dict[str, Any], memory: float) -> dict[tuple[float, ...], float]:
+    return _parsed(row, memory)[0]
+
+
+def _axes(row: dict[str, Any], memory: float) -> list[list[float]]:
+    return _parsed(row, memory)[1]
+
+
 def _at(row: dict[str, Any], efficiency: float, memory: float, overlap: float, attention: float = 1.0) -> float | None:
     """The row's predicted tokens/s/GPU at these figures: multilinear between the grid's points in efficiency,
     ``tp_overlap`` and ``attention_share`` at ``memory`` (one of the grid's)."""
-    defaults = {"tp_overlap": 0.0, "attention_share": 1.0}
-    table = {tuple(p.get(f, defaults.get(f)) for f in PER_ENGINE): v for k, v in row["grid"].items()
-             if math.isclose((p := _point(k))["memory_efficiency"], memory)}
+    table = _table(row, memory)
 
     def bracket(values: list[float], x: float) -> tuple[float, float, float] | None:
         if len(values) == 1:  # a figure the row does not use (tp_overlap without async TP), or the grid's one value
@@ -52,7 +74,7 @@ def _at(row: dict[str, Any], efficiency: float, memory: float, overlap: float, a
                 return a, b, (x - a) / (b - a)
         return None
 
-    brackets = [bracket(sorted({key[i] for key in table}), x) for i, x in enumerate((efficiency, overlap, attention))]
+    brackets = [bracket(axis, x) for axis, x in zip(_axes(row, memory), (efficiency, overlap, attention))]
     if any(b is None for b in brackets):
         return None
     total = 0.0
@@ -94,23 +116,27 @@ def fit(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
     latter only where it ran rows with async TP), minimising :func:`_loss` over its rows. Rowwise FP8 rows are
     left out: their one extra figure, ``float8.rowwise``, is fitted on them after, at these (``--grid
     "float8.rowwise=…"`` over those rows with the fitted figures in place)."""
+    from autosplit.engine_profiles import ENGINES
+
     usable = [r for r in rows if r.get("grid") and r.get("published_tokens_per_s_per_gpu") and r.get("float8") != "rowwise"]
     points = [_point(k) for k in usable[0]["grid"]]
     span = {f: sorted({p.get(f, 1.0 if f == "attention_share" else 0.0) for p in points})
             for f in ("efficiency", "memory_efficiency", "tp_overlap", "attention_share")}
 
-    def tries(field: str) -> list[float]:
+    def tries(field: str, step: float = STEP) -> list[float]:
         lo, hi = span[field][0], span[field][-1]
-        return [round(lo + i * STEP, 4) for i in range(round((hi - lo) / STEP) + 1)]
+        return [round(lo + i * step, 4) for i in range(round((hi - lo) / step) + 1)]
 
     best: dict[str, Any] | None = None
     for memory in span["memory_efficiency"]:
         fitted: dict[str, Any] = {}
         every: list[float] = []
-        for engine in sorted({_engine(r) for r in usable}):
+        for engine in sorted({_engine(r) for r in usable}, key=lambda e: (bool(ENGINES[e].attention_kernel), e)):  # kernels' own first
             mine = [r for r in usable if _engine(r) == engine]
-            overlaps = tries("tp_overlap") if any(r.get("async_tp") for r in mine) else [0.0]
-            e, o, a = min(((e, o, a) for e in tries("efficiency") for o in overlaps for a in tries("attention_share")),
+            overlaps = tries("tp_overlap", SHARE_STEP) if any(r.get("async_tp") for r in mine) else [0.0]
+            shared = ENGINES[engine].attention_kernel  # another profile's flash kernel: its fitted share
+            shares = [fitted[shared]["attention_share"]] if shared in fitted else tries("attention_share", SHARE_STEP)
+            e, o, a = min(((e, o, a) for e in tries("efficiency") for o in overlaps for a in shares),
                           key=lambda eoa: _loss(_errors(mine, eoa[0], memory, eoa[1], eoa[2])))
             errors = _errors(mine, e, memory, o, a)
             fitted[engine] = {"efficiency": e, "tp_overlap": o, "attention_share": a, "rows": len(mine), **_quality(errors)}

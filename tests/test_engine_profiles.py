@@ -26,6 +26,8 @@ def test_a_profile_puts_its_fitted_efficiencies_on_a_device_and_names_itself():
     assert h100.name == "H100-80GB (megatron-te)" and h100.peak_flops_half == GPU_PRESETS["H100-80GB"].peak_flops_half
     cluster = autosplit.Cluster.of("GB200", 72, engine="torch-compile")
     assert cluster.device.efficiency == FITTED["torch-compile.gemm"].value
+    assert cluster.device.attention_share == FITTED["torch-compile.attention"].value
+    assert profiled(GPU_PRESETS["H100-80GB"], "torch-eager").attention_share == FITTED["torch-compile.attention"].value
     with pytest.raises(ConstraintError) as e:
         profiled(GPU_PRESETS["H100-80GB"], "jax")
     says(e, "engine profile 'jax' is not known", "megatron-te")
@@ -36,12 +38,14 @@ def test_every_fitted_parameter_lives_in_the_one_table():
     module of the package writes an efficiency literal into a DeviceSpec but the presets' spec-sheet defaults."""
     assert all(f.fits and f.over for f in FITTED.values())
     overlaps = {"megatron-te.tp_overlap", "torch-compile.tp_overlap"}
-    assert {f"{e.kernels or e.name}.gemm" for e in ENGINES.values()} | {"memory", "float8.rowwise"} | overlaps == set(FITTED)
+    attention = {f"{e.attention_kernel or e.kernels or e.name}.attention" for e in ENGINES.values()}
+    assert attention == {"megatron-te.attention", "torch-compile.attention"}  # torch's eager and compiled runs: one kernel
+    assert {f"{e.kernels or e.name}.gemm" for e in ENGINES.values()} | {"memory", "float8.rowwise"} | overlaps | attention == set(FITTED)
     for path in (ROOT / "autosplit").rglob("*.py"):
         if path.name in ("engine_profiles.py", "device_spec.py"):
             continue
         for node in ast.walk(ast.parse(path.read_text())):
-            fitted = ("efficiency", "memory_efficiency", "tp_overlap")
+            fitted = ("efficiency", "memory_efficiency", "tp_overlap", "attention_share")
             if isinstance(node, ast.keyword) and node.arg in fitted and isinstance(node.value, ast.Constant):
                 assert path.name == "devices.py", f"{path}: a literal {node.arg} outside the fitted table"
 
