@@ -67,14 +67,14 @@ FITTED: dict[str, Fitted] = {
 
 
 RECORD: dict[tuple[str, str], tuple[float, float, int]] = {
-    ("B200", "megatron-te"): (0.157, 0.185, 10),
-    ("GB200", "megatron-te"): (0.061, 0.179, 22),
-    ("GB300", "megatron-te"): (0.059, 0.116, 13),
-    ("H100", "megatron-fsdp"): (0.064, 0.064, 1),
-    ("H100", "megatron-te"): (0.073, 0.128, 19),
-    ("H100-500W", "torch-compile"): (0.027, 0.312, 9),
-    ("H100-500W", "torch-eager"): (0.131, 0.131, 1),
-    ("H200", "torch-compile"): (0.037, 0.037, 1),
+    ("B200", "megatron-te"): (0.130, 0.152, 10),
+    ("GB200", "megatron-te"): (0.034, 0.158, 22),
+    ("GB300", "megatron-te"): (0.086, 0.134, 13),
+    ("H100", "megatron-fsdp"): (0.065, 0.065, 1),
+    ("H100", "megatron-te"): (0.060, 0.121, 19),
+    ("H100-500W", "torch-compile"): (0.025, 0.268, 9),
+    ("H100-500W", "torch-eager"): (0.001, 0.001, 1),
+    ("H200", "torch-compile"): (0.025, 0.025, 1),
 }
 """(GPU kind, engine) → (median, 90th percentile of |predicted / published − 1|, runs) over the published rows
 of that kind and engine, with :data:`FITTED` as it stands: ``benchmarks/published.py`` writes them
