@@ -47,7 +47,7 @@ def _parsed(row: dict[str, Any], memory: float) -> tuple[dict[tuple[float, ...],
     key = (id(row), memory)
     if key not in _TABLES:
         defaults = {"tp_overlap": 0.0, "attention_share": 1.0}
-        table = {tuple(p.get(f, defaults.get(f)) for f in PER_ENGINE): v for k, v in row["grid"].items()
+        table = {tuple(p.get(f, defaults.get(f, 0.0)) for f in PER_ENGINE): v for k, v in row["grid"].items()
                  if math.isclose((p := _point(k))["memory_efficiency"], memory)}
         _TABLES[key] = table, [sorted({k[i] for k in table}) for i in range(len(PER_ENGINE))]
     return _TABLES[key]
