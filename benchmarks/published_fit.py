@@ -53,18 +53,10 @@ def _parsed(row: dict[str, Any], memory: float) -> tuple[dict[tuple[float, ...],
     return _TABLES[key]
 
 
-def _table(row: dict[str, Any], memory: float) -> dict[tuple[float, ...], float]:
-    return _parsed(row, memory)[0]
-
-
-def _axes(row: dict[str, Any], memory: float) -> list[list[float]]:
-    return _parsed(row, memory)[1]
-
-
 def _at(row: dict[str, Any], efficiency: float, memory: float, overlap: float, attention: float = 1.0) -> float | None:
     """The row's predicted tokens/s/GPU at these figures: multilinear between the grid's points in efficiency,
     ``tp_overlap`` and ``attention_share`` at ``memory`` (one of the grid's)."""
-    table = _table(row, memory)
+    table, axes = _parsed(row, memory)
 
     def bracket(values: list[float], x: float) -> tuple[float, float, float] | None:
         if len(values) == 1:  # a figure the row does not use (tp_overlap without async TP), or the grid's one value
@@ -74,7 +66,7 @@ def _at(row: dict[str, Any], efficiency: float, memory: float, overlap: float, a
                 return a, b, (x - a) / (b - a)
         return None
 
-    brackets = [bracket(axis, x) for axis, x in zip(_axes(row, memory), (efficiency, overlap, attention))]
+    brackets = [bracket(axis, x) for axis, x in zip(axes, (efficiency, overlap, attention))]
     if any(b is None for b in brackets):
         return None
     total = 0.0

@@ -99,22 +99,23 @@ def ring_time(nbytes: float, cp: int, tp: int, device: DeviceSpec, calls: int) -
     """Seconds for ``calls`` passes of ``nbytes`` (the whole sequence's, all calls together) round a ring of ``cp``
     devices, each receiving the other ``cp − 1`` shards: at the link's bandwidth inside an island of ``cp · tp``
     devices, at the network's beyond it, a latency per hop."""
-    if cp <= 1 or nbytes <= 0:
-        return 0.0
-    inside = not device.island_size or cp * tp <= device.island_size
-    bandwidth, latency = device.link_to(device) if inside else (device.network_bandwidth, device.network_latency)
-    return (cp - 1) / cp * nbytes / bandwidth + (cp - 1) * latency * calls
+    return _exchange(nbytes, cp, tp, device, latencies=(cp - 1) * calls)
 
 
 def a2a_time(nbytes: float, cp: int, tp: int, device: DeviceSpec, calls: int) -> float:
     """Seconds for ``calls`` all-to-alls among ``cp`` devices, each holding ``nbytes`` (all calls together) and sending
-    ``(cp − 1)/cp`` of them: at the link's bandwidth inside an island of ``cp · tp`` devices, at the network's beyond
-    it, a latency per call."""
+    ``(cp − 1)/cp`` of them, over the ring's link or network (:func:`ring_time`), a latency per call."""
+    return _exchange(nbytes, cp, tp, device, latencies=calls)
+
+
+def _exchange(nbytes: float, cp: int, tp: int, device: DeviceSpec, *, latencies: int) -> float:
+    """``(cp − 1)/cp`` of ``nbytes`` at the link's bandwidth inside an island of ``cp · tp`` devices, at the network's
+    beyond it, and ``latencies`` of its latency."""
     if cp <= 1 or nbytes <= 0:
         return 0.0
     inside = not device.island_size or cp * tp <= device.island_size
     bandwidth, latency = device.link_to(device) if inside else (device.network_bandwidth, device.network_latency)
-    return (cp - 1) / cp * nbytes / bandwidth + latency * calls
+    return (cp - 1) / cp * nbytes / bandwidth + latency * latencies
 
 
 def exposed_ring(table: CostTable, gm: fx.GraphModule, *, cp: int, tp: int, micro_batches: int, comm: str = "p2p") -> float:
