@@ -20,7 +20,9 @@ shape cells, where it gives them, are checked against it:
 - ``qwen3_moe``: ``Qwen3MoeForCausalLM`` (every layer a mixture, top 8 of 128 experts);
 - ``mixtral``: ``MixtralForCausalLM`` (every layer a mixture, top 2 of 8 experts);
 - ``deepseek_v3``: ``DeepseekV3ForCausalLM`` (multi-head latent attention, one shared expert beside the routed
-  ones, the first layers dense; its multi-token prediction module is not built: transformers has none).
+  ones, the first layers dense; its multi-token prediction module is not built: transformers has none);
+- ``gpt_oss``: ``GptOssForCausalLM`` (top 4 of 128 experts with biases; every other layer's attention on a sliding
+  window, as :func:`sliding_attention` runs it).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from typing import Any
 
 from benchmarks.published_rows import SHAPE
 
-__all__ = ["CAUSAL", "PUBLISHED", "build", "causal_attention", "family", "published_shape"]
+__all__ = ["CAUSAL", "PUBLISHED", "build", "causal_attention", "family", "published_shape", "sliding_attention"]
 
 _ROWS: dict[str, tuple[int, ...]] = {  # layers, hidden size, heads, KV heads, FFN width, vocabulary (the CSV's SHAPE columns)
     # Llama 2 (Touvron et al., 2023, Table 1; the config.json of meta-llama/Llama-2-{7,13,70}b-hf)
@@ -69,6 +71,10 @@ MOE: dict[str, tuple[str, dict[str, Any]]] = {  # family, and its transformers c
     # moonshotai/Kimi-K2-Instruct's config.json: DeepSeek-V3's architecture with 384 experts, 64 heads, 1 dense layer
     "kimi-k2": ("deepseek_v3", dict(n_routed_experts=384, num_attention_heads=64, first_k_dense_replace=1, n_group=1, topk_group=1,
                                     vocab_size=163840)),
+    # openai/gpt-oss-120b's config.json: transformers' GptOssConfig defaults (36 layers, 128 experts, top 4, attention on a
+    # sliding window of 128 in every other layer, sinks); gpt-oss-20b's: 24 layers, 32 experts
+    "gpt-oss-120b": ("gpt_oss", {}),
+    "gpt-oss-20b": ("gpt_oss", dict(num_hidden_layers=24, num_local_experts=32)),
 }
 """The mixtures of experts of the record by ``model_canonical``: their family and published configuration."""
 """Published shapes by the record's ``model_canonical``: what a row that names the model without its shape is built as."""
@@ -98,10 +104,10 @@ def published_shape(canonical: str) -> dict[str, Any] | None:
 
 def moe_config(canonical: str) -> Any:
     """The transformers configuration a mixture of experts of the record was published with (:data:`MOE`)."""
-    from transformers import DeepseekV3Config, MixtralConfig, Qwen3MoeConfig
+    from transformers import DeepseekV3Config, GptOssConfig, MixtralConfig, Qwen3MoeConfig
 
     kind, fields = MOE[canonical]
-    made = {"qwen3_moe": Qwen3MoeConfig, "deepseek_v3": DeepseekV3Config, "mixtral": MixtralConfig}[kind]
+    made = {"qwen3_moe": Qwen3MoeConfig, "deepseek_v3": DeepseekV3Config, "mixtral": MixtralConfig, "gpt_oss": GptOssConfig}[kind]
     config = made(**{k: v for k, v in fields.items() if k != "head_dim"})
     if "head_dim" in fields:  # Qwen3MoeConfig does not take it; the attention reads it when set
         config.head_dim = fields["head_dim"]
@@ -109,7 +115,7 @@ def moe_config(canonical: str) -> Any:
     return config
 
 
-CAUSAL = "causal_sdpa"
+CAUSAL = "engine_causal"  # no "sdpa" or "flash" in it: transformers would check its own paths for those (GPT-OSS has neither)
 """The attention the published stand-ins run (:func:`causal_attention`)."""
 
 
@@ -119,22 +125,58 @@ def causal_attention() -> str:
     (Megatron's ``AttnMaskType.causal``, torchtitan's ``is_causal=True``), and annotation counts the blocks they run
     (:func:`autosplit.passes.flop_formulas.causal_share`). transformers' ``sdpa`` materialises its causal mask
     under ``torch.export``: a ``seq × seq`` tensor a layer reads and no engine makes. Under this name its mask
-    function makes none for a batch without a padding mask, in a model without a sliding window: a benchmark's
-    pretraining batch, unpadded and unpacked. (Exported, transformers cannot read the positions to rule out packed
-    sequences, and asks for a causal mask anded with a packing one; the positions it would read are ``0 … s − 1``.)
-    Any other mask is transformers' own."""
+    function makes none for a batch without a padding mask: a benchmark's pretraining batch, unpadded and unpacked.
+    (Exported, transformers cannot read the positions to rule out packed sequences, and asks for a causal mask anded
+    with a packing one; the positions it would read are ``0 … s − 1``.) A layer with a sliding window runs
+    :func:`sliding_attention`. Any other mask is transformers' own."""
     from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
     def mask(*args: Any, **kwargs: Any) -> Any:
-        if kwargs.get("attention_mask") is None and getattr(kwargs.get("config"), "sliding_window", None) is None:
-            return None  # transformers' SDPA then passes is_causal
+        if kwargs.get("attention_mask") is None:
+            return None  # transformers' SDPA then passes is_causal; a sliding layer windows itself
         return sdpa_mask(*args, **kwargs)
 
+    def attention(module: Any, query: Any, key: Any, value: Any, attention_mask: Any, **kwargs: Any) -> Any:
+        window = kwargs.pop("sliding_window", None)
+        if window and attention_mask is None and query.shape[2] > window:
+            return sliding_attention(query, key, value, window, kwargs.get("scaling")), None
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
     AttentionMaskInterface.register(CAUSAL, mask)
-    AttentionInterface.register(CAUSAL, sdpa_attention_forward)
+    AttentionInterface.register(CAUSAL, attention)
     return CAUSAL
+
+
+def sliding_attention(query: Any, key: Any, value: Any, window: int, scale: float | None = None) -> Any:
+    """Causal attention over the last ``window`` positions (a query at ``i`` sees keys ``i − window < j ≤ i``, as
+    transformers' sliding window), with the score blocks a flash kernel runs for it: the sequence in chunks of
+    ``window`` queries, each against its own chunk and the one before, under a band mask — ``2·window`` keys per
+    query where the kernel computes about ``window`` (and the blocks the band cuts), not the ``seq`` a whole mask
+    would count (:func:`autosplit.passes.flop_formulas.causal_share` counts a mask tensor's every pair). GPT-OSS's
+    sinks (a logit per head added to each softmax's denominator: a few FLOPs a row) are left out. Output as
+    transformers' attention functions return it: ``(batch, seq, heads, dim)``."""
+    import torch
+    import torch.nn.functional as F
+
+    b, h, s, d = query.shape
+    n = -(-s // window)
+    pad = n * window - s
+
+    def chunks(t: Any) -> Any:  # (b, n, heads, window, d), zero rows past the end
+        return F.pad(t, (0, 0, 0, pad)).unflatten(2, (n, window)).transpose(1, 2)
+
+    q, k, v = chunks(query), chunks(key), chunks(value)
+    before = (lambda t: torch.cat([torch.zeros_like(t[:, :1]), t[:, :-1]], dim=1))
+    k, v = torch.cat([before(k), k], dim=3), torch.cat([before(v), v], dim=3)  # (b, n, kv heads, 2·window, d)
+    rows = torch.arange(window, device=query.device)[:, None] + window  # a query's position in its pair of chunks
+    cols = torch.arange(2 * window, device=query.device)[None, :]
+    band = ((cols <= rows) & (cols > rows - window)).expand(n, 1, window, 2 * window).clone()
+    band[0, :, :, :window] = False  # the first chunk has none before it
+    out = F.scaled_dot_product_attention(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), attn_mask=band.repeat(b, 1, 1, 1),
+                                         scale=scale, enable_gqa=k.shape[2] != h)
+    return out.unflatten(0, (b, n)).transpose(2, 3).flatten(1, 2)[:, :s].contiguous()
 
 
 def build(shape: dict[str, Any], seq: int, pipelined: bool = False) -> Any:

@@ -203,6 +203,8 @@ def classify(row: dict[str, str], line: int) -> Classified:
     info["experts"] = bool(row["moe_experts"].strip()) or info["model_canonical"] in MOE
     out = Classified(row_id, info)
     out.reasons = _blockers(row)
+    if info["experts"] and not row["ep"].strip():  # AutoModel's GPT-OSS rows: its expert layout is not in the row
+        out.reasons.append("ep unknown")
     given = {c: row[c].strip() or (c == "seq_len" and _default_seq(row)) for c in ("num_gpus", "seq_len", "global_batch_size")}
     if missing := [c for c, value in given.items() if not value]:
         out.reasons += [f"{c} unknown" for c in missing]

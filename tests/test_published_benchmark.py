@@ -26,7 +26,9 @@ def test_every_row_of_the_record_is_classified_and_the_expressible_ones_become_r
     assert deepseek is not None
     assert (deepseek["ep"], deepseek["shape"]["family"], deepseek["shape"]["num_layers"]) == (64, "deepseek_v3", 61)
     assert automodel is not None and (automodel["ep"], automodel["checkpointing"]) == (8, "full")  # AutoModel's MoE configs recompute
-    assert by_id["78"].reasons[:1] == ["moe"] and not any("preset" in r for r in by_id["78"].reasons)  # GPT-OSS: not yet
+    gpt_oss = by_id["78"].spec
+    assert gpt_oss is not None and (gpt_oss["shape"]["family"], gpt_oss["ep"], gpt_oss["pp"]) == ("gpt_oss", 8, 4)
+    assert "ep unknown" in by_id["403"].reasons  # AutoModel's GPT-OSS rows do not say their expert layout
     fp8, mx, nvfp4 = by_id["50"].spec, by_id["49"].spec, by_id["17"]
     assert fp8 is not None and (fp8["float8"], fp8["engine"], fp8["async_tp"], fp8["gpu"]) == ("tensorwise", "megatron-te", True, "H100")
     assert mx is not None and (mx["float8"], mx["async_tp"]) == ("mxfp8", False) and nvfp4.reasons == ["nvfp4"]
@@ -90,6 +92,30 @@ def test_a_model_named_without_its_shape_is_built_as_published():
     assert untied.lm_head.weight is not untied.model.embed_tokens.weight
     assert type(gpt.model.layers[0].mlp.act_fn).__name__ == "GELUActivation"
     assert type(relu2.model.layers[0].mlp.act_fn).__name__ == "ReLUSquaredActivation"
+
+
+def test_a_sliding_window_is_attended_as_transformers_defines_it_and_counted_as_a_kernel_runs_it():
+    """GPT-OSS's sliding layers in the stand-ins: the output of a sliding-window causal mask (float64, GQA, a sequence
+    not a multiple of the window), and about ``2·window`` score pairs a query counted, not the sequence a mask costs."""
+    import torch
+    import torch.nn.functional as F
+
+    from benchmarks.published_models import sliding_attention
+
+    g = torch.Generator().manual_seed(0)
+    for seq, window in ((13, 4), (16, 4), (9, 8)):
+        q, k, v = (torch.randn(2, heads, seq, 8, dtype=torch.float64, generator=g) for heads in (4, 2, 2))
+        i = torch.arange(seq)
+        band = (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - window)
+        expected = F.scaled_dot_product_attention(q, k, v, attn_mask=band, enable_gqa=True).transpose(1, 2)
+        torch.testing.assert_close(sliding_attention(q, k, v, window), expected, rtol=0, atol=1e-12)
+    from torch.utils.flop_counter import FlopCounterMode
+
+    q, k, v = (torch.randn(1, 4, 256, 16, device="meta") for _ in range(3))
+    with FlopCounterMode(display=False) as counter:
+        sliding_attention(q, k, v, 16)
+    pairs = counter.get_total_flops() / (4 * 4 * 16)  # two matmuls of 2·d FLOPs per score pair and head
+    assert 256 * 16 <= pairs <= 256 * 2 * 16 < 256 * 256 / 4
 
 
 def test_the_fit_recovers_a_planted_efficiency_and_overlap():
