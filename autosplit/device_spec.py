@@ -42,6 +42,9 @@ class DeviceSpec:
     tp_overlap: float = 0.0
     """Under ``async_tp``, the share of each tensor-parallel collective the engine hides behind the GEMM beside
     it (at most that GEMM's time): 0 for none; an engine profile's fitted figure (:mod:`autosplit.engine_profiles`)."""
+    ep_overlap: float = 0.0
+    """Under ``ep_overlap``, the share of a layer's expert all-to-alls the engine hides behind another micro-batch's
+    compute of that layer (at most that compute): 0 for none; an engine profile's fitted figure."""
     attention_share: float = 1.0
     """The share of ``efficiency`` the attention kernels (scaled-dot-product, flash) reach beside the GEMMs: an engine
     profile's fitted figure, its flash kernel's (:mod:`autosplit.engine_profiles`); 1: the GEMMs' own."""

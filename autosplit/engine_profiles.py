@@ -57,6 +57,11 @@ FITTED: dict[str, Fitted] = {
                                      "the 20 of those 35 rows with TP > 1"),
     "torch-compile.tp_overlap": Fitted(1.0, "the same, torchtitan's async TP (compiled only; the grid's highest point)",
                                        "row 305 (async TP) beside row 304 (vanilla)"),
+    "megatron-te.ep_overlap": Fitted(0.5, "share of a layer's expert all-to-alls Megatron's batch-level overlap "
+                                     "(--overlap-moe-expert-parallel-comm) hides behind another micro-batch's compute of the "
+                                     "layer (at most that compute)",
+                                     "the 11 Megatron-Bridge MoE rows that ran it and are costed (rows 2, 8, 22, 24, 29, 30, 31, 33, "
+                                     "133, 177, 215; not 210 and 213, bound elsewhere), at the figures above"),
     "float8.rowwise": Fitted(0.53, "the share of a tensorwise FP8 GEMM's speed a rowwise-scaled one reaches (torchao)",
                              "row 316 (torchtitan 70B FSDP 32 × TP 8, rowwise), at the figures above, each tp rank casting "
                              "the whole operands it gathers"),
@@ -127,6 +132,12 @@ class EngineProfile:
         return 1.0 if fitted is None else fitted.value
 
     @property
+    def ep_overlap(self) -> float:
+        """0 where the engine overlaps no expert all-to-all with another micro-batch (torchtitan)."""
+        fitted = FITTED.get(f"{self.kernels or self.name}.ep_overlap")
+        return 0.0 if fitted is None else fitted.value
+
+    @property
     def tp_overlap(self) -> float:
         """0 where the engine overlaps no tensor-parallel collective (torchtitan eager: async TP needs compile)."""
         fitted = FITTED.get(f"{self.kernels or self.name}.tp_overlap")
@@ -158,7 +169,8 @@ def profiled(device: DeviceSpec, engine: str) -> DeviceSpec:
             f"pass one of {', '.join(ENGINES)}",
         ))
     return dataclasses.replace(device, name=f"{device.name} ({engine})", efficiency=profile.gemm, memory_efficiency=profile.memory,
-                               tp_overlap=profile.tp_overlap, attention_share=profile.attention, engine=engine)
+                               tp_overlap=profile.tp_overlap, ep_overlap=profile.ep_overlap, attention_share=profile.attention,
+                               engine=engine)
 
 
 def engine_of(devices: Sequence[DeviceSpec]) -> EngineProfile | None:

@@ -215,6 +215,11 @@ class PlanOptions:
     engine hides (:attr:`~autosplit.device_spec.DeviceSpec.tp_overlap`, an engine profile's fitted figure).
     autosplit's runtime runs the collectives in turn (gloo has no symmetric memory): such a plan trains the
     same, slower than predicted, and its run logs so."""
+    ep_overlap: bool = False
+    """Under expert parallelism, each layer's all-to-alls overlapped with another micro-batch's compute of the layer, as
+    Megatron's ``--overlap-moe-expert-parallel-comm`` runs them: costed with the share the engine hides
+    (:attr:`~autosplit.device_spec.DeviceSpec.ep_overlap`, an engine profile's fitted figure). autosplit's runtime
+    runs them in turn: such a plan trains the same, slower than predicted, and its run logs so."""
     limits: SolverLimits = SolverLimits()
     """How much work the solver may do beyond ``time_limit``: the graph sizes past which it
     coarsens, skips CP-SAT or narrows its bound, e.g. ``SolverLimits(cpsat_vars=40_000)``; each
@@ -278,6 +283,8 @@ class PlanOptions:
             raise _bad("cp_comm", self.cp_comm, f"one of {CP_COMMS}")
         if not isinstance(self.async_tp, bool):
             raise _bad("async_tp", self.async_tp, "True or False")
+        if not isinstance(self.ep_overlap, bool):
+            raise _bad("ep_overlap", self.ep_overlap, "True or False")
         if not isinstance(self.sequence_parallel, bool) and self.sequence_parallel != AUTO:
             raise _bad("sequence_parallel", self.sequence_parallel, "True, False or 'auto'")
         if not isinstance(self.limits, SolverLimits):

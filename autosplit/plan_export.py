@@ -224,13 +224,14 @@ def torchtitan_config(plan: Plan, names: Names, *, form: str = "toml", parameter
             "'full' (every layer), 'selective' (every n-th layer or per op) or 'none', never a chosen set",
             "plan with checkpointing='full' or 'none', or keep autosplit's runtime for this plan",
         ))
-    if plan.context_parallel > 1 and plan.cp_comm != "p2p":
-        raise ExportError(advice(
-            f"the plan exchanges each sequence's shards over cp {plan.context_parallel} by all-to-all (cp_comm={plan.cp_comm!r})",
-            "torchtitan's context parallelism passes the keys and values round a ring (its rotate methods rotate the "
-            "ring's shards); it has no all-to-all over heads",
-            "plan with cp_comm='p2p' for torchtitan, or export this plan to Megatron (--cp-comm-type a2a)",
-        ))
+    megatron_only = [(what, why) for what, why, used in (  # what the plan runs, and why torchtitan has no form for it
+        (f"exchanges each sequence's shards over cp {plan.context_parallel} by all-to-all (cp_comm={plan.cp_comm!r})",
+         "torchtitan's context parallelism passes the keys and values round a ring", plan.context_parallel > 1 and plan.cp_comm != "p2p"),
+        (f"overlaps its ep {plan.expert_parallel} all-to-alls with another micro-batch (ep_overlap=True)",
+         "torchtitan dispatches each micro-batch's tokens in turn", plan.expert_parallel > 1 and plan.ep_overlap)) if used]
+    if megatron_only:
+        raise ExportError(advice("the plan " + " and ".join(w for w, _ in megatron_only), "; ".join(y for _, y in megatron_only),
+                                 "plan without it for torchtitan, or export this plan to Megatron, which runs it"))
     micro, pp = _micro_batch_size(plan), len(plan.stages) // plan.stages_per_rank
     parallelism: dict[str, object] = {
         "data_parallel_replicate_degree": plan.dp_replicate, "data_parallel_shard_degree": plan.dp_shard,
@@ -367,6 +368,8 @@ def megatron_flags(plan: Plan, names: Names, parameters: Collection[str] | None 
     ]
     flags += ["--sequence-parallel"] if plan.sequence_parallel and plan.tensor_parallel > 1 else []
     flags += [f"--expert-model-parallel-size {plan.expert_parallel}", "--expert-tensor-parallel-size 1"] if plan.expert_parallel > 1 else []
+    # Megatron's batch-level overlap of the all-to-alls needs the weight gradients' compute delayed (Megatron-Core 0.14)
+    flags += ["--overlap-moe-expert-parallel-comm", "--delay-wgrad-compute"] if plan.expert_parallel > 1 and plan.ep_overlap else []
     flags += [f"--context-parallel-size {plan.context_parallel}", f"--cp-comm-type {plan.cp_comm}"] if plan.context_parallel > 1 else []
     # FSDP2's fully_shard is Megatron-FSDP's optim_grads_params: parameters, gradients and optimizer state sharded
     flags += ["--use-megatron-fsdp", "--data-parallel-sharding-strategy optim_grads_params"] if plan.dp_shard > 1 else []

@@ -116,6 +116,9 @@ class Plan:
     expert_parallel: int = 1
     """Ranks each mixture-of-experts layer's experts are spread over (``ep``), borrowed from ``dp_shard × tp``
     (:mod:`autosplit.passes.ep_costs`): each holds ``E / ep`` whole experts."""
+    ep_overlap: bool = False
+    """Costed with each layer's expert all-to-alls overlapped with another micro-batch
+    (:attr:`~autosplit.options.PlanOptions.ep_overlap`)."""
     context_parallel: int = 1
     """Devices each stage's sequence is split over: the mesh's ``cp``, between dp_shard and tp (:mod:`autosplit.passes.cp_costs`)."""
     cp_comm: str = "p2p"

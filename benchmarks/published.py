@@ -115,7 +115,8 @@ def cost_row(spec: dict[str, Any], grid: Sequence[dict[str, float]] = ()) -> dic
                                                          output_weight=weight, order=execution_order(planner.traced))
         options: dict[str, Any] = {"precision": spec["plan_precision"], "float8": spec["float8"], "checkpointing": spec["checkpointing"],
                                    "selective": spec["selective"], "micro_batches": spec["micro_batches"], "schedule": spec["schedule"],
-                                   "sequence_parallel": "auto" if spec["tp"] > 1 else False, "async_tp": spec.get("async_tp", False)}
+                                   "sequence_parallel": "auto" if spec["tp"] > 1 else False, "async_tp": spec.get("async_tp", False),
+                                   "ep_overlap": spec.get("ep_overlap", False)}
         if spec["vp"] > 1:
             options["stages_per_rank"] = spec["vp"]
         recipe = autosplit.Recipe(split, data_parallel=spec["dp"], replicate=spec["replicate"], tensor_parallel=spec["tp"],
@@ -126,7 +127,7 @@ def cost_row(spec: dict[str, Any], grid: Sequence[dict[str, float]] = ()) -> dic
                    mesh=plan.mesh, schedule=plan.schedule, stages_per_rank=plan.stages_per_rank, micro_batches=plan.micro_batches,
                    memory_gib=memory / 2**30, capacity_gib=capacity / 2**30, fits=memory <= capacity,
                    recomputed_blocks=len(plan.recompute), selective=plan.recompute_selective, device=plan.devices[0].name,
-                   float8=plan.float8, async_tp=plan.async_tp,
+                   float8=plan.float8, async_tp=plan.async_tp, ep_overlap=plan.ep_overlap,
                    terms=None if plan.terms is None else dataclasses.asdict(plan.terms))
         if not row["fits"] and not spec.get("recompute_stated", True):
             row.update(outcome="levers unknown", reason=f"levers unknown: the row states no recomputation or offload, and without "

@@ -160,16 +160,17 @@ def sliding_attention(query: Any, key: Any, value: Any, window: int, scale: floa
     import torch
     import torch.nn.functional as F
 
-    b, h, s, d = query.shape
+    b, h, s, _ = query.shape
     n = -(-s // window)
     pad = n * window - s
 
     def chunks(t: Any) -> Any:  # (b, n, heads, window, d), zero rows past the end
         return F.pad(t, (0, 0, 0, pad)).unflatten(2, (n, window)).transpose(1, 2)
 
-    q, k, v = chunks(query), chunks(key), chunks(value)
-    before = (lambda t: torch.cat([torch.zeros_like(t[:, :1]), t[:, :-1]], dim=1))
-    k, v = torch.cat([before(k), k], dim=3), torch.cat([before(v), v], dim=3)  # (b, n, kv heads, 2·window, d)
+    def paired(t: Any) -> Any:  # each chunk after the one before it (zeros before the first): (b, n, heads, 2·window, d)
+        return torch.cat([torch.cat([torch.zeros_like(t[:, :1]), t[:, :-1]], dim=1), t], dim=3)
+
+    q, k, v = chunks(query), paired(chunks(key)), paired(chunks(value))
     rows = torch.arange(window, device=query.device)[:, None] + window  # a query's position in its pair of chunks
     cols = torch.arange(2 * window, device=query.device)[None, :]
     band = ((cols <= rows) & (cols > rows - window)).expand(n, 1, window, 2 * window).clone()

@@ -222,6 +222,7 @@ def classify(row: dict[str, str], line: int) -> Classified:
     vp = layout["vp"]
     out.spec = {**layout, "row_id": row_id, "shape": _shape(row),
                 "gpu": _gpu_kind(row["gpu"]), "engine": _engine(row), "async_tp": _async_tp(row, layout["tp"]),
+                "ep_overlap": layout["ep"] > 1 and bool(re.search(r"moe_a2a_overlap\s*=\s*true", row.get("other_config", "").lower())),
                 "checkpointing": recompute[0], "selective": recompute[1],
                 "schedule": "interleaved1f1b" if vp > 1 else "1f1b" if layout["pp"] > 1 or (layout["micro_batches"] or 1) > 1 else "gpipe",
                 "torchtitan_split": _is_torchtitan(row), "recompute_stated": bool(_recompute_cell(row))}

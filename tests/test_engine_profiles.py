@@ -37,7 +37,7 @@ def test_every_fitted_parameter_lives_in_the_one_table():
     """Each profile reads its figures from FITTED, every FITTED entry says what it fits and over what, and no
     module of the package writes an efficiency literal into a DeviceSpec but the presets' spec-sheet defaults."""
     assert all(f.fits and f.over for f in FITTED.values())
-    overlaps = {"megatron-te.tp_overlap", "torch-compile.tp_overlap"}
+    overlaps = {"megatron-te.tp_overlap", "torch-compile.tp_overlap", "megatron-te.ep_overlap"}
     attention = {f"{e.attention_kernel or e.kernels or e.name}.attention" for e in ENGINES.values()}
     assert attention == {"megatron-te.attention", "torch-compile.attention"}  # torch's eager and compiled runs: one kernel
     assert {f"{e.kernels or e.name}.gemm" for e in ENGINES.values()} | {"memory", "float8.rowwise"} | overlaps | attention == set(FITTED)
@@ -45,7 +45,7 @@ def test_every_fitted_parameter_lives_in_the_one_table():
         if path.name in ("engine_profiles.py", "device_spec.py"):
             continue
         for node in ast.walk(ast.parse(path.read_text())):
-            fitted = ("efficiency", "memory_efficiency", "tp_overlap", "attention_share")
+            fitted = ("efficiency", "memory_efficiency", "tp_overlap", "ep_overlap", "attention_share")
             if isinstance(node, ast.keyword) and node.arg in fitted and isinstance(node.value, ast.Constant):
                 assert path.name == "devices.py", f"{path}: a literal {node.arg} outside the fitted table"
 

@@ -194,6 +194,9 @@ def _costed_not_run(made: Plan) -> None:
             "asynchronous runtime takes inside its run",
             "plan with a flushed schedule (1f1b, gpipe, …) or replicate='replicate'",
         ))
+    if made.ep_overlap and made.expert_parallel > 1:
+        log.warning("the plan was costed with the expert all-to-alls overlapped with another micro-batch (ep_overlap=True); this "
+                    "runtime runs them in turn, so a step takes longer than the plan's %.4g s (the training is the same)", made.step_time)
     if made.async_tp:
         log.warning("the plan was costed with async tensor parallelism (async_tp=True); this runtime runs the tp collectives "
                     "in turn, so a step takes longer than the plan's %.4g s (the training is the same)", made.step_time)

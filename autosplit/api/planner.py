@@ -150,8 +150,8 @@ class Planner:
         options = (
             self.options.replace(objective="makespan", precision=saved.precision, **_float8_of(saved)) if saved.objective == "makespan"
             else self.options.replace(schedule=saved.schedule, micro_batches=saved.micro_batches, stages_per_rank=saved.stages_per_rank,
-                                      precision=saved.precision, async_tp=saved.async_tp, cp_comm=saved.cp_comm, **_float8_of(saved),
-                                      **_degrees_of(saved, self.options))
+                                      precision=saved.precision, async_tp=saved.async_tp, ep_overlap=saved.ep_overlap,
+                                      cp_comm=saved.cp_comm, **_float8_of(saved), **_degrees_of(saved, self.options))
         )
         degrees = Degrees(len(saved.devices), options.replicas, "fully_shard" if options.dp_shard > 1 else "replicate", options.tp,
                           options.ep, options.cp)

@@ -60,7 +60,7 @@ def cost_table(
                            selective=selective, laid=laid)
     key = (specs, micro_batches, tuple(recompute), tuple(partial), options.precision, options.float8, options.float8_exclude,
            options.optimizer, options.checkpointing, tuple(options.recompute or ()), selective, options.tp, options.sequence_parallel,
-           options.async_tp, options.dp_shard, options.ep, options.cp, options.cp_comm, laid)
+           options.async_tp, options.dp_shard, options.ep, options.ep_overlap, options.cp, options.cp_comm, laid)
     kept = traced._tables
     if key not in kept:
         kept[key] = _cost_table(traced, specs, options, micro_batches=micro_batches, recompute=recompute, partial=partial,
@@ -194,12 +194,13 @@ def ep_table(table: CostTable, traced: Traced, options: PlanOptions, *, micro_ba
     gm = traced.annotated(options.precision, device_type)
     owners = {n.name: node_info(n).params for n in gm.graph.nodes if "autosplit" in n.meta}
     return ep_laid_out(table, groups, ep=options.ep, tp=options.tp, micro_batches=micro_batches, numel=traced.param_numel(),
-                       owners=owners, tokens_cut=options.tp > 1 and sequence_parallel(traced, options), cp=options.cp)
+                       owners=owners, tokens_cut=options.tp > 1 and sequence_parallel(traced, options), cp=options.cp,
+                       overlap=options.ep_overlap)
 
 
 def tp_fields(traced: Traced, options: PlanOptions) -> dict[str, Any]:
     """The :class:`~autosplit.plans.Plan` fields of the options' tensor and expert parallelism (none for tp 1, ep 1)."""
-    experts = {"expert_parallel": options.ep} if options.ep > 1 else {}
+    experts = {"expert_parallel": options.ep, "ep_overlap": options.ep_overlap} if options.ep > 1 else {}
     experts |= {"context_parallel": options.cp, "cp_comm": options.cp_comm} if options.cp > 1 else {}
     if options.tp <= 1:
         return experts

@@ -114,6 +114,8 @@ def megatron_recipe(body: str, names: Names, world: int, num_layers: int, tensor
     if "fp8-format" in flags:
         options["float8"] = _megatron_float8(flags)
     ep = _expert_degree(int(flags.get("expert-model-parallel-size", 1)), int(flags.get("expert-tensor-parallel-size", 1)), "Megatron")
+    if "overlap-moe-expert-parallel-comm" in flags and ep > 1:
+        options["ep_overlap"] = True
     return Recipe(split=_stage_modules(titan, names), data_parallel=dp, tensor_parallel=tp, expert_parallel=ep, context_parallel=cp,
                   options=options,
                   replicate=_megatron_replicate(flags, pipelined=len(stages) > 1))

@@ -25,8 +25,9 @@ ranks that hold the same experts. Per node and device (:func:`ep_laid_out`), app
   rank's routed rows (``T`` its tokens: ``÷ tp``, and ``÷ cp`` of the sequence it holds) to the other ``ep − 1``
   ranks (:func:`alltoall_time`): inside an
   island over each device's link, beyond it the off-island share over its network port, the two at
-  once. On the critical path (torch's ``all_to_all_single`` waits; Megatron's overlap of it with
-  another micro-batch's compute is not costed).
+  once. On the critical path (torch's ``all_to_all_single`` waits), but under ``ep_overlap``
+  (Megatron's batch-level overlap): then the engine's fitted share of the shorter of a layer's
+  all-to-alls and another micro-batch's compute of that layer is hidden (:func:`_overlapped`).
 
 Usage::
 
@@ -113,11 +114,12 @@ def expert_shares(
 
 def ep_laid_out(
     table: CostTable, groups: Sequence[ExpertGroup], *, ep: int, tp: int, micro_batches: int, numel: Mapping[str, int],
-    owners: Mapping[str, Sequence[str]], tokens_cut: bool = False, cp: int = 1,
+    owners: Mapping[str, Sequence[str]], tokens_cut: bool = False, cp: int = 1, overlap: bool = False,
 ) -> CostTable:
     """``table`` as one device of an expert-parallel group of ``ep`` holds, computes and moves it (the
     module docstring); ``table`` itself for ``ep = 1``. ``tokens_cut``: tensor parallelism has already cut every node's compute and
-    activations by ``tp`` (sequence parallelism); ``cp``: context parallelism has cut them by ``cp``."""
+    activations by ``tp`` (sequence parallelism); ``cp``: context parallelism has cut them by ``cp``. ``overlap``: the
+    all-to-alls overlapped with another micro-batch's layer (:func:`_overlapped`)."""
     if ep <= 1 or not groups:
         return table
     n, index = len(table.nodes), {name: i for i, name in enumerate(table.nodes)}
@@ -127,22 +129,28 @@ def ep_laid_out(
     cuts = np.ones(n)
     comm_fwd, comm_bwd = np.zeros((n, len(table.devices))), np.zeros((n, len(table.devices)))
     split = 1 if tokens_cut else tp
+    spans: list[tuple[int, int]] = []  # (first, last) node of each group's layer
     for group in groups:
         members = [index[name] for name in group.nodes if name in index]
         if not members:
             continue
+        # the exchanges beside the experts' work: not at their stacked parameters, which an exported graph takes first
+        working = [i for i in members if any(table.fwd_time[i])] or members
+        spans.append((spans[-1][1] + 1 if spans else 0, working[-1]))
         cuts[members] = 1 / split
         nbytes = group.dispatched_bytes() / (tp * cp)  # a rank's routed rows: its tp and cp share of the tokens
         for d, device in enumerate(table.devices):
             once = alltoall_time(nbytes, ep, device, micro_batches)
-            comm_fwd[members[0], d] += once  # the dispatch, before the first expert node
-            comm_fwd[members[-1], d] += once  # the combine, after the last
-            comm_bwd[members[0], d] += once  # the combine's gradient back to the experts
-            comm_bwd[members[-1], d] += once  # and the dispatch's back to the tokens
+            comm_fwd[working[0], d] += once  # the dispatch, before the first expert node
+            comm_fwd[working[-1], d] += once  # the combine, after the last
+            comm_bwd[working[0], d] += once  # the combine's gradient back to the experts
+            comm_bwd[working[-1], d] += once  # and the dispatch's back to the tokens
 
     fwd, bwd = (np.asarray(rows, dtype=np.float64).reshape(n, -1) * cuts[:, None] for rows in (table.fwd_time, table.bwd_time))
     rerun = np.asarray(table.rerun_time, dtype=np.float64).reshape(n, -1) * cuts[:, None] if table.rerun_time else None
     _own_experts_read(table, fwd, bwd, rerun, rows=1 / (tp * cp), weight=1 / ep)
+    if overlap:
+        _overlapped(comm_fwd, comm_bwd, fwd + bwd, spans, [d.ep_overlap for d in table.devices])
 
     def times(values: np.ndarray, comm: np.ndarray) -> tuple[tuple[float, ...], ...]:
         return tuple(map(tuple, (values + comm).tolist()))
@@ -167,6 +175,23 @@ def ep_laid_out(
         param_counts=scaled(table.param_counts, local),
         optimizer_time=tuple(tuple(t * k for t in row) for row, k in zip(table.optimizer_time, sharded)),
     )
+
+
+def _overlapped(comm_fwd: np.ndarray, comm_bwd: np.ndarray, compute: np.ndarray, spans: Sequence[tuple[int, int]],
+                share: Sequence[float]) -> None:
+    """The all-to-alls of each layer (``spans``: its first and last node) overlapped with another micro-batch's compute
+    of that layer, as Megatron's batch-level overlap runs them (``--overlap-moe-expert-parallel-comm``: one
+    micro-batch's forward beside another's backward, the dispatch and combine of each behind the other's attention and
+    experts): ``share`` (per device, :attr:`~autosplit.device_spec.DeviceSpec.ep_overlap`) of the shorter of the
+    two hidden. ``comm_fwd``, ``comm_bwd`` ([node, device], in place); ``compute``: [node, device] forward and
+    backward seconds."""
+    for first, last in spans:
+        layer = slice(first, last + 1)
+        comm = comm_fwd[layer].sum(axis=0) + comm_bwd[layer].sum(axis=0)
+        hidden = np.asarray(share) * np.minimum(comm, compute[layer].sum(axis=0))
+        kept = np.divide(comm - hidden, comm, out=np.ones_like(comm), where=comm > 0)
+        comm_fwd[layer] *= kept
+        comm_bwd[layer] *= kept
 
 
 def _own_experts_read(table: CostTable, fwd: np.ndarray, bwd: np.ndarray, rerun: np.ndarray | None, *, rows: float, weight: float) -> None:

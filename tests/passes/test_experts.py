@@ -16,7 +16,8 @@ import torch
 import autosplit
 from autosplit.costtable import CostTable
 from autosplit.devices import PRESETS
-from autosplit.errors import ConstraintError
+from autosplit.engine_profiles import FITTED, profiled
+from autosplit.errors import ConstraintError, ExportError
 from autosplit.passes.ep_costs import alltoall_time, ep_laid_out
 from autosplit.passes.experts import ExpertGroup
 from autosplit.passes.sharding import laid_out
@@ -142,6 +143,39 @@ def test_auto_chooses_ep_with_the_other_degrees_and_lists_what_it_tried():
     assert plan.expert_parallel == min(plan.alternatives, key=lambda a: a.step_time).expert_parallel
 
 
+def test_the_all_to_alls_sit_beside_the_experts_work_and_an_engine_hides_its_share_behind_another_micro_batch():
+    """An exported graph takes the stacked parameters first: the exchanges go beside the experts' work, not there.
+    Under ``overlap`` (Megatron's batch-level overlap), the device's share of the shorter of the layer's four exchanges
+    and its compute (forward and backward of every node up to the experts') is hidden."""
+    d = dataclasses.replace(_device(), ep_overlap=0.5)
+    base = _table(d)
+    table = dataclasses.replace(base, nodes=("w", *base.nodes), module_paths=("mlp.experts", *base.module_paths),
+                                fwd_time=((0.0,), *base.fwd_time), bwd_time=((0.0,), *base.bwd_time),
+                                state_bytes=(0, *base.state_bytes), saved_bytes=(0, *base.saved_bytes),
+                                output_bytes=(0, *base.output_bytes), edges=((0, 2), (1, 2), (2, 3)),
+                                param_counts=(0, *base.param_counts), param_bytes=(0, *base.param_bytes),
+                                optimizer_time=((0.0,), *base.optimizer_time), step_bytes=(0, *base.step_bytes))
+    group = ExpertGroup("mlp.experts", experts=8, top_k=2, params=("mlp.experts.w",), nodes=("w", "experts"), tokens=1024,
+                        hidden=512, itemsize=2)
+    numel = {"mlp.gate.weight": 25, "mlp.experts.w": 1000}
+    owners = {"router": ("mlp.gate.weight",), "experts": ("mlp.experts.w",)}
+    exchange = 3 / 4 * 1024 * 2 * 512 * 2 / 400e9 + 2 * 4e-6
+    plain = ep_laid_out(table, [group], ep=4, tp=1, micro_batches=2, numel=numel, owners=owners)
+    assert plain.fwd_time[0] == (0.0,) and plain.fwd_time[2][0] == pytest.approx(8e-3 + 2 * exchange)
+    overlapped = ep_laid_out(table, [group], ep=4, tp=1, micro_batches=2, numel=numel, owners=owners, overlap=True)
+    compute = 1e-3 + 2e-3 + 8e-3 + 16e-3  # the router's and the experts' forward and backward
+    assert 4 * exchange < compute  # the exchanges are the shorter: half of them hidden
+    assert overlapped.fwd_time[2][0] == pytest.approx(8e-3 + exchange) and overlapped.bwd_time[2][0] == pytest.approx(16e-3 + exchange)
+    slow = dataclasses.replace(d, link_bandwidth=1e8)  # exchanges longer than the layer: half the compute's worth hidden
+    over = ep_laid_out(dataclasses.replace(table, devices=(slow,)), [group], ep=4, tp=1, micro_batches=2, numel=numel, owners=owners,
+                       overlap=True)
+    exchanged = 4 * (3 / 4 * 1024 * 2 * 512 * 2 / 1e8 + 2 * 4e-6)
+    assert exchanged > compute
+    assert sum(over.fwd_time[i][0] + over.bwd_time[i][0] for i in range(4)) == pytest.approx(compute + 1e-4 * 2 + exchanged - compute / 2)
+    assert profiled(PRESETS["H100-80GB"], "megatron-te").ep_overlap == FITTED["megatron-te.ep_overlap"].value
+    assert profiled(PRESETS["H100-80GB"], "torch-compile").ep_overlap == 0.0  # torchtitan dispatches each micro-batch in turn
+
+
 def test_ep_goes_to_both_engines_and_reads_back_as_the_same_plan(tmp_path):
     model, x = moe_model("qwen3_moe"), ids(rows=8)
     planner = autosplit.Planner(model, ["cpu"] * 8, example_inputs=(x,))
@@ -154,6 +188,12 @@ def test_ep_goes_to_both_engines_and_reads_back_as_the_same_plan(tmp_path):
     assert "config.parallelism.expert_parallel_degree = 4" in plan.export("torchtitan", form="python")
     with pytest.raises(ConstraintError, match="splits each expert over 2 ranks"):
         planner.manual("megatron:" + flags.replace("--expert-tensor-parallel-size 1", "--expert-tensor-parallel-size 2"))
+    # Megatron's batch-level overlap of the all-to-alls: read, costed, written back; torchtitan has no such form
+    overlapped = planner.manual("megatron:" + flags + " --overlap-moe-expert-parallel-comm --delay-wgrad-compute")
+    assert overlapped.ep_overlap and not plan.ep_overlap and autosplit.Plan.from_dict(overlapped.to_dict()).ep_overlap
+    assert {"--overlap-moe-expert-parallel-comm", "--delay-wgrad-compute"} <= set(overlapped.export("megatron").split())
+    with pytest.raises(ExportError, match="torchtitan dispatches each micro-batch's tokens in turn"):
+        overlapped.export("torchtitan")
 
 
 def test_the_grouped_matmul_of_the_experts_counts_its_flops_on_the_meta_device():
