@@ -57,7 +57,7 @@ FITTED: dict[str, Fitted] = {
                                      "the 20 of those 35 rows with TP > 1"),
     "torch-compile.tp_overlap": Fitted(1.0, "the same, torchtitan's async TP (compiled only; the grid's highest point)",
                                        "row 305 (async TP) beside row 304 (vanilla)"),
-    "megatron-te.ep_overlap": Fitted(0.5, "share of a layer's expert all-to-alls Megatron's batch-level overlap "
+    "megatron-te.ep_overlap": Fitted(0.6, "share of a layer's expert all-to-alls Megatron's batch-level overlap "
                                      "(--overlap-moe-expert-parallel-comm) hides behind another micro-batch's compute of the "
                                      "layer (at most that compute)",
                                      "the 11 Megatron-Bridge MoE rows that ran it and are costed (rows 2, 8, 22, 24, 29, 30, 31, 33, "

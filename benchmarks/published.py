@@ -59,16 +59,17 @@ def _fullest(plan: Any) -> tuple[float, float]:
 
 def _regrid(planner: Any, recipe: Any, grid: Sequence[dict[str, float]], tokens: int, gpus: int) -> dict[str, float]:
     """Predicted tokens/s/GPU of ``recipe`` at each point of ``grid`` (the capture reused): a point sets the devices'
-    fitted figures (``efficiency``, ``memory_efficiency``, ``tp_overlap``, ``attention_share``) and entries of
-    :data:`~autosplit.engine_profiles.FITTED` by name (``float8.rowwise``), keyed ``"efficiency=0.5 …"``: what
-    ``--grid`` fits the engine profiles from. A point differing only in what the recipe does not use
-    (``tp_overlap`` without ``async_tp``, ``float8.rowwise`` without rowwise FP8) is costed once."""
+    fitted figures (``efficiency``, ``memory_efficiency``, ``tp_overlap``, ``ep_overlap``, ``attention_share``) and entries
+    of :data:`~autosplit.engine_profiles.FITTED` read at cost time by name (``float8.rowwise``), keyed ``"efficiency=0.5 …"``:
+    what ``--grid`` fits the engine profiles from. A point differing only in what the recipe does not use (``tp_overlap``
+    without ``async_tp``, ``ep_overlap`` without it, ``float8.rowwise`` without rowwise FP8) is costed once."""
     import copy
     import dataclasses
 
     from autosplit.engine_profiles import FITTED
 
-    unused = {"tp_overlap": not recipe.options.get("async_tp"), "float8.rowwise": recipe.options.get("float8") != "rowwise"}
+    unused = {"tp_overlap": not recipe.options.get("async_tp"), "ep_overlap": not recipe.options.get("ep_overlap"),
+              "float8.rowwise": recipe.options.get("float8") != "rowwise"}
     kept = dict(FITTED)
     out: dict[str, float] = {}
     costed: dict[tuple, float] = {}

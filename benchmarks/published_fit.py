@@ -140,12 +140,40 @@ def fit(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
     return best
 
 
+def fit_one(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The one figure a grid varies alone (``--grid "ep_overlap=0,0.25,…"``, ``"float8.rowwise=…"``: run after the profiles
+    are fitted, with them in place), at the value that minimises :func:`_loss` over the rows, each row's throughput read
+    linearly between the grid's points (:data:`SHARE_STEP` apart)."""
+    usable = [r for r in rows if r.get("grid") and r.get("published_tokens_per_s_per_gpu")]
+    (name,) = {k for key in usable[0]["grid"] for k in _point(key)}
+    at = [sorted((_point(k)[name], v) for k, v in r["grid"].items()) for r in usable]
+    lo, hi = at[0][0][0], at[0][-1][0]
+
+    def errors(x: float) -> list[float]:
+        out = []
+        for r, points in zip(usable, at):
+            (a, va), (b, vb) = next(((p, q) for p, q in itertools.pairwise(points) if p[0] <= x <= q[0]), (points[0], points[0]))
+            predicted = va + (vb - va) * ((x - a) / (b - a) if b > a else 0.0)
+            out.append(abs(predicted / r["published_tokens_per_s_per_gpu"] - 1))
+        return sorted(out)
+
+    value = min((round(lo + i * SHARE_STEP, 4) for i in range(round((hi - lo) / SHARE_STEP) + 1)), key=lambda x: _loss(errors(x)))
+    return {"figure": name, "value": value, "rows": len(usable), "loss": _loss(errors(value)), **_quality(errors(value))}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("grid", type=Path, help="the JSON of a published.py --grid run")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     report = json.loads(args.grid.read_text())
+    if not any("efficiency" in key for r in report["rows"] for key in r.get("grid", {})):  # one figure alone
+        one = fit_one(report["rows"])
+        print(f"{one['figure']} {one['value']:g} over {one['rows']} rows: median {one['median']:.1%}, 90th percentile "
+              f"{one['p90']:.1%}, worst {one['worst']:.1%}, within 10%: {one['within_10pct']}")
+        if args.out is not None:
+            args.out.write_text(json.dumps({"benchmark": "published_fit", "grid": str(args.grid), **one}, indent=1))
+        return 0
     best = fit(report["rows"])
     print(f"memory efficiency {best['memory_efficiency']:g}: median {best['median']:.1%}, 90th percentile {best['p90']:.1%}, "
           f"worst {best['worst']:.1%}, within 10%: {best['within_10pct']}")

@@ -132,9 +132,11 @@ def distribute(
                **({"precision": given.precision} if given is not None else {})}  # captured as the plan computes
     planner = Planner(model, devices, example_inputs=example_inputs, example_kwargs=example_kwargs,
                       loss_fn=None if example_target is None else loss_fn, example_target=example_target, **options)
-    made = dataclasses.replace(_agreed_plan(planner, given, data_parallel), data_parallel=data_parallel, dp_shard=shard)
+    # each rank builds its copy's share of the batch; one that will not plan captures only that share
+    shared = planner.share(data_parallel) if given is not None or dist.get_rank() != 0 else None
+    made = dataclasses.replace(_agreed_plan(planner, shared, given, data_parallel), data_parallel=data_parallel, dp_shard=shard)
     check_runnable_layout(made)
-    planner = planner.share(data_parallel)  # each rank builds its copy's share of the batch
+    planner = shared if shared is not None else planner.share(data_parallel)
     check_tp_shards(model, made.tp_shards, made.tensor_parallel)
     if made.tensor_parallel > 1:
         _check_tp_attention(planner.traced, rank_device(made, 0).type)
@@ -143,11 +145,11 @@ def distribute(
     return _build(model, planner, made, given, layout, loss_fn, weights, compile_options(compile))
 
 
-def _agreed_plan(planner: Planner, given: Plan | None, data_parallel: int) -> Plan:
-    """The plan every rank runs: rank 0's (planned, or ``given``), checked on every rank against
-    its own capture (at a data-parallel copy's share of the batch), with the same graph and initial weights
-    on every rank."""
-    traced = planner.traced.at_batch(data_parallel)
+def _agreed_plan(planner: Planner, shared: Planner | None, given: Plan | None, data_parallel: int) -> Plan:
+    """The plan every rank runs: rank 0's (planned by ``planner``, or ``given``), checked on every rank against
+    its own capture at a data-parallel copy's share of the batch (``shared``'s, where the rank has one), with the
+    same graph and initial weights on every rank."""
+    traced = shared.traced if shared is not None else planner.traced.at_batch(data_parallel)
     made = _broadcast_plan(planner, given, dist.get_rank())
     made.check_fingerprint(traced.fingerprint, traced.node_names)
     agree(traced.fingerprint, "the captured graph's fingerprint")

@@ -38,7 +38,7 @@ from autosplit.compiler.steps import codegen, compile_plan
 from autosplit.compiler.trace import Traced, trace
 from autosplit.devices import DeviceLike, DeviceSpec, resolve_devices
 from autosplit.errors import ConstraintError, DeviceError, LayerCutError, advice
-from autosplit.microbatch import batch_size
+from autosplit.microbatch import batch_size, split_batch, split_target
 from autosplit.options import PlanOptions
 from autosplit.passes.loss import Loss
 from autosplit.passes.param_dtype import PARAM_CAST, capture_dtype
@@ -288,11 +288,19 @@ class Planner:
 
     def share(self, parts: int) -> Planner:
         """This planner as one of ``parts`` data-parallel copies sees the model: the copy's share of the example
-        batch and its capture (:meth:`~autosplit.compiler.trace.Traced.at_batch`); ``parts = 1``: itself."""
+        batch and its capture (:meth:`~autosplit.compiler.trace.Traced.at_batch`); ``parts = 1``: itself. A planner
+        that has captured nothing yet captures the share alone, when first asked: a rank that runs a plan it did not
+        make never captures the whole batch (the same graph: a traced one runs any batch, and an exported one is
+        captured again at the share's rows by ``at_batch`` too)."""
         if parts == 1:
             return self
-        traced = self.traced.at_batch(parts)
         copy_ = copy.copy(self)
+        if not self._traces:
+            args, kwargs = split_batch(self.example_inputs, self.example_kwargs, parts)[0]
+            copy_.example_inputs, copy_.example_kwargs, copy_._traces = tuple(args), dict(kwargs), {}
+            copy_.loss = None if self.loss is None else Loss(self.loss.fn, split_target(self.loss.target, parts)[0])
+            return copy_
+        traced = self.traced.at_batch(parts)
         copy_.example_inputs, copy_.example_kwargs = tuple(traced.example[0]), dict(traced.example[1])
         copy_._traces = {capture_dtype(self.options.precision): traced}
         return copy_
