@@ -53,6 +53,20 @@ def test_planner_captures_once_and_answers_what_if():
     torch.testing.assert_close(split(*inputs), reference(*inputs))
 
 
+def test_a_copys_share_is_captured_alone_and_is_the_graph_the_whole_batchs_share_is():
+    """What a rank that runs a plan it did not make captures: its data-parallel copy's rows only (the planner of the whole
+    batch captures nothing), the same graph, fingerprint and per-copy costs as the whole batch's trace at that share."""
+    model, inputs = small_gpt(4)
+    whole = autosplit.Planner(model, ["cpu"] * 2, example_inputs=inputs, example_target=torch.zeros(4, 8, dtype=torch.long),
+                              loss_fn=lambda out, target: torch.nn.functional.cross_entropy(out.flatten(0, 1), target.flatten()))
+    alone = whole.share(2)
+    assert not whole._traces and alone.traced.batch == 2 and alone.traced.loss.target.shape == (2, 8)
+    shared = whole.traced.at_batch(2)  # the whole batch captured, then its share
+    assert alone.traced.fingerprint == shared.fingerprint and alone.traced.node_names == shared.node_names
+    planned, at_share = alone.plan(), whole.share(2).plan()
+    assert planned.assignment == at_share.assignment and planned.step_time == pytest.approx(at_share.step_time)
+
+
 def test_default_micro_batches_divide_the_batch_and_an_explicit_count_must():
     model, (tokens,) = small_gpt(4)
     six = torch.randint(0, 30, (6, 8))
