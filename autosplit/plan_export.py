@@ -224,14 +224,14 @@ def torchtitan_config(plan: Plan, names: Names, *, form: str = "toml", parameter
             "'full' (every layer), 'selective' (every n-th layer or per op) or 'none', never a chosen set",
             "plan with checkpointing='full' or 'none', or keep autosplit's runtime for this plan",
         ))
-    megatron_only = [(what, why) for what, why, used in (  # what the plan runs, and why torchtitan has no form for it
-        (f"exchanges each sequence's shards over cp {plan.context_parallel} by all-to-all (cp_comm={plan.cp_comm!r})",
-         "torchtitan's context parallelism passes the keys and values round a ring", plan.context_parallel > 1 and plan.cp_comm != "p2p"),
-        (f"overlaps its ep {plan.expert_parallel} all-to-alls with another micro-batch (ep_overlap=True)",
-         "torchtitan dispatches each micro-batch's tokens in turn", plan.expert_parallel > 1 and plan.ep_overlap)) if used]
+    megatron_only = [(what, why, instead) for used, what, why, instead in (  # what the plan runs that torchtitan has no form for
+        (plan.context_parallel > 1 and plan.cp_comm != "p2p", f"exchanges each sequence's shards over cp {plan.context_parallel} by "
+         f"all-to-all (cp_comm={plan.cp_comm!r})", "torchtitan's context parallelism passes keys and values round a ring", "cp_comm='p2p'"),
+        (plan.expert_parallel > 1 and plan.ep_overlap, f"overlaps its ep {plan.expert_parallel} all-to-alls with another micro-batch "
+         "(ep_overlap=True)", "torchtitan dispatches each micro-batch's tokens in turn", "ep_overlap=False")) if used]
     if megatron_only:
-        raise ExportError(advice("the plan " + " and ".join(w for w, _ in megatron_only), "; ".join(y for _, y in megatron_only),
-                                 "plan without it for torchtitan, or export this plan to Megatron, which runs it"))
+        raise ExportError(advice("the plan " + " and ".join(w for w, _, _ in megatron_only), "; ".join(y for _, y, _ in megatron_only),
+                                 f"plan with {' and '.join(i for *_, i in megatron_only)} for torchtitan, or export this plan to Megatron"))
     micro, pp = _micro_batch_size(plan), len(plan.stages) // plan.stages_per_rank
     parallelism: dict[str, object] = {
         "data_parallel_replicate_degree": plan.dp_replicate, "data_parallel_shard_degree": plan.dp_shard,
