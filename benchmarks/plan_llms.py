@@ -56,13 +56,26 @@ CASES = [("llama3-8b", 8), ("llama3-70b", 16), ("llama3-70b", 32), ("llama3-70b"
 
 
 def _model(name: str) -> Any:
+    """The model on the meta device, its attention causal as the engines run it, grouped key/value heads read in place
+    (as the record's stand-ins: :func:`benchmarks.published_models.build`), so that a plan here and a row of
+    ``benchmarks/published.py`` cost one layout alike."""
+    import os
+
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM
 
+    from benchmarks.published_models import causal_attention
+
+    os.environ["TRANSFORMERS_SDPA_FORCE_GQA"] = "1"  # the process plans one model: nothing else reads it
+    config: Any
+    cls: Any
+    if name == "mixtral-8x7b":
+        config, cls = MixtralConfig(**MIXTRAL_8X7B), MixtralForCausalLM
+    else:
+        config, cls = LlamaConfig(**{"llama3-8b": LLAMA3_8B, "llama3-70b": LLAMA3_70B, "llama3-405b": LLAMA3_405B}[name]), LlamaForCausalLM
+    config._attn_implementation = causal_attention()
     with torch.device("meta"):
-        if name == "mixtral-8x7b":
-            return MixtralForCausalLM(MixtralConfig(**MIXTRAL_8X7B))
-        return LlamaForCausalLM(LlamaConfig(**{"llama3-8b": LLAMA3_8B, "llama3-70b": LLAMA3_70B, "llama3-405b": LLAMA3_405B}[name]))
+        return cls(config)
 
 
 def _layers(modules: tuple[str, ...]) -> str:
