@@ -56,17 +56,14 @@ CASES = [("llama3-8b", 8), ("llama3-70b", 16), ("llama3-70b", 32), ("llama3-70b"
 
 
 def _model(name: str) -> Any:
-    """The model on the meta device, its attention causal as the engines run it, grouped key/value heads read in place
-    (as the record's stand-ins: :func:`benchmarks.published_models.build`), so that a plan here and a row of
-    ``benchmarks/published.py`` cost one layout alike."""
-    import os
-
+    """The model on the meta device, its attention causal as the engines run it (as the record's stand-ins:
+    :func:`benchmarks.published_models.build`), so that a plan here and a row of ``benchmarks/published.py`` cost one
+    layout alike."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM
 
     from benchmarks.published_models import causal_attention
 
-    os.environ["TRANSFORMERS_SDPA_FORCE_GQA"] = "1"  # the process plans one model: nothing else reads it
     config: Any
     cls: Any
     if name == "mixtral-8x7b":

@@ -158,7 +158,8 @@ def fit_one(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
         return sorted(out)
 
     value = min((round(lo + i * SHARE_STEP, 4) for i in range(round((hi - lo) / SHARE_STEP) + 1)), key=lambda x: _loss(errors(x)))
-    return {"figure": name, "value": value, "rows": len(usable), "loss": _loss(errors(value)), **_quality(errors(value))}
+    return {"figure": name, "value": value, "rows": len(usable), "loss": _loss(errors(value)), **_quality(errors(value)),
+            "at_lowest": {"value": lo, **_quality(errors(lo))}}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -169,8 +170,10 @@ def main(argv: list[str] | None = None) -> int:
     report = json.loads(args.grid.read_text())
     if not any("efficiency" in key for r in report["rows"] for key in r.get("grid", {})):  # one figure alone
         one = fit_one(report["rows"])
+        low = one["at_lowest"]
         print(f"{one['figure']} {one['value']:g} over {one['rows']} rows: median {one['median']:.1%}, 90th percentile "
-              f"{one['p90']:.1%}, worst {one['worst']:.1%}, within 10%: {one['within_10pct']}")
+              f"{one['p90']:.1%}, worst {one['worst']:.1%}, within 10%: {one['within_10pct']} (at {low['value']:g}: median "
+              f"{low['median']:.1%}, 90th percentile {low['p90']:.1%})")
         if args.out is not None:
             args.out.write_text(json.dumps({"benchmark": "published_fit", "grid": str(args.grid), **one}, indent=1))
         return 0

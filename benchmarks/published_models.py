@@ -183,15 +183,11 @@ def sliding_attention(query: Any, key: Any, value: Any, window: int, scale: floa
 def build(shape: dict[str, Any], seq: int, pipelined: bool = False) -> Any:
     """The model of ``shape`` (its ``family`` defaulting to ``llama``) on the meta device, for pipeline stages
     where ``pipelined`` (GPT-3's embedding then untied, as above); its attention one scaled-dot-product call over
-    the grouped key/value heads (``TRANSFORMERS_SDPA_FORCE_GQA``: the engines' flash kernels read them in place;
-    transformers would otherwise repeat them to every query head under a mask), causal as the engines run it
-    (:func:`causal_attention`)."""
-    import os
-
+    the grouped key/value heads, causal as the engines run it (:func:`causal_attention`: with no mask tensor,
+    transformers' SDPA reads grouped heads in place, as the engines' flash kernels do, rather than repeating them)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM, NemotronConfig, NemotronForCausalLM
 
-    os.environ["TRANSFORMERS_SDPA_FORCE_GQA"] = "1"  # the process costs one row: nothing else reads it
     config: Any
     cls: Any
     if shape.get("canonical") in MOE:
