@@ -31,11 +31,12 @@ def lm_loss(out: Any, target: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1), target.flatten())
 
 
-def llama_case() -> tuple[torch.nn.Module, tuple, dict, torch.Tensor, Any]:
-    """A small transformers Llama (grouped-query attention, captured by ``torch.export``) and a global batch of ``ROWS``."""
+def llama_case(layers: int = 2) -> tuple[torch.nn.Module, tuple, dict, torch.Tensor, Any]:
+    """A small transformers Llama of ``layers`` decoder layers (grouped-query attention, captured by ``torch.export``) and a
+    global batch of ``ROWS``."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    shape: dict[str, Any] = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+    shape: dict[str, Any] = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
                                  num_key_value_heads=2, max_position_embeddings=16, attn_implementation="eager")
     tokens = torch.randint(0, 128, (ROWS, 8))
     return LlamaForCausalLM(LlamaConfig(**shape)), (tokens,), {}, torch.randint(0, 128, (ROWS, 8)), lm_loss

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import functools
 from collections.abc import Iterator
 from typing import Any
 
@@ -28,7 +29,8 @@ MICRO = 2
 CLIP = 0.05
 """A max norm below the models' gradient norms, so that clipping scales every gradient."""
 
-CASES = {"gpt": gpt_case, "gpt-vocab": gpt_case, "llama": llama_case}
+CASES = {"gpt": gpt_case, "gpt-vocab": gpt_case, "llama": llama_case, "llama-1": functools.partial(llama_case, layers=1)}
+"""The models by name; ``llama-1``: the Llama in one decoder layer (compiled: inductor's time grows with the graph)."""
 
 
 def _rms_norm_in_its_dtype(self: Any, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -45,7 +47,7 @@ def float64_throughout(name: str) -> Iterator[None]:
     in the last bits, and an element now and then rounds to the neighbouring float32: gradients differ
     at float32's precision (1e-8), and AdamW's normalised step makes that 1e-5 in a parameter whose
     gradient is near 0. Without the cast both models run float64 through and agree to rounding."""
-    if name != "llama":
+    if not name.startswith("llama"):
         yield
         return
     from transformers.models.llama import modeling_llama
@@ -170,15 +172,15 @@ def _train(name: str, plan_path: str, rank: int, compiled: bool = False, evaluat
     pipe.close()
 
 
-def sequence_parallel(folder: str, stages: int) -> str:
-    """The planner's own plan of the Llama with sequence parallelism over tp 2 (and ``stages`` along pp)."""
-    with float64_throughout("llama"):
+def sequence_parallel(folder: str, stages: int, name: str = "llama") -> str:
+    """The planner's own plan of the Llama ``name`` with sequence parallelism over tp 2 (and ``stages`` along pp)."""
+    with float64_throughout(name):
         torch.manual_seed(0)
-        model, args, kwargs, _, _ = CASES["llama"]()
+        model, args, kwargs, _, _ = CASES[name]()
         made = autosplit.plan(model.double(), ["cpu"] * 2 * stages, example_inputs=args, example_kwargs=kwargs, tensor_parallel=2,
                               data_parallel=1, sequence_parallel=True, micro_batches=MICRO, schedule="1f1b", **NO_SEARCH)
     assert made.sequence_parallel and made.mesh == {"pp": stages, "dp_replicate": 1, "dp_shard": 1, "tp": 2}
-    path = f"{folder}/llama-sp-pp{stages}.json"
+    path = f"{folder}/{name}-sp-pp{stages}.json"
     made.save(path)
     return path
 
