@@ -111,15 +111,16 @@ def test_expert_parallel_costs_by_hand():
 
 def test_an_explicit_ep_is_honoured_or_refused_in_the_users_terms():
     model, x = moe_model("qwen3_moe"), ids(rows=4)
-    common = dict(example_inputs=(x,), micro_batches=1, schedule="gpipe")
-    plan = autosplit.plan(model, ["cpu"] * 4, data_parallel=4, replicate="fully_shard", expert_parallel=2, **common)
+    planner = autosplit.Planner(model, ["cpu"] * 4, example_inputs=(x,), micro_batches=1, schedule="gpipe", data_parallel=4,
+                                replicate="fully_shard")  # one capture for every plan below
+    plan = planner.what_if(expert_parallel=2)
     assert plan.expert_parallel == 2 and "experts over ep 2" in plan.costs
-    whole = autosplit.plan(model, ["cpu"] * 4, data_parallel=4, replicate="fully_shard", **common)
+    whole = planner.plan()
     assert plan.stages[0].memory < whole.stages[0].memory, "each rank gathers 2 of the 4 experts, not all"
     with pytest.raises(ConstraintError, match=r"4 experts do not divide over ep 3.*one of \[1, 2, 4\]"):
-        autosplit.plan(model, ["cpu"] * 4, data_parallel=4, replicate="fully_shard", expert_parallel=3, **common)
+        planner.what_if(expert_parallel=3)
     with pytest.raises(ConstraintError, match=r"expert_parallel=2 divides no configuration's dp_shard × tp over 4 devices"):
-        autosplit.plan(model, ["cpu"] * 4, data_parallel=4, replicate="replicate", expert_parallel=2, **common)
+        planner.what_if(replicate="replicate", expert_parallel=2)
     from tests.layouts import gpt_case
 
     gpt, gpt_args, *_ = gpt_case()
@@ -129,8 +130,7 @@ def test_an_explicit_ep_is_honoured_or_refused_in_the_users_terms():
     # the runtime spreads the experts over the whole dp_shard: a plan with two ranks per expert is refused before any work
     with pytest.raises(ConstraintError, match=r"expert_parallel=2 on dp_replicate 1 × dp_shard 4 × tp 1.*expert_parallel=dp_shard"):
         autosplit.distribute(model, None, example_inputs=(x,), loss_fn=lambda out, _: out.logits.sum(), plan=plan)
-    recomputing = autosplit.plan(model, ["cpu"] * 2, data_parallel=2, replicate="fully_shard", expert_parallel=2, checkpointing="full",
-                                 **common)
+    recomputing = planner.what_if(devices=["cpu"] * 2, data_parallel=2, expert_parallel=2, checkpointing="full")
     with pytest.raises(ConstraintError, match=r"2 block\(s\) recomputed.*checkpointing='none'"):  # the experts in a module of its own
         autosplit.distribute(model, None, example_inputs=(x,), loss_fn=lambda out, _: out.logits.sum(), plan=recomputing)
 
