@@ -10,7 +10,7 @@ import contextlib
 import copy
 import dataclasses
 import functools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -29,7 +29,8 @@ MICRO = 2
 CLIP = 0.05
 """A max norm below the models' gradient norms, so that clipping scales every gradient."""
 
-CASES = {"gpt": gpt_case, "gpt-vocab": gpt_case, "llama": llama_case, "llama-1": functools.partial(llama_case, layers=1)}
+CASES: dict[str, Callable[[], Any]] = {"gpt": gpt_case, "gpt-vocab": gpt_case, "llama": llama_case,
+                                       "llama-1": functools.partial(llama_case, layers=1)}
 """The models by name; ``llama-1``: the Llama in one decoder layer (compiled: inductor's time grows with the graph)."""
 
 
