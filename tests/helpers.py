@@ -154,11 +154,17 @@ def make_problem(
     )
 
 
+def valid(problem: Problem, stage_of: tuple[int, ...]) -> bool:
+    """Whether ``stage_of`` breaks no rule: the rules that need no evaluation first (most assignments a brute force
+    tries break one), then the memory caps (:func:`~autosplit.solver.validate.violations`)."""
+    return not violations(problem, stage_of, memory=False) and not violations(problem, stage_of)
+
+
 def brute_force(problem: Problem) -> int | None:
     """The best objective over every assignment that validates (None: infeasible)."""
     best = None
     for stage_of in itertools.product(range(problem.num_stages), repeat=len(problem.nodes)):
-        if not violations(problem, stage_of):
+        if valid(problem, stage_of):
             obj = evaluate(problem, stage_of).objective
             best = obj if best is None else min(best, obj)
     return best

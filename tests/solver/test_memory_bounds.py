@@ -23,7 +23,8 @@ KEPT = ("runs backwards", "empty", "sharing parameters")
 
 def _least_fullest(problem) -> int | None:
     plans = itertools.product(range(problem.num_stages), repeat=len(problem.nodes))
-    fullest = [max(evaluate(problem, so).memory) for so in plans if not any(k in v for v in violations(problem, so) for k in KEPT)]
+    fullest = [max(evaluate(problem, so).memory) for so in plans
+               if not any(k in v for v in violations(problem, so, memory=False) for k in KEPT)]  # the caps: not kept
     return min(fullest, default=None)
 
 

@@ -28,6 +28,8 @@ def brute_force(problem) -> int | None:
         for extra in itertools.combinations(free, k):
             chosen = (*must, *extra)
             for stage_of in itertools.product(range(problem.num_stages), repeat=len(problem.nodes)):
+                if violations(problem, stage_of, memory=False):  # the rules no recomputation changes: most assignments break one
+                    continue
                 stage = {u: stage_of[problem.recompute[u].members[0]] for u in extra}
                 keeps = [range(problem.recompute[u].in_flight[stage[u]] if problem.recompute[u].in_flight else 1) for u in extra]
                 for counts in itertools.product(*keeps):

@@ -20,7 +20,7 @@ from autosplit.solver.evaluation import evaluate
 from autosplit.solver.pipeline.dp import split_dp, topological_order
 from autosplit.solver.pipeline.strategy import solve
 from autosplit.solver.validate import violations
-from tests.helpers import brute_force, chain, make_problem, random_problems
+from tests.helpers import brute_force, chain, make_problem, random_problems, valid
 
 
 def test_planted_chain_split_is_found_and_proven():
@@ -143,7 +143,7 @@ def test_lower_bounds_never_exceed_the_optimum(problem):
     slowest = min(
         max(evaluate(problem, so).time)
         for so in itertools.product(range(problem.num_stages), repeat=len(problem.nodes))
-        if not violations(problem, so)
+        if valid(problem, so)
     )
     assert chain_bound(problem) <= slowest
 
@@ -226,8 +226,9 @@ def test_bounds_hold_on_branches_beside_the_chain(problem):
     from autosplit.solver.pipeline.bounds import chain_bound, lower_bound
     from autosplit.solver.pipeline.chain import chain_of
 
-    plans = [so for so in itertools.product(range(problem.num_stages), repeat=len(problem.nodes)) if not violations(problem, so)]
-    best, slowest = min(evaluate(problem, so).objective for so in plans), min(max(evaluate(problem, so).time) for so in plans)
+    plans = [evaluate(problem, so) for so in itertools.product(range(problem.num_stages), repeat=len(problem.nodes))
+             if valid(problem, so)]
+    best, slowest = min(e.objective for e in plans), min(max(e.time) for e in plans)
     for span in (SolverLimits().free_span, 1, 2):  # 1, 2: free nodes spanning more positions are left out
         limits = SolverLimits(free_span=span)
         assert lower_bound(problem, limits=limits) <= best
@@ -243,7 +244,8 @@ def test_memory_floors_never_exceed_the_least_fullest_stage(problem):
     # nodes together (a parameter stays with its reader); its fullest stage as the model charges it.
     kept = ("runs backwards", "empty", "sharing parameters")
     plans = list(itertools.product(range(problem.num_stages), repeat=len(problem.nodes)))
-    orderly = [max(evaluate(problem, so).memory) for so in plans if not any(k in v for v in violations(problem, so) for k in kept)]
+    orderly = [max(evaluate(problem, so).memory) for so in plans
+               if not any(k in v for v in violations(problem, so, memory=False) for k in kept)]  # the caps: not kept
     if orderly:
         assert memory_floor(problem) <= min(orderly)
         assert memory_chain_floor(problem) <= min(orderly)
