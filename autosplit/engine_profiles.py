@@ -77,7 +77,7 @@ RECORD: dict[tuple[str, str], tuple[float, float, int]] = {
     ("GB300", "megatron-te"): (0.086, 0.134, 13),
     ("H100", "megatron-fsdp"): (0.065, 0.065, 1),
     ("H100", "megatron-te"): (0.060, 0.121, 19),
-    ("H100-500W", "torch-compile"): (0.025, 0.268, 9),
+    ("H100-500W", "torch-compile"): (0.025, 0.268, 11),
     ("H100-500W", "torch-eager"): (0.001, 0.001, 1),
     ("H200", "torch-compile"): (0.025, 0.025, 1),
 }

@@ -257,10 +257,11 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def merged(kept: list[dict[str, Any]], planned: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The results file's rows after planning ``planned``: each replaces the kept row of its kind, the others stay."""
-    named = {r["kind"] for r in planned}
-    return [*(r for r in kept if r["kind"] not in named), *planned]
+def merged(kept: list[dict[str, Any]], planned: list[dict[str, Any]], key: str = "kind") -> list[dict[str, Any]]:
+    """A results file's rows after ``planned``: each in place of the kept row of its ``key``, the others as they were,
+    new ones after (also ``benchmarks/published.py --into``'s, by ``row_id``)."""
+    fresh = {r[key]: r for r in planned}
+    return [*(fresh.pop(r[key], r) for r in kept), *fresh.values()]
 
 
 def _summary(by_kind: dict[str, dict[str, Any]]) -> dict[str, Any]:

@@ -28,6 +28,7 @@ Usage::
     .venv/bin/python benchmarks/published.py --jobs 2          # every row: benchmarks/results/published.json
     .venv/bin/python benchmarks/published.py --dry-run          # classify every row only: counts per reason
     .venv/bin/python benchmarks/published.py --judge OLD.json   # OLD's costed rows, labelled and summarised as read now
+    .venv/bin/python benchmarks/published.py --ids 308,311 --into benchmarks/results/published.json   # two rows costed again in it
 """
 
 from __future__ import annotations
@@ -242,6 +243,8 @@ def main(argv: list[str] | None = None) -> int:
                         "'efficiency=0.5,0.6 memory_efficiency=0.6,0.8 tp_overlap=0,0.5'")
     parser.add_argument("--judge", type=Path, default=None, help="an earlier results file: its costed rows summarised again "
                         "under the CSV's rows as they are read now (their labels: model, GPU, experts, layout group), nothing costed")
+    parser.add_argument("--into", type=Path, default=None, help="an earlier results file the rows costed now replace theirs in "
+                        "(the others kept as they were costed then), summarised again and written back (unless --out)")
     args = parser.parse_args(argv)
     sys.path.insert(0, str(ROOT))
     if not args.csv.is_file():
@@ -259,11 +262,15 @@ def main(argv: list[str] | None = None) -> int:
         results = run(classified, args.budget, args.jobs, _grid(args.grid))
         from benchmarks.published_summary import print_summary, summarize
 
+        if args.into is not None:
+            from benchmarks.plan_3d import merged
+
+            results = merged(json.loads(args.into.read_text())["rows"], results, key="row_id")
         summary = summarize(results)
         print_summary(summary)
         report = {"benchmark": "published", "simulated": True, "csv": str(args.csv), "machine": machine(), "summary": summary,
                   "rows": results}
-    out = args.out or (None if args.dry_run else ROOT / "benchmarks" / "results" / "published.json")
+    out = args.out or args.into or (None if args.dry_run else ROOT / "benchmarks" / "results" / "published.json")
     if out is not None:
         out.write_text(json.dumps(report, indent=1))
         print(f"wrote {out}")

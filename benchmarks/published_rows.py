@@ -143,7 +143,7 @@ def _blockers(row: dict[str, str]) -> list[str]:
         reasons.append("schedule dualpipe" if "dualpipe" in vp.lower() else f"vp {vp[:20]}")
     if isinstance(recompute := _recompute(_recompute_cell(row)), str):
         reasons.append(recompute)
-    if not row["micro_batch_size"].strip():
+    if not row["micro_batch_size"].strip() and not _is_torchtitan(row):  # torchtitan's default: _torchtitan_micro
         reasons.append("micro batch unknown")
     return reasons
 
@@ -182,6 +182,8 @@ def _layout(row: dict[str, str]) -> dict[str, Any]:
     if (given := _int(row, "dp")) is not None and given != dp:
         raise Malformed(f"dp {given} given, but num_gpus / (TP·PP·CP) = {dp}")
     micro = _int(row, "micro_batch_size")
+    if micro is None and _is_torchtitan(row):
+        micro = _torchtitan_micro(batch, dp, pp * (vp or 1))
     if micro is not None and batch % (micro * dp):
         raise Malformed(f"global batch {batch} is not a multiple of micro batch {micro} · dp {dp}")
     sharded = _sharded(row)
@@ -228,6 +230,17 @@ def classify(row: dict[str, str], line: int) -> Classified:
                 "torchtitan_split": _is_torchtitan(row), "recompute_stated": bool(_recompute_cell(row))}
     info["shape_from"] = out.spec["shape"]["shape_from"]
     return out
+
+
+def _torchtitan_micro(batch: int, dp: int, stages: int) -> int:
+    """torchtitan's micro batch where its row leaves it out: each copy's batch split into as many micro-batches as
+    the pipeline has stages (its config manager at the record's releases, ``--experimental.pipeline_parallel_microbatches``:
+    "The default value will be the number of pipeline stages, if unspecified"); unpipelined, the copy's batch whole."""
+    local, rest = divmod(batch, dp)
+    if rest or local % stages:
+        raise Malformed(f"global batch {batch} over dp {dp} does not split into torchtitan's default {stages} micro-batches "
+                        "(one per pipeline stage) and the row gives no micro batch")
+    return local // stages
 
 
 def _is_torchtitan(row: dict[str, str]) -> bool:

@@ -35,6 +35,9 @@ def test_every_row_of_the_record_is_classified_and_the_expressible_ones_become_r
     titan = by_id["305"].spec
     assert titan is not None and (titan["engine"], titan["async_tp"], by_id["304"].spec["async_tp"]) == ("torch-compile", True, False)
     assert by_id["294"].spec["gpu"] == "H100-500W" and by_id["2"].info["gpu"] == "GB200"  # torchtitan's 500 W H100s apart
+    # torchtitan's pipelined 405B at 262K gives no micro batch: its default, one micro-batch per stage (8 of 1 row)
+    long = by_id["311"].spec
+    assert long is not None and (long["pp"], long["cp"], long["micro_batch"], long["micro_batches"]) == (8, 8, 1, 8)
     assert all(c.reasons or c.spec is not None for c in read)  # a row is costed or says why not
     # Megatron-Core's data parallelism: its distributed optimizer where the row is silent (NeMo's row 412), Megatron-FSDP
     # where the row says FSDP (269); an empty recompute cell is costed as none, but known to be unstated
@@ -48,7 +51,8 @@ def test_malformed_rows_are_named_and_the_run_goes_on(tmp_path: Path):
     good = rows["294"]
     bad = [{**good, "row_id": "9001", "num_gpus": "eight"}, {**good, "row_id": "9002", "tp": "3"},
            {**good, "row_id": "9003", "global_batch_size": "20"}, {**good, "row_id": "9004", "dp": "2"},
-           {**good, "row_id": "9005", "tokens_per_sec_per_gpu": "fast"}]
+           {**good, "row_id": "9005", "tokens_per_sec_per_gpu": "fast"},
+           {**rows["311"], "row_id": "9007", "global_batch_size": "12"}]
     path = tmp_path / "runs.csv"
     with path.open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=fields)
@@ -58,10 +62,11 @@ def test_malformed_rows_are_named_and_the_run_goes_on(tmp_path: Path):
         f.write("9006,too,few\n")
     read = {c.row_id: c for c in read_csv(path, None)}
     assert read["294"].spec is not None
-    messages = {i: read[i].message for i in ("9001", "9002", "9003", "9004", "9005")}
+    messages = {i: read[i].message for i in ("9001", "9002", "9003", "9004", "9005", "9007")}
     assert all("malformed" == read[i].reasons[0] for i in messages)
     assert "num_gpus='eight' is not a number" in messages["9001"] and "not a multiple of TP 3" in messages["9002"]
     assert "global batch 20" in messages["9003"] and "dp 2 given" in messages["9004"] and "'fast'" in messages["9005"]
+    assert "torchtitan's default 8 micro-batches" in messages["9007"]  # no micro batch given, and the default does not split
     assert read["9006"].reasons == ["malformed"] and "fewer cells than the header" in read["9006"].message
 
 
@@ -149,6 +154,8 @@ def test_plan_3d_replaces_the_rows_it_plans_and_keeps_the_others():
     rows = merged(kept, planned)
     assert [r["kind"] for r in rows] == ["megatron-70b:recipe", "megatron-70b:autosplit"]
     assert rows[1]["tokens_per_s_per_gpu"] == 1605.0
+    costed = merged([{"row_id": "1", "ratio": 1.0}, {"row_id": "2"}], [{"row_id": "2", "ratio": 1.3}, {"row_id": "3"}], key="row_id")
+    assert costed == [{"row_id": "1", "ratio": 1.0}, {"row_id": "2", "ratio": 1.3}, {"row_id": "3"}]  # published.py --into
     summary = _summary({r["kind"]: r for r in rows})
     assert round(summary["megatron-70b:autosplit_over_megatron-70b:recipe"], 3) == round(1605 / 1472, 3)
 
