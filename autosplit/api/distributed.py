@@ -261,7 +261,7 @@ def _build(
     container = modules[held[0]] if len(held) == 1 else torch.nn.ModuleDict({str(s): m for s, m in modules.items()})
     _equal_copies(container, aliases)
     agree_by_name(container, names)
-    the_mesh = make_mesh(device, {**made.mesh, "pp": layout.pp})
+    the_mesh = make_mesh(device, {**made.mesh, "pp": layout.pp}, ep=made.expert_parallel)
     _spread_experts(modules, model, planner.traced, made, the_mesh, captured, layout.replicas)
     tied_groups = []
     for p in tied:  # new_group is collective: every rank creates every group, in one order
@@ -289,22 +289,25 @@ def _build(
 def _spread_experts(
     modules: dict[int, fx.GraphModule], model: torch.nn.Module, traced: Traced, made: Plan, mesh: Any, captured: Any, copies: int,
 ) -> None:
-    """Each MoE layer's experts of this rank's stages spread over the plan's ``ep`` ranks (:mod:`autosplit.runtime.experts`),
-    the whole ``dp_shard`` (:func:`check_runnable_layout`); nothing for ep 1."""
+    """Each MoE layer's experts of this rank's stages spread over the plan's ``ep`` ranks (:mod:`autosplit.runtime.experts`):
+    the whole ``dp_shard``, or its ``"ep"`` dimension where ep is a factor of it (:func:`~autosplit.runtime.placement.make_mesh`),
+    each expert's gradient then averaged over the ``efsdp`` groups by their FSDP2 unit; nothing for ep 1."""
     if made.expert_parallel <= 1:
         return
     groups = traced.expert_groups(made.precision, stage_device_type(made))
     experts = {g.module: (model.get_submodule(g.module), g.experts) for g in groups}
+    whole = made.expert_parallel == made.dp_shard
+    ep_mesh, divide = (mesh["dp_shard"], copies) if whole else (mesh["ep"], copies * made.expert_parallel // made.dp_shard)
     for s, module in modules.items():
-        spread = expert_parallel_stage(module, experts, captured.module_paths, mesh["dp_shard"], divide=copies)
+        spread = expert_parallel_stage(module, experts, captured.module_paths, ep_mesh, divide=divide)
         log.info("rank %d: stage %d spreads the experts of %d layer(s) over ep %d", dist.get_rank(), s, len(spread), made.expert_parallel)
 
 
 def check_runnable_layout(made: Plan) -> None:
     """Refuse, before any work, what this runtime does not run: context parallelism (costed and exported: torch's
     ``context_parallel`` has no rule for the CPU attention kernels, and autosplit does not run it on GPUs yet); an
-    expert-parallel plan other than the experts over the whole ``dp_shard``, each expert on one rank (efsdp 1), with tp 1
-    and no dp_replicate, in fp32 or ``bf16-mixed``."""
+    expert-parallel plan other than the experts over ``dp_shard`` or a factor of it (each expert on one rank of its ep
+    group, its state sharded over the ``efsdp`` groups), with tp 1 and no dp_replicate, in fp32 or ``bf16-mixed``."""
     if made.context_parallel > 1:
         gaps = cpu_context_parallel_gaps() if stage_device_type(made) == "cpu" else []
         raise ConstraintError(advice(
@@ -314,16 +317,16 @@ def check_runnable_layout(made: Plan) -> None:
                "this runtime does not apply torch's context_parallel to its stages yet"),
             "train the plan with torchtitan or Megatron (plan.export), or plan with context_parallel=1",
         ))
-    if made.expert_parallel > 1 and (made.tensor_parallel > 1 or made.dp_replicate > 1 or made.expert_parallel != made.dp_shard
+    if made.expert_parallel > 1 and (made.tensor_parallel > 1 or made.dp_replicate > 1 or made.dp_shard % made.expert_parallel
                                      or made.precision in PARAM_CAST or made.recompute):
         raise ConstraintError(advice(
             f"expert_parallel={made.expert_parallel} on dp_replicate {made.dp_replicate} × dp_shard {made.dp_shard} × tp "
             f"{made.tensor_parallel}, precision {made.precision!r}, {len(made.recompute)} block(s) recomputed",
-            "the runtime spreads the experts over the whole dp_shard, each expert on one rank, with tp 1 and no dp_replicate, "
+            "the runtime spreads the experts over dp_shard or a factor of it, with tp 1 and no dp_replicate, "
             "no block recomputed (FSDP2's bf16 policy would not cast the experts it leaves out; a recomputed block runs the "
             "experts in a module of its own)",
-            "plan with expert_parallel=dp_shard, tensor_parallel=1, replicate='fully_shard' and checkpointing='none', in 'fp32' "
-            "or 'bf16-mixed', or export the plan to torchtitan or Megatron",
+            "plan with an expert_parallel dividing dp_shard, tensor_parallel=1, replicate='fully_shard' and checkpointing='none', "
+            "in 'fp32' or 'bf16-mixed', or export the plan to torchtitan or Megatron",
         ))
 
 

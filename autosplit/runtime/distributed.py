@@ -233,9 +233,10 @@ class DistributedModel(StageState, TrainingLoop, FlushedStep, AsynchronousRun):
             options = {f.name: getattr(compiled, f.name) for f in dataclasses.fields(compiled)}
             self.compiled = compile_stages(modules, **options, device_types={device.type})
         if layout.replicas > 1 or self.precision in PARAM_CAST:  # the policy runs in FSDP2, on a mesh of one without copies
+            experts_mesh = self.mesh["efsdp"] if "efsdp" in (getattr(self.mesh, "mesh_dim_names", None) or ()) else None
             for stage_module in modules.values():
                 self._sparse_tables += replicate_stage(stage_module, replication if layout.replicas > 1 else "fully_shard", dp_mesh,
-                                                       reshard_after_forward=alone, precision=self.precision)
+                                                       reshard_after_forward=alone, precision=self.precision, experts_mesh=experts_mesh)
 
     def _micro_batch_loss(self, out: Any, target: Any) -> torch.Tensor:
         """The loss torch's schedules call on the last stage's output of one micro-batch: its share of

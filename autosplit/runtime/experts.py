@@ -15,10 +15,13 @@ experts module's own path, so the state dict keeps the model's names:
   order of the tokens in and out is exactly restored; the backward runs the same exchanges reversed
   (:func:`~autosplit.compat.all_to_all_autograd`).
 
-Under data parallelism each expert's gradient gathers every rank's tokens: the sum of the ``dp`` copies' gradients,
-which the hook of :class:`ExpertParallel` divides by ``divide`` (the copies whose mean loss the step trains), as
-FSDP2 averages the dense gradients. FSDP2 leaves the experts out (:func:`expert_parameters`): each expert lives on
-one rank of its group (``efsdp = 1``).
+Under data parallelism each expert's gradient gathers the tokens of every rank of its ep group: the sum of those
+copies' gradients, which the hook of :class:`ExpertParallel` divides by ``divide``, as FSDP2 averages the dense
+gradients. Where ep is the whole dp_shard (``efsdp = 1``), each expert lives on one rank, the stage's FSDP2 unit
+leaves it out (:func:`expert_parameters`) and ``divide`` is every copy; where ep is a factor of it, the ``efsdp``
+ranks that hold the same experts (one per ep group) shard their state with a ``fully_shard`` unit of their own
+(:func:`~autosplit.runtime.placement.replicate_stage`), whose reduction averages their groups' sums: ``divide`` is
+then the copies of one group, ``ep``.
 
 Usage::
 
@@ -38,7 +41,7 @@ import torch.fx as fx
 from autosplit.compat import all_to_all_autograd
 from autosplit.errors import CodegenError, advice
 
-__all__ = ["ExpertParallel", "expert_parallel_stage", "expert_parameters"]
+__all__ = ["ExpertParallel", "expert_modules", "expert_parallel_stage", "expert_parameters"]
 
 
 class ExpertParallel(torch.nn.Module):
@@ -86,9 +89,14 @@ class ExpertParallel(torch.nn.Module):
         return local
 
 
+def expert_modules(module: torch.nn.Module) -> list[ExpertParallel]:
+    """Every :class:`ExpertParallel` inside ``module``."""
+    return [m for m in module.modules() if isinstance(m, ExpertParallel)]
+
+
 def expert_parameters(module: torch.nn.Module) -> list[torch.nn.Parameter]:
-    """The parameters of every :class:`ExpertParallel` inside ``module``: FSDP2 leaves them out."""
-    return [p for m in module.modules() if isinstance(m, ExpertParallel) for p in m.parameters()]
+    """The parameters of every :class:`ExpertParallel` inside ``module``: the stage's FSDP2 unit leaves them out."""
+    return [p for m in expert_modules(module) for p in m.parameters()]
 
 
 def expert_parallel_stage(

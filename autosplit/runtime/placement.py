@@ -32,7 +32,7 @@ from autosplit.passes.outline import unit_modules
 from autosplit.passes.param_dtype import PARAM_CAST
 from autosplit.passes.sparse_tables import sparse_gradient_tables
 from autosplit.plans import Plan
-from autosplit.runtime.experts import expert_parameters
+from autosplit.runtime.experts import expert_modules, expert_parameters
 
 __all__ = [
     "MESH_DIMS", "agree", "data_parallel_mesh", "keep_unread", "Layout", "make_mesh", "place", "rank_device",
@@ -158,10 +158,13 @@ def _quiet_fsdp_view_warning(stage: torch.nn.Module) -> None:
     )
 
 
-def make_mesh(device: torch.device, degrees: Mapping[str, int]) -> Any:
+def make_mesh(device: torch.device, degrees: Mapping[str, int], *, ep: int = 1) -> Any:
     """The ``("pp", "dp_replicate", "dp_shard", "tp")`` device mesh of ``degrees`` (a plan's
     :attr:`~autosplit.plans.Plan.mesh`), pp outermost (module docstring); with both data-parallel
-    degrees above 1, also their flattened ``"dp"`` (collective: every rank calls it)."""
+    degrees above 1, also their flattened ``"dp"`` (collective: every rank calls it). With the experts
+    over ``ep`` of the dp_shard ranks (``1 < ep < dp_shard``), dp_shard is built as ``("efsdp", "ep")``, ep
+    inner, and flattened back into ``"dp_shard"``: torchtitan's experts borrow their ranks from the dense
+    mesh so, and their state is sharded over ``efsdp`` (:func:`replicate_stage`)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     shape = tuple(int(degrees[name]) for name in MESH_DIMS)
@@ -170,6 +173,19 @@ def make_mesh(device: torch.device, degrees: Mapping[str, int]) -> Any:
             f"the mesh {dict(zip(MESH_DIMS, shape))} has {math.prod(shape)} ranks, the process group {dist.get_world_size()}",
             "world size = pp × dp_replicate × dp_shard × tp", "launch as many processes as the mesh has ranks",
         ))
+    shards = int(degrees["dp_shard"])
+    if 1 < ep < shards:
+        if shards % ep or degrees["dp_replicate"] > 1:
+            raise DistributedError(advice(
+                f"expert parallelism over {ep} of dp_shard {shards} × dp_replicate {degrees['dp_replicate']}",
+                "the experts' ranks are a factor of dp_shard (efsdp × ep), without dp_replicate",
+                f"an ep dividing {shards}, and replicate='fully_shard'",
+            ))
+        pp, replicas, _, tp = shape
+        mesh = init_device_mesh(device.type, (pp, replicas, shards // ep, ep, tp),
+                                mesh_dim_names=("pp", "dp_replicate", "efsdp", "ep", "tp"))
+        flatten_mesh(mesh["efsdp", "ep"], "dp_shard")
+        return mesh
     mesh = init_device_mesh(device.type, shape, mesh_dim_names=MESH_DIMS)
     if degrees["dp_replicate"] > 1 and degrees["dp_shard"] > 1:
         flatten_mesh(mesh["dp_replicate", "dp_shard"], "dp")
@@ -193,6 +209,7 @@ def _flat(dp_mesh: Any) -> Any:
 
 def replicate_stage(
     module: torch.nn.Module, mode: str, dp_mesh: Any, *, reshard_after_forward: bool = True, precision: str = "fp32",
+    experts_mesh: Any = None,
 ) -> list[torch.nn.Parameter]:
     """Keep ``module``'s replicas in step over ``dp_mesh`` with FSDP2's composable APIs, which the
     pipelining stage drives itself: gradient sync is switched off for all but the last
@@ -218,7 +235,12 @@ def replicate_stage(
     reduce_dtype=fp32)``, inputs left as they come (the model's were cast where they entered, as the
     graph was captured: :mod:`autosplit.passes.param_dtype`). Under ``"bf16-mixed"`` no policy is given:
     autocast's cache already makes one compute copy per step of FSDP2's unsharded parameters, and the
-    policy would not train as autocast does (:func:`~autosplit.runtime.precision.cast_once` says why)."""
+    policy would not train as autocast does (:func:`~autosplit.runtime.precision.cast_once` says why).
+
+    The experts (:mod:`autosplit.runtime.experts`) are left out of the stage's unit: already spread over their ep
+    ranks, each one's state lives on one rank where ep is the whole dp_shard, and where it is not (``experts_mesh``,
+    the ``efsdp`` ranks that hold the same experts), each experts module is a ``fully_shard`` unit of its own on it,
+    first, as torchtitan shards its experts over its ``efsdp`` mesh."""
     tables = sparse_gradient_tables(module)
     if mode not in ("replicate", "fully_shard"):
         raise DistributedError(advice(
@@ -237,6 +259,9 @@ def replicate_stage(
         ))
     policy = MixedPrecisionPolicy(param_dtype=cast, reduce_dtype=torch.float32 if cast else None, cast_forward_inputs=False)
     apart = [*tables, *expert_parameters(module)]  # spread over their ep ranks already (autosplit.runtime.experts)
+    if experts_mesh is not None and mode == "fully_shard":
+        for experts in expert_modules(module):
+            fully_shard(experts, mesh=experts_mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
     if mode == "fully_shard":
         for unit in unit_modules(module, apart) if reshard_after_forward else ():  # no write in place into their outputs
             fully_shard(unit, mesh=dp_mesh, reshard_after_forward=True, mp_policy=policy)

@@ -35,7 +35,13 @@ def _ep_case(model: str, layout: dict, folder: str | None, *, rank: int, world: 
     pipe, reference = trained_layout(model, {**EP, **layout}, comparison, rank=rank, world=world)
     spread = _spread(pipe)
     assert spread and pipe.plan.expert_parallel == 2, "the experts of every MoE layer this rank runs are spread"
+    efsdp = pipe.plan.dp_shard // 2
     for name, p in spread:
+        if efsdp > 1:  # the ep group's 2 experts here sharded again over the efsdp groups by their FSDP2 unit
+            sharded = p.placements[1].is_shard(0) and not (p.placements[0].is_replicate() or p.placements[0].is_partial())
+            assert p.device_mesh.mesh_dim_names == ("efsdp", "ep") and sharded, (name, p.placements)  # (_StridedShard, Shard)
+            assert p.to_local().shape[0] == 2 // efsdp and p.shape[0] == 4, f"{name}: 1 of the 4 experts here"
+            continue
         assert p.device_mesh.mesh_dim_names == ("dp_shard",) and p.placements[0].is_shard(0), name
         assert p.to_local().shape[0] == 2 and p.shape[0] == 4, f"{name}: 2 of the 4 experts here"
         local = full_tensor(p)[pipe.layout.replica * 2:(pipe.layout.replica + 1) * 2]
@@ -74,6 +80,14 @@ def _resume_case(model: str, folder: str, *, rank: int, world: int) -> None:
 def test_ep2_under_fully_shard2_trains_like_the_unsplit_model_and_its_checkpoint_loads_elsewhere(gloo, tmp_path):
     gloo(2).run(_ep_case, [("qwen3_moe", {"schedule": "gpipe", "micro_batches": 1}, str(tmp_path)),
                            ("deepseek_v3", {"schedule": "gpipe", "micro_batches": 2}, None)])
+    gloo(2).run(_resume_case, [("qwen3_moe", str(tmp_path))])
+
+
+def test_ep2_of_dp_shard4_shards_the_experts_over_efsdp2_and_trains_like_the_unsplit_model(gloo, tmp_path):
+    """torchtitan's layout: the experts' ranks borrowed from dp_shard 4 as efsdp 2 × ep 2, each expert's state sharded
+    over the two ep groups that hold it; its checkpoint loads under dp_shard 2 alone and into
+    the unsplit model."""
+    gloo(4).run(_ep_case, [("qwen3_moe", {"data_parallel": 4, "schedule": "gpipe", "micro_batches": 1}, str(tmp_path))])
     gloo(2).run(_resume_case, [("qwen3_moe", str(tmp_path))])
 
 
